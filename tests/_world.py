@@ -1,0 +1,168 @@
+"""Run a test body on N real processes (gloo on CPU, NCCL on GPU), one world per module.
+
+Usage in a test module::
+
+    world2 = world_fixture(2)           # module-scoped fixture, started once
+
+    def _case(rank, size, n):           # module-level so spawned workers can import it
+        ...assert on this rank's shard...
+
+    def test_something(world2):
+        world2.run(_case, n=33)
+
+``World.run`` sends the function to every rank, waits for all of them, and fails the test with
+each failing rank's traceback. A rank that does not answer within ``timeout`` seconds fails the
+test (no hang): the world is then torn down and the next test starts a fresh one. Workers run
+with one intra-op thread each (CI has 2 cores).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import random
+import sys
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT = float(os.environ.get("FUSEDPAR_TEST_TIMEOUT", "180"))
+
+
+def _worker(rank, size, init_file, tasks, results, sys_path, backend, collective_timeout):
+    sys.path[:] = sys_path
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=collective_timeout),
+    )
+    try:
+        while True:
+            item = tasks.get()
+            if item is None:
+                break
+            fn, args, kwargs = item
+            try:
+                results.put((rank, True, fn(rank, size, *args, **kwargs)))
+            except BaseException:  # noqa: BLE001 - report everything, including assertion errors
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class WorldError(AssertionError):
+    pass
+
+
+class World:
+    def __init__(self, size: int, timeout: float = DEFAULT_TIMEOUT):
+        self.size = size
+        self.timeout = timeout
+        self.procs = []
+        self.broken = False
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        fd, self._init_file = tempfile.mkstemp(prefix="fusedpar_world_")
+        os.close(fd)
+        os.unlink(self._init_file)  # the file store wants to create it
+        backend = "nccl" if os.environ.get("FUSEDPAR_TEST_DEVICE") == "cuda" and torch.cuda.device_count() >= self.size else "gloo"
+        self.backend = backend
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(self.size)]
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.size, self._init_file, self.tasks[r], self.results, list(sys.path), backend,
+                      self.timeout),
+                daemon=True,
+            )
+            for r in range(self.size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs):
+        """Run ``fn(rank, size, *args, **kwargs)`` on every rank; return the per-rank results."""
+        if self.broken:
+            self.close()
+            self._start()
+        timeout = self.timeout if timeout is None else timeout
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        out, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.size:
+            remaining = deadline - time.monotonic()
+            if errors:  # the others may be stuck in a collective with the failed rank
+                remaining = min(remaining, 15.0)
+            try:
+                rank, ok, value = self.results.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                break
+            (out if ok else errors)[rank] = value
+            if any(not p.is_alive() for p in self.procs) and len(out) + len(errors) < self.size:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                errors.update({r: f"rank {r} died (exit code {self.procs[r].exitcode})" for r in dead if r not in out})
+        missing = [r for r in range(self.size) if r not in out and r not in errors]
+        if errors or missing:
+            self.broken = True
+            self.close()
+            parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+            if missing:
+                parts.append(f"ranks {missing} did not finish within {timeout:.0f}s (hang or deadlock)")
+            raise WorldError(f"{getattr(fn, '__name__', fn)} failed on world of {self.size}:\n" + "\n".join(parts))
+        return [out[r] for r in range(self.size)]
+
+    def close(self):
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.1))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.procs = []
+        if os.path.exists(self._init_file):
+            os.unlink(self._init_file)
+
+
+def world_fixture(size: int, timeout: float = DEFAULT_TIMEOUT):
+    """A module-scoped pytest fixture holding a started world of ``size`` ranks."""
+
+    @pytest.fixture(scope="module")
+    def _fixture():
+        w = World(size, timeout)
+        yield w
+        w.close()
+
+    return _fixture
+
+
+def rank_rng(seed: int, rank: int | None = None) -> torch.Generator:
+    """A generator with the same stream on every rank (rank=None) or a per-rank one."""
+    g = torch.Generator()
+    g.manual_seed(seed if rank is None else seed * 1009 + rank)
+    return g
+
+
+def straggle(max_delay_s: float, seed: int):
+    """Turn on random per-rank delays before every fusedpar transfer (see fusedpar.comm)."""
+    from fusedpar import comm
+
+    comm.set_straggler(max_delay_s, seed=seed + dist.get_rank())
+    return comm

@@ -1,0 +1,46 @@
+"""Test-wide switch: compiled kernels on a GPU, Triton's interpreter on CPU tensors otherwise.
+
+It must run before anything imports ``triton``, so it decides without importing torch's CUDA
+machinery beyond ``torch.cuda.is_available()`` (which does not import triton). Override with
+``FUSEDPAR_TEST_DEVICE=cpu`` (interpreter even on a GPU machine) or ``=cuda``.
+"""
+import os
+
+import torch
+
+_choice = os.environ.get("FUSEDPAR_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+if _choice not in ("cpu", "cuda"):
+    raise ValueError(f"FUSEDPAR_TEST_DEVICE must be 'cpu' or 'cuda', got {_choice!r}")
+if _choice == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+    import sys
+
+    if "triton" in sys.modules:
+        # triton reads the variable at import; an earlier import would leave kernels compiled
+        raise RuntimeError("triton was imported before tests/conftest.py could set TRITON_INTERPRET=1")
+else:
+    os.environ.pop("TRITON_INTERPRET", None)
+os.environ["FUSEDPAR_TEST_DEVICE"] = _choice  # spawned distributed workers inherit the decision
+
+import pytest  # noqa: E402
+
+DEVICE = torch.device(_choice)
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def pytest_report_header(config):
+    mode = "compiled kernels on CUDA" if _choice == "cuda" else "Triton interpreter on CPU tensors"
+    return f"fusedpar: {mode}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if _choice == "cuda":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (compiled kernels)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

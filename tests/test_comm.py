@@ -1,0 +1,88 @@
+"""fusedpar.comm transfers and the multi-process test harness itself (gloo on CPU)."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _world import World, WorldError, rank_rng, straggle, world_fixture
+from fusedpar import comm
+
+world3 = world_fixture(3)
+
+
+def _ring_and_all_to_all(rank, size, seed):
+    straggle(0.02, seed)
+    group = None
+    # ring shift: receive the left neighbour's tensor, several rounds with buffers reused
+    x = torch.randn(5, 7, generator=rank_rng(seed, rank))
+    buf = torch.full_like(x, float("nan"))
+    cur = x
+    for step in range(1, size + 1):
+        h = comm.ring_shift(cur, buf, group)
+        h.wait()
+        expect = torch.randn(5, 7, generator=rank_rng(seed, (rank - step) % size))
+        torch.testing.assert_close(buf, expect, rtol=0, atol=0)
+        cur, buf = buf, torch.full_like(x, float("nan"))
+    # all-to-all-v: rank r sends (r + j + 1) rows to rank j
+    in_splits = [rank + j + 1 for j in range(size)]
+    out_splits = [j + rank + 1 for j in range(size)]
+    inp = torch.cat([torch.full((n, 3), float(rank * 100 + j)) for j, n in enumerate(in_splits)])
+    out = torch.full((sum(out_splits), 3), float("nan"))
+    comm.all_to_all(out, inp, out_splits, in_splits, group).wait()
+    expect = torch.cat([torch.full((n, 3), float(j * 100 + rank)) for j, n in enumerate(out_splits)])
+    torch.testing.assert_close(out, expect, rtol=0, atol=0)
+    # collectives on a subgroup: the group rank -> global rank translation
+    sub = dist.new_group([1, 2])
+    if rank in (1, 2):
+        t = torch.full((4,), float(rank))
+        g = torch.full((8,), float("nan"))
+        comm.all_gather_into(g, t, sub).wait()
+        assert g.tolist() == [1.0] * 4 + [2.0] * 4
+        o = torch.full((2,), float("nan"))
+        comm.reduce_scatter_into(o, torch.arange(4.0) * rank, sub).wait()
+        lo = 2 * comm.group_rank(sub)
+        assert o.tolist() == [3.0 * lo, 3.0 * (lo + 1)]
+        r = torch.zeros(3)
+        comm.send_recv(torch.full((3,), float(rank)), 1 - comm.group_rank(sub), r, 1 - comm.group_rank(sub), sub).wait()
+        assert r.tolist() == [float(3 - rank)] * 3
+    comm.set_straggler(0)
+    return rank
+
+
+def test_transfers_with_stragglers(world3):
+    assert world3.run(_ring_and_all_to_all, seed=4) == [0, 1, 2]
+
+
+def _fail_on_rank1(rank, size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+def _hang_on_rank0(rank, size):
+    if rank == 0:
+        time.sleep(30)
+    return rank
+
+
+def test_harness_reports_tracebacks_and_recovers(world3):
+    with pytest.raises(WorldError, match="(?s)rank 1.*ValueError: boom on rank 1"):
+        world3.run(_fail_on_rank1)
+    assert world3.run(_ring_and_all_to_all, seed=5) == [0, 1, 2]
+
+
+def test_harness_fails_on_timeout_instead_of_hanging():
+    w = World(2, timeout=60)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorldError, match=r"ranks \[0\] did not finish within 3s"):
+            w.run(_hang_on_rank0, timeout=3)
+        assert time.monotonic() - t0 < 20
+    finally:
+        w.close()
+
+
+def test_check_divisible_message():
+    with pytest.raises(ValueError, match=r"seq=10 must be divisible by the group size \(4\)"):
+        comm.check_divisible("seq", 10, 4)
