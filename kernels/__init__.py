@@ -1,0 +1,14 @@
+"""Triton kernels and their host launchers (installed as ``fusedpar.kernels``).
+
+Nothing here touches ``torch.distributed``; nothing here runs GPU work at import time.
+"""
+if __name__ == "kernels":  # pragma: no cover - guards against importing the source dir directly
+    raise ImportError(
+        "the kernels/ directory is the package fusedpar.kernels; import fusedpar.kernels instead "
+        "(install the project with `pip install -e .`)"
+    )
+
+from ._runtime import interpreting
+from .gemm import ACTIVATIONS, matmul, matmul_reference, matmul_tn
+
+__all__ = ["ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn"]

@@ -1,0 +1,59 @@
+"""Facts about where kernels run: Triton's interpreter (CPU) or a compiled GPU backend."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    The variable must be set before ``triton`` is imported; tests/conftest.py does that when no
+    GPU is present.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def needs_upcast(dtype: torch.dtype) -> bool:
+    """Under the interpreter ``tl.dot`` on bf16 multiplies bit patterns (triton issue 11584),
+    so kernels upcast bf16 operands to fp32 there. The compiled path never upcasts."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_limit(device_index: int) -> int:
+    """Bytes of shared memory one program may use on this GPU (for pruning configs)."""
+    import triton
+
+    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return int(props["max_shared_mem"])
+
+
+def check_device_dtype(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None):
+    """Raise a clear error when ``t`` lives on another device or has another dtype."""
+    if t.device != device:
+        raise ValueError(f"{name} must be on device {device}, got {t.device}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+
+
+def check_supported_dtype(name: str, t: torch.Tensor):
+    if t.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name} has unsupported dtype {t.dtype}; expected one of {names}")
+
+
+def check_device_usable(name: str, t: torch.Tensor):
+    """Kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and interpreting():
+        return
+    raise ValueError(
+        f"{name} is on {t.device}; fusedpar kernels need CUDA tensors, or CPU tensors with "
+        "TRITON_INTERPRET=1 set before triton is imported"
+    )

@@ -1,0 +1,490 @@
+"""GEMM with a fused epilogue: ``C = act(A @ B + bias) (+ R)``, fp32 accumulation.
+
+Every operand is read or written through *two-level* indices so that the tensor-parallel ops can
+point the kernel at a sequence chunk inside a ``[batch, seq, features]`` tensor without copies:
+a logical row ``m`` of A (or C) lives at ``(m // inner) * stride_outer + (m % inner) * stride_inner``
+(the ``SPLIT`` flags turn the division off for plain 2-D operands). The same holds for the
+contraction index of A and B, which is what the weight-gradient GEMM ``dW = dY^T X`` needs when
+its token dimension is a strided ``[batch, seq-chunk]`` view.
+
+Layers: ``_gemm_kernel`` (jit) -> ``matmul`` / ``matmul_tn`` (validate, allocate, launch) ->
+``matmul_reference`` (plain fp32/fp64 torch, the oracle of the tests).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import (
+    check_device_usable,
+    check_supported_dtype,
+    interpreting,
+    needs_upcast,
+    shared_memory_limit,
+)
+
+# name -> (activation code, gated)
+ACTIVATIONS = {
+    "none": (0, False),
+    "relu": (1, False),
+    "gelu": (2, False),  # tanh approximation, as in GPT-2 / Megatron's fast gelu
+    "silu": (3, False),
+    "swiglu": (3, True),  # silu(gate) * up
+    "geglu": (2, True),  # gelu(gate) * up
+}
+
+_SQRT_2_OVER_PI_X2 = 1.5957691216057308  # 2 * sqrt(2 / pi): gelu_tanh(x) = x * sigmoid(c * (x + 0.044715 x^3))
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _split_offsets(idx, inner, s_outer, s_inner, SPLIT: tl.constexpr):
+    """Memory offset (int64) of logical index ``idx`` along a possibly two-level dimension."""
+    idx = idx.to(tl.int64)
+    if SPLIT:
+        return (idx // inner) * s_outer + (idx % inner) * s_inner
+    else:
+        return idx * s_inner
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr):
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    elif ACT == 3:
+        x = x * tl.sigmoid(x)
+    return x
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, r_ptr, aux_ptr,
+    M, N, K,
+    a_m_inner, s_am0, s_am1, a_k_inner, s_ak0, s_ak1,
+    b_k_inner, s_bk0, s_bk1, s_bn, glu_offset,
+    c_m_inner, s_cm0, s_cm1, s_cn,
+    r_m_inner, s_rm0, s_rm1, s_rn,
+    s_xm, s_xn,
+    A_M_SPLIT: tl.constexpr, A_K_SPLIT: tl.constexpr, B_K_SPLIT: tl.constexpr,
+    C_M_SPLIT: tl.constexpr, R_M_SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_AUX: tl.constexpr,
+    ACT: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
+    tl.static_assert(ACT >= 0 and ACT <= 3, "unknown activation code")
+
+    # Grouped ordering of programs (tutorial 03): neighbouring programs share B column blocks.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % num_in_group) % group_size)
+    pid_n = (pid % num_in_group) // group_size
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+
+    a_rows = _split_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
+    b_cols = rn.to(tl.int64) * s_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GLU:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
+
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = k0 * BLOCK_K + rk
+        a_off = a_rows[:, None] + _split_offsets(kk, a_k_inner, s_ak0, s_ak1, A_K_SPLIT)[None, :]
+        b_k = _split_offsets(kk, b_k_inner, s_bk0, s_bk1, B_K_SPLIT)[:, None]
+        if EVEN_K:
+            a = tl.load(a_ptr + a_off, mask=m_mask[:, None], other=0.0)
+            b = tl.load(b_ptr + b_k + b_cols[None, :], mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = kk < K
+            a = tl.load(a_ptr + a_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptr + b_k + b_cols[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if GLU:
+            if EVEN_K:
+                bu = tl.load(b_ptr + b_k + b_cols_up[None, :], mask=n_mask[None, :], other=0.0)
+            else:
+                bu = tl.load(b_ptr + b_k + b_cols_up[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                bu = bu.to(tl.float32)
+            acc_up = tl.dot(a, bu, acc_up, input_precision=INPUT_PRECISION)
+
+    # ---- epilogue: bias, activation (gated or not), residual / accumulate, store ----
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            acc_up += tl.load(bias_ptr + rn + glu_offset, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if STORE_AUX:
+        aux_off = rm.to(tl.int64)[:, None] * s_xm + rn.to(tl.int64)[None, :] * s_xn
+        tl.store(aux_ptr + aux_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
+        if GLU:
+            aux_off_up = aux_off + glu_offset.to(tl.int64) * s_xn
+            tl.store(aux_ptr + aux_off_up, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
+    acc = _activation(acc, ACT)
+    if GLU:
+        acc = acc * acc_up
+    if HAS_RES:
+        r_off = _split_offsets(rm, r_m_inner, s_rm0, s_rm1, R_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_rn
+        acc += tl.load(r_ptr + r_off, mask=out_mask, other=0.0).to(tl.float32)
+    c_off = _split_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_cn
+    tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Configurations: a fixed small one under the interpreter, an autotuned pruned list on GPU
+# --------------------------------------------------------------------------------------------
+INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+
+
+def gpu_configs():
+    """Candidate tile shapes for Hopper/Ampere (tutorial 03 style), pruned per problem below."""
+    configs = []
+    for bm, bn, bk, stages, warps in [
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (128, 128, 64, 4, 4),
+        (128, 256, 32, 4, 8),
+        (64, 256, 32, 4, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (128, 32, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+        (32, 64, 64, 5, 2),
+    ]:
+        configs.append(
+            triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), num_stages=stages, num_warps=warps)
+        )
+    return configs
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop configs whose pipelined tiles overflow shared memory, or that are far larger than
+    the problem (a 256-wide tile on a 40-wide output only wastes work)."""
+    a = named_args["a_ptr"]
+    elem = a.element_size()
+    glu = kwargs.get("GLU", named_args.get("GLU", False))
+    limit = shared_memory_limit(a.device.index or 0)
+    M, N = named_args["M"], named_args["N"]
+    kept = []
+    for cfg in configs:
+        bm, bn, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]
+        b_tiles = 2 if glu else 1
+        smem = (bm * bk + b_tiles * bk * bn) * elem * cfg.num_stages
+        if smem > limit:
+            continue
+        if bm > 2 * triton.next_power_of_2(M) and bm > 32:
+            continue
+        if bn > 2 * triton.next_power_of_2(N) and bn > 32:
+            continue
+        kept.append(cfg)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_kernel():
+    return triton.autotune(
+        configs=gpu_configs(),
+        key=["M", "N", "K", "GLU", "A_K_SPLIT", "HAS_RES"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+        restore_value=["c_ptr"],  # accumulate mode reads C: tuning runs must not compound it
+    )(_gemm_kernel)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+class _View:
+    """A logical 2-D dimension pair of a 2-D or 3-D tensor: rows may span two tensor dims."""
+
+    __slots__ = ("inner", "s_outer", "s_inner", "split")
+
+    def __init__(self, inner, s_outer, s_inner, split):
+        self.inner, self.s_outer, self.s_inner, self.split = inner, s_outer, s_inner, split
+
+    @staticmethod
+    def rows(t: torch.Tensor) -> "_View":
+        """The leading dims of ``t`` (all but the last) as one logical row index."""
+        if t.dim() == 2:
+            return _View(1, 0, t.stride(0), False)
+        b, s = t.shape[0], t.shape[1]
+        if b == 1 or t.stride(0) == s * t.stride(1):  # the two dims merge into one stride
+            return _View(1, 0, t.stride(1), False)
+        return _View(s, t.stride(0), t.stride(1), True)
+
+    def args(self):
+        return (self.inner, self.s_outer, self.s_inner)
+
+
+def _check_operand(name, t, dims=(2,)):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() not in dims:
+        want = " or ".join(f"{d}-D" for d in dims)
+        raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)} ({t.dim()}-D)")
+    check_supported_dtype(name, t)
+    check_device_usable(name, t)
+
+
+def _check_same(name, t, ref_name, ref, *, dtype=True):
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}")
+    if dtype and t.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {t.dtype}")
+
+
+def _input_precision(dtype):
+    if dtype == torch.float32 and not interpreting() and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _launch(a, b, out, *, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, residual, r_rows, s_rn,
+            aux, act, glu, glu_offset):
+    has_res = residual is not None
+    has_aux = aux is not None
+    args = (
+        a, b, out,
+        bias if bias is not None else out,
+        residual if has_res else out,
+        aux if has_aux else out,
+        M, N, K,
+        *a_rows.args(), *a_k.args(),
+        *b_k.args(), s_bn, glu_offset,
+        *c_rows.args(), s_cn,
+        *(r_rows.args() if has_res else (1, 0, 0)), s_rn,
+        aux.stride(0) if has_aux else 0, aux.stride(1) if has_aux else 0,
+    )
+    flags = dict(
+        A_M_SPLIT=a_rows.split, A_K_SPLIT=a_k.split, B_K_SPLIT=b_k.split,
+        C_M_SPLIT=c_rows.split, R_M_SPLIT=r_rows.split if has_res else False,
+        HAS_BIAS=bias is not None, HAS_RES=has_res, STORE_AUX=has_aux,
+        ACT=act, GLU=glu, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=_input_precision(a.dtype),
+    )
+    if interpreting():
+        cfg = INTERPRETER_CONFIG
+        flags["EVEN_K"] = K % cfg["BLOCK_K"] == 0
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        _gemm_kernel[grid](*args, **flags, **cfg)
+    else:
+        # EVEN_K must hold for every BLOCK_K the tuner may pick (all are <= 64 and divide 64)
+        flags["EVEN_K"] = K % 64 == 0
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        with torch.cuda.device(a.device):
+            _tuned_kernel()[grid](*args, **flags)
+    return out
+
+
+def _check_out(name, out, shape, device):
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"{name} must be on device {device}, got {out.device}")
+    check_supported_dtype(name, out)
+
+
+def matmul(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weight_layout: str = "nk",
+    activation: str = "none",
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    residual: torch.Tensor | None = None,
+    preact_out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``out = act(a @ W + bias) (+ residual)``, or ``out += a @ W`` with ``accumulate=True``.
+
+    a:        ``[M, K]`` or ``[batch, seq, K]`` (any strides: a sequence chunk of a larger tensor
+              is read in place).
+    weight:   ``[N, K]`` (``weight_layout="nk"``, an ``nn.Linear`` weight, no transpose copy) or
+              ``[K, N]`` (``"kn"``). For gated activations (``swiglu``, ``geglu``) the weight holds
+              ``2F`` output features, gate first then up, and the result has ``F`` features.
+    bias:     ``[N]`` (``[2F]`` for gated activations), added before the activation.
+    out:      written in place if given: shape ``a.shape[:-1] + (N,)``, any strides, any supported
+              dtype (fp32 output from bf16 inputs is fine). Allocated (dtype ``out_dtype`` or
+              ``a.dtype``) otherwise.
+    accumulate: ``out += a @ W (+ bias)`` with the sum formed in fp32; needs ``out`` and
+              ``activation="none"``.
+    residual: added after the activation (``C_in``); same shape as ``out``, any strides.
+    preact_out: optional ``[M, N]`` (``[M, 2F]`` gated) tensor that receives the pre-activation
+              values, which the backward of a fused activation needs.
+    """
+    _check_operand("a", a, dims=(2, 3))
+    _check_operand("weight", weight)
+    _check_same("weight", weight, "a", a)
+    if weight_layout not in ("nk", "kn"):
+        raise ValueError(f"weight_layout must be 'nk' ([N, K], nn.Linear) or 'kn' ([K, N]), got {weight_layout!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    act, glu = ACTIVATIONS[activation]
+
+    K = a.shape[-1]
+    if weight_layout == "nk":
+        n_w, k_w = weight.shape
+        s_bk, s_bn = weight.stride(1), weight.stride(0)
+    else:
+        k_w, n_w = weight.shape
+        s_bk, s_bn = weight.stride(0), weight.stride(1)
+    if k_w != K:
+        raise ValueError(
+            f"inner dimensions differ: a has K={K} (shape {tuple(a.shape)}) but weight "
+            f"({weight_layout}) has K={k_w} (shape {tuple(weight.shape)})"
+        )
+    if glu and n_w % 2:
+        raise ValueError(f"activation {activation!r} needs an even number of weight output features (gate, up), got {n_w}")
+    N = n_w // 2 if glu else n_w
+    M = int(torch.Size(a.shape[:-1]).numel())
+    out_shape = tuple(a.shape[:-1]) + (N,)
+
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.dim() != 1 or bias.shape[0] != n_w:
+            raise ValueError(f"bias must have shape ({n_w},), got {tuple(bias.shape)}")
+        _check_same("bias", bias, "a", a, dtype=False)
+        check_supported_dtype("bias", bias)
+        if bias.stride(0) != 1:
+            bias = bias.contiguous()
+    if accumulate:
+        if out is None:
+            raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
+        if residual is not None:
+            raise ValueError("accumulate=True already adds out; pass either residual or accumulate, not both")
+        if activation != "none":
+            raise ValueError(f"accumulate=True needs activation='none', got {activation!r}")
+    if out is None:
+        out = torch.empty(out_shape, device=a.device, dtype=out_dtype or a.dtype)
+    else:
+        _check_out("out", out, out_shape, a.device)
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
+    if accumulate:
+        residual = out
+    if residual is not None:
+        _check_out("residual", residual, out_shape, a.device)
+    if preact_out is not None:
+        _check_out("preact_out", preact_out, (M, n_w), a.device)
+
+    if M == 0 or N == 0:
+        return out
+    if K == 0:  # empty contraction: the product is zero, the epilogue still applies
+        if preact_out is not None:
+            preact_out.copy_(matmul_reference(a.reshape(M, 0), weight, bias, weight_layout=weight_layout))
+        out.copy_(matmul_reference(a, weight, bias, weight_layout=weight_layout, activation=activation,
+                                   residual=residual))
+        return out
+
+    return _launch(
+        a, weight, out, M=M, N=N, K=K,
+        a_rows=_View.rows(a), a_k=_View(1, 0, a.stride(-1), False),
+        b_k=_View(1, 0, s_bk, False), s_bn=s_bn,
+        c_rows=_View.rows(out), s_cn=out.stride(-1),
+        bias=bias, residual=residual, r_rows=_View.rows(residual) if residual is not None else None,
+        s_rn=residual.stride(-1) if residual is not None else 0,
+        aux=preact_out, act=act, glu=glu, glu_offset=N if glu else 0,
+    )
+
+
+def matmul_tn(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Weight gradient ``out[N, K] = grad^T @ x`` summed over all tokens (``+=`` with accumulate).
+
+    grad: ``[T, N]`` or ``[batch, seq, N]``; x: ``[T, K]`` or ``[batch, seq, K]`` with the same
+    leading dims. Both may be strided views (a sequence chunk of a larger tensor); the token
+    dimension is contracted in place without copies. ``out`` has the ``nn.Linear`` weight layout.
+    """
+    _check_operand("grad", grad, dims=(2, 3))
+    _check_operand("x", x, dims=(2, 3))
+    _check_same("x", x, "grad", grad)
+    if grad.shape[:-1] != x.shape[:-1]:
+        raise ValueError(
+            f"grad and x must have the same leading (token) dims, got {tuple(grad.shape)} and {tuple(x.shape)}"
+        )
+    N, K = grad.shape[-1], x.shape[-1]
+    T = int(torch.Size(grad.shape[:-1]).numel())
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
+    if out is None:
+        out = torch.empty((N, K), device=grad.device, dtype=out_dtype or grad.dtype)
+    else:
+        _check_out("out", out, (N, K), grad.device)
+    if N == 0 or K == 0:
+        return out
+    if T == 0:
+        if not accumulate:
+            out.zero_()
+        return out
+    tok_g, tok_x = _View.rows(grad), _View.rows(x)
+    return _launch(
+        grad, x, out, M=N, N=K, K=T,
+        a_rows=_View(1, 0, grad.stride(-1), False), a_k=tok_g,
+        b_k=tok_x, s_bn=x.stride(-1),
+        c_rows=_View.rows(out), s_cn=out.stride(-1),
+        bias=None, residual=out if accumulate else None, r_rows=_View.rows(out), s_rn=out.stride(-1),
+        aux=None, act=0, glu=False, glu_offset=0,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (the tests' oracle): plain torch in fp64 unless told otherwise
+# --------------------------------------------------------------------------------------------
+def activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """Apply ``activation`` to a pre-activation tensor (``[..., 2F]`` gate|up for gated ones)."""
+    act, glu = ACTIVATIONS[activation]
+    gate, up = (x.chunk(2, dim=-1) if glu else (x, None))
+    if act == 1:
+        gate = torch.relu(gate)
+    elif act == 2:
+        gate = torch.nn.functional.gelu(gate, approximate="tanh")
+    elif act == 3:
+        gate = torch.nn.functional.silu(gate)
+    return gate * up if glu else gate
+
+
+def matmul_reference(a, weight, bias=None, *, weight_layout="nk", activation="none", residual=None,
+                     compute_dtype=torch.float64):
+    """What :func:`matmul` computes, in ``compute_dtype`` (returned in that dtype)."""
+    w = weight.to(compute_dtype)
+    w = w.t() if weight_layout == "nk" else w
+    y = a.to(compute_dtype) @ w
+    if bias is not None:
+        y = y + bias.to(compute_dtype)
+    y = activation_reference(y, activation)
+    if residual is not None:
+        y = y + residual.to(compute_dtype)
+    return y
