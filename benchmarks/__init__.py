@@ -1,0 +1,1 @@
+"""Kernel microbenchmarks: ``python -m benchmarks <op> [options]`` (see ``--help``)."""

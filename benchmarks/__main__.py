@@ -1,0 +1,51 @@
+"""``python -m benchmarks <op> [options]``; ``python -m benchmarks all`` runs every op's default set."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from ._common import REGISTRY, Context, emit, env_info, select_backend
+
+
+def _load_ops():
+    import benchmarks
+
+    for m in pkgutil.iter_modules(benchmarks.__path__):
+        if not m.name.startswith("_"):
+            importlib.import_module(f"benchmarks.{m.name}")
+
+
+def main(argv=None):
+    gpu = select_backend()  # before anything imports triton
+    import torch
+
+    _load_ops()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    sub = parser.add_subparsers(dest="op", required=True)
+    p_all = sub.add_parser("all", help="every registered op with its default settings")
+    p_all.add_argument("--json", help="write all results to this JSON file")
+    for name, op in sorted(REGISTRY.items()):
+        p = sub.add_parser(name, help=op.help)
+        p.add_argument("--json", help="write the results to this JSON file")
+        op.add_args(p)
+    args = parser.parse_args(argv)
+
+    ctx = Context(gpu=gpu, device=torch.device("cuda" if gpu else "cpu"))
+    info = env_info(ctx)
+    print("fusedpar benchmarks: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    results: dict = {}
+    if args.op == "all":
+        for name, op in sorted(REGISTRY.items()):
+            if not op.in_all:
+                continue
+            op_args = sub.choices[name].parse_args([])
+            emit(name, op.run(op_args, ctx), ctx, info, args.json, results)
+    else:
+        emit(args.op, REGISTRY[args.op].run(args, ctx), ctx, info, args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The benchmark registry, timing, environment line and output (markdown table, JSON)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+_GPU = None
+
+
+def select_backend() -> bool:
+    """Decide compiled (CUDA) vs interpreter before triton is imported. Returns True on GPU."""
+    global _GPU
+    if _GPU is None:
+        import torch
+
+        _GPU = torch.cuda.is_available() and os.environ.get("FUSEDPAR_BENCH_DEVICE", "cuda") == "cuda"
+        if not _GPU:
+            os.environ["TRITON_INTERPRET"] = "1"
+    return _GPU
+
+
+@dataclass
+class Op:
+    name: str
+    help: str
+    run: Callable  # run(args, ctx) -> list[dict]
+    add_args: Callable = lambda parser: None
+    in_all: bool = True
+
+
+REGISTRY: dict[str, Op] = {}
+
+
+def register(name: str, help: str, *, add_args: Callable | None = None, in_all: bool = True):
+    """Decorator: ``@register("matmul", "...", add_args=fn)`` on ``run(args, ctx)``."""
+
+    def deco(fn):
+        if name in REGISTRY:
+            raise ValueError(f"benchmark {name!r} registered twice")
+        REGISTRY[name] = Op(name, help, fn, add_args or (lambda p: None), in_all)
+        return fn
+
+    return deco
+
+
+@dataclass
+class Context:
+    gpu: bool
+    device: "torch.device"  # noqa: F821
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    notes: list = field(default_factory=list)
+
+    @property
+    def smoke(self) -> bool:
+        return not self.gpu
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on GPU, a few wall-clock
+        runs under the interpreter (smoke mode: these are not performance numbers)."""
+        if self.gpu:
+            import triton
+
+            return float(triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def l2_bytes(self) -> int:
+        if not self.gpu:
+            return 0
+        import torch
+
+        return int(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 50 << 20))
+
+    def rotating(self, make: Callable[[], tuple], nbytes: int) -> Callable[[], tuple]:
+        """Input sets cycled between calls so that a working set that fits in L2 is not timed hot."""
+        n = 1 if self.smoke or nbytes <= 0 else max(1, min(8, math.ceil(2 * self.l2_bytes() / nbytes)))
+        sets = [make() for _ in range(n)]
+        state = {"i": 0}
+
+        def nxt():
+            state["i"] = (state["i"] + 1) % n
+            return sets[state["i"]]
+
+        return nxt
+
+
+def parse_dtype(name: str):
+    import torch
+
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name not in table:
+        raise argparse.ArgumentTypeError(f"--dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+def env_info(ctx: Context) -> dict:
+    import torch
+    import triton
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "mode": "compiled (CUDA)" if ctx.gpu else "CPU smoke (Triton interpreter): numbers are NOT performance",
+    }
+    if ctx.gpu:
+        props = torch.cuda.get_device_properties(ctx.device)
+        info["device"] = props.name
+        info["cuda"] = torch.version.cuda
+        try:
+            import subprocess
+
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout.strip().splitlines()[0]
+        except Exception:  # noqa: BLE001 - the driver line is informative only
+            info["driver"] = "unknown"
+    else:
+        info["device"] = f"CPU ({platform.processor() or platform.machine()})"
+    return info
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        if v == 0 or math.isnan(v):
+            return f"{v}"
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    cols = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def emit(op_name: str, rows: list[dict], ctx: Context, info: dict, json_path: str | None, results: dict):
+    print(f"\n### {op_name}")
+    print(markdown_table(rows))
+    for n in ctx.notes:
+        print(f"note: {n}")
+    ctx.notes.clear()
+    results[op_name] = rows
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"env": info, "results": results}, f, indent=2, default=str)
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def check_close(ours, reference, tol: float = 5e-2) -> float:
+    """Relative max error of ``ours`` against ``reference`` (in fp32); raises if above ``tol``
+    so that a benchmark never reports the speed of a wrong result."""
+    ours, reference = ours.float(), reference.float()
+    err = ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
+    if not err <= tol:
+        raise AssertionError(f"benchmark result differs from the baseline: relative max error {err:.3g} > {tol}")
+    return err

@@ -1,0 +1,79 @@
+"""``python -m benchmarks matmul``: the fused-epilogue GEMM against torch.matmul (cuBLAS)."""
+from __future__ import annotations
+
+import argparse
+
+from ._common import check_close, parse_dtype, register, tflops
+
+# (M, N, K): square, then tensor-parallel shapes (8192 tokens, hidden 8192, tp=8 column shards
+# of an 8192 and a 28672 wide projection).
+GPU_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 1024, 8192), (8192, 3584, 8192)]
+SMOKE_SHAPES = [(33, 47, 29), (64, 64, 64)]
+
+
+def _shape(text: str):
+    try:
+        m, n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must look like MxNxK, got {text!r}") from None
+    return m, n, k
+
+
+def _add_args(p):
+    p.add_argument("--dtype", type=parse_dtype, default=None, help="bf16 (GPU default), fp16, fp32 (CPU default)")
+    p.add_argument("--shapes", type=_shape, nargs="+", default=None, metavar="MxNxK")
+    p.add_argument("--epilogue", choices=["none", "bias", "gelu", "swiglu"], default="none",
+                   help="fused epilogue; the baseline runs the same epilogue as separate torch ops")
+
+
+@register("matmul", "fused-epilogue GEMM vs torch.matmul", add_args=_add_args)
+def run(args, ctx):
+    import torch
+    import torch.nn.functional as F
+
+    from fusedpar.kernels import matmul
+
+    dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
+    shapes = args.shapes or (GPU_SHAPES if ctx.gpu else SMOKE_SHAPES)
+    epi = args.epilogue
+    rows = []
+    for M, N, K in shapes:
+        n_w = 2 * N if epi == "swiglu" else N
+
+        def make():
+            a = torch.randn(M, K, device=ctx.device, dtype=dtype)
+            w = torch.randn(n_w, K, device=ctx.device, dtype=dtype) * K ** -0.5
+            b = torch.randn(n_w, device=ctx.device, dtype=dtype) if epi == "bias" else None
+            return a, w, b
+
+        nbytes = (M * K + n_w * K + M * N) * torch.finfo(dtype).bits // 8
+        nxt = ctx.rotating(make, nbytes)
+        activation = {"gelu": "gelu", "swiglu": "swiglu"}.get(epi, "none")
+
+        def ours(a, w, b):
+            return matmul(a, w, b, activation=activation)
+
+        def baseline(a, w, b):
+            y = F.linear(a, w, b)
+            if epi == "gelu":
+                y = F.gelu(y, approximate="tanh")
+            elif epi == "swiglu":
+                g, u = y.chunk(2, dim=-1)
+                y = F.silu(g) * u
+            return y
+
+        # correctness guard before timing: a fast wrong kernel is not a result
+        inputs = nxt()
+        err = check_close(ours(*inputs), baseline(*inputs))
+        t_ours = ctx.time_ms(lambda: ours(*nxt()))
+        t_base = ctx.time_ms(lambda: baseline(*nxt()))
+        flops = 2.0 * M * n_w * K
+        rows.append({
+            "M": M, "N": N, "K": K, "dtype": str(dtype).replace("torch.", ""), "epilogue": epi,
+            "fusedpar_ms": t_ours, "torch_ms": t_base,
+            "fusedpar_TFLOPs": tflops(flops, t_ours), "torch_TFLOPs": tflops(flops, t_base),
+            "ratio_vs_torch": t_base / t_ours, "max_rel_err": err,
+        })
+    if ctx.smoke:
+        ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
+    return rows
