@@ -12,3 +12,4 @@ from ._runtime import interpreting
 from .gemm import ACTIVATIONS, matmul, matmul_reference, matmul_tn
 
 __all__ = ["ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn"]
+from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference  # noqa: E402,F401
