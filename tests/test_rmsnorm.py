@@ -29,7 +29,7 @@ def _ref_grads(x, w, r, dy, dh, eps):
 
 
 @pytest.mark.parametrize("dtype", NORM_DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (3, 5, 65), (2, 9, 127), (13, 16)])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (3, 5, 65), (2, 9, 127), (37, 19)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_forward_backward_vs_fp64(shape, dtype, with_residual):
     g = torch.Generator().manual_seed(hash((shape, with_residual)) % 2**31)
