@@ -235,25 +235,44 @@ def build_parallel_state(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp:
 
 
 def sync_gradients(named_params: Iterable[tuple[str, torch.nn.Parameter]], state: ParallelState,
-                   plan: Mapping[str, str] | None = None, *, bucket_numel: int = 1 << 22) -> None:
+                   plan: Mapping[str, str] | None = None, *, data_parallel_done: bool = False,
+                   bucket_numel: int = 1 << 22) -> None:
     """Reduce gradients in place by the rules in this module's docstring (a manual data-parallel
     step; use it instead of DDP when sp or ep > 1). ``plan`` maps parameter names to ``"dense"``
     (the default), ``"replicated"`` or ``"expert"``; a model's ``gradient_sync_plan()`` gives it.
     Gradients are flattened into fp32 buckets per group, all-reduced, scaled by
     ``1 / (dp * sp)`` and copied back. Parameters without a gradient are skipped.
+
+    ``data_parallel_done=True`` is for models wrapped in DDP or FSDP2 over the data group (which
+    already averaged every gradient over it): only the ``"replicated"`` gradients are then summed
+    over the tp group (FSDP2's sharded DTensor gradients are reduced shard by shard). Expert
+    gradients are right after DDP/FSDP only when their copies are exactly the data group
+    (``ep == tp``: the experts are split over the tp group); other layouts raise.
     """
     plan = dict(plan or {})
-    groups = {"dense": state.data_group, "replicated": state.data_tp_group, "expert": state.edp_group}
+    if data_parallel_done:
+        groups = {"dense": None, "replicated": state.tp_group, "expert": None}
+        scale = 1.0
+    else:
+        groups = {"dense": state.data_group, "replicated": state.data_tp_group, "expert": state.edp_group}
+        scale = 1.0 / state.data_size
     by_kind: dict[str, list[torch.Tensor]] = {k: [] for k in GRAD_KINDS}
     for name, p in named_params:
         kind = plan.get(name, "dense")
         if kind not in groups:
             raise ValueError(f"gradient kind of {name!r} must be one of {GRAD_KINDS}, got {kind!r}")
         if p.grad is not None:
-            by_kind[kind].append(p.grad)
-    scale = 1.0 / state.data_size
+            g = p.grad
+            by_kind[kind].append(g.to_local() if hasattr(g, "to_local") else g)
+    if data_parallel_done and by_kind["expert"] and state.tp != state.ep:
+        raise ValueError(
+            f"expert gradients after DDP/FSDP over the data group are only right when ep ({state.ep}) equals "
+            f"tp ({state.tp}); use sync_gradients(..., data_parallel_done=False) without a DDP/FSDP wrapper"
+        )
     for kind, grads in by_kind.items():
         group = groups[kind]
+        if group is None:
+            continue
         trivial = comm.group_size(group) == 1
         for bucket in _buckets(grads, bucket_numel):
             if trivial:

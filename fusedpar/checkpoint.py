@@ -1,0 +1,165 @@
+"""Sharded parameters described once, and used three ways: slicing a full tensor into this
+rank's shard, gathering shards into the full tensor, and saving / loading with
+``torch.distributed.checkpoint`` (DCP) at *any* parallel layout.
+
+A :class:`ShardSpec` says how a local tensor sits in the full one: the full tensor's dimension
+``dim`` is cut into ``chunks`` equal sections, and rank ``r`` of ``group`` holds block ``r`` of
+each section (``chunks=2`` for the ``[gate; up]`` rows of a gated column-parallel weight, 1
+otherwise). :func:`shard_specs` derives the specs from the fusedpar modules in a model:
+
+* ``ColumnParallelLinear``: weight and bias rows over its tp group (``chunks=2`` when gated);
+* ``RowParallelLinear``: weight columns over its tp group (the bias is replicated);
+* ``MoE``: ``w1`` / ``w2`` experts (dim 0) over its ep group;
+* everything else: replicated (no spec).
+
+DCP checkpoints store every parameter as a DTensor over a one-dimensional mesh of its group with
+placement ``Shard(dim)`` (on the ``[chunks, n, ...]`` view when ``chunks > 1``), so the files hold
+full logical tensors: a model built at another tp or ep degree loads them by building its own
+DTensors, and DCP reads each rank's slice. Replicated tensors are written once (DCP deduplicates
+identical chunks).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fusedpar import comm
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    group: dist.ProcessGroup | None
+    dim: int
+    chunks: int = 1
+
+    @property
+    def size(self) -> int:
+        return comm.group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return comm.group_rank(self.group)
+
+    def local_from_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``full`` (a copy)."""
+        n = full.shape[self.dim]
+        if n % (self.chunks * self.size):
+            raise ValueError(f"dim {self.dim} of size {n} does not split into {self.chunks} sections over "
+                             f"{self.size} ranks")
+        sections = full.chunk(self.chunks, dim=self.dim)
+        return torch.cat([s.chunk(self.size, dim=self.dim)[self.rank] for s in sections], dim=self.dim).clone()
+
+    def full_from_local(self, local: torch.Tensor) -> torch.Tensor:
+        """All-gather every rank's shard and reassemble the full tensor (collective over ``group``)."""
+        P = self.size
+        if P == 1:
+            return local.detach().clone()
+        buf = torch.empty((P,) + tuple(local.shape), dtype=local.dtype, device=local.device)
+        comm.all_gather_into(buf.view(P * local.shape[0], *local.shape[1:]) if local.dim() else buf,
+                             local.detach().contiguous(), self.group).wait()
+        # buf[r] is rank r's local tensor: [chunks x block] along dim; put blocks back per section
+        parts = [b.chunk(self.chunks, dim=self.dim) for b in buf.unbind(0)]
+        return torch.cat([parts[r][c] for c in range(self.chunks) for r in range(P)], dim=self.dim)
+
+
+def shard_specs(model: nn.Module) -> dict[str, ShardSpec | None]:
+    """Parameter name -> :class:`ShardSpec` (``None``: replicated) for every parameter of ``model``."""
+    from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+    from fusedpar.nn.moe import MoE
+
+    specs: dict[str, ShardSpec | None] = {name: None for name, _ in model.named_parameters()}
+    for mname, mod in model.named_modules():
+        prefix = f"{mname}." if mname else ""
+        if isinstance(mod, ColumnParallelLinear) and mod.tp_size > 1:
+            spec = ShardSpec(mod.group, 0, 2 if mod.gated else 1)
+            specs[prefix + "weight"] = spec
+            if mod.bias is not None:
+                specs[prefix + "bias"] = spec
+        elif isinstance(mod, RowParallelLinear) and mod.tp_size > 1:
+            specs[prefix + "weight"] = ShardSpec(mod.group, 1)
+        elif isinstance(mod, MoE) and mod.ep_size > 1:
+            specs[prefix + "w1"] = ShardSpec(mod.ep_group, 0)
+            specs[prefix + "w2"] = ShardSpec(mod.ep_group, 0)
+    return {k: v for k, v in specs.items() if k in dict(model.named_parameters())}
+
+
+def full_state(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) as the full tensor, gathered over its group; a
+    collective: every rank of every group must call it (same model structure)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p.detach()
+        if t is None:
+            raise ValueError(f"parameter {name!r} has no gradient")
+        spec = shard_specs_cache(model)[name]
+        out[name] = t.detach().clone() if spec is None else spec.full_from_local(t)
+    return out
+
+
+def shard_specs_cache(model: nn.Module) -> dict[str, ShardSpec | None]:
+    specs = getattr(model, "_fusedpar_shard_specs", None)
+    if specs is None:
+        specs = shard_specs(model)
+        object.__setattr__(model, "_fusedpar_shard_specs", specs)
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint
+# ----------------------------------------------------------------------------------------------
+_MESHES: dict[int, object] = {}
+
+
+def _mesh(group, device_type):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (id(group), device_type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device_type)
+    return _MESHES[key]
+
+
+def dcp_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters as DTensors (sharded ones) or plain tensors (replicated ones), all *views* of
+    the model's parameters: ``dcp.save`` writes them, ``dcp.load`` fills them in place."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sd = {}
+    specs = shard_specs_cache(model)
+    for name, p in model.named_parameters():
+        spec = specs[name]
+        local = p.data
+        if spec is None:
+            sd[name] = local
+            continue
+        mesh = _mesh(comm.resolve_group(spec.group), local.device.type)
+        dim = spec.dim
+        if spec.chunks > 1:
+            local = local.unflatten(dim, (spec.chunks, -1))
+            dim += 1
+        sd[name] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+    return sd
+
+
+def save(model: nn.Module, path: str, extra: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Save ``model`` (any parallel layout) with DCP into directory ``path``; collective."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"model": dcp_state_dict(model)}
+    if extra:
+        sd["extra"] = dict(extra)
+    dcp.save(sd, checkpoint_id=path)
+
+
+def load(model: nn.Module, path: str, extra: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Load a checkpoint written by :func:`save` at any layout into ``model`` in place; collective."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"model": dcp_state_dict(model)}
+    if extra:
+        sd["extra"] = dict(extra)
+    dcp.load(sd, checkpoint_id=path)

@@ -1,0 +1,163 @@
+"""fusedpar modules inside the training stacks users run, on 4 gloo processes, each case against
+the one-process model (loss and every gradient):
+
+* DDP over dp with tensor parallelism inside (dp2 x tp2);
+* FSDP2 (``fully_shard`` over the dp mesh dimension) with tensor parallelism inside;
+* activation checkpointing of every block, manual gradient sync;
+* torch.distributed.pipelining with TP inside each stage: GPipe, 1F1B, interleaved 1F1B;
+* DCP: save at tp2 (ep2), load at tp4 (ep4), same weights and same loss.
+"""
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from _compose import batch, compare_grads, data_mean, local_batch, reference, tiny_config
+from _utils import assert_close
+from _world import world_fixture
+from fusedpar import checkpoint as fcheckpoint
+from fusedpar.nn import Transformer
+from fusedpar.parallel import build_parallel_state, sync_gradients
+
+world4 = world_fixture(4)
+
+B, S = 4, 8
+
+
+def _tp_model(config, state, **kw):
+    return Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group, **kw)
+
+
+def _ddp_fsdp_checkpointing(rank, size, ref_loss, ref_grads):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    config = tiny_config()
+    tokens, targets = batch(1, B, S, config.vocab_size)
+    state = build_parallel_state(dp=2, tp=2)
+    ids, tgt = local_batch(tokens, targets, state)
+    checked = {}
+
+    # DDP over the dp group; TP collectives inside the model over the tp group
+    model = _tp_model(config, state)
+    ddp = DDP(model, process_group=state.dp_group)
+    loss = model.loss(ddp(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done=True)
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="DDP loss")
+    checked["ddp"] = compare_grads(model, ref_grads, "DDP")
+
+    # FSDP2: each block and the root sharded over the dp mesh dimension
+    model = _tp_model(config, state)
+    for block in model.layers.values():
+        fully_shard(block, mesh=state.mesh["dp"])
+    fully_shard(model, mesh=state.mesh["dp"])
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done=True)
+    full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # gather the dp shards
+    model.unshard()
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="FSDP2 loss")
+    checked["fsdp2"] = compare_grads(model, ref_grads, "FSDP2", grads=full)
+
+    # activation checkpointing of every block; gradients synced by hand (no wrapper)
+    model = _tp_model(config, state, activation_checkpointing=True)
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="checkpointed loss")
+    checked["checkpointing"] = compare_grads(model, ref_grads, "activation checkpointing")
+    return checked
+
+
+def test_ddp_fsdp2_and_activation_checkpointing_match_one_process(world4):
+    config = tiny_config()
+    out = world4.run(_ddp_fsdp_checkpointing, *reference(config, *batch(1, B, S, config.vocab_size)))
+    assert all(c["ddp"] == c["checkpointing"] > 10 for c in out), out
+
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2)]
+
+
+def _pipeline(rank, size, refs):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
+    state = build_parallel_state(pp=2, tp=2)
+    results = {}
+    for name, per_rank in SCHEDULES:
+        cls = classes[name]
+        n_stages = state.pp * per_rank
+        config = tiny_config(num_layers=n_stages)
+        tokens, targets = batch(2, B, S, config.vocab_size)
+        ref_loss, ref_grads = refs[per_rank]
+        ids, tgt = local_batch(tokens, targets, state)
+        stage_ids = [state.pp_rank + k * state.pp for k in range(per_rank)]
+        models = [_tp_model(config, state, layers=[s], embed=s == 0, head=s == n_stages - 1) for s in stage_ids]
+        stages = [PipelineStage(m, s, n_stages, state.device, group=state.pp_group) for m, s in zip(models, stage_ids)]
+        loss_fn = models[-1].loss  # every rank passes it: the schedule plans a backward only when given one
+        if per_rank == 1:
+            schedule = cls(stages[0], n_microbatches=4, loss_fn=loss_fn)
+        else:
+            schedule = cls(stages, n_microbatches=4, loss_fn=loss_fn)
+        losses = []
+        schedule.step(ids if state.is_first_stage else None, target=tgt, losses=losses)
+        if state.is_last_stage:
+            assert len(losses) == 4
+            assert_close(torch.stack(losses).mean().reshape(1), ref_loss.reshape(1), torch.float32,
+                         msg=f"{name} loss")
+        checked = 0
+        for m in models:
+            sync_gradients(m.named_parameters(), state, m.gradient_sync_plan())
+            checked += compare_grads(m, ref_grads, name)
+        results[name] = checked
+    return results
+
+
+def test_pipeline_schedules_with_tp_inside_each_stage(world4):
+    refs = {}
+    for per_rank in (1, 2):  # pp=2 ranks, one or two stages each, one block per stage
+        config = tiny_config(num_layers=2 * per_rank)
+        refs[per_rank] = reference(config, *batch(2, B, S, config.vocab_size))
+    out = world4.run(_pipeline, refs)
+    for r in out:
+        assert set(r) == {"gpipe", "1f1b", "interleaved1f1b"} and all(v > 0 for v in r.values()), out
+
+
+def _dcp_reshard(rank, size, path):
+    config = tiny_config(num_experts=4, top_k=2, moe_every=2)
+    tokens, targets = batch(3, B, S, config.vocab_size)
+    # save at dp2 x tp2 (experts over ep2 = the tp group)
+    st2 = build_parallel_state(dp=2, tp=2, ep=2)
+    m2 = _tp_model(config, st2, seed=11)
+    full2 = fcheckpoint.full_state(m2)
+    fcheckpoint.save(m2, path, extra={"step": torch.tensor(7)})
+    ids, tgt = local_batch(tokens, targets, st2)
+    with torch.no_grad():
+        loss2 = data_mean(m2.loss(m2(ids), tgt), st2)
+    # load at tp4 (experts over ep4) into a differently initialised model
+    st4 = build_parallel_state(tp=4, ep=4)
+    m4 = _tp_model(config, st4, seed=99)
+    step = torch.tensor(0)
+    fcheckpoint.load(m4, path, extra={"step": step})
+    assert step.item() == 7
+    full4 = fcheckpoint.full_state(m4)
+    assert full4.keys() == full2.keys()
+    for k in full2:
+        assert torch.equal(full4[k], full2[k]), f"{k} differs after resharding tp2 -> tp4"
+    ids, tgt = local_batch(tokens, targets, st4)
+    with torch.no_grad():
+        loss4 = data_mean(m4.loss(m4(ids), tgt), st4)
+    assert_close(loss4, loss2, torch.float32, msg="loss after resharding")
+    return len(full2)
+
+
+def test_dcp_save_at_tp2_load_at_tp4(world4):
+    path = tempfile.mkdtemp(prefix="fusedpar_dcp_")
+    try:
+        out = world4.run(_dcp_reshard, os.path.join(path, "ckpt"))
+        assert out[0] == out[-1] > 10
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
