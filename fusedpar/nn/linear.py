@@ -38,8 +38,10 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP"]
 # ----------------------------------------------------------------------------------------------
 def _gather_features(t, group):
     P = comm.group_size(group)
-    buf = torch.empty((P,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-    comm.all_gather_into(buf, t.contiguous(), group).wait()
+    t = t.contiguous()
+    flat = torch.empty((P * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    comm.all_gather_into(flat, t, group).wait()
+    buf = flat.view((P,) + tuple(t.shape))
     return buf.movedim(0, -2).reshape(tuple(t.shape[:-1]) + (P * t.shape[-1],))
 
 
@@ -117,7 +119,7 @@ class _TPLinearBase(nn.Module):
     def _meta(self):
         return {
             "tp_rank": self.tp_rank, "tp_size": self.tp_size, "partition_dim": self.partition_dim,
-            "full_shape": [self.out_features_full, self.in_features], "gated": self.gated,
+            "full_shape": [self.out_features_full * (2 if self.gated else 1), self.in_features], "gated": self.gated,
         }
 
     def get_extra_state(self):
