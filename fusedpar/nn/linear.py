@@ -203,7 +203,8 @@ class ColumnParallelLinear(_TPLinearBase):
         self.in_features, self.out_features_full = in_features, out_features
         self.activation = activation
         self.gated = ACTIVATIONS[activation][1]
-        self.out_features = out_features // self.tp_size  # this rank's output features
+        self.out_features = out_features  # the full layer's, as nn.Linear reports it
+        self.out_features_local = out_features // self.tp_size
         self.sequence_parallel, self.gather_output = bool(sequence_parallel), bool(gather_output)
         self.sequence_dim, self.save_gathered_input = sequence_dim, bool(save_gathered_input)
         rows = 2 * out_features if self.gated else out_features
@@ -241,8 +242,8 @@ class ColumnParallelLinear(_TPLinearBase):
         return y
 
     def extra_repr(self):
-        return (f"in_features={self.in_features}, out_features={self.out_features_full} "
-                f"(local {self.out_features}), bias={self.bias is not None}, activation={self.activation!r}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.out_features_local}), bias={self.bias is not None}, activation={self.activation!r}, "
                 f"tp={self.tp_rank}/{self.tp_size}, sequence_parallel={self.sequence_parallel}, "
                 f"gather_output={self.gather_output}")
 
