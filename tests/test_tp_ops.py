@@ -279,6 +279,28 @@ def test_tp_ops_bad_input_every_rank(world2):
     assert world2.run(_bad_inputs) == [15, 15]
 
 
+def _group_of_one(rank, size):
+    """A group holding only this rank: every op is the plain fused GEMM, no transfer."""
+    import torch.distributed as dist
+
+    from fusedpar.kernels import matmul
+
+    groups = [dist.new_group([r]) for r in range(size)]
+    solo = groups[rank]
+    g = rank_rng(17, rank)
+    x = torch.randn(2, 5, 8, generator=g)
+    w = torch.randn(6, 8, generator=g)
+    b = torch.randn(6, generator=g)
+    plain = matmul(x, w, b)
+    for op in (all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce):
+        torch.testing.assert_close(op(x, w, b, group=solo), plain, rtol=0, atol=0, msg=op.__name__)
+    return comm.group_size(solo)
+
+
+def test_tp_ops_group_of_one(world2):
+    assert world2.run(_group_of_one) == [1, 1]
+
+
 # ----------------------------------------------------------------------------------------------
 # no process group (or a group of one): the plain fused GEMM
 # ----------------------------------------------------------------------------------------------
