@@ -122,7 +122,8 @@ def _modules_vs_reference(rank, size, seed, light=False):
     g = rank_rng(seed)
     B, S, H = 2, 3 * size, 10
     dtype = torch.float32
-    for sp, gather_output, bias in [(True, False, True), (False, True, False), (False, False, True)][:1 if light else 3]:
+    column_cases = [(True, False, True), (False, True, False), (False, False, True)]
+    for sp, gather_output, bias in column_cases[:1 if light else 3]:
         lin = nn.Linear(H, 6 * size, bias=bias)
         X = torch.randn(B, S, H, generator=g)
         G = torch.randn(B, S, 6 * size, generator=g)

@@ -170,7 +170,9 @@ def merge_shards(state_dicts, prefix=""):
         else:
             bias = torch.cat(bs)
     if list(weight.shape) != list(metas[0]["full_shape"]):
-        raise ValueError(f"merge_shards: reassembled weight {tuple(weight.shape)} != full_shape {metas[0]['full_shape']}")
+        raise ValueError(
+            f"merge_shards: reassembled weight {tuple(weight.shape)} != full_shape {metas[0]['full_shape']}"
+        )
     return {"weight": weight, "bias": bias}
 
 

@@ -44,7 +44,9 @@ def _check_linear_args(op, x, weight, bias, *, activation="none", weight_name="w
     if x.dim() not in (2, 3):
         raise ValueError(f"{op}: x must be 2-D [tokens, in] or 3-D [batch, seq, in], got shape {tuple(x.shape)}")
     if weight.dim() != 2:
-        raise ValueError(f"{op}: {weight_name} must be 2-D [out, in] (nn.Linear layout), got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"{op}: {weight_name} must be 2-D [out, in] (nn.Linear layout), got shape {tuple(weight.shape)}"
+        )
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(
             f"{op}: {weight_name} must have shape [out, {x.shape[-1]}] to match x's last dim "
