@@ -241,6 +241,13 @@ def test_tp_ops_world4(world4):
     assert world4.run(_all_cases, seed=31, full=False) == [10] * 4
 
 
+def test_tp_modules_world4(world4):
+    """The modules' sequence-parallel paths at tp=4 (the cases live in test_tp_nn.py)."""
+    from test_tp_nn import _modules_vs_reference
+
+    assert all(world4.run(_modules_vs_reference, seed=4, light=True))
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input: the same clear error on every rank, before any transfer (then the world still works)
 # ----------------------------------------------------------------------------------------------
