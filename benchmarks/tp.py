@@ -138,7 +138,8 @@ def run_ag(args, ctx):
 
     def overlapped():
         free = [None, None]  # event: the GEMM reading a buffer is done (the copy into it may start)
-        ready = st.on_side(lambda: bufs[1].copy_(remote[1]), None) if tp > 1 else None
+        # bufs[1] may still be read by the previous call's GEMMs: the first copy waits for them
+        ready = st.on_side(lambda: bufs[1].copy_(remote[1]), st.record_main()) if tp > 1 else None
         matmul(remote[0], w, out=out[:m])  # the local chunk first
         for j in range(1, tp):
             cur = bufs[j % 2]

@@ -19,12 +19,12 @@ def bench_main(monkeypatch):
 ])
 def test_tp_bench_cli(bench_main, tmp_path, op, extra):
     out = tmp_path / "tp.json"
-    assert bench_main([op, *extra, "--json", str(out)]) == 0
+    assert bench_main([op, *extra, "--dtype", "fp32", "--json", str(out)]) == 0
     row = json.loads(out.read_text())["results"][op][0]
     for key in ("T_gemm_ms", "T_comm_ms", "T_sequential_ms", "T_overlapped_ms"):
         assert row[key] > 0, key
     assert row["max_rel_err"] < 1e-4  # the overlapped schedule computed the right result
-    assert row["tp"] == int(extra[-1]) and "overlap_eff" in row
+    assert row["tp"] == int(extra[extra.index("--tp") + 1]) and "overlap_eff" in row
 
 
 def test_tp_bench_rejects_indivisible_tokens(bench_main):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _utils import assert_close
+from _utils import DEVICE, assert_close
 from _world import rank_rng, world_fixture
 from fusedpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_shards
 
@@ -246,11 +246,11 @@ def test_modules_match_dtensor_tp_plan(world2):
 def test_modules_without_process_group():
     """No process group: tp=1, the plain fused GEMMs, same numbers as the nn.Linear reference."""
     torch.manual_seed(0)
-    ref = _RefMLP(6, 5, "swiglu", bias=False)
+    ref = _RefMLP(6, 5, "swiglu", bias=False).to(DEVICE)
     torch.manual_seed(0)
-    mlp = ParallelMLP(6, 5)
-    x = torch.randn(2, 3, 6, requires_grad=True)
-    G = torch.randn(2, 3, 6)
+    mlp = ParallelMLP(6, 5, device=DEVICE)
+    x = torch.randn(2, 3, 6, device=DEVICE, requires_grad=True)
+    G = torch.randn(2, 3, 6, device=DEVICE)
     y_ref, dX, dP = _grads64(ref, x, G)
     y = mlp(x)
     y.backward(G)

@@ -8,7 +8,7 @@ fp16 inputs and outputs rounded once, partial sums in fp32).
 import pytest
 import torch
 
-from _utils import assert_close
+from _utils import DEVICE, assert_close
 from _world import rank_rng, straggle, world_fixture
 from fusedpar import comm
 from fusedpar.kernels.gemm import activation_reference
@@ -19,8 +19,19 @@ world3 = world_fixture(3)
 world4 = world_fixture(4)
 
 
+def _device():
+    """Where this process's tensors live: its GPU in an NCCL world, the CPU in a gloo world, the
+    test device outside a world."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        nccl = dist.get_backend() == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return DEVICE
+
+
 def _rand(g, *shape, dtype, scale=1.0):
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+    return (torch.randn(*shape, generator=g) * scale).to(device=_device(), dtype=dtype)
 
 
 def _ref_grads(fn, inputs, grad_out):
@@ -277,8 +288,9 @@ def _bad_inputs(rank, size):
         with pytest.raises(exc, match=pattern):
             fn()
     # nothing was left in flight: a real op afterwards works and agrees across ranks
-    y = all_gather_matmul(torch.full((1, 2, 8), float(rank)), torch.ones(3, 8))
-    expect = torch.cat([torch.full((1, 2, 3), 8.0 * r) for r in range(size)], dim=1)
+    dev = _device()
+    y = all_gather_matmul(torch.full((1, 2, 8), float(rank), device=dev), torch.ones(3, 8, device=dev))
+    expect = torch.cat([torch.full((1, 2, 3), 8.0 * r, device=dev) for r in range(size)], dim=1)
     torch.testing.assert_close(y, expect, rtol=0, atol=0)
     return len(checks)
 
@@ -296,9 +308,8 @@ def _group_of_one(rank, size):
     groups = [dist.new_group([r]) for r in range(size)]
     solo = groups[rank]
     g = rank_rng(17, rank)
-    x = torch.randn(2, 5, 8, generator=g)
-    w = torch.randn(6, 8, generator=g)
-    b = torch.randn(6, generator=g)
+    x, w, b = (t.to(_device()) for t in (torch.randn(2, 5, 8, generator=g), torch.randn(6, 8, generator=g),
+                                          torch.randn(6, generator=g)))
     plain = matmul(x, w, b)
     for op in (all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce):
         torch.testing.assert_close(op(x, w, b, group=solo), plain, rtol=0, atol=0, msg=op.__name__)
