@@ -329,3 +329,11 @@ def test_tp_ops_without_process_group():
     _rs_case(0, 1, dtype=torch.float16, scatter_dim=1, bias=True, seed=2)
     _ar_case(0, 1, dtype=torch.float32, bias=True, seed=3)
     _copy_case(0, 1, dtype=torch.float32, bias=True, activation="relu", seed=4)
+    # inference under no_grad: nothing kept for a backward, same numbers
+    x, w = torch.randn(2, 3, 8, device=DEVICE), torch.randn(10, 8, device=DEVICE, requires_grad=True)
+    with torch.no_grad():
+        for op in (all_gather_matmul, copy_to_tp_matmul):
+            y = op(x, w, activation="swiglu")
+            assert not y.requires_grad
+            want = activation_reference(torch.nn.functional.linear(x.double(), w.double()), "swiglu")
+            assert_close(y, want, torch.float32, msg=f"{op.__name__} under no_grad")

@@ -229,7 +229,7 @@ def _sum_tokens(t):
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, gather_dim, activation, save_gathered_input, return_gathered,
-                partial_dtype):
+                partial_dtype, grad_enabled):
         P = comm.group_size(group)
         n = x.shape[gather_dim]
         _, gated = ACTIVATIONS[activation]
@@ -238,8 +238,9 @@ class _AllGatherMatmul(torch.autograd.Function):
         out_shape = list(x.shape[:-1]) + [n_out]
         out_shape[gather_dim] *= P
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-        needs_dw = ctx.needs_input_grad[1]
-        need_grad = any(ctx.needs_input_grad[:3])
+        # nothing is kept for a backward that cannot happen (inference under no_grad)
+        needs_dw = grad_enabled and ctx.needs_input_grad[1]
+        need_grad = grad_enabled and any(ctx.needs_input_grad[:3])
         preact = None
         if activation != "none" and need_grad:
             # chunk-major [P, *chunk rows, n_w]: each chunk's slot is a plain 2-D [rows, n_w] block
@@ -324,7 +325,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                 db = _sum_tokens(dpre).to(weight.dtype)
             else:
                 db = _sum_tokens(grad_out).to(weight.dtype)
-        return dx, dW, db, None, None, None, None, None, None
+        return dx, dW, db, None, None, None, None, None, None, None
 
 
 def all_gather_matmul(
@@ -363,7 +364,7 @@ def all_gather_matmul(
     partial_dtype = _check_partial_dtype(op, partial_dtype, x)
     group = comm.resolve_group(group)
     return _AllGatherMatmul.apply(x, weight, bias, group, gather_dim, activation, bool(save_gathered_input),
-                                  bool(return_gathered), partial_dtype)
+                                  bool(return_gathered), partial_dtype, torch.is_grad_enabled())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,11 +484,11 @@ def matmul_all_reduce(
 
 class _CopyToTPMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, activation, num_chunks, reduce_dtype):
+    def forward(ctx, x, weight, bias, group, activation, num_chunks, reduce_dtype, grad_enabled):
         n_w = weight.shape[0]
         lead = tuple(x.shape[:-1])
         M = int(torch.Size(lead).numel())
-        need_grad = any(ctx.needs_input_grad[:3])
+        need_grad = grad_enabled and any(ctx.needs_input_grad[:3])
         preact = None
         if activation != "none" and need_grad:
             preact = torch.empty((M, n_w), dtype=x.dtype, device=x.device)
@@ -510,7 +511,7 @@ class _CopyToTPMatmul(torch.autograd.Function):
               if need_dx else None)
         dW = matmul_tn(g, x, out_dtype=torch.float32).to(weight.dtype) if need_dw else None
         db = _sum_tokens(g).to(weight.dtype) if need_db and ctx.has_bias else None
-        return dx, dW, db, None, None, None, None
+        return dx, dW, db, None, None, None, None, None
 
 
 def copy_to_tp_matmul(
@@ -531,4 +532,5 @@ def copy_to_tp_matmul(
     _check_chunks(op, num_chunks)
     reduce_dtype = _check_partial_dtype(op, reduce_dtype, x)
     group = comm.resolve_group(group)
-    return _CopyToTPMatmul.apply(x, weight, bias, group, activation, num_chunks, reduce_dtype)
+    return _CopyToTPMatmul.apply(x, weight, bias, group, activation, num_chunks, reduce_dtype,
+                                 torch.is_grad_enabled())
