@@ -1,0 +1,1 @@
+from .moe import MoE, RouterOutput, TopKRouter  # noqa: F401
