@@ -19,10 +19,10 @@ Grouped GEMM rows ``offsets[g] .. offsets[g+1]`` of ``x`` are multiplied by ``we
 (one base pointer plus per-group offsets, never a pointer array: DESIGN.md §3). Each program
 derives its (group, row-block) tile from the offsets itself: it loads the ``G`` offsets, forms
 ``tiles_g = cdiv(count_g, BLOCK_M)`` and their cumulative sum, and finds its group by counting.
-The grid is a worst-case bound, ``cdiv(M, BLOCK_M) + G + 1`` row tiles (since
-``sum_g cdiv(c_g, BM) <= sum_g c_g / BM + G``), so launching needs no host sync and the schedule
-follows whatever ``BLOCK_M`` the autotuner picks. Tiles past the last group write zeros into the
-tail rows ``offsets[G] .. M`` (capacity drops leave such rows); the remaining programs exit.
+The grid is a worst-case bound, ``M // BLOCK_M + min(G, M) + 1`` row tiles (``_row_tiles``), so
+launching needs no host sync and the schedule follows whatever ``BLOCK_M`` the autotuner picks.
+The last programs of the grid write zeros into the tail rows ``offsets[G] .. M`` (capacity drops
+leave such rows); the programs in between exit at once.
 
 Layers: ``@triton.jit`` kernels -> launchers (validate, allocate, launch) below -> references
 (plain fp64 torch, the tests' oracle) at the end of the file.
@@ -152,52 +152,6 @@ def _combine_bwd_kernel(go_ptr, y_ptr, w_ptr, sorted_slot_ptr, gy_ptr, gw_ptr, n
 
 
 @triton.jit
-def _act(x, ACT: tl.constexpr):
-    if ACT == 1:
-        x = tl.maximum(x, 0.0)
-    elif ACT == 2:
-        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
-    elif ACT == 3:
-        x = x * tl.sigmoid(x)
-    return x
-
-
-@triton.jit
-def _act_grad(x, ACT: tl.constexpr):
-    """d act(x) / dx for the activations of ``_act`` (1 for none)."""
-    if ACT == 1:
-        d = tl.where(x > 0, 1.0, 0.0)
-    elif ACT == 2:
-        s = tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
-        d = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x * x)
-    elif ACT == 3:
-        s = tl.sigmoid(x)
-        d = s + x * s * (1.0 - s)
-    else:
-        d = x * 0.0 + 1.0
-    return d
-
-
-@triton.jit
-def _find_tile(offsets_ptr, G, pid_m, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr):
-    """(group, first row, end row, is_group_tile) of virtual row tile ``pid_m``; tiles past the
-    groups cover the tail ``offsets[G] ..`` (group == G)."""
-    gi = tl.arange(0, G_PAD)
-    gm = gi < G
-    starts = tl.load(offsets_ptr + gi, mask=gm, other=0).to(tl.int32)
-    ends = tl.load(offsets_ptr + gi + 1, mask=gm, other=0).to(tl.int32)
-    tiles = tl.where(gm, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    cum = tl.cumsum(tiles, axis=0)
-    total = tl.sum(tiles, axis=0)
-    group = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
-    sel = gi == group
-    first_tile = tl.sum(tl.where(sel, cum - tiles, 0), axis=0)
-    start = tl.sum(tl.where(sel, starts, 0), axis=0)
-    end = tl.sum(tl.where(sel, ends, 0), axis=0)
-    return group, start + (pid_m - first_tile) * BLOCK_M, end, total
-
-
-@triton.jit
 def _grouped_gemm_kernel(
     x_ptr, w_ptr, out_ptr, aux_ptr, offsets_ptr,
     G, E_w, M, N, K,
@@ -214,11 +168,24 @@ def _grouped_gemm_kernel(
     tl.static_assert(not (DACT and STORE_AUX), "the backward epilogue reads aux, it does not store it")
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    group, row0, end, total = _find_tile(offsets_ptr, G, pid_m, BLOCK_M, G_PAD)
+    # This program's (group, row block) from the offsets: tiles_g = cdiv(count_g, BLOCK_M); the
+    # group is the number of groups whose cumulative tile count is <= pid_m (G: past the last
+    # group, a tail tile). Written with few reductions and no nested @triton.jit helpers: under
+    # the interpreter each such call (tl.sum, tl.cdiv, tl.sigmoid ...) re-patches triton.language.
+    gi = tl.arange(0, G_PAD)
+    gm = gi < G
+    starts = tl.load(offsets_ptr + gi, mask=gm, other=0).to(tl.int32)
+    ends = tl.load(offsets_ptr + gi + 1, mask=gm, other=0).to(tl.int32)
+    tiles = tl.where(gm, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, axis=0)
+    group = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn64 = rn.to(tl.int64)
-    if pid_m < total:
+    if group < G:
+        first_tile = tl.sum(tl.where(gi < group, tiles, 0), axis=0)
+        row0 = tl.load(offsets_ptr + group).to(tl.int32) + (pid_m - first_tile) * BLOCK_M
+        end = tl.load(offsets_ptr + group + 1).to(tl.int32)
         rm = row0 + tl.arange(0, BLOCK_M)
         m_mask = rm < end
         rm64 = rm.to(tl.int64)
@@ -228,7 +195,7 @@ def _grouped_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if GLU:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        for k0 in range(0, (K + BLOCK_K - 1) // BLOCK_K):
             kk = k0 * BLOCK_K + rk
             k_mask = kk < K
             kk64 = kk.to(tl.int64)
@@ -251,40 +218,66 @@ def _grouped_gemm_kernel(
         if DACT:
             a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
             pre = tl.load(aux_ptr + a_off, mask=out_mask, other=0.0).to(tl.float32)
+            # act(pre) and act'(pre); gelu is the tanh form: x * sigmoid(c (x + 0.044715 x^3))
+            if ACT == 1:
+                a_val = tl.maximum(pre, 0.0)
+                d_val = tl.where(pre > 0, 1.0, 0.0)
+            elif ACT == 2:
+                sg = 1.0 / (1.0 + tl.exp(-1.5957691216057308 * (pre + 0.044715 * pre * pre * pre)))
+                a_val = pre * sg
+                d_val = sg + pre * sg * (1.0 - sg) * 1.5957691216057308 * (1.0 + 0.134145 * pre * pre)
+            elif ACT == 3:
+                sg = 1.0 / (1.0 + tl.exp(-pre))
+                a_val = pre * sg
+                d_val = sg + pre * sg * (1.0 - sg)
+            else:
+                a_val = pre
+                d_val = pre * 0.0 + 1.0
             if GLU:
                 up = tl.load(aux_ptr + a_off + glu_offset * s_an, mask=out_mask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + o_off, (acc * up * _act_grad(pre, ACT)).to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.store(out_ptr + o_off + glu_offset * s_on, (acc * _act(pre, ACT)).to(out_ptr.dtype.element_ty),
+                tl.store(out_ptr + o_off, (acc * up * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(out_ptr + o_off + glu_offset * s_on, (acc * a_val).to(out_ptr.dtype.element_ty),
                          mask=out_mask)
             else:
-                tl.store(out_ptr + o_off, (acc * _act_grad(pre, ACT)).to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(out_ptr + o_off, (acc * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
             if STORE_AUX:
                 a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
                 tl.store(aux_ptr + a_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
                 if GLU:
                     tl.store(aux_ptr + a_off + glu_offset * s_an, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
-            res = _act(acc, ACT)
+            if ACT == 1:
+                res = tl.maximum(acc, 0.0)
+            elif ACT == 2:
+                res = acc / (1.0 + tl.exp(-1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)))
+            elif ACT == 3:
+                res = acc / (1.0 + tl.exp(-acc))
+            else:
+                res = acc
             if GLU:
                 res = res * acc_up
             tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # tail rows after the last group: zeros, so nothing downstream reads unwritten memory
+        # Tail rows after the last group get zeros, so nothing downstream reads unwritten memory.
+        # Tail tiles are numbered from the end of the grid (no total tile count needed); the
+        # programs between the group tiles and the tail tiles have nothing to do.
         tail0 = tl.load(offsets_ptr + G).to(tl.int32)
-        rm = tail0 + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = (rm < M) & (rm >= tail0)
-        rm64 = rm.to(tl.int64)
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
-        tl.store(out_ptr + o_off, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
-        if GLU and DACT:
-            tl.store(out_ptr + o_off + glu_offset * s_on, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
-        if STORE_AUX:
-            a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
-            tl.store(aux_ptr + a_off, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
-            if GLU:
-                tl.store(aux_ptr + a_off + glu_offset * s_an, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
+        t = tl.num_programs(0) - 1 - pid_m
+        if t * BLOCK_M < M - tail0:
+            rm = tail0 + t * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_mask = rm < M
+            rm64 = rm.to(tl.int64)
+            out_mask = m_mask[:, None] & n_mask[None, :]
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
+            tl.store(out_ptr + o_off, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
+            if GLU and DACT:
+                tl.store(out_ptr + o_off + glu_offset * s_on, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
+            if STORE_AUX:
+                a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
+                tl.store(aux_ptr + a_off, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                if GLU:
+                    tl.store(aux_ptr + a_off + glu_offset * s_an, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -299,7 +292,7 @@ def _grouped_wgrad_kernel(
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs a contraction block >= 16")
     e = tl.program_id(0)
     pid = tl.program_id(1)
-    n_tiles_k = tl.cdiv(K, BLOCK_K)
+    n_tiles_k = (K + BLOCK_K - 1) // BLOCK_K
     pid_n = pid // n_tiles_k
     pid_k = pid % n_tiles_k
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -683,6 +676,13 @@ def grouped_matmul_dact(grad: torch.Tensor, weight: torch.Tensor, offsets, preac
     return out
 
 
+def _row_tiles(M, G, block_m):
+    """Worst-case row tiles of a grouped GEMM, known without reading the offsets: with ``c_g``
+    rows per group (at most ``min(G, M)`` non-empty) and ``tail = M - sum c_g``,
+    ``sum_g cdiv(c_g, BM) + cdiv(tail, BM) <= M / BM + min(G, M) + 1``."""
+    return M // block_m + min(G, M) + 1
+
+
 def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, s_we, s_wn, s_wk, act, glu, dact):
     if M == 0 or N == 0:
         return
@@ -701,10 +701,10 @@ def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, s_we, s_wn, s_wk, act
                  INPUT_PRECISION=_input_precision(x.dtype), G_PAD=triton.next_power_of_2(G))
     if interpreting():
         cfg = INTERPRETER_GEMM_CONFIG
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) + G + 1, triton.cdiv(N, cfg["BLOCK_N"]))
+        grid = (_row_tiles(M, G, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
         _grouped_gemm_kernel[grid](*args, **flags, **cfg)
     else:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) + G + 1, triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+        grid = lambda meta: (_row_tiles(M, G, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
         with torch.cuda.device(x.device):
             _tuned_gemm()[grid](*args, **flags)
 
