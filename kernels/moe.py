@@ -456,7 +456,7 @@ def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int 
     if not ids.is_contiguous():
         ids = ids.contiguous()
     G = num_groups
-    G_PAD = triton.next_power_of_2(G)
+    G_PAD = max(2, triton.next_power_of_2(G))
     BLOCK = _block_for_groups(G_PAD)
     nb = max(1, triton.cdiv(n, BLOCK))
     block_counts = torch.empty((nb, G), device=dev, dtype=torch.int32)
@@ -698,7 +698,7 @@ def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, s_we, s_wn, s_wk, act
             x.stride(0), x.stride(1), s_we, s_wn, s_wk, out.stride(0), out.stride(1),
             aux.stride(0) if has_aux else 0, aux.stride(1) if has_aux else 0, N if glu else 0)
     flags = dict(ACT=act, GLU=glu, STORE_AUX=has_aux and not dact, DACT=dact, UPCAST=needs_upcast(x.dtype),
-                 INPUT_PRECISION=_input_precision(x.dtype), G_PAD=triton.next_power_of_2(G))
+                 INPUT_PRECISION=_input_precision(x.dtype), G_PAD=max(2, triton.next_power_of_2(G)))
     if interpreting():
         cfg = INTERPRETER_GEMM_CONFIG
         grid = (_row_tiles(M, G, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))

@@ -243,15 +243,19 @@ def _mlp_forward(x, w1, w2, offsets, activation, *, h_out=None, pre_out=None, y_
     return y, h, pre
 
 
-def _mlp_backward(gy, x, h, pre, w1, w2, offsets, activation, *, need_dx=True, dx_out=None, dw1=None, dw2=None,
-                  accumulate=False):
-    """dpre = (gy @ W2) * act'(pre) (fused); dx = dpre @ W1 (transposed view, no copy);
-    dW2 = gy^T h, dW1 = dpre^T x per expert (accumulated into fp32 buffers when given)."""
-    E = w1.shape[0]
+def _mlp_dgrad(gy, pre, w1, w2, offsets, activation, *, need_dx=True, dx_out=None):
+    """dpre = (gy @ W2) * act'(pre) (fused into the GEMM, W2 read transposed in place) and
+    dx = dpre @ W1 (transposed view, no copy)."""
     dpre = K.grouped_matmul_dact(gy, w2, offsets, pre, weight_layout="kn", activation=activation)
     dx = K.grouped_matmul(dpre, w1, offsets, weight_layout="kn", out=dx_out) if need_dx else None
-    return dx, dpre, (lambda: (K.grouped_wgrad(gy, h, offsets, E, out=dw2, accumulate=accumulate),
-                               K.grouped_wgrad(dpre, x, offsets, E, out=dw1, accumulate=accumulate)))
+    return dx, dpre
+
+
+def _mlp_wgrad(gy, x, h, dpre, offsets, num_experts, *, dw1=None, dw2=None, accumulate=False):
+    """dW2 = gy^T h and dW1 = dpre^T x per expert (into fp32 buffers when accumulating)."""
+    dw2 = K.grouped_wgrad(gy, h, offsets, num_experts, out=dw2, accumulate=accumulate)
+    dw1 = K.grouped_wgrad(dpre, x, offsets, num_experts, out=dw1, accumulate=accumulate)
+    return dw1, dw2
 
 
 class _GroupedMLPFn(torch.autograd.Function):
@@ -265,11 +269,11 @@ class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, h, pre, w1, w2, offsets = ctx.saved_tensors
-        dx, _, wgrads = _mlp_backward(gy.contiguous(), x, h, pre, w1, w2, offsets, ctx.activation,
-                                      need_dx=ctx.needs_input_grad[0])
+        gy = gy.contiguous()
+        dx, dpre = _mlp_dgrad(gy, pre, w1, w2, offsets, ctx.activation, need_dx=ctx.needs_input_grad[0])
         dw1 = dw2 = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dw2, dw1 = wgrads()
+            dw1, dw2 = _mlp_wgrad(gy, x, h, dpre, offsets, w1.shape[0])
         return dx, dw1, dw2, None, None
 
 
@@ -334,12 +338,13 @@ class _EPExpertsFn(torch.autograd.Function):
             r0, rn = plan.recv_rows(c)
             handles[c].wait()
             sl = slice(r0, r0 + rn)
-            _, _, wgrads = _mlp_backward(g_recv[sl], recv[sl], h[sl], pre[sl], w1, w2, plan.expert_offsets[c],
-                                         ctx.activation, dx_out=dx_exp[sl], dw1=dw1, dw2=dw2, accumulate=True)
+            _, dpre = _mlp_dgrad(g_recv[sl], pre[sl], w1, w2, plan.expert_offsets[c], ctx.activation,
+                                 dx_out=dx_exp[sl])
             back.append(comm.all_to_all(gx_perm[s0:s0 + sn], dx_exp[sl], plan.send_splits[c], plan.recv_splits[c],
                                         grp))
             if need_w:  # weight gradients of this chunk while its input gradients travel
-                wgrads()
+                _mlp_wgrad(g_recv[sl], recv[sl], h[sl], dpre, plan.expert_offsets[c], w1.shape[0], dw1=dw1, dw2=dw2,
+                           accumulate=True)
         for hd in back:
             hd.wait()
         return (gx_perm, dw1.to(w1.dtype) if need_w else None, dw2.to(w2.dtype) if need_w else None, None, None)
