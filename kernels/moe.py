@@ -146,8 +146,8 @@ def _combine_bwd_kernel(go_ptr, y_ptr, w_ptr, sorted_slot_ptr, gy_ptr, gw_ptr, n
         yv = tl.load(y_ptr + rows64[:, None] * s_yr + cols64[None, :] * s_yh, mask=ok[:, None] & h_mask[None, :],
                      other=0.0).to(tl.float32)
         dot += tl.sum(g * yv, axis=1)
-        tl.store(gy_ptr + rows64[:, None] * s_gyr + cols64[None, :] * s_gyh, (g * wv[:, None]).to(gy_ptr.dtype.element_ty),
-                 mask=r_mask[:, None] & h_mask[None, :])
+        tl.store(gy_ptr + rows64[:, None] * s_gyr + cols64[None, :] * s_gyh,
+                 (g * wv[:, None]).to(gy_ptr.dtype.element_ty), mask=r_mask[:, None] & h_mask[None, :])
     tl.store(gw_ptr + tl.where(ok, slot, 0), dot, mask=ok)
 
 
@@ -744,7 +744,9 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
         grid = (num_experts, triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"]))
         _grouped_wgrad_kernel[grid](*args, **flags, **cfg)
     else:
-        grid = lambda meta: (num_experts, triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
+        def grid(meta):
+            return (num_experts, triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]))
+
         with torch.cuda.device(grad.device):
             _tuned_wgrad()[grid](*args, **flags)
     return out

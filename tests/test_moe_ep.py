@@ -126,7 +126,8 @@ def _skew_and_stages(rank, size, seed):
 
 def _errors(rank, size):
     bad_e = 2 * size + 1
-    with pytest.raises(ValueError, match=f"num_experts={bad_e} must be divisible by the expert-parallel group size \\({size}\\)"):
+    msg = f"num_experts={bad_e} must be divisible by the expert-parallel group size \\({size}\\)"
+    with pytest.raises(ValueError, match=msg):
         MoE(H, FFN, bad_e, K)
     x = torch.randn(4, H)
     ids = torch.zeros(4, 2, dtype=torch.int64)

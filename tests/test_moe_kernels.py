@@ -95,14 +95,6 @@ def test_permute_combine_and_backward(dtype):
     assert_close(gsum, ref_sum, dtype, msg="permute backward")
 
 
-def _grouped_mm(x, w_kn, offsets):
-    """torch's grouped GEMM (2-D x 3-D, group ends as offs); None where unavailable."""
-    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if fn is None:
-        return None
-    return fn(x, w_kn, offs=torch.tensor(offsets[1:], dtype=torch.int32, device=x.device))
-
-
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)
 def test_grouped_matmul_forward(dtype):
     g = torch.Generator().manual_seed(2)
