@@ -124,6 +124,43 @@ def _skew_and_stages(rank, size, seed):
         assert_close(a, b, torch.float32, msg=f"stages vs moe_mlp: {name} rank {rank}")
 
 
+def _pipeline_order(rank, size, seed):
+    """The dispatch is pipelined: every chunk's all-to-all starts before the first is waited on,
+    and chunk 0's results are sent back before chunk 1 is waited on (so chunk 1 travels while
+    chunk 0 computes); the backward mirrors it."""
+    log = []
+    real = comm.all_to_all
+
+    class _Spy:
+        def __init__(self, i, handle):
+            self.i, self.handle = i, handle
+
+        def wait(self):
+            log.append(("wait", self.i))
+            self.handle.wait()
+
+    def spy(out, inp, out_splits=None, in_splits=None, group=None):
+        i = sum(1 for e in log if e[0] == "start")
+        log.append(("start", i))
+        return _Spy(i, real(out, inp, out_splits, in_splits, group))
+
+    x = torch.randn(7, H, generator=rank_rng(seed, rank)).requires_grad_()
+    ids = torch.tensor([[0, E - 1]] * 7)
+    w1 = torch.randn(E // size, 2 * FFN, H, generator=rank_rng(seed + 1, rank)).requires_grad_()
+    w2 = torch.randn(E // size, H, FFN, generator=rank_rng(seed + 2, rank)).requires_grad_()
+    comm.all_to_all = spy
+    try:
+        y = moe_mlp(x, ids, torch.ones(7, 2), w1, w2, num_experts=E, num_chunks=2)
+        y.sum().backward()
+    finally:
+        comm.all_to_all = real
+    s, w = (lambda i: ("start", i)), (lambda i: ("wait", i))
+    expected = [s(0), w(0),  # counts
+                s(1), s(2), w(1), s(3), w(2), s(4), w(3), w(4),  # dispatch 0, 1; return 0, 1
+                s(5), s(6), w(5), s(7), w(6), s(8), w(7), w(8)]  # backward: grads out, grads in
+    assert log == expected, f"rank {rank}: transfer order {log}"
+
+
 def _errors(rank, size):
     bad_e = 2 * size + 1
     msg = f"num_experts={bad_e} must be divisible by the expert-parallel group size \\({size}\\)"
@@ -156,6 +193,8 @@ def _run_all(rank, size, seed):
         _layer_vs_single(rank, size, seed + 1, self_groups[rank], tokens=zero, capacity_factor=0.5, num_chunks=3,
                          score="sigmoid", activation="gelu", single_layer=False)
         _skew_and_stages(rank, size, seed)
+        if size == 2:
+            _pipeline_order(rank, size, seed)
     finally:
         comm.set_straggler(0)
     _errors(rank, size)
