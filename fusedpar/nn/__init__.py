@@ -1,1 +1,3 @@
+from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_shards
+from .moe import MoE, RouterOutput, TopKRouter  # noqa: F401
 from .norm import RMSNorm  # noqa: E402,F401
