@@ -3,20 +3,23 @@ rank's shard, gathering shards into the full tensor, and saving / loading with
 ``torch.distributed.checkpoint`` (DCP) at *any* parallel layout.
 
 A :class:`ShardSpec` says how a local tensor sits in the full one: the full tensor's dimension
-``dim`` is cut into ``chunks`` equal sections, and rank ``r`` of ``group`` holds block ``r`` of
-each section (``chunks=2`` for the ``[gate; up]`` rows of a gated column-parallel weight, 1
-otherwise). :func:`shard_specs` derives the specs from the fusedpar modules in a model:
+``dim`` is cut into sections, and rank ``r`` of ``group`` holds block ``r`` of
+each section (two equal sections for the ``[gate; up]`` rows of a gated column-parallel weight,
+``[q; k; v]`` rows of unequal sizes for a fused attention projection, one otherwise). :func:`shard_specs` derives the specs from the fusedpar modules in a model:
 
-* ``ColumnParallelLinear``: weight and bias rows over its tp group (``chunks=2`` when gated);
+* ``ColumnParallelLinear``: weight and bias rows over its tp group (two sections when gated);
 * ``RowParallelLinear``: weight columns over its tp group (the bias is replicated);
+* ``ParallelAttention``: the fused QKV rows as three sections ``[q; k; v]`` (each rank holds its
+  heads of each), the output projection as a row-parallel layer;
 * ``MoE``: ``w1`` / ``w2`` experts (dim 0) over its ep group;
 * everything else: replicated (no spec).
 
 DCP checkpoints store every parameter as a DTensor over a one-dimensional mesh of its group with
-placement ``Shard(dim)`` (on the ``[chunks, n, ...]`` view when ``chunks > 1``), so the files hold
+placement ``Shard(dim)`` (one per section when there are several), so the files hold
 full logical tensors: a model built at another tp or ep degree loads them by building its own
 DTensors, and DCP reads each rank's slice. Replicated tensors are written once (DCP deduplicates
-identical chunks).
+identical chunks). A tensor made of unequal sections (a fused ``[q; k; v]`` projection) is stored
+as one DTensor per section.
 """
 from __future__ import annotations
 
@@ -32,9 +35,12 @@ from fusedpar import comm
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
+    """``dim`` of the full tensor is cut into sections (``sections``: their full sizes, or a count
+    of equal sections); rank ``r`` of ``group`` holds block ``r`` of every section, in order."""
+
     group: dist.ProcessGroup | None
     dim: int
-    chunks: int = 1
+    sections: tuple[int, ...] | int = 1
 
     @property
     def size(self) -> int:
@@ -44,14 +50,27 @@ class ShardSpec:
     def rank(self) -> int:
         return comm.group_rank(self.group)
 
+    def full_sections(self, n_full: int) -> list[int]:
+        if isinstance(self.sections, int):
+            if n_full % self.sections:
+                raise ValueError(f"dim {self.dim} of size {n_full} does not split into {self.sections} sections")
+            secs = [n_full // self.sections] * self.sections
+        else:
+            secs = list(self.sections)
+            if sum(secs) != n_full:
+                raise ValueError(f"sections {secs} do not add up to dim {self.dim} of size {n_full}")
+        for sec in secs:
+            if sec % self.size:
+                raise ValueError(f"section of size {sec} along dim {self.dim} does not split over {self.size} ranks")
+        return secs
+
+    def local_sections(self, n_local: int) -> list[int]:
+        return [sec // self.size for sec in self.full_sections(n_local * self.size)]
+
     def local_from_full(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``full`` (a copy)."""
-        n = full.shape[self.dim]
-        if n % (self.chunks * self.size):
-            raise ValueError(f"dim {self.dim} of size {n} does not split into {self.chunks} sections over "
-                             f"{self.size} ranks")
-        sections = full.chunk(self.chunks, dim=self.dim)
-        return torch.cat([s.chunk(self.size, dim=self.dim)[self.rank] for s in sections], dim=self.dim).clone()
+        parts = full.split(self.full_sections(full.shape[self.dim]), dim=self.dim)
+        return torch.cat([p.chunk(self.size, dim=self.dim)[self.rank] for p in parts], dim=self.dim).clone()
 
     def full_from_local(self, local: torch.Tensor) -> torch.Tensor:
         """All-gather every rank's shard and reassemble the full tensor (collective over ``group``)."""
@@ -59,11 +78,15 @@ class ShardSpec:
         if P == 1:
             return local.detach().clone()
         buf = torch.empty((P,) + tuple(local.shape), dtype=local.dtype, device=local.device)
-        comm.all_gather_into(buf.view(P * local.shape[0], *local.shape[1:]) if local.dim() else buf,
-                             local.detach().contiguous(), self.group).wait()
-        # buf[r] is rank r's local tensor: [chunks x block] along dim; put blocks back per section
-        parts = [b.chunk(self.chunks, dim=self.dim) for b in buf.unbind(0)]
-        return torch.cat([parts[r][c] for c in range(self.chunks) for r in range(P)], dim=self.dim)
+        comm.all_gather_into(buf.view(P * local.shape[0], *local.shape[1:]), local.detach().contiguous(),
+                             self.group).wait()
+        secs = self.local_sections(local.shape[self.dim])
+        parts = [b.split(secs, dim=self.dim) for b in buf.unbind(0)]  # parts[r][c]
+        return torch.cat([parts[r][c] for c in range(len(secs)) for r in range(P)], dim=self.dim)
+
+    def local_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``local``, one per section (each the rank's block of that section)."""
+        return list(local.split(self.local_sections(local.shape[self.dim]), dim=self.dim))
 
 
 def shard_specs(model: nn.Module) -> dict[str, ShardSpec | None]:
@@ -71,11 +94,29 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec | None]:
     from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
     from fusedpar.nn.moe import MoE
 
+    try:
+        from fusedpar.nn.attention import ParallelAttention
+    except ImportError:  # the attention module is optional for models without attention
+        ParallelAttention = ()
+
     specs: dict[str, ShardSpec | None] = {name: None for name, _ in model.named_parameters()}
+    fused_qkv = {}
+    for mname, mod in model.named_modules():
+        if isinstance(mod, ParallelAttention) and mod.tp_size > 1:
+            # rank t's rows are [its q heads; its k heads; its v heads]: three sections of the
+            # standard [q; k; v] fused weight (the tp-ordered full weight depends on the degree)
+            d = mod.head_dim
+            fused_qkv[f"{mname}.qkv" if mname else "qkv"] = (mod.num_heads * d, mod.num_kv_heads * d,
+                                                             mod.num_kv_heads * d)
     for mname, mod in model.named_modules():
         prefix = f"{mname}." if mname else ""
-        if isinstance(mod, ColumnParallelLinear) and mod.tp_size > 1:
-            spec = ShardSpec(mod.group, 0, 2 if mod.gated else 1)
+        if mname in fused_qkv:
+            spec = ShardSpec(mod.group, 0, fused_qkv[mname])
+            specs[prefix + "weight"] = spec
+            if mod.bias is not None:
+                specs[prefix + "bias"] = spec
+        elif isinstance(mod, ColumnParallelLinear) and mod.tp_size > 1:
+            spec = ShardSpec(mod.group, 0, 2 if mod.gated else 1)  # gated: [gate rows; up rows]
             specs[prefix + "weight"] = spec
             if mod.bias is not None:
                 specs[prefix + "bias"] = spec
@@ -137,11 +178,10 @@ def dcp_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             sd[name] = local
             continue
         mesh = _mesh(comm.resolve_group(spec.group), local.device.type)
-        dim = spec.dim
-        if spec.chunks > 1:
-            local = local.unflatten(dim, (spec.chunks, -1))
-            dim += 1
-        sd[name] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+        pieces = spec.local_pieces(local)
+        for c, piece in enumerate(pieces):
+            key = name if len(pieces) == 1 else f"{name}.section{c}"
+            sd[key] = DTensor.from_local(piece, mesh, [Shard(spec.dim)], run_check=False)
     return sd
 
 
