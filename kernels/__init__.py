@@ -12,3 +12,18 @@ from ._runtime import interpreting
 from .gemm import ACTIVATIONS, matmul, matmul_reference, matmul_tn
 
 __all__ = ["ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn"]
+from .flash_attention import (  # noqa: E402
+    attention_delta,
+    attention_reference,
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+)
+
+__all__ += [
+    "attention_delta",
+    "attention_reference",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_forward",
+]
