@@ -195,3 +195,27 @@ def test_bad_inputs():
         flash_attention_forward(q, k, k, accumulate=True)
     with pytest.raises(TypeError, match="lse must have dtype"):
         flash_attention_forward(q, k, k, lse=torch.empty(1, 4, 4, dtype=torch.float16))
+
+
+@pytest.fixture
+def bench_main(monkeypatch):
+    import os
+
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.__main__ import main
+
+    return main
+
+
+def test_benchmark_cli_smoke(bench_main, tmp_path):
+    import json
+
+    out = tmp_path / "a.json"
+    assert bench_main(["attention", "--seqs", "19", "--head-dims", "16", "--causal", "yes", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"]["attention"][0]
+    assert (row["seq"], row["head_dim"], row["causal"]) == (19, 16, True)
+    assert row["max_rel_err"] < 1e-4 and row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["sdpa_fwd_ms"] > 0
+    out = tmp_path / "r.json"
+    assert bench_main(["ring_attention", "--ranks", "3", "--tokens-per-rank", "6", "--rank", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"]["ring_attention"][0]
+    assert (row["ranks"], row["rank"]) == (3, 1) and row["max_rel_err"] < 1e-4 and row["T_overlapped_ms"] > 0
