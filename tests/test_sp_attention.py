@@ -54,21 +54,21 @@ def _compare(fn, full, pos, causal, dtype, msg):
         assert_close(got, r.index_select(1, pos), dtype, rtol=tol, atol=tol * scale, msg=f"{name} {msg}")
 
 
-# (layout, causal, heads, kv_heads, dtype)
+# (layout, causal, heads, kv_heads, dtype, batch)
 RING_CASES = [
-    ("zigzag", True, 2, 1, torch.float32),
-    ("contiguous", True, 2, 2, torch.float32),
-    ("zigzag", False, 4, 2, torch.float32),
-    ("zigzag", True, 2, 2, torch.float16),
+    ("zigzag", True, 2, 1, torch.float32, 1),
+    ("contiguous", True, 2, 2, torch.float32, 2),
+    ("zigzag", False, 4, 2, torch.float32, 1),
+    ("zigzag", True, 2, 2, torch.float16, 1),
 ]
 
 
 def _ring_cases(rank, size, seed, s_local, cases):
     straggle(0.01, seed)
     try:
-        for i, (layout, causal, hq, hk, dtype) in enumerate(cases):
+        for i, (layout, causal, hq, hk, dtype, b) in enumerate(cases):
             S = s_local * size
-            full = _full_inputs(seed + i, 1, S, hq, hk, 16, dtype)
+            full = _full_inputs(seed + i, b, S, hq, hk, 16, dtype)
             pos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
             _compare(lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout), full, pos, causal, dtype,
                      msg=f"ring {layout} causal={causal} h={hq}/{hk} {dtype} P={size} rank {rank}")
@@ -90,16 +90,16 @@ def test_ring_world3(world3):
     assert all(world3.run(_ring_cases, seed=3, s_local=8, cases=RING_CASES[:1]))
 
 
-# (causal, heads, kv_heads): kv heads split evenly, replicated (fewer than ranks), MHA
-ULYSSES_CASES = [(True, 4, 2), (False, 4, 1), (True, 8, 8)]
+# (causal, heads, kv_heads, batch): kv heads split evenly, replicated (fewer than ranks), MHA
+ULYSSES_CASES = [(True, 4, 2, 2), (False, 4, 1, 1), (True, 8, 8, 1)]
 
 
 def _ulysses_cases(rank, size, seed, s_local):
     straggle(0.01, seed)
     try:
-        for i, (causal, hq, hk) in enumerate(ULYSSES_CASES):
+        for i, (causal, hq, hk, b) in enumerate(ULYSSES_CASES):
             S = s_local * size
-            full = _full_inputs(seed + i, 1, S, hq, hk, 16, torch.float32)
+            full = _full_inputs(seed + i, b, S, hq, hk, 16, torch.float32)
             pos = torch.arange(rank * s_local, (rank + 1) * s_local)
             _compare(lambda q, k, v: ulysses_attention(q, k, v, causal=causal), full, pos, causal, torch.float32,
                      msg=f"ulysses causal={causal} h={hq}/{hk} P={size} rank {rank}")
@@ -128,9 +128,9 @@ def _hybrid_cases(rank, size, seed):
     u_rank, r_rank = rank % 2, rank // 2
     straggle(0.01, seed)
     try:
-        for i, (layout, causal, hq, hk) in enumerate([("zigzag", True, 4, 2), ("contiguous", False, 2, 1)]):
+        for i, (layout, causal, hq, hk, b) in enumerate([("zigzag", True, 4, 2, 2), ("contiguous", False, 2, 1, 1)]):
             S = 24
-            full = _full_inputs(seed + i, 1, S, hq, hk, 16, torch.float32)
+            full = _full_inputs(seed + i, b, S, hq, hk, 16, torch.float32)
             pos = shard_positions(S, layout=layout, ring_rank=r_rank, ring_size=2, ulysses_rank=u_rank, ulysses_size=2)
             _compare(lambda q, k, v: hybrid_attention(q, k, v, ulysses_group=u_group, ring_group=r_group,
                                                       causal=causal, layout=layout),
@@ -160,6 +160,38 @@ def test_zigzag_helpers():
         shard_positions(8, layout="striped")
     with pytest.raises(ValueError, match="ring_rank"):
         zigzag_positions(12, 3, 3)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_zigzag_plan_is_balanced_and_complete(size):
+    # every (query, key) pair that the causal mask shows is computed exactly once over the ring,
+    # and in zigzag every rank does the same amount of work at every step
+    from fusedpar.ops.attention import _chunks, _plan
+
+    s = 6
+    S = s * size
+    for layout in ("zigzag", "contiguous"):
+        seen = torch.zeros(S, S, dtype=torch.int64)
+        work = torch.zeros(size, size)
+        for rank in range(size):
+            qpos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
+            for step in range(size):
+                src = (rank - step) % size
+                kpos = shard_positions(S, layout=layout, ring_rank=src, ring_size=size)
+                for qs, ks, qo, ko, causal in _plan(_chunks(layout, rank, size, s), _chunks(layout, src, size, s), True):
+                    qi, kj = qpos[qs][:, None], kpos[ks][None, :]
+                    if causal:  # offsets must be the chunks' true global starts
+                        assert qo == qpos[qs][0] and ko == kpos[ks][0]
+                        vis = kj <= qi
+                    else:
+                        assert bool((kj <= qi).all()), "an unmasked launch must see only visible keys"
+                        vis = torch.ones(qi.shape[0], kj.shape[1], dtype=torch.bool)
+                    seen[qi.expand_as(vis)[vis], kj.expand_as(vis)[vis]] += 1
+                    work[rank, step] += vis.sum()
+        assert torch.equal(seen, torch.ones(S, S, dtype=torch.int64).tril()), layout
+        if layout == "zigzag":
+            for step in range(1, size):
+                assert work[:, step].eq(work[0, step]).all(), f"zigzag step {step} unbalanced: {work[:, step]}"
 
 
 def test_single_process_equals_flash():
