@@ -172,6 +172,52 @@ def _emulated_ring_forward(q, blocks, rank, size, scale, transport, sequential=F
     return out, lse
 
 
+def _emulated_ring_backward(dout, q, blocks, out, lse, rank, size, scale, transport, sequential=False):
+    """Rank ``rank``'s zigzag causal ring backward: K/V rotate as in the forward, and this rank's
+    fp32 dK/dV partial sums for the block in hand go to the right neighbour (copied) while the
+    left neighbour's arrive (copied from a stand-in buffer of the same bytes)."""
+    import torch
+
+    from fusedpar.kernels import attention_delta, flash_attention_backward
+    from fusedpar.ops.attention import _chunks, _plan
+
+    s = q.shape[1]
+    delta = attention_delta(out, dout).contiguous()
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    cur, nxt = torch.empty_like(blocks[0]), torch.empty_like(blocks[0])
+    cur.copy_(blocks[rank])
+    dkv_bufs = [torch.empty(blocks[0].shape, device=q.device, dtype=torch.float32) for _ in range(2)]
+    dkv_in, neighbour = torch.empty_like(dkv_bufs[0]), torch.zeros_like(dkv_bufs[0])
+    sent = torch.empty_like(dkv_bufs[0])
+    q_chunks = _chunks("zigzag", rank, size, s)
+    wait_dkv = None
+    for step in range(size):
+        src = (rank - step) % size
+        wait = transport.start(nxt, blocks[(rank - step - 1) % size]) if step < size - 1 else None
+        if sequential and wait is not None:
+            wait()
+        dkv = dkv_bufs[step % 2]
+        dkv.zero_()
+        for qs, ks, qo, ko, c in _plan(q_chunks, _chunks("zigzag", src, size, s), True):
+            flash_attention_backward(dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks], None, lse[:, :, qs],
+                                     delta=delta[:, :, qs], causal=c, softmax_scale=scale, q_offset=qo, k_offset=ko,
+                                     dq=dq[:, qs], dk=dkv[0][:, ks], dv=dkv[1][:, ks], accumulate=True)
+        if wait_dkv is not None:
+            wait_dkv()
+            dkv += dkv_in
+        # our partial sums leave to the right while the left neighbour's arrive
+        send_done = transport.start(sent, dkv)
+        wait_dkv = transport.start(dkv_in, neighbour)
+        if sequential:
+            send_done()
+            wait_dkv()
+        if wait is not None:
+            wait()
+            cur, nxt = nxt, cur
+    wait_dkv()
+    return dq
+
+
 @register("ring_attention", "one rank's zigzag ring schedule on one GPU (copies on a second stream)",
           add_args=_add_ring_args)
 def run_ring(args, ctx):
@@ -179,7 +225,7 @@ def run_ring(args, ctx):
 
     import torch
 
-    from fusedpar.kernels import flash_attention_forward
+    from fusedpar.kernels import flash_attention_backward, flash_attention_forward
     from fusedpar.ops.attention import _chunks
 
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
@@ -217,8 +263,24 @@ def run_ring(args, ctx):
         return out, lse
 
     ring_out, _ = _emulated_ring_forward(q, blocks, r, P, scale, transport)
-    plain_out, _ = plain()
+    plain_out, plain_lse = plain()
     err = check_close(ring_out, plain_out.float())
+    dout = torch.randn_like(q)
+
+    def plain_bwd():
+        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # accumulate mode adds into it
+        dkv = torch.zeros(kv_full.shape, device=q.device, dtype=torch.float32)
+        for ls, ln, g in _chunks("zigzag", r, P, s):
+            sl = slice(ls, ls + ln)
+            flash_attention_backward(dout[:, sl], q[:, sl], kv_full[0], kv_full[1], plain_out[:, sl],
+                                     plain_lse[:, :, sl], causal=True, softmax_scale=scale, q_offset=g,
+                                     k_offset=0, dq=dq[:, sl], dk=dkv[0], dv=dkv[1], accumulate=True)
+        return dq
+
+    def ring_bwd(sequential=False):
+        return _emulated_ring_backward(dout, q, blocks, plain_out, plain_lse, r, P, scale, transport, sequential)
+
+    err = max(err, check_close(ring_bwd(), plain_bwd().float()))
 
     bufs = [torch.empty_like(blocks[0]) for _ in range(2)]
 
@@ -230,6 +292,9 @@ def run_ring(args, ctx):
     t_comm = ctx.time_ms(copies)
     t_seq = ctx.time_ms(lambda: _emulated_ring_forward(q, blocks, r, P, scale, transport, sequential=True))
     t_ovl = ctx.time_ms(lambda: _emulated_ring_forward(q, blocks, r, P, scale, transport))
+    t_plain_b = ctx.time_ms(plain_bwd)
+    t_seq_b = ctx.time_ms(lambda: ring_bwd(sequential=True))
+    t_ovl_b = ctx.time_ms(ring_bwd)
     flops = 4.0 * h * s * S * d / 2
     # overlap efficiency as DESIGN.md §5 defines it, with T_gemm the ring's compute alone
     t_compute = max(t_seq - t_comm, 1e-9)
@@ -240,5 +305,7 @@ def run_ring(args, ctx):
         "ranks": P, "rank": r, "tokens_per_rank": s, "heads": h, "head_dim": d, "dtype": str(dtype).replace("torch.", ""),
         "plain_kernel_ms": t_plain, "T_comm_ms": t_comm, "T_sequential_ms": t_seq, "T_overlapped_ms": t_ovl,
         "efficiency_vs_plain": t_plain / t_ovl, "overlap_efficiency": overlap,
+        "bwd_plain_ms": t_plain_b, "bwd_sequential_ms": t_seq_b, "bwd_overlapped_ms": t_ovl_b,
+        "bwd_efficiency_vs_plain": t_plain_b / t_ovl_b,
         "plain_TFLOPs": tflops(flops, t_plain), "max_rel_err": err,
     }]
