@@ -42,76 +42,47 @@ MAX_HEAD_DIM = 256
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-    s_qb, s_qs, s_qh, s_qd,
-    s_kb, s_ks, s_kh, s_kd,
-    s_vb, s_vs, s_vh, s_vd,
-    s_ob, s_os, s_oh, s_od,
-    s_lb, s_lh, s_ls,
-    H, GROUP, SQ, SK, q_offset, k_offset, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, ACCUM: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
-    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.arange(0, BLOCK_N)
-    rd = tl.arange(0, BLOCK_D)
-    m_mask = rm < SQ
-    d_mask = rd < HEAD_DIM
-
-    q_base = q_ptr + b * s_qb + h * s_qh
-    k_base = k_ptr + b * s_kb + hk * s_kh
-    v_base = v_ptr + b * s_vb + hk * s_vh
-    o_base = o_ptr + b * s_ob + h * s_oh
-    lse_base = lse_ptr + b * s_lb + h * s_lh
-
-    q = tl.load(q_base + rm.to(tl.int64)[:, None] * s_qs + rd[None, :] * s_qd,
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    o_off = rm.to(tl.int64)[:, None] * s_os + rd[None, :] * s_od
-    if ACCUM:
-        # continue from the normalised state (out_prev, lse_prev): m = lse_prev, l = 1
-        m_i = tl.load(lse_base + rm.to(tl.int64) * s_ls, mask=m_mask, other=float("-inf")) * 1.4426950408889634
-        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
-        acc = tl.load(o_base + o_off, mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+def _load_tile(ptrs, row_mask, d_mask, MASK_ROWS: tl.constexpr, PAD_D: tl.constexpr):
+    """Load a tile, masking rows (sequence tails) and/or padded head_dim columns only where
+    needed: interior blocks of an unpadded head_dim load without masks (vectorised)."""
+    if MASK_ROWS:
+        if PAD_D:
+            x = tl.load(ptrs, mask=row_mask & d_mask, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_mask, other=0.0)
     else:
-        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        if PAD_D:
+            x = tl.load(ptrs, mask=d_mask, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
 
-    # global query positions of this block; keys beyond q_pos_max are invisible to all its rows
-    q_pos = q_offset + rm
-    hi = SK
-    if CAUSAL:
-        hi = tl.minimum(SK, tl.maximum(q_offset + (pid_m + 1) * BLOCK_M - k_offset, 0))
-    for n0 in range(0, hi, BLOCK_N):
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, lo, hi, SK, k_offset,
+               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+               UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online-softmax update over key blocks ``[lo, hi)``. ``MASKED=False`` only for blocks that
+    every query row of the program sees completely (no tail, no causal cut)."""
+    rn = tl.arange(0, BLOCK_N)
+    d_ok = rd < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + rn
         n_mask = cols < SK
         kv_rows = cols.to(tl.int64)
-        k = tl.load(k_base + kv_rows[None, :] * s_ks + rd[:, None] * s_kd,
-                    mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        v = tl.load(v_base + kv_rows[:, None] * s_vs + rd[None, :] * s_vd,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        k = _load_tile(k_base + kv_rows[None, :] * s_ks + rd[:, None] * s_kd, n_mask[None, :], d_ok[:, None],
+                       MASKED, PAD_D)
+        v = _load_tile(v_base + kv_rows[:, None] * s_vs + rd[None, :] * s_vd, n_mask[:, None], d_ok[None, :],
+                       MASKED, PAD_D)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale
-        visible = n_mask[None, :]
-        if CAUSAL:
-            visible = visible & ((k_offset + cols)[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = n_mask[None, :]
+            if CAUSAL:
+                visible = visible & ((k_offset + cols)[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows that have seen no visible key yet keep m = -inf; subtract 0 there to avoid nan
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -124,13 +95,114 @@ def _attn_fwd_kernel(
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    s_qb, s_qs, s_qh, s_qd,
+    s_kb, s_ks, s_kh, s_kd,
+    s_vb, s_vs, s_vh, s_vd,
+    s_ob, s_os, s_oh, s_od,
+    s_lb, s_lh, s_ls,
+    H, GROUP, SQ, SK, q_offset, k_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, CAUSAL: tl.constexpr,
+    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
+    tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+
+    m0 = pid_m * BLOCK_M
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    m_mask = rm < SQ
+    d_mask = rd < HEAD_DIM
+    md_mask = m_mask[:, None] & d_mask[None, :]
+
+    q_base = q_ptr + b * s_qb + h * s_qh
+    k_base = k_ptr + b * s_kb + hk * s_kh
+    v_base = v_ptr + b * s_vb + hk * s_vh
+    o_base = o_ptr + b * s_ob + h * s_oh
+    lse_base = lse_ptr + b * s_lb + h * s_lh
+
+    q = tl.load(q_base + rm.to(tl.int64)[:, None] * s_qs + rd[None, :] * s_qd, mask=md_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    o_off = rm.to(tl.int64)[:, None] * s_os + rd[None, :] * s_od
+    if ACCUM:
+        # continue from the normalised state (out_prev, lse_prev): m = lse_prev, l = 1
+        m_i = tl.load(lse_base + rm.to(tl.int64) * s_ls, mask=m_mask, other=float("-inf")) * 1.4426950408889634
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+        acc = tl.load(o_base + o_off, mask=md_mask, other=0.0).to(tl.float32)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    q_pos = q_offset + rm
+    if CAUSAL:
+        # keys up to the last row's position are visible to some row; keys up to the first
+        # row's position to every row (those blocks run without masks)
+        hi = tl.minimum(SK, tl.maximum(q_offset + m0 + BLOCK_M - k_offset, 0))
+        full = tl.minimum(SK, tl.maximum(q_offset + m0 + 1 - k_offset, 0))
+    else:
+        hi = SK
+        full = SK
+    full = (full // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, 0, full, SK,
+                               k_offset, qk_scale, False, CAUSAL, HEAD_DIM, PAD_D, UPCAST, INPUT_PRECISION, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, full, hi, SK,
+                               k_offset, qk_scale, True, CAUSAL, HEAD_DIM, PAD_D, UPCAST, INPUT_PRECISION, BLOCK_N)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(o_base + o_off, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(o_base + o_off, out.to(o_ptr.dtype.element_ty), mask=md_mask)
     tl.store(lse_base + rm.to(tl.int64) * s_ls, lse, mask=m_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, lo, hi, SK, k_offset,
+              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+              UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    rn = tl.arange(0, BLOCK_N)
+    d_ok = rd < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + rn
+        n_mask = cols < SK
+        kv_rows = cols.to(tl.int64)
+        kt = _load_tile(k_base + kv_rows[None, :] * s_ks + rd[:, None] * s_kd, n_mask[None, :], d_ok[:, None],
+                        MASKED, PAD_D)
+        vt = _load_tile(v_base + kv_rows[None, :] * s_vs + rd[:, None] * s_vd, n_mask[None, :], d_ok[:, None],
+                        MASKED, PAD_D)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if MASKED:
+            visible = n_mask[None, :]
+            if CAUSAL:
+                visible = visible & ((k_offset + cols)[None, :] <= q_pos[:, None])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, vt, input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if UPCAST:
+            dq = tl.dot(ds, tl.trans(kt), dq, input_precision=INPUT_PRECISION)
+        else:
+            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=INPUT_PRECISION)
+    return dq
 
 
 @triton.jit
@@ -143,12 +215,13 @@ def _attn_bwd_dq_kernel(
     s_gb, s_gs, s_gh, s_gd,
     s_lb, s_lh, s_ls,
     H, GROUP, SQ, SK, q_offset, k_offset, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, ACCUM: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, CAUSAL: tl.constexpr,
+    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ for one block of query rows: loop over the visible key blocks."""
     tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
+    tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -156,8 +229,8 @@ def _attn_bwd_dq_kernel(
     hk = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
 
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.arange(0, BLOCK_N)
+    m0 = pid_m * BLOCK_M
+    rm = m0 + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
     m_mask = rm < SQ
     d_mask = rd < HEAD_DIM
@@ -170,7 +243,7 @@ def _attn_bwd_dq_kernel(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse = tl.load(lse_ptr + b * s_lb + h * s_lh + rows * s_ls, mask=m_mask, other=float("inf"))
-    # fully masked rows (lse = -inf) contribute nothing: +inf makes every p exactly 0
+    # fully masked rows (lse = -inf) and tail rows contribute nothing: +inf makes every p exactly 0
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(delta_ptr + b * s_lb + h * s_lh + rows * s_ls, mask=m_mask, other=0.0)
     k_base = k_ptr + b * s_kb + hk * s_kh
@@ -178,36 +251,66 @@ def _attn_bwd_dq_kernel(
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     q_pos = q_offset + rm
-    hi = SK
     if CAUSAL:
-        hi = tl.minimum(SK, tl.maximum(q_offset + (pid_m + 1) * BLOCK_M - k_offset, 0))
-    for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + rn
-        n_mask = cols < SK
-        kv_rows = cols.to(tl.int64)
-        kt = tl.load(k_base + kv_rows[None, :] * s_ks + rd[:, None] * s_kd,
-                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        vt = tl.load(v_base + kv_rows[None, :] * s_vs + rd[:, None] * s_vd,
-                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
-        visible = n_mask[None, :]
-        if CAUSAL:
-            visible = visible & ((k_offset + cols)[None, :] <= q_pos[:, None])
-        p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, vt, input_precision=INPUT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if UPCAST:
-            dq = tl.dot(ds, tl.trans(kt), dq, input_precision=INPUT_PRECISION)
-        else:
-            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=INPUT_PRECISION)
+        hi = tl.minimum(SK, tl.maximum(q_offset + m0 + BLOCK_M - k_offset, 0))
+        full = tl.minimum(SK, tl.maximum(q_offset + m0 + 1 - k_offset, 0))
+    else:
+        hi = SK
+        full = SK
+    full = (full // BLOCK_N) * BLOCK_N
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, 0, full, SK,
+                   k_offset, qk_scale, False, CAUSAL, HEAD_DIM, PAD_D, UPCAST, INPUT_PRECISION, BLOCK_N)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, full, hi, SK,
+                   k_offset, qk_scale, True, CAUSAL, HEAD_DIM, PAD_D, UPCAST, INPUT_PRECISION, BLOCK_N)
     dq = dq * sm_scale
     dq_off = dq_ptr + b * s_gb + h * s_gh + rows[:, None] * s_gs + rd[None, :] * s_gd
     if ACCUM:
         dq += tl.load(dq_off, mask=md_mask, other=0.0).to(tl.float32)
     tl.store(dq_off, dq.to(dq_ptr.dtype.element_ty), mask=md_mask)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os, s_od, s_ls, rd, k_pos, lo, hi,
+                SQ, q_offset, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                PAD_D: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    d_ok = rd < HEAD_DIM
+    for m0 in range(lo, hi, BLOCK_M):
+        rows_i = m0 + rm
+        m_mask = rows_i < SQ
+        rows = rows_i.to(tl.int64)
+        qt = _load_tile(q_base + rows[None, :] * s_qs + rd[:, None] * s_qd, m_mask[None, :], d_ok[:, None],
+                        MASKED, PAD_D)
+        do = _load_tile(do_base + rows[:, None] * s_os + rd[None, :] * s_od, m_mask[:, None], d_ok[None, :],
+                        MASKED, PAD_D)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+            do = do.to(tl.float32)
+        if MASKED:
+            lse = tl.load(l_base + rows * s_ls, mask=m_mask, other=float("inf"))
+            delta = tl.load(d_base + rows * s_ls, mask=m_mask, other=0.0)
+        else:
+            lse = tl.load(l_base + rows * s_ls)
+            delta = tl.load(d_base + rows * s_ls)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        st = tl.dot(k, qt, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        pt = tl.exp2(st - lse2[None, :])
+        if MASKED:
+            visible = m_mask[None, :]
+            if CAUSAL:
+                visible = visible & (k_pos[:, None] <= (q_offset + rows_i)[None, :])
+            pt = tl.where(visible, pt, 0.0)
+        if UPCAST:
+            dv = tl.dot(pt, do, dv, input_precision=INPUT_PRECISION)
+        else:
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        dst = pt * (dpt - delta[None, :])
+        if UPCAST:
+            dk = tl.dot(dst, tl.trans(qt), dk, input_precision=INPUT_PRECISION)
+        else:
+            dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=INPUT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -221,20 +324,21 @@ def _attn_bwd_dkdv_kernel(
     s_dvb, s_dvs, s_dvh, s_dvd,
     s_lb, s_lh, s_ls,
     HK, GROUP, SQ, SK, q_offset, k_offset, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, ACCUM: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, CAUSAL: tl.constexpr,
+    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV for one block of keys of one kv head: loop over the group's query heads and the
     query blocks that see the keys (sums over the GQA group without atomics)."""
     tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
+    tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HK).to(tl.int64)
     hk = (pid_bh % HK).to(tl.int64)
 
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    n0 = pid_n * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
     n_mask = rn < SK
     d_mask = rd < HEAD_DIM
@@ -250,46 +354,33 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     k_pos = k_offset + rn
 
-    lo = 0
+    # query blocks [lo, full_lo) see part of this key block (masked), [full_lo, full_hi) all of it
+    # without tails (unmasked), [full_hi, SQ) is the query tail (masked)
     if CAUSAL:
-        # the first query row that sees the first key of this block, rounded down to a block
-        first = tl.maximum(k_offset + pid_n * BLOCK_N - q_offset, 0)
+        first = tl.maximum(k_offset + n0 - q_offset, 0)  # the first query row that sees key n0
         lo = tl.minimum((first // BLOCK_M) * BLOCK_M, SQ)
+        last = tl.maximum(k_offset + n0 + BLOCK_N - 1 - q_offset, 0)  # from here on rows see the whole block
+        full_lo = tl.minimum(tl.maximum(((last + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, lo), SQ)
+    else:
+        lo = 0
+        full_lo = 0
+    full_lo = tl.where(n0 + BLOCK_N > SK, SQ, full_lo)  # a key tail block is masked throughout
+    full_hi = tl.maximum((SQ // BLOCK_M) * BLOCK_M, full_lo)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_base = q_ptr + b * s_qb + h * s_qh
         do_base = do_ptr + b * s_ob + h * s_oh
         l_base = lse_ptr + b * s_lb + h * s_lh
         d_base = delta_ptr + b * s_lb + h * s_lh
-        for m0 in range(lo, SQ, BLOCK_M):
-            rows_i = m0 + rm
-            m_mask = rows_i < SQ
-            rows = rows_i.to(tl.int64)
-            qt = tl.load(q_base + rows[None, :] * s_qs + rd[:, None] * s_qd,
-                         mask=m_mask[None, :] & d_mask[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * s_os + rd[None, :] * s_od,
-                         mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-            if UPCAST:
-                qt = qt.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(l_base + rows * s_ls, mask=m_mask, other=float("inf"))
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            delta = tl.load(d_base + rows * s_ls, mask=m_mask, other=0.0)
-            st = tl.dot(k, qt, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
-            visible = n_mask[:, None] & m_mask[None, :]
-            if CAUSAL:
-                visible = visible & (k_pos[:, None] <= (q_offset + rows_i)[None, :])
-            pt = tl.where(visible, tl.exp2(st - lse2[None, :]), 0.0)
-            if UPCAST:
-                dv = tl.dot(pt, do, dv, input_precision=INPUT_PRECISION)
-            else:
-                dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            dst = pt * (dpt - delta[None, :])
-            if UPCAST:
-                dk = tl.dot(dst, tl.trans(qt), dk, input_precision=INPUT_PRECISION)
-            else:
-                dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=INPUT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os, s_od, s_ls, rd, k_pos,
+                             lo, full_lo, SQ, q_offset, qk_scale, True, CAUSAL, HEAD_DIM, PAD_D, UPCAST,
+                             INPUT_PRECISION, BLOCK_M)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os, s_od, s_ls, rd, k_pos,
+                             full_lo, full_hi, SQ, q_offset, qk_scale, False, CAUSAL, HEAD_DIM, PAD_D, UPCAST,
+                             INPUT_PRECISION, BLOCK_M)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os, s_od, s_ls, rd, k_pos,
+                             full_hi, SQ, SQ, q_offset, qk_scale, True, CAUSAL, HEAD_DIM, PAD_D, UPCAST,
+                             INPUT_PRECISION, BLOCK_M)
     dk = dk * sm_scale
     dk_off = dk_ptr + b * s_dkb + hk * s_dkh + cols[:, None] * s_dks + rd[None, :] * s_dkd
     dv_off = dv_ptr + b * s_dvb + hk * s_dvh + cols[:, None] * s_dvs + rd[None, :] * s_dvd
@@ -473,7 +564,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     bd = max(16, triton.next_power_of_2(d))
     args = (q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *lse.stride(),
             hq, hq // hk, sq, sk, q_offset, k_offset, scale * LOG2E)
-    flags = dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal), ACCUM=bool(accumulate),
+    flags = dict(HEAD_DIM=d, BLOCK_D=bd, PAD_D=bd != d, CAUSAL=bool(causal), ACCUM=bool(accumulate),
                  UPCAST=needs_upcast(q.dtype), INPUT_PRECISION=_input_precision(q.dtype))
     _launch("fwd", sq, b * hq, args, flags)
     return out, lse
@@ -541,7 +632,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
     if delta.stride() != lse.stride():
         lse, delta = lse.contiguous(), delta.contiguous()  # the kernels index both with one set of strides
     bd = max(16, triton.next_power_of_2(d))
-    common = dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal), ACCUM=bool(accumulate),
+    common = dict(HEAD_DIM=d, BLOCK_D=bd, PAD_D=bd != d, CAUSAL=bool(causal), ACCUM=bool(accumulate),
                   UPCAST=needs_upcast(q.dtype), INPUT_PRECISION=_input_precision(q.dtype))
     if want_dq:
         args = (q, k, v, dout, lse, delta, dq, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout),
