@@ -1,1 +1,2 @@
 from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_shards
+from .attention import AttentionReference, ParallelAttention, apply_rotary, rotary_cos_sin  # noqa: F401
