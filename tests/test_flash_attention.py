@@ -136,16 +136,16 @@ def test_accumulate_merges_key_blocks():
     v = randn(b, 40, hk, d, generator=g, dtype=torch.float16)
     do = randn(b, sq, hq, d, generator=g, dtype=torch.float16)
     q_off = 25  # queries at global positions 25..42, causal
-    out = torch.zeros(b, sq, hq, d)
-    lse = torch.full((b, hq, sq), float("-inf"))
+    out = torch.zeros(b, sq, hq, d, device=DEVICE)
+    lse = torch.full((b, hq, sq), float("-inf"), device=DEVICE)
     for lo, hi in ((23, 40), (0, 23)):  # order does not matter
         flash_attention_forward(q, k[:, lo:hi], v[:, lo:hi], causal=True, q_offset=q_off, k_offset=lo,
                                 out=out, lse=lse, accumulate=True)
     ro, rl = attention_reference(q, k, v, causal=True, q_offset=q_off)
     assert_close(out, ro, torch.float16)
     assert_close(lse, rl, torch.float16)
-    dq = torch.zeros(b, sq, hq, d)
-    dk, dv = torch.zeros(b, 40, hk, d), torch.zeros(b, 40, hk, d)
+    dq = torch.zeros(b, sq, hq, d, device=DEVICE)
+    dk, dv = torch.zeros(b, 40, hk, d, device=DEVICE), torch.zeros(b, 40, hk, d, device=DEVICE)
     for lo, hi in ((0, 23), (23, 40)):
         flash_attention_backward(do, q, k[:, lo:hi], v[:, lo:hi], out.half(), lse, causal=True, q_offset=q_off,
                                  k_offset=lo, dq=dq, dk=dk[:, lo:hi], dv=dv[:, lo:hi], accumulate=True)
@@ -174,15 +174,18 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="dtype"):
         flash_attention(q, k.half(), k.half())
     with pytest.raises(ValueError, match="batch"):
-        flash_attention(q, torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16))
+        flash_attention(q, torch.randn(2, 4, 2, 16, device=DEVICE), torch.randn(2, 4, 2, 16, device=DEVICE))
     with pytest.raises(ValueError, match="multiple of k/v heads"):
-        flash_attention(q, torch.randn(1, 4, 3, 16), torch.randn(1, 4, 3, 16))
+        flash_attention(q, torch.randn(1, 4, 3, 16, device=DEVICE), torch.randn(1, 4, 3, 16, device=DEVICE))
     with pytest.raises(ValueError, match="head_dim"):
-        flash_attention(torch.randn(1, 4, 1, 300), torch.randn(1, 4, 1, 300), torch.randn(1, 4, 1, 300))
+        wide = torch.randn(1, 4, 1, 300, device=DEVICE)
+        flash_attention(wide, wide, wide)
     with pytest.raises(ValueError, match="k head_dim"):
-        flash_attention(q, torch.randn(1, 4, 2, 32), torch.randn(1, 4, 2, 32))
+        flash_attention(q, torch.randn(1, 4, 2, 32, device=DEVICE), torch.randn(1, 4, 2, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="k is on meta"):
+        flash_attention(q, k.to("meta"), k.to("meta"))
     with pytest.raises(ValueError, match="same shape"):
-        flash_attention(q, k, torch.randn(1, 5, 2, 16))
+        flash_attention(q, k, torch.randn(1, 5, 2, 16, device=DEVICE))
     with pytest.raises(ValueError, match="q_offset"):
         flash_attention(q, k, k, q_offset=-1)
     with pytest.raises(ValueError, match="softmax_scale"):
@@ -194,7 +197,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="accumulate"):
         flash_attention_forward(q, k, k, accumulate=True)
     with pytest.raises(TypeError, match="lse must have dtype"):
-        flash_attention_forward(q, k, k, lse=torch.empty(1, 4, 4, dtype=torch.float16))
+        flash_attention_forward(q, k, k, lse=torch.empty(1, 4, 4, dtype=torch.float16, device=DEVICE))
 
 
 @pytest.fixture
@@ -211,11 +214,11 @@ def test_benchmark_cli_smoke(bench_main, tmp_path):
     import json
 
     out = tmp_path / "a.json"
-    assert bench_main(["attention", "--seqs", "19", "--head-dims", "16", "--causal", "yes", "--json", str(out)]) == 0
+    assert bench_main(["attention", "--seqs", "9", "--head-dims", "16", "--causal", "yes", "--json", str(out)]) == 0
     row = json.loads(out.read_text())["results"]["attention"][0]
-    assert (row["seq"], row["head_dim"], row["causal"]) == (19, 16, True)
+    assert (row["seq"], row["head_dim"], row["causal"]) == (9, 16, True)
     assert row["max_rel_err"] < 1e-4 and row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["sdpa_fwd_ms"] > 0
     out = tmp_path / "r.json"
-    assert bench_main(["ring_attention", "--ranks", "2", "--tokens-per-rank", "4", "--rank", "1", "--json", str(out)]) == 0
+    assert bench_main(["ring_attention", "--ranks", "2", "--tokens-per-rank", "2", "--rank", "1", "--json", str(out)]) == 0
     row = json.loads(out.read_text())["results"]["ring_attention"][0]
     assert (row["ranks"], row["rank"]) == (2, 1) and row["max_rel_err"] < 1e-4 and row["T_overlapped_ms"] > 0

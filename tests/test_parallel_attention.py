@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _utils import assert_close
+from _utils import DEVICE, assert_close
 from _world import rank_rng, straggle, world_fixture
 from fusedpar import comm
 from fusedpar.nn import AttentionReference, ParallelAttention
@@ -109,14 +109,14 @@ def test_parallel_attention_matches_reference(world4):
 def test_reference_and_local_module():
     # without torch.distributed: a single-rank ParallelAttention is the reference block
     torch.manual_seed(3)
-    ref = AttentionReference(24, 3, 1, bias=True, head_dim=8)
+    ref = AttentionReference(24, 3, 1, bias=True, head_dim=8).to(DEVICE)  # drawn on CPU, like the module
     torch.manual_seed(3)
-    mod = ParallelAttention(24, 3, 1, bias=True, head_dim=8)
-    x = torch.randn(2, 11, 24)
+    mod = ParallelAttention(24, 3, 1, bias=True, head_dim=8, device=DEVICE)
+    x = torch.randn(2, 11, 24, device=DEVICE)
     torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="head_dim"):
         ParallelAttention(24, 3, head_dim=7)
     with pytest.raises(ValueError, match="num_kv_heads"):
         ParallelAttention(24, 4, 3)
     with pytest.raises(ValueError, match=r"x must be \[batch, seq_local, 24\]"):
-        mod(torch.randn(2, 11, 23))
+        mod(torch.randn(2, 11, 23, device=DEVICE))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _utils import assert_close, randn
+from _utils import DEVICE, assert_close, randn
 from _world import rank_rng, straggle, world_fixture
 from fusedpar import comm
 from fusedpar.kernels import attention_reference
@@ -205,7 +205,7 @@ def test_single_process_equals_flash():
 
 
 def test_bad_inputs():
-    q = torch.randn(1, 8, 2, 16)
+    q = torch.randn(1, 8, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="layout"):
         ring_attention(q, q, q, layout="striped")
     with pytest.raises(ValueError, match="k/v shards"):
