@@ -302,7 +302,8 @@ def run_ring(args, ctx):
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: copies run inline on one stream; these numbers are not performance.")
     return [{
-        "ranks": P, "rank": r, "tokens_per_rank": s, "heads": h, "head_dim": d, "dtype": str(dtype).replace("torch.", ""),
+        "ranks": P, "rank": r, "tokens_per_rank": s, "heads": h, "head_dim": d,
+        "dtype": str(dtype).replace("torch.", ""),
         "plain_kernel_ms": t_plain, "T_comm_ms": t_comm, "T_sequential_ms": t_seq, "T_overlapped_ms": t_ovl,
         "efficiency_vs_plain": t_plain / t_ovl, "overlap_efficiency": overlap,
         "bwd_plain_ms": t_plain_b, "bwd_sequential_ms": t_seq_b, "bwd_overlapped_ms": t_ovl_b,

@@ -474,7 +474,8 @@ def _check_qkv(q, k, v):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)} ({t.dim()}-D)")
+            raise ValueError(
+                f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)} ({t.dim()}-D)")
         check_supported_dtype(name, t)
         check_device_usable(name, t)
     for name, t in (("k", k), ("v", v)):
@@ -490,7 +491,8 @@ def _check_qkv(q, k, v):
     if k.shape[3] != d:
         raise ValueError(f"k head_dim must equal q's ({d}), got {k.shape[3]}")
     if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM} (16, 32, 64, 128 are the tuned sizes), got {d}")
+        raise ValueError(
+            f"head_dim must be between 1 and {MAX_HEAD_DIM} (16, 32, 64, 128 are the tuned sizes), got {d}")
     hq, hk = q.shape[2], k.shape[2]
     if hk == 0 or hq % hk:
         raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hk}) for grouped-query attention")

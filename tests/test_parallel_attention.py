@@ -47,7 +47,8 @@ def _cases(rank, size, seed):
     try:
         cases = [
             # (name, kwargs, heads, kv_heads, bias, seq, batch)
-            ("tp2 x ring2 zigzag", dict(tp_group=row, sp_group=col, sp_mode="ring", layout="zigzag"), 4, 2, True, 16, 2),
+            ("tp2 x ring2 zigzag", dict(tp_group=row, sp_group=col, sp_mode="ring", layout="zigzag"),
+             4, 2, True, 16, 2),
             ("tp2 x ring2 contiguous", dict(tp_group=row, sp_group=col, sp_mode="ring", layout="contiguous"),
              2, 2, False, 12, 1),
             ("tp2 x ulysses2", dict(tp_group=row, sp_group=col, sp_mode="ulysses"), 4, 2, False, 12, 1),
@@ -76,10 +77,12 @@ def _cases(rank, size, seed):
             y.backward(dy.index_select(1, pos))
             mod.reduce_sequence_parallel_grads()
             msg = f"{name} rank {rank}"
-            assert_close(y, yr.detach().index_select(1, pos), torch.float32, rtol=TOL, atol=TOL * yr.pow(2).mean().sqrt().item(), msg=f"out {msg}")
+            ry = yr.detach().index_select(1, pos)
+            assert_close(y, ry, torch.float32, rtol=TOL, atol=TOL * ry.pow(2).mean().sqrt().item(), msg=f"out {msg}")
             # input gradient: each rank's tokens only, no reduction needed
             gx = xr.grad.index_select(1, pos)
-            assert_close(xl.grad, gx, torch.float32, rtol=TOL, atol=TOL * gx.pow(2).mean().sqrt().item(), msg=f"dx {msg}")
+            assert_close(xl.grad, gx, torch.float32, rtol=TOL, atol=TOL * gx.pow(2).mean().sqrt().item(),
+                         msg=f"dx {msg}")
             expect = _reference_grads(ref, mod.tp_rank, mod.tp_size, mod.heads_local, mod.kv_heads_local, d)
             params = dict(mod.named_parameters())
             assert set(params) == set(expect), (sorted(params), sorted(expect))

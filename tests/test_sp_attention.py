@@ -153,7 +153,8 @@ def test_zigzag_helpers():
     assert zigzag_positions(24, 1, 3).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
     assert torch.equal(sequence_shard(x, layout="contiguous", ring_rank=1, ring_size=3), x[:, 8:16])
     # hybrid: ring shard 1 of 2 in zigzag = chunks 1 and 2 of 4, then ulysses piece 1 of 2
-    assert shard_positions(16, layout="zigzag", ring_rank=1, ring_size=2, ulysses_rank=1, ulysses_size=2).tolist() == [8, 9, 10, 11]
+    pos = shard_positions(16, layout="zigzag", ring_rank=1, ring_size=2, ulysses_rank=1, ulysses_size=2)
+    assert pos.tolist() == [8, 9, 10, 11]
     with pytest.raises(ValueError, match="seq_len=10"):
         zigzag_positions(10, 0, 3)
     with pytest.raises(ValueError, match="layout"):
@@ -178,7 +179,8 @@ def test_zigzag_plan_is_balanced_and_complete(size):
             for step in range(size):
                 src = (rank - step) % size
                 kpos = shard_positions(S, layout=layout, ring_rank=src, ring_size=size)
-                for qs, ks, qo, ko, causal in _plan(_chunks(layout, rank, size, s), _chunks(layout, src, size, s), True):
+                launches = _plan(_chunks(layout, rank, size, s), _chunks(layout, src, size, s), True)
+                for qs, ks, qo, ko, causal in launches:
                     qi, kj = qpos[qs][:, None], kpos[ks][None, :]
                     if causal:  # offsets must be the chunks' true global starts
                         assert qo == qpos[qs][0] and ko == kpos[ks][0]

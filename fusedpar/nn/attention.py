@@ -91,7 +91,8 @@ class AttentionReference(nn.Module):
                  rope_theta=10000.0, head_dim=None, device=None, dtype=None):
         super().__init__()
         num_kv_heads, head_dim = _check_shape_args(type(self).__name__, hidden_size, num_heads, num_kv_heads, head_dim)
-        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_kv_heads = num_kv_heads
         self.causal, self.rope_theta = bool(causal), float(rope_theta)
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
@@ -147,7 +148,8 @@ class ParallelAttention(nn.Module):
         for what, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if n % tp:
                 raise ValueError(f"{name}: {what}={n} must be divisible by the tensor-parallel group size ({tp})")
-        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_kv_heads = num_kv_heads
         self.heads_local, self.kv_heads_local = num_heads // tp, num_kv_heads // tp
         self.causal, self.rope_theta, self.layout, self.sp_mode = bool(causal), float(rope_theta), layout, sp_mode
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp, comm.group_rank(tp_group)
