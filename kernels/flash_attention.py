@@ -42,38 +42,30 @@ MAX_HEAD_DIM = 256
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _load_tile(ptrs, row_mask, d_mask, MASK_ROWS: tl.constexpr, PAD_D: tl.constexpr):
-    """Load a tile, masking rows (sequence tails) and/or padded head_dim columns only where
-    needed: interior blocks of an unpadded head_dim load without masks (vectorised)."""
-    if MASK_ROWS:
-        if PAD_D:
-            x = tl.load(ptrs, mask=row_mask & d_mask, other=0.0)
-        else:
-            x = tl.load(ptrs, mask=row_mask, other=0.0)
-    else:
-        if PAD_D:
-            x = tl.load(ptrs, mask=d_mask, other=0.0)
-        else:
-            x = tl.load(ptrs)
-    return x
-
-
-@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, lo, hi, SK, k_offset,
                qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
                UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online-softmax update over key blocks ``[lo, hi)``. ``MASKED=False`` only for blocks that
     every query row of the program sees completely (no tail, no causal cut)."""
+    # loads are written out per case (no nested helper: under the interpreter every nested jit
+    # call re-patches triton.language); interior blocks of an unpadded head_dim load unmasked
     rn = tl.arange(0, BLOCK_N)
     d_ok = rd < HEAD_DIM
+    k_ptrs = k_base + rd[:, None] * s_kd  # [BLOCK_D, 1]: K is read transposed
+    v_ptrs = v_base + rd[None, :] * s_vd
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + rn
         n_mask = cols < SK
         kv_rows = cols.to(tl.int64)
-        k = _load_tile(k_base + kv_rows[None, :] * s_ks + rd[:, None] * s_kd, n_mask[None, :], d_ok[:, None],
-                       MASKED, PAD_D)
-        v = _load_tile(v_base + kv_rows[:, None] * s_vs + rd[None, :] * s_vd, n_mask[:, None], d_ok[None, :],
-                       MASKED, PAD_D)
+        if MASKED:
+            k = tl.load(k_ptrs + kv_rows[None, :] * s_ks, mask=n_mask[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs + kv_rows[:, None] * s_vs, mask=n_mask[:, None] & d_ok[None, :], other=0.0)
+        elif PAD_D:
+            k = tl.load(k_ptrs + kv_rows[None, :] * s_ks, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs + kv_rows[:, None] * s_vs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs + kv_rows[None, :] * s_ks)
+            v = tl.load(v_ptrs + kv_rows[:, None] * s_vs)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -178,14 +170,21 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd
               UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     rn = tl.arange(0, BLOCK_N)
     d_ok = rd < HEAD_DIM
+    k_ptrs = k_base + rd[:, None] * s_kd  # K and V are both read transposed: [BLOCK_D, BLOCK_N]
+    v_ptrs = v_base + rd[:, None] * s_vd
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + rn
         n_mask = cols < SK
         kv_rows = cols.to(tl.int64)
-        kt = _load_tile(k_base + kv_rows[None, :] * s_ks + rd[:, None] * s_kd, n_mask[None, :], d_ok[:, None],
-                        MASKED, PAD_D)
-        vt = _load_tile(v_base + kv_rows[None, :] * s_vs + rd[:, None] * s_vd, n_mask[None, :], d_ok[:, None],
-                        MASKED, PAD_D)
+        if MASKED:
+            kt = tl.load(k_ptrs + kv_rows[None, :] * s_ks, mask=n_mask[None, :] & d_ok[:, None], other=0.0)
+            vt = tl.load(v_ptrs + kv_rows[None, :] * s_vs, mask=n_mask[None, :] & d_ok[:, None], other=0.0)
+        elif PAD_D:
+            kt = tl.load(k_ptrs + kv_rows[None, :] * s_ks, mask=d_ok[:, None], other=0.0)
+            vt = tl.load(v_ptrs + kv_rows[None, :] * s_vs, mask=d_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(k_ptrs + kv_rows[None, :] * s_ks)
+            vt = tl.load(v_ptrs + kv_rows[None, :] * s_vs)
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -275,14 +274,21 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os,
                 PAD_D: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     d_ok = rd < HEAD_DIM
+    q_ptrs = q_base + rd[:, None] * s_qd  # Q is read transposed: [BLOCK_D, BLOCK_M]
+    do_ptrs = do_base + rd[None, :] * s_od
     for m0 in range(lo, hi, BLOCK_M):
         rows_i = m0 + rm
         m_mask = rows_i < SQ
         rows = rows_i.to(tl.int64)
-        qt = _load_tile(q_base + rows[None, :] * s_qs + rd[:, None] * s_qd, m_mask[None, :], d_ok[:, None],
-                        MASKED, PAD_D)
-        do = _load_tile(do_base + rows[:, None] * s_os + rd[None, :] * s_od, m_mask[:, None], d_ok[None, :],
-                        MASKED, PAD_D)
+        if MASKED:
+            qt = tl.load(q_ptrs + rows[None, :] * s_qs, mask=m_mask[None, :] & d_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs + rows[:, None] * s_os, mask=m_mask[:, None] & d_ok[None, :], other=0.0)
+        elif PAD_D:
+            qt = tl.load(q_ptrs + rows[None, :] * s_qs, mask=d_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs + rows[:, None] * s_os, mask=d_ok[None, :], other=0.0)
+        else:
+            qt = tl.load(q_ptrs + rows[None, :] * s_qs)
+            do = tl.load(do_ptrs + rows[:, None] * s_os)
         if UPCAST:
             qt = qt.to(tl.float32)
             do = do.to(tl.float32)
