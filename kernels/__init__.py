@@ -28,4 +28,19 @@ __all__ += [
     "combine", "combine_backward", "grouped_matmul", "grouped_matmul_dact", "grouped_matmul_reference",
     "grouped_wgrad", "moe_mlp_reference", "permute", "routing_metadata", "routing_metadata_reference",
 ]
+from .flash_attention import (  # noqa: E402
+    attention_delta,
+    attention_reference,
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+)
+
+__all__ += [
+    "attention_delta",
+    "attention_reference",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_forward",
+]
 from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference  # noqa: E402,F401

@@ -138,11 +138,17 @@ class _TPLinearBase(nn.Module):
             )
 
     def _set_params(self, weight, bias, device, dtype):
-        self.weight = nn.Parameter(weight.to(device=device, dtype=dtype))
+        # Own, contiguous storage: a shard that stayed a view of the full weight would keep the
+        # whole full tensor alive (and a column block would be strided).
+        self.weight = nn.Parameter(_own_copy(weight, device, dtype))
         if bias is not None:
-            self.bias = nn.Parameter(bias.to(device=device, dtype=dtype))
+            self.bias = nn.Parameter(_own_copy(bias, device, dtype))
         else:
             self.register_parameter("bias", None)
+
+
+def _own_copy(t, device, dtype):
+    return t.to(device=device, dtype=dtype).clone(memory_format=torch.contiguous_format)
 
 
 def merge_shards(state_dicts, prefix=""):

@@ -1,0 +1,279 @@
+"""Attention block with tensor parallelism (heads) and sequence parallelism (tokens).
+
+:class:`ParallelAttention` = column-parallel fused QKV projection (:class:`ColumnParallelLinear`,
+its all-gather over the tensor-parallel group overlapped with the GEMM) -> rotary embedding at the
+tokens' *global* positions -> sequence-parallel attention over this rank's heads (ring, Ulysses or
+hybrid over ``sp_group``) -> row-parallel output projection (:class:`RowParallelLinear`, GEMM
+fused with the reduce-scatter).
+
+Sequence layout: the full sequence (length ``S``) is first split over the sequence-parallel
+ranks (:func:`fusedpar.ops.shard_positions`: zigzag or contiguous over the ring, contiguous over
+Ulysses), then each sequence-parallel shard is cut into ``tp`` contiguous pieces, one per
+tensor-parallel rank (Megatron's sequence-parallel TP). :meth:`ParallelAttention.local_positions`
+gives the global positions of the tokens one rank holds, :meth:`ParallelAttention.shard` cuts
+them out of a full sequence.
+
+:class:`AttentionReference` is the plain single-process block (``nn.Linear`` projections, the
+same rotary embedding, fp64/fp32 attention); both modules draw their full weights in the same
+order from the global RNG, so one seed gives the same model at every parallel degree.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fusedpar import comm
+from fusedpar.kernels.flash_attention import attention_reference
+from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fusedpar.ops.attention import (
+    LAYOUTS,
+    _ulysses_heads,
+    hybrid_attention,
+    ring_attention,
+    shard_positions,
+    ulysses_attention,
+)
+
+SP_MODES = ("ring", "ulysses", "hybrid")
+
+__all__ = ["AttentionReference", "ParallelAttention", "apply_rotary", "rotary_cos_sin"]
+
+
+# ----------------------------------------------------------------------------------------------
+# rotary embedding
+# ----------------------------------------------------------------------------------------------
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
+    """``cos, sin`` of shape ``[len(positions), head_dim]`` (rotate-half convention, as in
+    GPT-NeoX / Llama), computed in fp64 from integer global positions."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x`` ``[batch, seq, heads, head_dim]`` and
+    ``cos``/``sin`` ``[seq, head_dim]``; computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[None, :, None, :] + rot * sin[None, :, None, :]).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation shared by both modules
+# ----------------------------------------------------------------------------------------------
+def _check_shape_args(cls, hidden_size, num_heads, num_kv_heads, head_dim):
+    for name, val in (("hidden_size", hidden_size), ("num_heads", num_heads)):
+        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{cls}: {name} must be a positive int, got {val!r}")
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0 \
+            or num_heads % num_kv_heads:
+        raise ValueError(f"{cls}: num_kv_heads must be a positive int dividing num_heads={num_heads}, "
+                         f"got {num_kv_heads!r}")
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"{cls}: hidden_size={hidden_size} must be divisible by num_heads={num_heads} "
+                             "(or pass head_dim)")
+        head_dim = hidden_size // num_heads
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"{cls}: head_dim must be a positive even int (rotary embedding), got {head_dim!r}")
+    return num_kv_heads, head_dim
+
+
+class AttentionReference(nn.Module):
+    """Plain single-process attention block: ``o_proj(attn(rope(q_proj x), rope(k_proj x),
+    v_proj x))`` with ``nn.Linear`` projections drawn in the order q, k, v, o. The oracle of the
+    tests, and the source of :class:`ParallelAttention`'s full weights."""
+
+    def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, causal=True, bias=False,
+                 rope_theta=10000.0, head_dim=None, device=None, dtype=None):
+        super().__init__()
+        num_kv_heads, head_dim = _check_shape_args(type(self).__name__, hidden_size, num_heads, num_kv_heads, head_dim)
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_kv_heads = num_kv_heads
+        self.causal, self.rope_theta = bool(causal), float(rope_theta)
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, **kw)
+
+    def forward(self, x, positions=None, *, compute_dtype=torch.float64):
+        b, s, _ = x.shape
+        d = self.head_dim
+        positions = torch.arange(s, device=x.device) if positions is None else positions
+        cos, sin = rotary_cos_sin(positions, d, self.rope_theta)
+        q = apply_rotary(self.q_proj(x).view(b, s, self.num_heads, d), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(b, s, self.num_kv_heads, d), cos, sin)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, d)
+        o, _ = attention_reference(q, k, v, causal=self.causal, compute_dtype=compute_dtype)
+        return self.o_proj(o.to(x.dtype).reshape(b, s, self.num_heads * d))
+
+
+# ----------------------------------------------------------------------------------------------
+# ParallelAttention
+# ----------------------------------------------------------------------------------------------
+class ParallelAttention(nn.Module):
+    """Tensor- and sequence-parallel attention block (see the module docstring for the layout).
+
+    Input ``x``: ``[batch, S / (sp * tp), hidden_size]``, this rank's tokens; output the same shape.
+    ``tp_group`` splits the heads (``num_heads`` and ``num_kv_heads`` must be divisible by its
+    size), ``sp_group`` the sequence (``sp_mode="ring"``: ring attention with ``layout``;
+    ``"ulysses"``: all-to-all, the group size must split this rank's heads; ``"hybrid"``: pass
+    ``ulysses_group`` and ``ring_group`` instead of ``sp_group``). ``None`` means the default
+    (world) group, as everywhere in fusedpar; tensor and sequence groups must be different
+    (orthogonal) groups unless one has size 1.
+
+    Parameters are replicated across the sequence-parallel ranks and each rank's gradients cover
+    its own tokens only: sum them over the sequence-parallel group(s) (include those ranks in the
+    data-parallel gradient reduction, or call :meth:`reduce_sequence_parallel_grads`).
+    """
+
+    def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, tp_group=None, sp_group=None,
+                 sp_mode="ring", causal=True, bias=False, rope_theta=10000.0, head_dim=None, layout="zigzag",
+                 ulysses_group=None, ring_group=None, device=None, dtype=None, _reference=None):
+        super().__init__()
+        name = type(self).__name__
+        num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
+        if sp_mode not in SP_MODES:
+            raise ValueError(f"{name}: sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
+        if not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
+            raise ValueError(f"{name}: rope_theta must be a positive number, got {rope_theta!r}")
+        tp_group = comm.resolve_group(tp_group)
+        tp = comm.group_size(tp_group)
+        for what, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if n % tp:
+                raise ValueError(f"{name}: {what}={n} must be divisible by the tensor-parallel group size ({tp})")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_kv_heads = num_kv_heads
+        self.heads_local, self.kv_heads_local = num_heads // tp, num_kv_heads // tp
+        self.causal, self.rope_theta, self.layout, self.sp_mode = bool(causal), float(rope_theta), layout, sp_mode
+        self.tp_group, self.tp_size, self.tp_rank = tp_group, tp, comm.group_rank(tp_group)
+
+        if sp_mode == "hybrid":
+            if sp_group is not None:
+                raise ValueError(f"{name}: sp_mode='hybrid' takes ulysses_group and ring_group, not sp_group")
+            if ulysses_group is None or ring_group is None:
+                raise ValueError(f"{name}: sp_mode='hybrid' needs both ulysses_group and ring_group")
+            self.sp_groups = (ulysses_group, ring_group)
+            self.ulysses_size, self.ring_size = comm.group_size(ulysses_group), comm.group_size(ring_group)
+            self.ulysses_rank, self.ring_rank = comm.group_rank(ulysses_group), comm.group_rank(ring_group)
+        else:
+            if ulysses_group is not None or ring_group is not None:
+                raise ValueError(f"{name}: ulysses_group / ring_group are for sp_mode='hybrid'; use sp_group")
+            sp_group = comm.resolve_group(sp_group)
+            self.sp_groups = (sp_group,)
+            size, rank = comm.group_size(sp_group), comm.group_rank(sp_group)
+            if sp_mode == "ring":
+                self.ulysses_size, self.ulysses_rank, self.ring_size, self.ring_rank = 1, 0, size, rank
+            else:
+                self.ulysses_size, self.ulysses_rank, self.ring_size, self.ring_rank = size, rank, 1, 0
+        for g in self.sp_groups:
+            if tp > 1 and comm.group_size(g) > 1 and comm.resolve_group(g) is tp_group:
+                raise ValueError(f"{name}: tp_group and the sequence-parallel group are the same group; pass "
+                                 "orthogonal groups (e.g. from fusedpar's device mesh)")
+        if self.ulysses_size > 1:
+            _ulysses_heads(self.heads_local, self.kv_heads_local, self.ulysses_size)
+
+        # full weights drawn exactly as AttentionReference draws them (CPU, fp32, global RNG)
+        ref = _reference if _reference is not None else AttentionReference(
+            hidden_size, num_heads, num_kv_heads, causal=causal, bias=bias, rope_theta=rope_theta, head_dim=head_dim)
+        self._shard_from(ref, device=device, dtype=dtype)
+
+    @classmethod
+    def from_reference(cls, ref: AttentionReference, **kwargs):
+        """Shard the weights of an :class:`AttentionReference` (keyword options as in the
+        constructor; shapes, ``causal``, ``rope_theta`` and bias come from ``ref``)."""
+        if not isinstance(ref, AttentionReference):
+            raise TypeError(f"from_reference needs an AttentionReference, got {type(ref).__name__}")
+        return cls(ref.hidden_size, ref.num_heads, ref.num_kv_heads, causal=ref.causal,
+                   bias=ref.q_proj.bias is not None, rope_theta=ref.rope_theta, head_dim=ref.head_dim,
+                   _reference=ref, **kwargs)
+
+    def _shard_from(self, ref, *, device, dtype):
+        """Fused QKV rows in tensor-parallel order (rank t's block = [its q heads; k heads; v
+        heads]) so that the column-parallel split hands every rank whole heads."""
+        tp, d = self.tp_size, self.head_dim
+        hl, kl = self.heads_local, self.kv_heads_local
+        with torch.no_grad():
+            wq, wk, wv = (p.weight.detach() for p in (ref.q_proj, ref.k_proj, ref.v_proj))
+            rows = []
+            for t in range(tp):
+                rows += [wq[t * hl * d:(t + 1) * hl * d], wk[t * kl * d:(t + 1) * kl * d],
+                         wv[t * kl * d:(t + 1) * kl * d]]
+            fused = nn.Linear(self.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d,
+                              bias=ref.q_proj.bias is not None, device="meta")
+            fused.weight = nn.Parameter(torch.cat(rows))
+            if ref.q_proj.bias is not None:
+                bq, bk, bv = (p.bias.detach() for p in (ref.q_proj, ref.k_proj, ref.v_proj))
+                brows = []
+                for t in range(tp):
+                    brows += [bq[t * hl * d:(t + 1) * hl * d], bk[t * kl * d:(t + 1) * kl * d],
+                              bv[t * kl * d:(t + 1) * kl * d]]
+                fused.bias = nn.Parameter(torch.cat(brows))
+            self.qkv = ColumnParallelLinear.from_linear(fused, group=self.tp_group, sequence_parallel=True)
+            self.proj = RowParallelLinear.from_linear(ref.o_proj, group=self.tp_group, sequence_parallel=True,
+                                                      input_is_parallel=True)
+            # own storage: no views into the full weights (nor into ref's parameters)
+            for p in self.parameters():
+                p.data = p.data.to(device=device, dtype=dtype).clone()
+
+    # -- layout ------------------------------------------------------------------------------
+    def _sp_positions(self, seq_len, device=None):
+        return shard_positions(seq_len, layout=self.layout if self.ring_size > 1 else "contiguous",
+                               ring_rank=self.ring_rank, ring_size=self.ring_size,
+                               ulysses_rank=self.ulysses_rank, ulysses_size=self.ulysses_size, device=device)
+
+    def local_positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions of the tokens this rank's ``x`` holds, for a full length ``seq_len``."""
+        pos = self._sp_positions(seq_len, device)
+        if pos.numel() % self.tp_size:
+            raise ValueError(f"the sequence-parallel shard of {pos.numel()} tokens must split over tp={self.tp_size}")
+        n = pos.numel() // self.tp_size
+        return pos[self.tp_rank * n:(self.tp_rank + 1) * n]
+
+    def shard(self, x_full: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's input tokens out of a full sequence ``x_full`` (along ``dim``)."""
+        return x_full.index_select(dim, self.local_positions(x_full.shape[dim], x_full.device))
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{type(self).__name__}: x must be [batch, seq_local, {self.hidden_size}], got {shape}")
+        hl, kl, d = self.heads_local, self.kv_heads_local, self.head_dim
+        y = self.qkv(x)  # [b, s_sp, (hl + 2 kl) * d]: the sequence-parallel shard, this rank's heads
+        b, s_sp, _ = y.shape
+        y = y.view(b, s_sp, hl + 2 * kl, d)
+        q, k, v = y[:, :, :hl], y[:, :, hl:hl + kl], y[:, :, hl + kl:]
+        seq_len = s_sp * self.ring_size * self.ulysses_size
+        cos, sin = rotary_cos_sin(self._sp_positions(seq_len, y.device), d, self.rope_theta)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.sp_mode == "ring":
+            o = ring_attention(q, k, v, group=self.sp_groups[0], causal=self.causal, layout=self.layout)
+        elif self.sp_mode == "ulysses":
+            o = ulysses_attention(q, k, v, group=self.sp_groups[0], causal=self.causal)
+        else:
+            o = hybrid_attention(q, k, v, ulysses_group=self.sp_groups[0], ring_group=self.sp_groups[1],
+                                 causal=self.causal, layout=self.layout)
+        return self.proj(o.reshape(b, s_sp, hl * d))
+
+    def reduce_sequence_parallel_grads(self):
+        """Sum the parameter gradients over the sequence-parallel group(s), in place (hybrid: over
+        the Ulysses group, then the ring group, i.e. over the whole 2-D grid)."""
+        for p in self.parameters():
+            if p.grad is None:
+                continue
+            for g in self.sp_groups:
+                if comm.group_size(g) > 1:
+                    comm.all_reduce(p.grad, g).wait()
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, heads={self.num_heads} (local {self.heads_local}), "
+                f"kv_heads={self.num_kv_heads} (local {self.kv_heads_local}), head_dim={self.head_dim}, "
+                f"sp_mode={self.sp_mode!r}, layout={self.layout!r}, tp={self.tp_rank}/{self.tp_size}, "
+                f"causal={self.causal}")

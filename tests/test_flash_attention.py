@@ -1,0 +1,243 @@
+"""Flash attention kernel: forward and backward against a float64 reference and torch SDPA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _utils import DEVICE, DTYPES, assert_close, poison, randn
+from fusedpar.kernels import (
+    attention_reference,
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+)
+
+# Gradient tolerances, relative to the RMS of the reference gradient:
+#   fp32: two chained fp32 products after an exp2-based softmax; 2e-5 covers ~1e-6 rounding of
+#         the probabilities times sequence lengths up to ~100 (ieee dots under the interpreter;
+#         TF32 on GPU would need 2e-3, so fp32 GPU runs force ieee via allow_tf32=False below).
+#   fp16: probabilities and dS are rounded to fp16 (2^-11) before their products -> 5e-3.
+#   bf16: the same with an 8-bit mantissa -> 4e-2.
+GRAD_TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+OUT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(autouse=True)
+def _ieee_fp32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _inputs(b, sq, sk, hq, hk, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = randn(b, sq, hq, d, dtype=dtype, generator=g)
+    k = randn(b, sk, hk, d, dtype=dtype, generator=g)
+    v = randn(b, sk, hk, d, dtype=dtype, generator=g)
+    do = randn(b, sq, hq, d, dtype=dtype, generator=g)
+    return q, k, v, do
+
+
+def _check(q, k, v, do, *, causal, q_offset=0, k_offset=0, scale=None, msg=""):
+    dtype = q.dtype
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = flash_attention(qg, kg, vg, causal=causal, q_offset=q_offset, k_offset=k_offset, softmax_scale=scale)
+    dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), do)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ro, rl = attention_reference(qr, kr, vr, causal=causal, q_offset=q_offset, k_offset=k_offset, softmax_scale=scale)
+    rdq, rdk, rdv = torch.autograd.grad(ro, (qr, kr, vr), do.double())
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    tol = OUT_TOL[dtype]
+    assert_close(out, ro, dtype, rtol=tol, atol=tol * ro.pow(2).mean().sqrt().item(), msg=f"out {msg}")
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl)), f"lse -inf pattern {msg}"
+    fin = torch.isfinite(rl)
+    assert_close(lse[fin], rl[fin], torch.float32, rtol=OUT_TOL[dtype], atol=OUT_TOL[dtype], msg=f"lse {msg}")
+    # absolute error scales with the upstream gradient as well: a gradient that is exactly 0 in
+    # the reference (one visible key) comes out as rounding noise of size ~eps * |dout|
+    do_rms = do.double().pow(2).mean().sqrt().item()
+    for name, got, ref in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        tol = GRAD_TOL[dtype]
+        scale = max(ref.pow(2).mean().sqrt().item(), do_rms)
+        assert_close(got, ref, dtype, rtol=tol, atol=tol * scale, msg=f"{name} {msg}")
+    return out, lse
+
+
+# (batch, seq_q, seq_k, heads, kv_heads, head_dim, causal, q_offset, k_offset)
+CASES = [
+    (2, 7, 33, 4, 2, 16, False, 0, 0),     # unequal lengths, GQA 2, tails
+    (1, 33, 33, 2, 1, 32, True, 0, 0),     # causal square, MQA
+    (1, 61, 17, 2, 2, 16, True, 20, 0),    # causal block at a later global position
+    (2, 19, 21, 3, 3, 24, True, 5, 10),    # padded head_dim 24, rows with no visible key
+    (1, 1, 7, 2, 2, 64, True, 0, 0),       # a single query
+    (1, 7, 1, 2, 1, 16, False, 0, 0),      # a single key
+]
+
+
+def _case_id(c):
+    return "b{}_q{}_k{}_h{}/{}_d{}_{}_off{}-{}".format(*c[:6], "causal" if c[6] else "full", *c[7:])
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_against_fp64_reference(case):
+    b, sq, sk, hq, hk, d, causal, qo, ko = case
+    q, k, v, do = _inputs(b, sq, sk, hq, hk, d, torch.float32, seed=sum(case[:6]))
+    out, lse = _check(q, k, v, do, causal=causal, q_offset=qo, k_offset=ko, msg=str(case))
+    # the launcher writing into NaN-poisoned buffers gives the same result bit for bit
+    out_p, lse_p = flash_attention_forward(q, k, v, causal=causal, q_offset=qo, k_offset=ko,
+                                           out=poison(q.shape, q.dtype), lse=poison((b, hq, sq), torch.float32))
+    assert torch.equal(out_p, out.detach()) and torch.equal(lse_p, lse)
+
+
+def test_bf16_upcast_path():
+    # under the interpreter bf16 operands are upcast to fp32 before tl.dot (DESIGN.md §3); compiled,
+    # bf16 goes to the tensor cores. Either way the result must match the fp64 reference.
+    q, k, v, do = _inputs(1, 21, 19, 2, 1, 16, torch.bfloat16, seed=42)
+    _check(q, k, v, do, causal=True, q_offset=3, msg="bf16")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_head_dims_and_dtypes(dtype, d):
+    # fewer rows for wide heads: the interpreter's cost grows with BLOCK_D
+    s = 23 if d <= 32 else 9
+    q, k, v, do = _inputs(1, s, s + 2, 2, 1, d, dtype, seed=d)
+    _check(q, k, v, do, causal=True, k_offset=0, q_offset=2, scale=0.3, msg=f"d={d} {dtype}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_against_sdpa(causal):
+    # the external oracle: torch SDPA (top-left causal alignment equals offsets 0, 0)
+    q, k, v, do = _inputs(2, 29, 29, 4, 4, 32, torch.float32, seed=7 + causal)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, _ = flash_attention(qg, kg, vg, causal=causal)
+    grads = torch.autograd.grad(out, (qg, kg, vg), do)
+    qs, ks, vs = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+    rgrads = torch.autograd.grad(ref, (qs, ks, vs), do.transpose(1, 2))
+    assert_close(out, ref.transpose(1, 2), torch.float32, rtol=1e-5, atol=1e-5)
+    for got, r in zip(grads, rgrads):
+        assert_close(got, r.transpose(1, 2), torch.float32, rtol=GRAD_TOL[torch.float32], atol=GRAD_TOL[torch.float32])
+
+
+def test_strided_views_and_poisoned_outputs():
+    # q, k, v are head slices of one packed [b, s, 3h, d] projection (read in place); the out /
+    # lse / gradient buffers are NaN-poisoned strided views that every element must overwrite.
+    g = torch.Generator().manual_seed(3)
+    b, s, h, d = 2, 21, 2, 16
+    qkv = randn(b, s, 3 * h + 1, d, generator=g)
+    q, k, v = qkv[:, :, :h], qkv[:, :, h:2 * h], qkv[:, :, 2 * h:3 * h]
+    out_buf = poison((b, s, h + 1, d), torch.float32)
+    lse_buf = poison((b, s, h), torch.float32)
+    out, lse = flash_attention_forward(q, k, v, causal=True, out=out_buf[:, :, 1:], lse=lse_buf.permute(0, 2, 1))
+    ro, rl = attention_reference(q, k, v, causal=True)
+    assert_close(out, ro, torch.float32)
+    assert_close(lse, rl, torch.float32)
+    assert torch.isnan(out_buf[:, :, 0]).all(), "the kernel wrote outside its out view"
+    do = randn(b, s, h, d, generator=g)
+    grads = [poison((b, s, h + 2, d), torch.float32)[:, :, 1:h + 1] for _ in range(3)]
+    dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, causal=True, dq=grads[0], dk=grads[1], dv=grads[2])
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    rgrads = torch.autograd.grad(attention_reference(qr, kr, vr, causal=True)[0], (qr, kr, vr), do.double())
+    for got, r in zip((dq, dk, dv), rgrads):
+        assert_close(got, r, torch.float32, rtol=GRAD_TOL[torch.float32], atol=GRAD_TOL[torch.float32])
+
+
+def test_accumulate_merges_key_blocks():
+    # the ring's use: attention over keys [0, 40) as two blocks at their global offsets, merged
+    # in fp32 by the kernel, with gradients accumulated into fp32 buffers.
+    g = torch.Generator().manual_seed(11)
+    b, sq, hq, hk, d = 1, 18, 4, 2, 16
+    q = randn(b, sq, hq, d, generator=g, dtype=torch.float16)
+    k = randn(b, 40, hk, d, generator=g, dtype=torch.float16)
+    v = randn(b, 40, hk, d, generator=g, dtype=torch.float16)
+    do = randn(b, sq, hq, d, generator=g, dtype=torch.float16)
+    q_off = 25  # queries at global positions 25..42, causal
+    out = torch.zeros(b, sq, hq, d, device=DEVICE)
+    lse = torch.full((b, hq, sq), float("-inf"), device=DEVICE)
+    for lo, hi in ((23, 40), (0, 23)):  # order does not matter
+        flash_attention_forward(q, k[:, lo:hi], v[:, lo:hi], causal=True, q_offset=q_off, k_offset=lo,
+                                out=out, lse=lse, accumulate=True)
+    ro, rl = attention_reference(q, k, v, causal=True, q_offset=q_off)
+    assert_close(out, ro, torch.float16)
+    assert_close(lse, rl, torch.float16)
+    dq = torch.zeros(b, sq, hq, d, device=DEVICE)
+    dk, dv = torch.zeros(b, 40, hk, d, device=DEVICE), torch.zeros(b, 40, hk, d, device=DEVICE)
+    for lo, hi in ((0, 23), (23, 40)):
+        flash_attention_backward(do, q, k[:, lo:hi], v[:, lo:hi], out.half(), lse, causal=True, q_offset=q_off,
+                                 k_offset=lo, dq=dq, dk=dk[:, lo:hi], dv=dv[:, lo:hi], accumulate=True)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out = attention_reference(qr, kr, vr, causal=True, q_offset=q_off)[0]
+    rgrads = torch.autograd.grad(ref_out, (qr, kr, vr), do.double())
+    tol = GRAD_TOL[torch.float16]
+    for got, r in zip((dq, dk, dv), rgrads):
+        assert_close(got, r, torch.float16, rtol=tol, atol=tol * r.abs().max().item())
+
+
+def test_fully_masked_rows():
+    # keys all after the queries: every row sees nothing -> out 0, lse -inf, zero gradients
+    q, k, v, do = _inputs(1, 9, 5, 2, 1, 16, torch.float32, seed=5)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = flash_attention(qg, kg, vg, causal=True, q_offset=0, k_offset=9)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+    for gr in torch.autograd.grad(out, (qg, kg, vg), do):
+        assert torch.equal(gr, torch.zeros_like(gr))
+
+
+def test_bad_inputs():
+    q = torch.randn(1, 4, 4, 16, device=DEVICE)
+    k = torch.randn(1, 4, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="4-D"):
+        flash_attention(q[0], k, k)
+    with pytest.raises(TypeError, match="dtype"):
+        flash_attention(q, k.half(), k.half())
+    with pytest.raises(ValueError, match="batch"):
+        flash_attention(q, torch.randn(2, 4, 2, 16, device=DEVICE), torch.randn(2, 4, 2, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        flash_attention(q, torch.randn(1, 4, 3, 16, device=DEVICE), torch.randn(1, 4, 3, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="head_dim"):
+        wide = torch.randn(1, 4, 1, 300, device=DEVICE)
+        flash_attention(wide, wide, wide)
+    with pytest.raises(ValueError, match="k head_dim"):
+        flash_attention(q, torch.randn(1, 4, 2, 32, device=DEVICE), torch.randn(1, 4, 2, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="k is on meta"):
+        flash_attention(q, k.to("meta"), k.to("meta"))
+    with pytest.raises(ValueError, match="same shape"):
+        flash_attention(q, k, torch.randn(1, 5, 2, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="q_offset"):
+        flash_attention(q, k, k, q_offset=-1)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flash_attention(q, k, k, softmax_scale=0.0)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        flash_attention(q, k, None)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        flash_attention(q.double(), k.double(), k.double())
+    with pytest.raises(ValueError, match="accumulate"):
+        flash_attention_forward(q, k, k, accumulate=True)
+    with pytest.raises(TypeError, match="lse must have dtype"):
+        flash_attention_forward(q, k, k, lse=torch.empty(1, 4, 4, dtype=torch.float16, device=DEVICE))
+
+
+@pytest.fixture
+def bench_main(monkeypatch):
+    import os
+
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.__main__ import main
+
+    return main
+
+
+def test_benchmark_cli_smoke(bench_main, tmp_path):
+    import json
+
+    out = tmp_path / "a.json"
+    assert bench_main(["attention", "--seqs", "9", "--head-dims", "16", "--causal", "yes", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"]["attention"][0]
+    assert (row["seq"], row["head_dim"], row["causal"]) == (9, 16, True)
+    assert row["max_rel_err"] < 1e-4 and row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["sdpa_fwd_ms"] > 0
+    out = tmp_path / "r.json"
+    args = ["ring_attention", "--ranks", "2", "--tokens-per-rank", "2", "--rank", "1", "--json", str(out)]
+    assert bench_main(args) == 0
+    row = json.loads(out.read_text())["results"]["ring_attention"][0]
+    assert (row["ranks"], row["rank"]) == (2, 1) and row["max_rel_err"] < 1e-4 and row["T_overlapped_ms"] > 0

@@ -1,0 +1,125 @@
+"""fusedpar.nn.ParallelAttention on a 4-rank gloo world: tensor parallel x sequence parallel
+(ring, Ulysses) and 2-D sequence parallel (hybrid); outputs and parameter gradients equal the
+single-process AttentionReference with the same seed."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from _utils import DEVICE, assert_close
+from _world import rank_rng, straggle, world_fixture
+from fusedpar import comm
+from fusedpar.nn import AttentionReference, ParallelAttention
+
+world4 = world_fixture(4)
+
+# fp32 end to end; the attention itself is the kernel's fp32 (see test_sp_attention.py: 2e-5) and
+# the projections add fp32 GEMM rounding over hidden <= 64 terms -> 5e-5 relative to the RMS.
+TOL = 5e-5
+
+
+def _groups(rank):
+    """Orthogonal 2 x 2 groups (every rank creates every group, in the same order)."""
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    singles = [dist.new_group([r]) for r in range(4)]
+    return rows[rank // 2], cols[rank % 2], singles[rank]
+
+
+def _reference_grads(ref, tp_rank, tp_size, hl, kl, d):
+    """The reference gradients rearranged into this tensor-parallel rank's shards."""
+    gq, gk, gv = (p.weight.grad for p in (ref.q_proj, ref.k_proj, ref.v_proj))
+    qkv_w = torch.cat([gq[tp_rank * hl * d:(tp_rank + 1) * hl * d], gk[tp_rank * kl * d:(tp_rank + 1) * kl * d],
+                       gv[tp_rank * kl * d:(tp_rank + 1) * kl * d]])
+    n = ref.o_proj.in_features // tp_size
+    out = {"qkv.weight": qkv_w, "proj.weight": ref.o_proj.weight.grad[:, tp_rank * n:(tp_rank + 1) * n]}
+    if ref.q_proj.bias is not None:
+        bq, bk, bv = (p.bias.grad for p in (ref.q_proj, ref.k_proj, ref.v_proj))
+        out["qkv.bias"] = torch.cat([bq[tp_rank * hl * d:(tp_rank + 1) * hl * d],
+                                     bk[tp_rank * kl * d:(tp_rank + 1) * kl * d],
+                                     bv[tp_rank * kl * d:(tp_rank + 1) * kl * d]])
+        out["proj.bias"] = ref.o_proj.bias.grad
+    return out
+
+
+def _cases(rank, size, seed):
+    row, col, single = _groups(rank)
+    straggle(0.01, seed)
+    try:
+        cases = [
+            # (name, kwargs, heads, kv_heads, bias, seq, batch)
+            ("tp2 x ring2 zigzag", dict(tp_group=row, sp_group=col, sp_mode="ring", layout="zigzag"),
+             4, 2, True, 16, 2),
+            ("tp2 x ring2 contiguous", dict(tp_group=row, sp_group=col, sp_mode="ring", layout="contiguous"),
+             2, 2, False, 12, 1),
+            ("tp2 x ulysses2", dict(tp_group=row, sp_group=col, sp_mode="ulysses"), 4, 2, False, 12, 1),
+            ("hybrid 2x2, tp1", dict(tp_group=single, ulysses_group=row, ring_group=col, sp_mode="hybrid"),
+             4, 2, True, 16, 1),
+        ]
+        for i, (name, kw, hq, hk, bias, S, b) in enumerate(cases):
+            d, hidden = 8, 32
+            torch.manual_seed(seed + i)  # the same full weights on every rank, at every parallel degree
+            ref = AttentionReference(hidden, hq, hk, bias=bias, causal=True, rope_theta=500.0, head_dim=d)
+            torch.manual_seed(seed + i)
+            mod = ParallelAttention(hidden, hq, hk, bias=bias, causal=True, rope_theta=500.0, head_dim=d, **kw)
+            # from_reference shards the same weights
+            mod2 = ParallelAttention.from_reference(ref, **kw)
+            for (n1, p1), (n2, p2) in zip(mod.named_parameters(), mod2.named_parameters()):
+                assert n1 == n2 and torch.equal(p1, p2), f"{name}: {n1} differs between init and from_reference"
+            x = torch.randn(b, S, hidden, generator=rank_rng(seed + i))
+            dy = torch.randn(b, S, hidden, generator=rank_rng(seed + 100 + i))
+            xr = x.clone().requires_grad_()
+            yr = ref(xr)
+            yr.backward(dy)
+
+            xl = mod.shard(x).requires_grad_()
+            pos = mod.local_positions(S)
+            y = mod(xl)
+            y.backward(dy.index_select(1, pos))
+            mod.reduce_sequence_parallel_grads()
+            msg = f"{name} rank {rank}"
+            ry = yr.detach().index_select(1, pos)
+            assert_close(y, ry, torch.float32, rtol=TOL, atol=TOL * ry.pow(2).mean().sqrt().item(), msg=f"out {msg}")
+            # input gradient: each rank's tokens only, no reduction needed
+            gx = xr.grad.index_select(1, pos)
+            assert_close(xl.grad, gx, torch.float32, rtol=TOL, atol=TOL * gx.pow(2).mean().sqrt().item(),
+                         msg=f"dx {msg}")
+            expect = _reference_grads(ref, mod.tp_rank, mod.tp_size, mod.heads_local, mod.kv_heads_local, d)
+            params = dict(mod.named_parameters())
+            assert set(params) == set(expect), (sorted(params), sorted(expect))
+            for pname, g in expect.items():
+                assert_close(params[pname].grad, g, torch.float32, rtol=TOL, atol=TOL * g.pow(2).mean().sqrt().item(),
+                             msg=f"grad {pname} {msg}")
+        # errors before any communication
+        with pytest.raises(ValueError, match="divisible by the tensor-parallel group size"):
+            ParallelAttention(32, 3, 3, tp_group=row, sp_group=col, head_dim=8)
+        with pytest.raises(ValueError, match="same group"):
+            ParallelAttention(32, 4, 2, tp_group=row, sp_group=row, head_dim=8)
+        with pytest.raises(ValueError, match="hybrid"):
+            ParallelAttention(32, 4, 2, tp_group=single, sp_mode="hybrid", sp_group=col, head_dim=8)
+        with pytest.raises(ValueError, match="sp_mode"):
+            ParallelAttention(32, 4, 2, tp_group=single, sp_group=col, sp_mode="striped", head_dim=8)
+        with pytest.raises(ValueError, match="sizes that work"):
+            ParallelAttention(32, 2, 2, tp_group=row, sp_group=col, sp_mode="ulysses", head_dim=8)
+    finally:
+        comm.set_straggler(0)
+    return True
+
+
+def test_parallel_attention_matches_reference(world4):
+    assert all(world4.run(_cases, seed=7))
+
+
+def test_reference_and_local_module():
+    # without torch.distributed: a single-rank ParallelAttention is the reference block
+    torch.manual_seed(3)
+    ref = AttentionReference(24, 3, 1, bias=True, head_dim=8).to(DEVICE)  # drawn on CPU, like the module
+    torch.manual_seed(3)
+    mod = ParallelAttention(24, 3, 1, bias=True, head_dim=8, device=DEVICE)
+    x = torch.randn(2, 11, 24, device=DEVICE)
+    torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="head_dim"):
+        ParallelAttention(24, 3, head_dim=7)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ParallelAttention(24, 4, 3)
+    with pytest.raises(ValueError, match=r"x must be \[batch, seq_local, 24\]"):
+        mod(torch.randn(2, 11, 23, device=DEVICE))

@@ -1,0 +1,220 @@
+"""Ring (zigzag, contiguous), Ulysses and hybrid attention on real gloo worlds: each rank's
+output shard and dq/dk/dv shards equal single-process attention over the full sequence."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from _utils import DEVICE, assert_close, randn
+from _world import rank_rng, straggle, world_fixture
+from fusedpar import comm
+from fusedpar.kernels import attention_reference
+from fusedpar.ops import (
+    hybrid_attention,
+    ring_attention,
+    sequence_shard,
+    shard_positions,
+    ulysses_attention,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
+)
+
+world2 = world_fixture(2)
+world3 = world_fixture(3)
+world4 = world_fixture(4)
+
+# Tolerances against the fp64 full-sequence reference, relative to the RMS of the reference.
+#   fp32: the ring merges P partial softmaxes in fp32 and passes dK/dV sums in fp32; each
+#         partial carries the kernel's ~1e-6 relative rounding -> 2e-5 for any P tested here.
+#   fp16: inputs/outputs rounded to fp16, probabilities rounded before the PV product -> 5e-3.
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
+
+
+def _full_inputs(seed, b, S, hq, hk, d, dtype):
+    g = rank_rng(seed)  # the same full tensors on every rank
+    return tuple(randn(*shape, generator=g, dtype=dtype) for shape in
+                 ((b, S, hq, d), (b, S, hk, d), (b, S, hk, d), (b, S, hq, d)))
+
+
+def _reference(q, k, v, do, causal):
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    out, _ = attention_reference(qr, kr, vr, causal=causal)
+    return (out.detach(), *torch.autograd.grad(out, (qr, kr, vr), do.double()))
+
+
+def _compare(fn, full, pos, causal, dtype, msg):
+    q, k, v, do = full
+    shards = [t.index_select(1, pos).requires_grad_() for t in (q, k, v)]
+    out = fn(*shards)
+    grads = torch.autograd.grad(out, shards, do.index_select(1, pos))
+    ref = _reference(q, k, v, do, causal)
+    tol = TOL[dtype]
+    for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
+        scale = max(r.pow(2).mean().sqrt().item(), 1.0)  # errors scale with |dout| = 1 as well
+        assert_close(got, r.index_select(1, pos), dtype, rtol=tol, atol=tol * scale, msg=f"{name} {msg}")
+
+
+# (layout, causal, heads, kv_heads, dtype, batch)
+RING_CASES = [
+    ("zigzag", True, 2, 1, torch.float32, 1),
+    ("contiguous", True, 2, 2, torch.float32, 2),
+    ("zigzag", False, 4, 2, torch.float32, 1),
+    ("zigzag", True, 2, 2, torch.float16, 1),
+]
+
+
+def _ring_cases(rank, size, seed, s_local, cases):
+    straggle(0.01, seed)
+    try:
+        for i, (layout, causal, hq, hk, dtype, b) in enumerate(cases):
+            S = s_local * size
+            full = _full_inputs(seed + i, b, S, hq, hk, 16, dtype)
+            pos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
+            _compare(lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout), full, pos, causal, dtype,
+                     msg=f"ring {layout} causal={causal} h={hq}/{hk} {dtype} P={size} rank {rank}")
+    finally:
+        comm.set_straggler(0)
+    return True
+
+
+def test_ring_world2(world2):
+    assert all(world2.run(_ring_cases, seed=1, s_local=10, cases=[RING_CASES[i] for i in (0, 1, 3)]))
+
+
+def test_ring_world4(world4):
+    # odd chunk length (3) so the kernel's tails are exercised inside every ring step
+    assert all(world4.run(_ring_cases, seed=2, s_local=6, cases=RING_CASES[:3]))
+
+
+def test_ring_world3(world3):
+    assert all(world3.run(_ring_cases, seed=3, s_local=8, cases=RING_CASES[:1]))
+
+
+# (causal, heads, kv_heads, batch): kv heads split evenly, replicated (fewer than ranks), MHA
+ULYSSES_CASES = [(True, 4, 2, 2), (False, 4, 1, 1), (True, 8, 8, 1)]
+
+
+def _ulysses_cases(rank, size, seed, s_local):
+    straggle(0.01, seed)
+    try:
+        for i, (causal, hq, hk, b) in enumerate(ULYSSES_CASES):
+            S = s_local * size
+            full = _full_inputs(seed + i, b, S, hq, hk, 16, torch.float32)
+            pos = torch.arange(rank * s_local, (rank + 1) * s_local)
+            _compare(lambda q, k, v: ulysses_attention(q, k, v, causal=causal), full, pos, causal, torch.float32,
+                     msg=f"ulysses causal={causal} h={hq}/{hk} P={size} rank {rank}")
+        # heads that cannot be split: a clear error before any communication
+        q = torch.randn(1, s_local, 6, 16)
+        with pytest.raises(ValueError, match=r"sizes that work: \[1, 3, 6\]"):
+            ulysses_attention(q, torch.randn(1, s_local, 3, 16), torch.randn(1, s_local, 3, 16))
+    finally:
+        comm.set_straggler(0)
+    return True
+
+
+def test_ulysses_world2(world2):
+    assert all(world2.run(_ulysses_cases, seed=10, s_local=9))
+
+
+def test_ulysses_world4(world4):
+    assert all(world4.run(_ulysses_cases, seed=11, s_local=5))
+
+
+def _hybrid_cases(rank, size, seed):
+    # 2 x 2: ulysses groups {0,1} {2,3}, ring groups {0,2} {1,3}
+    uly = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ring = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    u_group, r_group = uly[rank // 2], ring[rank % 2]
+    u_rank, r_rank = rank % 2, rank // 2
+    straggle(0.01, seed)
+    try:
+        for i, (layout, causal, hq, hk, b) in enumerate([("zigzag", True, 4, 2, 2), ("contiguous", False, 2, 1, 1)]):
+            S = 24
+            full = _full_inputs(seed + i, b, S, hq, hk, 16, torch.float32)
+            pos = shard_positions(S, layout=layout, ring_rank=r_rank, ring_size=2, ulysses_rank=u_rank, ulysses_size=2)
+            _compare(lambda q, k, v: hybrid_attention(q, k, v, ulysses_group=u_group, ring_group=r_group,
+                                                      causal=causal, layout=layout),
+                     full, pos, causal, torch.float32, msg=f"hybrid {layout} causal={causal} h={hq}/{hk} rank {rank}")
+    finally:
+        comm.set_straggler(0)
+    return True
+
+
+def test_hybrid_2x2(world4):
+    assert all(world4.run(_hybrid_cases, seed=20))
+
+
+def test_zigzag_helpers():
+    x = torch.arange(2 * 24).reshape(2, 24)
+    shards = [zigzag_shard(x, r, 3) for r in range(3)]
+    assert shards[0][0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+    assert shards[2][0].tolist() == [8, 9, 10, 11, 12, 13, 14, 15]
+    assert torch.equal(zigzag_unshard(torch.cat(shards, dim=1), 3), x)
+    assert zigzag_positions(24, 1, 3).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+    assert torch.equal(sequence_shard(x, layout="contiguous", ring_rank=1, ring_size=3), x[:, 8:16])
+    # hybrid: ring shard 1 of 2 in zigzag = chunks 1 and 2 of 4, then ulysses piece 1 of 2
+    pos = shard_positions(16, layout="zigzag", ring_rank=1, ring_size=2, ulysses_rank=1, ulysses_size=2)
+    assert pos.tolist() == [8, 9, 10, 11]
+    with pytest.raises(ValueError, match="seq_len=10"):
+        zigzag_positions(10, 0, 3)
+    with pytest.raises(ValueError, match="layout"):
+        shard_positions(8, layout="striped")
+    with pytest.raises(ValueError, match="ring_rank"):
+        zigzag_positions(12, 3, 3)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_zigzag_plan_is_balanced_and_complete(size):
+    # every (query, key) pair that the causal mask shows is computed exactly once over the ring,
+    # and in zigzag every rank does the same amount of work at every step
+    from fusedpar.ops.attention import _chunks, _plan
+
+    s = 6
+    S = s * size
+    for layout in ("zigzag", "contiguous"):
+        seen = torch.zeros(S, S, dtype=torch.int64)
+        work = torch.zeros(size, size)
+        for rank in range(size):
+            qpos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
+            for step in range(size):
+                src = (rank - step) % size
+                kpos = shard_positions(S, layout=layout, ring_rank=src, ring_size=size)
+                launches = _plan(_chunks(layout, rank, size, s), _chunks(layout, src, size, s), True)
+                for qs, ks, qo, ko, causal in launches:
+                    qi, kj = qpos[qs][:, None], kpos[ks][None, :]
+                    if causal:  # offsets must be the chunks' true global starts
+                        assert qo == qpos[qs][0] and ko == kpos[ks][0]
+                        vis = kj <= qi
+                    else:
+                        assert bool((kj <= qi).all()), "an unmasked launch must see only visible keys"
+                        vis = torch.ones(qi.shape[0], kj.shape[1], dtype=torch.bool)
+                    seen[qi.expand_as(vis)[vis], kj.expand_as(vis)[vis]] += 1
+                    work[rank, step] += vis.sum()
+        assert torch.equal(seen, torch.ones(S, S, dtype=torch.int64).tril()), layout
+        if layout == "zigzag":
+            for step in range(1, size):
+                assert work[:, step].eq(work[0, step]).all(), f"zigzag step {step} unbalanced: {work[:, step]}"
+
+
+def test_single_process_equals_flash():
+    # without torch.distributed every op is local attention
+    full = _full_inputs(5, 1, 13, 2, 1, 16, torch.float32)
+    pos = torch.arange(13)
+    _compare(lambda q, k, v: ring_attention(q, k, v, causal=True, layout="contiguous"), full, pos, True,
+             torch.float32, msg="ring P=1")
+    _compare(lambda q, k, v: ulysses_attention(q, k, v, causal=False), full, pos, False, torch.float32,
+             msg="ulysses P=1")
+
+
+def test_bad_inputs():
+    q = torch.randn(1, 8, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="layout"):
+        ring_attention(q, q, q, layout="striped")
+    with pytest.raises(ValueError, match="k/v shards"):
+        ring_attention(q, q[:, :4], q[:, :4])
+    with pytest.raises(TypeError, match="causal"):
+        ring_attention(q, q, q, causal="yes")
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        ulysses_attention(q, q, q, group=3)
+    with pytest.raises(ValueError, match="both"):
+        hybrid_attention(q, q, q, ulysses_group=None, ring_group=None)
