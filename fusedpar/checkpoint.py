@@ -91,13 +91,9 @@ class ShardSpec:
 
 def shard_specs(model: nn.Module) -> dict[str, ShardSpec | None]:
     """Parameter name -> :class:`ShardSpec` (``None``: replicated) for every parameter of ``model``."""
+    from fusedpar.nn.attention import ParallelAttention
     from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
     from fusedpar.nn.moe import MoE
-
-    try:
-        from fusedpar.nn.attention import ParallelAttention
-    except ImportError:  # the attention module is optional for models without attention
-        ParallelAttention = ()
 
     specs: dict[str, ShardSpec | None] = {name: None for name, _ in model.named_parameters()}
     fused_qkv = {}

@@ -34,14 +34,10 @@ from torch.utils.checkpoint import checkpoint
 
 from fusedpar import comm
 
+from .attention import ParallelAttention
 from .linear import ColumnParallelLinear, ParallelMLP
 from .moe import MoE
 from .norm import RMSNorm
-
-try:  # the attention module lands with the sequence-parallel attention work
-    from .attention import ParallelAttention
-except ImportError:  # pragma: no cover - resolved at merge time
-    ParallelAttention = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,8 +217,6 @@ class TransformerBlock(nn.Module):
                  top_k: int = 2, capacity_factor: float | None = None, aux_loss_coef: float = 1e-2,
                  z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None):
         super().__init__()
-        if ParallelAttention is None:
-            raise ImportError("TransformerBlock needs fusedpar.nn.ParallelAttention, which this install lacks")
         self.hidden_size = hidden_size
         self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
         self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
@@ -299,12 +293,6 @@ class Transformer(nn.Module):
                                                  sequence_parallel=True, device=device, dtype=dtype)
         else:
             self.norm = self.head = None
-        # a shard sliced out of a full weight may keep the full tensor's strides (and storage);
-        # FSDP2 and DCP want dense local shards
-        with torch.no_grad():
-            for p in self.parameters():
-                if not p.is_contiguous():
-                    p.data = p.data.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embedding is not None:
