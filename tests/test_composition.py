@@ -220,3 +220,38 @@ def test_bf16_autocast_on_gpu():
         assert p.grad.dtype == torch.bfloat16, name
         assert_close(p.grad.float(), g32, torch.bfloat16, rtol=5e-2, atol=5e-2 * g32.pow(2).mean().sqrt().item(),
                      msg=f"bf16 grad of {name}")
+
+
+def test_vocab_parallel_loss_and_layout_helpers_single_process():
+    """Without a group the loss is torch's cross entropy (values and logits gradient); the token
+    layout helper and the config reject bad sizes."""
+    from fusedpar.nn import TransformerConfig, shard_tokens, vocab_parallel_cross_entropy
+    from fusedpar.nn.transformer import sequence_order
+
+    g = torch.Generator().manual_seed(8)
+    logits = (torch.randn(3, 7, 13, generator=g) * 3).requires_grad_()
+    target = torch.randint(0, 13, (3, 7), generator=g)
+    loss = vocab_parallel_cross_entropy(logits, target)
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, 13), target.reshape(-1))
+    ref.backward()
+    loss.backward()
+    assert_close(loss.reshape(1), ref.reshape(1), torch.float32)
+    assert_close(logits.grad, ref_logits.grad, torch.float32)
+    per_token = vocab_parallel_cross_entropy(logits.detach(), target, reduction="none")
+    assert per_token.shape == (3, 7)
+    with pytest.raises(ValueError, match=r"target must have shape \(3, 7\)"):
+        vocab_parallel_cross_entropy(logits, target[:, :5])
+    with pytest.raises(TypeError, match="integer class ids"):
+        vocab_parallel_cross_entropy(logits, target.float())
+    # zigzag over sp=2: chunks 0 and 3 on rank 0, 1 and 2 on rank 1; then tp splits contiguously
+    assert sequence_order(8, 2, "zigzag").tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    tok = torch.arange(16).reshape(2, 8)
+    ids, tgt = shard_tokens(tok, tok + 100, sp_size=2, sp_rank=1, tp_size=2, tp_rank=1)
+    assert ids.tolist() == [[4, 5], [12, 13]] and tgt.tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
+    with pytest.raises(ValueError, match=r"seq_len=8 must be divisible by sp \* tp \(3\)"):
+        shard_tokens(tok, tok, sp_size=3, sp_rank=0, tp_size=1, tp_rank=0)
+    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+        TransformerConfig(vocab_size=8, hidden_size=8, num_layers=0, num_heads=2, ffn_hidden_size=8)
+    with pytest.raises(ValueError, match="layer index 5 is outside 0..1"):
+        Transformer(tiny_config(), layers=[5])
