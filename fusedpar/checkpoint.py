@@ -24,6 +24,7 @@ as one DTensor per section.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Mapping
 
 import torch
@@ -137,18 +138,20 @@ def full_state(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tens
     return out
 
 
+_SPECS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def shard_specs_cache(model: nn.Module) -> dict[str, ShardSpec | None]:
-    specs = getattr(model, "_fusedpar_shard_specs", None)
-    if specs is None:
-        specs = shard_specs(model)
-        object.__setattr__(model, "_fusedpar_shard_specs", specs)
-    return specs
+    """:func:`shard_specs`, computed once per model object."""
+    if model not in _SPECS:
+        _SPECS[model] = shard_specs(model)
+    return _SPECS[model]
 
 
 # ----------------------------------------------------------------------------------------------
 # torch.distributed.checkpoint
 # ----------------------------------------------------------------------------------------------
-_MESHES: dict[int, object] = {}
+_MESHES: dict[tuple[int, str], object] = {}
 
 
 def _mesh(group, device_type):

@@ -17,8 +17,9 @@ import torch
 
 from _compose import batch, compare_grads, data_mean, local_batch, reference, tiny_config
 from _utils import assert_close
-from _world import world_fixture
+from _world import straggle, world_fixture
 from fusedpar import checkpoint as fcheckpoint
+from fusedpar import comm
 from fusedpar.nn import Transformer
 from fusedpar.parallel import build_parallel_state, sync_gradients
 
@@ -34,6 +35,7 @@ def _tp_model(config, state, **kw):
 def _tp_sp_ep(rank, size, ref_loss, ref_grads):
     from fusedpar.nn.attention import ParallelAttention
 
+    straggle(0.004, seed=4)  # random per-rank delays before every transfer: a missing wait -> wrong numbers
     state = build_parallel_state(sp=2, tp=2, ep=4)  # experts over all four sp x tp ranks
     config = tiny_config(num_experts=4, top_k=2, moe_every=2)
     tokens, targets = batch(4, B, S, config.vocab_size)
@@ -46,8 +48,11 @@ def _tp_sp_ep(rank, size, ref_loss, ref_grads):
     full_pos = torch.arange(S)[None].expand(B, S)
     pos, _ = local_batch(full_pos, full_pos, state, layout=config.layout)
     assert torch.equal(pos[0], attn.local_positions(S)), (pos[0], attn.local_positions(S))
-    loss = model.loss(model(ids), tgt)
-    loss.backward()
+    try:
+        loss = model.loss(model(ids), tgt)
+        loss.backward()
+    finally:
+        comm.set_straggler(0)
     sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
     assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="sp2 x tp2 x ep4 loss")
     return compare_grads(model, ref_grads, "sp2 x tp2 x ep4")
