@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 
 def _use_cuda(device: str) -> bool:
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     use_cuda = _use_cuda(args.device)
     _setup_env(use_cuda)
+    # torch 2.13 deprecates the name of a collective fusedpar.comm calls (it still works): keep the log readable
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     import torch
     import torch.distributed as dist
 
@@ -169,7 +173,7 @@ def main(argv=None) -> int:
         if state.rank == reporter:
             print(f"step {step + 1:3d}/{args.steps}  loss {value:.4f}  {dt * 1e3:8.1f} ms  "
                   f"{tokens_per_step / dt:10.1f} tokens/s", flush=True)
-    if state.rank == reporter:
+    if state.rank == reporter and args.steps > 1:
         print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps "
               f"({'falling' if last < first else 'NOT falling'})", flush=True)
     dist.barrier()
