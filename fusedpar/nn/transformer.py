@@ -270,9 +270,10 @@ class Transformer(nn.Module):
             if not 0 <= i < config.num_layers:
                 raise ValueError(f"layer index {i} is outside 0..{config.num_layers - 1}")
         self.layer_ids = layers
-        with _seeded(seed - 1):
-            self.embedding = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype) \
-                if embed else None
+        self.embedding = None
+        if embed:
+            with _seeded(seed - 1):  # drawn on the CPU like every fusedpar layer: same weights on any device
+                self.embedding = nn.Embedding(config.vocab_size, config.hidden_size).to(device=device, dtype=dtype)
         self.layers = nn.ModuleDict()
         for i in layers:
             moe = config.is_moe(i)
@@ -334,15 +335,16 @@ class Transformer(nn.Module):
 
 
 class _seeded:
-    """Seed torch's global generator for the duration (restoring its state after), so a module's
-    initial weights depend only on the seed and not on what was built before it."""
+    """Seed torch's global CPU generator (where fusedpar layers draw their full weights) for the
+    duration, restoring its state after, so a module's initial weights depend only on the seed and
+    not on what was built before it. Device generators are left alone."""
 
     def __init__(self, seed: int):
         self.seed = seed
 
     def __enter__(self):
         self.state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
+        torch.random.default_generator.manual_seed(self.seed)
 
     def __exit__(self, *exc):
         torch.random.set_rng_state(self.state)
