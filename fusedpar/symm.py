@@ -422,15 +422,16 @@ def emulated_all_gather_matmul(peers, weight, bias=None, *, rank=0, gather_dim=1
 
 def emulated_matmul_reduce_scatter(x, weight, bias=None, *, world, rank=0, scatter_dim=1,
                                    partial_dtype=torch.float32, out=None, partials=None, wait=True, config=None,
-                                   reduce_sms=RS_REDUCE_SMS):
+                                   reduce_sms=RS_REDUCE_SMS, gemm_delay_cycles=0):
     """One rank's reduce-scatter GEMM on one GPU, ``world`` chunks along ``scatter_dim``. The
     persistent GEMM computes every chunk's partial (peer ``rank + 1``'s first, the own chunk
     last) and releases a counter per chunk; concurrently, on a side stream and ``reduce_sms``
     SMs, ``chunk_reduce`` sums in completion order the partials a real rank would read from its
     peers. Here "peer ``j``'s partial of chunk ``rank``" is this GPU's partial of the chunk it
     completes at the same step, so the result is ``bias + sum_c x_c @ W^T`` over the chunks
-    ``x_c``. ``wait=False`` reads without waiting on the counters (tests: wrong data). On CPU
-    (interpreter) the GEMM runs first, then the reduction finds its counters complete."""
+    ``x_c``. ``wait=False`` reads without waiting on the counters (tests: wrong data);
+    ``gemm_delay_cycles`` starts the GEMM late on purpose. On CPU (interpreter) the GEMM runs
+    first, then the reduction finds its counters complete."""
     P = world
     xv = chunk_view(x, scatter_dim, P)
     N = weight.shape[0]
@@ -460,11 +461,15 @@ def emulated_matmul_reduce_scatter(x, weight, bias=None, *, world, rank=0, scatt
 
     side = _fork(x.device)
     if side is None:
+        if gemm_delay_cycles:
+            raise ValueError("gemm_delay_cycles needs a CUDA device")
         gemm()
         reduce()
         return out
     with _on(side):
         reduce()  # launched first: it spins on the counters while the GEMM computes
+    if gemm_delay_cycles:
+        torch.cuda._sleep(int(gemm_delay_cycles))
     gemm()
     _join(x.device, side)
     out.record_stream(side)

@@ -1,0 +1,198 @@
+"""Symmetric-memory transport (fusedpar/symm.py): the single-GPU emulation, transport selection
+on real process groups, and the compiled GPU tests (a late producer, a missing wait).
+
+On CPU the emulation runs its producer before the consumer (the interpreter runs programs one
+after another, DESIGN.md §3), so these tests check the wiring: chunk order, flags and epochs,
+counters, layouts. The overlap itself (spinning programs, copy engines, a producer made late on
+purpose) is tested by the ``gpu``-marked tests below.
+"""
+import re
+
+import pytest
+import torch
+
+from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
+from _world import rank_rng, world_fixture
+from fusedpar import symm
+from fusedpar.kernels.persistent_gemm import persistent_matmul_reference as ref_mm
+
+world2 = world_fixture(2)
+
+
+def _gathered(peers, gather_dim):
+    """all_gather of the shards ``peers[c]`` along ``gather_dim``."""
+    return torch.cat(list(peers), dim=gather_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_all_gather_matmul(device, dtype):
+    """Every rank position, both gather dims, gated activation; repeated calls reuse the flags
+    with a rising epoch (a stale flag must not count as ready)."""
+    g = torch.Generator().manual_seed(11)
+    P, b, s, K, F = 3, 2, 7, 40, 13
+    w = randn(2 * F, K, dtype=dtype, generator=g, scale=K ** -0.5).to(device)
+    bias = randn(2 * F, dtype=dtype, generator=g).to(device)
+    for gather_dim in (1, 0):
+        peers = randn(P, b, s, K, dtype=dtype, generator=g).to(device)
+        full = _gathered(peers, gather_dim)
+        expect = ref_mm(full, w, bias, activation="swiglu")
+        for rank in range(P):
+            epoch0 = symm._flags_for(peers.device, P).epoch
+            out = poison(tuple(expect.shape), dtype, device)
+            symm.emulated_all_gather_matmul(peers, w, bias, rank=rank, gather_dim=gather_dim, activation="swiglu",
+                                            out=out)
+            assert symm._flags_for(peers.device, P).epoch == epoch0 + 1
+            assert_close(out, expect, dtype, msg=f"gather_dim={gather_dim} rank={rank}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_matmul_reduce_scatter(device, dtype):
+    g = torch.Generator().manual_seed(12)
+    P, b, s, K, N = 4, 2, 12, 36, 23
+    x = randn(b, s, K, dtype=dtype, generator=g).to(device)
+    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5).to(device)
+    bias = randn(N, dtype=dtype, generator=g).to(device)
+    n = s // P
+    expect = sum(ref_mm(x[:, c * n:(c + 1) * n], w) for c in range(P)) + bias.double()
+    for rank in (0, 3):
+        out = poison((b, n, N), dtype, device)
+        symm.emulated_matmul_reduce_scatter(x, w, bias, world=P, rank=rank, out=out)
+        # fp32 partials summed in fp32: only the input and output roundings of dtype remain
+        assert_close(out, expect, dtype, msg=f"rank={rank}")
+
+
+def test_flags_epoch_wraps():
+    f = symm.ChunkFlags(4, torch.device("cpu"))
+    f.epoch = 2 ** 31 - 2
+    f.i32.fill_(2 ** 31 - 2)
+    assert f.begin() == 1 and f.i32.tolist() == [0, 0, 0, 0]
+    f.raise_flag(2)
+    assert f.i32.tolist() == [0, 0, 1, 0]
+
+
+def test_transport_names_are_checked():
+    with pytest.raises(ValueError, match="transport must be one of"):
+        symm.resolve_transport("nvshmem", torch.zeros(1))
+
+
+def _transport_cases(rank, size):
+    x = torch.randn(2, 3, 8, device=DEVICE)
+    ok, reason = symm.symmetric_status(x)
+    backend = torch.distributed.get_backend()
+    if DEVICE.type == "cpu":
+        assert not ok and "cpu" in reason, reason
+    elif backend != "nccl":
+        assert not ok and backend in reason, reason
+    chosen = symm.resolve_transport("auto", x)
+    assert chosen == ("symmetric" if ok else "portable")
+    assert symm.resolve_transport("portable", x) == "portable"
+    if not ok:
+        with pytest.raises(ValueError, match=re.escape("transport='symmetric' is not available here: " + reason)):
+            symm.resolve_transport("symmetric", x)
+    return chosen
+
+
+def test_transport_selection_on_the_group(world2):
+    chosen = world2.run(_transport_cases)
+    assert len(set(chosen)) == 1  # every rank takes the same path
+    if INTERPRETED:
+        assert chosen == ["portable", "portable"]
+
+
+# --------------------------------------------------------------------------------------------
+# compiled GPU tests (skipped off GPU by conftest)
+# --------------------------------------------------------------------------------------------
+_CYCLES_PER_MS = []
+
+
+def _delay_cycles(ms):
+    """GPU clock cycles that torch.cuda._sleep needs to last about ``ms`` milliseconds
+    (calibrated once with events)."""
+    if not _CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # warm-up
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS.append(10_000_000 / start.elapsed_time(end))
+    return int(ms * _CYCLES_PER_MS[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_late_producer_is_waited_for(dtype):
+    """The producer sleeps ~50 ms before its first copy. With waits the result is right;
+    without them the GEMM reads the NaN-poisoned chunks that have not arrived: the test of the
+    test (a missing wait shows as wrong data)."""
+    g = torch.Generator().manual_seed(21)
+    P, b, s, K, N = 8, 1, 256, 512, 384
+    peers = randn(P, b, s, K, dtype=dtype, generator=g).cuda()
+    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5).cuda()
+    expect = ref_mm(_gathered(peers, 1), w)
+    for rank in (0, 5):
+        gathered = torch.full_like(peers, float("nan"))
+        out = symm.emulated_all_gather_matmul(peers, w, rank=rank, gathered=gathered,
+                                              delay_cycles=_delay_cycles(50))
+        torch.cuda.synchronize()
+        assert_close(out, expect, dtype, msg=f"waiting GEMM, rank {rank}")
+    gathered = torch.full_like(peers, float("nan"))
+    out = symm.emulated_all_gather_matmul(peers, w, rank=2, gathered=gathered, wait=False,
+                                          delay_cycles=_delay_cycles(50))
+    torch.cuda.synchronize()
+    local = out[:, 2 * s:3 * s]
+    assert not torch.isnan(local).any()  # the local chunk was there from the start
+    assert torch.isnan(out[:, 3 * s:4 * s]).all(), "no wait, yet the late chunk was read after it arrived?"
+
+
+@pytest.mark.gpu
+def test_gpu_reduce_waits_for_counters():
+    """chunk_reduce is launched before the GEMM (made ~20 ms late on purpose) and spins on the
+    completion counters; without them it reads partials not computed yet (NaN poison)."""
+    g = torch.Generator().manual_seed(22)
+    P, b, s, K, N = 8, 1, 2048, 1024, 1024
+    x = randn(b, s, K, dtype=torch.bfloat16, generator=g).cuda()
+    w = randn(N, K, dtype=torch.bfloat16, generator=g, scale=K ** -0.5).cuda()
+    n = s // P
+    expect = sum(ref_mm(x[:, c * n:(c + 1) * n], w) for c in range(P))
+    partials = torch.full((P, b, n, N), float("nan"), dtype=torch.float32, device="cuda")
+    out = symm.emulated_matmul_reduce_scatter(x, w, world=P, rank=3, partials=partials,
+                                              gemm_delay_cycles=_delay_cycles(20))
+    torch.cuda.synchronize()
+    assert_close(out, expect, torch.bfloat16, msg="waiting reduce")
+    partials.fill_(float("nan"))
+    out = symm.emulated_matmul_reduce_scatter(x, w, world=P, rank=3, partials=partials, wait=False,
+                                              gemm_delay_cycles=_delay_cycles(20))
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "no wait, yet a partial was complete when read?"
+
+
+def _symmetric_vs_reference(rank, size, seed):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x_all = torch.randn(size, 2, 64, 256, generator=rank_rng(seed)).to(dev, torch.bfloat16)
+    w = (torch.randn(192, 256, generator=rank_rng(seed + 1)) * 256 ** -0.5).to(dev, torch.bfloat16)
+    bias = torch.randn(192, generator=rank_rng(seed + 2)).to(dev, torch.bfloat16)
+    x = x_all[rank]
+    if symm.resolve_transport("auto", x) != "symmetric":
+        return "portable"
+    full = torch.cat(list(x_all), dim=1)
+    for _ in range(3):  # repeated calls: epochs, barriers, workspace reuse
+        out = symm.all_gather_matmul_symmetric(x, w, bias, gather_dim=1, activation="gelu")
+        assert_close(out, ref_mm(full, w, bias, activation="gelu"), torch.bfloat16, msg="AG symmetric")
+    # reduce-scatter: rank r holds K/size columns of x and of the weight
+    xr = torch.randn(2, 64 * size, 128, generator=rank_rng(seed + 3, rank)).to(dev, torch.bfloat16)
+    wr = (torch.randn(96, 128, generator=rank_rng(seed + 4, rank)) * 0.1).to(dev, torch.bfloat16)
+    xs = [torch.randn(2, 64 * size, 128, generator=rank_rng(seed + 3, q)).to(dev, torch.bfloat16) for q in range(size)]
+    ws = [(torch.randn(96, 128, generator=rank_rng(seed + 4, q)) * 0.1).to(dev, torch.bfloat16) for q in range(size)]
+    total = sum(ref_mm(a, b) for a, b in zip(xs, ws)) + bias[:96].double()
+    for _ in range(3):
+        out = symm.matmul_reduce_scatter_symmetric(xr, wr, bias[:96], scatter_dim=1)
+        assert_close(out, total[:, rank * 64:(rank + 1) * 64], torch.bfloat16, msg="RS symmetric")
+    torch.cuda.synchronize()
+    return "symmetric"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_symmetric_transport_two_ranks(world2):
+    assert world2.run(_symmetric_vs_reference, seed=31) in (["symmetric"] * 2, ["portable"] * 2)
