@@ -175,11 +175,13 @@ def _side_stream(device: torch.device):
     return _side_streams[device]
 
 
-def pull_chunks(gathered: torch.Tensor, sources, order, flags: ChunkFlags, *, delay_cycles: int = 0):
+def pull_chunks(gathered: torch.Tensor, sources, order, flags: ChunkFlags, *, delay_cycles: int = 0,
+                repeat: int = 1):
     """On the side stream: for ``c`` in ``order`` copy ``sources(c)`` into ``gathered[c]`` and
     raise flag ``c``. The side stream first waits for the current stream (the local chunk, the
     barrier, and the previous call's readers of ``gathered``). ``delay_cycles`` sleeps on the side
-    stream first (tests: a late producer). Returns the side stream (``None`` on CPU, where the
+    stream first (tests: a late producer); ``repeat > 1`` copies every chunk that many times (the
+    emulation of a link slower than a local copy). Returns the side stream (``None`` on CPU, where the
     copies run right away: the interpreter's consumer must find its flags set before it starts);
     the caller joins it after the consuming kernel with :func:`_join`."""
     side = _fork(gathered.device)
@@ -189,7 +191,8 @@ def pull_chunks(gathered: torch.Tensor, sources, order, flags: ChunkFlags, *, de
         if delay_cycles:
             torch.cuda._sleep(int(delay_cycles))
         for c in order:
-            gathered[c].copy_(sources(c))
+            for _ in range(repeat):
+                gathered[c].copy_(sources(c))
             flags.raise_flag(c)
     return side
 
@@ -395,12 +398,14 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, group=None, scatter
 # single-GPU emulation: the peers are buffers on this device
 # ----------------------------------------------------------------------------------------------
 def emulated_all_gather_matmul(peers, weight, bias=None, *, rank=0, gather_dim=1, activation="none", out=None,
-                               gathered=None, wait=True, delay_cycles=0, config=None, num_programs=None):
+                               gathered=None, wait=True, delay_cycles=0, copy_repeat=1, config=None,
+                               num_programs=None):
     """One rank's all-gather GEMM with ``peers[c]`` (``[P, *shard]``, on this device) standing in
     for the peers' symmetric slots: the local shard ``peers[rank]`` is copied on the current
     stream, the others are pulled on the side stream with per-chunk flags, and the persistent
     GEMM waits per chunk. ``wait=False`` launches it without waiting (tests: a missing wait must
-    show as wrong data); ``delay_cycles`` makes the producer late on purpose."""
+    show as wrong data); ``delay_cycles`` makes the producer late on purpose; ``copy_repeat``
+    copies each chunk that many times (a link that many times slower than a local copy)."""
     P = peers.shape[0]
     shard = peers[0]
     n_out = _n_out(weight, activation)
@@ -413,7 +418,7 @@ def emulated_all_gather_matmul(peers, weight, bias=None, *, rank=0, gather_dim=1
     flags.begin()
     flags.raise_flag(rank)
     order = [(rank + i) % P for i in range(1, P)]
-    side = pull_chunks(gathered, lambda c: peers[c], order, flags, delay_cycles=delay_cycles)
+    side = pull_chunks(gathered, lambda c: peers[c], order, flags, delay_cycles=delay_cycles, repeat=copy_repeat)
     _ag_launch(gathered, chunk_view(out, gather_dim, P), weight, bias, activation, rank, flags, None, config,
                wait=wait, num_programs=num_programs)
     _join(peers.device, side)

@@ -238,3 +238,23 @@ def test_compiles_for_sm90_with_acquire_release_and_pipelining():
     assert res.returncode == 0, res.stderr[-3000:]
     lines = dict(line.split() for line in res.stdout.splitlines() if line.split()[0].isupper())
     assert lines == {"ACQUIRE": "True", "RELEASE": "True", "WGMMA": "True", "PIPELINED": "True"}, res.stdout
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="smoke mode of the CLI (the GPU run is a benchmark, not a test)")
+def test_benchmark_cli_smoke(tmp_path, monkeypatch):
+    """python -m benchmarks persistent_ag / persistent_rs run their CPU smoke mode, check their
+    results against the baseline before timing, and write JSON rows."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(root)
+    from benchmarks.__main__ import main
+
+    for op, key in (("persistent_ag", "N_local"), ("persistent_rs", "K_local")):
+        path = tmp_path / f"{op}.json"
+        assert main([op, "--tokens", "12", "--hidden", "16", "--n", "20", "--tp", "3", "--json", str(path)]) == 0
+        (row,) = json.loads(path.read_text())["results"][op]
+        assert row[key] == 20 and row["tp"] == 3 and row["max_rel_err"] < 1e-4
+        assert row["T_persistent_ms"] > 0 and row["T_seq_ms"] > 0
+    with pytest.raises(SystemExit):
+        main(["persistent_ag", "--tokens", "10", "--tp", "3"])
