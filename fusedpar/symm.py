@@ -52,6 +52,9 @@ from fusedpar.kernels.persistent_gemm import (
 TRANSPORTS = ("auto", "symmetric", "portable")
 # SMs the persistent reduce-scatter GEMM leaves to the concurrent chunk_reduce kernel
 RS_REDUCE_SMS = int(os.environ.get("FUSEDPAR_RS_REDUCE_SMS", "8"))
+# SMs the emulation's waiting GEMM leaves free: peer copies run on copy engines, but a driver may
+# serve a same-device copy with a kernel, which must find an SM while the GEMM programs spin
+EMULATION_FREE_SMS = 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,6 +422,8 @@ def emulated_all_gather_matmul(peers, weight, bias=None, *, rank=0, gather_dim=1
     flags.raise_flag(rank)
     order = [(rank + i) % P for i in range(1, P)]
     side = pull_chunks(gathered, lambda c: peers[c], order, flags, delay_cycles=delay_cycles, repeat=copy_repeat)
+    if num_programs is None:
+        num_programs = default_num_programs(peers.device, reserve=EMULATION_FREE_SMS)
     _ag_launch(gathered, chunk_view(out, gather_dim, P), weight, bias, activation, rank, flags, None, config,
                wait=wait, num_programs=num_programs)
     _join(peers.device, side)

@@ -196,38 +196,56 @@ _COMPILE_CHECK = textwrap.dedent(
     from triton.compiler import ASTSource
     from fusedpar.kernels import persistent_gemm as pg
 
-    fn = pg._persistent_gemm_kernel
-    names = fn.arg_names
-    const = dict(A_M_SPLIT=False, C_M_SPLIT=True, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=False, ACT=0,
-                 GLU=False, UPCAST=False, EVEN_K=True, INPUT_PRECISION="ieee", WAIT=1, SIGNAL=True, LOG=False,
-                 BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1)
-    div16 = {"s_am1", "s_bn", "s_cm1", "s_cm0", "K", "N", "ROWS", "s_a_chunk", "s_c_chunk"}
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n.endswith("_ptr"):
-            sig[n] = "*bf16" if n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "aux_ptr") else "*i32"
-        else:
-            sig[n] = "i64" if n.startswith("s_") else "i32"
-        if n not in const and (n in div16 or n.endswith("_ptr")):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+    def comp(fn, const, div16, ptr_types, opts):
+        # signature as a real launch specialises it: unit strides constexpr, 16-divisible hints
+        names = fn.arg_names
+        sig, attrs = {}, {}
+        for i, n in enumerate(names):
+            if n in const:
+                sig[n] = "constexpr"
+            elif n.endswith("_ptr"):
+                sig[n] = ptr_types.get(n, "*i32")
+            else:
+                sig[n] = "i64" if n.startswith("s_") else "i32"
+            if n not in const and (n in div16 or n.endswith("_ptr")):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+    bf16 = {n: "*bf16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "aux_ptr")}
+    k = comp(pg._persistent_gemm_kernel,
+             dict(A_M_SPLIT=False, C_M_SPLIT=True, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=False, ACT=0,
+                  GLU=False, UPCAST=False, EVEN_K=True, INPUT_PRECISION="ieee", WAIT=1, SIGNAL=True, LOG=False,
+                  BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1),
+             {"s_am1", "s_bn", "s_cm1", "s_cm0", "K", "N", "ROWS", "s_a_chunk", "s_c_chunk"}, bf16,
+             dict(num_warps=8, num_stages=3))
     ptx = k.asm["ptx"]
-    print("ACQUIRE", "ld.global.sys.acquire" in ptx or "atom.global.sys.acquire" in ptx or "atom.sys.acquire" in ptx)
+    print("ACQUIRE", "ld.global.sys.acquire" in ptx or "atom.global.sys.acquire" in ptx)
     print("RELEASE", ".sys.release" in ptx)
     print("WGMMA", "wgmma" in ptx)
-    print("PIPELINED", "cp.async" in ptx or "cp.async.bulk" in ptx)
+    print("PIPELINED", "cp.async" in ptx)
+    fp16 = {n: "*fp16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")}
+    comp(pg._persistent_gemm_kernel,
+         dict(A_M_SPLIT=True, C_M_SPLIT=False, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=True, ACT=3, GLU=True,
+              UPCAST=False, EVEN_K=False, INPUT_PRECISION="ieee", WAIT=2, SIGNAL=False, LOG=True,
+              BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, s_ak=1, s_bk=1),
+         {"K"}, dict(fp16, aux_ptr="*fp32"), dict(num_warps=4, num_stages=3))
+    print("SKIP_GLU_AUX", True)
+    k = comp(pg._chunk_reduce_kernel,
+             dict(SRC_M_SPLIT=False, O_M_SPLIT=True, HAS_BIAS=True, WAIT=1, BLOCK_M=32, BLOCK_N=128, s_srcn=1, s_on=1),
+             {"N"}, {"src_ptr": "*fp32", "peer_off_ptr": "*i64", "count_off_ptr": "*i64", "out_ptr": "*bf16",
+                     "acc_ptr": "*fp32", "bias_ptr": "*bf16"}, dict(num_warps=4))
+    print("REDUCE_ACQUIRE", "ld.global.sys.acquire" in k.asm["ptx"])
     """
 )
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the compiled tests cover this on a GPU machine")
 def test_compiles_for_sm90_with_acquire_release_and_pipelining():
-    """Without a GPU, compile the waiting+signalling kernel for sm_90 (Triton's own toolchain,
+    """Without a GPU, compile the kernels for sm_90 down to a cubin (Triton's own toolchain,
     specialised like a real launch): the flag wait lowers to a system-scope acquire, the
-    completion signal to a system-scope release, and the K loop keeps wgmma + async copies."""
+    completion signal to a system-scope release, the K loop keeps wgmma + async copies; the
+    skip/gated/pre-activation variant and the chunk_reduce consumer compile too."""
     try:
         from triton.backends.nvidia import compiler  # noqa: F401
     except ImportError:
@@ -237,7 +255,8 @@ def test_compiles_for_sm90_with_acquire_release_and_pipelining():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = dict(line.split() for line in res.stdout.splitlines() if line.split()[0].isupper())
-    assert lines == {"ACQUIRE": "True", "RELEASE": "True", "WGMMA": "True", "PIPELINED": "True"}, res.stdout
+    assert lines == {"ACQUIRE": "True", "RELEASE": "True", "WGMMA": "True", "PIPELINED": "True",
+                     "SKIP_GLU_AUX": "True", "REDUCE_ACQUIRE": "True"}, res.stdout
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="smoke mode of the CLI (the GPU run is a benchmark, not a test)")
