@@ -247,6 +247,39 @@ def _n_out(weight, activation):
 
 
 # ----------------------------------------------------------------------------------------------
+# validation (local, before any barrier or transfer: the same error on every rank)
+# ----------------------------------------------------------------------------------------------
+def _validate(op, x, weight, bias, activation, dim, dim_name, chunks=None):
+    from fusedpar.kernels import ACTIVATIONS
+
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"{op}: x must be 2-D [tokens, in] or 3-D [batch, seq, in], got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{op}: weight must have shape [out, {x.shape[-1]}] (nn.Linear layout), "
+                         f"got {tuple(weight.shape)}")
+    if weight.device != x.device or weight.dtype != x.dtype:
+        raise TypeError(f"{op}: weight must match x's device and dtype ({x.device}, {x.dtype}), "
+                        f"got ({weight.device}, {weight.dtype})")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if ACTIVATIONS[activation][1] and weight.shape[0] % 2:
+        raise ValueError(f"{op}: activation {activation!r} needs an even number of weight rows, got {weight.shape[0]}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],):
+            raise ValueError(f"{op}: bias must be a tensor of shape ({weight.shape[0]},), got "
+                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+        if bias.device != x.device:
+            raise ValueError(f"{op}: bias must be on x's device ({x.device}), got {bias.device}")
+    if not isinstance(dim, int) or not 0 <= dim < x.dim() - 1:
+        raise ValueError(f"{op}: {dim_name} must be a token dim of x (0..{x.dim() - 2}), got {dim!r}")
+    if chunks is not None:
+        comm.check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], chunks)
+
+
+# ----------------------------------------------------------------------------------------------
 # symmetric-memory workspaces
 # ----------------------------------------------------------------------------------------------
 @dataclass
@@ -301,6 +334,7 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, group=None, gather_dim=
     gathered_out: optional ``[P, *x.shape]`` tensor receiving a copy of the gathered input (the
                   symmetric buffer is reused by the next call), for the weight gradient.
     """
+    _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim")
     group = comm.resolve_group(group)
     P, r = comm.group_size(group), comm.group_rank(group)
     n_out = _n_out(weight, activation)
@@ -355,9 +389,12 @@ def _rs_order(r: int, P: int):
 def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, group=None, scatter_dim=1,
                                     partial_dtype=torch.float32, out=None, config=None,
                                     reduce_sms=RS_REDUCE_SMS):
-    """Forward of ``matmul_reduce_scatter`` with the symmetric transport (validated arguments)."""
+    """Forward of ``matmul_reduce_scatter`` with the symmetric transport: ``x`` is
+    ``[batch, seq, in_shard]`` (or ``[tokens, in_shard]``), the result this rank's
+    ``[batch, seq/P, out]`` chunk of ``sum over ranks (x @ W^T) + bias``."""
     group = comm.resolve_group(group)
     P, r = comm.group_size(group), comm.group_rank(group)
+    _validate("matmul_reduce_scatter", x, weight, bias, "none", scatter_dim, "scatter_dim", chunks=P)
     N = weight.shape[0]
     xv = chunk_view(x, scatter_dim, P)
     chunk_shape = tuple(xv.shape[1:-1]) + (N,)
@@ -409,8 +446,14 @@ def emulated_all_gather_matmul(peers, weight, bias=None, *, rank=0, gather_dim=1
     GEMM waits per chunk. ``wait=False`` launches it without waiting (tests: a missing wait must
     show as wrong data); ``delay_cycles`` makes the producer late on purpose; ``copy_repeat``
     copies each chunk that many times (a link that many times slower than a local copy)."""
+    if not isinstance(peers, torch.Tensor) or peers.dim() not in (3, 4):
+        raise ValueError("peers must be a [P, *shard] tensor (shard 2-D or 3-D), got "
+                         + (f"shape {tuple(peers.shape)}" if isinstance(peers, torch.Tensor) else type(peers).__name__))
     P = peers.shape[0]
     shard = peers[0]
+    _validate("emulated_all_gather_matmul", shard, weight, bias, activation, gather_dim, "gather_dim")
+    if not 0 <= rank < P:
+        raise ValueError(f"rank must be in [0, {P}), got {rank}")
     n_out = _n_out(weight, activation)
     if out is None:
         out = torch.empty(_out_shape(shard, gather_dim, P, n_out), dtype=peers.dtype, device=peers.device)
@@ -443,6 +486,9 @@ def emulated_matmul_reduce_scatter(x, weight, bias=None, *, world, rank=0, scatt
     ``gemm_delay_cycles`` starts the GEMM late on purpose. On CPU (interpreter) the GEMM runs
     first, then the reduction finds its counters complete."""
     P = world
+    _validate("emulated_matmul_reduce_scatter", x, weight, bias, "none", scatter_dim, "scatter_dim", chunks=P)
+    if not 0 <= rank < P:
+        raise ValueError(f"rank must be in [0, {P}), got {rank}")
     xv = chunk_view(x, scatter_dim, P)
     N = weight.shape[0]
     chunk_shape = tuple(xv.shape[1:-1]) + (N,)

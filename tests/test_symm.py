@@ -196,3 +196,20 @@ def _symmetric_vs_reference(rank, size, seed):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_symmetric_transport_two_ranks(world2):
     assert world2.run(_symmetric_vs_reference, seed=31) in (["symmetric"] * 2, ["portable"] * 2)
+
+
+def test_emulation_errors():
+    peers = torch.randn(3, 2, 4, 8)
+    w = torch.randn(6, 8)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        symm.emulated_all_gather_matmul(peers, torch.randn(6, 7))
+    with pytest.raises(ValueError, match="gather_dim must be a token dim"):
+        symm.emulated_all_gather_matmul(peers, w, gather_dim=2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        symm.emulated_all_gather_matmul(peers, w, rank=3)
+    with pytest.raises(ValueError, match="even number of weight rows"):
+        symm.emulated_all_gather_matmul(peers, torch.randn(5, 8), activation="swiglu")
+    with pytest.raises(ValueError, match=r"x.shape\[1\]=4 must be divisible by the group size \(3\)"):
+        symm.emulated_matmul_reduce_scatter(peers[0], w, world=3)
+    with pytest.raises(TypeError, match="device and dtype"):
+        symm.emulated_matmul_reduce_scatter(peers[0], w.half(), world=2)
