@@ -316,6 +316,19 @@ def _typed(ws: _Workspace, offset_bytes: int, shape, dtype) -> torch.Tensor:
     return ws.tensor[offset_bytes:offset_bytes + nbytes].view(dtype).view(shape)
 
 
+_int_tensors: dict = {}
+
+
+def _device_ints(values, device) -> torch.Tensor:
+    """A cached int64 device tensor of ``values``: made once (a synchronous host-to-device copy),
+    then reused, so that no call blocks the host on a stream that waits for peers."""
+    key = (device, tuple(values))
+    t = _int_tensors.get(key)
+    if t is None:
+        t = _int_tensors[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    return t
+
+
 def _align(n: int, a: int = 256) -> int:
     return (n + a - 1) // a * a
 
@@ -420,8 +433,8 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, group=None, scatter
     ptrs = hdl.buffer_ptrs  # every rank's tensor sits at the same offset in its buffer
     order = _rs_order(r, P)
     diffs = [int(ptrs[j]) - int(ptrs[r]) for j in order]
-    peer_off = torch.tensor([d // esz for d in diffs], dtype=torch.int64)
-    cnt_off = torch.tensor([d // 4 for d in diffs], dtype=torch.int64)
+    peer_off = _device_ints([d // esz for d in diffs], x.device)
+    cnt_off = _device_ints([d // 4 for d in diffs], x.device)
     side = _fork(x.device)
     with _on(side):
         chunk_reduce(partials, peer_off, r, out=out, bias=bias, counters=counters, counter_offsets=cnt_off,
@@ -502,8 +515,8 @@ def emulated_matmul_reduce_scatter(x, weight, bias=None, *, world, rank=0, scatt
 
     per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), N, _kernel_config(cfg, N, x.dtype))
     done = [(rank + 1 + k) % P for k in range(P)]  # completion order of this GPU's chunks
-    peer_off = torch.tensor([(c - rank) * partials.stride(0) for c in done], dtype=torch.int64)
-    cnt_off = torch.tensor([c - rank for c in done], dtype=torch.int64)
+    peer_off = _device_ints([(c - rank) * partials.stride(0) for c in done], x.device)
+    cnt_off = _device_ints([c - rank for c in done], x.device)
 
     def gemm():
         persistent_matmul(xv, weight, first_chunk=(rank + 1) % P, out=partials, wait_mode="none",
