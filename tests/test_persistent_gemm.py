@@ -224,6 +224,9 @@ _COMPILE_CHECK = textwrap.dedent(
     print("RELEASE", ".sys.release" in ptx)
     print("WGMMA", "wgmma" in ptx)
     print("PIPELINED", "cp.async" in ptx)
+    tg = k.asm["ttgir"]
+    # no prefetch of A/B is hoisted above the flag wait: every async copy comes after the spin
+    print("LOADS_AFTER_WAIT", -1 < tg.find("scf.while") < tg.find("async_copy_global_to_local"))
     fp16 = {n: "*fp16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")}
     comp(pg._persistent_gemm_kernel,
          dict(A_M_SPLIT=True, C_M_SPLIT=False, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=True, ACT=3, GLU=True,
@@ -243,8 +246,9 @@ _COMPILE_CHECK = textwrap.dedent(
 @pytest.mark.skipif(not INTERPRETED, reason="the compiled tests cover this on a GPU machine")
 def test_compiles_for_sm90_with_acquire_release_and_pipelining():
     """Without a GPU, compile the kernels for sm_90 down to a cubin (Triton's own toolchain,
-    specialised like a real launch): the flag wait lowers to a system-scope acquire, the
-    completion signal to a system-scope release, the K loop keeps wgmma + async copies; the
+    specialised like a real launch): the flag wait lowers to a system-scope acquire, no load is
+    hoisted above it, the completion signal lowers to a system-scope release, the K loop keeps
+    wgmma + async copies; the
     skip/gated/pre-activation variant and the chunk_reduce consumer compile too."""
     try:
         from triton.backends.nvidia import compiler  # noqa: F401
@@ -255,7 +259,7 @@ def test_compiles_for_sm90_with_acquire_release_and_pipelining():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = dict(line.split() for line in res.stdout.splitlines() if line.split()[0].isupper())
-    assert lines == {"ACQUIRE": "True", "RELEASE": "True", "WGMMA": "True", "PIPELINED": "True",
+    assert lines == {"ACQUIRE": "True", "RELEASE": "True", "WGMMA": "True", "PIPELINED": "True", "LOADS_AFTER_WAIT": "True",
                      "SKIP_GLU_AUX": "True", "REDUCE_ACQUIRE": "True"}, res.stdout
 
 
