@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -303,10 +304,13 @@ def _workspace(purpose: str, group, device, nbytes: int) -> _Workspace:
     if ws is None or ws.nbytes < nbytes:
         size = max(nbytes, 2 * ws.nbytes if ws else 0)
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group.group_name)
+            # needed by older torch releases; newer ones deprecate it as a no-op requirement
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(group.group_name)
         t = symm_mem.empty(size, dtype=torch.uint8, device=device)
         t.zero_()  # counters start at 0; ordered before the first call's barrier on this stream
-        ws = _workspaces[key] = _Workspace(t, symm_mem.rendezvous(t, group), size)
+        ws = _workspaces[key] = _Workspace(t, symm_mem.rendezvous(t, group.group_name), size)
     return ws
 
 
