@@ -45,7 +45,7 @@ from fusedpar.kernels.persistent_gemm import (
     chunk_reduce,
     chunk_view,
     default_num_programs,
-    gpu_config,
+    kernel_config,
     persistent_matmul,
     tiles_per_chunk,
 )
@@ -303,15 +303,23 @@ def _workspace(purpose: str, group, device, nbytes: int) -> _Workspace:
     ws = _workspaces.get(key)
     if ws is None or ws.nbytes < nbytes:
         size = max(nbytes, 2 * ws.nbytes if ws else 0)
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        if symm_mem is not None and hasattr(symm_mem, "enable_symm_mem_for_group"):
             # needed by older torch releases; newer ones deprecate it as a no-op requirement
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(group.group_name)
-        t = symm_mem.empty(size, dtype=torch.uint8, device=device)
-        t.zero_()  # counters start at 0; ordered before the first call's barrier on this stream
-        ws = _workspaces[key] = _Workspace(t, symm_mem.rendezvous(t, group.group_name), size)
+        t, hdl = _new_workspace(group, device, size)
+        ws = _workspaces[key] = _Workspace(t, hdl, size)
     return ws
+
+
+def _new_workspace(group, device, size: int):
+    """``(tensor, handle)``: a zeroed symmetric uint8 tensor of ``size`` bytes and its
+    rendezvous handle (``barrier``, ``buffer_ptrs``, ``get_remote_tensor``). Tests replace it
+    with file-backed shared memory across CPU processes (tests/test_symm.py)."""
+    t = _symm_module().empty(size, dtype=torch.uint8, device=device)
+    t.zero_()  # counters start at 0; ordered before the first call's barrier on this stream
+    return t, _symm_module().rendezvous(t, group.group_name)
 
 
 def _typed(ws: _Workspace, offset_bytes: int, shape, dtype) -> torch.Tensor:
@@ -423,8 +431,7 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, group=None, scatter
                     * partial_dtype.itemsize)
     counters = _typed(ws, 0, (P,), torch.int32)
     partials = _typed(ws, head, (P,) + chunk_shape, partial_dtype)
-    cfg = dict(config or gpu_config(N, x.dtype))
-    per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), N, cfg)
+    per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), N, kernel_config(config, N, x.dtype))
     base = ws.counter_base
     hdl = ws.handle
     hdl.barrier(channel=0)  # peers finished reading our partials of the previous call
@@ -439,13 +446,24 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, group=None, scatter
     diffs = [int(ptrs[j]) - int(ptrs[r]) for j in order]
     peer_off = _device_ints([d // esz for d in diffs], x.device)
     cnt_off = _device_ints([d // 4 for d in diffs], x.device)
-    side = _fork(x.device)
-    with _on(side):
+
+    def gemm():
+        persistent_matmul(xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none",
+                          signal_counters=counters, config=config,
+                          num_programs=default_num_programs(x.device, reserve=reduce_sms))
+
+    def reduce():
         chunk_reduce(partials, peer_off, r, out=out, bias=bias, counters=counters, counter_offsets=cnt_off,
-                     ready_value=base + per, num_programs=reduce_sms)
-    persistent_matmul(xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none",
-                      signal_counters=counters, config=cfg,
-                      num_programs=default_num_programs(x.device, reserve=reduce_sms))
+                     ready_value=base + per, num_programs=reduce_sms if x.is_cuda else None)
+
+    side = _fork(x.device)
+    if side is None:  # CPU (interpreter): own GEMM first; the reduce then waits for the peers' counters
+        gemm()
+        reduce()
+        return out
+    with _on(side):
+        reduce()  # launched first: spins on the peers' counters while the GEMM computes
+    gemm()
     _join(x.device, side)
     out.record_stream(side)
     return out
@@ -515,9 +533,7 @@ def emulated_matmul_reduce_scatter(x, weight, bias=None, *, world, rank=0, scatt
         partials = torch.empty((P,) + chunk_shape, dtype=partial_dtype, device=x.device)
     counters = torch.zeros(P, dtype=torch.int32, device=x.device)
     cfg = None if config is None else dict(config)
-    from fusedpar.kernels.persistent_gemm import _kernel_config
-
-    per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), N, _kernel_config(cfg, N, x.dtype))
+    per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), N, kernel_config(cfg, N, x.dtype))
     done = [(rank + 1 + k) % P for k in range(P)]  # completion order of this GPU's chunks
     peer_off = _device_ints([(c - rank) * partials.stride(0) for c in done], x.device)
     cnt_off = _device_ints([c - rank for c in done], x.device)

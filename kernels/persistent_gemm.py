@@ -316,7 +316,10 @@ def _check_flags(name, t, num_chunks, device):
         raise ValueError(f"{name} must be on device {device}, got {t.device}")
 
 
-def _kernel_config(config, n, dtype):
+def kernel_config(config, n, dtype):
+    """The tile configuration a launch with ``config`` uses (the interpreter keeps its small fixed
+    tiles unless ``config`` names block sizes); :func:`tiles_per_chunk` of it is what a
+    ``signal_counters`` launch adds to every counter."""
     cfg = dict(INTERPRETER_CONFIG) if interpreting() else dict(config or gpu_config(n, dtype))
     if config is not None and interpreting():
         cfg.update({k: v for k, v in config.items() if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
@@ -417,7 +420,7 @@ def persistent_matmul(
         _check_flags("signal_counters", signal_counters, C, a.device)
     if not -(2 ** 31) <= ready_value < 2 ** 31:
         raise ValueError(f"ready_value must fit in int32, got {ready_value}")
-    cfg = _kernel_config(config, N, a.dtype)
+    cfg = kernel_config(config, N, a.dtype)
     rows = int(torch.Size(a.shape[1:-1]).numel())
     total = C * tiles_per_chunk(rows, N, cfg)
     if tile_log is not None:

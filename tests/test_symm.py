@@ -6,7 +6,10 @@ after another, DESIGN.md §3), so these tests check the wiring: chunk order, fla
 counters, layouts. The overlap itself (spinning programs, copy engines, a producer made late on
 purpose) is tested by the ``gpu``-marked tests below.
 """
+import os
+import random
 import re
+import time
 
 import pytest
 import torch
@@ -16,7 +19,8 @@ from _world import rank_rng, world_fixture
 from fusedpar import symm
 from fusedpar.kernels.persistent_gemm import persistent_matmul_reference as ref_mm
 
-world2 = world_fixture(2)
+world2 = world_fixture(2)  # GPU test only (needs 2 GPUs)
+world3 = world_fixture(3)
 
 
 def _gathered(peers, gather_dim):
@@ -92,11 +96,85 @@ def _transport_cases(rank, size):
     return chosen
 
 
-def test_transport_selection_on_the_group(world2):
-    chosen = world2.run(_transport_cases)
+def test_transport_selection_on_the_group(world3):
+    chosen = world3.run(_transport_cases)
     assert len(set(chosen)) == 1  # every rank takes the same path
     if INTERPRETED:
-        assert chosen == ["portable", "portable"]
+        assert chosen == ["portable"] * 3
+
+
+# --------------------------------------------------------------------------------------------
+# the symmetric transport's host logic across real CPU processes: symmetric memory replaced by
+# file-backed shared memory that every process maps (peer pointers valid in this process), the
+# barrier by a gloo barrier with random delays. The kernels run interpreted; the reduce-scatter
+# consumer really spins on the peers' counters while the peer processes compute.
+# --------------------------------------------------------------------------------------------
+class _FileHandle:
+    def __init__(self, bufs, rank, group, rng):
+        self.bufs, self.rank, self.group, self.rng = bufs, rank, group, rng
+        self.buffer_ptrs = [b.data_ptr() for b in bufs]
+        self.offset = 0
+
+    def barrier(self, channel=0, timeout_ms=0):
+        time.sleep(self.rng.random() * 0.05)
+        torch.distributed.barrier(group=self.group)
+
+    def get_remote_tensor(self, peer, sizes, dtype):
+        n = int(torch.Size(sizes).numel()) * dtype.itemsize
+        return self.bufs[peer][:n].view(dtype).view(sizes)
+
+
+def _file_workspace_factory(tmpdir, seed):
+    calls = [0]
+
+    def factory(group, device, size):
+        r, P = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        calls[0] += 1
+        paths = [os.path.join(tmpdir, f"ws{calls[0]}_{j}") for j in range(P)]
+        with open(paths[r], "wb") as f:
+            f.truncate(size)  # zero-filled
+        torch.distributed.barrier(group=group)
+        bufs = [torch.from_file(p, shared=True, size=size, dtype=torch.uint8) for p in paths]
+        return bufs[r], _FileHandle(bufs, r, group, random.Random(seed + r))
+
+    return factory
+
+
+def _symmetric_over_shared_files(rank, size, tmpdir, seed):
+    saved = symm._new_workspace
+    symm._new_workspace = _file_workspace_factory(tmpdir, seed)
+    symm._workspaces.clear()
+    try:
+        b, s, K, N = 2, 5, 24, 19
+        w = torch.randn(N, K, generator=rank_rng(seed))
+        bias = torch.randn(N, generator=rank_rng(seed + 1))
+        xs = [torch.randn(b, s, K, generator=rank_rng(seed + 2, q)) for q in range(size)]
+        for gather_dim, act in ((1, "gelu"), (0, "none")):
+            full = torch.cat(xs, dim=gather_dim)
+            for _ in range(2):  # the second call reuses slots and flags (epochs, barriers)
+                gathered = torch.full((size, b, s, K), float("nan"))
+                out = symm.all_gather_matmul_symmetric(xs[rank], w, bias, gather_dim=gather_dim, activation=act,
+                                                       gathered_out=gathered)
+                assert_close(out, ref_mm(full, w, bias, activation=act), torch.float32, msg=f"AG dim {gather_dim}")
+                torch.testing.assert_close(gathered, torch.stack(xs), rtol=0, atol=0)
+        # reduce-scatter: rank q holds K_q = 20 input features of a 20*size-wide contraction
+        xr = [torch.randn(b, 2 * size, 20, generator=rank_rng(seed + 3, q)) for q in range(size)]
+        wr = [torch.randn(N, 20, generator=rank_rng(seed + 4, q)) for q in range(size)]
+        total = sum(ref_mm(x, wq) for x, wq in zip(xr, wr)) + bias.double()
+        for call in range(2):  # counters keep growing: the second call waits for base + tiles
+            out = symm.matmul_reduce_scatter_symmetric(xr[rank], wr[rank], bias, scatter_dim=1)
+            assert_close(out, total[:, 2 * rank:2 * rank + 2], torch.float32, msg=f"RS call {call}")
+        (ws,) = [v for k, v in symm._workspaces.items() if k[0] == "reduce_scatter"]
+        counters = ws.tensor[:4 * size].view(torch.int32)
+        assert counters.tolist() == [ws.counter_base] * size and ws.counter_base > 0
+    finally:
+        symm._new_workspace = saved
+        symm._workspaces.clear()
+    return rank
+
+
+def test_symmetric_transport_over_shared_memory(world3, tmp_path):
+    assert world3.run(_symmetric_over_shared_files, tmpdir=str(tmp_path), seed=41) == [0, 1, 2]
 
 
 # --------------------------------------------------------------------------------------------
