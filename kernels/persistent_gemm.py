@@ -285,13 +285,14 @@ def _rows_view(t: torch.Tensor):
     return s, t.stride(1), t.stride(2), True
 
 
-def gpu_config(n: int, dtype: torch.dtype) -> dict:
+def gpu_config(n: int, dtype: torch.dtype, glu: bool = False) -> dict:
     """A fixed tile configuration for the compiled kernel. Not autotuned: a tuning run of a
     kernel that waits on flags or bumps completion counters would consume or corrupt them;
-    benchmarks/persistent.py sweeps configs with waits off and passes the best one in."""
+    benchmarks/persistent.py sweeps configs with waits off and passes the best one in.
+    Pipelined shared memory stays under ~150 KB (Hopper/Ampere allow 227/163 KB)."""
     if dtype == torch.float32:
         return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
-    if n >= 256:
+    if n >= 256 and not glu:  # a gated epilogue loads two B tiles per step
         return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
@@ -316,11 +317,11 @@ def _check_flags(name, t, num_chunks, device):
         raise ValueError(f"{name} must be on device {device}, got {t.device}")
 
 
-def kernel_config(config, n, dtype):
+def kernel_config(config, n, dtype, glu=False):
     """The tile configuration a launch with ``config`` uses (the interpreter keeps its small fixed
     tiles unless ``config`` names block sizes); :func:`tiles_per_chunk` of it is what a
     ``signal_counters`` launch adds to every counter."""
-    cfg = dict(INTERPRETER_CONFIG) if interpreting() else dict(config or gpu_config(n, dtype))
+    cfg = dict(INTERPRETER_CONFIG) if interpreting() else dict(config or gpu_config(n, dtype, glu))
     if config is not None and interpreting():
         cfg.update({k: v for k, v in config.items() if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
     return cfg
@@ -420,7 +421,7 @@ def persistent_matmul(
         _check_flags("signal_counters", signal_counters, C, a.device)
     if not -(2 ** 31) <= ready_value < 2 ** 31:
         raise ValueError(f"ready_value must fit in int32, got {ready_value}")
-    cfg = kernel_config(config, N, a.dtype)
+    cfg = kernel_config(config, N, a.dtype, glu)
     rows = int(torch.Size(a.shape[1:-1]).numel())
     total = C * tiles_per_chunk(rows, N, cfg)
     if tile_log is not None:
