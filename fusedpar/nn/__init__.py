@@ -1,0 +1,1 @@
+from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_shards

@@ -1,0 +1,338 @@
+"""Tensor-parallel linear layers and MLP over the overlapped ops of :mod:`fusedpar.ops.tensor_parallel`.
+
+* :class:`ColumnParallelLinear` holds a block of rows of the full ``[out, in]`` weight.
+  ``sequence_parallel=True``: input ``[batch, seq/tp, in]`` -> :func:`all_gather_matmul` ->
+  ``[batch, seq, out/tp]``. ``False``: replicated input ``[batch, seq, in]``, local GEMM, input
+  gradient all-reduced (Megatron's "copy to tensor-parallel region").
+* :class:`RowParallelLinear` holds a block of columns. ``sequence_parallel=True``: input
+  ``[batch, seq, in/tp]`` -> :func:`matmul_reduce_scatter` -> ``[batch, seq/tp, out]``. ``False``:
+  :func:`matmul_all_reduce` -> replicated ``[batch, seq, out]``.
+* :class:`ParallelMLP`: column-parallel up projection with the activation (gated or not) fused in
+  its GEMM epilogue, row-parallel down projection.
+
+The full weight is initialised like ``nn.Linear`` (same RNG draws, then sliced), so a given torch
+seed gives the same full model at every tensor-parallel degree. ``state_dict`` holds the local shard
+plus extra state (``tp_rank``, ``tp_size``, ``partition_dim``, ``full_shape``, ``gated``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fusedpar import comm
+from fusedpar.kernels import ACTIVATIONS
+from fusedpar.ops.tensor_parallel import (
+    all_gather_matmul,
+    copy_to_tp_matmul,
+    matmul_all_reduce,
+    matmul_reduce_scatter,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP"]
+
+
+# ----------------------------------------------------------------------------------------------
+# feature-dim gather / scatter (gather_output, input_is_parallel=False): not on the hot path
+# ----------------------------------------------------------------------------------------------
+def _gather_features(t, group):
+    P = comm.group_size(group)
+    t = t.contiguous()
+    flat = torch.empty((P * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    comm.all_gather_into(flat, t, group).wait()
+    buf = flat.view((P,) + tuple(t.shape))
+    return buf.movedim(0, -2).reshape(tuple(t.shape[:-1]) + (P * t.shape[-1],))
+
+
+class _GatherFeatures(torch.autograd.Function):
+    """All-gather the last dim; backward keeps this rank's slice of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group, ctx.n = group, t.shape[-1]
+        return _gather_features(t, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        r = comm.group_rank(ctx.group)
+        return grad.narrow(-1, r * ctx.n, ctx.n).contiguous(), None
+
+
+class _ScatterFeatures(torch.autograd.Function):
+    """Keep this rank's slice of the last dim of a replicated tensor; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        P, r = comm.group_size(group), comm.group_rank(group)
+        n = t.shape[-1] // P
+        ctx.group = group
+        return t.narrow(-1, r * n, n).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_features(grad, ctx.group), None
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def _tp(group):
+    group = comm.resolve_group(group)
+    return group, comm.group_size(group), comm.group_rank(group)
+
+
+def _check_features(cls, name, value, size):
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{cls}: {name} must be a positive int, got {value!r}")
+    comm.check_divisible(f"{cls}: {name}", value, size, "the tensor-parallel group size")
+
+
+def _full_linear_init(out_features, in_features, bias, device=None):
+    """The draws of ``nn.Linear.reset_parameters`` for the full layer (fp32, CPU, global RNG).
+    On the meta device nothing is drawn (no values exist there)."""
+    if device is not None and torch.device(device).type == "meta":
+        w = torch.empty(out_features, in_features, device="meta")
+        return w, (torch.empty(out_features, device="meta") if bias else None)
+    w = torch.empty(out_features, in_features)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    b = None
+    if bias:
+        bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+        b = torch.empty(out_features).uniform_(-bound, bound)
+    return w, b
+
+
+def _row_block(full, rank, size, gated):
+    """This rank's rows; gated weights hold [gate rows; up rows] so take a block of each."""
+    if gated:
+        gate, up = full.chunk(2, dim=0)
+        n = gate.shape[0] // size
+        return torch.cat([gate[rank * n:(rank + 1) * n], up[rank * n:(rank + 1) * n]], dim=0)
+    n = full.shape[0] // size
+    return full[rank * n:(rank + 1) * n]
+
+
+class _TPLinearBase(nn.Module):
+    partition_dim = 0
+
+    def _meta(self):
+        return {
+            "tp_rank": self.tp_rank, "tp_size": self.tp_size, "partition_dim": self.partition_dim,
+            "full_shape": [self.out_features_full * (2 if self.gated else 1), self.in_features], "gated": self.gated,
+        }
+
+    def get_extra_state(self):
+        return self._meta()
+
+    def set_extra_state(self, state):
+        mine = self._meta()
+        if not isinstance(state, dict):
+            raise TypeError(f"{type(self).__name__}: extra state must be a dict, got {type(state).__name__}")
+        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if diff:
+            detail = ", ".join(f"{k}: checkpoint {a!r} vs module {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint shard does not belong to this rank/layout ({detail}); "
+                "reassemble the full weight with merge_shards() and re-shard it with from_linear()"
+            )
+
+    def _set_params(self, weight, bias, device, dtype):
+        self.weight = nn.Parameter(weight.to(device=device, dtype=dtype))
+        if bias is not None:
+            self.bias = nn.Parameter(bias.to(device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+
+def merge_shards(state_dicts, prefix=""):
+    """Reassemble ``{"weight": full, "bias": full or None}`` from every rank's ``state_dict`` of one
+    Column/RowParallelLinear (any order); uses the extra state saved beside each shard."""
+    metas = [sd[prefix + "_extra_state"] for sd in state_dicts]
+    size = metas[0]["tp_size"]
+    if sorted(m["tp_rank"] for m in metas) != list(range(size)):
+        raise ValueError(f"merge_shards: need one state dict per rank 0..{size - 1}, got ranks "
+                         f"{sorted(m['tp_rank'] for m in metas)}")
+    order = sorted(range(len(metas)), key=lambda i: metas[i]["tp_rank"])
+    dim, gated = metas[0]["partition_dim"], metas[0]["gated"]
+    ws = [state_dicts[i][prefix + "weight"] for i in order]
+    bs = [state_dicts[i].get(prefix + "bias") for i in order]
+    if dim == 0 and gated:
+        weight = torch.cat([w.chunk(2, 0)[0] for w in ws] + [w.chunk(2, 0)[1] for w in ws], dim=0)
+    else:
+        weight = torch.cat(ws, dim=dim)
+    bias = None
+    if bs[0] is not None:
+        if dim == 1:
+            bias = bs[0]
+        elif gated:
+            bias = torch.cat([b.chunk(2)[0] for b in bs] + [b.chunk(2)[1] for b in bs])
+        else:
+            bias = torch.cat(bs)
+    if list(weight.shape) != list(metas[0]["full_shape"]):
+        raise ValueError(
+            f"merge_shards: reassembled weight {tuple(weight.shape)} != full_shape {metas[0]['full_shape']}"
+        )
+    return {"weight": weight, "bias": bias}
+
+
+# ----------------------------------------------------------------------------------------------
+# ColumnParallelLinear
+# ----------------------------------------------------------------------------------------------
+class ColumnParallelLinear(_TPLinearBase):
+    """``y = act(x @ W^T + b)`` with ``W``'s rows (output features) split over the group.
+
+    ``sequence_parallel=True``: ``x`` is this rank's sequence shard (``[batch, seq/tp, in]``, split
+    along ``sequence_dim``); the all-gather is overlapped with the GEMM. ``False``: ``x`` is
+    replicated; its gradient is all-reduced in the backward. Output ``[batch, seq, out/tp]``, or
+    ``[batch, seq, out]`` with ``gather_output=True``. ``activation`` (a keyword extension) is fused
+    into the GEMM epilogue; gated ones (``swiglu``/``geglu``) hold ``[gate shard; up shard]`` rows
+    and produce ``out_features`` (= F) features.
+    """
+
+    partition_dim = 0
+
+    def __init__(self, in_features, out_features, bias=True, *, group=None, sequence_parallel=True,
+                 gather_output=False, device=None, dtype=None, activation="none", sequence_dim=1,
+                 save_gathered_input=True):
+        super().__init__()
+        name = type(self).__name__
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{name}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.group, self.tp_size, self.tp_rank = _tp(group)
+        _check_features(name, "in_features", in_features, 1)
+        _check_features(name, "out_features", out_features, self.tp_size)
+        self.in_features, self.out_features_full = in_features, out_features
+        self.activation = activation
+        self.gated = ACTIVATIONS[activation][1]
+        self.out_features = out_features  # the full layer's, as nn.Linear reports it
+        self.out_features_local = out_features // self.tp_size
+        self.sequence_parallel, self.gather_output = bool(sequence_parallel), bool(gather_output)
+        self.sequence_dim, self.save_gathered_input = sequence_dim, bool(save_gathered_input)
+        rows = 2 * out_features if self.gated else out_features
+        w, b = _full_linear_init(rows, in_features, bias, device)
+        self._set_params(_row_block(w, self.tp_rank, self.tp_size, self.gated),
+                         None if b is None else _row_block(b, self.tp_rank, self.tp_size, self.gated),
+                         device, dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
+        """Shard an existing ``nn.Linear`` (its rows; ``[gate; up]`` halves separately when
+        ``activation`` is gated). Keyword options as in the constructor."""
+        gated = ACTIVATIONS.get(kwargs.get("activation", "none"), (0, False))[1]
+        if gated and linear.out_features % 2:
+            raise ValueError(f"{cls.__name__}.from_linear: a gated activation needs an even out_features "
+                             f"(gate rows then up rows), got {linear.out_features}")
+        out_features = linear.out_features // 2 if gated else linear.out_features
+        mod = cls(linear.in_features, out_features, linear.bias is not None, group=group,
+                  device="meta", dtype=linear.weight.dtype, **kwargs)
+        with torch.no_grad():
+            mod._set_params(_row_block(linear.weight.detach(), mod.tp_rank, mod.tp_size, gated),
+                            None if linear.bias is None else
+                            _row_block(linear.bias.detach(), mod.tp_rank, mod.tp_size, gated),
+                            linear.weight.device, linear.weight.dtype)
+        return mod
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            y = all_gather_matmul(x, self.weight, self.bias, group=self.group, gather_dim=self.sequence_dim,
+                                  activation=self.activation, save_gathered_input=self.save_gathered_input)
+        else:
+            y = copy_to_tp_matmul(x, self.weight, self.bias, group=self.group, activation=self.activation)
+        if self.gather_output and self.tp_size > 1:
+            y = _GatherFeatures.apply(y, self.group)
+        return y
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.out_features_local}), bias={self.bias is not None}, activation={self.activation!r}, "
+                f"tp={self.tp_rank}/{self.tp_size}, sequence_parallel={self.sequence_parallel}, "
+                f"gather_output={self.gather_output}")
+
+
+# ----------------------------------------------------------------------------------------------
+# RowParallelLinear
+# ----------------------------------------------------------------------------------------------
+class RowParallelLinear(_TPLinearBase):
+    """``y = x @ W^T + b`` with ``W``'s columns (input features) split over the group.
+
+    ``input_is_parallel=True``: ``x`` is ``[batch, seq, in/tp]`` (the output of a column layer);
+    ``False``: ``x`` is replicated ``[batch, seq, in]`` and this rank keeps its slice.
+    ``sequence_parallel=True``: output ``[batch, seq/tp, out]`` via the fused GEMM + reduce-scatter;
+    ``False``: replicated ``[batch, seq, out]`` via the chunked GEMM + all-reduce. The bias is
+    replicated and added once; its gradient is the full one on every rank.
+    """
+
+    partition_dim = 1
+    gated = False
+
+    def __init__(self, in_features, out_features, bias=True, *, group=None, sequence_parallel=True,
+                 input_is_parallel=True, device=None, dtype=None, sequence_dim=1):
+        super().__init__()
+        name = type(self).__name__
+        self.group, self.tp_size, self.tp_rank = _tp(group)
+        _check_features(name, "in_features", in_features, self.tp_size)
+        _check_features(name, "out_features", out_features, 1)
+        self.in_features, self.out_features_full = in_features, out_features
+        self.out_features = out_features
+        self.in_features_local = in_features // self.tp_size
+        self.sequence_parallel, self.input_is_parallel = bool(sequence_parallel), bool(input_is_parallel)
+        self.sequence_dim = sequence_dim
+        w, b = _full_linear_init(out_features, in_features, bias, device)
+        n = self.in_features_local
+        self._set_params(w[:, self.tp_rank * n:(self.tp_rank + 1) * n], b, device, dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
+        """Shard an existing ``nn.Linear`` by columns (the bias stays whole)."""
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                  device="meta", dtype=linear.weight.dtype, **kwargs)
+        n = mod.in_features_local
+        with torch.no_grad():
+            mod._set_params(linear.weight.detach()[:, mod.tp_rank * n:(mod.tp_rank + 1) * n],
+                            None if linear.bias is None else linear.bias.detach(),
+                            linear.weight.device, linear.weight.dtype)
+        return mod
+
+    def forward(self, x):
+        if not self.input_is_parallel and self.tp_size > 1:
+            if not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{type(self).__name__}: with input_is_parallel=False x must have "
+                                 f"{self.in_features} features in its last dim, got {shape}")
+            x = _ScatterFeatures.apply(x, self.group)
+        if self.sequence_parallel:
+            return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, scatter_dim=self.sequence_dim)
+        return matmul_all_reduce(x, self.weight, self.bias, group=self.group)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features} (local {self.in_features_local}), out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}, "
+                f"sequence_parallel={self.sequence_parallel}, input_is_parallel={self.input_is_parallel}")
+
+
+# ----------------------------------------------------------------------------------------------
+# ParallelMLP
+# ----------------------------------------------------------------------------------------------
+class ParallelMLP(nn.Module):
+    """``down(act(up(x)))``: ``fc1`` a :class:`ColumnParallelLinear` with the activation in its GEMM
+    epilogue (gated: one GEMM over ``[gate shard; up shard]`` rows), ``fc2`` a
+    :class:`RowParallelLinear`. Sequence parallel: ``[batch, seq/tp, hidden]`` in and out;
+    otherwise replicated ``[batch, seq, hidden]`` in and out."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, *, activation="swiglu", group=None, sequence_parallel=True,
+                 bias=False, device=None, dtype=None, save_gathered_input=True):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, group=group,
+                                        sequence_parallel=sequence_parallel, device=device, dtype=dtype,
+                                        activation=activation, save_gathered_input=save_gathered_input)
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, group=group,
+                                     sequence_parallel=sequence_parallel, input_is_parallel=True,
+                                     device=device, dtype=dtype)
+        self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+    def extra_repr(self):
+        return f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}"

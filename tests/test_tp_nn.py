@@ -1,0 +1,260 @@
+"""fusedpar.nn tensor-parallel modules on gloo worlds (2 and 4 ranks).
+
+Oracles: the single-process nn.Linear / MLP (fp64 copy of the same weights), and PyTorch's own
+DTensor tensor-parallel plan (parallelize_module with ColwiseParallel / RowwiseParallel on a
+gloo DeviceMesh) on the same weights. Tolerances: tests/_utils.py per dtype (fp32 here; fp16 runs
+in the ops tests), DTensor comparisons at fp32 ieee level (both sides fp32 GEMMs, different order).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from _utils import DEVICE, assert_close
+from _world import rank_rng, world_fixture
+from fusedpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_shards
+
+world2 = world_fixture(2)
+# tp=4 runs the light subset of _modules_vs_reference in test_tp_ops.py's world of 4 (one fewer
+# world to start: a spawned rank's imports cost more than the cases themselves)
+
+
+def _chunk(t, dim, rank, size):
+    n = t.shape[dim] // size
+    return t.narrow(dim, rank * n, n)
+
+
+def _gated_rows(t, rank, size):
+    gate, up = t.chunk(2, 0)
+    return torch.cat([_chunk(gate, 0, rank, size), _chunk(up, 0, rank, size)])
+
+
+class _RefMLP(nn.Module):
+    def __init__(self, h, f, activation, bias):
+        super().__init__()
+        self.activation = activation
+        gated = activation == "swiglu"
+        self.fc1 = nn.Linear(h, 2 * f if gated else f, bias=bias)
+        self.fc2 = nn.Linear(f, h, bias=bias)
+
+    def forward(self, x):
+        y = self.fc1(x)
+        if self.activation == "swiglu":
+            g, u = y.chunk(2, dim=-1)
+            y = nn.functional.silu(g) * u
+        else:
+            y = nn.functional.gelu(y, approximate="tanh")
+        return self.fc2(y)
+
+
+def _grads64(module, x, grad):
+    ref = {k: v.detach().double().requires_grad_(True) for k, v in module.named_parameters()}
+    x64 = x.detach().double().requires_grad_(True)
+    y = torch.func.functional_call(module, ref, (x64,))
+    y.backward(grad.double())
+    return y.detach(), x64.grad, {k: v.grad for k, v in ref.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# initialisation independent of tp; from_linear; state_dict; extra_repr; errors
+# ----------------------------------------------------------------------------------------------
+def _init_and_state(rank, size):
+    torch.manual_seed(123)
+    full = nn.Linear(12, 8 * size)
+    torch.manual_seed(123)
+    col = ColumnParallelLinear(12, 8 * size)
+    torch.testing.assert_close(col.weight, _chunk(full.weight, 0, rank, size), rtol=0, atol=0)
+    torch.testing.assert_close(col.bias, _chunk(full.bias, 0, rank, size), rtol=0, atol=0)
+    assert col.weight.shape == (8, 12) and "tp=" in repr(col)
+
+    torch.manual_seed(7)
+    full_r = nn.Linear(4 * size, 9)
+    torch.manual_seed(7)
+    row = RowParallelLinear(4 * size, 9)
+    torch.testing.assert_close(row.weight, _chunk(full_r.weight, 1, rank, size), rtol=0, atol=0)
+    torch.testing.assert_close(row.bias, full_r.bias, rtol=0, atol=0)
+
+    torch.manual_seed(5)
+    ref = _RefMLP(10, 4 * size, "swiglu", bias=False)
+    torch.manual_seed(5)
+    mlp = ParallelMLP(10, 4 * size)
+    torch.testing.assert_close(mlp.fc1.weight, _gated_rows(ref.fc1.weight, rank, size), rtol=0, atol=0)
+    torch.testing.assert_close(mlp.fc2.weight, _chunk(ref.fc2.weight, 1, rank, size), rtol=0, atol=0)
+    assert mlp.fc1.bias is None and mlp.fc2.bias is None
+
+    # state_dict: the local shard + metadata; every rank's dicts reassemble the full weights
+    for mod, full_w, full_b in [(col, full.weight, full.bias), (row, full_r.weight, full_r.bias),
+                                (mlp.fc1, ref.fc1.weight, None)]:
+        sd = mod.state_dict()
+        meta = sd["_extra_state"]
+        assert meta["tp_rank"] == rank and meta["tp_size"] == size and meta["full_shape"] == list(full_w.shape)
+        every = [None] * size
+        dist.all_gather_object(every, sd)
+        merged = merge_shards(every[::-1])
+        torch.testing.assert_close(merged["weight"], full_w.detach(), rtol=0, atol=0)
+        if full_b is not None:
+            torch.testing.assert_close(merged["bias"], full_b.detach(), rtol=0, atol=0)
+        mod.load_state_dict(sd)
+        bad = dict(sd, _extra_state=dict(meta, tp_rank=(rank + 1) % size))
+        with pytest.raises(ValueError, match="does not belong to this rank"):
+            mod.load_state_dict(bad)
+
+    # bad configuration: clear errors on every rank
+    with pytest.raises(ValueError, match=r"out_features=\d+ must be divisible"):
+        ColumnParallelLinear(8, 7 * size + 1)
+    with pytest.raises(ValueError, match="in_features=.* must be divisible"):
+        RowParallelLinear(4 * size + 1, 8)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ParallelMLP(8, 4 * size, activation="tanh")
+    with pytest.raises(ValueError, match="must be divisible by the group size"):
+        RowParallelLinear(4 * size, 8)(torch.randn(2, 2 * size + 1, 4))
+    return True
+
+
+def test_init_state_dict_errors(world2):
+    assert all(world2.run(_init_and_state))
+
+
+# ----------------------------------------------------------------------------------------------
+# modules against the single-process fp64 reference
+# ----------------------------------------------------------------------------------------------
+def _modules_vs_reference(rank, size, seed, light=False):
+    torch.manual_seed(seed)  # the nn.Linear references below must be the same layer on every rank
+    g = rank_rng(seed)
+    B, S, H = 2, 3 * size, 10
+    dtype = torch.float32
+    column_cases = [(True, False, True), (False, True, False), (False, False, True)]
+    for sp, gather_output, bias in column_cases[:1 if light else 3]:
+        lin = nn.Linear(H, 6 * size, bias=bias)
+        X = torch.randn(B, S, H, generator=g)
+        G = torch.randn(B, S, 6 * size, generator=g)
+        y_ref, dX, dP = _grads64(lin, X, G)
+        col = ColumnParallelLinear.from_linear(lin, sequence_parallel=sp, gather_output=gather_output)
+        x = (_chunk(X, 1, rank, size) if sp else X).clone().requires_grad_(True)
+        y = col(x)
+        y.backward(G if gather_output else _chunk(G, -1, rank, size))
+        tag = f"column sp={sp} gather={gather_output}"
+        assert_close(y, y_ref if gather_output else _chunk(y_ref, -1, rank, size), dtype, msg=tag)
+        assert_close(x.grad, _chunk(dX, 1, rank, size) if sp else dX, dtype, msg=f"{tag} dx")
+        assert_close(col.weight.grad, _chunk(dP["weight"], 0, rank, size), dtype, msg=f"{tag} dW")
+        if bias:
+            assert_close(col.bias.grad, _chunk(dP["bias"], 0, rank, size), dtype, msg=f"{tag} db")
+
+    for sp, parallel_in, bias in [(True, True, True), (False, True, True), (True, False, False)][:1 if light else 3]:
+        lin = nn.Linear(4 * size, 7, bias=bias)
+        X = torch.randn(B, S, 4 * size, generator=g)
+        G = torch.randn(B, S, 7, generator=g)
+        y_ref, dX, dP = _grads64(lin, X, G)
+        row = RowParallelLinear.from_linear(lin, sequence_parallel=sp, input_is_parallel=parallel_in)
+        x = (_chunk(X, -1, rank, size) if parallel_in else X).clone().requires_grad_(True)
+        y = row(x)
+        y.backward(_chunk(G, 1, rank, size) if sp else G)
+        tag = f"row sp={sp} input_is_parallel={parallel_in}"
+        assert_close(y, _chunk(y_ref, 1, rank, size) if sp else y_ref, dtype, msg=tag)
+        assert_close(x.grad, _chunk(dX, -1, rank, size) if parallel_in else dX, dtype, msg=f"{tag} dx")
+        assert_close(row.weight.grad, _chunk(dP["weight"], 1, rank, size), dtype, msg=f"{tag} dW")
+        if bias:
+            assert_close(row.bias.grad, dP["bias"], dtype, msg=f"{tag} db (full on every rank)")
+
+    for activation, sp, bias in [("swiglu", True, False), ("gelu", False, True)][:1 if light else 2]:
+        torch.manual_seed(seed)
+        ref = _RefMLP(H, 4 * size, activation, bias)
+        torch.manual_seed(seed)
+        mlp = ParallelMLP(H, 4 * size, activation=activation, sequence_parallel=sp, bias=bias,
+                          save_gathered_input=not bias)
+        X = torch.randn(B, S, H, generator=g)
+        G = torch.randn(B, S, H, generator=g)
+        y_ref, dX, dP = _grads64(ref, X, G)
+        x = (_chunk(X, 1, rank, size) if sp else X).clone().requires_grad_(True)
+        y = mlp(x)
+        y.backward(_chunk(G, 1, rank, size) if sp else G)
+        tag = f"mlp {activation} sp={sp}"
+        fc1 = _gated_rows if activation == "swiglu" else (lambda t, r, s: _chunk(t, 0, r, s))
+        assert_close(y, _chunk(y_ref, 1, rank, size) if sp else y_ref, dtype, msg=tag)
+        assert_close(x.grad, _chunk(dX, 1, rank, size) if sp else dX, dtype, msg=f"{tag} dx")
+        assert_close(mlp.fc1.weight.grad, fc1(dP["fc1.weight"], rank, size), dtype, msg=f"{tag} dW1")
+        assert_close(mlp.fc2.weight.grad, _chunk(dP["fc2.weight"], 1, rank, size), dtype, msg=f"{tag} dW2")
+        if bias:
+            assert_close(mlp.fc1.bias.grad, fc1(dP["fc1.bias"], rank, size), dtype, msg=f"{tag} db1")
+            assert_close(mlp.fc2.bias.grad, dP["fc2.bias"], dtype, msg=f"{tag} db2")
+    return True
+
+
+def test_modules_vs_reference_world2(world2):
+    assert all(world2.run(_modules_vs_reference, seed=2))
+
+
+# ----------------------------------------------------------------------------------------------
+# against PyTorch's DTensor tensor-parallel plan on the same weights
+# ----------------------------------------------------------------------------------------------
+def _vs_dtensor(rank, size, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (size,))
+    g = rank_rng(seed)
+    B, S, H, F = 2, 2 * size, 9, 3 * size
+    for sp in (False, True):
+        torch.manual_seed(seed)
+        ref = _RefMLP(H, F, "gelu", bias=True)
+        torch.manual_seed(seed)
+        ours = ParallelMLP(H, F, activation="gelu", sequence_parallel=sp, bias=True)
+        plan = ({"fc1": ColwiseParallel(input_layouts=Shard(1)), "fc2": RowwiseParallel(output_layouts=Shard(1))}
+                if sp else {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        theirs = parallelize_module(ref, mesh, plan)
+        X = torch.randn(B, S, H, generator=g)
+        G = torch.randn(B, S, H, generator=g)
+        x_in = _chunk(X, 1, rank, size) if sp else X
+        g_out = _chunk(G, 1, rank, size) if sp else G
+        xa = x_in.clone().requires_grad_(True)
+        xb = x_in.clone().requires_grad_(True)
+        ya, yb = ours(xa), theirs(xb)
+        ya.backward(g_out)
+        yb.backward(g_out)
+        tag = f"vs DTensor sp={sp}"
+        assert_close(ya, yb, torch.float32, msg=tag)
+        assert_close(xa.grad, xb.grad, torch.float32, msg=f"{tag} dx")
+        for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+            mine = ours.get_parameter(name)
+            full = theirs.get_parameter(name).grad.full_tensor()
+            if name == "fc2.weight":
+                want = _chunk(full, 1, rank, size)
+            elif name == "fc2.bias":
+                want = full
+            else:
+                want = _chunk(full, 0, rank, size)
+            torch.testing.assert_close(mine, _expected_param(theirs.get_parameter(name), name, rank, size),
+                                       rtol=0, atol=0)
+            assert_close(mine.grad, want, torch.float32, msg=f"{tag} grad {name}")
+    return True
+
+
+def _expected_param(p, name, rank, size):
+    full = p.full_tensor().detach()
+    if name == "fc2.weight":
+        return _chunk(full, 1, rank, size)
+    if name == "fc2.bias":
+        return full
+    return _chunk(full, 0, rank, size)
+
+
+def test_modules_match_dtensor_tp_plan(world2):
+    assert all(world2.run(_vs_dtensor, seed=9))
+
+
+def test_modules_without_process_group():
+    """No process group: tp=1, the plain fused GEMMs, same numbers as the nn.Linear reference."""
+    torch.manual_seed(0)
+    ref = _RefMLP(6, 5, "swiglu", bias=False).to(DEVICE)
+    torch.manual_seed(0)
+    mlp = ParallelMLP(6, 5, device=DEVICE)
+    x = torch.randn(2, 3, 6, device=DEVICE, requires_grad=True)
+    G = torch.randn(2, 3, 6, device=DEVICE)
+    y_ref, dX, dP = _grads64(ref, x, G)
+    y = mlp(x)
+    y.backward(G)
+    assert_close(y, y_ref, torch.float32)
+    assert_close(x.grad, dX, torch.float32)
+    assert_close(mlp.fc1.weight.grad, dP["fc1.weight"], torch.float32)
+    assert_close(mlp.fc2.weight.grad, dP["fc2.weight"], torch.float32)
