@@ -51,6 +51,9 @@ from fusedpar.kernels.persistent_gemm import (
 )
 
 TRANSPORTS = ("auto", "symmetric", "portable")
+# what ``transport=None`` means in fusedpar.ops: "portable" until the symmetric path has passed its
+# GPU tests on hardware (FUSEDPAR_TRANSPORT=auto opts in)
+DEFAULT_TRANSPORT = os.environ.get("FUSEDPAR_TRANSPORT", "portable")
 # SMs the persistent reduce-scatter GEMM leaves to the concurrent chunk_reduce kernel
 RS_REDUCE_SMS = int(os.environ.get("FUSEDPAR_RS_REDUCE_SMS", "8"))
 # SMs the emulation's waiting GEMM leaves free: peer copies run on copy engines, but a driver may
@@ -117,10 +120,12 @@ def symmetric_status(x: torch.Tensor, group=None) -> tuple[bool, str]:
     return _probe_cache[key]
 
 
-def resolve_transport(transport: str, x: torch.Tensor, group=None) -> str:
-    """``"symmetric"`` or ``"portable"`` for ``transport`` in ``("auto", "symmetric", "portable")``.
-    Raises ``ValueError`` for an unknown name, or when ``"symmetric"`` is forced where it cannot
-    run (before any data moves, on every rank alike)."""
+def resolve_transport(transport: str | None, x: torch.Tensor, group=None) -> str:
+    """``"symmetric"`` or ``"portable"`` for ``transport`` in ``("auto", "symmetric", "portable")``
+    (``None``: :data:`DEFAULT_TRANSPORT`). Raises ``ValueError`` for an unknown name, or when
+    ``"symmetric"`` is forced where it cannot run (before any data moves, on every rank alike)."""
+    if transport is None:
+        transport = DEFAULT_TRANSPORT
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "portable" or comm.group_size(group) == 1:
@@ -413,15 +418,23 @@ def _rs_order(r: int, P: int):
 
 def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, group=None, scatter_dim=1,
                                     partial_dtype=torch.float32, out=None, config=None,
-                                    reduce_sms=RS_REDUCE_SMS):
+                                    reduce_sms=RS_REDUCE_SMS, chunked=False):
     """Forward of ``matmul_reduce_scatter`` with the symmetric transport: ``x`` is
     ``[batch, seq, in_shard]`` (or ``[tokens, in_shard]``), the result this rank's
-    ``[batch, seq/P, out]`` chunk of ``sum over ranks (x @ W^T) + bias``."""
+    ``[batch, seq/P, out]`` chunk of ``sum over ranks (x @ W^T) + bias``. ``chunked=True``: ``x``
+    is already a chunked view ``[P, *chunk rows, in_shard]`` (chunk ``c`` goes to rank ``c``)."""
     group = comm.resolve_group(group)
     P, r = comm.group_size(group), comm.group_rank(group)
-    _validate("matmul_reduce_scatter", x, weight, bias, "none", scatter_dim, "scatter_dim", chunks=P)
+    if chunked:
+        if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or x.shape[0] != P:
+            raise ValueError(f"matmul_reduce_scatter: a chunked x must be [P={P}, *rows, in], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        _validate("matmul_reduce_scatter", x[0], weight, bias, "none", 0, "scatter_dim")
+        xv = x
+    else:
+        _validate("matmul_reduce_scatter", x, weight, bias, "none", scatter_dim, "scatter_dim", chunks=P)
+        xv = chunk_view(x, scatter_dim, P)
     N = weight.shape[0]
-    xv = chunk_view(x, scatter_dim, P)
     chunk_shape = tuple(xv.shape[1:-1]) + (N,)
     if out is None:
         out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)

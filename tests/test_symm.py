@@ -291,3 +291,67 @@ def test_emulation_errors():
         symm.emulated_matmul_reduce_scatter(peers[0], w, world=3)
     with pytest.raises(TypeError, match="device and dtype"):
         symm.emulated_matmul_reduce_scatter(peers[0], w.half(), world=2)
+
+
+def _ops_symmetric_vs_portable(rank, size, tmpdir, seed):
+    """fusedpar.ops with transport="symmetric" (over the shared-file stand-in) against
+    transport="portable": outputs and every gradient, both ops, gated activation, re-gather."""
+    from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
+
+    saved = symm._new_workspace, symm.symmetric_status
+    symm._new_workspace = _file_workspace_factory(tmpdir, seed)
+    symm.symmetric_status = lambda x, group=None: (True, "test: file-backed shared memory")
+    symm._workspaces.clear()
+    try:
+        def run(fn, transport, x, w, b, g, **kw):
+            x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
+            y = fn(x, w, b, transport=transport, **kw)
+            (y * g).sum().backward()
+            return y.detach(), x.grad, w.grad, b.grad
+
+        K, F = 24, 7
+        x = torch.randn(2, 3, K, generator=rank_rng(seed, rank))
+        cases = [
+            (all_gather_matmul, x, torch.randn(2 * F, K, generator=rank_rng(seed + 1, rank)),
+             torch.randn(2 * F, generator=rank_rng(seed + 2)), (2, 3 * size, F),
+             dict(gather_dim=1, activation="swiglu")),
+            (all_gather_matmul, x, torch.randn(F, K, generator=rank_rng(seed + 3, rank)),
+             torch.randn(F, generator=rank_rng(seed + 4)), (2 * size, 3, F),
+             dict(gather_dim=0, save_gathered_input=False)),
+            (matmul_reduce_scatter, torch.randn(2, 2 * size, K, generator=rank_rng(seed + 5, rank)),
+             torch.randn(F, K, generator=rank_rng(seed + 6, rank)), torch.randn(F, generator=rank_rng(seed + 7)),
+             (2, 2, F), dict(scatter_dim=1)),
+        ]
+        for i, (fn, xi, w, b, out_shape, kw) in enumerate(cases):
+            g = torch.randn(out_shape, generator=rank_rng(seed + 8 + i, rank))
+            ref = run(fn, "portable", xi, w, b, g, **kw)
+            got = run(fn, "symmetric", xi, w, b, g, **kw)
+            for name, a, e in zip(("out", "dx", "dW", "db"), got, ref):
+                assert_close(a, e, torch.float32, msg=f"case {i} {name}")
+    finally:
+        symm._new_workspace, symm.symmetric_status = saved
+        symm._workspaces.clear()
+    return rank
+
+
+def test_ops_transport_symmetric_equals_portable(world3, tmp_path):
+    assert world3.run(_ops_symmetric_vs_portable, tmpdir=str(tmp_path), seed=51) == [0, 1, 2]
+
+
+def _ops_transport_errors(rank, size):
+    from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
+
+    x, w = torch.randn(2, 3, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="transport='symmetric' is not available here"):
+        all_gather_matmul(x, w, transport="symmetric")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        matmul_reduce_scatter(torch.randn(2, 3 * size, 8), w, transport="nccl")
+    y = all_gather_matmul(x, w, transport="auto")  # portable on gloo/CPU
+    assert y.shape == (2, 3 * size, 4)
+    return rank
+
+
+def test_ops_transport_errors(world3):
+    if not INTERPRETED:
+        pytest.skip("on a GPU machine the world may run NCCL, where 'symmetric' can be available")
+    assert world3.run(_ops_transport_errors) == [0, 1, 2]
