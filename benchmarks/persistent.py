@@ -177,6 +177,7 @@ def run_ag(args, ctx):
 
         reference = torch.matmul(full, w.t())
         err = check_close(persistent(), reference)
+        _no_timeouts(ctx)
         check_close(per_chunk(), reference)
         check_close(sequential(), reference)
         t_gemm = ctx.time_ms(lambda: torch.matmul(full, w.t()))
@@ -201,6 +202,13 @@ def run_ag(args, ctx):
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed and copies run before the GEMM; "
                          "these numbers are not performance.")
     return rows_out
+
+
+def _no_timeouts(ctx):
+    from fusedpar.kernels import wait_timeouts
+
+    if wait_timeouts(ctx.device):
+        raise RuntimeError("a waiting kernel gave up on a flag: the emulation is broken, not timed")
 
 
 def _cfg_name(cfg):
@@ -251,6 +259,7 @@ def run_rs(args, ctx):
                                                            config=cfg, reduce_sms=sms)
 
             err = check_close(persistent(), reference)
+            _no_timeouts(ctx)
             t_pers = ctx.time_ms(persistent)
             rows_out.append({
                 "M": tokens, "N": N, "K_local": K, "tp": P, "dtype": str(dtype).replace("torch.", ""),

@@ -10,7 +10,7 @@ if __name__ == "kernels":  # pragma: no cover - guards against importing the sou
 
 from ._runtime import interpreting
 from .gemm import ACTIVATIONS, matmul, matmul_reference, matmul_tn
-from .persistent_gemm import chunk_reduce, chunk_view, persistent_matmul
+from .persistent_gemm import WaitTimeout, chunk_reduce, chunk_view, persistent_matmul, wait_timeouts
 
 __all__ = ["ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn"]
-__all__ += ["chunk_reduce", "chunk_view", "persistent_matmul"]
+__all__ += ["WaitTimeout", "chunk_reduce", "chunk_view", "persistent_matmul", "wait_timeouts"]

@@ -57,20 +57,73 @@ WAIT_MODES = {"none": 0, "spin": 1, "skip": 2}
 # Programs of one interpreted launch: small, but more than one so that the persistent loop
 # (several tiles per program, strided by the grid size) is exercised.
 INTERPRETER_PROGRAMS = 3
+# Bound of a flag spin (reads): ~2^27 system-scope loads is about a minute on a GPU; an interpreted
+# read takes ~0.3 ms (the flag can only change there when another process writes it).
+MAX_SPIN_GPU = 1 << 27
+MAX_SPIN_INTERPRETED = 1 << 18  # about a minute: long enough for a peer *process* to finish
+
+
+class WaitTimeout(RuntimeError):
+    """A waiting kernel gave up on a flag or counter that never reached its ready value."""
+
+
+_status: dict = {}
+
+
+def _status_word(device: torch.device) -> torch.Tensor:
+    t = _status.get(device)
+    if t is None:
+        t = _status[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def wait_timeouts(device: torch.device | str, *, reset: bool = True) -> int:
+    """Waits on ``device`` that timed out since the last call (synchronises with the device).
+    Under the interpreter every launch checks this itself and raises :class:`WaitTimeout`."""
+    t = _status_word(torch.device(device))
+    n = int(t.item())
+    if reset and n:
+        t.zero_()
+    return n
+
+
+def _check_timeouts(device, what):
+    if interpreting():
+        n = wait_timeouts(device)
+        if n:
+            raise WaitTimeout(f"{what}: {n} wait(s) gave up after the spin bound: a flag or "
+                              "counter never reached its ready value (under the interpreter every flag must "
+                              "be set before the launch)")
+
+
+def _max_spin(max_spin=None):
+    if max_spin is not None:
+        if not isinstance(max_spin, int) or max_spin < 0:
+            raise ValueError(f"max_spin must be a non-negative int, got {max_spin!r}")
+        return max_spin
+    return MAX_SPIN_INTERPRETED if interpreting() else MAX_SPIN_GPU
 
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _wait_ready(flag_ptr, ready_value):
+def _wait_ready(flag_ptr, ready_value, status_ptr, MAX_SPIN: tl.constexpr):
     """Spin until ``*flag_ptr >= ready_value``. The read is an atomic with acquire semantics at
     system scope (the flag may be written by a copy engine or a peer GPU), so loads issued after
     it observe the data published before the flag. Triton executes a scalar atomic once per
-    program and broadcasts the result to every thread of the program."""
+    program and broadcasts the result to every thread of the program.
+
+    The spin is bounded: after ``MAX_SPIN`` reads (about a minute on a GPU, a few thousand
+    interpreted reads) it gives up and counts a timeout in ``*status_ptr``, so a producer that
+    never comes turns into an error the host reports instead of a hung device."""
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    while v < ready_value:
+    n = 0
+    while (v < ready_value) & (n < MAX_SPIN):
         v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        n += 1
+    if v < ready_value:
+        tl.atomic_add(status_ptr, 1)
 
 
 @triton.jit
@@ -155,7 +208,7 @@ def _chunk_tile(
 
 @triton.jit
 def _persistent_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, flag_ptr, count_ptr, log_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, flag_ptr, count_ptr, log_ptr, status_ptr,
     ROWS, N, K, num_chunks, first_chunk, ready_value,
     s_a_chunk, a_m_inner, s_am0, s_am1, s_ak,
     s_bk, s_bn, glu_offset,
@@ -164,7 +217,7 @@ def _persistent_gemm_kernel(
     A_M_SPLIT: tl.constexpr, C_M_SPLIT: tl.constexpr, X_M_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr,
     UPCAST: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    WAIT: tl.constexpr, SIGNAL: tl.constexpr, LOG: tl.constexpr,
+    WAIT: tl.constexpr, SIGNAL: tl.constexpr, LOG: tl.constexpr, MAX_SPIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
@@ -191,7 +244,7 @@ def _persistent_gemm_kernel(
         pid_m = first_m + ((local % num_in_group) % group_size)
         pid_n = (local % num_in_group) // group_size
         if WAIT == 1:
-            _wait_ready(flag_ptr + chunk, ready_value)
+            _wait_ready(flag_ptr + chunk, ready_value, status_ptr, MAX_SPIN)
         run = True
         if WAIT == 2:
             run = tl.atomic_add(flag_ptr + chunk, 0, sem="acquire", scope="sys") >= ready_value
@@ -210,12 +263,12 @@ def _persistent_gemm_kernel(
 
 @triton.jit
 def _chunk_reduce_kernel(
-    src_ptr, peer_off_ptr, count_ptr, count_off_ptr, out_ptr, acc_ptr, bias_ptr,
+    src_ptr, peer_off_ptr, count_ptr, count_off_ptr, out_ptr, acc_ptr, bias_ptr, status_ptr,
     ROWS, N, num_peers, chunk, ready_value,
     s_src_chunk, src_m_inner, s_srcm0, s_srcm1, s_srcn,
     o_m_inner, s_om0, s_om1, s_on,
     SRC_M_SPLIT: tl.constexpr, O_M_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, WAIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_SPIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``out = bias + sum_p src_p[chunk]``, peers in the order given, each read only after its
     counter reached ``ready_value``. Peer-outer loop: the partial of the first peer is summed
@@ -228,7 +281,7 @@ def _chunk_reduce_kernel(
     chunk64 = chunk.to(tl.int64)
     for p in range(0, num_peers):
         if WAIT == 1:
-            _wait_ready(count_ptr + tl.load(count_off_ptr + p) + chunk64, ready_value)
+            _wait_ready(count_ptr + tl.load(count_off_ptr + p) + chunk64, ready_value, status_ptr, MAX_SPIN)
         base = tl.load(peer_off_ptr + p) + chunk64 * s_src_chunk
         for tile in range(pid, total, num_programs):
             rm = (tile // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -343,6 +396,7 @@ def persistent_matmul(
     tile_log: torch.Tensor | None = None,
     num_programs: int | None = None,
     config: dict | None = None,
+    max_spin: int | None = None,
 ) -> torch.Tensor:
     """``out[c] = act(a[c] @ weight.T + bias)`` for every chunk ``c``, in one persistent launch.
 
@@ -368,6 +422,9 @@ def persistent_matmul(
     num_programs: size of the persistent grid (default: one per SM; 3 under the interpreter).
     config:   tile configuration (``BLOCK_M/N/K``, ``GROUP_M``, ``num_warps``, ``num_stages``);
               default :func:`gpu_config` (the interpreter always uses a small fixed one).
+    max_spin: bound of each flag spin in reads (default ~a minute on GPU); a wait that runs out
+              is counted (:func:`wait_timeouts`) and, under the interpreter, raises
+              :class:`WaitTimeout` after the launch.
     """
     if not isinstance(a, torch.Tensor) or a.dim() not in (3, 4):
         raise ValueError(
@@ -448,7 +505,7 @@ def persistent_matmul(
     args = (
         a, weight, out, bias if bias is not None else dummy, preact_out if preact_out is not None else dummy,
         wait_flags if wait_flags is not None else dummy, signal_counters if signal_counters is not None else dummy,
-        tile_log if tile_log is not None else dummy,
+        tile_log if tile_log is not None else dummy, _status_word(a.device),
         rows, N, K, C, first_chunk, ready_value,
         a.stride(0), *a_r[:3], a.stride(-1),
         weight.stride(1), weight.stride(0), N if glu else 0,
@@ -462,7 +519,7 @@ def persistent_matmul(
         UPCAST=needs_upcast(a.dtype), EVEN_K=K % cfg["BLOCK_K"] == 0,
         INPUT_PRECISION=_input_precision(a.dtype),
         WAIT=WAIT_MODES[wait_mode], SIGNAL=signal_counters is not None, LOG=tile_log is not None,
-        **cfg,
+        MAX_SPIN=_max_spin(max_spin), **cfg,
     )
     grid = (min(num_programs, total),)
     if a.device.type == "cuda":
@@ -470,6 +527,8 @@ def persistent_matmul(
             _persistent_gemm_kernel[grid](*args, **meta)
     else:
         _persistent_gemm_kernel[grid](*args, **meta)
+    if wait_mode == "spin":
+        _check_timeouts(a.device, "persistent_matmul")
     return out
 
 
@@ -486,6 +545,7 @@ def chunk_reduce(
     workspace: torch.Tensor | None = None,
     num_programs: int | None = None,
     block: tuple[int, int] = (32, 128),
+    max_spin: int | None = None,
 ) -> torch.Tensor:
     """``out = bias + sum_p partial_p[chunk]`` summed in fp32, peers in the given order.
 
@@ -540,19 +600,21 @@ def chunk_reduce(
     args = (
         src, peer_offsets, counters if counters is not None else peer_offsets,
         counter_offsets.to(src.device) if counters is not None else peer_offsets,
-        out, workspace, bias if bias is not None else workspace,
+        out, workspace, bias if bias is not None else workspace, _status_word(src.device),
         rows, N, P, chunk, ready_value,
         src.stride(0), *s_r[:3], src.stride(-1),
         *o_r[:3], out.stride(-1),
     )
     meta = dict(SRC_M_SPLIT=s_r[3], O_M_SPLIT=o_r[3], HAS_BIAS=bias is not None, WAIT=int(counters is not None),
-                BLOCK_M=bm, BLOCK_N=bn)
+                MAX_SPIN=_max_spin(max_spin), BLOCK_M=bm, BLOCK_N=bn)
     grid = (max(1, min(num_programs, total)),)
     if src.device.type == "cuda":
         with torch.cuda.device(src.device):
             _chunk_reduce_kernel[grid](*args, **meta, num_warps=4)
     else:
         _chunk_reduce_kernel[grid](*args, **meta)
+    if counters is not None:
+        _check_timeouts(src.device, "chunk_reduce")
     return out
 
 

@@ -161,6 +161,25 @@ def test_chunk_reduce_peers_in_order(device, dtype):
     assert torch.isnan(big[:, :r]).all() and torch.isnan(big[:, 2 * r:]).all()
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="on GPU the late-producer tests in test_symm.py cover waiting")
+def test_missing_flag_times_out_instead_of_hanging(device):
+    """A spin whose flag never comes gives up after max_spin reads and raises (the interpreter
+    cannot see a flag change within one launch), for the GEMM and for chunk_reduce."""
+    from fusedpar.kernels import WaitTimeout, wait_timeouts
+
+    a = torch.randn(3, 8, 16, device=device)
+    w = torch.randn(8, 16, device=device)
+    flags = torch.tensor([1, 0, 1], dtype=I32, device=device)
+    with pytest.raises(WaitTimeout, match="1 wait"):
+        persistent_matmul(a, w, wait_flags=flags, max_spin=50)
+    assert wait_timeouts(device) == 0  # reported and reset
+    counters = torch.tensor([2, 1, 2], dtype=I32, device=device)
+    with pytest.raises(WaitTimeout, match="chunk_reduce"):
+        chunk_reduce(a, torch.zeros(1, dtype=torch.int64), 1, out=torch.empty(8, 16, device=device),
+                     counters=counters, counter_offsets=torch.zeros(1, dtype=torch.int64), ready_value=2,
+                     max_spin=50)
+
+
 def test_errors(device):
     a = torch.randn(2, 5, 8, device=device)
     w = torch.randn(6, 8, device=device)
@@ -215,8 +234,8 @@ _COMPILE_CHECK = textwrap.dedent(
     bf16 = {n: "*bf16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "aux_ptr")}
     k = comp(pg._persistent_gemm_kernel,
              dict(A_M_SPLIT=False, C_M_SPLIT=True, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=False, ACT=0,
-                  GLU=False, UPCAST=False, EVEN_K=True, INPUT_PRECISION="ieee", WAIT=1, SIGNAL=True, LOG=False,
-                  BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1),
+                   GLU=False, UPCAST=False, EVEN_K=True, INPUT_PRECISION="ieee", WAIT=1, SIGNAL=True, LOG=False,
+                  MAX_SPIN=1 << 27, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1),
              {"s_am1", "s_bn", "s_cm1", "s_cm0", "K", "N", "ROWS", "s_a_chunk", "s_c_chunk"}, bf16,
              dict(num_warps=8, num_stages=3))
     ptx = k.asm["ptx"]
@@ -231,11 +250,12 @@ _COMPILE_CHECK = textwrap.dedent(
     comp(pg._persistent_gemm_kernel,
          dict(A_M_SPLIT=True, C_M_SPLIT=False, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=True, ACT=3, GLU=True,
               UPCAST=False, EVEN_K=False, INPUT_PRECISION="ieee", WAIT=2, SIGNAL=False, LOG=True,
-              BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, s_ak=1, s_bk=1),
+              MAX_SPIN=1 << 27, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, s_ak=1, s_bk=1),
          {"K"}, dict(fp16, aux_ptr="*fp32"), dict(num_warps=4, num_stages=3))
     print("SKIP_GLU_AUX", True)
     k = comp(pg._chunk_reduce_kernel,
-             dict(SRC_M_SPLIT=False, O_M_SPLIT=True, HAS_BIAS=True, WAIT=1, BLOCK_M=32, BLOCK_N=128, s_srcn=1, s_on=1),
+             dict(SRC_M_SPLIT=False, O_M_SPLIT=True, HAS_BIAS=True, WAIT=1, MAX_SPIN=1 << 27, BLOCK_M=32,
+                  BLOCK_N=128, s_srcn=1, s_on=1),
              {"N"}, {"src_ptr": "*fp32", "peer_off_ptr": "*i64", "count_off_ptr": "*i64", "out_ptr": "*bf16",
                      "acc_ptr": "*fp32", "bias_ptr": "*bf16"}, dict(num_warps=4))
     print("REDUCE_ACQUIRE", "ld.global.sys.acquire" in k.asm["ptx"])

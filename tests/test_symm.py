@@ -17,6 +17,7 @@ import torch
 from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
 from _world import rank_rng, world_fixture
 from fusedpar import symm
+from fusedpar.kernels import wait_timeouts
 from fusedpar.kernels.persistent_gemm import persistent_matmul_reference as ref_mm
 
 world2 = world_fixture(2)  # GPU test only (needs 2 GPUs)
@@ -214,6 +215,7 @@ def test_gpu_late_producer_is_waited_for(dtype):
                                               delay_cycles=_delay_cycles(50))
         torch.cuda.synchronize()
         assert_close(out, expect, dtype, msg=f"waiting GEMM, rank {rank}")
+        assert wait_timeouts("cuda") == 0
     gathered = torch.full_like(peers, float("nan"))
     out = symm.emulated_all_gather_matmul(peers, w, rank=2, gathered=gathered, wait=False,
                                           delay_cycles=_delay_cycles(50))
@@ -238,6 +240,7 @@ def test_gpu_reduce_waits_for_counters():
                                               gemm_delay_cycles=_delay_cycles(20))
     torch.cuda.synchronize()
     assert_close(out, expect, torch.bfloat16, msg="waiting reduce")
+    assert wait_timeouts("cuda") == 0
     partials.fill_(float("nan"))
     out = symm.emulated_matmul_reduce_scatter(x, w, world=P, rank=3, partials=partials, wait=False,
                                               gemm_delay_cycles=_delay_cycles(20))
