@@ -15,10 +15,9 @@ import torch
 
 from _utils import DTYPES, INTERPRETED, assert_close, poison, randn
 from fusedpar.kernels.persistent_gemm import (
-    INTERPRETER_CONFIG,
     chunk_reduce,
     chunk_view,
-    gpu_config,
+    kernel_config,
     persistent_matmul,
     persistent_matmul_reference,
     tiles_per_chunk,
@@ -27,8 +26,8 @@ from fusedpar.kernels.persistent_gemm import (
 I32 = torch.int32
 
 
-def _cfg(n, dtype):
-    return INTERPRETER_CONFIG if INTERPRETED else gpu_config(n, dtype)
+def _cfg(n, dtype, glu=False):
+    return kernel_config(None, n, dtype, glu)
 
 
 def _log(num_tiles, device):
@@ -79,7 +78,7 @@ def test_all_ready_scatter_layout_swiglu_preact(device, dtype):
     assert_close(out, chunk_view(ref, 1, C), dtype, msg="scatter layout")
     # pre-activation stored in fp32 from the fp32 accumulator: only the input rounding remains
     assert_close(pre, chunk_view(ref_pre, 1, C), dtype, msg="preact")
-    assert counters.tolist() == [tiles_per_chunk(b * s // C, F, _cfg(F, dtype))] * C
+    assert counters.tolist() == [tiles_per_chunk(b * s // C, F, _cfg(F, dtype, glu=True))] * C
 
 
 def test_2d_rows_and_batch_chunks(device):
