@@ -131,8 +131,9 @@ def run_ag(args, ctx):
         full = peers.permute(1, 0, 2, 3).reshape(1, tokens, K)
         side = torch.cuda.Stream(device=ctx.device) if ctx.gpu else None
 
-        best = _best_config(ctx, lambda cfg: persistent_matmul(peers, w, out=out_chunks, wait_mode="none", config=cfg))
-        cfg = best[0] if best and not args.no_sweep else None
+        best = None if args.no_sweep else _best_config(
+            ctx, lambda cfg: persistent_matmul(peers, w, out=out_chunks, wait_mode="none", config=cfg))
+        cfg = best[0] if best else None
         chunk_bytes = rows * K * peers.element_size()
         repeat = args.copy_repeat
         if args.link_gbps is not None and ctx.gpu:
@@ -263,7 +264,7 @@ def run_rs(args, ctx):
             t_pers = ctx.time_ms(persistent)
             rows_out.append({
                 "M": tokens, "N": N, "K_local": K, "tp": P, "dtype": str(dtype).replace("torch.", ""),
-                "partials": str(partial_dtype).replace("torch.", ""), "reduce_sms": sms,
+                "partials": str(partial_dtype).replace("torch.", ""), "reduce_sms": sms if ctx.gpu else "n/a",
                 "T_gemm_cublas_ms": t_gemm, "T_seq_ms": t_seq, "T_persistent_ms": t_pers,
                 "speedup_vs_seq": t_seq / t_pers, "TFLOPs_persistent": tflops(2.0 * tokens * N * K, t_pers),
                 "max_rel_err": err, "config": _cfg_name(cfg),
