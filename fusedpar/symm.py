@@ -355,8 +355,9 @@ def _align(n: int, a: int = 256) -> int:
 # ----------------------------------------------------------------------------------------------
 def all_gather_matmul_symmetric(x, weight, bias=None, *, group=None, gather_dim=1, activation="none",
                                 out=None, preact_out=None, gathered_out=None, config=None):
-    """Forward of ``all_gather_matmul`` with the symmetric transport (arguments already validated
-    by the caller, shards of equal shape on every rank).
+    """Forward of ``all_gather_matmul`` with the symmetric transport: ``x`` is this rank's shard
+    (equal shapes on every rank), the result ``act(all_gather(x, gather_dim) @ W^T + bias)``.
+    Arguments are checked before the first barrier.
 
     out:          ``all_gather(x) @ W^T`` layout (``x.shape`` with the gather dim ``P`` times
                   larger, ``N`` features); allocated when omitted.
