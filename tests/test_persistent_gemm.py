@@ -179,6 +179,23 @@ def test_missing_flag_times_out_instead_of_hanging(device):
                      max_spin=50)
 
 
+@pytest.mark.gpu
+def test_gpu_missing_flag_times_out():
+    """Compiled: a flag that never comes ends in counted timeouts, not a hung device."""
+    from fusedpar.kernels import wait_timeouts
+
+    a = torch.randn(4, 64, 128, device="cuda", dtype=torch.float16)
+    w = torch.randn(96, 128, device="cuda", dtype=torch.float16)
+    wait_timeouts("cuda")  # clear
+    flags = torch.tensor([1, 1, 0, 1], dtype=I32, device="cuda")
+    persistent_matmul(a, w, wait_flags=flags, max_spin=10_000, num_programs=4)
+    torch.cuda.synchronize()
+    assert wait_timeouts("cuda") >= 1
+    persistent_matmul(a, w, wait_flags=torch.ones(4, dtype=I32, device="cuda"), max_spin=10_000)
+    torch.cuda.synchronize()
+    assert wait_timeouts("cuda") == 0
+
+
 def test_errors(device):
     a = torch.randn(2, 5, 8, device=device)
     w = torch.randn(6, 8, device=device)
