@@ -10,7 +10,23 @@ if __name__ == "kernels":  # pragma: no cover - guards against importing the sou
 
 from ._runtime import interpreting
 from .gemm import ACTIVATIONS, matmul, matmul_reference, matmul_tn
+from .moe import (
+    combine,
+    combine_backward,
+    grouped_matmul,
+    grouped_matmul_dact,
+    grouped_matmul_reference,
+    grouped_wgrad,
+    moe_mlp_reference,
+    permute,
+    routing_metadata,
+    routing_metadata_reference,
+)
 from .persistent_gemm import WaitTimeout, chunk_reduce, chunk_view, persistent_matmul, wait_timeouts
 
 __all__ = ["ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn"]
+__all__ += [
+    "combine", "combine_backward", "grouped_matmul", "grouped_matmul_dact", "grouped_matmul_reference",
+    "grouped_wgrad", "moe_mlp_reference", "permute", "routing_metadata", "routing_metadata_reference",
+]
 __all__ += ["WaitTimeout", "chunk_reduce", "chunk_view", "persistent_matmul", "wait_timeouts"]

@@ -109,8 +109,17 @@ def _gemm_kernel(
 
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         kk = k0 * BLOCK_K + rk
-        a_off = a_rows[:, None] + _split_offsets(kk, a_k_inner, s_ak0, s_ak1, A_K_SPLIT)[None, :]
-        b_k = _split_offsets(kk, b_k_inner, s_bk0, s_bk1, B_K_SPLIT)[:, None]
+        # offsets written out rather than via _split_offsets: under the interpreter every nested
+        # jit call re-patches triton.language (~ms each), and this loop is the hot path
+        kk64 = kk.to(tl.int64)
+        if A_K_SPLIT:
+            a_off = a_rows[:, None] + ((kk64 // a_k_inner) * s_ak0 + (kk64 % a_k_inner) * s_ak1)[None, :]
+        else:
+            a_off = a_rows[:, None] + (kk64 * s_ak1)[None, :]
+        if B_K_SPLIT:
+            b_k = ((kk64 // b_k_inner) * s_bk0 + (kk64 % b_k_inner) * s_bk1)[:, None]
+        else:
+            b_k = (kk64 * s_bk1)[:, None]
         if EVEN_K:
             a = tl.load(a_ptr + a_off, mask=m_mask[:, None], other=0.0)
             b = tl.load(b_ptr + b_k + b_cols[None, :], mask=n_mask[None, :], other=0.0)

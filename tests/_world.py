@@ -36,6 +36,11 @@ DEFAULT_TIMEOUT = float(os.environ.get("FUSEDPAR_TEST_TIMEOUT", "180"))
 
 def _worker(rank, size, init_file, tasks, results, sys_path, backend, collective_timeout):
     sys.path[:] = sys_path
+    if backend == "gloo":
+        # gloo moves CPU tensors: a world that has too few GPUs for NCCL runs its kernels on CPU
+        # tensors under the interpreter. Set before the test module (and so triton) is imported.
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["FUSEDPAR_TEST_DEVICE"] = "cpu"
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -1,1 +1,2 @@
 from .tensor_parallel import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
+from .moe import MoEPlan, grouped_mlp, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp, moe_plan  # noqa: F401

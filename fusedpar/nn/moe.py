@@ -1,0 +1,198 @@
+"""Mixture-of-experts modules: :class:`TopKRouter` and :class:`MoE` (dropless or capacity, EP)."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..kernels.gemm import ACTIVATIONS
+from ..ops.moe import moe_mlp
+
+__all__ = ["TopKRouter", "RouterOutput", "MoE"]
+
+_SCORES = ("softmax", "sigmoid")
+
+
+class RouterOutput(NamedTuple):
+    weights: torch.Tensor  # [T, k] fp32 combine weights
+    expert_ids: torch.Tensor  # [T, k] int64, best first; ties -> lowest expert id
+    capacity: int | None  # slots per expert kept (None: dropless)
+    aux_loss: torch.Tensor  # aux_loss_coef * load-balancing loss (scalar, fp32)
+    z_loss: torch.Tensor  # z_loss_coef * router z-loss (scalar, fp32)
+
+
+def _check_int(name, v, lo=1):
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+
+class TopKRouter(nn.Module):
+    """Linear gate + top-k selection with the two standard auxiliary losses.
+
+    ``score="softmax"``: probabilities ``softmax(logits)``; the combine weights are the top-k
+    probabilities (renormalised to sum to 1 when ``normalize=True``; default False).
+    ``score="sigmoid"``: scores ``sigmoid(logits)``, top-k of them, renormalised by default.
+
+    Losses (computed in fp32 over this call's tokens; both already multiplied by their
+    coefficient and stored as ``self.aux_loss`` / ``self.z_loss`` and in the returned tuple, so a
+    training loop adds them to its loss):
+
+    * load balancing (Switch / GShard): ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the
+      ``T*k`` routed slots that chose expert ``e`` (before any capacity drop; no gradient) and
+      ``P_e`` the mean over tokens of the expert's probability (sigmoid: the scores normalised
+      per token). ``f`` and ``P`` each sum to 1 over experts, so uniform routing gives 1.
+    * z-loss (ST-MoE): ``mean_t logsumexp(logits_t)^2``.
+
+    Ties in the scores are broken deterministically towards the lowest expert id (stable sort).
+    ``capacity_factor`` ``c`` gives ``capacity = ceil(c * T * k / E)`` slots per expert.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
+                 aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, capacity_factor: float | None = None,
+                 normalize: bool | None = None, device=None, dtype=None):
+        super().__init__()
+        _check_int("hidden_size", hidden_size)
+        _check_int("num_experts", num_experts)
+        _check_int("top_k", top_k)
+        if top_k > num_experts:
+            raise ValueError(f"top_k must be <= num_experts ({num_experts}), got {top_k}")
+        if score not in _SCORES:
+            raise ValueError(f"score must be one of {_SCORES}, got {score!r}")
+        if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
+            raise ValueError(f"capacity_factor must be None or a number > 0, got {capacity_factor!r}")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.score = score
+        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.capacity_factor = capacity_factor
+        self.normalize = (score == "sigmoid") if normalize is None else bool(normalize)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.aux_loss = None
+        self.z_loss = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def capacity(self, num_tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return int(math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [..., hidden_size={self.hidden_size}], got {getattr(x, 'shape', x)}")
+        x2d = x.reshape(-1, self.hidden_size)
+        T, E, k = x2d.shape[0], self.num_experts, self.top_k
+        logits = x2d.float() @ self.weight.float().t()
+        if self.score == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            scores = probs
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        # stable descending sort: among equal scores the lower expert id comes first
+        top, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
+        weights, ids = top[:, :k], ids[:, :k]
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if T:
+            counts = torch.zeros(E, device=x.device, dtype=torch.float32).index_add_(
+                0, ids.reshape(-1), torch.ones(T * k, device=x.device, dtype=torch.float32))
+            f = counts / (T * k)
+            aux = E * (f * probs.mean(dim=0)).sum()
+            z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        else:  # no tokens: zero losses that still belong to the graph
+            aux = z = logits.sum() * 0.0
+        self.aux_loss = self.aux_loss_coef * aux
+        self.z_loss = self.z_loss_coef * z
+        return RouterOutput(weights, ids, self.capacity(T), self.aux_loss, self.z_loss)
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"score={self.score!r}, capacity_factor={self.capacity_factor}")
+
+
+class MoE(nn.Module):
+    """Routed expert MLP: ``y[t] = sum_j w[t, j] * W2_e act(W1_e x[t])`` over the top-k experts.
+
+    Dropless by default. With ``capacity_factor`` each expert keeps at most
+    ``ceil(capacity_factor * T * k / E)`` of this rank's ``T`` tokens' slots, the earliest in
+    token order; a dropped slot contributes zero (its token keeps its other slots).
+
+    Expert parallelism: the experts are split over ``ep_group`` (rank ``r`` holds experts
+    ``r * E/ep .. (r+1) * E/ep - 1``); tokens travel by all-to-all-v, the dispatch pipelined over
+    ``num_chunks`` chunks (:func:`fusedpar.ops.moe_mlp`). The full expert weights do not depend
+    on the EP degree: a base seed drawn from torch's global generator (identical on all ranks
+    when they share a seed) and the global expert index seed each expert's generator.
+
+    After ``forward``, ``self.aux_loss`` holds the router's coefficient-weighted load-balancing
+    plus z-loss (scalar) and ``self.router_output`` the routing decision.
+    Weights: ``w1 [E_local, 2F, H]`` (gate rows, then up rows, for gated activations; ``[E_local,
+    F, H]`` otherwise) and ``w2 [E_local, H, F]``; the router's ``weight [E, H]`` is replicated.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, ep_group=None,
+                 capacity_factor: float | None = None, activation: str = "swiglu", score: str = "softmax",
+                 aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, normalize: bool | None = None,
+                 num_chunks: int = 2, device=None, dtype=None):
+        super().__init__()
+        _check_int("ffn_hidden_size", ffn_hidden_size)
+        _check_int("num_chunks", num_chunks)
+        if activation not in ACTIVATIONS or activation == "none":
+            raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a != 'none')}, "
+                             f"got {activation!r}")
+        self.router = TopKRouter(hidden_size, num_experts, top_k, score=score, aux_loss_coef=aux_loss_coef,
+                                 z_loss_coef=z_loss_coef, capacity_factor=capacity_factor, normalize=normalize,
+                                 device=device, dtype=dtype)
+        self.ep_group = ep_group
+        ep = comm.group_size(ep_group)
+        comm.check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
+        self.ep_size, self.ep_rank = ep, comm.group_rank(ep_group)
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.experts_per_rank = num_experts // ep
+        self.activation, self.num_chunks = activation, num_chunks
+        n1 = 2 * ffn_hidden_size if ACTIVATIONS[activation][1] else ffn_hidden_size
+        self.w1 = nn.Parameter(torch.empty(self.experts_per_rank, n1, hidden_size, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(self.experts_per_rank, hidden_size, ffn_hidden_size, device=device,
+                                           dtype=dtype))
+        self.aux_loss = None
+        self.router_output = None
+        self.reset_parameters(router=False)
+
+    @property
+    def first_expert(self) -> int:
+        return self.ep_rank * self.experts_per_rank
+
+    @torch.no_grad()
+    def reset_parameters(self, router: bool = True):
+        if router:
+            self.router.reset_parameters()
+        base = int(torch.randint(0, 2**62, (1,)).item())
+        for i in range(self.experts_per_rank):
+            g = torch.Generator().manual_seed(base + 2 * (self.first_expert + i))
+            b1 = 1.0 / math.sqrt(self.hidden_size)
+            self.w1[i].copy_(torch.empty(self.w1.shape[1:]).uniform_(-b1, b1, generator=g))
+            g = torch.Generator().manual_seed(base + 2 * (self.first_expert + i) + 1)
+            b2 = 1.0 / math.sqrt(self.ffn_hidden_size)
+            self.w2[i].copy_(torch.empty(self.w2.shape[1:]).uniform_(-b2, b2, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [..., hidden_size={self.hidden_size}] with at least 2 dims, "
+                             f"got {getattr(x, 'shape', x)}")
+        r = self.router(x)
+        self.router_output = r
+        self.aux_loss = r.aux_loss + r.z_loss
+        return moe_mlp(x, r.expert_ids, r.weights, self.w1, self.w2, num_experts=self.num_experts,
+                       ep_group=self.ep_group, capacity=r.capacity, activation=self.activation,
+                       num_chunks=self.num_chunks)
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size}, "
+                f"activation={self.activation!r}, experts_per_rank={self.experts_per_rank}")

@@ -1,0 +1,261 @@
+"""MoE layer on one process: TopKRouter, MoE and the functional stages against a plain fp64
+per-expert loop (outputs, input / router / expert-weight gradients, aux and z losses)."""
+import math
+
+import pytest
+import torch
+
+from _utils import DEVICE, assert_close, randn
+from fusedpar.kernels import moe_mlp_reference
+from fusedpar.nn import MoE, TopKRouter
+from fusedpar.ops import grouped_mlp, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp
+
+
+def reference_moe(x, router_w, w1, w2, *, top_k, score="softmax", normalize=False, activation="swiglu",
+                  capacity_factor=None, aux_coef=1e-2, z_coef=1e-3, ids=None):
+    """Router + per-expert loop in the dtype of the inputs (fp64 in the tests). ``ids``: the
+    discrete routing decision to use (the layer's); the continuous parts are recomputed here."""
+    T, E = x.shape[0], router_w.shape[0]
+    logits = x @ router_w.t()
+    if score == "softmax":
+        probs = scores = torch.softmax(logits, -1)
+    else:
+        scores = torch.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdim=True)
+    ref_ids = torch.sort(scores.detach(), dim=-1, descending=True, stable=True)[1][:, :top_k]
+    ids = ref_ids if ids is None else ids
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    cap = None if capacity_factor is None else math.ceil(capacity_factor * T * top_k / E)
+    y = moe_mlp_reference(x, ids, weights, w1, w2, activation=activation, capacity=cap, compute_dtype=x.dtype)
+    f = torch.bincount(ids.reshape(-1), minlength=E).to(x.dtype) / (T * top_k)
+    aux = aux_coef * E * (f * probs.mean(0)).sum()
+    z = z_coef * torch.logsumexp(logits, -1).pow(2).mean()
+    return y, aux, z, ref_ids
+
+
+def _f64(t):
+    return t.detach().cpu().double().requires_grad_()
+
+
+def _layer_case(m, x, g, *, score, normalize, capacity_factor, activation):
+    """Forward + backward of the layer and of the fp64 reference; compare everything."""
+    x = x.detach().requires_grad_()
+    y = m(x)
+    go = randn(*y.shape, generator=g)
+    ((y * go).sum() + m.aux_loss).backward()
+    H = x.shape[-1]
+    xd, rw, w1, w2 = _f64(x.reshape(-1, H)), _f64(m.router.weight), _f64(m.w1), _f64(m.w2)
+    ids = m.router_output.expert_ids.cpu()
+    yr, aux, z, ref_ids = reference_moe(xd, rw, w1, w2, top_k=m.top_k, score=score, normalize=normalize,
+                                        activation=activation, capacity_factor=capacity_factor, ids=ids)
+    assert torch.equal(ids, ref_ids), "routing decision differs from the fp64 stable top-k"
+    ((yr * go.reshape(-1, H).double().cpu()).sum() + aux + z).backward()
+    tag = f"{score}/{activation}/cf={capacity_factor}"
+    # fp32 kernels with fp32 accumulation over tens of terms: the fp32 tolerances of _utils
+    assert_close(y.reshape(-1, H), yr, torch.float32, msg=f"output {tag}")
+    assert_close(m.router_output.aux_loss, aux, torch.float32, msg=f"aux loss {tag}")
+    assert_close(m.router_output.z_loss, z, torch.float32, msg=f"z loss {tag}")
+    assert_close(x.grad.reshape(-1, H), xd.grad, torch.float32, msg=f"input grad {tag}")
+    assert_close(m.router.weight.grad, rw.grad, torch.float32, msg=f"router grad {tag}")
+    assert_close(m.w1.grad, w1.grad, torch.float32, msg=f"w1 grad {tag}")
+    assert_close(m.w2.grad, w2.grad, torch.float32, msg=f"w2 grad {tag}")
+
+
+def test_moe_layer_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        dict(score="softmax", normalize=False, capacity_factor=None, activation="swiglu"),
+        dict(score="sigmoid", normalize=True, capacity_factor=None, activation="gelu"),
+        dict(score="softmax", normalize=True, capacity_factor=0.75, activation="swiglu"),  # drops slots
+    ]
+    for i, c in enumerate(cases):
+        torch.manual_seed(10 + i)
+        m = MoE(20, 24, 6, 2, capacity_factor=c["capacity_factor"], activation=c["activation"], score=c["score"],
+                normalize=c["normalize"], device=DEVICE)
+        x = randn(3, 7, 20, generator=g)
+        _layer_case(m, x, g, **c)
+        if c["capacity_factor"] is not None:
+            cap = m.router_output.capacity
+            counts = torch.bincount(m.router_output.expert_ids.reshape(-1), minlength=6)
+            assert cap == math.ceil(0.75 * 21 * 2 / 6) and (counts > cap).any(), "the case must drop slots"
+
+
+def _functional_case(T, k, E, ids, g, *, capacity=None, H=16, Fd=24, activation="swiglu"):
+    x = randn(T, H, generator=g).requires_grad_()
+    w = torch.rand(T, k, generator=g).to(DEVICE).requires_grad_()
+    n1 = 2 * Fd if activation == "swiglu" else Fd
+    w1 = randn(E, n1, H, generator=g, scale=H ** -0.5).requires_grad_()
+    w2 = randn(E, H, Fd, generator=g, scale=Fd ** -0.5).requires_grad_()
+    y = moe_mlp(x, ids.to(DEVICE), w, w1, w2, num_experts=E, capacity=capacity, activation=activation)
+    go = randn(T, H, generator=g)
+    (y * go).sum().backward()
+    ref_in = [_f64(t) for t in (x, w, w1, w2)]
+    yr = moe_mlp_reference(ref_in[0], ids, ref_in[1], ref_in[2], ref_in[3], activation=activation, capacity=capacity)
+    yr = yr + 0.0 * sum(t.sum() for t in ref_in)  # every input in the graph (all-dropped case: zero grads)
+    (yr * go.double().cpu()).sum().backward()
+    tag = f"T={T} k={k} E={E} capacity={capacity}"
+    assert_close(y, yr, torch.float32, msg=f"output {tag}")
+    for name, ours, ref in zip(("x", "weights", "w1", "w2"), (x, w, w1, w2), ref_in):
+        assert_close(ours.grad, ref.grad, torch.float32, msg=f"grad {name} {tag}")
+
+
+def test_edge_cases():
+    g = torch.Generator().manual_seed(1)
+    # every token to expert 0 (top-1), and every token to experts (3, 0) (top-2)
+    _functional_case(13, 1, 4, torch.zeros(13, 1, dtype=torch.int64), g)
+    _functional_case(13, 2, 4, torch.tensor([[3, 0]] * 13), g)
+    # a single token
+    _functional_case(1, 2, 5, torch.tensor([[4, 1]]), g)
+    # top_k == num_experts: every expert sees every token
+    _functional_case(7, 4, 4, torch.stack([torch.randperm(4, generator=g) for _ in range(7)]), g)
+    # experts that receive nothing (only 1 and 5 of 8 are used)
+    _functional_case(11, 1, 8, torch.tensor([[1], [5]] * 5 + [[1]]), g, activation="relu")
+    # capacity dropping: 3 slots per expert kept, the earliest tokens; later ones contribute zero
+    ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(10)])
+    _functional_case(10, 2, 3, ids, g, capacity=3)
+    _functional_case(6, 2, 3, ids[:6], g, capacity=0)  # everything dropped: zeros, zero grads
+
+
+def test_router_ties_and_losses():
+    g = torch.Generator().manual_seed(2)
+    r = TopKRouter(12, 6, 2, device=DEVICE)
+    # small integers times powers of two: every logit is exact whatever the GEMM's summation
+    # order, so equal weight rows give bit-identical scores (a real tie)
+    x = torch.randint(-3, 4, (9, 12), generator=g).float().to(DEVICE)
+    row = torch.randint(-3, 4, (1, 12), generator=g).float() * 0.25
+    with torch.no_grad():
+        r.weight.copy_(row.expand(6, 12))  # all experts score the same
+    out = r(x)
+    assert out.expert_ids.tolist() == [[0, 1]] * 9, "ties must go to the lowest expert ids"
+    with torch.no_grad():
+        r.weight.zero_()
+        r.weight[[2, 4]] = row.abs() + 0.25  # experts 2 and 4 tie at the top
+    out = r(x.abs() + 1)
+    assert out.expert_ids.tolist() == [[2, 4]] * 9
+    for score in ("softmax", "sigmoid"):  # ties among the top-k and at the k-th place
+        r3 = TopKRouter(12, 5, 3, score=score, device=DEVICE)
+        with torch.no_grad():
+            r3.weight.copy_(torch.stack([row[0] * c for c in (0.5, 1.0, 0.5, 1.0, 0.5)]))
+        out = r3(x.abs() * torch.sign(row) + 1)
+        assert out.expert_ids.tolist() == [[1, 3, 0]] * 9, score
+    # uniform routing gives a balance loss of 1 (f and P both uniform), z-loss = log(E)^2
+    with torch.no_grad():
+        r.weight.zero_()
+    r2 = TopKRouter(12, 6, 6, aux_loss_coef=1.0, z_loss_coef=1.0, device=DEVICE)
+    with torch.no_grad():
+        r2.weight.zero_()
+    out = r2(x)
+    assert abs(out.aux_loss.item() - 1.0) < 1e-6 and abs(out.z_loss.item() - math.log(6) ** 2) < 1e-5
+    assert r2.aux_loss is out.aux_loss and r2.z_loss is out.z_loss
+    # capacity: ceil(factor * T * k / E)
+    assert TopKRouter(12, 6, 2, capacity_factor=1.25).capacity(9) == math.ceil(1.25 * 9 * 2 / 6)
+
+
+def test_stages_compose_to_the_layer():
+    g = torch.Generator().manual_seed(3)
+    T, k, E, H, Fd = 15, 2, 5, 16, 24
+    x = randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    w = torch.rand(T, k, generator=g).to(DEVICE)
+    w1 = randn(E, 2 * Fd, H, generator=g, scale=0.3)
+    w2 = randn(E, H, Fd, generator=g, scale=0.3)
+    go = randn(T, H, generator=g)
+    grads = []
+    for staged in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
+        if staged:
+            tokens, plan = moe_dispatch(leaves[0], ids, E, capacity=4)
+            y = moe_combine(moe_expert_compute(tokens, leaves[2], leaves[3], plan), plan, leaves[1])
+        else:
+            y = moe_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], num_experts=E, capacity=4)
+        (y * go).sum().backward()
+        grads.append([y.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(("y", "x", "w", "w1", "w2"), *grads):
+        assert torch.equal(a, b), f"stages differ from moe_mlp in {name}"
+    # grouped_mlp is differentiable on its own, against an fp64 loop
+    offs = [0, 4, 4, 11, 15, 15]
+    xs = x.clone().requires_grad_()
+    w1s, w2s = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    (grouped_mlp(xs, w1s, w2s, offs) * go).sum().backward()
+    refs = [_f64(t) for t in (x, w1, w2)]
+    out = torch.zeros(T, H, dtype=torch.float64)
+    from fusedpar.kernels.gemm import activation_reference
+    for e in range(E):
+        a, b = offs[e], offs[e + 1]
+        out[a:b] = activation_reference(refs[0][a:b] @ refs[1][e].t(), "swiglu") @ refs[2][e].t()
+    (out * go.double()).sum().backward()
+    for name, ours, ref in zip(("x", "w1", "w2"), (xs, w1s, w2s), refs):
+        assert_close(ours.grad, ref.grad, torch.float32, msg=f"grouped_mlp grad {name}")
+
+
+def test_fp16_layer_forward_backward():
+    g = torch.Generator().manual_seed(4)
+    torch.manual_seed(4)
+    m = MoE(16, 24, 4, 2, device=DEVICE, dtype=torch.float16)
+    x = randn(11, 16, dtype=torch.float16, generator=g, scale=2.0).requires_grad_()
+    y = m(x)
+    go = randn(11, 16, dtype=torch.float16, generator=g)
+    (y.float() * go.float()).sum().backward()
+    xd, w1, w2 = _f64(x), _f64(m.w1), _f64(m.w2)
+    wts = m.router_output.weights.detach().cpu().double()
+    yr = moe_mlp_reference(xd, m.router_output.expert_ids.cpu(), wts, w1, w2)
+    (yr * go.double().cpu()).sum().backward()
+    # fp16: the intermediate activation is rounded to fp16 between the two GEMMs and every
+    # output once more (2^-11 each): 4e-3 relative covers the chained roundings
+    for name, a, b in (("y", y, yr), ("w1", m.w1.grad, w1.grad), ("w2", m.w2.grad, w2.grad)):
+        assert_close(a, b, torch.float16, rtol=4e-3, atol=4e-3 * b.pow(2).mean().sqrt().item(), msg=f"fp16 {name}")
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="top_k must be <= num_experts \\(4\\), got 5"):
+        MoE(16, 24, 4, 5)
+    with pytest.raises(ValueError, match="score must be one of"):
+        TopKRouter(16, 4, 2, score="tanh")
+    with pytest.raises(ValueError, match="capacity_factor must be None or a number > 0"):
+        MoE(16, 24, 4, 2, capacity_factor=0)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        MoE(16, 24, 4, 2, activation="none")
+    m = MoE(16, 24, 4, 2, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x must be \[..., hidden_size=16\]"):
+        m(torch.randn(3, 5, 15, device=DEVICE))
+    x = torch.randn(6, 16, device=DEVICE)
+    w1, w2 = m.w1.detach(), m.w2.detach()
+    ids = torch.zeros(6, 2, dtype=torch.int64, device=DEVICE)
+    wts = torch.ones(6, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="top_k must be in \\[1, num_experts=4\\], got 5"):
+        moe_mlp(x, torch.zeros(6, 5, dtype=torch.int64), torch.ones(6, 5), w1, w2, num_experts=4)
+    with pytest.raises(ValueError, match="expert_ids has 5 tokens but x has 6"):
+        moe_mlp(x, ids[:5], wts[:5], w1, w2, num_experts=4)
+    with pytest.raises(ValueError, match=r"weights must have shape \(6, 2\)"):
+        moe_mlp(x, ids, wts[:, :1], w1, w2, num_experts=4)
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\), got values in \[0, 4\]"):
+        moe_mlp(x, ids + torch.tensor([[0, 4]]), wts, w1, w2, num_experts=4)
+    with pytest.raises(TypeError, match="expert_ids must have dtype torch.int32 or torch.int64"):
+        moe_mlp(x, ids.float(), wts, w1, w2, num_experts=4)
+    with pytest.raises(ValueError, match=r"w2 must have shape \(4, 16, 24\)"):
+        moe_mlp(x, ids, wts, w1, w2[:, :, :20], num_experts=4)
+    with pytest.raises(ValueError, match="w1 must hold the 4 experts of this rank, got 3"):
+        moe_mlp(x, ids, wts, w1[:3], w2[:3], num_experts=4)
+    with pytest.raises(ValueError, match="capacity must be None or an int >= 0"):
+        moe_mlp(x, ids, wts, w1, w2, num_experts=4, capacity=-1)
+
+
+def test_benchmark_cli_smoke(tmp_path):
+    import json
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    try:
+        from benchmarks.__main__ import main
+    finally:
+        sys.path.remove(root)
+    out = tmp_path / "moe.json"
+    assert main(["moe", "--tokens", "9", "--experts", "3", "--top-k", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["moe"]
+    kinds = {r["bench"] for r in rows}
+    assert kinds == {"grouped_gemm", "permute", "unpermute", "layer_fwd_bwd"}
+    assert all(r["max_rel_err"] < 1e-3 and r["tokens"] == 9 and r["experts"] == 3 for r in rows)
