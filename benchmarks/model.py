@@ -211,7 +211,10 @@ def run(args, ctx):
     for tp in args.tp:
         # Llama-70B-like MLP: up projection all-gathers hidden -> ffn, down projection reduce-scatters
         for op, N, K in (("all_gather_matmul", args.ffn, args.hidden), ("matmul_reduce_scatter", args.hidden, args.ffn)):
-            r = predict(op, args.tokens, N, K, tp, dev, link, contention=args.contention)
+            try:
+                r = predict(op, args.tokens, N, K, tp, dev, link, contention=args.contention)
+            except ValueError as e:
+                raise SystemExit(f"model: {e}") from None
             r["gpus"] = f"{tp // args.ranks_per_node}x{args.ranks_per_node}" if tp > args.ranks_per_node else str(tp)
             rows.append(r)
     ctx.notes.append(f"inputs: {source}; device {asdict(dev)}; link {asdict(link)}")

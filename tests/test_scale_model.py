@@ -113,6 +113,8 @@ def test_cli(tmp_path, capsys, monkeypatch):
     assert all(r["speedup_persistent"] >= 1.0 for r in rows)
     text = capsys.readouterr().out
     assert "assumed H800" in text and "1.30-1.65x" in text
+    with pytest.raises(SystemExit, match="divisible by tp=3"):
+        main(["model", "--tp", "3"])
     if "cuda" not in os.environ.get("FUSEDPAR_TEST_DEVICE", "cpu"):
         with pytest.raises(SystemExit):
             main(["model", "--measure"])
