@@ -22,6 +22,7 @@ from .moe import (
     routing_metadata,
     routing_metadata_reference,
 )
+from .persistent_gemm import WaitTimeout, chunk_reduce, chunk_view, persistent_matmul, wait_timeouts
 
 __all__ = ["ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn"]
 __all__ += [
@@ -43,3 +44,4 @@ __all__ += [
     "flash_attention_backward",
     "flash_attention_forward",
 ]
+__all__ += ["WaitTimeout", "chunk_reduce", "chunk_view", "persistent_matmul", "wait_timeouts"]
