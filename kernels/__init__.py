@@ -22,6 +22,7 @@ from .moe import (
     routing_metadata,
     routing_metadata_reference,
 )
+from .persistent_gemm import WaitTimeout, chunk_reduce, chunk_view, persistent_matmul, wait_timeouts
 
 __all__ = ["ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn"]
 __all__ += [
@@ -43,4 +44,5 @@ __all__ += [
     "flash_attention_backward",
     "flash_attention_forward",
 ]
+__all__ += ["WaitTimeout", "chunk_reduce", "chunk_view", "persistent_matmul", "wait_timeouts"]
 from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference  # noqa: E402,F401

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar import comm
-from fusedpar.kernels import ACTIVATIONS, matmul, matmul_tn
+from fusedpar import comm, symm
+from fusedpar.kernels import ACTIVATIONS, chunk_view, matmul, matmul_tn
 from fusedpar.kernels.gemm import activation_reference
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "copy_to_tp_matmul"]
@@ -229,7 +229,7 @@ def _sum_tokens(t):
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, gather_dim, activation, save_gathered_input, return_gathered,
-                partial_dtype, grad_enabled):
+                partial_dtype, grad_enabled, symmetric=False):
         P = comm.group_size(group)
         n = x.shape[gather_dim]
         _, gated = ACTIVATIONS[activation]
@@ -247,11 +247,21 @@ class _AllGatherMatmul(torch.autograd.Function):
             preact = torch.empty((P,) + tuple(x.shape[:-1]) + (n_w,), dtype=x.dtype, device=x.device)
         keep = return_gathered or (save_gathered_input and needs_dw)
         chunks = [None] * P
-        for src, chunk in _ring_gather(x, group, keep=keep):
-            matmul(chunk, weight, bias, activation=activation, out=out.narrow(gather_dim, src * n, n),
-                   preact_out=None if preact is None else preact[src].view(-1, n_w))
+        if symmetric:
+            # one persistent GEMM waiting per chunk on copy-engine pulls (fusedpar/symm.py)
+            gathered = torch.empty((P,) + tuple(x.shape), dtype=x.dtype, device=x.device) if keep else None
+            symm.all_gather_matmul_symmetric(x, weight, bias, group=group, gather_dim=gather_dim,
+                                             activation=activation, out=out, preact_out=preact,
+                                             gathered_out=gathered)
             if keep:
-                chunks[src] = chunk
+                chunks = list(gathered.unbind(0))
+        else:
+            for src, chunk in _ring_gather(x, group, keep=keep):
+                matmul(chunk, weight, bias, activation=activation, out=out.narrow(gather_dim, src * n, n),
+                       preact_out=None if preact is None else preact[src].view(-1, n_w))
+                if keep:
+                    chunks[src] = chunk
+        ctx.symmetric = symmetric
         ctx.group, ctx.gather_dim, ctx.activation = group, gather_dim, activation
         ctx.partial_dtype, ctx.has_bias = partial_dtype, bias is not None
         ctx.kept = keep and needs_dw
@@ -309,7 +319,16 @@ class _AllGatherMatmul(torch.autograd.Function):
                 c = (comm.group_rank(group) - j) % P
                 wgrad(c, chunks[c])
 
-        if need_dx:
+        if need_dx and ctx.symmetric:
+            # dgrad: the persistent reduce-scatter GEMM (weight.t() is a strided view, no copy);
+            # the weight gradient follows, from the kept chunks or a ring re-gather
+            dx = torch.empty(lead + (weight.shape[1],), dtype=grad_out.dtype, device=grad_out.device)
+            a = dpre if preact is not None else chunk_view(grad_out, gd, P)
+            symm.matmul_reduce_scatter_symmetric(a, weight.t(), group=group, partial_dtype=ctx.partial_dtype,
+                                                 out=dx, chunked=True)
+            for j in range(P):
+                between(j)
+        elif need_dx:
             dx = torch.empty(lead + (weight.shape[1],), dtype=grad_out.dtype, device=grad_out.device)
             _ring_reduce_scatter(a_chunk, weight, "kn", None, dx, group, ctx.partial_dtype, between)
         elif need_dw:
@@ -325,7 +344,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                 db = _sum_tokens(dpre).to(weight.dtype)
             else:
                 db = _sum_tokens(grad_out).to(weight.dtype)
-        return dx, dW, db, None, None, None, None, None, None, None
+        return dx, dW, db, None, None, None, None, None, None, None, None
 
 
 def all_gather_matmul(
@@ -339,6 +358,7 @@ def all_gather_matmul(
     save_gathered_input: bool = True,
     return_gathered: bool = False,
     partial_dtype: torch.dtype | None = torch.float32,
+    transport: str | None = None,
 ):
     """``act(all_gather(x, gather_dim) @ weight.T + bias)`` with the gather overlapped with the GEMM.
 
@@ -356,6 +376,11 @@ def all_gather_matmul(
     partial_dtype: dtype of the partial sums that travel in the backward reduce-scatter
               (fp32 by default; ``None`` or ``x.dtype`` halves the traffic, the sums still
               accumulate in fp32 inside each GEMM).
+    transport: ``"portable"`` (the ring above, any backend), ``"symmetric"`` (one persistent GEMM
+              waiting per chunk on copy-engine pulls from symmetric memory; one NVLink domain,
+              NCCL), ``"auto"`` (symmetric where it can run, the same choice on every rank), or
+              ``None`` (``fusedpar.symm.DEFAULT_TRANSPORT``: ``FUSEDPAR_TRANSPORT``, else
+              ``"portable"``). See fusedpar/symm.py; both give the same numbers.
     Returns ``[batch, seq, out_shard]`` (gather_dim 1), i.e. the gather dim grows ``tp`` times.
     """
     op = "all_gather_matmul"
@@ -363,8 +388,9 @@ def all_gather_matmul(
     gather_dim = _token_dim(op, "gather_dim", gather_dim, x)
     partial_dtype = _check_partial_dtype(op, partial_dtype, x)
     group = comm.resolve_group(group)
+    symmetric = symm.resolve_transport(transport, x, group) == "symmetric"
     return _AllGatherMatmul.apply(x, weight, bias, group, gather_dim, activation, bool(save_gathered_input),
-                                  bool(return_gathered), partial_dtype, torch.is_grad_enabled())
+                                  bool(return_gathered), partial_dtype, torch.is_grad_enabled(), symmetric)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,14 +398,19 @@ def all_gather_matmul(
 # ----------------------------------------------------------------------------------------------
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, scatter_dim, partial_dtype):
+    def forward(ctx, x, weight, bias, group, scatter_dim, partial_dtype, symmetric=False):
         P = comm.group_size(group)
         n = x.shape[scatter_dim] // P
         out_shape = list(x.shape[:-1]) + [weight.shape[0]]
         out_shape[scatter_dim] = n
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-        _ring_reduce_scatter(lambda c: x.narrow(scatter_dim, c * n, n), weight, "nk", bias, out, group,
-                             partial_dtype)
+        if symmetric:
+            symm.matmul_reduce_scatter_symmetric(x, weight, bias, group=group, scatter_dim=scatter_dim,
+                                                 partial_dtype=partial_dtype, out=out)
+        else:
+            _ring_reduce_scatter(lambda c: x.narrow(scatter_dim, c * n, n), weight, "nk", bias, out, group,
+                                 partial_dtype)
+        ctx.symmetric = symmetric
         ctx.group, ctx.scatter_dim, ctx.has_bias = group, scatter_dim, bias is not None
         ctx.save_for_backward(x, weight)
         return out
@@ -395,9 +426,23 @@ class _MatmulReduceScatter(torch.autograd.Function):
         dW32 = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
         db32 = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
         first = True
-        # the incoming gradient is all-gathered chunk by chunk into the dgrad and wgrad GEMMs
-        for src, g in _ring_gather(grad_out, group):
-            if need_dx:
+        if ctx.symmetric and need_dx:
+            # dgrad: the persistent all-gather GEMM (weight.t() is a strided view, no copy); the
+            # gathered gradient it keeps feeds the weight and bias gradients
+            P = comm.group_size(group)
+            keep = need_dw or need_db
+            gathered = torch.empty((P,) + tuple(grad_out.shape), dtype=grad_out.dtype, device=grad_out.device) \
+                if keep else None
+            symm.all_gather_matmul_symmetric(grad_out, weight.t(), group=group, gather_dim=sd, out=dx,
+                                             gathered_out=gathered)
+            chunks = enumerate(gathered.unbind(0)) if keep else iter(())
+            dgrad_done = True
+        else:
+            # the incoming gradient is all-gathered chunk by chunk into the dgrad and wgrad GEMMs
+            chunks = _ring_gather(grad_out, group)
+            dgrad_done = False
+        for src, g in chunks:
+            if need_dx and not dgrad_done:
                 matmul(g, weight, weight_layout="kn", out=dx.narrow(sd, src * n, n))
             if need_dw:
                 matmul_tn(g, x.narrow(sd, src * n, n), out=dW32, accumulate=not first)
@@ -405,7 +450,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
             if need_db:
                 db32 += _sum_tokens(g)  # every rank sums every chunk: the full bias gradient
         return (dx, dW32.to(weight.dtype) if need_dw else None, db32.to(weight.dtype) if need_db else None,
-                None, None, None)
+                None, None, None, None)
 
 
 def matmul_reduce_scatter(
@@ -416,6 +461,7 @@ def matmul_reduce_scatter(
     group=None,
     scatter_dim: int = 1,
     partial_dtype: torch.dtype | None = torch.float32,
+    transport: str | None = None,
 ):
     """``reduce_scatter(x @ weight.T, scatter_dim) + bias`` with the reduction fused into the GEMMs.
 
@@ -425,6 +471,9 @@ def matmul_reduce_scatter(
     partial_dtype: what travels between ranks. fp32 (default) keeps the sum as exact as a
             single-process fp32-accumulated GEMM; ``None``/``x.dtype`` halves the traffic for
             fp16/bf16 and rounds each partial once per hop (accumulation stays fp32 in the epilogue).
+    transport: as in :func:`all_gather_matmul`; ``"symmetric"`` runs one persistent GEMM that
+            releases per-chunk counters while a small reduction kernel pulls the peers' partials
+            (of ``partial_dtype``) over NVLink and sums them in fp32.
     Returns ``[batch, seq/tp, out]``. The bias gradient is the full one on every rank.
     """
     op = "matmul_reduce_scatter"
@@ -433,7 +482,8 @@ def matmul_reduce_scatter(
     partial_dtype = _check_partial_dtype(op, partial_dtype, x)
     group = comm.resolve_group(group)
     comm.check_divisible(f"{op}: x.shape[{scatter_dim}]", x.shape[scatter_dim], comm.group_size(group))
-    return _MatmulReduceScatter.apply(x, weight, bias, group, scatter_dim, partial_dtype)
+    symmetric = symm.resolve_transport(transport, x, group) == "symmetric"
+    return _MatmulReduceScatter.apply(x, weight, bias, group, scatter_dim, partial_dtype, symmetric)
 
 
 # ----------------------------------------------------------------------------------------------

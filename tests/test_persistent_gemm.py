@@ -1,0 +1,319 @@
+"""Persistent chunked GEMM (kernels/persistent_gemm.py) against fp64 references.
+
+Under the interpreter programs run one after another, so a spin on a flag raised later would
+hang (DESIGN.md §3): the spin tests set every flag before the launch, and the flag logic itself
+is tested with ``wait_mode="skip"`` (a tile whose chunk flag is not ready is not computed) and
+with the tile log (the global order in which tiles were computed).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from _utils import DTYPES, INTERPRETED, assert_close, poison, randn
+from fusedpar.kernels.persistent_gemm import (
+    chunk_reduce,
+    chunk_view,
+    kernel_config,
+    persistent_matmul,
+    persistent_matmul_reference,
+    tiles_per_chunk,
+)
+
+I32 = torch.int32
+
+
+def _cfg(n, dtype, glu=False):
+    return kernel_config(None, n, dtype, glu)
+
+
+def _log(num_tiles, device):
+    log = torch.full((num_tiles + 1,), -1, dtype=I32, device=device)
+    log[-1] = 0
+    return log
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_ready_gather_layout(device, dtype):
+    """All-gather layout: A chunk-major (what the producer fills), C a sequence chunk of the
+    user's [batch, seq, N] output (strided, two-level rows); local chunk first; flags at an
+    epoch value; bias + gelu; counters grow by the tiles per chunk."""
+    g = torch.Generator().manual_seed(1)
+    C, b, sc, K, N = 3, 2, 13, 45, 37  # rows per chunk 26: a partial M tile; K, N tails
+    gathered = randn(C, b, sc, K, dtype=dtype, generator=g)
+    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5)
+    bias = randn(N, dtype=dtype, generator=g)
+    out = poison((b, C * sc, N), dtype, device)
+    epoch = 7
+    flags = torch.full((C,), epoch, dtype=I32, device=device)
+    counters = torch.tensor([5, 0, 11], dtype=I32, device=device)
+    persistent_matmul(gathered.to(device), w.to(device), bias.to(device), first_chunk=2,
+                      out=chunk_view(out, 1, C), activation="gelu",
+                      wait_flags=flags, ready_value=epoch, signal_counters=counters)
+    # reference: the gathered [b, seq, K] activation, chunk c = seq rows c*sc .. (c+1)*sc
+    full = gathered.permute(1, 0, 2, 3).reshape(b, C * sc, K)
+    assert_close(out, persistent_matmul_reference(full, w, bias, activation="gelu"), dtype, msg="gather layout")
+    per = tiles_per_chunk(b * sc, N, _cfg(N, dtype))
+    assert counters.tolist() == [5 + per, per, 11 + per]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_ready_scatter_layout_swiglu_preact(device, dtype):
+    """Reduce-scatter layout: A is the [batch, seq, K] input chunked along seq in place, C a
+    chunk-major partials buffer; gated activation with the pre-activation output."""
+    g = torch.Generator().manual_seed(2)
+    C, b, s, K, F = 4, 3, 20, 33, 19
+    x = randn(b, s, K, dtype=dtype, generator=g).to(device)
+    w = randn(2 * F, K, dtype=dtype, generator=g, scale=K ** -0.5).to(device)
+    out = poison((C, b, s // C, F), dtype, device)
+    pre = poison((C, b, s // C, 2 * F), torch.float32, device)
+    counters = torch.zeros(C, dtype=I32, device=device)
+    persistent_matmul(chunk_view(x, 1, C), w, first_chunk=1, out=out, activation="swiglu",
+                      wait_mode="none", signal_counters=counters, preact_out=pre, num_programs=2)
+    ref_pre = persistent_matmul_reference(x, w)
+    ref = persistent_matmul_reference(x, w, activation="swiglu")
+    assert_close(out, chunk_view(ref, 1, C), dtype, msg="scatter layout")
+    # pre-activation stored in fp32 from the fp32 accumulator: only the input rounding remains
+    assert_close(pre, chunk_view(ref_pre, 1, C), dtype, msg="preact")
+    assert counters.tolist() == [tiles_per_chunk(b * s // C, F, _cfg(F, dtype, glu=True))] * C
+
+
+def test_2d_rows_and_batch_chunks(device):
+    """2-D [M, K] chunks along dim 0, and [batch, seq, K] chunks along the batch dim."""
+    g = torch.Generator().manual_seed(3)
+    a = randn(35, 21, generator=g).to(device)
+    w = randn(17, 21, generator=g).to(device)
+    out = poison((35, 17), torch.float32, device)
+    flags = torch.ones(5, dtype=I32, device=device)
+    persistent_matmul(chunk_view(a, 0, 5), w, first_chunk=3, out=chunk_view(out, 0, 5), wait_flags=flags,
+                      activation="relu", num_programs=4)
+    assert_close(out, persistent_matmul_reference(a, w, activation="relu"), torch.float32, msg="2-D")
+    x = randn(4, 9, 21, generator=g).to(device)
+    y = persistent_matmul(chunk_view(x, 0, 2), w, wait_mode="none")  # allocated chunk-major output
+    assert y.shape == (2, 2, 9, 17)
+    assert_close(y.reshape(4, 9, 17), persistent_matmul_reference(x, w), torch.float32, msg="batch chunks")
+
+
+def test_skip_mode_computes_only_ready_chunks_in_chunk_order(device):
+    """Flags of chunks 0 and 3 below the ready value (one stale epoch, one never set): exactly
+    their rows stay NaN, every other chunk is right, their counters do not move, and the tile
+    log shows tiles processed chunk by chunk starting at first_chunk."""
+    g = torch.Generator().manual_seed(4)
+    C, sc, K, N = 5, 19, 40, 70
+    a = randn(C * sc, K, generator=g).to(device)
+    w = randn(N, K, generator=g).to(device)
+    epoch = 3
+    flags = torch.tensor([epoch - 1, epoch, epoch + 1, 0, epoch], dtype=I32, device=device)
+    counters = torch.zeros(C, dtype=I32, device=device)
+    out = poison((C * sc, N), torch.float32, device)
+    per = tiles_per_chunk(sc, N, _cfg(N, torch.float32))
+    log = _log(C * per, device)
+    first, nprog = 2, 3
+    persistent_matmul(chunk_view(a, 0, C), w, first_chunk=first, out=chunk_view(out, 0, C),
+                      wait_flags=flags, wait_mode="skip", ready_value=epoch, signal_counters=counters,
+                      tile_log=log, num_programs=nprog)
+    ref = persistent_matmul_reference(a, w)
+    ready = [c for c in range(C) if flags[c] >= epoch]
+    for c in range(C):
+        rows = out[c * sc:(c + 1) * sc]
+        if c in ready:
+            assert_close(rows, ref[c * sc:(c + 1) * sc], torch.float32, msg=f"chunk {c}")
+            assert counters[c].item() == per
+        else:
+            assert torch.isnan(rows).all(), f"chunk {c} was computed although its flag was not ready"
+            assert counters[c].item() == 0
+    # tile t belongs to chunk (first + t // per) % C: the skipped tiles are those of the stale chunks
+    log = log.cpu()
+    computed = (log[:-1] >= 0).nonzero().flatten().tolist()
+    expect = [t for t in range(C * per) if (first + t // per) % C in ready]
+    assert computed == expect
+    assert log[-1].item() == len(expect)
+    # each program walks its tiles (t = pid, pid + nprog, ...) in increasing chunk-order index
+    for pid in range(nprog):
+        tickets = [log[t].item() for t in range(pid, C * per, nprog) if log[t] >= 0]
+        assert tickets == sorted(tickets)
+    if INTERPRETED:  # programs run sequentially: tickets are program-major
+        assert sorted(log[:-1][log[:-1] >= 0].tolist()) == list(range(len(expect)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunk_reduce_peers_in_order(device, dtype):
+    """Sum of one chunk over 3 'peers' addressed by element offsets into one buffer, each
+    behind a ready counter; bias; strided [batch, rows, N] output."""
+    g = torch.Generator().manual_seed(5)
+    P, C, b, r, N = 3, 4, 2, 7, 29
+    parts = randn(P, C, b, r, N, dtype=dtype, generator=g).to(device)
+    bias = randn(N, dtype=dtype, generator=g).to(device)
+    counters = torch.tensor([[1, 2, 9, 1], [0, 0, 9, 0], [4, 4, 9, 4]], dtype=I32, device=device).flatten()
+    big = poison((b, 3 * r, N), dtype, device)
+    out = big[:, r:2 * r]
+    order = [2, 0, 1]
+    offsets = torch.tensor([p * parts[0].numel() for p in order], dtype=torch.int64)
+    chunk_reduce(parts[0], offsets, 2, out=out, bias=bias, counters=counters[:C],
+                 counter_offsets=torch.tensor([p * C for p in order], dtype=torch.int64), ready_value=9)
+    ref = parts[:, 2].double().sum(0) + bias.double()
+    # the sum runs in fp32 over P partials already rounded to dtype: only the output rounding
+    assert_close(out, ref, dtype, msg="chunk_reduce")
+    assert torch.isnan(big[:, :r]).all() and torch.isnan(big[:, 2 * r:]).all()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="on GPU the late-producer tests in test_symm.py cover waiting")
+def test_missing_flag_times_out_instead_of_hanging(device):
+    """A spin whose flag never comes gives up after max_spin reads and raises (the interpreter
+    cannot see a flag change within one launch), for the GEMM and for chunk_reduce."""
+    from fusedpar.kernels import WaitTimeout, wait_timeouts
+
+    a = torch.randn(3, 8, 16, device=device)
+    w = torch.randn(8, 16, device=device)
+    flags = torch.tensor([1, 0, 1], dtype=I32, device=device)
+    with pytest.raises(WaitTimeout, match="1 wait"):
+        persistent_matmul(a, w, wait_flags=flags, max_spin=50)
+    assert wait_timeouts(device) == 0  # reported and reset
+    counters = torch.tensor([2, 1, 2], dtype=I32, device=device)
+    with pytest.raises(WaitTimeout, match="chunk_reduce"):
+        chunk_reduce(a, torch.zeros(1, dtype=torch.int64), 1, out=torch.empty(8, 16, device=device),
+                     counters=counters, counter_offsets=torch.zeros(1, dtype=torch.int64), ready_value=2,
+                     max_spin=50)
+
+
+@pytest.mark.gpu
+def test_gpu_missing_flag_times_out():
+    """Compiled: a flag that never comes ends in counted timeouts, not a hung device."""
+    from fusedpar.kernels import wait_timeouts
+
+    a = torch.randn(4, 64, 128, device="cuda", dtype=torch.float16)
+    w = torch.randn(96, 128, device="cuda", dtype=torch.float16)
+    wait_timeouts("cuda")  # clear
+    flags = torch.tensor([1, 1, 0, 1], dtype=I32, device="cuda")
+    persistent_matmul(a, w, wait_flags=flags, max_spin=10_000, num_programs=4)
+    torch.cuda.synchronize()
+    assert wait_timeouts("cuda") >= 1
+    persistent_matmul(a, w, wait_flags=torch.ones(4, dtype=I32, device="cuda"), max_spin=10_000)
+    torch.cuda.synchronize()
+    assert wait_timeouts("cuda") == 0
+
+
+def test_errors(device):
+    a = torch.randn(2, 5, 8, device=device)
+    w = torch.randn(6, 8, device=device)
+    with pytest.raises(ValueError, match="wait_flags"):
+        persistent_matmul(a, w)
+    with pytest.raises(TypeError, match="int32"):
+        persistent_matmul(a, w, wait_flags=torch.ones(2, device=device))
+    with pytest.raises(ValueError, match="one entry per chunk"):
+        persistent_matmul(a, w, wait_flags=torch.ones(1, dtype=I32, device=device))
+    with pytest.raises(ValueError, match="first_chunk"):
+        persistent_matmul(a, w, wait_mode="none", first_chunk=2)
+    with pytest.raises(ValueError, match="inner dimensions"):
+        persistent_matmul(a, torch.randn(6, 7, device=device), wait_mode="none")
+    with pytest.raises(ValueError, match="wait_mode"):
+        persistent_matmul(a, w, wait_mode="poll")
+    with pytest.raises(ValueError, match="chunked view"):
+        persistent_matmul(a[0], w, wait_mode="none")
+    with pytest.raises(ValueError, match="out must have shape"):
+        persistent_matmul(a, w, wait_mode="none", out=torch.empty(2, 5, 7, device=device))
+    with pytest.raises(ValueError, match="tile_log"):
+        persistent_matmul(a, w, wait_mode="none", tile_log=torch.zeros(5, dtype=I32, device=device))
+    with pytest.raises(ValueError, match="not divisible into 4 chunks"):
+        chunk_view(torch.randn(2, 6, 3), 1, 4)
+    with pytest.raises(ValueError, match="chunk must be in"):
+        chunk_reduce(a.unsqueeze(-1).expand(2, 5, 8, 3)[..., 0], torch.zeros(1, dtype=torch.int64), 2,
+                     out=torch.empty(5, 8, device=device))
+
+
+_COMPILE_CHECK = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fusedpar.kernels import persistent_gemm as pg
+
+    def comp(fn, const, div16, ptr_types, opts):
+        # signature as a real launch specialises it: unit strides constexpr, 16-divisible hints
+        names = fn.arg_names
+        sig, attrs = {}, {}
+        for i, n in enumerate(names):
+            if n in const:
+                sig[n] = "constexpr"
+            elif n.endswith("_ptr"):
+                sig[n] = ptr_types.get(n, "*i32")
+            else:
+                sig[n] = "i64" if n.startswith("s_") else "i32"
+            if n not in const and (n in div16 or n.endswith("_ptr")):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+    bf16 = {n: "*bf16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "aux_ptr")}
+    k = comp(pg._persistent_gemm_kernel,
+             dict(A_M_SPLIT=False, C_M_SPLIT=True, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=False, ACT=0,
+                   GLU=False, UPCAST=False, EVEN_K=True, INPUT_PRECISION="ieee", WAIT=1, SIGNAL=True, LOG=False,
+                  MAX_SPIN=1 << 27, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1),
+             {"s_am1", "s_bn", "s_cm1", "s_cm0", "K", "N", "ROWS", "s_a_chunk", "s_c_chunk"}, bf16,
+             dict(num_warps=8, num_stages=3))
+    ptx = k.asm["ptx"]
+    print("ACQUIRE", "ld.global.sys.acquire" in ptx or "atom.global.sys.acquire" in ptx)
+    print("RELEASE", ".sys.release" in ptx)
+    print("WGMMA", "wgmma" in ptx)
+    print("PIPELINED", "cp.async" in ptx)
+    tg = k.asm["ttgir"]
+    # no prefetch of A/B is hoisted above the flag wait: every async copy comes after the spin
+    print("LOADS_AFTER_WAIT", -1 < tg.find("scf.while") < tg.find("async_copy_global_to_local"))
+    fp16 = {n: "*fp16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")}
+    comp(pg._persistent_gemm_kernel,
+         dict(A_M_SPLIT=True, C_M_SPLIT=False, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=True, ACT=3, GLU=True,
+              UPCAST=False, EVEN_K=False, INPUT_PRECISION="ieee", WAIT=2, SIGNAL=False, LOG=True,
+              MAX_SPIN=1 << 27, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, s_ak=1, s_bk=1),
+         {"K"}, dict(fp16, aux_ptr="*fp32"), dict(num_warps=4, num_stages=3))
+    print("SKIP_GLU_AUX", True)
+    k = comp(pg._chunk_reduce_kernel,
+             dict(SRC_M_SPLIT=False, O_M_SPLIT=True, HAS_BIAS=True, WAIT=1, MAX_SPIN=1 << 27, BLOCK_M=32,
+                  BLOCK_N=128, s_srcn=1, s_on=1),
+             {"N"}, {"src_ptr": "*fp32", "peer_off_ptr": "*i64", "count_off_ptr": "*i64", "out_ptr": "*bf16",
+                     "acc_ptr": "*fp32", "bias_ptr": "*bf16"}, dict(num_warps=4))
+    print("REDUCE_ACQUIRE", "ld.global.sys.acquire" in k.asm["ptx"])
+    """
+)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the compiled tests cover this on a GPU machine")
+def test_compiles_for_sm90_with_acquire_release_and_pipelining():
+    """Without a GPU, compile the kernels for sm_90 down to a cubin (Triton's own toolchain,
+    specialised like a real launch): the flag wait lowers to a system-scope acquire, no load is
+    hoisted above it, the completion signal lowers to a system-scope release, the K loop keeps
+    wgmma + async copies; the
+    skip/gated/pre-activation variant and the chunk_reduce consumer compile too."""
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = dict(line.split() for line in res.stdout.splitlines() if line.split()[0].isupper())
+    assert lines == {"ACQUIRE": "True", "RELEASE": "True", "WGMMA": "True", "PIPELINED": "True", "LOADS_AFTER_WAIT": "True",
+                     "SKIP_GLU_AUX": "True", "REDUCE_ACQUIRE": "True"}, res.stdout
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="smoke mode of the CLI (the GPU run is a benchmark, not a test)")
+def test_benchmark_cli_smoke(tmp_path, monkeypatch):
+    """python -m benchmarks persistent_ag / persistent_rs run their CPU smoke mode, check their
+    results against the baseline before timing, and write JSON rows."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(root)
+    from benchmarks.__main__ import main
+
+    for op, key in (("persistent_ag", "N_local"), ("persistent_rs", "K_local")):
+        path = tmp_path / f"{op}.json"
+        assert main([op, "--tokens", "12", "--hidden", "16", "--n", "20", "--tp", "3", "--json", str(path)]) == 0
+        (row,) = json.loads(path.read_text())["results"][op]
+        assert row[key] == 20 and row["tp"] == 3 and row["max_rel_err"] < 1e-4
+        assert row["T_persistent_ms"] > 0 and row["T_seq_ms"] > 0
+    with pytest.raises(SystemExit):
+        main(["persistent_ag", "--tokens", "10", "--tp", "3"])
