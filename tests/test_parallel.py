@@ -66,19 +66,32 @@ def test_layouts_and_groups(world4):
 
 
 def _sync_rules(rank, size):
-    """dp=2 x tp=2 with ep=4: each rule reduces over its own group and scales by 1/(dp*sp)."""
-    st = build_parallel_state(dp=2, tp=2, ep=4)
-    params = {k: torch.nn.Parameter(torch.zeros(3)) for k in ("dense", "replicated", "expert")}
+    """dp=2 x tp=2 with ep=2 (experts over the tp pair, copies across dp): each rule sums over its
+    own group and scales by 1/(dp*sp); after DDP/FSDP only the replicated kind is summed over tp."""
+    st = build_parallel_state(dp=2, tp=2, ep=2)
+    kinds = ("dense", "replicated", "expert")
+    params = {k: torch.nn.Parameter(torch.zeros(3)) for k in kinds}
     for p in params.values():
         p.grad = torch.full((3,), float(rank + 1))
-    sync_gradients(params.items(), st, {k: k for k in params})
+    sync_gradients(params.items(), st, {k: k for k in kinds})
+    assert _members(st.edp_group) == _members(st.data_group) == [rank % 2, rank % 2 + 2]
     dense = sum(r + 1 for r in _members(st.data_group)) / 2
-    repl = sum(r + 1 for r in range(4)) / 2
     assert params["dense"].grad.tolist() == [dense] * 3
-    assert params["replicated"].grad.tolist() == [repl] * 3
-    assert params["expert"].grad.tolist() == [(rank + 1) / 2] * 3  # edp has one member when ep == world
+    assert params["replicated"].grad.tolist() == [sum(r + 1 for r in range(4)) / 2] * 3
+    assert params["expert"].grad.tolist() == [dense] * 3
+    for p in params.values():
+        p.grad = torch.full((3,), float(rank + 1))
+    sync_gradients(params.items(), st, {k: k for k in kinds}, data_parallel_done=True)
+    tp_sum = sum(r + 1 for r in _members(st.tp_group))
+    assert [params[k].grad[0].item() for k in kinds] == [rank + 1, tp_sum, rank + 1]
     with pytest.raises(ValueError, match="gradient kind of 'x' must be one of"):
         sync_gradients([("x", params["dense"])], st, {"x": "bogus"})
+    st4 = build_parallel_state(dp=2, tp=2, ep=4)  # edp has one member: experts sum over nothing
+    params["expert"].grad = torch.full((3,), float(rank + 1))
+    sync_gradients([("w", params["expert"])], st4, {"w": "expert"})
+    assert params["expert"].grad.tolist() == [(rank + 1) / 2] * 3
+    with pytest.raises(ValueError, match=r"only right when ep \(4\) equals tp \(2\)"):
+        sync_gradients([("w", params["expert"])], st4, {"w": "expert"}, data_parallel_done=True)
     return True
 
 
