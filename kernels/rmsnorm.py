@@ -148,8 +148,9 @@ def _rows(t: torch.Tensor):
     return (s, t.stride(0), t.stride(1)), True
 
 
-def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
-    """2-D and 3-D tensors are addressed in place; higher ranks are viewed as [rows, H]."""
+def _as_rows(name: str, t: torch.Tensor, *, written: bool = False) -> torch.Tensor:
+    """2-D and 3-D tensors are addressed in place; higher ranks are viewed as [rows, H] (inputs
+    that cannot be viewed so are copied; an output must be viewable, or the result would be lost)."""
     if t.dim() in (2, 3):
         return t
     if t.dim() == 1:
@@ -157,6 +158,9 @@ def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:
+        if written:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
+                             "[rows, hidden]; pass a 2-D/3-D view or a contiguous tensor") from None
         return t.reshape(-1, t.shape[-1])
 
 
@@ -232,8 +236,10 @@ def rms_norm_fwd(
     elif residual_out is not None:
         raise ValueError("residual_out is only written when a residual is given")
 
-    xr, rr, yr = _as_rows("x", x), _as_rows("residual", residual) if residual is not None else None, _as_rows("out", out)
-    hr = _as_rows("residual_out", residual_out) if residual is not None else None
+    xr = _as_rows("x", x)
+    rr = _as_rows("residual", residual) if residual is not None else None
+    yr = _as_rows("out", out, written=True)
+    hr = _as_rows("residual_out", residual_out, written=True) if residual is not None else None
     M = int(torch.Size(x.shape[:-1]).numel())
     rstd = torch.empty((M,), device=x.device, dtype=torch.float32)
     if M > 0:
@@ -290,7 +296,7 @@ def rms_norm_bwd(
     programs = triton.cdiv(max(M, 1), rows_per_program)
     dw_partial = torch.zeros((programs, H), device=h.device, dtype=torch.float32) if weight is not None else None
     if M > 0:
-        gr, hr, dxr = _as_rows("grad_out", grad_out), _as_rows("h", h), _as_rows("dx", dx)
+        gr, hr, dxr = _as_rows("grad_out", grad_out), _as_rows("h", h), _as_rows("dx", dx, written=True)
         gin = _as_rows("grad_residual", grad_residual) if grad_residual is not None else None
         dy_rows, dy_split = _rows(gr)
         h_rows, h_split = _rows(hr)

@@ -147,3 +147,12 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="hidden_size must be a positive int"):
         RMSNorm(0)
 
+
+
+def test_four_dim_input_and_unviewable_output():
+    g = torch.Generator().manual_seed(12)
+    x = randn(2, 3, 4, 10, generator=g).transpose(1, 2)  # 4-D, not viewable as [rows, H]: copied
+    w = randn(10, generator=g)
+    assert_close(rms_norm(x, w), rms_norm_reference(x, w), torch.float32)
+    with pytest.raises(ValueError, match=r"out of shape \(2, 4, 3, 10\) .* cannot be viewed"):
+        rms_norm_fwd(x, w, out=poison((2, 3, 4, 10), torch.float32).transpose(1, 2))
