@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import random
 import sys
 import tempfile
 import time
