@@ -10,7 +10,10 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
 
 _GPU = None
 
@@ -54,7 +57,7 @@ def register(name: str, help: str, *, add_args: Callable | None = None, in_all: 
 @dataclass
 class Context:
     gpu: bool
-    device: "torch.device"  # noqa: F821
+    device: "torch.device"
     warmup_ms: int = 25
     rep_ms: int = 100
     notes: list = field(default_factory=list)

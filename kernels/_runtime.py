@@ -33,12 +33,18 @@ def shared_memory_limit(device_index: int) -> int:
     return int(props["max_shared_mem"])
 
 
-def check_device_dtype(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None):
-    """Raise a clear error when ``t`` lives on another device or has another dtype."""
+def check_buffer(name: str, t, shape, device: torch.device, dtype: torch.dtype | None = None):
+    """An output or state buffer a launcher writes: a tensor of ``shape`` on ``device`` with a
+    supported dtype (``dtype`` exactly, when given). Clear errors naming ``name`` otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} must be on device {device}, got {t.device}")
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    check_supported_dtype(name, t)
 
 
 def check_supported_dtype(name: str, t: torch.Tensor):

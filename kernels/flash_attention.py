@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_device_usable, check_supported_dtype, interpreting, needs_upcast, shared_memory_limit
+from ._runtime import check_buffer, check_device_usable, check_supported_dtype, interpreting, needs_upcast, shared_memory_limit
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -504,18 +504,6 @@ def _check_qkv(q, k, v):
         raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hk}) for grouped-query attention")
 
 
-def _check_buffer(name, t, shape, device, dtype=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on device {device}, got {t.device}")
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    check_supported_dtype(name, t)
-
-
 def _scale(softmax_scale, d):
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
@@ -557,11 +545,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     else:
-        _check_buffer("out", out, q.shape, q.device)
+        check_buffer("out", out, q.shape, q.device)
     if lse is None:
         lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
     else:
-        _check_buffer("lse", lse, (b, hq, sq), q.device, torch.float32)
+        check_buffer("lse", lse, (b, hq, sq), q.device, torch.float32)
     if b * sq * hq == 0:
         return out, lse
     if sk == 0:
@@ -606,29 +594,29 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
         raise ValueError(f"dout must be on device {q.device}, got {dout.device}")
     if dout.dtype != q.dtype:
         raise TypeError(f"dout must have the same dtype as q ({q.dtype}), got {dout.dtype}")
-    _check_buffer("lse", lse, (b, hq, sq), q.device, torch.float32)
+    check_buffer("lse", lse, (b, hq, sq), q.device, torch.float32)
     if delta is None:
         if out is None:
             raise ValueError("flash_attention_backward needs out= or delta=")
-        _check_buffer("out", out, q.shape, q.device)
+        check_buffer("out", out, q.shape, q.device)
         delta = attention_delta(out, dout)
     else:
-        _check_buffer("delta", delta, (b, hq, sq), q.device, torch.float32)
+        check_buffer("delta", delta, (b, hq, sq), q.device, torch.float32)
     if accumulate and (dq is None or dk is None or dv is None):
         raise ValueError("accumulate=True needs dq=, dk= and dv= (the buffers to add into)")
     want_dq, want_dkv = dq is not False, dk is not False
     if dq is None:
         dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     elif want_dq:
-        _check_buffer("dq", dq, q.shape, q.device)
+        check_buffer("dq", dq, q.shape, q.device)
     if dk is None:
         dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     elif want_dkv:
-        _check_buffer("dk", dk, k.shape, q.device)
+        check_buffer("dk", dk, k.shape, q.device)
     if dv is None:
         dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     elif want_dkv:
-        _check_buffer("dv", dv, v.shape, q.device)
+        check_buffer("dv", dv, v.shape, q.device)
     if b * hq * d == 0 or (sq == 0 and sk == 0):
         return dq, dk, dv
     if sq == 0 or sk == 0:  # nothing attends: gradients are zero

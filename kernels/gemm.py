@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ._runtime import (
+    check_buffer,
     check_device_usable,
     check_supported_dtype,
     interpreting,
@@ -64,49 +65,21 @@ def _activation(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, r_ptr, aux_ptr,
-    M, N, K,
-    a_m_inner, s_am0, s_am1, a_k_inner, s_ak0, s_ak1,
-    b_k_inner, s_bk0, s_bk1, s_bn, glu_offset,
-    c_m_inner, s_cm0, s_cm1, s_cn,
-    r_m_inner, s_rm0, s_rm1, s_rn,
-    s_xm, s_xn,
-    A_M_SPLIT: tl.constexpr, A_K_SPLIT: tl.constexpr, B_K_SPLIT: tl.constexpr,
-    C_M_SPLIT: tl.constexpr, R_M_SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_AUX: tl.constexpr,
-    ACT: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def _mainloop(
+    a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
+    a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1,
+    A_K_SPLIT: tl.constexpr, B_K_SPLIT: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
-    tl.static_assert(ACT >= 0 and ACT <= 3, "unknown activation code")
+    """fp32 ``A[rows, :] @ B[:, cols]`` of one tile (and of the up columns for gated activations).
 
-    # Grouped ordering of programs (tutorial 03): neighbouring programs share B column blocks.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_in_group
-    first_m = group_id * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_size)
-    pid_n = (pid % num_in_group) // group_size
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ``a_rows`` / ``b_cols`` / ``b_cols_up`` are int64 offset vectors; the contraction index may be
+    two-level (``*_K_SPLIT``). Shared by every GEMM kernel of fusedpar.kernels.
+    """
     rk = tl.arange(0, BLOCK_K)
-    m_mask = rm < M
-    n_mask = rn < N
-
-    a_rows = _split_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
-    b_cols = rn.to(tl.int64) * s_bn
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GLU:
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
-
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         kk = k0 * BLOCK_K + rk
         # offsets written out rather than via _split_offsets: under the interpreter every nested
@@ -139,22 +112,80 @@ def _gemm_kernel(
             if UPCAST:
                 bu = bu.to(tl.float32)
             acc_up = tl.dot(a, bu, acc_up, input_precision=INPUT_PRECISION)
+    return acc, acc_up
 
-    # ---- epilogue: bias, activation (gated or not), residual / accumulate, store ----
+
+@triton.jit
+def _epilogue(
+    acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, aux_off, glu_offset, s_xn,
+    HAS_BIAS: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr,
+):
+    """Bias, optional store of the pre-activation values (``aux_off``: their int64 offsets, the up
+    half ``glu_offset`` columns further), activation (gated or not). Returns the fp32 tile."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GLU:
             acc_up += tl.load(bias_ptr + rn + glu_offset, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
     if STORE_AUX:
-        aux_off = rm.to(tl.int64)[:, None] * s_xm + rn.to(tl.int64)[None, :] * s_xn
         tl.store(aux_ptr + aux_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
         if GLU:
-            aux_off_up = aux_off + glu_offset.to(tl.int64) * s_xn
-            tl.store(aux_ptr + aux_off_up, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(aux_ptr + aux_off + glu_offset.to(tl.int64) * s_xn, acc_up.to(aux_ptr.dtype.element_ty),
+                     mask=out_mask)
     acc = _activation(acc, ACT)
     if GLU:
         acc = acc * acc_up
+    return acc
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, r_ptr, aux_ptr,
+    M, N, K,
+    a_m_inner, s_am0, s_am1, a_k_inner, s_ak0, s_ak1,
+    b_k_inner, s_bk0, s_bk1, s_bn, glu_offset,
+    c_m_inner, s_cm0, s_cm1, s_cn,
+    r_m_inner, s_rm0, s_rm1, s_rn,
+    s_xm, s_xn,
+    A_M_SPLIT: tl.constexpr, A_K_SPLIT: tl.constexpr, B_K_SPLIT: tl.constexpr,
+    C_M_SPLIT: tl.constexpr, R_M_SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_AUX: tl.constexpr,
+    ACT: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
+    tl.static_assert(ACT >= 0 and ACT <= 3, "unknown activation code")
+
+    # Grouped ordering of programs (tutorial 03): neighbouring programs share B column blocks.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % num_in_group) % group_size)
+    pid_n = (pid % num_in_group) // group_size
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+
+    a_rows = _split_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
+    b_cols = rn.to(tl.int64) * s_bn
+    b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
+    acc, acc_up = _mainloop(
+        a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
+        a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1,
+        A_K_SPLIT, B_K_SPLIT, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+
+    # ---- epilogue: bias, activation (gated or not), residual / accumulate, store ----
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    aux_off = rm.to(tl.int64)[:, None] * s_xm + rn.to(tl.int64)[None, :] * s_xn
+    acc = _epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, aux_off, glu_offset, s_xn,
+                    HAS_BIAS, STORE_AUX, ACT, GLU)
     if HAS_RES:
         r_off = _split_offsets(rm, r_m_inner, s_rm0, s_rm1, R_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_rn
         acc += tl.load(r_ptr + r_off, mask=out_mask, other=0.0).to(tl.float32)
@@ -307,16 +338,6 @@ def _launch(a, b, out, *, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, r
     return out
 
 
-def _check_out(name, out, shape, device):
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    if out.device != device:
-        raise ValueError(f"{name} must be on device {device}, got {out.device}")
-    check_supported_dtype(name, out)
-
-
 def matmul(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -393,15 +414,15 @@ def matmul(
     if out is None:
         out = torch.empty(out_shape, device=a.device, dtype=out_dtype or a.dtype)
     else:
-        _check_out("out", out, out_shape, a.device)
+        check_buffer("out", out, out_shape, a.device)
         if out_dtype is not None and out.dtype != out_dtype:
             raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
     if accumulate:
         residual = out
     if residual is not None:
-        _check_out("residual", residual, out_shape, a.device)
+        check_buffer("residual", residual, out_shape, a.device)
     if preact_out is not None:
-        _check_out("preact_out", preact_out, (M, n_w), a.device)
+        check_buffer("preact_out", preact_out, (M, n_w), a.device)
 
     if M == 0 or N == 0:
         return out
@@ -451,7 +472,7 @@ def matmul_tn(
     if out is None:
         out = torch.empty((N, K), device=grad.device, dtype=out_dtype or grad.dtype)
     else:
-        _check_out("out", out, (N, K), grad.device)
+        check_buffer("out", out, (N, K), grad.device)
     if N == 0 or K == 0:
         return out
     if T == 0:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_device_usable, check_supported_dtype, interpreting, needs_upcast, shared_memory_limit
+from ._runtime import check_buffer, check_device_usable, check_supported_dtype, interpreting, needs_upcast, shared_memory_limit
 from .gemm import ACTIVATIONS, activation_reference
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -414,15 +414,6 @@ def _check_device(name, t, ref_name, ref):
         raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}")
 
 
-def _check_out(name, out, shape, ref):
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    _check_device(name, out, "the input", ref)
-    check_supported_dtype(name, out)
-
-
 def _block_for_groups(G_PAD):
     """Slots per routing program: the one-hot tile is BLOCK x G_PAD, keep it <= 16K elements."""
     if interpreting():
@@ -500,7 +491,7 @@ def permute(x: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, *, out: torc
     if out is None:
         out = torch.empty((n, H), device=x.device, dtype=x.dtype)
     else:
-        _check_out("out", out, (n, H), x)
+        check_buffer("out", out, (n, H), x.device)
     if n == 0 or H == 0:
         return out
     BR, BH = (16, 32) if interpreting() else (32, min(256, triton.next_power_of_2(H)))
@@ -532,7 +523,7 @@ def combine(y: torch.Tensor, slot_pos: torch.Tensor, weights: torch.Tensor | Non
     if out is None:
         out = torch.empty((T, H), device=y.device, dtype=out_dtype or y.dtype)
     else:
-        _check_out("out", out, (T, H), y)
+        check_buffer("out", out, (T, H), y.device)
     if T == 0 or H == 0:
         return out
     BT, BH = (16, 32) if interpreting() else (16, min(256, triton.next_power_of_2(H)))
@@ -635,9 +626,9 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_lay
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     else:
-        _check_out("out", out, (M, N), x)
+        check_buffer("out", out, (M, N), x.device)
     if preact_out is not None:
-        _check_out("preact_out", preact_out, (M, n_w), x)
+        check_buffer("preact_out", preact_out, (M, n_w), x.device)
     _launch_gemm(x, weight, out, preact_out, offsets, M=M, N=N, K=K, s_we=s_we, s_wn=s_wn, s_wk=s_wk, act=act,
                  glu=glu, dact=False)
     return out
@@ -733,7 +724,7 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
     if out is None:
         out = torch.empty((num_experts, N, K), device=grad.device, dtype=out_dtype or grad.dtype)
     else:
-        _check_out("out", out, (num_experts, N, K), grad)
+        check_buffer("out", out, (num_experts, N, K), grad.device)
     if N == 0 or K == 0:
         return out
     args = (grad, x, out, offsets, G, num_experts, N, K, grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),

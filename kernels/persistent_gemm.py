@@ -40,14 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_supported_dtype, interpreting, needs_upcast
+from ._runtime import check_buffer, check_supported_dtype, interpreting, needs_upcast
 from .gemm import (
     ACTIVATIONS,
     INTERPRETER_CONFIG,
-    _activation,
+    _epilogue,
     _check_operand,
     _check_same,
     _input_precision,
+    _mainloop,
     _split_offsets,
     matmul_reference,
 )
@@ -144,55 +145,22 @@ def _chunk_tile(
     chunk64 = chunk.to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_mask = rm < ROWS
     n_mask = rn < N
 
     a_rows = chunk64 * s_a_chunk + _split_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
     b_cols = rn.to(tl.int64) * s_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GLU:
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        kk = k0 * BLOCK_K + rk
-        a_off = a_rows[:, None] + kk.to(tl.int64)[None, :] * s_ak
-        b_k = kk.to(tl.int64)[:, None] * s_bk
-        if EVEN_K:
-            a = tl.load(a_ptr + a_off, mask=m_mask[:, None], other=0.0)
-            b = tl.load(b_ptr + b_k + b_cols[None, :], mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = kk < K
-            a = tl.load(a_ptr + a_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptr + b_k + b_cols[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        if GLU:
-            if EVEN_K:
-                bu = tl.load(b_ptr + b_k + b_cols_up[None, :], mask=n_mask[None, :], other=0.0)
-            else:
-                bu = tl.load(b_ptr + b_k + b_cols_up[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if UPCAST:
-                bu = bu.to(tl.float32)
-            acc_up = tl.dot(a, bu, acc_up, input_precision=INPUT_PRECISION)
-
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GLU:
-            acc_up += tl.load(bias_ptr + rn + glu_offset, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
+    acc, acc_up = _mainloop(
+        a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
+        1, 0, s_ak, 1, 0, s_bk,
+        False, False, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if STORE_AUX:
-        x_off = chunk64 * s_x_chunk + _split_offsets(rm, x_m_inner, s_xm0, s_xm1, X_M_SPLIT)[:, None] \
-            + rn.to(tl.int64)[None, :] * s_xn
-        tl.store(aux_ptr + x_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
-        if GLU:
-            tl.store(aux_ptr + x_off + glu_offset.to(tl.int64) * s_xn, acc_up.to(aux_ptr.dtype.element_ty),
-                     mask=out_mask)
-    acc = _activation(acc, ACT)
-    if GLU:
-        acc = acc * acc_up
+    x_off = chunk64 * s_x_chunk + _split_offsets(rm, x_m_inner, s_xm0, s_xm1, X_M_SPLIT)[:, None] \
+        + rn.to(tl.int64)[None, :] * s_xn
+    acc = _epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, x_off, glu_offset, s_xn,
+                    HAS_BIAS, STORE_AUX, ACT, GLU)
     c_off = chunk64 * s_c_chunk + _split_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] \
         + rn.to(tl.int64)[None, :] * s_cn
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
@@ -572,7 +540,7 @@ def chunk_reduce(
             or peer_offsets.numel() == 0:
         raise TypeError("peer_offsets must be a non-empty 1-D int64 tensor")
     P = peer_offsets.numel()
-    _check_out_like("out", out, tuple(src.shape[1:]), src.device)
+    check_buffer("out", out, tuple(src.shape[1:]), src.device)
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != N:
             raise ValueError(f"bias must be a tensor of shape ({N},), got "
@@ -616,16 +584,6 @@ def chunk_reduce(
     if counters is not None:
         _check_timeouts(src.device, "chunk_reduce")
     return out
-
-
-def _check_out_like(name, t, shape, device):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on device {device}, got {t.device}")
-    check_supported_dtype(name, t)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import random
 import sys
 import tempfile
 import time
@@ -48,18 +47,26 @@ def _worker(rank, size, init_file, tasks, results, sys_path, backend, collective
         backend, init_method=f"file://{init_file}", rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=collective_timeout),
     )
-    try:
-        while True:
-            item = tasks.get()
-            if item is None:
-                break
-            fn, args, kwargs = item
-            try:
-                results.put((rank, True, fn(rank, size, *args, **kwargs)))
-            except BaseException:  # noqa: BLE001 - report everything, including assertion errors
-                results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+    while True:
+        item = tasks.get()
+        if item is None:
+            # Every result has been read by the parent. Leave without destroy_process_group:
+            # its shutdown handshake can stall for seconds, and the whole world exits together.
+            os._exit(0)
+        fn, args, kwargs = item
+        try:
+            results.put((rank, True, fn(rank, size, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything, including assertion errors
+            results.put((rank, False, traceback.format_exc()))
+
+
+def _context():
+    """Workers fork from a server process that has imported torch once (import costs seconds per
+    process on a 2-core machine); triton is not preloaded, so each world still decides
+    TRITON_INTERPRET for itself (see _worker)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+    return ctx
 
 
 class WorldError(AssertionError):
@@ -75,7 +82,7 @@ class World:
         self._start()
 
     def _start(self):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         fd, self._init_file = tempfile.mkstemp(prefix="fusedpar_world_")
         os.close(fd)
         os.unlink(self._init_file)  # the file store wants to create it

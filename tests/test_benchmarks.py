@@ -1,6 +1,5 @@
 """The benchmark CLI runs (smoke mode off GPU) and writes JSON with an environment line."""
 import json
-import sys
 
 import pytest
 
