@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine by themselves:
-#   make demo   the main job (a demo run; for now the kernel benchmarks in the mode that fits the machine)
+#   make demo   the main job: trains a small Transformer with tensor + sequence + expert parallelism
+#               (4 gloo processes under the Triton interpreter without GPUs; NCCL with 4-8 GPUs)
 #   make test   the test suite (Triton interpreter + gloo on a CPU machine, compiled on a GPU machine)
 # Both create .venv on first use. Where torch is already installed system-wide (the GPU machines),
 # the venv sees it; otherwise torch==2.13.0 is installed first, which resolves to the CPU build on
@@ -10,6 +11,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fusedpar-installed
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+DEMO_NPROC ?= 4
+DEMO_ARGS ?=
 
 .PHONY: test demo bench clean
 
@@ -31,10 +34,14 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# one rank per GPU when there are at least DEMO_NPROC GPUs (at most 8), else DEMO_NPROC CPU ranks
 demo: $(STAMP)
-	$(PY) -m benchmarks all
+	@n=$$($(PY) -c "import torch; g = torch.cuda.device_count(); print(min(g, 8) if g >= $(DEMO_NPROC) else $(DEMO_NPROC))"); \
+	echo "[demo] python -m torch.distributed.run --standalone --nproc-per-node $$n -m fusedpar.demo $(DEMO_ARGS)"; \
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node $$n -m fusedpar.demo $(DEMO_ARGS)
 
-bench: demo
+bench: $(STAMP)
+	$(PY) -m benchmarks all
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

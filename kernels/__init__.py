@@ -45,3 +45,4 @@ __all__ += [
     "flash_attention_forward",
 ]
 __all__ += ["WaitTimeout", "chunk_reduce", "chunk_view", "persistent_matmul", "wait_timeouts"]
+from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference  # noqa: E402,F401

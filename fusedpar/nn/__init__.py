@@ -1,3 +1,11 @@
 from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_shards
 from .moe import MoE, RouterOutput, TopKRouter  # noqa: F401
 from .attention import AttentionReference, ParallelAttention, apply_rotary, rotary_cos_sin  # noqa: F401
+from .norm import RMSNorm  # noqa: E402,F401
+from .transformer import (  # noqa: E402,F401
+    Transformer,
+    TransformerBlock,
+    TransformerConfig,
+    shard_tokens,
+    vocab_parallel_cross_entropy,
+)

@@ -10,3 +10,4 @@ from .attention import (  # noqa: F401
     zigzag_shard,
     zigzag_unshard,
 )
+from .norm import RMSNormFunction, rms_norm  # noqa: E402,F401

@@ -1,0 +1,351 @@
+"""A pre-norm transformer built from fusedpar modules, and the pieces that compose it with
+data, pipeline and expert parallelism.
+
+Activation layout between layers: ``[batch, seq / (sp * tp), hidden]`` on every rank (Megatron
+sequence parallelism over tp, context parallelism over sp). Inside a block:
+
+* attention: :class:`~fusedpar.nn.ParallelAttention` (QKV column-parallel over tp with the
+  sequence all-gather fused into the GEMM, attention over the local heads sequence-parallel across
+  sp, output row-parallel with the reduce-scatter fused into the GEMM);
+* MLP: :class:`~fusedpar.nn.ParallelMLP` (dense) or :class:`~fusedpar.nn.MoE` (experts over
+  the ep group, tokens routed from this rank's sequence shard);
+* norms: the fused Triton :class:`~fusedpar.nn.RMSNorm`, the second one fused with the residual
+  add.
+
+The token sequence is put into the sp layout at the input (:func:`shard_tokens`): with ring
+attention in ``"zigzag"`` layout sp rank ``i`` holds chunks ``i`` and ``2*sp-1-i`` of ``2*sp``
+chunks (balanced causal work), then tp splits that rank's tokens contiguously. The loss uses the
+same permutation for the targets, so nothing has to be un-permuted.
+
+The output head is column-parallel over the vocabulary; :func:`vocab_parallel_cross_entropy`
+computes the loss without gathering the logits. Every rank of a tp group ends with the same loss
+(over that tp group's tokens), which is what the gradient rules in :mod:`fusedpar.parallel`
+assume.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fusedpar import comm
+
+from .attention import ParallelAttention
+from .linear import ColumnParallelLinear, ParallelMLP
+from .moe import MoE
+from .norm import RMSNorm
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TransformerConfig:
+    """Sizes of the model (all full sizes: nothing here depends on the parallel layout).
+
+    ``num_experts = 0`` gives dense MLPs; otherwise every ``moe_every``-th block (the last of each
+    group of ``moe_every``) holds a :class:`MoE` with ``moe_ffn_hidden_size`` (default
+    ``ffn_hidden_size``) per expert.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden_size: int
+    num_kv_heads: int | None = None
+    activation: str = "swiglu"
+    norm_eps: float = 1e-6
+    causal: bool = True
+    sp_mode: str = "ring"
+    layout: str = "zigzag"
+    num_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    moe_ffn_hidden_size: int | None = None
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be a positive int, got {v!r}")
+        if self.num_experts < 0:
+            raise ValueError(f"TransformerConfig.num_experts must be >= 0, got {self.num_experts}")
+        if self.layout not in ("zigzag", "contiguous"):
+            raise ValueError(f"TransformerConfig.layout must be 'zigzag' or 'contiguous', got {self.layout!r}")
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer % self.moe_every == self.moe_every - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# sequence layout
+# ----------------------------------------------------------------------------------------------
+def sequence_order(seq_len: int, sp: int, layout: str) -> torch.Tensor:
+    """Positions of the full sequence in the order the sp ranks hold them (rank-major)."""
+    if layout == "contiguous" or sp == 1:
+        return torch.arange(seq_len)
+    if seq_len % (2 * sp):
+        raise ValueError(f"seq_len={seq_len} must be divisible by 2*sp={2 * sp} for the zigzag layout")
+    chunks = torch.arange(seq_len).chunk(2 * sp)
+    return torch.cat([torch.cat([chunks[i], chunks[2 * sp - 1 - i]]) for i in range(sp)])
+
+
+def shard_tokens(tokens: torch.Tensor, targets: torch.Tensor, *, sp_size: int, sp_rank: int, tp_size: int,
+                 tp_rank: int, layout: str = "zigzag"):
+    """Split a full ``[batch, seq]`` batch into this rank's pieces: the input ids
+    ``[batch, seq / (sp*tp)]`` (sequence-parallel over sp, then tp) and the targets of the whole
+    sp shard ``[batch, seq / sp]`` (the vocabulary-parallel loss covers all tokens of a tp group).
+    """
+    if tokens.dim() != 2 or targets.shape != tokens.shape:
+        raise ValueError(f"tokens and targets must both be [batch, seq], got {tuple(tokens.shape)} and "
+                         f"{tuple(targets.shape)}")
+    S = tokens.shape[1]
+    comm.check_divisible("seq_len", S, sp_size * tp_size, "sp * tp")
+    order = sequence_order(S, sp_size, layout).to(tokens.device)
+    n_sp = S // sp_size
+    sp_idx = order[sp_rank * n_sp:(sp_rank + 1) * n_sp]
+    n_tp = n_sp // tp_size
+    ids = tokens[:, sp_idx[tp_rank * n_tp:(tp_rank + 1) * n_tp]]
+    return ids, targets[:, sp_idx]
+
+
+# ----------------------------------------------------------------------------------------------
+# vocabulary-parallel cross entropy
+# ----------------------------------------------------------------------------------------------
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token ``logsumexp(z) - z[target]`` with the vocabulary split over ``group``: the row
+    max is gathered, the sum of exponentials and the target logit are all-reduced (fp32)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        T, V = logits.shape
+        P, r = comm.group_size(group), comm.group_rank(group)
+        z = logits.float()
+        local_max = z.max(dim=-1).values if V else torch.full((T,), -math.inf, device=z.device)
+        if P > 1:
+            maxes = torch.empty(P * T, device=z.device, dtype=torch.float32)
+            comm.all_gather_into(maxes, local_max.contiguous(), group).wait()
+            row_max = maxes.view(P, T).max(dim=0).values
+        else:
+            row_max = local_max
+        z = z - row_max[:, None]
+        exp = z.exp()
+        lo = r * V
+        inside = (target >= lo) & (target < lo + V)
+        idx = torch.where(inside, target - lo, torch.zeros_like(target))
+        picked = z.gather(1, idx[:, None]).squeeze(1) * inside
+        stats = torch.stack([exp.sum(dim=-1), picked])  # [2, T]
+        if P > 1:
+            comm.all_reduce(stats, group).wait()
+        sum_exp, target_logit = stats[0], stats[1]
+        loss = sum_exp.log() - target_logit
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), idx, inside)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, idx, inside = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(1, idx[:, None], -inside.to(grad.dtype)[:, None])
+        grad.mul_(grad_loss.float()[:, None])
+        return grad.to(ctx.dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of ``logits`` ``[..., V / tp]`` (this rank's vocabulary block, rank ``r`` holds
+    ids ``r*V/tp ..``) against global ``target`` ids ``[...]``; ``reduction`` ``"mean"``, ``"sum"``
+    or ``"none"``. Same result on every rank of ``group``; the gradient is this rank's block."""
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"target must have shape {tuple(logits.shape[:-1])} (logits without the vocab dim), "
+                         f"got {tuple(target.shape)}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must hold integer class ids, got dtype {target.dtype}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long(), group)
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss.view(target.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE auxiliary loss carried by the backward
+# ----------------------------------------------------------------------------------------------
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``x``; the backward also sends gradient ``scale`` into ``aux_loss``. The router
+    losses then train the router even where the training loop never sees them (inside a
+    pipeline stage)."""
+
+    @staticmethod
+    def forward(ctx, x, aux_loss, scale):
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+# ----------------------------------------------------------------------------------------------
+# block and model
+# ----------------------------------------------------------------------------------------------
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm1(x))``; ``y = h + mlp(norm2(h))`` (the second norm is
+    fused with the residual add). ``x`` and ``y`` are ``[batch, seq / (sp*tp), hidden]``.
+
+    ``num_experts > 0`` replaces the dense :class:`ParallelMLP` with a :class:`MoE` over
+    ``ep_group``; its router losses (``self.mlp.aux_loss``) are attached to the backward with
+    weight ``aux_loss_scale`` when that is non-zero.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
+                 tp_group=None, sp_group=None, ep_group=None, sp_mode: str = "ring", layout: str = "zigzag",
+                 causal: bool = True, activation: str = "swiglu", eps: float = 1e-6, num_experts: int = 0,
+                 top_k: int = 2, capacity_factor: float | None = None, aux_loss_coef: float = 1e-2,
+                 z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
+        self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
+                                      sp_mode=sp_mode, causal=causal, bias=False, layout=layout,
+                                      device=device, dtype=dtype)
+        self.norm2 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
+        self.is_moe = num_experts > 0
+        if self.is_moe:
+            self.mlp = MoE(hidden_size, ffn_hidden_size, num_experts, top_k, ep_group=ep_group,
+                           capacity_factor=capacity_factor, activation=activation, aux_loss_coef=aux_loss_coef,
+                           z_loss_coef=z_loss_coef, device=device, dtype=dtype)
+        else:
+            self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, group=tp_group,
+                                   sequence_parallel=True, bias=False, device=device, dtype=dtype)
+        self.aux_loss_scale = float(aux_loss_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.attn(self.norm1(x))
+        n2, h = self.norm2(a, residual=x)
+        m = self.mlp(n2)
+        if self.is_moe and self.aux_loss_scale and torch.is_grad_enabled():
+            m = _AttachAuxLoss.apply(m, self.mlp.aux_loss, self.aux_loss_scale)
+        return h + m
+
+
+class Transformer(nn.Module):
+    """Embedding -> blocks -> final RMSNorm -> vocabulary-parallel head, or one pipeline stage of it.
+
+    ``layers`` selects the global block indices this module holds (default all); ``embed`` /
+    ``head`` say whether it holds the embedding (input: token ids ``[batch, seq/(sp*tp)]``) and
+    the final norm + head (output: logits ``[batch, seq/sp, vocab/tp]``). Blocks live in
+    ``self.layers`` (a ``ModuleDict`` keyed by the global index), so parameter names — and
+    checkpoints — do not depend on the pipeline split.
+
+    Initialisation does not depend on the parallel layout: every block is initialised from a
+    generator seeded with ``seed + layer`` (embedding ``seed - 1``, head ``seed - 2``), so a
+    one-process model and any split of it hold the same full weights.
+    """
+
+    def __init__(self, config: TransformerConfig, *, tp_group=None, sp_group=None, ep_group=None,
+                 layers: Iterable[int] | None = None, embed: bool = True, head: bool = True, seed: int = 0,
+                 activation_checkpointing: bool = False, aux_loss_scale: float = 0.0, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.tp_group, self.sp_group, self.ep_group = tp_group, sp_group, ep_group
+        tp = comm.group_size(tp_group)
+        comm.check_divisible("vocab_size", config.vocab_size, tp, "the tensor-parallel group size")
+        self.activation_checkpointing = bool(activation_checkpointing)
+        layers = list(range(config.num_layers)) if layers is None else [int(i) for i in layers]
+        for i in layers:
+            if not 0 <= i < config.num_layers:
+                raise ValueError(f"layer index {i} is outside 0..{config.num_layers - 1}")
+        self.layer_ids = layers
+        self.embedding = None
+        if embed:
+            with _seeded(seed - 1):  # drawn on the CPU like every fusedpar layer: same weights on any device
+                self.embedding = nn.Embedding(config.vocab_size, config.hidden_size).to(device=device, dtype=dtype)
+        self.layers = nn.ModuleDict()
+        for i in layers:
+            moe = config.is_moe(i)
+            with _seeded(seed + i):
+                self.layers[str(i)] = TransformerBlock(
+                    config.hidden_size, config.num_heads,
+                    (config.moe_ffn_hidden_size or config.ffn_hidden_size) if moe else config.ffn_hidden_size,
+                    num_kv_heads=config.num_kv_heads, tp_group=tp_group, sp_group=sp_group, ep_group=ep_group,
+                    sp_mode=config.sp_mode, layout=config.layout, causal=config.causal,
+                    activation=config.activation, eps=config.norm_eps, num_experts=config.num_experts if moe else 0,
+                    top_k=config.top_k, capacity_factor=config.capacity_factor,
+                    aux_loss_coef=config.aux_loss_coef, z_loss_coef=config.z_loss_coef,
+                    aux_loss_scale=aux_loss_scale, device=device, dtype=dtype)
+        if head:
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, dtype=dtype)
+            with _seeded(seed - 2):
+                self.head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, group=tp_group,
+                                                 sequence_parallel=True, device=device, dtype=dtype)
+        else:
+            self.norm = self.head = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        for block in self.layers.values():
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over this tp group's tokens (the same value on each of its ranks)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the MoE router losses of the last forward (``None`` without MoE blocks)."""
+        losses = [b.mlp.aux_loss for b in self.layers.values() if b.is_moe and b.mlp.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def gradient_sync_plan(self) -> dict[str, str]:
+        """Parameter name -> gradient kind for :func:`fusedpar.parallel.sync_gradients`:
+        ``"replicated"`` for copies that see only this rank's sequence shard (norms, embedding,
+        router), ``"expert"`` for expert weights, ``"dense"`` for the rest."""
+        plan = {}
+        for name, _ in self.named_parameters():
+            parts = name.split(".")
+            block = self.layers[parts[1]] if parts[0] == "layers" else None
+            if parts[0] in ("embedding", "norm") or (block is not None and parts[2] in ("norm1", "norm2")) \
+                    or "router" in parts:
+                plan[name] = "replicated"
+            elif block is not None and block.is_moe and parts[2] == "mlp" and parts[3] in ("w1", "w2"):
+                plan[name] = "expert"
+            else:
+                plan[name] = "dense"
+        return plan
+
+
+class _seeded:
+    """Seed torch's global CPU generator (where fusedpar layers draw their full weights) for the
+    duration, restoring its state after, so a module's initial weights depend only on the seed and
+    not on what was built before it. Device generators are left alone."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __enter__(self):
+        self.state = torch.random.get_rng_state()
+        torch.random.default_generator.manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        torch.random.set_rng_state(self.state)
+        return False

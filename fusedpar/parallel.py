@@ -1,0 +1,302 @@
+"""Parallel layout: a named ``DeviceMesh`` over dp x pp x tp x sp (+ ep for MoE) and its groups.
+
+Layout (outermost to innermost, the last dimension varies fastest over global ranks)::
+
+    mesh dims   ("pp", "dp", "sp", "tp")     rank = ((pp_i * dp + dp_i) * sp + sp_i) * tp + tp_i
+
+Tensor parallelism is innermost so that its ranks are neighbours (one NVLink island on GPU),
+pipeline stages are outermost (their traffic is the lightest).
+
+Expert parallelism does not add a mesh dimension: it *folds over* the ranks that hold different
+tokens of one pipeline stage, i.e. the flattened ``(dp, sp, tp)`` ranks (tp fastest). ``ep`` must
+divide ``dp * sp * tp``; the expert-parallel group is a block of ``ep`` consecutive ranks in that
+order (``ep == tp`` gives the tensor-parallel group, ``ep == sp * tp`` the sp x tp group), and the
+expert-data-parallel group ``edp`` joins the ranks that hold the *same* experts (size
+``dp * sp * tp / ep``). This works because fusedpar blocks keep activations sequence-sharded over
+tp between layers (Megatron sequence parallelism), so every rank of ``(dp, sp, tp)`` routes its own
+tokens.
+
+Gradient semantics (what :func:`sync_gradients` implements, and what DDP/FSDP2 reproduce on the
+``dp`` dimension):
+
+* the ranks of one tp group share one loss (the vocabulary-parallel loss covers the whole
+  tp group's tokens); the ranks of ``data = dp x sp`` hold different tokens, and the global loss is
+  the mean of their losses;
+* ``"dense"`` parameters (tensor-parallel shards and anything whose gradient already covers the
+  whole tp group's tokens) are summed over the data group and divided by its size;
+* ``"replicated"`` parameters (norm weights, router, embedding table, row-parallel biases: copies
+  on every tp rank that each see only that rank's sequence shard) are summed over data x tp;
+* ``"expert"`` parameters are summed over the ``edp`` group.
+All three are then divided by the number of loss-holding ranks ``dp * sp``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fusedpar import comm
+
+MESH_DIMS = ("pp", "dp", "sp", "tp")
+GRAD_KINDS = ("dense", "replicated", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelState:
+    """Sizes, this rank's coordinates and the process groups of a parallel layout.
+
+    ``mesh`` is the 4-D ``DeviceMesh`` with dims ``("pp", "dp", "sp", "tp")`` (sub-meshes by
+    name: ``state.mesh["dp"]``, ``state.mesh["tp"]``, ...); ``data_mesh`` is the flattened
+    ``dp x sp`` mesh (what FSDP2 shards over when sp > 1). Groups are ``None``-free: a size-1
+    dimension still has its own (trivial) group.
+    """
+
+    mesh: DeviceMesh
+    data_mesh: DeviceMesh
+    world_size: int
+    rank: int
+    dp: int
+    pp: int
+    tp: int
+    sp: int
+    ep: int
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    sp_rank: int
+    ep_rank: int
+    dp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    sp_group: dist.ProcessGroup
+    ep_group: dist.ProcessGroup
+    edp_group: dist.ProcessGroup
+    data_group: dist.ProcessGroup
+    data_tp_group: dist.ProcessGroup
+    device: torch.device
+
+    @property
+    def data_size(self) -> int:
+        """Ranks holding different tokens *and* separate losses: ``dp * sp``."""
+        return self.dp * self.sp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """The group named ``name`` (``dp``, ``pp``, ``tp``, ``sp``, ``ep``, ``edp``, ``data``,
+        ``data_tp``)."""
+        attr = f"{name}_group"
+        if not hasattr(self, attr):
+            raise ValueError(f"unknown group name {name!r}; expected one of dp, pp, tp, sp, ep, edp, data, data_tp")
+        return getattr(self, attr)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp}, dp {self.dp_rank}/{self.dp}, "
+                f"sp {self.sp_rank}/{self.sp}, tp {self.tp_rank}/{self.tp}, ep {self.ep_rank}/{self.ep}")
+
+
+def _check_size(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def resolve_sizes(world_size: int, *, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1,
+                  ep: int = 1) -> dict:
+    """Validate a layout against ``world_size`` (no communication); ``dp=None`` takes what is
+    left. Returns ``{"dp", "pp", "tp", "sp", "ep"}``."""
+    world_size = _check_size("world_size", world_size)
+    pp, tp, sp, ep = (_check_size(n, v) for n, v in (("pp", pp), ("tp", tp), ("sp", sp), ("ep", ep)))
+    inner = pp * tp * sp
+    if dp is None:
+        if world_size % inner:
+            raise ValueError(
+                f"world size {world_size} is not divisible by pp*tp*sp = {pp}*{tp}*{sp} = {inner}; "
+                "choose sizes whose product divides the world size"
+            )
+        dp = world_size // inner
+    dp = _check_size("dp", dp)
+    if dp * inner != world_size:
+        raise ValueError(
+            f"dp*pp*tp*sp = {dp}*{pp}*{tp}*{sp} = {dp * inner} must equal the world size {world_size}"
+        )
+    tokens = dp * sp * tp
+    if tokens % ep:
+        raise ValueError(
+            f"ep={ep} must divide dp*sp*tp = {dp}*{sp}*{tp} = {tokens} (expert parallelism folds over the "
+            "ranks of one pipeline stage)"
+        )
+    return dict(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
+
+
+def _new_groups(blocks: Iterable[list[int]], rank: int, backend) -> dist.ProcessGroup:
+    """Create one group per rank list (every rank must call this with the same lists, in the
+    same order) and return the one holding ``rank``."""
+    mine = None
+    for ranks in blocks:
+        g = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            mine = g
+    if mine is None:
+        raise RuntimeError(f"rank {rank} is in none of the groups {list(blocks)}")
+    return mine
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1,
+                  backend: str | None = None, device: torch.device | str | None = None,
+                  timeout_s: float = 300.0) -> ParallelState:
+    """Build the parallel layout from the world.
+
+    If ``torch.distributed`` is not initialised yet, it is initialised from the ``torchrun``
+    environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), or as a one-process
+    world when none of those is set. The backend defaults to NCCL when CUDA is available (each
+    rank then uses GPU ``LOCAL_RANK``) and gloo otherwise. Sizes are validated before any group is
+    created; ``dp=None`` takes whatever the other sizes leave.
+    """
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build")
+    if not dist.is_initialized():
+        world_env = int(os.environ.get("WORLD_SIZE", "1"))
+        resolve_sizes(world_env, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)  # fail before joining a world
+        backend = backend or _default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        elif world_env == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            raise RuntimeError(
+                f"WORLD_SIZE={world_env} but RANK/MASTER_ADDR are not set: launch with torchrun "
+                "(python -m torch.distributed.run --nproc-per-node N ...)"
+            )
+    return build_parallel_state(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, device=device)
+
+
+def build_parallel_state(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1,
+                         device: torch.device | str | None = None) -> ParallelState:
+    """The layout over an already initialised default process group (every rank must call this,
+    with the same sizes: it creates process groups)."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; call init_parallel() or init_process_group() first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    s = resolve_sizes(world, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
+    dp, pp, tp, sp, ep = s["dp"], s["pp"], s["tp"], s["sp"], s["ep"]
+    backend = dist.get_backend()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+
+    mesh = init_device_mesh(device.type, (pp, dp, sp, tp), mesh_dim_names=MESH_DIMS)
+    data_mesh = mesh["dp", "sp"]._flatten("dp_sp")
+    coord = mesh.get_coordinate()
+    pp_rank, dp_rank, sp_rank, tp_rank = coord
+
+    # ep / edp / data x tp groups: built explicitly (every rank creates every group, same order)
+    stage = dp * sp * tp
+    ep_blocks, edp_blocks, data_tp_blocks = [], [], []
+    for p in range(pp):
+        base = p * stage
+        data_tp_blocks.append(list(range(base, base + stage)))
+        for b in range(stage // ep):
+            ep_blocks.append([base + b * ep + j for j in range(ep)])
+        for j in range(ep):
+            edp_blocks.append([base + b * ep + j for b in range(stage // ep)])
+    ep_group = _new_groups(ep_blocks, rank, None)
+    edp_group = _new_groups(edp_blocks, rank, None)
+    data_tp_group = _new_groups(data_tp_blocks, rank, None)
+
+    return ParallelState(
+        mesh=mesh, data_mesh=data_mesh, world_size=world, rank=rank,
+        dp=dp, pp=pp, tp=tp, sp=sp, ep=ep,
+        dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, sp_rank=sp_rank, ep_rank=(rank % stage) % ep,
+        dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group(), tp_group=mesh["tp"].get_group(),
+        sp_group=mesh["sp"].get_group(), ep_group=ep_group, edp_group=edp_group,
+        data_group=data_mesh.get_group(), data_tp_group=data_tp_group, device=device,
+    )
+
+
+def sync_gradients(named_params: Iterable[tuple[str, torch.nn.Parameter]], state: ParallelState,
+                   plan: Mapping[str, str] | None = None, *, data_parallel_done: bool = False,
+                   bucket_numel: int = 1 << 22) -> None:
+    """Reduce gradients in place by the rules in this module's docstring (a manual data-parallel
+    step; use it instead of DDP when sp or ep > 1). ``plan`` maps parameter names to ``"dense"``
+    (the default), ``"replicated"`` or ``"expert"``; a model's ``gradient_sync_plan()`` gives it.
+    Gradients are flattened into fp32 buckets per group, all-reduced, scaled by
+    ``1 / (dp * sp)`` and copied back. Parameters without a gradient are skipped.
+
+    ``data_parallel_done=True`` is for models wrapped in DDP or FSDP2 over the data group (which
+    already averaged every gradient over it): only the ``"replicated"`` gradients are then summed
+    over the tp group (FSDP2's sharded DTensor gradients are reduced shard by shard). Expert
+    gradients are right after DDP/FSDP only when their copies are exactly the data group
+    (``ep == tp``: the experts are split over the tp group); other layouts raise.
+    """
+    plan = dict(plan or {})
+    if data_parallel_done:
+        groups = {"dense": None, "replicated": state.tp_group, "expert": None}
+        scale = 1.0
+    else:
+        groups = {"dense": state.data_group, "replicated": state.data_tp_group, "expert": state.edp_group}
+        scale = 1.0 / state.data_size
+    by_kind: dict[str, list[torch.Tensor]] = {k: [] for k in GRAD_KINDS}
+    for name, p in named_params:
+        kind = plan.get(name, "dense")
+        if kind not in groups:
+            raise ValueError(f"gradient kind of {name!r} must be one of {GRAD_KINDS}, got {kind!r}")
+        if p.grad is not None:
+            g = p.grad
+            by_kind[kind].append(g.to_local() if hasattr(g, "to_local") else g)
+    if data_parallel_done and by_kind["expert"] and state.tp != state.ep:
+        raise ValueError(
+            f"expert gradients after DDP/FSDP over the data group are only right when ep ({state.ep}) equals "
+            f"tp ({state.tp}); use sync_gradients(..., data_parallel_done=False) without a DDP/FSDP wrapper"
+        )
+    for kind, grads in by_kind.items():
+        group = groups[kind]
+        if group is None:
+            continue
+        trivial = comm.group_size(group) == 1
+        for bucket in _buckets(grads, bucket_numel):
+            if trivial:
+                if scale != 1.0:
+                    for g in bucket:
+                        g.mul_(scale)
+                continue
+            flat = torch.cat([g.reshape(-1).to(torch.float32) for g in bucket])
+            comm.all_reduce(flat, group).wait()
+            flat.mul_(scale)
+            off = 0
+            for g in bucket:
+                n = g.numel()
+                g.copy_(flat[off:off + n].view_as(g))
+                off += n
+
+
+def _buckets(grads: list[torch.Tensor], bucket_numel: int):
+    bucket, size = [], 0
+    for g in grads:
+        bucket.append(g)
+        size += g.numel()
+        if size >= bucket_numel:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

@@ -1,0 +1,262 @@
+"""fusedpar modules inside the training stacks users run, on 4 gloo processes, each case against
+the one-process model (loss and every gradient):
+
+* tensor x sequence (ring attention) x expert parallelism: sp2 x tp2 with MoE over ep4;
+* DDP over dp with tensor parallelism inside (dp2 x tp2);
+* FSDP2 (``fully_shard`` over the dp mesh dimension) with tensor parallelism inside;
+* activation checkpointing of every block, manual gradient sync;
+* torch.distributed.pipelining with TP inside each stage: GPipe, 1F1B, interleaved 1F1B;
+* DCP: save at tp2 (ep2), load at tp4 (ep4), same weights and same loss.
+"""
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from _compose import batch, compare_grads, data_mean, local_batch, reference, tiny_config
+from _utils import assert_close
+from _world import straggle, world_fixture
+from fusedpar import checkpoint as fcheckpoint
+from fusedpar import comm
+from fusedpar.nn import Transformer
+from fusedpar.parallel import build_parallel_state, sync_gradients
+
+world4 = world_fixture(4)
+
+B, S = 4, 8
+
+
+def _tp_model(config, state, **kw):
+    return Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group, **kw)
+
+
+def _tp_sp_ep(rank, size, ref_loss, ref_grads):
+    from fusedpar.nn.attention import ParallelAttention
+
+    straggle(0.004, seed=4)  # random per-rank delays before every transfer: a missing wait -> wrong numbers
+    state = build_parallel_state(sp=2, tp=2, ep=4)  # experts over all four sp x tp ranks
+    config = tiny_config(num_experts=4, top_k=2, moe_every=2)
+    tokens, targets = batch(4, B, S, config.vocab_size)
+    ids, tgt = local_batch(tokens, targets, state, layout=config.layout)
+    model = _tp_model(config, state)
+    attn = model.layers["0"].attn
+    assert isinstance(attn, ParallelAttention) and attn.ring_size == 2 and attn.tp_size == 2
+    assert model.layers["1"].mlp.ep_size == 4
+    # the token layout of shard_tokens is the one the attention module expects (zigzag over sp, then tp)
+    full_pos = torch.arange(S)[None].expand(B, S)
+    pos, _ = local_batch(full_pos, full_pos, state, layout=config.layout)
+    assert torch.equal(pos[0], attn.local_positions(S)), (pos[0], attn.local_positions(S))
+    try:
+        loss = model.loss(model(ids), tgt)
+        loss.backward()
+    finally:
+        comm.set_straggler(0)
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="sp2 x tp2 x ep4 loss")
+    return compare_grads(model, ref_grads, "sp2 x tp2 x ep4")
+
+
+def test_tensor_sequence_expert_parallel_match_one_process(world4):
+    config = tiny_config(num_experts=4, top_k=2, moe_every=2)
+    out = world4.run(_tp_sp_ep, *reference(config, *batch(4, B, S, config.vocab_size)))
+    assert all(n > 10 for n in out), out
+
+
+def _ddp_fsdp_checkpointing(rank, size, ref_loss, ref_grads):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    config = tiny_config(num_layers=1)
+    tokens, targets = batch(1, B, S, config.vocab_size)
+    state = build_parallel_state(dp=2, tp=2)
+    ids, tgt = local_batch(tokens, targets, state)
+    checked = {}
+
+    # DDP over the dp group; TP collectives inside the model over the tp group
+    model = _tp_model(config, state)
+    ddp = DDP(model, process_group=state.dp_group)
+    loss = model.loss(ddp(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done=True)
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="DDP loss")
+    checked["ddp"] = compare_grads(model, ref_grads, "DDP")
+
+    # FSDP2: each block and the root sharded over the dp mesh dimension
+    model = _tp_model(config, state)
+    for block in model.layers.values():
+        fully_shard(block, mesh=state.mesh["dp"])
+    fully_shard(model, mesh=state.mesh["dp"])
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done=True)
+    full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # gather the dp shards
+    model.unshard()
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="FSDP2 loss")
+    checked["fsdp2"] = compare_grads(model, ref_grads, "FSDP2", grads=full)
+
+    # activation checkpointing of every block; gradients synced by hand (no wrapper)
+    model = _tp_model(config, state, activation_checkpointing=True)
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="checkpointed loss")
+    checked["checkpointing"] = compare_grads(model, ref_grads, "activation checkpointing")
+    return checked
+
+
+def test_ddp_fsdp2_and_activation_checkpointing_match_one_process(world4):
+    config = tiny_config(num_layers=1)
+    out = world4.run(_ddp_fsdp_checkpointing, *reference(config, *batch(1, B, S, config.vocab_size)))
+    n_params = len(list(Transformer(config).parameters()))
+    assert all(c == {"ddp": n_params, "fsdp2": n_params, "checkpointing": n_params} for c in out), out
+
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2)]
+
+
+def _pipeline(rank, size, refs):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
+    state = build_parallel_state(pp=2, tp=2)
+    results = {}
+    for name, per_rank in SCHEDULES:
+        cls = classes[name]
+        n_stages = state.pp * per_rank
+        config = tiny_config(num_layers=n_stages)
+        tokens, targets = batch(2, B, S, config.vocab_size)
+        ref_loss, ref_grads = refs[per_rank]
+        ids, tgt = local_batch(tokens, targets, state)
+        stage_ids = [state.pp_rank + k * state.pp for k in range(per_rank)]
+        models = [_tp_model(config, state, layers=[s], embed=s == 0, head=s == n_stages - 1) for s in stage_ids]
+        stages = [PipelineStage(m, s, n_stages, state.device, group=state.pp_group) for m, s in zip(models, stage_ids)]
+        loss_fn = models[-1].loss  # every rank passes it: the schedule plans a backward only when given one
+        if per_rank == 1:
+            schedule = cls(stages[0], n_microbatches=2, loss_fn=loss_fn)
+        else:
+            schedule = cls(stages, n_microbatches=2, loss_fn=loss_fn)
+        losses = []
+        schedule.step(ids if state.is_first_stage else None, target=tgt, losses=losses)
+        if state.is_last_stage:
+            assert len(losses) == 2
+            assert_close(torch.stack(losses).mean().reshape(1), ref_loss.reshape(1), torch.float32,
+                         msg=f"{name} loss")
+        checked = 0
+        for m in models:
+            sync_gradients(m.named_parameters(), state, m.gradient_sync_plan())
+            checked += compare_grads(m, ref_grads, name)
+        results[name] = checked
+    return results
+
+
+def test_pipeline_schedules_with_tp_inside_each_stage(world4):
+    refs = {}
+    for per_rank in (1, 2):  # pp=2 ranks, one or two stages each, one block per stage
+        config = tiny_config(num_layers=2 * per_rank)
+        refs[per_rank] = reference(config, *batch(2, B, S, config.vocab_size))
+    out = world4.run(_pipeline, refs)
+    for r in out:
+        assert set(r) == {"gpipe", "1f1b", "interleaved1f1b"} and all(v > 0 for v in r.values()), out
+
+
+def _dcp_reshard(rank, size, path):
+    config = tiny_config(num_experts=4, top_k=2, moe_every=2)
+    tokens, targets = batch(3, B, S, config.vocab_size)
+    # save at dp2 x tp2 (experts over ep2 = the tp group)
+    st2 = build_parallel_state(dp=2, tp=2, ep=2)
+    m2 = _tp_model(config, st2, seed=11)
+    full2 = fcheckpoint.full_state(m2)
+    fcheckpoint.save(m2, path, extra={"step": torch.tensor(7)})
+    ids, tgt = local_batch(tokens, targets, st2)
+    with torch.no_grad():
+        loss2 = data_mean(m2.loss(m2(ids), tgt), st2)
+    # load at tp4 (experts over ep4) into a differently initialised model
+    st4 = build_parallel_state(tp=4, ep=4)
+    m4 = _tp_model(config, st4, seed=99)
+    step = torch.tensor(0)
+    fcheckpoint.load(m4, path, extra={"step": step})
+    assert step.item() == 7
+    full4 = fcheckpoint.full_state(m4)
+    assert full4.keys() == full2.keys()
+    for k in full2:
+        assert torch.equal(full4[k], full2[k]), f"{k} differs after resharding tp2 -> tp4"
+    ids, tgt = local_batch(tokens, targets, st4)
+    with torch.no_grad():
+        loss4 = data_mean(m4.loss(m4(ids), tgt), st4)
+    assert_close(loss4, loss2, torch.float32, msg="loss after resharding")
+    return len(full2)
+
+
+def test_dcp_save_at_tp2_load_at_tp4(world4):
+    path = tempfile.mkdtemp(prefix="fusedpar_dcp_")
+    try:
+        out = world4.run(_dcp_reshard, os.path.join(path, "ckpt"))
+        assert out[0] == out[-1] > 10
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.gpu
+def test_bf16_autocast_on_gpu():
+    """bf16 parameters and activations (compiled kernels) under ``torch.autocast``: the loss and
+    every gradient stay within bf16 rounding of the fp32 model (one process, one GPU)."""
+    import copy
+
+    config = tiny_config(num_experts=4, top_k=2, moe_every=2)
+    tokens, targets = batch(6, B, S, config.vocab_size)
+    tokens, targets = tokens.cuda(), targets.cuda()
+    model32 = Transformer(config, device="cuda")
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    loss32 = model32.loss(model32(tokens), targets)
+    loss32.backward()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model16(tokens)
+        loss16 = model16.loss(logits, targets)
+    loss16.backward()
+    assert logits.dtype == torch.bfloat16 and loss16.dtype == torch.float32
+    # bf16 keeps 8 mantissa bits (2^-8 relative per rounding); a few roundings per layer through
+    # two blocks -> 5e-2 of each tensor's RMS, far below the O(1) error of a wrong gradient
+    assert_close(loss16, loss32.detach(), torch.bfloat16, rtol=5e-2, atol=5e-2 * loss32.item(), msg="bf16 loss")
+    grads32 = dict(model32.named_parameters())
+    for name, p in model16.named_parameters():
+        g32 = grads32[name].grad
+        assert p.grad.dtype == torch.bfloat16, name
+        assert_close(p.grad.float(), g32, torch.bfloat16, rtol=5e-2, atol=5e-2 * g32.pow(2).mean().sqrt().item(),
+                     msg=f"bf16 grad of {name}")
+
+
+def test_vocab_parallel_loss_and_layout_helpers_single_process():
+    """Without a group the loss is torch's cross entropy (values and logits gradient); the token
+    layout helper and the config reject bad sizes."""
+    from fusedpar.nn import TransformerConfig, shard_tokens, vocab_parallel_cross_entropy
+    from fusedpar.nn.transformer import sequence_order
+
+    g = torch.Generator().manual_seed(8)
+    logits = (torch.randn(3, 7, 13, generator=g) * 3).requires_grad_()
+    target = torch.randint(0, 13, (3, 7), generator=g)
+    loss = vocab_parallel_cross_entropy(logits, target)
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, 13), target.reshape(-1))
+    ref.backward()
+    loss.backward()
+    assert_close(loss.reshape(1), ref.reshape(1), torch.float32)
+    assert_close(logits.grad, ref_logits.grad, torch.float32)
+    per_token = vocab_parallel_cross_entropy(logits.detach(), target, reduction="none")
+    assert per_token.shape == (3, 7)
+    with pytest.raises(ValueError, match=r"target must have shape \(3, 7\)"):
+        vocab_parallel_cross_entropy(logits, target[:, :5])
+    with pytest.raises(TypeError, match="integer class ids"):
+        vocab_parallel_cross_entropy(logits, target.float())
+    # zigzag over sp=2: chunks 0 and 3 on rank 0, 1 and 2 on rank 1; then tp splits contiguously
+    assert sequence_order(8, 2, "zigzag").tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    tok = torch.arange(16).reshape(2, 8)
+    ids, tgt = shard_tokens(tok, tok + 100, sp_size=2, sp_rank=1, tp_size=2, tp_rank=1)
+    assert ids.tolist() == [[4, 5], [12, 13]] and tgt.tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
+    with pytest.raises(ValueError, match=r"seq_len=8 must be divisible by sp \* tp \(3\)"):
+        shard_tokens(tok, tok, sp_size=3, sp_rank=0, tp_size=1, tp_rank=0)
+    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+        TransformerConfig(vocab_size=8, hidden_size=8, num_layers=0, num_heads=2, ffn_hidden_size=8)
+    with pytest.raises(ValueError, match="layer index 5 is outside 0..1"):
+        Transformer(tiny_config(), layers=[5])

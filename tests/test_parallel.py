@@ -1,0 +1,131 @@
+"""fusedpar.parallel: mesh layout, group membership, size validation, gradient sync rules."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from _world import world_fixture
+from fusedpar import parallel
+from fusedpar.parallel import build_parallel_state, resolve_sizes, sync_gradients
+
+world4 = world_fixture(4)
+
+
+def _members(group):
+    return dist.get_process_group_ranks(group)
+
+
+def _expected(rank, pp, dp, sp, tp, ep):
+    """Group members from the documented layout formula, computed independently of the mesh."""
+    coords = {}
+    for r in range(pp * dp * sp * tp):
+        t, rest = r % tp, r // tp
+        s, rest = rest % sp, rest // sp
+        d, p = rest % dp, rest // dp
+        coords[r] = (p, d, s, t)
+    p, d, s, t = coords[rank]
+    same = lambda keep: sorted(r for r, c in coords.items() if all(c[i] == (p, d, s, t)[i] for i in keep))  # noqa: E731
+    stage = dp * sp * tp
+    local = rank % stage
+    ep_block = [p * stage + (local // ep) * ep + j for j in range(ep)]
+    edp = [p * stage + b * ep + local % ep for b in range(stage // ep)]
+    return dict(
+        tp=same((0, 1, 2)), sp=same((0, 1, 3)), dp=same((0, 2, 3)), pp=same((1, 2, 3)),
+        data=same((0, 3)), data_tp=same((0,)), ep=ep_block, edp=edp,
+        coord=dict(pp_rank=p, dp_rank=d, sp_rank=s, tp_rank=t, ep_rank=local % ep),
+    )
+
+
+LAYOUTS = [
+    dict(dp=2, tp=2), dict(pp=2, tp=2), dict(sp=2, tp=2, ep=2), dict(dp=2, sp=2, ep=4), dict(dp=4, ep=2),
+    dict(pp=4),
+]
+
+
+def _layouts(rank, size):
+    for layout in LAYOUTS:
+        st = build_parallel_state(**layout)
+        full = resolve_sizes(size, **layout)
+        exp = _expected(rank, full["pp"], full["dp"], full["sp"], full["tp"], full["ep"])
+        for name in ("tp", "sp", "dp", "pp", "data", "data_tp", "ep", "edp"):
+            assert _members(st.group(name)) == exp[name], (layout, name, _members(st.group(name)), exp[name])
+        for k, v in exp["coord"].items():
+            assert getattr(st, k) == v, (layout, k)
+        assert (st.dp, st.pp, st.tp, st.sp, st.ep) == tuple(full[k] for k in ("dp", "pp", "tp", "sp", "ep"))
+        assert st.mesh.mesh_dim_names == ("pp", "dp", "sp", "tp")
+        assert st.mesh["tp"].size() == st.tp and st.data_mesh.size() == st.dp * st.sp
+        assert st.is_first_stage == (st.pp_rank == 0) and st.is_last_stage == (st.pp_rank == st.pp - 1)
+        # the groups really work: a sum over the tp group counts its members
+        t = torch.ones(1)
+        dist.all_reduce(t, group=st.tp_group)
+        assert t.item() == st.tp
+    return True
+
+
+def test_layouts_and_groups(world4):
+    assert world4.run(_layouts) == [True] * 4
+
+
+def _sync_rules(rank, size):
+    """dp=2 x tp=2 with ep=2 (experts over the tp pair, copies across dp): each rule sums over its
+    own group and scales by 1/(dp*sp); after DDP/FSDP only the replicated kind is summed over tp."""
+    st = build_parallel_state(dp=2, tp=2, ep=2)
+    kinds = ("dense", "replicated", "expert")
+    params = {k: torch.nn.Parameter(torch.zeros(3)) for k in kinds}
+    for p in params.values():
+        p.grad = torch.full((3,), float(rank + 1))
+    sync_gradients(params.items(), st, {k: k for k in kinds})
+    assert _members(st.edp_group) == _members(st.data_group) == [rank % 2, rank % 2 + 2]
+    dense = sum(r + 1 for r in _members(st.data_group)) / 2
+    assert params["dense"].grad.tolist() == [dense] * 3
+    assert params["replicated"].grad.tolist() == [sum(r + 1 for r in range(4)) / 2] * 3
+    assert params["expert"].grad.tolist() == [dense] * 3
+    for p in params.values():
+        p.grad = torch.full((3,), float(rank + 1))
+    sync_gradients(params.items(), st, {k: k for k in kinds}, data_parallel_done=True)
+    tp_sum = sum(r + 1 for r in _members(st.tp_group))
+    assert [params[k].grad[0].item() for k in kinds] == [rank + 1, tp_sum, rank + 1]
+    with pytest.raises(ValueError, match="gradient kind of 'x' must be one of"):
+        sync_gradients([("x", params["dense"])], st, {"x": "bogus"})
+    st4 = build_parallel_state(dp=2, tp=2, ep=4)  # edp has one member: experts sum over nothing
+    params["expert"].grad = torch.full((3,), float(rank + 1))
+    sync_gradients([("w", params["expert"])], st4, {"w": "expert"})
+    assert params["expert"].grad.tolist() == [(rank + 1) / 2] * 3
+    with pytest.raises(ValueError, match=r"only right when ep \(4\) equals tp \(2\)"):
+        sync_gradients([("w", params["expert"])], st4, {"w": "expert"}, data_parallel_done=True)
+    return True
+
+
+def test_sync_gradients_rules(world4):
+    assert world4.run(_sync_rules) == [True] * 4
+
+
+def _bad_sizes(rank, size):
+    with pytest.raises(ValueError, match=r"dp\*pp\*tp\*sp = 2\*1\*3\*1 = 6 must equal the world size 4"):
+        build_parallel_state(dp=2, tp=3)
+    with pytest.raises(ValueError, match=r"world size 4 is not divisible by pp\*tp\*sp = 1\*3\*1 = 3"):
+        build_parallel_state(tp=3)
+    with pytest.raises(ValueError, match="ep=3 must divide dp\\*sp\\*tp = 2\\*1\\*2 = 4"):
+        build_parallel_state(dp=2, tp=2, ep=3)
+    with pytest.raises(ValueError, match="tp must be a positive int, got 0"):
+        build_parallel_state(tp=0)
+    with pytest.raises(TypeError, match="pp must be a positive int, got float 2.0"):
+        build_parallel_state(pp=2.0)
+    with pytest.raises(ValueError, match="unknown group name 'xp'"):
+        build_parallel_state(tp=2).group("xp")
+    # the world still works after the rejected layouts (nothing half-built, no hang)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_bad_sizes_clear_errors_on_every_rank(world4):
+    assert world4.run(_bad_sizes) == [4.0] * 4
+
+
+def test_resolve_sizes_without_a_world():
+    assert resolve_sizes(8, pp=2, tp=2) == dict(dp=2, pp=2, tp=2, sp=1, ep=1)
+    assert resolve_sizes(8, dp=2, sp=2, tp=2, ep=8)["ep"] == 8
+    with pytest.raises(ValueError, match="dp must be a positive int, got -1"):
+        resolve_sizes(4, dp=-1)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        parallel.build_parallel_state(tp=1)

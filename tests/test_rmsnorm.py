@@ -1,0 +1,158 @@
+"""Fused RMSNorm (+ residual add): forward and gradients of x, residual and weight vs fp64."""
+import pytest
+import torch
+
+from _utils import DEVICE, DTYPES, assert_close, poison, randn
+from fusedpar.kernels import rms_norm_fwd, rms_norm_reference
+from fusedpar.nn import RMSNorm
+from fusedpar.ops import rms_norm
+
+# bf16 is load/store/cast only here (no tl.dot), which the interpreter handles, so it runs everywhere.
+NORM_DTYPES = list(dict.fromkeys(DTYPES + [torch.bfloat16]))
+# Gradient tolerances: the backward rounds dy and the saved input to the storage dtype and sums
+# H products in fp32; for fp32 the mean over H plus the weight-gradient sum over rows (up to ~100
+# terms here) stay within 1e-5 relative of the RMS; fp16/bf16 keep their output rounding bound.
+GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
+
+
+def _ref_grads(x, w, r, dy, dh, eps):
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_() if w is not None else None
+    r64 = r.detach().double().requires_grad_() if r is not None else None
+    out = rms_norm_reference(x64, w64, eps, residual=r64)
+    if r is None:
+        loss = (out * dy.double()).sum()
+    else:
+        loss = (out[0] * dy.double()).sum() + (out[1] * dh.double()).sum()
+    loss.backward()
+    return out, x64.grad, (w64.grad if w is not None else None), (r64.grad if r is not None else None)
+
+
+@pytest.mark.parametrize("dtype", NORM_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (3, 5, 65), (2, 9, 127), (37, 19)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_forward_backward_vs_fp64(shape, dtype, with_residual):
+    g = torch.Generator().manual_seed(hash((shape, with_residual)) % 2**31)
+    H = shape[-1]
+    eps = 1e-5
+    x = randn(*shape, dtype=dtype, generator=g, scale=2.0).requires_grad_()
+    w = (1 + 0.5 * randn(H, dtype=torch.float32, generator=g)).to(dtype).requires_grad_()
+    r = randn(*shape, dtype=dtype, generator=g).requires_grad_() if with_residual else None
+    dy = randn(*shape, dtype=dtype, generator=g)
+    dh = randn(*shape, dtype=dtype, generator=g) if with_residual else None
+
+    out = rms_norm(x, w, eps, residual=r)
+    ref, gx, gw, gr = _ref_grads(x, w, r, dy, dh, eps)
+    if with_residual:
+        y, h = out
+        assert h.dtype == r.dtype and y.dtype == dtype
+        assert_close(h, ref[1], dtype, msg="new residual")
+        assert_close(y, ref[0], dtype, msg="y")
+        torch.autograd.backward([y, h], [dy, dh])
+    else:
+        assert out.dtype == dtype
+        assert_close(out, ref, dtype, msg="y")
+        out.backward(dy)
+    tol = GRAD_RTOL[dtype]
+    sx, sw = _grad_scales(x, w, r, dy)
+    assert_close(x.grad, gx, dtype, rtol=tol, atol=tol * sx, msg="dx")
+    assert_close(w.grad, gw, dtype, rtol=tol, atol=tol * sw, msg="dweight")
+    if with_residual:
+        assert_close(r.grad, gr, dtype, rtol=tol, atol=tol * sx, msg="dresidual")
+
+
+def _grad_scales(x, w, r, dy):
+    """Magnitudes of the terms the gradients are sums of (the results themselves may cancel to
+    ~0, e.g. dx of a 1-feature row is eps-small): dx ~ rstd * dy * w, dweight ~ sum |dy * n|."""
+    h = x.detach().double() + (r.detach().double() if r is not None else 0)
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    dyw = dy.double() * (w.detach().double() if w is not None else 1)
+    sx = (dyw * rstd).pow(2).mean().sqrt().item()
+    sw = (dy.double() * h * rstd).abs().reshape(-1, h.shape[-1]).sum(0).pow(2).mean().sqrt().item()
+    return sx, sw
+
+
+def test_strided_sequence_chunk_in_place_and_poisoned_outputs():
+    """[batch, seq-chunk, H] views (batch and seq strides do not merge, feature stride 2) are read
+    and written in place; elements outside the destination views stay NaN."""
+    g = torch.Generator().manual_seed(3)
+    B, S, H, lo, hi = 3, 11, 21, 2, 7
+    big_x = randn(B, S, 2 * H, generator=g)
+    x = big_x[:, lo:hi, ::2]
+    r = randn(B, S, H, generator=g)[:, lo:hi]
+    w = randn(H, generator=g)
+    y_big, h_big = poison((B, S, H), torch.float32), poison((B, S, H), torch.float32)
+    y, h, rstd = rms_norm_fwd(x, w, 1e-6, residual=r, out=y_big[:, lo:hi], residual_out=h_big[:, lo:hi])
+    ref_y, ref_h = rms_norm_reference(x, w, 1e-6, residual=r)
+    assert_close(y_big[:, lo:hi], ref_y, torch.float32, msg="y in place")
+    assert_close(h_big[:, lo:hi], ref_h, torch.float32, msg="h in place")
+    assert torch.isnan(torch.cat([y_big[:, :lo], y_big[:, hi:]], 1)).all(), "wrote outside the y view"
+    assert torch.isnan(torch.cat([h_big[:, :lo], h_big[:, hi:]], 1)).all(), "wrote outside the h view"
+    assert rstd.shape == (B * (hi - lo),) and rstd.dtype == torch.float32
+    # gradients through strided, non-contiguous leaves (autograd path)
+    xs = big_x.clone().requires_grad_()
+    out = rms_norm(xs[:, lo:hi, ::2], w.requires_grad_())
+    dy = randn(*out.shape, generator=g)
+    out.backward(dy)
+    _, gx, gw, _ = _ref_grads(x, w, None, dy, None, 1e-6)
+    assert_close(xs.grad[:, lo:hi, ::2], gx, torch.float32, msg="dx strided")
+    assert (xs.grad[:, lo:hi, 1::2] == 0).all() and (xs.grad[:, :lo] == 0).all()
+    assert_close(w.grad, gw, torch.float32, msg="dweight strided")
+
+
+def test_mixed_precision_residual_stream_and_no_weight():
+    """fp16 activations with an fp32 residual stream; elementwise_affine=False (no weight)."""
+    g = torch.Generator().manual_seed(5)
+    x = randn(4, 6, 40, dtype=torch.float16, generator=g).requires_grad_()
+    r = randn(4, 6, 40, dtype=torch.float32, generator=g).requires_grad_()
+    y, h = rms_norm(x, None, 1e-6, residual=r)
+    assert y.dtype == torch.float16 and h.dtype == torch.float32
+    ref_y, ref_h = rms_norm_reference(x, None, 1e-6, residual=r)
+    assert_close(y, ref_y, torch.float16)
+    assert_close(h, ref_h, torch.float16)  # x was fp16: the sum is exact in fp32 up to x's rounding
+    (y.float().sum() + 3 * h.sum()).backward()
+    assert x.grad.dtype == torch.float16 and r.grad.dtype == torch.float32
+    _, gx, _, gr = _ref_grads(x, None, r, torch.ones_like(y), torch.full_like(h, 3.0), 1e-6)
+    assert_close(r.grad, gr, torch.float16, rtol=GRAD_RTOL[torch.float16], msg="dresidual")
+    assert_close(x.grad, gx, torch.float16, rtol=GRAD_RTOL[torch.float16], msg="dx")
+
+
+def test_module_matches_reference_and_repr():
+    g = torch.Generator().manual_seed(9)
+    norm = RMSNorm(33, eps=1e-5, device=DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(randn(33, generator=g))
+    x = randn(2, 5, 33, generator=g)
+    assert_close(norm(x), rms_norm_reference(x, norm.weight, 1e-5), torch.float32)
+    y, h = norm(x, x)
+    assert_close(h, 2 * x.double(), torch.float32)
+    assert "33, eps=1e-05" in repr(norm)
+    assert RMSNorm(8, elementwise_affine=False).weight is None
+
+
+def test_bad_input_errors():
+    x = randn(3, 8)
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\), got \(7,\)"):
+        rms_norm(x, randn(7))
+    with pytest.raises(ValueError, match=r"residual must have shape \(3, 8\), got \(3, 9\)"):
+        rms_norm(x, randn(8), residual=randn(3, 9))
+    with pytest.raises(TypeError, match="x has unsupported dtype torch.int64"):
+        rms_norm(torch.ones(3, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        rms_norm(x, None, -1.0)
+    with pytest.raises(ValueError, match="non-empty hidden"):
+        rms_norm(torch.ones(3, 0))
+    with pytest.raises(ValueError, match=r"x must have 8 features in its last dim, got shape \(3, 9\)"):
+        RMSNorm(8)(randn(3, 9))
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        RMSNorm(0)
+
+
+
+def test_four_dim_input_and_unviewable_output():
+    g = torch.Generator().manual_seed(12)
+    x = randn(2, 3, 4, 10, generator=g).transpose(1, 2)  # 4-D, not viewable as [rows, H]: copied
+    w = randn(10, generator=g)
+    assert_close(rms_norm(x, w), rms_norm_reference(x, w), torch.float32)
+    with pytest.raises(ValueError, match=r"out of shape \(2, 4, 3, 10\) .* cannot be viewed"):
+        rms_norm_fwd(x, w, out=poison((2, 3, 4, 10), torch.float32).transpose(1, 2))
