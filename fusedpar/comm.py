@@ -24,6 +24,11 @@ ProcessGroup = dist.ProcessGroup
 
 _straggler = {"max_delay": 0.0, "rng": None}
 
+# torch 2.13 renamed the single-tensor collectives (all_gather_single / reduce_scatter_single) and
+# deprecated the old names; torch 2.11 has only the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def set_straggler(max_delay_s: float, seed: int = 0) -> None:
     """Sleep a random time in ``[0, max_delay_s)`` before every transfer started on this rank.
@@ -139,12 +144,12 @@ def ring_shift(send: torch.Tensor, recv: torch.Tensor, group: ProcessGroup | Non
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None) -> Handle:
     """``out`` (``[P * n, ...]`` contiguous) receives every rank's ``inp`` along dim 0."""
-    return _async_op(dist.all_gather_into_tensor, out, _contig(inp, "inp"), group=resolve_group(group))
+    return _async_op(_all_gather_tensor, out, _contig(inp, "inp"), group=resolve_group(group))
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None) -> Handle:
     """``out`` receives the sum over ranks of this rank's dim-0 block of ``inp``."""
-    return _async_op(dist.reduce_scatter_tensor, out, _contig(inp, "inp"), group=resolve_group(group))
+    return _async_op(_reduce_scatter_tensor, out, _contig(inp, "inp"), group=resolve_group(group))
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup | None = None) -> Handle:

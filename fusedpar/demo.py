@@ -17,7 +17,6 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 
 def _use_cuda(device: str) -> bool:
@@ -94,9 +93,6 @@ def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     use_cuda = _use_cuda(args.device)
     _setup_env(use_cuda)
-    # torch 2.13 deprecates the name of a collective fusedpar.comm calls (it still works): keep the log readable
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
     import torch
     import torch.distributed as dist
 
