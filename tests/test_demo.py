@@ -36,7 +36,7 @@ def test_demo_runs_under_torchrun():
 def test_demo_pipeline_path_pp2_x_tp2():
     """``--pp 2`` on 4 processes: two 1F1B pipeline stages (embedding + dense block | MoE block +
     head), tp2 inside each, experts over the stage's tp group; tiny sizes, two steps."""
-    out = _run_demo("--pp", "2", "--hidden", "16", "--experts", "2", "--top-k", "1")
+    out = _run_demo("--pp", "2", "--hidden", "16", "--heads", "2", "--experts", "2", "--top-k", "1")
     assert "world 4 = dp 1 x pp 2 x sp 1 x tp 2 (ep 2)" in out, out
 
 
