@@ -7,6 +7,13 @@ Layout (outermost to innermost, the last dimension varies fastest over global ra
 Tensor parallelism is innermost so that its ranks are neighbours (one NVLink island on GPU),
 pipeline stages are outermost (their traffic is the lightest).
 
+Hybrid (2-D) sequence parallelism splits the sp dimension into ``sp_ulysses`` (Ulysses all-to-all,
+the faster-varying part) x ``sp_ring = sp / sp_ulysses`` (ring attention):
+``sp_rank = ring_rank * sp_ulysses + ulysses_rank``. ``ulysses_group`` / ``ring_group`` are the
+two sub-groups of the sp group that :class:`~fusedpar.nn.ParallelAttention` takes with
+``sp_mode="hybrid"``; this ``sp_rank`` order is the token order of
+:func:`fusedpar.nn.shard_tokens` with ``ring_size=sp_ring``.
+
 Expert parallelism does not add a mesh dimension: it *folds over* the ranks that hold different
 tokens of one pipeline stage, i.e. the flattened ``(dp, sp, tp)`` ranks (tp fastest). ``ep`` must
 divide ``dp * sp * tp``; the expert-parallel group is a block of ``ep`` consecutive ranks in that
@@ -27,7 +34,10 @@ Gradient semantics (what :func:`sync_gradients` implements, and what DDP/FSDP2 r
 * ``"replicated"`` parameters (norm weights, router, embedding table, row-parallel biases: copies
   on every tp rank that each see only that rank's sequence shard) are summed over data x tp;
 * ``"expert"`` parameters are summed over the ``edp`` group.
-All three are then divided by the number of loss-holding ranks ``dp * sp``.
+All three are then divided by the number of loss-holding ranks ``dp * sp``. A DDP/FSDP2 wrapper
+over ``dp`` only (sp > 1) leaves the sequence part of that rule: ``"dense"`` (and, with ep == tp,
+``"expert"``) gradients summed over sp, ``"replicated"`` over sp x tp, then divided by ``sp``
+(``sync_gradients(..., data_parallel_done="dp")``).
 """
 from __future__ import annotations
 
@@ -65,6 +75,7 @@ class ParallelState:
     tp: int
     sp: int
     ep: int
+    sp_ulysses: int
     dp_rank: int
     pp_rank: int
     tp_rank: int
@@ -78,7 +89,22 @@ class ParallelState:
     edp_group: dist.ProcessGroup
     data_group: dist.ProcessGroup
     data_tp_group: dist.ProcessGroup
+    ulysses_group: dist.ProcessGroup
+    ring_group: dist.ProcessGroup
     device: torch.device
+
+    @property
+    def sp_ring(self) -> int:
+        """Ring size of the sp dimension: ``sp / sp_ulysses``."""
+        return self.sp // self.sp_ulysses
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.sp_rank % self.sp_ulysses
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sp_rank // self.sp_ulysses
 
     @property
     def data_size(self) -> int:
@@ -95,15 +121,17 @@ class ParallelState:
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The group named ``name`` (``dp``, ``pp``, ``tp``, ``sp``, ``ep``, ``edp``, ``data``,
-        ``data_tp``)."""
+        ``data_tp``, ``ulysses``, ``ring``)."""
         attr = f"{name}_group"
         if not hasattr(self, attr):
-            raise ValueError(f"unknown group name {name!r}; expected one of dp, pp, tp, sp, ep, edp, data, data_tp")
+            raise ValueError(f"unknown group name {name!r}; expected one of dp, pp, tp, sp, ep, edp, data, data_tp, "
+                             "ulysses, ring")
         return getattr(self, attr)
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp}, dp {self.dp_rank}/{self.dp}, "
-                f"sp {self.sp_rank}/{self.sp}, tp {self.tp_rank}/{self.tp}, ep {self.ep_rank}/{self.ep}")
+                f"sp {self.sp_rank}/{self.sp} (ulysses {self.sp_ulysses} x ring {self.sp_ring}), "
+                f"tp {self.tp_rank}/{self.tp}, ep {self.ep_rank}/{self.ep}")
 
 
 def _check_size(name: str, value) -> int:
@@ -115,11 +143,15 @@ def _check_size(name: str, value) -> int:
 
 
 def resolve_sizes(world_size: int, *, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1,
-                  ep: int = 1) -> dict:
+                  ep: int = 1, sp_ulysses: int = 1) -> dict:
     """Validate a layout against ``world_size`` (no communication); ``dp=None`` takes what is
-    left. Returns ``{"dp", "pp", "tp", "sp", "ep"}``."""
+    left. Returns ``{"dp", "pp", "tp", "sp", "ep", "sp_ulysses"}``."""
     world_size = _check_size("world_size", world_size)
-    pp, tp, sp, ep = (_check_size(n, v) for n, v in (("pp", pp), ("tp", tp), ("sp", sp), ("ep", ep)))
+    pp, tp, sp, ep, sp_ulysses = (_check_size(n, v) for n, v in (("pp", pp), ("tp", tp), ("sp", sp), ("ep", ep),
+                                                                  ("sp_ulysses", sp_ulysses)))
+    if sp % sp_ulysses:
+        raise ValueError(f"sp_ulysses={sp_ulysses} must divide sp={sp} (hybrid sequence parallelism splits sp into "
+                         "ulysses x ring)")
     inner = pp * tp * sp
     if dp is None:
         if world_size % inner:
@@ -139,7 +171,7 @@ def resolve_sizes(world_size: int, *, dp: int | None = None, pp: int = 1, tp: in
             f"ep={ep} must divide dp*sp*tp = {dp}*{sp}*{tp} = {tokens} (expert parallelism folds over the "
             "ranks of one pipeline stage)"
         )
-    return dict(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
+    return dict(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
 
 
 def _new_groups(blocks: Iterable[list[int]], rank: int, backend) -> dist.ProcessGroup:
@@ -159,7 +191,7 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1,
+def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1, sp_ulysses: int = 1,
                   backend: str | None = None, device: torch.device | str | None = None,
                   timeout_s: float = 300.0) -> ParallelState:
     """Build the parallel layout from the world.
@@ -174,7 +206,8 @@ def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 
         raise RuntimeError("torch.distributed is not available in this torch build")
     if not dist.is_initialized():
         world_env = int(os.environ.get("WORLD_SIZE", "1"))
-        resolve_sizes(world_env, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)  # fail before joining a world
+        # fail before joining a world
+        resolve_sizes(world_env, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
         backend = backend or _default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -188,18 +221,18 @@ def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 
                 f"WORLD_SIZE={world_env} but RANK/MASTER_ADDR are not set: launch with torchrun "
                 "(python -m torch.distributed.run --nproc-per-node N ...)"
             )
-    return build_parallel_state(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, device=device)
+    return build_parallel_state(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses, device=device)
 
 
 def build_parallel_state(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1,
-                         device: torch.device | str | None = None) -> ParallelState:
+                         sp_ulysses: int = 1, device: torch.device | str | None = None) -> ParallelState:
     """The layout over an already initialised default process group (every rank must call this,
     with the same sizes: it creates process groups)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call init_parallel() or init_process_group() first")
     world, rank = dist.get_world_size(), dist.get_rank()
-    s = resolve_sizes(world, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
-    dp, pp, tp, sp, ep = s["dp"], s["pp"], s["tp"], s["sp"], s["ep"]
+    s = resolve_sizes(world, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
+    dp, pp, tp, sp, ep, uly = s["dp"], s["pp"], s["tp"], s["sp"], s["ep"], s["sp_ulysses"]
     backend = dist.get_backend()
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -224,37 +257,60 @@ def build_parallel_state(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp:
     edp_group = _new_groups(edp_blocks, rank, None)
     data_tp_group = _new_groups(data_tp_blocks, rank, None)
 
+    # hybrid sequence parallelism: sp rank s = ring_rank * uly + ulysses_rank inside each sp group
+    sp_group = mesh["sp"].get_group()
+    sp_blocks = [[((p * dp + d) * sp + s) * tp + t for s in range(sp)]
+                 for p in range(pp) for d in range(dp) for t in range(tp)]
+    if uly == 1 or uly == sp:  # one of the two is the sp group itself, the other a single rank
+        single = dist.new_group([rank], use_local_synchronization=True)
+        ulysses_group, ring_group = (single, sp_group) if uly == 1 else (sp_group, single)
+    else:
+        ulysses_group = _new_groups([b[r * uly:(r + 1) * uly] for b in sp_blocks for r in range(sp // uly)], rank,
+                                    None)
+        ring_group = _new_groups([b[u::uly] for b in sp_blocks for u in range(uly)], rank, None)
+
     return ParallelState(
         mesh=mesh, data_mesh=data_mesh, world_size=world, rank=rank,
-        dp=dp, pp=pp, tp=tp, sp=sp, ep=ep,
+        dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=uly,
         dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, sp_rank=sp_rank, ep_rank=(rank % stage) % ep,
         dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group(), tp_group=mesh["tp"].get_group(),
-        sp_group=mesh["sp"].get_group(), ep_group=ep_group, edp_group=edp_group,
-        data_group=data_mesh.get_group(), data_tp_group=data_tp_group, device=device,
+        sp_group=sp_group, ep_group=ep_group, edp_group=edp_group,
+        data_group=data_mesh.get_group(), data_tp_group=data_tp_group, ulysses_group=ulysses_group,
+        ring_group=ring_group, device=device,
     )
 
 
 def sync_gradients(named_params: Iterable[tuple[str, torch.nn.Parameter]], state: ParallelState,
-                   plan: Mapping[str, str] | None = None, *, data_parallel_done: bool = False,
+                   plan: Mapping[str, str] | None = None, *, data_parallel_done: bool | str = False,
                    bucket_numel: int = 1 << 22) -> None:
     """Reduce gradients in place by the rules in this module's docstring (a manual data-parallel
-    step; use it instead of DDP when sp or ep > 1). ``plan`` maps parameter names to ``"dense"``
-    (the default), ``"replicated"`` or ``"expert"``; a model's ``gradient_sync_plan()`` gives it.
+    step, or what is left of one after a DDP/FSDP2 wrapper). ``plan`` maps parameter names to
+    ``"dense"`` (the default), ``"replicated"`` or ``"expert"``; a model's ``gradient_sync_plan()`` gives it.
     Gradients are flattened into fp32 buckets per group, all-reduced, scaled by
     ``1 / (dp * sp)`` and copied back. Parameters without a gradient are skipped.
 
-    ``data_parallel_done=True`` is for models wrapped in DDP or FSDP2 over the data group (which
-    already averaged every gradient over it): only the ``"replicated"`` gradients are then summed
-    over the tp group (FSDP2's sharded DTensor gradients are reduced shard by shard). Expert
-    gradients are right after DDP/FSDP only when their copies are exactly the data group
-    (``ep == tp``: the experts are split over the tp group); other layouts raise.
+    ``data_parallel_done=True`` (or ``"data"``) is for models wrapped in DDP or FSDP2 over the
+    data group ``dp x sp`` (which already averaged every gradient over it): only the
+    ``"replicated"`` gradients are then summed over the tp group (FSDP2's sharded DTensor gradients
+    are reduced shard by shard). ``data_parallel_done="dp"`` is for a wrapper over the ``dp``
+    group only: the sequence-parallel rule is then applied here — ``"dense"`` and ``"expert"``
+    gradients summed over sp, ``"replicated"`` over sp then tp, all divided by ``sp`` (with sp = 1
+    it is the same as ``True``). Expert gradients are right after DDP/FSDP only when their copies
+    are exactly the data group (``ep == tp``: the experts are split over the tp group); other
+    layouts raise.
     """
     plan = dict(plan or {})
-    if data_parallel_done:
-        groups = {"dense": None, "replicated": state.tp_group, "expert": None}
+    if data_parallel_done not in (False, True, "data", "dp"):
+        raise ValueError(f"data_parallel_done must be False, True, 'data' or 'dp', got {data_parallel_done!r}")
+    if data_parallel_done == "dp":
+        sp = (state.sp_group,)
+        groups = {"dense": sp, "replicated": sp + (state.tp_group,), "expert": sp}
+        scale = 1.0 / state.sp
+    elif data_parallel_done:
+        groups = {"dense": (), "replicated": (state.tp_group,), "expert": ()}
         scale = 1.0
     else:
-        groups = {"dense": state.data_group, "replicated": state.data_tp_group, "expert": state.edp_group}
+        groups = {"dense": (state.data_group,), "replicated": (state.data_tp_group,), "expert": (state.edp_group,)}
         scale = 1.0 / state.data_size
     by_kind: dict[str, list[torch.Tensor]] = {k: [] for k in GRAD_KINDS}
     for name, p in named_params:
@@ -270,18 +326,16 @@ def sync_gradients(named_params: Iterable[tuple[str, torch.nn.Parameter]], state
             f"tp ({state.tp}); use sync_gradients(..., data_parallel_done=False) without a DDP/FSDP wrapper"
         )
     for kind, grads in by_kind.items():
-        group = groups[kind]
-        if group is None:
-            continue
-        trivial = comm.group_size(group) == 1
+        kind_groups = [g for g in groups[kind] if comm.group_size(g) > 1]
         for bucket in _buckets(grads, bucket_numel):
-            if trivial:
+            if not kind_groups:
                 if scale != 1.0:
                     for g in bucket:
                         g.mul_(scale)
                 continue
             flat = torch.cat([g.reshape(-1).to(torch.float32) for g in bucket])
-            comm.all_reduce(flat, group).wait()
+            for group in kind_groups:  # sp then tp: the sum over the sp x tp grid
+                comm.all_reduce(flat, group).wait()
             flat.mul_(scale)
             off = 0
             for g in bucket:

@@ -43,11 +43,12 @@ def reference(config, tokens, targets, seed=0):
 
 
 def local_batch(tokens, targets, state, layout="zigzag"):
-    """This rank's piece of a global batch: rows by dp rank, then the sequence by sp and tp."""
+    """This rank's piece of a global batch: rows by dp rank, then the sequence by sp (ring x
+    ulysses) and tp."""
     B = tokens.shape[0]
     rows = slice(state.dp_rank * B // state.dp, (state.dp_rank + 1) * B // state.dp)
     return shard_tokens(tokens[rows], targets[rows], sp_size=state.sp, sp_rank=state.sp_rank, tp_size=state.tp,
-                        tp_rank=state.tp_rank, layout=layout)
+                        tp_rank=state.tp_rank, layout=layout, ring_size=state.sp_ring)
 
 
 def data_mean(loss, state):

@@ -4,6 +4,8 @@ the one-process model (loss and every gradient):
 * tensor x sequence (ring attention) x expert parallelism: sp2 x tp2 with MoE over ep4;
 * DDP over dp with tensor parallelism inside (dp2 x tp2);
 * FSDP2 (``fully_shard`` over the dp mesh dimension) with tensor parallelism inside;
+* hybrid sequence parallelism (ulysses2 x ring2) in the Transformer;
+* DDP and FSDP2 over dp with ring attention inside (dp2 x sp2; the sp reduction by sync_gradients);
 * activation checkpointing of every block, manual gradient sync;
 * torch.distributed.pipelining with TP inside each stage: GPipe, 1F1B, interleaved 1F1B;
 * DCP: save at tp2 (ep2), load at tp4 (ep4), same weights and same loss.
@@ -111,6 +113,70 @@ def test_ddp_fsdp2_and_activation_checkpointing_match_one_process(world4):
     out = world4.run(_ddp_fsdp_checkpointing, *reference(config, *batch(1, B, S, config.vocab_size)))
     n_params = len(list(Transformer(config).parameters()))
     assert all(c == {"ddp": n_params, "fsdp2": n_params, "checkpointing": n_params} for c in out), out
+
+
+def _sequence_parallel_compositions(rank, size, ref_loss, ref_grads):
+    """Hybrid sequence parallelism (ulysses 2 x ring 2) in the Transformer; DDP and FSDP2 over dp
+    with ring attention over sp inside (dp2 x sp2)."""
+    import dataclasses
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    config = tiny_config(num_layers=1)
+    tokens, targets = batch(1, B, S, config.vocab_size)
+    checked = {}
+
+    # hybrid: sp4 = ring 2 x ulysses 2 (ulysses ranks neighbours); manual gradient sync over sp
+    state = build_parallel_state(sp=4, sp_ulysses=2)
+    assert (state.sp_ring, comm.group_size(state.ulysses_group), comm.group_size(state.ring_group)) == (2, 2, 2)
+    assert (state.ring_rank, state.ulysses_rank) == divmod(rank, 2)
+    hybrid = dataclasses.replace(config, sp_mode="hybrid")
+    model = Transformer(hybrid, tp_group=state.tp_group, ulysses_group=state.ulysses_group,
+                        ring_group=state.ring_group, ep_group=state.ep_group)
+    attn = model.layers["0"].attn
+    assert attn.sp_mode == "hybrid" and (attn.ring_size, attn.ulysses_size) == (2, 2)
+    full_pos = torch.arange(S)[None].expand(B, S)
+    pos, _ = local_batch(full_pos, full_pos, state)  # shard_tokens' hybrid order = the attention's
+    assert torch.equal(pos[0], attn.local_positions(S)), (pos[0], attn.local_positions(S))
+    ids, tgt = local_batch(tokens, targets, state)
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="hybrid sp loss")
+    checked["hybrid"] = compare_grads(model, ref_grads, "hybrid ulysses2 x ring2")
+
+    # dp2 x sp2 (ring attention), tp1: the wrappers reduce over dp only, sync_gradients adds sp
+    state = build_parallel_state(dp=2, sp=2)
+    assert comm.group_size(state.dp_group) == 2 and comm.group_size(state.data_group) == 4
+    ids, tgt = local_batch(tokens, targets, state)
+    model = _tp_model(config, state)
+    ddp = DDP(model, process_group=state.dp_group)
+    loss = model.loss(ddp(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done="dp")
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="DDP dp2 x sp2 loss")
+    checked["ddp"] = compare_grads(model, ref_grads, "DDP dp2 x sp2")
+
+    model = _tp_model(config, state)
+    for block in model.layers.values():
+        fully_shard(block, mesh=state.mesh["dp"])
+    fully_shard(model, mesh=state.mesh["dp"])
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done="dp")
+    full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # gather the dp shards
+    model.unshard()
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="FSDP2 dp2 x sp2 loss")
+    checked["fsdp2"] = compare_grads(model, ref_grads, "FSDP2 dp2 x sp2", grads=full)
+    return checked
+
+
+def test_hybrid_sp_and_ddp_fsdp2_with_sequence_parallel_match_one_process(world4):
+    config = tiny_config(num_layers=1)
+    out = world4.run(_sequence_parallel_compositions, *reference(config, *batch(1, B, S, config.vocab_size)))
+    n_params = len(list(Transformer(config).parameters()))
+    assert all(c == {"hybrid": n_params, "ddp": n_params, "fsdp2": n_params} for c in out), out
 
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2)]
@@ -254,6 +320,13 @@ def test_vocab_parallel_loss_and_layout_helpers_single_process():
     tok = torch.arange(16).reshape(2, 8)
     ids, tgt = shard_tokens(tok, tok + 100, sp_size=2, sp_rank=1, tp_size=2, tp_rank=1)
     assert ids.tolist() == [[4, 5], [12, 13]] and tgt.tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
+    # hybrid sp4 = ring 2 x ulysses 2: zigzag over the 2 ring ranks, each ring shard in 2 pieces
+    ids, tgt = shard_tokens(tok, tok, sp_size=4, sp_rank=1, tp_size=1, tp_rank=0, ring_size=2)
+    assert ids.tolist() == [[6, 7], [14, 15]] and tgt.tolist() == ids.tolist()
+    ids, _ = shard_tokens(tok, tok, sp_size=4, sp_rank=1, tp_size=1, tp_rank=0, ring_size=1)  # ulysses
+    assert ids.tolist() == [[2, 3], [10, 11]]
+    with pytest.raises(ValueError, match="ring_size must be a positive int dividing sp_size=4, got 3"):
+        shard_tokens(tok, tok, sp_size=4, sp_rank=0, tp_size=1, tp_rank=0, ring_size=3)
     with pytest.raises(ValueError, match=r"seq_len=8 must be divisible by sp \* tp \(3\)"):
         shard_tokens(tok, tok, sp_size=3, sp_rank=0, tp_size=1, tp_rank=0)
     with pytest.raises(ValueError, match="num_layers must be a positive int"):

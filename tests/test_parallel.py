@@ -14,7 +14,7 @@ def _members(group):
     return dist.get_process_group_ranks(group)
 
 
-def _expected(rank, pp, dp, sp, tp, ep):
+def _expected(rank, pp, dp, sp, tp, ep, uly=1):
     """Group members from the documented layout formula, computed independently of the mesh."""
     coords = {}
     for r in range(pp * dp * sp * tp):
@@ -28,16 +28,19 @@ def _expected(rank, pp, dp, sp, tp, ep):
     local = rank % stage
     ep_block = [p * stage + (local // ep) * ep + j for j in range(ep)]
     edp = [p * stage + b * ep + local % ep for b in range(stage // ep)]
+    sp_members = same((0, 1, 3))  # ordered by sp rank; sp rank = ring rank * uly + ulysses rank
     return dict(
-        tp=same((0, 1, 2)), sp=same((0, 1, 3)), dp=same((0, 2, 3)), pp=same((1, 2, 3)),
+        tp=same((0, 1, 2)), sp=sp_members, dp=same((0, 2, 3)), pp=same((1, 2, 3)),
         data=same((0, 3)), data_tp=same((0,)), ep=ep_block, edp=edp,
+        ulysses=[r for i, r in enumerate(sp_members) if i // uly == s // uly],
+        ring=[r for i, r in enumerate(sp_members) if i % uly == s % uly],
         coord=dict(pp_rank=p, dp_rank=d, sp_rank=s, tp_rank=t, ep_rank=local % ep),
     )
 
 
 LAYOUTS = [
     dict(dp=2, tp=2), dict(pp=2, tp=2), dict(sp=2, tp=2, ep=2), dict(dp=2, sp=2, ep=4), dict(dp=4, ep=2),
-    dict(pp=4),
+    dict(pp=4), dict(sp=4, sp_ulysses=2), dict(dp=2, sp=2, sp_ulysses=2), dict(sp=2, tp=2, sp_ulysses=2),
 ]
 
 
@@ -45,12 +48,14 @@ def _layouts(rank, size):
     for layout in LAYOUTS:
         st = build_parallel_state(**layout)
         full = resolve_sizes(size, **layout)
-        exp = _expected(rank, full["pp"], full["dp"], full["sp"], full["tp"], full["ep"])
-        for name in ("tp", "sp", "dp", "pp", "data", "data_tp", "ep", "edp"):
+        exp = _expected(rank, full["pp"], full["dp"], full["sp"], full["tp"], full["ep"], full["sp_ulysses"])
+        for name in ("tp", "sp", "dp", "pp", "data", "data_tp", "ep", "edp", "ulysses", "ring"):
             assert _members(st.group(name)) == exp[name], (layout, name, _members(st.group(name)), exp[name])
         for k, v in exp["coord"].items():
             assert getattr(st, k) == v, (layout, k)
         assert (st.dp, st.pp, st.tp, st.sp, st.ep) == tuple(full[k] for k in ("dp", "pp", "tp", "sp", "ep"))
+        assert (st.ring_rank, st.ulysses_rank) == divmod(st.sp_rank, st.sp_ulysses)
+        assert st.sp_ring * st.sp_ulysses == st.sp
         assert st.mesh.mesh_dim_names == ("pp", "dp", "sp", "tp")
         assert st.mesh["tp"].size() == st.tp and st.data_mesh.size() == st.dp * st.sp
         assert st.is_first_stage == (st.pp_rank == 0) and st.is_last_stage == (st.pp_rank == st.pp - 1)
@@ -84,6 +89,15 @@ def _sync_rules(rank, size):
     sync_gradients(params.items(), st, {k: k for k in kinds}, data_parallel_done=True)
     tp_sum = sum(r + 1 for r in _members(st.tp_group))
     assert [params[k].grad[0].item() for k in kinds] == [rank + 1, tp_sum, rank + 1]
+    with pytest.raises(ValueError, match="data_parallel_done must be False, True, 'data' or 'dp', got 'tp'"):
+        sync_gradients(params.items(), st, {k: k for k in kinds}, data_parallel_done="tp")
+    # a wrapper over dp only, sp > 1: dense/expert summed over sp, replicated over sp then tp, / sp
+    st_sp = build_parallel_state(dp=2, sp=2)  # tp1: ep == tp == 1
+    for p in params.values():
+        p.grad = torch.full((3,), float(rank + 1))
+    sync_gradients(params.items(), st_sp, {k: k for k in kinds}, data_parallel_done="dp")
+    sp_mean = sum(r + 1 for r in _members(st_sp.sp_group)) / 2
+    assert [params[k].grad[0].item() for k in kinds] == [sp_mean] * 3
     with pytest.raises(ValueError, match="gradient kind of 'x' must be one of"):
         sync_gradients([("x", params["dense"])], st, {"x": "bogus"})
     st4 = build_parallel_state(dp=2, tp=2, ep=4)  # edp has one member: experts sum over nothing
@@ -110,6 +124,8 @@ def _bad_sizes(rank, size):
         build_parallel_state(tp=0)
     with pytest.raises(TypeError, match="pp must be a positive int, got float 2.0"):
         build_parallel_state(pp=2.0)
+    with pytest.raises(ValueError, match="sp_ulysses=3 must divide sp=2"):
+        build_parallel_state(sp=2, sp_ulysses=3)
     with pytest.raises(ValueError, match="unknown group name 'xp'"):
         build_parallel_state(tp=2).group("xp")
     # the world still works after the rejected layouts (nothing half-built, no hang)
@@ -123,7 +139,7 @@ def test_bad_sizes_clear_errors_on_every_rank(world4):
 
 
 def test_resolve_sizes_without_a_world():
-    assert resolve_sizes(8, pp=2, tp=2) == dict(dp=2, pp=2, tp=2, sp=1, ep=1)
+    assert resolve_sizes(8, pp=2, tp=2) == dict(dp=2, pp=2, tp=2, sp=1, ep=1, sp_ulysses=1)
     assert resolve_sizes(8, dp=2, sp=2, tp=2, ep=8)["ep"] == 8
     with pytest.raises(ValueError, match="dp must be a positive int, got -1"):
         resolve_sizes(4, dp=-1)

@@ -15,7 +15,11 @@ sequence parallelism over tp, context parallelism over sp). Inside a block:
 The token sequence is put into the sp layout at the input (:func:`shard_tokens`): with ring
 attention in ``"zigzag"`` layout sp rank ``i`` holds chunks ``i`` and ``2*sp-1-i`` of ``2*sp``
 chunks (balanced causal work), then tp splits that rank's tokens contiguously. The loss uses the
-same permutation for the targets, so nothing has to be un-permuted.
+same permutation for the targets, so nothing has to be un-permuted. With ``sp_mode="hybrid"``
+the zigzag runs over the ``ring_size`` ring ranks and each ring shard is split into
+``sp / ring_size`` contiguous Ulysses pieces (sp rank ``ring_rank * ulysses_size + ulysses_rank``),
+the layout :func:`fusedpar.ops.hybrid_attention` documents; ``sp_mode="ulysses"`` is
+``ring_size=1`` (contiguous).
 
 The output head is column-parallel over the vocabulary; :func:`vocab_parallel_cross_entropy`
 computes the loss without gathering the logits. Every rank of a tp group ends with the same loss
@@ -99,17 +103,24 @@ def sequence_order(seq_len: int, sp: int, layout: str) -> torch.Tensor:
 
 
 def shard_tokens(tokens: torch.Tensor, targets: torch.Tensor, *, sp_size: int, sp_rank: int, tp_size: int,
-                 tp_rank: int, layout: str = "zigzag"):
+                 tp_rank: int, layout: str = "zigzag", ring_size: int | None = None):
     """Split a full ``[batch, seq]`` batch into this rank's pieces: the input ids
     ``[batch, seq / (sp*tp)]`` (sequence-parallel over sp, then tp) and the targets of the whole
     sp shard ``[batch, seq / sp]`` (the vocabulary-parallel loss covers all tokens of a tp group).
+
+    ``ring_size`` is the number of ring-attention ranks in sp (default ``sp_size``: pure ring;
+    ``1`` for Ulysses; ``sp / sp_ulysses`` for hybrid with ``sp_rank = ring_rank * sp_ulysses +
+    ulysses_rank``): ``layout`` applies over the ring ranks, each ring shard splits contiguously.
     """
     if tokens.dim() != 2 or targets.shape != tokens.shape:
         raise ValueError(f"tokens and targets must both be [batch, seq], got {tuple(tokens.shape)} and "
                          f"{tuple(targets.shape)}")
+    ring_size = sp_size if ring_size is None else ring_size
+    if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size <= 0 or sp_size % ring_size:
+        raise ValueError(f"ring_size must be a positive int dividing sp_size={sp_size}, got {ring_size!r}")
     S = tokens.shape[1]
     comm.check_divisible("seq_len", S, sp_size * tp_size, "sp * tp")
-    order = sequence_order(S, sp_size, layout).to(tokens.device)
+    order = sequence_order(S, ring_size, layout).to(tokens.device)
     n_sp = S // sp_size
     sp_idx = order[sp_rank * n_sp:(sp_rank + 1) * n_sp]
     n_tp = n_sp // tp_size
@@ -209,10 +220,14 @@ class TransformerBlock(nn.Module):
     ``num_experts > 0`` replaces the dense :class:`ParallelMLP` with a :class:`MoE` over
     ``ep_group``; its router losses (``self.mlp.aux_loss``) are attached to the backward with
     weight ``aux_loss_scale`` when that is non-zero.
+
+    ``sp_mode="hybrid"`` takes ``ulysses_group`` and ``ring_group`` (e.g. a
+    :class:`~fusedpar.parallel.ParallelState`'s) instead of ``sp_group``.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
-                 tp_group=None, sp_group=None, ep_group=None, sp_mode: str = "ring", layout: str = "zigzag",
+                 tp_group=None, sp_group=None, ep_group=None, ulysses_group=None, ring_group=None,
+                 sp_mode: str = "ring", layout: str = "zigzag",
                  causal: bool = True, activation: str = "swiglu", eps: float = 1e-6, num_experts: int = 0,
                  top_k: int = 2, capacity_factor: float | None = None, aux_loss_coef: float = 1e-2,
                  z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None):
@@ -221,7 +236,7 @@ class TransformerBlock(nn.Module):
         self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
         self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
                                       sp_mode=sp_mode, causal=causal, bias=False, layout=layout,
-                                      device=device, dtype=dtype)
+                                      ulysses_group=ulysses_group, ring_group=ring_group, device=device, dtype=dtype)
         self.norm2 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
         self.is_moe = num_experts > 0
         if self.is_moe:
@@ -251,17 +266,24 @@ class Transformer(nn.Module):
     ``self.layers`` (a ``ModuleDict`` keyed by the global index), so parameter names — and
     checkpoints — do not depend on the pipeline split.
 
+    With ``config.sp_mode == "hybrid"`` pass ``ulysses_group`` and ``ring_group`` (a
+    :class:`~fusedpar.parallel.ParallelState` built with ``sp_ulysses`` has them) instead of
+    ``sp_group``; the input ids then come from :func:`shard_tokens` with ``ring_size`` = the ring
+    group's size.
+
     Initialisation does not depend on the parallel layout: every block is initialised from a
     generator seeded with ``seed + layer`` (embedding ``seed - 1``, head ``seed - 2``), so a
     one-process model and any split of it hold the same full weights.
     """
 
     def __init__(self, config: TransformerConfig, *, tp_group=None, sp_group=None, ep_group=None,
-                 layers: Iterable[int] | None = None, embed: bool = True, head: bool = True, seed: int = 0,
+                 ulysses_group=None, ring_group=None, layers: Iterable[int] | None = None, embed: bool = True,
+                 head: bool = True, seed: int = 0,
                  activation_checkpointing: bool = False, aux_loss_scale: float = 0.0, device=None, dtype=None):
         super().__init__()
         self.config = config
         self.tp_group, self.sp_group, self.ep_group = tp_group, sp_group, ep_group
+        self.ulysses_group, self.ring_group = ulysses_group, ring_group
         tp = comm.group_size(tp_group)
         comm.check_divisible("vocab_size", config.vocab_size, tp, "the tensor-parallel group size")
         self.activation_checkpointing = bool(activation_checkpointing)
@@ -282,6 +304,7 @@ class Transformer(nn.Module):
                     config.hidden_size, config.num_heads,
                     (config.moe_ffn_hidden_size or config.ffn_hidden_size) if moe else config.ffn_hidden_size,
                     num_kv_heads=config.num_kv_heads, tp_group=tp_group, sp_group=sp_group, ep_group=ep_group,
+                    ulysses_group=ulysses_group, ring_group=ring_group,
                     sp_mode=config.sp_mode, layout=config.layout, causal=config.causal,
                     activation=config.activation, eps=config.norm_eps, num_experts=config.num_experts if moe else 0,
                     top_k=config.top_k, capacity_factor=config.capacity_factor,
