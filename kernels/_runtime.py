@@ -33,6 +33,26 @@ def shared_memory_limit(device_index: int) -> int:
     return int(props["max_shared_mem"])
 
 
+def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int, dims: dict):
+    """GEMM tile configs worth autotuning: the pipelined A and B tiles fit in shared memory,
+    ``(BLOCK_M*BLOCK_K + b_tiles*BLOCK_K*BLOCK_N) * elem_size * num_stages <= smem_limit``
+    (``b_tiles=2`` for gated epilogues, which stream gate and up columns), and no tile is more
+    than twice the problem along a dim of ``dims`` (``{"BLOCK_M": M, ...}``; tiles of 32 or less
+    always pass): a 256-wide tile on a 40-wide output only wastes work. Never empty: when nothing
+    qualifies, the smallest tile is kept."""
+    import triton
+
+    kept = []
+    for cfg in configs:
+        bm, bn, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]
+        if (bm * bk + b_tiles * bk * bn) * elem_size * cfg.num_stages > smem_limit:
+            continue
+        if any(cfg.kwargs[k] > 2 * triton.next_power_of_2(n) and cfg.kwargs[k] > 32 for k, n in dims.items()):
+            continue
+        kept.append(cfg)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
 def check_buffer(name: str, t, shape, device: torch.device, dtype: torch.dtype | None = None):
     """An output or state buffer a launcher writes: a tensor of ``shape`` on ``device`` with a
     supported dtype (``dtype`` exactly, when given). Clear errors naming ``name`` otherwise."""

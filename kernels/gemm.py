@@ -24,6 +24,7 @@ from ._runtime import (
     check_supported_dtype,
     interpreting,
     needs_upcast,
+    prune_tile_configs,
     shared_memory_limit,
 )
 
@@ -222,26 +223,13 @@ def gpu_configs():
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop configs whose pipelined tiles overflow shared memory, or that are far larger than
-    the problem (a 256-wide tile on a 40-wide output only wastes work)."""
     a = named_args["a_ptr"]
-    elem = a.element_size()
     glu = kwargs.get("GLU", named_args.get("GLU", False))
-    limit = shared_memory_limit(a.device.index or 0)
-    M, N = named_args["M"], named_args["N"]
-    kept = []
-    for cfg in configs:
-        bm, bn, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]
-        b_tiles = 2 if glu else 1
-        smem = (bm * bk + b_tiles * bk * bn) * elem * cfg.num_stages
-        if smem > limit:
-            continue
-        if bm > 2 * triton.next_power_of_2(M) and bm > 32:
-            continue
-        if bn > 2 * triton.next_power_of_2(N) and bn > 32:
-            continue
-        kept.append(cfg)
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return prune_tile_configs(
+        configs, elem_size=a.element_size(), b_tiles=2 if glu else 1,
+        smem_limit=shared_memory_limit(a.device.index or 0),
+        dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]},
+    )
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,7 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_buffer, check_device_usable, check_supported_dtype, interpreting, needs_upcast, shared_memory_limit
+from ._runtime import (
+    check_buffer,
+    check_device_usable,
+    check_supported_dtype,
+    interpreting,
+    needs_upcast,
+    prune_tile_configs,
+    shared_memory_limit,
+)
 from .gemm import ACTIVATIONS, activation_reference
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -351,24 +359,13 @@ def _wgrad_gpu_configs():
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles that overflow shared memory or are far larger than the output."""
     x = named_args.get("x_ptr", named_args.get("dy_ptr"))
-    elem = x.element_size()
-    limit = shared_memory_limit(x.device.index or 0)
-    N, K = named_args["N"], named_args["K"]
     glu = kwargs.get("GLU", named_args.get("GLU", False))
-    kept = []
-    for cfg in configs:
-        bm, bn, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]
-        smem = (bm * bk + (2 if glu else 1) * bk * bn) * elem * cfg.num_stages
-        if smem > limit:
-            continue
-        if bn > 2 * triton.next_power_of_2(N) and bn > 32:
-            continue
-        if bk > 2 * triton.next_power_of_2(K) and bk > 32:
-            continue
-        kept.append(cfg)
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return prune_tile_configs(
+        configs, elem_size=x.element_size(), b_tiles=2 if glu else 1,
+        smem_limit=shared_memory_limit(x.device.index or 0),
+        dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]},
+    )
 
 
 @functools.lru_cache(maxsize=None)

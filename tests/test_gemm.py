@@ -4,6 +4,8 @@ import torch
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
 from fusedpar.kernels import ACTIVATIONS, matmul, matmul_reference, matmul_tn
+from fusedpar.kernels._runtime import prune_tile_configs
+from fusedpar.kernels.gemm import gpu_configs
 
 SHAPES = [(1, 1, 1), (7, 33, 19), (33, 7, 65), (127, 1, 40), (257, 129, 31), (64, 64, 64), (2, 257, 16)]
 
@@ -153,3 +155,26 @@ def test_bad_input_errors():
         matmul(a, meta)
     with pytest.raises(TypeError, match="a must be a torch.Tensor"):
         matmul([[1.0]], w)
+
+
+def test_gpu_config_pruning_by_shared_memory_and_problem_size():
+    """The autotuner's candidate list (GPU only) is pruned on the host: checked here on CPU."""
+    configs = gpu_configs()
+
+    def smem(c, b_tiles):
+        k = c.kwargs
+        return (k["BLOCK_M"] * k["BLOCK_K"] + b_tiles * k["BLOCK_K"] * k["BLOCK_N"]) * 2 * c.num_stages
+
+    limit = 160 * 1024
+    big = prune_tile_configs(configs, elem_size=2, b_tiles=1, smem_limit=limit, dims={"BLOCK_M": 8192, "BLOCK_N": 8192})
+    assert big and all(smem(c, 1) <= limit for c in big)
+    assert [c for c in configs if smem(c, 1) <= limit] == big
+    gated = prune_tile_configs(configs, elem_size=2, b_tiles=2, smem_limit=limit, dims={"BLOCK_M": 8192, "BLOCK_N": 8192})
+    assert all(smem(c, 2) <= limit for c in gated) and len(gated) < len(big)
+    narrow = prune_tile_configs(configs, elem_size=2, b_tiles=1, smem_limit=limit, dims={"BLOCK_M": 8192, "BLOCK_N": 40})
+    # N=40 rounds up to 64: tiles up to 2 * 64 = 128 wide stay, the 256-wide ones go
+    assert any(c.kwargs["BLOCK_N"] == 256 for c in big)
+    assert narrow and all(c.kwargs["BLOCK_N"] <= 128 for c in narrow)
+    assert [c for c in big if c.kwargs["BLOCK_N"] <= 128] == narrow
+    tiny = prune_tile_configs(configs, elem_size=4, b_tiles=2, smem_limit=1024, dims={"BLOCK_M": 1, "BLOCK_N": 1})
+    assert len(tiny) == 1 and tiny[0] is min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
