@@ -87,6 +87,17 @@ class MoEPlan:
         start = sum(sum(s) for s in self.recv_splits[:c])
         return start, sum(self.recv_splits[c])
 
+    def dispatch_chunks(self, recv: torch.Tensor, send: torch.Tensor) -> list:
+        """Post every chunk's all-to-all-v from token-side ``send`` to expert-side ``recv`` at once;
+        returns one handle per chunk, to be waited on right before that chunk is computed."""
+        handles = []
+        for c in range(self.num_chunks):
+            s0, sn = self.send_rows(c)
+            r0, rn = self.recv_rows(c)
+            handles.append(comm.all_to_all(recv[r0:r0 + rn], send[s0:s0 + sn], self.recv_splits[c],
+                                           self.send_splits[c], self.group))
+        return handles
+
     @property
     def num_kept(self) -> int:
         """Token-side kept rows (a host int: only for ``ep > 1``, where it is known anyway)."""
@@ -287,12 +298,7 @@ class _EPExpertsFn(torch.autograd.Function):
         H = x_perm.shape[1]
         R = plan.num_expert_rows
         recv = x_perm.new_empty((R, H))
-        handles = []
-        for c in range(C):  # all chunks in flight at once; compute waits on each in turn
-            s0, sn = plan.send_rows(c)
-            r0, rn = plan.recv_rows(c)
-            handles.append(comm.all_to_all(recv[r0:r0 + rn], x_perm[s0:s0 + sn], plan.recv_splits[c],
-                                           plan.send_splits[c], grp))
+        handles = plan.dispatch_chunks(recv, x_perm)  # all in flight; compute waits on each in turn
         y_perm = x_perm.new_empty((plan.num_rows, H))
         y_perm[plan.num_kept:].zero_()
         y_exp = x_perm.new_empty((R, H))
@@ -320,12 +326,7 @@ class _EPExpertsFn(torch.autograd.Function):
         gy_perm = gy_perm.contiguous()
         C, H, R = plan.num_chunks, gy_perm.shape[1], recv.shape[0]
         g_recv = gy_perm.new_empty((R, H))
-        handles = []
-        for c in range(C):  # output gradients travel like the dispatch
-            s0, sn = plan.send_rows(c)
-            r0, rn = plan.recv_rows(c)
-            handles.append(comm.all_to_all(g_recv[r0:r0 + rn], gy_perm[s0:s0 + sn], plan.recv_splits[c],
-                                           plan.send_splits[c], grp))
+        handles = plan.dispatch_chunks(g_recv, gy_perm)  # output gradients travel like the dispatch
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         dw1 = torch.zeros(w1.shape, device=w1.device, dtype=torch.float32) if need_w else None
         dw2 = torch.zeros(w2.shape, device=w2.device, dtype=torch.float32) if need_w else None
