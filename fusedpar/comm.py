@@ -125,7 +125,7 @@ def send_recv(
     group = resolve_group(group)
     ops = []
     if send is not None:
-        ops.append(dist.P2POp(dist.isend, _contig(send, "send"), global_rank(group, dst), group))
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), global_rank(group, dst), group))
     if recv is not None:
         if not recv.is_contiguous():
             raise ValueError("send_recv: recv buffer must be contiguous")
@@ -144,12 +144,12 @@ def ring_shift(send: torch.Tensor, recv: torch.Tensor, group: ProcessGroup | Non
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None) -> Handle:
     """``out`` (``[P * n, ...]`` contiguous) receives every rank's ``inp`` along dim 0."""
-    return _async_op(_all_gather_tensor, out, _contig(inp, "inp"), group=resolve_group(group))
+    return _async_op(_all_gather_tensor, out, inp.contiguous(), group=resolve_group(group))
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None) -> Handle:
     """``out`` receives the sum over ranks of this rank's dim-0 block of ``inp``."""
-    return _async_op(_reduce_scatter_tensor, out, _contig(inp, "inp"), group=resolve_group(group))
+    return _async_op(_reduce_scatter_tensor, out, inp.contiguous(), group=resolve_group(group))
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup | None = None) -> Handle:
@@ -168,15 +168,11 @@ def all_to_all(
 ) -> Handle:
     """All-to-all(-v) along dim 0; splits are row counts per rank (``None``: equal blocks)."""
     return _async_op(
-        dist.all_to_all_single, out, _contig(inp, "inp"),
+        dist.all_to_all_single, out, inp.contiguous(),
         output_split_sizes=None if out_splits is None else [int(s) for s in out_splits],
         input_split_sizes=None if in_splits is None else [int(s) for s in in_splits],
         group=resolve_group(group),
     )
-
-
-def _contig(t: torch.Tensor, name: str) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
 
 
 def check_divisible(name: str, value: int, size: int, what: str = "the group size") -> None:
