@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedpar import comm
+from fusedpar.ops import comm
 
 
 @dataclasses.dataclass(frozen=True)

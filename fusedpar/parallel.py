@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fusedpar import comm
+from fusedpar.ops import comm
 
 MESH_DIMS = ("pp", "dp", "sp", "tp")
 GRAD_KINDS = ("dense", "replicated", "expert")

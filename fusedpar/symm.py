@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fusedpar import comm
+from fusedpar.ops import comm
+from fusedpar.kernels.checks import check_divisible
 from fusedpar.kernels.persistent_gemm import (
     chunk_reduce,
     chunk_view,
@@ -282,7 +283,7 @@ def _validate(op, x, weight, bias, activation, dim, dim_name, chunks=None):
     if not isinstance(dim, int) or not 0 <= dim < x.dim() - 1:
         raise ValueError(f"{op}: {dim_name} must be a token dim of x (0..{x.dim() - 2}), got {dim!r}")
     if chunks is not None:
-        comm.check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], chunks)
+        check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], chunks)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ if __name__ == "kernels":  # pragma: no cover - guards against importing the sou
         "(install the project with `pip install -e .`)"
     )
 
-from ._runtime import interpreting
+from .runtime import interpreting
 from .gemm import ACTIVATIONS, matmul, matmul_reference, matmul_tn
 from .moe import (
     combine,

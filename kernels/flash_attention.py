@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_buffer, check_device_usable, check_supported_dtype, interpreting, needs_upcast, shared_memory_limit
+from .checks import check_buffer, check_device_usable, check_supported_dtype
+from .runtime import interpreting, needs_upcast, shared_memory_limit
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453

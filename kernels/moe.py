@@ -36,15 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import (
-    check_buffer,
-    check_device_usable,
-    check_supported_dtype,
-    interpreting,
-    needs_upcast,
-    prune_tile_configs,
-    shared_memory_limit,
-)
+from .checks import check_buffer, check_device_usable, check_supported_dtype
+from .runtime import interpreting, needs_upcast, prune_tile_configs, shared_memory_limit
 from .gemm import ACTIVATIONS, activation_reference
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

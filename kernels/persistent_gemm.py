@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_buffer, check_supported_dtype, interpreting, needs_upcast
+from .checks import check_buffer, check_supported_dtype
+from .runtime import interpreting, needs_upcast
 from .gemm import (
     ACTIVATIONS,
     INTERPRETER_CONFIG,

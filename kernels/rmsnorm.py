@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_device_usable, check_supported_dtype, interpreting
+from .checks import check_device_usable, check_supported_dtype
+from .runtime import interpreting
 
 # One program holds a full row in registers; past this many features a row would spill (the
 # same bound Liger-Kernel uses), so larger hidden sizes are rejected with a clear error.

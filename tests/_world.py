@@ -173,8 +173,8 @@ def rank_rng(seed: int, rank: int | None = None) -> torch.Generator:
 
 
 def straggle(max_delay_s: float, seed: int):
-    """Turn on random per-rank delays before every fusedpar transfer (see fusedpar.comm)."""
-    from fusedpar import comm
+    """Turn on random per-rank delays before every fusedpar transfer (see fusedpar.ops.comm)."""
+    from fusedpar.ops import comm
 
     comm.set_straggler(max_delay_s, seed=seed + dist.get_rank())
     return comm

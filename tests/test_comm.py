@@ -1,4 +1,4 @@
-"""fusedpar.comm transfers and the multi-process test harness itself (gloo on CPU)."""
+"""fusedpar.ops.comm transfers and the multi-process test harness itself (gloo on CPU)."""
 import time
 
 import pytest
@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from _world import World, WorldError, rank_rng, straggle, world_fixture
-from fusedpar import comm
+from fusedpar.ops import comm
+from fusedpar.kernels.checks import check_divisible
 
 world3 = world_fixture(3)
 
@@ -90,4 +91,4 @@ def test_harness_fails_on_timeout_instead_of_hanging():
 
 def test_check_divisible_message():
     with pytest.raises(ValueError, match=r"seq=10 must be divisible by the group size \(4\)"):
-        comm.check_divisible("seq", 10, 4)
+        check_divisible("seq", 10, 4)

@@ -21,7 +21,7 @@ from _compose import batch, compare_grads, data_mean, local_batch, reference, ti
 from _utils import assert_close
 from _world import straggle, world_fixture
 from fusedpar import checkpoint as fcheckpoint
-from fusedpar import comm
+from fusedpar.ops import comm
 from fusedpar.nn import Transformer
 from fusedpar.parallel import build_parallel_state, sync_gradients
 

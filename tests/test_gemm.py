@@ -4,7 +4,7 @@ import torch
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
 from fusedpar.kernels import ACTIVATIONS, matmul, matmul_reference, matmul_tn
-from fusedpar.kernels._runtime import prune_tile_configs
+from fusedpar.kernels.runtime import prune_tile_configs
 from fusedpar.kernels.gemm import gpu_configs
 
 SHAPES = [(1, 1, 1), (7, 33, 19), (33, 7, 65), (127, 1, 40), (257, 129, 31), (64, 64, 64), (2, 257, 16)]

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from _utils import assert_close
 from _world import rank_rng, straggle, world_fixture
-from fusedpar import comm
+from fusedpar.ops import comm
 from fusedpar.kernels import moe_mlp_reference
 from fusedpar.nn import MoE
 from fusedpar.ops import moe_combine, moe_dispatch, moe_expert_compute, moe_mlp

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from _utils import DEVICE, assert_close
 from _world import rank_rng, straggle, world_fixture
-from fusedpar import comm
+from fusedpar.ops import comm
 from fusedpar.nn import AttentionReference, ParallelAttention
 
 world4 = world_fixture(4)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from _utils import DEVICE, assert_close, randn
 from _world import rank_rng, straggle, world_fixture
-from fusedpar import comm
+from fusedpar.ops import comm
 from fusedpar.kernels import attention_reference
 from fusedpar.ops import (
     hybrid_attention,

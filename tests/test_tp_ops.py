@@ -10,7 +10,7 @@ import torch
 
 from _utils import DEVICE, assert_close
 from _world import rank_rng, straggle, world_fixture
-from fusedpar import comm
+from fusedpar.ops import comm
 from fusedpar.kernels.gemm import activation_reference
 from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
 

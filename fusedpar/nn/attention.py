@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusedpar import comm
+from fusedpar.ops import comm
 from fusedpar.kernels.flash_attention import attention_reference
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.ops.attention import (

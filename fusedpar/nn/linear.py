@@ -21,7 +21,8 @@ import math
 import torch
 from torch import nn
 
-from fusedpar import comm
+from fusedpar.ops import comm
+from fusedpar.kernels.checks import check_divisible
 from fusedpar.kernels import ACTIVATIONS
 from fusedpar.ops.tensor_parallel import (
     all_gather_matmul,
@@ -85,7 +86,7 @@ def _tp(group):
 def _check_features(cls, name, value, size):
     if not isinstance(value, int) or value <= 0:
         raise ValueError(f"{cls}: {name} must be a positive int, got {value!r}")
-    comm.check_divisible(f"{cls}: {name}", value, size, "the tensor-parallel group size")
+    check_divisible(f"{cls}: {name}", value, size, "the tensor-parallel group size")
 
 
 def _full_linear_init(out_features, in_features, bias, device=None):

@@ -7,7 +7,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .. import comm
+from fusedpar.ops import comm
+from fusedpar.kernels.checks import check_divisible
 from ..kernels.gemm import ACTIVATIONS
 from ..ops.moe import moe_mlp
 
@@ -150,7 +151,7 @@ class MoE(nn.Module):
                                  device=device, dtype=dtype)
         self.ep_group = ep_group
         ep = comm.group_size(ep_group)
-        comm.check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
+        check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
         self.ep_size, self.ep_rank = ep, comm.group_rank(ep_group)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fusedpar import comm
+from fusedpar.ops import comm
+from fusedpar.kernels.checks import check_divisible
 
 from .attention import ParallelAttention
 from .linear import ColumnParallelLinear, ParallelMLP
@@ -119,7 +120,7 @@ def shard_tokens(tokens: torch.Tensor, targets: torch.Tensor, *, sp_size: int, s
     if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size <= 0 or sp_size % ring_size:
         raise ValueError(f"ring_size must be a positive int dividing sp_size={sp_size}, got {ring_size!r}")
     S = tokens.shape[1]
-    comm.check_divisible("seq_len", S, sp_size * tp_size, "sp * tp")
+    check_divisible("seq_len", S, sp_size * tp_size, "sp * tp")
     order = sequence_order(S, ring_size, layout).to(tokens.device)
     n_sp = S // sp_size
     sp_idx = order[sp_rank * n_sp:(sp_rank + 1) * n_sp]
@@ -285,7 +286,7 @@ class Transformer(nn.Module):
         self.tp_group, self.sp_group, self.ep_group = tp_group, sp_group, ep_group
         self.ulysses_group, self.ring_group = ulysses_group, ring_group
         tp = comm.group_size(tp_group)
-        comm.check_divisible("vocab_size", config.vocab_size, tp, "the tensor-parallel group size")
+        check_divisible("vocab_size", config.vocab_size, tp, "the tensor-parallel group size")
         self.activation_checkpointing = bool(activation_checkpointing)
         layers = list(range(config.num_layers)) if layers is None else [int(i) for i in layers]
         for i in layers:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar import comm
+from fusedpar.ops import comm
 from fusedpar.kernels.flash_attention import (
     _check_qkv,
     _scale,

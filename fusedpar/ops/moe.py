@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import comm
+from fusedpar.ops import comm
+from fusedpar.kernels.checks import check_divisible
 from ..kernels import moe as K
 from ..kernels.gemm import ACTIVATIONS
 
@@ -137,7 +138,7 @@ def _check_routing(x2d, expert_ids, num_experts, group, *, weights=None, capacit
     if not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
     ep, rank = comm.group_size(group), comm.group_rank(group)
-    comm.check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
+    check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
     # Out-of-range ids would be dropped silently by the sort. Checking them costs a device sync,
     # which an EP call pays anyway (split sizes); on CPU it is free. A single-rank CUDA call
     # trusts its ids (TopKRouter only produces valid ones) to stay sync-free.

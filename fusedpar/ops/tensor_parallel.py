@@ -15,7 +15,7 @@ Backward passes are overlapped the same way: the data gradient of an all-gather 
 reduce-scatter GEMM (``weight_layout="kn"``, no transposed weight copy) and vice versa; weight
 gradients are accumulated per chunk with ``matmul_tn`` in fp32 straight from strided chunk views.
 
-All transfers go through :mod:`fusedpar.comm`; a handle is waited on right before the chunk it
+All transfers go through :mod:`fusedpar.ops.comm`; a handle is waited on right before the chunk it
 delivers is used. Every input check runs before the first transfer, so bad input raises the same
 error on every rank instead of leaving peers waiting.
 """
@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar import comm, symm
+from fusedpar import symm
+from fusedpar.kernels.checks import check_divisible
+from fusedpar.ops import comm
 from fusedpar.kernels import ACTIVATIONS, chunk_view, matmul, matmul_tn
 from fusedpar.kernels.gemm import activation_reference
 
@@ -481,7 +483,7 @@ def matmul_reduce_scatter(
     scatter_dim = _token_dim(op, "scatter_dim", scatter_dim, x)
     partial_dtype = _check_partial_dtype(op, partial_dtype, x)
     group = comm.resolve_group(group)
-    comm.check_divisible(f"{op}: x.shape[{scatter_dim}]", x.shape[scatter_dim], comm.group_size(group))
+    check_divisible(f"{op}: x.shape[{scatter_dim}]", x.shape[scatter_dim], comm.group_size(group))
     symmetric = symm.resolve_transport(transport, x, group) == "symmetric"
     return _MatmulReduceScatter.apply(x, weight, bias, group, scatter_dim, partial_dtype, symmetric)
 

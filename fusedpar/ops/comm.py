@@ -173,9 +173,3 @@ def all_to_all(
         input_split_sizes=None if in_splits is None else [int(s) for s in in_splits],
         group=resolve_group(group),
     )
-
-
-def check_divisible(name: str, value: int, size: int, what: str = "the group size") -> None:
-    """Clear error for a dimension that must split evenly over a group."""
-    if size <= 0 or value % size:
-        raise ValueError(f"{name}={value} must be divisible by {what} ({size})")

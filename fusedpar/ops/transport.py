@@ -1,0 +1,218 @@
+"""The one communication interface every overlapped op is written against.
+
+An op (all-gather + GEMM, GEMM + reduce-scatter, GEMM + all-reduce, the ring-attention KV
+rotation, the MoE all-to-all-v chunks) sees one rank of a group through a :class:`Transport`:
+its ``rank`` and ``size`` and asynchronous transfers that return a handle, waited on right
+before the chunk it delivers is used. Three implementations:
+
+* :class:`PortableTransport` -- ``torch.distributed`` over a process group (NCCL, gloo; any
+  topology). The default.
+* ``SymmetricTransport`` (:mod:`fusedpar.ops.symmetric`) -- the portable transfers plus
+  symmetric-memory buffers, so that the tensor-parallel GEMMs wait for chunks inside one
+  persistent kernel (one NVLink domain, NCCL groups).
+* :class:`EmulatedTransport` -- ``size`` ranks emulated in one process on one device: every peer
+  is a *mirror* of this rank, i.e. whatever a peer would send at a point of the schedule is what
+  this rank sends at that point. Transfers are device-to-device copies of the same bytes on a
+  side stream (on a GPU), so the shipped schedule runs with its real overlap on one GPU
+  (the benchmarks) and a CPU test runs one rank of a schedule without spawning processes.
+
+The mirror rule per transfer (``r`` is this rank, ``P`` the size): ``ring_shift`` and
+``send_recv`` receive what this rank sends; ``all_gather_into`` gathers ``P`` copies of the
+input; ``all_to_all`` receives from peer ``j`` the block this rank sends to ``j`` (so the splits
+must be symmetric); ``all_reduce`` multiplies by ``P``; ``reduce_scatter_into`` receives ``P``
+times this rank's own block.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from fusedpar.kernels.checks import check_int
+from fusedpar.ops import comm
+
+__all__ = ["Transport", "PortableTransport", "EmulatedTransport", "get_transport"]
+
+
+class Transport:
+    """One rank's view of a communication group. Every transfer is asynchronous and returns a
+    handle with ``wait()``; after it the received buffer is valid (on a GPU: for work queued on
+    the current stream from then on)."""
+
+    #: name of the implementation ("portable", "symmetric", "emulated")
+    name = "abstract"
+    #: whether the symmetric-memory schedules (in-kernel waits) can run on this transport
+    in_kernel_waits = False
+
+    def __init__(self, size: int, rank: int):
+        self.size = size
+        self.rank = rank
+
+    # --- point to point --------------------------------------------------------------------
+    def send_recv(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None,
+                  src: int | None) -> comm.Handle:
+        """Send ``send`` to rank ``dst`` and receive ``recv`` from rank ``src`` (either may be None)."""
+        raise NotImplementedError
+
+    def ring_shift(self, send: torch.Tensor, recv: torch.Tensor, *, step: int = 1) -> comm.Handle:
+        """Send to ``rank + step`` and receive from ``rank - step`` (mod size)."""
+        return self.send_recv(send, (self.rank + step) % self.size, recv, (self.rank - step) % self.size)
+
+    # --- collectives -----------------------------------------------------------------------
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> comm.Handle:
+        """``out`` (``[size * n, ...]``) receives every rank's ``inp`` along dim 0."""
+        raise NotImplementedError
+
+    def reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor) -> comm.Handle:
+        """``out`` receives the sum over ranks of this rank's dim-0 block of ``inp``."""
+        raise NotImplementedError
+
+    def all_reduce(self, t: torch.Tensor) -> comm.Handle:
+        """In-place sum over ranks (``t`` contiguous)."""
+        raise NotImplementedError
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int] | None = None,
+                   in_splits: Sequence[int] | None = None) -> comm.Handle:
+        """All-to-all(-v) along dim 0; splits are row counts per rank (``None``: equal blocks)."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+class PortableTransport(Transport):
+    """``torch.distributed`` over ``group`` (``None``: the default group, or a single rank when
+    torch.distributed is not initialised)."""
+
+    name = "portable"
+
+    def __init__(self, group=None):
+        group = comm.resolve_group(group)
+        super().__init__(comm.group_size(group), comm.group_rank(group))
+        self.group = group
+
+    def send_recv(self, send, dst, recv, src):
+        return comm.send_recv(send, dst, recv, src, self.group)
+
+    def all_gather_into(self, out, inp):
+        return comm.all_gather_into(out, inp, self.group)
+
+    def reduce_scatter_into(self, out, inp):
+        return comm.reduce_scatter_into(out, inp, self.group)
+
+    def all_reduce(self, t):
+        return comm.all_reduce(t, self.group)
+
+    def all_to_all(self, out, inp, out_splits=None, in_splits=None):
+        return comm.all_to_all(out, inp, out_splits, in_splits, self.group)
+
+
+class _EventHandle:
+    """A copy queued on a side stream: ``wait()`` makes the current stream wait for it."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event):
+        self._event = event
+
+    def wait(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._event = None
+
+
+class EmulatedTransport(Transport):
+    """``size`` ranks in one process, this one being ``rank``; every peer mirrors this rank (see
+    the module docstring). On a CUDA device the copies run on a side stream that first waits for
+    the current stream (what the data depends on), and ``wait()`` makes the current stream wait
+    for the copy; on a CPU device copies run at once. ``copy_repeat`` copies every transfer that
+    many times (a link that many times slower than a device-local copy)."""
+
+    name = "emulated"
+
+    def __init__(self, size: int, rank: int = 0, *, copy_repeat: int = 1):
+        check_int("EmulatedTransport: size", size, min_value=1)
+        check_int("EmulatedTransport: rank", rank, min_value=0, max_value=size - 1)
+        check_int("EmulatedTransport: copy_repeat", copy_repeat, min_value=1)
+        super().__init__(size, rank)
+        self.copy_repeat = copy_repeat
+        self._streams: dict = {}
+
+    def _side(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
+
+    def _copies(self, device: torch.device, pairs) -> _EventHandle:
+        """Run ``dst.copy_(src)`` for every pair, on the side stream when there is one."""
+        side = self._side(device)
+        if side is None:
+            for _ in range(self.copy_repeat):
+                for dst, src in pairs:
+                    dst.copy_(src)
+            return _EventHandle(None)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(self.copy_repeat):
+                for dst, src in pairs:
+                    dst.copy_(src)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        for dst, src in pairs:  # the caller's allocator must not reuse them before the copy ends
+            dst.record_stream(side)
+            src.record_stream(side)
+        return _EventHandle(ev)
+
+    def send_recv(self, send, dst, recv, src):
+        if recv is None:
+            return _EventHandle(None)  # a send alone: the mirror peer receives it, nothing lands here
+        if send is None:
+            raise ValueError("EmulatedTransport.send_recv: a receive needs a send (the mirror peer sends "
+                             "what this rank sends), got send=None")
+        if send.shape != recv.shape:
+            raise ValueError(f"EmulatedTransport.send_recv: recv must have send's shape {tuple(send.shape)}, "
+                             f"got {tuple(recv.shape)}")
+        return self._copies(recv.device, [(recv, send)])
+
+    def all_gather_into(self, out, inp):
+        blocks = out.view((self.size,) + tuple(inp.shape))
+        return self._copies(out.device, [(blocks[j], inp) for j in range(self.size)])
+
+    def reduce_scatter_into(self, out, inp):
+        n = inp.shape[0] // self.size
+        mine = inp[self.rank * n:(self.rank + 1) * n]
+        h = self._copies(out.device, [(out, mine)])
+        h.wait()
+        out.mul_(self.size)
+        return comm.DONE
+
+    def all_reduce(self, t):
+        t.mul_(self.size)
+        return comm.DONE
+
+    def all_to_all(self, out, inp, out_splits=None, in_splits=None):
+        if out_splits is None and in_splits is None:
+            return self._copies(out.device, [(out, inp)])
+        o = [int(s) for s in out_splits] if out_splits is not None else None
+        i = [int(s) for s in in_splits] if in_splits is not None else None
+        if o != i:
+            raise ValueError("EmulatedTransport.all_to_all: mirror peers need out_splits == in_splits "
+                             f"(what peer j sends here is what this rank sends to j), got {o} and {i}")
+        return self._copies(out.device, [(out, inp)])
+
+
+def get_transport(transport=None, group=None) -> Transport:
+    """The transport an op runs on: a :class:`Transport` instance as given (then ``group`` must
+    be None), else :class:`PortableTransport` over ``group``. Names of the tensor-parallel
+    transports ("auto", "symmetric", "portable") are resolved by :mod:`fusedpar.ops.symmetric`."""
+    if isinstance(transport, Transport):
+        if group is not None:
+            raise ValueError("pass either group= or a Transport instance as transport=, not both "
+                             f"(got group={group!r} and transport={transport!r})")
+        return transport
+    if transport is not None and transport != "portable":
+        raise ValueError(f"transport must be None, 'portable' or a fusedpar.ops.transport.Transport, got {transport!r}")
+    return PortableTransport(group)

@@ -1,0 +1,139 @@
+"""What every kernel module shares: where kernels run (Triton's interpreter on CPU or a compiled
+GPU backend), the ``tl.dot`` input precision, row addressing of 2-D / ``[batch, seq]`` views, the
+fused activations (Triton and a float reference), and tile-config pruning.
+
+Public names only: kernel modules import from here, never from each other's private helpers.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# name -> (constexpr code of the activation in the kernels, gated: the weight holds gate rows then
+# up rows and the epilogue computes act(gate) * up)
+ACTIVATIONS = {
+    "none": (0, False),
+    "relu": (1, False),
+    "gelu": (2, False),  # tanh approximation, as in GPT-2 / Megatron's fast gelu
+    "silu": (3, False),
+    "swiglu": (3, True),
+    "geglu": (2, True),
+}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    The variable must be set before ``triton`` is imported; tests/conftest.py does that when no
+    GPU is present.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def needs_upcast(dtype: torch.dtype) -> bool:
+    """Under the interpreter ``tl.dot`` on bf16 multiplies bit patterns (triton issue 11584),
+    so kernels upcast bf16 operands to fp32 there. The compiled path never upcasts."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_limit(device_index: int) -> int:
+    """Bytes of shared memory one program may use on this GPU (for pruning configs)."""
+    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return int(props["max_shared_mem"])
+
+
+def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int, dims: dict):
+    """GEMM tile configs worth autotuning: the pipelined A and B tiles fit in shared memory,
+    ``(BLOCK_M*BLOCK_K + b_tiles*BLOCK_K*BLOCK_N) * elem_size * num_stages <= smem_limit``
+    (``b_tiles=2`` for gated epilogues, which stream gate and up columns), and no tile is more
+    than twice the problem along a dim of ``dims`` (``{"BLOCK_M": M, ...}``; tiles of 32 or less
+    always pass): a 256-wide tile on a 40-wide output only wastes work. Never empty: when nothing
+    qualifies, the smallest tile is kept."""
+    kept = []
+    for cfg in configs:
+        bm, bn, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]
+        if (bm * bk + b_tiles * bk * bn) * elem_size * cfg.num_stages > smem_limit:
+            continue
+        if any(cfg.kwargs[k] > 2 * triton.next_power_of_2(n) and cfg.kwargs[k] > 32 for k, n in dims.items()):
+            continue
+        kept.append(cfg)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: "tf32" for fp32 operands on a GPU when
+    ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch.matmul does), else "ieee"."""
+    if dtype == torch.float32 and not interpreting() and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+class RowView:
+    """The leading dims of a 2-D or 3-D tensor as one logical row index: row ``i`` lives at
+    ``(i // inner) * s_outer + (i % inner) * s_inner`` (``split``) or ``i * s_inner``.
+    A ``[batch, seq]`` pair whose strides merge is one plain stride; a strided seq chunk of a
+    larger buffer (``x[:, lo:hi]``) keeps two levels, so kernels read it in place."""
+
+    __slots__ = ("inner", "s_outer", "s_inner", "split")
+
+    def __init__(self, inner: int, s_outer: int, s_inner: int, split: bool):
+        self.inner, self.s_outer, self.s_inner, self.split = inner, s_outer, s_inner, split
+
+    @staticmethod
+    def rows(t: torch.Tensor) -> "RowView":
+        if t.dim() == 2:
+            return RowView(1, 0, t.stride(0), False)
+        if t.dim() != 3:
+            raise ValueError(f"RowView.rows needs a 2-D or 3-D tensor, got shape {tuple(t.shape)}")
+        b, s = t.shape[0], t.shape[1]
+        if b == 1 or t.stride(0) == s * t.stride(1):  # the two dims merge into one stride
+            return RowView(1, 0, t.stride(1), False)
+        return RowView(s, t.stride(0), t.stride(1), True)
+
+    def args(self):
+        return (self.inner, self.s_outer, self.s_inner)
+
+
+@triton.jit
+def row_offsets(idx, inner, s_outer, s_inner, SPLIT: tl.constexpr):
+    """Memory offset (int64) of logical row ``idx`` of a :class:`RowView`."""
+    idx = idx.to(tl.int64)
+    if SPLIT:
+        return (idx // inner) * s_outer + (idx % inner) * s_inner
+    else:
+        return idx * s_inner
+
+
+@triton.jit
+def apply_activation(x, ACT: tl.constexpr):
+    """The activation of code ``ACT`` (see :data:`ACTIVATIONS`) on an fp32 tile."""
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        # gelu_tanh(x) = x * sigmoid(2 * sqrt(2 / pi) * (x + 0.044715 x^3))
+        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    elif ACT == 3:
+        x = x * tl.sigmoid(x)
+    return x
+
+
+def activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """Plain torch reference of the fused activations (``x`` is ``[..., 2F]`` gate|up when gated)."""
+    act, glu = ACTIVATIONS[activation]
+    gate, up = (x.chunk(2, dim=-1) if glu else (x, None))
+    if act == 1:
+        gate = torch.relu(gate)
+    elif act == 2:
+        gate = torch.nn.functional.gelu(gate, approximate="tanh")
+    elif act == 3:
+        gate = torch.nn.functional.silu(gate)
+    return gate * up if glu else gate
