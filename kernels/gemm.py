@@ -3,63 +3,49 @@
 Every operand is read or written through *two-level* indices so that the tensor-parallel ops can
 point the kernel at a sequence chunk inside a ``[batch, seq, features]`` tensor without copies:
 a logical row ``m`` of A (or C) lives at ``(m // inner) * stride_outer + (m % inner) * stride_inner``
-(the ``SPLIT`` flags turn the division off for plain 2-D operands). The same holds for the
-contraction index of A and B, which is what the weight-gradient GEMM ``dW = dY^T X`` needs when
-its token dimension is a strided ``[batch, seq-chunk]`` view.
+(:class:`~fusedpar.kernels.runtime.RowView`; plain 2-D operands use one stride). The same holds
+for the contraction index of A and B, which is what the weight-gradient GEMM ``dW = dY^T X``
+needs when its token dimension is a strided ``[batch, seq-chunk]`` view.
 
-Layers: ``_gemm_kernel`` (jit) -> ``matmul`` / ``matmul_tn`` (validate, allocate, launch) ->
-``matmul_reference`` (plain fp32/fp64 torch, the oracle of the tests).
+Layers: :func:`gemm_mainloop` / :func:`gemm_epilogue` (jit, shared with the persistent GEMM of
+``persistent_gemm.py``) -> ``_gemm_kernel`` (jit) -> :func:`linear_operands` (validation shared
+with the persistent GEMM) -> :func:`matmul` / :func:`matmul_tn` (validate, allocate, launch) ->
+:func:`matmul_reference` (plain fp32/fp64 torch, the oracle of the tests).
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_device_usable, check_supported_dtype
-from .runtime import interpreting, needs_upcast, prune_tile_configs, shared_memory_limit
+from .checks import check_buffer, check_choice, check_float_tensor, check_same, check_supported_dtype
+from .runtime import (
+    ACTIVATIONS,
+    RowView,
+    activation_reference,
+    apply_activation,
+    input_precision,
+    interpreting,
+    needs_upcast,
+    prune_tile_configs,
+    row_offsets,
+    shared_memory_limit,
+)
 
-# name -> (activation code, gated)
-ACTIVATIONS = {
-    "none": (0, False),
-    "relu": (1, False),
-    "gelu": (2, False),  # tanh approximation, as in GPT-2 / Megatron's fast gelu
-    "silu": (3, False),
-    "swiglu": (3, True),  # silu(gate) * up
-    "geglu": (2, True),  # gelu(gate) * up
-}
-
-_SQRT_2_OVER_PI_X2 = 1.5957691216057308  # 2 * sqrt(2 / pi): gelu_tanh(x) = x * sigmoid(c * (x + 0.044715 x^3))
+__all__ = [
+    "INTERPRETER_CONFIG", "LinearOperands", "gemm_epilogue", "gemm_mainloop", "gpu_configs", "linear_operands",
+    "matmul", "matmul_reference", "matmul_tn",
+]
 
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _split_offsets(idx, inner, s_outer, s_inner, SPLIT: tl.constexpr):
-    """Memory offset (int64) of logical index ``idx`` along a possibly two-level dimension."""
-    idx = idx.to(tl.int64)
-    if SPLIT:
-        return (idx // inner) * s_outer + (idx % inner) * s_inner
-    else:
-        return idx * s_inner
-
-
-@triton.jit
-def _activation(x, ACT: tl.constexpr):
-    if ACT == 1:
-        x = tl.maximum(x, 0.0)
-    elif ACT == 2:
-        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
-    elif ACT == 3:
-        x = x * tl.sigmoid(x)
-    return x
-
-
-@triton.jit
-def _mainloop(
+def gemm_mainloop(
     a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
     a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1,
     A_K_SPLIT: tl.constexpr, B_K_SPLIT: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr,
@@ -76,7 +62,7 @@ def _mainloop(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         kk = k0 * BLOCK_K + rk
-        # offsets written out rather than via _split_offsets: under the interpreter every nested
+        # offsets written out rather than via row_offsets: under the interpreter every nested
         # jit call re-patches triton.language (~ms each), and this loop is the hot path
         kk64 = kk.to(tl.int64)
         if A_K_SPLIT:
@@ -110,7 +96,7 @@ def _mainloop(
 
 
 @triton.jit
-def _epilogue(
+def gemm_epilogue(
     acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, aux_off, glu_offset, s_xn,
     HAS_BIAS: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr,
 ):
@@ -125,7 +111,7 @@ def _epilogue(
         if GLU:
             tl.store(aux_ptr + aux_off + glu_offset.to(tl.int64) * s_xn, acc_up.to(aux_ptr.dtype.element_ty),
                      mask=out_mask)
-    acc = _activation(acc, ACT)
+    acc = apply_activation(acc, ACT)
     if GLU:
         acc = acc * acc_up
     return acc
@@ -166,10 +152,10 @@ def _gemm_kernel(
     m_mask = rm < M
     n_mask = rn < N
 
-    a_rows = _split_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
+    a_rows = row_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
     b_cols = rn.to(tl.int64) * s_bn
     b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
-    acc, acc_up = _mainloop(
+    acc, acc_up = gemm_mainloop(
         a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
         a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1,
         A_K_SPLIT, B_K_SPLIT, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -178,12 +164,12 @@ def _gemm_kernel(
     # ---- epilogue: bias, activation (gated or not), residual / accumulate, store ----
     out_mask = m_mask[:, None] & n_mask[None, :]
     aux_off = rm.to(tl.int64)[:, None] * s_xm + rn.to(tl.int64)[None, :] * s_xn
-    acc = _epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, aux_off, glu_offset, s_xn,
+    acc = gemm_epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, aux_off, glu_offset, s_xn,
                     HAS_BIAS, STORE_AUX, ACT, GLU)
     if HAS_RES:
-        r_off = _split_offsets(rm, r_m_inner, s_rm0, s_rm1, R_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_rn
+        r_off = row_offsets(rm, r_m_inner, s_rm0, s_rm1, R_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_rn
         acc += tl.load(r_ptr + r_off, mask=out_mask, other=0.0).to(tl.float32)
-    c_off = _split_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_cn
+    c_off = row_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_cn
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -238,49 +224,54 @@ def _tuned_kernel():
 # --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
-class _View:
-    """A logical 2-D dimension pair of a 2-D or 3-D tensor: rows may span two tensor dims."""
+@dataclass(frozen=True)
+class LinearOperands:
+    """Validated operands of ``act(a @ W + bias)``: what :func:`matmul` and the persistent GEMM
+    launch with. ``n`` output features (``n_w // 2`` for gated activations), contraction ``k``,
+    the weight's strides along K and N, and the bias made unit-stride."""
 
-    __slots__ = ("inner", "s_outer", "s_inner", "split")
-
-    def __init__(self, inner, s_outer, s_inner, split):
-        self.inner, self.s_outer, self.s_inner, self.split = inner, s_outer, s_inner, split
-
-    @staticmethod
-    def rows(t: torch.Tensor) -> "_View":
-        """The leading dims of ``t`` (all but the last) as one logical row index."""
-        if t.dim() == 2:
-            return _View(1, 0, t.stride(0), False)
-        b, s = t.shape[0], t.shape[1]
-        if b == 1 or t.stride(0) == s * t.stride(1):  # the two dims merge into one stride
-            return _View(1, 0, t.stride(1), False)
-        return _View(s, t.stride(0), t.stride(1), True)
-
-    def args(self):
-        return (self.inner, self.s_outer, self.s_inner)
+    n_w: int
+    n: int
+    k: int
+    act: int
+    glu: bool
+    s_bk: int
+    s_bn: int
+    bias: torch.Tensor | None
 
 
-def _check_operand(name, t, dims=(2,)):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() not in dims:
-        want = " or ".join(f"{d}-D" for d in dims)
-        raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)} ({t.dim()}-D)")
-    check_supported_dtype(name, t)
-    check_device_usable(name, t)
-
-
-def _check_same(name, t, ref_name, ref, *, dtype=True):
-    if t.device != ref.device:
-        raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}")
-    if dtype and t.dtype != ref.dtype:
-        raise TypeError(f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {t.dtype}")
-
-
-def _input_precision(dtype):
-    if dtype == torch.float32 and not interpreting() and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+def linear_operands(a, weight, bias=None, *, activation="none", weight_layout="nk", a_name="a",
+                    a_dims=(2, 3)) -> LinearOperands:
+    """Check ``a`` (``a_dims``-D, K features last), ``weight`` (``[N, K]`` for ``"nk"``, the
+    ``nn.Linear`` layout, or ``[K, N]`` for ``"kn"``; ``[2F, K]`` gate|up for gated activations)
+    and ``bias`` (``[N]``) for one GEMM, with the error style of :mod:`.checks`."""
+    check_float_tensor(a_name, a, dims=a_dims)
+    check_float_tensor("weight", weight, dims=(2,))
+    check_same("weight", weight, a_name, a)
+    check_choice("weight_layout", weight_layout, ("nk", "kn"))
+    check_choice("activation", activation, sorted(ACTIVATIONS))
+    act, glu = ACTIVATIONS[activation]
+    k = a.shape[-1]
+    if weight_layout == "nk":
+        (n_w, k_w), s_bk, s_bn = weight.shape, weight.stride(1), weight.stride(0)
+    else:
+        (k_w, n_w), s_bk, s_bn = weight.shape, weight.stride(0), weight.stride(1)
+    if k_w != k:
+        raise ValueError(f"inner dimensions differ: {a_name} has K={k} (shape {tuple(a.shape)}) but weight "
+                         f"({weight_layout}) has K={k_w} (shape {tuple(weight.shape)})")
+    if glu and n_w % 2:
+        raise ValueError(f"activation {activation!r} needs an even number of weight output features (gate, up), "
+                         f"got {n_w}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.dim() != 1 or bias.shape[0] != n_w:
+            raise ValueError(f"bias must have shape ({n_w},), got {tuple(bias.shape)}")
+        check_same("bias", bias, a_name, a, dtype=False)
+        check_supported_dtype("bias", bias)
+        if bias.stride(0) != 1:
+            bias = bias.contiguous()
+    return LinearOperands(n_w, n_w // 2 if glu else n_w, k, act, glu, s_bk, s_bn, bias)
 
 
 def _launch(a, b, out, *, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, residual, r_rows, s_rn,
@@ -303,7 +294,7 @@ def _launch(a, b, out, *, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, r
         A_M_SPLIT=a_rows.split, A_K_SPLIT=a_k.split, B_K_SPLIT=b_k.split,
         C_M_SPLIT=c_rows.split, R_M_SPLIT=r_rows.split if has_res else False,
         HAS_BIAS=bias is not None, HAS_RES=has_res, STORE_AUX=has_aux,
-        ACT=act, GLU=glu, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=_input_precision(a.dtype),
+        ACT=act, GLU=glu, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=input_precision(a.dtype),
     )
     if interpreting():
         cfg = INTERPRETER_CONFIG
@@ -317,6 +308,32 @@ def _launch(a, b, out, *, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, r
         with torch.cuda.device(a.device):
             _tuned_kernel()[grid](*args, **flags)
     return out
+
+
+def _matmul_buffers(a, ops, *, out, accumulate, residual, preact_out, out_dtype, activation):
+    """Check (or allocate) ``out``, ``residual`` and ``preact_out`` of :func:`matmul`; returns
+    ``(out, residual)`` with ``residual = out`` when accumulating."""
+    out_shape = tuple(a.shape[:-1]) + (ops.n,)
+    if accumulate:
+        if out is None:
+            raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
+        if residual is not None:
+            raise ValueError("accumulate=True already adds out; pass either residual or accumulate, not both")
+        if activation != "none":
+            raise ValueError(f"accumulate=True needs activation='none', got {activation!r}")
+    if out is None:
+        out = torch.empty(out_shape, device=a.device, dtype=out_dtype or a.dtype)
+    else:
+        check_buffer("out", out, out_shape, a.device)
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise TypeError(f"out_dtype must be out's dtype ({out.dtype}) when out is given, got {out_dtype}")
+    if accumulate:
+        residual = out
+    if residual is not None:
+        check_buffer("residual", residual, out_shape, a.device)
+    if preact_out is not None:
+        check_buffer("preact_out", preact_out, (int(torch.Size(a.shape[:-1]).numel()), ops.n_w), a.device)
+    return out, residual
 
 
 def matmul(
@@ -348,80 +365,30 @@ def matmul(
     residual: added after the activation (``C_in``); same shape as ``out``, any strides.
     preact_out: optional ``[M, N]`` (``[M, 2F]`` gated) tensor that receives the pre-activation
               values, which the backward of a fused activation needs.
+
+    fp32 operands run ``tl.dot`` in TF32 on a GPU when ``torch.backends.cuda.matmul.allow_tf32``
+    is set, as ``torch.matmul`` does (:func:`~fusedpar.kernels.runtime.input_precision`).
     """
-    _check_operand("a", a, dims=(2, 3))
-    _check_operand("weight", weight)
-    _check_same("weight", weight, "a", a)
-    if weight_layout not in ("nk", "kn"):
-        raise ValueError(f"weight_layout must be 'nk' ([N, K], nn.Linear) or 'kn' ([K, N]), got {weight_layout!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    act, glu = ACTIVATIONS[activation]
-
-    K = a.shape[-1]
-    if weight_layout == "nk":
-        n_w, k_w = weight.shape
-        s_bk, s_bn = weight.stride(1), weight.stride(0)
-    else:
-        k_w, n_w = weight.shape
-        s_bk, s_bn = weight.stride(0), weight.stride(1)
-    if k_w != K:
-        raise ValueError(
-            f"inner dimensions differ: a has K={K} (shape {tuple(a.shape)}) but weight "
-            f"({weight_layout}) has K={k_w} (shape {tuple(weight.shape)})"
-        )
-    if glu and n_w % 2:
-        raise ValueError(f"activation {activation!r} needs an even number of weight output features (gate, up), got {n_w}")
-    N = n_w // 2 if glu else n_w
-    M = int(torch.Size(a.shape[:-1]).numel())
-    out_shape = tuple(a.shape[:-1]) + (N,)
-
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.dim() != 1 or bias.shape[0] != n_w:
-            raise ValueError(f"bias must have shape ({n_w},), got {tuple(bias.shape)}")
-        _check_same("bias", bias, "a", a, dtype=False)
-        check_supported_dtype("bias", bias)
-        if bias.stride(0) != 1:
-            bias = bias.contiguous()
-    if accumulate:
-        if out is None:
-            raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
-        if residual is not None:
-            raise ValueError("accumulate=True already adds out; pass either residual or accumulate, not both")
-        if activation != "none":
-            raise ValueError(f"accumulate=True needs activation='none', got {activation!r}")
-    if out is None:
-        out = torch.empty(out_shape, device=a.device, dtype=out_dtype or a.dtype)
-    else:
-        check_buffer("out", out, out_shape, a.device)
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
-    if accumulate:
-        residual = out
-    if residual is not None:
-        check_buffer("residual", residual, out_shape, a.device)
-    if preact_out is not None:
-        check_buffer("preact_out", preact_out, (M, n_w), a.device)
-
+    ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)
+    out, residual = _matmul_buffers(a, ops, out=out, accumulate=accumulate, residual=residual,
+                                    preact_out=preact_out, out_dtype=out_dtype, activation=activation)
+    M, N, K = int(torch.Size(a.shape[:-1]).numel()), ops.n, ops.k
     if M == 0 or N == 0:
         return out
     if K == 0:  # empty contraction: the product is zero, the epilogue still applies
         if preact_out is not None:
-            preact_out.copy_(matmul_reference(a.reshape(M, 0), weight, bias, weight_layout=weight_layout))
-        out.copy_(matmul_reference(a, weight, bias, weight_layout=weight_layout, activation=activation,
+            preact_out.copy_(matmul_reference(a.reshape(M, 0), weight, ops.bias, weight_layout=weight_layout))
+        out.copy_(matmul_reference(a, weight, ops.bias, weight_layout=weight_layout, activation=activation,
                                    residual=residual))
         return out
-
     return _launch(
         a, weight, out, M=M, N=N, K=K,
-        a_rows=_View.rows(a), a_k=_View(1, 0, a.stride(-1), False),
-        b_k=_View(1, 0, s_bk, False), s_bn=s_bn,
-        c_rows=_View.rows(out), s_cn=out.stride(-1),
-        bias=bias, residual=residual, r_rows=_View.rows(residual) if residual is not None else None,
+        a_rows=RowView.rows(a), a_k=RowView(1, 0, a.stride(-1), False),
+        b_k=RowView(1, 0, ops.s_bk, False), s_bn=ops.s_bn,
+        c_rows=RowView.rows(out), s_cn=out.stride(-1),
+        bias=ops.bias, residual=residual, r_rows=RowView.rows(residual) if residual is not None else None,
         s_rn=residual.stride(-1) if residual is not None else 0,
-        aux=preact_out, act=act, glu=glu, glu_offset=N if glu else 0,
+        aux=preact_out, act=ops.act, glu=ops.glu, glu_offset=N if ops.glu else 0,
     )
 
 
@@ -439,9 +406,9 @@ def matmul_tn(
     leading dims. Both may be strided views (a sequence chunk of a larger tensor); the token
     dimension is contracted in place without copies. ``out`` has the ``nn.Linear`` weight layout.
     """
-    _check_operand("grad", grad, dims=(2, 3))
-    _check_operand("x", x, dims=(2, 3))
-    _check_same("x", x, "grad", grad)
+    check_float_tensor("grad", grad, dims=(2, 3))
+    check_float_tensor("x", x, dims=(2, 3))
+    check_same("x", x, "grad", grad)
     if grad.shape[:-1] != x.shape[:-1]:
         raise ValueError(
             f"grad and x must have the same leading (token) dims, got {tuple(grad.shape)} and {tuple(x.shape)}"
@@ -460,13 +427,12 @@ def matmul_tn(
         if not accumulate:
             out.zero_()
         return out
-    tok_g, tok_x = _View.rows(grad), _View.rows(x)
     return _launch(
         grad, x, out, M=N, N=K, K=T,
-        a_rows=_View(1, 0, grad.stride(-1), False), a_k=tok_g,
-        b_k=tok_x, s_bn=x.stride(-1),
-        c_rows=_View.rows(out), s_cn=out.stride(-1),
-        bias=None, residual=out if accumulate else None, r_rows=_View.rows(out), s_rn=out.stride(-1),
+        a_rows=RowView(1, 0, grad.stride(-1), False), a_k=RowView.rows(grad),
+        b_k=RowView.rows(x), s_bn=x.stride(-1),
+        c_rows=RowView.rows(out), s_cn=out.stride(-1),
+        bias=None, residual=out if accumulate else None, r_rows=RowView.rows(out), s_rn=out.stride(-1),
         aux=None, act=0, glu=False, glu_offset=0,
     )
 
@@ -474,19 +440,6 @@ def matmul_tn(
 # --------------------------------------------------------------------------------------------
 # Reference (the tests' oracle): plain torch in fp64 unless told otherwise
 # --------------------------------------------------------------------------------------------
-def activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """Apply ``activation`` to a pre-activation tensor (``[..., 2F]`` gate|up for gated ones)."""
-    act, glu = ACTIVATIONS[activation]
-    gate, up = (x.chunk(2, dim=-1) if glu else (x, None))
-    if act == 1:
-        gate = torch.relu(gate)
-    elif act == 2:
-        gate = torch.nn.functional.gelu(gate, approximate="tanh")
-    elif act == 3:
-        gate = torch.nn.functional.silu(gate)
-    return gate * up if glu else gate
-
-
 def matmul_reference(a, weight, bias=None, *, weight_layout="nk", activation="none", residual=None,
                      compute_dtype=torch.float64):
     """What :func:`matmul` computes, in ``compute_dtype`` (returned in that dtype)."""

@@ -8,9 +8,9 @@ between chunks:
 * **all-gather side** (``wait_mode="spin"``): before it loads a chunk's rows of A, a program
   spins on that chunk's int32 ready flag (``atomic_add(flag, 0)`` with acquire semantics) until
   it reaches ``ready_value``. A producer (copy engine on a side stream, see
-  :mod:`fusedpar.symm`) fills the chunks and raises the flags. Tiles are ordered starting at
-  ``first_chunk`` (the local chunk), so work never waits for data that arrives later than data
-  it skipped over.
+  :mod:`fusedpar.ops.symmetric`) fills the chunks and raises the flags. Tiles are ordered
+  starting at ``first_chunk`` (the local chunk), so work never waits for data that arrives later
+  than data it skipped over.
 * **reduce-scatter side** (``signal_counters``): after each tile's store a program adds 1 to its
   chunk's counter (release), so a consumer can start moving a chunk as soon as its last tile
   lands while the other chunks still compute. A chunk is complete when its counter has grown by
@@ -25,14 +25,20 @@ strides, chunk ``c`` being ``t[c]`` (:func:`chunk_view` makes one from a ``[batc
 activation without copying). A sequence chunk of a ``[batch, seq, hidden]`` tensor is therefore
 read or written in place.
 
+Every spin is bounded: a wait that runs out counts a timeout in a per-device status word, and
+:func:`check_wait_timeouts` turns it into a :class:`WaitTimeout` on the host -- on a GPU as well
+as under the interpreter, either right after the work (``"sync"``, the default) or without a
+host synchronisation at a later check (``"deferred"``, ``FUSEDPAR_WAIT_CHECK=deferred``).
+
 Triton's interpreter runs programs one after another: a spin on a flag that is raised later
 would hang, so interpreted tests set flags before the launch, or use ``wait_mode="skip"``
 (a tile whose flag is not ready is skipped, not computed), which tests the flag logic
 honestly without waiting. ``tile_log`` records, per tile, a global ticket taken when the tile
 was computed (-1 stays for skipped tiles): the processing order, observable on GPU as well.
 
-Layers: ``_persistent_gemm_kernel`` / ``_chunk_reduce_kernel`` (jit) -> ``persistent_matmul`` /
-``chunk_reduce`` (validate, allocate, launch) -> ``persistent_matmul_reference``.
+Layers: :func:`persistent_gemm_kernel` / :func:`chunk_reduce_kernel` (jit) ->
+:func:`persistent_matmul` / :func:`chunk_reduce` (validate, allocate, launch) ->
+:func:`persistent_matmul_reference`.
 """
 from __future__ import annotations
 
@@ -40,94 +46,26 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_supported_dtype
-from .runtime import interpreting, needs_upcast
-from .gemm import (
-    ACTIVATIONS,
-    INTERPRETER_CONFIG,
-    _epilogue,
-    _check_operand,
-    _check_same,
-    _input_precision,
-    _mainloop,
-    _split_offsets,
-    matmul_reference,
-)
+from .checks import check_buffer, check_choice, check_float_tensor, check_int, check_tensor
+from .gemm import INTERPRETER_CONFIG, LinearOperands, gemm_epilogue, gemm_mainloop, linear_operands, matmul_reference
+from .runtime import RowView, input_precision, interpreting, needs_upcast, row_offsets
+from .waits import WaitTimeout, check_wait_timeouts, spin_bound, status_word, wait_ready, wait_timeouts
+
+__all__ = [
+    "WAIT_MODES", "chunk_reduce", "chunk_reduce_kernel", "chunk_view", "default_num_programs", "gpu_config",
+    "kernel_config", "persistent_gemm_kernel", "persistent_matmul", "persistent_matmul_reference", "tiles_per_chunk",
+    # re-exported from .waits
+    "WaitTimeout", "check_wait_timeouts", "wait_timeouts",
+]
 
 WAIT_MODES = {"none": 0, "spin": 1, "skip": 2}
 
 # Programs of one interpreted launch: small, but more than one so that the persistent loop
 # (several tiles per program, strided by the grid size) is exercised.
 INTERPRETER_PROGRAMS = 3
-# Bound of a flag spin (reads): ~2^27 system-scope loads is about a minute on a GPU; an interpreted
-# read takes ~0.3 ms (the flag can only change there when another process writes it).
-MAX_SPIN_GPU = 1 << 27
-MAX_SPIN_INTERPRETED = 1 << 18  # about a minute: long enough for a peer *process* to finish
-
-
-class WaitTimeout(RuntimeError):
-    """A waiting kernel gave up on a flag or counter that never reached its ready value."""
-
-
-_status: dict = {}
-
-
-def _status_word(device: torch.device) -> torch.Tensor:
-    t = _status.get(device)
-    if t is None:
-        t = _status[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
-
-
-def wait_timeouts(device: torch.device | str, *, reset: bool = True) -> int:
-    """Waits on ``device`` that timed out since the last call (synchronises with the device).
-    Under the interpreter every launch checks this itself and raises :class:`WaitTimeout`."""
-    t = _status_word(torch.device(device))
-    n = int(t.item())
-    if reset and n:
-        t.zero_()
-    return n
-
-
-def _check_timeouts(device, what):
-    if interpreting():
-        n = wait_timeouts(device)
-        if n:
-            raise WaitTimeout(f"{what}: {n} wait(s) gave up after the spin bound: a flag or "
-                              "counter never reached its ready value (under the interpreter every flag must "
-                              "be set before the launch)")
-
-
-def _max_spin(max_spin=None):
-    if max_spin is not None:
-        if not isinstance(max_spin, int) or max_spin < 0:
-            raise ValueError(f"max_spin must be a non-negative int, got {max_spin!r}")
-        return max_spin
-    return MAX_SPIN_INTERPRETED if interpreting() else MAX_SPIN_GPU
-
-
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
-@triton.jit
-def _wait_ready(flag_ptr, ready_value, status_ptr, MAX_SPIN: tl.constexpr):
-    """Spin until ``*flag_ptr >= ready_value``. The read is an atomic with acquire semantics at
-    system scope (the flag may be written by a copy engine or a peer GPU), so loads issued after
-    it observe the data published before the flag. Triton executes a scalar atomic once per
-    program and broadcasts the result to every thread of the program.
-
-    The spin is bounded: after ``MAX_SPIN`` reads (about a minute on a GPU, a few thousand
-    interpreted reads) it gives up and counts a timeout in ``*status_ptr``, so a producer that
-    never comes turns into an error the host reports instead of a hung device."""
-    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    n = 0
-    while (v < ready_value) & (n < MAX_SPIN):
-        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        n += 1
-    if v < ready_value:
-        tl.atomic_add(status_ptr, 1)
-
-
 @triton.jit
 def _chunk_tile(
     a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, count_ptr, log_ptr,
@@ -142,27 +80,28 @@ def _chunk_tile(
     SIGNAL: tl.constexpr, LOG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One output tile of one chunk: the GEMM main loop and the epilogue of kernels/gemm.py."""
+    """One output tile of one chunk: :func:`~fusedpar.kernels.gemm.gemm_mainloop` and
+    :func:`~fusedpar.kernels.gemm.gemm_epilogue`, then the release of the chunk's counter."""
     chunk64 = chunk.to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < ROWS
     n_mask = rn < N
 
-    a_rows = chunk64 * s_a_chunk + _split_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
+    a_rows = chunk64 * s_a_chunk + row_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
     b_cols = rn.to(tl.int64) * s_bn
     b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
-    acc, acc_up = _mainloop(
+    acc, acc_up = gemm_mainloop(
         a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
         1, 0, s_ak, 1, 0, s_bk,
         False, False, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )
     out_mask = m_mask[:, None] & n_mask[None, :]
-    x_off = chunk64 * s_x_chunk + _split_offsets(rm, x_m_inner, s_xm0, s_xm1, X_M_SPLIT)[:, None] \
+    x_off = chunk64 * s_x_chunk + row_offsets(rm, x_m_inner, s_xm0, s_xm1, X_M_SPLIT)[:, None] \
         + rn.to(tl.int64)[None, :] * s_xn
-    acc = _epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, x_off, glu_offset, s_xn,
+    acc = gemm_epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, x_off, glu_offset, s_xn,
                     HAS_BIAS, STORE_AUX, ACT, GLU)
-    c_off = chunk64 * s_c_chunk + _split_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] \
+    c_off = chunk64 * s_c_chunk + row_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] \
         + rn.to(tl.int64)[None, :] * s_cn
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
 
@@ -176,7 +115,7 @@ def _chunk_tile(
 
 
 @triton.jit
-def _persistent_gemm_kernel(
+def persistent_gemm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, flag_ptr, count_ptr, log_ptr, status_ptr,
     ROWS, N, K, num_chunks, first_chunk, ready_value,
     s_a_chunk, a_m_inner, s_am0, s_am1, s_ak,
@@ -213,7 +152,7 @@ def _persistent_gemm_kernel(
         pid_m = first_m + ((local % num_in_group) % group_size)
         pid_n = (local % num_in_group) // group_size
         if WAIT == 1:
-            _wait_ready(flag_ptr + chunk, ready_value, status_ptr, MAX_SPIN)
+            wait_ready(flag_ptr + chunk, ready_value, status_ptr, MAX_SPIN)
         run = True
         if WAIT == 2:
             run = tl.atomic_add(flag_ptr + chunk, 0, sem="acquire", scope="sys") >= ready_value
@@ -231,7 +170,7 @@ def _persistent_gemm_kernel(
 
 
 @triton.jit
-def _chunk_reduce_kernel(
+def chunk_reduce_kernel(
     src_ptr, peer_off_ptr, count_ptr, count_off_ptr, out_ptr, acc_ptr, bias_ptr, status_ptr,
     ROWS, N, num_peers, chunk, ready_value,
     s_src_chunk, src_m_inner, s_srcm0, s_srcm1, s_srcn,
@@ -250,13 +189,13 @@ def _chunk_reduce_kernel(
     chunk64 = chunk.to(tl.int64)
     for p in range(0, num_peers):
         if WAIT == 1:
-            _wait_ready(count_ptr + tl.load(count_off_ptr + p) + chunk64, ready_value, status_ptr, MAX_SPIN)
+            wait_ready(count_ptr + tl.load(count_off_ptr + p) + chunk64, ready_value, status_ptr, MAX_SPIN)
         base = tl.load(peer_off_ptr + p) + chunk64 * s_src_chunk
         for tile in range(pid, total, num_programs):
             rm = (tile // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
             rn = (tile % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = (rm < ROWS)[:, None] & (rn < N)[None, :]
-            s_off = base + _split_offsets(rm, src_m_inner, s_srcm0, s_srcm1, SRC_M_SPLIT)[:, None] \
+            s_off = base + row_offsets(rm, src_m_inner, s_srcm0, s_srcm1, SRC_M_SPLIT)[:, None] \
                 + rn.to(tl.int64)[None, :] * s_srcn
             acc_off = rm.to(tl.int64)[:, None] * N + rn.to(tl.int64)[None, :]
             part = tl.load(src_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
@@ -267,7 +206,7 @@ def _chunk_reduce_kernel(
             else:
                 if HAS_BIAS:
                     part += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-                o_off = _split_offsets(rm, o_m_inner, s_om0, s_om1, O_M_SPLIT)[:, None] \
+                o_off = row_offsets(rm, o_m_inner, s_om0, s_om1, O_M_SPLIT)[:, None] \
                     + rn.to(tl.int64)[None, :] * s_on
                 tl.store(out_ptr + o_off, part.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -279,13 +218,10 @@ def chunk_view(t: torch.Tensor, dim: int, num_chunks: int) -> torch.Tensor:
     """``t`` (``[rows, F]`` or ``[batch, seq, F]``) split into ``num_chunks`` equal chunks along
     ``dim`` as a chunked view ``[C, rows/C, F]`` / ``[C, batch, seq/C, F]`` (``dim=1``) /
     ``[C, batch/C, seq, F]`` (``dim=0``), without copying."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"chunk_view: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() not in (2, 3):
-        raise ValueError(f"chunk_view: expected a 2-D or 3-D tensor, got shape {tuple(t.shape)}")
-    if not 0 <= dim < t.dim() - 1:
+    check_tensor("chunk_view: t", t, dims=(2, 3))
+    if not isinstance(dim, int) or not 0 <= dim < t.dim() - 1:
         raise ValueError(f"chunk_view: dim must index a row dimension (0..{t.dim() - 2}), got {dim}")
-    if num_chunks <= 0 or t.shape[dim] % num_chunks:
+    if not isinstance(num_chunks, int) or num_chunks <= 0 or t.shape[dim] % num_chunks:
         raise ValueError(f"chunk_view: dim {dim} of size {t.shape[dim]} is not divisible into {num_chunks} chunks")
     v = t.unflatten(dim, (num_chunks, t.shape[dim] // num_chunks))
     return v.movedim(dim, 0)
@@ -296,15 +232,9 @@ def tiles_per_chunk(rows: int, n: int, config: dict) -> int:
     return triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
 
 
-def _rows_view(t: torch.Tensor):
-    """Row addressing of a chunked view's chunk (all dims between the chunk dim and the last):
-    (inner, s_outer, s_inner, split) as in gemm._View."""
-    if t.dim() == 3:
-        return 1, 0, t.stride(1), False
-    b, s = t.shape[1], t.shape[2]
-    if b == 1 or t.stride(1) == s * t.stride(2):
-        return 1, 0, t.stride(2), False
-    return s, t.stride(1), t.stride(2), True
+def _chunk_rows(t: torch.Tensor) -> RowView:
+    """Row addressing of one chunk of a chunked view (all dims between the chunk dim and the last)."""
+    return RowView.rows(t[0]) if t.shape[0] else RowView(1, 0, 0, False)
 
 
 def gpu_config(n: int, dtype: torch.dtype, glu: bool = False) -> dict:
@@ -328,17 +258,6 @@ def default_num_programs(device: torch.device, reserve: int = 0) -> int:
     return max(1, sms - reserve)
 
 
-def _check_flags(name, t, num_chunks, device):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous():
-        raise TypeError(f"{name} must be a contiguous 1-D int32 tensor, got dtype {t.dtype}, shape {tuple(t.shape)}")
-    if t.numel() < num_chunks:
-        raise ValueError(f"{name} needs one entry per chunk ({num_chunks}), got {t.numel()}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on device {device}, got {t.device}")
-
-
 def kernel_config(config, n, dtype, glu=False):
     """The tile configuration a launch with ``config`` uses (the interpreter keeps its small fixed
     tiles unless ``config`` names block sizes); :func:`tiles_per_chunk` of it is what a
@@ -347,6 +266,84 @@ def kernel_config(config, n, dtype, glu=False):
     if config is not None and interpreting():
         cfg.update({k: v for k, v in config.items() if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
     return cfg
+
+
+def _check_counters(name, t, num_chunks, device):
+    """Flags and counters: contiguous 1-D int32, one entry per chunk, on the operands' device."""
+    check_tensor(name, t, dims=(1,), dtypes=(torch.int32,))
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    if t.numel() < num_chunks:
+        raise ValueError(f"{name} needs one entry per chunk ({num_chunks}), got {t.numel()}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on device {device}, got {t.device}")
+
+
+def _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, wait_flags, signal_counters,
+                           ready_value) -> LinearOperands:
+    if not isinstance(a, torch.Tensor) or a.dim() not in (3, 4):
+        raise ValueError("a must be a chunked view [C, rows, K] or [C, batch, rows, K] (see chunk_view), got "
+                         + (f"shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__))
+    ops = linear_operands(a[0], weight, bias, activation=activation, a_name="a[0]")
+    check_choice("wait_mode", wait_mode, sorted(WAIT_MODES))
+    C = a.shape[0]
+    if not isinstance(first_chunk, int) or not 0 <= first_chunk < max(C, 1):
+        raise ValueError(f"first_chunk must be in [0, {C}), got {first_chunk}")
+    if wait_mode != "none":
+        if wait_flags is None:
+            raise ValueError(f"wait_flags must be an int32 tensor (one flag per chunk) with wait_mode={wait_mode!r}, "
+                             "got None")
+        _check_counters("wait_flags", wait_flags, C, a.device)
+    if signal_counters is not None:
+        _check_counters("signal_counters", signal_counters, C, a.device)
+    check_int("ready_value", ready_value, min_value=-(2 ** 31), max_value=2 ** 31 - 1)
+    return ops
+
+
+def _chunked_outputs(a, ops, out, preact_out, tile_log, total):
+    """Check (or allocate) the chunked outputs of :func:`persistent_matmul`; returns ``out``."""
+    for name, t, feats in (("out", out, ops.n), ("preact_out", preact_out, ops.n_w)):
+        if t is not None:
+            check_buffer(name, t, tuple(a.shape[:-1]) + (feats,), a.device)
+    if tile_log is not None:
+        check_tensor("tile_log", tile_log, dims=(1,), dtypes=(torch.int32,))
+        if not tile_log.is_contiguous() or tile_log.numel() != total + 1 or tile_log.device != a.device:
+            raise ValueError(f"tile_log must be a contiguous tensor of {total + 1} entries (tiles + 1) on {a.device}, "
+                             f"got shape {tuple(tile_log.shape)} on {tile_log.device}")
+    if out is None:
+        out = torch.empty(tuple(a.shape[:-1]) + (ops.n,), device=a.device, dtype=a.dtype)
+    return out
+
+
+def _launch_persistent(a, weight, out, ops, cfg, *, first_chunk, wait_mode, wait_flags, ready_value,
+                       signal_counters, preact_out, tile_log, num_programs, max_spin, total):
+    a_r, c_r = _chunk_rows(a), _chunk_rows(out)
+    x_r = _chunk_rows(preact_out) if preact_out is not None else RowView(1, 0, 0, False)
+    bias, dummy = ops.bias, out
+    args = (
+        a, weight, out, bias if bias is not None else dummy, preact_out if preact_out is not None else dummy,
+        wait_flags if wait_flags is not None else dummy, signal_counters if signal_counters is not None else dummy,
+        tile_log if tile_log is not None else dummy, status_word(a.device),
+        int(torch.Size(a.shape[1:-1]).numel()), ops.n, ops.k, a.shape[0], first_chunk, ready_value,
+        a.stride(0), *a_r.args(), a.stride(-1),
+        ops.s_bk, ops.s_bn, ops.n if ops.glu else 0,
+        out.stride(0), *c_r.args(), out.stride(-1),
+        preact_out.stride(0) if preact_out is not None else 0, *x_r.args(),
+        preact_out.stride(-1) if preact_out is not None else 0,
+    )
+    meta = dict(
+        A_M_SPLIT=a_r.split, C_M_SPLIT=c_r.split, X_M_SPLIT=x_r.split,
+        HAS_BIAS=bias is not None, STORE_AUX=preact_out is not None, ACT=ops.act, GLU=ops.glu,
+        UPCAST=needs_upcast(a.dtype), EVEN_K=ops.k % cfg["BLOCK_K"] == 0, INPUT_PRECISION=input_precision(a.dtype),
+        WAIT=WAIT_MODES[wait_mode], SIGNAL=signal_counters is not None, LOG=tile_log is not None,
+        MAX_SPIN=spin_bound(max_spin), **cfg,
+    )
+    grid = (min(num_programs, total),)
+    if a.device.type == "cuda":
+        with torch.cuda.device(a.device):
+            persistent_gemm_kernel[grid](*args, **meta)
+    else:
+        persistent_gemm_kernel[grid](*args, **meta)
 
 
 def persistent_matmul(
@@ -366,12 +363,13 @@ def persistent_matmul(
     num_programs: int | None = None,
     config: dict | None = None,
     max_spin: int | None = None,
+    check_waits: bool = True,
 ) -> torch.Tensor:
     """``out[c] = act(a[c] @ weight.T + bias)`` for every chunk ``c``, in one persistent launch.
 
     a:        chunked view ``[C, rows, K]`` or ``[C, batch, rows, K]`` (any strides; see
               :func:`chunk_view`). ``C`` is the number of chunks.
-    weight:   ``[N, K]`` (``nn.Linear`` layout); ``[2F, K]`` gate|up for gated activations.
+    weight:   ``[N, K]`` (``nn.Linear`` layout, any strides); ``[2F, K]`` gate|up for gated activations.
     out:      chunked view with the same leading dims and ``N`` (``F``) features, written in
               place; allocated contiguous (``[C, ..., N]``) when omitted.
     first_chunk: tiles are processed chunk by chunk starting here: ``first_chunk``,
@@ -392,113 +390,52 @@ def persistent_matmul(
     config:   tile configuration (``BLOCK_M/N/K``, ``GROUP_M``, ``num_warps``, ``num_stages``);
               default :func:`gpu_config` (the interpreter always uses a small fixed one).
     max_spin: bound of each flag spin in reads (default ~a minute on GPU); a wait that runs out
-              is counted (:func:`wait_timeouts`) and, under the interpreter, raises
-              :class:`WaitTimeout` after the launch.
+              is counted and raises :class:`WaitTimeout` (:func:`check_wait_timeouts`).
+    check_waits: check for timed-out waits after a ``"spin"`` launch (default). An op that
+              launches several waiting kernels passes False and checks once at its end.
     """
-    if not isinstance(a, torch.Tensor) or a.dim() not in (3, 4):
-        raise ValueError(
-            "a must be a chunked view [C, rows, K] or [C, batch, rows, K] (see chunk_view), got "
-            + (f"shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__)
-        )
-    check_supported_dtype("a", a)
-    _check_operand("a[0]", a[0], dims=(2, 3))
-    _check_operand("weight", weight)
-    _check_same("weight", weight, "a", a)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    if wait_mode not in WAIT_MODES:
-        raise ValueError(f"wait_mode must be one of {sorted(WAIT_MODES)}, got {wait_mode!r}")
-    act, glu = ACTIVATIONS[activation]
-    C = a.shape[0]
-    K = a.shape[-1]
-    n_w, k_w = weight.shape
-    if k_w != K:
-        raise ValueError(f"inner dimensions differ: a has K={K} (shape {tuple(a.shape)}) but weight has "
-                         f"K={k_w} (shape {tuple(weight.shape)})")
-    if glu and n_w % 2:
-        raise ValueError(f"activation {activation!r} needs an even number of weight output features (gate, up), got {n_w}")
-    N = n_w // 2 if glu else n_w
-    out_shape = tuple(a.shape[:-1]) + (N,)
-    if not 0 <= first_chunk < max(C, 1):
-        raise ValueError(f"first_chunk must be in [0, {C}), got {first_chunk}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.dim() != 1 or bias.shape[0] != n_w:
-            raise ValueError(f"bias must have shape ({n_w},), got {tuple(bias.shape)}")
-        _check_same("bias", bias, "a", a, dtype=False)
-        bias = bias.contiguous()
-    for name, t, feats in (("out", out, N), ("preact_out", preact_out, n_w)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        want = tuple(a.shape[:-1]) + (feats,)
-        if tuple(t.shape) != want:
-            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
-        if t.device != a.device:
-            raise ValueError(f"{name} must be on device {a.device}, got {t.device}")
-        check_supported_dtype(name, t)
-    if wait_mode != "none":
-        if wait_flags is None:
-            raise ValueError(f"wait_mode={wait_mode!r} needs wait_flags (int32, one per chunk)")
-        _check_flags("wait_flags", wait_flags, C, a.device)
-    if signal_counters is not None:
-        _check_flags("signal_counters", signal_counters, C, a.device)
-    if not -(2 ** 31) <= ready_value < 2 ** 31:
-        raise ValueError(f"ready_value must fit in int32, got {ready_value}")
-    cfg = kernel_config(config, N, a.dtype, glu)
-    rows = int(torch.Size(a.shape[1:-1]).numel())
-    total = C * tiles_per_chunk(rows, N, cfg)
-    if tile_log is not None:
-        if not isinstance(tile_log, torch.Tensor) or tile_log.dtype != torch.int32 or tile_log.dim() != 1 \
-                or not tile_log.is_contiguous() or tile_log.numel() != total + 1:
-            raise ValueError(f"tile_log must be a contiguous int32 tensor of {total + 1} entries "
-                             f"(tiles + 1), got {getattr(tile_log, 'dtype', None)} {tuple(getattr(tile_log, 'shape', ()))}")
-        if tile_log.device != a.device:
-            raise ValueError(f"tile_log must be on device {a.device}, got {tile_log.device}")
-    if out is None:
-        out = torch.empty(out_shape, device=a.device, dtype=a.dtype)
-    if num_programs is None:
-        num_programs = default_num_programs(a.device)
-    if not isinstance(num_programs, int) or num_programs <= 0:
-        raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
-    if rows == 0 or N == 0 or C == 0:
+    ops = _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, wait_flags, signal_counters,
+                                 ready_value)
+    cfg = kernel_config(config, ops.n, a.dtype, ops.glu)
+    C, rows = a.shape[0], int(torch.Size(a.shape[1:-1]).numel())
+    total = C * tiles_per_chunk(rows, ops.n, cfg)
+    out = _chunked_outputs(a, ops, out, preact_out, tile_log, total)
+    num_programs = default_num_programs(a.device) if num_programs is None else num_programs
+    check_int("num_programs", num_programs, min_value=1)
+    if rows == 0 or ops.n == 0 or C == 0:
         return out
-    if K == 0:
-        raise ValueError("persistent_matmul needs K > 0 (an empty contraction has nothing to overlap)")
-
-    a_r, c_r = _rows_view(a), _rows_view(out)
-    x_r = _rows_view(preact_out) if preact_out is not None else (1, 0, 0, False)
-    dummy = out
-    args = (
-        a, weight, out, bias if bias is not None else dummy, preact_out if preact_out is not None else dummy,
-        wait_flags if wait_flags is not None else dummy, signal_counters if signal_counters is not None else dummy,
-        tile_log if tile_log is not None else dummy, _status_word(a.device),
-        rows, N, K, C, first_chunk, ready_value,
-        a.stride(0), *a_r[:3], a.stride(-1),
-        weight.stride(1), weight.stride(0), N if glu else 0,
-        out.stride(0), *c_r[:3], out.stride(-1),
-        preact_out.stride(0) if preact_out is not None else 0, *x_r[:3],
-        preact_out.stride(-1) if preact_out is not None else 0,
-    )
-    meta = dict(
-        A_M_SPLIT=a_r[3], C_M_SPLIT=c_r[3], X_M_SPLIT=x_r[3],
-        HAS_BIAS=bias is not None, STORE_AUX=preact_out is not None, ACT=act, GLU=glu,
-        UPCAST=needs_upcast(a.dtype), EVEN_K=K % cfg["BLOCK_K"] == 0,
-        INPUT_PRECISION=_input_precision(a.dtype),
-        WAIT=WAIT_MODES[wait_mode], SIGNAL=signal_counters is not None, LOG=tile_log is not None,
-        MAX_SPIN=_max_spin(max_spin), **cfg,
-    )
-    grid = (min(num_programs, total),)
-    if a.device.type == "cuda":
-        with torch.cuda.device(a.device):
-            _persistent_gemm_kernel[grid](*args, **meta)
-    else:
-        _persistent_gemm_kernel[grid](*args, **meta)
-    if wait_mode == "spin":
-        _check_timeouts(a.device, "persistent_matmul")
+    if ops.k == 0:
+        raise ValueError("a must have K > 0 features (an empty contraction has nothing to overlap), got K=0")
+    _launch_persistent(a, weight, out, ops, cfg, first_chunk=first_chunk, wait_mode=wait_mode, wait_flags=wait_flags,
+                       ready_value=ready_value, signal_counters=signal_counters, preact_out=preact_out,
+                       tile_log=tile_log, num_programs=num_programs, max_spin=max_spin, total=total)
+    if wait_mode == "spin" and check_waits:
+        check_wait_timeouts(a.device, "persistent_matmul")
     return out
+
+
+def _check_reduce_args(src, peer_offsets, chunk, out, bias, counters, counter_offsets):
+    if not isinstance(src, torch.Tensor) or src.dim() not in (3, 4):
+        raise ValueError("src must be a chunked view [C, rows, N] or [C, batch, rows, N], got "
+                         + (f"shape {tuple(src.shape)}" if isinstance(src, torch.Tensor) else type(src).__name__))
+    C, N = src.shape[0], src.shape[-1]
+    if not isinstance(chunk, int) or not 0 <= chunk < C:
+        raise ValueError(f"chunk must be in [0, {C}), got {chunk}")
+    check_float_tensor("src[0]", src[0], dims=(2, 3))
+    check_tensor("peer_offsets", peer_offsets, dims=(1,), dtypes=(torch.int64,))
+    if peer_offsets.numel() == 0:
+        raise ValueError("peer_offsets must hold one offset per peer, got an empty tensor")
+    check_buffer("out", out, tuple(src.shape[1:]), src.device)
+    if bias is not None:
+        check_tensor("bias", bias, dims=(1,))
+        if bias.shape[0] != N:
+            raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
+    if counters is not None:
+        _check_counters("counters", counters, C, src.device)
+        check_tensor("counter_offsets", counter_offsets, dims=(1,), dtypes=(torch.int64,))
+        if counter_offsets.shape != peer_offsets.shape:
+            raise ValueError(f"counter_offsets must have shape {tuple(peer_offsets.shape)} (one per peer), got "
+                             f"{tuple(counter_offsets.shape)}")
 
 
 def chunk_reduce(
@@ -515,6 +452,7 @@ def chunk_reduce(
     num_programs: int | None = None,
     block: tuple[int, int] = (32, 128),
     max_spin: int | None = None,
+    check_waits: bool = True,
 ) -> torch.Tensor:
     """``out = bias + sum_p partial_p[chunk]`` summed in fp32, peers in the given order.
 
@@ -529,30 +467,10 @@ def chunk_reduce(
                   partial is read after its ``counters[chunk]`` reached ``ready_value``. ``None``:
                   no waiting (the partials are known complete).
     workspace:    fp32 ``[rows * N]`` running sum (allocated when omitted).
+    check_waits:  as in :func:`persistent_matmul`.
     """
-    if not isinstance(src, torch.Tensor) or src.dim() not in (3, 4):
-        raise ValueError("src must be a chunked view [C, rows, N] or [C, batch, rows, N], got "
-                         + (f"shape {tuple(src.shape)}" if isinstance(src, torch.Tensor) else type(src).__name__))
-    _check_operand("src[0]", src[0], dims=(2, 3))
-    C, N = src.shape[0], src.shape[-1]
-    if not 0 <= chunk < C:
-        raise ValueError(f"chunk must be in [0, {C}), got {chunk}")
-    if not isinstance(peer_offsets, torch.Tensor) or peer_offsets.dtype != torch.int64 or peer_offsets.dim() != 1 \
-            or peer_offsets.numel() == 0:
-        raise TypeError("peer_offsets must be a non-empty 1-D int64 tensor")
-    P = peer_offsets.numel()
-    check_buffer("out", out, tuple(src.shape[1:]), src.device)
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != N:
-            raise ValueError(f"bias must be a tensor of shape ({N},), got "
-                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
-        bias = bias.contiguous()
-    if counters is not None:
-        _check_flags("counters", counters, C, src.device)
-        if not isinstance(counter_offsets, torch.Tensor) or counter_offsets.dtype != torch.int64 \
-                or counter_offsets.shape != (P,):
-            raise TypeError(f"counter_offsets must be an int64 tensor of shape ({P},) with counters")
-    rows = int(torch.Size(src.shape[1:-1]).numel())
+    _check_reduce_args(src, peer_offsets, chunk, out, bias, counters, counter_offsets)
+    rows, N = int(torch.Size(src.shape[1:-1]).numel()), src.shape[-1]
     if workspace is None:
         workspace = torch.empty(max(rows * N, 1), device=src.device, dtype=torch.float32)
     elif workspace.dtype != torch.float32 or workspace.numel() < rows * N or not workspace.is_contiguous():
@@ -563,27 +481,26 @@ def chunk_reduce(
     total = triton.cdiv(rows, bm) * triton.cdiv(N, bn)
     if num_programs is None:
         num_programs = total if src.device.type == "cuda" else INTERPRETER_PROGRAMS
-    s_r = _rows_view(src)
-    o_r = _rows_view(out.unsqueeze(0))
+    s_r, o_r = _chunk_rows(src), RowView.rows(out)
     peer_offsets = peer_offsets.to(src.device)
+    wait = counters is not None
     args = (
-        src, peer_offsets, counters if counters is not None else peer_offsets,
-        counter_offsets.to(src.device) if counters is not None else peer_offsets,
-        out, workspace, bias if bias is not None else workspace, _status_word(src.device),
-        rows, N, P, chunk, ready_value,
-        src.stride(0), *s_r[:3], src.stride(-1),
-        *o_r[:3], out.stride(-1),
+        src, peer_offsets, counters if wait else peer_offsets, counter_offsets.to(src.device) if wait else peer_offsets,
+        out, workspace, bias.contiguous() if bias is not None else workspace, status_word(src.device),
+        rows, N, peer_offsets.numel(), chunk, ready_value,
+        src.stride(0), *s_r.args(), src.stride(-1),
+        *o_r.args(), out.stride(-1),
     )
-    meta = dict(SRC_M_SPLIT=s_r[3], O_M_SPLIT=o_r[3], HAS_BIAS=bias is not None, WAIT=int(counters is not None),
-                MAX_SPIN=_max_spin(max_spin), BLOCK_M=bm, BLOCK_N=bn)
+    meta = dict(SRC_M_SPLIT=s_r.split, O_M_SPLIT=o_r.split, HAS_BIAS=bias is not None, WAIT=int(wait),
+                MAX_SPIN=spin_bound(max_spin), BLOCK_M=bm, BLOCK_N=bn)
     grid = (max(1, min(num_programs, total)),)
     if src.device.type == "cuda":
         with torch.cuda.device(src.device):
-            _chunk_reduce_kernel[grid](*args, **meta, num_warps=4)
+            chunk_reduce_kernel[grid](*args, **meta, num_warps=4)
     else:
-        _chunk_reduce_kernel[grid](*args, **meta)
-    if counters is not None:
-        _check_timeouts(src.device, "chunk_reduce")
+        chunk_reduce_kernel[grid](*args, **meta)
+    if wait and check_waits:
+        check_wait_timeouts(src.device, "chunk_reduce")
     return out
 
 

@@ -8,8 +8,8 @@ import torch
 DEVICE = torch.device(os.environ.get("FUSEDPAR_TEST_DEVICE", "cpu"))
 INTERPRETED = DEVICE.type == "cpu"
 
-# dtypes exercised in kernel tests: bf16 tl.dot is wrong in the interpreter (DESIGN.md §3),
-# so bf16 runs only compiled.
+# dtypes exercised in kernel tests: bf16 tl.dot is wrong in Triton's interpreter (it multiplies
+# bit patterns, triton issue 11584), so bf16 runs only compiled.
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
 
 # Tolerances against an fp64 reference, relative to the scale of the result.

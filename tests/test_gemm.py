@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
-from fusedpar.kernels import ACTIVATIONS, matmul, matmul_reference, matmul_tn
-from fusedpar.kernels.runtime import prune_tile_configs
+from fusedpar.kernels import ACTIVATIONS, gemm, matmul, matmul_reference, matmul_tn, runtime
 from fusedpar.kernels.gemm import gpu_configs
+from fusedpar.kernels.runtime import prune_tile_configs
 
 SHAPES = [(1, 1, 1), (7, 33, 19), (33, 7, 65), (127, 1, 40), (257, 129, 31), (64, 64, 64), (2, 257, 16)]
 
@@ -120,41 +120,96 @@ def test_empty_dims():
     assert torch.equal(matmul_tn(randn(0, 4), randn(0, 3), out=out.clone(), accumulate=True), out)
 
 
-def test_bad_input_errors():
+def _bad_calls():
     a, w = randn(8, 16), randn(12, 16)
-    with pytest.raises(ValueError, match="inner dimensions differ.*K=16.*K=15"):
-        matmul(a, randn(12, 15))
-    with pytest.raises(TypeError, match="weight must have the same dtype as a"):
-        matmul(a, w.half())
-    with pytest.raises(TypeError, match="unsupported dtype torch.float64"):
-        matmul(a.double(), w.double())
-    with pytest.raises(TypeError, match="unsupported dtype torch.int32"):
-        matmul(a.int(), w.int())
-    with pytest.raises(ValueError, match=r"out must have shape \(8, 12\), got \(8, 13\)"):
-        matmul(a, w, out=torch.empty(8, 13, device=DEVICE))
-    with pytest.raises(ValueError, match="a must be 2-D or 3-D, got shape \\(16,\\)"):
-        matmul(a[0], w)
-    with pytest.raises(ValueError, match="a must be 2-D or 3-D.*4-D"):
-        matmul(a.reshape(1, 2, 4, 16), w)
-    with pytest.raises(ValueError, match="weight must be 2-D, got shape \\(1, 12, 16\\)"):
-        matmul(a, w[None])
-    with pytest.raises(ValueError, match="activation must be one of"):
-        matmul(a, w, activation="tanh")
-    with pytest.raises(ValueError, match="weight_layout must be"):
-        matmul(a, w, weight_layout="nn")
-    with pytest.raises(ValueError, match="bias must have shape \\(12,\\)"):
-        matmul(a, w, randn(11))
-    with pytest.raises(ValueError, match="accumulate=True needs out="):
-        matmul(a, w, accumulate=True)
-    with pytest.raises(ValueError, match="even number of weight output features"):
-        matmul(a, randn(13, 16), activation="swiglu")
-    with pytest.raises(ValueError, match="same leading"):
-        matmul_tn(randn(8, 4), randn(7, 4))
     meta = torch.empty(12, 16, device="meta")
-    with pytest.raises(ValueError, match="meta"):
-        matmul(a, meta)
-    with pytest.raises(TypeError, match="a must be a torch.Tensor"):
-        matmul([[1.0]], w)
+    return [
+        ("inner_k", ValueError, "inner dimensions differ.*K=16.*K=15", lambda: matmul(a, randn(12, 15))),
+        ("weight_dtype", TypeError, "weight must have the same dtype as a", lambda: matmul(a, w.half())),
+        ("fp64", TypeError, "a must have dtype .*got torch.float64", lambda: matmul(a.double(), w.double())),
+        ("int32", TypeError, "a must have dtype .*got torch.int32", lambda: matmul(a.int(), w.int())),
+        ("out_shape", ValueError, r"out must have shape \(8, 12\), got \(8, 13\)",
+         lambda: matmul(a, w, out=torch.empty(8, 13, device=DEVICE))),
+        ("a_1d", ValueError, "a must be 2-D or 3-D, got shape \\(16,\\)", lambda: matmul(a[0], w)),
+        ("a_4d", ValueError, "a must be 2-D or 3-D.*4-D", lambda: matmul(a.reshape(1, 2, 4, 16), w)),
+        ("weight_3d", ValueError, "weight must be 2-D, got shape \\(1, 12, 16\\)", lambda: matmul(a, w[None])),
+        ("activation", ValueError, "activation must be one of", lambda: matmul(a, w, activation="tanh")),
+        ("layout", ValueError, "weight_layout must be", lambda: matmul(a, w, weight_layout="nn")),
+        ("bias_shape", ValueError, "bias must have shape \\(12,\\)", lambda: matmul(a, w, randn(11))),
+        ("accumulate_no_out", ValueError, "accumulate=True needs out=", lambda: matmul(a, w, accumulate=True)),
+        ("glu_odd", ValueError, "even number of weight output features",
+         lambda: matmul(a, randn(13, 16), activation="swiglu")),
+        ("tn_leading", ValueError, "same leading", lambda: matmul_tn(randn(8, 4), randn(7, 4))),
+        ("meta", ValueError, "meta", lambda: matmul(a, meta)),
+        ("not_tensor", TypeError, "a must be a torch.Tensor", lambda: matmul([[1.0]], w)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())), ids=[c[0] for c in _bad_calls()])
+def test_bad_input_errors(case):
+    _, exc, pattern, call = _bad_calls()[case]
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+@pytest.fixture
+def set_tf32():
+    """Sets torch.backends.cuda.matmul.allow_tf32 for one test (restored after it; monkeypatch
+    cannot undo an attribute of torch's cuBLAS settings module)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    yield lambda value: setattr(torch.backends.cuda.matmul, "allow_tf32", value)
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("allow_tf32", [True, False])
+def test_input_precision_follows_the_tf32_flag_when_compiled(monkeypatch, set_tf32, allow_tf32):
+    """The compiled path runs fp32 tl.dot in TF32 exactly when torch.backends.cuda.matmul.allow_tf32
+    is set (as torch.matmul does); half-precision inputs and the interpreter always use ieee."""
+    set_tf32(allow_tf32)
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    assert runtime.input_precision(torch.float32) == ("tf32" if allow_tf32 else "ieee")
+    assert runtime.input_precision(torch.float16) == "ieee"
+    assert runtime.input_precision(torch.bfloat16) == "ieee"
+    monkeypatch.setattr(runtime, "interpreting", lambda: True)
+    assert runtime.input_precision(torch.float32) == "ieee"
+
+
+@pytest.mark.parametrize("allow_tf32", [True, False])
+def test_matmul_launches_with_the_runtime_input_precision(monkeypatch, set_tf32, allow_tf32):
+    """matmul takes its tl.dot precision from runtime.input_precision (no private copy of the rule):
+    the kernel sees whatever that helper answers."""
+    seen = []
+
+    def spy(dtype):
+        seen.append(dtype)
+        return "ieee"
+
+    set_tf32(allow_tf32)
+    monkeypatch.setattr(gemm, "input_precision", spy)
+    g = torch.Generator().manual_seed(19)
+    a, w = randn(9, 20, generator=g), randn(7, 20, generator=g)
+    assert_close(matmul(a, w), matmul_reference(a, w), torch.float32)
+    assert seen == [torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("allow_tf32", [True, False])
+def test_gpu_tf32_matmul(set_tf32, allow_tf32):
+    """Compiled fp32 GEMM with TF32 on and off: TF32 rounds the inputs to a 10-bit mantissa
+    (2^-11 relative), so it passes at the fp16 tolerance but not at the fp32 one; ieee passes the
+    fp32 tolerance. The first half shows the flag reaches the kernel."""
+    set_tf32(allow_tf32)
+    g = torch.Generator().manual_seed(23)
+    M, N, K = 256, 192, 512
+    a, w = randn(M, K, generator=g), randn(N, K, generator=g, scale=K ** -0.5)
+    out = matmul(a, w)
+    ref = matmul_reference(a, w)
+    if allow_tf32:
+        assert_close(out, ref, torch.float16, msg="tf32 within the 10-bit-mantissa tolerance")
+        err = ((out.double() - ref.to(out.device)).abs().max() / ref.abs().max()).item()
+        assert err > 1e-5, f"allow_tf32=True, yet the result is ieee-exact (rel err {err:.2e}): tf32 not used?"
+    else:
+        assert_close(out, ref, torch.float32, msg="ieee fp32")
 
 
 def test_gpu_config_pruning_by_shared_memory_and_problem_size():

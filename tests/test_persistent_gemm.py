@@ -1,7 +1,7 @@
 """Persistent chunked GEMM (kernels/persistent_gemm.py) against fp64 references.
 
 Under the interpreter programs run one after another, so a spin on a flag raised later would
-hang (DESIGN.md §3): the spin tests set every flag before the launch, and the flag logic itself
+hang: the spin tests set every flag before the launch, and the flag logic itself
 is tested with ``wait_mode="skip"`` (a tile whose chunk flag is not ready is not computed) and
 with the tile log (the global order in which tiles were computed).
 """
@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from _utils import DTYPES, INTERPRETED, assert_close, poison, randn
+from fusedpar.kernels import WaitTimeout, check_wait_timeouts, wait_timeouts
+from fusedpar.kernels import persistent_gemm as pg
 from fusedpar.kernels.persistent_gemm import (
     chunk_reduce,
     chunk_view,
@@ -22,6 +24,7 @@ from fusedpar.kernels.persistent_gemm import (
     persistent_matmul_reference,
     tiles_per_chunk,
 )
+from fusedpar.kernels.waits import WAIT_CHECKS, status_word
 
 I32 = torch.int32
 
@@ -164,8 +167,6 @@ def test_chunk_reduce_peers_in_order(device, dtype):
 def test_missing_flag_times_out_instead_of_hanging(device):
     """A spin whose flag never comes gives up after max_spin reads and raises (the interpreter
     cannot see a flag change within one launch), for the GEMM and for chunk_reduce."""
-    from fusedpar.kernels import WaitTimeout, wait_timeouts
-
     a = torch.randn(3, 8, 16, device=device)
     w = torch.randn(8, 16, device=device)
     flags = torch.tensor([1, 0, 1], dtype=I32, device=device)
@@ -179,16 +180,59 @@ def test_missing_flag_times_out_instead_of_hanging(device):
                      max_spin=50)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="runs the launchers as if compiled while the kernels stay "
+                    "interpreted; test_gpu_missing_flag_times_out is the compiled version")
+@pytest.mark.parametrize("launcher", ["persistent_matmul", "chunk_reduce"])
+def test_wait_timeout_raises_when_compiled_too(device, monkeypatch, launcher):
+    """A wait that gives up is an error on a GPU as well, not only under the interpreter (on a
+    GPU the op would otherwise return what it read without the data): the launchers below see
+    themselves compiled (interpreting() is False for them) and still raise WaitTimeout."""
+    monkeypatch.setattr(pg, "interpreting", lambda: False)
+    a = torch.randn(3, 8, 16, device=device)
+    w = torch.randn(8, 16, device=device)
+    wait_timeouts(device)
+    with pytest.raises(WaitTimeout, match=f"{launcher}: 1 wait"):
+        if launcher == "persistent_matmul":
+            persistent_matmul(a, w, wait_flags=torch.tensor([1, 0, 1], dtype=I32, device=device), max_spin=50,
+                              config=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4))
+        else:
+            chunk_reduce(a, torch.zeros(1, dtype=torch.int64), 1, out=torch.empty(8, 16, device=device),
+                         counters=torch.tensor([2, 1, 2], dtype=I32, device=device),
+                         counter_offsets=torch.zeros(1, dtype=torch.int64), ready_value=2, max_spin=50,
+                         block=(16, 16))
+    assert wait_timeouts(device) == 0  # reported once
+
+
+@pytest.mark.parametrize("mode", WAIT_CHECKS)
+def test_check_wait_timeouts_reports_each_timeout_once(device, mode):
+    """The host side of a timeout: new counts raise once, naming the op; "deferred" (GPU) raises
+    at the first check after its snapshot has landed, without synchronising itself."""
+    wait_timeouts(device)
+    check_wait_timeouts(device, "op", mode=mode)  # nothing new
+    status_word(device).add_(2)  # two waits gave up
+    if device.type == "cuda" and mode == "deferred":
+        check_wait_timeouts(device, "op", mode=mode)  # queues a snapshot; none has landed before it
+        torch.cuda.synchronize()
+    with pytest.raises(WaitTimeout, match="op: 2 wait"):
+        check_wait_timeouts(device, "op", mode=mode)
+    check_wait_timeouts(device, "op", mode=mode)
+    assert wait_timeouts(device) == 0
+    with pytest.raises(ValueError, match="mode must be one of"):
+        check_wait_timeouts(device, "op", mode="never")
+
+
 @pytest.mark.gpu
 def test_gpu_missing_flag_times_out():
-    """Compiled: a flag that never comes ends in counted timeouts, not a hung device."""
-    from fusedpar.kernels import wait_timeouts
-
+    """Compiled: a flag that never comes ends in a WaitTimeout after the launch, not in a hung
+    device or a silently wrong result; with check_waits=False the count waits for wait_timeouts."""
     a = torch.randn(4, 64, 128, device="cuda", dtype=torch.float16)
     w = torch.randn(96, 128, device="cuda", dtype=torch.float16)
     wait_timeouts("cuda")  # clear
     flags = torch.tensor([1, 1, 0, 1], dtype=I32, device="cuda")
-    persistent_matmul(a, w, wait_flags=flags, max_spin=10_000, num_programs=4)
+    with pytest.raises(WaitTimeout, match="persistent_matmul"):
+        persistent_matmul(a, w, wait_flags=flags, max_spin=10_000, num_programs=4)
+    assert wait_timeouts("cuda") == 0
+    persistent_matmul(a, w, wait_flags=flags, max_spin=10_000, num_programs=4, check_waits=False)
     torch.cuda.synchronize()
     assert wait_timeouts("cuda") >= 1
     persistent_matmul(a, w, wait_flags=torch.ones(4, dtype=I32, device="cuda"), max_spin=10_000)
@@ -196,32 +240,37 @@ def test_gpu_missing_flag_times_out():
     assert wait_timeouts("cuda") == 0
 
 
-def test_errors(device):
+def _error_calls(device):
     a = torch.randn(2, 5, 8, device=device)
     w = torch.randn(6, 8, device=device)
-    with pytest.raises(ValueError, match="wait_flags"):
-        persistent_matmul(a, w)
-    with pytest.raises(TypeError, match="int32"):
-        persistent_matmul(a, w, wait_flags=torch.ones(2, device=device))
-    with pytest.raises(ValueError, match="one entry per chunk"):
-        persistent_matmul(a, w, wait_flags=torch.ones(1, dtype=I32, device=device))
-    with pytest.raises(ValueError, match="first_chunk"):
-        persistent_matmul(a, w, wait_mode="none", first_chunk=2)
-    with pytest.raises(ValueError, match="inner dimensions"):
-        persistent_matmul(a, torch.randn(6, 7, device=device), wait_mode="none")
-    with pytest.raises(ValueError, match="wait_mode"):
-        persistent_matmul(a, w, wait_mode="poll")
-    with pytest.raises(ValueError, match="chunked view"):
-        persistent_matmul(a[0], w, wait_mode="none")
-    with pytest.raises(ValueError, match="out must have shape"):
-        persistent_matmul(a, w, wait_mode="none", out=torch.empty(2, 5, 7, device=device))
-    with pytest.raises(ValueError, match="tile_log"):
-        persistent_matmul(a, w, wait_mode="none", tile_log=torch.zeros(5, dtype=I32, device=device))
-    with pytest.raises(ValueError, match="not divisible into 4 chunks"):
-        chunk_view(torch.randn(2, 6, 3), 1, 4)
-    with pytest.raises(ValueError, match="chunk must be in"):
-        chunk_reduce(a.unsqueeze(-1).expand(2, 5, 8, 3)[..., 0], torch.zeros(1, dtype=torch.int64), 2,
-                     out=torch.empty(5, 8, device=device))
+    return [
+        ("no_flags", ValueError, "wait_flags", lambda: persistent_matmul(a, w)),
+        ("flag_dtype", TypeError, "int32", lambda: persistent_matmul(a, w, wait_flags=torch.ones(2, device=device))),
+        ("flag_count", ValueError, "one entry per chunk",
+         lambda: persistent_matmul(a, w, wait_flags=torch.ones(1, dtype=I32, device=device))),
+        ("first_chunk", ValueError, "first_chunk", lambda: persistent_matmul(a, w, wait_mode="none", first_chunk=2)),
+        ("inner_k", ValueError, "inner dimensions",
+         lambda: persistent_matmul(a, torch.randn(6, 7, device=device), wait_mode="none")),
+        ("wait_mode", ValueError, "wait_mode", lambda: persistent_matmul(a, w, wait_mode="poll")),
+        ("not_chunked", ValueError, "chunked view", lambda: persistent_matmul(a[0], w, wait_mode="none")),
+        ("out_shape", ValueError, "out must have shape",
+         lambda: persistent_matmul(a, w, wait_mode="none", out=torch.empty(2, 5, 7, device=device))),
+        ("tile_log", ValueError, "tile_log",
+         lambda: persistent_matmul(a, w, wait_mode="none", tile_log=torch.zeros(5, dtype=I32, device=device))),
+        ("num_programs", ValueError, "num_programs must be >= 1",
+         lambda: persistent_matmul(a, w, wait_mode="none", num_programs=0)),
+        ("chunk_view", ValueError, "not divisible into 4 chunks", lambda: chunk_view(torch.randn(2, 6, 3), 1, 4)),
+        ("reduce_chunk", ValueError, "chunk must be in",
+         lambda: chunk_reduce(a.unsqueeze(-1).expand(2, 5, 8, 3)[..., 0], torch.zeros(1, dtype=torch.int64), 2,
+                              out=torch.empty(5, 8, device=device))),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_error_calls("cpu"))), ids=[c[0] for c in _error_calls("cpu")])
+def test_errors(device, case):
+    _, exc, pattern, call = _error_calls(device)[case]
+    with pytest.raises(exc, match=pattern):
+        call()
 
 
 _COMPILE_CHECK = textwrap.dedent(
@@ -248,7 +297,7 @@ _COMPILE_CHECK = textwrap.dedent(
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
     bf16 = {n: "*bf16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "aux_ptr")}
-    k = comp(pg._persistent_gemm_kernel,
+    k = comp(pg.persistent_gemm_kernel,
              dict(A_M_SPLIT=False, C_M_SPLIT=True, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=False, ACT=0,
                    GLU=False, UPCAST=False, EVEN_K=True, INPUT_PRECISION="ieee", WAIT=1, SIGNAL=True, LOG=False,
                   MAX_SPIN=1 << 27, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1),
@@ -263,13 +312,13 @@ _COMPILE_CHECK = textwrap.dedent(
     # no prefetch of A/B is hoisted above the flag wait: every async copy comes after the spin
     print("LOADS_AFTER_WAIT", -1 < tg.find("scf.while") < tg.find("async_copy_global_to_local"))
     fp16 = {n: "*fp16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")}
-    comp(pg._persistent_gemm_kernel,
+    comp(pg.persistent_gemm_kernel,
          dict(A_M_SPLIT=True, C_M_SPLIT=False, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=True, ACT=3, GLU=True,
               UPCAST=False, EVEN_K=False, INPUT_PRECISION="ieee", WAIT=2, SIGNAL=False, LOG=True,
               MAX_SPIN=1 << 27, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, s_ak=1, s_bk=1),
          {"K"}, dict(fp16, aux_ptr="*fp32"), dict(num_warps=4, num_stages=3))
     print("SKIP_GLU_AUX", True)
-    k = comp(pg._chunk_reduce_kernel,
+    k = comp(pg.chunk_reduce_kernel,
              dict(SRC_M_SPLIT=False, O_M_SPLIT=True, HAS_BIAS=True, WAIT=1, MAX_SPIN=1 << 27, BLOCK_M=32,
                   BLOCK_N=128, s_srcn=1, s_on=1),
              {"N"}, {"src_ptr": "*fp32", "peer_off_ptr": "*i64", "count_off_ptr": "*i64", "out_ptr": "*bf16",

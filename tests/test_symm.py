@@ -1,73 +1,135 @@
-"""Symmetric-memory transport (fusedpar/symm.py): the single-GPU emulation, transport selection
-on real process groups, and the compiled GPU tests (a late producer, a missing wait).
+"""In-kernel-wait schedules (fusedpar/ops/symmetric.py): the single-device emulation
+(EmulatedTransport(in_kernel_waits=True)), transport selection on real process groups, the real
+transport's host logic across processes, and the compiled GPU tests (a late producer, a missing
+wait, a wait that gives up, one hardware queue).
 
 On CPU the emulation runs its producer before the consumer (the interpreter runs programs one
-after another, DESIGN.md §3), so these tests check the wiring: chunk order, flags and epochs,
-counters, layouts. The overlap itself (spinning programs, copy engines, a producer made late on
-purpose) is tested by the ``gpu``-marked tests below.
+after another), so these tests check the wiring: chunk order, flags and epochs, counters,
+layouts. The overlap itself (spinning programs, copy engines, a producer made late on purpose)
+is tested by the ``gpu``-marked tests below.
 """
+import gc
 import os
 import random
 import re
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 import torch
 
-from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
+from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, randn
 from _world import rank_rng, world_fixture
-from fusedpar import symm
-from fusedpar.kernels import wait_timeouts
-from fusedpar.kernels.persistent_gemm import persistent_matmul_reference as ref_mm
+from fusedpar.kernels import WaitTimeout, wait_timeouts
+from fusedpar.kernels import persistent_matmul_reference as ref_mm
+from fusedpar.ops import symmetric
+from fusedpar.ops.symmetric import (
+    ChunkFlags,
+    GroupCache,
+    SymmetricTransport,
+    all_gather_matmul_symmetric,
+    chunk_flags,
+    matmul_reduce_scatter_symmetric,
+    resolve_transport,
+    set_workspace_factory,
+    symmetric_status,
+)
+from fusedpar.ops.transport import EmulatedTransport, PortableTransport
 
 world2 = world_fixture(2)  # GPU test only (needs 2 GPUs)
 world3 = world_fixture(3)
 
 
-def _gathered(peers, gather_dim):
-    """all_gather of the shards ``peers[c]`` along ``gather_dim``."""
-    return torch.cat(list(peers), dim=gather_dim)
+def _emulated(P, rank, **kw):
+    return EmulatedTransport(P, rank, in_kernel_waits=True, **kw)
 
 
+# --------------------------------------------------------------------------------------------
+# the emulation (every peer mirrors this rank): the shipped schedules on one device
+# --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_emulated_all_gather_matmul(device, dtype):
-    """Every rank position, both gather dims, gated activation; repeated calls reuse the flags
-    with a rising epoch (a stale flag must not count as ready)."""
-    g = torch.Generator().manual_seed(11)
+@pytest.mark.parametrize("gather_dim", [1, 0])
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_emulated_all_gather_matmul(device, dtype, gather_dim, rank):
+    """Every rank position, both gather dims, gated activation with the pre-activation and the
+    gathered input kept; repeated calls reuse the workspace and the flags with a rising epoch (a
+    stale flag must not count as ready). By the mirror rule every peer's shard is this rank's."""
+    g = torch.Generator().manual_seed(11 + rank + 10 * gather_dim)
     P, b, s, K, F = 3, 2, 7, 40, 13
-    w = randn(2 * F, K, dtype=dtype, generator=g, scale=K ** -0.5).to(device)
-    bias = randn(2 * F, dtype=dtype, generator=g).to(device)
-    for gather_dim in (1, 0):
-        peers = randn(P, b, s, K, dtype=dtype, generator=g).to(device)
-        full = _gathered(peers, gather_dim)
-        expect = ref_mm(full, w, bias, activation="swiglu")
-        for rank in range(P):
-            epoch0 = symm._flags_for(peers.device, P).epoch
-            out = poison(tuple(expect.shape), dtype, device)
-            symm.emulated_all_gather_matmul(peers, w, bias, rank=rank, gather_dim=gather_dim, activation="swiglu",
-                                            out=out)
-            assert symm._flags_for(peers.device, P).epoch == epoch0 + 1
-            assert_close(out, expect, dtype, msg=f"gather_dim={gather_dim} rank={rank}")
+    w = randn(2 * F, K, dtype=dtype, generator=g, scale=K ** -0.5)
+    bias = randn(2 * F, dtype=dtype, generator=g)
+    t = _emulated(P, rank)
+    for call in range(2):
+        x = randn(b, s, K, dtype=dtype, generator=g)
+        full = torch.cat([x] * P, dim=gather_dim)
+        epoch0 = chunk_flags(device, P).epoch
+        pre = torch.full((P, b, s, 2 * F), float("nan"), dtype=dtype, device=device)
+        gathered = torch.full((P, b, s, K), float("nan"), dtype=dtype, device=device)
+        out = all_gather_matmul_symmetric(x, w, bias, transport=t, gather_dim=gather_dim, activation="swiglu",
+                                          preact_out=pre, gathered_out=gathered)
+        assert chunk_flags(device, P).epoch == epoch0 + 1
+        assert_close(out, ref_mm(full, w, bias, activation="swiglu"), dtype, msg=f"call {call}")
+        assert_close(pre, ref_mm(torch.stack([x] * P), w, bias), dtype, msg=f"preact call {call}")
+        torch.testing.assert_close(gathered, torch.stack([x] * P), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_emulated_matmul_reduce_scatter(device, dtype):
-    g = torch.Generator().manual_seed(12)
+@pytest.mark.parametrize("rank", [0, 3])
+def test_emulated_matmul_reduce_scatter(device, dtype, rank):
+    """Peer j's partial of this rank's chunk is this rank's partial completed at the same step,
+    so the result is bias + sum_c x_c @ W^T; the counters keep growing over calls."""
+    g = torch.Generator().manual_seed(12 + rank)
     P, b, s, K, N = 4, 2, 12, 36, 23
-    x = randn(b, s, K, dtype=dtype, generator=g).to(device)
-    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5).to(device)
-    bias = randn(N, dtype=dtype, generator=g).to(device)
+    x = randn(b, s, K, dtype=dtype, generator=g)
+    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5)
+    bias = randn(N, dtype=dtype, generator=g)
     n = s // P
     expect = sum(ref_mm(x[:, c * n:(c + 1) * n], w) for c in range(P)) + bias.double()
-    for rank in (0, 3):
-        out = poison((b, n, N), dtype, device)
-        symm.emulated_matmul_reduce_scatter(x, w, bias, world=P, rank=rank, out=out)
+    t = _emulated(P, rank)
+    for call in range(2):
+        out = torch.full((b, n, N), float("nan"), dtype=dtype, device=device)
+        matmul_reduce_scatter_symmetric(x, w, bias, transport=t, out=out)
         # fp32 partials summed in fp32: only the input and output roundings of dtype remain
-        assert_close(out, expect, dtype, msg=f"rank={rank}")
+        assert_close(out, expect, dtype, msg=f"call {call}")
+    ws = t.symmetric_workspace("reduce_scatter", device, 0)
+    assert ws.typed(0, (P,), torch.int32).tolist() == [ws.counter_base] * P and ws.counter_base > 0
+
+
+def test_emulated_reduce_scatter_chunked_input(device):
+    """chunked=True (the all-gather's dgrad layout): x is already [P, *rows, in]."""
+    g = torch.Generator().manual_seed(13)
+    P, b, n, K, N = 3, 2, 4, 24, 10
+    xc = randn(P, b, n, K, generator=g)
+    w = randn(N, K, generator=g)
+    out = matmul_reduce_scatter_symmetric(xc, w, transport=_emulated(P, 1), chunked=True)
+    assert_close(out, sum(ref_mm(xc[c], w) for c in range(P)), torch.float32)
+
+
+def test_reduce_scatter_enqueues_the_gemm_before_the_reduction(monkeypatch):
+    """The reduction spins on completion counters that the GEMM bumps: it must be enqueued after
+    that GEMM (on one hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1 or MPS, a spinning kernel queued
+    first would wait for one queued behind it). On CPU the kernels run at once in the order of the
+    code, which is also the GPU's order (one code path): a reduction first would time out here."""
+    calls = []
+    for name, tag in (("persistent_matmul", "gemm"), ("chunk_reduce", "reduce")):
+        real = getattr(symmetric, name)
+
+        def spy(*args, _real=real, _tag=tag, **kw):
+            calls.append(_tag)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(symmetric, name, spy)
+    g = torch.Generator().manual_seed(14)
+    x, w = randn(2, 6, 16, generator=g), randn(5, 16, generator=g)
+    out = matmul_reduce_scatter_symmetric(x, w, transport=_emulated(3, 2), max_spin=50)
+    assert calls == ["gemm", "reduce"]
+    assert_close(out, sum(ref_mm(x[:, 2 * c:2 * c + 2], w) for c in range(3)), torch.float32)
 
 
 def test_flags_epoch_wraps():
-    f = symm.ChunkFlags(4, torch.device("cpu"))
+    f = ChunkFlags(4, torch.device("cpu"))
     f.epoch = 2 ** 31 - 2
     f.i32.fill_(2 ** 31 - 2)
     assert f.begin() == 1 and f.i32.tolist() == [0, 0, 0, 0]
@@ -75,25 +137,88 @@ def test_flags_epoch_wraps():
     assert f.i32.tolist() == [0, 0, 1, 0]
 
 
+def _error_calls():
+    x, w = torch.randn(2, 4, 8, device=DEVICE), torch.randn(6, 8, device=DEVICE)
+    t = _emulated(3, 0)
+    ag, rs = all_gather_matmul_symmetric, matmul_reduce_scatter_symmetric
+    return [
+        ("weight_shape", ValueError, "weight must have shape", lambda: ag(x, torch.randn(6, 7), transport=t)),
+        ("gather_dim", ValueError, "gather_dim must be a token dim", lambda: ag(x, w, transport=t, gather_dim=2)),
+        ("rank", ValueError, "rank must be <= 2, got 3", lambda: EmulatedTransport(3, 3, in_kernel_waits=True)),
+        ("glu_rows", ValueError, "even number of rows",
+         lambda: ag(x, torch.randn(5, 8, device=DEVICE), transport=t, activation="swiglu")),
+        ("divisible", ValueError, r"x.shape\[1\]=4 must be divisible by the group size \(3\)",
+         lambda: rs(x, w, transport=t)),
+        ("dtype", TypeError, "weight must have the same dtype as x", lambda: rs(x, w.half(), transport=_emulated(2, 0))),
+        ("out_shape", ValueError, r"out must have shape \(2, 12, 6\)",
+         lambda: ag(x, w, transport=t, out=torch.empty(2, 4, 6, device=DEVICE))),
+        ("no_waits", ValueError, "transport must support in-kernel waits",
+         lambda: ag(x, w, transport=EmulatedTransport(3, 0))),
+        ("portable", ValueError, "transport must support in-kernel waits", lambda: ag(x, w, transport=PortableTransport())),
+        ("delay_on_cpu", ValueError, "producer_delay_cycles must be 0 on cpu",
+         lambda: ag(x.cpu(), w.cpu(), transport=t, producer_delay_cycles=10)),
+        ("in_kernel_waits_type", TypeError, "in_kernel_waits must be a bool", lambda: EmulatedTransport(2, in_kernel_waits=1)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_error_calls())), ids=[c[0] for c in _error_calls()])
+def test_emulation_errors(case):
+    _, exc, pattern, call = _error_calls()[case]
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+# --------------------------------------------------------------------------------------------
+# transport selection and the per-group caches
+# --------------------------------------------------------------------------------------------
 def test_transport_names_are_checked():
     with pytest.raises(ValueError, match="transport must be one of"):
-        symm.resolve_transport("nvshmem", torch.zeros(1))
+        resolve_transport("nvshmem", torch.zeros(1))
+
+
+def test_transport_instances_pass_through():
+    t = _emulated(4, 1)
+    assert resolve_transport(t, torch.zeros(1)) is t
+    with pytest.raises(ValueError, match="either group= or a Transport"):
+        resolve_transport(t, torch.zeros(1), group=object())
+    assert resolve_transport("symmetric", torch.zeros(1)).name == "portable"  # one rank: nothing to gather
+
+
+def test_group_cache_never_hands_a_freed_groups_entries_to_a_new_group():
+    """An entry cached for a group that has been destroyed and freed must not reach a new group
+    that the allocator put at the same address (same id()): entries are keyed weakly by the group."""
+
+    class FakeGroup:
+        pass
+
+    cache, ids, reused = GroupCache(), set(), 0
+    for i in range(50):
+        group = FakeGroup()
+        reused += id(group) in ids
+        ids.add(id(group))
+        entries = cache.entries(group)
+        assert entries == {}, f"group {i} was handed a freed group's entries {entries}"
+        entries["workspace"] = i
+        assert cache.entries(group) == {"workspace": i}
+        del group, entries  # freed at once (reference counting)
+    assert reused, "the loop never reused an id: it did not exercise the hazard"
+    assert len(cache) == 0  # a freed group's entries go with it
 
 
 def _transport_cases(rank, size):
     x = torch.randn(2, 3, 8, device=DEVICE)
-    ok, reason = symm.symmetric_status(x)
+    ok, reason = symmetric_status(x)
     backend = torch.distributed.get_backend()
     if DEVICE.type == "cpu":
         assert not ok and "cpu" in reason, reason
     elif backend != "nccl":
         assert not ok and backend in reason, reason
-    chosen = symm.resolve_transport("auto", x)
+    chosen = resolve_transport("auto", x).name
     assert chosen == ("symmetric" if ok else "portable")
-    assert symm.resolve_transport("portable", x) == "portable"
+    assert resolve_transport("portable", x).name == "portable"
     if not ok:
         with pytest.raises(ValueError, match=re.escape("transport='symmetric' is not available here: " + reason)):
-            symm.resolve_transport("symmetric", x)
+            resolve_transport("symmetric", x)
     return chosen
 
 
@@ -125,13 +250,11 @@ class _FileHandle:
         return self.bufs[peer][:n].view(dtype).view(sizes)
 
 
-def _file_workspace_factory(tmpdir, seed):
-    calls = [0]
-
+def _file_workspace_factory(tmpdir, seed, calls):
     def factory(group, device, size):
         r, P = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-        calls[0] += 1
-        paths = [os.path.join(tmpdir, f"ws{calls[0]}_{j}") for j in range(P)]
+        calls.append(size)
+        paths = [os.path.join(tmpdir, f"ws{seed}_{len(calls)}_{j}") for j in range(P)]
         with open(paths[r], "wb") as f:
             f.truncate(size)  # zero-filled
         torch.distributed.barrier(group=group)
@@ -142,10 +265,10 @@ def _file_workspace_factory(tmpdir, seed):
 
 
 def _symmetric_over_shared_files(rank, size, tmpdir, seed):
-    saved = symm._new_workspace
-    symm._new_workspace = _file_workspace_factory(tmpdir, seed)
-    symm._workspaces.clear()
+    calls = []
+    saved = set_workspace_factory(_file_workspace_factory(tmpdir, seed, calls))
     try:
+        t = SymmetricTransport()
         b, s, K, N = 2, 5, 24, 19
         w = torch.randn(N, K, generator=rank_rng(seed))
         bias = torch.randn(N, generator=rank_rng(seed + 1))
@@ -154,8 +277,8 @@ def _symmetric_over_shared_files(rank, size, tmpdir, seed):
             full = torch.cat(xs, dim=gather_dim)
             for _ in range(2):  # the second call reuses slots and flags (epochs, barriers)
                 gathered = torch.full((size, b, s, K), float("nan"))
-                out = symm.all_gather_matmul_symmetric(xs[rank], w, bias, gather_dim=gather_dim, activation=act,
-                                                       gathered_out=gathered)
+                out = all_gather_matmul_symmetric(xs[rank], w, bias, transport=t, gather_dim=gather_dim,
+                                                  activation=act, gathered_out=gathered)
                 assert_close(out, ref_mm(full, w, bias, activation=act), torch.float32, msg=f"AG dim {gather_dim}")
                 torch.testing.assert_close(gathered, torch.stack(xs), rtol=0, atol=0)
         # reduce-scatter: rank q holds K_q = 20 input features of a 20*size-wide contraction
@@ -163,21 +286,110 @@ def _symmetric_over_shared_files(rank, size, tmpdir, seed):
         wr = [torch.randn(N, 20, generator=rank_rng(seed + 4, q)) for q in range(size)]
         total = sum(ref_mm(x, wq) for x, wq in zip(xr, wr)) + bias.double()
         for call in range(2):  # counters keep growing: the second call waits for base + tiles
-            out = symm.matmul_reduce_scatter_symmetric(xr[rank], wr[rank], bias, scatter_dim=1)
+            out = matmul_reduce_scatter_symmetric(xr[rank], wr[rank], bias, transport=t, scatter_dim=1)
             assert_close(out, total[:, 2 * rank:2 * rank + 2], torch.float32, msg=f"RS call {call}")
-        (ws,) = [v for k, v in symm._workspaces.items() if k[0] == "reduce_scatter"]
-        counters = ws.tensor[:4 * size].view(torch.int32)
-        assert counters.tolist() == [ws.counter_base] * size and ws.counter_base > 0
+        ws = SymmetricTransport().symmetric_workspace("reduce_scatter", "cpu", 0)  # cached per group
+        assert ws.typed(0, (size,), torch.int32).tolist() == [ws.counter_base] * size and ws.counter_base > 0
+        _fresh_groups_get_fresh_workspaces(size, calls)
     finally:
-        symm._new_workspace = saved
-        symm._workspaces.clear()
+        set_workspace_factory(saved)
     return rank
+
+
+def _fresh_groups_get_fresh_workspaces(size, calls):
+    """Groups created after others were destroyed never see the destroyed groups' workspaces."""
+    for i in range(3):
+        group = torch.distributed.new_group(list(range(size)))
+        before = len(calls)
+        ws = SymmetricTransport(group).symmetric_workspace("fresh", "cpu", 64)
+        assert len(calls) == before + 1 and ws.counter_base == 0, f"group {i} got a cached workspace"
+        ws.counter_base = 1000 + i  # what a stale hand-off would show
+        torch.distributed.destroy_process_group(group)
+        del group, ws
+        gc.collect()
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the shared-file stand-in runs the kernels interpreted on CPU "
                     "tensors; GPU machines run the real transport (test_gpu_symmetric_transport_two_ranks)")
 def test_symmetric_transport_over_shared_memory(world3, tmp_path):
     assert world3.run(_symmetric_over_shared_files, tmpdir=str(tmp_path), seed=41) == [0, 1, 2]
+
+
+def _run_op(fn, transport, x, w, b, g, **kw):
+    x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
+    y = fn(x, w, b, transport=transport, **kw)
+    (y * g).sum().backward()
+    return y.detach(), x.grad, w.grad, b.grad
+
+
+def _op_cases(size, seed, rank):
+    from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
+
+    K, F = 24, 7
+    x = torch.randn(2, 3, K, generator=rank_rng(seed, rank))
+    return [
+        (all_gather_matmul, x, torch.randn(2 * F, K, generator=rank_rng(seed + 1, rank)),
+         torch.randn(2 * F, generator=rank_rng(seed + 2)), (2, 3 * size, F), dict(gather_dim=1, activation="swiglu")),
+        (all_gather_matmul, x, torch.randn(F, K, generator=rank_rng(seed + 3, rank)),
+         torch.randn(F, generator=rank_rng(seed + 4)), (2 * size, 3, F), dict(gather_dim=0, save_gathered_input=False)),
+        (matmul_reduce_scatter, torch.randn(2, 2 * size, K, generator=rank_rng(seed + 5, rank)),
+         torch.randn(F, K, generator=rank_rng(seed + 6, rank)), torch.randn(F, generator=rank_rng(seed + 7)),
+         (2, 2, F), dict(scatter_dim=1)),
+    ]
+
+
+def _ops_symmetric_vs_portable(rank, size, tmpdir, seed):
+    """fusedpar.ops on a SymmetricTransport (over the shared-file stand-in) against
+    transport="portable": outputs and every gradient, both ops, gated activation, re-gather."""
+    saved = set_workspace_factory(_file_workspace_factory(tmpdir, seed, []))
+    try:
+        for i, (fn, xi, w, b, out_shape, kw) in enumerate(_op_cases(size, seed, rank)):
+            g = torch.randn(out_shape, generator=rank_rng(seed + 8 + i, rank))
+            ref = _run_op(fn, "portable", xi, w, b, g, **kw)
+            got = _run_op(fn, SymmetricTransport(), xi, w, b, g, **kw)
+            for name, a, e in zip(("out", "dx", "dW", "db"), got, ref):
+                assert_close(a, e, torch.float32, msg=f"case {i} {name}")
+    finally:
+        set_workspace_factory(saved)
+    return rank
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the shared-file stand-in runs the kernels interpreted on CPU "
+                    "tensors; GPU machines run the real transport (test_gpu_symmetric_transport_two_ranks)")
+def test_ops_transport_symmetric_equals_portable(world3, tmp_path):
+    assert world3.run(_ops_symmetric_vs_portable, tmpdir=str(tmp_path), seed=51) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["ag_swiglu", "ag_batch_regather", "rs"])
+def test_ops_emulated_in_kernel_waits_equals_rings(case):
+    """One process: the TP ops on EmulatedTransport with in-kernel waits (the symmetric schedules)
+    and without (the portable rings) compute the same outputs and gradients (same mirror peers)."""
+    fn, x, w, b, out_shape, kw = _op_cases(3, 61, 1)[case]
+    x, w, b = x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)
+    g = torch.randn(out_shape, generator=rank_rng(69)).to(DEVICE)
+    ref = _run_op(fn, EmulatedTransport(3, 1), x, w, b, g, **kw)
+    got = _run_op(fn, EmulatedTransport(3, 1, in_kernel_waits=True), x, w, b, g, **kw)
+    for name, a, e in zip(("out", "dx", "dW", "db"), got, ref):
+        assert_close(a, e, torch.float32, msg=name)
+
+
+def _ops_transport_errors(rank, size):
+    from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
+
+    x, w = torch.randn(2, 3, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="transport='symmetric' is not available here"):
+        all_gather_matmul(x, w, transport="symmetric")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        matmul_reduce_scatter(torch.randn(2, 3 * size, 8), w, transport="nccl")
+    y = all_gather_matmul(x, w, transport="auto")  # portable on gloo/CPU
+    assert y.shape == (2, 3 * size, 4)
+    return rank
+
+
+def test_ops_transport_errors(world3):
+    if not INTERPRETED:
+        pytest.skip("on a GPU machine the world may run NCCL, where 'symmetric' can be available")
+    assert world3.run(_ops_transport_errors) == [0, 1, 2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,51 +415,104 @@ def _delay_cycles(ms):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_late_producer_is_waited_for(dtype):
-    """The producer sleeps ~50 ms before its first copy. With waits the result is right;
-    without them the GEMM reads the NaN-poisoned chunks that have not arrived: the test of the
-    test (a missing wait shows as wrong data)."""
+    """The producer sleeps ~50 ms before its first pull. With waits the result is right; without
+    them the GEMM reads the slots that have not arrived, which still hold the previous call's
+    NaN shard: the test of the test (a missing wait shows as wrong data)."""
     g = torch.Generator().manual_seed(21)
     P, b, s, K, N = 8, 1, 256, 512, 384
-    peers = randn(P, b, s, K, dtype=dtype, generator=g).cuda()
-    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5).cuda()
-    expect = ref_mm(_gathered(peers, 1), w)
+    x = randn(b, s, K, dtype=dtype, generator=g)
+    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5)
+    nan = torch.full_like(x, float("nan"))
+    expect = ref_mm(torch.cat([x] * P, dim=1), w)
     for rank in (0, 5):
-        gathered = torch.full_like(peers, float("nan"))
-        out = symm.emulated_all_gather_matmul(peers, w, rank=rank, gathered=gathered,
-                                              delay_cycles=_delay_cycles(50))
+        t = _emulated(P, rank)
+        all_gather_matmul_symmetric(nan, w, transport=t)  # every slot now holds NaN
+        out = all_gather_matmul_symmetric(x, w, transport=t, producer_delay_cycles=_delay_cycles(50))
         torch.cuda.synchronize()
         assert_close(out, expect, dtype, msg=f"waiting GEMM, rank {rank}")
         assert wait_timeouts("cuda") == 0
-    gathered = torch.full_like(peers, float("nan"))
-    out = symm.emulated_all_gather_matmul(peers, w, rank=2, gathered=gathered, wait=False,
-                                          delay_cycles=_delay_cycles(50))
+    t = _emulated(P, 2)
+    all_gather_matmul_symmetric(nan, w, transport=t, wait=False)
+    out = all_gather_matmul_symmetric(x, w, transport=t, wait=False, producer_delay_cycles=_delay_cycles(50))
     torch.cuda.synchronize()
-    local = out[:, 2 * s:3 * s]
-    assert not torch.isnan(local).any()  # the local chunk was there from the start
+    assert not torch.isnan(out[:, 2 * s:3 * s]).any()  # the local chunk was there from the start
     assert torch.isnan(out[:, 3 * s:4 * s]).all(), "no wait, yet the late chunk was read after it arrived?"
 
 
 @pytest.mark.gpu
 def test_gpu_reduce_waits_for_counters():
-    """chunk_reduce is launched before the GEMM (made ~20 ms late on purpose) and spins on the
-    completion counters; without them it reads partials not computed yet (NaN poison)."""
+    """The GEMM starts ~20 ms late on purpose; the reduction, enqueued after it on the side
+    stream, spins on the completion counters meanwhile. Without the waits it reads the previous
+    call's partials (NaN, from a NaN input) before the GEMM overwrote them."""
     g = torch.Generator().manual_seed(22)
     P, b, s, K, N = 8, 1, 2048, 1024, 1024
-    x = randn(b, s, K, dtype=torch.bfloat16, generator=g).cuda()
-    w = randn(N, K, dtype=torch.bfloat16, generator=g, scale=K ** -0.5).cuda()
+    x = randn(b, s, K, dtype=torch.bfloat16, generator=g)
+    w = randn(N, K, dtype=torch.bfloat16, generator=g, scale=K ** -0.5)
+    nan = torch.full_like(x, float("nan"))
     n = s // P
     expect = sum(ref_mm(x[:, c * n:(c + 1) * n], w) for c in range(P))
-    partials = torch.full((P, b, n, N), float("nan"), dtype=torch.float32, device="cuda")
-    out = symm.emulated_matmul_reduce_scatter(x, w, world=P, rank=3, partials=partials,
-                                              gemm_delay_cycles=_delay_cycles(20))
+    t = _emulated(P, 3)
+    matmul_reduce_scatter_symmetric(nan, w, transport=t)
+    out = matmul_reduce_scatter_symmetric(x, w, transport=t, producer_delay_cycles=_delay_cycles(20))
     torch.cuda.synchronize()
     assert_close(out, expect, torch.bfloat16, msg="waiting reduce")
     assert wait_timeouts("cuda") == 0
-    partials.fill_(float("nan"))
-    out = symm.emulated_matmul_reduce_scatter(x, w, world=P, rank=3, partials=partials, wait=False,
-                                              gemm_delay_cycles=_delay_cycles(20))
+    matmul_reduce_scatter_symmetric(nan, w, transport=t)
+    out = matmul_reduce_scatter_symmetric(x, w, transport=t, wait=False, producer_delay_cycles=_delay_cycles(20))
     torch.cuda.synchronize()
     assert torch.isnan(out).all(), "no wait, yet a partial was complete when read?"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_gpu_wait_that_gives_up_raises(op):
+    """A producer later than the spin bound: the op raises WaitTimeout (compiled, not only
+    interpreted) instead of returning what it read without the data."""
+    g = torch.Generator().manual_seed(24)
+    P, s, K, N = 4, 256, 256, 256
+    x, w = randn(1, s, K, dtype=torch.float16, generator=g), randn(N, K, dtype=torch.float16, generator=g)
+    t = _emulated(P, 1)
+    wait_timeouts("cuda")
+    with pytest.raises(WaitTimeout, match="gave up"):
+        if op == "all_gather":
+            all_gather_matmul_symmetric(x, w, transport=t, producer_delay_cycles=_delay_cycles(100), max_spin=1000)
+        else:
+            matmul_reduce_scatter_symmetric(x, w, transport=t, producer_delay_cycles=_delay_cycles(100),
+                                            max_spin=1000)
+    torch.cuda.synchronize()
+    assert wait_timeouts("cuda") == 0  # reported once
+
+
+_ONE_QUEUE = textwrap.dedent(
+    """
+    import torch
+    from fusedpar.ops.symmetric import matmul_reduce_scatter_symmetric
+    from fusedpar.ops.transport import EmulatedTransport
+
+    torch.manual_seed(0)
+    P, s, K, N = 8, 2048, 1024, 1024
+    x = torch.randn(1, s, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+    t = EmulatedTransport(P, 3, in_kernel_waits=True)
+    for _ in range(3):
+        out = matmul_reduce_scatter_symmetric(x, w, transport=t, max_spin=1 << 22)
+    ref = (x.float() @ w.float().t()).view(1, P, s // P, N).sum(1)
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    print("OK" if err < 3e-2 else f"ERR {err}")
+    """
+)
+
+
+@pytest.mark.gpu
+def test_gpu_reduce_scatter_on_one_hardware_queue():
+    """With CUDA_DEVICE_MAX_CONNECTIONS=1 every stream shares one hardware queue: a reduction
+    enqueued before the GEMM it waits for stalls behind it (and times out); enqueued after it,
+    the op completes with the right sum."""
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env.pop("TRITON_INTERPRET", None)
+    res = subprocess.run([sys.executable, "-c", _ONE_QUEUE], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[-1] == "OK", res.stdout
 
 
 def _symmetric_vs_reference(rank, size, seed):
@@ -256,20 +521,19 @@ def _symmetric_vs_reference(rank, size, seed):
     w = (torch.randn(192, 256, generator=rank_rng(seed + 1)) * 256 ** -0.5).to(dev, torch.bfloat16)
     bias = torch.randn(192, generator=rank_rng(seed + 2)).to(dev, torch.bfloat16)
     x = x_all[rank]
-    if symm.resolve_transport("auto", x) != "symmetric":
+    t = resolve_transport("auto", x)
+    if t.name != "symmetric":
         return "portable"
     full = torch.cat(list(x_all), dim=1)
     for _ in range(3):  # repeated calls: epochs, barriers, workspace reuse
-        out = symm.all_gather_matmul_symmetric(x, w, bias, gather_dim=1, activation="gelu")
+        out = all_gather_matmul_symmetric(x, w, bias, transport=t, gather_dim=1, activation="gelu")
         assert_close(out, ref_mm(full, w, bias, activation="gelu"), torch.bfloat16, msg="AG symmetric")
     # reduce-scatter: rank r holds K/size columns of x and of the weight
-    xr = torch.randn(2, 64 * size, 128, generator=rank_rng(seed + 3, rank)).to(dev, torch.bfloat16)
-    wr = (torch.randn(96, 128, generator=rank_rng(seed + 4, rank)) * 0.1).to(dev, torch.bfloat16)
     xs = [torch.randn(2, 64 * size, 128, generator=rank_rng(seed + 3, q)).to(dev, torch.bfloat16) for q in range(size)]
     ws = [(torch.randn(96, 128, generator=rank_rng(seed + 4, q)) * 0.1).to(dev, torch.bfloat16) for q in range(size)]
     total = sum(ref_mm(a, b) for a, b in zip(xs, ws)) + bias[:96].double()
     for _ in range(3):
-        out = symm.matmul_reduce_scatter_symmetric(xr, wr, bias[:96], scatter_dim=1)
+        out = matmul_reduce_scatter_symmetric(xs[rank], ws[rank], bias[:96], transport=t, scatter_dim=1)
         assert_close(out, total[:, rank * 64:(rank + 1) * 64], torch.bfloat16, msg="RS symmetric")
     torch.cuda.synchronize()
     return "symmetric"
@@ -279,86 +543,3 @@ def _symmetric_vs_reference(rank, size, seed):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_symmetric_transport_two_ranks(world2):
     assert world2.run(_symmetric_vs_reference, seed=31) in (["symmetric"] * 2, ["portable"] * 2)
-
-
-def test_emulation_errors():
-    peers = torch.randn(3, 2, 4, 8)
-    w = torch.randn(6, 8)
-    with pytest.raises(ValueError, match="weight must have shape"):
-        symm.emulated_all_gather_matmul(peers, torch.randn(6, 7))
-    with pytest.raises(ValueError, match="gather_dim must be a token dim"):
-        symm.emulated_all_gather_matmul(peers, w, gather_dim=2)
-    with pytest.raises(ValueError, match="rank must be in"):
-        symm.emulated_all_gather_matmul(peers, w, rank=3)
-    with pytest.raises(ValueError, match="even number of weight rows"):
-        symm.emulated_all_gather_matmul(peers, torch.randn(5, 8), activation="swiglu")
-    with pytest.raises(ValueError, match=r"x.shape\[1\]=4 must be divisible by the group size \(3\)"):
-        symm.emulated_matmul_reduce_scatter(peers[0], w, world=3)
-    with pytest.raises(TypeError, match="device and dtype"):
-        symm.emulated_matmul_reduce_scatter(peers[0], w.half(), world=2)
-
-
-def _ops_symmetric_vs_portable(rank, size, tmpdir, seed):
-    """fusedpar.ops with transport="symmetric" (over the shared-file stand-in) against
-    transport="portable": outputs and every gradient, both ops, gated activation, re-gather."""
-    from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
-
-    saved = symm._new_workspace, symm.symmetric_status
-    symm._new_workspace = _file_workspace_factory(tmpdir, seed)
-    symm.symmetric_status = lambda x, group=None: (True, "test: file-backed shared memory")
-    symm._workspaces.clear()
-    try:
-        def run(fn, transport, x, w, b, g, **kw):
-            x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
-            y = fn(x, w, b, transport=transport, **kw)
-            (y * g).sum().backward()
-            return y.detach(), x.grad, w.grad, b.grad
-
-        K, F = 24, 7
-        x = torch.randn(2, 3, K, generator=rank_rng(seed, rank))
-        cases = [
-            (all_gather_matmul, x, torch.randn(2 * F, K, generator=rank_rng(seed + 1, rank)),
-             torch.randn(2 * F, generator=rank_rng(seed + 2)), (2, 3 * size, F),
-             dict(gather_dim=1, activation="swiglu")),
-            (all_gather_matmul, x, torch.randn(F, K, generator=rank_rng(seed + 3, rank)),
-             torch.randn(F, generator=rank_rng(seed + 4)), (2 * size, 3, F),
-             dict(gather_dim=0, save_gathered_input=False)),
-            (matmul_reduce_scatter, torch.randn(2, 2 * size, K, generator=rank_rng(seed + 5, rank)),
-             torch.randn(F, K, generator=rank_rng(seed + 6, rank)), torch.randn(F, generator=rank_rng(seed + 7)),
-             (2, 2, F), dict(scatter_dim=1)),
-        ]
-        for i, (fn, xi, w, b, out_shape, kw) in enumerate(cases):
-            g = torch.randn(out_shape, generator=rank_rng(seed + 8 + i, rank))
-            ref = run(fn, "portable", xi, w, b, g, **kw)
-            got = run(fn, "symmetric", xi, w, b, g, **kw)
-            for name, a, e in zip(("out", "dx", "dW", "db"), got, ref):
-                assert_close(a, e, torch.float32, msg=f"case {i} {name}")
-    finally:
-        symm._new_workspace, symm.symmetric_status = saved
-        symm._workspaces.clear()
-    return rank
-
-
-@pytest.mark.skipif(not INTERPRETED, reason="the shared-file stand-in runs the kernels interpreted on CPU "
-                    "tensors; GPU machines run the real transport (test_gpu_symmetric_transport_two_ranks)")
-def test_ops_transport_symmetric_equals_portable(world3, tmp_path):
-    assert world3.run(_ops_symmetric_vs_portable, tmpdir=str(tmp_path), seed=51) == [0, 1, 2]
-
-
-def _ops_transport_errors(rank, size):
-    from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
-
-    x, w = torch.randn(2, 3, 8), torch.randn(4, 8)
-    with pytest.raises(ValueError, match="transport='symmetric' is not available here"):
-        all_gather_matmul(x, w, transport="symmetric")
-    with pytest.raises(ValueError, match="transport must be one of"):
-        matmul_reduce_scatter(torch.randn(2, 3 * size, 8), w, transport="nccl")
-    y = all_gather_matmul(x, w, transport="auto")  # portable on gloo/CPU
-    assert y.shape == (2, 3 * size, 4)
-    return rank
-
-
-def test_ops_transport_errors(world3):
-    if not INTERPRETED:
-        pytest.skip("on a GPU machine the world may run NCCL, where 'symmetric' can be available")
-    assert world3.run(_ops_transport_errors) == [0, 1, 2]

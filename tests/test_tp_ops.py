@@ -4,6 +4,9 @@ Every rank builds the same full problem from a shared generator, runs the distri
 shard, and compares its output shard and ALL its gradients (input, weight, bias) with the fp64
 single-process reference. Tolerances: the per-dtype ones of tests/_utils.py (fp32 ieee GEMMs;
 fp16 inputs and outputs rounded once, partial sums in fp32).
+
+The same ops also run as one rank of a world on ``EmulatedTransport`` (no process spawn), against
+fp64 references that follow the transport's mirror rule (the ``*_emulated`` tests).
 """
 import pytest
 import torch
@@ -11,8 +14,10 @@ import torch
 from _utils import DEVICE, assert_close
 from _world import rank_rng, straggle, world_fixture
 from fusedpar.ops import comm
-from fusedpar.kernels.gemm import activation_reference
+from fusedpar.kernels.runtime import activation_reference
 from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
+from fusedpar.ops.tensor_parallel import gather_features, scatter_features
+from fusedpar.ops.transport import EmulatedTransport
 
 world2 = world_fixture(2)
 world3 = world_fixture(3)
@@ -254,9 +259,9 @@ def test_tp_ops_world4(world4):
 
 def test_tp_modules_world4(world4):
     """The modules' sequence-parallel paths at tp=4 (the cases live in test_tp_nn.py)."""
-    from test_tp_nn import _modules_vs_reference
+    from test_tp_nn import modules_vs_reference
 
-    assert all(world4.run(_modules_vs_reference, seed=4, light=True))
+    assert all(world4.run(modules_vs_reference, seed=4, light=True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,10 +273,11 @@ def _bad_inputs(rank, size):
     checks = [
         (ValueError, "must be divisible by the group size", lambda: matmul_reduce_scatter(torch.randn(2, 5, 8), w)),
         (ValueError, "must be divisible", lambda: matmul_reduce_scatter(torch.randn(3, 4, 8), w, scatter_dim=0)),
-        (TypeError, "must have x's dtype", lambda: all_gather_matmul(x, w.half())),
-        (TypeError, "bias must have x's dtype",
+        (TypeError, "weight must have the same dtype as x", lambda: all_gather_matmul(x, w.half())),
+        (TypeError, "bias must have the same dtype as x",
          lambda: matmul_reduce_scatter(torch.randn(2, 4, 8), w, torch.randn(6).half())),
-        (ValueError, "must be on x's device", lambda: all_gather_matmul(x, torch.empty(6, 8, device="meta"))),
+        (ValueError, "weight must be on the same device as x",
+         lambda: all_gather_matmul(x, torch.empty(6, 8, device="meta"))),
         (ValueError, r"weight must have shape \[out, 8\]", lambda: all_gather_matmul(x, torch.randn(6, 7))),
         (ValueError, r"weight must have shape \[out, 8\]", lambda: matmul_all_reduce(x, torch.randn(8, 6))),
         (ValueError, r"bias must have shape \(6,\)", lambda: matmul_all_reduce(x, w, torch.randn(5))),
@@ -281,7 +287,7 @@ def _bad_inputs(rank, size):
         (ValueError, "activation must be one of", lambda: all_gather_matmul(x, w, activation="tanh")),
         (TypeError, "partial_dtype must be", lambda: matmul_reduce_scatter(torch.randn(2, 4, 8), w,
                                                                            partial_dtype=torch.float64)),
-        (ValueError, "num_chunks must be a positive int", lambda: matmul_all_reduce(x, w, num_chunks=0)),
+        (ValueError, "num_chunks must be >= 1, got 0", lambda: matmul_all_reduce(x, w, num_chunks=0)),
         (TypeError, "x must be a torch.Tensor", lambda: all_gather_matmul([1.0], w)),
     ]
     for exc, pattern, fn in checks:
@@ -337,3 +343,130 @@ def test_tp_ops_without_process_group():
             assert not y.requires_grad
             want = activation_reference(torch.nn.functional.linear(x.double(), w.double()), "swiglu")
             assert_close(y, want, torch.float32, msg=f"{op.__name__} under no_grad")
+
+
+# ----------------------------------------------------------------------------------------------
+# one rank of a world on EmulatedTransport (no process spawn): every peer mirrors this rank, so
+# the fp64 references follow the mirror rule of each transfer (fusedpar.ops.transport)
+# ----------------------------------------------------------------------------------------------
+EMU_P = 3
+
+
+def _emu_leaves(g, shapes, dtype):
+    return [_rand(g, *s, dtype=dtype, scale=sc).requires_grad_(True) for s, sc in shapes]
+
+
+def _emu_check(tag, got, want, dtype):
+    for name, a, e in zip(("y", "dx", "dW", "db"), got, want):
+        if e is not None:
+            _check(f"{tag} {name}", a, e, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("gather_dim", [0, 1])
+@pytest.mark.parametrize("rank,activation,keep,waits", [
+    (0, "none", True, False), (2, "swiglu", False, False), (1, "gelu", True, False), (1, "swiglu", False, True),
+])
+def test_all_gather_matmul_emulated(dtype, gather_dim, rank, activation, keep, waits):
+    """Mirror: the gathered input is EMU_P copies of x (the ring receives what this rank sends);
+    the op is act(cat([x] * P) @ W^T + b) and its gradients are autograd's of that (the backward
+    reduce-scatter sums every chunk's partial, all computed by this rank). ``waits``: the
+    in-kernel-wait (symmetric) schedules, under the same mirror rule."""
+    P, g = EMU_P, rank_rng(40 + rank)
+    K, rows = 7, (8 if activation == "swiglu" else 5)
+    x, w, b = _emu_leaves(g, [((2, 3, K), 1.0), ((rows, K), K ** -0.5), ((rows,), 1.0)], dtype)
+
+    def ref(x, w, b):
+        return activation_reference(torch.nn.functional.linear(torch.cat([x] * P, gather_dim), w, b), activation)
+
+    out_shape = ref(x.detach().double(), w.detach().double(), b.detach().double()).shape
+    G = _rand(g, *out_shape, dtype=dtype)
+    y_ref, grads = _ref_grads(ref, [x, w, b], G)
+    t = EmulatedTransport(P, rank, in_kernel_waits=waits)
+    y = all_gather_matmul(x, w, b, gather_dim=gather_dim, activation=activation, save_gathered_input=keep,
+                          transport=t)
+    y.backward(G)
+    _emu_check(f"AG emulated rank{rank}", (y, x.grad, w.grad, b.grad), [y_ref] + grads, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+@pytest.mark.parametrize("rank,partial,waits", [(0, "fp32", False), (2, "x.dtype", False), (1, "fp32", True)])
+def test_matmul_reduce_scatter_emulated(dtype, scatter_dim, rank, partial, waits):
+    """Mirror: the partial received at each ring step is the one this rank sent, so the result is
+    sum over chunks c of x_c @ W^T + b. Backward: the all-gathered output gradient is EMU_P copies
+    of g, so dx_c = g @ W, dW = sum_c g^T x_c, and db = P * sum(g) (every rank adds the bias to its
+    own chunk; under the mirror every rank's output gradient is this one's). ``waits``: the
+    in-kernel-wait (symmetric) schedules."""
+    P, g = EMU_P, rank_rng(50 + rank)
+    K, N = 6, 5
+    shape = (2 * P, 3, K) if scatter_dim == 0 else (2, 2 * P, K)
+    x, w, b = _emu_leaves(g, [(shape, 1.0), ((N, K), K ** -0.5), ((N,), 1.0)], dtype)
+    n = shape[scatter_dim] // P
+
+    def ref(x, w, b):
+        return sum(torch.nn.functional.linear(x.narrow(scatter_dim, c * n, n), w) for c in range(P)) + b
+
+    G = _rand(g, *ref(x.detach().double(), w.detach().double(), b.detach().double()).shape, dtype=dtype)
+    y_ref, (dx, dw, db) = _ref_grads(ref, [x, w, b], G)
+    y = matmul_reduce_scatter(x, w, b, scatter_dim=scatter_dim, transport=EmulatedTransport(P, rank, in_kernel_waits=waits),
+                              partial_dtype=torch.float32 if partial == "fp32" else None)
+    y.backward(G)
+    _emu_check(f"RS emulated rank{rank}", (y, x.grad, w.grad, b.grad), (y_ref, dx, dw, P * db), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("rank,num_chunks", [(0, 3), (1, 1)])
+def test_matmul_all_reduce_emulated(dtype, rank, num_chunks):
+    """Mirror: all_reduce multiplies by P and only rank 0's epilogue adds the bias, so the output
+    is P * (x @ W^T + b [rank 0]); the backward is local (dx = g @ W, dW = g^T x, db = sum g)."""
+    P, g = EMU_P, rank_rng(60 + rank)
+    x, w, b = _emu_leaves(g, [((2, 5, 6), 1.0), ((4, 6), 6 ** -0.5), ((4,), 1.0)], dtype)
+    G = _rand(g, 2, 5, 4, dtype=dtype)
+    y_loc, grads = _ref_grads(torch.nn.functional.linear, [x, w, b], G)
+    y_ref = P * (y_loc if rank == 0 else y_loc - b.detach().double())
+    y = matmul_all_reduce(x, w, b, num_chunks=num_chunks, transport=EmulatedTransport(P, rank))
+    y.backward(G)
+    _emu_check(f"AR emulated rank{rank}", (y, x.grad, w.grad, b.grad), [y_ref] + grads, dtype)
+
+
+@pytest.mark.parametrize("activation", ["none", "swiglu"])
+def test_copy_to_tp_matmul_emulated(activation):
+    """Mirror: a local forward; the all-reduced input gradient is P times the local one."""
+    P, g, dtype = EMU_P, rank_rng(70), torch.float32
+    rows = 8 if activation == "swiglu" else 4
+    x, w, b = _emu_leaves(g, [((2, 5, 6), 1.0), ((rows, 6), 6 ** -0.5), ((rows,), 1.0)], dtype)
+
+    def ref(x, w, b):
+        return activation_reference(torch.nn.functional.linear(x, w, b), activation)
+
+    G = _rand(g, 2, 5, rows // 2 if activation == "swiglu" else rows, dtype=dtype)
+    y_ref, (dx, dw, db) = _ref_grads(ref, [x, w, b], G)
+    y = copy_to_tp_matmul(x, w, b, activation=activation, num_chunks=2, transport=EmulatedTransport(P, 1))
+    y.backward(G)
+    _emu_check("copy emulated", (y, x.grad, w.grad, b.grad), (y_ref, P * dx, dw, db), dtype)
+
+
+def test_feature_gather_scatter_emulated():
+    """Mirror: gather_features concatenates P copies; scatter_features keeps this rank's slice and
+    its backward gathers P copies of the gradient slice."""
+    t = EmulatedTransport(EMU_P, 1)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    y = gather_features(x, transport=t)
+    torch.testing.assert_close(y, torch.cat([x] * EMU_P, -1), rtol=0, atol=0)
+    g = torch.randn(2, 3, 4 * EMU_P)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, g[..., 4:8], rtol=0, atol=0)
+    z = torch.randn(2, 3, 4 * EMU_P, requires_grad=True)
+    s = scatter_features(z, transport=t)
+    torch.testing.assert_close(s, z[..., 4:8], rtol=0, atol=0)
+    gs = torch.randn(2, 3, 4)
+    s.backward(gs)
+    torch.testing.assert_close(z.grad, torch.cat([gs] * EMU_P, -1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="must be divisible"):
+        scatter_features(torch.randn(2, 5), transport=t)
+
+
+def test_transport_instance_excludes_group():
+    with pytest.raises(ValueError, match="group"):
+        all_gather_matmul(torch.randn(2, 3, 8), torch.randn(4, 8), transport=EmulatedTransport(2), group=object())

@@ -1,6 +1,7 @@
 """Tensor-parallel GEMMs with the communication overlapped chunk by chunk, forward and backward.
 
-Three functional ops (each a ``torch.autograd.Function``) over ``fusedpar.kernels.matmul``:
+Four functional ops (each a ``torch.autograd.Function`` over ``fusedpar.kernels.matmul``) and
+the feature-dim gather / scatter of the tensor-parallel layers:
 
 * :func:`all_gather_matmul` -- ``act(all_gather(x, gather_dim) @ W^T + b)`` (column parallel with
   sequence parallelism). Ring schedule: the local chunk is multiplied first while chunk ``i+1``
@@ -9,344 +10,222 @@ Three functional ops (each a ``torch.autograd.Function``) over ``fusedpar.kernel
   sequence parallelism). Ring schedule: at each step the GEMM adds the partial received from the
   left neighbour in its epilogue (fp32 accumulation) and the sum travels on to the right.
 * :func:`matmul_all_reduce` -- ``all_reduce(x @ W^T) + b`` (row parallel without sequence
-  parallelism): rows in chunks, chunk ``i`` is all-reduced while chunk ``i+1`` is multiplied.
+  parallelism): rows in chunks, chunk ``i`` is all-reduced while chunk ``i + 1`` is multiplied.
+* :func:`copy_to_tp_matmul` -- column parallel on a replicated input; the input gradient is
+  all-reduced like :func:`matmul_all_reduce`.
+* :func:`gather_features` / :func:`scatter_features` -- all-gather / keep this rank's slice of
+  the last dim (``gather_output`` / ``input_is_parallel=False``; not on the hot path).
 
-Backward passes are overlapped the same way: the data gradient of an all-gather GEMM is a
-reduce-scatter GEMM (``weight_layout="kn"``, no transposed weight copy) and vice versa; weight
-gradients are accumulated per chunk with ``matmul_tn`` in fp32 straight from strided chunk views.
+Per op, the forward and the backward are named functions (``all_gather_matmul_fwd`` /
+``all_gather_matmul_bwd``, ...) that the thin autograd Function calls; the static options travel
+in one :class:`TPOptions`. Backward passes are overlapped the same way: the data gradient of an
+all-gather GEMM is a reduce-scatter GEMM (``weight_layout="kn"``, no transposed weight copy) and
+vice versa; weight gradients are accumulated per chunk with ``matmul_tn`` in fp32 straight from
+strided chunk views.
 
-All transfers go through :mod:`fusedpar.ops.comm`; a handle is waited on right before the chunk it
-delivers is used. Every input check runs before the first transfer, so bad input raises the same
-error on every rank instead of leaving peers waiting.
+Every transfer goes through a :class:`~fusedpar.ops.transport.Transport` (the schedules of
+:mod:`fusedpar.ops.tp_schedules`); on a transport with in-kernel waits (symmetric memory) the
+GEMMs are the persistent ones of :mod:`fusedpar.ops.symmetric`. Every input check runs before the
+first transfer, so bad input raises the same error on every rank instead of leaving peers waiting.
+
+On an :class:`~fusedpar.ops.transport.EmulatedTransport` of size ``P`` (every peer mirrors this
+rank) the ops compute: ``all_gather_matmul`` -- the op over ``P`` copies of ``x``, gradients as
+autograd of that; ``matmul_reduce_scatter`` -- ``sum over chunks c of x_c @ W^T + b``, backward
+from ``P`` copies of the output gradient (``dx_c = g @ W``, ``dW = sum_c g^T x_c``, ``db = P *
+sum(g)``); ``matmul_all_reduce`` -- ``P * (x @ W^T + b [rank 0 only])``, local backward;
+``copy_to_tp_matmul`` -- local forward, ``dx`` ``P`` times the local one.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fusedpar import symm
-from fusedpar.kernels.checks import check_divisible
-from fusedpar.ops import comm
-from fusedpar.kernels import ACTIVATIONS, chunk_view, matmul, matmul_tn
-from fusedpar.kernels.gemm import activation_reference
+from fusedpar.kernels import chunk_view, matmul
+from fusedpar.kernels.checks import (
+    check_choice,
+    check_divisible,
+    check_dtype,
+    check_int,
+    check_same,
+    check_shape,
+    check_tensor,
+)
+from fusedpar.kernels.runtime import ACTIVATIONS
+from fusedpar.ops import symmetric
+from fusedpar.ops.tp_schedules import (
+    check_linear_args,
+    WeightGrad,
+    activation_backward,
+    chunked_matmul_all_reduce,
+    ring_gather,
+    ring_reduce_scatter,
+    sum_tokens,
+)
+from fusedpar.ops.transport import Transport, get_transport
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "copy_to_tp_matmul"]
+__all__ = [
+    "TPOptions", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "copy_to_tp_matmul",
+    "all_gather_matmul_fwd", "all_gather_matmul_bwd", "matmul_reduce_scatter_fwd", "matmul_reduce_scatter_bwd",
+    "matmul_all_reduce_fwd", "matmul_all_reduce_bwd", "copy_to_tp_matmul_fwd", "copy_to_tp_matmul_bwd",
+    "gather_features", "scatter_features",
+]
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """The static options of one tensor-parallel GEMM call (everything but the tensors).
+
+    transport: the resolved :class:`Transport`. dim: the (normalised) gather / scatter token dim.
+    partial_dtype: what travels in reductions (the reduce-scatter partials; the all-reduce dtype).
+    num_chunks: row chunks of the all-reduce ops. save_gathered_input / return_gathered: see
+    :func:`all_gather_matmul`.
+    """
+
+    transport: Transport
+    dim: int = 1
+    activation: str = "none"
+    partial_dtype: torch.dtype = torch.float32
+    num_chunks: int = 1
+    save_gathered_input: bool = True
+    return_gathered: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
 # validation (local only: runs before any communication)
 # ----------------------------------------------------------------------------------------------
-def _check_tensor(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _check_linear_args(op, x, weight, bias, *, activation="none", weight_name="weight"):
-    _check_tensor("x", x)
-    _check_tensor(weight_name, weight)
-    if x.dim() not in (2, 3):
-        raise ValueError(f"{op}: x must be 2-D [tokens, in] or 3-D [batch, seq, in], got shape {tuple(x.shape)}")
-    if weight.dim() != 2:
-        raise ValueError(
-            f"{op}: {weight_name} must be 2-D [out, in] (nn.Linear layout), got shape {tuple(weight.shape)}"
-        )
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"{op}: {weight_name} must have shape [out, {x.shape[-1]}] to match x's last dim "
-            f"(x shape {tuple(x.shape)}), got {tuple(weight.shape)}"
-        )
-    if weight.device != x.device:
-        raise ValueError(f"{op}: {weight_name} must be on x's device ({x.device}), got {weight.device}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"{op}: {weight_name} must have x's dtype ({x.dtype}), got {weight.dtype}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    if ACTIVATIONS[activation][1] and weight.shape[0] % 2:
-        raise ValueError(
-            f"{op}: activation {activation!r} needs {weight_name} with an even number of rows "
-            f"(gate rows then up rows), got {weight.shape[0]}"
-        )
-    if bias is not None:
-        _check_tensor("bias", bias)
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"{op}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.device != x.device:
-            raise ValueError(f"{op}: bias must be on x's device ({x.device}), got {bias.device}")
-        if bias.dtype != x.dtype:
-            raise TypeError(f"{op}: bias must have x's dtype ({x.dtype}), got {bias.dtype}")
-
-
 def _token_dim(op, name, dim, x):
     """Normalise a gather/scatter dim: one of x's token dims (not the feature dim)."""
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"{op}: {name} must be an int, got {type(dim).__name__}")
+    check_int(f"{op}: {name}", dim)
     nd = x.dim()
     d = dim + nd if dim < 0 else dim
     if not 0 <= d < nd - 1:
-        raise ValueError(
-            f"{op}: {name} must be a token dim of x (0..{nd - 2} for shape {tuple(x.shape)}), got {dim}"
-        )
+        raise ValueError(f"{op}: {name} must be a token dim of x (0..{nd - 2} for shape {tuple(x.shape)}), "
+                         f"got {dim}")
     return d
 
 
-def _check_partial_dtype(op, partial_dtype, x):
-    if partial_dtype is None:
+def _partial_dtype(op, name, dtype, x):
+    if dtype is None:
         return x.dtype
-    if partial_dtype not in (torch.float32, x.dtype):
-        raise TypeError(f"{op}: partial_dtype must be torch.float32 or x's dtype ({x.dtype}), got {partial_dtype}")
-    return partial_dtype
+    check_dtype(f"{op}: {name}", dtype, (torch.float32, x.dtype))
+    return dtype
 
 
-def _check_chunks(op, num_chunks):
-    if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
-        raise ValueError(f"{op}: num_chunks must be a positive int, got {num_chunks!r}")
-
-
-# ----------------------------------------------------------------------------------------------
-# schedules
-# ----------------------------------------------------------------------------------------------
-def _ring_gather(x, group, keep=False):
-    """Yield ``(src_rank, chunk)`` for every rank's ``x``, the local one first.
-
-    The transfer of the next chunk is posted before the current one is yielded (so it is in flight
-    while the caller computes) and waited on only when the caller asks for it. Receive buffers are
-    double-buffered, or with ``keep=True`` one slot per rank so that the caller may hold on to
-    every chunk (the gathered input kept for the weight gradient).
-    """
-    P, r = comm.group_size(group), comm.group_rank(group)
-    cur = x.contiguous()
-    if P == 1:
-        yield r, cur
-        return
-    if keep:
-        slots = torch.empty((P - 1,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        bufs = [slots[i] for i in range(P - 1)]
-    else:
-        bufs = [torch.empty_like(cur) for _ in range(2)]
-    for j in range(P):
-        handle = None
-        if j + 1 < P:
-            nxt = bufs[j] if keep else bufs[(j + 1) % 2]
-            handle = comm.ring_shift(cur, nxt, group)
-        yield (r - j) % P, cur
-        if handle is not None:
-            handle.wait()  # the chunk the caller is about to use next
-            cur = nxt
-
-
-def _split_dim(t):
-    return 1 if t.dim() == 3 else 0
-
-
-def _halves(length):
-    """Row ranges of the two sub-chunks of a reduce-scatter step (one when there is one row)."""
-    if length < 2:
-        return [(0, length)]
-    return [(0, length // 2), (length // 2, length)]
-
-
-def _ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, group, partial_dtype, between=None):
-    """``out = sum over ranks q of (a_chunk_q(r) @ W_q) + bias`` where ``r`` is this rank.
-
-    ``a_chunk(c)`` is this rank's operand for destination chunk ``c`` (leading dims = ``out``'s).
-    Ring: at step ``j`` rank ``r`` computes the partial of chunk ``(r - j - 1) mod P``, adding in
-    the GEMM epilogue the partial that the left neighbour computed for the same chunk at step
-    ``j - 1``, and sends the sum to the right neighbour; at the last step the chunk is its own and
-    the result (plus bias) is written into ``out``. Each step is split in two row halves, so that
-    one half's partial travels while the other half's GEMM runs. ``between(j)`` (optional) runs
-    after step ``j`` (independent work that also hides the transfers, e.g. a weight gradient).
-    """
-    P, r = comm.group_size(group), comm.group_rank(group)
-    if P == 1:
-        matmul(a_chunk(r), weight, bias, weight_layout=weight_layout, out=out)
-        if between is not None:
-            between(0)
-        return out
-    sd = _split_dim(out)
-    parts = _halves(out.shape[sd])
-    shapes = [out.narrow(sd, lo, hi - lo).shape for lo, hi in parts]
-    send = [[torch.empty(s, dtype=partial_dtype, device=out.device) for s in shapes] for _ in range(2)]
-    recv = [[torch.empty(s, dtype=partial_dtype, device=out.device) for s in shapes] for _ in range(2)]
-    handles = [None] * len(parts)
-    for j in range(P):
-        a = a_chunk((r - j - 1) % P)
-        for h, (lo, hi) in enumerate(parts):
-            a_h = a.narrow(sd, lo, hi - lo)
-            residual = None
-            if j > 0:
-                handles[h].wait()  # the neighbour's partial for this half
-                residual = recv[(j - 1) % 2][h]
-            if j < P - 1:
-                dst = send[j % 2][h]
-                matmul(a_h, weight, weight_layout=weight_layout, out=dst, residual=residual)
-                handles[h] = comm.ring_shift(dst, recv[j % 2][h], group)
-            else:
-                matmul(a_h, weight, bias, weight_layout=weight_layout, out=out.narrow(sd, lo, hi - lo),
-                       residual=residual)
-        if between is not None:
-            between(j)
-    return out
-
-
-def _matmul_all_reduce_rows(x, weight, weight_layout, bias, group, num_chunks, reduce_dtype):
-    """``all_reduce(x @ W) (+ bias once)``; chunk ``i`` is reduced while chunk ``i + 1`` is computed.
-
-    The bias is added by rank 0's GEMM epilogue only, so the sum holds it once. Partials are
-    reduced in ``reduce_dtype`` (fp32 by default) and rounded to ``x.dtype`` at the end.
-    """
-    P, r = comm.group_size(group), comm.group_rank(group)
-    n_out = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
-    lead = tuple(x.shape[:-1])
-    M = int(torch.Size(lead).numel())
-    x2 = x.reshape(M, x.shape[-1])
-    if P == 1:
-        return matmul(x2, weight, bias, weight_layout=weight_layout).view(lead + (n_out,))
-    y = torch.empty((M, n_out), dtype=reduce_dtype, device=x.device)
-    step = -(-M // num_chunks) if M else 1
-    handles = []
-    for lo in range(0, M, step):
-        hi = min(lo + step, M)
-        matmul(x2[lo:hi], weight, bias if r == 0 else None, weight_layout=weight_layout, out=y[lo:hi])
-        handles.append(comm.all_reduce(y[lo:hi], group))
-    for h in handles:
-        h.wait()
-    return y.to(x.dtype).view(lead + (n_out,))
-
-
-def _activation_backward(preact, grad, activation):
-    """d(act(preact))/d(preact) * grad, in fp32 (``preact`` is ``[..., 2F]`` gate|up when gated)."""
-    with torch.enable_grad():
-        p = preact.detach().float().requires_grad_(True)
-        y = activation_reference(p, activation)
-        (dp,) = torch.autograd.grad(y, p, grad.float())
-    return dp.to(grad.dtype)
-
-
-def _sum_tokens(t):
-    return t.float().sum(dim=tuple(range(t.dim() - 1)))
+def _n_out(weight, activation):
+    return weight.shape[0] // 2 if ACTIVATIONS[activation][1] else weight.shape[0]
 
 
 # ----------------------------------------------------------------------------------------------
 # all_gather_matmul
 # ----------------------------------------------------------------------------------------------
+def all_gather_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False, keep_chunks=False):
+    """Forward of :func:`all_gather_matmul`; returns ``(out, preact, chunks)``.
+
+    ``preact``: chunk-major ``[P, *x.shape[:-1], weight.shape[0]]`` pre-activation (only with
+    ``keep_preact`` and an activation; else None). ``chunks``: every rank's ``x`` by source rank
+    (only with ``keep_chunks``; else None).
+    """
+    t, d = opts.transport, opts.dim
+    P, n, n_w = t.size, x.shape[opts.dim], weight.shape[0]
+    out_shape = list(x.shape[:-1]) + [_n_out(weight, opts.activation)]
+    out_shape[d] *= P
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    preact = None
+    if keep_preact and opts.activation != "none":
+        # chunk-major: each chunk's slot is a plain 2-D [rows, n_w] block
+        preact = torch.empty((P,) + tuple(x.shape[:-1]) + (n_w,), dtype=x.dtype, device=x.device)
+    if t.in_kernel_waits:
+        # one persistent GEMM waiting per chunk on copy-engine pulls from symmetric memory
+        gathered = torch.empty((P,) + tuple(x.shape), dtype=x.dtype, device=x.device) if keep_chunks else None
+        symmetric.all_gather_matmul_symmetric(x, weight, bias, transport=t, gather_dim=d,
+                                              activation=opts.activation, out=out, preact_out=preact,
+                                              gathered_out=gathered)
+        return out, preact, (list(gathered.unbind(0)) if keep_chunks else None)
+    chunks = [None] * P if keep_chunks else None
+    for src, chunk in ring_gather(x, t, keep=keep_chunks):
+        matmul(chunk, weight, bias, activation=opts.activation, out=out.narrow(d, src * n, n),
+               preact_out=None if preact is None else preact[src].view(-1, n_w))
+        if keep_chunks:
+            chunks[src] = chunk
+    return out, preact, chunks
+
+
+def all_gather_matmul_bwd(grad_out, x, weight, preact, chunks, opts: TPOptions, *, need_dx=True, need_dw=True,
+                          need_db=False):
+    """Backward of :func:`all_gather_matmul`; returns ``(dx, dW, db)`` (None where not needed).
+
+    The data gradient is a reduce-scatter GEMM of the (activation-backward) output gradient; the
+    weight gradient is accumulated per chunk between its steps, from ``chunks`` (the kept
+    gathered input) or, when ``chunks`` is None, from a ring re-gather of ``x``.
+    """
+    t, d = opts.transport, opts.dim
+    P = t.size
+    lead = list(grad_out.shape[:-1])
+    lead[d] //= P
+    lead = tuple(lead)
+    n = lead[d]
+    dpre = None
+    if preact is not None:
+        dpre = torch.empty((P,) + lead + (weight.shape[0],), dtype=grad_out.dtype, device=grad_out.device)
+        for c in range(P):
+            dpre[c] = activation_backward(preact[c], grad_out.narrow(d, c * n, n), opts.activation)
+
+    def a_chunk(c):
+        return dpre[c] if dpre is not None else grad_out.narrow(d, c * n, n)
+
+    dw = WeightGrad(weight) if need_dw else None
+    sources = None
+    if need_dw:  # the gathered input in the order the schedule visits it: own chunk first
+        sources = (ring_gather(x, t) if chunks is None else
+                   (((t.rank - j) % P, chunks[(t.rank - j) % P]) for j in range(P)))
+
+    def between(j):
+        if sources is not None:
+            c, xc = next(sources)
+            dw.add(a_chunk(c), xc)
+
+    dx = None
+    if need_dx:
+        dx = torch.empty(lead + (weight.shape[1],), dtype=grad_out.dtype, device=grad_out.device)
+    if need_dx and not t.in_kernel_waits:
+        ring_reduce_scatter(a_chunk, weight, "kn", None, dx, t, opts.partial_dtype, between)
+    else:
+        if need_dx:  # the persistent reduce-scatter GEMM (weight.t() is a strided view, no copy)
+            a = dpre if dpre is not None else chunk_view(grad_out, d, P)
+            symmetric.matmul_reduce_scatter_symmetric(a, weight.t(), transport=t, partial_dtype=opts.partial_dtype,
+                                                      out=dx, chunked=True)
+        for j in range(P):  # the weight gradient after it
+            between(j)
+    for _ in sources or ():  # exhausted already: closes the re-gather
+        pass
+    db = sum_tokens(dpre if dpre is not None else grad_out).to(weight.dtype) if need_db else None
+    return dx, (dw.result() if need_dw else None), db
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, gather_dim, activation, save_gathered_input, return_gathered,
-                partial_dtype, grad_enabled, symmetric=False):
-        P = comm.group_size(group)
-        n = x.shape[gather_dim]
-        _, gated = ACTIVATIONS[activation]
-        n_w = weight.shape[0]
-        n_out = n_w // 2 if gated else n_w
-        out_shape = list(x.shape[:-1]) + [n_out]
-        out_shape[gather_dim] *= P
-        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    def forward(ctx, x, weight, bias, opts, grad_enabled):
         # nothing is kept for a backward that cannot happen (inference under no_grad)
-        needs_dw = grad_enabled and ctx.needs_input_grad[1]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
         need_grad = grad_enabled and any(ctx.needs_input_grad[:3])
-        preact = None
-        if activation != "none" and need_grad:
-            # chunk-major [P, *chunk rows, n_w]: each chunk's slot is a plain 2-D [rows, n_w] block
-            preact = torch.empty((P,) + tuple(x.shape[:-1]) + (n_w,), dtype=x.dtype, device=x.device)
-        keep = return_gathered or (save_gathered_input and needs_dw)
-        chunks = [None] * P
-        if symmetric:
-            # one persistent GEMM waiting per chunk on copy-engine pulls (fusedpar/symm.py)
-            gathered = torch.empty((P,) + tuple(x.shape), dtype=x.dtype, device=x.device) if keep else None
-            symm.all_gather_matmul_symmetric(x, weight, bias, group=group, gather_dim=gather_dim,
-                                             activation=activation, out=out, preact_out=preact,
-                                             gathered_out=gathered)
-            if keep:
-                chunks = list(gathered.unbind(0))
-        else:
-            for src, chunk in _ring_gather(x, group, keep=keep):
-                matmul(chunk, weight, bias, activation=activation, out=out.narrow(gather_dim, src * n, n),
-                       preact_out=None if preact is None else preact[src].view(-1, n_w))
-                if keep:
-                    chunks[src] = chunk
-        ctx.symmetric = symmetric
-        ctx.group, ctx.gather_dim, ctx.activation = group, gather_dim, activation
-        ctx.partial_dtype, ctx.has_bias = partial_dtype, bias is not None
-        ctx.kept = keep and needs_dw
-        saved_chunks = chunks if ctx.kept else []
-        ctx.save_for_backward(x if not ctx.kept else None, weight, preact, *saved_chunks)
-        if return_gathered:
-            gathered = torch.cat(chunks, dim=gather_dim)  # a copy made only on request
-            ctx.mark_non_differentiable(gathered)
-            return out, gathered
-        return out
+        keep = opts.return_gathered or (opts.save_gathered_input and need_dw)
+        out, preact, chunks = all_gather_matmul_fwd(x, weight, bias, opts, keep_preact=need_grad, keep_chunks=keep)
+        ctx.opts, ctx.kept, ctx.has_bias = opts, keep and need_dw, bias is not None
+        ctx.save_for_backward(None if ctx.kept else x, weight, preact, *(chunks if ctx.kept else []))
+        if not opts.return_gathered:
+            return out
+        gathered = torch.cat(chunks, dim=opts.dim)  # a copy made only on request
+        ctx.mark_non_differentiable(gathered)
+        return out, gathered
 
     @staticmethod
     def backward(ctx, grad_out, *unused):
         x, weight, preact, *chunks = ctx.saved_tensors
-        group, gd, activation = ctx.group, ctx.gather_dim, ctx.activation
-        P = comm.group_size(group)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        n_w = weight.shape[0]
-        shard_lead = list(grad_out.shape[:-1])
-        shard_lead[gd] //= P
-        lead = tuple(shard_lead)
-        n = lead[gd]
-
-        if preact is not None:
-            dpre = torch.empty((P,) + lead + (n_w,), dtype=grad_out.dtype, device=grad_out.device)
-            for c in range(P):
-                dpre[c] = _activation_backward(preact[c], grad_out.narrow(gd, c * n, n), activation)
-
-            def a_chunk(c):
-                return dpre[c]
-        else:
-            def a_chunk(c):
-                return grad_out.narrow(gd, c * n, n)
-
-        dW32 = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-        state = {"first": True}
-
-        def wgrad(c, xc):
-            matmul_tn(a_chunk(c), xc, out=dW32, accumulate=not state["first"])
-            state["first"] = False
-
-        dx = None
-        if need_dw and not ctx.kept:
-            gather = _ring_gather(x, group)  # re-gather x, overlapped with the dgrad GEMMs
-        else:
-            gather = None
-
-        def between(j):
-            if not need_dw:
-                return
-            if gather is not None:
-                src, xc = next(gather)
-                wgrad(src, xc)
-            else:
-                c = (comm.group_rank(group) - j) % P
-                wgrad(c, chunks[c])
-
-        if need_dx and ctx.symmetric:
-            # dgrad: the persistent reduce-scatter GEMM (weight.t() is a strided view, no copy);
-            # the weight gradient follows, from the kept chunks or a ring re-gather
-            dx = torch.empty(lead + (weight.shape[1],), dtype=grad_out.dtype, device=grad_out.device)
-            a = dpre if preact is not None else chunk_view(grad_out, gd, P)
-            symm.matmul_reduce_scatter_symmetric(a, weight.t(), group=group, partial_dtype=ctx.partial_dtype,
-                                                 out=dx, chunked=True)
-            for j in range(P):
-                between(j)
-        elif need_dx:
-            dx = torch.empty(lead + (weight.shape[1],), dtype=grad_out.dtype, device=grad_out.device)
-            _ring_reduce_scatter(a_chunk, weight, "kn", None, dx, group, ctx.partial_dtype, between)
-        elif need_dw:
-            for j in range(P):
-                between(j)
-        if gather is not None:
-            for _ in gather:  # exhausted already; closes the generator
-                pass
-        dW = dW32.to(weight.dtype) if need_dw else None
-        db = None
-        if need_db and ctx.has_bias:
-            if preact is not None:
-                db = _sum_tokens(dpre).to(weight.dtype)
-            else:
-                db = _sum_tokens(grad_out).to(weight.dtype)
-        return dx, dW, db, None, None, None, None, None, None, None, None
+        dx, dw, db = all_gather_matmul_bwd(grad_out, x, weight, preact, chunks if ctx.kept else None, ctx.opts,
+                                           need_dx=need_dx, need_dw=need_dw, need_db=need_db and ctx.has_bias)
+        return dx, dw, db, None, None
 
 
 def all_gather_matmul(
@@ -360,7 +239,7 @@ def all_gather_matmul(
     save_gathered_input: bool = True,
     return_gathered: bool = False,
     partial_dtype: torch.dtype | None = torch.float32,
-    transport: str | None = None,
+    transport: Transport | str | None = None,
 ):
     """``act(all_gather(x, gather_dim) @ weight.T + bias)`` with the gather overlapped with the GEMM.
 
@@ -378,81 +257,90 @@ def all_gather_matmul(
     partial_dtype: dtype of the partial sums that travel in the backward reduce-scatter
               (fp32 by default; ``None`` or ``x.dtype`` halves the traffic, the sums still
               accumulate in fp32 inside each GEMM).
-    transport: ``"portable"`` (the ring above, any backend), ``"symmetric"`` (one persistent GEMM
-              waiting per chunk on copy-engine pulls from symmetric memory; one NVLink domain,
-              NCCL), ``"auto"`` (symmetric where it can run, the same choice on every rank), or
-              ``None`` (``fusedpar.symm.DEFAULT_TRANSPORT``: ``FUSEDPAR_TRANSPORT``, else
-              ``"portable"``). See fusedpar/symm.py; both give the same numbers.
+    transport: a :class:`Transport` instance (then ``group`` must be None), or a name:
+              ``"portable"`` (the ring over torch.distributed, any backend), ``"symmetric"`` (one
+              persistent GEMM waiting per chunk on copy-engine pulls from symmetric memory; one
+              NVLink domain, NCCL), ``"auto"`` (symmetric where it can run, the same choice on
+              every rank), or ``None`` (the default of :mod:`fusedpar.ops.symmetric`). All give
+              the same numbers.
     Returns ``[batch, seq, out_shard]`` (gather_dim 1), i.e. the gather dim grows ``tp`` times.
     """
     op = "all_gather_matmul"
-    _check_linear_args(op, x, weight, bias, activation=activation)
-    gather_dim = _token_dim(op, "gather_dim", gather_dim, x)
-    partial_dtype = _check_partial_dtype(op, partial_dtype, x)
-    group = comm.resolve_group(group)
-    symmetric = symm.resolve_transport(transport, x, group) == "symmetric"
-    return _AllGatherMatmul.apply(x, weight, bias, group, gather_dim, activation, bool(save_gathered_input),
-                                  bool(return_gathered), partial_dtype, torch.is_grad_enabled(), symmetric)
+    check_linear_args(op, x, weight, bias, activation)
+    dim = _token_dim(op, "gather_dim", gather_dim, x)
+    partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
+    t = symmetric.resolve_transport(transport, x, group)
+    opts = TPOptions(t, dim, activation, partial_dtype, save_gathered_input=bool(save_gathered_input),
+                     return_gathered=bool(return_gathered))
+    return _AllGatherMatmul.apply(x, weight, bias, opts, torch.is_grad_enabled())
 
 
 # ----------------------------------------------------------------------------------------------
 # matmul_reduce_scatter
 # ----------------------------------------------------------------------------------------------
+def matmul_reduce_scatter_fwd(x, weight, bias, opts: TPOptions):
+    """Forward of :func:`matmul_reduce_scatter`: this rank's chunk of the reduced output."""
+    t, d = opts.transport, opts.dim
+    n = x.shape[d] // t.size
+    out_shape = list(x.shape[:-1]) + [weight.shape[0]]
+    out_shape[d] = n
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    if t.in_kernel_waits:
+        symmetric.matmul_reduce_scatter_symmetric(x, weight, bias, transport=t, scatter_dim=d,
+                                                  partial_dtype=opts.partial_dtype, out=out)
+    else:
+        ring_reduce_scatter(lambda c: x.narrow(d, c * n, n), weight, "nk", bias, out, t, opts.partial_dtype)
+    return out
+
+
+def matmul_reduce_scatter_bwd(grad_out, x, weight, opts: TPOptions, *, need_dx=True, need_dw=True, need_db=False):
+    """Backward of :func:`matmul_reduce_scatter`; returns ``(dx, dW, db)``.
+
+    The output gradient is all-gathered chunk by chunk into the data-gradient GEMM (an all-gather
+    GEMM) and the weight and bias gradients; every rank sums every chunk, so ``db`` is the full one.
+    """
+    t, d = opts.transport, opts.dim
+    n = grad_out.shape[d]
+    dx = torch.empty_like(x) if need_dx else None
+    dw = WeightGrad(weight) if need_dw else None
+    db32 = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
+    dgrad_done = False
+    if t.in_kernel_waits and need_dx:
+        # the persistent all-gather GEMM (weight.t() is a strided view, no copy); the gathered
+        # gradient it keeps feeds the weight and bias gradients
+        keep = need_dw or need_db
+        gathered = (torch.empty((t.size,) + tuple(grad_out.shape), dtype=grad_out.dtype, device=grad_out.device)
+                    if keep else None)
+        symmetric.all_gather_matmul_symmetric(grad_out, weight.t(), transport=t, gather_dim=d, out=dx,
+                                              gathered_out=gathered)
+        chunks = enumerate(gathered.unbind(0)) if keep else iter(())
+        dgrad_done = True
+    else:
+        chunks = ring_gather(grad_out, t)
+    for src, g in chunks:
+        if need_dx and not dgrad_done:
+            matmul(g, weight, weight_layout="kn", out=dx.narrow(d, src * n, n))
+        if need_dw:
+            dw.add(g, x.narrow(d, src * n, n))
+        if need_db:
+            db32 += sum_tokens(g)
+    return dx, (dw.result() if need_dw else None), (db32.to(weight.dtype) if need_db else None)
+
+
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, scatter_dim, partial_dtype, symmetric=False):
-        P = comm.group_size(group)
-        n = x.shape[scatter_dim] // P
-        out_shape = list(x.shape[:-1]) + [weight.shape[0]]
-        out_shape[scatter_dim] = n
-        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-        if symmetric:
-            symm.matmul_reduce_scatter_symmetric(x, weight, bias, group=group, scatter_dim=scatter_dim,
-                                                 partial_dtype=partial_dtype, out=out)
-        else:
-            _ring_reduce_scatter(lambda c: x.narrow(scatter_dim, c * n, n), weight, "nk", bias, out, group,
-                                 partial_dtype)
-        ctx.symmetric = symmetric
-        ctx.group, ctx.scatter_dim, ctx.has_bias = group, scatter_dim, bias is not None
+    def forward(ctx, x, weight, bias, opts):
+        ctx.opts, ctx.has_bias = opts, bias is not None
         ctx.save_for_backward(x, weight)
-        return out
+        return matmul_reduce_scatter_fwd(x, weight, bias, opts)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        group, sd = ctx.group, ctx.scatter_dim
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        need_db = need_db and ctx.has_bias
-        n = grad_out.shape[sd]
-        dx = torch.empty_like(x) if need_dx else None
-        dW32 = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-        db32 = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
-        first = True
-        if ctx.symmetric and need_dx:
-            # dgrad: the persistent all-gather GEMM (weight.t() is a strided view, no copy); the
-            # gathered gradient it keeps feeds the weight and bias gradients
-            P = comm.group_size(group)
-            keep = need_dw or need_db
-            gathered = torch.empty((P,) + tuple(grad_out.shape), dtype=grad_out.dtype, device=grad_out.device) \
-                if keep else None
-            symm.all_gather_matmul_symmetric(grad_out, weight.t(), group=group, gather_dim=sd, out=dx,
-                                             gathered_out=gathered)
-            chunks = enumerate(gathered.unbind(0)) if keep else iter(())
-            dgrad_done = True
-        else:
-            # the incoming gradient is all-gathered chunk by chunk into the dgrad and wgrad GEMMs
-            chunks = _ring_gather(grad_out, group)
-            dgrad_done = False
-        for src, g in chunks:
-            if need_dx and not dgrad_done:
-                matmul(g, weight, weight_layout="kn", out=dx.narrow(sd, src * n, n))
-            if need_dw:
-                matmul_tn(g, x.narrow(sd, src * n, n), out=dW32, accumulate=not first)
-                first = False
-            if need_db:
-                db32 += _sum_tokens(g)  # every rank sums every chunk: the full bias gradient
-        return (dx, dW32.to(weight.dtype) if need_dw else None, db32.to(weight.dtype) if need_db else None,
-                None, None, None, None)
+        dx, dw, db = matmul_reduce_scatter_bwd(grad_out, x, weight, ctx.opts, need_dx=need_dx, need_dw=need_dw,
+                                               need_db=need_db and ctx.has_bias)
+        return dx, dw, db, None
 
 
 def matmul_reduce_scatter(
@@ -463,7 +351,7 @@ def matmul_reduce_scatter(
     group=None,
     scatter_dim: int = 1,
     partial_dtype: torch.dtype | None = torch.float32,
-    transport: str | None = None,
+    transport: Transport | str | None = None,
 ):
     """``reduce_scatter(x @ weight.T, scatter_dim) + bias`` with the reduction fused into the GEMMs.
 
@@ -479,34 +367,58 @@ def matmul_reduce_scatter(
     Returns ``[batch, seq/tp, out]``. The bias gradient is the full one on every rank.
     """
     op = "matmul_reduce_scatter"
-    _check_linear_args(op, x, weight, bias)
-    scatter_dim = _token_dim(op, "scatter_dim", scatter_dim, x)
-    partial_dtype = _check_partial_dtype(op, partial_dtype, x)
-    group = comm.resolve_group(group)
-    check_divisible(f"{op}: x.shape[{scatter_dim}]", x.shape[scatter_dim], comm.group_size(group))
-    symmetric = symm.resolve_transport(transport, x, group) == "symmetric"
-    return _MatmulReduceScatter.apply(x, weight, bias, group, scatter_dim, partial_dtype, symmetric)
+    check_linear_args(op, x, weight, bias)
+    dim = _token_dim(op, "scatter_dim", scatter_dim, x)
+    partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
+    t = symmetric.resolve_transport(transport, x, group)
+    check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], t.size)
+    return _MatmulReduceScatter.apply(x, weight, bias, TPOptions(t, dim, partial_dtype=partial_dtype))
 
 
 # ----------------------------------------------------------------------------------------------
 # matmul_all_reduce and its mirror for replicated inputs (Megatron "copy to TP region")
 # ----------------------------------------------------------------------------------------------
+def matmul_all_reduce_fwd(x, weight, bias, opts: TPOptions):
+    """Forward of :func:`matmul_all_reduce` (the chunked, overlapped all-reduce)."""
+    return chunked_matmul_all_reduce(x, weight, "nk", bias, opts.transport, opts.num_chunks, opts.partial_dtype)
+
+
+def matmul_all_reduce_bwd(grad_out, x, weight, *, need_dx=True, need_dw=True, need_db=False):
+    """Backward of :func:`matmul_all_reduce`: no communication (the replicated output's gradient
+    is already the full one on every rank); returns ``(dx, dW, db)``."""
+    dx = matmul(grad_out, weight, weight_layout="kn") if need_dx else None
+    dw = None
+    if need_dw:
+        dw = WeightGrad(weight)
+        dw.add(grad_out, x)
+        dw = dw.result()
+    db = sum_tokens(grad_out).to(weight.dtype) if need_db else None
+    return dx, dw, db
+
+
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, num_chunks, reduce_dtype):
+    def forward(ctx, x, weight, bias, opts):
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
-        return _matmul_all_reduce_rows(x, weight, "nk", bias, group, num_chunks, reduce_dtype)
+        return matmul_all_reduce_fwd(x, weight, bias, opts)
 
     @staticmethod
     def backward(ctx, grad_out):
-        # the output is replicated: its gradient is already the full one on every rank
         x, weight = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx = matmul(grad_out, weight, weight_layout="kn") if need_dx else None
-        dW = matmul_tn(grad_out, x, out_dtype=torch.float32).to(weight.dtype) if need_dw else None
-        db = _sum_tokens(grad_out).to(weight.dtype) if need_db and ctx.has_bias else None
-        return dx, dW, db, None, None, None
+        dx, dw, db = matmul_all_reduce_bwd(grad_out, x, weight, need_dx=need_dx, need_dw=need_dw,
+                                           need_db=need_db and ctx.has_bias)
+        return dx, dw, db, None
+
+
+def _reduce_options(op, x, weight, bias, activation, num_chunks, reduce_dtype, transport, group):
+    """Checks and options of the two all-reduce ops."""
+    check_linear_args(op, x, weight, bias, activation)
+    check_int(f"{op}: num_chunks", num_chunks, min_value=1)
+    reduce_dtype = _partial_dtype(op, "reduce_dtype", reduce_dtype, x)
+    t = symmetric.resolve_transport(transport, x, group)
+    return TPOptions(t, activation=activation, partial_dtype=reduce_dtype, num_chunks=num_chunks)
 
 
 def matmul_all_reduce(
@@ -517,36 +429,52 @@ def matmul_all_reduce(
     group=None,
     num_chunks: int = 4,
     reduce_dtype: torch.dtype | None = torch.float32,
+    transport: Transport | str | None = None,
 ):
     """``all_reduce(x @ weight.T) + bias`` (row parallel without sequence parallelism).
 
     x: ``[..., in_shard]``, weight ``[out, in_shard]``, bias ``[out]`` (replicated; added once, by
     rank 0's epilogue). The token rows are split into ``num_chunks`` chunks: chunk ``i`` is
     all-reduced asynchronously while chunk ``i + 1`` is computed. ``reduce_dtype``: dtype of the
-    reduction (fp32 default; ``None`` reduces in ``x.dtype``). Backward: no communication (the
-    replicated output's gradient is the full one on every rank).
+    reduction (fp32 default; ``None`` reduces in ``x.dtype``). ``transport``/``group``: as in
+    :func:`all_gather_matmul` (the all-reduce uses the transport's ``all_reduce``). Backward: no
+    communication (the replicated output's gradient is the full one on every rank).
     """
-    op = "matmul_all_reduce"
-    _check_linear_args(op, x, weight, bias)
-    _check_chunks(op, num_chunks)
-    reduce_dtype = _check_partial_dtype(op, reduce_dtype, x)
-    group = comm.resolve_group(group)
-    return _MatmulAllReduce.apply(x, weight, bias, group, num_chunks, reduce_dtype)
+    opts = _reduce_options("matmul_all_reduce", x, weight, bias, "none", num_chunks, reduce_dtype, transport, group)
+    return _MatmulAllReduce.apply(x, weight, bias, opts)
+
+
+def copy_to_tp_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False):
+    """Forward of :func:`copy_to_tp_matmul` (local); returns ``(out, preact)``, ``preact`` the
+    ``[tokens, weight.shape[0]]`` pre-activation with ``keep_preact`` and an activation, else None."""
+    preact = None
+    if keep_preact and opts.activation != "none":
+        M = int(torch.Size(x.shape[:-1]).numel())
+        preact = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
+    return matmul(x, weight, bias, activation=opts.activation, preact_out=preact), preact
+
+
+def copy_to_tp_matmul_bwd(grad_out, x, weight, preact, opts: TPOptions, *, need_dx=True, need_dw=True,
+                          need_db=False):
+    """Backward of :func:`copy_to_tp_matmul`; returns ``(dx, dW, db)``. The input was replicated:
+    its gradient is the sum of every rank's partial (the chunked, overlapped all-reduce)."""
+    g = grad_out
+    if preact is not None:
+        g = activation_backward(preact, grad_out.reshape(preact.shape[0], -1), opts.activation)
+        g = g.view(tuple(x.shape[:-1]) + (weight.shape[0],))
+    dx = None
+    if need_dx:
+        dx = chunked_matmul_all_reduce(g, weight, "kn", None, opts.transport, opts.num_chunks, opts.partial_dtype)
+    _, dw, db = matmul_all_reduce_bwd(g, x, weight, need_dx=False, need_dw=need_dw, need_db=need_db)
+    return dx, dw, db
 
 
 class _CopyToTPMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, activation, num_chunks, reduce_dtype, grad_enabled):
-        n_w = weight.shape[0]
-        lead = tuple(x.shape[:-1])
-        M = int(torch.Size(lead).numel())
-        need_grad = grad_enabled and any(ctx.needs_input_grad[:3])
-        preact = None
-        if activation != "none" and need_grad:
-            preact = torch.empty((M, n_w), dtype=x.dtype, device=x.device)
-        out = matmul(x, weight, bias, activation=activation, preact_out=preact)
-        ctx.group, ctx.activation, ctx.has_bias = group, activation, bias is not None
-        ctx.num_chunks, ctx.reduce_dtype = num_chunks, reduce_dtype
+    def forward(ctx, x, weight, bias, opts, grad_enabled):
+        keep = grad_enabled and any(ctx.needs_input_grad[:3])
+        out, preact = copy_to_tp_matmul_fwd(x, weight, bias, opts, keep_preact=keep)
+        ctx.opts, ctx.has_bias = opts, bias is not None
         ctx.save_for_backward(x, weight, preact)
         return out
 
@@ -554,16 +482,9 @@ class _CopyToTPMatmul(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, preact = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        g = grad_out
-        if preact is not None:
-            g = _activation_backward(preact, grad_out.reshape(preact.shape[0], -1), ctx.activation)
-            g = g.view(tuple(x.shape[:-1]) + (weight.shape[0],))
-        # the input was replicated: its gradient is the sum of every rank's partial
-        dx = (_matmul_all_reduce_rows(g, weight, "kn", None, ctx.group, ctx.num_chunks, ctx.reduce_dtype)
-              if need_dx else None)
-        dW = matmul_tn(g, x, out_dtype=torch.float32).to(weight.dtype) if need_dw else None
-        db = _sum_tokens(g).to(weight.dtype) if need_db and ctx.has_bias else None
-        return dx, dW, db, None, None, None, None, None
+        dx, dw, db = copy_to_tp_matmul_bwd(grad_out, x, weight, preact, ctx.opts, need_dx=need_dx,
+                                           need_dw=need_dw, need_db=need_db and ctx.has_bias)
+        return dx, dw, db, None, None
 
 
 def copy_to_tp_matmul(
@@ -575,14 +496,70 @@ def copy_to_tp_matmul(
     activation: str = "none",
     num_chunks: int = 4,
     reduce_dtype: torch.dtype | None = torch.float32,
+    transport: Transport | str | None = None,
 ):
     """Column-parallel GEMM on a replicated input: ``act(x @ weight.T + bias)`` locally; in the
     backward the input gradient (a partial sum per rank) is all-reduced, chunked and overlapped
     like :func:`matmul_all_reduce` (Megatron's "copy to tensor-parallel region")."""
-    op = "copy_to_tp_matmul"
-    _check_linear_args(op, x, weight, bias, activation=activation)
-    _check_chunks(op, num_chunks)
-    reduce_dtype = _check_partial_dtype(op, reduce_dtype, x)
-    group = comm.resolve_group(group)
-    return _CopyToTPMatmul.apply(x, weight, bias, group, activation, num_chunks, reduce_dtype,
-                                 torch.is_grad_enabled())
+    opts = _reduce_options("copy_to_tp_matmul", x, weight, bias, activation, num_chunks, reduce_dtype, transport,
+                           group)
+    return _CopyToTPMatmul.apply(x, weight, bias, opts, torch.is_grad_enabled())
+
+
+# ----------------------------------------------------------------------------------------------
+# feature-dim gather / scatter (gather_output, input_is_parallel=False): not on the hot path
+# ----------------------------------------------------------------------------------------------
+def _all_gather_last_dim(t, transport):
+    P = transport.size
+    t = t.contiguous()
+    flat = torch.empty((P * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    transport.all_gather_into(flat, t).wait()
+    buf = flat.view((P,) + tuple(t.shape))
+    return buf.movedim(0, -2).reshape(tuple(t.shape[:-1]) + (P * t.shape[-1],))
+
+
+class _GatherFeatures(torch.autograd.Function):
+    """All-gather the last dim; backward keeps this rank's slice of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, t, transport):
+        ctx.transport, ctx.n = transport, t.shape[-1]
+        return _all_gather_last_dim(t, transport)
+
+    @staticmethod
+    def backward(ctx, grad):
+        r = ctx.transport.rank
+        return grad.narrow(-1, r * ctx.n, ctx.n).contiguous(), None
+
+
+class _ScatterFeatures(torch.autograd.Function):
+    """Keep this rank's slice of the last dim of a replicated tensor; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, t, transport):
+        n = t.shape[-1] // transport.size
+        ctx.transport = transport
+        return t.narrow(-1, transport.rank * n, n).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last_dim(grad, ctx.transport), None
+
+
+def gather_features(t: torch.Tensor, group=None, *, transport: Transport | str | None = None) -> torch.Tensor:
+    """All-gather the last (feature) dim over the group: ``[..., n]`` -> ``[..., P * n]`` in rank
+    order. Backward: this rank's slice of the (replicated) gradient. A group of one returns ``t``."""
+    check_tensor("gather_features: t", t)
+    tr = get_transport(transport, group)
+    return t if tr.size == 1 else _GatherFeatures.apply(t, tr)
+
+
+def scatter_features(t: torch.Tensor, group=None, *, transport: Transport | str | None = None) -> torch.Tensor:
+    """This rank's slice of the last (feature) dim of a replicated ``t``: ``[..., P * n]`` ->
+    ``[..., n]``. Backward: all-gathers the gradient. A group of one returns ``t``."""
+    check_tensor("scatter_features: t", t)
+    tr = get_transport(transport, group)
+    if tr.size == 1:
+        return t
+    check_divisible("scatter_features: t.shape[-1]", t.shape[-1], tr.size)
+    return _ScatterFeatures.apply(t, tr)

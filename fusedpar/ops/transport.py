@@ -21,6 +21,18 @@ The mirror rule per transfer (``r`` is this rank, ``P`` the size): ``ring_shift`
 input; ``all_to_all`` receives from peer ``j`` the block this rank sends to ``j`` (so the splits
 must be symmetric); ``all_reduce`` multiplies by ``P``; ``reduce_scatter_into`` receives ``P``
 times this rank's own block.
+
+**Symmetric buffers.** The in-kernel-wait schedules (:mod:`fusedpar.ops.symmetric`) are written
+against :class:`SymmetricBuffers`: a per-purpose byte workspace that every rank holds at the same
+size, barriers between the ranks, and peers' ``[P, ...]`` slot arrays laid over it, read as a
+tensor (:meth:`~SymmetricBuffers.peer_slot`, what the all-gather pulls) or addressed as an element
+offset from this rank's copy (:meth:`~SymmetricBuffers.peer_slot_offset`, what the reduce-scatter
+kernel adds to its pointer). ``SymmetricTransport`` maps the peers' symmetric memory;
+:class:`EmulatedTransport` with ``in_kernel_waits=True`` serves them from this rank's own buffer
+by the mirror rule: *peer p's slot s holds what this rank's slot (s + r - p) mod P holds* (peer
+``p`` is this rank with every position shifted by ``p - r``). So the all-gather's pull of chunk
+``c`` (peer ``c``'s slot ``c``) copies this rank's own shard, and the reduce-scatter reads as
+peer ``j``'s partial of chunk ``r`` this rank's partial of the chunk it completes at the same step.
 """
 from __future__ import annotations
 
@@ -28,10 +40,15 @@ from typing import Sequence
 
 import torch
 
-from fusedpar.kernels.checks import check_int
+from fusedpar.kernels.checks import check_bool, check_int
 from fusedpar.ops import comm
 
-__all__ = ["Transport", "PortableTransport", "EmulatedTransport", "get_transport"]
+__all__ = ["Transport", "PortableTransport", "EmulatedTransport", "SymmetricBuffers", "SymmetricWorkspace",
+           "cached_workspace", "get_transport"]
+
+# SMs the emulation's waiting GEMM leaves free: peer copies run on copy engines, but a driver may
+# serve a same-device copy with a kernel, which must find an SM while the GEMM programs spin
+EMULATION_FREE_SMS = 2
 
 
 class Transport:
@@ -107,6 +124,66 @@ class PortableTransport(Transport):
         return comm.all_to_all(out, inp, out_splits, in_splits, self.group)
 
 
+class SymmetricWorkspace:
+    """A byte buffer (``tensor``, uint8, zeroed at creation) that every rank of a group holds at
+    the same size, with the typed views the schedules lay over it. ``counter_base``: the value
+    every reduce-scatter completion counter in it has before the next call; ``handle``: the
+    symmetric-memory rendezvous handle (``None`` in the emulation)."""
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int, handle=None):
+        self.tensor, self.nbytes, self.handle = tensor, nbytes, handle
+        self.counter_base = 0
+
+    def typed(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The ``shape`` tensor of ``dtype`` at byte ``offset`` of the buffer (a view)."""
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        if offset % dtype.itemsize or offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"a {dtype} view of shape {tuple(shape)} at byte offset {offset} must fit aligned in the "
+                             f"{self.nbytes}-byte workspace, got one ending at byte {offset + nbytes}")
+        return self.tensor[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def cached_workspace(cache: dict, key, nbytes: int, create) -> SymmetricWorkspace:
+    """``cache[key]``, replaced by ``create(size)`` when missing or smaller than ``nbytes`` (the new
+    size at least doubles, so a slowly growing shape does not reallocate every call)."""
+    ws = cache.get(key)
+    if ws is None or ws.nbytes < nbytes:
+        ws = cache[key] = create(max(nbytes, 2 * ws.nbytes if ws is not None else 0))
+    return ws
+
+
+class SymmetricBuffers:
+    """What the in-kernel-wait schedules need from a transport beyond :class:`Transport`.
+
+    Slot arrays are ``[P, ...]`` views made by :meth:`SymmetricWorkspace.typed`; ``peer_slot``
+    and ``peer_slot_offset`` name peer ``peer``'s copy of ``slots[slot]``."""
+
+    def symmetric_workspace(self, purpose: str, device, nbytes: int) -> SymmetricWorkspace:
+        """This rank's workspace for ``purpose`` with at least ``nbytes`` (collective when it is
+        created or grown on a real group: every rank asks for the same size)."""
+        raise NotImplementedError
+
+    def symmetric_barrier(self, ws: SymmetricWorkspace, channel: int = 0) -> None:
+        """Every rank reached this point (stream-ordered on a GPU)."""
+        raise NotImplementedError
+
+    def peer_slot(self, ws: SymmetricWorkspace, slots: torch.Tensor, peer: int, slot: int) -> torch.Tensor:
+        """Peer ``peer``'s ``slots[slot]``, readable (copyable) from this process."""
+        raise NotImplementedError
+
+    def peer_slot_offset(self, ws: SymmetricWorkspace, slots: torch.Tensor, peer: int, slot: int) -> int:
+        """Elements from this rank's ``slots[slot]`` to peer ``peer``'s (a kernel's pointer offset)."""
+        raise NotImplementedError
+
+    def peer_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One pull: ``dst.copy_(src)`` on the current stream."""
+        dst.copy_(src)
+
+    def free_sms(self, device: torch.device) -> int:
+        """SMs a waiting persistent GEMM leaves free for the work it waits for."""
+        return 0
+
+
 class _EventHandle:
     """A copy queued on a side stream: ``wait()`` makes the current stream wait for it."""
 
@@ -121,22 +198,57 @@ class _EventHandle:
             self._event = None
 
 
-class EmulatedTransport(Transport):
+class EmulatedTransport(Transport, SymmetricBuffers):
     """``size`` ranks in one process, this one being ``rank``; every peer mirrors this rank (see
     the module docstring). On a CUDA device the copies run on a side stream that first waits for
     the current stream (what the data depends on), and ``wait()`` makes the current stream wait
-    for the copy; on a CPU device copies run at once. ``copy_repeat`` copies every transfer that
-    many times (a link that many times slower than a device-local copy)."""
+    for the copy; on a CPU device copies run at once. ``copy_repeat`` copies every transfer (and
+    every symmetric-buffer pull) that many times: a link that many times slower than a
+    device-local copy. ``in_kernel_waits=True``: the tensor-parallel ops run their symmetric-memory
+    schedules (one waiting persistent GEMM) on the emulated symmetric buffers instead of the
+    portable rings."""
 
     name = "emulated"
 
-    def __init__(self, size: int, rank: int = 0, *, copy_repeat: int = 1):
+    def __init__(self, size: int, rank: int = 0, *, copy_repeat: int = 1, in_kernel_waits: bool = False):
         check_int("EmulatedTransport: size", size, min_value=1)
         check_int("EmulatedTransport: rank", rank, min_value=0, max_value=size - 1)
         check_int("EmulatedTransport: copy_repeat", copy_repeat, min_value=1)
+        check_bool("EmulatedTransport: in_kernel_waits", in_kernel_waits)
         super().__init__(size, rank)
         self.copy_repeat = copy_repeat
+        self.in_kernel_waits = in_kernel_waits
         self._streams: dict = {}
+        self._workspaces: dict = {}
+
+    def __repr__(self):
+        return (f"EmulatedTransport(size={self.size}, rank={self.rank}, copy_repeat={self.copy_repeat}, "
+                f"in_kernel_waits={self.in_kernel_waits})")
+
+    # --- symmetric buffers: this rank's own, read by the mirror rule ------------------------
+    def symmetric_workspace(self, purpose, device, nbytes):
+        device = torch.device(device)
+        return cached_workspace(self._workspaces, (purpose, device), nbytes,
+                                lambda size: SymmetricWorkspace(torch.zeros(size, dtype=torch.uint8, device=device), size))
+
+    def symmetric_barrier(self, ws, channel=0):
+        pass  # every "peer" is this rank, at the same point of the same stream
+
+    def _mirror(self, peer: int, slot: int) -> int:
+        return (slot + self.rank - peer) % self.size
+
+    def peer_slot(self, ws, slots, peer, slot):
+        return slots[self._mirror(peer, slot)]
+
+    def peer_slot_offset(self, ws, slots, peer, slot):
+        return (self._mirror(peer, slot) - slot) * slots.stride(0)
+
+    def peer_copy(self, dst, src):
+        for _ in range(self.copy_repeat):
+            dst.copy_(src)
+
+    def free_sms(self, device):
+        return EMULATION_FREE_SMS if torch.device(device).type == "cuda" else 0
 
     def _side(self, device: torch.device):
         if device.type != "cuda":

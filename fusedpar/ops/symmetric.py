@@ -1,0 +1,559 @@
+"""Symmetric-memory schedules of the tensor-parallel GEMMs, and the transport that runs them.
+
+Inside one NVLink domain every rank can map its peers' buffers
+(``torch.distributed._symmetric_memory``). The all-gather side then needs neither NCCL nor one
+GEMM launch per chunk:
+
+1. each rank copies its shard into slot ``rank`` of its symmetric buffer (``[P, *shard]``),
+   and a barrier tells everyone the slots are written;
+2. a side stream *pulls* the peers' slots into the local buffer with device-to-device copies
+   (copy engines: no SM is used), in the order ``rank + 1, rank + 2, ...``, and after each copy
+   writes that chunk's ready flag with ``cuStreamWriteValue32`` (no SM either; it fences the copy);
+3. one persistent GEMM (:func:`fusedpar.kernels.persistent_gemm.persistent_matmul`) starts at the
+   local chunk and, before each chunk's first load, spins on the chunk's flag (acquire).
+
+The reduce-scatter side inverts it: the persistent GEMM computes the partial for peer
+``rank + 1`` first and the local chunk last, into the local symmetric buffer, releasing a
+per-chunk completion counter after every tile; then, on a side stream and a few SMs left free by
+the GEMM, :func:`~fusedpar.kernels.persistent_gemm.chunk_reduce` reads each peer's partial of
+*this* rank's chunk as soon as that peer's counter says it is complete, summing in fp32. The
+reduction is enqueued *after* the GEMM whose counters it waits for, so no launch order across
+streams (one hardware queue with ``CUDA_DEVICE_MAX_CONNECTIONS=1``, MPS) can make it wait for a
+kernel queued behind it.
+
+Flags never need resetting: a call waits for ``flag >= epoch`` and every call raises the epoch.
+A wait that gives up (a peer that never comes) raises :class:`~fusedpar.kernels.waits.WaitTimeout`
+at the op's end, on a GPU too (:func:`~fusedpar.kernels.waits.check_wait_timeouts`).
+
+Both schedules are written once against :class:`~fusedpar.ops.transport.SymmetricBuffers` and run
+on :class:`SymmetricTransport` (real peers) and on
+:class:`~fusedpar.ops.transport.EmulatedTransport` with ``in_kernel_waits=True`` (one device, the
+peers mirror this rank: the waiting, the flags and the overlap are exercised and timed without a
+second GPU). Where peers are not reachable (CPU tensors, gloo, no symmetric memory in this torch
+build, ranks on different hosts, GPUs without peer access) the portable transport is used;
+:func:`resolve_transport` decides once per group, with the same answer on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from fusedpar.kernels.checks import (
+    check_buffer,
+    check_choice,
+    check_divisible,
+    check_dtype,
+    check_int,
+    check_same,
+    check_shape,
+    check_tensor,
+)
+from fusedpar.kernels.persistent_gemm import (
+    chunk_reduce,
+    chunk_view,
+    default_num_programs,
+    kernel_config,
+    persistent_matmul,
+    tiles_per_chunk,
+)
+from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES
+from fusedpar.kernels.waits import check_wait_timeouts
+from fusedpar.ops import comm
+from fusedpar.ops.tp_schedules import check_linear_args
+from fusedpar.ops.transport import (
+    PortableTransport,
+    SymmetricBuffers,
+    SymmetricWorkspace,
+    Transport,
+    cached_workspace,
+    get_transport,
+)
+
+__all__ = [
+    "DEFAULT_TRANSPORT", "RS_REDUCE_SMS", "TRANSPORTS", "ChunkFlags", "GroupCache", "SymmetricTransport",
+    "all_gather_matmul_symmetric", "chunk_flags", "clear_workspaces", "matmul_reduce_scatter_symmetric",
+    "pull_chunks", "resolve_transport", "set_workspace_factory", "symmetric_status",
+]
+
+TRANSPORTS = ("auto", "symmetric", "portable")
+# what ``transport=None`` means in fusedpar.ops: "portable" until the symmetric path has passed its
+# GPU tests on hardware (FUSEDPAR_TRANSPORT=auto opts in)
+DEFAULT_TRANSPORT = os.environ.get("FUSEDPAR_TRANSPORT", "portable")
+# SMs the persistent reduce-scatter GEMM leaves to the concurrent chunk_reduce kernel
+RS_REDUCE_SMS = int(os.environ.get("FUSEDPAR_RS_REDUCE_SMS", "8"))
+
+
+# ----------------------------------------------------------------------------------------------
+# per-group caches
+# ----------------------------------------------------------------------------------------------
+class GroupCache:
+    """Entries cached per process group that die with the group. Keyed by a weak reference to
+    the group object, never by ``id(group)``: once a destroyed group is freed its id can be
+    reused by a new group, which must not be handed the old group's probe answer or buffers."""
+
+    def __init__(self):
+        self._by_group = weakref.WeakKeyDictionary()
+
+    def entries(self, group) -> dict:
+        """The (mutable) dict of ``group``'s entries, empty for a group not seen before."""
+        d = self._by_group.get(group)
+        if d is None:
+            d = self._by_group[group] = {}
+        return d
+
+    def clear(self) -> None:
+        self._by_group.clear()
+
+    def __len__(self):
+        return len(self._by_group)
+
+
+_probe_cache = GroupCache()
+_workspaces = GroupCache()
+
+
+# ----------------------------------------------------------------------------------------------
+# availability and transport selection
+# ----------------------------------------------------------------------------------------------
+def _symm_module():
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        from torch._C._distributed_c10d import _SymmetricMemory  # noqa: F401
+    except ImportError:
+        return None
+    return symm_mem
+
+
+def _flag_writer_available() -> bool:
+    try:
+        from torch._C._distributed_c10d import _SymmetricMemory
+    except ImportError:
+        return False
+    return hasattr(_SymmetricMemory, "stream_write_value32")
+
+
+def _probe_peers(x: torch.Tensor, group) -> tuple[bool, str]:
+    """The cross-rank facts (one host, peer access), gathered with collectives on ``group``."""
+    size = dist.get_world_size(group)
+    info = [None] * size
+    dist.all_gather_object(info, (socket.gethostname(), torch.cuda.current_device()), group=group)
+    hosts = {h for h, _ in info}
+    me = torch.cuda.current_device()
+    peer_ok = all(d == me or torch.cuda.can_device_access_peer(me, d) for _, d in info)
+    ok = torch.tensor([1 if (len(hosts) == 1 and peer_ok) else 0], device=x.device, dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if ok.item():
+        return True, "one host, peer access between all GPUs of the group"
+    if len(hosts) > 1:
+        return False, f"the group spans {len(hosts)} hosts; symmetric memory needs one NVLink domain"
+    return False, "some GPUs of the group cannot access each other's memory (no P2P)"
+
+
+def symmetric_status(x: torch.Tensor, group=None) -> tuple[bool, str]:
+    """Whether the symmetric-memory transport can serve ``group`` for tensors like ``x``, and why
+    not. The answer is the same on every rank of the group: local facts (device type, backend,
+    torch build) are equal by construction, and the cross-rank facts (one host, peer access) are
+    gathered once per group and cached, which is a collective the first time."""
+    if x.device.type != "cuda":
+        return False, f"tensors are on {x.device.type}, the symmetric transport needs CUDA tensors"
+    if not dist.is_available() or not dist.is_initialized():
+        return False, "torch.distributed is not initialised"
+    group = comm.resolve_group(group)
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        return False, f"process group backend is {backend!r}, the symmetric transport runs with NCCL groups"
+    if _symm_module() is None:
+        return False, "this torch build has no torch.distributed._symmetric_memory"
+    if not _flag_writer_available():
+        return False, "this torch build lacks _SymmetricMemory.stream_write_value32 (SM-free flag writes)"
+    cache = _probe_cache.entries(group)
+    if x.device.index not in cache:
+        cache[x.device.index] = _probe_peers(x, group)
+    return cache[x.device.index]
+
+
+def resolve_transport(transport, x: torch.Tensor, group=None) -> Transport:
+    """The transport a tensor-parallel op runs on. ``transport``: a :class:`Transport` instance
+    (returned as is; ``group`` must then be None), or a name in :data:`TRANSPORTS` (``None``:
+    :data:`DEFAULT_TRANSPORT`): ``"portable"`` -> :class:`PortableTransport`, ``"symmetric"`` /
+    ``"auto"`` -> :class:`SymmetricTransport` where :func:`symmetric_status` allows it, else
+    (``"auto"``) the portable one. Raises ``ValueError`` for an unknown name, or when
+    ``"symmetric"`` is forced where it cannot run (before any data moves, on every rank alike)."""
+    if isinstance(transport, Transport):
+        return get_transport(transport, group)
+    if transport is None:
+        transport = DEFAULT_TRANSPORT
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS} or a fusedpar.ops.transport.Transport, "
+                         f"got {transport!r}")
+    if transport == "portable" or comm.group_size(group) == 1:
+        return PortableTransport(group)
+    ok, reason = symmetric_status(x, group)
+    if transport == "symmetric" and not ok:
+        raise ValueError(f"transport='symmetric' is not available here: {reason}")
+    return SymmetricTransport(group) if ok else PortableTransport(group)
+
+
+# ----------------------------------------------------------------------------------------------
+# the symmetric-memory transport
+# ----------------------------------------------------------------------------------------------
+def _new_symmetric_workspace(group, device, size: int):
+    """``(tensor, handle)``: a zeroed symmetric uint8 tensor of ``size`` bytes on every rank of
+    ``group`` and its rendezvous handle (``barrier``, ``buffer_ptrs``, ``get_remote_tensor``)."""
+    symm_mem = _symm_module()
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        # needed by older torch releases; newer ones deprecate it as a no-op requirement
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+    t = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    t.zero_()  # counters start at 0; ordered before the first call's barrier on this stream
+    return t, symm_mem.rendezvous(t, group.group_name)
+
+
+_factory = [_new_symmetric_workspace]
+
+
+def set_workspace_factory(factory=None):
+    """Replace how :class:`SymmetricTransport` allocates a workspace: ``factory(group, device,
+    size) -> (zeroed uint8 tensor, handle)``, collective over ``group`` (the handle has
+    ``barrier(channel=)``, ``buffer_ptrs`` and ``get_remote_tensor(peer, sizes, dtype)``). ``None``
+    restores symmetric memory. Clears the cached workspaces; returns the previous factory. Tests
+    use file-backed shared memory across CPU processes."""
+    previous = _factory[0]
+    _factory[0] = factory or _new_symmetric_workspace
+    clear_workspaces()
+    return previous
+
+
+def clear_workspaces() -> None:
+    """Drop every cached symmetric workspace (the next call of each purpose allocates anew)."""
+    _workspaces.clear()
+
+
+def _remote_bytes(hdl, peer: int, nbytes: int) -> torch.Tensor:
+    """Peer ``peer``'s copy of our rendezvoused tensor (the allocation may sit ``hdl.offset``
+    bytes into the symmetric buffer), as ``nbytes`` uint8 mapped into this process."""
+    if hasattr(hdl, "get_remote_tensor"):
+        return hdl.get_remote_tensor(peer, (nbytes,), torch.uint8)
+    return hdl.get_buffer(peer, (nbytes,), torch.uint8, int(getattr(hdl, "offset", 0)))
+
+
+class SymmetricTransport(PortableTransport, SymmetricBuffers):
+    """The portable transfers over ``group`` plus symmetric-memory buffers, so that the
+    tensor-parallel GEMMs wait for chunks inside one persistent kernel. Made by
+    :func:`resolve_transport` where :func:`symmetric_status` allows it (construct it directly only
+    where that holds, or with a test factory, :func:`set_workspace_factory`)."""
+
+    name = "symmetric"
+    in_kernel_waits = True
+
+    def __init__(self, group=None):
+        super().__init__(group)
+        if self.group is None:
+            raise ValueError("SymmetricTransport needs an initialised torch.distributed group, got none "
+                             "(torch.distributed is not initialised)")
+
+    def symmetric_workspace(self, purpose, device, nbytes):
+        device = torch.device(device)
+
+        def create(size):
+            tensor, handle = _factory[0](self.group, device, size)
+            return SymmetricWorkspace(tensor, size, handle)
+
+        return cached_workspace(_workspaces.entries(self.group), (purpose, device), nbytes, create)
+
+    def symmetric_barrier(self, ws, channel=0):
+        ws.handle.barrier(channel=channel)
+
+    def peer_slot(self, ws, slots, peer, slot):
+        offset = slots.data_ptr() - ws.tensor.data_ptr()  # slots is a typed view of ws
+        nbytes = slots.numel() * slots.element_size()
+        remote = _remote_bytes(ws.handle, peer, ws.nbytes)[offset:offset + nbytes]
+        return remote.view(slots.dtype).view(slots.shape)[slot]
+
+    def peer_slot_offset(self, ws, slots, peer, slot):
+        ptrs = ws.handle.buffer_ptrs  # every rank's workspace sits at the same offset in its buffer
+        diff = int(ptrs[peer]) - int(ptrs[self.rank])
+        if diff % slots.element_size():
+            raise ValueError(f"peer buffers must be {slots.element_size()}-byte aligned to each other, got a "
+                             f"{diff}-byte distance to peer {peer}")
+        return diff // slots.element_size()
+
+    def free_sms(self, device):
+        # a flag written by a kernel (no cuStreamWriteValue32) needs an SM the waiting GEMM leaves free
+        return 0 if _flag_writer_available() else 2
+
+
+def _check_symmetric(transport, op: str):
+    if not isinstance(transport, SymmetricBuffers) or not transport.in_kernel_waits:
+        raise ValueError(f"{op}: transport must support in-kernel waits (a SymmetricTransport or an "
+                         f"EmulatedTransport(in_kernel_waits=True)), got {transport!r}")
+    return transport
+
+
+# ----------------------------------------------------------------------------------------------
+# flags and the copy producer
+# ----------------------------------------------------------------------------------------------
+class ChunkFlags:
+    """Per-chunk ready flags of one device: a uint32 tensor (what ``cuStreamWriteValue32``
+    writes) viewed as int32 by the kernel, and a host-side epoch. ``begin()`` starts a call: the
+    kernel then waits for ``flag >= epoch``, so the previous call's flags read as not ready."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.u32 = torch.zeros(capacity, dtype=torch.uint32, device=device)
+        self.i32 = self.u32.view(torch.int32)
+        self.epoch = 0
+        self.sm_free = device.type == "cuda" and _flag_writer_available()
+
+    def begin(self) -> int:
+        if self.epoch >= 2 ** 31 - 2:
+            self.i32.zero_()  # stream-ordered before every later write and wait
+            self.epoch = 0
+        self.epoch += 1
+        return self.epoch
+
+    def raise_flag(self, chunk: int) -> None:
+        """Set ``flag[chunk] = epoch`` on the current stream, after the work queued before it."""
+        if self.sm_free:
+            from torch._C._distributed_c10d import _SymmetricMemory
+
+            _SymmetricMemory.stream_write_value32(self.u32, chunk, self.epoch)
+        else:
+            self.i32[chunk:chunk + 1].fill_(self.epoch)
+
+
+_flags: dict = {}
+_side_streams: dict = {}
+_int_tensors: dict = {}
+
+
+def chunk_flags(device: torch.device, chunks: int) -> ChunkFlags:
+    """The ready flags of ``device`` (at least ``chunks`` of them), shared by every call there."""
+    device = torch.device(device)
+    f = _flags.get(device)
+    if f is None or f.u32.numel() < chunks:
+        f = _flags[device] = ChunkFlags(max(chunks, 64), device)
+    return f
+
+
+def _fork(device):
+    """The side stream of ``device``, made to wait for the work queued so far on the current
+    stream (None on CPU, where everything runs in program order)."""
+    if device.type != "cuda":
+        return None
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device, priority=-1)
+    side = _side_streams[device]
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _join(device, side):
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
+
+
+def pull_chunks(gathered: torch.Tensor, sources, order, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0):
+    """On the side stream: for ``c`` in ``order`` copy ``sources(c)`` into ``gathered[c]`` with
+    ``copy(dst, src)`` (default ``dst.copy_(src)``) and raise flag ``c``. The side stream first
+    waits for the current stream (the local chunk, the barrier, and the previous call's readers
+    of ``gathered``). ``delay_cycles`` sleeps on the side stream first (tests: a late producer).
+    Returns the side stream (``None`` on CPU, where the copies run right away: the interpreter's
+    consumer must find its flags set before it starts); join it after the consuming kernel."""
+    check_int("delay_cycles", delay_cycles, min_value=0)
+    side = _fork(gathered.device)
+    if delay_cycles and side is None:
+        raise ValueError(f"delay_cycles must be 0 on {gathered.device} (it sleeps on a CUDA producer stream), "
+                         f"got {delay_cycles}")
+    copy = copy or (lambda dst, src: dst.copy_(src))
+    with _on(side):
+        if delay_cycles:
+            torch.cuda._sleep(int(delay_cycles))
+        for c in order:
+            copy(gathered[c], sources(c))
+            flags.raise_flag(c)
+    return side
+
+
+def _device_ints(values, device) -> torch.Tensor:
+    """A cached int64 device tensor of ``values``: made once (a synchronous host-to-device copy),
+    then reused, so that no call blocks the host on a stream that waits for peers."""
+    key = (device, tuple(values))
+    t = _int_tensors.get(key)
+    if t is None:
+        t = _int_tensors[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# validation (local, before any barrier or transfer: the same error on every rank)
+# ----------------------------------------------------------------------------------------------
+def _validate(op, x, weight, bias, activation, dim, dim_name, chunks=None):
+    check_linear_args(op, x, weight, bias, activation)
+    if not isinstance(dim, int) or not 0 <= dim < x.dim() - 1:
+        raise ValueError(f"{op}: {dim_name} must be a token dim of x (0..{x.dim() - 2}), got {dim!r}")
+    if chunks is not None:
+        check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], chunks)
+
+
+def _check_delay(delay_cycles, device):
+    check_int("producer_delay_cycles", delay_cycles, min_value=0)
+    if delay_cycles and device.type != "cuda":
+        raise ValueError(f"producer_delay_cycles must be 0 on {device} (it sleeps on a CUDA stream), got {delay_cycles}")
+
+
+# ----------------------------------------------------------------------------------------------
+# all_gather_matmul over symmetric buffers
+# ----------------------------------------------------------------------------------------------
+def _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out):
+    n_w = weight.shape[0]
+    shape = list(x.shape[:-1]) + [n_w // 2 if ACTIVATIONS[activation][1] else n_w]
+    shape[gather_dim] *= P
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    check_buffer("out", out, shape, x.device)
+    if preact_out is not None:
+        check_buffer("preact_out", preact_out, (P,) + tuple(x.shape[:-1]) + (n_w,), x.device)
+    if gathered_out is not None:
+        check_buffer("gathered_out", gathered_out, (P,) + tuple(x.shape), x.device, x.dtype)
+    return out
+
+
+def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1, activation="none", out=None,
+                                preact_out=None, gathered_out=None, config=None, wait=True, producer_delay_cycles=0,
+                                num_programs=None, max_spin=None):
+    """Forward of ``all_gather_matmul`` with in-kernel waits: ``x`` is this rank's shard (equal
+    shapes on every rank), the result ``act(all_gather(x, gather_dim) @ W^T + bias)``. Arguments
+    are checked before the first barrier.
+
+    transport:    a :class:`SymmetricTransport` or an ``EmulatedTransport(in_kernel_waits=True)``.
+    out:          ``all_gather(x) @ W^T`` layout (``x.shape`` with the gather dim ``P`` times
+                  larger, ``N`` features); allocated when omitted.
+    preact_out:   optional chunk-major ``[P, *x.shape[:-1], weight.shape[0]]`` pre-activation.
+    gathered_out: optional ``[P, *x.shape]`` tensor receiving a copy of the gathered input (the
+                  symmetric buffer is reused by the next call), for the weight gradient.
+    Test knobs: ``wait=False`` launches the GEMM without waiting on the flags (a missing wait
+    must show as wrong data), ``producer_delay_cycles`` makes the pulls start late on purpose,
+    ``num_programs`` / ``max_spin`` / ``config`` as in ``persistent_matmul``.
+    """
+    t = _check_symmetric(transport, "all_gather_matmul")
+    P, r = t.size, t.rank
+    _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim")
+    out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out)
+    _check_delay(producer_delay_cycles, x.device)
+    ws = t.symmetric_workspace("all_gather", x.device, P * x.numel() * x.element_size())
+    gathered = ws.typed(0, (P,) + tuple(x.shape), x.dtype)
+    flags = chunk_flags(x.device, P)
+    t.symmetric_barrier(ws, 0)  # every peer finished reading our slot in the previous call
+    gathered[r].copy_(x)
+    t.symmetric_barrier(ws, 1)  # every slot holds its owner's shard
+    flags.begin()
+    flags.raise_flag(r)
+    order = [(r + i) % P for i in range(1, P)]
+    side = pull_chunks(gathered, lambda c: t.peer_slot(ws, gathered, c, c), order, flags, copy=t.peer_copy,
+                       delay_cycles=producer_delay_cycles)
+    if num_programs is None:
+        num_programs = default_num_programs(x.device, reserve=t.free_sms(x.device))
+    persistent_matmul(
+        gathered, weight, bias, first_chunk=r, out=chunk_view(out, gather_dim, P), activation=activation,
+        wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.epoch,
+        preact_out=preact_out, config=config, num_programs=num_programs, max_spin=max_spin, check_waits=False,
+    )
+    if gathered_out is not None:
+        gathered_out.copy_(gathered)
+    _join(x.device, side)
+    check_wait_timeouts(x.device, "all_gather_matmul (symmetric)")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul_reduce_scatter over symmetric buffers
+# ----------------------------------------------------------------------------------------------
+def _rs_order(r: int, P: int):
+    """Peers in the order they complete the partial of chunk ``r``: peer ``j`` computes chunk
+    ``r`` at step ``(r - j - 1) mod P``, so ``r - 1`` first and ``r`` itself last."""
+    return [(r - 1 - k) % P for k in range(P)]
+
+
+def _rs_input(x, weight, bias, scatter_dim, chunked, P):
+    """``x`` as a chunked view ``[P, *chunk rows, in]`` (chunk ``c`` goes to rank ``c``), checked."""
+    op = "matmul_reduce_scatter"
+    if not chunked:
+        _validate(op, x, weight, bias, "none", scatter_dim, "scatter_dim", chunks=P)
+        return chunk_view(x, scatter_dim, P)
+    check_tensor(f"{op}: x", x, dims=(3, 4))
+    if x.shape[0] != P:
+        raise ValueError(f"{op}: a chunked x must be [P={P}, *rows, in], got {tuple(x.shape)}")
+    _validate(op, x[0], weight, bias, "none", 0, "scatter_dim")
+    return x
+
+
+def _rs_begin(t, xv, n, partial_dtype, config):
+    """This call's counters and partials in the workspace, after the barrier that says the peers
+    finished reading the previous call's partials; returns them with the counters' ready value."""
+    P, chunk_shape = t.size, tuple(xv.shape[1:-1]) + (n,)
+    head = (4 * P + 255) // 256 * 256  # counters first: a fixed place whatever later shapes are
+    ws = t.symmetric_workspace("reduce_scatter", xv.device,
+                               head + P * int(torch.Size(chunk_shape).numel()) * partial_dtype.itemsize)
+    counters = ws.typed(0, (P,), torch.int32)
+    partials = ws.typed(head, (P,) + chunk_shape, partial_dtype)
+    per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), n, kernel_config(config, n, xv.dtype))
+    base = ws.counter_base
+    t.symmetric_barrier(ws, 0)
+    if base + per >= 2 ** 31 - 1:
+        counters.zero_()
+        t.symmetric_barrier(ws, 1)
+        base = 0
+    ws.counter_base = base + per
+    return ws, counters, partials, base + per
+
+
+def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_dim=1, partial_dtype=torch.float32,
+                                    out=None, config=None, chunked=False, reduce_sms=RS_REDUCE_SMS, wait=True,
+                                    producer_delay_cycles=0, max_spin=None):
+    """Forward of ``matmul_reduce_scatter`` with in-kernel waits: ``x`` is ``[batch, seq,
+    in_shard]`` (or ``[tokens, in_shard]``), the result this rank's ``[batch, seq/P, out]``
+    chunk of ``sum over ranks (x @ W^T) + bias``. ``chunked=True``: ``x`` is already a chunked
+    view ``[P, *chunk rows, in_shard]`` (chunk ``c`` goes to rank ``c``). ``reduce_sms``: SMs of
+    the reduction (the GEMM leaves them free). Test knobs: ``wait=False`` reads the partials
+    without waiting on the counters, ``producer_delay_cycles`` starts the GEMM late on purpose."""
+    t = _check_symmetric(transport, "matmul_reduce_scatter")
+    P, r = t.size, t.rank
+    xv = _rs_input(x, weight, bias, scatter_dim, chunked, P)
+    check_dtype("partial_dtype", partial_dtype, SUPPORTED_DTYPES)
+    check_int("reduce_sms", reduce_sms, min_value=1)
+    n = weight.shape[0]
+    chunk_shape = tuple(xv.shape[1:-1]) + (n,)
+    if out is None:
+        out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
+    check_buffer("out", out, chunk_shape, x.device)
+    _check_delay(producer_delay_cycles, x.device)
+    ws, counters, partials, ready = _rs_begin(t, xv, n, partial_dtype, config)
+    order = _rs_order(r, P)
+    peer_off = _device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], x.device)
+    cnt_off = _device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], x.device)
+    side = _fork(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
+    if producer_delay_cycles:
+        torch.cuda._sleep(int(producer_delay_cycles))
+    persistent_matmul(xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none", signal_counters=counters,
+                      config=config, num_programs=default_num_programs(x.device, reserve=reduce_sms))
+    with _on(side):  # enqueued after the GEMM whose counters it waits for: no launch-order stall
+        chunk_reduce(partials, peer_off, r, out=out, bias=bias, counters=counters if wait else None,
+                     counter_offsets=cnt_off if wait else None, ready_value=ready,
+                     num_programs=reduce_sms if x.is_cuda else None, max_spin=max_spin, check_waits=False)
+    _join(x.device, side)
+    if side is not None:
+        out.record_stream(side)
+    check_wait_timeouts(x.device, "matmul_reduce_scatter (symmetric)")
+    return out

@@ -1,0 +1,196 @@
+"""The overlap schedules of the tensor-parallel GEMMs, written against a :class:`Transport`.
+
+* :func:`ring_gather` -- every rank's shard, the local one first, the next one in flight while
+  the caller computes on the current one (all-gather GEMM forward, re-gathers in backwards).
+* :func:`ring_reduce_scatter` -- one partial GEMM per destination chunk; the partial received
+  from the left neighbour is added in the GEMM epilogue and the sum travels on to the right.
+* :func:`chunked_matmul_all_reduce` -- rows in chunks, chunk ``i`` all-reduced while chunk
+  ``i + 1`` is multiplied.
+
+Every transfer is a method of the transport (``ring_shift``, ``all_reduce``); rank and size come
+from it, so the same code runs over torch.distributed, symmetric memory (for the ring
+re-gathers) and the single-process emulation. A handle is waited on right before the chunk it
+delivers is used.
+
+Under :class:`~fusedpar.ops.transport.EmulatedTransport` (every peer mirrors this rank):
+``ring_gather`` yields ``size`` copies of ``x``; ``ring_reduce_scatter`` writes the sum over
+every chunk ``c`` of ``a_chunk(c) @ W`` (plus bias), because the partial received at each step
+is the one this rank sent; ``chunked_matmul_all_reduce`` returns ``size`` times the local
+product (the bias counted on rank 0 only).
+"""
+from __future__ import annotations
+
+import torch
+
+from fusedpar.kernels import matmul, matmul_tn
+from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
+from fusedpar.kernels.runtime import ACTIVATIONS, activation_reference
+from fusedpar.ops.transport import Transport
+
+__all__ = [
+    "ring_gather", "ring_reduce_scatter", "chunked_matmul_all_reduce", "activation_backward", "sum_tokens",
+    "WeightGrad", "check_linear_args",
+]
+
+
+def ring_gather(x: torch.Tensor, transport: Transport, keep: bool = False):
+    """Yield ``(src_rank, chunk)`` for every rank's ``x``, the local one first.
+
+    The transfer of the next chunk is posted before the current one is yielded (so it is in flight
+    while the caller computes) and waited on only when the caller asks for it. Receive buffers are
+    double-buffered, or with ``keep=True`` one slot per rank so that the caller may hold on to
+    every chunk (the gathered input kept for the weight gradient).
+    """
+    P, r = transport.size, transport.rank
+    cur = x.contiguous()
+    if P == 1:
+        yield r, cur
+        return
+    if keep:
+        slots = torch.empty((P - 1,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        bufs = [slots[i] for i in range(P - 1)]
+    else:
+        bufs = [torch.empty_like(cur) for _ in range(2)]
+    for j in range(P):
+        handle = None
+        if j + 1 < P:
+            nxt = bufs[j] if keep else bufs[(j + 1) % 2]
+            handle = transport.ring_shift(cur, nxt)
+        yield (r - j) % P, cur
+        if handle is not None:
+            handle.wait()  # the chunk the caller is about to use next
+            cur = nxt
+
+
+def _split_dim(t):
+    return 1 if t.dim() == 3 else 0
+
+
+def _halves(length):
+    """Row ranges of the two sub-chunks of a reduce-scatter step (one when there is one row)."""
+    if length < 2:
+        return [(0, length)]
+    return [(0, length // 2), (length // 2, length)]
+
+
+def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Transport, partial_dtype,
+                        between=None):
+    """``out = sum over ranks q of (a_chunk_q(r) @ W_q) + bias`` where ``r`` is this rank.
+
+    ``a_chunk(c)`` is this rank's operand for destination chunk ``c`` (leading dims = ``out``'s).
+    Ring: at step ``j`` rank ``r`` computes the partial of chunk ``(r - j - 1) mod P``, adding in
+    the GEMM epilogue the partial that the left neighbour computed for the same chunk at step
+    ``j - 1``, and sends the sum (in ``partial_dtype``) to the right neighbour; at the last step
+    the chunk is its own and the result (plus bias) is written into ``out``. Each step is split in
+    two row halves, so that one half's partial travels while the other half's GEMM runs.
+    ``between(j)`` (optional) runs after step ``j`` (independent work that also hides the
+    transfers, e.g. a weight gradient).
+    """
+    P, r = transport.size, transport.rank
+    if P == 1:
+        matmul(a_chunk(r), weight, bias, weight_layout=weight_layout, out=out)
+        if between is not None:
+            between(0)
+        return out
+    sd = _split_dim(out)
+    parts = _halves(out.shape[sd])
+    shapes = [out.narrow(sd, lo, hi - lo).shape for lo, hi in parts]
+    send = [[torch.empty(s, dtype=partial_dtype, device=out.device) for s in shapes] for _ in range(2)]
+    recv = [[torch.empty(s, dtype=partial_dtype, device=out.device) for s in shapes] for _ in range(2)]
+    handles = [None] * len(parts)
+    for j in range(P):
+        a = a_chunk((r - j - 1) % P)
+        for h, (lo, hi) in enumerate(parts):
+            a_h = a.narrow(sd, lo, hi - lo)
+            residual = None
+            if j > 0:
+                handles[h].wait()  # the neighbour's partial for this half
+                residual = recv[(j - 1) % 2][h]
+            if j < P - 1:
+                dst = send[j % 2][h]
+                matmul(a_h, weight, weight_layout=weight_layout, out=dst, residual=residual)
+                handles[h] = transport.ring_shift(dst, recv[j % 2][h])
+            else:
+                matmul(a_h, weight, bias, weight_layout=weight_layout, out=out.narrow(sd, lo, hi - lo),
+                       residual=residual)
+        if between is not None:
+            between(j)
+    return out
+
+
+def chunked_matmul_all_reduce(x, weight, weight_layout, bias, transport: Transport, num_chunks: int,
+                              reduce_dtype: torch.dtype) -> torch.Tensor:
+    """``all_reduce(x @ W) (+ bias once)``; chunk ``i`` is reduced while chunk ``i + 1`` is computed.
+
+    The bias is added by rank 0's GEMM epilogue only, so the sum holds it once. Partials are
+    reduced in ``reduce_dtype`` and rounded to ``x.dtype`` at the end.
+    """
+    P, r = transport.size, transport.rank
+    n_out = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
+    lead = tuple(x.shape[:-1])
+    M = int(torch.Size(lead).numel())
+    x2 = x.reshape(M, x.shape[-1])
+    if P == 1:
+        return matmul(x2, weight, bias, weight_layout=weight_layout).view(lead + (n_out,))
+    y = torch.empty((M, n_out), dtype=reduce_dtype, device=x.device)
+    step = -(-M // num_chunks) if M else 1
+    handles = []
+    for lo in range(0, M, step):
+        hi = min(lo + step, M)
+        matmul(x2[lo:hi], weight, bias if r == 0 else None, weight_layout=weight_layout, out=y[lo:hi])
+        handles.append(transport.all_reduce(y[lo:hi]))
+    for h in handles:
+        h.wait()
+    return y.to(x.dtype).view(lead + (n_out,))
+
+
+def activation_backward(preact: torch.Tensor, grad: torch.Tensor, activation: str) -> torch.Tensor:
+    """``d(act(preact))/d(preact) * grad``, in fp32 (``preact`` is ``[..., 2F]`` gate|up when gated),
+    returned in ``grad``'s dtype."""
+    with torch.enable_grad():
+        p = preact.detach().float().requires_grad_(True)
+        y = activation_reference(p, activation)
+        (dp,) = torch.autograd.grad(y, p, grad.float())
+    return dp.to(grad.dtype)
+
+
+def sum_tokens(t: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over every dim but the last (a bias gradient)."""
+    return t.float().sum(dim=tuple(range(t.dim() - 1)))
+
+
+class WeightGrad:
+    """A weight gradient accumulated chunk by chunk in fp32 with ``matmul_tn``, straight from
+    strided chunk views; :meth:`result` rounds it to the weight's dtype."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.dtype = weight.dtype
+        self.acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        self.first = True
+
+    def add(self, grad: torch.Tensor, x: torch.Tensor) -> None:
+        matmul_tn(grad, x, out=self.acc, accumulate=not self.first)
+        self.first = False
+
+    def result(self) -> torch.Tensor:
+        return self.acc.to(self.dtype)
+
+
+def check_linear_args(op, x, weight, bias, activation="none"):
+    """The operands of a tensor-parallel linear op: ``x`` 2-D/3-D, ``weight`` ``[out, x's last
+    dim]`` (``nn.Linear`` layout; an even number of rows for gated activations), ``bias``
+    ``[out]``, all on ``x``'s device with ``x``'s dtype. Errors name ``op`` and the argument."""
+    check_tensor(f"{op}: x", x, dims=(2, 3))
+    check_tensor(f"{op}: weight", weight, dims=(2,))
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{op}: weight must have shape [out, {x.shape[-1]}] (nn.Linear layout, in = x's last "
+                         f"dim), got {tuple(weight.shape)}")
+    check_same(f"{op}: weight", weight, "x", x)
+    check_choice(f"{op}: activation", activation, ACTIVATIONS)
+    if ACTIVATIONS[activation][1] and weight.shape[0] % 2:
+        raise ValueError(f"{op}: activation {activation!r} needs weight with an even number of rows "
+                         f"(gate rows then up rows), got {weight.shape[0]}")
+    if bias is not None:
+        check_tensor(f"{op}: bias", bias)
+        check_shape(f"{op}: bias", bias, (weight.shape[0],))
+        check_same(f"{op}: bias", bias, "x", x)

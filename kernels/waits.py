@@ -1,0 +1,155 @@
+"""Bounded waits of the kernels that synchronise through flags and counters, and the host side
+that turns a wait that gave up into an error.
+
+A waiting kernel spins with :func:`wait_ready` (a system-scope acquire read) at most
+:func:`spin_bound` reads; a wait that runs out adds 1 to the device's status word
+(:func:`status_word`, passed to the kernel) instead of hanging the device.
+:func:`check_wait_timeouts` raises :class:`WaitTimeout` for timeouts not reported yet -- on a
+GPU as well as under the interpreter: right after the work (``"sync"``, the default: the op that
+launched the waiting kernel raises instead of returning wrong output) or without a host
+synchronisation at a later check (``"deferred"``, ``FUSEDPAR_WAIT_CHECK=deferred``).
+"""
+from __future__ import annotations
+
+import collections
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_choice, check_int
+from .runtime import interpreting
+
+__all__ = ["MAX_SPIN_GPU", "MAX_SPIN_INTERPRETED", "WAIT_CHECK", "WAIT_CHECKS", "WaitTimeout", "check_wait_timeouts",
+           "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
+
+# Bound of a flag spin (reads): ~2^27 system-scope loads is about a minute on a GPU; an interpreted
+# read takes ~0.3 ms (the flag can only change there when another process writes it).
+MAX_SPIN_GPU = 1 << 27
+MAX_SPIN_INTERPRETED = 1 << 18  # about a minute: long enough for a peer *process* to finish
+
+# When a wait that gave up becomes an error on the host: "sync" reads the status word right after
+# the work (a host synchronisation); "deferred" snapshots it asynchronously and raises at a later
+# check, once the snapshot has landed.
+WAIT_CHECKS = ("sync", "deferred")
+WAIT_CHECK = os.environ.get("FUSEDPAR_WAIT_CHECK", "sync")
+if WAIT_CHECK not in WAIT_CHECKS:
+    raise ValueError(f"FUSEDPAR_WAIT_CHECK must be one of {WAIT_CHECKS}, got {WAIT_CHECK!r}")
+_MAX_PENDING = 64  # deferred snapshots in flight before the oldest is waited for
+
+
+class WaitTimeout(RuntimeError):
+    """A waiting kernel gave up on a flag or counter that never reached its ready value."""
+
+
+class _Status:
+    """Timeouts of one device: ``word`` (int32; every wait that gives up adds 1, nothing resets
+    it on the device, so concurrent kernels never race a reset), the count already ``reported``,
+    and the ``pending`` deferred snapshots ``(event, pinned host copy)``."""
+
+    def __init__(self, device: torch.device):
+        self.word = torch.zeros(1, dtype=torch.int32, device=device)
+        self.reported = 0
+        self.pending = collections.deque()
+
+    def report(self, seen: int) -> int:
+        n, self.reported = seen - self.reported, max(seen, self.reported)
+        return max(n, 0)
+
+
+_statuses: dict = {}
+
+
+def _status(device) -> _Status:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    st = _statuses.get(device)
+    if st is None:
+        st = _statuses[device] = _Status(device)
+    return st
+
+
+def wait_timeouts(device: torch.device | str, *, reset: bool = True) -> int:
+    """Waits on ``device`` that timed out since the last report (synchronises with the device);
+    ``reset`` marks them reported."""
+    st = _status(device)
+    seen = int(st.word.item())
+    if not reset:
+        return seen - st.reported
+    st.pending.clear()
+    return st.report(seen)
+
+
+def _deferred_timeouts(st: _Status) -> int:
+    """New timeouts seen by the snapshots that have landed; then queues a snapshot of now."""
+    seen = st.reported
+    while st.pending and (st.pending[0][0].query() or len(st.pending) >= _MAX_PENDING):
+        event, host = st.pending.popleft()
+        event.synchronize()  # at once for a landed snapshot; bounds the queue otherwise
+        seen = max(seen, int(host[0]))
+    stream = torch.cuda.current_stream(st.word.device)
+    host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+    event = torch.cuda.Event()
+    with torch.cuda.stream(stream):
+        host.copy_(st.word, non_blocking=True)
+        event.record(stream)
+    st.pending.append((event, host))
+    return st.report(seen)
+
+
+def check_wait_timeouts(device: torch.device | str, what: str, *, mode: str | None = None) -> None:
+    """Raise :class:`WaitTimeout` if a waiting kernel on ``device`` gave up since the last report.
+
+    ``mode`` (default :data:`WAIT_CHECK`): ``"sync"`` reads the status word now; on a GPU that
+    waits for the work queued so far on the current stream, so the op whose wait gave up raises
+    instead of returning wrong output. ``"deferred"`` (GPU) does not synchronise: it queues a
+    snapshot of the word and raises for snapshots queued by earlier checks that have landed (a
+    later op reports an earlier op's timeout; :func:`wait_timeouts` reports all at once). CPU
+    tensors (the interpreter) are always checked at once."""
+    mode = WAIT_CHECK if mode is None else mode
+    check_choice("mode", mode, WAIT_CHECKS)
+    st = _status(device)
+    if mode == "sync" or st.word.device.type != "cuda":
+        n = wait_timeouts(device)
+    else:
+        n = _deferred_timeouts(st)
+    if n:
+        hint = " (under the interpreter every flag must be set before the launch)" if interpreting() else ""
+        raise WaitTimeout(f"{what}: {n} wait(s) gave up after the spin bound: a flag or counter never reached "
+                          f"its ready value{hint}")
+
+
+def spin_bound(max_spin=None) -> int:
+    """``max_spin`` checked, or the default bound (about a minute on a GPU or interpreted)."""
+    if max_spin is not None:
+        return check_int("max_spin", max_spin, min_value=0)
+    return MAX_SPIN_INTERPRETED if interpreting() else MAX_SPIN_GPU
+
+
+def status_word(device) -> torch.Tensor:
+    """The int32 timeout counter of ``device`` that waiting kernels add to."""
+    return _status(device).word
+
+
+# --------------------------------------------------------------------------------------------
+# the spin (Triton)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def wait_ready(flag_ptr, ready_value, status_ptr, MAX_SPIN: tl.constexpr):
+    """Spin until ``*flag_ptr >= ready_value``. The read is an atomic with acquire semantics at
+    system scope (the flag may be written by a copy engine or a peer GPU), so loads issued after
+    it observe the data published before the flag. Triton executes a scalar atomic once per
+    program and broadcasts the result to every thread of the program.
+
+    The spin is bounded: after ``MAX_SPIN`` reads (about a minute on a GPU, a few thousand
+    interpreted reads) it gives up and counts a timeout in ``*status_ptr``, so a producer that
+    never comes turns into an error the host reports instead of a hung device."""
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    n = 0
+    while (v < ready_value) & (n < MAX_SPIN):
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        n += 1
+    if v < ready_value:
+        tl.atomic_add(status_ptr, 1)
