@@ -4,12 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
-from fusedpar.kernels import (
-    attention_reference,
-    flash_attention,
-    flash_attention_backward,
-    flash_attention_forward,
-)
+from fusedpar.kernels import attention_reference, flash_attention_backward, flash_attention_forward
+from fusedpar.ops import flash_attention
 
 # Gradient tolerances, relative to the RMS of the reference gradient:
 #   fp32: two chained fp32 products after an exp2-based softmax; 2e-5 covers ~1e-6 rounding of
@@ -89,7 +85,7 @@ def test_against_fp64_reference(case):
 
 
 def test_bf16_upcast_path():
-    # under the interpreter bf16 operands are upcast to fp32 before tl.dot (DESIGN.md §3); compiled,
+    # under the interpreter bf16 operands are upcast to fp32 before tl.dot; compiled,
     # bf16 goes to the tensor cores. Either way the result must match the fp64 reference.
     q, k, v, do = _inputs(1, 21, 19, 2, 1, 16, torch.bfloat16, seed=42)
     _check(q, k, v, do, causal=True, q_offset=3, msg="bf16")
@@ -184,38 +180,45 @@ def test_fully_masked_rows():
         assert torch.equal(gr, torch.zeros_like(gr))
 
 
-def test_bad_inputs():
-    q = torch.randn(1, 4, 4, 16, device=DEVICE)
-    k = torch.randn(1, 4, 2, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="4-D"):
-        flash_attention(q[0], k, k)
-    with pytest.raises(TypeError, match="dtype"):
-        flash_attention(q, k.half(), k.half())
-    with pytest.raises(ValueError, match="batch"):
-        flash_attention(q, torch.randn(2, 4, 2, 16, device=DEVICE), torch.randn(2, 4, 2, 16, device=DEVICE))
-    with pytest.raises(ValueError, match="multiple of k/v heads"):
-        flash_attention(q, torch.randn(1, 4, 3, 16, device=DEVICE), torch.randn(1, 4, 3, 16, device=DEVICE))
-    with pytest.raises(ValueError, match="head_dim"):
-        wide = torch.randn(1, 4, 1, 300, device=DEVICE)
-        flash_attention(wide, wide, wide)
-    with pytest.raises(ValueError, match="k head_dim"):
-        flash_attention(q, torch.randn(1, 4, 2, 32, device=DEVICE), torch.randn(1, 4, 2, 32, device=DEVICE))
-    with pytest.raises(ValueError, match="k is on meta"):
-        flash_attention(q, k.to("meta"), k.to("meta"))
-    with pytest.raises(ValueError, match="same shape"):
-        flash_attention(q, k, torch.randn(1, 5, 2, 16, device=DEVICE))
-    with pytest.raises(ValueError, match="q_offset"):
-        flash_attention(q, k, k, q_offset=-1)
-    with pytest.raises(ValueError, match="softmax_scale"):
-        flash_attention(q, k, k, softmax_scale=0.0)
-    with pytest.raises(TypeError, match="torch.Tensor"):
-        flash_attention(q, k, None)
-    with pytest.raises(TypeError, match="unsupported dtype"):
-        flash_attention(q.double(), k.double(), k.double())
-    with pytest.raises(ValueError, match="accumulate"):
-        flash_attention_forward(q, k, k, accumulate=True)
-    with pytest.raises(TypeError, match="lse must have dtype"):
-        flash_attention_forward(q, k, k, lse=torch.empty(1, 4, 4, dtype=torch.float16, device=DEVICE))
+def _bad(shape):
+    return torch.randn(*shape, device=DEVICE)
+
+
+_Q, _K = (1, 4, 4, 16), (1, 4, 2, 16)
+# (id, exception, message pattern, call)
+BAD_INPUTS = [
+    ("3-D q", ValueError, "4-D", lambda: flash_attention(_bad(_Q)[0], _bad(_K), _bad(_K))),
+    ("k/v dtype", TypeError, "dtype", lambda: flash_attention(_bad(_Q), _bad(_K).half(), _bad(_K).half())),
+    ("batch", ValueError, "batch", lambda: flash_attention(_bad(_Q), _bad((2, 4, 2, 16)), _bad((2, 4, 2, 16)))),
+    ("gqa heads", ValueError, "multiple of k/v heads",
+     lambda: flash_attention(_bad(_Q), _bad((1, 4, 3, 16)), _bad((1, 4, 3, 16)))),
+    ("head_dim 300", ValueError, "head_dim", lambda: flash_attention(*(_bad((1, 4, 1, 300)),) * 3)),
+    ("k head_dim", ValueError, "k head_dim",
+     lambda: flash_attention(_bad(_Q), _bad((1, 4, 2, 32)), _bad((1, 4, 2, 32)))),
+    ("meta device", ValueError, "k must be a CUDA tensor .* got a tensor on meta",
+     lambda: flash_attention(_bad(_Q), _bad(_K).to("meta"), _bad(_K).to("meta"))),
+    ("k/v shape", ValueError, "same shape", lambda: flash_attention(_bad(_Q), _bad(_K), _bad((1, 5, 2, 16)))),
+    ("q_offset", ValueError, "q_offset", lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), q_offset=-1)),
+    ("softmax_scale", ValueError, "softmax_scale",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), softmax_scale=0.0)),
+    ("v None", TypeError, "torch.Tensor", lambda: flash_attention(_bad(_Q), _bad(_K), None)),
+    ("fp64", TypeError, "must have dtype .*got torch.float64",
+     lambda: flash_attention(_bad(_Q).double(), _bad(_K).double(), _bad(_K).double())),
+    ("accumulate", ValueError, "accumulate",
+     lambda: flash_attention_forward(_bad(_Q), _bad(_K), _bad(_K), accumulate=True)),
+    ("lse dtype", TypeError, "lse must have dtype",
+     lambda: flash_attention_forward(_bad(_Q), _bad(_K), _bad(_K), lse=torch.empty(1, 4, 4, dtype=torch.float16,
+                                                                                 device=DEVICE))),
+    ("dout shape", ValueError, "dout must have the same shape as q",
+     lambda: flash_attention_backward(_bad((1, 3, 4, 16)), _bad(_Q), _bad(_K), _bad(_K), _bad(_Q),
+                                      torch.zeros(1, 4, 4, device=DEVICE))),
+]
+
+
+@pytest.mark.parametrize("exc, pattern, call", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_inputs(exc, pattern, call):
+    with pytest.raises(exc, match=pattern):
+        call()
 
 
 @pytest.fixture
@@ -236,8 +239,16 @@ def test_benchmark_cli_smoke(bench_main, tmp_path):
     row = json.loads(out.read_text())["results"]["attention"][0]
     assert (row["seq"], row["head_dim"], row["causal"]) == (9, 16, True)
     assert row["max_rel_err"] < 1e-4 and row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["sdpa_fwd_ms"] > 0
+
+
+@pytest.mark.parametrize("ranks, tokens, rank", [(2, 2, 1), (3, 4, 0)], ids=["P2_s2_rank1", "P3_s4_rank0"])
+def test_ring_benchmark_cli_smoke(bench_main, tmp_path, ranks, tokens, rank):
+    # the shipped ring_attention on an EmulatedTransport against flash over the mirror sequence
+    import json
+
     out = tmp_path / "r.json"
-    args = ["ring_attention", "--ranks", "2", "--tokens-per-rank", "2", "--rank", "1", "--json", str(out)]
+    args = ["ring_attention", "--ranks", str(ranks), "--tokens-per-rank", str(tokens), "--rank", str(rank),
+            "--json", str(out)]
     assert bench_main(args) == 0
     row = json.loads(out.read_text())["results"]["ring_attention"][0]
-    assert (row["ranks"], row["rank"]) == (2, 1) and row["max_rel_err"] < 1e-4 and row["T_overlapped_ms"] > 0
+    assert (row["ranks"], row["rank"]) == (ranks, rank) and row["max_rel_err"] < 1e-4 and row["T_overlapped_ms"] > 0

@@ -9,6 +9,7 @@ from _utils import DEVICE, assert_close
 from _world import rank_rng, straggle, world_fixture
 from fusedpar.ops import comm
 from fusedpar.nn import AttentionReference, ParallelAttention
+from fusedpar.ops.transport import EmulatedTransport
 
 world4 = world_fixture(4)
 
@@ -123,3 +124,40 @@ def test_reference_and_local_module():
         ParallelAttention(24, 4, 3)
     with pytest.raises(ValueError, match=r"x must be \[batch, seq_local, 24\]"):
         mod(torch.randn(2, 11, 23, device=DEVICE))
+
+
+def test_sequence_parallel_transports():
+    # each sequence-parallel dimension may be given as a Transport (one of group / transport)
+    torch.manual_seed(3)
+    ref = AttentionReference(24, 4, 2, head_dim=8).to(DEVICE)
+    torch.manual_seed(3)
+    mod = ParallelAttention(24, 4, 2, head_dim=8, sp_transport=EmulatedTransport(1), device=DEVICE)
+    x = torch.randn(2, 11, 24, device=DEVICE)
+    torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
+    # rank 1 of an emulated ring of 2: its zigzag positions, and gradients summed over the
+    # transport (every mirror peer holds the same gradients: the sum is 2x)
+    mod = ParallelAttention(24, 4, 2, head_dim=8, sp_transport=EmulatedTransport(2, 1), device=DEVICE)
+    assert (mod.ring_size, mod.ring_rank, mod.ulysses_size) == (2, 1, 1)
+    assert mod.local_positions(12).tolist() == [3, 4, 5, 6, 7, 8]
+    mod(torch.randn(1, 6, 24, device=DEVICE)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in mod.named_parameters()}
+    mod.reduce_sequence_parallel_grads()
+    for n, p in mod.named_parameters():
+        assert torch.equal(p.grad, 2 * grads[n]), n
+    hybrid = ParallelAttention(24, 4, 2, head_dim=8, sp_mode="hybrid", ulysses_transport=EmulatedTransport(2, 1),
+                               ring_transport=EmulatedTransport(3, 2))
+    assert (hybrid.ulysses_size, hybrid.ulysses_rank, hybrid.ring_size, hybrid.ring_rank) == (2, 1, 3, 2)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(sp_group=object(), sp_transport=EmulatedTransport(2)), "sp_group or sp_transport, not both"),
+    (dict(ring_transport=EmulatedTransport(2)), "are for sp_mode='hybrid'"),
+    (dict(sp_mode="hybrid", ring_transport=EmulatedTransport(2)), "needs both"),
+    (dict(sp_mode="hybrid", sp_transport=EmulatedTransport(2), ulysses_transport=EmulatedTransport(2),
+          ring_transport=EmulatedTransport(2)), "not sp_group / sp_transport"),
+    (dict(sp_mode="ulysses", sp_transport=EmulatedTransport(3)), "sizes that work"),
+], ids=["group and transport", "ring transport outside hybrid", "hybrid one dim", "hybrid sp transport",
+        "ulysses heads"])
+def test_bad_sequence_parallel_arguments(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ParallelAttention(24, 4, 2, head_dim=8, **kwargs)

@@ -1,16 +1,18 @@
 """Ring (zigzag, contiguous), Ulysses and hybrid attention on real gloo worlds: each rank's
-output shard and dq/dk/dv shards equal single-process attention over the full sequence."""
+output shard and dq/dk/dv shards equal single-process attention over the full sequence. The
+ring schedule also runs in one process on an EmulatedTransport (fast CPU tests, no spawn)."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from _utils import DEVICE, assert_close, randn
 from _world import rank_rng, straggle, world_fixture
-from fusedpar.ops import comm
 from fusedpar.kernels import attention_reference
 from fusedpar.ops import (
+    comm,
     hybrid_attention,
     ring_attention,
+    ring_attention_fwd,
     sequence_shard,
     shard_positions,
     ulysses_attention,
@@ -18,6 +20,8 @@ from fusedpar.ops import (
     zigzag_shard,
     zigzag_unshard,
 )
+from fusedpar.ops.attention import ring_step_plan, shard_chunks
+from fusedpar.ops.transport import EmulatedTransport
 
 world2 = world_fixture(2)
 world3 = world_fixture(3)
@@ -163,37 +167,76 @@ def test_zigzag_helpers():
         zigzag_positions(12, 3, 3)
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("size", [2, 3, 4, 8])
-def test_zigzag_plan_is_balanced_and_complete(size):
+def test_ring_plan_is_complete_and_zigzag_balanced(size, layout):
     # every (query, key) pair that the causal mask shows is computed exactly once over the ring,
     # and in zigzag every rank does the same amount of work at every step
-    from fusedpar.ops.attention import _chunks, _plan
-
     s = 6
     S = s * size
-    for layout in ("zigzag", "contiguous"):
-        seen = torch.zeros(S, S, dtype=torch.int64)
-        work = torch.zeros(size, size)
-        for rank in range(size):
-            qpos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
-            for step in range(size):
-                src = (rank - step) % size
-                kpos = shard_positions(S, layout=layout, ring_rank=src, ring_size=size)
-                launches = _plan(_chunks(layout, rank, size, s), _chunks(layout, src, size, s), True)
-                for qs, ks, qo, ko, causal in launches:
-                    qi, kj = qpos[qs][:, None], kpos[ks][None, :]
-                    if causal:  # offsets must be the chunks' true global starts
-                        assert qo == qpos[qs][0] and ko == kpos[ks][0]
-                        vis = kj <= qi
-                    else:
-                        assert bool((kj <= qi).all()), "an unmasked launch must see only visible keys"
-                        vis = torch.ones(qi.shape[0], kj.shape[1], dtype=torch.bool)
-                    seen[qi.expand_as(vis)[vis], kj.expand_as(vis)[vis]] += 1
-                    work[rank, step] += vis.sum()
-        assert torch.equal(seen, torch.ones(S, S, dtype=torch.int64).tril()), layout
-        if layout == "zigzag":
-            for step in range(1, size):
-                assert work[:, step].eq(work[0, step]).all(), f"zigzag step {step} unbalanced: {work[:, step]}"
+    seen = torch.zeros(S, S, dtype=torch.int64)
+    work = torch.zeros(size, size)
+    for rank in range(size):
+        qpos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
+        for step in range(size):
+            src = (rank - step) % size
+            kpos = shard_positions(S, layout=layout, ring_rank=src, ring_size=size)
+            launches = ring_step_plan(shard_chunks(layout, rank, size, s), shard_chunks(layout, src, size, s), True)
+            for qs, ks, qo, ko, causal in launches:
+                qi, kj = qpos[qs][:, None], kpos[ks][None, :]
+                if causal:  # offsets must be the chunks' true global starts
+                    assert qo == qpos[qs][0] and ko == kpos[ks][0]
+                    vis = kj <= qi
+                else:
+                    assert bool((kj <= qi).all()), "an unmasked launch must see only visible keys"
+                    vis = torch.ones(qi.shape[0], kj.shape[1], dtype=torch.bool)
+                seen[qi.expand_as(vis)[vis], kj.expand_as(vis)[vis]] += 1
+                work[rank, step] += vis.sum()
+    assert torch.equal(seen, torch.ones(S, S, dtype=torch.int64).tril()), layout
+    if layout == "zigzag":
+        for step in range(1, size):
+            assert work[:, step].eq(work[0, step]).all(), f"zigzag step {step} unbalanced: {work[:, step]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# one rank of the ring in one process: EmulatedTransport (every peer mirrors this rank)
+# ----------------------------------------------------------------------------------------------
+def _mirror_reference(q, k, v, do, *, layout, causal, rank, size):
+    """fp64 ``(out, dq, dk, dv)`` of rank ``rank`` under the mirror rule: every rank's K/V equal
+    this rank's, so the global sequence holds k/v at every rank's positions; this rank's queries
+    sit at its own positions. dk/dv sum over every position the shared k/v stand at."""
+    S = q.shape[1] * size
+    pos = [shard_positions(S, layout=layout, ring_rank=src, ring_size=size, device=q.device) for src in range(size)]
+    inverse = torch.argsort(torch.cat(pos))  # rank-order concatenation -> sequence order
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    k_full, v_full = (t.repeat(1, size, 1, 1).index_select(1, inverse) for t in (kr, vr))
+    q_full = torch.zeros(q.shape[0], S, *q.shape[2:], dtype=torch.float64, device=q.device).index_copy(
+        1, pos[rank], qr)
+    out = attention_reference(q_full, k_full, v_full, causal=causal)[0].index_select(1, pos[rank])
+    return (out.detach(), *torch.autograd.grad(out, (qr, kr, vr), do.double()))
+
+
+EMULATED_CASES = [(layout, causal, size, rank) for layout in ("zigzag", "contiguous") for causal in (True, False)
+                  for size in (2, 3) for rank in range(size)]
+
+
+@pytest.mark.parametrize("layout, causal, size, rank", EMULATED_CASES,
+                         ids=[f"{lay}-{'causal' if c else 'full'}-P{p}-rank{r}" for lay, c, p, r in EMULATED_CASES])
+def test_ring_on_emulated_transport(layout, causal, size, rank):
+    # the shipped ring (forward and backward through autograd) on one rank of an emulated ring;
+    # s_local=6: zigzag chunks of 3 rows exercise the kernels' tails in every step
+    g = torch.Generator().manual_seed(100 * size + 10 * rank + causal)
+    q, do = (randn(1, 6, 4, 16, generator=g) for _ in range(2))
+    k, v = (randn(1, 6, 2, 16, generator=g) for _ in range(2))
+    shards = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*shards, transport=EmulatedTransport(size, rank), causal=causal, layout=layout)
+    grads = torch.autograd.grad(out, shards, do)
+    ref = _mirror_reference(q, k, v, do, layout=layout, causal=causal, rank=rank, size=size)
+    tol = TOL[torch.float32]
+    for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
+        scale = max(r.pow(2).mean().sqrt().item(), 1.0)
+        assert_close(got, r, torch.float32, rtol=tol, atol=tol * scale, msg=f"{name} {layout} causal={causal} "
+                     f"P={size} rank {rank}")
 
 
 def test_single_process_equals_flash():
@@ -206,15 +249,35 @@ def test_single_process_equals_flash():
              msg="ulysses P=1")
 
 
-def test_bad_inputs():
-    q = torch.randn(1, 8, 2, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="layout"):
-        ring_attention(q, q, q, layout="striped")
-    with pytest.raises(ValueError, match="k/v shards"):
-        ring_attention(q, q[:, :4], q[:, :4])
-    with pytest.raises(TypeError, match="causal"):
-        ring_attention(q, q, q, causal="yes")
-    with pytest.raises(TypeError, match="ProcessGroup"):
-        ulysses_attention(q, q, q, group=3)
-    with pytest.raises(ValueError, match="both"):
-        hybrid_attention(q, q, q, ulysses_group=None, ring_group=None)
+_BQ = (1, 8, 2, 16)
+
+
+def _t(shape=_BQ):
+    return torch.randn(*shape, device=DEVICE)
+
+
+# (id, exception, message pattern, call)
+BAD_INPUTS = [
+    ("layout", ValueError, "layout", lambda: ring_attention(_t(), _t(), _t(), layout="striped")),
+    ("k/v length", ValueError, "k/v shards", lambda: ring_attention(_t(), _t((1, 4, 2, 16)), _t((1, 4, 2, 16)))),
+    ("causal str", TypeError, "causal", lambda: ring_attention(_t(), _t(), _t(), causal="yes")),
+    ("group int", TypeError, "ProcessGroup", lambda: ulysses_attention(_t(), _t(), _t(), group=3)),
+    ("hybrid one dim", ValueError, "both", lambda: hybrid_attention(_t(), _t(), _t(), ulysses_group=None,
+                                                                    ring_group=None)),
+    ("transport name", ValueError, "transport must be", lambda: ring_attention(_t(), _t(), _t(), transport="nccl")),
+    ("fwd transport", TypeError, "transport must be a fusedpar.ops.transport.Transport",
+     lambda: ring_attention_fwd(_t(), _t(), _t(), None)),
+    ("zigzag odd", ValueError, "even ring shard",
+     lambda: ring_attention(*(_t((1, 7, 2, 16)),) * 3, transport=EmulatedTransport(2), layout="zigzag")),
+    ("hybrid zigzag odd", ValueError, "even ring shard",
+     lambda: hybrid_attention(*(_t((1, 3, 2, 16)),) * 3, ulysses_transport=EmulatedTransport(1),
+                              ring_transport=EmulatedTransport(2))),
+    ("ulysses heads", ValueError, r"sizes that work: \[1, 2\]",
+     lambda: ulysses_attention(_t(), _t(), _t(), transport=EmulatedTransport(3))),
+]
+
+
+@pytest.mark.parametrize("exc, pattern, call", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_inputs(exc, pattern, call):
+    with pytest.raises(exc, match=pattern):
+        call()

@@ -22,17 +22,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusedpar.ops import comm
 from fusedpar.kernels.flash_attention import attention_reference
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fusedpar.ops import comm
 from fusedpar.ops.attention import (
     LAYOUTS,
-    _ulysses_heads,
     hybrid_attention,
     ring_attention,
     shard_positions,
     ulysses_attention,
+    ulysses_kv_heads,
 )
+from fusedpar.ops.transport import get_transport
 
 SP_MODES = ("ring", "ulysses", "hybrid")
 
@@ -113,6 +114,39 @@ class AttentionReference(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# sequence-parallel transports of ParallelAttention
+# ----------------------------------------------------------------------------------------------
+def _size_rank(transport):
+    return (1, 0) if transport is None else (transport.size, transport.rank)
+
+
+def _one_of(name, group_name, group, transport_name, transport):
+    if group is not None and transport is not None:
+        raise ValueError(f"{name}: pass {group_name} or {transport_name}, not both (got {group_name}={group!r}, "
+                         f"{transport_name}={transport!r})")
+    return get_transport(transport, group)
+
+
+def _sp_transports(name, sp_mode, sp_group, sp_transport, ulysses_group, ulysses_transport, ring_group,
+                   ring_transport):
+    """``(ulysses_transport, ring_transport)`` of a sequence-parallel mode (None: no such dimension)."""
+    if sp_mode == "hybrid":
+        if sp_group is not None or sp_transport is not None:
+            raise ValueError(f"{name}: sp_mode='hybrid' takes ulysses_group and ring_group (or their transports), "
+                             "not sp_group / sp_transport")
+        if (ulysses_group is None and ulysses_transport is None) or (ring_group is None and ring_transport is None):
+            raise ValueError(f"{name}: sp_mode='hybrid' needs both ulysses_group and ring_group (or "
+                             "ulysses_transport and ring_transport)")
+        return (_one_of(name, "ulysses_group", ulysses_group, "ulysses_transport", ulysses_transport),
+                _one_of(name, "ring_group", ring_group, "ring_transport", ring_transport))
+    if any(x is not None for x in (ulysses_group, ring_group, ulysses_transport, ring_transport)):
+        raise ValueError(f"{name}: ulysses_group / ring_group (and their transports) are for sp_mode='hybrid'; "
+                         "use sp_group or sp_transport")
+    t = _one_of(name, "sp_group", sp_group, "sp_transport", sp_transport)
+    return (None, t) if sp_mode == "ring" else (t, None)
+
+
+# ----------------------------------------------------------------------------------------------
 # ParallelAttention
 # ----------------------------------------------------------------------------------------------
 class ParallelAttention(nn.Module):
@@ -124,7 +158,9 @@ class ParallelAttention(nn.Module):
     ``"ulysses"``: all-to-all, the group size must split this rank's heads; ``"hybrid"``: pass
     ``ulysses_group`` and ``ring_group`` instead of ``sp_group``). ``None`` means the default
     (world) group, as everywhere in fusedpar; tensor and sequence groups must be different
-    (orthogonal) groups unless one has size 1.
+    (orthogonal) groups unless one has size 1. Each sequence-parallel group may be given as a
+    :class:`~fusedpar.ops.transport.Transport` instead (``sp_transport``, ``ulysses_transport``,
+    ``ring_transport``; e.g. an ``EmulatedTransport`` to run one rank's schedule in one process).
 
     Parameters are replicated across the sequence-parallel ranks and each rank's gradients cover
     its own tokens only: sum them over the sequence-parallel group(s) (include those ranks in the
@@ -133,7 +169,8 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, tp_group=None, sp_group=None,
                  sp_mode="ring", causal=True, bias=False, rope_theta=10000.0, head_dim=None, layout="zigzag",
-                 ulysses_group=None, ring_group=None, device=None, dtype=None, _reference=None):
+                 ulysses_group=None, ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None,
+                 device=None, dtype=None, _reference=None):
         super().__init__()
         name = type(self).__name__
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
@@ -154,30 +191,17 @@ class ParallelAttention(nn.Module):
         self.causal, self.rope_theta, self.layout, self.sp_mode = bool(causal), float(rope_theta), layout, sp_mode
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp, comm.group_rank(tp_group)
 
-        if sp_mode == "hybrid":
-            if sp_group is not None:
-                raise ValueError(f"{name}: sp_mode='hybrid' takes ulysses_group and ring_group, not sp_group")
-            if ulysses_group is None or ring_group is None:
-                raise ValueError(f"{name}: sp_mode='hybrid' needs both ulysses_group and ring_group")
-            self.sp_groups = (ulysses_group, ring_group)
-            self.ulysses_size, self.ring_size = comm.group_size(ulysses_group), comm.group_size(ring_group)
-            self.ulysses_rank, self.ring_rank = comm.group_rank(ulysses_group), comm.group_rank(ring_group)
-        else:
-            if ulysses_group is not None or ring_group is not None:
-                raise ValueError(f"{name}: ulysses_group / ring_group are for sp_mode='hybrid'; use sp_group")
-            sp_group = comm.resolve_group(sp_group)
-            self.sp_groups = (sp_group,)
-            size, rank = comm.group_size(sp_group), comm.group_rank(sp_group)
-            if sp_mode == "ring":
-                self.ulysses_size, self.ulysses_rank, self.ring_size, self.ring_rank = 1, 0, size, rank
-            else:
-                self.ulysses_size, self.ulysses_rank, self.ring_size, self.ring_rank = size, rank, 1, 0
-        for g in self.sp_groups:
-            if tp > 1 and comm.group_size(g) > 1 and comm.resolve_group(g) is tp_group:
+        self.ulysses_transport, self.ring_transport = _sp_transports(
+            name, sp_mode, sp_group, sp_transport, ulysses_group, ulysses_transport, ring_group, ring_transport)
+        self.sp_transports = tuple(t for t in (self.ulysses_transport, self.ring_transport) if t is not None)
+        self.ulysses_size, self.ulysses_rank = _size_rank(self.ulysses_transport)
+        self.ring_size, self.ring_rank = _size_rank(self.ring_transport)
+        for t in self.sp_transports:
+            if tp > 1 and t.size > 1 and getattr(t, "group", None) is tp_group:
                 raise ValueError(f"{name}: tp_group and the sequence-parallel group are the same group; pass "
                                  "orthogonal groups (e.g. from fusedpar's device mesh)")
         if self.ulysses_size > 1:
-            _ulysses_heads(self.heads_local, self.kv_heads_local, self.ulysses_size)
+            ulysses_kv_heads(self.heads_local, self.kv_heads_local, self.ulysses_size)
 
         # full weights drawn exactly as AttentionReference draws them (CPU, fp32, global RNG)
         ref = _reference if _reference is not None else AttentionReference(
@@ -254,11 +278,11 @@ class ParallelAttention(nn.Module):
         cos, sin = rotary_cos_sin(self._sp_positions(seq_len, y.device), d, self.rope_theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.sp_mode == "ring":
-            o = ring_attention(q, k, v, group=self.sp_groups[0], causal=self.causal, layout=self.layout)
+            o = ring_attention(q, k, v, transport=self.ring_transport, causal=self.causal, layout=self.layout)
         elif self.sp_mode == "ulysses":
-            o = ulysses_attention(q, k, v, group=self.sp_groups[0], causal=self.causal)
+            o = ulysses_attention(q, k, v, transport=self.ulysses_transport, causal=self.causal)
         else:
-            o = hybrid_attention(q, k, v, ulysses_group=self.sp_groups[0], ring_group=self.sp_groups[1],
+            o = hybrid_attention(q, k, v, ulysses_transport=self.ulysses_transport, ring_transport=self.ring_transport,
                                  causal=self.causal, layout=self.layout)
         return self.proj(o.reshape(b, s_sp, hl * d))
 
@@ -268,9 +292,9 @@ class ParallelAttention(nn.Module):
         for p in self.parameters():
             if p.grad is None:
                 continue
-            for g in self.sp_groups:
-                if comm.group_size(g) > 1:
-                    comm.all_reduce(p.grad, g).wait()
+            for t in self.sp_transports:
+                if t.size > 1:
+                    t.all_reduce(p.grad).wait()
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads} (local {self.heads_local}), "

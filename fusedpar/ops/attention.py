@@ -1,9 +1,13 @@
 """Sequence-parallel attention: ring (zigzag or contiguous), Ulysses, and the 2-D hybrid.
 
 Every rank holds a shard of the sequence (``[batch, s_local, heads, head_dim]``) and gets back
-the attention output of its own shard; gradients flow back to the shard inputs.
+the attention output of its own shard; gradients flow back to the shard inputs. Every transfer
+goes through a :class:`~fusedpar.ops.transport.Transport` (``transport=``; by default a
+:class:`~fusedpar.ops.transport.PortableTransport` over ``group``), so the same schedule runs
+on torch.distributed and on an :class:`~fusedpar.ops.transport.EmulatedTransport` (one rank of
+``P`` emulated in one process: the benchmarks on one GPU, fast CPU tests).
 
-* **Ring** (``ring_attention``): K/V blocks travel around the ring group (``comm.ring_shift``,
+* **Ring** (:func:`ring_attention`): K/V blocks travel around the ring (``transport.ring_shift``,
   double-buffered) while the flash kernel computes on the block in hand, merging into an fp32
   ``(out, lse)`` state (the kernel's accumulate mode). The backward sends K/V around again,
   and passes the dK/dV accumulators along the ring in fp32 (one shift behind), so rounding does
@@ -11,50 +15,48 @@ the attention output of its own shard; gradients flow back to the shard inputs.
   ``[r*s, (r+1)*s)``) and ``"zigzag"`` (the sequence cut in ``2P`` chunks, rank ``r`` holds chunks
   ``r`` and ``2P-1-r``: with causal masking every rank does the same work at every step). Block
   pairs that the causal mask hides completely are skipped; partially visible ones are split
-  into half-blocks so that fully visible halves run unmasked.
-* **Ulysses** (``ulysses_attention``): one all-to-all turns sequence shards with all heads into
-  head shards with the full sequence, local flash attention runs, a second all-to-all turns the
-  output back. Q, K and V travel in one packed all-to-all. K/V heads fewer than the group size
-  are replicated (each rank gets the kv head its query heads read) and their gradients summed
-  back in fp32.
-* **Hybrid** (``hybrid_attention``): Ulysses inside ``ulysses_group`` then ring attention across
-  ``ring_group`` on the head shards: 2-D sequence parallelism.
+  into half-blocks so that fully visible halves run unmasked (:func:`ring_step_plan`).
+* **Ulysses** (:func:`ulysses_attention`): one all-to-all (``transport.all_to_all``) turns
+  sequence shards with all heads into head shards with the full sequence, local flash attention
+  runs, a second all-to-all turns the output back. Q, K and V travel in one packed all-to-all.
+  K/V heads fewer than the group size are replicated (each rank gets the kv head its query
+  heads read) and their gradients summed back in fp32.
+* **Hybrid** (:func:`hybrid_attention`): Ulysses inside the Ulysses group, then ring attention
+  across the ring group on the head shards: 2-D sequence parallelism.
 
-Layers: fusedpar.kernels.flash_attention launchers -> the schedules below ->
-``_SequenceParallelAttention`` (autograd) -> ``ring_attention`` / ``ulysses_attention`` /
-``hybrid_attention``; the shard helpers give each rank its piece of a full sequence and the
-global positions of its tokens (for rotary embeddings).
+Layers: fusedpar.kernels flash launchers -> the named steps :func:`ring_attention_fwd` /
+:func:`ring_attention_bwd` and :func:`ulysses_attention_fwd` / :func:`ulysses_attention_bwd` ->
+:class:`RingAttentionFunction` / :class:`UlyssesAttentionFunction` (autograd) ->
+:func:`ring_attention` / :func:`ulysses_attention` / :func:`hybrid_attention`; the shard
+helpers give each rank its piece of a full sequence and the global positions of its tokens
+(for rotary embeddings).
 """
 from __future__ import annotations
 
 import torch
 
+from fusedpar.kernels.checks import check_bool, check_choice, check_int
+from fusedpar.kernels.flash_attention import check_qkv, flash_attention_forward, resolve_softmax_scale
+from fusedpar.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
 from fusedpar.ops import comm
-from fusedpar.kernels.flash_attention import (
-    _check_qkv,
-    _scale,
-    attention_delta,
-    flash_attention_backward,
-    flash_attention_forward,
-)
+from fusedpar.ops.transport import Transport, get_transport
 
 LAYOUTS = ("zigzag", "contiguous")
-_LOCAL = "local"  # marks a sequence-parallel dimension of size 1 (no group, no communication)
+
+__all__ = [
+    "LAYOUTS", "RingAttentionFunction", "UlyssesAttentionFunction", "hybrid_attention", "ring_attention",
+    "ring_attention_bwd", "ring_attention_fwd", "ring_step_plan", "sequence_shard", "shard_chunks",
+    "shard_positions", "ulysses_attention", "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads",
+    "zigzag_positions", "zigzag_shard", "zigzag_unshard",
+]
 
 
 # ----------------------------------------------------------------------------------------------
 # Layout helpers
 # ----------------------------------------------------------------------------------------------
-def _check_layout(layout):
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-
-
 def _check_rank(name, rank, size):
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{name}_size must be a positive int, got {size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-        raise ValueError(f"{name}_rank must be an int in [0, {size}), got {rank!r}")
+    check_int(f"{name}_size", size, min_value=1)
+    check_int(f"{name}_rank", rank, min_value=0, max_value=size - 1)
 
 
 def shard_positions(seq_len: int, *, layout: str = "zigzag", ring_rank: int = 0, ring_size: int = 1,
@@ -67,7 +69,7 @@ def shard_positions(seq_len: int, *, layout: str = "zigzag", ring_rank: int = 0,
     contiguous pieces. Plain ring attention uses ``ulysses_size=1``, plain Ulysses
     ``ring_size=1`` (then the layout does not matter).
     """
-    _check_layout(layout)
+    check_choice("layout", layout, LAYOUTS)
     _check_rank("ring", ring_rank, ring_size)
     _check_rank("ulysses", ulysses_rank, ulysses_size)
     n_chunks = 2 * ring_size if layout == "zigzag" and ring_size > 1 else ring_size
@@ -119,24 +121,18 @@ def zigzag_unshard(x: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Ring schedule
 # ----------------------------------------------------------------------------------------------
-def _gsize(group):
-    return 1 if group is _LOCAL else comm.group_size(group)
-
-
-def _grank(group):
-    return 0 if group is _LOCAL else comm.group_rank(group)
-
-
-def _chunks(layout, rank, size, s_local):
-    """``[(local_start, length, global_start)]`` of a rank's shard of the ring sequence."""
+def shard_chunks(layout: str, rank: int, size: int, s_local: int) -> list:
+    """``[(local_start, length, global_start)]``: the contiguous runs of ring rank ``rank``'s
+    shard of ``s_local`` tokens (one run for ``"contiguous"``, two for ``"zigzag"``)."""
     if layout == "contiguous" or size == 1:
         return [(0, s_local, rank * s_local)]
     c = s_local // 2
     return [(0, c, rank * c), (c, c, (2 * size - 1 - rank) * c)]
 
 
-def _plan(q_chunks, k_chunks, causal):
-    """Kernel launches for one (query shard, key block) pair:
+def ring_step_plan(q_chunks, k_chunks, causal: bool) -> list:
+    """Kernel launches for one (query shard, key block) pair of a ring step, from the two
+    shards' :func:`shard_chunks`:
     ``[(q_slice, k_slice, q_offset, k_offset, causal)]``. Fully hidden chunk pairs are dropped;
     runs of fully visible chunks are merged into one unmasked launch."""
     sq = sum(c[1] for c in q_chunks)
@@ -179,22 +175,48 @@ def _plan(q_chunks, k_chunks, causal):
     return launches
 
 
-def _ring_forward(q, k, v, group, causal, layout, scale):
-    """Returns ``(out, lse)``: out in q's dtype, lse ``[b, h, s_local]`` fp32."""
-    size, rank = _gsize(group), _grank(group)
+def _check_transport(name, transport):
+    if not isinstance(transport, Transport):
+        raise TypeError(f"{name} must be a fusedpar.ops.transport.Transport, got {type(transport).__name__}")
+
+
+def _check_args(q, k, v, causal, layout, ring_shard=None, ring_size=1):
+    """Local checks of every sequence-parallel op (before any transfer). ``ring_shard``: the
+    length of the ring shard (``s_local * ulysses_size``), which zigzag cuts in two."""
+    check_qkv(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"sequence-parallel attention needs k/v shards of q's length {q.shape[1]}, got {k.shape[1]}")
+    check_bool("causal", causal)
+    check_choice("layout", layout, LAYOUTS)
+    ring_shard = q.shape[1] if ring_shard is None else ring_shard
+    if layout == "zigzag" and ring_size > 1 and ring_shard % 2:
+        raise ValueError(f"layout='zigzag' needs an even ring shard (two chunks: s_local * ulysses_size), "
+                         f"got {ring_shard}")
+
+
+def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="zigzag", softmax_scale=None):
+    """The forward of :func:`ring_attention` on ring rank ``transport.rank`` of
+    ``transport.size``: returns ``(out, lse)``, out in q's dtype, lse ``[b, heads, s_local]`` fp32.
+
+    At step ``t`` this rank holds the K/V block of ring rank ``rank - t`` and the flash kernel
+    merges it into an fp32 ``(out, lse)`` state while ``transport.ring_shift`` brings the next one.
+    """
+    _check_transport("transport", transport)
+    _check_args(q, k, v, causal, layout, ring_size=transport.size)
+    size, rank = transport.size, transport.rank
     if size == 1:
-        return flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale)
+        return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
     b, s, hq, d = q.shape
     out = torch.zeros((b, s, hq, d), device=q.device, dtype=torch.float32)
     lse = torch.full((b, hq, s), float("-inf"), device=q.device, dtype=torch.float32)
     kv = torch.stack((k, v))  # one contiguous block to pass around: [2, b, s, hk, d]
     nxt = torch.empty_like(kv)
-    q_chunks = _chunks(layout, rank, size, s)
+    q_chunks = shard_chunks(layout, rank, size, s)
     for step in range(size):
         src = (rank - step) % size
-        handle = comm.ring_shift(kv, nxt, group) if step < size - 1 else None
-        for qs, ks, qo, ko, c in _plan(q_chunks, _chunks(layout, src, size, s), causal):
-            flash_attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=c, softmax_scale=scale,
+        handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
+        for qs, ks, qo, ko, c in ring_step_plan(q_chunks, shard_chunks(layout, src, size, s), causal):
+            flash_attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=c, softmax_scale=softmax_scale,
                                     q_offset=qo, k_offset=ko, out=out[:, qs], lse=lse[:, :, qs], accumulate=True)
         if handle is not None:
             handle.wait()  # the next block has arrived and our send of this one has left
@@ -202,15 +224,21 @@ def _ring_forward(q, k, v, group, causal, layout, scale):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, grad_dtype):
-    """Returns ``(dq, dk, dv)`` in ``grad_dtype``."""
-    size, rank = _gsize(group), _grank(group)
+def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=False, layout="zigzag",
+                       softmax_scale=None, grad_dtype=None):
+    """The backward of :func:`ring_attention`: ``(dq, dk, dv)`` of this rank's shard in
+    ``grad_dtype`` (default q's dtype), from the forward's ``out`` and ``lse``.
+
+    K/V travel as in the forward; the fp32 dK/dV sums of the block in hand travel with it, one
+    ``ring_shift`` behind, and arrive back at the block's owner complete.
+    """
+    _check_transport("transport", transport)
+    size, rank = transport.size, transport.rank
+    grad_dtype = q.dtype if grad_dtype is None else grad_dtype
     if size == 1:
-        dq = torch.empty(q.shape, device=q.device, dtype=grad_dtype)
-        dk = torch.empty(k.shape, device=q.device, dtype=grad_dtype)
-        dv = torch.empty(v.shape, device=q.device, dtype=grad_dtype)
-        return flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                                        dq=dq, dk=dk, dv=dv)
+        grads = [torch.empty(t.shape, device=q.device, dtype=grad_dtype) for t in (q, k, v)]
+        return flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                        dq=grads[0], dk=grads[1], dv=grads[2])
     s = q.shape[1]
     delta = attention_delta(out, dout).contiguous()
     lse = lse.contiguous()
@@ -221,20 +249,20 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, grad_d
     dkv_bufs = [torch.empty((2,) + tuple(k.shape), device=q.device, dtype=torch.float32) for _ in range(2)]
     dkv_in = torch.empty_like(dkv_bufs[0])
     dkv_handle = None
-    q_chunks = _chunks(layout, rank, size, s)
+    q_chunks = shard_chunks(layout, rank, size, s)
     for step in range(size):
         src = (rank - step) % size
-        handle = comm.ring_shift(kv, nxt, group) if step < size - 1 else None
+        handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
         dkv = dkv_bufs[step % 2]  # its send two steps ago was waited on at the previous step
         dkv.zero_()
-        for qs, ks, qo, ko, c in _plan(q_chunks, _chunks(layout, src, size, s), causal):
+        for qs, ks, qo, ko, c in ring_step_plan(q_chunks, shard_chunks(layout, src, size, s), causal):
             flash_attention_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], None, lse[:, :, qs],
-                                     delta=delta[:, :, qs], causal=c, softmax_scale=scale, q_offset=qo,
+                                     delta=delta[:, :, qs], causal=c, softmax_scale=softmax_scale, q_offset=qo,
                                      k_offset=ko, dq=dq[:, qs], dk=dkv[0][:, ks], dv=dkv[1][:, ks], accumulate=True)
         if dkv_handle is not None:
             dkv_handle.wait()  # the left neighbour's partial sums for block src
             dkv += dkv_in
-        dkv_handle = comm.ring_shift(dkv, dkv_in, group)
+        dkv_handle = transport.ring_shift(dkv, dkv_in)
         if handle is not None:
             handle.wait()
             kv, nxt = nxt, kv
@@ -245,8 +273,10 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, grad_d
 # ----------------------------------------------------------------------------------------------
 # Ulysses all-to-alls
 # ----------------------------------------------------------------------------------------------
-def _ulysses_heads(hq, hk, size):
-    """Per-rank kv head indices (``[size * hk_local]``), or a ValueError naming sizes that work."""
+def ulysses_kv_heads(hq: int, hk: int, size: int):
+    """``(kv_heads, kv_heads_per_rank)``: the kv head indices sent to the ranks of a Ulysses
+    group of ``size`` (``[size * kv_heads_per_rank]``; kv heads are replicated when there are
+    fewer than ranks), or a ValueError naming the group sizes that work."""
 
     def ok(u):
         return hq % u == 0 and (hk % u == 0 or u % hk == 0)
@@ -263,9 +293,10 @@ def _ulysses_heads(hq, hk, size):
     return [u * hk // size for u in range(size)], 1  # replicate: one kv head per rank
 
 
-def _seq_to_heads(parts, group, size, s_local):
+def _seq_to_heads(parts, transport, s_local):
     """``parts``: ``[(tensor [b, s_local, size * n_i, d], n_i)]``. One all-to-all; returns views
     ``[b, size * s_local, n_i, d]`` of one packed full-sequence buffer."""
+    size = transport.size
     b, d = parts[0][0].shape[0], parts[0][0].shape[3]
     widths = [n for _, n in parts]
     send = torch.empty((size, b, s_local, sum(widths), d), device=parts[0][0].device, dtype=parts[0][0].dtype)
@@ -274,7 +305,7 @@ def _seq_to_heads(parts, group, size, s_local):
         send[:, :, :, lo:lo + n].copy_(t.unflatten(2, (size, n)).permute(2, 0, 1, 3, 4))
         lo += n
     recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group=group).wait()
+    transport.all_to_all(recv, send).wait()
     full = recv.permute(1, 0, 2, 3, 4).reshape(b, size * s_local, sum(widths), d)
     views, lo = [], 0
     for n in widths:
@@ -283,9 +314,10 @@ def _seq_to_heads(parts, group, size, s_local):
     return views
 
 
-def _heads_to_seq(parts, group, size, dtype):
+def _heads_to_seq(parts, transport, dtype):
     """``parts``: ``[tensor [b, size * s_local, n_i, d]]`` (head shards, full sequence). One
     all-to-all; returns ``[b, s_local, size * n_i, d]`` per part (sequence shards, all heads)."""
+    size = transport.size
     b, s_full, _, d = parts[0].shape
     s_local = s_full // size
     widths = [t.shape[2] for t in parts]
@@ -296,7 +328,7 @@ def _heads_to_seq(parts, group, size, dtype):
         send[:, :, :, lo:lo + n].copy_(t.unflatten(1, (size, s_local)).permute(1, 0, 2, 3, 4))
         lo += n
     recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group=group).wait()
+    transport.all_to_all(recv, send).wait()
     outs, lo = [], 0
     for n in widths:
         outs.append(recv[:, :, :, lo:lo + n].permute(1, 2, 0, 3, 4).reshape(b, s_local, size * n, d))
@@ -304,110 +336,161 @@ def _heads_to_seq(parts, group, size, dtype):
     return outs
 
 
+def ulysses_attention_fwd(q, k, v, transport: Transport, *, ring_transport: Transport | None = None, causal=False,
+                          layout="contiguous", softmax_scale=None):
+    """The forward of :func:`ulysses_attention` (``ring_transport=None``) and of
+    :func:`hybrid_attention` (ring attention over ``ring_transport`` on the head shards).
+
+    Returns ``(out, saved)``: ``out`` this rank's output shard (q's shape and dtype) and
+    ``saved = (q_heads, k_heads, v_heads, out_heads, lse)``, the head-shard tensors
+    :func:`ulysses_attention_bwd` takes.
+    """
+    _check_transport("transport", transport)
+    if ring_transport is not None:
+        _check_transport("ring_transport", ring_transport)
+    size, rsize = transport.size, 1 if ring_transport is None else ring_transport.size
+    _check_args(q, k, v, causal, layout, ring_shard=q.shape[1] * size, ring_size=rsize)
+    hq, hk = q.shape[2], k.shape[2]
+    kv_idx, hk_l = ulysses_kv_heads(hq, hk, size)
+    if size > 1:
+        idx = torch.tensor(kv_idx, device=q.device)
+        ks, vs = (k, v) if len(kv_idx) == hk else (k.index_select(2, idx), v.index_select(2, idx))
+        ql, kl, vl = _seq_to_heads([(q, hq // size), (ks, hk_l), (vs, hk_l)], transport, q.shape[1])
+    else:
+        ql, kl, vl = q, k, v
+    if ring_transport is None:
+        out_l, lse = flash_attention_forward(ql, kl, vl, causal=causal, softmax_scale=softmax_scale)
+    else:
+        out_l, lse = ring_attention_fwd(ql, kl, vl, ring_transport, causal=causal, layout=layout,
+                                        softmax_scale=softmax_scale)
+    out = _heads_to_seq([out_l], transport, q.dtype)[0] if size > 1 else out_l
+    return out, (ql, kl, vl, out_l, lse)
+
+
+def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, transport: Transport, *, kv_heads: int,
+                          ring_transport: Transport | None = None, causal=False, layout="contiguous",
+                          softmax_scale=None):
+    """The backward of :func:`ulysses_attention_fwd` from its ``saved`` tensors: ``(dq, dk, dv)``
+    of this rank's sequence shard; ``kv_heads`` is the number of kv heads of the input k/v."""
+    _check_transport("transport", transport)
+    size = transport.size
+    dtype = q_heads.dtype
+    kv_idx, _ = ulysses_kv_heads(q_heads.shape[2] * size, kv_heads, size)
+    replicated = len(kv_idx) != kv_heads
+    # replicated kv heads are summed over ranks after the all-to-all: keep those sums in fp32
+    grad_dtype = torch.float32 if replicated else dtype
+    dout_l = _seq_to_heads([(dout, q_heads.shape[2])], transport, dout.shape[1])[0] if size > 1 else dout
+    args = (dout_l, q_heads, k_heads, v_heads, out_heads, lse)
+    if ring_transport is None:
+        grads = [torch.empty(t.shape, device=dout.device, dtype=grad_dtype) for t in (q_heads, k_heads, v_heads)]
+        flash_attention_backward(*args, causal=causal, softmax_scale=softmax_scale, dq=grads[0], dk=grads[1],
+                                 dv=grads[2])
+    else:
+        grads = ring_attention_bwd(*args, ring_transport, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                                   grad_dtype=grad_dtype)
+    if size == 1:
+        return tuple(grads)
+    dq, dk, dv = _heads_to_seq(list(grads), transport, grad_dtype)
+    if replicated:
+        idx = torch.tensor(kv_idx, device=dq.device)
+        b, s, _, d = dk.shape
+        dk = torch.zeros((b, s, kv_heads, d), device=dq.device, dtype=torch.float32).index_add_(2, idx, dk)
+        dv = torch.zeros((b, s, kv_heads, d), device=dq.device, dtype=torch.float32).index_add_(2, idx, dv)
+        dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    return dq, dk, dv
+
+
 # ----------------------------------------------------------------------------------------------
 # Autograd
 # ----------------------------------------------------------------------------------------------
-class _SequenceParallelAttention(torch.autograd.Function):
-    """Ulysses over ``ulysses_group`` (size 1: none), then ring attention over ``ring_group``."""
+class RingAttentionFunction(torch.autograd.Function):
+    """:func:`ring_attention_fwd` / :func:`ring_attention_bwd` over one ring transport."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ulysses_group, ring_group, causal, layout, scale):
-        usize = _gsize(ulysses_group)
-        hq, hk = q.shape[2], k.shape[2]
-        if usize > 1:
-            kv_idx, hk_l = _ulysses_heads(hq, hk, usize)
-            idx = torch.tensor(kv_idx, device=q.device)
-            ks, vs = (k, v) if len(kv_idx) == hk else (k.index_select(2, idx), v.index_select(2, idx))
-            ql, kl, vl = _seq_to_heads([(q, hq // usize), (ks, hk_l), (vs, hk_l)], ulysses_group, usize, q.shape[1])
-        else:
-            kv_idx, ql, kl, vl = None, q, k, v
-        out_l, lse = _ring_forward(ql, kl, vl, ring_group, causal, layout, scale)
-        out = _heads_to_seq([out_l], ulysses_group, usize, q.dtype)[0] if usize > 1 else out_l
-        ctx.save_for_backward(ql, kl, vl, out_l, lse)
-        ctx.args = (ulysses_group, ring_group, causal, layout, scale, kv_idx, hk, q.shape[1])
+    def forward(ctx, q, k, v, transport, causal, layout, softmax_scale):
+        out, lse = ring_attention_fwd(q, k, v, transport, causal=causal, layout=layout, softmax_scale=softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (transport, causal, layout, softmax_scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        ql, kl, vl, out_l, lse = ctx.saved_tensors
-        ulysses_group, ring_group, causal, layout, scale, kv_idx, hk, s_local = ctx.args
-        usize = _gsize(ulysses_group)
-        dout = dout.to(ql.dtype)
-        replicated = kv_idx is not None and len(kv_idx) != hk
-        # replicated kv heads are summed over ranks after the all-to-all: keep those sums in fp32
-        grad_dtype = torch.float32 if replicated else ql.dtype
-        if usize > 1:
-            hq_l = ql.shape[2]
-            dout_l = _seq_to_heads([(dout, hq_l)], ulysses_group, usize, s_local)[0]
-        else:
-            dout_l = dout
-        dq_l, dk_l, dv_l = _ring_backward(dout_l, ql, kl, vl, out_l, lse, ring_group, causal, layout, scale, grad_dtype)
-        if usize == 1:
-            return dq_l, dk_l, dv_l, None, None, None, None, None
-        dq, dk_r, dv_r = _heads_to_seq([dq_l, dk_l, dv_l], ulysses_group, usize, grad_dtype)
-        if replicated:
-            idx = torch.tensor(kv_idx, device=dq.device)
-            b, s, _, d = dk_r.shape
-            dk = torch.zeros((b, s, hk, d), device=dq.device, dtype=torch.float32).index_add_(2, idx, dk_r)
-            dv = torch.zeros((b, s, hk, d), device=dq.device, dtype=torch.float32).index_add_(2, idx, dv_r)
-            dq, dk, dv = dq.to(ql.dtype), dk.to(kl.dtype), dv.to(vl.dtype)
-        else:
-            dk, dv = dk_r, dv_r
+        q, k, v, out, lse = ctx.saved_tensors
+        transport, causal, layout, softmax_scale = ctx.args
+        dq, dk, dv = ring_attention_bwd(dout.to(q.dtype), q, k, v, out, lse, transport, causal=causal, layout=layout,
+                                        softmax_scale=softmax_scale)
+        return dq, dk, dv, None, None, None, None
+
+
+class UlyssesAttentionFunction(torch.autograd.Function):
+    """:func:`ulysses_attention_fwd` / :func:`ulysses_attention_bwd`: Ulysses over ``transport``,
+    then ring attention over ``ring_transport`` (None: local attention)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, transport, ring_transport, causal, layout, softmax_scale):
+        out, saved = ulysses_attention_fwd(q, k, v, transport, ring_transport=ring_transport, causal=causal,
+                                           layout=layout, softmax_scale=softmax_scale)
+        ctx.save_for_backward(*saved)
+        ctx.args = (transport, ring_transport, causal, layout, softmax_scale, k.shape[2])
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        transport, ring_transport, causal, layout, softmax_scale, kv_heads = ctx.args
+        dq, dk, dv = ulysses_attention_bwd(dout.to(saved[0].dtype), *saved, transport, kv_heads=kv_heads,
+                                           ring_transport=ring_transport, causal=causal, layout=layout,
+                                           softmax_scale=softmax_scale)
         return dq, dk, dv, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
 # Functional API
 # ----------------------------------------------------------------------------------------------
-def _validate(q, k, v, causal, layout, softmax_scale):
-    _check_qkv(q, k, v)
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"sequence-parallel attention needs k/v shards of q's length {q.shape[1]}, got {k.shape[1]}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    _check_layout(layout)
-    return _scale(softmax_scale, q.shape[3])
-
-
-def _check_group(name, group):
+def _resolve(group_name, group, transport):
+    """The transport of one sequence-parallel dimension: ``transport`` (an instance or None)
+    or a PortableTransport over ``group``."""
     if group is not None and not isinstance(group, comm.ProcessGroup):
-        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        raise TypeError(f"{group_name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    return get_transport(transport, group)
 
 
-def ring_attention(q, k, v, *, group=None, causal=False, layout="zigzag", softmax_scale=None):
+def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, layout="zigzag",
+                   softmax_scale=None):
     """Attention over the full sequence from this rank's shard; returns this rank's output shard.
 
     q ``[b, s_local, heads, d]``, k/v ``[b, s_local, kv_heads, d]`` (kv_heads divides heads),
-    the shard of this rank of ``group`` in ``layout`` (see :func:`sequence_shard`:
+    the shard of ring rank ``r`` of ``P`` in ``layout`` (see :func:`sequence_shard`:
     ``"contiguous"``: positions ``[r*s_local, (r+1)*s_local)``; ``"zigzag"``: chunks ``r`` and
     ``2P-1-r`` of ``2P``, so ``s_local`` must be even). Every rank must hold the same ``s_local``.
+    The ring is ``transport`` (a :class:`~fusedpar.ops.transport.Transport`) or, by default, a
+    portable transport over ``group`` (None: the default group).
     """
-    _check_group("group", group)
-    scale = _validate(q, k, v, causal, layout, softmax_scale)
-    size = comm.group_size(group)
-    if layout == "zigzag" and size > 1 and q.shape[1] % 2:
-        raise ValueError(f"layout='zigzag' needs an even local sequence length (two chunks), got {q.shape[1]}")
-    ring = _LOCAL if size == 1 else comm.resolve_group(group)
-    return _SequenceParallelAttention.apply(q, k, v, _LOCAL, ring, causal, layout, scale)
+    t = _resolve("group", group, transport)
+    _check_args(q, k, v, causal, layout, ring_size=t.size)
+    resolve_softmax_scale(softmax_scale, q.shape[3])
+    return RingAttentionFunction.apply(q, k, v, t, causal, layout, softmax_scale)
 
 
-def ulysses_attention(q, k, v, *, group=None, causal=False, softmax_scale=None):
+def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, softmax_scale=None):
     """Ulysses (all-to-all) sequence-parallel attention; returns this rank's output shard.
 
     q ``[b, s_local, heads, d]``, k/v ``[b, s_local, kv_heads, d]``: rank ``r`` holds positions
     ``[r*s_local, (r+1)*s_local)``. The group size must divide ``heads`` and divide (or be a
-    multiple of) ``kv_heads``; otherwise a ValueError lists the sizes that work.
+    multiple of) ``kv_heads``; otherwise a ValueError lists the sizes that work. The all-to-alls
+    run on ``transport``, by default a portable transport over ``group``.
     """
-    _check_group("group", group)
-    scale = _validate(q, k, v, causal, "contiguous", softmax_scale)
-    size = comm.group_size(group)
-    _ulysses_heads(q.shape[2], k.shape[2], size)
-    uly = _LOCAL if size == 1 else comm.resolve_group(group)
-    return _SequenceParallelAttention.apply(q, k, v, uly, _LOCAL, causal, "contiguous", scale)
+    t = _resolve("group", group, transport)
+    _check_args(q, k, v, causal, "contiguous")
+    ulysses_kv_heads(q.shape[2], k.shape[2], t.size)
+    resolve_softmax_scale(softmax_scale, q.shape[3])
+    return UlyssesAttentionFunction.apply(q, k, v, t, None, causal, "contiguous", softmax_scale)
 
 
-def hybrid_attention(q, k, v, *, ulysses_group, ring_group, causal=False, layout="zigzag", softmax_scale=None):
-    """2-D sequence parallelism: Ulysses inside ``ulysses_group``, ring across ``ring_group``.
+def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_transport: Transport | None = None,
+                     ring_transport: Transport | None = None, causal=False, layout="zigzag", softmax_scale=None):
+    """2-D sequence parallelism: Ulysses inside ``ulysses_group``, ring across ``ring_group``
+    (or the given transports of the two dimensions; one of group / transport each).
 
     The two groups must be orthogonal (each rank is in one of each; e.g. on 4 ranks
     ``ulysses_group`` {0,1} / {2,3} and ``ring_group`` {0,2} / {1,3}). Rank (ring rank ``r``,
@@ -415,16 +498,13 @@ def hybrid_attention(q, k, v, *, ulysses_group, ring_group, causal=False, layout
     ``r`` in ``layout``: ``sequence_shard(x, layout=layout, ring_rank=r, ring_size=R,
     ulysses_rank=u, ulysses_size=U)``; its positions are :func:`shard_positions`.
     """
-    _check_group("ulysses_group", ulysses_group)
-    _check_group("ring_group", ring_group)
-    if ulysses_group is None or ring_group is None:
-        raise ValueError("hybrid_attention needs both ulysses_group and ring_group (use ring_attention or "
-                         "ulysses_attention for one-dimensional sequence parallelism)")
-    scale = _validate(q, k, v, causal, layout, softmax_scale)
-    usize, rsize = comm.group_size(ulysses_group), comm.group_size(ring_group)
-    _ulysses_heads(q.shape[2], k.shape[2], usize)
-    if layout == "zigzag" and rsize > 1 and (q.shape[1] * usize) % 2:
-        raise ValueError(f"layout='zigzag' needs an even ring shard (s_local * ulysses_size), got {q.shape[1] * usize}")
-    uly = _LOCAL if usize == 1 else ulysses_group
-    ring = _LOCAL if rsize == 1 else ring_group
-    return _SequenceParallelAttention.apply(q, k, v, uly, ring, causal, layout, scale)
+    if (ulysses_group is None and ulysses_transport is None) or (ring_group is None and ring_transport is None):
+        raise ValueError("hybrid_attention needs both a Ulysses and a ring dimension (ulysses_group or "
+                         "ulysses_transport, and ring_group or ring_transport); use ring_attention or "
+                         "ulysses_attention for one-dimensional sequence parallelism")
+    uly = _resolve("ulysses_group", ulysses_group, ulysses_transport)
+    ring = _resolve("ring_group", ring_group, ring_transport)
+    _check_args(q, k, v, causal, layout, ring_shard=q.shape[1] * uly.size, ring_size=ring.size)
+    ulysses_kv_heads(q.shape[2], k.shape[2], uly.size)
+    resolve_softmax_scale(softmax_scale, q.shape[3])
+    return UlyssesAttentionFunction.apply(q, k, v, uly, ring, causal, layout, softmax_scale)
