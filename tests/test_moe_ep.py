@@ -1,17 +1,25 @@
-"""Expert parallelism on gloo (2 and 4 ranks): the EP layer equals the single-process layer on each
-rank's tokens (outputs, input / router gradients; expert gradients summed over the ranks' tokens),
-with uneven token counts, a rank without tokens, capacity drops, several chunk counts, stragglers."""
+"""Expert parallelism.
+
+On gloo (2 and 4 ranks): the EP layer equals the single-process layer on each rank's tokens
+(outputs, input / router gradients; expert gradients summed over the ranks' tokens), with uneven
+token counts, a rank without tokens, capacity drops, several chunk counts, stragglers.
+
+On one process (fast, CPU): the same schedule on ``EmulatedTransport``. Its mirror rule (every
+peer sends here what this rank sends to it: every peer is this rank, with its tokens, routing and
+local expert weights) means global expert ``e`` is served by local expert ``e % E_local``, so the
+reference is the per-expert loop over the local weights tiled ``ep`` times.
+"""
 import pytest
 import torch
 import torch.distributed as dist
 
-from _utils import assert_close
+from _utils import assert_close, randn
 from _world import rank_rng, straggle, world_fixture
-from fusedpar.ops import comm
-from fusedpar.kernels import moe_mlp_reference
+from fusedpar.kernels.moe_routing import moe_mlp_reference
 from fusedpar.nn import MoE
-from fusedpar.ops import moe_combine, moe_dispatch, moe_expert_compute, moe_mlp
-from test_moe_layer import reference_moe
+from fusedpar.ops import comm, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp
+from fusedpar.ops.transport import EmulatedTransport, PortableTransport, Transport
+from test_moe_layer import bad_ids, call_entry, reference_moe
 
 world2 = world_fixture(2)
 world4 = world_fixture(4)
@@ -124,41 +132,46 @@ def _skew_and_stages(rank, size, seed):
         assert_close(a, b, torch.float32, msg=f"stages vs moe_mlp: {name} rank {rank}")
 
 
-def _pipeline_order(rank, size, seed):
+class _SpyHandle:
+    def __init__(self, i, handle, log):
+        self.i, self.handle, self.log = i, handle, log
+
+    def wait(self):
+        self.log.append(("wait", self.i))
+        self.handle.wait()
+
+
+class SpyTransport(Transport):
+    """Logs every all-to-all started and waited on, then delegates to ``inner``."""
+
+    name = "spy"
+
+    def __init__(self, inner: Transport):
+        super().__init__(inner.size, inner.rank)
+        self.inner, self.log = inner, []
+
+    def all_to_all(self, out, inp, out_splits=None, in_splits=None):
+        i = sum(1 for e in self.log if e[0] == "start")
+        self.log.append(("start", i))
+        return _SpyHandle(i, self.inner.all_to_all(out, inp, out_splits, in_splits), self.log)
+
+
+def pipeline_order(rank, size, seed, inner=None):
     """The dispatch is pipelined: every chunk's all-to-all starts before the first is waited on,
     and chunk 0's results are sent back before chunk 1 is waited on (so chunk 1 travels while
-    chunk 0 computes); the backward mirrors it."""
-    log = []
-    real = comm.all_to_all
-
-    class _Spy:
-        def __init__(self, i, handle):
-            self.i, self.handle = i, handle
-
-        def wait(self):
-            log.append(("wait", self.i))
-            self.handle.wait()
-
-    def spy(out, inp, out_splits=None, in_splits=None, group=None):
-        i = sum(1 for e in log if e[0] == "start")
-        log.append(("start", i))
-        return _Spy(i, real(out, inp, out_splits, in_splits, group))
-
+    chunk 0 computes); the backward mirrors it. Every transfer goes through the transport."""
+    spy = SpyTransport(inner or PortableTransport())
     x = torch.randn(7, H, generator=rank_rng(seed, rank)).requires_grad_()
     ids = torch.tensor([[0, E - 1]] * 7)
     w1 = torch.randn(E // size, 2 * FFN, H, generator=rank_rng(seed + 1, rank)).requires_grad_()
     w2 = torch.randn(E // size, H, FFN, generator=rank_rng(seed + 2, rank)).requires_grad_()
-    comm.all_to_all = spy
-    try:
-        y = moe_mlp(x, ids, torch.ones(7, 2), w1, w2, num_experts=E, num_chunks=2)
-        y.sum().backward()
-    finally:
-        comm.all_to_all = real
+    y = moe_mlp(x, ids, torch.ones(7, 2), w1, w2, num_experts=E, num_chunks=2, transport=spy)
+    y.sum().backward()
     s, w = (lambda i: ("start", i)), (lambda i: ("wait", i))
     expected = [s(0), w(0),  # counts
                 s(1), s(2), w(1), s(3), w(2), s(4), w(3), w(4),  # dispatch 0, 1; return 0, 1
                 s(5), s(6), w(5), s(7), w(6), s(8), w(7), w(8)]  # backward: grads out, grads in
-    assert log == expected, f"rank {rank}: transfer order {log}"
+    assert spy.log == expected, f"rank {rank}/{size}: transfer order {spy.log}"
 
 
 def _errors(rank, size):
@@ -182,28 +195,171 @@ def _errors(rank, size):
     assert t.item() == size
 
 
-def _run_all(rank, size, seed):
-    self_groups = [dist.new_group([r]) for r in range(size)]  # collective: every rank creates every group
+def _bad_ids_on_one_rank(rank, size):
+    """Only the last rank has an out-of-range id: every rank raises the same error (the ranges
+    ride on the count exchange) instead of the others waiting for a dispatch that never comes."""
+    x = torch.randn(4, H)
+    ids = torch.zeros(4, 2, dtype=torch.int64)
+    if rank == size - 1:
+        ids[2, 1] = E + 3
+    w1 = torch.randn(E // size, 2 * FFN, H)
+    w2 = torch.randn(E // size, H, FFN)
+    msg = rf"expert_ids must lie in \[0, {E}\), got values in \[0, {E + 3}\] on expert-parallel rank {size - 1}"
+    with pytest.raises(ValueError, match=msg):
+        moe_mlp(x, ids, torch.ones(4, 2), w1, w2, num_experts=E)
+    t = torch.ones(1)
+    comm.all_reduce(t).wait()
+    assert t.item() == size
+
+
+_SELF_GROUPS = {}
+
+
+def _self_group(rank, size):
+    """This rank alone, as a group (created once per world: every rank creates every group)."""
+    if size not in _SELF_GROUPS:
+        _SELF_GROUPS[size] = [dist.new_group([r]) for r in range(size)]
+    return _SELF_GROUPS[size][rank]
+
+
+def _run_case(rank, size, case, seed):
+    if case == "errors":
+        _errors(rank, size)
+        return rank
+    if case == "bad-ids-on-one-rank":
+        _bad_ids_on_one_rank(rank, size)
+        return rank
+    self_group = _self_group(rank, size)
     straggle(0.01, seed)
     try:
-        tokens = [5, 13, 1, 9][:size] if size == 4 else [6, 11]
-        _layer_vs_single(rank, size, seed, self_groups[rank], tokens=tokens, capacity_factor=None, num_chunks=2,
-                         score="softmax", activation="swiglu", single_layer=True)
-        zero = [0, 7, 3, 10][:size] if size == 4 else [0, 9]  # a rank without tokens, capacity drops
-        _layer_vs_single(rank, size, seed + 1, self_groups[rank], tokens=zero, capacity_factor=0.5, num_chunks=3,
-                         score="sigmoid", activation="gelu", single_layer=False)
-        _skew_and_stages(rank, size, seed)
-        if size == 2:
-            _pipeline_order(rank, size, seed)
+        if case == "layer":
+            tokens = [5, 13, 1, 9][:size] if size == 4 else [6, 11]
+            _layer_vs_single(rank, size, seed, self_group, tokens=tokens, capacity_factor=None, num_chunks=2,
+                             score="softmax", activation="swiglu", single_layer=True)
+        elif case == "rank-without-tokens-capacity":
+            zero = [0, 7, 3, 10][:size] if size == 4 else [0, 9]  # a rank without tokens, capacity drops
+            _layer_vs_single(rank, size, seed + 1, self_group, tokens=zero, capacity_factor=0.5, num_chunks=3,
+                             score="sigmoid", activation="gelu", single_layer=False)
+        elif case == "skew-and-stages":
+            _skew_and_stages(rank, size, seed)
+        elif case == "pipeline-order":
+            pipeline_order(rank, size, seed)
     finally:
         comm.set_straggler(0)
-    _errors(rank, size)
     return rank
 
 
-def test_ep_world2(world2):
-    assert world2.run(_run_all, seed=11) == [0, 1]
+WORLD_CASES = ["layer", "rank-without-tokens-capacity", "skew-and-stages", "errors", "bad-ids-on-one-rank"]
 
 
-def test_ep_world4(world4):
-    assert world4.run(_run_all, seed=23) == [0, 1, 2, 3]
+@pytest.mark.parametrize("case", WORLD_CASES + ["pipeline-order"])
+def test_ep_world2(world2, case):
+    assert world2.run(_run_case, case=case, seed=11) == [0, 1]
+
+
+@pytest.mark.parametrize("case", WORLD_CASES)
+def test_ep_world4(world4, case):
+    assert world4.run(_run_case, case=case, seed=23) == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# one process: the EP schedule on EmulatedTransport
+# ----------------------------------------------------------------------------------------------
+def _emulated_inputs(T, k, E_loc, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = randn(T, H, dtype=dtype, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g).to(x.device)
+    w1 = randn(E_loc, 2 * FFN, H, dtype=dtype, generator=g, scale=H ** -0.5)
+    w2 = randn(E_loc, H, FFN, dtype=dtype, generator=g, scale=FFN ** -0.5)
+    return x, ids.to(x.device), wts, w1, w2, randn(T, H, dtype=dtype, generator=g)
+
+
+# (ep, rank, top_k, capacity, num_chunks, dtype)
+EMULATED_CASES = [
+    (2, 0, 2, None, 2, torch.float32),
+    (2, 1, 2, None, 3, torch.float32),
+    (2, 0, 1, 2, 2, torch.float32),  # capacity drops
+    (2, 1, 2, 3, 1, torch.float16),
+    (4, 0, 2, None, 2, torch.float32),
+    (4, 3, 1, None, 3, torch.float32),
+    (4, 2, 2, 2, 2, torch.float16),  # capacity drops
+]
+
+
+def _case_id(c):
+    ep, rank, k, cap, chunks, dtype = c
+    return f"ep{ep}-rank{rank}-k{k}-cap{cap}-chunks{chunks}-{str(dtype).replace('torch.', '')}"
+
+
+def _tolerance(dtype):
+    # fp16: the intermediate activation is rounded between the two GEMMs and the output once more
+    return dict(rtol=4e-3, atol=None) if dtype == torch.float16 else {}
+
+
+@pytest.mark.parametrize("ep,rank,top_k,capacity,num_chunks,dtype", EMULATED_CASES,
+                         ids=[_case_id(c) for c in EMULATED_CASES])
+def test_emulated_ep_matches_reference(ep, rank, top_k, capacity, num_chunks, dtype):
+    tag = _case_id((ep, rank, top_k, capacity, num_chunks, dtype))
+    x, ids, wts, w1, w2, go = _emulated_inputs(13, top_k, E // ep, dtype, seed=ep * 10 + rank)
+    leaves = [t.clone().requires_grad_() for t in (x, wts, w1, w2)]
+    y = moe_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], num_experts=E, capacity=capacity,
+                num_chunks=num_chunks, transport=EmulatedTransport(ep, rank))
+    (y.float() * go.float()).sum().backward()
+    ref = [_f64(t) for t in (x, wts, w1, w2)]
+    yr = moe_mlp_reference(ref[0], ids, ref[1], ref[2].repeat(ep, 1, 1), ref[3].repeat(ep, 1, 1), capacity=capacity)
+    (yr * go.double()).sum().backward()
+    assert y.dtype == dtype and y.shape == x.shape, tag
+    tol = _tolerance(dtype)
+    assert_close(y, yr, dtype, msg=f"output {tag}", **tol)
+    for name, a, b in zip(("x", "weights", "w1", "w2"), leaves, ref):
+        assert_close(a.grad, b.grad, dtype, msg=f"grad {name} {tag}", **tol)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_emulated_ep_stages_and_layer(ep):
+    """The three stages composed by hand equal the pipelined moe_mlp on the emulated transport,
+    and the MoE module runs on it (one rank's share of the experts, the tiled reference)."""
+    x, ids, wts, w1, w2, go = _emulated_inputs(9, 2, E // ep, torch.float32, seed=ep)
+    outs = []
+    for staged in (False, True):
+        lv = [t.clone().requires_grad_() for t in (x, wts, w1, w2)]
+        tr = EmulatedTransport(ep, ep - 1)
+        if staged:
+            tokens, plan = moe_dispatch(lv[0], ids, E, capacity=3, transport=tr)
+            yy = moe_combine(moe_expert_compute(tokens, lv[2], lv[3], plan), plan, lv[1])
+        else:
+            yy = moe_mlp(lv[0], ids, lv[1], lv[2], lv[3], num_experts=E, capacity=3, num_chunks=3, transport=tr)
+        (yy * go).sum().backward()
+        outs.append([yy.detach()] + [t.grad for t in lv])
+    for name, a, b in zip(("y", "x", "weights", "w1", "w2"), *outs):
+        assert_close(a, b, torch.float32, msg=f"stages vs moe_mlp on EmulatedTransport({ep}): {name}")
+
+    torch.manual_seed(ep)
+    m = MoE(H, FFN, E, K, transport=EmulatedTransport(ep, 1), device=x.device)
+    assert (m.ep_size, m.ep_rank, m.experts_per_rank, m.first_expert) == (ep, 1, E // ep, E // ep)
+    xm = x.clone().requires_grad_()
+    y = m(xm)
+    xd, rw = _f64(x), _f64(m.router.weight)
+    w1d, w2d = _f64(m.w1), _f64(m.w2)
+    yr, aux, z, _ = reference_moe(xd, rw, w1d.repeat(ep, 1, 1), w2d.repeat(ep, 1, 1), top_k=K,
+                                  ids=m.router_output.expert_ids)
+    assert_close(y, yr, torch.float32, msg=f"MoE on EmulatedTransport({ep}, 1)")
+    assert_close(m.aux_loss, aux + z, torch.float32, msg=f"MoE losses on EmulatedTransport({ep}, 1)")
+
+
+def test_emulated_pipeline_order():
+    pipeline_order(0, 2, 5, inner=EmulatedTransport(2, 0))
+
+
+@pytest.mark.parametrize("kind", ["E", "negative"])
+@pytest.mark.parametrize("entry", ["moe_plan", "moe_dispatch", "moe_mlp"])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_emulated_out_of_range_expert_ids(ep, entry, kind):
+    """The multi-rank path checks the ids through the count exchange (on every rank)."""
+    x = torch.randn(6, 16)
+    ids, bad = bad_ids(kind, 6, 2, 4)
+    lo, hi = min(bad, 0), max(bad, 3)
+    with pytest.raises(ValueError, match=rf"expert_ids must lie in \[0, 4\), got values in \[{lo}, {hi}\] "
+                                         r"on expert-parallel rank 0"):
+        call_entry(entry, x.to(ids.device), ids, 4, transport=EmulatedTransport(ep, ep - 1))

@@ -8,11 +8,23 @@ import torch
 import torch.nn.functional as F
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
+from fusedpar.kernels.grouped_gemm import (
+    as_group_offsets,
+    grouped_matmul,
+    grouped_matmul_dact,
+    grouped_matmul_reference,
+    grouped_wgrad,
+)
+from fusedpar.kernels.moe_permute import combine, combine_backward, permute
+from fusedpar.kernels.moe_routing import routing_metadata, routing_metadata_reference
+from fusedpar.kernels.runtime import activation_reference
 
 # bf16 runs interpreted too: the kernels upcast bf16 operands of tl.dot behind a constexpr there
 GEMM_DTYPES = DTYPES if torch.bfloat16 in DTYPES else DTYPES + [torch.bfloat16]
-from fusedpar.kernels import moe as K
-from fusedpar.kernels.gemm import activation_reference
+
+
+def _name(dtype):
+    return str(dtype).replace("torch.", "")
 
 
 def _ids(T, k, E, g):
@@ -20,32 +32,54 @@ def _ids(T, k, E, g):
     return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
 
 
-def _check_meta(ids, G, capacity=None):
-    got = K.routing_metadata(ids, G, capacity=capacity)
-    want = K.routing_metadata_reference(ids.cpu(), G, capacity)
-    for name, a, b in zip(("counts", "offsets", "slot_pos", "sorted_slot"), got, want):
-        assert a.dtype == torch.int32, name
-        assert a.cpu().tolist() == b.tolist(), f"{name} (G={G}, capacity={capacity})"
+def _offsets(sizes):
+    offs = [0]
+    for s in sizes:
+        offs.append(offs[-1] + s)
+    return offs
 
 
-def test_routing_metadata_matches_loop():
-    g = torch.Generator().manual_seed(0)
-    # 151 slots span several routing blocks (64 per program under the interpreter)
-    ids = _ids(50, 3, 7, g)
-    for cap in (None, 0, 1, 13, 1000):
-        _check_meta(ids, 7, cap)
-    _check_meta(torch.zeros(33, 2, dtype=torch.int64, device=DEVICE), 5)  # all to one group
-    _check_meta(torch.zeros(33, 2, dtype=torch.int64, device=DEVICE), 5, capacity=7)
-    _check_meta(torch.tensor([[3]], device=DEVICE), 4)  # a single token
-    _check_meta(_ids(9, 6, 6, g), 6)  # top_k == number of experts
+# ----------------------------------------------------------------------------------------------
+# routing metadata
+# ----------------------------------------------------------------------------------------------
+def _random_ids(T, k, E, seed):
+    return lambda: _ids(T, k, E, torch.Generator().manual_seed(seed))
+
+
+ROUTING_CASES = {  # name -> (group ids factory, G, capacity)
+    # 150 slots span several routing blocks (64 per program under the interpreter)
+    **{f"random-cap{cap}": (_random_ids(50, 3, 7, 0), 7, cap) for cap in (None, 0, 1, 13, 1000)},
+    "one-group": (lambda: torch.zeros(33, 2, dtype=torch.int64, device=DEVICE), 5, None),
+    "one-group-cap7": (lambda: torch.zeros(33, 2, dtype=torch.int64, device=DEVICE), 5, 7),
+    "single-token": (lambda: torch.tensor([[3]], device=DEVICE), 4, None),
+    "top_k-equals-groups": (_random_ids(9, 6, 6, 1), 6, None),
     # negative ids are not routed; groups >= 2 receive nothing; non power-of-two G
-    holes = torch.randint(-1, 2, (41, 2), generator=g).to(DEVICE)
-    _check_meta(holes, 11)
-    _check_meta(torch.randint(0, 40, (70, 2), generator=g).to(DEVICE).to(torch.int32), 40, capacity=2)
-    counts, offsets, slot_pos, sorted_slot = K.routing_metadata(torch.empty(0, 2, dtype=torch.int64, device=DEVICE), 3)
+    "holes": (lambda: torch.randint(-1, 2, (41, 2), generator=torch.Generator().manual_seed(2)).to(DEVICE), 11, None),
+    "int32-40-groups-cap2": (
+        lambda: torch.randint(0, 40, (70, 2), generator=torch.Generator().manual_seed(3)).to(DEVICE).to(torch.int32),
+        40, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTING_CASES))
+def test_routing_metadata_matches_loop(case):
+    make, G, capacity = ROUTING_CASES[case]
+    ids = make()
+    got = routing_metadata(ids, G, capacity=capacity)
+    want = routing_metadata_reference(ids.cpu(), G, capacity)
+    for name, a, b in zip(("counts", "offsets", "slot_pos", "sorted_slot"), got, want):
+        assert a.dtype == torch.int32, f"{name} ({case})"
+        assert a.cpu().tolist() == b.tolist(), f"{name} ({case}: G={G}, capacity={capacity})"
+
+
+def test_routing_metadata_without_slots():
+    counts, offsets, slot_pos, sorted_slot = routing_metadata(torch.empty(0, 2, dtype=torch.int64, device=DEVICE), 3)
     assert counts.tolist() == [0, 0, 0] and offsets.tolist() == [0, 0, 0, 0] and slot_pos.numel() == 0
 
 
+# ----------------------------------------------------------------------------------------------
+# permute / combine
+# ----------------------------------------------------------------------------------------------
 def _permute_reference(x, sorted_slot, k):
     out = torch.zeros(sorted_slot.numel(), x.shape[1], dtype=torch.float64)
     for p, s in enumerate(sorted_slot.tolist()):
@@ -54,25 +88,7 @@ def _permute_reference(x, sorted_slot, k):
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_permute_combine_and_backward(dtype):
-    g = torch.Generator().manual_seed(1)
-    T, k, E, H = 29, 3, 6, 37
-    ids = _ids(T, k, E, g)
-    _, _, slot_pos, sorted_slot = K.routing_metadata(ids, E, capacity=12)  # some slots dropped
-    assert (slot_pos < 0).any()
-    base = randn(T, 2 * H, dtype=dtype, generator=g)
-    x = base[:, 1::2]  # a strided view: the kernel reads it in place
-    out = poison((T * k, H), dtype)
-    K.permute(x, sorted_slot, k, out=out)
-    assert_close(out, _permute_reference(x, sorted_slot.cpu(), k), dtype, msg="permute")
-    # combine: fp32 sum of weighted rows, dropped slots add nothing
-    y = randn(T * k, H, dtype=dtype, generator=g)
-    w = torch.rand(T, k, generator=g).to(DEVICE)
-    got = K.combine(y, slot_pos, w, k, out=poison((T, H), dtype))
-    yd = y.double().cpu().requires_grad_()
-    wd = w.double().cpu().requires_grad_()
-    pos = slot_pos.cpu().tolist()
+def _combine_reference(yd, wd, pos, T, k, H):
     rows = []
     for t in range(T):
         acc = torch.zeros(H, dtype=torch.float64)
@@ -80,49 +96,87 @@ def test_permute_combine_and_backward(dtype):
             if pos[t * k + j] >= 0:
                 acc = acc + wd[t, j] * yd[pos[t * k + j]]
         rows.append(acc)
-    ref = torch.stack(rows)
-    assert_close(got, ref, dtype, msg="combine")
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("capacity", [None, 12], ids=lambda c: f"cap{c}")
+@pytest.mark.parametrize("top_k", [1, 3], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_permute_combine_and_backward(dtype, top_k, capacity):
+    g = torch.Generator().manual_seed(1)
+    T, k, E, H = 29, top_k, 6, 37
+    tag = f"{_name(dtype)} k={k} capacity={capacity}"
+    ids = _ids(T, k, E, g)
+    _, _, slot_pos, sorted_slot = routing_metadata(ids, E, capacity=capacity)
+    if capacity is not None and k == 3:
+        assert (slot_pos < 0).any(), f"the case must drop slots ({tag})"
+    base = randn(T, 2 * H, dtype=dtype, generator=g)
+    x = base[:, 1::2]  # a strided view: the kernel reads it in place
+    out = poison((T * k, H), dtype)
+    permute(x, sorted_slot, k, out=out)
+    assert_close(out, _permute_reference(x, sorted_slot.cpu(), k), dtype, msg=f"permute {tag}")
+    # combine: fp32 sum of weighted rows, dropped slots add nothing
+    y = randn(T * k, H, dtype=dtype, generator=g)
+    w = torch.rand(T, k, generator=g).to(DEVICE)
+    got = combine(y, slot_pos, w, k, out=poison((T, H), dtype))
+    yd = y.double().cpu().requires_grad_()
+    wd = w.double().cpu().requires_grad_()
+    pos = slot_pos.cpu().tolist()
+    ref = _combine_reference(yd, wd, pos, T, k, H)
+    assert_close(got, ref, dtype, msg=f"combine {tag}")
     go = randn(T, H, dtype=dtype, generator=g)
     (ref * go.double().cpu()).sum().backward()
-    gy, gw = K.combine_backward(go, y, w, sorted_slot, k)
-    assert_close(gy, yd.grad, dtype, msg="combine backward: grad of expert outputs")
+    gy, gw = combine_backward(go, y, w, sorted_slot, k)
+    assert_close(gy, yd.grad, dtype, msg=f"combine backward: grad of expert outputs ({tag})")
     # grad_w = <grad_out, y> sums H products of inputs rounded to dtype
-    assert_close(gw, wd.grad, dtype, msg="combine backward: grad of routing weights")
+    assert_close(gw, wd.grad, dtype, msg=f"combine backward: grad of routing weights ({tag})")
     # permute's backward is combine without weights: sum of the k slot gradients of each token
-    gsum = K.combine(y, slot_pos, None, k, out=poison((T, H), torch.float32))
+    gsum = combine(y, slot_pos, None, k, out=poison((T, H), torch.float32))
     sel = [[p for p in pos[t * k:(t + 1) * k] if p >= 0] for t in range(T)]
     ref_sum = torch.stack([y.double().cpu()[s].sum(0) if s else torch.zeros(H, dtype=torch.float64) for s in sel])
-    assert_close(gsum, ref_sum, dtype, msg="permute backward")
+    assert_close(gsum, ref_sum, dtype, msg=f"permute backward ({tag})")
 
 
-@pytest.mark.parametrize("dtype", GEMM_DTYPES)
-def test_grouped_matmul_forward(dtype):
+# ----------------------------------------------------------------------------------------------
+# grouped GEMM
+# ----------------------------------------------------------------------------------------------
+# groups of size 0, 1, 17, 0, 33, 5 over 2 cycles of the 4 experts (group g -> expert g % 4),
+# then 7 tail rows that belong to no group
+FWD_OFFS = _offsets([0, 1, 17, 0, 33, 5, 0, 9])
+FWD_M = FWD_OFFS[-1] + 7
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "none"])
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=_name)
+def test_grouped_matmul_forward(dtype, activation):
     g = torch.Generator().manual_seed(2)
     E, H, Fd = 4, 36, 20
-    # groups of size 0, 1, 17, 0, 33, 5 over 2 cycles of the 4 experts (group g -> expert g % 4),
-    # then 7 tail rows that belong to no group
-    sizes = [0, 1, 17, 0, 33, 5, 0, 9]
-    offs = [0]
-    for s in sizes:
-        offs.append(offs[-1] + s)
-    M = offs[-1] + 7
+    offs, M = FWD_OFFS, FWD_M
     x = randn(M, 2 * H, dtype=dtype, generator=g)[:, ::2]  # strided rows and columns, read in place
-    for act in ("swiglu", "gelu", "none"):
-        glu = act == "swiglu"
-        w = randn(E, (2 if glu else 1) * Fd, H, dtype=dtype, generator=g, scale=H ** -0.5)
-        pre = poison((M, w.shape[1]), dtype)
-        out = K.grouped_matmul(x, w, torch.tensor(offs, device=DEVICE), activation=act, preact_out=pre,
-                               out=poison((M, Fd), dtype))
-        assert_close(out, K.grouped_matmul_reference(x, w, offs, activation=act), dtype, msg=f"grouped {act}")
-        assert_close(pre, K.grouped_matmul_reference(x, w, offs), dtype, msg=f"preact {act}")
+    glu = activation == "swiglu"
+    w = randn(E, (2 if glu else 1) * Fd, H, dtype=dtype, generator=g, scale=H ** -0.5)
+    pre = poison((M, w.shape[1]), dtype)
+    out = grouped_matmul(x, w, torch.tensor(offs, device=DEVICE), activation=activation, preact_out=pre,
+                         out=poison((M, Fd), dtype))
+    tag = f"{_name(dtype)} {activation}"
+    assert_close(out, grouped_matmul_reference(x, w, offs, activation=activation), dtype, msg=f"grouped {tag}")
+    assert_close(pre, grouped_matmul_reference(x, w, offs), dtype, msg=f"preact {tag}")
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=_name)
+def test_grouped_matmul_layouts(dtype):
+    g = torch.Generator().manual_seed(5)
+    E, H, Fd = 4, 36, 20
+    offs, M = FWD_OFFS, FWD_M
+    x = randn(M, 2 * H, dtype=dtype, generator=g)[:, ::2]
     # the kn layout and a transposed view (no copy) give the same product
     w_nk = randn(E, Fd, H, dtype=dtype, generator=g)
-    ref = K.grouped_matmul_reference(x, w_nk, offs)
-    got_view = K.grouped_matmul(x, w_nk.transpose(1, 2), offs, weight_layout="kn")
-    assert_close(got_view, ref, dtype, msg="kn view")
+    ref = grouped_matmul_reference(x, w_nk, offs)
+    got_view = grouped_matmul(x, w_nk.transpose(1, 2), offs, weight_layout="kn")
+    assert_close(got_view, ref, dtype, msg=f"kn view ({_name(dtype)})")
     # a single group covering every row
-    one = K.grouped_matmul(x, w_nk[:1], [0, M], out=poison((M, Fd), dtype))
-    assert_close(one, K.grouped_matmul_reference(x, w_nk[:1], [0, M]), dtype, msg="one group")
+    one = grouped_matmul(x, w_nk[:1], [0, M], out=poison((M, Fd), dtype))
+    assert_close(one, grouped_matmul_reference(x, w_nk[:1], [0, M]), dtype, msg=f"one group ({_name(dtype)})")
 
 
 def test_grouped_matmul_vs_torch_grouped_mm():
@@ -135,76 +189,127 @@ def test_grouped_matmul_vs_torch_grouped_mm():
     offs = [0, 11, 11, 30]
     x = randn(30, Kd, generator=g)
     w_kn = randn(E, Kd, N, generator=g)
-    ours = K.grouped_matmul(x, w_kn, offs, weight_layout="kn", out=poison((30, N), torch.float32))
+    ours = grouped_matmul(x, w_kn, offs, weight_layout="kn", out=poison((30, N), torch.float32))
     theirs = fn(x.cpu(), w_kn.cpu(), offs=torch.tensor(offs[1:], dtype=torch.int32))
     assert_close(ours, theirs.double(), torch.float32, msg="vs torch grouped_mm")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_backward_kernels(dtype):
+BWD_SIZES = [5, 0, 18, 1, 0, 3]  # two cycles over 3 experts, with empty groups
+BWD_OFFS = _offsets(BWD_SIZES)
+BWD_M = BWD_OFFS[-1] + 3  # tail rows
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu", "silu", "geglu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_grouped_dact(dtype, activation):
     g = torch.Generator().manual_seed(4)
     E, H, Fd = 3, 20, 24
-    sizes = [5, 0, 18, 1, 0, 3]  # two cycles over 3 experts, with empty groups
-    offs = [0]
-    for s in sizes:
-        offs.append(offs[-1] + s)
-    M = offs[-1] + 3  # tail rows
-    for act in ("swiglu", "relu", "silu", "geglu"):
-        glu = act in ("swiglu", "geglu")
-        n1 = (2 if glu else 1) * Fd
-        pre = randn(M, n1, dtype=dtype, generator=g)
-        w2 = randn(E, H, Fd, dtype=dtype, generator=g, scale=Fd ** -0.5)
-        gy = randn(M, H, dtype=dtype, generator=g)
-        got = K.grouped_matmul_dact(gy, w2, offs, pre, activation=act)
-        pre_d = pre.double().cpu().requires_grad_()
-        dh = K.grouped_matmul_reference(gy, w2, offs, weight_layout="kn")  # gy @ W2_e per group
-        (activation_reference(pre_d, act) * dh).sum().backward()
-        ref = pre_d.grad.clone()
-        ref[offs[-1]:] = 0
-        assert_close(got, ref, dtype, msg=f"fused activation backward ({act})")
-    # wgrad: per expert, summed over every group that maps to it; empty experts give zeros
-    x = randn(M, H, dtype=dtype, generator=g)
-    dy = randn(M, Fd, dtype=dtype, generator=g)
-    for E_w in (3, 6, 7):
-        ref = torch.zeros(E_w, Fd, H, dtype=torch.float64)
-        for grp in range(len(sizes)):
-            a, b = offs[grp], offs[grp + 1]
-            ref[grp % E_w] += dy[a:b].double().cpu().t() @ x[a:b].double().cpu()
-        got = K.grouped_wgrad(dy, x, offs, E_w, out=poison((E_w, Fd, H), dtype))
-        assert_close(got, ref, dtype, msg=f"grouped wgrad E={E_w}")
+    offs, M = BWD_OFFS, BWD_M
+    glu = activation in ("swiglu", "geglu")
+    n1 = (2 if glu else 1) * Fd
+    pre = randn(M, n1, dtype=dtype, generator=g)
+    w2 = randn(E, H, Fd, dtype=dtype, generator=g, scale=Fd ** -0.5)
+    gy = randn(M, H, dtype=dtype, generator=g)
+    got = grouped_matmul_dact(gy, w2, offs, pre, activation=activation)
+    pre_d = pre.double().cpu().requires_grad_()
+    dh = grouped_matmul_reference(gy, w2, offs, weight_layout="kn")  # gy @ W2_e per group
+    (activation_reference(pre_d, activation) * dh).sum().backward()
+    ref = pre_d.grad.clone()
+    ref[offs[-1]:] = 0
+    assert_close(got, ref, dtype, msg=f"fused activation backward ({_name(dtype)} {activation})")
+
+
+def _wgrad_reference(dy, x, E_w, init=None):
+    ref = torch.zeros(E_w, dy.shape[1], x.shape[1], dtype=torch.float64) if init is None else init
+    for grp in range(len(BWD_SIZES)):
+        a, b = BWD_OFFS[grp], BWD_OFFS[grp + 1]
+        ref[grp % E_w] += dy[a:b].double().cpu().t() @ x[a:b].double().cpu()
+    return ref
+
+
+@pytest.mark.parametrize("num_experts", [3, 6, 7], ids=lambda e: f"E{e}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_grouped_wgrad(dtype, num_experts):
+    """Per expert, summed over every group that maps to it; empty experts give zeros."""
+    g = torch.Generator().manual_seed(6)
+    H, Fd = 20, 24
+    x = randn(BWD_M, H, dtype=dtype, generator=g)
+    dy = randn(BWD_M, Fd, dtype=dtype, generator=g)
+    got = grouped_wgrad(dy, x, BWD_OFFS, num_experts, out=poison((num_experts, Fd, H), dtype))
+    assert_close(got, _wgrad_reference(dy, x, num_experts), dtype, msg=f"grouped wgrad E={num_experts} "
+                 f"({_name(dtype)})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_grouped_wgrad_accumulate(dtype):
+    g = torch.Generator().manual_seed(7)
+    H, Fd = 20, 24
+    x = randn(BWD_M, H, dtype=dtype, generator=g)
+    dy = randn(BWD_M, Fd, dtype=dtype, generator=g)
     acc = randn(3, Fd, H, dtype=torch.float32, generator=g)
-    ref = acc.double().cpu().clone()
-    for grp in range(len(sizes)):
-        a, b = offs[grp], offs[grp + 1]
-        ref[grp % 3] += dy[a:b].double().cpu().t() @ x[a:b].double().cpu()
-    K.grouped_wgrad(dy, x, offs, 3, out=acc, accumulate=True)
-    assert_close(acc, ref, dtype, msg="grouped wgrad accumulate (fp32 buffer)")
+    ref = _wgrad_reference(dy, x, 3, init=acc.double().cpu().clone())
+    grouped_wgrad(dy, x, BWD_OFFS, 3, out=acc, accumulate=True)
+    assert_close(acc, ref, dtype, msg=f"grouped wgrad accumulate (fp32 buffer, {_name(dtype)})")
 
 
+# ----------------------------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------------------------
 def test_kernel_errors():
     x = torch.randn(8, 16, device=DEVICE)
     w = torch.randn(2, 12, 16, device=DEVICE)
     with pytest.raises(ValueError, match="inner dimensions differ: x has K=16"):
-        K.grouped_matmul(x, torch.randn(2, 12, 15, device=DEVICE), [0, 4, 8])
+        grouped_matmul(x, torch.randn(2, 12, 15, device=DEVICE), [0, 4, 8])
     with pytest.raises(ValueError, match="offsets must start at 0, be non-decreasing"):
-        K.grouped_matmul(x, w, [0, 6, 4])
+        grouped_matmul(x, w, [0, 6, 4])
     with pytest.raises(ValueError, match="end at most at M=8"):
-        K.grouped_matmul(x, w, [0, 4, 9])
+        grouped_matmul(x, w, [0, 4, 9])
     with pytest.raises(TypeError, match="offsets must have dtype torch.int32 or torch.int64"):
-        K.grouped_matmul(x, w, torch.tensor([0.0, 8.0]))
+        grouped_matmul(x, w, torch.tensor([0.0, 8.0]))
     with pytest.raises(ValueError, match="weight must be 3-D"):
-        K.grouped_matmul(x, w[0], [0, 8])
+        grouped_matmul(x, w[0], [0, 8])
     with pytest.raises(TypeError, match="weight must have the same dtype as x"):
-        K.grouped_matmul(x, w.half(), [0, 8])
+        grouped_matmul(x, w.half(), [0, 8])
     with pytest.raises(ValueError, match="activation 'swiglu' needs an even number"):
-        K.grouped_matmul(x, torch.randn(2, 7, 16, device=DEVICE), [0, 8], activation="swiglu")
+        grouped_matmul(x, torch.randn(2, 7, 16, device=DEVICE), [0, 8], activation="swiglu")
     with pytest.raises(ValueError, match=r"out must have shape \(8, 12\)"):
-        K.grouped_matmul(x, w, [0, 8], out=torch.empty(8, 11, device=DEVICE))
+        grouped_matmul(x, w, [0, 8], out=torch.empty(8, 11, device=DEVICE))
     with pytest.raises(ValueError, match="num_groups must be a positive int"):
-        K.routing_metadata(torch.zeros(3, 1, dtype=torch.int64, device=DEVICE), 0)
+        routing_metadata(torch.zeros(3, 1, dtype=torch.int64, device=DEVICE), 0)
     with pytest.raises(TypeError, match="group_ids must have dtype torch.int32 or torch.int64"):
-        K.routing_metadata(torch.zeros(3, 1, device=DEVICE), 2)
+        routing_metadata(torch.zeros(3, 1, device=DEVICE), 2)
     with pytest.raises(ValueError, match="sorted_slot must have 16 elements"):
-        K.permute(x, torch.zeros(15, dtype=torch.int32, device=DEVICE), 2)
+        permute(x, torch.zeros(15, dtype=torch.int32, device=DEVICE), 2)
     with pytest.raises(ValueError, match=r"weights must have shape \(4, 2\)"):
-        K.combine(x, torch.zeros(8, dtype=torch.int32, device=DEVICE), torch.ones(4, 3, device=DEVICE), 2)
+        combine(x, torch.zeros(8, dtype=torch.int32, device=DEVICE), torch.ones(4, 3, device=DEVICE), 2)
+
+
+BAD_OFFSETS = {  # name -> (offsets for 8 rows, expected message)
+    "start-not-0": ([1, 4, 8], "offsets must start at 0"),
+    "decreasing": ([0, 6, 4], "be non-decreasing"),
+    "past-the-rows": ([0, 4, 9], "end at most at M=8"),
+    "one-entry": ([0], r"offsets must be 1-D with G \+ 1 >= 2 entries"),
+}
+OFFSET_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("offsets_device", OFFSET_DEVICES)
+@pytest.mark.parametrize("case", list(BAD_OFFSETS))
+def test_offsets_checked_on_every_device(case, offsets_device):
+    """The kernels read offsets unchecked, so every launcher checks them, whatever their device
+    (a CUDA tensor was trusted: out-of-bounds reads and writes)."""
+    offs, msg = BAD_OFFSETS[case]
+    offsets = torch.tensor(offs, dtype=torch.int32, device=offsets_device)
+    x = torch.randn(8, 16, device=DEVICE)
+    w = torch.randn(2, 12, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=msg):
+        grouped_matmul(x, w, offsets)
+    with pytest.raises(ValueError, match=msg):
+        grouped_matmul_dact(torch.randn(8, 12, device=DEVICE), w, offsets, torch.randn(8, 32, device=DEVICE))
+    with pytest.raises(ValueError, match=msg):
+        grouped_wgrad(torch.randn(8, 12, device=DEVICE), x, offsets, 2)
+    with pytest.raises(ValueError, match=msg):
+        as_group_offsets(offsets, 8, DEVICE)
+    # offsets that are correct by construction may skip the host read
+    good = torch.tensor([0, 3, 8], dtype=torch.int32, device=offsets_device)
+    assert as_group_offsets(good, 8, DEVICE, check=False).tolist() == [0, 3, 8]

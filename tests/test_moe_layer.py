@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from _utils import DEVICE, assert_close, randn
-from fusedpar.kernels import moe_mlp_reference
+from fusedpar.kernels.moe_routing import moe_mlp_reference
+from fusedpar.kernels.runtime import activation_reference
 from fusedpar.nn import MoE, TopKRouter
-from fusedpar.ops import grouped_mlp, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp
+from fusedpar.ops import grouped_mlp, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp, moe_plan
+from fusedpar.ops.transport import EmulatedTransport
 
 
 def reference_moe(x, router_w, w1, w2, *, top_k, score="softmax", normalize=False, activation="swiglu",
@@ -63,23 +65,27 @@ def _layer_case(m, x, g, *, score, normalize, capacity_factor, activation):
     assert_close(m.w2.grad, w2.grad, torch.float32, msg=f"w2 grad {tag}")
 
 
-def test_moe_layer_matches_reference():
-    g = torch.Generator().manual_seed(0)
-    cases = [
-        dict(score="softmax", normalize=False, capacity_factor=None, activation="swiglu"),
-        dict(score="sigmoid", normalize=True, capacity_factor=None, activation="gelu"),
-        dict(score="softmax", normalize=True, capacity_factor=0.75, activation="swiglu"),  # drops slots
-    ]
-    for i, c in enumerate(cases):
-        torch.manual_seed(10 + i)
-        m = MoE(20, 24, 6, 2, capacity_factor=c["capacity_factor"], activation=c["activation"], score=c["score"],
-                normalize=c["normalize"], device=DEVICE)
-        x = randn(3, 7, 20, generator=g)
-        _layer_case(m, x, g, **c)
-        if c["capacity_factor"] is not None:
-            cap = m.router_output.capacity
-            counts = torch.bincount(m.router_output.expert_ids.reshape(-1), minlength=6)
-            assert cap == math.ceil(0.75 * 21 * 2 / 6) and (counts > cap).any(), "the case must drop slots"
+LAYER_CASES = {
+    "softmax-swiglu": dict(score="softmax", normalize=False, capacity_factor=None, activation="swiglu"),
+    "sigmoid-gelu": dict(score="sigmoid", normalize=True, capacity_factor=None, activation="gelu"),
+    "softmax-swiglu-cf0.75": dict(score="softmax", normalize=True, capacity_factor=0.75, activation="swiglu"),  # drops
+}
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_moe_layer_matches_reference(case):
+    c = LAYER_CASES[case]
+    i = list(LAYER_CASES).index(case)
+    g = torch.Generator().manual_seed(i)
+    torch.manual_seed(10 + i)
+    m = MoE(20, 24, 6, 2, capacity_factor=c["capacity_factor"], activation=c["activation"], score=c["score"],
+            normalize=c["normalize"], device=DEVICE)
+    x = randn(3, 7, 20, generator=g)
+    _layer_case(m, x, g, **c)
+    if c["capacity_factor"] is not None:
+        cap = m.router_output.capacity
+        counts = torch.bincount(m.router_output.expert_ids.reshape(-1), minlength=6)
+        assert cap == math.ceil(0.75 * 21 * 2 / 6) and (counts > cap).any(), f"the case must drop slots ({case})"
 
 
 def _functional_case(T, k, E, ids, g, *, capacity=None, H=16, Fd=24, activation="swiglu"):
@@ -101,21 +107,30 @@ def _functional_case(T, k, E, ids, g, *, capacity=None, H=16, Fd=24, activation=
         assert_close(ours.grad, ref.grad, torch.float32, msg=f"grad {name} {tag}")
 
 
-def test_edge_cases():
-    g = torch.Generator().manual_seed(1)
+def _perms(T, E, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+
+
+EDGE_CASES = {  # name -> (T, k, E, expert ids factory, options)
     # every token to expert 0 (top-1), and every token to experts (3, 0) (top-2)
-    _functional_case(13, 1, 4, torch.zeros(13, 1, dtype=torch.int64), g)
-    _functional_case(13, 2, 4, torch.tensor([[3, 0]] * 13), g)
-    # a single token
-    _functional_case(1, 2, 5, torch.tensor([[4, 1]]), g)
+    "all-to-expert-0": (13, 1, 4, lambda: torch.zeros(13, 1, dtype=torch.int64), {}),
+    "all-to-experts-3-0": (13, 2, 4, lambda: torch.tensor([[3, 0]] * 13), {}),
+    "single-token": (1, 2, 5, lambda: torch.tensor([[4, 1]]), {}),
     # top_k == num_experts: every expert sees every token
-    _functional_case(7, 4, 4, torch.stack([torch.randperm(4, generator=g) for _ in range(7)]), g)
+    "top_k-equals-experts": (7, 4, 4, lambda: _perms(7, 4, 4, 1), {}),
     # experts that receive nothing (only 1 and 5 of 8 are used)
-    _functional_case(11, 1, 8, torch.tensor([[1], [5]] * 5 + [[1]]), g, activation="relu")
+    "idle-experts-relu": (11, 1, 8, lambda: torch.tensor([[1], [5]] * 5 + [[1]]), dict(activation="relu")),
     # capacity dropping: 3 slots per expert kept, the earliest tokens; later ones contribute zero
-    ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(10)])
-    _functional_case(10, 2, 3, ids, g, capacity=3)
-    _functional_case(6, 2, 3, ids[:6], g, capacity=0)  # everything dropped: zeros, zero grads
+    "capacity-3": (10, 2, 3, lambda: _perms(10, 3, 2, 2), dict(capacity=3)),
+    "capacity-0": (6, 2, 3, lambda: _perms(10, 3, 2, 2)[:6], dict(capacity=0)),  # all dropped: zero grads
+}
+
+
+@pytest.mark.parametrize("case", list(EDGE_CASES))
+def test_edge_cases(case):
+    T, k, E, make_ids, kw = EDGE_CASES[case]
+    _functional_case(T, k, E, make_ids(), torch.Generator().manual_seed(list(EDGE_CASES).index(case)), **kw)
 
 
 def test_router_ties_and_losses():
@@ -181,7 +196,6 @@ def test_stages_compose_to_the_layer():
     (grouped_mlp(xs, w1s, w2s, offs) * go).sum().backward()
     refs = [_f64(t) for t in (x, w1, w2)]
     out = torch.zeros(T, H, dtype=torch.float64)
-    from fusedpar.kernels.gemm import activation_reference
     for e in range(E):
         a, b = offs[e], offs[e + 1]
         out[a:b] = activation_reference(refs[0][a:b] @ refs[1][e].t(), "swiglu") @ refs[2][e].t()
@@ -240,6 +254,78 @@ def test_bad_input():
         moe_mlp(x, ids, wts, w1[:3], w2[:3], num_experts=4)
     with pytest.raises(ValueError, match="capacity must be None or an int >= 0"):
         moe_mlp(x, ids, wts, w1, w2, num_experts=4, capacity=-1)
+    with pytest.raises(ValueError, match="pass either group= or a Transport instance"):
+        moe_mlp(x, ids, wts, w1, w2, num_experts=4, ep_group=object(), transport=EmulatedTransport(2))
+    with pytest.raises(ValueError, match="pass either group= or a Transport instance"):
+        MoE(16, 24, 4, 2, ep_group=object(), transport=EmulatedTransport(2))
+
+
+def bad_ids(kind, T, k, E):
+    ids = torch.zeros(T, k, dtype=torch.int64)
+    ids[:, 0] = torch.arange(T) % E
+    bad = {"E": E, "negative": -1, "huge": 2**40}[kind]
+    ids[T // 2, k - 1] = bad
+    return ids.to(DEVICE), bad
+
+
+def call_entry(entry, x, ids, E, *, transport=None):
+    """Run ``moe_plan`` / ``moe_dispatch`` / ``moe_mlp`` (zero swiglu experts) on ``x`` and ``ids``."""
+    T, k = ids.shape
+    if entry == "moe_plan":
+        return moe_plan(x, ids, E, transport=transport)
+    if entry == "moe_dispatch":
+        return moe_dispatch(x, ids, E, transport=transport)
+    e_loc = E // (1 if transport is None else transport.size)
+    w1 = torch.zeros(e_loc, 8, x.shape[1], device=x.device)
+    w2 = torch.zeros(e_loc, x.shape[1], 4, device=x.device)
+    return moe_mlp(x, ids, torch.ones(T, k, device=x.device), w1, w2, num_experts=E, transport=transport)
+
+
+ENTRIES = ["moe_plan", "moe_dispatch", "moe_mlp"]
+
+
+@pytest.mark.parametrize("kind", ["E", "negative", "huge"])
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_out_of_range_expert_ids_single_rank(entry, kind):
+    """Out-of-range ids would be dropped silently by the routing sort: every entry point raises."""
+    x = torch.randn(6, 16, device=DEVICE)
+    ids, bad = bad_ids(kind, 6, 2, 4)
+    lo, hi = min(bad, 0), max(bad, 3)
+    with pytest.raises(ValueError, match=rf"expert_ids must lie in \[0, 4\), got values in \[{lo}, {hi}\]$"):
+        call_entry(entry, x, ids, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_out_of_range_expert_ids_single_rank_cuda(entry):
+    """The single-rank CUDA path checked nothing (to stay sync-free); the check now rides on a
+    copy queued behind the routing kernels."""
+    x = torch.randn(6, 16, device="cuda")
+    ids, _ = bad_ids("E", 6, 2, 4)
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\), got values in \[0, 4\]"):
+        call_entry(entry, x, ids.cuda(), 4)
+
+
+def test_tokens_must_match_the_plan():
+    """The plan's offsets address exactly the dispatched rows; other tokens are refused."""
+    x = torch.randn(6, 16, device=DEVICE)
+    ids = torch.tensor([[0, 1], [2, 3]] * 3, device=DEVICE)
+    tokens, plan = moe_dispatch(x, ids, 4)
+    w1 = torch.zeros(4, 8, 16, device=DEVICE)
+    w2 = torch.zeros(4, 16, 4, device=DEVICE)
+    for rows in (tokens.shape[0] - 3, tokens.shape[0] + 3):
+        with pytest.raises(ValueError, match=f"tokens must have the 12 rows the plan dispatched, got shape \\({rows},"):
+            moe_expert_compute(torch.zeros(rows, 16, device=DEVICE), w1, w2, plan)
+
+
+@pytest.mark.parametrize("offsets_device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grouped_mlp_checks_offsets(offsets_device):
+    x = torch.randn(8, 16, device=DEVICE)
+    w1 = torch.zeros(2, 8, 16, device=DEVICE)
+    w2 = torch.zeros(2, 16, 4, device=DEVICE)
+    for offs, msg in (([0, 6, 4], "non-decreasing"), ([0, 4, 9], "end at most at M=8"), ([2, 8], "start at 0")):
+        with pytest.raises(ValueError, match=msg):
+            grouped_mlp(x, w1, w2, torch.tensor(offs, device=offsets_device))
 
 
 def test_benchmark_cli_smoke(tmp_path):
@@ -257,5 +343,5 @@ def test_benchmark_cli_smoke(tmp_path):
     assert main(["moe", "--tokens", "9", "--experts", "3", "--top-k", "2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["moe"]
     kinds = {r["bench"] for r in rows}
-    assert kinds == {"grouped_gemm", "permute", "unpermute", "layer_fwd_bwd"}
+    assert kinds == {"grouped_gemm", "permute", "unpermute", "layer_fwd_bwd", "ep_layer_fwd_bwd"}
     assert all(r["max_rel_err"] < 1e-3 and r["tokens"] == 9 and r["experts"] == 3 for r in rows)

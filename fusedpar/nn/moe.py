@@ -7,10 +7,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fusedpar.ops import comm
-from fusedpar.kernels.checks import check_divisible
-from ..kernels.gemm import ACTIVATIONS
+from ..kernels.checks import check_choice, check_divisible, check_int
+from ..kernels.runtime import ACTIVATIONS
 from ..ops.moe import moe_mlp
+from ..ops.transport import get_transport
 
 __all__ = ["TopKRouter", "RouterOutput", "MoE"]
 
@@ -23,11 +23,6 @@ class RouterOutput(NamedTuple):
     capacity: int | None  # slots per expert kept (None: dropless)
     aux_loss: torch.Tensor  # aux_loss_coef * load-balancing loss (scalar, fp32)
     z_loss: torch.Tensor  # z_loss_coef * router z-loss (scalar, fp32)
-
-
-def _check_int(name, v, lo=1):
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
 class TopKRouter(nn.Module):
@@ -55,13 +50,12 @@ class TopKRouter(nn.Module):
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, capacity_factor: float | None = None,
                  normalize: bool | None = None, device=None, dtype=None):
         super().__init__()
-        _check_int("hidden_size", hidden_size)
-        _check_int("num_experts", num_experts)
-        _check_int("top_k", top_k)
+        check_int("hidden_size", hidden_size, min_value=1)
+        check_int("num_experts", num_experts, min_value=1)
+        check_int("top_k", top_k, min_value=1)
         if top_k > num_experts:
             raise ValueError(f"top_k must be <= num_experts ({num_experts}), got {top_k}")
-        if score not in _SCORES:
-            raise ValueError(f"score must be one of {_SCORES}, got {score!r}")
+        check_choice("score", score, _SCORES)
         if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
             raise ValueError(f"capacity_factor must be None or a number > 0, got {capacity_factor!r}")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
@@ -126,9 +120,11 @@ class MoE(nn.Module):
 
     Expert parallelism: the experts are split over ``ep_group`` (rank ``r`` holds experts
     ``r * E/ep .. (r+1) * E/ep - 1``); tokens travel by all-to-all-v, the dispatch pipelined over
-    ``num_chunks`` chunks (:func:`fusedpar.ops.moe_mlp`). The full expert weights do not depend
-    on the EP degree: a base seed drawn from torch's global generator (identical on all ranks
-    when they share a seed) and the global expert index seed each expert's generator.
+    ``num_chunks`` chunks (:func:`fusedpar.ops.moe_mlp`). ``transport``: a
+    :class:`fusedpar.ops.transport.Transport` instead of ``ep_group`` (not both), e.g. an
+    ``EmulatedTransport`` to run one rank of an EP layer in one process. The full expert weights
+    do not depend on the EP degree: a base seed drawn from torch's global generator (identical on
+    all ranks when they share a seed) and the global expert index seed each expert's generator.
 
     After ``forward``, ``self.aux_loss`` holds the router's coefficient-weighted load-balancing
     plus z-loss (scalar) and ``self.router_output`` the routing decision.
@@ -137,12 +133,12 @@ class MoE(nn.Module):
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, ep_group=None,
-                 capacity_factor: float | None = None, activation: str = "swiglu", score: str = "softmax",
-                 aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, normalize: bool | None = None,
-                 num_chunks: int = 2, device=None, dtype=None):
+                 transport=None, capacity_factor: float | None = None, activation: str = "swiglu",
+                 score: str = "softmax", aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3,
+                 normalize: bool | None = None, num_chunks: int = 2, device=None, dtype=None):
         super().__init__()
-        _check_int("ffn_hidden_size", ffn_hidden_size)
-        _check_int("num_chunks", num_chunks)
+        check_int("ffn_hidden_size", ffn_hidden_size, min_value=1)
+        check_int("num_chunks", num_chunks, min_value=1)
         if activation not in ACTIVATIONS or activation == "none":
             raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a != 'none')}, "
                              f"got {activation!r}")
@@ -150,9 +146,10 @@ class MoE(nn.Module):
                                  z_loss_coef=z_loss_coef, capacity_factor=capacity_factor, normalize=normalize,
                                  device=device, dtype=dtype)
         self.ep_group = ep_group
-        ep = comm.group_size(ep_group)
+        self.transport = get_transport(transport, ep_group)
+        ep = self.transport.size
         check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
-        self.ep_size, self.ep_rank = ep, comm.group_rank(ep_group)
+        self.ep_size, self.ep_rank = ep, self.transport.rank
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k
         self.experts_per_rank = num_experts // ep
@@ -190,10 +187,10 @@ class MoE(nn.Module):
         self.router_output = r
         self.aux_loss = r.aux_loss + r.z_loss
         return moe_mlp(x, r.expert_ids, r.weights, self.w1, self.w2, num_experts=self.num_experts,
-                       ep_group=self.ep_group, capacity=r.capacity, activation=self.activation,
+                       transport=self.transport, capacity=r.capacity, activation=self.activation,
                        num_chunks=self.num_chunks)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-                f"num_experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size} ({self.transport.name}), "
                 f"activation={self.activation!r}, experts_per_rank={self.experts_per_rank}")

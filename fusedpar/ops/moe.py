@@ -3,9 +3,9 @@
 Stages (each an autograd-aware function, so a schedule can place them around other work):
 
 * :func:`moe_plan` — routing metadata on the device (fusedpar.kernels.routing_metadata), then,
-  with ``ep > 1``, the exchange of per-expert counts (one all-to-all of ints) and the one host
-  sync of the layer: ``torch.distributed.all_to_all_single`` needs its split sizes as Python ints.
-  With ``ep == 1`` nothing leaves the device and there is no sync at all.
+  with ``ep > 1``, the exchange of per-expert counts (one all-to-all of ints through the
+  transport) and the one host sync of the layer: an all-to-all-v takes its split sizes as Python
+  ints. With ``ep == 1`` nothing leaves the device.
 * :func:`moe_dispatch` — permute tokens into expert-contiguous order (each repeated once per
   routed slot) and, with ``ep > 1``, send them to the ranks that own the experts (all-to-all-v).
 * :func:`moe_expert_compute` / :func:`grouped_mlp` — the experts' MLP as two grouped GEMMs
@@ -16,13 +16,25 @@ Stages (each an autograd-aware function, so a schedule can place them around oth
 :func:`moe_mlp` runs all of them with the dispatch *pipelined*: the routed tokens are split into
 ``num_chunks`` chunks (by token index), every chunk's all-to-all is started up front, and the
 expert GEMMs of chunk ``c`` run while later chunks are still in flight; each chunk's results are
-sent back as soon as they are computed. The backward runs the same pipeline in reverse (the
-gradients of the outputs travel like the dispatch, the input gradients like the return), and the
-expert weight gradients accumulate in fp32 across chunks while the input gradients travel.
+sent back as soon as they are computed (:func:`moe_experts_fwd`). The backward runs the same
+pipeline in reverse (:func:`moe_experts_bwd`: the gradients of the outputs travel like the
+dispatch, the input gradients like the return), and the expert weight gradients accumulate in
+fp32 across chunks while the input gradients travel.
+
+Every exchange goes through a :class:`fusedpar.ops.transport.Transport` (``transport=``; by
+default :class:`~fusedpar.ops.transport.PortableTransport` over ``ep_group``), so the same
+schedule runs on ``torch.distributed`` and on :class:`~fusedpar.ops.transport.EmulatedTransport`.
+Under emulation every peer mirrors this rank — its tokens, its routing and its expert weights —
+so global expert ``e`` is served by this rank's local expert ``e % E_local``.
 
 Layout of the expert side (what a rank's experts see): for each chunk, rows from source rank 0,
 then 1, ...; within a source, expert-contiguous. The grouped GEMM takes these ``ep * E_local``
 groups directly (group ``g`` uses expert ``g % E_local``), so no regrouping copy is needed.
+
+Expert ids are checked to lie in ``[0, num_experts)`` on every path: with ``ep > 1`` each rank's
+min / max ride on the count exchange (every rank raises the same error, none is left waiting);
+with ``ep == 1`` on a GPU they are copied to the host behind the routing kernels and read once
+the layer's kernels are queued (the host waits for the routing, the GPU does not idle).
 """
 from __future__ import annotations
 
@@ -30,13 +42,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusedpar.ops import comm
-from fusedpar.kernels.checks import check_divisible
-from ..kernels import moe as K
-from ..kernels.gemm import ACTIVATIONS
+from ..kernels.checks import check_choice, check_divisible, check_same, check_tensor
+from ..kernels.grouped_gemm import as_group_offsets, grouped_matmul, grouped_matmul_dact, grouped_wgrad
+from ..kernels.moe_permute import combine, combine_backward, permute
+from ..kernels.moe_routing import routing_metadata
+from ..kernels.runtime import ACTIVATIONS
+from .transport import Transport, get_transport
 
 __all__ = [
     "MoEPlan", "moe_plan", "moe_dispatch", "moe_expert_compute", "moe_combine", "moe_mlp", "grouped_mlp",
+    "moe_permute_fwd", "moe_permute_bwd", "moe_unpermute_fwd", "moe_unpermute_bwd", "all_to_all_v_fwd",
+    "all_to_all_v_bwd", "grouped_mlp_fwd", "grouped_mlp_bwd", "moe_experts_fwd", "moe_experts_bwd",
 ]
 
 
@@ -57,9 +73,7 @@ class MoEPlan:
     num_tokens: int
     top_k: int
     num_experts: int
-    ep_size: int
-    ep_rank: int
-    group: object
+    transport: Transport
     num_chunks: int
     capacity: int | None
     slot_pos: torch.Tensor
@@ -68,6 +82,19 @@ class MoEPlan:
     expert_offsets: list = field(default_factory=list)
     send_splits: list = field(default_factory=list)
     recv_splits: list = field(default_factory=list)
+
+    @property
+    def ep_size(self) -> int:
+        return self.transport.size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def group(self):
+        """The process group of a portable transport (None for other transports)."""
+        return getattr(self.transport, "group", None)
 
     @property
     def experts_per_rank(self) -> int:
@@ -95,9 +122,16 @@ class MoEPlan:
         for c in range(self.num_chunks):
             s0, sn = self.send_rows(c)
             r0, rn = self.recv_rows(c)
-            handles.append(comm.all_to_all(recv[r0:r0 + rn], send[s0:s0 + sn], self.recv_splits[c],
-                                           self.send_splits[c], self.group))
+            handles.append(self.transport.all_to_all(recv[r0:r0 + rn], send[s0:s0 + sn], self.recv_splits[c],
+                                                     self.send_splits[c]))
         return handles
+
+    def return_chunk(self, c: int, token_side: torch.Tensor, expert_side: torch.Tensor):
+        """Post chunk ``c``'s all-to-all-v from ``expert_side`` rows back to ``token_side`` rows."""
+        s0, sn = self.send_rows(c)
+        r0, rn = self.recv_rows(c)
+        return self.transport.all_to_all(token_side[s0:s0 + sn], expert_side[r0:r0 + rn], self.send_splits[c],
+                                         self.recv_splits[c])
 
     @property
     def num_kept(self) -> int:
@@ -109,171 +143,316 @@ class MoEPlan:
         return sum(sum(s) for s in self.recv_splits)
 
 
-def _check_routing(x2d, expert_ids, num_experts, group, *, weights=None, capacity=None, num_chunks=1):
-    """Validate everything before any communication; returns (T, k, ep, ep_rank)."""
+def _check_routing(x2d, expert_ids, num_experts, ep, *, weights=None, capacity=None, num_chunks=1):
+    """Validate everything that needs no device read before any communication; returns (T, k).
+    The range of the ids is checked by :func:`_build_plan`."""
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    if not isinstance(expert_ids, torch.Tensor):
-        raise TypeError(f"expert_ids must be a torch.Tensor, got {type(expert_ids).__name__}")
-    if expert_ids.dim() != 2:
-        raise ValueError(f"expert_ids must be [tokens, top_k], got shape {tuple(expert_ids.shape)}")
-    if expert_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"expert_ids must have dtype torch.int32 or torch.int64, got {expert_ids.dtype}")
+    check_tensor("expert_ids", expert_ids, dims=(2,), dtypes=(torch.int32, torch.int64))
     T, k = expert_ids.shape
     if x2d.shape[0] != T:
         raise ValueError(f"expert_ids has {T} tokens but x has {x2d.shape[0]} (x.shape[:-1] flattened)")
-    if expert_ids.device != x2d.device:
-        raise ValueError(f"expert_ids must be on the device of x ({x2d.device}), got {expert_ids.device}")
+    check_same("expert_ids", expert_ids, "x", x2d, dtype=False)
     if k < 1 or k > num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {k}")
     if weights is not None:
-        if not isinstance(weights, torch.Tensor):
-            raise TypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
+        check_tensor("weights", weights)
         if tuple(weights.shape) != (T, k):
             raise ValueError(f"weights must have shape {(T, k)} like expert_ids, got {tuple(weights.shape)}")
         if not weights.is_floating_point():
             raise TypeError(f"weights must be a floating tensor, got {weights.dtype}")
     if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
         raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
-    if not isinstance(num_chunks, int) or num_chunks < 1:
+    if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-    ep, rank = comm.group_size(group), comm.group_rank(group)
     check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
-    # Out-of-range ids would be dropped silently by the sort. Checking them costs a device sync,
-    # which an EP call pays anyway (split sizes); on CPU it is free. A single-rank CUDA call
-    # trusts its ids (TopKRouter only produces valid ones) to stay sync-free.
-    if T * k and (ep > 1 or expert_ids.device.type == "cpu"):
-        lo, hi = int(expert_ids.min()), int(expert_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"expert_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
-    return T, k, ep, rank
+    return T, k
 
 
-def moe_plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_group=None,
+def _id_range(expert_ids) -> torch.Tensor:
+    """``[min, max]`` of the ids as a device int64 tensor (``[0, 0]`` without ids); no sync."""
+    if expert_ids.numel() == 0:
+        return torch.zeros(2, device=expert_ids.device, dtype=torch.int64)
+    lo, hi = torch.aminmax(expert_ids.reshape(-1))
+    return torch.stack([lo, hi]).to(torch.int64)
+
+
+def _check_id_range(lo: int, hi: int, num_experts: int, where: str = "") -> None:
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"expert_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]{where}")
+
+
+class _PendingIdCheck:
+    """The range check of one rank's expert ids (``ep == 1``). A CPU tensor is read at once; on a
+    GPU ``[min, max]`` is copied to pinned host memory behind the routing kernels and
+    :meth:`wait`, called once the layer's kernels are queued, reads it. While a CUDA graph is
+    being captured nothing can be read on the host: the check is skipped there."""
+
+    def __init__(self, expert_ids, num_experts):
+        self.num_experts = num_experts
+        self._event = self._host = None
+        if expert_ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        rng = _id_range(expert_ids)
+        if rng.device.type == "cuda":
+            self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(rng, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = rng
+            self.wait()
+
+    def wait(self) -> None:
+        if self._host is None:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        lo, hi = self._host.tolist()
+        _check_id_range(lo, hi, self.num_experts)
+
+
+def moe_plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_group=None, transport=None,
              capacity: int | None = None, num_chunks: int = 1) -> MoEPlan:
     """Routing metadata and (``ep > 1``) the count exchange. ``capacity``: at most this many slots
-    per expert from this rank's tokens, the earliest in token order; the rest are dropped."""
+    per expert from this rank's tokens, the earliest in token order; the rest are dropped.
+    ``transport``: a Transport (then ``ep_group`` must be None), default portable over ``ep_group``.
+    Reads the expert ids' range on the host before it returns (a sync on a GPU, also at ``ep == 1``)."""
+    transport = get_transport(transport, ep_group)
     x2d = x.reshape(-1, x.shape[-1])
-    _check_routing(x2d, expert_ids, num_experts, ep_group, capacity=capacity, num_chunks=num_chunks)
-    return _build_plan(x2d, expert_ids, num_experts, ep_group, capacity, num_chunks)
+    _check_routing(x2d, expert_ids, num_experts, transport.size, capacity=capacity, num_chunks=num_chunks)
+    plan, pending = _build_plan(x2d, expert_ids, num_experts, transport, capacity, num_chunks)
+    if pending is not None:
+        pending.wait()
+    return plan
 
 
-def _build_plan(x, expert_ids, num_experts, ep_group, capacity, num_chunks) -> MoEPlan:
+def _build_plan(x, expert_ids, num_experts, transport, capacity, num_chunks):
+    """``(plan, pending id check or None)``; with ``ep > 1`` the ids are checked here."""
     T, k = expert_ids.shape
-    ep, rank = comm.group_size(ep_group), comm.group_rank(ep_group)
-    E = num_experts
+    E, ep = num_experts, transport.size
     ids = expert_ids.to(torch.int32)
     if ep == 1:
-        counts, offsets, slot_pos, sorted_slot = K.routing_metadata(ids, E, capacity=capacity)
-        return MoEPlan(T, k, E, 1, 0, comm.resolve_group(ep_group), 1, capacity, slot_pos, sorted_slot, counts,
-                       expert_offsets=[offsets])
+        pending = _PendingIdCheck(expert_ids, E)
+        counts, offsets, slot_pos, sorted_slot = routing_metadata(ids, E, capacity=capacity)
+        return MoEPlan(T, k, E, transport, 1, capacity, slot_pos, sorted_slot, counts,
+                       expert_offsets=[offsets]), pending
     C = num_chunks
     if capacity is not None:  # drop first (over the whole batch), then sort the kept slots by chunk
-        _, _, pos0, _ = K.routing_metadata(ids, E, capacity=capacity)
+        _, _, pos0, _ = routing_metadata(ids, E, capacity=capacity)
         ids = torch.where(pos0 >= 0, ids.reshape(-1), -1).reshape(T, k)
     chunk_len = max(1, -(-T // C))
     chunk = (torch.arange(T, device=ids.device, dtype=torch.int32) // chunk_len)[:, None]
     gids = torch.where(ids >= 0, ids + E * chunk, -1)
-    counts, _, slot_pos, sorted_slot = K.routing_metadata(gids, C * E)
-    E_loc = E // ep
-    # counts per (destination rank, chunk, local expert) -> each rank receives [source, chunk, expert]
-    send = counts.view(C, ep, E_loc).transpose(0, 1).contiguous().view(-1)
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group=ep_group).wait()
-    # the host sync: all_to_all_single takes split sizes as Python ints
-    send_l = counts.view(C, ep, E_loc).tolist()
-    recv_l = recv.view(ep, C, E_loc).tolist()
-    send_splits = [[sum(send_l[c][r]) for r in range(ep)] for c in range(C)]
+    counts, _, slot_pos, sorted_slot = routing_metadata(gids, C * E)
+    send_l, recv_l, ranges = _exchange_counts(counts, _id_range(expert_ids), transport, C, E // ep)
+    for r, (lo, hi) in enumerate(ranges):
+        _check_id_range(lo, hi, E, f" on expert-parallel rank {r}")
+    send_splits = [[sum(send_l[r][c]) for r in range(ep)] for c in range(C)]
     recv_splits = [[sum(recv_l[s][c]) for s in range(ep)] for c in range(C)]
     expert_offsets = []
     for c in range(C):
         offs = [0]
         for s in range(ep):
-            for e in range(E_loc):
-                offs.append(offs[-1] + recv_l[s][c][e])
+            for n in recv_l[s][c]:
+                offs.append(offs[-1] + n)
         expert_offsets.append(torch.tensor(offs, dtype=torch.int32).to(x.device, non_blocking=True))
-    return MoEPlan(T, k, E, ep, rank, comm.resolve_group(ep_group), C, capacity, slot_pos, sorted_slot, counts,
-                   expert_offsets=expert_offsets, send_splits=send_splits, recv_splits=recv_splits)
+    return MoEPlan(T, k, E, transport, C, capacity, slot_pos, sorted_slot, counts, expert_offsets=expert_offsets,
+                   send_splits=send_splits, recv_splits=recv_splits), None
+
+
+def _exchange_counts(counts, id_range, transport, C, E_loc):
+    """One all-to-all of ints: to each rank, this rank's kept slots per (chunk, its local expert)
+    and this rank's ``[min, max]`` expert id. Then the one host read of the layer (split sizes
+    are Python ints). Returns ``send[r][c][e]``, ``recv[s][c][e]`` and every rank's ``(min, max)``."""
+    ep = transport.size
+    per_dest = counts.view(C, ep, E_loc).transpose(0, 1).reshape(ep, C * E_loc).to(torch.int64)
+    send = torch.cat([per_dest, id_range.view(1, 2).expand(ep, 2)], dim=1).contiguous()
+    recv = torch.empty_like(send)
+    transport.all_to_all(recv, send).wait()
+    host = torch.cat([send, recv]).tolist()
+
+    def grid(row):
+        return [row[c * E_loc:(c + 1) * E_loc] for c in range(C)]
+
+    send_l = [grid(host[r]) for r in range(ep)]
+    recv_l = [grid(host[ep + s]) for s in range(ep)]
+    return send_l, recv_l, [tuple(host[ep + s][-2:]) for s in range(ep)]
 
 
 # ----------------------------------------------------------------------------------------------
-# autograd Functions
+# forward / backward of each op (what the autograd Functions call)
 # ----------------------------------------------------------------------------------------------
-class _PermuteFn(torch.autograd.Function):
-    """x [T, H] -> [T*k, H] expert-contiguous (zero tail); backward: sum of the k slot gradients."""
-
-    @staticmethod
-    def forward(ctx, x, plan):
-        ctx.plan = plan
-        return K.permute(x, plan.sorted_slot, plan.top_k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        plan = ctx.plan
-        return K.combine(grad.contiguous(), plan.slot_pos, None, plan.top_k), None
+def moe_permute_fwd(x2d: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+    """x ``[T, H]`` -> ``[T*k, H]`` expert-contiguous (zero tail)."""
+    return permute(x2d, plan.sorted_slot, plan.top_k)
 
 
-class _CombineFn(torch.autograd.Function):
-    """y [R, H] token-side permuted rows, weights [T, k] -> [T, H] = sum_j w * y[pos] (fp32)."""
-
-    @staticmethod
-    def forward(ctx, y, weights, plan):
-        ctx.plan = plan
-        ctx.save_for_backward(y, weights)
-        return K.combine(y, plan.slot_pos, weights, plan.top_k, out_dtype=y.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        plan = ctx.plan
-        y, weights = ctx.saved_tensors
-        gy, gw = K.combine_backward(grad.contiguous(), y, weights, plan.sorted_slot[: y.shape[0]], plan.top_k)
-        return gy, gw.to(weights.dtype), None
+def moe_permute_bwd(grad: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+    """The sum of each token's ``k`` slot gradients."""
+    return combine(grad.contiguous(), plan.slot_pos, None, plan.top_k)
 
 
-class _AllToAllVFn(torch.autograd.Function):
-    """All-to-all-v along rows; the backward sends the gradients back the same way reversed."""
-
-    @staticmethod
-    def forward(ctx, inp, out_rows, out_splits, in_splits, group):
-        ctx.args = (inp.shape[0], out_splits, in_splits, group)
-        out = inp.new_empty((out_rows,) + tuple(inp.shape[1:]))
-        comm.all_to_all(out, inp.contiguous(), out_splits, in_splits, group).wait()
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        in_rows, out_splits, in_splits, group = ctx.args
-        g = grad.new_empty((in_rows,) + tuple(grad.shape[1:]))
-        comm.all_to_all(g, grad.contiguous(), in_splits, out_splits, group).wait()
-        return g, None, None, None, None
+def moe_unpermute_fwd(y: torch.Tensor, weights: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
+    """y ``[R, H]`` token-side permuted rows, weights ``[T, k]`` -> ``[T, H] = sum_j w * y[pos]`` (fp32)."""
+    return combine(y, plan.slot_pos, weights, plan.top_k, out_dtype=y.dtype)
 
 
-def _mlp_forward(x, w1, w2, offsets, activation, *, h_out=None, pre_out=None, y_out=None):
+def moe_unpermute_bwd(grad: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, plan: MoEPlan):
+    """``(grad_y, grad_weights)`` in the dtypes of ``y`` and ``weights``."""
+    gy, gw = combine_backward(grad.contiguous(), y, weights, plan.sorted_slot[: y.shape[0]], plan.top_k)
+    return gy, gw.to(weights.dtype)
+
+
+def all_to_all_v_fwd(inp: torch.Tensor, out_rows: int, out_splits, in_splits, transport: Transport) -> torch.Tensor:
+    """All-to-all-v along rows: ``in_splits[r]`` rows of ``inp`` to rank ``r``, ``out_splits[r]``
+    rows from it; returns the ``[out_rows, ...]`` received rows."""
+    out = inp.new_empty((out_rows,) + tuple(inp.shape[1:]))
+    transport.all_to_all(out, inp.contiguous(), out_splits, in_splits).wait()
+    return out
+
+
+def all_to_all_v_bwd(grad: torch.Tensor, in_rows: int, out_splits, in_splits, transport: Transport) -> torch.Tensor:
+    """The gradients go back the way the rows came: the forward exchange with the splits swapped."""
+    return all_to_all_v_fwd(grad, in_rows, in_splits, out_splits, transport)
+
+
+def grouped_mlp_fwd(x, w1, w2, offsets, activation, *, h_out=None, pre_out=None, y_out=None):
+    """``(y, h, pre)``: ``pre = x W1^T`` per group, ``h = act(pre)``, ``y = h W2^T``."""
     pre = pre_out if pre_out is not None else x.new_empty((x.shape[0], w1.shape[1]))
-    h = K.grouped_matmul(x, w1, offsets, activation=activation, preact_out=pre, out=h_out)
-    y = K.grouped_matmul(h, w2, offsets, out=y_out)
+    h = grouped_matmul(x, w1, offsets, activation=activation, preact_out=pre, out=h_out, check_offsets=False)
+    y = grouped_matmul(h, w2, offsets, out=y_out, check_offsets=False)
     return y, h, pre
 
 
 def _mlp_dgrad(gy, pre, w1, w2, offsets, activation, *, need_dx=True, dx_out=None):
     """dpre = (gy @ W2) * act'(pre) (fused into the GEMM, W2 read transposed in place) and
     dx = dpre @ W1 (transposed view, no copy)."""
-    dpre = K.grouped_matmul_dact(gy, w2, offsets, pre, weight_layout="kn", activation=activation)
-    dx = K.grouped_matmul(dpre, w1, offsets, weight_layout="kn", out=dx_out) if need_dx else None
+    dpre = grouped_matmul_dact(gy, w2, offsets, pre, weight_layout="kn", activation=activation, check_offsets=False)
+    dx = None
+    if need_dx:
+        dx = grouped_matmul(dpre, w1, offsets, weight_layout="kn", out=dx_out, check_offsets=False)
     return dx, dpre
 
 
 def _mlp_wgrad(gy, x, h, dpre, offsets, num_experts, *, dw1=None, dw2=None, accumulate=False):
     """dW2 = gy^T h and dW1 = dpre^T x per expert (into fp32 buffers when accumulating)."""
-    dw2 = K.grouped_wgrad(gy, h, offsets, num_experts, out=dw2, accumulate=accumulate)
-    dw1 = K.grouped_wgrad(dpre, x, offsets, num_experts, out=dw1, accumulate=accumulate)
+    dw2 = grouped_wgrad(gy, h, offsets, num_experts, out=dw2, accumulate=accumulate, check_offsets=False)
+    dw1 = grouped_wgrad(dpre, x, offsets, num_experts, out=dw1, accumulate=accumulate, check_offsets=False)
     return dw1, dw2
+
+
+def grouped_mlp_bwd(gy, x, h, pre, w1, w2, offsets, activation, *, need_input_grad=True, need_weight_grad=True):
+    """``(dx, dw1, dw2)`` of :func:`grouped_mlp_fwd` (None where not needed)."""
+    gy = gy.contiguous()
+    dx, dpre = _mlp_dgrad(gy, pre, w1, w2, offsets, activation, need_dx=need_input_grad)
+    dw1 = dw2 = None
+    if need_weight_grad:
+        dw1, dw2 = _mlp_wgrad(gy, x, h, dpre, offsets, w1.shape[0])
+    return dx, dw1, dw2
+
+
+def moe_experts_fwd(x_perm, w1, w2, plan: MoEPlan, activation: str):
+    """Token-side permuted rows -> dispatch (chunked all-to-all-v) -> expert MLP per chunk as its
+    chunk arrives -> return all-to-all-v per chunk. Returns the token-side expert outputs
+    ``[T*k, H]`` (zero tail) and what the backward needs: ``(y_perm, (recv, h, pre))``."""
+    H, R = x_perm.shape[1], plan.num_expert_rows
+    recv = x_perm.new_empty((R, H))
+    handles = plan.dispatch_chunks(recv, x_perm)  # all in flight; compute waits on each in turn
+    y_perm = x_perm.new_empty((plan.num_rows, H))
+    y_perm[plan.num_kept:].zero_()
+    y_exp = x_perm.new_empty((R, H))
+    pre = x_perm.new_empty((R, w1.shape[1]))
+    h = x_perm.new_empty((R, w2.shape[2]))
+    back = []
+    for c in range(plan.num_chunks):
+        r0, rn = plan.recv_rows(c)
+        handles[c].wait()
+        sl = slice(r0, r0 + rn)
+        grouped_mlp_fwd(recv[sl], w1, w2, plan.expert_offsets[c], activation, h_out=h[sl], pre_out=pre[sl],
+                        y_out=y_exp[sl])
+        back.append(plan.return_chunk(c, y_perm, y_exp))
+    for hd in back:
+        hd.wait()
+    return y_perm, (recv, h, pre)
+
+
+def moe_experts_bwd(gy_perm, saved, w1, w2, plan: MoEPlan, activation: str, *, need_weight_grad: bool = True):
+    """Backward of :func:`moe_experts_fwd` (``saved`` is its second result): the output
+    gradients travel like the dispatch, the input gradients like the return; the weight
+    gradients of a chunk accumulate in fp32 while its input gradients travel.
+    Returns ``(gx_perm, dw1, dw2)`` (weight gradients None unless ``need_weight_grad``)."""
+    recv, h, pre = saved
+    gy_perm = gy_perm.contiguous()
+    H, R = gy_perm.shape[1], recv.shape[0]
+    g_recv = gy_perm.new_empty((R, H))
+    handles = plan.dispatch_chunks(g_recv, gy_perm)
+    dw1 = torch.zeros(w1.shape, device=w1.device, dtype=torch.float32) if need_weight_grad else None
+    dw2 = torch.zeros(w2.shape, device=w2.device, dtype=torch.float32) if need_weight_grad else None
+    gx_perm = gy_perm.new_empty((plan.num_rows, H))
+    gx_perm[plan.num_kept:].zero_()
+    dx_exp = gy_perm.new_empty((R, H))
+    back = []
+    for c in range(plan.num_chunks):
+        r0, rn = plan.recv_rows(c)
+        handles[c].wait()
+        sl = slice(r0, r0 + rn)
+        _, dpre = _mlp_dgrad(g_recv[sl], pre[sl], w1, w2, plan.expert_offsets[c], activation, dx_out=dx_exp[sl])
+        back.append(plan.return_chunk(c, gx_perm, dx_exp))
+        if need_weight_grad:  # weight gradients of this chunk while its input gradients travel
+            _mlp_wgrad(g_recv[sl], recv[sl], h[sl], dpre, plan.expert_offsets[c], w1.shape[0], dw1=dw1, dw2=dw2,
+                       accumulate=True)
+    for hd in back:
+        hd.wait()
+    if need_weight_grad:
+        dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
+    return gx_perm, dw1, dw2
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd Functions (thin: they call the named forward / backward functions above)
+# ----------------------------------------------------------------------------------------------
+class _PermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan):
+        ctx.plan = plan
+        return moe_permute_fwd(x, plan)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return moe_permute_bwd(grad, ctx.plan), None
+
+
+class _UnpermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, plan):
+        ctx.plan = plan
+        ctx.save_for_backward(y, weights)
+        return moe_unpermute_fwd(y, weights, plan)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights = ctx.saved_tensors
+        gy, gw = moe_unpermute_bwd(grad, y, weights, ctx.plan)
+        return gy, gw, None
+
+
+class _AllToAllVFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, out_rows, out_splits, in_splits, transport):
+        ctx.args = (inp.shape[0], out_splits, in_splits, transport)
+        return all_to_all_v_fwd(inp, out_rows, out_splits, in_splits, transport)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_v_bwd(grad, *ctx.args), None, None, None, None
 
 
 class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, offsets, activation):
-        y, h, pre = _mlp_forward(x, w1, w2, offsets, activation)
+        y, h, pre = grouped_mlp_fwd(x, w1, w2, offsets, activation)
         ctx.activation = activation
         ctx.save_for_backward(x, h, pre, w1, w2, offsets)
         return y
@@ -281,92 +460,37 @@ class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, h, pre, w1, w2, offsets = ctx.saved_tensors
-        gy = gy.contiguous()
-        dx, dpre = _mlp_dgrad(gy, pre, w1, w2, offsets, ctx.activation, need_dx=ctx.needs_input_grad[0])
-        dw1 = dw2 = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dw1, dw2 = _mlp_wgrad(gy, x, h, dpre, offsets, w1.shape[0])
+        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        dx, dw1, dw2 = grouped_mlp_bwd(gy, x, h, pre, w1, w2, offsets, ctx.activation,
+                                       need_input_grad=ctx.needs_input_grad[0], need_weight_grad=need_w)
         return dx, dw1, dw2, None, None
 
 
 class _EPExpertsFn(torch.autograd.Function):
-    """Token-side permuted rows -> dispatch (chunked all-to-all-v) -> expert MLP per chunk as its
-    chunk arrives -> return all-to-all-v per chunk -> token-side expert outputs ``[T*k, H]``."""
-
     @staticmethod
     def forward(ctx, x_perm, w1, w2, plan, activation):
-        C, grp = plan.num_chunks, plan.group
-        H = x_perm.shape[1]
-        R = plan.num_expert_rows
-        recv = x_perm.new_empty((R, H))
-        handles = plan.dispatch_chunks(recv, x_perm)  # all in flight; compute waits on each in turn
-        y_perm = x_perm.new_empty((plan.num_rows, H))
-        y_perm[plan.num_kept:].zero_()
-        y_exp = x_perm.new_empty((R, H))
-        pre = x_perm.new_empty((R, w1.shape[1]))
-        h = x_perm.new_empty((R, w2.shape[2]))
-        back = []
-        for c in range(C):
-            s0, sn = plan.send_rows(c)
-            r0, rn = plan.recv_rows(c)
-            handles[c].wait()
-            sl = slice(r0, r0 + rn)
-            _mlp_forward(recv[sl], w1, w2, plan.expert_offsets[c], activation, h_out=h[sl], pre_out=pre[sl],
-                         y_out=y_exp[sl])
-            back.append(comm.all_to_all(y_perm[s0:s0 + sn], y_exp[sl], plan.send_splits[c], plan.recv_splits[c], grp))
-        for hd in back:
-            hd.wait()
+        y_perm, saved = moe_experts_fwd(x_perm, w1, w2, plan, activation)
         ctx.plan, ctx.activation = plan, activation
-        ctx.save_for_backward(recv, h, pre, w1, w2)
+        ctx.save_for_backward(*saved, w1, w2)
         return y_perm
 
     @staticmethod
     def backward(ctx, gy_perm):
-        plan, grp = ctx.plan, ctx.plan.group
         recv, h, pre, w1, w2 = ctx.saved_tensors
-        gy_perm = gy_perm.contiguous()
-        C, H, R = plan.num_chunks, gy_perm.shape[1], recv.shape[0]
-        g_recv = gy_perm.new_empty((R, H))
-        handles = plan.dispatch_chunks(g_recv, gy_perm)  # output gradients travel like the dispatch
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dw1 = torch.zeros(w1.shape, device=w1.device, dtype=torch.float32) if need_w else None
-        dw2 = torch.zeros(w2.shape, device=w2.device, dtype=torch.float32) if need_w else None
-        gx_perm = gy_perm.new_empty((plan.num_rows, H))
-        gx_perm[plan.num_kept:].zero_()
-        dx_exp = gy_perm.new_empty((R, H))
-        back = []
-        for c in range(C):
-            s0, sn = plan.send_rows(c)
-            r0, rn = plan.recv_rows(c)
-            handles[c].wait()
-            sl = slice(r0, r0 + rn)
-            _, dpre = _mlp_dgrad(g_recv[sl], pre[sl], w1, w2, plan.expert_offsets[c], ctx.activation,
-                                 dx_out=dx_exp[sl])
-            back.append(comm.all_to_all(gx_perm[s0:s0 + sn], dx_exp[sl], plan.send_splits[c], plan.recv_splits[c],
-                                        grp))
-            if need_w:  # weight gradients of this chunk while its input gradients travel
-                _mlp_wgrad(g_recv[sl], recv[sl], h[sl], dpre, plan.expert_offsets[c], w1.shape[0], dw1=dw1, dw2=dw2,
-                           accumulate=True)
-        for hd in back:
-            hd.wait()
-        return (gx_perm, dw1.to(w1.dtype) if need_w else None, dw2.to(w2.dtype) if need_w else None, None, None)
+        gx_perm, dw1, dw2 = moe_experts_bwd(gy_perm, (recv, h, pre), w1, w2, ctx.plan, ctx.activation,
+                                            need_weight_grad=need_w)
+        return gx_perm, dw1, dw2, None, None
 
 
 # ----------------------------------------------------------------------------------------------
 # functional API
 # ----------------------------------------------------------------------------------------------
 def _check_expert_weights(x2d, w1, w2, activation, experts_per_rank):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    check_choice("activation", activation, ACTIVATIONS)
     for name, w in (("w1", w1), ("w2", w2)):
-        if not isinstance(w, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
-        if w.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [experts, out, in], got shape {tuple(w.shape)}")
-        if w.dtype != x2d.dtype:
-            raise TypeError(f"{name} must have the dtype of x ({x2d.dtype}), got {w.dtype}")
-        if w.device != x2d.device:
-            raise ValueError(f"{name} must be on the device of x ({x2d.device}), got {w.device}")
+        check_tensor(name, w, dims=(3,))
+        check_same(name, w, "x", x2d)
     H = x2d.shape[1]
     glu = ACTIVATIONS[activation][1]
     E, n1, h1 = w1.shape
@@ -385,34 +509,43 @@ def grouped_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offsets, *,
     """Expert MLPs over group-contiguous rows: ``y[rows_g] = act(x W1_e^T) W2_e^T``, ``e = g % E``.
 
     x ``[M, H]``; w1 ``[E, 2F, H]`` (gate rows then up rows for gated activations, else
-    ``[E, F, H]``); w2 ``[E, H, F]``; offsets ``[G+1]`` device int tensor (no host sync) or a
-    sequence of ints. Differentiable in x, w1, w2; rows past ``offsets[-1]`` give zeros."""
+    ``[E, F, H]``); w2 ``[E, H, F]``; offsets ``[G+1]`` int tensor (on any device; a device
+    tensor is checked with one host read) or a sequence of ints. Differentiable in x, w1, w2;
+    rows past ``offsets[-1]`` give zeros."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D [rows, hidden] tensor, got {getattr(x, 'shape', type(x).__name__)}")
     _check_expert_weights(x, w1, w2, activation, None)
-    offsets = K._as_offsets(offsets, x)
+    offsets = as_group_offsets(offsets, x.shape[0], x.device)
     return _GroupedMLPFn.apply(x, w1, w2, offsets, activation)
 
 
-def moe_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_group=None,
+def moe_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_group=None, transport=None,
                  capacity: int | None = None):
     """Stage 1: ``(tokens, plan)``. ``tokens`` are this rank's experts' inputs, ``[R, H]``
     expert-contiguous per source rank (group offsets in ``plan.expert_offsets[0]``).
     Synchronous; :func:`moe_mlp` is the pipelined composition of the three stages."""
+    transport = get_transport(transport, ep_group)
     x2d = x.reshape(-1, x.shape[-1])
-    plan = moe_plan(x2d, expert_ids, num_experts, ep_group=ep_group, capacity=capacity, num_chunks=1)
+    _check_routing(x2d, expert_ids, num_experts, transport.size, capacity=capacity)
+    plan, pending = _build_plan(x2d, expert_ids, num_experts, transport, capacity, 1)
     x_perm = _PermuteFn.apply(x2d, plan)
+    if pending is not None:
+        pending.wait()
     if plan.ep_size == 1:
         return x_perm, plan
     kept = x_perm[: plan.num_kept]
-    return _AllToAllVFn.apply(kept, plan.num_expert_rows, plan.recv_splits[0], plan.send_splits[0], plan.group), plan
+    return _AllToAllVFn.apply(kept, plan.num_expert_rows, plan.recv_splits[0], plan.send_splits[0],
+                              plan.transport), plan
 
 
 def moe_expert_compute(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, plan: MoEPlan, *,
                        activation: str = "swiglu") -> torch.Tensor:
     """Stage 2: this rank's experts (``w1 [E_local, 2F, H]``, ``w2 [E_local, H, F]``) on the
-    dispatched tokens."""
+    dispatched tokens (the first result of :func:`moe_dispatch` with this ``plan``)."""
     _check_expert_weights(tokens, w1, w2, activation, plan.experts_per_rank)
+    rows = plan.num_rows if plan.ep_size == 1 else plan.num_expert_rows
+    if tokens.shape[0] != rows:  # the plan's offsets address exactly these rows
+        raise ValueError(f"tokens must have the {rows} rows the plan dispatched, got shape {tuple(tokens.shape)}")
     return _GroupedMLPFn.apply(tokens, w1, w2, plan.expert_offsets[0], activation)
 
 
@@ -423,29 +556,34 @@ def moe_combine(expert_out: torch.Tensor, plan: MoEPlan, weights: torch.Tensor) 
         raise ValueError(f"weights must have shape {(plan.num_tokens, plan.top_k)}, got {tuple(weights.shape)}")
     y = expert_out
     if plan.ep_size > 1:
-        y = _AllToAllVFn.apply(expert_out, plan.num_kept, plan.send_splits[0], plan.recv_splits[0], plan.group)
-    return _CombineFn.apply(y, weights, plan)
+        y = _AllToAllVFn.apply(expert_out, plan.num_kept, plan.send_splits[0], plan.recv_splits[0], plan.transport)
+    return _UnpermuteFn.apply(y, weights, plan)
 
 
 def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-            *, num_experts: int, ep_group=None, capacity: int | None = None, activation: str = "swiglu",
-            num_chunks: int = 2) -> torch.Tensor:
+            *, num_experts: int, ep_group=None, transport=None, capacity: int | None = None,
+            activation: str = "swiglu", num_chunks: int = 2) -> torch.Tensor:
     """The whole routed MLP: ``out[t] = sum_j weights[t, j] * MLP_{expert_ids[t, j]}(x[t])``.
 
     x ``[..., H]``; expert_ids / weights ``[T, k]`` (T = tokens of x); w1 / w2 this rank's experts
     (``num_experts / ep`` of them, global expert ``e`` lives on rank ``e // E_local``). With
     ``ep > 1`` the dispatch is pipelined over ``num_chunks`` token chunks (see module docstring).
+    ``transport``: a Transport (then ``ep_group`` must be None), default portable over ``ep_group``.
     Returns x's shape and dtype. Slots over ``capacity`` are dropped (earliest tokens kept)."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise ValueError(f"x must be a [..., hidden] tensor with at least 2 dims, got {getattr(x, 'shape', x)}")
+    transport = get_transport(transport, ep_group)
+    ep = transport.size
     x2d = x.reshape(-1, x.shape[-1])
-    _check_routing(x2d, expert_ids, num_experts, ep_group, weights=weights, capacity=capacity, num_chunks=num_chunks)
-    ep = comm.group_size(ep_group)
+    _check_routing(x2d, expert_ids, num_experts, ep, weights=weights, capacity=capacity, num_chunks=num_chunks)
     _check_expert_weights(x2d, w1, w2, activation, num_experts // ep)
-    plan = _build_plan(x2d, expert_ids, num_experts, ep_group, capacity, num_chunks if ep > 1 else 1)
+    plan, pending = _build_plan(x2d, expert_ids, num_experts, transport, capacity, num_chunks if ep > 1 else 1)
     x_perm = _PermuteFn.apply(x2d, plan)
-    if plan.ep_size == 1:
+    if ep == 1:
         y_perm = _GroupedMLPFn.apply(x_perm, w1, w2, plan.expert_offsets[0], activation)
     else:
         y_perm = _EPExpertsFn.apply(x_perm, w1, w2, plan, activation)
-    return _CombineFn.apply(y_perm, weights, plan).view(x.shape)
+    out = _UnpermuteFn.apply(y_perm, weights, plan).view(x.shape)
+    if pending is not None:
+        pending.wait()
+    return out

@@ -1,0 +1,477 @@
+"""Grouped GEMM for mixture-of-experts: forward with a fused activation, the backward of the
+activation fused into the data-gradient GEMM, and the per-expert weight gradient.
+
+Rows ``offsets[g] .. offsets[g+1]`` of ``x`` are multiplied by ``weight[g % E_w]`` (one base
+pointer plus per-group offsets, never a pointer array). Each program derives its (group,
+row-block) tile from the offsets itself: it loads the ``G`` offsets, forms
+``tiles_g = cdiv(count_g, BLOCK_M)`` and their cumulative sum, and finds its group by counting.
+The grid is a worst-case bound, ``M // BLOCK_M + min(G, M) + 1`` row tiles (``_row_tiles``), so
+launching needs no host sync and the schedule follows whatever ``BLOCK_M`` the autotuner picks.
+The last programs of the grid write zeros into the tail rows ``offsets[G] .. M`` (capacity drops
+leave such rows); the programs in between exit at once.
+
+The kernels read the offsets unchecked: offsets that do not start at 0, decrease, or end past
+``M`` would read and write out of bounds. :func:`as_group_offsets` checks them on every device
+(a device tensor costs one host read); ``check_offsets=False`` skips that for offsets that are
+correct by construction (those of :func:`fusedpar.kernels.moe_routing.routing_metadata` and of
+an MoE plan).
+
+Layers: ``@triton.jit`` kernels -> launchers (validate, allocate, launch) -> references (plain
+fp64 torch, the tests' oracle) at the end of the file.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import INDEX_DTYPES, check_buffer, check_choice, check_float_tensor, check_same
+from .moe_routing import MAX_ROWS
+from .runtime import (
+    ACTIVATIONS,
+    activation_reference,
+    input_precision,
+    interpreting,
+    needs_upcast,
+    prune_tile_configs,
+    shared_memory_limit,
+)
+
+_LAYOUTS = ("nk", "kn")
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _grouped_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, aux_ptr, offsets_ptr,
+    G, E_w, M, N, K,
+    s_xm, s_xk, s_we, s_wn, s_wk, s_om, s_on, s_am, s_an, glu_offset,
+    ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, DACT: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, G_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Rows of group g times weight[g % E_w] ([N, K] through strides, so a transposed view of the
+    same tensor needs no copy). Epilogues: forward ``act`` (gated: act(gate) * up, pre-activation
+    to ``aux``), or backward ``DACT``: the product is the gradient of the activation output and
+    ``aux`` holds the pre-activation; writes the gradient of the pre-activation."""
+    tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
+    tl.static_assert(not (DACT and STORE_AUX), "the backward epilogue reads aux, it does not store it")
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # This program's (group, row block) from the offsets: tiles_g = cdiv(count_g, BLOCK_M); the
+    # group is the number of groups whose cumulative tile count is <= pid_m (G: past the last
+    # group, a tail tile). Written with few reductions and no nested @triton.jit helpers: under
+    # the interpreter each such call (tl.sum, tl.cdiv, tl.sigmoid ...) re-patches triton.language.
+    gi = tl.arange(0, G_PAD)
+    gm = gi < G
+    starts = tl.load(offsets_ptr + gi, mask=gm, other=0).to(tl.int32)
+    ends = tl.load(offsets_ptr + gi + 1, mask=gm, other=0).to(tl.int32)
+    tiles = tl.where(gm, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, axis=0)
+    group = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rn64 = rn.to(tl.int64)
+    if group < G:
+        first_tile = tl.sum(tl.where(gi < group, tiles, 0), axis=0)
+        row0 = tl.load(offsets_ptr + group).to(tl.int32) + (pid_m - first_tile) * BLOCK_M
+        end = tl.load(offsets_ptr + group + 1).to(tl.int32)
+        rm = row0 + tl.arange(0, BLOCK_M)
+        m_mask = rm < end
+        rm64 = rm.to(tl.int64)
+        expert = (group % E_w).to(tl.int64)
+        w_base = w_ptr + expert * s_we
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GLU:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+            kk = k0 * BLOCK_K + rk
+            k_mask = kk < K
+            kk64 = kk.to(tl.int64)
+            a = tl.load(x_ptr + rm64[:, None] * s_xm + kk64[None, :] * s_xk, mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            b = tl.load(w_base + kk64[:, None] * s_wk + rn64[None, :] * s_wn, mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if GLU and not DACT:
+                bu = tl.load(w_base + kk64[:, None] * s_wk + (rn64 + glu_offset)[None, :] * s_wn,
+                             mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if UPCAST:
+                    bu = bu.to(tl.float32)
+                acc_up = tl.dot(a, bu, acc_up, input_precision=INPUT_PRECISION)
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
+        if DACT:
+            a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
+            pre = tl.load(aux_ptr + a_off, mask=out_mask, other=0.0).to(tl.float32)
+            # act(pre) and act'(pre); gelu is the tanh form: x * sigmoid(c (x + 0.044715 x^3))
+            if ACT == 1:
+                a_val = tl.maximum(pre, 0.0)
+                d_val = tl.where(pre > 0, 1.0, 0.0)
+            elif ACT == 2:
+                sg = 1.0 / (1.0 + tl.exp(-1.5957691216057308 * (pre + 0.044715 * pre * pre * pre)))
+                a_val = pre * sg
+                d_val = sg + pre * sg * (1.0 - sg) * 1.5957691216057308 * (1.0 + 0.134145 * pre * pre)
+            elif ACT == 3:
+                sg = 1.0 / (1.0 + tl.exp(-pre))
+                a_val = pre * sg
+                d_val = sg + pre * sg * (1.0 - sg)
+            else:
+                a_val = pre
+                d_val = pre * 0.0 + 1.0
+            if GLU:
+                up = tl.load(aux_ptr + a_off + glu_offset * s_an, mask=out_mask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + o_off, (acc * up * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(out_ptr + o_off + glu_offset * s_on, (acc * a_val).to(out_ptr.dtype.element_ty),
+                         mask=out_mask)
+            else:
+                tl.store(out_ptr + o_off, (acc * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            if STORE_AUX:
+                a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
+                tl.store(aux_ptr + a_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                if GLU:
+                    tl.store(aux_ptr + a_off + glu_offset * s_an, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
+            if ACT == 1:
+                res = tl.maximum(acc, 0.0)
+            elif ACT == 2:
+                res = acc / (1.0 + tl.exp(-1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)))
+            elif ACT == 3:
+                res = acc / (1.0 + tl.exp(-acc))
+            else:
+                res = acc
+            if GLU:
+                res = res * acc_up
+            tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Tail rows after the last group get zeros, so nothing downstream reads unwritten memory.
+        # Tail tiles are numbered from the end of the grid (no total tile count needed); the
+        # programs between the group tiles and the tail tiles have nothing to do.
+        tail0 = tl.load(offsets_ptr + G).to(tl.int32)
+        t = tl.num_programs(0) - 1 - pid_m
+        if t * BLOCK_M < M - tail0:
+            rm = tail0 + t * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_mask = rm < M
+            rm64 = rm.to(tl.int64)
+            out_mask = m_mask[:, None] & n_mask[None, :]
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
+            tl.store(out_ptr + o_off, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
+            if GLU and DACT:
+                tl.store(out_ptr + o_off + glu_offset * s_on, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
+            if STORE_AUX:
+                a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
+                tl.store(aux_ptr + a_off, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                if GLU:
+                    tl.store(aux_ptr + a_off + glu_offset * s_an, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    dy_ptr, x_ptr, dw_ptr, offsets_ptr,
+    G, E_w, N, K,
+    s_dm, s_dn, s_xm, s_xk, s_we, s_wn, s_wk,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dw[e] (+)= sum over groups g with g % E_w == e of dy[rows_g]^T @ x[rows_g]; empty: zeros."""
+    tl.static_assert(BLOCK_M >= 16, "tl.dot needs a contraction block >= 16")
+    e = tl.program_id(0)
+    pid = tl.program_id(1)
+    n_tiles_k = (K + BLOCK_K - 1) // BLOCK_K
+    pid_n = pid // n_tiles_k
+    pid_k = pid % n_tiles_k
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    k_mask = rk < K
+    rn64 = rn.to(tl.int64)
+    rk64 = rk.to(tl.int64)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for g in range(e, G, E_w):
+        start = tl.load(offsets_ptr + g).to(tl.int32)
+        end = tl.load(offsets_ptr + g + 1).to(tl.int32)
+        for m0 in range(start, end, BLOCK_M):
+            rm = m0 + tl.arange(0, BLOCK_M)
+            m_mask = rm < end
+            rm64 = rm.to(tl.int64)
+            dyt = tl.load(dy_ptr + rm64[None, :] * s_dm + rn64[:, None] * s_dn, mask=n_mask[:, None] & m_mask[None, :],
+                          other=0.0)
+            xv = tl.load(x_ptr + rm64[:, None] * s_xm + rk64[None, :] * s_xk, mask=m_mask[:, None] & k_mask[None, :],
+                         other=0.0)
+            if UPCAST:
+                dyt = dyt.to(tl.float32)
+                xv = xv.to(tl.float32)
+            acc = tl.dot(dyt, xv, acc, input_precision=INPUT_PRECISION)
+    out_mask = n_mask[:, None] & k_mask[None, :]
+    w_off = e.to(tl.int64) * s_we + rn64[:, None] * s_wn + rk64[None, :] * s_wk
+    if ACCUMULATE:
+        acc += tl.load(dw_ptr + w_off, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(dw_ptr + w_off, acc.to(dw_ptr.dtype.element_ty), mask=out_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# configurations
+# --------------------------------------------------------------------------------------------
+INTERPRETER_GEMM_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+INTERPRETER_WGRAD_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+
+
+def _gemm_gpu_configs():
+    out = []
+    for bm, bn, bk, stages, warps in [
+        (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+        (64, 64, 64, 4, 4), (64, 256, 32, 4, 4), (32, 64, 64, 5, 2), (16, 64, 64, 4, 4),
+    ]:
+        out.append(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps))
+    return out
+
+
+def _wgrad_gpu_configs():
+    out = []
+    for bm, bn, bk, stages, warps in [
+        (64, 128, 128, 3, 8), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 4),
+    ]:
+        out.append(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    x = named_args.get("x_ptr", named_args.get("dy_ptr"))
+    glu = kwargs.get("GLU", named_args.get("GLU", False))
+    return prune_tile_configs(
+        configs, elem_size=x.element_size(), b_tiles=2 if glu else 1,
+        smem_limit=shared_memory_limit(x.device.index or 0),
+        dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]},
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_gemm():
+    return triton.autotune(
+        configs=_gemm_gpu_configs(), key=["N", "K", "G", "ACT", "GLU", "DACT"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(_grouped_gemm_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_wgrad():
+    return triton.autotune(
+        configs=_wgrad_gpu_configs(), key=["N", "K", "G", "ACCUMULATE"],
+        prune_configs_by={"early_config_prune": _prune}, restore_value=["dw_ptr"],
+    )(_grouped_wgrad_kernel)
+
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------
+def as_group_offsets(offsets, rows: int, device: torch.device, *, check: bool = True) -> torch.Tensor:
+    """Group offsets (an int32/int64 tensor on any device, or a sequence of ints) as a contiguous
+    int tensor on ``device``. ``check=True`` (on every device): 1-D with ``G + 1 >= 2`` entries,
+    ``offsets[0] == 0``, non-decreasing, ``offsets[-1] <= rows`` (rows past it are the zero
+    tail). Checking a device tensor reads it on the host (one sync); ``check=False`` skips the
+    value checks for offsets that are correct by construction."""
+    if not isinstance(offsets, torch.Tensor):
+        try:
+            offsets = torch.tensor([int(v) for v in offsets], dtype=torch.int32)
+        except (TypeError, ValueError):
+            raise TypeError(f"offsets must be an int tensor or a sequence of ints, got {offsets!r}") from None
+    if offsets.dtype not in INDEX_DTYPES:
+        raise TypeError(f"offsets must have dtype torch.int32 or torch.int64, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 2:
+        raise ValueError(f"offsets must be 1-D with G + 1 >= 2 entries, got shape {tuple(offsets.shape)}")
+    if check:
+        o = offsets.tolist()
+        if o[0] != 0 or any(b < a for a, b in zip(o, o[1:])) or o[-1] > rows:
+            raise ValueError(f"offsets must start at 0, be non-decreasing and end at most at M={rows}, got {o}")
+    return offsets.to(device=device).contiguous()
+
+
+def _weight_strides(weight, layout):
+    """(N, K, s_we, s_wn, s_wk) of a ``[E, N, K]`` ("nk") or ``[E, K, N]`` ("kn") weight."""
+    check_choice("weight_layout", layout, _LAYOUTS)
+    if layout == "nk":
+        return weight.shape[1], weight.shape[2], weight.stride(0), weight.stride(1), weight.stride(2)
+    return weight.shape[2], weight.shape[1], weight.stride(0), weight.stride(2), weight.stride(1)
+
+
+def _gemm_operands(a_name, a, weight, layout, activation):
+    """Common checks of the grouped GEMMs; returns (act code, gated, N, K, weight strides)."""
+    check_float_tensor(a_name, a, dims=(2,))
+    check_float_tensor("weight", weight, dims=(3,))
+    check_same("weight", weight, a_name, a)
+    check_choice("activation", activation, ACTIVATIONS)
+    act, glu = ACTIVATIONS[activation]
+    n_w, k_w, s_we, s_wn, s_wk = _weight_strides(weight, layout)
+    M, K = a.shape
+    if k_w != K:
+        raise ValueError(f"inner dimensions differ: {a_name} has K={K} but weight ({layout}) has K={k_w} "
+                         f"(shape {tuple(weight.shape)})")
+    if M > MAX_ROWS:
+        raise ValueError(f"{a_name} must have at most {MAX_ROWS} rows, got {M}")
+    return act, glu, n_w, K, (s_we, s_wn, s_wk)
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_layout: str = "nk",
+                   activation: str = "none", preact_out: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                   check_offsets: bool = True) -> torch.Tensor:
+    """Grouped GEMM: ``out[rows_g] = act(x[rows_g] @ W_g)`` with ``rows_g = offsets[g] .. offsets[g+1]``
+    and ``W_g = weight[g % E]`` (so groups laid out ``[source rank][expert]`` reuse the expert
+    weights without a regrouping copy). fp32 accumulation; groups of any size, zero included;
+    rows past ``offsets[-1]`` are written as zeros.
+
+    x: ``[M, K]`` any strides; weight: ``[E, N, K]`` (``"nk"``, per-expert nn.Linear layout) or
+    ``[E, K, N]`` (``"kn"``) any strides (a transposed view costs no copy); offsets ``[G+1]``
+    (see :func:`as_group_offsets`; ``check_offsets=False`` trusts them).
+    Gated activations (``swiglu``/``geglu``) take weights with ``2F`` output rows (gate then up)
+    and produce ``F`` features; ``preact_out [M, 2F]`` (or ``[M, N]``) receives pre-activations.
+    """
+    act, glu, n_w, K, w_strides = _gemm_operands("x", x, weight, weight_layout, activation)
+    if glu and n_w % 2:
+        raise ValueError(f"activation {activation!r} needs an even number of weight output features, got {n_w}")
+    M = x.shape[0]
+    offsets = as_group_offsets(offsets, M, x.device, check=check_offsets)
+    N = n_w // 2 if glu else n_w
+    if out is None:
+        out = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
+    else:
+        check_buffer("out", out, (M, N), x.device)
+    if preact_out is not None:
+        check_buffer("preact_out", preact_out, (M, n_w), x.device)
+    _launch_gemm(x, weight, out, preact_out, offsets, M=M, N=N, K=K, w_strides=w_strides, act=act, glu=glu,
+                 dact=False)
+    return out
+
+
+def grouped_matmul_dact(grad: torch.Tensor, weight: torch.Tensor, offsets, preact: torch.Tensor, *,
+                        weight_layout: str = "kn", activation: str = "swiglu",
+                        check_offsets: bool = True) -> torch.Tensor:
+    """Backward of ``act`` fused into a grouped GEMM: ``g = grad[rows_g] @ W_g`` is the gradient
+    of the activation *output* (``[M, F]``); returns the gradient of the pre-activation
+    (``[M, 2F]`` gated: ``(g * up * act'(gate), g * act(gate))``, else ``[M, F]``: ``g * act'(pre)``).
+    With the default ``"kn"`` layout, ``weight`` is the forward ``[E, H, F]`` down-projection
+    read transposed in place."""
+    act, glu, N, K, w_strides = _gemm_operands("grad", grad, weight, weight_layout, activation)
+    check_float_tensor("preact", preact, dims=(2,))
+    check_same("preact", preact, "grad", grad, dtype=False)
+    M = grad.shape[0]
+    n_pre = 2 * N if glu else N
+    if tuple(preact.shape) != (M, n_pre):
+        raise ValueError(f"preact must have shape {(M, n_pre)}, got {tuple(preact.shape)}")
+    offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)
+    out = torch.empty((M, n_pre), device=grad.device, dtype=grad.dtype)
+    _launch_gemm(grad, weight, out, preact, offsets, M=M, N=N, K=K, w_strides=w_strides, act=act, glu=glu,
+                 dact=True)
+    return out
+
+
+def _row_tiles(M, G, block_m):
+    """Worst-case row tiles of a grouped GEMM, known without reading the offsets: with ``c_g``
+    rows per group (at most ``min(G, M)`` non-empty) and ``tail = M - sum c_g``,
+    ``sum_g cdiv(c_g, BM) + cdiv(tail, BM) <= M / BM + min(G, M) + 1``."""
+    return M // block_m + min(G, M) + 1
+
+
+def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, dact):
+    if M == 0 or N == 0:
+        return
+    G = offsets.numel() - 1
+    E_w = weight.shape[0]
+    if K == 0:  # empty contraction: the product, and every activation (and gradient) of it, is zero
+        out.zero_()
+        if aux is not None and not dact:
+            aux.zero_()
+        return
+    has_aux = aux is not None
+    args = (x, weight, out, aux if has_aux else out, offsets, G, E_w, M, N, K,
+            x.stride(0), x.stride(1), *w_strides, out.stride(0), out.stride(1),
+            aux.stride(0) if has_aux else 0, aux.stride(1) if has_aux else 0, N if glu else 0)
+    flags = dict(ACT=act, GLU=glu, STORE_AUX=has_aux and not dact, DACT=dact, UPCAST=needs_upcast(x.dtype),
+                 INPUT_PRECISION=input_precision(x.dtype), G_PAD=max(2, triton.next_power_of_2(G)))
+    if interpreting():
+        cfg = INTERPRETER_GEMM_CONFIG
+        grid = (_row_tiles(M, G, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+        _grouped_gemm_kernel[grid](*args, **flags, **cfg)
+    else:
+        grid = lambda meta: (_row_tiles(M, G, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+        with torch.cuda.device(x.device):
+            _tuned_gemm()[grid](*args, **flags)
+
+
+def _wgrad_operands(grad, x, num_experts, out, accumulate):
+    check_float_tensor("grad", grad, dims=(2,))
+    check_float_tensor("x", x, dims=(2,))
+    check_same("x", x, "grad", grad)
+    if x.shape[0] != grad.shape[0]:
+        raise ValueError(f"grad and x must have the same rows, got {tuple(grad.shape)} and {tuple(x.shape)}")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
+
+
+def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int, *,
+                  out: torch.Tensor | None = None, accumulate: bool = False,
+                  out_dtype: torch.dtype | None = None, check_offsets: bool = True) -> torch.Tensor:
+    """Per-expert weight gradient ``out[e] (+)= sum_{g % E == e} grad[rows_g]^T @ x[rows_g]``:
+    ``[E, N, K]`` in the ``"nk"`` layout (zeros for experts without rows). grad ``[M, N]``,
+    x ``[M, K]``, any strides. ``accumulate=True`` adds into ``out`` (sum in fp32)."""
+    _wgrad_operands(grad, x, num_experts, out, accumulate)
+    M, N = grad.shape
+    K = x.shape[1]
+    offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)
+    G = offsets.numel() - 1
+    if out is None:
+        out = torch.empty((num_experts, N, K), device=grad.device, dtype=out_dtype or grad.dtype)
+    else:
+        check_buffer("out", out, (num_experts, N, K), grad.device)
+    if N == 0 or K == 0:
+        return out
+    args = (grad, x, out, offsets, G, num_experts, N, K, grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),
+            out.stride(0), out.stride(1), out.stride(2))
+    flags = dict(ACCUMULATE=accumulate, UPCAST=needs_upcast(grad.dtype), INPUT_PRECISION=input_precision(grad.dtype))
+    if interpreting():
+        cfg = INTERPRETER_WGRAD_CONFIG
+        grid = (num_experts, triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"]))
+        _grouped_wgrad_kernel[grid](*args, **flags, **cfg)
+    else:
+        def grid(meta):
+            return (num_experts, triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]))
+
+        with torch.cuda.device(grad.device):
+            _tuned_wgrad()[grid](*args, **flags)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# reference (plain torch; the tests' oracle)
+# --------------------------------------------------------------------------------------------
+def grouped_matmul_reference(x, weight, offsets: Sequence[int], *, weight_layout="nk", activation="none",
+                             compute_dtype=torch.float64):
+    """Per-group loop: ``act(x[rows_g] @ W_{g % E})``; rows past the last group are zero."""
+    offsets = [int(v) for v in offsets]
+    E = weight.shape[0]
+    w = weight.to(compute_dtype)
+    if weight_layout == "nk":
+        w = w.transpose(1, 2)
+    _, glu = ACTIVATIONS[activation]
+    n = w.shape[2] // 2 if glu else w.shape[2]
+    out = torch.zeros((x.shape[0], n), dtype=compute_dtype)
+    xs = x.to(compute_dtype).cpu()
+    w = w.cpu()
+    for g in range(len(offsets) - 1):
+        a, b = offsets[g], offsets[g + 1]
+        if b > a:
+            out[a:b] = activation_reference(xs[a:b] @ w[g % E], activation)
+    return out

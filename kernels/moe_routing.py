@@ -1,0 +1,176 @@
+"""Mixture-of-experts routing metadata: a stable counting sort of routed slots by group.
+
+Layout. ``T`` tokens each pick ``k`` experts (``expert_ids [T, k]``); the flat index
+``s = t * k + j`` of a (token, choice) pair is its *slot*. Routing metadata sorts the slots by a
+group id (an expert, or a (chunk, expert) pair for the expert-parallel pipeline) with a stable
+counting sort, so that each group's slots are contiguous and in token order:
+
+* ``counts [G]``      kept slots per group (``min(count, capacity)``),
+* ``offsets [G + 1]`` exclusive prefix sum of ``counts`` (int32),
+* ``slot_pos [T*k]``  position of each slot in the permuted buffer, ``-1`` when dropped,
+* ``sorted_slot [T*k]`` the inverse: the slot at each position, ``-1`` for the unused tail rows
+  (positions ``offsets[G] ..``) left by dropped slots.
+
+Everything is computed on the device from device tensors: no host synchronisation. Group ids
+outside ``[0, G)`` are "not routed" here (the MoE ops check expert ids before they get here).
+
+Layers: ``@triton.jit`` kernels -> :func:`routing_metadata` (validate, allocate, launch) ->
+references (plain Python / torch loops, the tests' oracle): :func:`routing_metadata_reference`
+and the whole routed MLP, :func:`moe_mlp_reference`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_index_tensor
+from .runtime import activation_reference, interpreting
+
+#: most rows (slots) a routing or grouped-GEMM launch addresses: positions are int32
+MAX_ROWS = 2**31 - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _route_count_kernel(ids_ptr, n, counts_ptr, G, BLOCK: tl.constexpr, G_PAD: tl.constexpr):
+    """counts[pid, g] = number of slots of block ``pid`` whose group id is ``g``."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+    g = tl.arange(0, G_PAD)
+    onehot = (ids[:, None] == g[None, :]).to(tl.int32)
+    cnt = tl.sum(onehot, axis=0)
+    tl.store(counts_ptr + pid.to(tl.int64) * G + g, cnt, mask=g < G)
+
+
+@triton.jit
+def _route_scatter_kernel(ids_ptr, n, prefix_ptr, offsets_ptr, G, capacity, slot_pos_ptr, sorted_slot_ptr,
+                          BLOCK: tl.constexpr, G_PAD: tl.constexpr):
+    """Stable positions: rank of a slot inside its group = slots of that group in earlier blocks
+    (``prefix``) + earlier slots of that group in this block (a cumulative sum of the one-hot)."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < n
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    valid = in_range & (ids >= 0) & (ids < G)
+    g = tl.arange(0, G_PAD)
+    onehot = (ids[:, None] == g[None, :]).to(tl.int32)
+    within = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    safe = tl.where(valid, ids, 0)
+    rank = tl.load(prefix_ptr + pid.to(tl.int64) * G + safe, mask=valid, other=0) + within
+    keep = valid & (rank < capacity)
+    pos = tl.load(offsets_ptr + safe, mask=valid, other=0) + rank
+    tl.store(slot_pos_ptr + offs, tl.where(keep, pos, -1).to(slot_pos_ptr.dtype.element_ty), mask=in_range)
+    tl.store(sorted_slot_ptr + pos, offs.to(sorted_slot_ptr.dtype.element_ty), mask=keep)
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------
+def _block_for_groups(G_PAD):
+    """Slots per routing program: the one-hot tile is BLOCK x G_PAD, keep it <= 16K elements."""
+    if interpreting():
+        return 64
+    return max(16, min(1024, 16384 // G_PAD))
+
+
+def _check_routing_args(group_ids, num_groups, capacity):
+    check_index_tensor("group_ids", group_ids, dims=tuple(range(1, 9)))
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
+        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
+        raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
+    if group_ids.numel() > MAX_ROWS:
+        raise ValueError(f"group_ids must have at most {MAX_ROWS} slots (int32 positions), got {group_ids.numel()}")
+
+
+def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int | None = None):
+    """Stable counting sort of slots by group, on the device (no host sync).
+
+    group_ids: ``[T, k]`` (or any shape; flattened in slot order) int32/int64 group of each slot;
+    ids outside ``[0, num_groups)`` mean "not routed" (dropped before the sort). capacity: keep at
+    most this many slots per group, the first ones in slot (= token) order; the rest are dropped.
+
+    Returns ``(counts [G] int32, offsets [G+1] int32, slot_pos [n] int32, sorted_slot [n] int32)``
+    with ``n = group_ids.numel()`` (see the module docstring).
+    """
+    _check_routing_args(group_ids, num_groups, capacity)
+    n = group_ids.numel()
+    dev = group_ids.device
+    ids = group_ids.reshape(-1).contiguous()
+    G = num_groups
+    G_PAD = max(2, triton.next_power_of_2(G))
+    BLOCK = _block_for_groups(G_PAD)
+    nb = max(1, triton.cdiv(n, BLOCK))
+    block_counts = torch.empty((nb, G), device=dev, dtype=torch.int32)
+    slot_pos = torch.empty((n,), device=dev, dtype=torch.int32)
+    sorted_slot = torch.full((n,), -1, device=dev, dtype=torch.int32)
+    if n == 0:
+        counts = torch.zeros((G,), device=dev, dtype=torch.int32)
+        return counts, torch.zeros((G + 1,), device=dev, dtype=torch.int32), slot_pos, sorted_slot
+    _route_count_kernel[(nb,)](ids, n, block_counts, G, BLOCK=BLOCK, G_PAD=G_PAD)
+    # the scan over blocks is a device cumsum (no sync): slots of each group in earlier blocks
+    incl = torch.cumsum(block_counts, dim=0, dtype=torch.int32)
+    prefix = incl - block_counts
+    counts = incl[-1]
+    cap = n if capacity is None else capacity
+    if capacity is not None:
+        counts = counts.clamp(max=capacity)
+    offsets = torch.zeros((G + 1,), device=dev, dtype=torch.int32)
+    torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
+    _route_scatter_kernel[(nb,)](ids, n, prefix, offsets, G, cap, slot_pos, sorted_slot, BLOCK=BLOCK, G_PAD=G_PAD)
+    return counts.to(torch.int32), offsets, slot_pos, sorted_slot
+
+
+# --------------------------------------------------------------------------------------------
+# references (plain torch; the tests' oracle)
+# --------------------------------------------------------------------------------------------
+def routing_metadata_reference(group_ids: torch.Tensor, num_groups: int, capacity: int | None = None):
+    """Python loop version of :func:`routing_metadata` (CPU, int64)."""
+    ids = group_ids.reshape(-1).tolist()
+    seen = [0] * num_groups
+    kept = []
+    for s, g in enumerate(ids):
+        if 0 <= g < num_groups:
+            if capacity is None or seen[g] < capacity:
+                kept.append((g, seen[g], s))
+            seen[g] += 1
+    counts = [0] * num_groups
+    for g, _, _ in kept:
+        counts[g] += 1
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    slot_pos = [-1] * len(ids)
+    sorted_slot = [-1] * len(ids)
+    for g, r, s in kept:
+        slot_pos[s] = offsets[g] + r
+        sorted_slot[offsets[g] + r] = s
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return as_t(counts), as_t(offsets), as_t(slot_pos), as_t(sorted_slot)
+
+
+def moe_mlp_reference(x, expert_ids, weights, w1, w2, *, activation="swiglu", capacity=None,
+                      compute_dtype=torch.float64):
+    """A plain per-expert loop: ``sum_j weights[t, j] * mlp_{e}(x[t])`` over the kept slots
+    (slots of an expert beyond ``capacity``, in token order, are dropped)."""
+    T, k = expert_ids.shape
+    E = w1.shape[0]
+    xs = x.to(compute_dtype).cpu()
+    out = torch.zeros((T, x.shape[1]), dtype=compute_dtype)
+    seen = [0] * E
+    ids = expert_ids.cpu().tolist()
+    wts = weights.to(compute_dtype).cpu()
+    w1c, w2c = w1.to(compute_dtype).cpu(), w2.to(compute_dtype).cpu()
+    for t in range(T):
+        for j in range(k):
+            e = ids[t][j]
+            keep = capacity is None or seen[e] < capacity
+            seen[e] += 1
+            if keep:
+                h = activation_reference(xs[t] @ w1c[e].t(), activation)
+                out[t] += wts[t, j] * (h @ w2c[e].t())
+    return out
