@@ -5,7 +5,8 @@ rank's shard, gathering shards into the full tensor, and saving / loading with
 A :class:`ShardSpec` says how a local tensor sits in the full one: the full tensor's dimension
 ``dim`` is cut into sections, and rank ``r`` of ``group`` holds block ``r`` of
 each section (two equal sections for the ``[gate; up]`` rows of a gated column-parallel weight,
-``[q; k; v]`` rows of unequal sizes for a fused attention projection, one otherwise). :func:`shard_specs` derives the specs from the fusedpar modules in a model:
+``[q; k; v]`` rows of unequal sizes for a fused attention projection, one otherwise).
+:func:`shard_specs` derives the specs from the fusedpar modules in a model:
 
 * ``ColumnParallelLinear``: weight and bias rows over its tp group (two sections when gated);
 * ``RowParallelLinear``: weight columns over its tp group (the bias is replicated);
@@ -151,16 +152,21 @@ def shard_specs_cache(model: nn.Module) -> dict[str, ShardSpec | None]:
 # ----------------------------------------------------------------------------------------------
 # torch.distributed.checkpoint
 # ----------------------------------------------------------------------------------------------
-_MESHES: dict[tuple[int, str], object] = {}
+# group object -> {device type -> DeviceMesh}. Keyed by the group itself, weakly: an entry lives
+# exactly as long as its group, so a new group can never be handed the mesh of a destroyed one
+# (an id() key can: CPython reuses the address of a freed object for the next one).
+_MESHES: "weakref.WeakKeyDictionary[object, dict[str, object]]" = weakref.WeakKeyDictionary()
 
 
-def _mesh(group, device_type):
+def group_mesh(group, device_type: str):
+    """The one-dimensional ``DeviceMesh`` over process group ``group`` (resolved: not ``None``)
+    on ``device_type``, built once per group object."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (id(group), device_type)
-    if key not in _MESHES:
-        _MESHES[key] = DeviceMesh.from_group(group, device_type)
-    return _MESHES[key]
+    per_device = _MESHES.setdefault(group, {})
+    if device_type not in per_device:
+        per_device[device_type] = DeviceMesh.from_group(group, device_type)
+    return per_device[device_type]
 
 
 def dcp_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -176,7 +182,7 @@ def dcp_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if spec is None:
             sd[name] = local
             continue
-        mesh = _mesh(comm.resolve_group(spec.group), local.device.type)
+        mesh = group_mesh(comm.resolve_group(spec.group), local.device.type)
         pieces = spec.local_pieces(local)
         for c, piece in enumerate(pieces):
             key = name if len(pieces) == 1 else f"{name}.section{c}"

@@ -39,7 +39,8 @@ def _setup_env(use_cuda: bool):
         os.environ["TRITON_INTERPRET"] = "1"
 
 
-def _parse(argv):
+def parse_args(argv):
+    """The command line (``python -m fusedpar.demo --help``)."""
     p = argparse.ArgumentParser(prog="python -m fusedpar.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2 when the world allows)")
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel (ring attention) size (default 2 when "
@@ -66,7 +67,8 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _default_layout(world: int, pp: int, tp, sp):
+def default_layout(world: int, pp: int, tp, sp):
+    """``(tp, sp)``: the given sizes, or 2 each where the ranks of one pipeline stage allow."""
     rest = world // pp if world % pp == 0 else world
     if tp is None:
         tp = 2 if rest % 2 == 0 else 1
@@ -89,24 +91,18 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int, devi
     return x[:, :-1].to(device), x[:, 1:].to(device)
 
 
-def main(argv=None) -> int:
-    args = _parse(sys.argv[1:] if argv is None else argv)
-    use_cuda = _use_cuda(args.device)
-    _setup_env(use_cuda)
+def build(args, use_cuda: bool):
+    """The parallel layout, the model (this rank's pipeline stage of it) and its config."""
     import torch
-    import torch.distributed as dist
 
     from fusedpar.nn import Transformer, TransformerConfig
-    from fusedpar.nn.transformer import shard_tokens
-    from fusedpar.parallel import init_parallel, sync_gradients
+    from fusedpar.parallel import init_parallel
 
-    torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp, sp = _default_layout(world, args.pp, args.tp, args.sp)
+    tp, sp = default_layout(world, args.pp, args.tp, args.sp)
     ep = args.ep if args.ep is not None else sp * tp
     state = init_parallel(pp=args.pp, tp=tp, sp=sp, ep=ep, backend="nccl" if use_cuda else "gloo")
-    on_gpu = state.device.type == "cuda"
-    if args.dtype == "bf16" and not on_gpu:
+    if args.dtype == "bf16" and state.device.type != "cuda":
         raise ValueError("--dtype bf16 needs CUDA (under the interpreter bf16 tl.dot is wrong)")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     config = TransformerConfig(
@@ -121,18 +117,66 @@ def main(argv=None) -> int:
     model = Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group,
                         layers=layers, embed=state.is_first_stage, head=state.is_last_stage, seed=args.seed,
                         aux_loss_scale=1.0 / state.tp, device=state.device, dtype=dtype)
+    return state, config, model, dtype
+
+
+def pipeline_schedule(model, state, microbatches: int):
+    """A 1F1B schedule over the pipeline stages (``None`` without pipeline parallelism)."""
+    if state.pp == 1:
+        return None
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(model, state.pp_rank, state.pp, state.device, group=state.pp_group)
+    return Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=model.loss)
+
+
+def train_step(step: int, args, state, config, model, schedule, opt, plan):
+    """One optimizer step on this step's synthetic batch; returns the global mean loss (the
+    same value on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from fusedpar.nn import shard_tokens
+    from fusedpar.parallel import sync_gradients
+
+    tokens, targets = synthetic_batch(step, args.batch * state.dp, args.seq, args.vocab, args.seed, state.device)
+    rows = slice(state.dp_rank * args.batch, (state.dp_rank + 1) * args.batch)
+    ids, tgt = shard_tokens(tokens[rows], targets[rows], sp_size=state.sp, sp_rank=state.sp_rank,
+                            tp_size=state.tp, tp_rank=state.tp_rank, layout=config.layout)
+    opt.zero_grad(set_to_none=True)
+    if schedule is None:
+        loss = model.loss(model(ids), tgt)
+        loss.backward()
+        loss = loss.detach()
+    else:
+        losses = []
+        schedule.step(ids if state.is_first_stage else None, target=tgt, losses=losses)
+        loss = torch.stack(losses).mean().detach() if state.is_last_stage else torch.zeros((), device=state.device)
+    sync_gradients(model.named_parameters(), state, plan)
+    opt.step()
+    report = loss.float().reshape(1).clone()
+    dist.all_reduce(report, group=state.data_group)
+    report /= state.data_size
+    if state.device.type == "cuda":
+        torch.cuda.synchronize()
+    return report.item()
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    use_cuda = _use_cuda(args.device)
+    _setup_env(use_cuda)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    state, config, model, dtype = build(args, use_cuda)
     plan = model.gradient_sync_plan()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-
-    schedule = None
-    if state.pp > 1:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-        stage = PipelineStage(model, state.pp_rank, state.pp, state.device, group=state.pp_group)
-        schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=model.loss)
-
-    reporter = (state.pp - 1) * state.dp * state.sp * state.tp  # last stage, dp/sp/tp rank 0
-    if state.rank == reporter:
+    schedule = pipeline_schedule(model, state, args.microbatches)
+    reporter = state.rank == (state.pp - 1) * state.dp * state.sp * state.tp  # last stage, dp/sp/tp rank 0
+    if reporter:
+        on_gpu = state.device.type == "cuda"
         print(f"fusedpar demo: world {state.world_size} = dp {state.dp} x pp {state.pp} x sp {state.sp} x tp {state.tp}"
               f" (ep {state.ep}); {'NCCL on CUDA' if on_gpu else 'gloo on CPU, Triton interpreter'}; {dtype}; "
               f"{config.num_layers} blocks (MoE every 2nd: {config.num_experts} experts, top-{config.top_k}), "
@@ -142,34 +186,13 @@ def main(argv=None) -> int:
     tokens_per_step = args.batch * state.dp * args.seq
     for step in range(args.steps):
         t0 = time.perf_counter()
-        tokens, targets = synthetic_batch(step, args.batch * state.dp, args.seq, args.vocab, args.seed, state.device)
-        rows = slice(state.dp_rank * args.batch, (state.dp_rank + 1) * args.batch)
-        ids, tgt = shard_tokens(tokens[rows], targets[rows], sp_size=state.sp, sp_rank=state.sp_rank,
-                                tp_size=state.tp, tp_rank=state.tp_rank, layout=config.layout)
-        opt.zero_grad(set_to_none=True)
-        if schedule is None:
-            loss = model.loss(model(ids), tgt)
-            loss.backward()
-            loss = loss.detach()
-        else:
-            losses = []
-            schedule.step(ids if state.is_first_stage else None, target=tgt, losses=losses)
-            loss = torch.stack(losses).mean().detach() if state.is_last_stage else torch.zeros((), device=state.device)
-        sync_gradients(model.named_parameters(), state, plan)
-        opt.step()
-        report = loss.float().reshape(1).clone()
-        dist.all_reduce(report, group=state.data_group)
-        report /= state.data_size
-        if on_gpu:
-            torch.cuda.synchronize()
+        last = train_step(step, args, state, config, model, schedule, opt, plan)
         dt = time.perf_counter() - t0
-        value = report.item()
-        first = value if first is None else first
-        last = value
-        if state.rank == reporter:
-            print(f"step {step + 1:3d}/{args.steps}  loss {value:.4f}  {dt * 1e3:8.1f} ms  "
+        first = last if first is None else first
+        if reporter:
+            print(f"step {step + 1:3d}/{args.steps}  loss {last:.4f}  {dt * 1e3:8.1f} ms  "
                   f"{tokens_per_step / dt:10.1f} tokens/s", flush=True)
-    if state.rank == reporter and args.steps > 1:
+    if reporter and args.steps > 1:
         print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps "
               f"({'falling' if last < first else 'NOT falling'})", flush=True)
     dist.barrier()

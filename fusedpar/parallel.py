@@ -285,9 +285,11 @@ def sync_gradients(named_params: Iterable[tuple[str, torch.nn.Parameter]], state
                    bucket_numel: int = 1 << 22) -> None:
     """Reduce gradients in place by the rules in this module's docstring (a manual data-parallel
     step, or what is left of one after a DDP/FSDP2 wrapper). ``plan`` maps parameter names to
-    ``"dense"`` (the default), ``"replicated"`` or ``"expert"``; a model's ``gradient_sync_plan()`` gives it.
-    Gradients are flattened into fp32 buckets per group, all-reduced, scaled by
-    ``1 / (dp * sp)`` and copied back. Parameters without a gradient are skipped.
+    ``"dense"``, ``"replicated"`` or ``"expert"``; a model's ``gradient_sync_plan()`` gives it.
+    Without a plan every gradient is ``"dense"``; with one, a parameter it does not name raises
+    (a guess would reduce it over the wrong ranks). Gradients are flattened into fp32 buckets per
+    group, all-reduced, scaled by ``1 / (dp * sp)`` and copied back. Parameters without a
+    gradient are skipped.
 
     ``data_parallel_done=True`` (or ``"data"``) is for models wrapped in DDP or FSDP2 over the
     data group ``dp x sp`` (which already averaged every gradient over it): only the
@@ -299,27 +301,8 @@ def sync_gradients(named_params: Iterable[tuple[str, torch.nn.Parameter]], state
     are exactly the data group (``ep == tp``: the experts are split over the tp group); other
     layouts raise.
     """
-    plan = dict(plan or {})
-    if data_parallel_done not in (False, True, "data", "dp"):
-        raise ValueError(f"data_parallel_done must be False, True, 'data' or 'dp', got {data_parallel_done!r}")
-    if data_parallel_done == "dp":
-        sp = (state.sp_group,)
-        groups = {"dense": sp, "replicated": sp + (state.tp_group,), "expert": sp}
-        scale = 1.0 / state.sp
-    elif data_parallel_done:
-        groups = {"dense": (), "replicated": (state.tp_group,), "expert": ()}
-        scale = 1.0
-    else:
-        groups = {"dense": (state.data_group,), "replicated": (state.data_tp_group,), "expert": (state.edp_group,)}
-        scale = 1.0 / state.data_size
-    by_kind: dict[str, list[torch.Tensor]] = {k: [] for k in GRAD_KINDS}
-    for name, p in named_params:
-        kind = plan.get(name, "dense")
-        if kind not in groups:
-            raise ValueError(f"gradient kind of {name!r} must be one of {GRAD_KINDS}, got {kind!r}")
-        if p.grad is not None:
-            g = p.grad
-            by_kind[kind].append(g.to_local() if hasattr(g, "to_local") else g)
+    groups, scale = reduction_groups(state, data_parallel_done)
+    by_kind = _grads_by_kind(named_params, plan)
     if data_parallel_done and by_kind["expert"] and state.tp != state.ep:
         raise ValueError(
             f"expert gradients after DDP/FSDP over the data group are only right when ep ({state.ep}) equals "
@@ -328,20 +311,57 @@ def sync_gradients(named_params: Iterable[tuple[str, torch.nn.Parameter]], state
     for kind, grads in by_kind.items():
         kind_groups = [g for g in groups[kind] if comm.group_size(g) > 1]
         for bucket in _buckets(grads, bucket_numel):
-            if not kind_groups:
-                if scale != 1.0:
-                    for g in bucket:
-                        g.mul_(scale)
-                continue
-            flat = torch.cat([g.reshape(-1).to(torch.float32) for g in bucket])
-            for group in kind_groups:  # sp then tp: the sum over the sp x tp grid
-                comm.all_reduce(flat, group).wait()
-            flat.mul_(scale)
-            off = 0
+            _reduce_bucket(bucket, kind_groups, scale)
+
+
+def reduction_groups(state: ParallelState, data_parallel_done: bool | str = False):
+    """``({kind: groups to sum over, in order}, scale)`` of :func:`sync_gradients`."""
+    if data_parallel_done not in (False, True, "data", "dp"):
+        raise ValueError(f"data_parallel_done must be False, True, 'data' or 'dp', got {data_parallel_done!r}")
+    if data_parallel_done == "dp":
+        sp = (state.sp_group,)
+        return {"dense": sp, "replicated": sp + (state.tp_group,), "expert": sp}, 1.0 / state.sp
+    if data_parallel_done:
+        return {"dense": (), "replicated": (state.tp_group,), "expert": ()}, 1.0
+    groups = {"dense": (state.data_group,), "replicated": (state.data_tp_group,), "expert": (state.edp_group,)}
+    return groups, 1.0 / state.data_size
+
+
+def _grads_by_kind(named_params, plan: Mapping[str, str] | None) -> dict[str, list[torch.Tensor]]:
+    """The local gradients (DTensor gradients as their local shards) of every kind; every name is
+    checked against the plan, with a gradient or not, so that every rank raises alike."""
+    by_kind: dict[str, list[torch.Tensor]] = {k: [] for k in GRAD_KINDS}
+    for name, p in named_params:
+        if plan is None:
+            kind = "dense"
+        elif name not in plan:
+            raise ValueError(f"parameter {name!r} is not in the gradient plan: name its kind, one of {GRAD_KINDS}")
+        else:
+            kind = plan[name]
+        if kind not in by_kind:
+            raise ValueError(f"gradient kind of {name!r} must be one of {GRAD_KINDS}, got {kind!r}")
+        if p.grad is not None:
+            g = p.grad
+            by_kind[kind].append(g.to_local() if hasattr(g, "to_local") else g)
+    return by_kind
+
+
+def _reduce_bucket(bucket: list[torch.Tensor], groups: list, scale: float) -> None:
+    """Sum ``bucket`` over each of ``groups`` in turn (one fp32 flat buffer), times ``scale``."""
+    if not groups:
+        if scale != 1.0:
             for g in bucket:
-                n = g.numel()
-                g.copy_(flat[off:off + n].view_as(g))
-                off += n
+                g.mul_(scale)
+        return
+    flat = torch.cat([g.reshape(-1).to(torch.float32) for g in bucket])
+    for group in groups:  # sp then tp: the sum over the sp x tp grid
+        comm.all_reduce(flat, group).wait()
+    flat.mul_(scale)
+    off = 0
+    for g in bucket:
+        n = g.numel()
+        g.copy_(flat[off:off + n].view_as(g))
+        off += n
 
 
 def _buckets(grads: list[torch.Tensor], bucket_numel: int):

@@ -8,41 +8,30 @@ if __name__ == "kernels":  # pragma: no cover - guards against importing the sou
         "(install the project with `pip install -e .`)"
     )
 
-from .runtime import interpreting
-from .gemm import ACTIVATIONS, matmul, matmul_reference, matmul_tn
-from .moe import (
-    combine,
-    combine_backward,
+from .runtime import ACTIVATIONS, interpreting
+from .gemm import matmul, matmul_reference, matmul_tn
+from .grouped_gemm import (
+    as_group_offsets,
     grouped_matmul,
     grouped_matmul_dact,
     grouped_matmul_reference,
     grouped_wgrad,
-    moe_mlp_reference,
-    permute,
-    routing_metadata,
-    routing_metadata_reference,
 )
-from .persistent_gemm import WaitTimeout, chunk_reduce, chunk_view, persistent_matmul, wait_timeouts
+from .moe_permute import combine, combine_backward, permute
+from .moe_routing import moe_mlp_reference, routing_metadata, routing_metadata_reference
+from .persistent_gemm import chunk_reduce, chunk_view, persistent_matmul, persistent_matmul_reference
+from .waits import WaitTimeout, check_wait_timeouts, wait_timeouts
+from .flash_attention import attention_reference, flash_attention_forward
+from .flash_attention_bwd import attention_delta, flash_attention_backward
+from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference
 
-__all__ = ["ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn"]
-__all__ += [
-    "combine", "combine_backward", "grouped_matmul", "grouped_matmul_dact", "grouped_matmul_reference",
-    "grouped_wgrad", "moe_mlp_reference", "permute", "routing_metadata", "routing_metadata_reference",
+__all__ = [
+    "ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn",
+    "as_group_offsets", "combine", "combine_backward", "grouped_matmul", "grouped_matmul_dact",
+    "grouped_matmul_reference", "grouped_wgrad", "moe_mlp_reference", "permute", "routing_metadata",
+    "routing_metadata_reference",
+    "WaitTimeout", "check_wait_timeouts", "chunk_reduce", "chunk_view", "persistent_matmul",
+    "persistent_matmul_reference", "wait_timeouts",
+    "attention_delta", "attention_reference", "flash_attention_backward", "flash_attention_forward",
+    "rms_norm_bwd", "rms_norm_fwd", "rms_norm_reference",
 ]
-from .flash_attention import (  # noqa: E402
-    attention_delta,
-    attention_reference,
-    flash_attention,
-    flash_attention_backward,
-    flash_attention_forward,
-)
-
-__all__ += [
-    "attention_delta",
-    "attention_reference",
-    "flash_attention",
-    "flash_attention_backward",
-    "flash_attention_forward",
-]
-__all__ += ["WaitTimeout", "chunk_reduce", "chunk_view", "persistent_matmul", "wait_timeouts"]
-from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference  # noqa: E402,F401

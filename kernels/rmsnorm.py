@@ -11,12 +11,13 @@ new residual stream from later layers::
     dh  = rstd * (dn - n * mean(dn * n)) + dh_in          (= dx = dresidual)
     dw  = sum over rows of dy * n
 
-Every operand is addressed through two-level row indices (as in gemm.py), so a ``[batch, seq, H]``
-view whose batch and sequence strides do not merge (a sequence chunk of a larger tensor) is read
-and written in place; the feature stride is arbitrary too.
+Every operand is addressed through two-level row indices (``runtime.RowView`` / ``row_offsets``,
+as in the GEMMs), so a ``[batch, seq, H]`` view whose batch and sequence strides do not merge (a
+sequence chunk of a larger tensor) is read and written in place; the feature stride is arbitrary
+too.
 
 Layers: ``_rmsnorm_fwd_kernel`` / ``_rmsnorm_bwd_kernel`` (jit) -> ``rms_norm_fwd`` /
-``rms_norm_bwd`` (validate, allocate, launch) -> ``rms_norm_reference`` (fp64 torch oracle). The
+``rms_norm_bwd`` (validate, allocate, launch); ``rms_norm_reference`` is the torch oracle. The
 autograd Function and functional API live in ``fusedpar.ops.norm``; the module in ``fusedpar.nn``.
 """
 from __future__ import annotations
@@ -25,22 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_device_usable, check_supported_dtype
-from .runtime import interpreting
+from .checks import check_device_usable, check_same, check_shape, check_supported_dtype, check_tensor
+from .runtime import RowView, interpreting, row_offsets
 
 # One program holds a full row in registers; past this many features a row would spill (the
 # same bound Liger-Kernel uses), so larger hidden sizes are rejected with a clear error.
 MAX_FUSED_SIZE = 65536
-
-
-@triton.jit
-def _row_offsets(rows, inner, s_outer, s_inner, SPLIT: tl.constexpr):
-    """Memory offset (int64) of logical row ``rows`` of a 2-D view or a [batch, seq] pair."""
-    rows = rows.to(tl.int64)
-    if SPLIT:
-        return (rows // inner) * s_outer + (rows % inner) * s_inner
-    else:
-        return rows * s_inner
 
 
 @triton.jit
@@ -64,14 +55,14 @@ def _rmsnorm_fwd_kernel(
     mask = m_mask[:, None] & h_mask[None, :]
     cols = rh.to(tl.int64)
 
-    x_off = _row_offsets(rm, x_inner, s_x0, s_x1, X_SPLIT)[:, None] + cols[None, :] * s_xh
+    x_off = row_offsets(rm, x_inner, s_x0, s_x1, X_SPLIT)[:, None] + cols[None, :] * s_xh
     h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        r_off = _row_offsets(rm, r_inner, s_r0, s_r1, R_SPLIT)[:, None] + cols[None, :] * s_rh
+        r_off = row_offsets(rm, r_inner, s_r0, s_r1, R_SPLIT)[:, None] + cols[None, :] * s_rh
         h += tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
         # the norm reads the stored (rounded) residual, exactly what the backward will reload
         h = h.to(h_ptr.dtype.element_ty)
-        h_off = _row_offsets(rm, h_inner, s_h0, s_h1, H_SPLIT)[:, None] + cols[None, :] * s_hh
+        h_off = row_offsets(rm, h_inner, s_h0, s_h1, H_SPLIT)[:, None] + cols[None, :] * s_hh
         tl.store(h_ptr + h_off, h, mask=mask)
         h = h.to(tl.float32)
 
@@ -82,7 +73,7 @@ def _rmsnorm_fwd_kernel(
     if HAS_WEIGHT:
         w = tl.load(w_ptr + rh, mask=h_mask, other=0.0).to(tl.float32)
         y = y * w[None, :]
-    y_off = _row_offsets(rm, y_inner, s_y0, s_y1, Y_SPLIT)[:, None] + cols[None, :] * s_yh
+    y_off = row_offsets(rm, y_inner, s_y0, s_y1, Y_SPLIT)[:, None] + cols[None, :] * s_yh
     tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -113,9 +104,9 @@ def _rmsnorm_bwd_kernel(
         rm = m0 + tl.arange(0, BLOCK_M)
         m_mask = rm < M
         mask = m_mask[:, None] & h_mask[None, :]
-        h = tl.load(h_ptr + _row_offsets(rm, h_inner, s_h0, s_h1, H_SPLIT)[:, None] + cols[None, :] * s_hh,
+        h = tl.load(h_ptr + row_offsets(rm, h_inner, s_h0, s_h1, H_SPLIT)[:, None] + cols[None, :] * s_hh,
                     mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + _row_offsets(rm, dy_inner, s_dy0, s_dy1, DY_SPLIT)[:, None] + cols[None, :] * s_dyh,
+        dy = tl.load(dy_ptr + row_offsets(rm, dy_inner, s_dy0, s_dy1, DY_SPLIT)[:, None] + cols[None, :] * s_dyh,
                      mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rm, mask=m_mask, other=0.0)
         n = h * rstd[:, None]
@@ -127,9 +118,9 @@ def _rmsnorm_bwd_kernel(
         c = tl.sum(dn * n, axis=1) / H
         dh = rstd[:, None] * (dn - n * c[:, None])
         if HAS_DHIN:
-            dh += tl.load(dhin_ptr + _row_offsets(rm, g_inner, s_g0, s_g1, G_SPLIT)[:, None] + cols[None, :] * s_gh,
+            dh += tl.load(dhin_ptr + row_offsets(rm, g_inner, s_g0, s_g1, G_SPLIT)[:, None] + cols[None, :] * s_gh,
                           mask=mask, other=0.0).to(tl.float32)
-        dx_off = _row_offsets(rm, dx_inner, s_dx0, s_dx1, DX_SPLIT)[:, None] + cols[None, :] * s_dxh
+        dx_off = row_offsets(rm, dx_inner, s_dx0, s_dx1, DX_SPLIT)[:, None] + cols[None, :] * s_dxh
         tl.store(dx_ptr + dx_off, dh.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(dw_ptr + pid.to(tl.int64) * H + rh, dw_acc, mask=h_mask)
@@ -138,15 +129,7 @@ def _rmsnorm_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
-def _rows(t: torch.Tensor):
-    """(inner, stride_outer, stride_inner, split) of the leading dims of a 2-D or 3-D tensor."""
-    if t.dim() == 2:
-        return (1, 0, t.stride(0)), False
-    b, s = t.shape[0], t.shape[1]
-    if b == 1 or s == 1 or t.stride(0) == s * t.stride(1):
-        inner_stride = t.stride(1) if s > 1 else t.stride(0)
-        return (1, 0, inner_stride), False
-    return (s, t.stride(0), t.stride(1)), True
+NO_ROWS = RowView(1, 0, 0, False)  # the row view of an absent operand (its pointer is a dummy)
 
 
 def _as_rows(name: str, t: torch.Tensor, *, written: bool = False) -> torch.Tensor:
@@ -165,6 +148,13 @@ def _as_rows(name: str, t: torch.Tensor, *, written: bool = False) -> torch.Tens
         return t.reshape(-1, t.shape[-1])
 
 
+def _operand(t: torch.Tensor | None):
+    """(rows view of ``t`` or a dummy, its RowView, its feature stride) of an optional operand."""
+    if t is None:
+        return None, NO_ROWS, 0
+    return t, RowView.rows(t), t.stride(-1)
+
+
 def _config(H: int, M: int):
     block_h = max(16, triton.next_power_of_2(H))
     if interpreting():
@@ -177,15 +167,54 @@ def _config(H: int, M: int):
     return dict(BLOCK_M=block_m, BLOCK_H=block_h), dict(num_warps=warps)
 
 
-def _check_tensor(name, t, like=None, shape=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def _check_operand(name: str, t, x: torch.Tensor | None = None, shape=None) -> None:
+    """A kernel operand: a tensor of a supported dtype on a kernel device (``x``'s, when given),
+    of ``shape`` (when given)."""
+    check_tensor(name, t)
     check_supported_dtype(name, t)
     check_device_usable(name, t)
-    if like is not None and t.device != like.device:
-        raise ValueError(f"{name} must be on the same device as x ({like.device}), got {t.device}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if x is not None:
+        check_same(name, t, "x", x, dtype=False)
+    if shape is not None:
+        check_shape(name, t, shape)
+
+
+def _check_fwd(x, weight, eps, residual) -> int:
+    """Validate the forward's inputs; returns the hidden size."""
+    _check_operand("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the hidden features), got a scalar")
+    H = x.shape[-1]
+    if H == 0:
+        raise ValueError(f"x must have a non-empty hidden (last) dimension, got shape {tuple(x.shape)}")
+    if H > MAX_FUSED_SIZE:
+        raise ValueError(f"hidden size {H} exceeds the fused RMSNorm limit of {MAX_FUSED_SIZE} features")
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if weight is not None:
+        _check_operand("weight", weight, x, (H,))
+    if residual is not None:
+        _check_operand("residual", residual, x, x.shape)
+    return H
+
+
+def _fwd_outputs(x, residual, out, residual_out, out_dtype):
+    """The forward's destinations: given ones checked, missing ones allocated."""
+    if out is None:
+        out = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
+    else:
+        _check_operand("out", out, x, x.shape)
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise TypeError(f"out must have dtype {out_dtype} (out_dtype), got {out.dtype}")
+    if residual is None:
+        if residual_out is not None:
+            raise ValueError("residual_out must be None without a residual (it is only written with one), "
+                             "got a tensor")
+    elif residual_out is None:
+        residual_out = torch.empty(x.shape, device=x.device, dtype=residual.dtype)
+    else:
+        _check_operand("residual_out", residual_out, x, x.shape)
+    return out, residual_out
 
 
 def rms_norm_fwd(
@@ -207,51 +236,18 @@ def rms_norm_fwd(
               bf16 activations is fine).
     out / residual_out: optional destinations (same shape as x, any strides).
     """
-    _check_tensor("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the hidden features), got a scalar")
-    H = x.shape[-1]
-    if H == 0:
-        raise ValueError(f"x must have a non-empty hidden (last) dimension, got shape {tuple(x.shape)}")
-    if H > MAX_FUSED_SIZE:
-        raise ValueError(f"hidden size {H} exceeds the fused RMSNorm limit of {MAX_FUSED_SIZE} features")
-    if not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-    if weight is not None:
-        _check_tensor("weight", weight, like=x, shape=(H,))
-        if weight.stride(0) != 1:
-            weight = weight.contiguous()
-    if residual is not None:
-        _check_tensor("residual", residual, like=x, shape=x.shape)
-    if out is None:
-        out = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
-    else:
-        _check_tensor("out", out, like=x, shape=x.shape)
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
-    if residual is not None:
-        if residual_out is None:
-            residual_out = torch.empty(x.shape, device=x.device, dtype=residual.dtype)
-        else:
-            _check_tensor("residual_out", residual_out, like=x, shape=x.shape)
-    elif residual_out is not None:
-        raise ValueError("residual_out is only written when a residual is given")
-
-    xr = _as_rows("x", x)
-    rr = _as_rows("residual", residual) if residual is not None else None
-    yr = _as_rows("out", out, written=True)
-    hr = _as_rows("residual_out", residual_out, written=True) if residual is not None else None
+    H = _check_fwd(x, weight, eps, residual)
+    if weight is not None and weight.stride(0) != 1:
+        weight = weight.contiguous()
+    out, residual_out = _fwd_outputs(x, residual, out, residual_out, out_dtype)
     M = int(torch.Size(x.shape[:-1]).numel())
     rstd = torch.empty((M,), device=x.device, dtype=torch.float32)
     if M > 0:
-        x_rows, x_split = _rows(xr)
-        y_rows, y_split = _rows(yr)
-        if residual is not None:
-            r_rows, r_split = _rows(rr)
-            h_rows, h_split = _rows(hr)
-            s_rh, s_hh = rr.stride(-1), hr.stride(-1)
-        else:
-            (r_rows, r_split), (h_rows, h_split), s_rh, s_hh = ((1, 0, 0), False), ((1, 0, 0), False), 0, 0
+        xr, x_rows, s_xh = _operand(_as_rows("x", x))
+        yr, y_rows, s_yh = _operand(_as_rows("out", out, written=True))
+        rr, r_rows, s_rh = _operand(_as_rows("residual", residual) if residual is not None else None)
+        hr, h_rows, s_hh = _operand(_as_rows("residual_out", residual_out, written=True)
+                                    if residual is not None else None)
         cfg, launch = _config(H, M)
         grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
         with _device_ctx(x):
@@ -259,12 +255,24 @@ def rms_norm_fwd(
                 xr, rr if rr is not None else xr, weight if weight is not None else xr, yr,
                 hr if hr is not None else yr, rstd,
                 M, H, float(eps),
-                *x_rows, xr.stride(-1), *r_rows, s_rh, *y_rows, yr.stride(-1), *h_rows, s_hh,
-                X_SPLIT=x_split, R_SPLIT=r_split, Y_SPLIT=y_split, H_SPLIT=h_split,
+                *x_rows.args(), s_xh, *r_rows.args(), s_rh, *y_rows.args(), s_yh, *h_rows.args(), s_hh,
+                X_SPLIT=x_rows.split, R_SPLIT=r_rows.split, Y_SPLIT=y_rows.split, H_SPLIT=h_rows.split,
                 HAS_RES=residual is not None, HAS_WEIGHT=weight is not None,
                 **cfg, **launch,
             )
     return out, (residual_out if residual is not None else x), rstd
+
+
+def _bwd_programs(M: int, block_m: int, device: torch.device):
+    """(programs, rows per program): one program per SM at most (each writes one fp32 row of
+    partial weight gradients), rows per program a multiple of ``block_m``."""
+    if interpreting():
+        programs = max(1, min(2, triton.cdiv(M, block_m)))
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = max(1, min(sms, triton.cdiv(M, block_m)))
+    rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), programs), block_m) * block_m
+    return triton.cdiv(max(M, 1), rows_per_program), rows_per_program
 
 
 def rms_norm_bwd(
@@ -279,39 +287,30 @@ def rms_norm_bwd(
     """Launch the backward. Returns ``(dh, dweight)``: ``dh`` is the gradient w.r.t. ``h`` (hence
     w.r.t. both ``x`` and ``residual``), including ``grad_residual`` (the gradient reaching the
     new residual from later layers); ``dweight`` is ``None`` without a weight."""
-    _check_tensor("grad_out", grad_out, like=h, shape=h.shape)
+    _check_operand("grad_out", grad_out, h, h.shape)
     if grad_residual is not None:
-        _check_tensor("grad_residual", grad_residual, like=h, shape=h.shape)
+        _check_operand("grad_residual", grad_residual, h, h.shape)
     H = h.shape[-1]
     M = int(torch.Size(h.shape[:-1]).numel())
-    if rstd.shape != (M,) or rstd.dtype != torch.float32:
-        raise ValueError(f"rstd must be fp32 of shape ({M},), got {rstd.dtype} {tuple(rstd.shape)}")
+    check_tensor("rstd", rstd, dtypes=(torch.float32,))
+    check_shape("rstd", rstd, (M,))
     dx = torch.empty(h.shape, device=h.device, dtype=dx_dtype or h.dtype)
     cfg, launch = _config(H, M)
-    if interpreting():
-        programs = max(1, min(2, triton.cdiv(M, cfg["BLOCK_M"])))
-    else:
-        sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-        programs = max(1, min(sms, triton.cdiv(M, cfg["BLOCK_M"])))
-    rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), programs), cfg["BLOCK_M"]) * cfg["BLOCK_M"]
-    programs = triton.cdiv(max(M, 1), rows_per_program)
+    programs, rows_per_program = _bwd_programs(M, cfg["BLOCK_M"], h.device)
     dw_partial = torch.zeros((programs, H), device=h.device, dtype=torch.float32) if weight is not None else None
     if M > 0:
-        gr, hr, dxr = _as_rows("grad_out", grad_out), _as_rows("h", h), _as_rows("dx", dx, written=True)
-        gin = _as_rows("grad_residual", grad_residual) if grad_residual is not None else None
-        dy_rows, dy_split = _rows(gr)
-        h_rows, h_split = _rows(hr)
-        dx_rows, dx_split = _rows(dxr)
-        g_rows, g_split = _rows(gin) if gin is not None else ((1, 0, 0), False)
+        gr, dy_rows, s_dyh = _operand(_as_rows("grad_out", grad_out))
+        hr, h_rows, s_hh = _operand(_as_rows("h", h))
+        dxr, dx_rows, s_dxh = _operand(_as_rows("dx", dx, written=True))
+        gin, g_rows, s_gh = _operand(_as_rows("grad_residual", grad_residual) if grad_residual is not None else None)
         w = weight.contiguous() if weight is not None else None
         with _device_ctx(h):
             _rmsnorm_bwd_kernel[(programs,)](
                 gr, hr, w if w is not None else hr, rstd, gin if gin is not None else gr, dxr,
                 dw_partial if dw_partial is not None else rstd,
                 M, H, rows_per_program,
-                *dy_rows, gr.stride(-1), *h_rows, hr.stride(-1),
-                *g_rows, gin.stride(-1) if gin is not None else 0, *dx_rows, dxr.stride(-1),
-                DY_SPLIT=dy_split, H_SPLIT=h_split, G_SPLIT=g_split, DX_SPLIT=dx_split,
+                *dy_rows.args(), s_dyh, *h_rows.args(), s_hh, *g_rows.args(), s_gh, *dx_rows.args(), s_dxh,
+                DY_SPLIT=dy_rows.split, H_SPLIT=h_rows.split, G_SPLIT=g_rows.split, DX_SPLIT=dx_rows.split,
                 HAS_DHIN=gin is not None, HAS_WEIGHT=weight is not None,
                 **cfg, **launch,
             )

@@ -11,6 +11,7 @@ the one-process model (loss and every gradient):
 * DCP: save at tp2 (ep2), load at tp4 (ep4), same weights and same loss.
 """
 import os
+import re
 import shutil
 import tempfile
 
@@ -333,3 +334,88 @@ def test_vocab_parallel_loss_and_layout_helpers_single_process():
         TransformerConfig(vocab_size=8, hidden_size=8, num_layers=0, num_heads=2, ffn_hidden_size=8)
     with pytest.raises(ValueError, match="layer index 5 is outside 0..1"):
         Transformer(tiny_config(), layers=[5])
+
+
+EXPECTED_PLAN = {
+    "embedding.weight": "replicated", "norm.weight": "replicated", "head.weight": "dense",
+    **{f"layers.{i}.{n}": "replicated" for i in (0, 1) for n in ("norm1.weight", "norm2.weight")},
+    **{f"layers.{i}.attn.{n}.weight": "dense" for i in (0, 1) for n in ("qkv", "proj")},
+    "layers.0.mlp.fc1.weight": "dense", "layers.0.mlp.fc2.weight": "dense",
+    "layers.1.mlp.w1": "expert", "layers.1.mlp.w2": "expert", "layers.1.mlp.router.weight": "replicated",
+}
+
+
+def test_gradient_sync_plan_of_every_parameter():
+    model = Transformer(tiny_config(num_experts=4, top_k=2, moe_every=2))
+    assert model.gradient_sync_plan() == EXPECTED_PLAN
+
+
+def _add_bare_parameter(model):
+    model.layers["0"].scale = torch.nn.Parameter(torch.ones(3))
+    return "layers.0.scale"
+
+
+def _add_plain_linear(model):
+    model.layers["1"].extra = torch.nn.Linear(2, 2, bias=False)
+    return "layers.1.extra.weight"
+
+
+def _add_parameter_to_attention(model):
+    model.layers["0"].attn.gate = torch.nn.Parameter(torch.ones(2))
+    return "layers.0.attn.gate"
+
+
+@pytest.mark.parametrize("add", [_add_bare_parameter, _add_plain_linear, _add_parameter_to_attention],
+                         ids=lambda f: f.__name__.lstrip("_"))
+def test_gradient_sync_plan_rejects_unknown_parameters(add):
+    """A parameter the plan does not know would be synced as "dense" by guess (wrong for a
+    replicated copy): it raises, naming the parameter."""
+    model = Transformer(tiny_config(num_experts=4, top_k=2, moe_every=2))
+    name = add(model)
+    with pytest.raises(ValueError, match=rf"{re.escape(name)!s}"):
+        model.gradient_sync_plan()
+
+
+class _FakeGroup:
+    """Stands for a process group (weak-referenceable, like torch's)."""
+
+
+def test_checkpoint_mesh_cache_never_hands_a_dead_groups_mesh_to_a_new_group(monkeypatch):
+    """The DCP mesh cache is keyed by the group object: once a group is gone, a new group that
+    happens to get the same id() must get its own mesh, not the dead group's."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    monkeypatch.setattr(DeviceMesh, "from_group", staticmethod(lambda group, device_type: object()))
+    group = _FakeGroup()
+    old_id, old_mesh = id(group), fcheckpoint.group_mesh(group, "cpu")
+    assert fcheckpoint.group_mesh(group, "cpu") is old_mesh  # cached while the group lives
+    del group
+    gc.collect()
+    keep = []
+    for _ in range(10000):  # CPython hands the freed slot to the next object of that size
+        keep.append(_FakeGroup())
+        if id(keep[-1]) == old_id:
+            break
+    else:
+        pytest.skip("no new object reused the dead group's id")
+    assert fcheckpoint.group_mesh(keep[-1], "cpu") is not old_mesh
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0])
+def test_attach_aux_loss_sends_its_scale_into_the_aux_loss(scale):
+    """The functional op behind TransformerBlock's router-loss wiring: identity forward, and the
+    aux loss receives gradient ``scale`` through the backward of ``x``'s consumer."""
+    from fusedpar import nn as fnn
+    from fusedpar import ops
+
+    assert fnn.vocab_parallel_cross_entropy is ops.vocab_parallel_cross_entropy  # re-exported for nn users
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(2, requires_grad=True)
+    aux = (w * w).sum()
+    y = ops.attach_aux_loss(x, aux, scale)
+    assert torch.equal(y, x)
+    (3 * y).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+    assert_close(w.grad, 2 * scale * w.detach(), torch.float32)

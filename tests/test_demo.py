@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fusedpar.demo import _default_layout, synthetic_batch
+from fusedpar.demo import default_layout, parse_args, synthetic_batch
 
 
 def _run_demo(*args):
@@ -40,17 +40,20 @@ def test_demo_pipeline_path_pp2_x_tp2():
     assert "world 4 = dp 1 x pp 2 x sp 1 x tp 2 (ep 2)" in out, out
 
 
-def test_synthetic_data_and_layout_choice():
+def test_synthetic_data():
     x, y = synthetic_batch(0, 3, 10, 16, seed=1, device="cpu")
     assert x.shape == y.shape == (3, 10)
     assert (x[:, 1:] == y[:, :-1]).all()  # targets are the next tokens
     x2, _ = synthetic_batch(0, 3, 10, 16, seed=1, device="cpu")
     assert (x == x2).all()  # the same batch on every rank
-    assert _default_layout(4, 1, None, None) == (2, 2)
-    assert _default_layout(8, 2, None, None) == (2, 2)
-    assert _default_layout(2, 1, None, None) == (2, 1)
-    assert _default_layout(1, 1, None, None) == (1, 1)
-    with pytest.raises(SystemExit):
-        from fusedpar.demo import _parse
 
-        _parse(["--dtype", "fp8"])
+
+@pytest.mark.parametrize("world,pp,expected", [(4, 1, (2, 2)), (8, 2, (2, 2)), (2, 1, (2, 1)), (1, 1, (1, 1))],
+                         ids=["world4", "world8-pp2", "world2", "world1"])
+def test_layout_choice(world, pp, expected):
+    assert default_layout(world, pp, None, None) == expected
+
+
+def test_bad_dtype_argument():
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "fp8"])

@@ -100,6 +100,8 @@ def _sync_rules(rank, size):
     assert [params[k].grad[0].item() for k in kinds] == [sp_mean] * 3
     with pytest.raises(ValueError, match="gradient kind of 'x' must be one of"):
         sync_gradients([("x", params["dense"])], st, {"x": "bogus"})
+    with pytest.raises(ValueError, match="parameter 'y' is not in the gradient plan"):
+        sync_gradients([("y", params["dense"])], st, {"x": "dense"})  # unnamed: no silent "dense"
     st4 = build_parallel_state(dp=2, tp=2, ep=4)  # edp has one member: experts sum over nothing
     params["expert"].grad = torch.full((3,), float(rank + 1))
     sync_gradients([("w", params["expert"])], st4, {"w": "expert"})

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
-from fusedpar.kernels import rms_norm_fwd, rms_norm_reference
+from fusedpar.kernels import rms_norm_bwd, rms_norm_fwd, rms_norm_reference
 from fusedpar.nn import RMSNorm
 from fusedpar.ops import rms_norm
 
@@ -130,23 +130,31 @@ def test_module_matches_reference_and_repr():
     assert RMSNorm(8, elementwise_affine=False).weight is None
 
 
-def test_bad_input_errors():
-    x = randn(3, 8)
-    with pytest.raises(ValueError, match=r"weight must have shape \(8,\), got \(7,\)"):
-        rms_norm(x, randn(7))
-    with pytest.raises(ValueError, match=r"residual must have shape \(3, 8\), got \(3, 9\)"):
-        rms_norm(x, randn(8), residual=randn(3, 9))
-    with pytest.raises(TypeError, match="x must have one of the dtypes .* got torch.int64"):
-        rms_norm(torch.ones(3, 8, dtype=torch.int64))
-    with pytest.raises(ValueError, match="eps must be a non-negative number"):
-        rms_norm(x, None, -1.0)
-    with pytest.raises(ValueError, match="non-empty hidden"):
-        rms_norm(torch.ones(3, 0))
-    with pytest.raises(ValueError, match=r"x must have 8 features in its last dim, got shape \(3, 9\)"):
-        RMSNorm(8)(randn(3, 9))
-    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
-        RMSNorm(0)
+BAD_INPUTS = [
+    ("weight-shape", lambda x: rms_norm(x, randn(7)), ValueError, r"weight must have shape \(8,\), got \(7,\)"),
+    ("residual-shape", lambda x: rms_norm(x, randn(8), residual=randn(3, 9)), ValueError,
+     r"residual must have shape \(3, 8\), got \(3, 9\)"),
+    ("int-dtype", lambda x: rms_norm(torch.ones(3, 8, dtype=torch.int64)), TypeError,
+     "x must have one of the dtypes .* got torch.int64"),
+    ("negative-eps", lambda x: rms_norm(x, None, -1.0), ValueError, "eps must be a non-negative number"),
+    ("empty-hidden", lambda x: rms_norm(torch.ones(3, 0)), ValueError, "non-empty hidden"),
+    ("module-features", lambda x: RMSNorm(8)(randn(3, 9)), ValueError,
+     r"x must have 8 features in its last dim, got shape \(3, 9\)"),
+    ("module-size", lambda x: RMSNorm(0), ValueError, "hidden_size must be a positive int"),
+    ("not-a-tensor", lambda x: rms_norm([1.0, 2.0]), TypeError, "x must be a torch.Tensor, got list"),
+    ("rstd-dtype", lambda x: rms_norm_bwd(x, x, None, torch.ones(3, dtype=torch.float64)), TypeError,
+     "rstd must have dtype torch.float32, got torch.float64"),
+    ("rstd-shape", lambda x: rms_norm_bwd(x, x, None, torch.ones(4)), ValueError,
+     r"rstd must have shape \(3,\), got \(4,\)"),
+    ("residual-out-without-residual", lambda x: rms_norm_fwd(x, None, residual_out=torch.empty_like(x)), ValueError,
+     "residual_out must be None without a residual"),
+]
 
+
+@pytest.mark.parametrize("call,exc,match", [pytest.param(*c[1:], id=c[0]) for c in BAD_INPUTS])
+def test_bad_input_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(randn(3, 8))
 
 
 def test_four_dim_input_and_unviewable_output():

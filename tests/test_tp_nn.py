@@ -15,7 +15,7 @@ from _world import rank_rng, world_fixture
 from fusedpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_shards
 
 world2 = world_fixture(2)
-# tp=4 runs the light subset of _modules_vs_reference in test_tp_ops.py's world of 4 (one fewer
+# tp=4 runs the light subset of modules_vs_reference in test_tp_ops.py's world of 4 (one fewer
 # world to start: a spawned rank's imports cost more than the cases themselves)
 
 
@@ -118,7 +118,7 @@ def test_init_state_dict_errors(world2):
 # ----------------------------------------------------------------------------------------------
 # modules against the single-process fp64 reference
 # ----------------------------------------------------------------------------------------------
-def _modules_vs_reference(rank, size, seed, light=False):
+def modules_vs_reference(rank, size, seed, light=False):
     torch.manual_seed(seed)  # the nn.Linear references below must be the same layer on every rank
     g = rank_rng(seed)
     B, S, H = 2, 3 * size, 10
@@ -181,7 +181,7 @@ def _modules_vs_reference(rank, size, seed, light=False):
 
 
 def test_modules_vs_reference_world2(world2):
-    assert all(world2.run(_modules_vs_reference, seed=2))
+    assert all(world2.run(modules_vs_reference, seed=2))
 
 
 # ----------------------------------------------------------------------------------------------

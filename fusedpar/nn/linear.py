@@ -21,58 +21,19 @@ import math
 import torch
 from torch import nn
 
+from fusedpar.kernels.checks import check_choice, check_divisible, check_int
+from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import comm
-from fusedpar.kernels.checks import check_divisible
-from fusedpar.kernels import ACTIVATIONS
 from fusedpar.ops.tensor_parallel import (
     all_gather_matmul,
     copy_to_tp_matmul,
+    gather_features,
     matmul_all_reduce,
     matmul_reduce_scatter,
+    scatter_features,
 )
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP"]
-
-
-# ----------------------------------------------------------------------------------------------
-# feature-dim gather / scatter (gather_output, input_is_parallel=False): not on the hot path
-# ----------------------------------------------------------------------------------------------
-def _gather_features(t, group):
-    P = comm.group_size(group)
-    t = t.contiguous()
-    flat = torch.empty((P * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    comm.all_gather_into(flat, t, group).wait()
-    buf = flat.view((P,) + tuple(t.shape))
-    return buf.movedim(0, -2).reshape(tuple(t.shape[:-1]) + (P * t.shape[-1],))
-
-
-class _GatherFeatures(torch.autograd.Function):
-    """All-gather the last dim; backward keeps this rank's slice of the (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group, ctx.n = group, t.shape[-1]
-        return _gather_features(t, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        r = comm.group_rank(ctx.group)
-        return grad.narrow(-1, r * ctx.n, ctx.n).contiguous(), None
-
-
-class _ScatterFeatures(torch.autograd.Function):
-    """Keep this rank's slice of the last dim of a replicated tensor; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        P, r = comm.group_size(group), comm.group_rank(group)
-        n = t.shape[-1] // P
-        ctx.group = group
-        return t.narrow(-1, r * n, n).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_features(grad, ctx.group), None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,8 +45,7 @@ def _tp(group):
 
 
 def _check_features(cls, name, value, size):
-    if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{cls}: {name} must be a positive int, got {value!r}")
+    check_int(f"{cls}: {name}", value, min_value=1)
     check_divisible(f"{cls}: {name}", value, size, "the tensor-parallel group size")
 
 
@@ -204,8 +164,7 @@ class ColumnParallelLinear(_TPLinearBase):
                  save_gathered_input=True):
         super().__init__()
         name = type(self).__name__
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"{name}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        check_choice(f"{name}: activation", activation, ACTIVATIONS)
         self.group, self.tp_size, self.tp_rank = _tp(group)
         _check_features(name, "in_features", in_features, 1)
         _check_features(name, "out_features", out_features, self.tp_size)
@@ -246,8 +205,8 @@ class ColumnParallelLinear(_TPLinearBase):
                                   activation=self.activation, save_gathered_input=self.save_gathered_input)
         else:
             y = copy_to_tp_matmul(x, self.weight, self.bias, group=self.group, activation=self.activation)
-        if self.gather_output and self.tp_size > 1:
-            y = _GatherFeatures.apply(y, self.group)
+        if self.gather_output:
+            y = gather_features(y, self.group)
         return y
 
     def extra_repr(self):
@@ -307,7 +266,7 @@ class RowParallelLinear(_TPLinearBase):
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"{type(self).__name__}: with input_is_parallel=False x must have "
                                  f"{self.in_features} features in its last dim, got {shape}")
-            x = _ScatterFeatures.apply(x, self.group)
+            x = scatter_features(x, self.group)
         if self.sequence_parallel:
             return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, scatter_dim=self.sequence_dim)
         return matmul_all_reduce(x, self.weight, self.bias, group=self.group)

@@ -21,28 +21,32 @@ the zigzag runs over the ``ring_size`` ring ranks and each ring shard is split i
 the layout :func:`fusedpar.ops.hybrid_attention` documents; ``sp_mode="ulysses"`` is
 ``ring_size=1`` (contiguous).
 
-The output head is column-parallel over the vocabulary; :func:`vocab_parallel_cross_entropy`
-computes the loss without gathering the logits. Every rank of a tp group ends with the same loss
-(over that tp group's tokens), which is what the gradient rules in :mod:`fusedpar.parallel`
-assume.
+The output head is column-parallel over the vocabulary;
+:func:`fusedpar.ops.vocab_parallel_cross_entropy` computes the loss without gathering the logits.
+Every rank of a tp group ends with the same loss (over that tp group's tokens), which is what the
+gradient rules in :mod:`fusedpar.parallel` assume; :meth:`Transformer.gradient_sync_plan` names
+the rule of every parameter.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fusedpar.ops import comm
 from fusedpar.kernels.checks import check_divisible
+from fusedpar.ops import comm
+from fusedpar.ops.loss import attach_aux_loss, vocab_parallel_cross_entropy
 
 from .attention import ParallelAttention
-from .linear import ColumnParallelLinear, ParallelMLP
-from .moe import MoE
+from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+from .moe import MoE, TopKRouter
 from .norm import RMSNorm
+
+__all__ = ["Transformer", "TransformerBlock", "TransformerConfig", "sequence_order", "shard_tokens",
+           "vocab_parallel_cross_entropy"]  # the loss lives in fusedpar.ops.loss, re-exported here
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,88 +134,6 @@ def shard_tokens(tokens: torch.Tensor, targets: torch.Tensor, *, sp_size: int, s
 
 
 # ----------------------------------------------------------------------------------------------
-# vocabulary-parallel cross entropy
-# ----------------------------------------------------------------------------------------------
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token ``logsumexp(z) - z[target]`` with the vocabulary split over ``group``: the row
-    max is gathered, the sum of exponentials and the target logit are all-reduced (fp32)."""
-
-    @staticmethod
-    def forward(ctx, logits, target, group):
-        T, V = logits.shape
-        P, r = comm.group_size(group), comm.group_rank(group)
-        z = logits.float()
-        local_max = z.max(dim=-1).values if V else torch.full((T,), -math.inf, device=z.device)
-        if P > 1:
-            maxes = torch.empty(P * T, device=z.device, dtype=torch.float32)
-            comm.all_gather_into(maxes, local_max.contiguous(), group).wait()
-            row_max = maxes.view(P, T).max(dim=0).values
-        else:
-            row_max = local_max
-        z = z - row_max[:, None]
-        exp = z.exp()
-        lo = r * V
-        inside = (target >= lo) & (target < lo + V)
-        idx = torch.where(inside, target - lo, torch.zeros_like(target))
-        picked = z.gather(1, idx[:, None]).squeeze(1) * inside
-        stats = torch.stack([exp.sum(dim=-1), picked])  # [2, T]
-        if P > 1:
-            comm.all_reduce(stats, group).wait()
-        sum_exp, target_logit = stats[0], stats[1]
-        loss = sum_exp.log() - target_logit
-        ctx.save_for_backward(exp.div_(sum_exp[:, None]), idx, inside)
-        ctx.dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, idx, inside = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(1, idx[:, None], -inside.to(grad.dtype)[:, None])
-        grad.mul_(grad_loss.float()[:, None])
-        return grad.to(ctx.dtype), None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
-                                 reduction: str = "mean") -> torch.Tensor:
-    """Cross entropy of ``logits`` ``[..., V / tp]`` (this rank's vocabulary block, rank ``r`` holds
-    ids ``r*V/tp ..``) against global ``target`` ids ``[...]``; ``reduction`` ``"mean"``, ``"sum"``
-    or ``"none"``. Same result on every rank of ``group``; the gradient is this rank's block."""
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(f"target must have shape {tuple(logits.shape[:-1])} (logits without the vocab dim), "
-                         f"got {tuple(target.shape)}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must hold integer class ids, got dtype {target.dtype}")
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long(), group)
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    return loss.view(target.shape)
-
-
-# ----------------------------------------------------------------------------------------------
-# MoE auxiliary loss carried by the backward
-# ----------------------------------------------------------------------------------------------
-class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``x``; the backward also sends gradient ``scale`` into ``aux_loss``. The router
-    losses then train the router even where the training loop never sees them (inside a
-    pipeline stage)."""
-
-    @staticmethod
-    def forward(ctx, x, aux_loss, scale):
-        ctx.scale = scale
-        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
-
-
-# ----------------------------------------------------------------------------------------------
 # block and model
 # ----------------------------------------------------------------------------------------------
 class TransformerBlock(nn.Module):
@@ -254,7 +176,7 @@ class TransformerBlock(nn.Module):
         n2, h = self.norm2(a, residual=x)
         m = self.mlp(n2)
         if self.is_moe and self.aux_loss_scale and torch.is_grad_enabled():
-            m = _AttachAuxLoss.apply(m, self.mlp.aux_loss, self.aux_loss_scale)
+            m = attach_aux_loss(m, self.mlp.aux_loss, self.aux_loss_scale)
         return h + m
 
 
@@ -341,21 +263,56 @@ class Transformer(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
     def gradient_sync_plan(self) -> dict[str, str]:
-        """Parameter name -> gradient kind for :func:`fusedpar.parallel.sync_gradients`:
-        ``"replicated"`` for copies that see only this rank's sequence shard (norms, embedding,
-        router), ``"expert"`` for expert weights, ``"dense"`` for the rest."""
+        """Parameter name -> gradient kind for :func:`fusedpar.parallel.sync_gradients`, by the
+        module that owns the parameter (:data:`GRADIENT_KINDS`): ``"replicated"`` for copies that
+        see only this rank's sequence shard (norms, embedding, router, a sequence-parallel
+        row-parallel bias), ``"expert"`` for expert weights, ``"dense"`` for tensor-parallel
+        shards. A parameter of any other module, or one these modules do not declare, raises
+        ``ValueError`` naming it: a guess would silently reduce its gradient over the wrong ranks."""
         plan = {}
-        for name, _ in self.named_parameters():
-            parts = name.split(".")
-            block = self.layers[parts[1]] if parts[0] == "layers" else None
-            if parts[0] in ("embedding", "norm") or (block is not None and parts[2] in ("norm1", "norm2")) \
-                    or "router" in parts:
-                plan[name] = "replicated"
-            elif block is not None and block.is_moe and parts[2] == "mlp" and parts[3] in ("w1", "w2"):
-                plan[name] = "expert"
-            else:
-                plan[name] = "dense"
+        for mname, mod in self.named_modules():
+            for pname, _ in mod.named_parameters(recurse=False):
+                name = f"{mname}.{pname}" if mname else pname
+                plan[name] = gradient_kind(mod, pname, name)
         return plan
+
+
+def _row_parallel_kind(mod: nn.Module, pname: str) -> str | None:
+    if pname == "weight":
+        return "dense"
+    if pname == "bias":  # added after the reduce-scatter: each rank sees its own sequence shard
+        return "replicated" if mod.sequence_parallel else "dense"
+    return None
+
+
+# module type -> parameter name -> gradient kind (a callable decides from the module)
+GRADIENT_KINDS = {
+    nn.Embedding: {"weight": "replicated"},
+    RMSNorm: {"weight": "replicated"},
+    TopKRouter: {"weight": "replicated"},
+    MoE: {"w1": "expert", "w2": "expert"},
+    ColumnParallelLinear: {"weight": "dense", "bias": "dense"},
+    RowParallelLinear: _row_parallel_kind,
+}
+
+
+def gradient_kind(module: nn.Module, pname: str, full_name: str | None = None) -> str:
+    """The gradient kind of ``module``'s own parameter ``pname`` (see :data:`GRADIENT_KINDS`; a
+    subclass follows its base's rule, for the parameters the base declares); ``ValueError`` naming
+    ``full_name`` when the module type or the parameter is unknown."""
+    rule = next((GRADIENT_KINDS[c] for c in type(module).__mro__ if c in GRADIENT_KINDS), None)
+    kind = None
+    if callable(rule):
+        kind = rule(module, pname)
+    elif rule is not None:
+        kind = rule.get(pname)
+    if kind is None:
+        known = ", ".join(t.__name__ for t in GRADIENT_KINDS)
+        raise ValueError(
+            f"parameter {full_name or pname!r} of a {type(module).__name__} has no gradient kind: "
+            f"gradient_sync_plan knows the parameters of {known} only; add a rule to "
+            "fusedpar.nn.transformer.GRADIENT_KINDS (or pass sync_gradients a plan that names it)")
+    return kind
 
 
 class _seeded:

@@ -1,13 +1,81 @@
-from .tensor_parallel import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
-from .moe import MoEPlan, grouped_mlp, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp, moe_plan  # noqa: F401
-from .attention import (  # noqa: F401
+"""Autograd Functions, their named forward/backward functions, the transports and the schedules.
+
+Every differentiable fusedpar op is importable from here; the layers below (``fusedpar.kernels``)
+hold kernels and launchers only, the layer above (``fusedpar.nn``) modules only.
+"""
+from .transport import EmulatedTransport, PortableTransport, Transport, get_transport
+from .symmetric import SymmetricTransport, resolve_transport
+from .tensor_parallel import (
+    TPOptions,
+    all_gather_matmul,
+    all_gather_matmul_bwd,
+    all_gather_matmul_fwd,
+    copy_to_tp_matmul,
+    copy_to_tp_matmul_bwd,
+    copy_to_tp_matmul_fwd,
+    gather_features,
+    matmul_all_reduce,
+    matmul_all_reduce_bwd,
+    matmul_all_reduce_fwd,
+    matmul_reduce_scatter,
+    matmul_reduce_scatter_bwd,
+    matmul_reduce_scatter_fwd,
+    scatter_features,
+)
+from .moe import (
+    MoEPlan,
+    all_to_all_v_bwd,
+    all_to_all_v_fwd,
+    grouped_mlp,
+    grouped_mlp_bwd,
+    grouped_mlp_fwd,
+    moe_combine,
+    moe_dispatch,
+    moe_expert_compute,
+    moe_experts_bwd,
+    moe_experts_fwd,
+    moe_mlp,
+    moe_permute_bwd,
+    moe_permute_fwd,
+    moe_plan,
+    moe_unpermute_bwd,
+    moe_unpermute_fwd,
+)
+from .flash import FlashAttentionFunction, flash_attention
+from .attention import (
+    RingAttentionFunction,
+    UlyssesAttentionFunction,
     hybrid_attention,
     ring_attention,
+    ring_attention_bwd,
+    ring_attention_fwd,
     sequence_shard,
     shard_positions,
     ulysses_attention,
+    ulysses_attention_bwd,
+    ulysses_attention_fwd,
+    ulysses_kv_heads,
     zigzag_positions,
     zigzag_shard,
     zigzag_unshard,
 )
-from .norm import RMSNormFunction, rms_norm  # noqa: E402,F401
+from .norm import RMSNormFunction, rms_norm
+from .loss import attach_aux_loss, vocab_parallel_cross_entropy
+
+__all__ = [
+    "EmulatedTransport", "PortableTransport", "SymmetricTransport", "Transport", "get_transport",
+    "resolve_transport",
+    "TPOptions", "all_gather_matmul", "all_gather_matmul_bwd", "all_gather_matmul_fwd", "copy_to_tp_matmul",
+    "copy_to_tp_matmul_bwd", "copy_to_tp_matmul_fwd", "gather_features", "matmul_all_reduce",
+    "matmul_all_reduce_bwd", "matmul_all_reduce_fwd", "matmul_reduce_scatter", "matmul_reduce_scatter_bwd",
+    "matmul_reduce_scatter_fwd", "scatter_features",
+    "MoEPlan", "all_to_all_v_bwd", "all_to_all_v_fwd", "grouped_mlp", "grouped_mlp_bwd", "grouped_mlp_fwd",
+    "moe_combine", "moe_dispatch", "moe_expert_compute", "moe_experts_bwd", "moe_experts_fwd", "moe_mlp",
+    "moe_permute_bwd", "moe_permute_fwd", "moe_plan", "moe_unpermute_bwd", "moe_unpermute_fwd",
+    "FlashAttentionFunction", "flash_attention",
+    "RingAttentionFunction", "UlyssesAttentionFunction", "hybrid_attention", "ring_attention",
+    "ring_attention_bwd", "ring_attention_fwd", "sequence_shard", "shard_positions", "ulysses_attention",
+    "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
+    "zigzag_unshard",
+    "RMSNormFunction", "rms_norm", "attach_aux_loss", "vocab_parallel_cross_entropy",
+]
