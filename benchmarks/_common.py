@@ -179,9 +179,55 @@ def gbps(nbytes: float, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def check_close(ours, reference, tol: float = 5e-2) -> float:
+# Default tolerances of check_close: relative max error (max |ours - reference| over max |reference|)
+# of a result against a baseline that computes the same thing in another order, per dtype.
+#   fp32: ieee products, fp32 sums: ~sqrt(K) * 2^-24 of the scale for K-long reductions (< 1e-5 for
+#         K ~ 1e5); 1e-4 leaves a margin for chunked / ring reductions and still fails a wrong
+#         result by orders of magnitude.
+#   tf32: fp32 operands rounded to 10 mantissa bits (2^-11 ~ 4.9e-4 relative each) before the dot
+#         products, on both sides (ours and torch's) in different orders: ~1e-3; 5e-3 covers it.
+#   fp16: inputs and outputs rounded to 10 mantissa bits (2^-11), fp32 accumulation; attention's
+#         backward rounds P and dS once more: a few 1e-3; 1e-2.
+#   bf16: 7 mantissa bits (2^-8 ~ 3.9e-3 relative per rounding), the same roundings: 5e-2.
+FP32_TOLERANCE = 1e-4
+TF32_TOLERANCE = 5e-3
+TOLERANCES = {"float16": 1e-2, "bfloat16": 5e-2}
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 GEMMs run on TF32 here: the choice the kernels make
+    (:func:`fusedpar.kernels.runtime.input_precision`), and torch.matmul's on the same flag."""
+    import torch
+
+    from fusedpar.kernels.runtime import input_precision
+
+    return input_precision(torch.float32) == "tf32"
+
+
+def default_tolerance(*dtypes, tf32: bool | None = None) -> float:
+    """The check_close tolerance of a comparison between tensors of ``dtypes``: the coarsest of
+    theirs (a bf16 result against an fp32 reference gets bf16's). ``tf32=None`` asks
+    :func:`tf32_enabled`. Non-float dtypes compare exactly (0.0)."""
+    tols = []
+    for dtype in dtypes:
+        name = str(dtype).replace("torch.", "")
+        if name == "float32":
+            if tf32 is None:
+                tf32 = tf32_enabled()
+            tols.append(TF32_TOLERANCE if tf32 else FP32_TOLERANCE)
+        elif name == "float64":
+            tols.append(FP32_TOLERANCE)
+        else:
+            tols.append(TOLERANCES.get(name, 0.0))
+    return max(tols)
+
+
+def check_close(ours, reference, tol: float | None = None) -> float:
     """Relative max error of ``ours`` against ``reference`` (in fp32); raises if above ``tol``
-    so that a benchmark never reports the speed of a wrong result."""
+    (default: :func:`default_tolerance` of the two dtypes) so that a benchmark never reports the
+    speed of a wrong result."""
+    if tol is None:
+        tol = default_tolerance(ours.dtype, reference.dtype)
     ours, reference = ours.float(), reference.float()
     err = ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
     if not err <= tol:

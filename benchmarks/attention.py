@@ -1,6 +1,7 @@
 """``python -m benchmarks attention``: the flash kernel against torch SDPA (forward, backward).
-``python -m benchmarks ring_attention``: one GPU emulating one rank's zigzag ring schedule, the
-K/V (and dK/dV) transfers done as device-to-device copies of the same bytes on a second stream.
+``python -m benchmarks ring_attention``: the shipped ring attention (forward and backward) of one
+rank of ``P`` on one GPU through :class:`fusedpar.ops.transport.EmulatedTransport`: the K/V
+(and dK/dV) transfers are device-to-device copies of the same bytes on a second stream.
 """
 from __future__ import annotations
 
@@ -119,114 +120,113 @@ def _add_ring_args(p):
     p.add_argument("--rank", type=int, default=0, help="which rank's schedule to emulate")
 
 
-class _Transport:
-    """Device-to-device copies on a second stream standing in for the ring's P2P transfers (GPU);
-    plain copies on CPU. ``start`` returns a handle whose ``wait`` makes the compute stream wait."""
+def _runs(pos):
+    """``[(local_start, length, global_start)]``: the contiguous runs of a shard's positions."""
+    p = pos.tolist()
+    runs, start = [], 0
+    for i in range(1, len(p) + 1):
+        if i == len(p) or p[i] != p[i - 1] + 1:
+            runs.append((start, i - start, p[start]))
+            start = i
+    return runs
 
-    def __init__(self, ctx):
+
+def _blocking_transport(size, rank):
+    """An EmulatedTransport whose transfers are waited on as soon as they start: the same ring
+    without overlap (the sequential baseline)."""
+    from fusedpar.ops.transport import EmulatedTransport
+
+    class Blocking(EmulatedTransport):
+        def send_recv(self, send, dst, recv, src):
+            handle = super().send_recv(send, dst, recv, src)
+            handle.wait()
+            return handle
+
+    return Blocking(size, rank)
+
+
+class _MirrorProblem:
+    """One rank's ring problem under the mirror rule of the emulated transport: every peer holds
+    what this rank holds, so the emulated global sequence has this rank's K/V at every rank's
+    positions. ``plain_fwd`` / ``plain_bwd`` are single-GPU flash attention of this rank's
+    queries over that full sequence (one launch per contiguous run of query positions)."""
+
+    def __init__(self, ctx, dtype, P, s, h, d, rank, layout="zigzag"):
         import torch
 
-        self.gpu = ctx.gpu
-        self.stream = torch.cuda.Stream(device=ctx.device) if ctx.gpu else None
+        from fusedpar.ops import shard_positions
 
-    def start(self, dst, src):
+        self.S, self.rank, self.layout = P * s, rank, layout
+        self.q, self.k, self.v, self.dout = (torch.randn(1, s, h, d, device=ctx.device, dtype=dtype) for _ in range(4))
+        self.pos = [shard_positions(self.S, layout=layout, ring_rank=src, ring_size=P, device=ctx.device)
+                    for src in range(P)]
+        self.kv_full = torch.empty(2, 1, self.S, h, d, device=ctx.device, dtype=dtype)
+        for p in self.pos:
+            self.kv_full[0].index_copy_(1, p, self.k)
+            self.kv_full[1].index_copy_(1, p, self.v)
+        self.runs = _runs(self.pos[rank])
+
+    def plain_fwd(self):
         import torch
 
-        if not self.gpu:
-            dst.copy_(src)
-            return lambda: None
-        cur = torch.cuda.current_stream()
-        self.stream.wait_stream(cur)  # the buffer we overwrite is no longer read by compute
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        return lambda: cur.wait_event(ev)
+        from fusedpar.kernels import flash_attention_forward
+
+        q = self.q
+        out = torch.empty_like(q)
+        lse = torch.empty((1, q.shape[2], q.shape[1]), device=q.device, dtype=torch.float32)
+        for ls, ln, g in self.runs:
+            sl = slice(ls, ls + ln)
+            flash_attention_forward(q[:, sl], self.kv_full[0], self.kv_full[1], causal=True, q_offset=g,
+                                    out=out[:, sl], lse=lse[:, :, sl])
+        return out, lse
+
+    def plain_bwd(self, out, lse):
+        import torch
+
+        from fusedpar.kernels import flash_attention_backward
+
+        q = self.q
+        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # accumulate mode adds into it
+        dkv = torch.zeros(self.kv_full.shape, device=q.device, dtype=torch.float32)
+        for ls, ln, g in self.runs:
+            sl = slice(ls, ls + ln)
+            flash_attention_backward(self.dout[:, sl], q[:, sl], self.kv_full[0], self.kv_full[1], out[:, sl],
+                                     lse[:, :, sl], causal=True, q_offset=g, dq=dq[:, sl], dk=dkv[0], dv=dkv[1],
+                                     accumulate=True)
+        return dq, dkv
+
+    def fold(self, dkv_full):
+        """dK/dV of this rank's K/V: the sum over every position it stands at."""
+        return sum(dkv_full.index_select(2, p) for p in self.pos)
+
+    def ring_fwd(self, transport):
+        from fusedpar.ops import ring_attention_fwd
+
+        return ring_attention_fwd(self.q, self.k, self.v, transport, causal=True, layout=self.layout)
+
+    def ring_bwd(self, transport, out, lse):
+        from fusedpar.ops import ring_attention_bwd
+
+        return ring_attention_bwd(self.dout, self.q, self.k, self.v, out, lse, transport, causal=True,
+                                  layout=self.layout)
+
+    def check(self, transport):
+        """Max relative error of the ring's out, dq, dk, dv against the plain flash baseline."""
+        out, lse = self.ring_fwd(transport)
+        plain_out, plain_lse = self.plain_fwd()
+        err = check_close(out, plain_out)
+        dq, dk, dv = self.ring_bwd(transport, out, lse)
+        pdq, pdkv = self.plain_bwd(plain_out, plain_lse)
+        pdk, pdv = self.fold(pdkv)
+        return max(err, check_close(dq, pdq), check_close(dk, pdk), check_close(dv, pdv))
 
 
-def _emulated_ring_forward(q, blocks, rank, size, scale, transport, sequential=False):
-    """Rank ``rank``'s zigzag causal ring forward; ``blocks[src]`` is what rank ``src`` holds.
-    The block for the next step is copied (the transfer) while the kernel runs on the current one."""
-    import torch
-
-    from fusedpar.kernels import flash_attention_forward
-    from fusedpar.ops.attention import _chunks, _plan
-
-    b, s, hq, d = q.shape
-    out = torch.zeros((b, s, hq, d), device=q.device, dtype=torch.float32)
-    lse = torch.full((b, hq, s), float("-inf"), device=q.device, dtype=torch.float32)
-    cur, nxt = torch.empty_like(blocks[0]), torch.empty_like(blocks[0])
-    cur.copy_(blocks[rank])
-    q_chunks = _chunks("zigzag", rank, size, s)
-    for step in range(size):
-        src = (rank - step) % size
-        wait = transport.start(nxt, blocks[(rank - step - 1) % size]) if step < size - 1 else None
-        if sequential and wait is not None:
-            wait()
-        for qs, ks, qo, ko, c in _plan(q_chunks, _chunks("zigzag", src, size, s), True):
-            flash_attention_forward(q[:, qs], cur[0][:, ks], cur[1][:, ks], causal=c, softmax_scale=scale,
-                                    q_offset=qo, k_offset=ko, out=out[:, qs], lse=lse[:, :, qs], accumulate=True)
-        if wait is not None:
-            wait()
-            cur, nxt = nxt, cur
-    return out, lse
-
-
-def _emulated_ring_backward(dout, q, blocks, out, lse, rank, size, scale, transport, sequential=False):
-    """Rank ``rank``'s zigzag causal ring backward: K/V rotate as in the forward, and this rank's
-    fp32 dK/dV partial sums for the block in hand go to the right neighbour (copied) while the
-    left neighbour's arrive (copied from a stand-in buffer of the same bytes)."""
-    import torch
-
-    from fusedpar.kernels import attention_delta, flash_attention_backward
-    from fusedpar.ops.attention import _chunks, _plan
-
-    s = q.shape[1]
-    delta = attention_delta(out, dout).contiguous()
-    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    cur, nxt = torch.empty_like(blocks[0]), torch.empty_like(blocks[0])
-    cur.copy_(blocks[rank])
-    dkv_bufs = [torch.empty(blocks[0].shape, device=q.device, dtype=torch.float32) for _ in range(2)]
-    dkv_in, neighbour = torch.empty_like(dkv_bufs[0]), torch.zeros_like(dkv_bufs[0])
-    sent = torch.empty_like(dkv_bufs[0])
-    q_chunks = _chunks("zigzag", rank, size, s)
-    wait_dkv = None
-    for step in range(size):
-        src = (rank - step) % size
-        wait = transport.start(nxt, blocks[(rank - step - 1) % size]) if step < size - 1 else None
-        if sequential and wait is not None:
-            wait()
-        dkv = dkv_bufs[step % 2]
-        dkv.zero_()
-        for qs, ks, qo, ko, c in _plan(q_chunks, _chunks("zigzag", src, size, s), True):
-            flash_attention_backward(dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks], None, lse[:, :, qs],
-                                     delta=delta[:, :, qs], causal=c, softmax_scale=scale, q_offset=qo, k_offset=ko,
-                                     dq=dq[:, qs], dk=dkv[0][:, ks], dv=dkv[1][:, ks], accumulate=True)
-        if wait_dkv is not None:
-            wait_dkv()
-            dkv += dkv_in
-        # our partial sums leave to the right while the left neighbour's arrive
-        send_done = transport.start(sent, dkv)
-        wait_dkv = transport.start(dkv_in, neighbour)
-        if sequential:
-            send_done()
-            wait_dkv()
-        if wait is not None:
-            wait()
-            cur, nxt = nxt, cur
-    wait_dkv()
-    return dq
-
-
-@register("ring_attention", "one rank's zigzag ring schedule on one GPU (copies on a second stream)",
+@register("ring_attention", "the shipped ring attention, one rank of P on one GPU (EmulatedTransport)",
           add_args=_add_ring_args)
 def run_ring(args, ctx):
-    import math
-
     import torch
 
-    from fusedpar.kernels import flash_attention_backward, flash_attention_forward
-    from fusedpar.ops.attention import _chunks
+    from fusedpar.ops.transport import EmulatedTransport
 
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
     P = args.ranks or (8 if ctx.gpu else 2)
@@ -238,69 +238,34 @@ def run_ring(args, ctx):
         raise ValueError(f"--tokens-per-rank must be even for the zigzag layout, got {s}")
     if not 0 <= r < P:
         raise ValueError(f"--rank must be in [0, {P}), got {r}")
-    scale = 1.0 / math.sqrt(d)
-    S = P * s
-    q_full = torch.randn(1, S, h, d, device=ctx.device, dtype=dtype)
-    kv_full = torch.randn(2, 1, S, h, d, device=ctx.device, dtype=dtype)
+    prob = _MirrorProblem(ctx, dtype, P, s, h, d, r)
+    overlapped, sequential = EmulatedTransport(P, r), _blocking_transport(P, r)
+    err = prob.check(overlapped)
+    out, lse = prob.ring_fwd(overlapped)
+    plain_out, plain_lse = prob.plain_fwd()
+    kv = torch.stack((prob.k, prob.v))
+    bufs = [torch.empty_like(kv) for _ in range(2)]
 
-    def zig(x, rank, dim):
-        c = s // 2
-        a = x.narrow(dim, rank * c, c)
-        bb = x.narrow(dim, (2 * P - 1 - rank) * c, c)
-        return torch.cat([a, bb], dim=dim)
-
-    q = zig(q_full, r, 1)
-    blocks = [zig(kv_full, src, 2).contiguous() for src in range(P)]
-    transport = _Transport(ctx)
-
-    def plain():
-        # the same work as one kernel per query chunk over the full (contiguous) sequence
-        out = torch.empty_like(q)
-        lse = torch.empty((1, h, s), device=q.device, dtype=torch.float32)
-        for ls, ln, g in _chunks("zigzag", r, P, s):
-            flash_attention_forward(q[:, ls:ls + ln], kv_full[0], kv_full[1], causal=True, softmax_scale=scale,
-                                    q_offset=g, k_offset=0, out=out[:, ls:ls + ln], lse=lse[:, :, ls:ls + ln])
-        return out, lse
-
-    ring_out, _ = _emulated_ring_forward(q, blocks, r, P, scale, transport)
-    plain_out, plain_lse = plain()
-    err = check_close(ring_out, plain_out.float())
-    dout = torch.randn_like(q)
-
-    def plain_bwd():
-        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # accumulate mode adds into it
-        dkv = torch.zeros(kv_full.shape, device=q.device, dtype=torch.float32)
-        for ls, ln, g in _chunks("zigzag", r, P, s):
-            sl = slice(ls, ls + ln)
-            flash_attention_backward(dout[:, sl], q[:, sl], kv_full[0], kv_full[1], plain_out[:, sl],
-                                     plain_lse[:, :, sl], causal=True, softmax_scale=scale, q_offset=g,
-                                     k_offset=0, dq=dq[:, sl], dk=dkv[0], dv=dkv[1], accumulate=True)
-        return dq
-
-    def ring_bwd(sequential=False):
-        return _emulated_ring_backward(dout, q, blocks, plain_out, plain_lse, r, P, scale, transport, sequential)
-
-    err = max(err, check_close(ring_bwd(), plain_bwd().float()))
-
-    bufs = [torch.empty_like(blocks[0]) for _ in range(2)]
-
-    def copies():
+    def transfers():  # the forward's P - 1 K/V shifts alone
+        src = kv
         for step in range(P - 1):
-            transport.start(bufs[step % 2], blocks[(r - step - 1) % P])()
+            overlapped.ring_shift(src, bufs[step % 2]).wait()
+            src = bufs[step % 2]
 
-    t_plain = ctx.time_ms(plain)
-    t_comm = ctx.time_ms(copies)
-    t_seq = ctx.time_ms(lambda: _emulated_ring_forward(q, blocks, r, P, scale, transport, sequential=True))
-    t_ovl = ctx.time_ms(lambda: _emulated_ring_forward(q, blocks, r, P, scale, transport))
-    t_plain_b = ctx.time_ms(plain_bwd)
-    t_seq_b = ctx.time_ms(lambda: ring_bwd(sequential=True))
-    t_ovl_b = ctx.time_ms(ring_bwd)
-    flops = 4.0 * h * s * S * d / 2
-    # overlap efficiency as DESIGN.md §5 defines it, with T_gemm the ring's compute alone
+    t_plain = ctx.time_ms(prob.plain_fwd)
+    t_comm = ctx.time_ms(transfers)
+    t_seq = ctx.time_ms(lambda: prob.ring_fwd(sequential))
+    t_ovl = ctx.time_ms(lambda: prob.ring_fwd(overlapped))
+    t_plain_b = ctx.time_ms(lambda: prob.plain_bwd(plain_out, plain_lse))
+    t_seq_b = ctx.time_ms(lambda: prob.ring_bwd(sequential, out, lse))
+    t_ovl_b = ctx.time_ms(lambda: prob.ring_bwd(overlapped, out, lse))
+    flops = 4.0 * h * s * prob.S * d / 2
+    # overlap efficiency: the share of the shorter of compute and transfers that the overlapped
+    # ring hides, with the compute time taken as the sequential ring's time less the transfers
     t_compute = max(t_seq - t_comm, 1e-9)
     overlap = (t_compute + t_comm - t_ovl) / max(min(t_compute, t_comm), 1e-9)
     if ctx.smoke:
-        ctx.notes.append("CPU smoke mode: copies run inline on one stream; these numbers are not performance.")
+        ctx.notes.append("CPU smoke mode: the emulated transfers run inline; these numbers are not performance.")
     return [{
         "ranks": P, "rank": r, "tokens_per_rank": s, "heads": h, "head_dim": d,
         "dtype": str(dtype).replace("torch.", ""),

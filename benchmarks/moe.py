@@ -8,12 +8,17 @@ Rows (each with a correctness check against its baseline before timing):
 * ``permute`` / ``unpermute``: token gather into expert order and the weighted combine back, in
   GB/s, against a device copy of the same number of bytes (``torch.Tensor.copy_``);
 * ``layer_fwd_bwd``: the whole routed MLP (permute, grouped SwiGLU MLP, combine) forward +
-  backward against a per-expert loop in plain torch (index, two matmuls, index_add).
+  backward against a per-expert loop in plain torch (index, two matmuls, index_add);
+* ``ep_layer_fwd_bwd``: the shipped expert-parallel schedule of ``fusedpar.ops.moe_mlp``
+  (chunked all-to-all-v, expert GEMMs of a chunk while later chunks travel) as rank 0 of ``--ep``
+  ranks emulated on this device (``EmulatedTransport``), against the same layer on one rank.
 
 Default GPU shape: hidden 4096, 64 experts, top-8, 8192 tokens, ffn 1024 (bf16). Off GPU a tiny
 smoke shape runs under the interpreter (its numbers are not performance).
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from ._common import check_close, gbps, parse_dtype, register, tflops
 
@@ -25,6 +30,9 @@ def _add_args(p):
     p.add_argument("--ffn", type=int, default=None, help="expert ffn width F (w1 has 2F rows: gate, up)")
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--ep", type=int, default=None,
+                   help="emulated expert-parallel ranks of the ep row (default: the smallest divisor > 1 of --experts)")
+    p.add_argument("--chunks", type=int, default=2, help="dispatch chunks of the expert-parallel pipeline")
 
 
 def _torch_grouped_mm():
@@ -53,12 +61,9 @@ def _loop_mlp(x, ids, weights, w1, w2):
     return out.to(x.dtype)
 
 
-@register("moe", "MoE: grouped GEMM, permute/unpermute, routed MLP fwd+bwd", add_args=_add_args)
-def run(args, ctx):
+def _inputs(args, ctx):
+    """The problem: tokens, router choices, expert weights and the shape columns of every row."""
     import torch
-
-    from fusedpar.kernels import combine, grouped_matmul, permute, routing_metadata
-    from fusedpar.ops import moe_mlp
 
     gpu = ctx.gpu
     dtype = args.dtype or (torch.bfloat16 if gpu else torch.float32)
@@ -70,27 +75,27 @@ def run(args, ctx):
     if not 1 <= k <= E:
         raise SystemExit(f"--top-k must be in [1, --experts={E}], got {k}")
     dev = ctx.device
-    esize = torch.finfo(dtype).bits // 8
     g = torch.Generator(device="cpu").manual_seed(0)
     x = (torch.randn(T, H, generator=g)).to(dev, dtype)
-    logits = torch.randn(T, E, generator=g)
-    probs, ids = torch.softmax(logits, -1).topk(k, dim=-1)
-    ids, weights = ids.to(dev), probs.to(dev)
+    probs, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, dim=-1)
     w1 = (torch.randn(E, 2 * Fd, H, generator=g) * H ** -0.5).to(dev, dtype)
     w2 = (torch.randn(E, H, Fd, generator=g) * Fd ** -0.5).to(dev, dtype)
+    go = torch.randn(T, H, generator=g).to(dev, dtype)
     shape = {"tokens": T, "hidden": H, "ffn": Fd, "experts": E, "top_k": k, "dtype": str(dtype).replace("torch.", "")}
-    rows = []
+    return SimpleNamespace(T=T, H=H, Fd=Fd, E=E, k=k, dtype=dtype, x=x, ids=ids.to(dev), weights=probs.to(dev),
+                           w1=w1, w2=w2, go=go, shape=shape)
 
-    counts, offsets, slot_pos, sorted_slot = routing_metadata(ids, E)
-    xp = permute(x, sorted_slot, k)
 
-    # ---- grouped GEMM vs torch grouped mm ----
+def _grouped_gemm_row(ctx, d, xp, offsets):
+    from fusedpar.kernels import grouped_matmul
+
     fn = _torch_grouped_mm()
-    w1_kn = w1.transpose(1, 2)  # [E, H, 2F] view, no copy
-    ends = offsets[1:].to(torch.int32)
-    ours = lambda: grouped_matmul(xp, w1, offsets)  # noqa: E731
-    flops = 2.0 * T * k * H * 2 * Fd
-    row = {"bench": "grouped_gemm", **shape}
+    w1_kn = d.w1.transpose(1, 2)  # [E, H, 2F] view, no copy
+    ends = offsets[1:]  # int32, as torch's grouped mm wants
+    # offsets straight from routing_metadata are correct by construction: no host read per call
+    ours = lambda: grouped_matmul(xp, d.w1, offsets, check_offsets=False)  # noqa: E731
+    flops = 2.0 * d.T * d.k * d.H * 2 * d.Fd
+    row = {"bench": "grouped_gemm", **d.shape}
     if fn is not None:
         theirs = lambda: fn(xp, w1_kn, offs=ends)  # noqa: E731
         row["max_rel_err"] = check_close(ours(), theirs())
@@ -102,57 +107,118 @@ def run(args, ctx):
         ctx.notes.append("torch has no grouped_mm here: grouped GEMM row has no baseline")
         t_ours = ctx.time_ms(ours)
         row.update(fusedpar_ms=t_ours, fusedpar_TFLOPs=tflops(flops, t_ours), max_rel_err=0.0)
-    rows.append(row)
+    return row
 
-    # ---- permute / unpermute vs a copy of the same bytes ----
-    ref_p = x[sorted_slot.long().clamp_min(0) // k]
-    n_perm = T * k * H  # elements read and written
-    src = torch.empty(n_perm, device=dev, dtype=dtype)
+
+def _copy_ms(ctx, n, dtype):
+    """Milliseconds of a device copy of ``n`` elements (the bandwidth baseline)."""
+    import torch
+
+    src = torch.empty(n, device=ctx.device, dtype=dtype)
     dst = torch.empty_like(src)
-    t_copy = ctx.time_ms(lambda: dst.copy_(src))
-    err = check_close(permute(x, sorted_slot, k), ref_p, tol=0.0)
-    t = ctx.time_ms(lambda: permute(x, sorted_slot, k))
-    nbytes = 2 * n_perm * esize
-    rows.append({"bench": "permute", **shape, "fusedpar_ms": t, "baseline_ms": t_copy, "baseline": "copy_ same bytes",
-                 "fusedpar_GBs": gbps(nbytes, t), "baseline_GBs": gbps(nbytes, t_copy),
-                 "ratio_vs_baseline": t_copy / t, "max_rel_err": err})
+    return ctx.time_ms(lambda: dst.copy_(src))
+
+
+def _bandwidth_row(name, d, t, t_copy, nbytes, err):
+    return {"bench": name, **d.shape, "fusedpar_ms": t, "baseline_ms": t_copy, "baseline": "copy_ same bytes",
+            "fusedpar_GBs": gbps(nbytes, t), "baseline_GBs": gbps(nbytes, t_copy),
+            "ratio_vs_baseline": t_copy / t, "max_rel_err": err}
+
+
+def _permute_rows(ctx, d, xp, slot_pos, sorted_slot):
+    from fusedpar.kernels import combine, permute
+
+    T, k, H = d.T, d.k, d.H
+    esize = d.x.element_size()
+    ref_p = d.x[sorted_slot.long().clamp_min(0) // k]
+    n_perm = T * k * H  # elements read and written
+    t_copy = _copy_ms(ctx, n_perm, d.dtype)
+    err = check_close(permute(d.x, sorted_slot, k), ref_p, tol=0.0)
+    t = ctx.time_ms(lambda: permute(d.x, sorted_slot, k))
+    rows = [_bandwidth_row("permute", d, t, t_copy, 2 * n_perm * esize, err)]
     y = xp  # any expert-ordered rows
-    ref_c = (y[slot_pos.long()].view(T, k, H).float() * weights[..., None]).sum(1)
-    err = check_close(combine(y, slot_pos, weights, k), ref_c, tol=1e-2)
+    ref_c = (y[slot_pos.long()].view(T, k, H).float() * d.weights[..., None]).sum(1)
+    err = check_close(combine(y, slot_pos, d.weights, k), ref_c, tol=1e-2)
     n_comb = T * k * H + T * H  # read the k rows of every token, write one
-    src2 = torch.empty(n_comb // 2, device=dev, dtype=dtype)
-    dst2 = torch.empty_like(src2)
-    t_copy2 = ctx.time_ms(lambda: dst2.copy_(src2))
-    t = ctx.time_ms(lambda: combine(y, slot_pos, weights, k))
-    nbytes = n_comb * esize
-    rows.append({"bench": "unpermute", **shape, "fusedpar_ms": t, "baseline_ms": t_copy2,
-                 "baseline": "copy_ same bytes", "fusedpar_GBs": gbps(nbytes, t), "baseline_GBs": gbps(nbytes, t_copy2),
-                 "ratio_vs_baseline": t_copy2 / t, "max_rel_err": err})
+    t_copy = _copy_ms(ctx, n_comb // 2, d.dtype)
+    t = ctx.time_ms(lambda: combine(y, slot_pos, d.weights, k))
+    rows.append(_bandwidth_row("unpermute", d, t, t_copy, n_comb * esize, err))
+    return rows
 
-    # ---- whole routed MLP, forward + backward ----
-    go = torch.randn(T, H, generator=g).to(dev, dtype)
-    leaves = [t_.clone().requires_grad_() for t_ in (x, weights, w1, w2)]
 
-    def fused():
+def _fwd_bwd(leaves, go, fn):
+    """A timed step: clear the gradients, run ``fn(*leaves)`` forward and backward."""
+    def step():
         for t_ in leaves:
             t_.grad = None
-        out = moe_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], num_experts=E)
+        out = fn(*leaves)
         out.backward(go)
         return out
 
-    def loop():
-        for t_ in leaves:
-            t_.grad = None
-        out = _loop_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3])
-        out.backward(go)
-        return out
+    return step
 
+
+def _layer_row(ctx, d):
+    from fusedpar.ops import moe_mlp
+
+    leaves = [t_.clone().requires_grad_() for t_ in (d.x, d.weights, d.w1, d.w2)]
+    fused = _fwd_bwd(leaves, d.go, lambda x, w, w1, w2: moe_mlp(x, d.ids, w, w1, w2, num_experts=d.E))
+    loop = _fwd_bwd(leaves, d.go, lambda x, w, w1, w2: _loop_mlp(x, d.ids, w, w1, w2))
     err = check_close(fused().detach(), loop().detach())
     t_ours, t_base = ctx.time_ms(fused), ctx.time_ms(loop)
-    flops = 3 * 2.0 * T * k * (H * 2 * Fd + Fd * H)  # fwd + 2x for bwd
-    rows.append({"bench": "layer_fwd_bwd", **shape, "fusedpar_ms": t_ours, "baseline_ms": t_base,
-                 "baseline": "per-expert torch loop", "fusedpar_TFLOPs": tflops(flops, t_ours),
-                 "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err})
+    flops = 3 * 2.0 * d.T * d.k * (d.H * 2 * d.Fd + d.Fd * d.H)  # fwd + 2x for bwd
+    return {"bench": "layer_fwd_bwd", **d.shape, "fusedpar_ms": t_ours, "baseline_ms": t_base,
+            "baseline": "per-expert torch loop", "fusedpar_TFLOPs": tflops(flops, t_ours),
+            "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err}
+
+
+def _ep_size(requested, E):
+    if requested is None:
+        return next(p for p in range(2, E + 1) if E % p == 0) if E > 1 else 1
+    if requested < 1 or E % requested:
+        raise SystemExit(f"--ep must be a positive divisor of --experts={E}, got {requested}")
+    return requested
+
+
+def _ep_row(ctx, d, ep, chunks):
+    """Rank 0 of ``ep`` emulated ranks. The emulation's mirror rule (every peer sends what this
+    rank sends, i.e. every peer is this rank: same tokens, routing and expert weights) means
+    global expert ``e`` is served by local expert ``e % E_local``: the reference is the layer on
+    one rank with the local experts tiled ``ep`` times."""
+    from fusedpar.ops import moe_mlp
+    from fusedpar.ops.transport import EmulatedTransport
+
+    e_loc = d.E // ep
+    transport = EmulatedTransport(ep, 0)
+    w1, w2 = d.w1[:e_loc], d.w2[:e_loc]
+    ep_leaves = [t_.clone().requires_grad_() for t_ in (d.x, d.weights, w1, w2)]
+    one_leaves = [t_.clone().requires_grad_() for t_ in (d.x, d.weights, w1.repeat(ep, 1, 1), w2.repeat(ep, 1, 1))]
+    fused = _fwd_bwd(ep_leaves, d.go, lambda x, w, a, b: moe_mlp(x, d.ids, w, a, b, num_experts=d.E,
+                                                                 transport=transport, num_chunks=chunks))
+    single = _fwd_bwd(one_leaves, d.go, lambda x, w, a, b: moe_mlp(x, d.ids, w, a, b, num_experts=d.E))
+    err = check_close(fused().detach(), _loop_mlp(d.x, d.ids, d.weights, *one_leaves[2:]).detach())
+    t_ours, t_base = ctx.time_ms(fused), ctx.time_ms(single)
+    flops = 3 * 2.0 * d.T * d.k * (d.H * 2 * d.Fd + d.Fd * d.H)
+    return {"bench": "ep_layer_fwd_bwd", **d.shape, "ep": ep, "chunks": chunks, "fusedpar_ms": t_ours,
+            "baseline_ms": t_base, "baseline": "moe_mlp on one rank", "fusedpar_TFLOPs": tflops(flops, t_ours),
+            "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err}
+
+
+@register("moe", "MoE: grouped GEMM, permute/unpermute, routed MLP fwd+bwd (one rank, emulated EP)",
+          add_args=_add_args)
+def run(args, ctx):
+    from fusedpar.kernels import permute, routing_metadata
+
+    d = _inputs(args, ctx)
+    ep = _ep_size(args.ep, d.E)
+    if args.chunks < 1:
+        raise SystemExit(f"--chunks must be >= 1, got {args.chunks}")
+    _, offsets, slot_pos, sorted_slot = routing_metadata(d.ids, d.E)
+    xp = permute(d.x, sorted_slot, d.k)
+    rows = [_grouped_gemm_row(ctx, d, xp, offsets)]
+    rows += _permute_rows(ctx, d, xp, slot_pos, sorted_slot)
+    rows.append(_layer_row(ctx, d))
+    rows.append(_ep_row(ctx, d, ep, args.chunks))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     return rows

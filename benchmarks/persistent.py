@@ -1,28 +1,30 @@
-"""``python -m benchmarks persistent_ag`` / ``persistent_rs``: the waiting persistent GEMM in the
-single-GPU emulation (fusedpar/symm.py), against the sequential and the per-chunk schedules.
+"""``python -m benchmarks persistent_ag`` / ``persistent_rs``: the shipped in-kernel-wait schedules
+(:mod:`fusedpar.ops.symmetric`: one persistent GEMM waiting per chunk) on one GPU through
+``EmulatedTransport(in_kernel_waits=True)``, against the sequential baseline and the shipped
+portable schedule (one GEMM launch per chunk, through ``EmulatedTransport``).
 
-One GPU plays one tensor-parallel rank. The "peers" are buffers on the same device and the
-transfers are device-to-device copies of the same bytes on a side stream (DESIGN.md §5);
-``--copy-repeat r`` copies every chunk ``r`` times, i.e. emulates a link ``r`` times slower than
-a local copy, and ``--link-gbps B`` picks ``r`` from the measured local copy bandwidth so that the
-emulated link runs at about ``B`` GB/s (e.g. 360 for H100 NVLink); the emulated link bandwidth is
-printed. Rows report:
+One GPU plays one tensor-parallel rank; every peer mirrors it, so the transfers are
+device-to-device copies of the same bytes on a side stream. ``--copy-repeat r`` copies every
+chunk ``r`` times, i.e. emulates a link ``r`` times slower than a local copy, and ``--link-gbps
+B`` picks ``r`` from the measured local copy bandwidth so that the emulated link runs at about
+``B`` GB/s (e.g. 360 for H100 NVLink); the emulated link bandwidth is printed. Rows report:
 
 * ``T_gemm``: the GEMM alone on already-gathered data (cuBLAS ``torch.matmul``, and our
   persistent kernel without waits);
 * ``T_comm``: the chunk copies alone;
 * ``T_seq``: copies, then one cuBLAS GEMM (what ``all_gather`` + ``matmul`` does);
-* ``T_per_chunk``: the portable schedule: one fused-GEMM launch per chunk, each after its chunk's
-  copy event;
-* ``T_persistent``: one persistent GEMM whose tiles wait on the per-chunk flags raised by the
-  copy stream (``cuStreamWriteValue32``);
+* ``T_per_chunk``: ``fusedpar.ops.all_gather_matmul`` on the portable schedule: one fused-GEMM
+  launch per chunk, each after its chunk's transfer;
+* ``T_persistent``: :func:`~fusedpar.ops.symmetric.all_gather_matmul_symmetric`: one persistent
+  GEMM whose tiles wait on the per-chunk flags raised by the copy stream (``cuStreamWriteValue32``);
 * ``overlap_eff = (T_gemm + T_comm - T_persistent) / min(T_gemm, T_comm)``.
 
 Reduce-scatter: ``T_seq`` is the cuBLAS GEMM of all partials, then copies of the ``P - 1``
-partials of this rank's chunk (the transfer) and their sum; ``T_persistent`` is the signalling
-GEMM with a concurrent ``chunk_reduce`` on ``--reduce-sms`` SMs
-(:func:`fusedpar.symm.emulated_matmul_reduce_scatter`), one row per value. In the emulation the
-reduction reads the partials from local memory (a real rank reads them over NVLink).
+partials of this rank's chunk (the transfer) and their sum; ``T_per_chunk`` the portable ring of
+``fusedpar.ops.matmul_reduce_scatter``; ``T_persistent``
+:func:`~fusedpar.ops.symmetric.matmul_reduce_scatter_symmetric`: the signalling GEMM with a
+``chunk_reduce`` on ``--reduce-sms`` SMs, one row per value. In the emulation the reduction reads
+the partials from local memory (a real rank reads them over NVLink).
 
 Target (issue 7): at M=8192, hidden 8192, tp=8, bf16, the persistent AG at least 1.4x faster
 than the sequential copy-then-GEMM and faster than the per-chunk path.
@@ -103,10 +105,34 @@ def _best_config(ctx, run_with):
     return best
 
 
-def _copy_chunks(gathered, peers, order, repeat):
+def _copy_chunks(gathered, shard, order, repeat):
+    """The transfers alone: every peer's chunk (a mirror of ``shard``) copied ``repeat`` times."""
     for c in order:
         for _ in range(repeat):
-            gathered[c].copy_(peers[c])
+            gathered[c].copy_(shard)
+
+
+def _link_repeat(args, ctx, copies, chunk_bytes, P):
+    """``--copy-repeat``, or the repeat that makes the emulated link about ``--link-gbps``."""
+    if args.link_gbps is None or not ctx.gpu:
+        return args.copy_repeat
+    t1 = ctx.time_ms(copies)
+    local = (P - 1) * chunk_bytes / (t1 * 1e-3) / 1e9
+    repeat = max(1, round(local / args.link_gbps))
+    ctx.notes.append(f"local copy {local:.0f} GB/s: each chunk copied {repeat}x to emulate ~{args.link_gbps} GB/s")
+    return repeat
+
+
+def _ag_row(tokens, N, K, P, dtype, repeat, chunk_bytes, times, err, cfg):
+    t_gemm, t_comm, t_pers = times["T_gemm_cublas_ms"], times["T_comm_ms"], times["T_persistent_ms"]
+    return {
+        "M": tokens, "N_local": N, "K": K, "tp": P, "dtype": str(dtype).replace("torch.", ""), "copy_repeat": repeat,
+        "emulated_link_GBps": (P - 1) * chunk_bytes / (t_comm * 1e-3) / 1e9 if t_comm > 0 else float("nan"),
+        **times,
+        "speedup_vs_seq": times["T_seq_ms"] / t_pers, "speedup_vs_per_chunk": times["T_per_chunk_ms"] / t_pers,
+        "overlap_eff": (t_gemm + t_comm - t_pers) / min(t_gemm, t_comm),
+        "TFLOPs_persistent": tflops(2.0 * tokens * N * K, t_pers), "max_rel_err": err, "config": _cfg_name(cfg),
+    }
 
 
 @register("persistent_ag", "persistent waiting AG GEMM (single-GPU emulation) vs sequential and per-chunk",
@@ -114,102 +140,58 @@ def _copy_chunks(gathered, peers, order, repeat):
 def run_ag(args, ctx):
     import torch
 
-    from fusedpar import symm
-    from fusedpar.kernels import matmul
-    from fusedpar.kernels.persistent_gemm import chunk_view, persistent_matmul
+    from fusedpar.kernels import chunk_view, persistent_matmul
+    from fusedpar.ops import all_gather_matmul
+    from fusedpar.ops.symmetric import all_gather_matmul_symmetric
+    from fusedpar.ops.transport import EmulatedTransport
 
     dtype, tokens, K, ns, P = _setup(args, ctx)
     rank, rows = 0, tokens // P
     order = [(rank + i) % P for i in range(1, P)]
     rows_out = []
     for N in ns:
-        peers = torch.randn(P, 1, rows, K, device=ctx.device, dtype=dtype)
+        x = torch.randn(1, rows, K, device=ctx.device, dtype=dtype)  # this rank's shard; every peer's too
         w = torch.randn(N, K, device=ctx.device, dtype=dtype) * K ** -0.5
-        gathered = torch.empty_like(peers)
+        gathered = x.unsqueeze(0).repeat(P, 1, 1, 1)
         out = torch.empty(1, tokens, N, device=ctx.device, dtype=dtype)
-        out_chunks = chunk_view(out, 1, P)
-        full = peers.permute(1, 0, 2, 3).reshape(1, tokens, K)
-        side = torch.cuda.Stream(device=ctx.device) if ctx.gpu else None
-
+        full = torch.cat([x] * P, dim=1)
         best = None if args.no_sweep else _best_config(
-            ctx, lambda cfg: persistent_matmul(peers, w, out=out_chunks, wait_mode="none", config=cfg))
+            ctx, lambda cfg: persistent_matmul(gathered, w, out=chunk_view(out, 1, P), wait_mode="none", config=cfg))
         cfg = best[0] if best else None
-        chunk_bytes = rows * K * peers.element_size()
-        repeat = args.copy_repeat
-        if args.link_gbps is not None and ctx.gpu:
-            t1 = ctx.time_ms(lambda: _copy_chunks(gathered, peers, order, 1))
-            local = (P - 1) * chunk_bytes / (t1 * 1e-3) / 1e9
-            repeat = max(1, round(local / args.link_gbps))
-            ctx.notes.append(f"local copy {local:.0f} GB/s: each chunk copied {repeat}x to emulate ~{args.link_gbps} GB/s")
-
-        def comm_only():
-            _copy_chunks(gathered, peers, order, repeat)
+        chunk_bytes = rows * K * x.element_size()
+        repeat = _link_repeat(args, ctx, lambda: _copy_chunks(gathered, x, order, 1), chunk_bytes, P)
+        symm = EmulatedTransport(P, rank, copy_repeat=repeat, in_kernel_waits=True)
+        ring = EmulatedTransport(P, rank, copy_repeat=repeat)
 
         def sequential():
-            gathered[rank].copy_(peers[rank])
-            _copy_chunks(gathered, peers, order, repeat)
+            gathered[rank].copy_(x)
+            _copy_chunks(gathered, x, order, repeat)
             return torch.matmul(gathered.permute(1, 0, 2, 3).reshape(1, tokens, K), w.t())
 
         def per_chunk():
-            gathered[rank].copy_(peers[rank])
-            events = {}
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for c in order:
-                        for _ in range(repeat):
-                            gathered[c].copy_(peers[c])
-                        events[c] = torch.cuda.Event()
-                        events[c].record(side)
-            else:
-                comm_only()
-            matmul(gathered[rank], w, out=out_chunks[rank])
-            for c in order:
-                if c in events:
-                    torch.cuda.current_stream().wait_event(events[c])
-                matmul(gathered[c], w, out=out_chunks[c])
-            if side is not None:
-                torch.cuda.current_stream().wait_stream(side)
-            return out
+            with torch.no_grad():
+                return all_gather_matmul(x, w, transport=ring)
 
         def persistent():
-            return symm.emulated_all_gather_matmul(peers, w, rank=rank, out=out, gathered=gathered, config=cfg,
-                                                   copy_repeat=repeat)
+            return all_gather_matmul_symmetric(x, w, transport=symm, out=out, config=cfg)
 
         reference = torch.matmul(full, w.t())
         err = check_close(persistent(), reference)
-        _no_timeouts(ctx)
         check_close(per_chunk(), reference)
         check_close(sequential(), reference)
-        t_gemm = ctx.time_ms(lambda: torch.matmul(full, w.t()))
-        t_gemm_ours = best[1] if best and best[0] is not None else ctx.time_ms(
-            lambda: persistent_matmul(peers, w, out=out_chunks, wait_mode="none"))
-        t_comm = ctx.time_ms(comm_only)
-        t_seq = ctx.time_ms(sequential)
-        t_chunk = ctx.time_ms(per_chunk)
-        t_pers = ctx.time_ms(persistent)
-        rows_out.append({
-            "M": tokens, "N_local": N, "K": K, "tp": P, "dtype": str(dtype).replace("torch.", ""),
-            "copy_repeat": repeat,
-            "emulated_link_GBps": (P - 1) * chunk_bytes / (t_comm * 1e-3) / 1e9 if t_comm > 0 else float("nan"),
-            "T_gemm_cublas_ms": t_gemm, "T_gemm_persistent_ms": t_gemm_ours, "T_comm_ms": t_comm,
-            "T_seq_ms": t_seq, "T_per_chunk_ms": t_chunk, "T_persistent_ms": t_pers,
-            "speedup_vs_seq": t_seq / t_pers, "speedup_vs_per_chunk": t_chunk / t_pers,
-            "overlap_eff": (t_gemm + t_comm - t_pers) / min(t_gemm, t_comm),
-            "TFLOPs_persistent": tflops(2.0 * tokens * N * K, t_pers), "max_rel_err": err,
-            "config": _cfg_name(cfg),
-        })
+        times = {
+            "T_gemm_cublas_ms": ctx.time_ms(lambda: torch.matmul(full, w.t())),
+            "T_gemm_persistent_ms": best[1] if best and best[0] is not None else ctx.time_ms(
+                lambda: persistent_matmul(gathered, w, out=chunk_view(out, 1, P), wait_mode="none")),
+            "T_comm_ms": ctx.time_ms(lambda: _copy_chunks(gathered, x, order, repeat)),
+            "T_seq_ms": ctx.time_ms(sequential), "T_per_chunk_ms": ctx.time_ms(per_chunk),
+            "T_persistent_ms": ctx.time_ms(persistent),
+        }
+        rows_out.append(_ag_row(tokens, N, K, P, dtype, repeat, chunk_bytes, times, err, cfg))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed and copies run before the GEMM; "
                          "these numbers are not performance.")
     return rows_out
-
-
-def _no_timeouts(ctx):
-    from fusedpar.kernels import wait_timeouts
-
-    if wait_timeouts(ctx.device):
-        raise RuntimeError("a waiting kernel gave up on a flag: the emulation is broken, not timed")
 
 
 def _cfg_name(cfg):
@@ -223,13 +205,16 @@ def _cfg_name(cfg):
 def run_rs(args, ctx):
     import torch
 
-    from fusedpar import symm
-    from fusedpar.kernels.persistent_gemm import chunk_view, persistent_matmul
+    from fusedpar.kernels import chunk_view, persistent_matmul
+    from fusedpar.ops import matmul_reduce_scatter
+    from fusedpar.ops.symmetric import RS_REDUCE_SMS, matmul_reduce_scatter_symmetric
+    from fusedpar.ops.transport import EmulatedTransport
 
     dtype, tokens, N, ks, P = _setup(args, ctx)
     rank, rows = 0, tokens // P
     partial_dtype = torch.float32 if args.partial_dtype == "fp32" else dtype
-    sms_list = args.reduce_sms or ([8, 16, 32] if ctx.gpu else [symm.RS_REDUCE_SMS])
+    sms_list = args.reduce_sms or ([8, 16, 32] if ctx.gpu else [RS_REDUCE_SMS])
+    symm, ring = EmulatedTransport(P, rank, in_kernel_waits=True), EmulatedTransport(P, rank)
     rows_out = []
     for K in ks:
         x = torch.randn(1, tokens, K, device=ctx.device, dtype=dtype)
@@ -250,24 +235,29 @@ def run_rs(args, ctx):
                 recv[i].copy_(ych[:, (rank + 1 + i) % P])
             return (recv.float().sum(0) + ych[:, rank].float()).to(dtype)
 
+        def per_chunk():
+            with torch.no_grad():
+                return matmul_reduce_scatter(x, w, transport=ring, partial_dtype=partial_dtype)
+
         reference = torch.matmul(x, w.t()).float().view(1, P, rows, N).sum(1)
         check_close(sequential(), reference)
+        check_close(per_chunk(), reference)
         t_gemm = ctx.time_ms(lambda: torch.matmul(x, w.t()))
         t_seq = ctx.time_ms(sequential)
+        t_chunk = ctx.time_ms(per_chunk)
         for sms in sms_list:
             def persistent():
-                return symm.emulated_matmul_reduce_scatter(x, w, world=P, rank=rank, out=out, partials=partials,
-                                                           config=cfg, reduce_sms=sms)
+                return matmul_reduce_scatter_symmetric(x, w, transport=symm, out=out, config=cfg, reduce_sms=sms,
+                                                       partial_dtype=partial_dtype)
 
             err = check_close(persistent(), reference)
-            _no_timeouts(ctx)
             t_pers = ctx.time_ms(persistent)
             rows_out.append({
                 "M": tokens, "N": N, "K_local": K, "tp": P, "dtype": str(dtype).replace("torch.", ""),
                 "partials": str(partial_dtype).replace("torch.", ""), "reduce_sms": sms if ctx.gpu else "n/a",
-                "T_gemm_cublas_ms": t_gemm, "T_seq_ms": t_seq, "T_persistent_ms": t_pers,
-                "speedup_vs_seq": t_seq / t_pers, "TFLOPs_persistent": tflops(2.0 * tokens * N * K, t_pers),
-                "max_rel_err": err, "config": _cfg_name(cfg),
+                "T_gemm_cublas_ms": t_gemm, "T_seq_ms": t_seq, "T_per_chunk_ms": t_chunk, "T_persistent_ms": t_pers,
+                "speedup_vs_seq": t_seq / t_pers, "speedup_vs_per_chunk": t_chunk / t_pers,
+                "TFLOPs_persistent": tflops(2.0 * tokens * N * K, t_pers), "max_rel_err": err, "config": _cfg_name(cfg),
             })
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")

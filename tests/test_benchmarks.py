@@ -30,3 +30,72 @@ def test_matmul_cli_json(bench_main, tmp_path, capsys):
 def test_bad_shape_argument(bench_main):
     with pytest.raises(SystemExit):
         bench_main(["matmul", "--shapes", "17x9"])
+
+
+@pytest.fixture
+def common(monkeypatch):
+    import os
+
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks import _common
+
+    return _common
+
+
+def _off_by(dtype, err, ref_dtype=None):
+    """A reference of max magnitude 1 and a result that differs from it by ``err`` in one element."""
+    import torch
+
+    ref = torch.zeros(64, dtype=ref_dtype or dtype)
+    ref[0] = 1.0
+    ours = ref.to(dtype, copy=True)
+    ours[5] = err
+    return ours, ref
+
+
+# (dtype of ours, of the reference, error, passes): each dtype's tolerance sits between its cases
+CHECK_CASES = [
+    ("float32", "float32", 1e-6, True),
+    ("float32", "float32", 1e-2, False),  # was accepted with one 5e-2 tolerance for every dtype
+    ("float32", "float32", 1e-3, False),
+    ("float16", "float16", 4e-3, True),
+    ("float16", "float16", 3e-2, False),
+    ("bfloat16", "bfloat16", 3e-2, True),
+    ("bfloat16", "bfloat16", 1e-1, False),
+    ("bfloat16", "float32", 3e-2, True),  # a bf16 result against an fp32 reference: bf16's tolerance
+    ("float32", "float16", 4e-3, True),
+]
+
+
+@pytest.mark.parametrize("dtype,ref_dtype,err,passes", CHECK_CASES,
+                         ids=[f"{a}-vs-{b}-err{e:g}" for a, b, e, _ in CHECK_CASES])
+def test_check_close_per_dtype_tolerance(common, dtype, ref_dtype, err, passes):
+    import torch
+
+    ours, ref = _off_by(getattr(torch, dtype), err, getattr(torch, ref_dtype))
+    if passes:
+        assert common.check_close(ours, ref) == pytest.approx(err, rel=1e-2)
+    else:
+        with pytest.raises(AssertionError, match="relative max error"):
+            common.check_close(ours, ref)
+
+
+def test_check_close_tf32_and_explicit_tolerances(common, monkeypatch):
+    import torch
+
+    fp32 = common.default_tolerance(torch.float32, tf32=False)
+    tf32 = common.default_tolerance(torch.float32, tf32=True)
+    assert fp32 < tf32 < 1e-2 < common.default_tolerance(torch.bfloat16)
+    assert common.default_tolerance(torch.float16) < common.default_tolerance(torch.bfloat16)
+    monkeypatch.setattr(common, "tf32_enabled", lambda: True)
+    ours, ref = _off_by(torch.float32, 1e-3)
+    assert common.check_close(ours, ref) == pytest.approx(1e-3, rel=1e-3)  # tf32 rounding allowed
+    with pytest.raises(AssertionError):
+        common.check_close(*_off_by(torch.float32, 1e-2))  # an fp32 result off by 1e-2 still fails
+    # an explicit tolerance wins; tol=0.0 means exact
+    assert common.check_close(*_off_by(torch.float32, 1e-2), tol=2e-2) == pytest.approx(1e-2)
+    assert common.check_close(ref, ref.clone(), tol=0.0) == 0.0
+    with pytest.raises(AssertionError):
+        common.check_close(ours, ref, tol=0.0)
+    with pytest.raises(AssertionError):
+        common.check_close(torch.full((3,), float("nan")), torch.ones(3))
