@@ -1,0 +1,399 @@
+"""The layering of the source tree, read from the code (``ast``), one case per file and rule:
+
+* ``kernels/`` (installed as ``fusedpar.kernels``): Triton kernels and their host launchers. No
+  import of ``fusedpar.ops`` / ``fusedpar.nn`` / the model layer / ``benchmarks``, no
+  ``torch.distributed``, no ``torch.autograd.Function`` subclass.
+* ``fusedpar/ops/``: every autograd Function, the transports, the schedules. No import of
+  ``fusedpar.nn``, the model layer (``parallel``, ``checkpoint``, ``demo``) or ``benchmarks``.
+* ``fusedpar/nn/``: modules only. No autograd Function subclass, no direct ``torch.distributed``
+  (collectives go through ``fusedpar.ops``), no import of the model layer or ``benchmarks``.
+* everywhere (``kernels/``, ``fusedpar/``, ``benchmarks/``): no private name (one leading
+  underscore, not a dunder) of another project module, neither ``from x import _y`` nor
+  ``x._y`` on an imported project module, and no private module from outside its package;
+  no module over :data:`MAX_MODULE_LINES` lines, no host function over
+  :data:`MAX_FUNCTION_LINES` lines (docstring excluded; ``@triton.jit`` kernels are device code
+  and exempt); no docstring or comment that points to a design-document section or to a path
+  outside the repository.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# source directory -> the dotted package it is installed as (pyproject's package-dir)
+PACKAGES = {"kernels": "fusedpar.kernels", "fusedpar": "fusedpar", "benchmarks": "benchmarks"}
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60
+# (file, function qualname) pairs allowed over MAX_FUNCTION_LINES, each with its reason; keep empty
+FUNCTION_LINES_ALLOWED: dict[tuple[str, str], str] = {}
+MODULE_LINES_ALLOWED: dict[str, str] = {}
+
+MODEL_LAYER = ("fusedpar.parallel", "fusedpar.checkpoint", "fusedpar.demo")
+FORBIDDEN_IMPORTS = {
+    # layer (a source dir, relative) -> module prefixes it must not import
+    "kernels": ("fusedpar.ops", "fusedpar.nn") + MODEL_LAYER + ("torch.distributed", "benchmarks"),
+    "fusedpar/ops": ("fusedpar.nn",) + MODEL_LAYER + ("benchmarks",),
+    "fusedpar/nn": MODEL_LAYER + ("torch.distributed", "benchmarks"),
+    "fusedpar": ("benchmarks",),
+}
+NO_AUTOGRAD_FUNCTION = ("kernels", "fusedpar/nn")
+
+
+# ----------------------------------------------------------------------------------------------
+# reading the tree
+# ----------------------------------------------------------------------------------------------
+def _source_files() -> list[str]:
+    out = []
+    for top in PACKAGES:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            out += [os.path.relpath(os.path.join(dirpath, f), ROOT) for f in sorted(filenames) if f.endswith(".py")]
+    return out
+
+
+FILES = _source_files()
+
+
+def module_name(rel: str) -> str:
+    """``kernels/gemm.py`` -> ``fusedpar.kernels.gemm``; ``fusedpar/ops/__init__.py`` -> ``fusedpar.ops``."""
+    top, *rest = rel[:-3].split("/")
+    parts = PACKAGES[top].split(".") + rest
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(f): f for f in FILES}
+
+
+def is_project(mod: str) -> bool:
+    return mod in MODULES or any(mod.startswith(p + ".") for p in PACKAGES.values()) or mod in PACKAGES.values()
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+@dataclass
+class Import:
+    module: str  # absolute dotted module imported from (``from module import name``) or imported
+    name: str | None  # the imported name, None for ``import module``
+    line: int
+
+
+@dataclass
+class Parsed:
+    rel: str
+    text: str
+    tree: ast.Module
+    imports: list[Import] = field(default_factory=list)
+
+
+def _resolve(rel: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    pkg = module_name(rel).split(".")
+    if not rel.endswith("__init__.py"):
+        pkg = pkg[:-1]
+    base = pkg[: len(pkg) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+@lru_cache(maxsize=None)
+def parse(rel: str) -> Parsed:
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        text = f.read()
+    return read_source(rel, text)
+
+
+def read_source(rel: str, text: str) -> Parsed:
+    """``text`` parsed as the file ``rel`` (its imports resolved to absolute module names)."""
+    p = Parsed(rel, text, ast.parse(text, filename=rel))
+    for node in ast.walk(p.tree):
+        if isinstance(node, ast.Import):
+            p.imports += [Import(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            p.imports += [Import(_resolve(rel, node), a.name, node.lineno) for a in node.names]
+    return p
+
+
+def _layer_of(rel: str) -> list[str]:
+    """Every layer key of FORBIDDEN_IMPORTS that covers ``rel`` (``fusedpar/nn/x.py`` is in
+    ``fusedpar/nn`` and ``fusedpar``)."""
+    return [k for k in FORBIDDEN_IMPORTS if rel.startswith(k + "/")]
+
+
+def _targets(imp: Import) -> list[str]:
+    """The modules an import statement may load: ``from a.b import c`` loads ``a.b`` and, when
+    ``c`` is a submodule, ``a.b.c``."""
+    if imp.name is None:
+        return [imp.module]
+    return [imp.module, f"{imp.module}.{imp.name}"]
+
+
+def _under(mod: str, prefix: str) -> bool:
+    return mod == prefix or mod.startswith(prefix + ".")
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _case(rule):
+    return [pytest.param(f, id=f) for f in FILES if rule(f)]
+
+
+# ----------------------------------------------------------------------------------------------
+# layering
+# ----------------------------------------------------------------------------------------------
+def layer_violations(p: Parsed) -> list[str]:
+    bad = []
+    for layer in _layer_of(p.rel):
+        for imp in p.imports:
+            for prefix in FORBIDDEN_IMPORTS[layer]:
+                if any(_under(t, prefix) for t in _targets(imp)):
+                    bad.append(f"line {imp.line}: imports {imp.module}{'.' + imp.name if imp.name else ''} "
+                               f"({layer}/ must not use {prefix})")
+                    break
+    # torch.distributed reached as an attribute (``torch.distributed.all_reduce``) counts too
+    if any("torch.distributed" in FORBIDDEN_IMPORTS[layer] for layer in _layer_of(p.rel)):
+        for node in ast.walk(p.tree):
+            if isinstance(node, ast.Attribute) and _dotted(node) == "torch.distributed":
+                bad.append(f"line {node.lineno}: uses torch.distributed")
+    return bad
+
+
+@pytest.mark.parametrize("rel", _case(_layer_of))
+def test_no_import_from_a_higher_layer(rel):
+    bad = layer_violations(parse(rel))
+    assert not bad, f"{rel}:\n" + "\n".join(bad)
+
+
+def _autograd_function_names(p: Parsed) -> set[str]:
+    """Names under which this file sees ``torch.autograd.Function``."""
+    names = {"torch.autograd.Function", "autograd.Function"}
+    for imp in p.imports:
+        if imp.module == "torch.autograd" and imp.name == "Function":
+            names.add("Function")
+    for node in ast.walk(p.tree):
+        if isinstance(node, ast.ImportFrom) and _resolve(p.rel, node) == "torch.autograd":
+            names |= {a.asname for a in node.names if a.name == "Function" and a.asname}
+    return names
+
+
+def autograd_functions(p: Parsed) -> list[str]:
+    names = _autograd_function_names(p)
+    return [f"line {n.lineno}: class {n.name}({', '.join(_dotted(b) or '?' for b in n.bases)})"
+            for n in ast.walk(p.tree) if isinstance(n, ast.ClassDef) and any(_dotted(b) in names for b in n.bases)]
+
+
+@pytest.mark.parametrize("rel", _case(lambda f: any(f.startswith(d + "/") for d in NO_AUTOGRAD_FUNCTION)))
+def test_no_autograd_function_outside_ops(rel):
+    bad = autograd_functions(parse(rel))
+    assert not bad, f"{rel} defines autograd Functions (they belong in fusedpar/ops/):\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# private names
+# ----------------------------------------------------------------------------------------------
+def _private_module_crossing(importer: str, mod: str) -> str | None:
+    """The private component of ``mod`` when ``importer`` is outside the package that holds it
+    (``benchmarks._common`` is private to ``benchmarks``)."""
+    parts = mod.split(".")
+    for i, part in enumerate(parts):
+        if is_private(part):
+            owner = ".".join(parts[:i])
+            if not _under(importer, owner):
+                return part
+    return None
+
+
+def _module_aliases(p: Parsed) -> dict[str, str]:
+    """Local names bound to project modules: ``import fusedpar.ops.comm as c`` binds ``c``,
+    ``from fusedpar.ops import comm`` binds ``comm``, ``import fusedpar.ops`` binds ``fusedpar``."""
+    aliases = {}
+    for node in ast.walk(p.tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if is_project(a.name):
+                    if a.asname:
+                        aliases[a.asname] = a.name
+                    else:
+                        root = a.name.split(".")[0]
+                        aliases[root] = root
+        elif isinstance(node, ast.ImportFrom):
+            mod = _resolve(p.rel, node)
+            for a in node.names:
+                if f"{mod}.{a.name}" in MODULES:
+                    aliases[a.asname or a.name] = f"{mod}.{a.name}"
+    return aliases
+
+
+def private_uses(p: Parsed) -> list[str]:
+    me = module_name(p.rel)
+    bad = []
+    for imp in p.imports:
+        if not is_project(imp.module):
+            continue
+        if imp.name is not None and is_private(imp.name) and imp.module != me:
+            bad.append(f"line {imp.line}: from {imp.module} import {imp.name}")
+        for target in _targets(imp) if imp.name is None or f"{imp.module}.{imp.name}" in MODULES else [imp.module]:
+            if _private_module_crossing(me, target):
+                bad.append(f"line {imp.line}: imports the private module {target} from outside its package")
+    aliases = _module_aliases(p)
+    for node in ast.walk(p.tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            base = _dotted(node.value)
+            if base is None:
+                continue
+            root, *rest = base.split(".")
+            if root in aliases:
+                mod = ".".join([aliases[root]] + rest)
+                if mod in MODULES and mod != me:
+                    bad.append(f"line {node.lineno}: {base}.{node.attr} (private name of {mod})")
+    return sorted(set(bad))
+
+
+@pytest.mark.parametrize("rel", _case(lambda f: True))
+def test_no_private_name_from_another_module(rel):
+    bad = private_uses(parse(rel))
+    assert not bad, f"{rel} uses private names of other project modules:\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# sizes
+# ----------------------------------------------------------------------------------------------
+def _is_device_code(fn: ast.AST) -> bool:
+    """``@triton.jit`` (or ``@jit``, ``@triton.autotune(...)``, ``@triton.heuristics(...)``) kernels."""
+    for d in fn.decorator_list:
+        name = _dotted(d.func if isinstance(d, ast.Call) else d) or ""
+        if name.split(".")[-1] in ("jit", "autotune", "heuristics"):
+            return True
+    return False
+
+
+def _functions(tree: ast.Module):
+    """(qualname, node) of every function and method, nested ones included."""
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield prefix + child.name, child
+                yield from walk(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, prefix + child.name + ".")
+            else:
+                yield from walk(child, prefix)
+
+    yield from walk(tree, "")
+
+
+def function_lines(fn: ast.AST) -> int:
+    """Lines of a function from its ``def`` to its last line, without its docstring."""
+    n = fn.end_lineno - fn.lineno + 1
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        n -= body[0].end_lineno - body[0].lineno + 1
+    return n
+
+
+@pytest.mark.parametrize("rel", _case(lambda f: True))
+def test_module_and_function_sizes(rel):
+    p = parse(rel)
+    bad = []
+    n_lines = len(p.text.splitlines())
+    if n_lines > MAX_MODULE_LINES and rel not in MODULE_LINES_ALLOWED:
+        bad.append(f"the module has {n_lines} lines (> {MAX_MODULE_LINES})")
+    for qualname, fn in _functions(p.tree):
+        if _is_device_code(fn) or (rel, qualname) in FUNCTION_LINES_ALLOWED:
+            continue
+        n = function_lines(fn)
+        if n > MAX_FUNCTION_LINES:
+            bad.append(f"line {fn.lineno}: {qualname} has {n} lines without its docstring (> {MAX_FUNCTION_LINES})")
+    assert not bad, f"{rel}:\n" + "\n".join(bad)
+
+
+def test_allow_lists_name_existing_code():
+    for rel, qualname in FUNCTION_LINES_ALLOWED:
+        assert qualname in dict(_functions(parse(rel).tree)), (rel, qualname)
+    for rel in MODULE_LINES_ALLOWED:
+        assert rel in FILES, rel
+
+
+# ----------------------------------------------------------------------------------------------
+# references in docstrings and comments
+# ----------------------------------------------------------------------------------------------
+# every source and test file but this one (its patterns and self-checks spell what they look for)
+DOC_FILES = FILES + [f"tests/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "tests")))
+                     if f.endswith(".py") and f != os.path.basename(__file__)]
+SECTION_REF = re.compile(r"DESIGN\.md\s*§")
+# an absolute path into a machine's file system, a home directory, or a relative path that climbs
+# out of the repository
+OUTSIDE_PATH = re.compile(r"(?<![\w)\]}.*/])/(?:work|tmp|home|root|Users|mnt|opt|srv|scratch|data)/|~/|\.\./")
+
+
+@pytest.mark.parametrize("rel", [pytest.param(f, id=f) for f in DOC_FILES])
+def test_no_reference_to_a_design_section_or_outside_path(rel):
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    bad = [f"line {i}: {line.strip()}" for i, line in enumerate(lines, 1)
+           if SECTION_REF.search(line) or OUTSIDE_PATH.search(line)]
+    assert not bad, f"{rel} points to a design-document section or a path outside the repository:\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# the checker itself
+# ----------------------------------------------------------------------------------------------
+def test_the_checker_reads_the_tree():
+    assert "kernels/runtime.py" in FILES and "fusedpar/ops/transport.py" in FILES
+    assert module_name("kernels/runtime.py") == "fusedpar.kernels.runtime"
+    assert module_name("fusedpar/ops/__init__.py") == "fusedpar.ops"
+    assert module_name("benchmarks/_common.py") == "benchmarks._common"
+    node = ast.parse("from ..kernels.checks import check_int").body[0]
+    assert _resolve("fusedpar/ops/loss.py", node) == "fusedpar.kernels.checks"
+    assert _resolve("kernels/gemm.py", ast.parse("from .runtime import x").body[0]) == "fusedpar.kernels.runtime"
+    assert _resolve("fusedpar/ops/__init__.py", ast.parse("from .loss import x").body[0]) == "fusedpar.ops.loss"
+    assert is_private("_x") and not is_private("__init__") and not is_private("x")
+    assert _private_module_crossing("benchmarks.tp", "benchmarks._common") is None
+    assert _private_module_crossing("fusedpar.ops.moe", "benchmarks._common") == "_common"
+    fn = ast.parse('def f():\n    """doc\n    more"""\n    return 1\n').body[0]
+    assert function_lines(fn) == 2
+    assert SECTION_REF.search("see DESIGN.md §3") and OUTSIDE_PATH.search("read /work/shared/x")
+    assert not OUTSIDE_PATH.search("GB/s over seq/(sp*tp) and tokens/s")
+
+
+SNIPPETS = [  # (file, code, which check, number of violations)
+    ("fusedpar/nn/x.py", "from fusedpar.ops import comm\ncomm._straggle(1)\n", private_uses, 1),
+    ("fusedpar/nn/x.py", "import fusedpar.ops.comm as c\nc._x\nc.public\n", private_uses, 1),
+    ("fusedpar/nn/x.py", "import fusedpar.ops.comm\nfusedpar.ops.comm._x()\n", private_uses, 1),
+    ("kernels/x.py", "from .gemm import _helper, matmul\n", private_uses, 1),
+    ("fusedpar/ops/x.py", "from benchmarks._common import check_close\n", private_uses, 1),
+    ("benchmarks/x.py", "from ._common import check_close\nimport torch._C\n", private_uses, 0),
+    ("kernels/x.py", "import torch\ntorch.distributed.all_reduce(t)\n", layer_violations, 1),
+    ("kernels/x.py", "from fusedpar.ops import comm\n", layer_violations, 1),
+    ("kernels/x.py", "from ..ops.loss import attach_aux_loss\n", layer_violations, 1),
+    ("fusedpar/ops/x.py", "def f():\n    from fusedpar.nn import RMSNorm\n", layer_violations, 1),
+    ("fusedpar/nn/x.py", "import torch.distributed as dist\n", layer_violations, 1),
+    ("fusedpar/nn/x.py", "from fusedpar.ops import rms_norm\nfrom fusedpar import parallel\n", layer_violations, 1),
+    ("fusedpar/parallel.py", "import torch.distributed as dist\nfrom fusedpar.nn import RMSNorm\n",
+     layer_violations, 0),
+    ("fusedpar/nn/x.py", "import torch\nclass F(torch.autograd.Function):\n    pass\n", autograd_functions, 1),
+    ("fusedpar/nn/x.py", "from torch.autograd import Function as Fn\nclass F(Fn):\n    pass\n",
+     autograd_functions, 1),
+    ("fusedpar/nn/x.py", "from torch import nn\nclass M(nn.Module):\n    pass\n", autograd_functions, 0),
+]
+
+
+@pytest.mark.parametrize("rel,code,check,n", SNIPPETS, ids=[f"{c.__name__}-{i}" for i, (_, _, c, _) in
+                                                           enumerate(SNIPPETS)])
+def test_the_checker_finds_violations(rel, code, check, n):
+    assert len(check(read_source(rel, code))) == n, check(read_source(rel, code))
