@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 DEMO_NPROC ?= 4
 DEMO_ARGS ?=
 
-.PHONY: test demo bench clean
+.PHONY: test demo bench clean gpu-check gpu-setup gpu-env gpu-test gpu-bench-kernels gpu-bench-comm gpu-bench-moe gpu-train gpu-report
 
 $(STAMP): pyproject.toml
 	@set -e; \
@@ -45,3 +45,44 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# ---------------------------------------------------------------------------------------------
+# GPU check (a machine with a CUDA GPU, torch and triton installed, possibly offline): no venv and
+# no download; the project is installed into GPU_PY's environment without build isolation.
+# Parts, each well under 9 minutes on one H100: gpu-env, gpu-test, gpu-bench-kernels,
+# gpu-bench-comm, gpu-bench-moe, gpu-train; gpu-report writes benchmarks/RESULTS.md from the JSON.
+GPU_PY ?= python3
+GPU_RESULTS ?= benchmarks/results
+GPU_TAG = $(shell $(GPU_PY) -c "import datetime, re, torch; n = torch.cuda.get_device_name(); print(re.sub('[^a-z0-9]+', '-', n.lower()).strip('-') + '-' + datetime.date.today().isoformat())")
+GPU_BENCH = $(GPU_PY) -m benchmarks
+
+gpu-check: gpu-env gpu-test gpu-bench-kernels gpu-bench-comm gpu-bench-moe gpu-train gpu-report
+
+gpu-setup:
+	@$(GPU_PY) -c "import fusedpar.kernels" >/dev/null 2>&1 || $(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	@mkdir -p $(GPU_RESULTS)
+
+gpu-env: gpu-setup
+	@nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+	@$(GPU_PY) -c "import torch, triton, platform; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', platform.python_version(), 'device', torch.cuda.get_device_name(), 'sm', torch.cuda.get_device_capability())"
+
+# the compiled test suite: every in-process test (kernels in fp32/fp16/bf16, persistent/waiting GEMMs,
+# the emulated transports); the multi-process worlds are deselected
+gpu-test: gpu-setup
+	FUSEDPAR_TEST_DEVICE=cuda $(GPU_PY) -m pytest -q -p no:cacheprovider -m "not world" $(PYTEST_ARGS)
+
+gpu-bench-kernels: gpu-setup
+	for e in none bias gelu swiglu; do $(GPU_BENCH) matmul --epilogue $$e --json $(GPU_RESULTS)/$(GPU_TAG)-matmul-$$e.json || exit 1; done
+	$(GPU_BENCH) attention --json $(GPU_RESULTS)/$(GPU_TAG)-attention.json
+
+gpu-bench-comm: gpu-setup
+	for op in ag_matmul matmul_rs persistent_ag persistent_rs ring_attention; do $(GPU_BENCH) $$op --json $(GPU_RESULTS)/$(GPU_TAG)-$$op.json || exit 1; done
+
+gpu-bench-moe: gpu-setup
+	$(GPU_BENCH) moe --json $(GPU_RESULTS)/$(GPU_TAG)-moe.json
+
+gpu-train: gpu-setup
+	$(GPU_BENCH) train --json $(GPU_RESULTS)/$(GPU_TAG)-train.json
+
+gpu-report:
+	$(GPU_PY) -m benchmarks report

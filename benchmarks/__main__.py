@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
 from ._common import REGISTRY, Context, emit, env_info, select_backend
+from .report import write_report
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _load_ops():
@@ -26,11 +30,18 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="op", required=True)
     p_all = sub.add_parser("all", help="every registered op with its default settings")
     p_all.add_argument("--json", help="write all results to this JSON file")
+    p_rep = sub.add_parser("report", help="write RESULTS.md (and a ratio plot) from the GPU runs' JSON files")
+    p_rep.add_argument("--results", default=os.path.join(HERE, "results"), help="folder of run JSON files")
+    p_rep.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     for name, op in sorted(REGISTRY.items()):
         p = sub.add_parser(name, help=op.help)
         p.add_argument("--json", help="write the results to this JSON file")
         op.add_args(p)
     args = parser.parse_args(argv)
+    if args.op == "report":
+        n_runs, missed = write_report(args.results, args.out)
+        print(f"wrote {args.out} from {n_runs} GPU run file(s); targets missed: {missed}")
+        return 0
 
     ctx = Context(gpu=gpu, device=torch.device("cuda" if gpu else "cpu"))
     info = env_info(ctx)

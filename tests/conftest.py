@@ -5,6 +5,7 @@ machinery beyond ``torch.cuda.is_available()`` (which does not import triton). O
 ``FUSEDPAR_TEST_DEVICE=cpu`` (interpreter even on a GPU machine) or ``=cuda``.
 """
 import os
+import re
 
 import torch
 
@@ -38,6 +39,11 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # tests that use a multi-process world fixture (tests/_world.py names them world2, world3, ...)
+    # get the `world` marker, so that `-m "not world"` runs only the in-process tests
+    for item in items:
+        if any(re.fullmatch(r"world\d+", name) for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.world)
     if _choice == "cuda":
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (compiled kernels)")

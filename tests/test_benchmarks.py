@@ -99,3 +99,45 @@ def test_check_close_tf32_and_explicit_tolerances(common, monkeypatch):
         common.check_close(ours, ref, tol=0.0)
     with pytest.raises(AssertionError):
         common.check_close(torch.full((3,), float("nan")), torch.ones(3))
+
+
+def test_train_cli_smoke(bench_main, tmp_path):
+    """The training-throughput benchmark runs the shipped Transformer (dense and MoE) for real steps."""
+    out = tmp_path / "t.json"
+    assert bench_main(["train", "--steps", "1", "--warmup", "0", "--seq", "8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["train"]
+    assert [r["variant"] for r in rows] == ["dense", "moe"]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["loss"] > 0
+        assert r["matmul_params"] > 0 and r["model_TFLOPs"] > 0
+
+
+def _run_file(path, mode, date, rows):
+    env = {"date": date, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "mode": mode}
+    path.write_text(json.dumps({"env": env, "results": rows}))
+
+
+def test_report_from_gpu_runs_only(bench_main, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    attn = [{"seq": 4096, "fwd_ratio_vs_sdpa": 1.07, "bwd_ratio_vs_sdpa": 0.81}]
+    _run_file(results / "h100-attention.json", "compiled (CUDA)", "2026-11-23 10:00 UTC", {"attention": attn})
+    _run_file(results / "cpu.json", "CPU smoke (Triton interpreter): numbers are NOT performance",
+              "2026-11-23 11:00 UTC", {"matmul": [{"epilogue": "none", "ratio_vs_torch": 123.0}]})
+    (results / "compile_sm90.json").write_text(json.dumps([{"kernel": "not a run file"}]))
+    out = tmp_path / "RESULTS.md"
+    assert bench_main(["report", "--results", str(results), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## h100-attention.json" in text and "cpu.json" not in text and "123" not in text
+    assert "fwd_ratio_vs_sdpa 1.07 (≥ 1: met)" in text
+    assert "bwd_ratio_vs_sdpa 0.81 (≥ 0.9: MISSED)" in text
+    svg = (tmp_path / "results_ratios.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<rect") == 2 and 'fill="#c33"' in svg
+
+
+def test_report_without_runs_lists_the_targets(bench_main, tmp_path):
+    out = tmp_path / "RESULTS.md"
+    assert bench_main(["report", "--results", str(tmp_path), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "No GPU run has been recorded yet" in text and "| ring_attention | efficiency_vs_plain | ≥ 0.92 |" in text
+    assert not (tmp_path / "results_ratios.svg").exists()

@@ -28,11 +28,13 @@ def _run_demo(*args):
     return out
 
 
+@pytest.mark.world
 def test_demo_runs_under_torchrun():
     out = _run_demo()
     assert "world 4 = dp 1 x pp 1 x sp 2 x tp 2 (ep 4)" in out, out
 
 
+@pytest.mark.world
 def test_demo_pipeline_path_pp2_x_tp2():
     """``--pp 2`` on 4 processes: two 1F1B pipeline stages (embedding + dense block | MoE block +
     head), tp2 inside each, experts over the stage's tp group; tiny sizes, two steps."""
