@@ -105,22 +105,33 @@ def _documents(S):
             "spanning": torch.tensor([0, 2, S - 1, S], dtype=torch.int32)}
 
 
+# per world: (documents, layout, causal) ring cases and the documents of a Ulysses case
+DOC_CASES = {
+    2: ([("ragged", "zigzag", True), ("ragged", "contiguous", True), ("spanning", "zigzag", False)], "spanning"),
+    3: ([("ragged", "zigzag", True), ("spanning", "contiguous", True)], "ragged"),
+    4: ([("ragged", "zigzag", True), ("spanning", "zigzag", True), ("ragged", "contiguous", False)], "ragged"),
+}
+
+
 def _document_cases(rank, size, seed, s_local):
     """Ring (both layouts, causal and not) and Ulysses on packed documents vs the fp64
     per-document reference."""
     straggle(0.01, seed)
     S = s_local * size
+    docs = _documents(S)
+    ring_cases, ulysses_docs = DOC_CASES[size]
     try:
-        for i, (name, cu) in enumerate(_documents(S).items()):
-            for j, (layout, causal) in enumerate([("zigzag", True), ("contiguous", True), ("zigzag", False)]):
-                full = _full_inputs(seed + 10 * i + j, 1, S, 2, 1, 16, torch.float32)
-                pos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
-                _compare(lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout, cu_seqlens=cu), full,
-                         pos, causal, torch.float32, cu=cu, msg=f"ring docs={name} {layout} causal={causal} P={size}")
-            full = _full_inputs(seed + 10 * i + 5, 1, S, size, 1, 16, torch.float32)
-            pos = torch.arange(rank * s_local, (rank + 1) * s_local)
-            _compare(lambda q, k, v: ulysses_attention(q, k, v, causal=True, cu_seqlens=cu), full, pos, True,
-                     torch.float32, cu=cu, msg=f"ulysses docs={name} P={size} rank {rank}")
+        for i, (name, layout, causal) in enumerate(ring_cases):
+            cu = docs[name]
+            full = _full_inputs(seed + i, 1, S, 2, 1, 16, torch.float32)
+            pos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
+            _compare(lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout, cu_seqlens=cu), full,
+                     pos, causal, torch.float32, cu=cu, msg=f"ring docs={name} {layout} causal={causal} P={size}")
+        cu = docs[ulysses_docs]
+        full = _full_inputs(seed + 9, 1, S, size, 1, 16, torch.float32)
+        pos = torch.arange(rank * s_local, (rank + 1) * s_local)
+        _compare(lambda q, k, v: ulysses_attention(q, k, v, causal=True, cu_seqlens=cu), full, pos, True,
+                 torch.float32, cu=cu, msg=f"ulysses docs={ulysses_docs} P={size} rank {rank}")
     finally:
         comm.set_straggler(0)
     return True

@@ -45,8 +45,8 @@ from fusedpar.ops.varlen import document_bounds, ring_document_plan
 LAYOUTS = ("zigzag", "contiguous")
 
 __all__ = [
-    "LAYOUTS", "RingAttentionFunction", "UlyssesAttentionFunction", "hybrid_attention", "ring_attention",
-    "ring_attention_bwd", "ring_attention_fwd", "ring_step_plan", "sequence_shard", "shard_chunks",
+    "LAYOUTS", "RingAttentionFunction", "UlyssesAttentionFunction", "document_plan", "hybrid_attention",
+    "ring_attention", "ring_attention_bwd", "ring_attention_fwd", "ring_step_plan", "sequence_shard", "shard_chunks",
     "shard_positions", "ulysses_attention", "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads",
     "zigzag_positions", "zigzag_shard", "zigzag_unshard",
 ]
