@@ -363,8 +363,9 @@ class Segments(NamedTuple):
     max_k: int
 
 
-def check_segments(segments, q, k) -> None:
-    """``segments`` is a :class:`Segments` for q ``[1, total_q, h, d]`` / k ``[1, total_k, ...]``.
+def check_segments(segments, q, k, q_offset=0, k_offset=0) -> None:
+    """``segments`` is a :class:`Segments` for q ``[1, total_q, h, d]`` / k ``[1, total_k, ...]``
+    (the offsets must be 0: each segment's ``shift`` places its causal mask).
     Its values are range-checked when the table is on the CPU; on a GPU they are trusted (they
     come from :func:`~.flash_varlen.varlen_segments` or the ring schedule; checking
     them would cost a device-to-host sync per launch)."""
@@ -380,6 +381,9 @@ def check_segments(segments, q, k) -> None:
     check_int("segments.max_k", segments.max_k, min_value=0)
     if q.shape[0] != 1:
         raise ValueError(f"q batch size must be 1 with segments= (one packed sequence), got {q.shape[0]}")
+    if q_offset or k_offset:
+        raise ValueError(f"q_offset and k_offset must be 0 with segments= (each segment's shift places its causal "
+                         f"mask), got {q_offset} and {k_offset}")
     if t.device.type == "cpu" and t.shape[0]:
         lq, lk = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2]
         if (t[:, 0] < 0).any() or (lq < 0).any() or (t[:, 1] > q.shape[1]).any() or (lq > segments.max_q).any():
@@ -408,7 +412,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
     if segments is not None:
-        check_segments(segments, q, k)
+        check_segments(segments, q, k, q_offset, k_offset)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = resolve_softmax_scale(softmax_scale, d)

@@ -316,7 +316,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
     if segments is not None:
-        check_segments(segments, q, k)
+        check_segments(segments, q, k, q_offset, k_offset)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = resolve_softmax_scale(softmax_scale, d)

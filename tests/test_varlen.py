@@ -203,3 +203,20 @@ def test_bad_inputs(exc, pattern, call, cpu_only):
         pytest.skip("cu_seqlens values are trusted on a GPU (checking them would cost a sync)")
     with pytest.raises(exc, match=pattern):
         call()
+
+
+def test_segments_argument_checks():
+    q = torch.randn(1, 8, 2, 16, device=DEVICE)
+    seg = varlen_segments(_cu([3, 5]), _cu([3, 5]), 5, 5)
+    with pytest.raises(ValueError, match="q_offset and k_offset must be 0 with segments="):
+        flash_attention_forward(q, q, q, segments=seg, q_offset=2)
+    with pytest.raises(ValueError, match="q batch size must be 1 with segments="):
+        flash_attention_forward(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1),
+                                segments=seg)
+    with pytest.raises(ValueError, match="5 columns"):
+        flash_attention_forward(q, q, q, segments=seg._replace(table=seg.table[:, :4]))
+    with pytest.raises(TypeError, match="segments must be a Segments"):
+        flash_attention_forward(q, q, q, segments=(seg.table, 5, 5))
+    if INTERPRETED:  # table values are range-checked on the CPU only
+        with pytest.raises(ValueError, match="lengths <= max_q=4"):
+            flash_attention_forward(q, q, q, segments=seg._replace(max_q=4))
