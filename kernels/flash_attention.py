@@ -15,6 +15,11 @@ and the plain torch oracle.
 * Any strides (a sequence chunk or a head slice of a bigger tensor is read in place), any
   sequence lengths (tails masked), ``seq_q != seq_k``, head_dim up to 256 (padded to a power of
   two >= 16 with masks).
+* Packed documents: with a segment table (:class:`Segments`, the ``SEGMENTED`` flag) each
+  program reads which query rows / key rows of one batch-1 sequence it owns and the shift of its
+  causal mask (:func:`program_tile`); the varlen API (:mod:`.flash_varlen`) and ring attention
+  over documents use it. The grid is one axis (:func:`attention_grid`), so batch x heads is not
+  bound by CUDA's 65535 limit on axes 1 and 2.
 * Accumulate modes for ring attention: the forward can continue from a previous normalised
   ``(out, lse)`` pair held in fp32 (``accumulate=True``), and the backward can add ``dq``/``dk``/
   ``dv`` into fp32 buffers, so every ring step reuses these kernels.
@@ -101,7 +106,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_p
 
 @triton.jit
 def program_tile(seg_ptr, H, SQ, SK, q_offset, k_offset, ON_KEYS: tl.constexpr, SEGMENTED: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr):
     """What this program computes: ``(b, h, start, SQ, SK, q_row0, k_row0, q_offset, k_offset)``.
 
     The grid is one axis of ``cdiv(rows, BLOCK) * batch * H`` programs (block index fastest;

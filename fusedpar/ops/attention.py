@@ -23,6 +23,10 @@ on torch.distributed and on an :class:`~fusedpar.ops.transport.EmulatedTransport
   heads read) and their gradients summed back in fp32.
 * **Hybrid** (:func:`hybrid_attention`): Ulysses inside the Ulysses group, then ring attention
   across the ring group on the head shards: 2-D sequence parallelism.
+* **Packed documents** (``cu_seqlens=`` on all three, batch 1): attention stays inside each
+  document, documents crossing any shard boundaries; each rank builds the kernels' segment
+  tables of every ring step from the global boundaries (:func:`document_plan`,
+  :mod:`fusedpar.ops.varlen`), and steps with nothing visible launch nothing.
 
 Layers: fusedpar.kernels flash launchers -> the named steps :func:`ring_attention_fwd` /
 :func:`ring_attention_bwd` and :func:`ulysses_attention_fwd` / :func:`ulysses_attention_bwd` ->
