@@ -2,6 +2,8 @@
 ``python -m benchmarks ring_attention``: the shipped ring attention (forward and backward) of one
 rank of ``P`` on one GPU through :class:`fusedpar.ops.transport.EmulatedTransport`: the K/V
 (and dK/dV) transfers are device-to-device copies of the same bytes on a second stream.
+``python -m benchmarks varlen_attention``: packed documents (varlen kernels) against a padded
+batch of the same documents.
 """
 from __future__ import annotations
 
@@ -274,4 +276,85 @@ def run_ring(args, ctx):
         "bwd_plain_ms": t_plain_b, "bwd_sequential_ms": t_seq_b, "bwd_overlapped_ms": t_ovl_b,
         "bwd_efficiency_vs_plain": t_plain_b / t_ovl_b,
         "plain_TFLOPs": tflops(flops, t_plain), "max_rel_err": err,
+    }]
+
+
+# ----------------------------------------------------------------------------------------------
+# packed variable-length documents against a padded batch of the same documents
+# ----------------------------------------------------------------------------------------------
+def _add_varlen_args(p):
+    p.add_argument("--dtype", type=parse_dtype, default=None, help="bf16 (GPU default), fp32 (CPU default)")
+    p.add_argument("--lengths", type=_ints, default=None,
+                   help="comma-separated document lengths (GPU default: 64 seeded lengths, 32..4096 tokens)")
+    p.add_argument("--head-dim", type=int, default=None, help="GPU default 128")
+    p.add_argument("--heads", type=int, default=None, help="GPU default 16")
+
+
+def _doc_lengths(ctx, lengths):
+    import torch
+
+    if lengths:
+        if any(n <= 0 for n in lengths):
+            raise ValueError(f"--lengths must be positive, got {lengths}")
+        return lengths
+    if not ctx.gpu:
+        return [5, 1, 9]
+    g = torch.Generator().manual_seed(0)  # long-tailed: many short documents, a few long ones
+    return [int(n) for n in (2 ** (5 + 7 * torch.rand(64, generator=g))).long().clamp_(32, 4096)]
+
+
+@register("varlen_attention", "packed varlen flash attention vs a padded batch of the same documents (causal)",
+          add_args=_add_varlen_args)
+def run_varlen(args, ctx):
+    import torch
+
+    from fusedpar.kernels import (
+        flash_attention_backward,
+        flash_attention_forward,
+        flash_attention_varlen,
+        flash_attention_varlen_backward,
+    )
+
+    dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
+    lengths = _doc_lengths(ctx, args.lengths)
+    d = args.head_dim or (128 if ctx.gpu else 16)
+    h = args.heads or (16 if ctx.gpu else 2)
+    n, total, longest = len(lengths), sum(lengths), max(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=ctx.device)
+    q, k, v, do = (torch.randn(total, h, d, device=ctx.device, dtype=dtype) for _ in range(4))
+    # the padded batch: document i in row i, its tail padded (padding at the end is invisible to
+    # the real rows under the causal mask, so the real rows are exact)
+    rows = torch.cat([torch.arange(a, a + ln) for a, ln in zip(cu.tolist(), lengths)]).to(ctx.device)
+    slots = torch.cat([torch.arange(i * longest, i * longest + ln) for i, ln in enumerate(lengths)]).to(ctx.device)
+
+    def padded(t):
+        p = torch.zeros(n * longest, *t.shape[1:], device=ctx.device, dtype=t.dtype)
+        p[slots] = t[rows]
+        return p.view(n, longest, *t.shape[1:])
+
+    qp, kp, vp, dop = (padded(t) for t in (q, k, v, do))
+    out, lse = flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+    out_p, lse_p = flash_attention_forward(qp, kp, vp, causal=True)
+    err = check_close(out, out_p.reshape(n * longest, h, d)[slots])
+    dq = flash_attention_varlen_backward(do, q, k, v, out, lse, cu, cu, longest, longest, causal=True)[0]
+    dq_p = flash_attention_backward(dop, qp, kp, vp, out_p, lse_p, causal=True)[0]
+    err = max(err, check_close(dq, dq_p.reshape(n * longest, h, d)[slots]))
+    t_fwd = ctx.time_ms(lambda: flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True))
+    t_bwd = ctx.time_ms(lambda: flash_attention_varlen_backward(do, q, k, v, out, lse, cu, cu, longest, longest,
+                                                                causal=True))
+    t_fwd_p = ctx.time_ms(lambda: flash_attention_forward(qp, kp, vp, causal=True))
+    t_bwd_p = ctx.time_ms(lambda: flash_attention_backward(dop, qp, kp, vp, out_p, lse_p, causal=True))
+    flops = sum(4.0 * h * ln * ln * d / 2 for ln in lengths)  # useful work: causal, per document
+    if ctx.smoke:
+        ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
+    else:
+        ctx.notes.append("padded baseline: the same flash kernels on [docs, longest, heads, d]; "
+                         "TFLOPs count useful (per-document causal) work only, bwd as 2.5x fwd.")
+    return [{
+        "docs": n, "tokens": total, "longest": longest, "padded_tokens": n * longest, "heads": h, "head_dim": d,
+        "dtype": str(dtype).replace("torch.", ""),
+        "varlen_fwd_ms": t_fwd, "padded_fwd_ms": t_fwd_p, "fwd_speedup": t_fwd_p / t_fwd,
+        "varlen_bwd_ms": t_bwd, "padded_bwd_ms": t_bwd_p, "bwd_speedup": t_bwd_p / t_bwd,
+        "varlen_fwd_TFLOPs": tflops(flops, t_fwd), "varlen_bwd_TFLOPs": tflops(2.5 * flops, t_bwd),
+        "max_rel_err": err,
     }]

@@ -23,6 +23,7 @@ from .persistent_gemm import chunk_reduce, chunk_view, persistent_matmul, persis
 from .waits import WaitTimeout, check_wait_timeouts, wait_timeouts
 from .flash_attention import attention_reference, flash_attention_forward
 from .flash_attention_bwd import attention_delta, flash_attention_backward
+from .flash_varlen import flash_attention_varlen, flash_attention_varlen_backward, varlen_attention_reference
 from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference
 
 __all__ = [
@@ -33,5 +34,6 @@ __all__ = [
     "WaitTimeout", "check_wait_timeouts", "chunk_reduce", "chunk_view", "persistent_matmul",
     "persistent_matmul_reference", "wait_timeouts",
     "attention_delta", "attention_reference", "flash_attention_backward", "flash_attention_forward",
+    "flash_attention_varlen", "flash_attention_varlen_backward", "varlen_attention_reference",
     "rms_norm_bwd", "rms_norm_fwd", "rms_norm_reference",
 ]

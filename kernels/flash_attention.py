@@ -15,6 +15,11 @@ and the plain torch oracle.
 * Any strides (a sequence chunk or a head slice of a bigger tensor is read in place), any
   sequence lengths (tails masked), ``seq_q != seq_k``, head_dim up to 256 (padded to a power of
   two >= 16 with masks).
+* Packed documents: with a segment table (:class:`Segments`, the ``SEGMENTED`` flag) each
+  program reads which query rows / key rows of one batch-1 sequence it owns and the shift of its
+  causal mask (:func:`program_tile`); the varlen API (:mod:`.flash_varlen`) and ring attention
+  over documents use it. The grid is one axis (:func:`attention_grid`), so batch x heads is not
+  bound by CUDA's 65535 limit on axes 1 and 2.
 * Accumulate modes for ring attention: the forward can continue from a previous normalised
   ``(out, lse)`` pair held in fp32 (``accumulate=True``), and the backward can add ``dq``/``dk``/
   ``dv`` into fp32 buffers, so every ring step reuses these kernels.
@@ -28,20 +33,22 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_float_tensor, check_int, check_same
+from .checks import check_buffer, check_float_tensor, check_int, check_same, check_tensor
 from .runtime import input_precision, interpreting, needs_upcast, shared_memory_limit
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 __all__ = [
-    "MAX_HEAD_DIM", "attention_reference", "check_offsets", "check_qkv", "flash_attention_forward",
-    "kernel_flags", "launch_attention_kernel", "resolve_softmax_scale",
+    "MAX_GRID_X", "MAX_HEAD_DIM", "Segments", "attention_grid", "attention_reference", "check_offsets", "check_qkv",
+    "check_segments", "flash_attention_forward", "kernel_flags", "launch_attention_kernel", "program_tile",
+    "resolve_softmax_scale",
 ]
 
 
@@ -98,8 +105,48 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_p
 
 
 @triton.jit
+def program_tile(seg_ptr, H, SQ, SK, q_offset, k_offset, ON_KEYS: tl.constexpr, SEGMENTED: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """What this program computes: ``(b, h, start, SQ, SK, q_row0, k_row0, q_offset, k_offset)``.
+
+    The grid is one axis of ``cdiv(rows, BLOCK) * batch * H`` programs (block index fastest;
+    :func:`attention_grid`), ``rows`` being SQ (query-row kernels) or SK (``ON_KEYS``: dK/dV).
+    Dense: batch ``b`` of the ``[b, s, h, d]`` operands, rows from 0. ``SEGMENTED``: ``b`` is a
+    row of the segment table ``[n, 5]`` int32 ``(q_start, q_end, k_start, k_end, shift)`` and
+    SQ/SK are only the maximal lengths: the segment's query rows ``[q_start, q_end)`` attend to
+    keys ``[k_start, k_end)``, causal visibility ``j <= i + shift`` (segment-local ``i, j``), so
+    q_offset = shift, k_offset = 0. A block past its segment's rows gets an empty range (the
+    other length 0): its loops run no iteration and its masked stores write nothing."""
+    pid = tl.program_id(0)
+    if ON_KEYS:
+        n_blocks = tl.cdiv(SK, BLOCK)
+    else:
+        n_blocks = tl.cdiv(SQ, BLOCK)
+    start = (pid % n_blocks) * BLOCK
+    pid_bh = pid // n_blocks
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    q_row0 = tl.zeros((), dtype=tl.int64)
+    k_row0 = tl.zeros((), dtype=tl.int64)
+    if SEGMENTED:
+        row = seg_ptr + b * 5
+        q_row0 = tl.load(row).to(tl.int64)
+        SQ = tl.load(row + 1) - tl.load(row)
+        k_row0 = tl.load(row + 2).to(tl.int64)
+        SK = tl.load(row + 3) - tl.load(row + 2)
+        q_offset = tl.load(row + 4)
+        k_offset = 0
+        b = tl.zeros((), dtype=tl.int64)  # segments index rows of one packed batch-1 sequence
+        if ON_KEYS:
+            SQ = tl.where(start < SK, SQ, 0)
+        else:
+            SK = tl.where(start < SQ, SK, 0)
+    return b, h, start, SQ, SK, q_row0, k_row0, q_offset, k_offset
+
+
+@triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seg_ptr,
     s_qb, s_qs, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,
     s_vb, s_vs, s_vh, s_vd,
@@ -107,31 +154,28 @@ def _attn_fwd_kernel(
     s_lb, s_lh, s_ls,
     H, GROUP, SQ, SK, q_offset, k_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, SEGMENTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
     tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
+    b, h, m0, SQ, SK, q_row0, k_row0, q_offset, k_offset = program_tile(
+        seg_ptr, H, SQ, SK, q_offset, k_offset, False, SEGMENTED, BLOCK_M)
     hk = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
 
-    m0 = pid_m * BLOCK_M
     rm = m0 + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
     m_mask = rm < SQ
     d_mask = rd < HEAD_DIM
     md_mask = m_mask[:, None] & d_mask[None, :]
 
-    q_base = q_ptr + b * s_qb + h * s_qh
-    k_base = k_ptr + b * s_kb + hk * s_kh
-    v_base = v_ptr + b * s_vb + hk * s_vh
-    o_base = o_ptr + b * s_ob + h * s_oh
-    lse_base = lse_ptr + b * s_lb + h * s_lh
+    q_base = q_ptr + b * s_qb + h * s_qh + q_row0 * s_qs
+    k_base = k_ptr + b * s_kb + hk * s_kh + k_row0 * s_ks
+    v_base = v_ptr + b * s_vb + hk * s_vh + k_row0 * s_vs
+    o_base = o_ptr + b * s_ob + h * s_oh + q_row0 * s_os
+    lse_base = lse_ptr + b * s_lb + h * s_lh + q_row0 * s_ls
 
     q = tl.load(q_base + rm.to(tl.int64)[:, None] * s_qs + rd[None, :] * s_qd, mask=md_mask, other=0.0)
     if UPCAST:
@@ -222,34 +266,50 @@ def _prune(kind):
 def _tuned(kernel, kind: str):
     return triton.autotune(
         configs=gpu_configs(kind),
-        key=["SQ", "SK", "HEAD_DIM", "CAUSAL", "GROUP"],
+        key=["SQ", "SK", "HEAD_DIM", "CAUSAL", "GROUP", "SEGMENTED"],
         prune_configs_by={"early_config_prune": _prune(kind)},
         restore_value=_RESTORE[kind],
     )(kernel)
 
 
+#: CUDA's limit on grid axis 0 (axes 1 and 2 stop at 65535, so nothing goes there)
+MAX_GRID_X = 2**31 - 1
+
+
+def attention_grid(rows: int, n_bh: int, block: int) -> tuple:
+    """The launch grid of an attention kernel: ``(cdiv(rows, block) * n_bh,)`` programs on axis 0
+    (block index fastest, see ``program_tile``); ``n_bh`` counts (batch or segment) x heads.
+    One axis keeps batch x heads beyond axis 1's 65535 launchable."""
+    n = triton.cdiv(rows, block) * n_bh
+    if n > MAX_GRID_X:
+        raise ValueError(f"attention grid must have at most {MAX_GRID_X} programs (CUDA grid axis 0), "
+                         f"got {n} ({triton.cdiv(rows, block)} blocks x {n_bh} batch-heads)")
+    return (n,)
+
+
 def launch_attention_kernel(kernel, kind: str, grid_rows: int, n_bh: int, args, flags) -> None:
-    """Launch one attention kernel over ``(cdiv(grid_rows, block), n_bh)`` programs: fixed small
-    blocks under the interpreter, the autotuned configs on a GPU. ``kind`` is ``"fwd"``, ``"dq"``
-    (one program per block of query rows) or ``"dkdv"`` (one per block of key rows)."""
+    """Launch one attention kernel over :func:`attention_grid` programs: fixed small blocks under
+    the interpreter, the autotuned configs on a GPU. ``kind`` is ``"fwd"``, ``"dq"`` (one program
+    per block of query rows) or ``"dkdv"`` (one per block of key rows)."""
     if kind not in _RESTORE:
         raise ValueError(f"kind must be one of {tuple(_RESTORE)}, got {kind!r}")
     key = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     if interpreting():
         cfg = INTERPRETER_CONFIG
-        kernel[(triton.cdiv(grid_rows, cfg[key]), n_bh)](*args, **flags, **cfg)
+        kernel[attention_grid(grid_rows, n_bh, cfg[key])](*args, **flags, **cfg)
         return
-    grid = lambda meta: (triton.cdiv(grid_rows, meta[key]), n_bh)  # noqa: E731
+    attention_grid(grid_rows, n_bh, min(c.kwargs[key] for c in gpu_configs(kind)))  # fail here, not in autotune
+    grid = lambda meta: attention_grid(grid_rows, n_bh, meta[key])  # noqa: E731
     with torch.cuda.device(args[0].device):
         _tuned(kernel, kind)[grid](*args, **flags)
 
 
-def kernel_flags(q: torch.Tensor, causal: bool, accumulate: bool) -> dict:
+def kernel_flags(q: torch.Tensor, causal: bool, accumulate: bool, segmented: bool = False) -> dict:
     """The compile-time flags every attention kernel takes, for q ``[b, s, h, d]``."""
     d = q.shape[3]
     bd = max(16, triton.next_power_of_2(d))
     return dict(HEAD_DIM=d, BLOCK_D=bd, PAD_D=bd != d, CAUSAL=bool(causal), ACCUM=bool(accumulate),
-                UPCAST=needs_upcast(q.dtype), INPUT_PRECISION=input_precision(q.dtype))
+                UPCAST=needs_upcast(q.dtype), INPUT_PRECISION=input_precision(q.dtype), SEGMENTED=bool(segmented))
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,11 +354,56 @@ def check_offsets(q_offset, k_offset) -> None:
     check_int("k_offset", k_offset, min_value=0)
 
 
+class Segments(NamedTuple):
+    """Independent attention problems inside one packed batch-1 sequence (the kernels'
+    ``segments=`` argument). ``table``: int32 ``[n, 5]`` on the operands' device, one row
+    ``(q_start, q_end, k_start, k_end, shift)`` per segment: query rows ``[q_start, q_end)``
+    attend to key rows ``[k_start, k_end)`` only, and with ``causal`` segment-local query ``i``
+    sees key ``j`` iff ``j <= i + shift``. ``max_q`` / ``max_k``: upper bounds of the segments'
+    query / key lengths (they size the grid: cost follows the segments, not the total length).
+    The query ranges of one table must not overlap, nor its key ranges (one program owns each
+    output row); rows outside every segment are not written."""
+    table: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def check_segments(segments, q, k, q_offset=0, k_offset=0) -> None:
+    """``segments`` is a :class:`Segments` for q ``[1, total_q, h, d]`` / k ``[1, total_k, ...]``
+    (the offsets must be 0: each segment's ``shift`` places its causal mask).
+    Its values are range-checked when the table is on the CPU; on a GPU they are trusted (they
+    come from :func:`~.flash_varlen.varlen_segments` or the ring schedule; checking
+    them would cost a device-to-host sync per launch)."""
+    if not isinstance(segments, Segments):
+        raise TypeError(f"segments must be a Segments or None, got {type(segments).__name__}")
+    t = segments.table
+    check_tensor("segments.table", t, dims=(2,), dtypes=(torch.int32,))
+    if t.shape[1] != 5:
+        raise ValueError(f"segments.table must have 5 columns (q_start, q_end, k_start, k_end, shift), "
+                         f"got shape {tuple(t.shape)}")
+    check_same("segments.table", t, "q", q, dtype=False)
+    check_int("segments.max_q", segments.max_q, min_value=0)
+    check_int("segments.max_k", segments.max_k, min_value=0)
+    if q.shape[0] != 1:
+        raise ValueError(f"q batch size must be 1 with segments= (one packed sequence), got {q.shape[0]}")
+    if q_offset or k_offset:
+        raise ValueError(f"q_offset and k_offset must be 0 with segments= (each segment's shift places its causal "
+                         f"mask), got {q_offset} and {k_offset}")
+    if t.device.type == "cpu" and t.shape[0]:
+        lq, lk = t[:, 1] - t[:, 0], t[:, 3] - t[:, 2]
+        if (t[:, 0] < 0).any() or (lq < 0).any() or (t[:, 1] > q.shape[1]).any() or (lq > segments.max_q).any():
+            raise ValueError(f"segments.table query ranges must lie in [0, {q.shape[1]}] with lengths <= "
+                             f"max_q={segments.max_q}")
+        if (t[:, 2] < 0).any() or (lk < 0).any() or (t[:, 3] > k.shape[1]).any() or (lk > segments.max_k).any():
+            raise ValueError(f"segments.table key ranges must lie in [0, {k.shape[1]}] with lengths <= "
+                             f"max_k={segments.max_k}")
+
+
 # --------------------------------------------------------------------------------------------
 # Host side: the forward launcher (ring attention calls it once per block pair)
 # --------------------------------------------------------------------------------------------
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0,
-                            out=None, lse=None, accumulate=False):
+                            out=None, lse=None, accumulate=False, segments=None):
     """One attention block: returns ``(out, lse)``.
 
     q ``[b, sq, hq, d]``, k/v ``[b, sk, hk, d]`` (any strides). ``out`` (same shape as q, any
@@ -306,9 +411,13 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     place when given. ``accumulate=True`` continues from the normalised state already held in
     ``(out, lse)`` (use an fp32 ``out``; start from ``out = 0``, ``lse = -inf``): afterwards they
     hold the attention over the union of all key blocks seen so far, which is how ring steps merge.
+    ``segments`` (a :class:`Segments`, batch 1): independent problems inside the sequence (packed
+    documents); the offsets are then unused (the table's ``shift`` places each causal mask).
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
+    if segments is not None:
+        check_segments(segments, q, k, q_offset, k_offset)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = resolve_softmax_scale(softmax_scale, d)
@@ -329,9 +438,16 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
             out.zero_()
             lse.fill_(float("-inf"))
         return out, lse
-    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            hq, hq // hk, sq, sk, q_offset, k_offset, scale * LOG2E)
-    launch_attention_kernel(_attn_fwd_kernel, "fwd", sq, b * hq, args, kernel_flags(q, causal, accumulate))
+    rows, n_b, sq_arg, sk_arg, table = sq, b, sq, sk, q  # dense: the table argument is never read
+    if segments is not None:
+        rows = sq_arg = segments.max_q
+        n_b, sk_arg, table = segments.table.shape[0], segments.max_k, segments.table
+        if n_b * rows == 0:
+            return out, lse
+    args = (q, k, v, out, lse, table, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+            hq, hq // hk, sq_arg, sk_arg, q_offset, k_offset, scale * LOG2E)
+    flags = kernel_flags(q, causal, accumulate, segments is not None)
+    launch_attention_kernel(_attn_fwd_kernel, "fwd", rows, n_b * hq, args, flags)
     return out, lse
 
 

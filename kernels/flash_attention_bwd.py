@@ -16,8 +16,10 @@ import triton.language as tl
 from .checks import check_buffer, check_same, check_tensor
 from .flash_attention import (
     LOG2E,
+    program_tile,
     check_offsets,
     check_qkv,
+    check_segments,
     kernel_flags,
     launch_attention_kernel,
     resolve_softmax_scale,
@@ -71,7 +73,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seg_ptr,
     s_qb, s_qs, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,
     s_vb, s_vs, s_vh, s_vd,
@@ -80,26 +82,23 @@ def _attn_bwd_dq_kernel(
     s_lb, s_lh, s_ls,
     H, GROUP, SQ, SK, q_offset, k_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, SEGMENTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ for one block of query rows: loop over the visible key blocks."""
     tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
     tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
+    b, h, m0, SQ, SK, q_row0, k_row0, q_offset, k_offset = program_tile(
+        seg_ptr, H, SQ, SK, q_offset, k_offset, False, SEGMENTED, BLOCK_M)
     hk = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
 
-    m0 = pid_m * BLOCK_M
     rm = m0 + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
     m_mask = rm < SQ
     d_mask = rd < HEAD_DIM
     md_mask = m_mask[:, None] & d_mask[None, :]
-    rows = rm.to(tl.int64)
+    rows = q_row0 + rm.to(tl.int64)
 
     q = tl.load(q_ptr + b * s_qb + h * s_qh + rows[:, None] * s_qs + rd[None, :] * s_qd, mask=md_mask, other=0.0)
     do = tl.load(do_ptr + b * s_ob + h * s_oh + rows[:, None] * s_os + rd[None, :] * s_od, mask=md_mask, other=0.0)
@@ -110,8 +109,8 @@ def _attn_bwd_dq_kernel(
     # fully masked rows (lse = -inf) and tail rows contribute nothing: +inf makes every p exactly 0
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(delta_ptr + b * s_lb + h * s_lh + rows * s_ls, mask=m_mask, other=0.0)
-    k_base = k_ptr + b * s_kb + hk * s_kh
-    v_base = v_ptr + b * s_vb + hk * s_vh
+    k_base = k_ptr + b * s_kb + hk * s_kh + k_row0 * s_ks
+    v_base = v_ptr + b * s_vb + hk * s_vh + k_row0 * s_vs
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     q_pos = q_offset + rm
@@ -186,7 +185,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os,
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seg_ptr,
     s_qb, s_qs, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,
     s_vb, s_vs, s_vh, s_vd,
@@ -196,25 +195,23 @@ def _attn_bwd_dkdv_kernel(
     s_lb, s_lh, s_ls,
     HK, GROUP, SQ, SK, q_offset, k_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, SEGMENTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV for one block of keys of one kv head: loop over the group's query heads and the
     query blocks that see the keys (sums over the GQA group without atomics)."""
     tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
     tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HK).to(tl.int64)
-    hk = (pid_bh % HK).to(tl.int64)
+    b, hk, n0, SQ, SK, q_row0, k_row0, q_offset, k_offset = program_tile(
+        seg_ptr, HK, SQ, SK, q_offset, k_offset, True, SEGMENTED, BLOCK_N)
+    hk = hk.to(tl.int64)
 
-    n0 = pid_n * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
     n_mask = rn < SK
     d_mask = rd < HEAD_DIM
     nd_mask = n_mask[:, None] & d_mask[None, :]
-    cols = rn.to(tl.int64)
+    cols = k_row0 + rn.to(tl.int64)
 
     k = tl.load(k_ptr + b * s_kb + hk * s_kh + cols[:, None] * s_ks + rd[None, :] * s_kd, mask=nd_mask, other=0.0)
     v = tl.load(v_ptr + b * s_vb + hk * s_vh + cols[:, None] * s_vs + rd[None, :] * s_vd, mask=nd_mask, other=0.0)
@@ -239,10 +236,10 @@ def _attn_bwd_dkdv_kernel(
     full_hi = tl.maximum((SQ // BLOCK_M) * BLOCK_M, full_lo)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_base = q_ptr + b * s_qb + h * s_qh
-        do_base = do_ptr + b * s_ob + h * s_oh
-        l_base = lse_ptr + b * s_lb + h * s_lh
-        d_base = delta_ptr + b * s_lb + h * s_lh
+        q_base = q_ptr + b * s_qb + h * s_qh + q_row0 * s_qs
+        do_base = do_ptr + b * s_ob + h * s_oh + q_row0 * s_os
+        l_base = lse_ptr + b * s_lb + h * s_lh + q_row0 * s_ls
+        d_base = delta_ptr + b * s_lb + h * s_lh + q_row0 * s_ls
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os, s_od, s_ls, rd, k_pos,
                              lo, full_lo, SQ, q_offset, qk_scale, True, CAUSAL, HEAD_DIM, PAD_D, UPCAST,
                              INPUT_PRECISION, BLOCK_M)
@@ -305,7 +302,7 @@ def _grad_buffers(q, k, v, dq, dk, dv, accumulate):
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=False, softmax_scale=None,
-                             q_offset=0, k_offset=0, dq=None, dk=None, dv=None, accumulate=False):
+                             q_offset=0, k_offset=0, dq=None, dk=None, dv=None, accumulate=False, segments=None):
     """Gradients of one attention block: returns ``(dq, dk, dv)``.
 
     ``out``/``lse`` are the (merged, final) forward output and log-sum-exp of the query rows;
@@ -313,10 +310,13 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
     (``out`` may then be None if delta is given). ``dq``/``dk``/``dv`` are written in place when
     given (any strides; fp32 buffers keep ring sums exact); ``accumulate=True`` adds to them in
     fp32. Pass ``dq=False`` to skip the dQ kernel, or ``dk=False`` to skip the dK/dV kernel
-    (the skipped entries are returned as given).
+    (the skipped entries are returned as given). ``segments``: as in the forward (the rows and
+    keys outside every segment are not written).
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
+    if segments is not None:
+        check_segments(segments, q, k, q_offset, k_offset)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = resolve_softmax_scale(softmax_scale, d)
@@ -330,14 +330,17 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
                 if want:
                     t.zero_()
         return dq, dk, dv
-    flags = kernel_flags(q, causal, accumulate)
-    tail = (hq // hk, sq, sk, q_offset, k_offset, scale * LOG2E, scale)
-    if want_dq:
-        args = (q, k, v, dout, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+    rows_q, rows_k, n_b, table = sq, sk, b, q  # dense: the table argument is never read
+    if segments is not None:
+        rows_q, rows_k, n_b, table = segments.max_q, segments.max_k, segments.table.shape[0], segments.table
+    flags = kernel_flags(q, causal, accumulate, segments is not None)
+    tail = (hq // hk, rows_q, rows_k, q_offset, k_offset, scale * LOG2E, scale)
+    if want_dq and n_b * rows_q:
+        args = (q, k, v, dout, lse, delta, dq, table, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
                 *dq.stride(), *lse.stride(), hq, *tail)
-        launch_attention_kernel(_attn_bwd_dq_kernel, "dq", sq, b * hq, args, flags)
-    if want_dkv:
-        args = (q, k, v, dout, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+        launch_attention_kernel(_attn_bwd_dq_kernel, "dq", rows_q, n_b * hq, args, flags)
+    if want_dkv and n_b * rows_k:
+        args = (q, k, v, dout, lse, delta, dk, dv, table, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
                 *dk.stride(), *dv.stride(), *lse.stride(), hk, *tail)
-        launch_attention_kernel(_attn_bwd_dkdv_kernel, "dkdv", sk, b * hk, args, flags)
+        launch_attention_kernel(_attn_bwd_dkdv_kernel, "dkdv", rows_k, n_b * hk, args, flags)
     return dq, dk, dv

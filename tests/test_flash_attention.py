@@ -252,3 +252,14 @@ def test_ring_benchmark_cli_smoke(bench_main, tmp_path, ranks, tokens, rank):
     assert bench_main(args) == 0
     row = json.loads(out.read_text())["results"]["ring_attention"][0]
     assert (row["ranks"], row["rank"]) == (ranks, rank) and row["max_rel_err"] < 1e-4 and row["T_overlapped_ms"] > 0
+
+
+def test_varlen_benchmark_cli_smoke(bench_main, tmp_path):
+    # packed documents against the padded batch of the same documents (real rows compared)
+    import json
+
+    out = tmp_path / "v.json"
+    assert bench_main(["varlen_attention", "--lengths", "5,1,9", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"]["varlen_attention"][0]
+    assert (row["docs"], row["tokens"], row["padded_tokens"]) == (3, 15, 27)
+    assert row["max_rel_err"] < 1e-4 and row["varlen_fwd_ms"] > 0 and row["padded_bwd_ms"] > 0

@@ -46,17 +46,22 @@ def _cases(rank, size, seed):
     row, col, single = _groups(rank)
     straggle(0.01, seed)
     try:
+        docs = [0, 1, 6, 6, 15, 16]  # packed documents crossing shards: lengths 1, 5, 0, 9, 1
         cases = [
-            # (name, kwargs, heads, kv_heads, bias, seq, batch)
+            # (name, kwargs, heads, kv_heads, bias, seq, batch, document boundaries)
             ("tp2 x ring2 zigzag", dict(tp_group=row, sp_group=col, sp_mode="ring", layout="zigzag"),
-             4, 2, True, 16, 2),
+             4, 2, True, 16, 2, None),
             ("tp2 x ring2 contiguous", dict(tp_group=row, sp_group=col, sp_mode="ring", layout="contiguous"),
-             2, 2, False, 12, 1),
-            ("tp2 x ulysses2", dict(tp_group=row, sp_group=col, sp_mode="ulysses"), 4, 2, False, 12, 1),
+             2, 2, False, 12, 1, None),
+            ("tp2 x ulysses2", dict(tp_group=row, sp_group=col, sp_mode="ulysses"), 4, 2, False, 12, 1, None),
             ("hybrid 2x2, tp1", dict(tp_group=single, ulysses_group=row, ring_group=col, sp_mode="hybrid"),
-             4, 2, True, 16, 1),
+             4, 2, True, 16, 1, None),
+            ("tp2 x ring2 zigzag, documents", dict(tp_group=row, sp_group=col, sp_mode="ring", layout="zigzag"),
+             2, 2, False, 16, 1, docs),
+            ("hybrid 2x2, documents", dict(tp_group=single, ulysses_group=row, ring_group=col, sp_mode="hybrid"),
+             4, 2, False, 16, 1, docs),
         ]
-        for i, (name, kw, hq, hk, bias, S, b) in enumerate(cases):
+        for i, (name, kw, hq, hk, bias, S, b, cu) in enumerate(cases):
             d, hidden = 8, 32
             torch.manual_seed(seed + i)  # the same full weights on every rank, at every parallel degree
             ref = AttentionReference(hidden, hq, hk, bias=bias, causal=True, rope_theta=500.0, head_dim=d)
@@ -69,12 +74,16 @@ def _cases(rank, size, seed):
             x = torch.randn(b, S, hidden, generator=rank_rng(seed + i))
             dy = torch.randn(b, S, hidden, generator=rank_rng(seed + 100 + i))
             xr = x.clone().requires_grad_()
-            yr = ref(xr)
+            if cu is None:
+                yr = ref(xr)
+            else:  # the reference runs each document on its own (positions from 0)
+                yr = torch.cat([ref(xr[:, a:e]) for a, e in zip(cu, cu[1:]) if e > a], dim=1)
+                cu = torch.tensor(cu, dtype=torch.int32)
             yr.backward(dy)
 
             xl = mod.shard(x).requires_grad_()
             pos = mod.local_positions(S)
-            y = mod(xl)
+            y = mod(xl, cu_seqlens=cu)
             y.backward(dy.index_select(1, pos))
             mod.reduce_sequence_parallel_grads()
             msg = f"{name} rank {rank}"

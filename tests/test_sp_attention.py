@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from _utils import DEVICE, assert_close, randn
 from _world import rank_rng, straggle, world_fixture
-from fusedpar.kernels import attention_reference
+from fusedpar.kernels import attention_reference, varlen_attention_reference
 from fusedpar.ops import (
     comm,
     hybrid_attention,
@@ -40,18 +40,21 @@ def _full_inputs(seed, b, S, hq, hk, d, dtype):
                  ((b, S, hq, d), (b, S, hk, d), (b, S, hk, d), (b, S, hq, d)))
 
 
-def _reference(q, k, v, do, causal):
+def _reference(q, k, v, do, causal, cu=None):
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    out, _ = attention_reference(qr, kr, vr, causal=causal)
+    if cu is None:
+        out, _ = attention_reference(qr, kr, vr, causal=causal)
+    else:  # packed documents (batch 1): each document attended on its own
+        out = varlen_attention_reference(qr[0], kr[0], vr[0], cu, cu, causal=causal)[0][None]
     return (out.detach(), *torch.autograd.grad(out, (qr, kr, vr), do.double()))
 
 
-def _compare(fn, full, pos, causal, dtype, msg):
+def _compare(fn, full, pos, causal, dtype, msg, cu=None):
     q, k, v, do = full
     shards = [t.index_select(1, pos).requires_grad_() for t in (q, k, v)]
     out = fn(*shards)
     grads = torch.autograd.grad(out, shards, do.index_select(1, pos))
-    ref = _reference(q, k, v, do, causal)
+    ref = _reference(q, k, v, do, causal, cu)
     tol = TOL[dtype]
     for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
         scale = max(r.pow(2).mean().sqrt().item(), 1.0)  # errors scale with |dout| = 1 as well
@@ -92,6 +95,52 @@ def test_ring_world4(world4):
 
 def test_ring_world3(world3):
     assert all(world3.run(_ring_cases, seed=3, s_local=8, cases=RING_CASES[:1]))
+
+
+def _documents(S):
+    """Packed-document boundaries of a sequence of S tokens: a length-1 document, an empty one,
+    documents crossing several shard boundaries, a short tail; and one document spanning every
+    rank between two short ones."""
+    return {"ragged": torch.tensor([0, 1, 1, 7, S - 2, S], dtype=torch.int32),
+            "spanning": torch.tensor([0, 2, S - 1, S], dtype=torch.int32)}
+
+
+# per world: (documents, layout, causal) ring cases and the documents of a Ulysses case
+DOC_CASES = {
+    2: ([("ragged", "zigzag", True), ("ragged", "contiguous", True), ("spanning", "zigzag", False)], "spanning"),
+    3: ([("ragged", "zigzag", True), ("spanning", "contiguous", True)], "ragged"),
+    4: ([("ragged", "zigzag", True), ("spanning", "zigzag", True), ("ragged", "contiguous", False)], "ragged"),
+}
+
+
+def _document_cases(rank, size, seed, s_local):
+    """Ring (both layouts, causal and not) and Ulysses on packed documents vs the fp64
+    per-document reference."""
+    straggle(0.01, seed)
+    S = s_local * size
+    docs = _documents(S)
+    ring_cases, ulysses_docs = DOC_CASES[size]
+    try:
+        for i, (name, layout, causal) in enumerate(ring_cases):
+            cu = docs[name]
+            full = _full_inputs(seed + i, 1, S, 2, 1, 16, torch.float32)
+            pos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
+            _compare(lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout, cu_seqlens=cu), full,
+                     pos, causal, torch.float32, cu=cu, msg=f"ring docs={name} {layout} causal={causal} P={size}")
+        cu = docs[ulysses_docs]
+        full = _full_inputs(seed + 9, 1, S, size, 1, 16, torch.float32)
+        pos = torch.arange(rank * s_local, (rank + 1) * s_local)
+        _compare(lambda q, k, v: ulysses_attention(q, k, v, causal=True, cu_seqlens=cu), full, pos, True,
+                 torch.float32, cu=cu, msg=f"ulysses docs={ulysses_docs} P={size} rank {rank}")
+    finally:
+        comm.set_straggler(0)
+    return True
+
+
+@pytest.mark.parametrize("world, s_local", [("world2", 6), ("world3", 4), ("world4", 4)])
+def test_documents_across_shards(world, s_local, request):
+    w = request.getfixturevalue(world)
+    assert all(w.run(_document_cases, seed=40 + w.size, s_local=s_local))
 
 
 # (causal, heads, kv_heads, batch): kv heads split evenly, replicated (fewer than ranks), MHA
@@ -139,6 +188,13 @@ def _hybrid_cases(rank, size, seed):
             _compare(lambda q, k, v: hybrid_attention(q, k, v, ulysses_group=u_group, ring_group=r_group,
                                                       causal=causal, layout=layout),
                      full, pos, causal, torch.float32, msg=f"hybrid {layout} causal={causal} h={hq}/{hk} rank {rank}")
+        for i, (layout, name) in enumerate([("zigzag", "ragged"), ("contiguous", "spanning")]):
+            cu = _documents(16)[name]
+            full = _full_inputs(seed + 5 + i, 1, 16, 2, 2, 16, torch.float32)
+            pos = shard_positions(16, layout=layout, ring_rank=r_rank, ring_size=2, ulysses_rank=u_rank, ulysses_size=2)
+            _compare(lambda q, k, v: hybrid_attention(q, k, v, ulysses_group=u_group, ring_group=r_group, causal=True,
+                                                      layout=layout, cu_seqlens=cu),
+                     full, pos, True, torch.float32, cu=cu, msg=f"hybrid docs={name} {layout} rank {rank}")
     finally:
         comm.set_straggler(0)
     return True

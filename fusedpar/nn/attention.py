@@ -34,6 +34,7 @@ from fusedpar.ops.attention import (
     ulysses_kv_heads,
 )
 from fusedpar.ops.transport import get_transport
+from fusedpar.ops.varlen import document_positions
 
 SP_MODES = ("ring", "ulysses", "hybrid")
 
@@ -264,8 +265,26 @@ class ParallelAttention(nn.Module):
         """This rank's input tokens out of a full sequence ``x_full`` (along ``dim``)."""
         return x_full.index_select(dim, self.local_positions(x_full.shape[dim], x_full.device))
 
+    def rotary_positions(self, seq_len: int, device=None, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
+        """Rotary positions of this rank's sequence-parallel shard of a full sequence of
+        ``seq_len`` tokens: the global positions, or ``position_ids`` (``[seq_len]``, of the full
+        packed row, the same on every rank) at them; with ``cu_seqlens`` and no
+        ``position_ids``, positions restart at 0 at every document."""
+        pos = self._sp_positions(seq_len, device)
+        if position_ids is None and cu_seqlens is not None:
+            position_ids = document_positions(cu_seqlens, seq_len)
+        if position_ids is None:
+            return pos
+        if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (seq_len,):
+            shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+            raise ValueError(f"{type(self).__name__}: position_ids must be [{seq_len}] (the full packed row), got {shape}")
+        return position_ids.to(pos.device).index_select(0, pos)
+
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, x):
+    def forward(self, x, *, cu_seqlens=None, position_ids=None):
+        """``cu_seqlens``: int32 document boundaries of the full packed row (batch 1; global
+        positions, the same on every rank): attention stays inside each document and rotary
+        positions restart per document unless ``position_ids`` (``[seq_len]``) are given."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{type(self).__name__}: x must be [batch, seq_local, {self.hidden_size}], got {shape}")
@@ -275,15 +294,17 @@ class ParallelAttention(nn.Module):
         y = y.view(b, s_sp, hl + 2 * kl, d)
         q, k, v = y[:, :, :hl], y[:, :, hl:hl + kl], y[:, :, hl + kl:]
         seq_len = s_sp * self.ring_size * self.ulysses_size
-        cos, sin = rotary_cos_sin(self._sp_positions(seq_len, y.device), d, self.rope_theta)
+        pos = self.rotary_positions(seq_len, y.device, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        cos, sin = rotary_cos_sin(pos, d, self.rope_theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        docs = dict(cu_seqlens=cu_seqlens)
         if self.sp_mode == "ring":
-            o = ring_attention(q, k, v, transport=self.ring_transport, causal=self.causal, layout=self.layout)
+            o = ring_attention(q, k, v, transport=self.ring_transport, causal=self.causal, layout=self.layout, **docs)
         elif self.sp_mode == "ulysses":
-            o = ulysses_attention(q, k, v, transport=self.ulysses_transport, causal=self.causal)
+            o = ulysses_attention(q, k, v, transport=self.ulysses_transport, causal=self.causal, **docs)
         else:
             o = hybrid_attention(q, k, v, ulysses_transport=self.ulysses_transport, ring_transport=self.ring_transport,
-                                 causal=self.causal, layout=self.layout)
+                                 causal=self.causal, layout=self.layout, **docs)
         return self.proj(o.reshape(b, s_sp, hl * d))
 
     def reduce_sequence_parallel_grads(self):

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from fusedpar.kernels.checks import check_divisible
 from fusedpar.ops import comm
 from fusedpar.ops.loss import attach_aux_loss, vocab_parallel_cross_entropy
+from fusedpar.ops.varlen import document_bounds
 
 from .attention import ParallelAttention
 from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear
@@ -108,7 +109,8 @@ def sequence_order(seq_len: int, sp: int, layout: str) -> torch.Tensor:
 
 
 def shard_tokens(tokens: torch.Tensor, targets: torch.Tensor, *, sp_size: int, sp_rank: int, tp_size: int,
-                 tp_rank: int, layout: str = "zigzag", ring_size: int | None = None):
+                 tp_rank: int, layout: str = "zigzag", ring_size: int | None = None, cu_seqlens=None,
+                 ignore_index: int = -100):
     """Split a full ``[batch, seq]`` batch into this rank's pieces: the input ids
     ``[batch, seq / (sp*tp)]`` (sequence-parallel over sp, then tp) and the targets of the whole
     sp shard ``[batch, seq / sp]`` (the vocabulary-parallel loss covers all tokens of a tp group).
@@ -116,6 +118,10 @@ def shard_tokens(tokens: torch.Tensor, targets: torch.Tensor, *, sp_size: int, s
     ``ring_size`` is the number of ring-attention ranks in sp (default ``sp_size``: pure ring;
     ``1`` for Ulysses; ``sp / sp_ulysses`` for hybrid with ``sp_rank = ring_rank * sp_ulysses +
     ulysses_rank``): ``layout`` applies over the ring ranks, each ring shard splits contiguously.
+
+    Packed rows: with ``cu_seqlens`` (the row's int32 document boundaries, batch 1) the target of
+    each document's last token, which would predict the next document's first token, becomes
+    ``ignore_index`` (for a loss that skips it); pass the same ``cu_seqlens`` to the model.
     """
     if tokens.dim() != 2 or targets.shape != tokens.shape:
         raise ValueError(f"tokens and targets must both be [batch, seq], got {tuple(tokens.shape)} and "
@@ -130,6 +136,11 @@ def shard_tokens(tokens: torch.Tensor, targets: torch.Tensor, *, sp_size: int, s
     sp_idx = order[sp_rank * n_sp:(sp_rank + 1) * n_sp]
     n_tp = n_sp // tp_size
     ids = tokens[:, sp_idx[tp_rank * n_tp:(tp_rank + 1) * n_tp]]
+    if cu_seqlens is not None:
+        ends = document_bounds(cu_seqlens, S)
+        last = sorted({e - 1 for a, e in zip(ends, ends[1:]) if e > a and e < S})
+        targets = targets.clone()
+        targets[:, last] = ignore_index
     return ids, targets[:, sp_idx]
 
 
@@ -171,8 +182,9 @@ class TransformerBlock(nn.Module):
                                    sequence_parallel=True, bias=False, device=device, dtype=dtype)
         self.aux_loss_scale = float(aux_loss_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
+        """``cu_seqlens`` / ``position_ids``: packed documents, see :meth:`ParallelAttention.forward`."""
+        a = self.attn(self.norm1(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
         n2, h = self.norm2(a, residual=x)
         m = self.mlp(n2)
         if self.is_moe and self.aux_loss_scale and torch.is_grad_enabled():
@@ -241,14 +253,18 @@ class Transformer(nn.Module):
         else:
             self.norm = self.head = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
+        """``cu_seqlens``: int32 document boundaries of the full packed row (batch 1, the same on
+        every rank): attention stays inside documents and rotary positions restart at each one
+        (or follow ``position_ids``, ``[seq_len]`` of the full row)."""
         if self.embedding is not None:
             x = self.embedding(x)
+        docs = dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
         for block in self.layers.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, use_reentrant=False, **docs)
             else:
-                x = block(x)
+                x = block(x, **docs)
         if self.head is not None:
             x = self.head(self.norm(x))
         return x

@@ -23,6 +23,10 @@ on torch.distributed and on an :class:`~fusedpar.ops.transport.EmulatedTransport
   heads read) and their gradients summed back in fp32.
 * **Hybrid** (:func:`hybrid_attention`): Ulysses inside the Ulysses group, then ring attention
   across the ring group on the head shards: 2-D sequence parallelism.
+* **Packed documents** (``cu_seqlens=`` on all three, batch 1): attention stays inside each
+  document, documents crossing any shard boundaries; each rank builds the kernels' segment
+  tables of every ring step from the global boundaries (:func:`document_plan`,
+  :mod:`fusedpar.ops.varlen`), and steps with nothing visible launch nothing.
 
 Layers: fusedpar.kernels flash launchers -> the named steps :func:`ring_attention_fwd` /
 :func:`ring_attention_bwd` and :func:`ulysses_attention_fwd` / :func:`ulysses_attention_bwd` ->
@@ -40,12 +44,13 @@ from fusedpar.kernels.flash_attention import check_qkv, flash_attention_forward,
 from fusedpar.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
 from fusedpar.ops import comm
 from fusedpar.ops.transport import Transport, get_transport
+from fusedpar.ops.varlen import document_bounds, ring_document_plan
 
 LAYOUTS = ("zigzag", "contiguous")
 
 __all__ = [
-    "LAYOUTS", "RingAttentionFunction", "UlyssesAttentionFunction", "hybrid_attention", "ring_attention",
-    "ring_attention_bwd", "ring_attention_fwd", "ring_step_plan", "sequence_shard", "shard_chunks",
+    "LAYOUTS", "RingAttentionFunction", "UlyssesAttentionFunction", "document_plan", "hybrid_attention",
+    "ring_attention", "ring_attention_bwd", "ring_attention_fwd", "ring_step_plan", "sequence_shard", "shard_chunks",
     "shard_positions", "ulysses_attention", "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads",
     "zigzag_positions", "zigzag_shard", "zigzag_unshard",
 ]
@@ -175,6 +180,34 @@ def ring_step_plan(q_chunks, k_chunks, causal: bool) -> list:
     return launches
 
 
+def document_plan(cu_seqlens, layout: str, rank: int, size: int, s_local: int, causal: bool, device) -> tuple:
+    """Per ring step, the segment tables of packed documents (``cu_seqlens``: global boundaries
+    of the ``s_local * size`` tokens) for ring rank ``rank``'s shard in ``layout``: see
+    :mod:`fusedpar.ops.varlen` (cached; empty at steps with nothing visible)."""
+    bounds = document_bounds(cu_seqlens, s_local * size)
+    q_chunks = tuple(shard_chunks(layout, rank, size, s_local))
+    k_chunks = tuple(tuple(shard_chunks(layout, (rank - t) % size, size, s_local)) for t in range(size))
+    return ring_document_plan(bounds, q_chunks, k_chunks, bool(causal), torch.device(device))
+
+
+def _whole_sequence_segments(cu_seqlens, s, causal, device):
+    """The documents of one whole local sequence (a ring of one, Ulysses' gathered sequence) as
+    one segment table covering every row; None without documents (or tokens)."""
+    if cu_seqlens is None:
+        return None
+    plan = document_plan(cu_seqlens, "contiguous", 0, 1, s, causal, device)
+    return plan[0][0] if plan[0] else None
+
+
+def _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
+    """The launches of one ring step as ``(q_slice, k_slice, q_offset, k_offset, causal,
+    segments)``: the documents' segment tables over the whole shard, or the dense
+    :func:`ring_step_plan` of chunk pairs."""
+    if plan is not None:
+        return [(slice(None), slice(None), 0, 0, causal, seg) for seg in plan[step]]
+    return [(*launch, None) for launch in ring_step_plan(q_chunks, shard_chunks(layout, src, size, s), causal)]
+
+
 def _check_transport(name, transport):
     if not isinstance(transport, Transport):
         raise TypeError(f"{name} must be a fusedpar.ops.transport.Transport, got {type(transport).__name__}")
@@ -194,19 +227,24 @@ def _check_args(q, k, v, causal, layout, ring_shard=None, ring_size=1):
                          f"got {ring_shard}")
 
 
-def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="zigzag", softmax_scale=None):
+def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="zigzag", softmax_scale=None,
+                       cu_seqlens=None):
     """The forward of :func:`ring_attention` on ring rank ``transport.rank`` of
     ``transport.size``: returns ``(out, lse)``, out in q's dtype, lse ``[b, heads, s_local]`` fp32.
 
     At step ``t`` this rank holds the K/V block of ring rank ``rank - t`` and the flash kernel
     merges it into an fp32 ``(out, lse)`` state while ``transport.ring_shift`` brings the next one.
+    With ``cu_seqlens`` each step launches the segment tables of :func:`document_plan` (none
+    when the block holds nothing visible).
     """
     _check_transport("transport", transport)
     _check_args(q, k, v, causal, layout, ring_size=transport.size)
     size, rank = transport.size, transport.rank
     if size == 1:
-        return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device)
+        return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, segments=segments)
     b, s, hq, d = q.shape
+    plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device)
     out = torch.zeros((b, s, hq, d), device=q.device, dtype=torch.float32)
     lse = torch.full((b, hq, s), float("-inf"), device=q.device, dtype=torch.float32)
     kv = torch.stack((k, v))  # one contiguous block to pass around: [2, b, s, hk, d]
@@ -215,9 +253,10 @@ def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="z
     for step in range(size):
         src = (rank - step) % size
         handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
-        for qs, ks, qo, ko, c in ring_step_plan(q_chunks, shard_chunks(layout, src, size, s), causal):
+        for qs, ks, qo, ko, c, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
             flash_attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=c, softmax_scale=softmax_scale,
-                                    q_offset=qo, k_offset=ko, out=out[:, qs], lse=lse[:, :, qs], accumulate=True)
+                                    q_offset=qo, k_offset=ko, out=out[:, qs], lse=lse[:, :, qs], accumulate=True,
+                                    segments=seg)
         if handle is not None:
             handle.wait()  # the next block has arrived and our send of this one has left
             kv, nxt = nxt, kv
@@ -225,7 +264,7 @@ def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="z
 
 
 def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=False, layout="zigzag",
-                       softmax_scale=None, grad_dtype=None):
+                       softmax_scale=None, grad_dtype=None, cu_seqlens=None):
     """The backward of :func:`ring_attention`: ``(dq, dk, dv)`` of this rank's shard in
     ``grad_dtype`` (default q's dtype), from the forward's ``out`` and ``lse``.
 
@@ -237,9 +276,11 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
     grad_dtype = q.dtype if grad_dtype is None else grad_dtype
     if size == 1:
         grads = [torch.empty(t.shape, device=q.device, dtype=grad_dtype) for t in (q, k, v)]
+        segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device)
         return flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                        dq=grads[0], dk=grads[1], dv=grads[2])
+                                        dq=grads[0], dk=grads[1], dv=grads[2], segments=segments)
     s = q.shape[1]
+    plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device)
     delta = attention_delta(out, dout).contiguous()
     lse = lse.contiguous()
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
@@ -255,10 +296,11 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
         handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
         dkv = dkv_bufs[step % 2]  # its send two steps ago was waited on at the previous step
         dkv.zero_()
-        for qs, ks, qo, ko, c in ring_step_plan(q_chunks, shard_chunks(layout, src, size, s), causal):
+        for qs, ks, qo, ko, c, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
             flash_attention_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], None, lse[:, :, qs],
                                      delta=delta[:, :, qs], causal=c, softmax_scale=softmax_scale, q_offset=qo,
-                                     k_offset=ko, dq=dq[:, qs], dk=dkv[0][:, ks], dv=dkv[1][:, ks], accumulate=True)
+                                     k_offset=ko, dq=dq[:, qs], dk=dkv[0][:, ks], dv=dkv[1][:, ks], accumulate=True,
+                                     segments=seg)
         if dkv_handle is not None:
             dkv_handle.wait()  # the left neighbour's partial sums for block src
             dkv += dkv_in
@@ -337,7 +379,7 @@ def _heads_to_seq(parts, transport, dtype):
 
 
 def ulysses_attention_fwd(q, k, v, transport: Transport, *, ring_transport: Transport | None = None, causal=False,
-                          layout="contiguous", softmax_scale=None):
+                          layout="contiguous", softmax_scale=None, cu_seqlens=None):
     """The forward of :func:`ulysses_attention` (``ring_transport=None``) and of
     :func:`hybrid_attention` (ring attention over ``ring_transport`` on the head shards).
 
@@ -359,17 +401,18 @@ def ulysses_attention_fwd(q, k, v, transport: Transport, *, ring_transport: Tran
     else:
         ql, kl, vl = q, k, v
     if ring_transport is None:
-        out_l, lse = flash_attention_forward(ql, kl, vl, causal=causal, softmax_scale=softmax_scale)
+        segments = _whole_sequence_segments(cu_seqlens, ql.shape[1], causal, q.device)
+        out_l, lse = flash_attention_forward(ql, kl, vl, causal=causal, softmax_scale=softmax_scale, segments=segments)
     else:
         out_l, lse = ring_attention_fwd(ql, kl, vl, ring_transport, causal=causal, layout=layout,
-                                        softmax_scale=softmax_scale)
+                                        softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
     out = _heads_to_seq([out_l], transport, q.dtype)[0] if size > 1 else out_l
     return out, (ql, kl, vl, out_l, lse)
 
 
 def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, transport: Transport, *, kv_heads: int,
                           ring_transport: Transport | None = None, causal=False, layout="contiguous",
-                          softmax_scale=None):
+                          softmax_scale=None, cu_seqlens=None):
     """The backward of :func:`ulysses_attention_fwd` from its ``saved`` tensors: ``(dq, dk, dv)``
     of this rank's sequence shard; ``kv_heads`` is the number of kv heads of the input k/v."""
     _check_transport("transport", transport)
@@ -383,11 +426,12 @@ def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, trans
     args = (dout_l, q_heads, k_heads, v_heads, out_heads, lse)
     if ring_transport is None:
         grads = [torch.empty(t.shape, device=dout.device, dtype=grad_dtype) for t in (q_heads, k_heads, v_heads)]
+        segments = _whole_sequence_segments(cu_seqlens, q_heads.shape[1], causal, dout.device)
         flash_attention_backward(*args, causal=causal, softmax_scale=softmax_scale, dq=grads[0], dk=grads[1],
-                                 dv=grads[2])
+                                 dv=grads[2], segments=segments)
     else:
         grads = ring_attention_bwd(*args, ring_transport, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                                   grad_dtype=grad_dtype)
+                                   grad_dtype=grad_dtype, cu_seqlens=cu_seqlens)
     if size == 1:
         return tuple(grads)
     dq, dk, dv = _heads_to_seq(list(grads), transport, grad_dtype)
@@ -407,19 +451,20 @@ class RingAttentionFunction(torch.autograd.Function):
     """:func:`ring_attention_fwd` / :func:`ring_attention_bwd` over one ring transport."""
 
     @staticmethod
-    def forward(ctx, q, k, v, transport, causal, layout, softmax_scale):
-        out, lse = ring_attention_fwd(q, k, v, transport, causal=causal, layout=layout, softmax_scale=softmax_scale)
+    def forward(ctx, q, k, v, transport, causal, layout, softmax_scale, cu_seqlens=None):
+        out, lse = ring_attention_fwd(q, k, v, transport, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                                      cu_seqlens=cu_seqlens)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (transport, causal, layout, softmax_scale)
+        ctx.args = (transport, causal, layout, softmax_scale, cu_seqlens)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        transport, causal, layout, softmax_scale = ctx.args
+        transport, causal, layout, softmax_scale, cu_seqlens = ctx.args
         dq, dk, dv = ring_attention_bwd(dout.to(q.dtype), q, k, v, out, lse, transport, causal=causal, layout=layout,
-                                        softmax_scale=softmax_scale)
-        return dq, dk, dv, None, None, None, None
+                                        softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class UlyssesAttentionFunction(torch.autograd.Function):
@@ -427,21 +472,21 @@ class UlyssesAttentionFunction(torch.autograd.Function):
     then ring attention over ``ring_transport`` (None: local attention)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, transport, ring_transport, causal, layout, softmax_scale):
+    def forward(ctx, q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens=None):
         out, saved = ulysses_attention_fwd(q, k, v, transport, ring_transport=ring_transport, causal=causal,
-                                           layout=layout, softmax_scale=softmax_scale)
+                                           layout=layout, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
         ctx.save_for_backward(*saved)
-        ctx.args = (transport, ring_transport, causal, layout, softmax_scale, k.shape[2])
+        ctx.args = (transport, ring_transport, causal, layout, softmax_scale, k.shape[2], cu_seqlens)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         saved = ctx.saved_tensors
-        transport, ring_transport, causal, layout, softmax_scale, kv_heads = ctx.args
+        transport, ring_transport, causal, layout, softmax_scale, kv_heads, cu_seqlens = ctx.args
         dq, dk, dv = ulysses_attention_bwd(dout.to(saved[0].dtype), *saved, transport, kv_heads=kv_heads,
                                            ring_transport=ring_transport, causal=causal, layout=layout,
-                                           softmax_scale=softmax_scale)
-        return dq, dk, dv, None, None, None, None, None
+                                           softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,8 +500,18 @@ def _resolve(group_name, group, transport):
     return get_transport(transport, group)
 
 
+def _check_documents(cu_seqlens, q, total):
+    """``cu_seqlens`` (None, or the global document boundaries of the ``total`` packed tokens)
+    fits q: batch 1, boundaries valid (see :func:`~fusedpar.ops.varlen.document_bounds`)."""
+    if cu_seqlens is None:
+        return
+    if q.shape[0] != 1:
+        raise ValueError(f"q batch size must be 1 with cu_seqlens= (one packed row), got {q.shape[0]}")
+    document_bounds(cu_seqlens, total)
+
+
 def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, layout="zigzag",
-                   softmax_scale=None):
+                   softmax_scale=None, cu_seqlens=None):
     """Attention over the full sequence from this rank's shard; returns this rank's output shard.
 
     q ``[b, s_local, heads, d]``, k/v ``[b, s_local, kv_heads, d]`` (kv_heads divides heads),
@@ -465,30 +520,40 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
     ``2P-1-r`` of ``2P``, so ``s_local`` must be even). Every rank must hold the same ``s_local``.
     The ring is ``transport`` (a :class:`~fusedpar.ops.transport.Transport`) or, by default, a
     portable transport over ``group`` (None: the default group).
+
+    ``cu_seqlens``: packed documents (batch 1): int32 ``[num_docs + 1]`` boundaries in global
+    positions of the full ``s_local * P`` tokens, the same on every rank (CPU or device; a device
+    tensor costs one host copy per call). Attention is then exact per document, documents of any
+    length crossing any shard boundaries; ring steps with nothing visible launch no kernel.
     """
     t = _resolve("group", group, transport)
     _check_args(q, k, v, causal, layout, ring_size=t.size)
     resolve_softmax_scale(softmax_scale, q.shape[3])
-    return RingAttentionFunction.apply(q, k, v, t, causal, layout, softmax_scale)
+    _check_documents(cu_seqlens, q, q.shape[1] * t.size)
+    return RingAttentionFunction.apply(q, k, v, t, causal, layout, softmax_scale, cu_seqlens)
 
 
-def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, softmax_scale=None):
+def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, softmax_scale=None,
+                      cu_seqlens=None):
     """Ulysses (all-to-all) sequence-parallel attention; returns this rank's output shard.
 
     q ``[b, s_local, heads, d]``, k/v ``[b, s_local, kv_heads, d]``: rank ``r`` holds positions
     ``[r*s_local, (r+1)*s_local)``. The group size must divide ``heads`` and divide (or be a
     multiple of) ``kv_heads``; otherwise a ValueError lists the sizes that work. The all-to-alls
-    run on ``transport``, by default a portable transport over ``group``.
+    run on ``transport``, by default a portable transport over ``group``. ``cu_seqlens``: packed
+    documents, as in :func:`ring_attention`.
     """
     t = _resolve("group", group, transport)
     _check_args(q, k, v, causal, "contiguous")
     ulysses_kv_heads(q.shape[2], k.shape[2], t.size)
     resolve_softmax_scale(softmax_scale, q.shape[3])
-    return UlyssesAttentionFunction.apply(q, k, v, t, None, causal, "contiguous", softmax_scale)
+    _check_documents(cu_seqlens, q, q.shape[1] * t.size)
+    return UlyssesAttentionFunction.apply(q, k, v, t, None, causal, "contiguous", softmax_scale, cu_seqlens)
 
 
 def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_transport: Transport | None = None,
-                     ring_transport: Transport | None = None, causal=False, layout="zigzag", softmax_scale=None):
+                     ring_transport: Transport | None = None, causal=False, layout="zigzag", softmax_scale=None,
+                     cu_seqlens=None):
     """2-D sequence parallelism: Ulysses inside ``ulysses_group``, ring across ``ring_group``
     (or the given transports of the two dimensions; one of group / transport each).
 
@@ -497,6 +562,7 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
     ulysses rank ``u``) holds piece ``u`` of ``ulysses_size`` contiguous pieces of ring shard
     ``r`` in ``layout``: ``sequence_shard(x, layout=layout, ring_rank=r, ring_size=R,
     ulysses_rank=u, ulysses_size=U)``; its positions are :func:`shard_positions`.
+    ``cu_seqlens``: packed documents, as in :func:`ring_attention`.
     """
     if (ulysses_group is None and ulysses_transport is None) or (ring_group is None and ring_transport is None):
         raise ValueError("hybrid_attention needs both a Ulysses and a ring dimension (ulysses_group or "
@@ -507,4 +573,5 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
     _check_args(q, k, v, causal, layout, ring_shard=q.shape[1] * uly.size, ring_size=ring.size)
     ulysses_kv_heads(q.shape[2], k.shape[2], uly.size)
     resolve_softmax_scale(softmax_scale, q.shape[3])
-    return UlyssesAttentionFunction.apply(q, k, v, uly, ring, causal, layout, softmax_scale)
+    _check_documents(cu_seqlens, q, q.shape[1] * uly.size * ring.size)
+    return UlyssesAttentionFunction.apply(q, k, v, uly, ring, causal, layout, softmax_scale, cu_seqlens)

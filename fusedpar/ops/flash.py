@@ -1,4 +1,5 @@
-"""Differentiable flash attention on one device: :func:`flash_attention` (autograd) over the
+"""Differentiable flash attention on one device: :func:`flash_attention` and, for packed
+documents, :func:`flash_attention_varlen` (autograd) over the
 launchers :func:`fusedpar.kernels.flash_attention.flash_attention_forward` and
 :func:`fusedpar.kernels.flash_attention_bwd.flash_attention_backward`.
 
@@ -12,8 +13,10 @@ import torch
 
 from fusedpar.kernels.flash_attention import flash_attention_forward
 from fusedpar.kernels.flash_attention_bwd import flash_attention_backward
+from fusedpar.kernels.flash_varlen import flash_attention_varlen as flash_attention_varlen_forward
+from fusedpar.kernels.flash_varlen import flash_attention_varlen_backward
 
-__all__ = ["FlashAttentionFunction", "flash_attention"]
+__all__ = ["FlashAttentionFunction", "FlashAttentionVarlenFunction", "flash_attention", "flash_attention_varlen"]
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -50,3 +53,44 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_
     natural log) is not differentiable (it is marked so; gradients flow through ``out``).
     """
     return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale, q_offset, k_offset)
+
+
+class FlashAttentionVarlenFunction(torch.autograd.Function):
+    """``(out, lse)`` of packed documents (flash-attn's varlen convention); ``lse`` is not
+    differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+        out, lse = flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  causal=causal, softmax_scale=softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.args = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, causal, scale = ctx.args
+        if dout is None:
+            return (None,) * 9
+        dq, dk, dv = flash_attention_varlen_backward(dout.to(q.dtype), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                                                     causal=causal, softmax_scale=scale)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                           softmax_scale=None):
+    """Differentiable attention over packed documents (flash-attn's ``flash_attn_varlen_func``
+    convention); returns ``(out, lse)``.
+
+    q ``[total_q, heads, d]``, k/v ``[total_k, kv_heads, d]`` (kv_heads divides heads),
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 ``[num_docs + 1]`` cumulative document lengths on
+    q's device, ``max_seqlen_*`` at least the longest document. Document ``i``'s queries attend
+    to its own keys only; ``causal=True`` is bottom-right aligned per document (query ``i`` sees
+    key ``j`` iff ``j <= i + len_k - len_q``). ``lse`` ``[heads, total_q]`` fp32 is not
+    differentiable. The kernels-level :func:`fusedpar.kernels.flash_attention_varlen` is the
+    same forward without autograd.
+    """
+    return FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              causal, softmax_scale)

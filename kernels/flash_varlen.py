@@ -1,0 +1,124 @@
+"""Variable-length (packed) flash attention in flash-attn's convention: q ``[total_q, heads, d]``,
+k/v ``[total_k, kv_heads, d]``, documents delimited by int32 ``cu_seqlens`` (``[num_docs + 1]``,
+cumulative lengths from 0). Document ``i``'s queries ``[cu_seqlens_q[i], cu_seqlens_q[i+1])``
+attend only to its keys ``[cu_seqlens_k[i], cu_seqlens_k[i+1])``.
+
+There is no separate kernel: the flash kernels of :mod:`.flash_attention` /
+:mod:`.flash_attention_bwd` take a segment table (:class:`~.flash_attention.Segments`, one row
+per document, read by each program) and their grid runs over ``(document, block, head)`` with
+``max_seqlen`` sizing the block axis; blocks past a document's end do no work, so the cost
+follows ``sum(len_q * len_k)``, not ``total ** 2``.
+
+Causal masking is bottom-right aligned per document, as flash-attn (>= 2.1) does when
+``seqlen_q != seqlen_k``: query ``i`` of a document sees key ``j`` iff ``j <= i + len_k - len_q``
+(the usual causal mask when the lengths are equal; a query row that sees no key gives
+``out = 0``, ``lse = -inf``).
+
+Validation of ``cu_seqlens`` values (start at 0, non-decreasing, last == total, ``max_seqlen`` >=
+every length) runs when they are CPU tensors (the interpreter; a CPU copy costs nothing). On a
+GPU only dtype, shape and device are checked: reading the values would cost a device-to-host
+sync per call, so, as in flash-attn, they are trusted there.
+
+These are launchers (not differentiable); the differentiable op is
+:func:`fusedpar.ops.flash_attention_varlen`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .checks import check_float_tensor, check_int, check_same, check_tensor
+from .flash_attention import Segments, attention_reference, flash_attention_forward
+from .flash_attention_bwd import flash_attention_backward
+
+__all__ = [
+    "check_cu_seqlens", "flash_attention_varlen", "flash_attention_varlen_backward", "varlen_attention_reference",
+    "varlen_segments",
+]
+
+
+def check_cu_seqlens(name: str, cu, total: int, max_seqlen=None, *, max_name: str = "max_seqlen") -> None:
+    """``cu`` is an int32 ``[num_docs + 1]`` tensor; on the CPU also: ``cu[0] == 0``,
+    non-decreasing, ``cu[-1] == total`` and (when given) every length ``<= max_seqlen``."""
+    check_tensor(name, cu, dims=(1,), dtypes=(torch.int32,))
+    if cu.numel() == 0:
+        raise ValueError(f"{name} must have num_docs + 1 >= 1 entries, got 0")
+    if max_seqlen is not None:
+        check_int(max_name, max_seqlen, min_value=0)
+    if cu.device.type != "cpu":
+        return  # trusted on a GPU (see the module docstring)
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+    lengths = [b - a for a, b in zip(vals, vals[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {vals}")
+    if vals[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of tokens ({total}), got {vals[-1]}")
+    if max_seqlen is not None and lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} must be >= the longest document ({max(lengths)}), got {max_seqlen}")
+
+
+def varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Segments:
+    """The kernels' segment table of documents ``(q_start, q_end, k_start, k_end, len_k - len_q)``
+    (the shift aligns causal masks bottom-right), built on the tensors' device without a sync."""
+    cq, ck = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+    shift = (ck[1:] - ck[:-1]) - (cq[1:] - cq[:-1])
+    table = torch.stack((cq[:-1], cq[1:], ck[:-1], ck[1:], shift), dim=1).contiguous()
+    return Segments(table, int(max_seqlen_q), int(max_seqlen_k))
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(name, t, dims=(3,))
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, max_name="max_seqlen_q")
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, max_name="max_seqlen_k")
+    check_same("cu_seqlens_q", cu_seqlens_q, "q", q, dtype=False)
+    check_same("cu_seqlens_k", cu_seqlens_k, "q", q, dtype=False)
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise ValueError(f"cu_seqlens_k must have as many documents as cu_seqlens_q "
+                         f"({cu_seqlens_q.numel() - 1}), got {cu_seqlens_k.numel() - 1}")
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                           softmax_scale=None):
+    """Packed attention: ``(out, lse)``, out ``[total_q, heads, d]`` in q's dtype, lse
+    ``[heads, total_q]`` fp32 (natural log). q ``[total_q, heads, d]``, k/v
+    ``[total_k, kv_heads, d]`` (kv_heads divides heads), ``cu_seqlens_*`` int32 ``[docs + 1]``
+    on q's device, ``max_seqlen_*`` >= the longest document. Not differentiable (see
+    :func:`fusedpar.ops.flash_attention_varlen`)."""
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    lse = torch.empty((1, q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
+    out, lse = flash_attention_forward(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
+                                       lse=lse, segments=seg)
+    return out[0], lse[0]
+
+
+def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, *, causal=False, softmax_scale=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`flash_attention_varlen` from its ``out`` / ``lse``."""
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_tensor("lse", lse, dims=(2,))
+    return tuple(g[0] for g in flash_attention_backward(
+        dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal, softmax_scale=softmax_scale,
+        segments=seg))
+
+
+def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
+                               compute_dtype=torch.float64):
+    """Plain torch oracle: each document attended separately with :func:`attention_reference`
+    (bottom-right causal); ``(out [total_q, h, d], lse [h, total_q])``. Differentiable."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for i in range(len(cq) - 1):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        o, lse = attention_reference(q[None, qs], k[None, ks], v[None, ks], causal=causal,
+                                     softmax_scale=softmax_scale, q_offset=lk - lq, compute_dtype=compute_dtype)
+        outs.append(o[0])
+        lses.append(lse[0])
+    h, d = q.shape[1], v.shape[2]
+    if not outs:
+        return q.new_zeros((0, h, d), dtype=compute_dtype), q.new_zeros((h, 0), dtype=compute_dtype)
+    return torch.cat(outs), torch.cat(lses, dim=1)
