@@ -33,11 +33,12 @@ from .runtime import (
     prune_tile_configs,
     row_offsets,
     shared_memory_limit,
+    tile_smem_bytes,
 )
 
 __all__ = [
     "INTERPRETER_CONFIG", "LinearOperands", "gemm_epilogue", "gemm_mainloop", "gpu_configs", "linear_operands",
-    "matmul", "matmul_reference", "matmul_tn",
+    "matmul", "matmul_reference", "matmul_tn", "smem_estimate",
 ]
 
 
@@ -199,6 +200,12 @@ def gpu_configs():
             triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), num_stages=stages, num_warps=warps)
         )
     return configs
+
+
+def smem_estimate(cfg, named_args, **kwargs) -> int:
+    """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``."""
+    glu = kwargs.get("GLU", named_args.get("GLU", False))
+    return tile_smem_bytes(cfg, elem_size=named_args["a_ptr"].element_size(), b_tiles=2 if glu else 1)
 
 
 def _prune_configs(configs, named_args, **kwargs):

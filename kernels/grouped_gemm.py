@@ -38,6 +38,7 @@ from .runtime import (
     needs_upcast,
     prune_tile_configs,
     shared_memory_limit,
+    tile_smem_bytes,
 )
 
 _LAYOUTS = ("nk", "kn")
@@ -243,6 +244,17 @@ def _wgrad_gpu_configs():
     ]:
         out.append(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps))
     return out
+
+
+def smem_estimate(cfg, named_args, **kwargs) -> int:
+    """The prune rule's shared-memory bytes of a grouped forward / dgrad config."""
+    glu = kwargs.get("GLU", named_args.get("GLU", False)) and not kwargs.get("DACT", named_args.get("DACT", False))
+    return tile_smem_bytes(cfg, elem_size=named_args["x_ptr"].element_size(), b_tiles=2 if glu else 1)
+
+
+def wgrad_smem_estimate(cfg, named_args, **kwargs) -> int:
+    """The prune rule's shared-memory bytes of a grouped weight-gradient config."""
+    return tile_smem_bytes(cfg, elem_size=named_args["dy_ptr"].element_size(), b_tiles=1)
 
 
 def _prune(configs, named_args, **kwargs):

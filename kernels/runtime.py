@@ -49,6 +49,13 @@ def shared_memory_limit(device_index: int) -> int:
     return int(props["max_shared_mem"])
 
 
+def tile_smem_bytes(cfg, *, elem_size: int, b_tiles: int) -> int:
+    """Shared memory of a pipelined GEMM main loop: ``num_stages`` copies of the A tile
+    (``BLOCK_M x BLOCK_K``) and of ``b_tiles`` B tiles (``BLOCK_K x BLOCK_N``)."""
+    bm, bn, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]
+    return (bm * bk + b_tiles * bk * bn) * elem_size * cfg.num_stages
+
+
 def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int, dims: dict):
     """GEMM tile configs worth autotuning: the pipelined A and B tiles fit in shared memory,
     ``(BLOCK_M*BLOCK_K + b_tiles*BLOCK_K*BLOCK_N) * elem_size * num_stages <= smem_limit``
@@ -58,8 +65,7 @@ def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int
     qualifies, the smallest tile is kept."""
     kept = []
     for cfg in configs:
-        bm, bn, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]
-        if (bm * bk + b_tiles * bk * bn) * elem_size * cfg.num_stages > smem_limit:
+        if tile_smem_bytes(cfg, elem_size=elem_size, b_tiles=b_tiles) > smem_limit:
             continue
         if any(cfg.kwargs[k] > 2 * triton.next_power_of_2(n) and cfg.kwargs[k] > 32 for k, n in dims.items()):
             continue
