@@ -86,9 +86,11 @@ class Capture:
     Operands are ``meta`` tensors (no memory); the launchers see the architecture's shared
     memory limit and SM count. ``cap.case(name, dtype)`` labels the launches that follow;
     ``estimates`` maps a kernel name to ``f(config, named_args, **kwargs) -> bytes``, the prune
-    rule's shared-memory estimate, recorded next to each autotuned config."""
+    rule's shared-memory estimate, recorded next to each autotuned config. ``sample=True``
+    records, per autotuned launch, only the kept configs with the two largest estimates and the
+    smallest one (the CI subset)."""
 
-    def __init__(self, arch: str, estimates: dict | None = None):
+    def __init__(self, arch: str, estimates: dict | None = None, sample: bool = False):
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             raise RuntimeError("compiling for a GPU target needs TRITON_INTERPRET unset (it is set)")
         spec = ARCHS[arch]
@@ -96,6 +98,7 @@ class Capture:
         self.target = GPUTarget("cuda", self.cc, 32)
         self.backend = make_backend(self.target)
         self.estimates = estimates or {}
+        self.sample = sample
         self.variants: dict[str, Variant] = {}
         self.label = ("?", "?")
         self._binders: dict = {}
@@ -125,6 +128,7 @@ class Capture:
         props = types.SimpleNamespace(multi_processor_count=self.sms, name=f"capture-{self.arch}")
         self._patch(torch.cuda, "get_device_properties", lambda *a, **k: props)
         original_usable, original_limit = checks.check_device_usable, runtime.shared_memory_limit
+        original_capability = runtime.device_capability
 
         def usable(name, t):
             if t.device.type != "meta":
@@ -134,6 +138,8 @@ class Capture:
             for attr, value in list(vars(mod).items()):
                 if value is original_limit:
                     self._patch(mod, attr, lambda index=0: cap.smem)
+                elif value is original_capability:
+                    self._patch(mod, attr, lambda index=0: (cap.cc // 10, cap.cc % 10))
                 elif value is original_usable:
                     self._patch(mod, attr, usable)
         return self
@@ -175,8 +181,12 @@ class Capture:
         tuner.nargs = dict(zip(tuner.arg_names, args))
         kept = tuner.prune_configs(kwargs)
         estimate = self.estimates.get(tuner.base_fn.__name__)
+        configs = tuner.configs
+        if self.sample:
+            ranked = sorted(kept, key=lambda c: estimate(c, tuner.nargs, **kwargs) if estimate else 0)
+            configs = [c for c in configs if c in ranked[-2:] or c is ranked[0]]
         try:
-            for cfg in tuner.configs:
+            for cfg in configs:
                 est = estimate(cfg, tuner.nargs, **kwargs) if estimate else None
                 self._tuning = dict(decision="kept" if cfg in kept else "pruned", estimate=est)
                 tuner.fn.run(*args, **kwargs, **cfg.all_kwargs())

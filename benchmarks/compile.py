@@ -55,7 +55,7 @@ def capture(arch: str, subset: str, families=FAMILIES):
     from ._capture import Capture
     from ._compile_cases import all_cases
 
-    cap = Capture(arch, _estimates())
+    cap = Capture(arch, _estimates(), sample=subset == "fast")
     with cap:
         for case in all_cases():
             if case.family not in families or (subset == "fast" and not case.fast):
@@ -168,7 +168,7 @@ def add_args(p):
     p.add_argument("--pruned", action="store_true", help="also compile configs the prune rules drop")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     p.add_argument("--cache-dir", default=os.environ.get("FUSEDPAR_COMPILE_CACHE",
-                                                          os.path.expanduser("~/.cache/fusedpar/compile")),
+                                                          os.path.join(os.path.expanduser("~"), ".cache", "fusedpar", "compile")),
                    help="results cache ('' disables); keyed by Triton's source hash, target and options")
     p.add_argument("--fail-on-spill", action="store_true",
                    help="also fail on spills of launchable bf16/fp16 variants (flash attention excluded)")

@@ -27,6 +27,7 @@ from .runtime import (
     RowView,
     activation_reference,
     apply_activation,
+    device_capability,
     input_precision,
     interpreting,
     needs_upcast,
@@ -38,7 +39,7 @@ from .runtime import (
 
 __all__ = [
     "INTERPRETER_CONFIG", "LinearOperands", "gemm_epilogue", "gemm_mainloop", "gpu_configs", "linear_operands",
-    "matmul", "matmul_reference", "matmul_tn", "smem_estimate",
+    "EPILOGUE_ACC_BUDGET", "matmul", "matmul_reference", "matmul_tn", "smem_estimate", "tile_rule",
 ]
 
 
@@ -61,17 +62,43 @@ def gemm_mainloop(
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
+    # A two-level contraction index k lives at (k // inner) * s0 + (k % inner) * s1. Quotient and
+    # remainder are formed once here and advanced by BLOCK_K per step (remainder += BLOCK_K %
+    # inner, at most one carry), so the loop does no division. Offsets are written out rather
+    # than via row_offsets: under the interpreter every nested jit call re-patches
+    # triton.language (~ms each), and this loop is the hot path.
+    zero = rk.to(tl.int64) * 0
+    if A_K_SPLIT:
+        a_rem = zero + rk % a_k_inner
+        a_koff = (zero + rk // a_k_inner) * s_ak0 + a_rem * s_ak1
+        a_wrap = zero + a_k_inner
+        a_step_rem = zero + BLOCK_K % a_k_inner
+        a_step = (zero + BLOCK_K // a_k_inner) * s_ak0 + a_step_rem * s_ak1
+        a_carry = zero + s_ak0 - a_wrap * s_ak1
+    if B_K_SPLIT:
+        b_rem = zero + rk % b_k_inner
+        b_koff = (zero + rk // b_k_inner) * s_bk0 + b_rem * s_bk1
+        b_wrap = zero + b_k_inner
+        b_step_rem = zero + BLOCK_K % b_k_inner
+        b_step = (zero + BLOCK_K // b_k_inner) * s_bk0 + b_step_rem * s_bk1
+        b_carry = zero + s_bk0 - b_wrap * s_bk1
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         kk = k0 * BLOCK_K + rk
-        # offsets written out rather than via row_offsets: under the interpreter every nested
-        # jit call re-patches triton.language (~ms each), and this loop is the hot path
         kk64 = kk.to(tl.int64)
         if A_K_SPLIT:
-            a_off = a_rows[:, None] + ((kk64 // a_k_inner) * s_ak0 + (kk64 % a_k_inner) * s_ak1)[None, :]
+            a_off = a_rows[:, None] + a_koff[None, :]
+            a_rem += a_step_rem
+            a_koff += a_step
+            a_koff = tl.where(a_rem >= a_wrap, a_koff + a_carry, a_koff)
+            a_rem = tl.where(a_rem >= a_wrap, a_rem - a_wrap, a_rem)
         else:
             a_off = a_rows[:, None] + (kk64 * s_ak1)[None, :]
         if B_K_SPLIT:
-            b_k = ((kk64 // b_k_inner) * s_bk0 + (kk64 % b_k_inner) * s_bk1)[:, None]
+            b_k = b_koff[:, None]
+            b_rem += b_step_rem
+            b_koff += b_step
+            b_koff = tl.where(b_rem >= b_wrap, b_koff + b_carry, b_koff)
+            b_rem = tl.where(b_rem >= b_wrap, b_rem - b_wrap, b_rem)
         else:
             b_k = (kk64 * s_bk1)[:, None]
         if EVEN_K:
@@ -192,6 +219,8 @@ def gpu_configs():
         (64, 256, 32, 4, 4),
         (128, 64, 64, 4, 4),
         (64, 128, 64, 4, 4),
+        (128, 64, 64, 4, 8),  # 8 warps: a gated / fused epilogue's accumulators fit in registers
+        (64, 128, 64, 4, 8),
         (128, 32, 64, 4, 4),
         (64, 64, 64, 4, 4),
         (32, 64, 64, 5, 2),
@@ -202,20 +231,38 @@ def gpu_configs():
     return configs
 
 
+#: fp32 accumulator elements per thread the GEMM epilogues can hold without spilling (sm_90 and
+#: sm_80, ``python -m benchmarks compile``): 128 with a plain epilogue (bias, residual, accumulate);
+#: 64 with a fused one (activation, gated pair, pre-activation store, residual on split rows),
+#: whose activation terms and int64 pointer tiles are live next to the accumulators.
+EPILOGUE_ACC_BUDGET = {"plain": 128, "fused": 64}
+
+
+def tile_rule(named_args: dict, **kwargs) -> dict:
+    """The prune rule's parameters (:func:`~fusedpar.kernels.runtime.tile_config_problem`) of a
+    GEMM launch with ``named_args`` / constexpr ``kwargs`` (``_gemm_kernel`` and the persistent one)."""
+    def get(k, default=False):
+        return kwargs.get(k, named_args.get(k, default))
+
+    a, glu = named_args["a_ptr"], bool(get("GLU"))
+    fused = glu or get("ACT", 0) != 0 or get("STORE_AUX") or (get("HAS_RES") and get("R_M_SPLIT"))
+    return dict(elem_size=a.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1,
+                acc_budget=EPILOGUE_ACC_BUDGET["fused" if fused else "plain"],
+                capability=device_capability(a.device.index or 0), precision=get("INPUT_PRECISION", "ieee"))
+
+
 def smem_estimate(cfg, named_args, **kwargs) -> int:
     """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``."""
-    glu = kwargs.get("GLU", named_args.get("GLU", False))
-    return tile_smem_bytes(cfg, elem_size=named_args["a_ptr"].element_size(), b_tiles=2 if glu else 1)
+    r = tile_rule(named_args, **kwargs)
+    return tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
+                           precision=r["precision"])
 
 
 def _prune_configs(configs, named_args, **kwargs):
     a = named_args["a_ptr"]
-    glu = kwargs.get("GLU", named_args.get("GLU", False))
-    return prune_tile_configs(
-        configs, elem_size=a.element_size(), b_tiles=2 if glu else 1,
-        smem_limit=shared_memory_limit(a.device.index or 0),
-        dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]},
-    )
+    return prune_tile_configs(configs, smem_limit=shared_memory_limit(a.device.index or 0),
+                              dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]},
+                              **tile_rule(named_args, **kwargs))
 
 
 @functools.lru_cache(maxsize=None)

@@ -94,11 +94,14 @@ def test_3d_output_accumulate_into_chunk():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matmul_tn_weight_gradient_over_strided_tokens(dtype):
-    """dW = dY^T X with the token dim a [batch, seq-chunk] view of both operands."""
-    g = torch.Generator().manual_seed(17)
-    B, S, N, K = 3, 11, 19, 26
-    dy = randn(B, S, N, dtype=dtype, generator=g)
+@pytest.mark.parametrize("S,dy_chunk", [(11, False), (11, True), (45, True)])
+def test_matmul_tn_weight_gradient_over_strided_tokens(dtype, S, dy_chunk):
+    """dW = dY^T X with the token dim a [batch, seq-chunk] view of x (and of dY): the two-level
+    contraction index, advanced without division, for chunks shorter and longer than BLOCK_K."""
+    g = torch.Generator().manual_seed(17 + S)
+    B, N, K = 3, 19, 26
+    dy = randn(B, 2 * S + 3, N, dtype=dtype, generator=g)[:, 2 : 2 + S] if dy_chunk else \
+        randn(B, S, N, dtype=dtype, generator=g)
     x = randn(B, 2 * S + 1, K, dtype=dtype, generator=g)[:, 5 : 5 + S]
     out = poison((N, K), torch.float32)
     matmul_tn(dy, x, out=out)
