@@ -58,9 +58,10 @@ class Variant:
     decision: str  # "fixed" (no tuner), "kept" / "pruned" (autotuner prune rule)
     cases: list = field(default_factory=list)
     estimate: int | None = None
+    source: str = ""  # Triton's hash of the kernel's source and of the jit functions it calls
 
     def key(self, cc: int) -> str:
-        blob = json.dumps([self.module, self.kernel, sorted((str(k), str(v)) for k, v in self.signature.items()),
+        blob = json.dumps([self.module, self.kernel, self.source, triton.__version__, sorted((str(k), str(v)) for k, v in self.signature.items()),
                            sorted((str(k), repr(v)) for k, v in self.constexprs.items()),
                            sorted((str(k), repr(v)) for k, v in self.attrs.items()),
                            sorted((k, repr(v)) for k, v in self.options.items()), cc])
@@ -165,9 +166,12 @@ class Capture:
         config = {k: v for k, v in bound.items() if k.startswith(("BLOCK_", "GROUP_M"))}
         config.update(num_warps=options.num_warps, num_stages=options.num_stages)
         tuning = self._tuning or {}
+        estimate = self.estimates.get(fn.fn.__name__)
+        if not tuning and estimate is not None:  # a fixed config (persistent GEMM): same rule
+            tuning = dict(decision="fixed", estimate=estimate(config, bound))
         v = Variant(kernel=fn.fn.__name__, module=fn.module, signature=signature, constexprs=constexprs,
                     attrs=attrs, options=dict(options.__dict__), grid=grid, config=config,
-                    decision=tuning.get("decision", "fixed"), estimate=tuning.get("estimate"))
+                    decision=tuning.get("decision", "fixed"), estimate=tuning.get("estimate"), source=fn.cache_key)
         key = v.key(self.cc)
         v = self.variants.setdefault(key, v)
         if tuning.get("decision") == "kept":

@@ -26,6 +26,7 @@ def _estimates():
 
     return {
         "_gemm_kernel": gemm.smem_estimate,
+        "persistent_gemm_kernel": gemm.smem_estimate,
         "_grouped_gemm_kernel": grouped_gemm.smem_estimate,
         "_grouped_wgrad_kernel": grouped_gemm.wgrad_smem_estimate,
         "_attn_fwd_kernel": flash_smem_estimate("fwd"),

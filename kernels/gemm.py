@@ -62,43 +62,36 @@ def gemm_mainloop(
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
-    # A two-level contraction index k lives at (k // inner) * s0 + (k % inner) * s1. Quotient and
-    # remainder are formed once here and advanced by BLOCK_K per step (remainder += BLOCK_K %
-    # inner, at most one carry), so the loop does no division. Offsets are written out rather
-    # than via row_offsets: under the interpreter every nested jit call re-patches
-    # triton.language (~ms each), and this loop is the hot path.
-    zero = rk.to(tl.int64) * 0
+    # A two-level contraction index k lives at (k // inner) * s0 + (k % inner) * s1. Per element
+    # that division is done once, for rk (loop invariant); a step divides only its scalar base
+    # k0 * BLOCK_K, and k = base + rk follows with one carry: (base % inner) + (rk % inner) <
+    # 2 * inner. The offsets stay functions of k0 (no loop-carried vectors), so the loads still
+    # pipeline. Offsets are written out rather than via row_offsets: under the interpreter every
+    # nested jit call re-patches triton.language (~ms each), and this loop is the hot path.
     if A_K_SPLIT:
-        a_rem = zero + rk % a_k_inner
-        a_koff = (zero + rk // a_k_inner) * s_ak0 + a_rem * s_ak1
-        a_wrap = zero + a_k_inner
-        a_step_rem = zero + BLOCK_K % a_k_inner
-        a_step = (zero + BLOCK_K // a_k_inner) * s_ak0 + a_step_rem * s_ak1
-        a_carry = zero + s_ak0 - a_wrap * s_ak1
+        a_q0 = rk // a_k_inner
+        a_r0 = rk % a_k_inner
     if B_K_SPLIT:
-        b_rem = zero + rk % b_k_inner
-        b_koff = (zero + rk // b_k_inner) * s_bk0 + b_rem * s_bk1
-        b_wrap = zero + b_k_inner
-        b_step_rem = zero + BLOCK_K % b_k_inner
-        b_step = (zero + BLOCK_K // b_k_inner) * s_bk0 + b_step_rem * s_bk1
-        b_carry = zero + s_bk0 - b_wrap * s_bk1
+        b_q0 = rk // b_k_inner
+        b_r0 = rk % b_k_inner
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        kk = k0 * BLOCK_K + rk
+        base = k0 * BLOCK_K
+        kk = base + rk
         kk64 = kk.to(tl.int64)
         if A_K_SPLIT:
-            a_off = a_rows[:, None] + a_koff[None, :]
-            a_rem += a_step_rem
-            a_koff += a_step
-            a_koff = tl.where(a_rem >= a_wrap, a_koff + a_carry, a_koff)
-            a_rem = tl.where(a_rem >= a_wrap, a_rem - a_wrap, a_rem)
+            a_r = base % a_k_inner + a_r0
+            a_wrap = a_r >= a_k_inner
+            a_q = (base // a_k_inner + a_q0 + a_wrap.to(tl.int32)).to(tl.int64)
+            a_r = tl.where(a_wrap, a_r - a_k_inner, a_r).to(tl.int64)
+            a_off = a_rows[:, None] + (a_q * s_ak0 + a_r * s_ak1)[None, :]
         else:
             a_off = a_rows[:, None] + (kk64 * s_ak1)[None, :]
         if B_K_SPLIT:
-            b_k = b_koff[:, None]
-            b_rem += b_step_rem
-            b_koff += b_step
-            b_koff = tl.where(b_rem >= b_wrap, b_koff + b_carry, b_koff)
-            b_rem = tl.where(b_rem >= b_wrap, b_rem - b_wrap, b_rem)
+            b_r = base % b_k_inner + b_r0
+            b_wrap = b_r >= b_k_inner
+            b_q = (base // b_k_inner + b_q0 + b_wrap.to(tl.int32)).to(tl.int64)
+            b_r = tl.where(b_wrap, b_r - b_k_inner, b_r).to(tl.int64)
+            b_k = (b_q * s_bk0 + b_r * s_bk1)[:, None]
         else:
             b_k = (kk64 * s_bk1)[:, None]
         if EVEN_K:

@@ -185,7 +185,7 @@ def persistent_gemm_kernel(
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk"])  # chunk == 1 would become a constexpr int (no .to)
 def chunk_reduce_kernel(
     src_ptr, peer_off_ptr, count_ptr, count_off_ptr, out_ptr, acc_ptr, bias_ptr, status_ptr,
     ROWS, N, num_peers, chunk, ready_value,
