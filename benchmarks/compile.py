@@ -48,7 +48,7 @@ def flash_smem_estimate(kind: str):
     return estimate
 
 
-def capture(arch: str, subset: str, families=FAMILIES):
+def capture(arch: str, subset: str, families=FAMILIES, match: str = ""):
     """Run the cases of ``subset`` under a :class:`Capture` for ``arch``; returns its variants
     (each with its family and the cases that launch it)."""
     import torch
@@ -59,7 +59,7 @@ def capture(arch: str, subset: str, families=FAMILIES):
     cap = Capture(arch, _estimates(), sample=subset == "fast")
     with cap:
         for case in all_cases():
-            if case.family not in families or (subset == "fast" and not case.fast):
+            if case.family not in families or (subset == "fast" and not case.fast) or match not in case.name:
                 continue
             for dt in DTYPES[subset]:
                 with cap.case(f"{case.family}: {case.name}", dt):
@@ -166,6 +166,7 @@ def add_args(p):
     p.add_argument("--subset", choices=["fast", "full"], default="fast",
                    help="fast: bf16, one LLM shape per launcher (CI); full: every shape and dtype")
     p.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    p.add_argument("--cases", default="", help="only the cases whose name contains this")
     p.add_argument("--pruned", action="store_true", help="also compile configs the prune rules drop")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     p.add_argument("--cache-dir", default=os.environ.get("FUSEDPAR_COMPILE_CACHE",
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     all_rows, text = [], []
     for arch in (list(ARCHS) if args.arch == "all" else [args.arch]):
-        cap = capture(arch, args.subset, tuple(args.family))
+        cap = capture(arch, args.subset, tuple(args.family), args.cases)
         rows = rows_of(arch, cap.smem, compile_all(cap, args.jobs, args.cache_dir or None, args.pruned))
         all_rows += rows
         text.append(markdown(rows, arch))

@@ -25,6 +25,7 @@ from .checks import check_buffer, check_choice, check_float_tensor, check_same, 
 from .runtime import (
     ACTIVATIONS,
     RowView,
+    acc_budget_for,
     activation_reference,
     apply_activation,
     device_capability,
@@ -237,11 +238,12 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     def get(k, default=False):
         return kwargs.get(k, named_args.get(k, default))
 
-    a, glu = named_args["a_ptr"], bool(get("GLU"))
+    a, glu, precision = named_args["a_ptr"], bool(get("GLU")), get("INPUT_PRECISION", "ieee")
     fused = glu or get("ACT", 0) != 0 or get("STORE_AUX") or (get("HAS_RES") and get("R_M_SPLIT"))
-    return dict(elem_size=a.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1,
-                acc_budget=EPILOGUE_ACC_BUDGET["fused" if fused else "plain"],
-                capability=device_capability(a.device.index or 0), precision=get("INPUT_PRECISION", "ieee"))
+    budget = acc_budget_for(EPILOGUE_ACC_BUDGET["fused" if fused else "plain"], elem_size=a.element_size(),
+                            precision=precision, acc_tiles=2 if glu else 1)
+    return dict(elem_size=a.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1, acc_budget=budget,
+                capability=device_capability(a.device.index or 0), precision=precision)
 
 
 def smem_estimate(cfg, named_args, **kwargs) -> int:

@@ -32,6 +32,7 @@ from .checks import INDEX_DTYPES, check_buffer, check_choice, check_float_tensor
 from .moe_routing import MAX_ROWS
 from .runtime import (
     ACTIVATIONS,
+    acc_budget_for,
     activation_reference,
     device_capability,
     input_precision,
@@ -264,9 +265,11 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     x, dact = named_args["x_ptr"], bool(get("DACT"))
     glu = bool(get("GLU")) and not dact  # the backward reads the up half from aux, one B tile
     kind = "dact" if dact else "fused" if glu or get("ACT", 0) != 0 or get("STORE_AUX") else "plain"
-    return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1,
-                acc_budget=GROUPED_ACC_BUDGET[kind], capability=device_capability(x.device.index or 0),
-                precision=get("INPUT_PRECISION", "ieee"))
+    precision = get("INPUT_PRECISION", "ieee")
+    budget = acc_budget_for(GROUPED_ACC_BUDGET[kind], elem_size=x.element_size(), precision=precision,
+                            acc_tiles=2 if glu else 1)
+    return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1, acc_budget=budget,
+                capability=device_capability(x.device.index or 0), precision=precision)
 
 
 def wgrad_tile_rule(named_args: dict, **kwargs) -> dict:

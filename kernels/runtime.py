@@ -61,6 +61,17 @@ def device_capability(device_index: int) -> tuple[int, int]:
 #: residual / pre-activation store live needs more registers per element (the kernels pass
 #: their own, smaller budgets).
 ACC_BUDGET = 128
+#: the same per accumulator for an fp32 "ieee" dot, which Triton lowers to FMAs whose operand
+#: fragments are held in registers next to the accumulator
+FMA_ACC_BUDGET = 32
+
+
+def acc_budget_for(budget: int, *, elem_size: int, precision: str, acc_tiles: int = 1) -> int:
+    """``budget`` (accumulator elements per thread of a kernel's epilogue), capped at
+    :data:`FMA_ACC_BUDGET` per accumulator for fp32 operands multiplied in "ieee" precision."""
+    if elem_size == 4 and precision == "ieee":
+        return min(budget, FMA_ACC_BUDGET * acc_tiles)
+    return budget
 
 
 def _tile(cfg):
