@@ -48,14 +48,20 @@ def test_fast_subset_covers_every_launcher(fast_rows):
 def test_prune_estimates_match_the_compiler(fast_rows):
     _, rows = fast_rows
     checked = [r for r in rows if r["estimate"] is not None and r["kernel"] not in ESTIMATE_NOT_CHECKED]
-    assert {r["kernel"] for r in checked} >= {"gemm_kernel", "grouped_gemm_kernel", "grouped_wgrad_kernel"}
+    assert {r["kernel"] for r in checked} >= {"gemm_kernel", "persistent_gemm_kernel", "grouped_gemm_kernel",
+                                              "grouped_wgrad_kernel"}
     off = [(r["kernel"], r["config"], r["estimate"], r["shared"]) for r in checked
            if abs(r["estimate"] - r["shared"]) > ESTIMATE_TOLERANCE * r["shared"]]
     assert not off, off
 
 
-def test_no_spills_in_launchable_half_precision_gemms(fast_rows):
+def test_no_spills_outside_flash_attention(fast_rows):
+    """bf16 GEMMs (every epilogue), persistent and grouped GEMMs, RMSNorm (hidden 65536 too, the
+    looped kernels) and the MoE kernels at LLM shapes: no launchable variant spills. Flash
+    attention's spills are reported by the command, not asserted here (its kernels are reworked
+    elsewhere)."""
     _, rows = fast_rows
     spills = [(r["kernel"], r["config"], r["cases"], r["spill"]) for r in rows
-              if r["family"] in ("gemm", "persistent", "grouped") and r["decision"] != "pruned" and r["spill"]]
+              if r["family"] != "flash" and r["decision"] != "pruned" and r["spill"]]
     assert not spills, spills
+    assert {"rmsnorm_fwd_looped_kernel", "rmsnorm_bwd_looped_kernel"} <= {r["kernel"] for r in rows}
