@@ -34,6 +34,7 @@ from .runtime import (
     ACTIVATIONS,
     acc_budget_for,
     activation_reference,
+    aligned,
     device_capability,
     input_precision,
     interpreting,
@@ -233,7 +234,7 @@ def _gemm_gpu_configs():
     out = []
     for bm, bn, bk, stages, warps in [
         (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-        (128, 64, 64, 4, 8), (64, 128, 64, 4, 8),
+        (128, 64, 64, 4, 8), (64, 128, 64, 4, 8), (64, 64, 32, 4, 4), (32, 64, 32, 4, 4),
         (64, 64, 64, 4, 4), (64, 256, 32, 4, 4), (32, 64, 64, 5, 2), (16, 64, 64, 4, 4),
     ]:
         out.append(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps))
@@ -268,8 +269,10 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     precision = get("INPUT_PRECISION", "ieee")
     budget = acc_budget_for(GROUPED_ACC_BUDGET[kind], elem_size=x.element_size(), precision=precision,
                             acc_tiles=2 if glu else 1)
+    extents = [named_args.get(k, 16) for k in ("K", "s_xm", "s_xk", "s_wn", "s_wk")]
     return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1, acc_budget=budget,
-                capability=device_capability(x.device.index or 0), precision=precision)
+                capability=device_capability(x.device.index or 0), precision=precision,
+                unaligned=named_args["K"] % 64 != 0 or not aligned(x.element_size(), *[e for e in extents if e != 1]))
 
 
 def wgrad_tile_rule(named_args: dict, **kwargs) -> dict:

@@ -66,6 +66,21 @@ ACC_BUDGET = 128
 FMA_ACC_BUDGET = 32
 
 
+#: operand elements (A tile plus B tiles) one thread may load per K step when the loads cannot be
+#: vectorised (a row stride or K not a multiple of 16 bytes) or are masked along K (K not a
+#: multiple of 64): every element then carries its own address and mask, Triton does not pipeline
+#: them (the shared-memory estimate is then an upper bound), and tiles with BLOCK_K = 64 spill on
+#: such problems (``python -m benchmarks compile``)
+UNALIGNED_OPERAND_BUDGET = 64
+UNALIGNED_MAX_BLOCK_K = 32
+
+
+def aligned(elem_size: int, *extents) -> bool:
+    """Whether every extent (K, row strides, in elements) is a multiple of 16 bytes, so that a
+    tile's loads vectorise."""
+    return all(int(e) * elem_size % 16 == 0 for e in extents)
+
+
 def acc_budget_for(budget: int, *, elem_size: int, precision: str, acc_tiles: int = 1) -> int:
     """``budget`` (accumulator elements per thread of a kernel's epilogue), capped at
     :data:`FMA_ACC_BUDGET` per accumulator for fp32 operands multiplied in "ieee" precision."""
@@ -106,10 +121,10 @@ def acc_per_thread(cfg, acc_tiles: int = 1, dims=("BLOCK_M", "BLOCK_N")) -> int:
 
 def tile_config_problem(cfg, *, elem_size: int, b_tiles: int, smem_limit: int, capability=(9, 0),
                         acc_tiles: int = 1, acc_budget: int = ACC_BUDGET, dims=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-                        precision: str = "tf32") -> str | None:
+                        precision: str = "tf32", unaligned: bool = False) -> str | None:
     """Why a GEMM tile config cannot run well (None if it can): its pipelined tiles overflow
-    shared memory, or its accumulators exceed ``acc_budget`` elements per thread (they would
-    spill registers)."""
+    shared memory, its accumulators exceed ``acc_budget`` elements per thread, or (``unaligned``
+    loads) its K block or operand tiles exceed the unaligned budgets; the last two would spill."""
     smem = tile_smem_bytes(cfg, elem_size=elem_size, b_tiles=b_tiles, capability=capability, dims=dims,
                            precision=precision)
     if smem > smem_limit:
@@ -117,12 +132,20 @@ def tile_config_problem(cfg, *, elem_size: int, b_tiles: int, smem_limit: int, c
     acc = acc_per_thread(cfg, acc_tiles, dims[:2])
     if acc > acc_budget:
         return f"holds {acc} fp32 accumulator elements per thread > {acc_budget}: it would spill registers"
+    if unaligned:
+        kw, warps, _ = _tile(cfg)
+        m, n, k = (kw[d] for d in dims)
+        per_thread = (m * k + b_tiles * k * n) // (32 * warps)
+        if k > UNALIGNED_MAX_BLOCK_K or per_thread > UNALIGNED_OPERAND_BUDGET:
+            return (f"loads {per_thread} operand elements per thread (BLOCK_K {k}) without vectorisation "
+                    f"(unaligned strides or K), over {UNALIGNED_OPERAND_BUDGET} / BLOCK_K "
+                    f"{UNALIGNED_MAX_BLOCK_K}: it would spill registers")
     return None
 
 
 def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int, dims: dict, capability=(9, 0),
                        acc_tiles: int = 1, acc_budget: int = ACC_BUDGET, tile_dims=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-                       precision: str = "tf32"):
+                       precision: str = "tf32", unaligned: bool = False):
     """GEMM tile configs worth autotuning: :func:`tile_config_problem` finds nothing (the
     pipelined tiles fit in shared memory, the accumulators in registers; ``b_tiles=2`` /
     ``acc_tiles=2`` for gated epilogues, which stream gate and up columns into two
@@ -133,7 +156,7 @@ def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int
     for cfg in configs:
         if tile_config_problem(cfg, elem_size=elem_size, b_tiles=b_tiles, smem_limit=smem_limit,
                                capability=capability, acc_tiles=acc_tiles, acc_budget=acc_budget, dims=tile_dims,
-                               precision=precision):
+                               precision=precision, unaligned=unaligned):
             continue
         if any(cfg.kwargs[k] > 2 * triton.next_power_of_2(n) and cfg.kwargs[k] > 32 for k, n in dims.items()):
             continue
