@@ -246,10 +246,11 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     fused = glu or get("ACT", 0) != 0 or get("STORE_AUX") or (get("HAS_RES") and get("R_M_SPLIT"))
     budget = acc_budget_for(EPILOGUE_ACC_BUDGET["fused" if fused else "plain"], elem_size=a.element_size(),
                             precision=precision, acc_tiles=2 if glu else 1)
-    extents = [named_args.get(k, 16) for k in ("K", "s_am0", "s_am1", "s_ak0", "s_ak1", "s_bk0", "s_bk1", "s_bn")]
+    extents = [named_args.get(k, 16) for k in ("K", "s_am0", "s_am1", "s_ak0", "s_ak1", "s_ak", "s_bk0", "s_bk1", "s_bk",
+                                                "s_bn")]
     return dict(elem_size=a.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1, acc_budget=budget,
                 capability=device_capability(a.device.index or 0), precision=precision,
-                unaligned=named_args["K"] % 64 != 0 or not aligned(a.element_size(), *[e for e in extents if e != 1]))
+                unaligned=named_args.get("K", 64) % 64 != 0 or not aligned(a.element_size(), *[e for e in extents if e != 1]))
 
 
 def smem_estimate(cfg, named_args, **kwargs) -> int:

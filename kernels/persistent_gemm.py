@@ -293,11 +293,14 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_sta
 def check_config(config: dict, a: torch.Tensor, ops: LinearOperands, store_aux: bool) -> None:
     """A ``config=`` of :func:`persistent_matmul` (compiled path): every key of
     :data:`CONFIG_KEYS` a positive int (block sizes and ``num_warps`` powers of two, ``BLOCK_K >=
-    16``), and the autotuned GEMM's
+    16``; ``num_warps`` / ``num_stages`` default to 4 / 3), and the autotuned GEMM's
     prune rule (:func:`~fusedpar.kernels.gemm.tile_rule`) finds nothing: the pipelined tiles fit
     this GPU's shared memory and the accumulators fit in registers. ValueError otherwise."""
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict of {', '.join(CONFIG_KEYS)} or None, got {type(config).__name__}")
+    config = dict(config)
+    config.setdefault("num_warps", 4)  # Triton's defaults
+    config.setdefault("num_stages", 3)
     for key in CONFIG_KEYS:
         v = config.get(key)
         pow2 = key.startswith("BLOCK_") or key == "num_warps"
@@ -305,7 +308,10 @@ def check_config(config: dict, a: torch.Tensor, ops: LinearOperands, store_aux: 
             raise ValueError(f"config[{key!r}] must be a positive {'power of two' if pow2 else 'int'}, got {v!r}")
     if config["BLOCK_K"] < 16:
         raise ValueError(f"config['BLOCK_K'] must be >= 16 (tl.dot), got {config['BLOCK_K']}")
-    rule = tile_rule({"a_ptr": a, "GLU": ops.glu, "ACT": ops.act, "STORE_AUX": store_aux,
+    if a.device.type == "cpu":  # CPU tensors run interpreted: no GPU resources to check
+        return
+    rule = tile_rule({"a_ptr": a, "GLU": ops.glu, "ACT": ops.act, "STORE_AUX": store_aux, "K": ops.k,
+                      "s_am1": a.stride(-2), "s_ak": a.stride(-1), "s_bk": ops.s_bk, "s_bn": ops.s_bn,
                       "INPUT_PRECISION": input_precision(a.dtype)})
     problem = tile_config_problem(config, smem_limit=shared_memory_limit(a.device.index or 0), **rule)
     if problem:
