@@ -1,4 +1,6 @@
-"""``python -m benchmarks <op> [options]``; ``python -m benchmarks all`` runs every op's default set."""
+"""``python -m benchmarks <op> [options]``; ``python -m benchmarks all`` runs every op's default set;
+``python -m benchmarks compile --arch sm_90`` compiles every launchable kernel variant for a GPU
+target without a GPU (see benchmarks/compile.py)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +24,11 @@ def _load_ops():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compile"]:  # compiled path without a GPU: must not select the interpreter
+        from .compile import main as compile_main
+
+        return compile_main(argv[1:])
     gpu = select_backend()  # before anything imports triton
     import torch
 
@@ -33,6 +40,8 @@ def main(argv=None):
     p_rep = sub.add_parser("report", help="write RESULTS.md (and a ratio plot) from the GPU runs' JSON files")
     p_rep.add_argument("--results", default=os.path.join(HERE, "results"), help="folder of run JSON files")
     p_rep.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    sub.add_parser("compile", help="compile every launchable kernel variant for sm_90/sm_80 (no GPU needed); "
+                   "see python -m benchmarks compile --help", add_help=False)
     for name, op in sorted(REGISTRY.items()):
         p = sub.add_parser(name, help=op.help)
         p.add_argument("--json", help="write the results to this JSON file")

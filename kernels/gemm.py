@@ -25,19 +25,23 @@ from .checks import check_buffer, check_choice, check_float_tensor, check_same, 
 from .runtime import (
     ACTIVATIONS,
     RowView,
+    acc_budget_for,
     activation_reference,
+    aligned,
     apply_activation,
+    device_capability,
     input_precision,
     interpreting,
     needs_upcast,
     prune_tile_configs,
     row_offsets,
     shared_memory_limit,
+    tile_smem_bytes,
 )
 
 __all__ = [
     "INTERPRETER_CONFIG", "LinearOperands", "gemm_epilogue", "gemm_mainloop", "gpu_configs", "linear_operands",
-    "matmul", "matmul_reference", "matmul_tn",
+    "EPILOGUE_ACC_BUDGET", "matmul", "matmul_reference", "matmul_tn", "smem_estimate", "tile_rule",
 ]
 
 
@@ -60,17 +64,36 @@ def gemm_mainloop(
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
+    # A two-level contraction index k lives at (k // inner) * s0 + (k % inner) * s1. Per element
+    # that division is done once, for rk (loop invariant); a step divides only its scalar base
+    # k0 * BLOCK_K, and k = base + rk follows with one carry: (base % inner) + (rk % inner) <
+    # 2 * inner. The offsets stay functions of k0 (no loop-carried vectors), so the loads still
+    # pipeline. Offsets are written out rather than via row_offsets: under the interpreter every
+    # nested jit call re-patches triton.language (~ms each), and this loop is the hot path.
+    if A_K_SPLIT:
+        a_q0 = rk // a_k_inner
+        a_r0 = rk % a_k_inner
+    if B_K_SPLIT:
+        b_q0 = rk // b_k_inner
+        b_r0 = rk % b_k_inner
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        kk = k0 * BLOCK_K + rk
-        # offsets written out rather than via row_offsets: under the interpreter every nested
-        # jit call re-patches triton.language (~ms each), and this loop is the hot path
+        base = k0 * BLOCK_K
+        kk = base + rk
         kk64 = kk.to(tl.int64)
         if A_K_SPLIT:
-            a_off = a_rows[:, None] + ((kk64 // a_k_inner) * s_ak0 + (kk64 % a_k_inner) * s_ak1)[None, :]
+            a_r = base % a_k_inner + a_r0
+            a_wrap = a_r >= a_k_inner
+            a_q = (base // a_k_inner + a_q0 + a_wrap.to(tl.int32)).to(tl.int64)
+            a_r = tl.where(a_wrap, a_r - a_k_inner, a_r).to(tl.int64)
+            a_off = a_rows[:, None] + (a_q * s_ak0 + a_r * s_ak1)[None, :]
         else:
             a_off = a_rows[:, None] + (kk64 * s_ak1)[None, :]
         if B_K_SPLIT:
-            b_k = ((kk64 // b_k_inner) * s_bk0 + (kk64 % b_k_inner) * s_bk1)[:, None]
+            b_r = base % b_k_inner + b_r0
+            b_wrap = b_r >= b_k_inner
+            b_q = (base // b_k_inner + b_q0 + b_wrap.to(tl.int32)).to(tl.int64)
+            b_r = tl.where(b_wrap, b_r - b_k_inner, b_r).to(tl.int64)
+            b_k = (b_q * s_bk0 + b_r * s_bk1)[:, None]
         else:
             b_k = (kk64 * s_bk1)[:, None]
         if EVEN_K:
@@ -191,7 +214,12 @@ def gpu_configs():
         (64, 256, 32, 4, 4),
         (128, 64, 64, 4, 4),
         (64, 128, 64, 4, 4),
+        (128, 64, 64, 4, 8),  # 8 warps: a gated / fused epilogue's accumulators fit in registers
+        (64, 128, 64, 4, 8),
         (128, 32, 64, 4, 4),
+        (64, 64, 32, 3, 8),  # BLOCK_K 32: problems whose loads do not vectorise (unaligned strides or K)
+        (64, 64, 32, 4, 4),
+        (32, 64, 32, 4, 4),
         (64, 64, 64, 4, 4),
         (32, 64, 64, 5, 2),
     ]:
@@ -201,14 +229,42 @@ def gpu_configs():
     return configs
 
 
+#: fp32 accumulator elements per thread the GEMM epilogues can hold without spilling (sm_90 and
+#: sm_80, ``python -m benchmarks compile``): 128 with a plain epilogue (bias, residual, accumulate);
+#: 64 with a fused one (activation, gated pair, pre-activation store, residual on split rows),
+#: whose activation terms and int64 pointer tiles are live next to the accumulators.
+EPILOGUE_ACC_BUDGET = {"plain": 128, "fused": 64}
+
+
+def tile_rule(named_args: dict, **kwargs) -> dict:
+    """The prune rule's parameters (:func:`~fusedpar.kernels.runtime.tile_config_problem`) of a
+    GEMM launch with ``named_args`` / constexpr ``kwargs`` (``_gemm_kernel`` and the persistent one)."""
+    def get(k, default=False):
+        return kwargs.get(k, named_args.get(k, default))
+
+    a, glu, precision = named_args["a_ptr"], bool(get("GLU")), get("INPUT_PRECISION", "ieee")
+    fused = glu or get("ACT", 0) != 0 or get("STORE_AUX") or (get("HAS_RES") and get("R_M_SPLIT"))
+    budget = acc_budget_for(EPILOGUE_ACC_BUDGET["fused" if fused else "plain"], elem_size=a.element_size(),
+                            precision=precision, acc_tiles=2 if glu else 1)
+    extents = [named_args.get(k, 16) for k in ("K", "s_am0", "s_am1", "s_ak0", "s_ak1", "s_ak", "s_bk0", "s_bk1", "s_bk",
+                                                "s_bn")]
+    return dict(elem_size=a.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1, acc_budget=budget,
+                capability=device_capability(a.device.index or 0), precision=precision,
+                unaligned=named_args.get("K", 64) % 64 != 0 or not aligned(a.element_size(), *[e for e in extents if e != 1]))
+
+
+def smem_estimate(cfg, named_args, **kwargs) -> int:
+    """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``."""
+    r = tile_rule(named_args, **kwargs)
+    return tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
+                           precision=r["precision"])
+
+
 def _prune_configs(configs, named_args, **kwargs):
     a = named_args["a_ptr"]
-    glu = kwargs.get("GLU", named_args.get("GLU", False))
-    return prune_tile_configs(
-        configs, elem_size=a.element_size(), b_tiles=2 if glu else 1,
-        smem_limit=shared_memory_limit(a.device.index or 0),
-        dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]},
-    )
+    return prune_tile_configs(configs, smem_limit=shared_memory_limit(a.device.index or 0),
+                              dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]},
+                              **tile_rule(named_args, **kwargs))
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,12 +32,16 @@ from .checks import INDEX_DTYPES, check_buffer, check_choice, check_float_tensor
 from .moe_routing import MAX_ROWS
 from .runtime import (
     ACTIVATIONS,
+    acc_budget_for,
     activation_reference,
+    aligned,
+    device_capability,
     input_precision,
     interpreting,
     needs_upcast,
     prune_tile_configs,
     shared_memory_limit,
+    tile_smem_bytes,
 )
 
 _LAYOUTS = ("nk", "kn")
@@ -230,6 +234,7 @@ def _gemm_gpu_configs():
     out = []
     for bm, bn, bk, stages, warps in [
         (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+        (128, 64, 64, 4, 8), (64, 128, 64, 4, 8), (64, 64, 32, 4, 4), (32, 64, 32, 4, 4),
         (64, 64, 64, 4, 4), (64, 256, 32, 4, 4), (32, 64, 64, 5, 2), (16, 64, 64, 4, 4),
     ]:
         out.append(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps))
@@ -245,14 +250,65 @@ def _wgrad_gpu_configs():
     return out
 
 
+#: fp32 accumulator elements per thread without spills (``python -m benchmarks compile``, sm_90
+#: and sm_80): plain epilogue 128; forward activation / gated pair / pre-activation store 64; the
+#: fused activation backward (``DACT``: loads the gate and up pre-activations, forms act and act')
+#: 32.
+GROUPED_ACC_BUDGET = {"plain": 128, "fused": 64, "dact": 32}
+
+
+def tile_rule(named_args: dict, **kwargs) -> dict:
+    """The prune rule's parameters (:func:`~fusedpar.kernels.runtime.tile_config_problem`) of a
+    grouped forward / data-gradient launch."""
+    def get(k, default=False):
+        return kwargs.get(k, named_args.get(k, default))
+
+    x, dact = named_args["x_ptr"], bool(get("DACT"))
+    glu = bool(get("GLU")) and not dact  # the backward reads the up half from aux, one B tile
+    kind = "dact" if dact else "fused" if glu or get("ACT", 0) != 0 or get("STORE_AUX") else "plain"
+    precision = get("INPUT_PRECISION", "ieee")
+    budget = acc_budget_for(GROUPED_ACC_BUDGET[kind], elem_size=x.element_size(), precision=precision,
+                            acc_tiles=2 if glu else 1)
+    extents = [named_args.get(k, 16) for k in ("K", "s_xm", "s_xk", "s_wn", "s_wk")]
+    return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1, acc_budget=budget,
+                capability=device_capability(x.device.index or 0), precision=precision,
+                unaligned=named_args["K"] % 64 != 0 or not aligned(x.element_size(), *[e for e in extents if e != 1]))
+
+
+def wgrad_tile_rule(named_args: dict, **kwargs) -> dict:
+    """The prune rule's parameters of a grouped weight-gradient launch: its dot is
+    ``dy^T [BLOCK_N, BLOCK_M] @ x [BLOCK_M, BLOCK_K]`` (the rows block is the contraction)."""
+    dy = named_args["dy_ptr"]
+    return dict(elem_size=dy.element_size(), b_tiles=1, capability=device_capability(dy.device.index or 0),
+                precision=kwargs.get("INPUT_PRECISION", named_args.get("INPUT_PRECISION", "ieee")),
+                dims=("BLOCK_N", "BLOCK_K", "BLOCK_M"))
+
+
+def smem_estimate(cfg, named_args, **kwargs) -> int:
+    """The prune rule's shared-memory bytes of a grouped forward / dgrad config."""
+    r = tile_rule(named_args, **kwargs)
+    return tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
+                           precision=r["precision"])
+
+
+def wgrad_smem_estimate(cfg, named_args, **kwargs) -> int:
+    """The prune rule's shared-memory bytes of a grouped weight-gradient config."""
+    return tile_smem_bytes(cfg, **wgrad_tile_rule(named_args, **kwargs))
+
+
 def _prune(configs, named_args, **kwargs):
-    x = named_args.get("x_ptr", named_args.get("dy_ptr"))
-    glu = kwargs.get("GLU", named_args.get("GLU", False))
-    return prune_tile_configs(
-        configs, elem_size=x.element_size(), b_tiles=2 if glu else 1,
-        smem_limit=shared_memory_limit(x.device.index or 0),
-        dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]},
-    )
+    x = named_args["x_ptr"]
+    return prune_tile_configs(configs, smem_limit=shared_memory_limit(x.device.index or 0),
+                              dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]},
+                              **tile_rule(named_args, **kwargs))
+
+
+def _prune_wgrad(configs, named_args, **kwargs):
+    r = wgrad_tile_rule(named_args, **kwargs)
+    r["tile_dims"] = r.pop("dims")
+    return prune_tile_configs(configs, smem_limit=shared_memory_limit(named_args["dy_ptr"].device.index or 0),
+                              dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]},
+                              acc_tiles=1, **r)
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,7 +323,7 @@ def _tuned_gemm():
 def _tuned_wgrad():
     return triton.autotune(
         configs=_wgrad_gpu_configs(), key=["N", "K", "G", "ACCUMULATE"],
-        prune_configs_by={"early_config_prune": _prune}, restore_value=["dw_ptr"],
+        prune_configs_by={"early_config_prune": _prune_wgrad}, restore_value=["dw_ptr"],
     )(_grouped_wgrad_kernel)
 
 

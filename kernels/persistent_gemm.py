@@ -47,12 +47,28 @@ import triton
 import triton.language as tl
 
 from .checks import check_buffer, check_choice, check_float_tensor, check_int, check_tensor
-from .gemm import INTERPRETER_CONFIG, LinearOperands, gemm_epilogue, gemm_mainloop, linear_operands, matmul_reference
-from .runtime import RowView, input_precision, interpreting, needs_upcast, row_offsets
+from .gemm import (
+    INTERPRETER_CONFIG,
+    LinearOperands,
+    gemm_epilogue,
+    gemm_mainloop,
+    linear_operands,
+    matmul_reference,
+    tile_rule,
+)
+from .runtime import (
+    RowView,
+    input_precision,
+    interpreting,
+    needs_upcast,
+    row_offsets,
+    shared_memory_limit,
+    tile_config_problem,
+)
 from .waits import WaitTimeout, check_wait_timeouts, spin_bound, status_word, wait_ready, wait_timeouts
 
 __all__ = [
-    "WAIT_MODES", "chunk_reduce", "chunk_reduce_kernel", "chunk_view", "default_num_programs", "gpu_config",
+    "CONFIG_KEYS", "WAIT_MODES", "check_config", "chunk_reduce", "chunk_reduce_kernel", "chunk_view", "default_num_programs", "gpu_config",
     "kernel_config", "persistent_gemm_kernel", "persistent_matmul", "persistent_matmul_reference", "tiles_per_chunk",
     # re-exported from .waits
     "WaitTimeout", "check_wait_timeouts", "wait_timeouts",
@@ -169,7 +185,7 @@ def persistent_gemm_kernel(
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk"])  # chunk == 1 would become a constexpr int (no .to)
 def chunk_reduce_kernel(
     src_ptr, peer_off_ptr, count_ptr, count_off_ptr, out_ptr, acc_ptr, bias_ptr, status_ptr,
     ROWS, N, num_peers, chunk, ready_value,
@@ -241,10 +257,13 @@ def gpu_config(n: int, dtype: torch.dtype, glu: bool = False) -> dict:
     """A fixed tile configuration for the compiled kernel. Not autotuned: a tuning run of a
     kernel that waits on flags or bumps completion counters would consume or corrupt them;
     benchmarks/persistent.py sweeps configs with waits off and passes the best one in.
-    Pipelined shared memory stays under ~150 KB (Hopper/Ampere allow 227/163 KB)."""
-    if dtype == torch.float32:
-        return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
-    if n >= 256 and not glu:  # a gated epilogue loads two B tiles per step
+    Pipelined shared memory stays under ~150 KB (Hopper/Ampere allow 227/163 KB); the
+    accumulators stay within the GEMM epilogue budgets (a gated epilogue holds two)."""
+    if dtype == torch.float32:  # FMA dots ("ieee"): 32 accumulator elements per thread and accumulator
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
+    if glu:
+        return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+    if n >= 256:
         return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
@@ -266,6 +285,39 @@ def kernel_config(config, n, dtype, glu=False):
     if config is not None and interpreting():
         cfg.update({k: v for k, v in config.items() if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
     return cfg
+
+
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+def check_config(config: dict, a: torch.Tensor, ops: LinearOperands, store_aux: bool) -> None:
+    """A ``config=`` of :func:`persistent_matmul` (compiled path): every key of
+    :data:`CONFIG_KEYS` a positive int (block sizes and ``num_warps`` powers of two, ``BLOCK_K >=
+    16``; ``num_warps`` / ``num_stages`` default to 4 / 3), and the autotuned GEMM's
+    prune rule (:func:`~fusedpar.kernels.gemm.tile_rule`) finds nothing: the pipelined tiles fit
+    this GPU's shared memory and the accumulators fit in registers. ValueError otherwise."""
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict of {', '.join(CONFIG_KEYS)} or None, got {type(config).__name__}")
+    config = dict(config)
+    config.setdefault("num_warps", 4)  # Triton's defaults
+    config.setdefault("num_stages", 3)
+    for key in CONFIG_KEYS:
+        v = config.get(key)
+        pow2 = key.startswith("BLOCK_") or key == "num_warps"
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
+            raise ValueError(f"config[{key!r}] must be a positive {'power of two' if pow2 else 'int'}, got {v!r}")
+    if config["BLOCK_K"] < 16:
+        raise ValueError(f"config['BLOCK_K'] must be >= 16 (tl.dot), got {config['BLOCK_K']}")
+    if a.device.type == "cpu":  # CPU tensors run interpreted: no GPU resources to check
+        return
+    rule = tile_rule({"a_ptr": a, "GLU": ops.glu, "ACT": ops.act, "STORE_AUX": store_aux, "K": ops.k,
+                      "s_am1": a.stride(-2), "s_ak": a.stride(-1), "s_bk": ops.s_bk, "s_bn": ops.s_bn,
+                      "INPUT_PRECISION": input_precision(a.dtype)})
+    problem = tile_config_problem(config, smem_limit=shared_memory_limit(a.device.index or 0), **rule)
+    if problem:
+        tile = "x".join(str(config[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        raise ValueError(f"config must fit the GPU, got {tile} with {config['num_warps']} warps and "
+                         f"{config['num_stages']} stages, which {problem}")
 
 
 def _check_counters(name, t, num_chunks, device):
@@ -396,6 +448,8 @@ def persistent_matmul(
     """
     ops = _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, wait_flags, signal_counters,
                                  ready_value)
+    if config is not None and not interpreting():
+        check_config(config, a, ops, preact_out is not None)
     cfg = kernel_config(config, ops.n, a.dtype, ops.glu)
     C, rows = a.shape[0], int(torch.Size(a.shape[1:-1]).numel())
     total = C * tiles_per_chunk(rows, ops.n, cfg)

@@ -29,9 +29,11 @@ import triton.language as tl
 from .checks import check_device_usable, check_same, check_shape, check_supported_dtype, check_tensor
 from .runtime import RowView, interpreting, row_offsets
 
-# One program holds a full row in registers; past this many features a row would spill (the
-# same bound Liger-Kernel uses), so larger hidden sizes are rejected with a clear error.
-MAX_FUSED_SIZE = 65536
+# The fused kernels hold whole rows (padded to a power of two) in registers; rows wider than
+# this take the looped kernels, which stream a row in LOOP_CHUNK-wide pieces twice (statistics,
+# then the output) instead of spilling (a 65536-wide row spilled 7-16 KB per program on sm_90).
+ROW_BLOCK_LIMIT = 8192
+LOOP_CHUNK = 4096
 
 
 @triton.jit
@@ -126,6 +128,106 @@ def _rmsnorm_bwd_kernel(
         tl.store(dw_ptr + pid.to(tl.int64) * H + rh, dw_acc, mask=h_mask)
 
 
+@triton.jit
+def _rmsnorm_fwd_looped_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr,
+    M, H, eps,
+    x_inner, s_x0, s_x1, s_xh,
+    r_inner, s_r0, s_r1, s_rh,
+    y_inner, s_y0, s_y1, s_yh,
+    h_inner, s_h0, s_h1, s_hh,
+    X_SPLIT: tl.constexpr, R_SPLIT: tl.constexpr, Y_SPLIT: tl.constexpr, H_SPLIT: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One row per program, streamed in BLOCK_C pieces: pass 1 forms (and stores) ``h`` and the
+    sum of squares, pass 2 reloads ``h`` (the stored, rounded residual) and writes ``y``."""
+    row = tl.program_id(0)
+    x_row = row_offsets(row, x_inner, s_x0, s_x1, X_SPLIT)
+    r_row = row_offsets(row, r_inner, s_r0, s_r1, R_SPLIT)
+    h_row = row_offsets(row, h_inner, s_h0, s_h1, H_SPLIT)
+    y_row = row_offsets(row, y_inner, s_y0, s_y1, Y_SPLIT)
+    rc = tl.arange(0, BLOCK_C)
+    sq = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_C):
+        cols = c0 + rc
+        mask = cols < H
+        c64 = cols.to(tl.int64)
+        h = tl.load(x_ptr + x_row + c64 * s_xh, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h += tl.load(r_ptr + r_row + c64 * s_rh, mask=mask, other=0.0).to(tl.float32)
+            h = h.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + h_row + c64 * s_hh, h, mask=mask)
+            h = h.to(tl.float32)
+        sq += h * h
+    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / H + eps)
+    tl.store(rstd_ptr + row, rstd)
+    tl.debug_barrier()  # pass 2 reads h written by pass 1
+    for c0 in range(0, H, BLOCK_C):
+        cols = c0 + rc
+        mask = cols < H
+        c64 = cols.to(tl.int64)
+        if HAS_RES:
+            h = tl.load(h_ptr + h_row + c64 * s_hh, mask=mask, other=0.0).to(tl.float32)
+        else:
+            h = tl.load(x_ptr + x_row + c64 * s_xh, mask=mask, other=0.0).to(tl.float32)
+        y = h * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + y_row + c64 * s_yh, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_bwd_looped_kernel(
+    dy_ptr, h_ptr, w_ptr, rstd_ptr, dhin_ptr, dx_ptr, dw_ptr,
+    M, H, rows_per_program,
+    dy_inner, s_dy0, s_dy1, s_dyh,
+    h_inner, s_h0, s_h1, s_hh,
+    g_inner, s_g0, s_g1, s_gh,
+    dx_inner, s_dx0, s_dx1, s_dxh,
+    DY_SPLIT: tl.constexpr, H_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, DX_SPLIT: tl.constexpr,
+    HAS_DHIN: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """The backward of wide rows: per row, pass 1 sums ``dn * n``, pass 2 writes ``dx`` and adds
+    ``dy * n`` into this program's fp32 row of partial weight gradients ``dw_ptr[pid, :]``."""
+    pid = tl.program_id(0)
+    rc = tl.arange(0, BLOCK_C)
+    row_start = pid * rows_per_program
+    for r in range(row_start, tl.minimum(row_start + rows_per_program, M)):
+        row = pid * 0 + r  # a tensor under the interpreter too (row_offsets casts it)
+        h_row = row_offsets(row, h_inner, s_h0, s_h1, H_SPLIT)
+        dy_row = row_offsets(row, dy_inner, s_dy0, s_dy1, DY_SPLIT)
+        rstd = tl.load(rstd_ptr + row)
+        part = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for c0 in range(0, H, BLOCK_C):
+            cols = c0 + rc
+            mask = cols < H
+            c64 = cols.to(tl.int64)
+            n = tl.load(h_ptr + h_row + c64 * s_hh, mask=mask, other=0.0).to(tl.float32) * rstd
+            dn = tl.load(dy_ptr + dy_row + c64 * s_dyh, mask=mask, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                dn = dn * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            part += dn * n
+        c = tl.sum(part, axis=0) / H
+        g_row = row_offsets(row, g_inner, s_g0, s_g1, G_SPLIT)
+        dx_row = row_offsets(row, dx_inner, s_dx0, s_dx1, DX_SPLIT)
+        for c0 in range(0, H, BLOCK_C):
+            cols = c0 + rc
+            mask = cols < H
+            c64 = cols.to(tl.int64)
+            n = tl.load(h_ptr + h_row + c64 * s_hh, mask=mask, other=0.0).to(tl.float32) * rstd
+            dy = tl.load(dy_ptr + dy_row + c64 * s_dyh, mask=mask, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                dn = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                dw_off = pid.to(tl.int64) * H + c64
+                tl.store(dw_ptr + dw_off, tl.load(dw_ptr + dw_off, mask=mask, other=0.0) + dy * n, mask=mask)
+            else:
+                dn = dy
+            dh = rstd * (dn - n * c)
+            if HAS_DHIN:
+                dh += tl.load(dhin_ptr + g_row + c64 * s_gh, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + dx_row + c64 * s_dxh, dh.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 # --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
@@ -156,7 +258,11 @@ def _operand(t: torch.Tensor | None):
 
 
 def _config(H: int, M: int):
+    """(block sizes, launch options) of the fused kernels, or of the looped ones for rows wider
+    than ROW_BLOCK_LIMIT (``{"BLOCK_C": ...}``, one row per program)."""
     block_h = max(16, triton.next_power_of_2(H))
+    if block_h > ROW_BLOCK_LIMIT:
+        return dict(BLOCK_C=min(LOOP_CHUNK, ROW_BLOCK_LIMIT)), ({} if interpreting() else dict(num_warps=8))
     if interpreting():
         # numpy runs a whole block at once: fewer, larger programs are faster; 16 rows still leave
         # multi-program launches and row tails in the tests
@@ -187,8 +293,6 @@ def _check_fwd(x, weight, eps, residual) -> int:
     H = x.shape[-1]
     if H == 0:
         raise ValueError(f"x must have a non-empty hidden (last) dimension, got shape {tuple(x.shape)}")
-    if H > MAX_FUSED_SIZE:
-        raise ValueError(f"hidden size {H} exceeds the fused RMSNorm limit of {MAX_FUSED_SIZE} features")
     if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     if weight is not None:
@@ -249,9 +353,10 @@ def rms_norm_fwd(
         hr, h_rows, s_hh = _operand(_as_rows("residual_out", residual_out, written=True)
                                     if residual is not None else None)
         cfg, launch = _config(H, M)
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
+        grid = (triton.cdiv(M, cfg.get("BLOCK_M", 1)),)
+        kernel = _rmsnorm_fwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_fwd_kernel
         with _device_ctx(x):
-            _rmsnorm_fwd_kernel[grid](
+            kernel[grid](
                 xr, rr if rr is not None else xr, weight if weight is not None else xr, yr,
                 hr if hr is not None else yr, rstd,
                 M, H, float(eps),
@@ -296,7 +401,7 @@ def rms_norm_bwd(
     check_shape("rstd", rstd, (M,))
     dx = torch.empty(h.shape, device=h.device, dtype=dx_dtype or h.dtype)
     cfg, launch = _config(H, M)
-    programs, rows_per_program = _bwd_programs(M, cfg["BLOCK_M"], h.device)
+    programs, rows_per_program = _bwd_programs(M, cfg.get("BLOCK_M", 1), h.device)
     dw_partial = torch.zeros((programs, H), device=h.device, dtype=torch.float32) if weight is not None else None
     if M > 0:
         gr, dy_rows, s_dyh = _operand(_as_rows("grad_out", grad_out))
@@ -304,8 +409,9 @@ def rms_norm_bwd(
         dxr, dx_rows, s_dxh = _operand(_as_rows("dx", dx, written=True))
         gin, g_rows, s_gh = _operand(_as_rows("grad_residual", grad_residual) if grad_residual is not None else None)
         w = weight.contiguous() if weight is not None else None
+        kernel = _rmsnorm_bwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_bwd_kernel
         with _device_ctx(h):
-            _rmsnorm_bwd_kernel[(programs,)](
+            kernel[(programs,)](
                 gr, hr, w if w is not None else hr, rstd, gin if gin is not None else gr, dxr,
                 dw_partial if dw_partial is not None else rstd,
                 M, H, rows_per_program,

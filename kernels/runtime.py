@@ -49,24 +49,119 @@ def shared_memory_limit(device_index: int) -> int:
     return int(props["max_shared_mem"])
 
 
-def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int, dims: dict):
-    """GEMM tile configs worth autotuning: the pipelined A and B tiles fit in shared memory,
-    ``(BLOCK_M*BLOCK_K + b_tiles*BLOCK_K*BLOCK_N) * elem_size * num_stages <= smem_limit``
-    (``b_tiles=2`` for gated epilogues, which stream gate and up columns), and no tile is more
-    than twice the problem along a dim of ``dims`` (``{"BLOCK_M": M, ...}``; tiles of 32 or less
-    always pass): a 256-wide tile on a 40-wide output only wastes work. Never empty: when nothing
-    qualifies, the smallest tile is kept."""
+@functools.lru_cache(maxsize=None)
+def device_capability(device_index: int) -> tuple[int, int]:
+    """Compute capability ``(major, minor)`` of a GPU (for pruning configs)."""
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+#: fp32 accumulator elements one thread may hold (all accumulators of a tile together) before
+#: ptxas spills, measured with ``python -m benchmarks compile`` on sm_90 and sm_80: with a plain
+#: epilogue 128; an epilogue that also keeps activation terms and int64 pointer tiles of a
+#: residual / pre-activation store live needs more registers per element (the kernels pass
+#: their own, smaller budgets).
+ACC_BUDGET = 128
+#: the same per accumulator for an fp32 "ieee" dot, which Triton lowers to FMAs whose operand
+#: fragments are held in registers next to the accumulator
+FMA_ACC_BUDGET = 32
+
+
+#: operand elements (A tile plus B tiles) one thread may load per K step when the loads cannot be
+#: vectorised (a row stride or K not a multiple of 16 bytes) or are masked along K (K not a
+#: multiple of 64): every element then carries its own address and mask, Triton does not pipeline
+#: them (the shared-memory estimate is then an upper bound), and tiles with BLOCK_K = 64 spill on
+#: such problems (``python -m benchmarks compile``)
+UNALIGNED_OPERAND_BUDGET = 64
+UNALIGNED_MAX_BLOCK_K = 32
+
+
+def aligned(elem_size: int, *extents) -> bool:
+    """Whether every extent (K, row strides, in elements) is a multiple of 16 bytes, so that a
+    tile's loads vectorise."""
+    return all(int(e) * elem_size % 16 == 0 for e in extents)
+
+
+def acc_budget_for(budget: int, *, elem_size: int, precision: str, acc_tiles: int = 1) -> int:
+    """``budget`` (accumulator elements per thread of a kernel's epilogue), capped at
+    :data:`FMA_ACC_BUDGET` per accumulator for fp32 operands multiplied in "ieee" precision."""
+    if elem_size == 4 and precision == "ieee":
+        return min(budget, FMA_ACC_BUDGET * acc_tiles)
+    return budget
+
+
+def _tile(cfg):
+    if isinstance(cfg, dict):
+        return cfg, cfg.get("num_warps", 4), cfg.get("num_stages", 3)
+    return cfg.kwargs, cfg.num_warps, cfg.num_stages
+
+
+def uses_wgmma(capability, dot_m: int, elem_size: int, precision: str = "tf32") -> bool:
+    """Whether Triton lowers a ``tl.dot`` with ``dot_m`` rows to Hopper's wgmma: sm_90, at
+    least 64 rows, 16-bit operands (or fp32 as tf32)."""
+    return capability[0] == 9 and dot_m >= 64 and (elem_size == 2 or precision == "tf32")
+
+
+def tile_smem_bytes(cfg, *, elem_size: int, b_tiles: int, capability=(9, 0), dims=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+                    precision: str = "tf32") -> int:
+    """Shared memory of a pipelined GEMM main loop: the A tile (``M x K`` of ``dims``, the dot's
+    rows, columns and contraction block) and ``b_tiles`` B tiles (``K x N``), buffered
+    ``num_stages`` times for wgmma (sm_90) and ``num_stages - 1`` times for mma.sync / FMA dots
+    (sm_80, or tiles under 64 rows), as Triton's pipeliner allocates them."""
+    kw, _, stages = _tile(cfg)
+    m, n, k = (kw[d] for d in dims)
+    buffers = stages if uses_wgmma(capability, m, elem_size, precision) else max(stages - 1, 1)
+    return (m * k + b_tiles * k * n) * elem_size * buffers
+
+
+def acc_per_thread(cfg, acc_tiles: int = 1, dims=("BLOCK_M", "BLOCK_N")) -> int:
+    """fp32 accumulator elements per thread: ``acc_tiles`` tiles of ``dims`` over the warps."""
+    kw, warps, _ = _tile(cfg)
+    return acc_tiles * kw[dims[0]] * kw[dims[1]] // (32 * warps)
+
+
+def tile_config_problem(cfg, *, elem_size: int, b_tiles: int, smem_limit: int, capability=(9, 0),
+                        acc_tiles: int = 1, acc_budget: int = ACC_BUDGET, dims=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+                        precision: str = "tf32", unaligned: bool = False) -> str | None:
+    """Why a GEMM tile config cannot run well (None if it can): its pipelined tiles overflow
+    shared memory, its accumulators exceed ``acc_budget`` elements per thread, or (``unaligned``
+    loads) its K block or operand tiles exceed the unaligned budgets; the last two would spill."""
+    smem = tile_smem_bytes(cfg, elem_size=elem_size, b_tiles=b_tiles, capability=capability, dims=dims,
+                           precision=precision)
+    if smem > smem_limit:
+        return f"needs {smem} B of shared memory > {smem_limit} B on this GPU"
+    acc = acc_per_thread(cfg, acc_tiles, dims[:2])
+    if acc > acc_budget:
+        return f"holds {acc} fp32 accumulator elements per thread > {acc_budget}: it would spill registers"
+    if unaligned:
+        kw, warps, _ = _tile(cfg)
+        m, n, k = (kw[d] for d in dims)
+        per_thread = (m * k + b_tiles * k * n) // (32 * warps)
+        if k > UNALIGNED_MAX_BLOCK_K or per_thread > UNALIGNED_OPERAND_BUDGET:
+            return (f"loads {per_thread} operand elements per thread (BLOCK_K {k}) without vectorisation "
+                    f"(unaligned strides or K), over {UNALIGNED_OPERAND_BUDGET} / BLOCK_K "
+                    f"{UNALIGNED_MAX_BLOCK_K}: it would spill registers")
+    return None
+
+
+def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int, dims: dict, capability=(9, 0),
+                       acc_tiles: int = 1, acc_budget: int = ACC_BUDGET, tile_dims=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+                       precision: str = "tf32", unaligned: bool = False):
+    """GEMM tile configs worth autotuning: :func:`tile_config_problem` finds nothing (the
+    pipelined tiles fit in shared memory, the accumulators in registers; ``b_tiles=2`` /
+    ``acc_tiles=2`` for gated epilogues, which stream gate and up columns into two
+    accumulators), and no tile is more than twice the problem along a dim of ``dims``
+    (``{"BLOCK_M": M, ...}``; tiles of 32 or less always pass): a 256-wide tile on a 40-wide
+    output only wastes work. Never empty: when nothing qualifies, the smallest tile is kept."""
     kept = []
     for cfg in configs:
-        bm, bn, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]
-        if (bm * bk + b_tiles * bk * bn) * elem_size * cfg.num_stages > smem_limit:
+        if tile_config_problem(cfg, elem_size=elem_size, b_tiles=b_tiles, smem_limit=smem_limit,
+                               capability=capability, acc_tiles=acc_tiles, acc_budget=acc_budget, dims=tile_dims,
+                               precision=precision, unaligned=unaligned):
             continue
         if any(cfg.kwargs[k] > 2 * triton.next_power_of_2(n) and cfg.kwargs[k] > 32 for k, n in dims.items()):
             continue
         kept.append(cfg)
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-
-
 
 
 def input_precision(dtype: torch.dtype) -> str:

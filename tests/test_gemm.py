@@ -1,6 +1,7 @@
 """fusedpar.kernels.matmul / matmul_tn against an fp64 reference (interpreter on CPU, compiled on GPU)."""
 import pytest
 import torch
+import triton
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
 from fusedpar.kernels import ACTIVATIONS, gemm, matmul, matmul_reference, matmul_tn, runtime
@@ -94,11 +95,14 @@ def test_3d_output_accumulate_into_chunk():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matmul_tn_weight_gradient_over_strided_tokens(dtype):
-    """dW = dY^T X with the token dim a [batch, seq-chunk] view of both operands."""
-    g = torch.Generator().manual_seed(17)
-    B, S, N, K = 3, 11, 19, 26
-    dy = randn(B, S, N, dtype=dtype, generator=g)
+@pytest.mark.parametrize("S,dy_chunk", [(11, False), (11, True), (45, True)])
+def test_matmul_tn_weight_gradient_over_strided_tokens(dtype, S, dy_chunk):
+    """dW = dY^T X with the token dim a [batch, seq-chunk] view of x (and of dY): the two-level
+    contraction index, advanced without division, for chunks shorter and longer than BLOCK_K."""
+    g = torch.Generator().manual_seed(17 + S)
+    B, N, K = 3, 19, 26
+    dy = randn(B, 2 * S + 3, N, dtype=dtype, generator=g)[:, 2 : 2 + S] if dy_chunk else \
+        randn(B, S, N, dtype=dtype, generator=g)
     x = randn(B, 2 * S + 1, K, dtype=dtype, generator=g)[:, 5 : 5 + S]
     out = poison((N, K), torch.float32)
     matmul_tn(dy, x, out=out)
@@ -233,3 +237,25 @@ def test_gpu_config_pruning_by_shared_memory_and_problem_size():
     assert [c for c in big if c.kwargs["BLOCK_N"] <= 128] == narrow
     tiny = prune_tile_configs(configs, elem_size=4, b_tiles=2, smem_limit=1024, dims={"BLOCK_M": 1, "BLOCK_N": 1})
     assert len(tiny) == 1 and tiny[0] is min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+
+
+def test_prune_rule_models_the_compiler():
+    """The shared-memory and register terms of the prune rule, at figures the compile check
+    (``python -m benchmarks compile``) measured: wgmma (sm_90, >= 64 rows) buffers num_stages
+    tiles, mma.sync (sm_80, or fewer rows) num_stages - 1; a gated 128x128 tile over 8 warps holds
+    128 accumulator elements per thread, over the fused-epilogue budget."""
+    from fusedpar.kernels.runtime import tile_config_problem, tile_smem_bytes
+
+    big = triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), num_stages=3, num_warps=8)
+    small = triton.Config(dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), num_stages=4, num_warps=4)
+    assert tile_smem_bytes(big, elem_size=2, b_tiles=1, capability=(9, 0)) == 147456
+    assert tile_smem_bytes(big, elem_size=2, b_tiles=1, capability=(8, 0)) == 98304
+    assert tile_smem_bytes(small, elem_size=2, b_tiles=2, capability=(9, 0)) == 55296
+    # the grouped weight gradient's dot is dy^T [N, M] @ x [M, K]: rows block is the contraction
+    wgrad = triton.Config(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), num_stages=3, num_warps=8)
+    assert tile_smem_bytes(wgrad, elem_size=2, b_tiles=1, dims=("BLOCK_N", "BLOCK_K", "BLOCK_M")) == 98304
+    gated = triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_stages=4, num_warps=8)
+    rule = dict(elem_size=2, b_tiles=2, smem_limit=232448, acc_tiles=2)
+    assert "128 fp32 accumulator elements per thread > 64" in tile_config_problem(
+        gated, acc_budget=gemm.EPILOGUE_ACC_BUDGET["fused"], **rule)
+    assert tile_config_problem(gated, acc_budget=gemm.EPILOGUE_ACC_BUDGET["plain"], **rule) is None

@@ -366,3 +366,34 @@ def test_benchmark_cli_smoke(tmp_path, monkeypatch):
         assert row["T_persistent_ms"] > 0 and row["T_seq_ms"] > 0
     with pytest.raises(SystemExit):
         main(["persistent_ag", "--tokens", "10", "--tp", "3"])
+
+
+def test_config_is_validated_with_the_gemm_prune_rule(monkeypatch):
+    """A ``config=`` is checked (compiled path) with the autotuned GEMM's rule: SwiGLU 128x256x64
+    with 3 stages needs 245760 B of shared memory > 232448 B on sm_90; a fused epilogue whose
+    accumulators would spill and malformed configs are refused too; the defaults pass."""
+    from fusedpar.kernels import gemm
+    from fusedpar.kernels.gemm import linear_operands
+
+    monkeypatch.setattr(pg, "shared_memory_limit", lambda index=0: 232448)
+    monkeypatch.setattr(gemm, "device_capability", lambda index=0: (9, 0))
+    def operands(dtype, activation):
+        x, w = torch.empty(64, 64, dtype=dtype), torch.empty(128 if activation == "swiglu" else 64, 64, dtype=dtype)
+        return linear_operands(x, w, activation=activation)
+
+    a = torch.empty(4, 64, 4096, dtype=torch.bfloat16, device="meta")  # CPU tensors skip the GPU checks
+    glu, plain = operands(torch.bfloat16, "swiglu"), operands(torch.bfloat16, "none")
+    big = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    with pytest.raises(ValueError, match="needs 245760 B of shared memory > 232448 B"):
+        pg.check_config(big, a, glu, store_aux=True)
+    pg.check_config(big, a, plain, store_aux=False)
+    with pytest.raises(ValueError, match="128 fp32 accumulator elements per thread > 64"):
+        pg.check_config(dict(big, BLOCK_N=128, num_stages=4), a, glu, store_aux=False)
+    with pytest.raises(ValueError, match=r"config\['BLOCK_K'\] must be a positive power of two, got 48"):
+        pg.check_config(dict(big, BLOCK_K=48), a, plain, store_aux=False)
+    with pytest.raises(ValueError, match=r"config\['num_warps'\] must be a positive power of two, got 6"):
+        pg.check_config(dict(big, num_warps=6), a, plain, store_aux=False)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = a.to(dtype)
+        for ops in (operands(dtype, "swiglu"), operands(dtype, "none")):
+            pg.check_config(pg.gpu_config(ops.n, dtype, ops.glu), x, ops, store_aux=ops.glu)

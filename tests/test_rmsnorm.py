@@ -164,3 +164,38 @@ def test_four_dim_input_and_unviewable_output():
     assert_close(rms_norm(x, w), rms_norm_reference(x, w), torch.float32)
     with pytest.raises(ValueError, match=r"out of shape \(2, 4, 3, 10\) .* cannot be viewed"):
         rms_norm_fwd(x, w, out=poison((2, 3, 4, 10), torch.float32).transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("H,limit,chunk", [(65536, 8192, 4096), (300, 64, 32)])
+def test_wide_rows_take_the_looped_kernels(monkeypatch, H, limit, chunk, dtype, with_residual):
+    """Rows wider than ROW_BLOCK_LIMIT are streamed in chunks (two passes) instead of held in
+    registers: forward and gradients vs fp64 at hidden 65536 and at a small limit with a ragged
+    last chunk and several rows per backward program."""
+    from fusedpar.kernels import rmsnorm
+
+    monkeypatch.setattr(rmsnorm, "ROW_BLOCK_LIMIT", limit)
+    monkeypatch.setattr(rmsnorm, "LOOP_CHUNK", chunk)
+    g = torch.Generator().manual_seed(H + with_residual)
+    shape = (3, H) if H > 1000 else (2, 5, H)
+    x = randn(*shape, dtype=dtype, generator=g, scale=2.0).requires_grad_()
+    w = (1 + 0.5 * randn(H, dtype=torch.float32, generator=g)).to(dtype).requires_grad_()
+    r = randn(*shape, dtype=dtype, generator=g).requires_grad_() if with_residual else None
+    dy = randn(*shape, dtype=dtype, generator=g)
+    dh = randn(*shape, dtype=dtype, generator=g) if with_residual else None
+    out = rms_norm(x, w, 1e-5, residual=r)
+    ref, gx, gw, gr = _ref_grads(x, w, r, dy, dh, 1e-5)
+    if with_residual:
+        assert_close(out[1], ref[1], dtype, msg="new residual")
+        assert_close(out[0], ref[0], dtype, msg="y")
+        torch.autograd.backward(list(out), [dy, dh])
+    else:
+        assert_close(out, ref, dtype, msg="y")
+        out.backward(dy)
+    tol = GRAD_RTOL[dtype]
+    sx, sw = _grad_scales(x, w, r, dy)
+    assert_close(x.grad, gx, dtype, rtol=tol, atol=tol * sx, msg="dx")
+    assert_close(w.grad, gw, dtype, rtol=tol, atol=tol * sw, msg="dweight")
+    if with_residual:
+        assert_close(r.grad, gr, dtype, rtol=tol, atol=tol * sx, msg="dresidual")

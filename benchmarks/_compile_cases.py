@@ -1,0 +1,202 @@
+"""The launches the compile check drives: every launcher of fusedpar.kernels at the test-suite
+shapes and at LLM shapes (Llama-3 8B / 70B, Mixtral 8x7B, a DeepSeek-style MoE), on ``meta``
+tensors. A case is ``(family, name, fast, fn(dtype))``; ``fast`` cases form the CI subset."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fusedpar.kernels import (
+    combine,
+    combine_backward,
+    grouped_matmul,
+    grouped_matmul_dact,
+    grouped_wgrad,
+    matmul,
+    matmul_tn,
+    permute,
+)
+from fusedpar.kernels.flash_attention import flash_attention_forward
+from fusedpar.kernels.flash_attention_bwd import flash_attention_backward
+from fusedpar.kernels.moe_routing import routing_metadata
+from fusedpar.kernels.persistent_gemm import chunk_reduce, chunk_view, persistent_matmul
+from fusedpar.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+
+#: dense transformer layers: hidden, ffn, query heads, kv heads, head dim, tokens per batch
+LLAMA = {
+    "llama3-8b": dict(hidden=4096, ffn=14336, heads=32, kv=8, d=128, batch=2, seq=4096),
+    "llama3-70b": dict(hidden=8192, ffn=28672, heads=64, kv=8, d=128, batch=1, seq=8192),
+}
+#: MoE layers: hidden, expert ffn, experts, top-k, tokens
+MOE = {
+    "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=8192),
+    "deepseek-moe": dict(hidden=2048, ffn=1408, experts=64, top_k=6, tokens=8192),
+}
+TP = 8  # tensor-parallel degree of the sequence-chunk (split view) cases
+
+
+@dataclass
+class Case:
+    family: str
+    name: str
+    fast: bool
+    run: Callable
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _seq_chunk(batch, seq, feats, dtype):
+    """Rank 1's sequence chunk of a ``[batch, seq, feats]`` activation: a split row view."""
+    lo = seq // TP
+    return meta(batch, seq, feats, dtype=dtype)[:, lo:2 * lo]
+
+
+# --------------------------------------------------------------------------------------------
+# dense GEMMs (matmul, matmul_tn) and the persistent GEMM
+# --------------------------------------------------------------------------------------------
+def _gemm_cases():
+    cases = []
+    for model, c in LLAMA.items():
+        H, F, T = c["hidden"], c["ffn"], c["batch"] * c["seq"]
+        qkv = (c["heads"] + 2 * c["kv"]) * c["d"]
+        fast = model == "llama3-8b"
+        cases += [
+            Case("gemm", f"{model} qkv+bias", fast, lambda dt, H=H, T=T, n=qkv: matmul(
+                meta(T, H, dtype=dt), meta(n, H, dtype=dt), meta(n, dtype=dt))),
+            Case("gemm", f"{model} o_proj+residual", False, lambda dt, H=H, T=T: matmul(
+                meta(T, H, dtype=dt), meta(H, H, dtype=dt), residual=meta(T, H, dtype=dt))),
+            Case("gemm", f"{model} swiglu+preact", fast, lambda dt, H=H, F=F, T=T: matmul(
+                meta(T, H, dtype=dt), meta(2 * F, H, dtype=dt), activation="swiglu",
+                preact_out=meta(T, 2 * F, dtype=dt))),
+            Case("gemm", f"{model} gelu+residual split", fast, lambda dt, c=c: matmul(
+                _seq_chunk(c["batch"], c["seq"], c["hidden"], dt), meta(c["hidden"], c["hidden"], dtype=dt),
+                meta(c["hidden"], dtype=dt), activation="gelu",
+                residual=_seq_chunk(c["batch"], c["seq"], c["hidden"], dt),
+                out=_seq_chunk(c["batch"], c["seq"], c["hidden"], dt))),
+            Case("gemm", f"{model} down accumulate", False, lambda dt, H=H, F=F, T=T: matmul(
+                meta(T, F, dtype=dt), meta(H, F, dtype=dt), out=meta(T, H, dtype=dt), accumulate=True)),
+            Case("gemm", f"{model} wgrad", False, lambda dt, H=H, F=F, T=T: matmul_tn(
+                meta(T, H, dtype=dt), meta(T, F, dtype=dt))),
+            Case("gemm", f"{model} wgrad split accumulate", fast, lambda dt, c=c: matmul_tn(
+                _seq_chunk(c["batch"], c["seq"], c["hidden"], dt), _seq_chunk(c["batch"], c["seq"], c["ffn"], dt),
+                out=meta(c["hidden"], c["ffn"], dtype=dt), accumulate=True)),
+        ]
+    cases += [  # the test suite's shapes: tiny, odd, K not a multiple of 64
+        Case("gemm", "tests 37x45x70 swiglu", False, lambda dt: matmul(
+            meta(37, 70, dtype=dt), meta(90, 70, dtype=dt), activation="swiglu", preact_out=meta(37, 90, dtype=dt))),
+        Case("gemm", "tests 2x19x40 gelu+residual", False, lambda dt: matmul(
+            meta(2, 19, 40, dtype=dt), meta(24, 40, dtype=dt), activation="gelu", residual=meta(2, 19, 24, dtype=dt))),
+    ]
+    return cases
+
+
+def _persistent(dt, c, activation, wait):
+    H, T = c["hidden"], c["batch"] * c["seq"]
+    n_w = 2 * c["ffn"] if activation == "swiglu" else H
+    a = chunk_view(meta(T, H, dtype=dt), 0, TP)
+    kw = dict(wait_flags=meta(TP, dtype=torch.int32), wait_mode="spin", check_waits=False) if wait else \
+        dict(wait_mode="none", signal_counters=meta(TP, dtype=torch.int32))
+    if activation == "swiglu":
+        kw["preact_out"] = chunk_view(meta(T, n_w, dtype=dt), 0, TP)
+    persistent_matmul(a, meta(n_w, H, dtype=dt), activation=activation, **kw)
+
+
+def _persistent_cases():
+    cases = []
+    for model, c in LLAMA.items():
+        fast = model == "llama3-8b"
+        cases += [
+            Case("persistent", f"{model} all-gather swiglu", fast, lambda dt, c=c: _persistent(dt, c, "swiglu", True)),
+            Case("persistent", f"{model} reduce-scatter", fast, lambda dt, c=c: _persistent(dt, c, "none", False)),
+            Case("persistent", f"{model} chunk_reduce", False, lambda dt, c=c: chunk_reduce(
+                chunk_view(meta(c["batch"] * c["seq"], c["hidden"], dtype=torch.float32), 0, TP),
+                torch.zeros(TP, dtype=torch.int64), 1, out=meta(c["batch"] * c["seq"] // TP, c["hidden"], dtype=dt),
+                counters=meta(TP, dtype=torch.int32), counter_offsets=torch.zeros(TP, dtype=torch.int64),
+                check_waits=False)),
+        ]
+    return cases
+
+
+# --------------------------------------------------------------------------------------------
+# MoE: routing, permute / combine, grouped GEMMs
+# --------------------------------------------------------------------------------------------
+def _offsets(rows, groups):
+    step = rows // groups
+    return [g * step for g in range(groups)] + [rows]
+
+
+def _moe_cases():
+    cases = []
+    for model, c in MOE.items():
+        H, F, E, k, T = c["hidden"], c["ffn"], c["experts"], c["top_k"], c["tokens"]
+        M = T * k
+        off = _offsets(M, E)
+        fast = model == "mixtral"
+        cases += [
+            Case("grouped", f"{model} up swiglu+preact", fast, lambda dt, H=H, F=F, E=E, M=M, off=off: grouped_matmul(
+                meta(M, H, dtype=dt), meta(E, 2 * F, H, dtype=dt), off, activation="swiglu",
+                preact_out=meta(M, 2 * F, dtype=dt))),
+            Case("grouped", f"{model} down", False, lambda dt, H=H, F=F, E=E, M=M, off=off: grouped_matmul(
+                meta(M, F, dtype=dt), meta(E, H, F, dtype=dt), off)),
+            Case("grouped", f"{model} dgrad swiglu", fast, lambda dt, H=H, F=F, E=E, M=M, off=off: grouped_matmul_dact(
+                meta(M, H, dtype=dt), meta(E, H, F, dtype=dt), off, meta(M, 2 * F, dtype=dt))),
+            Case("grouped", f"{model} dgrad x", False, lambda dt, H=H, F=F, E=E, M=M, off=off: grouped_matmul(
+                meta(M, 2 * F, dtype=dt), meta(E, 2 * F, H, dtype=dt), off, weight_layout="kn")),
+            Case("grouped", f"{model} wgrad up", fast, lambda dt, H=H, F=F, E=E, M=M, off=off: grouped_wgrad(
+                meta(M, 2 * F, dtype=dt), meta(M, H, dtype=dt), off, E)),
+            Case("grouped", f"{model} wgrad down accumulate", False, lambda dt, H=H, F=F, E=E, M=M, off=off:
+                 grouped_wgrad(meta(M, H, dtype=dt), meta(M, F, dtype=dt), off, E, out=meta(E, H, F, dtype=dt),
+                               accumulate=True)),
+            Case("moe", f"{model} routing", fast, lambda dt, E=E, k=k, T=T: routing_metadata(
+                meta(T, k, dtype=torch.int32), E, capacity=T)),
+            Case("moe", f"{model} permute/combine", fast, lambda dt, H=H, k=k, T=T: (
+                permute(meta(T, H, dtype=dt), meta(T * k, dtype=torch.int32), k),
+                combine(meta(T * k, H, dtype=dt), meta(T * k, dtype=torch.int32), meta(T, k, dtype=dt), k),
+                combine_backward(meta(T, H, dtype=dt), meta(T * k, H, dtype=dt), meta(T, k, dtype=dt),
+                                 meta(T * k, dtype=torch.int32), k))),
+        ]
+    cases.append(Case("grouped", "tests 5 groups 61x24x40 swiglu", False, lambda dt: grouped_matmul(
+        meta(61, 40, dtype=dt), meta(3, 48, 40, dtype=dt), [0, 7, 7, 30, 41, 55], activation="swiglu")))
+    return cases
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm and flash attention
+# --------------------------------------------------------------------------------------------
+def _rmsnorm(dt, T, H, residual):
+    y, h, rstd = rms_norm_fwd(meta(T, H, dtype=dt), meta(H, dtype=dt),
+                              residual=meta(T, H, dtype=dt) if residual else None)
+    rms_norm_bwd(meta(T, H, dtype=dt), meta(T, H, dtype=dt), meta(H, dtype=dt), rstd,
+                 grad_residual=meta(T, H, dtype=dt) if residual else None)
+
+
+def _norm_cases():
+    return [
+        Case("rmsnorm", "llama3-8b residual", True, lambda dt: _rmsnorm(dt, 8192, 4096, True)),
+        Case("rmsnorm", "llama3-70b", False, lambda dt: _rmsnorm(dt, 8192, 8192, False)),
+        Case("rmsnorm", "wide 65536 residual", True, lambda dt: _rmsnorm(dt, 64, 65536, True)),
+        Case("rmsnorm", "tests 3x7x40", False, lambda dt: _rmsnorm(dt, 21, 40, True)),
+    ]
+
+
+def _flash(dt, b, s, hq, hk, d, causal):
+    q, k, v = meta(b, s, hq, d, dtype=dt), meta(b, s, hk, d, dtype=dt), meta(b, s, hk, d, dtype=dt)
+    out, lse = flash_attention_forward(q, k, v, causal=causal)
+    flash_attention_backward(meta(b, s, hq, d, dtype=dt), q, k, v, out, lse, causal=causal)
+
+
+def _flash_cases():
+    cases = []
+    for model, c in LLAMA.items():
+        cases.append(Case("flash", f"{model} causal", model == "llama3-8b", lambda dt, c=c: _flash(
+            dt, c["batch"], c["seq"], c["heads"], c["kv"], c["d"], True)))
+    cases.append(Case("flash", "tests 2x33x4/2x64", False, lambda dt: _flash(dt, 2, 33, 4, 2, 64, False)))
+    return cases
+
+
+def all_cases():
+    return _gemm_cases() + _persistent_cases() + _moe_cases() + _norm_cases() + _flash_cases()

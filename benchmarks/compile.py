@@ -1,0 +1,211 @@
+"""``python -m benchmarks compile --arch sm_90|sm_80|all [--subset fast|full] [--json PATH]``:
+compile every kernel variant the shipped launchers can launch for an NVIDIA target, without a
+GPU, and report registers, spills, shared memory, the MMA kind and the prune decision.
+
+The launchers run for real on ``meta`` tensors under :class:`benchmarks._capture.Capture`, so
+every constexpr is the compiled-path value and the autotuners' prune rules decide as they would
+on the GPU (every config is recorded with its decision; ``kept`` ones are launchable). Exit 1
+on a compile failure or a launchable variant over the shared-memory limit; ``--fail-on-spill``
+also fails on spills of launchable bf16/fp16 variants outside the flash-attention kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+FAMILIES = ("gemm", "persistent", "grouped", "moe", "rmsnorm", "flash")
+DTYPES = {"fast": ("bfloat16",), "full": ("bfloat16", "float16", "float32")}
+
+
+def _estimates():
+    """The prune rules' shared-memory estimate of each autotuned kernel (bytes per program)."""
+    from fusedpar.kernels import gemm, grouped_gemm
+
+    return {
+        "_gemm_kernel": gemm.smem_estimate,
+        "persistent_gemm_kernel": gemm.smem_estimate,
+        "_grouped_gemm_kernel": grouped_gemm.smem_estimate,
+        "_grouped_wgrad_kernel": grouped_gemm.wgrad_smem_estimate,
+        "_attn_fwd_kernel": flash_smem_estimate("fwd"),
+        "_attn_bwd_dq_kernel": flash_smem_estimate("dq"),
+        "_attn_bwd_dkdv_kernel": flash_smem_estimate("dkdv"),
+    }
+
+
+def flash_smem_estimate(kind: str):
+    """The shared-memory term of the flash-attention prune rule (kernels/flash_attention.py):
+    streamed K/V (Q/dO for dK/dV) tiles times stages plus the resident tile pair."""
+    def estimate(cfg, named_args, **kwargs):
+        bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        elem = named_args["q_ptr"].element_size()
+        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+        stream = (bn if kind != "dkdv" else bm) * bd * 2 * elem * cfg.num_stages
+        return stream + (bm if kind != "dkdv" else bn) * bd * 2 * elem
+
+    return estimate
+
+
+def capture(arch: str, subset: str, families=FAMILIES, match: str = ""):
+    """Run the cases of ``subset`` under a :class:`Capture` for ``arch``; returns its variants
+    (each with its family and the cases that launch it)."""
+    import torch
+
+    from ._capture import Capture
+    from ._compile_cases import all_cases
+
+    cap = Capture(arch, _estimates(), sample=subset == "fast")
+    with cap:
+        for case in all_cases():
+            if case.family not in families or (subset == "fast" and not case.fast) or match not in case.name:
+                continue
+            for dt in DTYPES[subset]:
+                with cap.case(f"{case.family}: {case.name}", dt):
+                    case.run(getattr(torch, dt))
+    return cap
+
+
+def compile_all(cap, jobs: int, cache_dir: str | None, pruned: bool):
+    """Compile the recorded variants (``pruned=False``: only launchable ones) in ``jobs``
+    processes; returns ``[(variant, result)]``."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    from ._capture import compile_variant
+
+    todo = [v for v in cap.variants.values() if pruned or v.decision != "pruned"]
+    work = [(v.key(cap.cc), v.module, v.kernel, v.signature, v.constexprs, v.attrs, v.options, cap.cc, cache_dir)
+            for v in todo]
+    if jobs <= 1 or len(work) <= 1:
+        results = [compile_variant(w) for w in work]
+    else:
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) as pool:
+            results = list(pool.map(compile_variant, work, chunksize=1))
+    return list(zip(todo, results))
+
+
+def rows_of(arch: str, smem_limit: int, compiled) -> list[dict]:
+    rows = []
+    for v, res in compiled:
+        cfg = v.config
+        tile = "x".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_H", "BLOCK_R", "BLOCK_T", "BLOCK",
+                                              "BLOCK_D") if k in cfg)
+        dtypes = sorted({c[1] for c in v.cases})
+        shared = res.get("shared")
+        row = dict(arch=arch, kernel=v.kernel.lstrip("_"), family=v.cases[0][0].split(":")[0],
+                   cases="; ".join(sorted({c[0].split(": ", 1)[1] for c in v.cases})), dtype="/".join(dtypes),
+                   config=f"{tile} w{cfg['num_warps']} s{cfg['num_stages']}", decision=v.decision,
+                   estimate=v.estimate, shared=shared, regs=res.get("regs"), spill=res.get("spill_stores"),
+                   mma=res.get("mma"), grid=max((c[2] for c in v.cases), key=len), error=res.get("error"))
+        row["est_err"] = (round(100.0 * (v.estimate - shared) / shared, 1)
+                          if v.estimate is not None and shared else None)
+        row["over_smem"] = bool(shared is not None and shared > smem_limit)
+        row["grid_ok"] = all(_grid_ok(c[2]) for c in v.cases)
+        rows.append(row)
+    rows.sort(key=lambda r: (FAMILIES.index(r["family"]) if r["family"] in FAMILIES else 99, r["kernel"],
+                             r["dtype"], r["config"]))
+    return rows
+
+
+def _grid_ok(grid: str) -> bool:
+    from ._capture import CUDA_GRID_LIMITS
+
+    return all(int(g) <= lim for g, lim in zip(grid.split("x"), CUDA_GRID_LIMITS))
+
+
+def problems(rows, fail_on_spill: bool) -> list[str]:
+    """What makes the check fail: compile errors, launchable variants over the shared-memory
+    limit, and (``fail_on_spill``) spills of launchable bf16/fp16 non-flash variants."""
+    out = []
+    for r in rows:
+        launchable = r["decision"] != "pruned"
+        what = f"{r['arch']} {r['kernel']} {r['dtype']} {r['config']} ({r['cases']})"
+        if r["error"]:
+            out.append(f"compile failure: {what}: {r['error']}")
+        elif launchable and r["over_smem"]:
+            out.append(f"over the shared-memory limit: {what}: {r['shared']} B")
+        elif (fail_on_spill and launchable and r["spill"] and r["family"] != "flash"
+              and r["dtype"] != "float32"):
+            out.append(f"spills: {what}: {r['spill']} B")
+    return out
+
+
+def markdown(rows, arch) -> str:
+    cols = ["family", "kernel", "dtype", "config", "decision", "estimate", "shared", "est_err", "regs", "spill",
+            "mma", "grid_ok", "cases"]
+    lines = [f"### {arch}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        vals = [r[c] if r["error"] is None or c not in ("shared", "regs", "spill") else "ERROR" for c in cols]
+        lines.append("| " + " | ".join("" if x is None else f"{x:+.1f}%" if c == "est_err" else str(x)
+                                       for c, x in zip(cols, vals)) + " |")
+    return "\n".join(lines)
+
+
+def summary(rows) -> str:
+    """Per kernel: launchable variants, how many spill, the largest spill, the worst estimate error."""
+    by = {}
+    for r in rows:
+        if r["decision"] == "pruned" or r["error"]:
+            continue
+        s = by.setdefault((r["arch"], r["kernel"], r["dtype"] == "float32"), [0, 0, 0, 0.0])
+        s[0] += 1
+        s[1] += bool(r["spill"])
+        s[2] = max(s[2], r["spill"] or 0)
+        if r["est_err"] is not None:
+            s[3] = max(s[3], abs(r["est_err"]))
+    lines = ["| arch | kernel | dtypes | launchable | spilling | max spill B | max |est err| % |", "|---|---|---|---|---|---|---|"]
+    for (arch, k, fp32), (n, ns, mx, err) in sorted(by.items()):
+        lines.append(f"| {arch} | {k} | {'fp32' if fp32 else 'bf16/fp16'} | {n} | {ns} | {mx} | {err:.1f} |")
+    return "\n".join(lines)
+
+
+def add_args(p):
+    p.add_argument("--arch", choices=["sm_90", "sm_80", "all"], default="sm_90")
+    p.add_argument("--subset", choices=["fast", "full"], default="fast",
+                   help="fast: bf16, one LLM shape per launcher (CI); full: every shape and dtype")
+    p.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    p.add_argument("--cases", default="", help="only the cases whose name contains this")
+    p.add_argument("--pruned", action="store_true", help="also compile configs the prune rules drop")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    p.add_argument("--cache-dir", default=os.environ.get("FUSEDPAR_COMPILE_CACHE",
+                                                          os.path.join(os.path.expanduser("~"), ".cache", "fusedpar", "compile")),
+                   help="results cache ('' disables); keyed by Triton's source hash, target and options")
+    p.add_argument("--fail-on-spill", action="store_true",
+                   help="also fail on spills of launchable bf16/fp16 variants (flash attention excluded)")
+    p.add_argument("--markdown", help="write the tables to this markdown file")
+    p.add_argument("--json", help="write the rows to this JSON file")
+
+
+def main(argv=None) -> int:
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET"):
+        raise SystemExit("triton was imported in interpreter mode; run the compile check in a fresh process")
+    p = argparse.ArgumentParser(prog="python -m benchmarks compile", description=__doc__.split("\n\n")[0])
+    add_args(p)
+    args = p.parse_args(argv)
+    from ._capture import ARCHS
+
+    t0 = time.time()
+    all_rows, text = [], []
+    for arch in (list(ARCHS) if args.arch == "all" else [args.arch]):
+        cap = capture(arch, args.subset, tuple(args.family), args.cases)
+        rows = rows_of(arch, cap.smem, compile_all(cap, args.jobs, args.cache_dir or None, args.pruned))
+        all_rows += rows
+        text.append(markdown(rows, arch))
+    bad = problems(all_rows, args.fail_on_spill)
+    report = "\n\n".join(text + ["### summary (launchable variants)", "", summary(all_rows)])
+    print(report)
+    print(f"\n{len(all_rows)} variants compiled in {time.time() - t0:.1f} s; {len(bad)} problem(s)")
+    for b in bad:
+        print("  " + b)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"# Compile check: `python -m benchmarks compile {' '.join(argv or sys.argv[2:])}`\n\n"
+                    + report + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(all_rows, f, indent=1)
+    return 1 if bad else 0

@@ -1,0 +1,67 @@
+"""The compile check (``python -m benchmarks compile``): its fast subset compiles, through the
+shipped launchers, every kernel family for sm_90 without a GPU, in a subprocess with
+``TRITON_INTERPRET`` unset (this test process runs the interpreter). Asserts no compile failure,
+no launchable variant over the shared-memory limit, and that every autotuned kernel's prune
+estimate agrees with the compiler's shared memory."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: prune estimate vs the compiler's shared memory, for every autotuned GEMM-family kernel
+ESTIMATE_TOLERANCE = 0.05
+#: kernels whose prune rule lives outside this check's scope (its estimate is reported, not asserted)
+ESTIMATE_NOT_CHECKED = {"attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"}
+
+
+@pytest.fixture(scope="module")
+def fast_rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compile") / "fast.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FUSEDPAR_COMPILE_CACHE"] = str(out.parent / "cache")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "compile", "--arch", "sm_90", "--subset", "fast",
+                           "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return proc, json.loads(out.read_text()) if out.exists() else []
+
+
+def test_fast_subset_compiles_without_failures(fast_rows):
+    proc, rows = fast_rows
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert rows and not [r for r in rows if r["error"]]
+    assert not [r for r in rows if r["decision"] != "pruned" and r["over_smem"]]
+
+
+def test_fast_subset_covers_every_launcher(fast_rows):
+    _, rows = fast_rows
+    kernels = {r["kernel"] for r in rows}
+    assert {"gemm_kernel", "persistent_gemm_kernel", "grouped_gemm_kernel", "grouped_wgrad_kernel",
+            "rmsnorm_fwd_kernel", "rmsnorm_bwd_kernel", "route_count_kernel", "route_scatter_kernel",
+            "permute_kernel", "combine_kernel", "combine_bwd_kernel", "attn_fwd_kernel", "attn_bwd_dq_kernel",
+            "attn_bwd_dkdv_kernel"} <= kernels
+    assert all(r["regs"] and r["mma"] for r in rows if not r["error"])
+    assert {r["mma"] for r in rows if r["kernel"] == "gemm_kernel"} >= {"wgmma"}
+
+
+def test_prune_estimates_match_the_compiler(fast_rows):
+    _, rows = fast_rows
+    checked = [r for r in rows if r["estimate"] is not None and r["kernel"] not in ESTIMATE_NOT_CHECKED]
+    assert {r["kernel"] for r in checked} >= {"gemm_kernel", "persistent_gemm_kernel", "grouped_gemm_kernel",
+                                              "grouped_wgrad_kernel"}
+    off = [(r["kernel"], r["config"], r["estimate"], r["shared"]) for r in checked
+           if abs(r["estimate"] - r["shared"]) > ESTIMATE_TOLERANCE * r["shared"]]
+    assert not off, off
+
+
+def test_no_spills_outside_flash_attention(fast_rows):
+    """bf16 GEMMs (every epilogue), persistent and grouped GEMMs, RMSNorm (hidden 65536 too, the
+    looped kernels) and the MoE kernels at LLM shapes: no launchable variant spills. Flash
+    attention's spills are reported by the command, not asserted here (its kernels are reworked
+    elsewhere)."""
+    _, rows = fast_rows
+    spills = [(r["kernel"], r["config"], r["cases"], r["spill"]) for r in rows
+              if r["family"] != "flash" and r["decision"] != "pruned" and r["spill"]]
+    assert not spills, spills
+    assert {"rmsnorm_fwd_looped_kernel", "rmsnorm_bwd_looped_kernel"} <= {r["kernel"] for r in rows}
