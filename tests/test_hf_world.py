@@ -1,7 +1,7 @@
 """fusedpar.hf in a gloo world of 2 against transformers' fp32 model in one process: every rank
 loads only its shards from the HF model, and the gathered logits and every local gradient (after
 fusedpar.parallel.sync_gradients) equal HF's, at tp2, sp2 (ring zigzag), sp2 (Ulysses) and
-sp2 x ep2 (experts over the two sequence-parallel ranks). One world for the module."""
+sp2 x ep2 (experts over the two sequence-parallel ranks; MoE families). One world for the module."""
 from __future__ import annotations
 
 import pytest
@@ -20,8 +20,9 @@ LAYOUTS = {  # name -> (build_parallel_state sizes, config overrides)
     "sp2-ulysses": (dict(sp=2), dict(sp_mode="ulysses")),
     "sp2-ep2": (dict(sp=2, ep=2), dict(sp_mode="ring", layout="zigzag")),
 }
-CASES = [(f, lay) for f in ("llama31", "mixtral", "qwen2_moe", "qwen3") for lay in LAYOUTS
-         if not (lay == "sp2-ep2" and f in ("llama31", "qwen3"))]
+# llama / mistral share llama31's code path (default RoPE, untied head: covered at world 1)
+CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe") for lay in LAYOUTS
+         if not (lay == "sp2-ep2" and f in ("llama31", "qwen2", "qwen3"))]
 B, S = 2, 8
 
 
@@ -54,3 +55,39 @@ def test_layout_matches_transformers(world2, family, layout):
     ref_logits, _, ref_grads = hf_reference(hf_model(family), tokens, targets, aux=False)
     out = world2.run(_layout_case, family, layout, tokens, targets, ref_logits, ref_grads)
     assert all(n > 10 for n in out), out
+
+
+def _replicated_tokens_case(rank, size, x, r, ref):
+    import torch.distributed as dist
+
+    from fusedpar.nn import MoE
+
+    torch.manual_seed(3)
+    moe = MoE(16, 8, 4, 2, ep_group=dist.group.WORLD, replicated_group=dist.group.WORLD, normalize=True,
+              aux_loss_coef=0.0, z_loss_coef=0.0)
+    xr = x.clone().requires_grad_()
+    y = moe(xr)  # the same tokens on both ranks (a TP group without sequence parallelism)
+    (y * r).sum().backward()
+    router_grad = moe.router.weight.grad.clone()
+    dist.all_reduce(router_grad)  # each rank routed its half of the tokens
+    n = moe.experts_per_rank
+    for got, want, what in ((y.detach(), ref["y"], "output"), (xr.grad, ref["x"], "input grad"),
+                            (moe.w1.grad, ref["w1"][rank * n:(rank + 1) * n], "w1 grad"),
+                            (moe.w2.grad, ref["w2"][rank * n:(rank + 1) * n], "w2 grad"),
+                            (router_grad, ref["router"], "router grad")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=what)
+    return True
+
+
+def test_moe_with_tokens_replicated_over_the_ep_ranks_counts_each_token_once(world2):
+    from fusedpar.nn import MoE
+
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(2, 6, 16, generator=g), torch.randn(2, 6, 16, generator=g)
+    torch.manual_seed(3)
+    moe = MoE(16, 8, 4, 2, normalize=True, aux_loss_coef=0.0, z_loss_coef=0.0)
+    xr = x.clone().requires_grad_()
+    y = moe(xr)
+    (y * r).sum().backward()
+    ref = {"y": y.detach(), "x": xr.grad, "w1": moe.w1.grad, "w2": moe.w2.grad, "router": moe.router.weight.grad}
+    assert all(world2.run(_replicated_tokens_case, x, r, ref))
