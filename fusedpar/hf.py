@@ -23,9 +23,13 @@ import torch
 from torch import nn
 
 from fusedpar.checkpoint import full_state, shard_specs
+from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fusedpar.nn.moe import MoE
 from fusedpar.nn.transformer import Transformer, TransformerConfig
+from fusedpar.ops import comm
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "from_hf", "load_full_state_dict", "to_hf_state_dict"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "config_from_hf", "from_hf", "load_full_state_dict", "parallelize",
+           "to_hf_state_dict"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -329,3 +333,85 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     if model.config.tie_word_embeddings and "embedding.weight" in full:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# route B: parallelise a Hugging Face model in place (tensor + expert parallelism)
+# ----------------------------------------------------------------------------------------------
+class HFMoEBlock(nn.Module):
+    """Drop-in for a Mixtral / Qwen-MoE sparse MoE block: a fusedpar :class:`~fusedpar.nn.MoE`
+    (experts over ``ep_group``, tokens replicated over ``tp_group``: ``replicated_group``) plus,
+    for Qwen2-MoE, the shared expert (its linears tensor-parallel) and its sigmoid gate.
+    ``[batch, seq, hidden]`` in and out, as the block it replaces."""
+
+    def __init__(self, moe: MoE, shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None):
+        super().__init__()
+        self.moe, self.shared_expert, self.shared_expert_gate = moe, shared_expert, shared_expert_gate
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        y = self.moe(hidden_states)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+        return y
+
+
+def _tp_mlp(mlp: nn.Module, tp_group) -> None:
+    """gate / up projections column-parallel, down projection row-parallel, in place."""
+    for name in ("gate_proj", "up_proj"):
+        setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), group=tp_group))
+    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=tp_group)
+
+
+def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
+    gate, experts = block.gate, block.experts
+    E, k = gate.weight.shape[0], int(_get(config, "num_experts_per_tok"))
+    H, F = experts.down_proj.shape[1], experts.down_proj.shape[2]
+    norm = True if _get(config, "model_type") == "mixtral" else bool(_get(config, "norm_topk_prob", False))
+    moe = MoE(H, F, E, k, ep_group=ep_group, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0,
+              replicated_group=tp_group, device="meta")
+    lo, hi = moe.first_expert, moe.first_expert + moe.experts_per_rank
+    with torch.no_grad():
+        for mod, name, t in ((moe.router, "weight", gate.weight), (moe, "w1", experts.gate_up_proj[lo:hi]),
+                             (moe, "w2", experts.down_proj[lo:hi])):
+            setattr(mod, name, nn.Parameter(t.detach().clone()))
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        _tp_mlp(shared, tp_group)
+    return HFMoEBlock(moe, shared, getattr(block, "shared_expert_gate", None))
+
+
+def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None) -> nn.Module:
+    """Make a Hugging Face decoder (the families of :data:`SUPPORTED_MODEL_TYPES`) tensor- and
+    expert-parallel in place and return it: q / k / v and gate / up projections become
+    :class:`~fusedpar.nn.ColumnParallelLinear`, o / down projections
+    :class:`~fusedpar.nn.RowParallelLinear` over ``tp_group`` (replicated activations, as in the
+    unmodified model: every rank of ``tp_group`` feeds the same tokens), and sparse MoE blocks
+    :class:`HFMoEBlock` with experts over ``ep_group`` (which may span the tp ranks: the tokens are
+    replicated over ``tp_group``, so each routed slot reaches its expert once). Embedding, norms,
+    router and head stay replicated; every gradient is then whole on its rank (sum dense and
+    expert gradients over data-parallel replicas only). Not done here: sequence parallelism (load
+    with :func:`from_hf` for ring / Ulysses attention) and HF's router aux loss: the MoE blocks do
+    not record router logits, so ``config.output_router_logits`` is set to False (each
+    ``HFMoEBlock.moe.router`` keeps ``balance_stats`` for
+    :func:`~fusedpar.nn.moe.hf_load_balancing_loss`)."""
+    config = hf_model.config
+    model_type = _get(config, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"parallelize: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+    tp = comm.group_size(comm.resolve_group(tp_group))
+    heads, kv = int(_get(config, "num_attention_heads")), int(_get(config, "num_key_value_heads", None) or 0)
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv or heads)):
+        if n % tp:
+            raise ValueError(f"parallelize: {what}={n} must be divisible by the tensor-parallel group size ({tp})")
+    if _get(config, "output_router_logits", False):
+        config.output_router_logits = False
+    for layer in hf_model.model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=tp_group))
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp = _moe_block(layer.mlp, config, tp_group, ep_group)
+        else:
+            _tp_mlp(layer.mlp, tp_group)
+    return hf_model

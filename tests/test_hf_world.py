@@ -68,8 +68,7 @@ def _replicated_tokens_case(rank, size, x, r, ref):
     xr = x.clone().requires_grad_()
     y = moe(xr)  # the same tokens on both ranks (a TP group without sequence parallelism)
     (y * r).sum().backward()
-    router_grad = moe.router.weight.grad.clone()
-    dist.all_reduce(router_grad)  # each rank routed its half of the tokens
+    router_grad = moe.router.weight.grad  # whole on each rank: every rank routes all tokens
     n = moe.experts_per_rank
     for got, want, what in ((y.detach(), ref["y"], "output"), (xr.grad, ref["x"], "input grad"),
                             (moe.w1.grad, ref["w1"][rank * n:(rank + 1) * n], "w1 grad"),
@@ -91,3 +90,60 @@ def test_moe_with_tokens_replicated_over_the_ep_ranks_counts_each_token_once(wor
     (y * r).sum().backward()
     ref = {"y": y.detach(), "x": xr.grad, "w1": moe.w1.grad, "w2": moe.w2.grad, "router": moe.router.weight.grad}
     assert all(world2.run(_replicated_tokens_case, x, r, ref))
+
+
+def _expected_shard(name, full, rank, size):
+    """The piece of HF's full gradient ``full`` that parameter ``name`` of the parallelised model holds."""
+    if ".mlp.moe." in name:
+        n = full.shape[0] // size
+        return full[rank * n:(rank + 1) * n] if name.endswith((".w1", ".w2")) else full
+    leaf = name.split(".")[-2]
+    if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return full.chunk(size, dim=0)[rank]
+    if leaf in ("o_proj", "down_proj") and name.endswith("weight"):
+        return full.chunk(size, dim=1)[rank]
+    return full
+
+
+def _hf_name(name):
+    return (name.replace(".mlp.moe.router.weight", ".mlp.gate.weight")
+            .replace(".mlp.moe.w1", ".mlp.experts.gate_up_proj").replace(".mlp.moe.w2", ".mlp.experts.down_proj"))
+
+
+def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads, ref_aux):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from fusedpar.hf import parallelize
+    from fusedpar.nn.moe import hf_load_balancing_loss
+
+    hf = parallelize(hf_model(family), tp_group=dist.group.WORLD, ep_group=dist.group.WORLD)
+    logits = hf(tokens).logits
+    err = (logits - ref_logits).abs().max().item()
+    assert err <= TOL * ref_logits.abs().max().item(), f"{family}: logits off by {err:.3g}"
+    if ref_aux is not None:  # every rank routed all tokens: HF's pooled aux loss exactly
+        aux = hf_load_balancing_loss([layer.mlp.moe.router for layer in hf.model.layers])
+        assert abs(aux.item() - ref_aux.item()) <= TOL * abs(ref_aux.item()), (aux, ref_aux)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+    n = 0
+    for name, p in hf.named_parameters():
+        expect = _expected_shard(name, ref_grads[_hf_name(name)], rank, size)
+        err = (p.grad - expect).abs().max().item()
+        assert err <= TOL * (expect.abs().max().item() + 1e-12), f"{family}: grad of {name} off by {err:.3g}"
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe"])
+def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
+    import torch.nn.functional as F
+
+    tokens, targets = tokens_targets(6, B, S)
+    hf = hf_model(family)
+    out = hf(tokens)
+    F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1)).backward()
+    grads = {n: p.grad.detach().clone() for n, p in hf.named_parameters()}
+    aux = getattr(out, "aux_loss", None)
+    res = world2.run(_parallelize_case, family, tokens, targets, out.logits.detach(), grads,
+                     None if aux is None else aux.detach())
+    assert all(r > 10 for r in res), res

@@ -164,11 +164,12 @@ class MoE(nn.Module):
     all ranks when they share a seed) and the global expert index seed each expert's generator.
 
     ``replicated_group``: a group whose ranks hold the *same* tokens (e.g. a tensor-parallel group
-    without sequence parallelism, as inside a Hugging Face model). Each of its ranks then routes
-    and computes only its ``1/n`` share of the tokens (the token count must divide) and the outputs
-    are all-gathered, so every token reaches its experts once and the expert gradients are exact
-    (without it they would be ``n`` times too large whenever the ep group spans those ranks). The
-    router's gradient then covers this rank's share only: sum it over ``replicated_group``.
+    without sequence parallelism, as inside a Hugging Face model). Every rank routes all tokens,
+    but only its ``1/n`` share of the ``T * k`` routed slots goes through the experts (unweighted;
+    the count must divide) and the slot outputs are all-gathered and combined on every rank, so
+    each slot reaches its expert once and the expert gradients are exact (without it they are ``n``
+    times too large whenever the ep group spans those ranks). Router, input and combine gradients
+    are whole and identical on every rank of the group (nothing to reduce); dropless only.
 
     After ``forward``, ``self.aux_loss`` holds the router's coefficient-weighted load-balancing
     plus z-loss (scalar) and ``self.router_output`` the routing decision.
@@ -242,14 +243,27 @@ class MoE(nn.Module):
                        num_chunks=self.num_chunks)
 
     def _forward_replicated(self, x):
-        """This rank's share of the replicated tokens through the experts, outputs all-gathered
-        (backward: the share of the replicated gradient, the input gradient all-gathered)."""
+        """Every rank routes all (replicated) tokens; the ``T * k`` routed slots are split over
+        ``replicated_group``, each rank runs its share through the experts unweighted, the slot
+        outputs are all-gathered and combined with the routing weights on every rank. Backward:
+        the share of the replicated slot gradient (experts see each slot once), the input gradient
+        of the slots all-gathered; router and combine gradients are whole on every rank."""
+        if self.router.capacity_factor is not None:
+            raise ValueError("MoE: replicated_group does not support capacity_factor (dropless only)")
         x2d = x.reshape(-1, self.hidden_size)
+        r = self.router(x2d)
+        self.router_output = r
+        self.aux_loss = r.aux_loss + r.z_loss
+        T, k = r.expert_ids.shape
         n = get_transport(None, self.replicated_group).size
-        check_divisible("MoE: number of tokens", x2d.shape[0], n, "the size of replicated_group")
-        mine = scatter_features(x2d.t().contiguous(), self.replicated_group).t()
-        y = self._forward_tokens(mine.contiguous())
-        return gather_features(y.t().contiguous(), self.replicated_group).t().reshape(x.shape)
+        check_divisible("MoE: number of routed slots (tokens * top_k)", T * k, n, "the size of replicated_group")
+        slots = scatter_features(x2d.repeat_interleave(k, dim=0).t().contiguous(), self.replicated_group).t()
+        ids = r.expert_ids.reshape(-1, 1).chunk(n)[get_transport(None, self.replicated_group).rank]
+        ones = torch.ones(ids.shape, device=x.device, dtype=torch.float32)
+        y = moe_mlp(slots.contiguous(), ids.contiguous(), ones, self.w1, self.w2, num_experts=self.num_experts,
+                    transport=self.transport, capacity=None, activation=self.activation, num_chunks=self.num_chunks)
+        y = gather_features(y.t().contiguous(), self.replicated_group).t().reshape(T, k, self.hidden_size)
+        return (r.weights.unsqueeze(-1) * y.float()).sum(dim=1).to(x.dtype).reshape(x.shape)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
