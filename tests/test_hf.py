@@ -176,3 +176,24 @@ def test_gather_logits_single_process_is_identity():
     ids, _ = shard_tokens(tokens, targets, sp_size=1, sp_rank=0, tp_size=1, tp_rank=0)
     logits = model(ids)
     assert torch.equal(model.gather_logits(logits), logits)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type must be one of"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "must have 'low_freq_factor'"),
+    ("aux_loss_style", "mixtral", "aux_loss_style must be 'switch' or 'hf'"),
+    ("shared_expert_ffn_hidden_size", -1, "shared_expert_ffn_hidden_size must be an int >= 0"),
+    ("rope_theta", 0, "rope_theta must be a positive number"),
+])
+def test_config_rejects_bad_hf_fields(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8, **{field: value})
+
+
+def test_hf_aux_loss_style_needs_aux_loss_scale_zero_and_tied_embeddings_need_both_ends():
+    config = TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8,
+                               num_experts=2, top_k=1, aux_loss_style="hf", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="aux_loss_scale must be 0"):
+        Transformer(config, aux_loss_scale=1.0)
+    with pytest.raises(ValueError, match="tie_word_embeddings needs the embedding and the head"):
+        Transformer(config, head=False)

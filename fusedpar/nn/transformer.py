@@ -108,6 +108,9 @@ class TransformerConfig:
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             raise ValueError(f"TransformerConfig.rope_theta must be a positive number, got {self.rope_theta!r}")
         rope_inv_freq(2, float(self.rope_theta), self.rope_scaling)  # raises on an unsupported scaling
+        s = self.shared_expert_ffn_hidden_size
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"TransformerConfig.shared_expert_ffn_hidden_size must be an int >= 0, got {s!r}")
         self.dense_layers = tuple(int(i) for i in self.dense_layers)
 
     def is_moe(self, layer: int) -> bool:
@@ -341,9 +344,15 @@ class Transformer(nn.Module):
         out[:, pos] = x
         return out
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over this tp group's tokens (the same value on each of its ranks)."""
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean",
+             ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross entropy over this tp group's tokens (the same value on each of its ranks);
+        targets equal to ``ignore_index`` are left out. The data-parallel rules average the
+        per-rank means, which is the global mean only when every sp / dp rank has as many counted
+        tokens: with ignored tokens spread unevenly, use ``reduction="sum"`` and divide by the
+        global count of counted tokens."""
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, reduction=reduction,
+                                            ignore_index=ignore_index)
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE router losses of the last forward (``None`` without MoE blocks); with
