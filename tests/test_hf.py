@@ -197,3 +197,15 @@ def test_hf_aux_loss_style_needs_aux_loss_scale_zero_and_tied_embeddings_need_bo
         Transformer(config, aux_loss_scale=1.0)
     with pytest.raises(ValueError, match="tie_word_embeddings needs the embedding and the head"):
         Transformer(config, head=False)
+
+
+def test_config_from_a_config_json_dict_of_older_transformers():
+    raw = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+           "hidden_act": "silu", "rope_theta": 500000.0, "tie_word_embeddings": True,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+    c = config_from_hf(raw, sp_mode="ulysses")
+    assert (c.rope_theta, c.rope_scaling["factor"], c.norm_eps, c.tie_word_embeddings, c.sp_mode) == \
+        (500000.0, 8.0, 1e-5, True, "ulysses")
+    assert c.num_kv_heads == 2 and c.qkv_bias is False and c.qk_norm is False
