@@ -2,38 +2,46 @@
 
 Nothing here touches ``torch.distributed``; nothing here runs GPU work at import time.
 """
-if __name__ == "kernels":  # pragma: no cover - guards against importing the source dir directly
-    raise ImportError(
-        "the kernels/ directory is the package fusedpar.kernels; import fusedpar.kernels instead "
-        "(install the project with `pip install -e .`)"
+if __name__ == "kernels":  # the source dir imported as a top-level package (repository root on sys.path)
+    # Not an error at import time: libraries probe for an unrelated top-level ``kernels`` package
+    # (transformers imports it to read its version); this module then looks like a package
+    # without a version and without any of that package's names.
+    _MESSAGE = ("the kernels/ directory is the package fusedpar.kernels; import fusedpar.kernels instead "
+                "(install the project with `pip install -e .`)")
+
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}: {_MESSAGE}")
+
+    __all__ = []
+else:
+    from .runtime import ACTIVATIONS, interpreting
+    from .gemm import matmul, matmul_reference, matmul_tn
+    from .grouped_gemm import (
+        as_group_offsets,
+        grouped_matmul,
+        grouped_matmul_dact,
+        grouped_matmul_reference,
+        grouped_wgrad,
     )
+    from .moe_permute import combine, combine_backward, permute
+    from .moe_routing import moe_mlp_reference, routing_metadata, routing_metadata_reference
+    from .persistent_gemm import chunk_reduce, chunk_view, persistent_matmul, persistent_matmul_reference
+    from .waits import WaitTimeout, check_wait_timeouts, wait_timeouts
+    from .flash_attention import attention_reference, flash_attention_forward
+    from .flash_attention_bwd import attention_delta, flash_attention_backward
+    from .flash_varlen import flash_attention_varlen, flash_attention_varlen_backward, varlen_attention_reference
+    from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference
 
-from .runtime import ACTIVATIONS, interpreting
-from .gemm import matmul, matmul_reference, matmul_tn
-from .grouped_gemm import (
-    as_group_offsets,
-    grouped_matmul,
-    grouped_matmul_dact,
-    grouped_matmul_reference,
-    grouped_wgrad,
-)
-from .moe_permute import combine, combine_backward, permute
-from .moe_routing import moe_mlp_reference, routing_metadata, routing_metadata_reference
-from .persistent_gemm import chunk_reduce, chunk_view, persistent_matmul, persistent_matmul_reference
-from .waits import WaitTimeout, check_wait_timeouts, wait_timeouts
-from .flash_attention import attention_reference, flash_attention_forward
-from .flash_attention_bwd import attention_delta, flash_attention_backward
-from .flash_varlen import flash_attention_varlen, flash_attention_varlen_backward, varlen_attention_reference
-from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference
-
-__all__ = [
-    "ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn",
-    "as_group_offsets", "combine", "combine_backward", "grouped_matmul", "grouped_matmul_dact",
-    "grouped_matmul_reference", "grouped_wgrad", "moe_mlp_reference", "permute", "routing_metadata",
-    "routing_metadata_reference",
-    "WaitTimeout", "check_wait_timeouts", "chunk_reduce", "chunk_view", "persistent_matmul",
-    "persistent_matmul_reference", "wait_timeouts",
-    "attention_delta", "attention_reference", "flash_attention_backward", "flash_attention_forward",
-    "flash_attention_varlen", "flash_attention_varlen_backward", "varlen_attention_reference",
-    "rms_norm_bwd", "rms_norm_fwd", "rms_norm_reference",
-]
+    __all__ = [
+        "ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn",
+        "as_group_offsets", "combine", "combine_backward", "grouped_matmul", "grouped_matmul_dact",
+        "grouped_matmul_reference", "grouped_wgrad", "moe_mlp_reference", "permute", "routing_metadata",
+        "routing_metadata_reference",
+        "WaitTimeout", "check_wait_timeouts", "chunk_reduce", "chunk_view", "persistent_matmul",
+        "persistent_matmul_reference", "wait_timeouts",
+        "attention_delta", "attention_reference", "flash_attention_backward", "flash_attention_forward",
+        "flash_attention_varlen", "flash_attention_varlen_backward", "varlen_attention_reference",
+        "rms_norm_bwd", "rms_norm_fwd", "rms_norm_reference",
+    ]

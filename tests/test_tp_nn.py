@@ -13,6 +13,7 @@ from torch import nn
 from _utils import DEVICE, assert_close
 from _world import rank_rng, world_fixture
 from fusedpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_shards
+from fusedpar.nn.linear import encode_shard_meta, shard_meta
 
 world2 = world_fixture(2)
 # tp=4 runs the light subset of modules_vs_reference in test_tp_ops.py's world of 4 (one fewer
@@ -86,7 +87,8 @@ def _init_and_state(rank, size):
     for mod, full_w, full_b in [(col, full.weight, full.bias), (row, full_r.weight, full_r.bias),
                                 (mlp.fc1, ref.fc1.weight, None)]:
         sd = mod.state_dict()
-        meta = sd["_extra_state"]
+        assert isinstance(sd["_extra_state"], torch.Tensor)  # every entry a tensor (HF save_pretrained)
+        meta = shard_meta(sd["_extra_state"])
         assert meta["tp_rank"] == rank and meta["tp_size"] == size and meta["full_shape"] == list(full_w.shape)
         every = [None] * size
         dist.all_gather_object(every, sd)
@@ -95,9 +97,9 @@ def _init_and_state(rank, size):
         if full_b is not None:
             torch.testing.assert_close(merged["bias"], full_b.detach(), rtol=0, atol=0)
         mod.load_state_dict(sd)
-        bad = dict(sd, _extra_state=dict(meta, tp_rank=(rank + 1) % size))
-        with pytest.raises(ValueError, match="does not belong to this rank"):
-            mod.load_state_dict(bad)
+        for wrong in (dict(meta, tp_rank=(rank + 1) % size), encode_shard_meta(dict(meta, tp_rank=(rank + 1) % size))):
+            with pytest.raises(ValueError, match="does not belong to this rank"):
+                mod.load_state_dict(dict(sd, _extra_state=wrong))
 
     # bad configuration: clear errors on every rank
     with pytest.raises(ValueError, match=r"out_features=\d+ must be divisible"):

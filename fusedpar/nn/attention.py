@@ -19,11 +19,15 @@ order from the global RNG, so one seed gives the same model at every parallel de
 """
 from __future__ import annotations
 
+import copy
+import math
+
 import torch
 from torch import nn
 
 from fusedpar.kernels.flash_attention import attention_reference
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fusedpar.nn.norm import RMSNorm
 from fusedpar.ops import comm
 from fusedpar.ops.attention import (
     LAYOUTS,
@@ -38,16 +42,47 @@ from fusedpar.ops.varlen import document_positions
 
 SP_MODES = ("ring", "ulysses", "hybrid")
 
-__all__ = ["AttentionReference", "ParallelAttention", "apply_rotary", "rotary_cos_sin"]
+__all__ = ["AttentionReference", "ParallelAttention", "apply_rotary", "rope_inv_freq", "rotary_cos_sin"]
 
 
 # ----------------------------------------------------------------------------------------------
 # rotary embedding
 # ----------------------------------------------------------------------------------------------
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
+ROPE_TYPES = ("default", "llama3")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (fp64) of the rotary embedding with base ``theta``.
+
+    ``scaling`` follows Hugging Face's ``rope_scaling`` / ``rope_parameters``: ``None`` or
+    ``rope_type`` ``"default"`` leave them; ``"llama3"`` (Llama 3.1) divides the low frequencies by
+    ``factor`` and interpolates the middle band between ``low_freq_factor`` and
+    ``high_freq_factor`` of ``original_max_position_embeddings``. Any other type raises
+    ``ValueError``."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    rope_type = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
+    if rope_type == "default":
+        return inv_freq
+    try:
+        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ValueError(f"rope_scaling of rope_type 'llama3' must have {e.args[0]!r}, got {scaling!r}") from None
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32, scaling=None):
     """``cos, sin`` of shape ``[len(positions), head_dim]`` (rotate-half convention, as in
-    GPT-NeoX / Llama), computed in fp64 from integer global positions."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    GPT-NeoX / Llama), computed in fp64 from integer global positions (``scaling``: see
+    :func:`rope_inv_freq`)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device)
     freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -90,25 +125,34 @@ class AttentionReference(nn.Module):
     tests, and the source of :class:`ParallelAttention`'s full weights."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, causal=True, bias=False,
-                 rope_theta=10000.0, head_dim=None, device=None, dtype=None):
+                 rope_theta=10000.0, head_dim=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6,
+                 rope_scaling=None, device=None, dtype=None):
         super().__init__()
         num_kv_heads, head_dim = _check_shape_args(type(self).__name__, hidden_size, num_heads, num_kv_heads, head_dim)
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.num_kv_heads = num_kv_heads
         self.causal, self.rope_theta = bool(causal), float(rope_theta)
-        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.rope_scaling = dict(rope_scaling) if rope_scaling else None
+        rope_inv_freq(head_dim, self.rope_theta, self.rope_scaling)  # validates the scaling
+        kw = dict(bias=bias if qkv_bias is None else bool(qkv_bias), device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias, device=device, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if qk_norm:  # Qwen3: RMSNorm over head_dim of every q / k head, before the rotary embedding
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, device=device, dtype=dtype)
 
     def forward(self, x, positions=None, *, compute_dtype=torch.float64):
         b, s, _ = x.shape
         d = self.head_dim
         positions = torch.arange(s, device=x.device) if positions is None else positions
-        cos, sin = rotary_cos_sin(positions, d, self.rope_theta)
-        q = apply_rotary(self.q_proj(x).view(b, s, self.num_heads, d), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(b, s, self.num_kv_heads, d), cos, sin)
+        cos, sin = rotary_cos_sin(positions, d, self.rope_theta, scaling=self.rope_scaling)
+        q, k = self.q_proj(x).view(b, s, self.num_heads, d), self.k_proj(x).view(b, s, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, d)
         o, _ = attention_reference(q, k, v, causal=self.causal, compute_dtype=compute_dtype)
         return self.o_proj(o.to(x.dtype).reshape(b, s, self.num_heads * d))
@@ -171,7 +215,8 @@ class ParallelAttention(nn.Module):
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, tp_group=None, sp_group=None,
                  sp_mode="ring", causal=True, bias=False, rope_theta=10000.0, head_dim=None, layout="zigzag",
                  ulysses_group=None, ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None,
-                 device=None, dtype=None, _reference=None):
+                 device=None, dtype=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6, rope_scaling=None,
+                 _reference=None):
         super().__init__()
         name = type(self).__name__
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
@@ -205,8 +250,12 @@ class ParallelAttention(nn.Module):
             ulysses_kv_heads(self.heads_local, self.kv_heads_local, self.ulysses_size)
 
         # full weights drawn exactly as AttentionReference draws them (CPU, fp32, global RNG)
+        # (on the meta device the reference is built there too: nothing is drawn or allocated)
         ref = _reference if _reference is not None else AttentionReference(
-            hidden_size, num_heads, num_kv_heads, causal=causal, bias=bias, rope_theta=rope_theta, head_dim=head_dim)
+            hidden_size, num_heads, num_kv_heads, causal=causal, bias=bias, rope_theta=rope_theta, head_dim=head_dim,
+            qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, rope_scaling=rope_scaling,
+            device="meta" if device is not None and torch.device(device).type == "meta" else None)
+        self.rope_scaling = ref.rope_scaling
         self._shard_from(ref, device=device, dtype=dtype)
 
     @classmethod
@@ -216,8 +265,9 @@ class ParallelAttention(nn.Module):
         if not isinstance(ref, AttentionReference):
             raise TypeError(f"from_reference needs an AttentionReference, got {type(ref).__name__}")
         return cls(ref.hidden_size, ref.num_heads, ref.num_kv_heads, causal=ref.causal,
-                   bias=ref.q_proj.bias is not None, rope_theta=ref.rope_theta, head_dim=ref.head_dim,
-                   _reference=ref, **kwargs)
+                   bias=ref.o_proj.bias is not None, qkv_bias=ref.q_proj.bias is not None, rope_theta=ref.rope_theta,
+                   head_dim=ref.head_dim, qk_norm=ref.q_norm is not None, rope_scaling=ref.rope_scaling,
+                   qk_norm_eps=ref.q_norm.eps if ref.q_norm is not None else 1e-6, _reference=ref, **kwargs)
 
     def _shard_from(self, ref, *, device, dtype):
         """Fused QKV rows in tensor-parallel order (rank t's block = [its q heads; k heads; v
@@ -243,9 +293,14 @@ class ParallelAttention(nn.Module):
             self.qkv = ColumnParallelLinear.from_linear(fused, group=self.tp_group, sequence_parallel=True)
             self.proj = RowParallelLinear.from_linear(ref.o_proj, group=self.tp_group, sequence_parallel=True,
                                                       input_is_parallel=True)
-            # own storage: no views into the full weights (nor into ref's parameters)
-            for p in self.parameters():
-                p.data = p.data.to(device=device, dtype=dtype).clone()
+            self.q_norm = self.k_norm = None
+            if ref.q_norm is not None:  # replicated [head_dim] scales, shared by all heads
+                self.q_norm, self.k_norm = copy.deepcopy(ref.q_norm), copy.deepcopy(ref.k_norm)
+            # own storage: no views into the full weights (nor into ref's parameters); new
+            # Parameters rather than set_data, which cannot move a tensor to the meta device
+            for mod in self.modules():
+                for pname, p in list(mod.named_parameters(recurse=False)):
+                    setattr(mod, pname, nn.Parameter(p.detach().to(device=device, dtype=dtype).clone()))
 
     # -- layout ------------------------------------------------------------------------------
     def _sp_positions(self, seq_len, device=None):
@@ -295,7 +350,9 @@ class ParallelAttention(nn.Module):
         q, k, v = y[:, :, :hl], y[:, :, hl:hl + kl], y[:, :, hl + kl:]
         seq_len = s_sp * self.ring_size * self.ulysses_size
         pos = self.rotary_positions(seq_len, y.device, cu_seqlens=cu_seqlens, position_ids=position_ids)
-        cos, sin = rotary_cos_sin(pos, d, self.rope_theta)
+        cos, sin = rotary_cos_sin(pos, d, self.rope_theta, scaling=self.rope_scaling)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         docs = dict(cu_seqlens=cu_seqlens)
         if self.sp_mode == "ring":

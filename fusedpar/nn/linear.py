@@ -33,7 +33,7 @@ from fusedpar.ops.tensor_parallel import (
     scatter_features,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "encode_shard_meta", "shard_meta"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,12 +84,18 @@ class _TPLinearBase(nn.Module):
         }
 
     def get_extra_state(self):
-        return self._meta()
+        """The layout as an int64 tensor (a tensor, so that tools which expect every state-dict
+        entry to be a tensor, e.g. Hugging Face ``save_pretrained``, accept it); see
+        :func:`shard_meta` to read it."""
+        return encode_shard_meta(self._meta())
 
     def set_extra_state(self, state):
         mine = self._meta()
+        if isinstance(state, torch.Tensor):
+            state = shard_meta(state)
         if not isinstance(state, dict):
-            raise TypeError(f"{type(self).__name__}: extra state must be a dict, got {type(state).__name__}")
+            raise TypeError(f"{type(self).__name__}: extra state must be a dict or an int64 tensor, got "
+                            f"{type(state).__name__}")
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if diff:
             detail = ", ".join(f"{k}: checkpoint {a!r} vs module {b!r}" for k, (a, b) in diff.items())
@@ -108,6 +114,24 @@ class _TPLinearBase(nn.Module):
             self.register_parameter("bias", None)
 
 
+def encode_shard_meta(meta: dict) -> torch.Tensor:
+    """``{tp_rank, tp_size, partition_dim, full_shape, gated}`` as an int64 tensor of 6 values."""
+    rows, cols = meta["full_shape"]
+    return torch.tensor([meta["tp_rank"], meta["tp_size"], meta["partition_dim"], rows, cols, int(meta["gated"])],
+                        dtype=torch.int64)
+
+
+def shard_meta(state) -> dict:
+    """The layout dict of a Column/RowParallelLinear's ``_extra_state`` (the tensor it saves, or a
+    dict as saved by earlier versions)."""
+    if isinstance(state, dict):
+        return state
+    if not isinstance(state, torch.Tensor) or state.numel() != 6:
+        raise ValueError(f"_extra_state must be a 6-element int64 tensor or a dict, got {state!r}")
+    v = [int(x) for x in state.tolist()]
+    return {"tp_rank": v[0], "tp_size": v[1], "partition_dim": v[2], "full_shape": [v[3], v[4]], "gated": bool(v[5])}
+
+
 def _own_copy(t, device, dtype):
     return t.to(device=device, dtype=dtype).clone(memory_format=torch.contiguous_format)
 
@@ -115,7 +139,7 @@ def _own_copy(t, device, dtype):
 def merge_shards(state_dicts, prefix=""):
     """Reassemble ``{"weight": full, "bias": full or None}`` from every rank's ``state_dict`` of one
     Column/RowParallelLinear (any order); uses the extra state saved beside each shard."""
-    metas = [sd[prefix + "_extra_state"] for sd in state_dicts]
+    metas = [shard_meta(sd[prefix + "_extra_state"]) for sd in state_dicts]
     size = metas[0]["tp_size"]
     if sorted(m["tp_rank"] for m in metas) != list(range(size)):
         raise ValueError(f"merge_shards: need one state dict per rank 0..{size - 1}, got ranks "
@@ -182,16 +206,18 @@ class ColumnParallelLinear(_TPLinearBase):
                          device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
+    def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False, **kwargs):
         """Shard an existing ``nn.Linear`` (its rows; ``[gate; up]`` halves separately when
-        ``activation`` is gated). Keyword options as in the constructor."""
+        ``activation`` is gated). Keyword options as in the constructor, except that
+        ``sequence_parallel`` defaults to False here: a drop-in replacement sees the same replicated
+        ``[batch, seq, in]`` input as the ``nn.Linear`` did."""
         gated = ACTIVATIONS.get(kwargs.get("activation", "none"), (0, False))[1]
         if gated and linear.out_features % 2:
             raise ValueError(f"{cls.__name__}.from_linear: a gated activation needs an even out_features "
                              f"(gate rows then up rows), got {linear.out_features}")
         out_features = linear.out_features // 2 if gated else linear.out_features
         mod = cls(linear.in_features, out_features, linear.bias is not None, group=group,
-                  device="meta", dtype=linear.weight.dtype, **kwargs)
+                  sequence_parallel=sequence_parallel, device="meta", dtype=linear.weight.dtype, **kwargs)
         with torch.no_grad():
             mod._set_params(_row_block(linear.weight.detach(), mod.tp_rank, mod.tp_size, gated),
                             None if linear.bias is None else
@@ -249,10 +275,12 @@ class RowParallelLinear(_TPLinearBase):
         self._set_params(w[:, self.tp_rank * n:(self.tp_rank + 1) * n], b, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
-        """Shard an existing ``nn.Linear`` by columns (the bias stays whole)."""
+    def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False, **kwargs):
+        """Shard an existing ``nn.Linear`` by columns (the bias stays whole). Keyword options as in
+        the constructor, except that ``sequence_parallel`` defaults to False here (replicated
+        ``[batch, seq, out]`` output, as the ``nn.Linear`` gave)."""
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                  device="meta", dtype=linear.weight.dtype, **kwargs)
+                  sequence_parallel=sequence_parallel, device="meta", dtype=linear.weight.dtype, **kwargs)
         n = mod.in_features_local
         with torch.no_grad():
             mod._set_params(linear.weight.detach()[:, mod.tp_rank * n:(mod.tp_rank + 1) * n],

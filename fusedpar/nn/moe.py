@@ -10,9 +10,10 @@ from torch import nn
 from ..kernels.checks import check_choice, check_divisible, check_int
 from ..kernels.runtime import ACTIVATIONS
 from ..ops.moe import moe_mlp
+from ..ops.tensor_parallel import gather_features, scatter_features
 from ..ops.transport import get_transport
 
-__all__ = ["TopKRouter", "RouterOutput", "MoE"]
+__all__ = ["TopKRouter", "RouterOutput", "MoE", "SharedExpertGate", "hf_load_balancing_loss"]
 
 _SCORES = ("softmax", "sigmoid")
 
@@ -42,6 +43,10 @@ class TopKRouter(nn.Module):
       per token). ``f`` and ``P`` each sum to 1 over experts, so uniform routing gives 1.
     * z-loss (ST-MoE): ``mean_t logsumexp(logits_t)^2``.
 
+    ``self.balance_stats`` keeps ``(counts [E], prob_sum [E], T)`` of the last call (top-k
+    assignments per expert, no gradient; the sum over tokens of the probabilities) for losses
+    pooled over several layers, e.g. Hugging Face's :func:`hf_load_balancing_loss`.
+
     Ties in the scores are broken deterministically towards the lowest expert id (stable sort).
     ``capacity_factor`` ``c`` gives ``capacity = ceil(c * T * k / E)`` slots per expert.
     """
@@ -66,6 +71,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         self.aux_loss = None
         self.z_loss = None
+        self.balance_stats = None
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -100,8 +106,10 @@ class TopKRouter(nn.Module):
             f = counts / (T * k)
             aux = E * (f * probs.mean(dim=0)).sum()
             z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+            self.balance_stats = (counts, probs.sum(dim=0), T)
         else:  # no tokens: zero losses that still belong to the graph
             aux = z = logits.sum() * 0.0
+            self.balance_stats = (torch.zeros(E, device=x.device), probs.sum(dim=0), 0)
         self.aux_loss = self.aux_loss_coef * aux
         self.z_loss = self.z_loss_coef * z
         return RouterOutput(weights, ids, self.capacity(T), self.aux_loss, self.z_loss)
@@ -109,6 +117,35 @@ class TopKRouter(nn.Module):
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"score={self.score!r}, capacity_factor={self.capacity_factor}")
+
+
+def hf_load_balancing_loss(routers) -> torch.Tensor:
+    """Hugging Face's Mixtral / Qwen-MoE load-balancing loss (``load_balancing_loss_func``, no
+    attention mask, coefficient not applied) over the last calls of ``routers`` (TopKRouter), pooled
+    over them: ``E * sum_e (n_e / T) * (P_e / T)`` with ``n_e`` the top-k assignments of expert ``e``
+    and ``P_e`` its summed probability over all routers' ``T`` tokens. Over this rank's tokens."""
+    stats = [r.balance_stats for r in routers if r.balance_stats is not None]
+    if not stats:
+        raise ValueError("hf_load_balancing_loss: no router has run a forward yet")
+    E = routers[0].num_experts
+    rows = sum(t for _, _, t in stats)
+    counts = torch.stack([c for c, _, _ in stats]).sum(dim=0)
+    probs = torch.stack([p for _, p, _ in stats]).sum(dim=0)
+    return E * (counts / rows * probs / rows).sum()
+
+
+class SharedExpertGate(nn.Module):
+    """``sigmoid(x @ weight^T)`` ``[..., 1]``: the gate of Qwen2-MoE's shared expert (``weight``
+    ``[1, hidden_size]``, replicated)."""
+
+    def __init__(self, hidden_size: int, *, device=None, dtype=None):
+        super().__init__()
+        check_int("hidden_size", hidden_size, min_value=1)
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, device=device, dtype=dtype))
+        nn.init.uniform_(self.weight, -1.0 / math.sqrt(hidden_size), 1.0 / math.sqrt(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x @ self.weight.t())
 
 
 class MoE(nn.Module):
@@ -126,6 +163,14 @@ class MoE(nn.Module):
     do not depend on the EP degree: a base seed drawn from torch's global generator (identical on
     all ranks when they share a seed) and the global expert index seed each expert's generator.
 
+    ``replicated_group``: a group whose ranks hold the *same* tokens (e.g. a tensor-parallel group
+    without sequence parallelism, as inside a Hugging Face model). Every rank routes all tokens,
+    but only its ``1/n`` share of the ``T * k`` routed slots goes through the experts (unweighted;
+    the count must divide) and the slot outputs are all-gathered and combined on every rank, so
+    each slot reaches its expert once and the expert gradients are exact (without it they are ``n``
+    times too large whenever the ep group spans those ranks). Router, input and combine gradients
+    are whole and identical on every rank of the group (nothing to reduce); dropless only.
+
     After ``forward``, ``self.aux_loss`` holds the router's coefficient-weighted load-balancing
     plus z-loss (scalar) and ``self.router_output`` the routing decision.
     Weights: ``w1 [E_local, 2F, H]`` (gate rows, then up rows, for gated activations; ``[E_local,
@@ -135,7 +180,8 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, ep_group=None,
                  transport=None, capacity_factor: float | None = None, activation: str = "swiglu",
                  score: str = "softmax", aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3,
-                 normalize: bool | None = None, num_chunks: int = 2, device=None, dtype=None):
+                 normalize: bool | None = None, num_chunks: int = 2, replicated_group=None, device=None,
+                 dtype=None):
         super().__init__()
         check_int("ffn_hidden_size", ffn_hidden_size, min_value=1)
         check_int("num_chunks", num_chunks, min_value=1)
@@ -158,6 +204,7 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(self.experts_per_rank, n1, hidden_size, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(self.experts_per_rank, hidden_size, ffn_hidden_size, device=device,
                                            dtype=dtype))
+        self.replicated_group = replicated_group
         self.aux_loss = None
         self.router_output = None
         self.reset_parameters(router=False)
@@ -183,12 +230,40 @@ class MoE(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., hidden_size={self.hidden_size}] with at least 2 dims, "
                              f"got {getattr(x, 'shape', x)}")
+        if self.replicated_group is not None and get_transport(None, self.replicated_group).size > 1:
+            return self._forward_replicated(x)
+        return self._forward_tokens(x)
+
+    def _forward_tokens(self, x):
         r = self.router(x)
         self.router_output = r
         self.aux_loss = r.aux_loss + r.z_loss
         return moe_mlp(x, r.expert_ids, r.weights, self.w1, self.w2, num_experts=self.num_experts,
                        transport=self.transport, capacity=r.capacity, activation=self.activation,
                        num_chunks=self.num_chunks)
+
+    def _forward_replicated(self, x):
+        """Every rank routes all (replicated) tokens; the ``T * k`` routed slots are split over
+        ``replicated_group``, each rank runs its share through the experts unweighted, the slot
+        outputs are all-gathered and combined with the routing weights on every rank. Backward:
+        the share of the replicated slot gradient (experts see each slot once), the input gradient
+        of the slots all-gathered; router and combine gradients are whole on every rank."""
+        if self.router.capacity_factor is not None:
+            raise ValueError("MoE: replicated_group does not support capacity_factor (dropless only)")
+        x2d = x.reshape(-1, self.hidden_size)
+        r = self.router(x2d)
+        self.router_output = r
+        self.aux_loss = r.aux_loss + r.z_loss
+        T, k = r.expert_ids.shape
+        n = get_transport(None, self.replicated_group).size
+        check_divisible("MoE: number of routed slots (tokens * top_k)", T * k, n, "the size of replicated_group")
+        slots = scatter_features(x2d.repeat_interleave(k, dim=0).t().contiguous(), self.replicated_group).t()
+        ids = r.expert_ids.reshape(-1, 1).chunk(n)[get_transport(None, self.replicated_group).rank]
+        ones = torch.ones(ids.shape, device=x.device, dtype=torch.float32)
+        y = moe_mlp(slots.contiguous(), ids.contiguous(), ones, self.w1, self.w2, num_experts=self.num_experts,
+                    transport=self.transport, capacity=None, activation=self.activation, num_chunks=self.num_chunks)
+        y = gather_features(y.t().contiguous(), self.replicated_group).t().reshape(T, k, self.hidden_size)
+        return (r.weights.unsqueeze(-1) * y.float()).sum(dim=1).to(x.dtype).reshape(x.shape)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

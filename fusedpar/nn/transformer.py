@@ -41,9 +41,12 @@ from fusedpar.ops import comm
 from fusedpar.ops.loss import attach_aux_loss, vocab_parallel_cross_entropy
 from fusedpar.ops.varlen import document_bounds
 
-from .attention import ParallelAttention
+from fusedpar.ops.attention import shard_positions
+from fusedpar.ops.tensor_parallel import all_gather_matmul
+
+from .attention import ParallelAttention, rope_inv_freq
 from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear
-from .moe import MoE, TopKRouter
+from .moe import MoE, SharedExpertGate, TopKRouter, hf_load_balancing_loss
 from .norm import RMSNorm
 
 __all__ = ["Transformer", "TransformerBlock", "TransformerConfig", "sequence_order", "shard_tokens",
@@ -80,6 +83,17 @@ class TransformerConfig:
     capacity_factor: float | None = None
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
+    # fields with Hugging Face's meaning (defaults keep the earlier behaviour)
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters: None, "default" or "llama3"
+    head_dim: int | None = None  # default hidden_size // num_heads
+    qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections (not on the output one)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k before the rotary embedding
+    tie_word_embeddings: bool = False  # the head is the embedding table (one parameter)
+    norm_topk_prob: bool | None = None  # renormalise the top-k router weights (None: TopKRouter's default)
+    aux_loss_style: str = "switch"  # "switch": per-layer coef * balance + z-loss; "hf": HF's pooled loss
+    shared_expert_ffn_hidden_size: int = 0  # Qwen2-MoE: a shared expert MLP with a sigmoid gate
+    dense_layers: tuple = ()  # HF mlp_only_layers: blocks that stay dense in a MoE model
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -90,9 +104,31 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.num_experts must be >= 0, got {self.num_experts}")
         if self.layout not in ("zigzag", "contiguous"):
             raise ValueError(f"TransformerConfig.layout must be 'zigzag' or 'contiguous', got {self.layout!r}")
+        if self.aux_loss_style not in ("switch", "hf"):
+            raise ValueError(f"TransformerConfig.aux_loss_style must be 'switch' or 'hf', got {self.aux_loss_style!r}")
+        if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
+            raise ValueError(f"TransformerConfig.rope_theta must be a positive number, got {self.rope_theta!r}")
+        rope_inv_freq(2, float(self.rope_theta), self.rope_scaling)  # raises on an unsupported scaling
+        s = self.shared_expert_ffn_hidden_size
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"TransformerConfig.shared_expert_ffn_hidden_size must be an int >= 0, got {s!r}")
+        self.dense_layers = tuple(int(i) for i in self.dense_layers)
 
     def is_moe(self, layer: int) -> bool:
-        return self.num_experts > 0 and layer % self.moe_every == self.moe_every - 1
+        return (self.num_experts > 0 and layer % self.moe_every == self.moe_every - 1
+                and layer not in self.dense_layers)
+
+    def block_kwargs(self, layer: int) -> dict:
+        """The :class:`TransformerBlock` keyword arguments of block ``layer`` (sizes and options)."""
+        moe = self.is_moe(layer)
+        hf_aux = self.aux_loss_style == "hf"  # pooled over layers by Transformer.aux_loss instead
+        return dict(num_kv_heads=self.num_kv_heads, sp_mode=self.sp_mode, layout=self.layout, causal=self.causal,
+                    activation=self.activation, eps=self.norm_eps, num_experts=self.num_experts if moe else 0,
+                    top_k=self.top_k, capacity_factor=self.capacity_factor,
+                    aux_loss_coef=0.0 if hf_aux else self.aux_loss_coef, z_loss_coef=0.0 if hf_aux else self.z_loss_coef,
+                    rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
+                    qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
+                    shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,19 +200,30 @@ class TransformerBlock(nn.Module):
                  sp_mode: str = "ring", layout: str = "zigzag",
                  causal: bool = True, activation: str = "swiglu", eps: float = 1e-6, num_experts: int = 0,
                  top_k: int = 2, capacity_factor: float | None = None, aux_loss_coef: float = 1e-2,
-                 z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None):
+                 z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None,
+                 rope_theta: float = 10000.0, rope_scaling: dict | None = None, head_dim: int | None = None,
+                 qkv_bias: bool = False, qk_norm: bool = False, norm_topk_prob: bool | None = None,
+                 shared_expert_ffn_hidden_size: int = 0):
         super().__init__()
         self.hidden_size = hidden_size
         self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
         self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
                                       sp_mode=sp_mode, causal=causal, bias=False, layout=layout,
-                                      ulysses_group=ulysses_group, ring_group=ring_group, device=device, dtype=dtype)
+                                      ulysses_group=ulysses_group, ring_group=ring_group, device=device, dtype=dtype,
+                                      rope_theta=rope_theta, rope_scaling=rope_scaling, head_dim=head_dim,
+                                      qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps)
         self.norm2 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
         self.is_moe = num_experts > 0
+        self.shared_expert = self.shared_expert_gate = None
         if self.is_moe:
             self.mlp = MoE(hidden_size, ffn_hidden_size, num_experts, top_k, ep_group=ep_group,
                            capacity_factor=capacity_factor, activation=activation, aux_loss_coef=aux_loss_coef,
-                           z_loss_coef=z_loss_coef, device=device, dtype=dtype)
+                           z_loss_coef=z_loss_coef, normalize=norm_topk_prob, device=device, dtype=dtype)
+            if shared_expert_ffn_hidden_size:  # Qwen2-MoE: y = moe(x) + sigmoid(gate x) * mlp(x)
+                self.shared_expert = ParallelMLP(hidden_size, shared_expert_ffn_hidden_size, activation=activation,
+                                                 group=tp_group, sequence_parallel=True, bias=False, device=device,
+                                                 dtype=dtype)
+                self.shared_expert_gate = SharedExpertGate(hidden_size, device=device, dtype=dtype)
         else:
             self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, group=tp_group,
                                    sequence_parallel=True, bias=False, device=device, dtype=dtype)
@@ -187,6 +234,8 @@ class TransformerBlock(nn.Module):
         a = self.attn(self.norm1(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
         n2, h = self.norm2(a, residual=x)
         m = self.mlp(n2)
+        if self.shared_expert is not None:
+            m = m + self.shared_expert_gate(n2) * self.shared_expert(n2)
         if self.is_moe and self.aux_loss_scale and torch.is_grad_enabled():
             m = attach_aux_loss(m, self.mlp.aux_loss, self.aux_loss_scale)
         return h + m
@@ -229,8 +278,16 @@ class Transformer(nn.Module):
         self.layer_ids = layers
         self.embedding = None
         if embed:
+            on_meta = device is not None and torch.device(device).type == "meta"
             with _seeded(seed - 1):  # drawn on the CPU like every fusedpar layer: same weights on any device
-                self.embedding = nn.Embedding(config.vocab_size, config.hidden_size).to(device=device, dtype=dtype)
+                self.embedding = nn.Embedding(config.vocab_size, config.hidden_size,
+                                              device="meta" if on_meta else None).to(device=device, dtype=dtype)
+        if config.aux_loss_style == "hf" and aux_loss_scale:
+            raise ValueError("aux_loss_scale must be 0 with config.aux_loss_style='hf' (the loss is pooled over "
+                             f"layers: add model.aux_loss() to the training loss), got {aux_loss_scale}")
+        if config.tie_word_embeddings and not (embed and head):
+            raise ValueError("config.tie_word_embeddings needs the embedding and the head in the same module "
+                             f"(embed=True, head=True), got embed={embed}, head={head}")
         self.layers = nn.ModuleDict()
         for i in layers:
             moe = config.is_moe(i)
@@ -238,20 +295,16 @@ class Transformer(nn.Module):
                 self.layers[str(i)] = TransformerBlock(
                     config.hidden_size, config.num_heads,
                     (config.moe_ffn_hidden_size or config.ffn_hidden_size) if moe else config.ffn_hidden_size,
-                    num_kv_heads=config.num_kv_heads, tp_group=tp_group, sp_group=sp_group, ep_group=ep_group,
-                    ulysses_group=ulysses_group, ring_group=ring_group,
-                    sp_mode=config.sp_mode, layout=config.layout, causal=config.causal,
-                    activation=config.activation, eps=config.norm_eps, num_experts=config.num_experts if moe else 0,
-                    top_k=config.top_k, capacity_factor=config.capacity_factor,
-                    aux_loss_coef=config.aux_loss_coef, z_loss_coef=config.z_loss_coef,
-                    aux_loss_scale=aux_loss_scale, device=device, dtype=dtype)
+                    tp_group=tp_group, sp_group=sp_group, ep_group=ep_group, ulysses_group=ulysses_group,
+                    ring_group=ring_group, aux_loss_scale=aux_loss_scale, device=device, dtype=dtype,
+                    **config.block_kwargs(i))
+        self.norm = self.head = None
         if head:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, dtype=dtype)
-            with _seeded(seed - 2):
-                self.head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, group=tp_group,
-                                                 sequence_parallel=True, device=device, dtype=dtype)
-        else:
-            self.norm = self.head = None
+            if not config.tie_word_embeddings:  # tied: the head multiplies by this rank's rows of the embedding
+                with _seeded(seed - 2):
+                    self.head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False,
+                                                     group=tp_group, sequence_parallel=True, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
         """``cu_seqlens``: int32 document boundaries of the full packed row (batch 1, the same on
@@ -265,16 +318,66 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False, **docs)
             else:
                 x = block(x, **docs)
-        if self.head is not None:
-            x = self.head(self.norm(x))
+        if self.norm is not None:
+            x = self.head(self.norm(x)) if self.head is not None else self._tied_head(self.norm(x))
         return x
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over this tp group's tokens (the same value on each of its ranks)."""
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+    def _tied_head(self, x):
+        """The head of tied embeddings: this rank's vocabulary rows of the embedding table (its
+        gradient lands in those rows; the embedding's "replicated" rule sums it over tp and sp)."""
+        n = self.config.vocab_size // comm.group_size(self.tp_group)
+        r = comm.group_rank(self.tp_group)
+        w = self.embedding.weight[r * n:(r + 1) * n]
+        return all_gather_matmul(x, w, None, group=self.tp_group, gather_dim=1)
+
+    @torch.no_grad()
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """The full logits ``[batch, seq, vocab]`` in the original token order, on every rank, from
+        this rank's ``[batch, seq / sp, vocab / tp]`` output (gathered over tp, then over the
+        sequence-parallel group(s), and un-permuted from the zigzag / hybrid layout). A collective
+        over tp and sp; not differentiable (for evaluation and tests)."""
+        if not self.layers or self.norm is None:
+            raise ValueError("gather_logits needs a module holding the head and at least one block")
+        attn = next(iter(self.layers.values())).attn
+        tp = comm.group_size(self.tp_group)
+        x = local_logits.contiguous()
+        if tp > 1:
+            buf = torch.empty((tp,) + tuple(x.shape), device=x.device, dtype=x.dtype)
+            comm.all_gather_into(buf.view(-1, *x.shape[1:]), x, self.tp_group).wait()
+            x = torch.cat(list(buf), dim=-1)
+        seq = x.shape[1] * attn.ring_size * attn.ulysses_size
+        pos = shard_positions(seq, layout=attn.layout if attn.ring_size > 1 else "contiguous",
+                              ring_rank=attn.ring_rank, ring_size=attn.ring_size, ulysses_rank=attn.ulysses_rank,
+                              ulysses_size=attn.ulysses_size, device=x.device)
+        for t in attn.sp_transports:
+            if t.size > 1:
+                xs = torch.empty((t.size,) + tuple(x.shape), device=x.device, dtype=x.dtype)
+                t.all_gather_into(xs.view(-1, *x.shape[1:]), x).wait()
+                ps = torch.empty((t.size,) + tuple(pos.shape), device=pos.device, dtype=pos.dtype)
+                t.all_gather_into(ps.view(-1), pos).wait()
+                x, pos = torch.cat(list(xs), dim=1), torch.cat(list(ps))
+        out = torch.empty_like(x)
+        out[:, pos] = x
+        return out
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean",
+             ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross entropy over this tp group's tokens (the same value on each of its ranks);
+        targets equal to ``ignore_index`` are left out. The data-parallel rules average the
+        per-rank means, which is the global mean only when every sp / dp rank has as many counted
+        tokens: with ignored tokens spread unevenly, use ``reduction="sum"`` and divide by the
+        global count of counted tokens."""
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, reduction=reduction,
+                                            ignore_index=ignore_index)
 
     def aux_loss(self) -> torch.Tensor | None:
-        """Sum of the MoE router losses of the last forward (``None`` without MoE blocks)."""
+        """Sum of the MoE router losses of the last forward (``None`` without MoE blocks); with
+        ``config.aux_loss_style == "hf"``: ``aux_loss_coef`` times Hugging Face's load-balancing
+        loss pooled over the blocks (:func:`~fusedpar.nn.moe.hf_load_balancing_loss`, over this
+        rank's tokens)."""
+        if self.config.aux_loss_style == "hf":
+            routers = [b.mlp.router for b in self.layers.values() if b.is_moe]
+            return self.config.aux_loss_coef * hf_load_balancing_loss(routers) if routers else None
         losses = [b.mlp.aux_loss for b in self.layers.values() if b.is_moe and b.mlp.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
@@ -306,6 +409,7 @@ GRADIENT_KINDS = {
     nn.Embedding: {"weight": "replicated"},
     RMSNorm: {"weight": "replicated"},
     TopKRouter: {"weight": "replicated"},
+    SharedExpertGate: {"weight": "replicated"},
     MoE: {"w1": "expert", "w2": "expert"},
     ColumnParallelLinear: {"weight": "dense", "bias": "dense"},
     RowParallelLinear: _row_parallel_kind,

@@ -84,23 +84,38 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
-                                 reduction: str = "mean") -> torch.Tensor:
+                                 reduction: str = "mean", ignore_index: int = -100) -> torch.Tensor:
     """Cross entropy of ``logits`` ``[..., V / tp]`` (this rank's vocabulary block, rank ``r`` holds
     ids ``r*V/tp ..``) against global ``target`` ids ``[...]``; ``reduction`` ``"mean"``, ``"sum"``
-    or ``"none"``. Same result on every rank of ``group``; the gradient is this rank's block."""
+    or ``"none"``. Same result on every rank of ``group``; the gradient is this rank's block.
+
+    Tokens whose target is ``ignore_index`` (default -100, as in ``torch.nn.functional.cross_entropy``
+    and Hugging Face labels) contribute zero loss and zero gradient; ``"mean"`` averages over the
+    other tokens (NaN when every token is ignored, as torch). Any other target outside
+    ``[0, V)`` raises ``ValueError`` (this checks the targets on the host: one synchronisation)."""
     check_tensor("logits", logits)
     check_tensor("target", target)
     check_shape("target", target, logits.shape[:-1])
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must hold integer class ids (torch.int64 or torch.int32), got dtype {target.dtype}")
     check_choice("reduction", reduction, REDUCTIONS)
-    loss = VocabParallelCrossEntropyFunction.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long(),
-                                                   group)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    vocab = logits.shape[-1] * comm.group_size(group)
+    target = target.reshape(-1).long()
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= vocab))
+    if target.numel() and bool(bad.any()):
+        raise ValueError(f"target must hold ids in [0, {vocab}) or ignore_index={ignore_index}, got "
+                         f"{target[bad][0].item()}")
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    loss = VocabParallelCrossEntropyFunction.apply(logits.reshape(-1, logits.shape[-1]), safe, group)
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
     if reduction == "mean":
-        return loss.mean()
+        return loss.sum() / valid.sum()
     if reduction == "sum":
         return loss.sum()
-    return loss.view(target.shape)
+    return loss.view(logits.shape[:-1])
 
 
 class AttachAuxLossFunction(torch.autograd.Function):

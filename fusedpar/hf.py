@@ -1,0 +1,417 @@
+"""Hugging Face models in and out of :class:`fusedpar.nn.Transformer`.
+
+* :func:`config_from_hf`: a ``transformers`` config (Llama 2/3/3.1, Mistral, Qwen2, Qwen3,
+  Mixtral, Qwen2-MoE, Qwen3-MoE) -> :class:`~fusedpar.nn.TransformerConfig`; any field value the
+  model does not implement raises ``ValueError`` naming it.
+* :func:`from_hf`: a ``transformers`` model, or a checkpoint directory (``config.json`` +
+  ``*.safetensors``, read file by file), -> a :class:`~fusedpar.nn.Transformer` at any tp / sp / ep
+  layout. The model is built on the meta device and every rank materialises only its shards.
+* :func:`to_hf_state_dict`: the full tensors under Hugging Face's names (a collective over the
+  model's groups), for ``hf_model.load_state_dict(..., strict=True)``.
+* :func:`load_full_state_dict`: full tensors (fusedpar names) into a sharded model.
+
+``transformers`` is not a dependency of fusedpar: only reading a checkpoint directory's config
+imports it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from fusedpar.checkpoint import full_state, shard_specs
+from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fusedpar.nn.moe import MoE
+from fusedpar.nn.transformer import Transformer, TransformerConfig
+from fusedpar.ops import comm
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "config_from_hf", "from_hf", "load_full_state_dict", "parallelize",
+           "to_hf_state_dict"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+# ----------------------------------------------------------------------------------------------
+def _get(cfg, name, default=None):
+    return cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
+
+
+def _unsupported(model_type, name, value, why):
+    raise ValueError(f"config_from_hf: {model_type} field {name}={value!r} is not supported ({why})")
+
+
+def _rope(cfg, model_type):
+    """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (earlier versions)."""
+    params = dict(_get(cfg, "rope_parameters") or {})
+    if not params:
+        params = dict(_get(cfg, "rope_scaling") or {})
+        params.setdefault("rope_theta", _get(cfg, "rope_theta", 10000.0))
+    theta = float(params.pop("rope_theta", _get(cfg, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        _unsupported(model_type, "rope_type", rope_type, "fusedpar implements 'default' and 'llama3'")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        _unsupported(model_type, "partial_rotary_factor", params["partial_rotary_factor"], "full rotary only")
+    if rope_type == "default":
+        return theta, None
+    return theta, {k: params[k] for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                                         "original_max_position_embeddings") if k in params}
+
+
+def _check_unsupported(cfg, model_type):
+    act = _get(cfg, "hidden_act", "silu")
+    if act != "silu":
+        _unsupported(model_type, "hidden_act", act, "gated SiLU (SwiGLU) MLPs only")
+    if float(_get(cfg, "attention_dropout", 0.0) or 0.0):
+        _unsupported(model_type, "attention_dropout", _get(cfg, "attention_dropout"), "no attention dropout")
+    if model_type in ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe") and _get(cfg, "attention_bias", False):
+        _unsupported(model_type, "attention_bias", True, "no bias on the output projection")
+    if _get(cfg, "mlp_bias", False):
+        _unsupported(model_type, "mlp_bias", True, "bias-free MLPs only")
+    window = _get(cfg, "sliding_window")
+    uses_window = _get(cfg, "use_sliding_window", model_type in ("mistral", "mixtral"))
+    if window and uses_window:
+        _unsupported(model_type, "sliding_window", window, "full causal attention only; set it to None when "
+                     "every sequence is at most that long")
+    if float(_get(cfg, "router_jitter_noise", 0.0) or 0.0):
+        _unsupported(model_type, "router_jitter_noise", _get(cfg, "router_jitter_noise"), "no router jitter")
+    if int(_get(cfg, "pretraining_tp", 1) or 1) != 1:
+        _unsupported(model_type, "pretraining_tp", _get(cfg, "pretraining_tp"), "must be 1")
+
+
+def _moe_fields(cfg, model_type):
+    coef = float(_get(cfg, "router_aux_loss_coef", 1e-3))
+    common = dict(top_k=int(_get(cfg, "num_experts_per_tok")), aux_loss_style="hf", aux_loss_coef=coef,
+                  z_loss_coef=0.0)
+    if model_type == "mixtral":
+        return dict(common, num_experts=int(_get(cfg, "num_local_experts")), norm_topk_prob=True)
+    fields = dict(common, num_experts=int(_get(cfg, "num_experts")),
+                  moe_ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")),
+                  norm_topk_prob=bool(_get(cfg, "norm_topk_prob", False)),
+                  moe_every=int(_get(cfg, "decoder_sparse_step", 1) or 1),
+                  dense_layers=tuple(_get(cfg, "mlp_only_layers", None) or ()))
+    if model_type == "qwen2_moe":
+        fields["shared_expert_ffn_hidden_size"] = int(_get(cfg, "shared_expert_intermediate_size") or 0)
+    return fields
+
+
+def config_from_hf(hf_config, **overrides) -> TransformerConfig:
+    """The :class:`~fusedpar.nn.TransformerConfig` of a Hugging Face config (a ``PretrainedConfig``
+    or its dict). ``overrides`` set layout fields (``sp_mode``, ``layout``, ``capacity_factor``...).
+    Raises ``ValueError`` naming the field for a model type or field value fusedpar does not
+    implement (e.g. an active sliding window, another RoPE type, attention dropout)."""
+    model_type = _get(hf_config, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"config_from_hf: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+    _check_unsupported(hf_config, model_type)
+    theta, scaling = _rope(hf_config, model_type)
+    heads = int(_get(hf_config, "num_attention_heads"))
+    fields = dict(
+        vocab_size=int(_get(hf_config, "vocab_size")), hidden_size=int(_get(hf_config, "hidden_size")),
+        num_layers=int(_get(hf_config, "num_hidden_layers")), num_heads=heads,
+        ffn_hidden_size=int(_get(hf_config, "intermediate_size")),
+        num_kv_heads=int(_get(hf_config, "num_key_value_heads", None) or heads), activation="swiglu",
+        norm_eps=float(_get(hf_config, "rms_norm_eps")), causal=True, rope_theta=theta, rope_scaling=scaling,
+        head_dim=_get(hf_config, "head_dim", None), qkv_bias=model_type in ("qwen2", "qwen2_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)))
+    if model_type in _MOE_TYPES:
+        fields.update(_moe_fields(hf_config, model_type))
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+# ----------------------------------------------------------------------------------------------
+# names: fusedpar parameter -> how to build it from Hugging Face tensors
+# ----------------------------------------------------------------------------------------------
+_ATTN = "model.layers.{i}.self_attn."
+
+
+def _param_sources(name: str, config: TransformerConfig) -> list[str]:
+    """The Hugging Face tensors (in-memory names of transformers 5) concatenated along dim 0 into
+    the full fusedpar parameter ``name``."""
+    fixed = {"embedding.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"],
+             "head.weight": ["lm_head.weight"]}
+    if name in fixed:
+        return fixed[name]
+    parts = name.split(".")
+    if parts[0] != "layers":
+        raise ValueError(f"no Hugging Face name for parameter {name!r}")
+    i, rest = parts[1], ".".join(parts[2:])
+    a, m = _ATTN.format(i=i), f"model.layers.{i}.mlp."
+    table = {
+        "norm1.weight": ["model.layers.{i}.input_layernorm.weight"],
+        "norm2.weight": ["model.layers.{i}.post_attention_layernorm.weight"],
+        "attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+        "attn.qkv.bias": [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"],
+        "attn.proj.weight": [a + "o_proj.weight"], "attn.q_norm.weight": [a + "q_norm.weight"],
+        "attn.k_norm.weight": [a + "k_norm.weight"],
+        "mlp.fc1.weight": [m + "gate_proj.weight", m + "up_proj.weight"], "mlp.fc2.weight": [m + "down_proj.weight"],
+        "mlp.router.weight": [m + "gate.weight"], "mlp.w1": [m + "experts.gate_up_proj"],
+        "mlp.w2": [m + "experts.down_proj"],
+        "shared_expert.fc1.weight": [m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"],
+        "shared_expert.fc2.weight": [m + "shared_expert.down_proj.weight"],
+        "shared_expert_gate.weight": [m + "shared_expert_gate.weight"],
+    }
+    if rest not in table:
+        raise ValueError(f"no Hugging Face name for parameter {name!r}")
+    return [s.format(i=i) for s in table[rest]]
+
+
+def _split_sizes(name: str, full: torch.Tensor, model: Transformer) -> list[int]:
+    """Row counts of the Hugging Face tensors inside the full fusedpar parameter ``name``."""
+    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+        attn = model.layers[name.split(".")[1]].attn
+        d = attn.head_dim
+        return [attn.num_heads * d, attn.num_kv_heads * d, attn.num_kv_heads * d]
+    if name.endswith("fc1.weight"):
+        return [full.shape[0] // 2] * 2
+    return [full.shape[0]]
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
+                         *, device=None, dtype=None, strict: bool = True) -> None:
+    """Load full (unsharded) tensors, keyed by ``model``'s parameter names, into a model of any
+    parallel layout: each rank keeps its shard (:func:`fusedpar.checkpoint.shard_specs`). A model
+    built on the meta device is materialised (on ``device``, default CPU). ``state_dict`` may be a
+    callable ``name -> full tensor`` (read on demand). ``strict``: every parameter must be given."""
+    specs = shard_specs(model)
+    for name, p in list(model.named_parameters()):
+        if callable(state_dict):
+            full = state_dict(name)
+        elif name in state_dict:
+            full = state_dict[name]
+        elif strict:
+            raise ValueError(f"load_full_state_dict: state_dict has no tensor for parameter {name!r}")
+        else:
+            continue
+        spec = specs[name]
+        local = full if spec is None else spec.local_from_full(full)
+        if tuple(local.shape) != tuple(p.shape):
+            raise ValueError(f"load_full_state_dict: {name} must be {tuple(_full_shape(p, spec))} in full, "
+                             f"got {tuple(full.shape)}")
+        target = p.device if p.device.type != "meta" else torch.device(device or "cpu")
+        new = local.to(device=target, dtype=dtype or (p.dtype if p.device.type != "meta" else local.dtype)).clone()
+        mod_name, _, pname = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        setattr(mod, pname, nn.Parameter(new, requires_grad=p.requires_grad))
+
+
+def _full_shape(p: torch.Tensor, spec):
+    """The full shape a local parameter ``p`` with ``spec`` implies (for error messages)."""
+    if spec is None:
+        return p.shape
+    shape = list(p.shape)
+    shape[spec.dim] = p.shape[spec.dim] * spec.size
+    return shape
+
+
+class _SafetensorsDir:
+    """Tensors of a checkpoint directory by name, each file opened once (``model.safetensors`` or
+    ``model.safetensors.index.json``'s shards); tensors are read only when asked for."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open  # installed with transformers / huggingface_hub
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.exists(single):
+                raise ValueError(f"from_hf: {path!r} has neither model.safetensors nor model.safetensors.index.json")
+            with safe_open(single, "pt") as f:
+                self.where = {k: single for k in f.keys()}
+        self.open = lambda file: safe_open(file, "pt")
+        self.files: dict[str, object] = {}
+
+    def close(self):
+        for f in self.files.values():
+            f.__exit__(None, None, None)
+        self.files.clear()
+
+    def __contains__(self, name):
+        return name in self.where
+
+    def __getitem__(self, name):
+        file = self.where[name]
+        if file not in self.files:
+            self.files[file] = self.open(file).__enter__()
+        return self.files[file].get_tensor(name)
+
+
+def _hf_tensor(source, name: str) -> torch.Tensor:
+    """A Hugging Face tensor by its transformers-5 name; stacks the per-expert tensors of
+    checkpoints saved with one tensor per expert (Mixtral ``block_sparse_moe.experts.j.w1/w3/w2``,
+    Qwen-MoE ``mlp.experts.j.gate_proj/up_proj/down_proj``)."""
+    if name in source:
+        return source[name]
+    if ".mlp.experts." in name:
+        layer = name.split(".mlp.")[0]
+        fused_gate_up = name.endswith("gate_up_proj")
+        for mlp, gate, up, down in ((".block_sparse_moe.experts.", "w1", "w3", "w2"),
+                                    (".mlp.experts.", "gate_proj", "up_proj", "down_proj")):
+            if f"{layer}{mlp}0.{gate}.weight" in source:
+                out, j = [], 0
+                while f"{layer}{mlp}{j}.{gate}.weight" in source:
+                    e = f"{layer}{mlp}{j}."
+                    out.append(torch.cat([source[e + gate + ".weight"], source[e + up + ".weight"]])
+                               if fused_gate_up else source[e + down + ".weight"])
+                    j += 1
+                return torch.stack(out)
+    if name.endswith(".mlp.gate.weight") and name.replace(".mlp.", ".block_sparse_moe.") in source:
+        return source[name.replace(".mlp.", ".block_sparse_moe.")]
+    raise KeyError(f"from_hf: the checkpoint has no tensor {name!r}")
+
+
+def _full_param(source, name: str, config: TransformerConfig) -> torch.Tensor:
+    parts = [_hf_tensor(source, s) for s in _param_sources(name, config)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def from_hf(hf_model_or_path, *, tp_group=None, sp_group=None, ep_group=None, ulysses_group=None,
+            ring_group=None, device=None, dtype=None, **config_overrides) -> Transformer:
+    """A :class:`~fusedpar.nn.Transformer` holding a Hugging Face model's weights, sharded over the
+    given groups (``None`` = the default group of that dimension, i.e. the whole world when
+    ``torch.distributed`` is initialised, else one process; pass the groups of a
+    :class:`~fusedpar.parallel.ParallelState` or ``torch.distributed.new_group([rank])`` for a
+    dimension of size 1). ``hf_model_or_path``: a ``transformers`` causal-LM model or a checkpoint
+    directory. Built on the meta device; each rank materialises only its shards, on ``device``
+    (default CPU) in ``dtype`` (default: the checkpoint's). ``config_overrides``: see
+    :func:`config_from_hf` (e.g. ``sp_mode="ulysses"``)."""
+    if isinstance(hf_model_or_path, (str, os.PathLike)):
+        path = os.fspath(hf_model_or_path)
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        try:
+            from transformers import AutoConfig  # normalises older config formats when installed
+            hf_config = AutoConfig.from_pretrained(path)
+        except ImportError:
+            hf_config = raw
+        source = _SafetensorsDir(path)
+    else:
+        hf_config = hf_model_or_path.config
+        source = dict(hf_model_or_path.state_dict())
+    config = config_from_hf(hf_config, **config_overrides)
+    model = Transformer(config, tp_group=tp_group, sp_group=sp_group, ep_group=ep_group,
+                        ulysses_group=ulysses_group, ring_group=ring_group, device="meta")
+    try:
+        load_full_state_dict(model, lambda name: _full_param(source, name, config), device=device, dtype=dtype)
+    finally:
+        if isinstance(source, _SafetensorsDir):
+            source.close()
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# export
+# ----------------------------------------------------------------------------------------------
+def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` as a full tensor under its Hugging Face (transformers 5) name,
+    e.g. for ``hf_model.load_state_dict(sd, strict=True)``. A collective over the model's tp / ep
+    groups: call it on every rank. Tied embeddings appear under both names, as in Hugging Face."""
+    if not isinstance(model, Transformer):
+        raise TypeError(f"to_hf_state_dict needs a fusedpar.nn.Transformer, got {type(model).__name__}")
+    full = full_state(model)
+    out = {}
+    for name, t in full.items():
+        sources = _param_sources(name, model.config)
+        for src, piece in zip(sources, torch.split(t, _split_sizes(name, t, model))):
+            out[src] = piece.clone()
+    if model.config.tie_word_embeddings and "embedding.weight" in full:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# route B: parallelise a Hugging Face model in place (tensor + expert parallelism)
+# ----------------------------------------------------------------------------------------------
+class HFMoEBlock(nn.Module):
+    """Drop-in for a Mixtral / Qwen-MoE sparse MoE block: a fusedpar :class:`~fusedpar.nn.MoE`
+    (experts over ``ep_group``, tokens replicated over ``tp_group``: ``replicated_group``) plus,
+    for Qwen2-MoE, the shared expert (its linears tensor-parallel) and its sigmoid gate.
+    ``[batch, seq, hidden]`` in and out, as the block it replaces."""
+
+    def __init__(self, moe: MoE, shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None):
+        super().__init__()
+        self.moe, self.shared_expert, self.shared_expert_gate = moe, shared_expert, shared_expert_gate
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        y = self.moe(hidden_states)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+        return y
+
+
+def _tp_mlp(mlp: nn.Module, tp_group) -> None:
+    """gate / up projections column-parallel, down projection row-parallel, in place."""
+    for name in ("gate_proj", "up_proj"):
+        setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), group=tp_group))
+    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=tp_group)
+
+
+def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
+    gate, experts = block.gate, block.experts
+    E, k = gate.weight.shape[0], int(_get(config, "num_experts_per_tok"))
+    H, F = experts.down_proj.shape[1], experts.down_proj.shape[2]
+    norm = True if _get(config, "model_type") == "mixtral" else bool(_get(config, "norm_topk_prob", False))
+    moe = MoE(H, F, E, k, ep_group=ep_group, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0,
+              replicated_group=tp_group, device="meta")
+    lo, hi = moe.first_expert, moe.first_expert + moe.experts_per_rank
+    with torch.no_grad():
+        for mod, name, t in ((moe.router, "weight", gate.weight), (moe, "w1", experts.gate_up_proj[lo:hi]),
+                             (moe, "w2", experts.down_proj[lo:hi])):
+            setattr(mod, name, nn.Parameter(t.detach().clone()))
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        _tp_mlp(shared, tp_group)
+    return HFMoEBlock(moe, shared, getattr(block, "shared_expert_gate", None))
+
+
+def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None) -> nn.Module:
+    """Make a Hugging Face decoder (the families of :data:`SUPPORTED_MODEL_TYPES`) tensor- and
+    expert-parallel in place and return it: q / k / v and gate / up projections become
+    :class:`~fusedpar.nn.ColumnParallelLinear`, o / down projections
+    :class:`~fusedpar.nn.RowParallelLinear` over ``tp_group`` (replicated activations, as in the
+    unmodified model: every rank of ``tp_group`` feeds the same tokens), and sparse MoE blocks
+    :class:`HFMoEBlock` with experts over ``ep_group`` (which may span the tp ranks: the tokens are
+    replicated over ``tp_group``, so each routed slot reaches its expert once). Embedding, norms,
+    router and head stay replicated; every gradient is then whole on its rank (sum dense and
+    expert gradients over data-parallel replicas only). Not done here: sequence parallelism (load
+    with :func:`from_hf` for ring / Ulysses attention) and HF's router aux loss: the MoE blocks do
+    not record router logits, so ``config.output_router_logits`` is set to False (each
+    ``HFMoEBlock.moe.router`` keeps ``balance_stats`` for
+    :func:`~fusedpar.nn.moe.hf_load_balancing_loss`)."""
+    config = hf_model.config
+    model_type = _get(config, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"parallelize: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+    tp = comm.group_size(comm.resolve_group(tp_group))
+    heads, kv = int(_get(config, "num_attention_heads")), int(_get(config, "num_key_value_heads", None) or 0)
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv or heads)):
+        if n % tp:
+            raise ValueError(f"parallelize: {what}={n} must be divisible by the tensor-parallel group size ({tp})")
+    if _get(config, "output_router_logits", False):
+        config.output_router_logits = False
+    for layer in hf_model.model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=tp_group))
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp = _moe_block(layer.mlp, config, tp_group, ep_group)
+        else:
+            _tp_mlp(layer.mlp, tp_group)
+    return hf_model

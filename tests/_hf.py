@@ -1,0 +1,108 @@
+"""Tiny Hugging Face models (random weights, no download) and their fp32 references for the
+tests of :mod:`fusedpar.hf`."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from fusedpar.checkpoint import shard_specs
+from fusedpar.hf import from_hf
+
+# fp32 on both sides, the same math in another order (fused norms, flash attention with an online
+# softmax, chunked and grouped GEMMs, ring/all-to-all reductions): the differences seen are ~1e-7
+# of the tensors' scale; 1e-4 (the brief's bound) still fails a wrong shard, a missing reduction
+# or a double count by orders of magnitude.
+TOL = 1e-4
+
+FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+VOCAB, HIDDEN, LAYERS = 32, 16, 2
+
+
+def hf_model(family: str, seed: int = 0, **extra):
+    """A 2-layer fp32 model of ``family`` with random weights (norm scales and biases randomised
+    too, so a missing or misplaced one shows), eager attention, router logits returned."""
+    import transformers as T
+
+    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=24, num_hidden_layers=LAYERS,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6)
+    moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 4}
+    configs = {
+        "llama": lambda: T.LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+        "llama31": lambda: T.LlamaConfig(**kw, rope_parameters=llama3, tie_word_embeddings=True),
+        "mistral": lambda: T.MistralConfig(**kw, sliding_window=None),
+        "qwen2": lambda: T.Qwen2Config(**kw, tie_word_embeddings=True),
+        "qwen3": lambda: T.Qwen3Config(**kw),
+        "mixtral": lambda: T.MixtralConfig(**kw, **moe, num_local_experts=4),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(**kw, **moe, num_experts=4, moe_intermediate_size=8,
+                                              shared_expert_intermediate_size=12, norm_topk_prob=False),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(**kw, **moe, num_experts=4, moe_intermediate_size=8,
+                                              norm_topk_prob=True),
+    }
+    config = configs[family]()
+    for k, v in extra.items():
+        setattr(config, k, v)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    cls = {"llama": T.LlamaForCausalLM, "llama31": T.LlamaForCausalLM, "mistral": T.MistralForCausalLM,
+           "qwen2": T.Qwen2ForCausalLM, "qwen3": T.Qwen3ForCausalLM, "mixtral": T.MixtralForCausalLM,
+           "qwen2_moe": T.Qwen2MoeForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM}[family]
+    model = cls(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.5)
+            else:
+                p.normal_(0, 0.3)
+    return model
+
+
+def tokens_targets(seed: int, batch: int, seq: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g)
+
+
+def hf_reference(model, tokens, targets, *, aux: bool):
+    """HF logits, loss (mean cross entropy against ``targets``, plus ``router_aux_loss_coef`` times
+    HF's aux loss when ``aux``) and every parameter's gradient, as a fusedpar-named full dict."""
+    model.zero_grad()
+    out = model(tokens)
+    loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
+    if aux and getattr(out, "aux_loss", None) is not None:
+        loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    return out.logits.detach(), loss.detach(), fusedpar_grads(model)
+
+
+def fusedpar_grads(model) -> dict:
+    """HF gradients under fusedpar's names and layout: a copy of the model holding the gradients
+    as its weights, read by :func:`fusedpar.hf.from_hf` at world 1."""
+    holder = copy.deepcopy(model)
+    with torch.no_grad():
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        for n, p in holder.named_parameters():
+            p.copy_(grads[n] if grads[n] is not None else torch.zeros_like(p))
+    import torch.distributed as dist
+
+    group = dist.new_group([dist.get_rank()]) if dist.is_initialized() else None
+    full = from_hf(holder, tp_group=group, sp_group=group, ep_group=group)
+    return {n: p.detach() for n, p in full.named_parameters()}
+
+
+def compare_grads(model, ref_grads, msg, tol=TOL):
+    """Every local gradient equals its shard of the HF gradient (``tol`` of the tensor's scale)."""
+    specs = shard_specs(model)
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{msg}: {name} has no gradient"
+        full = ref_grads[name]
+        expect = full if specs[name] is None else specs[name].local_from_full(full)
+        scale = full.abs().max().item() + 1e-12
+        err = (p.grad - expect).abs().max().item()
+        assert err <= tol * scale, f"{msg}: grad of {name} off by {err:.3g} (scale {scale:.3g})"
+    return len(specs)

@@ -1,0 +1,211 @@
+"""fusedpar.hf against transformers' own models (tiny configs, random weights, fp32, one process),
+and the defaults fixed with it: the ``kernels`` probe, router renormalisation, HF aux loss,
+``ignore_index``, ``from_linear``'s layout, ``_extra_state`` tensors, meta-device builds."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _hf import FAMILIES, MOE_FAMILIES, TOL, VOCAB, compare_grads, hf_model, hf_reference, tokens_targets
+from fusedpar.hf import config_from_hf, from_hf, load_full_state_dict, to_hf_state_dict
+from fusedpar.nn import Transformer, TransformerConfig
+from fusedpar.nn.transformer import shard_tokens
+from fusedpar.ops.loss import vocab_parallel_cross_entropy
+
+transformers = pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _assert_close(actual, expected, msg):
+    scale = expected.abs().max().item() + 1e-12
+    err = (actual - expected).abs().max().item()
+    assert err <= TOL * scale, f"{msg}: off by {err:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_gradients_aux_loss_and_export_match_transformers(family):
+    hf = hf_model(family)
+    tokens, targets = tokens_targets(1, 2, 8)
+    ref_logits, ref_loss, ref_grads = hf_reference(hf, tokens, targets, aux=True)
+    model = from_hf(hf)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    logits = model(tokens)
+    _assert_close(logits.detach(), ref_logits, f"{family} logits")
+    loss = model.loss(logits, targets)
+    if family in MOE_FAMILIES:
+        loss = loss + model.aux_loss()
+    _assert_close(loss.detach(), ref_loss, f"{family} loss (with HF's aux loss)")
+    loss.backward()
+    compare_grads(model, ref_grads, family)
+    # export: strict load into a fresh HF model gives the same model back
+    fresh = hf_model(family, seed=7)
+    fresh.load_state_dict(to_hf_state_dict(model), strict=True)
+    for (n, a), b in zip(hf.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_from_checkpoint_directory_reads_safetensors(tmp_path):
+    hf = hf_model("mixtral")
+    hf.save_pretrained(tmp_path)
+    tokens, _ = tokens_targets(2, 1, 8)
+    model = from_hf(str(tmp_path))
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "mixtral from a directory")
+
+
+def test_training_steps_match_transformers():
+    hf = hf_model("qwen2_moe")
+    model = from_hf(hf)
+    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        tokens, targets = tokens_targets(10 + step, 2, 8)
+        opt_hf.zero_grad()
+        out = hf(tokens)
+        (F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
+         + hf.config.router_aux_loss_coef * out.aux_loss).backward()
+        opt_hf.step()
+        opt.zero_grad()
+        (model.loss(model(tokens), targets) + model.aux_loss()).backward()
+        opt.step()
+    tokens, _ = tokens_targets(20, 2, 8)
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "logits after 3 AdamW steps")
+
+
+def test_config_from_hf_rejects_what_it_does_not_implement():
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        config_from_hf(transformers.MistralConfig())
+    with pytest.raises(ValueError, match="rope_type"):
+        config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                 "factor": 2.0}))
+    with pytest.raises(ValueError, match="attention_bias"):
+        config_from_hf(transformers.LlamaConfig(attention_bias=True))
+    with pytest.raises(ValueError, match="model_type must be one of"):
+        config_from_hf(transformers.GPT2Config())
+    c = config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    assert c.rope_theta == 5e5 and c.rope_scaling is None
+    c = config_from_hf(transformers.MixtralConfig())
+    assert c.norm_topk_prob is True and c.aux_loss_style == "hf" and c.aux_loss_coef == 1e-3 and c.z_loss_coef == 0
+
+
+def test_kernels_directory_does_not_break_transformers_probe():
+    """From the repository root the source dir ``kernels/`` shadows the PyPI ``kernels`` package
+    that transformers probes for; building a model there must work."""
+    code = ("import transformers, kernels; "
+            "m = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=16, hidden_size=8, "
+            "intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)); "
+            "assert kernels.__file__.startswith(%r), kernels.__file__; "
+            "assert not transformers.utils.import_utils.is_kernels_available(); print('ok')" % ROOT)
+    env = dict(os.environ, PYTHONPATH="")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_ignore_index_and_out_of_range_targets():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, VOCAB, generator=g, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (2, 6), generator=g)
+    targets[0, :3] = -100
+    loss = vocab_parallel_cross_entropy(logits, targets)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1))
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad)
+    assert logits.grad[0, :3].abs().max() == 0
+    targets[1, 0] = VOCAB
+    with pytest.raises(ValueError, match=rf"target must hold ids in \[0, {VOCAB}\) or ignore_index=-100, got {VOCAB}"):
+        vocab_parallel_cross_entropy(logits, targets)
+    targets[1, 0] = -5
+    with pytest.raises(ValueError, match="got -5"):
+        vocab_parallel_cross_entropy(logits, targets)
+    none = vocab_parallel_cross_entropy(logits, targets.clamp(min=0), reduction="none", ignore_index=3)
+    assert none.shape == (2, 6) and bool((none[targets.clamp(min=0) == 3] == 0).all())
+
+
+def test_router_renormalisation_is_a_config_field():
+    base = dict(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=8, num_experts=4, top_k=2)
+    x = torch.randint(0, 32, (1, 8))
+    for norm in (True, False):
+        model = Transformer(TransformerConfig(**base, norm_topk_prob=norm))
+        model(x)
+        w = model.layers["0"].mlp.router_output.weights
+        assert torch.allclose(w.sum(-1), torch.ones(8)) == norm
+
+
+def test_meta_build_then_load_full_state_dict():
+    config = TransformerConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=4, ffn_hidden_size=8,
+                               num_kv_heads=2, qk_norm=True, qkv_bias=True, num_experts=4,
+                               shared_expert_ffn_hidden_size=8)
+    ref = Transformer(config)
+    meta = Transformer(config, device="meta")
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    load_full_state_dict(meta, {n: p.detach() for n, p in ref.named_parameters()})
+    x = torch.randint(0, 32, (1, 8))
+    torch.testing.assert_close(meta(x), ref(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="no tensor for parameter 'embedding.weight'"):
+        load_full_state_dict(Transformer(config, device="meta"), {})
+
+
+def test_from_linear_keeps_the_replicated_layout_and_save_pretrained_works(tmp_path):
+    from fusedpar.nn import ColumnParallelLinear, RowParallelLinear
+
+    hf = hf_model("llama")
+    tokens, _ = tokens_targets(3, 1, 8)
+    expect = hf(tokens).logits.detach()
+    for layer in hf.model.layers:
+        attn = layer.self_attn
+        attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj)
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj)
+        assert not attn.q_proj.sequence_parallel and not attn.o_proj.sequence_parallel
+    _assert_close(hf(tokens).logits.detach(), expect, "HF model with fusedpar linears")
+    hf.save_pretrained(tmp_path)  # every state-dict entry a tensor, _extra_state included
+    assert os.path.exists(tmp_path / "model.safetensors")
+
+
+def test_gather_logits_single_process_is_identity():
+    config = config_from_hf(hf_model("llama").config)
+    model = Transformer(config)
+    tokens, targets = tokens_targets(4, 2, 8)
+    ids, _ = shard_tokens(tokens, targets, sp_size=1, sp_rank=0, tp_size=1, tp_rank=0)
+    logits = model(ids)
+    assert torch.equal(model.gather_logits(logits), logits)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type must be one of"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "must have 'low_freq_factor'"),
+    ("aux_loss_style", "mixtral", "aux_loss_style must be 'switch' or 'hf'"),
+    ("shared_expert_ffn_hidden_size", -1, "shared_expert_ffn_hidden_size must be an int >= 0"),
+    ("rope_theta", 0, "rope_theta must be a positive number"),
+])
+def test_config_rejects_bad_hf_fields(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8, **{field: value})
+
+
+def test_hf_aux_loss_style_needs_aux_loss_scale_zero_and_tied_embeddings_need_both_ends():
+    config = TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8,
+                               num_experts=2, top_k=1, aux_loss_style="hf", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="aux_loss_scale must be 0"):
+        Transformer(config, aux_loss_scale=1.0)
+    with pytest.raises(ValueError, match="tie_word_embeddings needs the embedding and the head"):
+        Transformer(config, head=False)
+
+
+def test_config_from_a_config_json_dict_of_older_transformers():
+    raw = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+           "hidden_act": "silu", "rope_theta": 500000.0, "tie_word_embeddings": True,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+    c = config_from_hf(raw, sp_mode="ulysses")
+    assert (c.rope_theta, c.rope_scaling["factor"], c.norm_eps, c.tie_word_embeddings, c.sp_mode) == \
+        (500000.0, 8.0, 1e-5, True, "ulysses")
+    assert c.num_kv_heads == 2 and c.qkv_bias is False and c.qk_norm is False
