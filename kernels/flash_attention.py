@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_float_tensor, check_int, check_same
+from .checks import check_bool, check_buffer, check_float_tensor, check_int, check_positive_dims, check_same
 from .runtime import input_precision, interpreting, needs_upcast, shared_memory_limit
 
 LOG2E = 1.4426950408889634
@@ -260,6 +260,7 @@ def check_qkv(q, k, v) -> None:
     ``1 <= d <= MAX_HEAD_DIM`` and ``hk`` dividing ``hq`` (grouped-query attention)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(name, t, dims=(4,))
+        check_positive_dims(name, t, {2: "head"})
     for name, t in (("k", k), ("v", v)):
         check_same(name, t, "q", q)
         if t.shape[0] != q.shape[0]:
@@ -309,6 +310,8 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
+    check_bool("causal", causal)
+    check_bool("accumulate", accumulate)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = resolve_softmax_scale(softmax_scale, d)

@@ -39,6 +39,7 @@ from fusedpar.kernels.checks import check_bool, check_choice, check_int
 from fusedpar.kernels.flash_attention import check_qkv, flash_attention_forward, resolve_softmax_scale
 from fusedpar.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
 from fusedpar.ops import comm
+from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.transport import Transport, get_transport
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -455,6 +456,11 @@ def _resolve(group_name, group, transport):
     return get_transport(transport, group)
 
 
+def _agreed(q, k, v, transport, causal, softmax_scale, **modes):
+    """What the ranks of a sequence-parallel group must agree on (see fusedpar.ops.agreement)."""
+    return dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, **modes, transport=transport)
+
+
 def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, layout="zigzag",
                    softmax_scale=None):
     """Attention over the full sequence from this rank's shard; returns this rank's output shard.
@@ -467,8 +473,9 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
     portable transport over ``group`` (None: the default group).
     """
     t = _resolve("group", group, transport)
-    _check_args(q, k, v, causal, layout, ring_size=t.size)
-    resolve_softmax_scale(softmax_scale, q.shape[3])
+    with agreed_arguments("ring_attention", t, None, _agreed(q, k, v, t, causal, softmax_scale, layout=layout)):
+        _check_args(q, k, v, causal, layout, ring_size=t.size)
+        resolve_softmax_scale(softmax_scale, q.shape[3])
     return RingAttentionFunction.apply(q, k, v, t, causal, layout, softmax_scale)
 
 
@@ -481,9 +488,10 @@ def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None
     run on ``transport``, by default a portable transport over ``group``.
     """
     t = _resolve("group", group, transport)
-    _check_args(q, k, v, causal, "contiguous")
-    ulysses_kv_heads(q.shape[2], k.shape[2], t.size)
-    resolve_softmax_scale(softmax_scale, q.shape[3])
+    with agreed_arguments("ulysses_attention", t, None, _agreed(q, k, v, t, causal, softmax_scale)):
+        _check_args(q, k, v, causal, "contiguous")
+        ulysses_kv_heads(q.shape[2], k.shape[2], t.size)
+        resolve_softmax_scale(softmax_scale, q.shape[3])
     return UlyssesAttentionFunction.apply(q, k, v, t, None, causal, "contiguous", softmax_scale)
 
 
@@ -504,7 +512,9 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
                          "ulysses_attention for one-dimensional sequence parallelism")
     uly = _resolve("ulysses_group", ulysses_group, ulysses_transport)
     ring = _resolve("ring_group", ring_group, ring_transport)
-    _check_args(q, k, v, causal, layout, ring_shard=q.shape[1] * uly.size, ring_size=ring.size)
-    ulysses_kv_heads(q.shape[2], k.shape[2], uly.size)
-    resolve_softmax_scale(softmax_scale, q.shape[3])
+    with agreed_arguments("hybrid_attention", {"ulysses": (uly, None), "ring": (ring, None)}, None,
+                          _agreed(q, k, v, f"{uly.name} x {ring.name}", causal, softmax_scale, layout=layout)):
+        _check_args(q, k, v, causal, layout, ring_shard=q.shape[1] * uly.size, ring_size=ring.size)
+        ulysses_kv_heads(q.shape[2], k.shape[2], uly.size)
+        resolve_softmax_scale(softmax_scale, q.shape[3])
     return UlyssesAttentionFunction.apply(q, k, v, uly, ring, causal, layout, softmax_scale)
