@@ -43,14 +43,14 @@ def _qkv(s=2, hq=6, hk=6):
     return _r(1, s, hq, 8), _r(1, s, hk, 8, seed=1), _r(1, s, hk, 8, seed=2)
 
 
-def _moe(odd, group, *, E=None, H=8, capacity=None, chunks=2, T=4, fn=moe_mlp):
+def _moe(odd, group, *, E=None, H=8, activation="swiglu", chunks=2, T=4, fn=moe_mlp):
     P = dist.get_world_size(group)
     E = 2 * P if E is None else E
     x = _r(T, H)
     ids = torch.arange(2 * T).reshape(T, 2) % E
     if fn is moe_mlp:
         w1, w2 = _r(E // P, 12, H), _r(E // P, H, 6)
-        return moe_mlp(x, ids, torch.ones(T, 2), w1, w2, num_experts=E, ep_group=group, capacity=capacity,
+        return moe_mlp(x, ids, torch.ones(T, 2), w1, w2, num_experts=E, ep_group=group, activation=activation,
                        num_chunks=chunks)
     if fn is moe_plan:
         return moe_plan(x, ids, E, ep_group=group, num_chunks=chunks)
@@ -71,13 +71,15 @@ CASES = {
                           "all_gather_matmul", "save_gathered_input", ["True", "False"]),
     "mrs_weight": (lambda odd, g: matmul_reduce_scatter(_r(2, 6, 8), _r(4 if odd else 6, 8), group=g),
                    "matmul_reduce_scatter", "weight", ["shape (6, 8)", "shape (4, 8)"]),
-    "mrs_scatter_dim": (lambda odd, g: matmul_reduce_scatter(_r(6, 6, 8), _r(4, 8), group=g, scatter_dim=0 if odd else 1),
+    "mrs_scatter_dim": (lambda odd, g: matmul_reduce_scatter(_r(6, 6, 8), _r(4, 8), group=g,
+                                                             scatter_dim=0 if odd else 1),
                         "matmul_reduce_scatter", "scatter_dim", ["1", "0"]),
     "mar_chunks": (lambda odd, g: matmul_all_reduce(_r(4, 8), _r(6, 8), group=g, num_chunks=4 if odd else 2),
                    "matmul_all_reduce", "num_chunks", ["2", "4"]),
     "mar_bias": (lambda odd, g: matmul_all_reduce(_r(4, 8), _r(6, 8), _r(6) if odd else None, group=g),
                  "matmul_all_reduce", "bias", ["None", "shape (6,)"]),
-    "copy_activation": (lambda odd, g: copy_to_tp_matmul(_r(4, 8), _r(6, 8), group=g, activation="relu" if odd else "none"),
+    "copy_activation": (lambda odd, g: copy_to_tp_matmul(_r(4, 8), _r(6, 8), group=g,
+                                                         activation="relu" if odd else "none"),
                         "copy_to_tp_matmul", "activation", ["'none'", "'relu'"]),
     "gather_features": (lambda odd, g: gather_features(_r(2, 4 if odd else 3), g),
                         "gather_features", "t", ["shape (2, 3)", "shape (2, 4)"]),
@@ -96,8 +98,9 @@ CASES = {
                     "ulysses_attention", "q", ["shape (1, 2, 6, 8)", "shape (1, 4, 6, 8)"]),
     "ulysses_kv_heads": (lambda odd, g: ulysses_attention(*_qkv(hk=dist.get_world_size(g) if odd else 6), group=g),
                          "ulysses_attention", "k", ["shape (1, 2, 6, 8)", "shape (1, 2, "]),
-    "hybrid_causal": (lambda odd, g: hybrid_attention(*_qkv(), ulysses_group=g or dist.group.WORLD, ring_group=_SELF[dist.get_rank()],
-                                                      causal=odd, layout="contiguous"),
+    "hybrid_causal": (lambda odd, g: hybrid_attention(*_qkv(), ulysses_group=g or dist.group.WORLD,
+                                                      ring_group=_SELF[dist.get_rank()], causal=odd,
+                                                      layout="contiguous"),
                       "hybrid_attention", "causal", ["False", "True"]),
     "moe_num_experts": (lambda odd, g: _moe(odd, g, E=4 * dist.get_world_size(g) if odd else None),
                         "moe_mlp", "num_experts", [None, None]),
@@ -105,8 +108,8 @@ CASES = {
                    "moe_dispatch", "hidden_size", ["8", "4"]),
     "moe_chunks": (lambda odd, g: _moe(odd, g, chunks=1 if odd else 2, fn=moe_plan),
                    "moe_plan", "num_chunks", ["2", "1"]),
-    "moe_capacity": (lambda odd, g: _moe(odd, g, capacity=2 if odd else None),
-                     "moe_mlp", "capacity", ["None", "2"]),
+    "moe_activation": (lambda odd, g: _moe(odd, g, activation="geglu" if odd else "swiglu"),
+                       "moe_mlp", "activation", ["'swiglu'", "'geglu'"]),
 }
 _SELF = {}
 
@@ -146,8 +149,8 @@ def _mesh_case(odd, group):
 
 
 def _agreeing_moe(rank, group):
-    """Ranks with different token counts agree (they may): the output equals the single-process
-    loop over the full expert weights on this rank's tokens."""
+    """Ranks with different token counts and capacities agree (they may): the output equals the
+    single-process loop over the full expert weights on this rank's tokens."""
     P = dist.get_world_size(group)
     E, H = 2 * P, 8
     T = 3 + rank
@@ -156,8 +159,8 @@ def _agreeing_moe(rank, group):
     wts = torch.rand(T, 2, generator=rank_rng(9, rank))
     w1, w2 = torch.randn(E, 12, H, generator=rank_rng(10)), torch.randn(E, H, 6, generator=rank_rng(11))
     lo = dist.get_rank(group) * (E // P)
-    y = moe_mlp(x, ids, wts, w1[lo:lo + E // P], w2[lo:lo + E // P], num_experts=E, ep_group=group)
-    want = moe_mlp_reference(x, ids, wts, w1, w2)
+    y = moe_mlp(x, ids, wts, w1[lo:lo + E // P], w2[lo:lo + E // P], num_experts=E, ep_group=group, capacity=T)
+    want = moe_mlp_reference(x, ids, wts, w1, w2, capacity=T)
     return float((y.double() - want).abs().max())
 
 
@@ -237,7 +240,8 @@ def test_agreeing_ranks_run_and_the_group_survives(results, gs):
 # ----------------------------------------------------------------------------------------------
 # one process: the switch, the descriptions, the transports it skips
 # ----------------------------------------------------------------------------------------------
-def test_switch_defaults_and_overrides():
+def test_switch_defaults_and_overrides(monkeypatch):
+    monkeypatch.delenv(agreement.AGREEMENT_ENV, raising=False)
     try:
         set_agreement_check(None)
         assert agreement_check_enabled("cpu") and not agreement_check_enabled("cuda")
@@ -247,7 +251,11 @@ def test_switch_defaults_and_overrides():
         assert not agreement_check_enabled("cpu")
         with pytest.raises(TypeError, match="enabled must be a bool or None, got str 'yes'"):
             set_agreement_check("yes")
+        monkeypatch.setenv(agreement.AGREEMENT_ENV, "1")
+        set_agreement_check(None)
+        assert agreement_check_enabled("cuda")
     finally:
+        monkeypatch.delenv(agreement.AGREEMENT_ENV, raising=False)
         set_agreement_check(None)
 
 

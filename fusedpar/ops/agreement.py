@@ -54,8 +54,9 @@ _setting: bool | None = None if _env == "" else _env == "1"
 
 
 def set_agreement_check(enabled: bool | None) -> None:
-    """Turn the check on (``True``) or off (``False``) for every device, or back to the default
-    (``None``: the environment variable, else on for CPU tensors and off for CUDA tensors)."""
+    """Turn the check on (``True``) or off (``False``) for every group, or back to the default
+    (``None``: the environment variable, else on where the exchange runs on the CPU (gloo) and
+    off where it runs on a GPU (NCCL))."""
     global _setting
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool or None, got {type(enabled).__name__} {enabled!r}")
@@ -66,7 +67,7 @@ def set_agreement_check(enabled: bool | None) -> None:
 
 
 def agreement_check_enabled(device: torch.device | str | None = None) -> bool:
-    """Whether ops on tensors of ``device`` run the check (see the module docstring)."""
+    """Whether the check runs for an exchange on ``device`` (see the module docstring)."""
     if _setting is not None:
         return _setting
     return device is None or torch.device(device).type != "cuda"

@@ -158,8 +158,8 @@ def _check_routing(x2d, expert_ids, num_experts, ep, *, weights=None, capacity=N
     if weights is not None:
         check_tensor("weights", weights, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
         check_shape("weights", weights, (T, k))
-    if capacity is not None:
-        check_int("capacity", capacity, min_value=0)
+    if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
+        raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
     check_int("num_chunks", num_chunks, min_value=1)
     check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
     return T, k
@@ -172,10 +172,10 @@ def _token_rows(x):  # x [..., hidden] as [tokens, hidden]
     return x.reshape(-1, x.shape[-1])
 
 
-def _ep_fields(x, num_experts, capacity, num_chunks, **more):  # what EP ranks agree on (not token counts)
+def _ep_fields(x, num_experts, num_chunks, **more):  # what EP ranks agree on (not tokens, not capacity)
     hidden = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else None
-    return dict(hidden_size=hidden, dtype=getattr(x, "dtype", None), num_experts=num_experts, capacity=capacity,
-                num_chunks=num_chunks, **more)
+    return dict(hidden_size=hidden, dtype=getattr(x, "dtype", None), num_experts=num_experts, num_chunks=num_chunks,
+                **more)
 
 
 def _id_range(expert_ids) -> torch.Tensor:
@@ -224,12 +224,12 @@ class _PendingIdCheck:
 
 def moe_plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_group=None, transport=None,
              capacity: int | None = None, num_chunks: int = 1) -> MoEPlan:
-    """Routing metadata and (``ep > 1``) the count exchange. ``capacity``: at most this many slots
-    per expert from this rank's tokens, the earliest in token order; the rest are dropped.
-    ``transport``: a Transport (then ``ep_group`` must be None), default portable over ``ep_group``.
-    Reads the expert ids' range on the host before it returns (a sync on a GPU, also at ``ep == 1``)."""
+    """Routing metadata and (``ep > 1``) the count exchange. ``capacity``: at most this many slots per
+    expert from this rank's tokens, the earliest in token order; the rest are dropped. ``transport``: a
+    Transport (then ``ep_group`` must be None), default portable over ``ep_group``. Reads the expert
+    ids' range on the host before it returns (a sync on a GPU, also at ``ep == 1``)."""
     transport = get_transport(transport, ep_group)
-    with agreed_arguments("moe_plan", transport, None, _ep_fields(x, num_experts, capacity, num_chunks)):
+    with agreed_arguments("moe_plan", transport, None, _ep_fields(x, num_experts, num_chunks)):
         x2d = _token_rows(x)
         _check_routing(x2d, expert_ids, num_experts, transport.size, capacity=capacity, num_chunks=num_chunks)
     plan, pending = _build_plan(x2d, expert_ids, num_experts, transport, capacity, num_chunks)
@@ -535,7 +535,7 @@ def moe_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *,
     expert-contiguous per source rank (group offsets in ``plan.expert_offsets[0]``).
     Synchronous; :func:`moe_mlp` is the pipelined composition of the three stages."""
     transport = get_transport(transport, ep_group)
-    with agreed_arguments("moe_dispatch", transport, None, _ep_fields(x, num_experts, capacity, 1)):
+    with agreed_arguments("moe_dispatch", transport, None, _ep_fields(x, num_experts, 1)):
         x2d = _token_rows(x)
         _check_routing(x2d, expert_ids, num_experts, transport.size, capacity=capacity)
     plan, pending = _build_plan(x2d, expert_ids, num_experts, transport, capacity, 1)
@@ -583,8 +583,8 @@ def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1
     Returns x's shape and dtype. Slots over ``capacity`` are dropped (earliest tokens kept)."""
     transport = get_transport(transport, ep_group)
     ep = transport.size
-    with agreed_arguments("moe_mlp", transport, None, _ep_fields(x, num_experts, capacity, num_chunks,
-                                                                 activation=activation, w1=w1, w2=w2)):
+    with agreed_arguments("moe_mlp", transport, None, _ep_fields(x, num_experts, num_chunks, activation=activation,
+                                                                 w1=w1, w2=w2)):
         x2d = _token_rows(x)
         _check_routing(x2d, expert_ids, num_experts, ep, weights=weights, capacity=capacity, num_chunks=num_chunks)
         _check_expert_weights(x2d, w1, w2, activation, num_experts // ep)
