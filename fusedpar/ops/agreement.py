@@ -40,7 +40,7 @@ import torch.distributed as dist
 from fusedpar.ops.transport import PortableTransport, Transport
 
 __all__ = ["AGREEMENT_ENV", "FINGERPRINT_FIELDS", "agreed_arguments", "agreement_check_enabled", "check_agreement",
-           "describe", "set_agreement_check"]
+           "describe", "measure_agreement_cost", "set_agreement_check"]
 
 AGREEMENT_ENV = "FUSEDPAR_CHECK_AGREEMENT"
 #: int64 slots of a fingerprint: the op, one per field (at most ``FINGERPRINT_FIELDS - 2``), the outcome
@@ -180,8 +180,8 @@ def check_agreement(transport, op: str, fields: dict, *, group=None, device=None
     texts = [(name, describe(value)) for name, value in fields.items()]
     outcome = "valid" if error is None else f"{type(error).__name__}: {error}"
     fp = torch.tensor(_fingerprint(op, texts, outcome), dtype=torch.int64, device=device)
-    rows = _gather(dims, fp).cpu()
-    differ = [i for i in range(FINGERPRINT_FIELDS) if not bool((rows[:, i] == rows[0, i]).all())]
+    rows = _gather(dims, fp).tolist()  # the one host read
+    differ = [i for i in range(FINGERPRINT_FIELDS) if any(row[i] != rows[0][i] for row in rows)]
     if differ:
         _raise_disagreement(dims, op, texts, outcome, differ, device)
 
@@ -222,3 +222,40 @@ def agreed_arguments(op: str, transport, group, fields: dict, device=None):
 def _by_rank(labels: list, values: list) -> str:
     """``"rank 0: a; rank 1: b"``: each rank's value, in rank order."""
     return "; ".join(f"{lab}: {v}" for lab, v in zip(labels, values))
+
+
+def _cost_worker(rank: int, size: int, port: int, calls: int, rounds: int) -> None:
+    """One rank of :func:`measure_agreement_cost`: times ``check_agreement`` on a TP op's fields
+    and a bare all-gather of a fingerprint, interleaved in rounds (median of the rounds)."""
+    import statistics
+    import time
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    t = PortableTransport()
+    fields = dict(x=torch.randn(2, 64, 256), weight=torch.randn(512, 256), bias=None, gather_dim=1,
+                  activation="none", partial_dtype=torch.float32, save_gathered_input=True, transport=None)
+    fp = torch.zeros(FINGERPRINT_FIELDS, dtype=torch.int64)
+    out = torch.empty(size * FINGERPRINT_FIELDS, dtype=torch.int64)
+    fns = {"check_agreement": lambda: check_agreement(t, "all_gather_matmul", fields, device="cpu"),
+           "bare 128-byte all-gather": lambda: t.all_gather_into(out, fp).wait()}
+    times = {name: [] for name in fns}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls)
+    if rank == 0:
+        text = ", ".join(f"{k} {statistics.median(v[1:]) * 1e6:.0f} us/call" for k, v in times.items())
+        print(f"{size} gloo ranks on CPU (median of {rounds} rounds of {calls} calls): {text}", flush=True)
+    dist.destroy_process_group()
+
+
+def measure_agreement_cost(sizes=(2, 3), calls: int = 100, rounds: int = 5, port: int = 29400) -> None:
+    """Print the CPU cost of one :func:`check_agreement` next to a bare all-gather of the same
+    fingerprint, on ``sizes`` gloo ranks spawned on this machine (localhost ports ``port + size``)."""
+    import torch.multiprocessing as mp
+
+    for size in sizes:
+        mp.spawn(_cost_worker, args=(size, port + size, calls, rounds), nprocs=size)
