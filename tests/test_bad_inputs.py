@@ -93,6 +93,9 @@ CASES = {
     "tp partial_dtype int": (TypeError, "matmul_reduce_scatter: partial_dtype must be one of torch.float32, got "
                              "torch.int32", lambda: matmul_reduce_scatter(_r(2, 4, 8), _r(6, 8), transport=_em(),
                                                                           partial_dtype=torch.int32)),
+    "tp x int dtype": (TypeError, "all_gather_matmul: x must have dtype torch.float32 or torch.float16 or "
+                       "torch.bfloat16, got torch.int32",
+                       lambda: all_gather_matmul(_r(2, 4, 8).int(), _r(6, 8).int(), transport=_em())),
     # sizes positive
     "flash zero query heads": (ValueError, "q must have at least one head (dim 2), got shape (1, 4, 0, 8)",
                                lambda: flash_attention(_r(1, 4, 0, 8), _r(1, 4, 1, 8), _r(1, 4, 1, 8))),
@@ -171,3 +174,15 @@ def test_valid_edge_inputs_still_pass():
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     y = all_gather_matmul(_r(2, 4, 8), _r(6, 8), transport=_em(), save_gathered_input=False, return_gathered=True)
     assert y[0].shape == (2, 8, 6) and y[1].shape == (2, 8, 8)
+
+
+@pytest.mark.gpu
+def test_routing_ids_out_of_range_on_gpu_are_reported_later_without_a_sync():
+    """On a GPU the launch does not read the flag (no host sync); the error comes from the next
+    routing call that finds the flag landed, or from check_routing_ids(), which waits for it."""
+    ids = torch.tensor([[0, 1], [2, 8]], device="cuda")
+    counts, *_ = routing_metadata(ids, 8)  # returns: nothing was read on the host
+    with pytest.raises(ValueError, match=r"group_ids must lie in \[0, 8\) .* got 1 id\(s\)"):
+        check_routing_ids()
+    check_routing_ids()  # reported once
+    assert int(counts.sum()) == 3  # the bad slot was dropped, not written out of bounds
