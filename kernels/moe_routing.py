@@ -125,13 +125,13 @@ class _IdReports:
         while self.pending and (wait or self.pending[0][0].query()):
             event, host, num_groups = self.pending.popleft()
             event.synchronize()
-            self.raise_for(int(host.item()), num_groups)
+            self.raise_for(int(host.item()), num_groups, " by an earlier routing_metadata call on a GPU")
 
     @staticmethod
-    def raise_for(bad: int, num_groups: int) -> None:
+    def raise_for(bad: int, num_groups: int, where: str = "") -> None:
         if bad:
             raise ValueError(f"group_ids must lie in [0, {num_groups}) (or be -1: not routed), got {bad} id(s) "
-                             "outside it (those slots were dropped)")
+                             f"outside it{where} (those slots were dropped)")
 
 
 _id_reports = _IdReports()
