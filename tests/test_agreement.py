@@ -30,6 +30,7 @@ from fusedpar.ops import (
 )
 from fusedpar.ops import agreement
 from fusedpar.ops.agreement import agreement_check_enabled, check_agreement, describe, set_agreement_check
+from fusedpar.ops.symmetric import SymmetricTransport, all_gather_matmul_symmetric, matmul_reduce_scatter_symmetric
 from fusedpar.ops.transport import PortableTransport
 
 world3 = world_fixture(3)
@@ -102,6 +103,13 @@ CASES = {
                                                       ring_group=_SELF[dist.get_rank()], causal=odd,
                                                       layout="contiguous"),
                       "hybrid_attention", "causal", ["False", "True"]),
+    "symmetric_ag_rows": (lambda odd, g: all_gather_matmul_symmetric(_r(2, 6 if odd else 4, 8), _r(6, 8),
+                                                                     transport=SymmetricTransport(g)),
+                          "all_gather_matmul_symmetric", "x", ["shape (2, 4, 8)", "shape (2, 6, 8)"]),
+    "symmetric_rs_reduce_sms": (lambda odd, g: matmul_reduce_scatter_symmetric(_r(2, 6, 8), _r(4, 8),
+                                                                               transport=SymmetricTransport(g),
+                                                                               reduce_sms=4 if odd else 8),
+                                "matmul_reduce_scatter_symmetric", "reduce_sms", ["8", "4"]),
     "moe_num_experts": (lambda odd, g: _moe(odd, g, E=4 * dist.get_world_size(g) if odd else None),
                         "moe_mlp", "num_experts", [None, None]),
     "moe_hidden": (lambda odd, g: _moe(odd, g, H=4 if odd else 8, fn=moe_dispatch),

@@ -142,7 +142,7 @@ def all_gather_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False
         gathered = torch.empty((P,) + tuple(x.shape), dtype=x.dtype, device=x.device) if keep_chunks else None
         symmetric.all_gather_matmul_symmetric(x, weight, bias, transport=t, gather_dim=d,
                                               activation=opts.activation, out=out, preact_out=preact,
-                                              gathered_out=gathered)
+                                              gathered_out=gathered, agree=False)
         return out, preact, (list(gathered.unbind(0)) if keep_chunks else None)
     chunks = [None] * P if keep_chunks else None
     for src, chunk in ring_gather(x, t, keep=keep_chunks):
@@ -196,7 +196,7 @@ def all_gather_matmul_bwd(grad_out, x, weight, preact, chunks, opts: TPOptions, 
         if need_dx:  # the persistent reduce-scatter GEMM (weight.t() is a strided view, no copy)
             a = dpre if dpre is not None else chunk_view(grad_out, d, P)
             symmetric.matmul_reduce_scatter_symmetric(a, weight.t(), transport=t, partial_dtype=opts.partial_dtype,
-                                                      out=dx, chunked=True)
+                                                      out=dx, chunked=True, agree=False)
         for j in range(P):  # the weight gradient after it
             between(j)
     for _ in sources or ():  # exhausted already: closes the re-gather
@@ -294,7 +294,7 @@ def matmul_reduce_scatter_fwd(x, weight, bias, opts: TPOptions):
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     if t.in_kernel_waits:
         symmetric.matmul_reduce_scatter_symmetric(x, weight, bias, transport=t, scatter_dim=d,
-                                                  partial_dtype=opts.partial_dtype, out=out)
+                                                  partial_dtype=opts.partial_dtype, out=out, agree=False)
     else:
         ring_reduce_scatter(lambda c: x.narrow(d, c * n, n), weight, "nk", bias, out, t, opts.partial_dtype)
     return out
@@ -319,7 +319,7 @@ def matmul_reduce_scatter_bwd(grad_out, x, weight, opts: TPOptions, *, need_dx=T
         gathered = (torch.empty((t.size,) + tuple(grad_out.shape), dtype=grad_out.dtype, device=grad_out.device)
                     if keep else None)
         symmetric.all_gather_matmul_symmetric(grad_out, weight.t(), transport=t, gather_dim=d, out=dx,
-                                              gathered_out=gathered)
+                                              gathered_out=gathered, agree=False)
         chunks = enumerate(gathered.unbind(0)) if keep else iter(())
         dgrad_done = True
     else:
