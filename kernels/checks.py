@@ -126,6 +126,20 @@ def check_dtype(name: str, dtype, allowed) -> None:
         raise TypeError(f"{name} must be one of {', '.join(str(d) for d in allowed)}, got {dtype}")
 
 
+def check_out_dtype(name: str, dtype) -> None:
+    """An optional output dtype (``None``: the input's): one of the supported float dtypes (an
+    integer dtype would truncate the result)."""
+    if dtype is not None:
+        check_dtype(name, dtype, SUPPORTED_DTYPES)
+
+
+def check_positive_dims(name: str, t: torch.Tensor, dims: dict) -> None:
+    """``t.shape[d] >= 1`` for every ``{d: what}`` in ``dims`` (``what`` names the size: "head")."""
+    for d, what in dims.items():
+        if t.shape[d] < 1:
+            raise ValueError(f"{name} must have at least one {what} (dim {d}), got shape {tuple(t.shape)}")
+
+
 def check_divisible(name: str, value: int, size: int, what: str = "the group size") -> None:
     """A dimension that must split evenly (over a group, into chunks, ...)."""
     if size <= 0 or value % size:

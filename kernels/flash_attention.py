@@ -39,7 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_float_tensor, check_int, check_same, check_tensor
+from .checks import (
+    check_bool,
+    check_buffer,
+    check_float_tensor,
+    check_int,
+    check_positive_dims,
+    check_same,
+    check_tensor,
+)
 from .runtime import input_precision, interpreting, needs_upcast, shared_memory_limit
 
 LOG2E = 1.4426950408889634
@@ -320,6 +328,7 @@ def check_qkv(q, k, v) -> None:
     ``1 <= d <= MAX_HEAD_DIM`` and ``hk`` dividing ``hq`` (grouped-query attention)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(name, t, dims=(4,))
+        check_positive_dims(name, t, {2: "head"})
     for name, t in (("k", k), ("v", v)):
         check_same(name, t, "q", q)
         if t.shape[0] != q.shape[0]:
@@ -416,6 +425,8 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
+    check_bool("causal", causal)
+    check_bool("accumulate", accumulate)
     if segments is not None:
         check_segments(segments, q, k, q_offset, k_offset)
     b, sq, hq, d = q.shape

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_choice, check_float_tensor, check_same, check_supported_dtype
+from .checks import check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same, check_supported_dtype
 from .runtime import (
     ACTIVATIONS,
     RowView,
@@ -370,6 +370,7 @@ def _matmul_buffers(a, ops, *, out, accumulate, residual, preact_out, out_dtype,
     """Check (or allocate) ``out``, ``residual`` and ``preact_out`` of :func:`matmul`; returns
     ``(out, residual)`` with ``residual = out`` when accumulating."""
     out_shape = tuple(a.shape[:-1]) + (ops.n,)
+    check_out_dtype("out_dtype", out_dtype)
     if accumulate:
         if out is None:
             raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
@@ -471,6 +472,7 @@ def matmul_tn(
         )
     N, K = grad.shape[-1], x.shape[-1]
     T = int(torch.Size(grad.shape[:-1]).numel())
+    check_out_dtype("out_dtype", out_dtype)
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
     if out is None:

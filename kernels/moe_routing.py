@@ -11,8 +11,14 @@ counting sort, so that each group's slots are contiguous and in token order:
 * ``sorted_slot [T*k]`` the inverse: the slot at each position, ``-1`` for the unused tail rows
   (positions ``offsets[G] ..``) left by dropped slots.
 
-Everything is computed on the device from device tensors: no host synchronisation. Group ids
-outside ``[0, G)`` are "not routed" here (the MoE ops check expert ids before they get here).
+Everything is computed on the device from device tensors: no host synchronisation. A group id
+of ``-1`` means "not routed" (a slot dropped before the sort). Any other id outside ``[0, G)`` is
+an error, found by the counting kernel without a host sync: the slot is dropped (it writes
+nothing) and counted in a device flag. On CPU tensors (the interpreter) the flag is read at once
+and :func:`routing_metadata` raises; on a GPU it is copied to the host behind the kernels and
+reported later, by the next :func:`routing_metadata` call that finds the copy landed or by
+:func:`check_routing_ids` (which waits for it). The MoE ops range-check expert ids themselves and
+pass ``check_ids=False``.
 
 Layers: ``@triton.jit`` kernels -> :func:`routing_metadata` (validate, allocate, launch) ->
 references (plain Python / torch loops, the tests' oracle): :func:`routing_metadata_reference`
@@ -20,11 +26,13 @@ and the whole routed MLP, :func:`moe_mlp_reference`.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 import triton
 import triton.language as tl
 
-from .checks import check_index_tensor
+from .checks import check_bool, check_index_tensor
 from .runtime import activation_reference, interpreting
 
 #: most rows (slots) a routing or grouped-GEMM launch addresses: positions are int32
@@ -35,15 +43,20 @@ MAX_ROWS = 2**31 - 1
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _route_count_kernel(ids_ptr, n, counts_ptr, G, BLOCK: tl.constexpr, G_PAD: tl.constexpr):
-    """counts[pid, g] = number of slots of block ``pid`` whose group id is ``g``."""
+def _route_count_kernel(ids_ptr, n, counts_ptr, G, bad_ptr, BLOCK: tl.constexpr, G_PAD: tl.constexpr):
+    """counts[pid, g] = number of slots of block ``pid`` whose group id is ``g``; ``bad[0]`` +=
+    the slots whose id is neither ``-1`` nor in ``[0, G)`` (they are counted nowhere else)."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+    raw = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+    ids = tl.where((raw >= 0) & (raw < G), raw, -1).to(tl.int32)
     g = tl.arange(0, G_PAD)
     onehot = (ids[:, None] == g[None, :]).to(tl.int32)
     cnt = tl.sum(onehot, axis=0)
     tl.store(counts_ptr + pid.to(tl.int64) * G + g, cnt, mask=g < G)
+    bad = tl.sum(((raw != -1) & ((raw < 0) | (raw >= G))).to(tl.int32), axis=0)
+    if bad > 0:
+        tl.atomic_add(bad_ptr, bad)
 
 
 @triton.jit
@@ -54,8 +67,9 @@ def _route_scatter_kernel(ids_ptr, n, prefix_ptr, offsets_ptr, G, capacity, slot
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < n
-    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    valid = in_range & (ids >= 0) & (ids < G)
+    raw = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    valid = in_range & (raw >= 0) & (raw < G)
+    ids = tl.where(valid, raw, -1).to(tl.int32)
     g = tl.arange(0, G_PAD)
     onehot = (ids[:, None] == g[None, :]).to(tl.int32)
     within = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
@@ -77,8 +91,9 @@ def _block_for_groups(G_PAD):
     return max(16, min(1024, 16384 // G_PAD))
 
 
-def _check_routing_args(group_ids, num_groups, capacity):
+def _check_routing_args(group_ids, num_groups, capacity, check_ids):
     check_index_tensor("group_ids", group_ids, dims=tuple(range(1, 9)))
+    check_bool("check_ids", check_ids)
     if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
         raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
     if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
@@ -87,17 +102,62 @@ def _check_routing_args(group_ids, num_groups, capacity):
         raise ValueError(f"group_ids must have at most {MAX_ROWS} slots (int32 positions), got {group_ids.numel()}")
 
 
-def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int | None = None):
+class _IdReports:
+    """Out-of-range id counts of GPU launches on their way to the host: ``(event, pinned count,
+    num_groups)``, oldest first."""
+
+    def __init__(self):
+        self.pending = collections.deque()
+
+    def add(self, bad: torch.Tensor, num_groups: int) -> None:
+        if bad.device.type != "cuda":
+            self.raise_for(int(bad.item()), num_groups)
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return  # nothing can be read on the host while a graph is captured
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(bad, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((event, host, num_groups))
+
+    def report(self, wait: bool) -> None:
+        while self.pending and (wait or self.pending[0][0].query()):
+            event, host, num_groups = self.pending.popleft()
+            event.synchronize()
+            self.raise_for(int(host.item()), num_groups, " by an earlier routing_metadata call on a GPU")
+
+    @staticmethod
+    def raise_for(bad: int, num_groups: int, where: str = "") -> None:
+        if bad:
+            raise ValueError(f"group_ids must lie in [0, {num_groups}) (or be -1: not routed), got {bad} id(s) "
+                             f"outside it{where} (those slots were dropped)")
+
+
+_id_reports = _IdReports()
+
+
+def check_routing_ids() -> None:
+    """Raise the ``ValueError`` of any earlier GPU :func:`routing_metadata` call that met group ids
+    out of range, waiting for their flags (a host synchronisation; on CPU the call itself raises)."""
+    _id_reports.report(wait=True)
+
+
+def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int | None = None,
+                     check_ids: bool = True):
     """Stable counting sort of slots by group, on the device (no host sync).
 
     group_ids: ``[T, k]`` (or any shape; flattened in slot order) int32/int64 group of each slot;
-    ids outside ``[0, num_groups)`` mean "not routed" (dropped before the sort). capacity: keep at
-    most this many slots per group, the first ones in slot (= token) order; the rest are dropped.
+    ``-1`` means "not routed" (dropped before the sort). capacity: keep at most this many slots
+    per group, the first ones in slot (= token) order; the rest are dropped. check_ids: ids
+    outside ``[0, num_groups)`` other than ``-1`` are an error (see the module docstring: raised
+    here on CPU, reported without a host sync on a GPU); ``False``: they are dropped silently.
 
     Returns ``(counts [G] int32, offsets [G+1] int32, slot_pos [n] int32, sorted_slot [n] int32)``
     with ``n = group_ids.numel()`` (see the module docstring).
     """
-    _check_routing_args(group_ids, num_groups, capacity)
+    _check_routing_args(group_ids, num_groups, capacity, check_ids)
+    _id_reports.report(wait=False)
     n = group_ids.numel()
     dev = group_ids.device
     ids = group_ids.reshape(-1).contiguous()
@@ -111,7 +171,10 @@ def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int 
     if n == 0:
         counts = torch.zeros((G,), device=dev, dtype=torch.int32)
         return counts, torch.zeros((G + 1,), device=dev, dtype=torch.int32), slot_pos, sorted_slot
-    _route_count_kernel[(nb,)](ids, n, block_counts, G, BLOCK=BLOCK, G_PAD=G_PAD)
+    bad = torch.zeros((1,), device=dev, dtype=torch.int32)
+    _route_count_kernel[(nb,)](ids, n, block_counts, G, bad, BLOCK=BLOCK, G_PAD=G_PAD)
+    if check_ids:
+        _id_reports.add(bad, G)
     # the scan over blocks is a device cumsum (no sync): slots of each group in earlier blocks
     incl = torch.cumsum(block_counts, dim=0, dtype=torch.int32)
     prefix = incl - block_counts

@@ -22,6 +22,8 @@ if _choice == "cpu":
 else:
     os.environ.pop("TRITON_INTERPRET", None)
 os.environ["FUSEDPAR_TEST_DEVICE"] = _choice  # spawned distributed workers inherit the decision
+# the cross-rank agreement check runs in every test world, NCCL ones included (its default is off there)
+os.environ.setdefault("FUSEDPAR_CHECK_AGREEMENT", "1")
 
 import pytest  # noqa: E402
 

@@ -25,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from fusedpar.kernels.checks import check_bool
 from fusedpar.kernels.flash_attention import attention_reference
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
@@ -129,6 +130,7 @@ class AttentionReference(nn.Module):
                  rope_scaling=None, device=None, dtype=None):
         super().__init__()
         num_kv_heads, head_dim = _check_shape_args(type(self).__name__, hidden_size, num_heads, num_kv_heads, head_dim)
+        check_bool(f"{type(self).__name__}: causal", causal)
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.num_kv_heads = num_kv_heads
         self.causal, self.rope_theta = bool(causal), float(rope_theta)
@@ -220,6 +222,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         name = type(self).__name__
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
+        check_bool(f"{name}: causal", causal)
         if sp_mode not in SP_MODES:
             raise ValueError(f"{name}: sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
         if layout not in LAYOUTS:

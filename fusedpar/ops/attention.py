@@ -43,6 +43,7 @@ from fusedpar.kernels.checks import check_bool, check_choice, check_int
 from fusedpar.kernels.flash_attention import check_qkv, flash_attention_forward, resolve_softmax_scale
 from fusedpar.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
 from fusedpar.ops import comm
+from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.transport import Transport, get_transport
 from fusedpar.ops.varlen import document_bounds, ring_document_plan
 
@@ -510,6 +511,19 @@ def _check_documents(cu_seqlens, q, total):
     document_bounds(cu_seqlens, total)
 
 
+def _agreed(q, k, v, transport, causal, softmax_scale, **modes):
+    """What the ranks of a sequence-parallel group must agree on (see fusedpar.ops.agreement)."""
+    return dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, **modes, transport=transport)
+
+
+def _documents(cu_seqlens):
+    """What the ranks must agree on of ``cu_seqlens``: its values when they are on the host (a
+    device tensor is compared by shape and dtype: reading it would sync the stream)."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "cpu" and cu_seqlens.dim() == 1:
+        return tuple(cu_seqlens.tolist())
+    return cu_seqlens
+
+
 def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, layout="zigzag",
                    softmax_scale=None, cu_seqlens=None):
     """Attention over the full sequence from this rank's shard; returns this rank's output shard.
@@ -527,9 +541,11 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
     length crossing any shard boundaries; ring steps with nothing visible launch no kernel.
     """
     t = _resolve("group", group, transport)
-    _check_args(q, k, v, causal, layout, ring_size=t.size)
-    resolve_softmax_scale(softmax_scale, q.shape[3])
-    _check_documents(cu_seqlens, q, q.shape[1] * t.size)
+    with agreed_arguments("ring_attention", t, None, _agreed(q, k, v, t, causal, softmax_scale, layout=layout,
+                                                             cu_seqlens=_documents(cu_seqlens))):
+        _check_args(q, k, v, causal, layout, ring_size=t.size)
+        resolve_softmax_scale(softmax_scale, q.shape[3])
+        _check_documents(cu_seqlens, q, q.shape[1] * t.size)
     return RingAttentionFunction.apply(q, k, v, t, causal, layout, softmax_scale, cu_seqlens)
 
 
@@ -544,10 +560,12 @@ def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None
     documents, as in :func:`ring_attention`.
     """
     t = _resolve("group", group, transport)
-    _check_args(q, k, v, causal, "contiguous")
-    ulysses_kv_heads(q.shape[2], k.shape[2], t.size)
-    resolve_softmax_scale(softmax_scale, q.shape[3])
-    _check_documents(cu_seqlens, q, q.shape[1] * t.size)
+    with agreed_arguments("ulysses_attention", t, None,
+                          _agreed(q, k, v, t, causal, softmax_scale, cu_seqlens=_documents(cu_seqlens))):
+        _check_args(q, k, v, causal, "contiguous")
+        ulysses_kv_heads(q.shape[2], k.shape[2], t.size)
+        resolve_softmax_scale(softmax_scale, q.shape[3])
+        _check_documents(cu_seqlens, q, q.shape[1] * t.size)
     return UlyssesAttentionFunction.apply(q, k, v, t, None, causal, "contiguous", softmax_scale, cu_seqlens)
 
 
@@ -570,8 +588,11 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
                          "ulysses_attention for one-dimensional sequence parallelism")
     uly = _resolve("ulysses_group", ulysses_group, ulysses_transport)
     ring = _resolve("ring_group", ring_group, ring_transport)
-    _check_args(q, k, v, causal, layout, ring_shard=q.shape[1] * uly.size, ring_size=ring.size)
-    ulysses_kv_heads(q.shape[2], k.shape[2], uly.size)
-    resolve_softmax_scale(softmax_scale, q.shape[3])
-    _check_documents(cu_seqlens, q, q.shape[1] * uly.size * ring.size)
+    with agreed_arguments("hybrid_attention", {"ulysses": (uly, None), "ring": (ring, None)}, None,
+                          _agreed(q, k, v, f"{uly.name} x {ring.name}", causal, softmax_scale, layout=layout,
+                                  cu_seqlens=_documents(cu_seqlens))):
+        _check_args(q, k, v, causal, layout, ring_shard=q.shape[1] * uly.size, ring_size=ring.size)
+        ulysses_kv_heads(q.shape[2], k.shape[2], uly.size)
+        resolve_softmax_scale(softmax_scale, q.shape[3])
+        _check_documents(cu_seqlens, q, q.shape[1] * uly.size * ring.size)
     return UlyssesAttentionFunction.apply(q, k, v, uly, ring, causal, layout, softmax_scale, cu_seqlens)

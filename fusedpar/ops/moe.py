@@ -2,10 +2,9 @@
 
 Stages (each an autograd-aware function, so a schedule can place them around other work):
 
-* :func:`moe_plan` — routing metadata on the device (fusedpar.kernels.routing_metadata), then,
-  with ``ep > 1``, the exchange of per-expert counts (one all-to-all of ints through the
-  transport) and the one host sync of the layer: an all-to-all-v takes its split sizes as Python
-  ints. With ``ep == 1`` nothing leaves the device.
+* :func:`moe_plan` — routing metadata on the device (fusedpar.kernels.routing_metadata), then, with
+  ``ep > 1``, the exchange of per-expert counts (one all-to-all of ints through the transport) and the
+  one host sync of the layer (all-to-all-v split sizes are Python ints). At ``ep == 1`` no transfer.
 * :func:`moe_dispatch` — permute tokens into expert-contiguous order (each repeated once per
   routed slot) and, with ``ep > 1``, send them to the ranks that own the experts (all-to-all-v).
 * :func:`moe_expert_compute` / :func:`grouped_mlp` — the experts' MLP as two grouped GEMMs
@@ -34,7 +33,7 @@ groups directly (group ``g`` uses expert ``g % E_local``), so no regrouping copy
 Expert ids are checked to lie in ``[0, num_experts)`` on every path: with ``ep > 1`` each rank's
 min / max ride on the count exchange (every rank raises the same error, none is left waiting);
 with ``ep == 1`` on a GPU they are copied to the host behind the routing kernels and read once
-the layer's kernels are queued (the host waits for the routing, the GPU does not idle).
+the layer's kernels are queued. With ``ep > 1`` the ranks first agree (:mod:`fusedpar.ops.agreement`).
 """
 from __future__ import annotations
 
@@ -42,11 +41,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.checks import check_choice, check_divisible, check_same, check_tensor
+from ..kernels.checks import (check_choice, check_divisible, check_int, check_positive_dims, check_same, check_shape,
+                              check_tensor)
 from ..kernels.grouped_gemm import as_group_offsets, grouped_matmul, grouped_matmul_dact, grouped_wgrad
 from ..kernels.moe_permute import combine, combine_backward, permute
 from ..kernels.moe_routing import routing_metadata
 from ..kernels.runtime import ACTIVATIONS
+from .agreement import agreed_arguments
 from .transport import Transport, get_transport
 
 __all__ = [
@@ -146,8 +147,7 @@ class MoEPlan:
 def _check_routing(x2d, expert_ids, num_experts, ep, *, weights=None, capacity=None, num_chunks=1):
     """Validate everything that needs no device read before any communication; returns (T, k).
     The range of the ids is checked by :func:`_build_plan`."""
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    check_int("num_experts", num_experts, min_value=1)
     check_tensor("expert_ids", expert_ids, dims=(2,), dtypes=(torch.int32, torch.int64))
     T, k = expert_ids.shape
     if x2d.shape[0] != T:
@@ -156,17 +156,26 @@ def _check_routing(x2d, expert_ids, num_experts, ep, *, weights=None, capacity=N
     if k < 1 or k > num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {k}")
     if weights is not None:
-        check_tensor("weights", weights)
-        if tuple(weights.shape) != (T, k):
-            raise ValueError(f"weights must have shape {(T, k)} like expert_ids, got {tuple(weights.shape)}")
-        if not weights.is_floating_point():
-            raise TypeError(f"weights must be a floating tensor, got {weights.dtype}")
+        check_tensor("weights", weights, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+        check_shape("weights", weights, (T, k))
     if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
         raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
-    if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
-        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    check_int("num_chunks", num_chunks, min_value=1)
     check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
     return T, k
+
+
+def _token_rows(x):  # x [..., hidden] as [tokens, hidden]
+    check_tensor("x", x)
+    if x.dim() < 2 or x.shape[-1] < 1:
+        raise ValueError(f"x must be [..., hidden] with at least 2 dims and hidden >= 1, got shape {tuple(x.shape)}")
+    return x.reshape(-1, x.shape[-1])
+
+
+def _ep_fields(x, num_experts, num_chunks, **more):  # what EP ranks agree on (not tokens, not capacity)
+    hidden = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else None
+    return dict(hidden_size=hidden, dtype=getattr(x, "dtype", None), num_experts=num_experts, num_chunks=num_chunks,
+                **more)
 
 
 def _id_range(expert_ids) -> torch.Tensor:
@@ -215,13 +224,14 @@ class _PendingIdCheck:
 
 def moe_plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_group=None, transport=None,
              capacity: int | None = None, num_chunks: int = 1) -> MoEPlan:
-    """Routing metadata and (``ep > 1``) the count exchange. ``capacity``: at most this many slots
-    per expert from this rank's tokens, the earliest in token order; the rest are dropped.
-    ``transport``: a Transport (then ``ep_group`` must be None), default portable over ``ep_group``.
-    Reads the expert ids' range on the host before it returns (a sync on a GPU, also at ``ep == 1``)."""
+    """Routing metadata and (``ep > 1``) the count exchange. ``capacity``: at most this many slots per
+    expert from this rank's tokens, the earliest in token order; the rest are dropped. ``transport``: a
+    Transport (then ``ep_group`` must be None), default portable over ``ep_group``. Reads the expert
+    ids' range on the host before it returns (a sync on a GPU, also at ``ep == 1``)."""
     transport = get_transport(transport, ep_group)
-    x2d = x.reshape(-1, x.shape[-1])
-    _check_routing(x2d, expert_ids, num_experts, transport.size, capacity=capacity, num_chunks=num_chunks)
+    with agreed_arguments("moe_plan", transport, None, _ep_fields(x, num_experts, num_chunks)):
+        x2d = _token_rows(x)
+        _check_routing(x2d, expert_ids, num_experts, transport.size, capacity=capacity, num_chunks=num_chunks)
     plan, pending = _build_plan(x2d, expert_ids, num_experts, transport, capacity, num_chunks)
     if pending is not None:
         pending.wait()
@@ -235,17 +245,17 @@ def _build_plan(x, expert_ids, num_experts, transport, capacity, num_chunks):
     ids = expert_ids.to(torch.int32)
     if ep == 1:
         pending = _PendingIdCheck(expert_ids, E)
-        counts, offsets, slot_pos, sorted_slot = routing_metadata(ids, E, capacity=capacity)
+        counts, offsets, slot_pos, sorted_slot = routing_metadata(ids, E, capacity=capacity, check_ids=False)
         return MoEPlan(T, k, E, transport, 1, capacity, slot_pos, sorted_slot, counts,
                        expert_offsets=[offsets]), pending
     C = num_chunks
     if capacity is not None:  # drop first (over the whole batch), then sort the kept slots by chunk
-        _, _, pos0, _ = routing_metadata(ids, E, capacity=capacity)
+        _, _, pos0, _ = routing_metadata(ids, E, capacity=capacity, check_ids=False)
         ids = torch.where(pos0 >= 0, ids.reshape(-1), -1).reshape(T, k)
     chunk_len = max(1, -(-T // C))
     chunk = (torch.arange(T, device=ids.device, dtype=torch.int32) // chunk_len)[:, None]
     gids = torch.where(ids >= 0, ids + E * chunk, -1)
-    counts, _, slot_pos, sorted_slot = routing_metadata(gids, C * E)
+    counts, _, slot_pos, sorted_slot = routing_metadata(gids, C * E, check_ids=False)
     send_l, recv_l, ranges = _exchange_counts(counts, _id_range(expert_ids), transport, C, E // ep)
     for r, (lo, hi) in enumerate(ranges):
         _check_id_range(lo, hi, E, f" on expert-parallel rank {r}")
@@ -491,6 +501,7 @@ def _check_expert_weights(x2d, w1, w2, activation, experts_per_rank):
     for name, w in (("w1", w1), ("w2", w2)):
         check_tensor(name, w, dims=(3,))
         check_same(name, w, "x", x2d)
+        check_positive_dims(name, w, {0: "expert", 1: "row", 2: "column"})
     H = x2d.shape[1]
     glu = ACTIVATIONS[activation][1]
     E, n1, h1 = w1.shape
@@ -512,8 +523,7 @@ def grouped_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offsets, *,
     ``[E, F, H]``); w2 ``[E, H, F]``; offsets ``[G+1]`` int tensor (on any device; a device
     tensor is checked with one host read) or a sequence of ints. Differentiable in x, w1, w2;
     rows past ``offsets[-1]`` give zeros."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D [rows, hidden] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    check_tensor("x", x, dims=(2,))
     _check_expert_weights(x, w1, w2, activation, None)
     offsets = as_group_offsets(offsets, x.shape[0], x.device)
     return _GroupedMLPFn.apply(x, w1, w2, offsets, activation)
@@ -525,8 +535,9 @@ def moe_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *,
     expert-contiguous per source rank (group offsets in ``plan.expert_offsets[0]``).
     Synchronous; :func:`moe_mlp` is the pipelined composition of the three stages."""
     transport = get_transport(transport, ep_group)
-    x2d = x.reshape(-1, x.shape[-1])
-    _check_routing(x2d, expert_ids, num_experts, transport.size, capacity=capacity)
+    with agreed_arguments("moe_dispatch", transport, None, _ep_fields(x, num_experts, 1)):
+        x2d = _token_rows(x)
+        _check_routing(x2d, expert_ids, num_experts, transport.size, capacity=capacity)
     plan, pending = _build_plan(x2d, expert_ids, num_experts, transport, capacity, 1)
     x_perm = _PermuteFn.apply(x2d, plan)
     if pending is not None:
@@ -552,8 +563,8 @@ def moe_expert_compute(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 def moe_combine(expert_out: torch.Tensor, plan: MoEPlan, weights: torch.Tensor) -> torch.Tensor:
     """Stage 3: send expert outputs back (``ep > 1``) and return ``[T, H]`` with
     ``out[t] = sum_j weights[t, j] * expert_out_of_slot(t, j)`` (fp32 sum; dropped slots add 0)."""
-    if tuple(weights.shape) != (plan.num_tokens, plan.top_k):
-        raise ValueError(f"weights must have shape {(plan.num_tokens, plan.top_k)}, got {tuple(weights.shape)}")
+    check_tensor("weights", weights)
+    check_shape("weights", weights, (plan.num_tokens, plan.top_k))
     y = expert_out
     if plan.ep_size > 1:
         y = _AllToAllVFn.apply(expert_out, plan.num_kept, plan.send_splits[0], plan.recv_splits[0], plan.transport)
@@ -570,13 +581,13 @@ def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1
     ``ep > 1`` the dispatch is pipelined over ``num_chunks`` token chunks (see module docstring).
     ``transport``: a Transport (then ``ep_group`` must be None), default portable over ``ep_group``.
     Returns x's shape and dtype. Slots over ``capacity`` are dropped (earliest tokens kept)."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        raise ValueError(f"x must be a [..., hidden] tensor with at least 2 dims, got {getattr(x, 'shape', x)}")
     transport = get_transport(transport, ep_group)
     ep = transport.size
-    x2d = x.reshape(-1, x.shape[-1])
-    _check_routing(x2d, expert_ids, num_experts, ep, weights=weights, capacity=capacity, num_chunks=num_chunks)
-    _check_expert_weights(x2d, w1, w2, activation, num_experts // ep)
+    with agreed_arguments("moe_mlp", transport, None, _ep_fields(x, num_experts, num_chunks, activation=activation,
+                                                                 w1=w1, w2=w2)):
+        x2d = _token_rows(x)
+        _check_routing(x2d, expert_ids, num_experts, ep, weights=weights, capacity=capacity, num_chunks=num_chunks)
+        _check_expert_weights(x2d, w1, w2, activation, num_experts // ep)
     plan, pending = _build_plan(x2d, expert_ids, num_experts, transport, capacity, num_chunks if ep > 1 else 1)
     x_perm = _PermuteFn.apply(x2d, plan)
     if ep == 1:

@@ -65,6 +65,7 @@ from fusedpar.kernels.persistent_gemm import (
 from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES
 from fusedpar.kernels.waits import check_wait_timeouts
 from fusedpar.ops import comm
+from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.tp_schedules import check_linear_args
 from fusedpar.ops.transport import (
     PortableTransport,
@@ -407,6 +408,15 @@ def _validate(op, x, weight, bias, activation, dim, dim_name, chunks=None):
         check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], chunks)
 
 
+def _agreed(op, transport, agree, **fields):
+    """The cross-rank agreement check around a symmetric schedule's local checks (see
+    :mod:`fusedpar.ops.agreement`); ``agree=False`` (the tensor-parallel ops, which checked their
+    own arguments already) skips it."""
+    if not agree:
+        return contextlib.nullcontext()
+    return agreed_arguments(op, transport, None, dict(fields, transport=transport))
+
+
 def _check_delay(delay_cycles, device):
     check_int("producer_delay_cycles", delay_cycles, min_value=0)
     if delay_cycles and device.type != "cuda":
@@ -432,7 +442,7 @@ def _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_
 
 def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1, activation="none", out=None,
                                 preact_out=None, gathered_out=None, config=None, wait=True, producer_delay_cycles=0,
-                                num_programs=None, max_spin=None):
+                                num_programs=None, max_spin=None, agree=True):
     """Forward of ``all_gather_matmul`` with in-kernel waits: ``x`` is this rank's shard (equal
     shapes on every rank), the result ``act(all_gather(x, gather_dim) @ W^T + bias)``. Arguments
     are checked before the first barrier.
@@ -445,13 +455,17 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
                   symmetric buffer is reused by the next call), for the weight gradient.
     Test knobs: ``wait=False`` launches the GEMM without waiting on the flags (a missing wait
     must show as wrong data), ``producer_delay_cycles`` makes the pulls start late on purpose,
-    ``num_programs`` / ``max_spin`` / ``config`` as in ``persistent_matmul``.
+    ``num_programs`` / ``max_spin`` / ``config`` as in ``persistent_matmul``. ``agree``: check that
+    the ranks agree on the arguments first (:mod:`fusedpar.ops.agreement`; the tensor-parallel ops
+    pass False, they checked their own).
     """
     t = _check_symmetric(transport, "all_gather_matmul")
     P, r = t.size, t.rank
-    _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim")
-    out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out)
-    _check_delay(producer_delay_cycles, x.device)
+    with _agreed("all_gather_matmul_symmetric", t, agree, x=x, weight=weight, bias=bias, gather_dim=gather_dim,
+                 activation=activation, wait=wait):
+        _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim")
+        out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out)
+        _check_delay(producer_delay_cycles, x.device)
     ws = t.symmetric_workspace("all_gather", x.device, P * x.numel() * x.element_size())
     gathered = ws.typed(0, (P,) + tuple(x.shape), x.dtype)
     flags = chunk_flags(x.device, P)
@@ -521,24 +535,28 @@ def _rs_begin(t, xv, n, partial_dtype, config):
 
 def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_dim=1, partial_dtype=torch.float32,
                                     out=None, config=None, chunked=False, reduce_sms=RS_REDUCE_SMS, wait=True,
-                                    producer_delay_cycles=0, max_spin=None):
+                                    producer_delay_cycles=0, max_spin=None, agree=True):
     """Forward of ``matmul_reduce_scatter`` with in-kernel waits: ``x`` is ``[batch, seq,
     in_shard]`` (or ``[tokens, in_shard]``), the result this rank's ``[batch, seq/P, out]``
     chunk of ``sum over ranks (x @ W^T) + bias``. ``chunked=True``: ``x`` is already a chunked
     view ``[P, *chunk rows, in_shard]`` (chunk ``c`` goes to rank ``c``). ``reduce_sms``: SMs of
     the reduction (the GEMM leaves them free). Test knobs: ``wait=False`` reads the partials
-    without waiting on the counters, ``producer_delay_cycles`` starts the GEMM late on purpose."""
+    without waiting on the counters, ``producer_delay_cycles`` starts the GEMM late on purpose.
+    ``agree``: as in :func:`all_gather_matmul_symmetric`."""
     t = _check_symmetric(transport, "matmul_reduce_scatter")
     P, r = t.size, t.rank
-    xv = _rs_input(x, weight, bias, scatter_dim, chunked, P)
-    check_dtype("partial_dtype", partial_dtype, SUPPORTED_DTYPES)
-    check_int("reduce_sms", reduce_sms, min_value=1)
-    n = weight.shape[0]
-    chunk_shape = tuple(xv.shape[1:-1]) + (n,)
-    if out is None:
-        out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
-    check_buffer("out", out, chunk_shape, x.device)
-    _check_delay(producer_delay_cycles, x.device)
+    with _agreed("matmul_reduce_scatter_symmetric", t, agree, x=x, weight=weight, bias=bias,
+                 scatter_dim=scatter_dim, partial_dtype=partial_dtype, chunked=chunked, reduce_sms=reduce_sms,
+                 wait=wait):
+        xv = _rs_input(x, weight, bias, scatter_dim, chunked, P)
+        check_dtype("partial_dtype", partial_dtype, SUPPORTED_DTYPES)
+        check_int("reduce_sms", reduce_sms, min_value=1)
+        n = weight.shape[0]
+        chunk_shape = tuple(xv.shape[1:-1]) + (n,)
+        if out is None:
+            out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
+        check_buffer("out", out, chunk_shape, x.device)
+        _check_delay(producer_delay_cycles, x.device)
     ws, counters, partials, ready = _rs_begin(t, xv, n, partial_dtype, config)
     order = _rs_order(r, P)
     peer_off = _device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], x.device)

@@ -43,6 +43,7 @@ import torch
 
 from fusedpar.kernels import chunk_view, matmul
 from fusedpar.kernels.checks import (
+    check_bool,
     check_choice,
     check_divisible,
     check_dtype,
@@ -53,6 +54,7 @@ from fusedpar.kernels.checks import (
 )
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import symmetric
+from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.tp_schedules import (
     check_linear_args,
     WeightGrad,
@@ -108,7 +110,7 @@ def _token_dim(op, name, dim, x):
 def _partial_dtype(op, name, dtype, x):
     if dtype is None:
         return x.dtype
-    check_dtype(f"{op}: {name}", dtype, (torch.float32, x.dtype))
+    check_dtype(f"{op}: {name}", dtype, dict.fromkeys((torch.float32, x.dtype)))
     return dtype
 
 
@@ -140,7 +142,7 @@ def all_gather_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False
         gathered = torch.empty((P,) + tuple(x.shape), dtype=x.dtype, device=x.device) if keep_chunks else None
         symmetric.all_gather_matmul_symmetric(x, weight, bias, transport=t, gather_dim=d,
                                               activation=opts.activation, out=out, preact_out=preact,
-                                              gathered_out=gathered)
+                                              gathered_out=gathered, agree=False)
         return out, preact, (list(gathered.unbind(0)) if keep_chunks else None)
     chunks = [None] * P if keep_chunks else None
     for src, chunk in ring_gather(x, t, keep=keep_chunks):
@@ -194,7 +196,7 @@ def all_gather_matmul_bwd(grad_out, x, weight, preact, chunks, opts: TPOptions, 
         if need_dx:  # the persistent reduce-scatter GEMM (weight.t() is a strided view, no copy)
             a = dpre if dpre is not None else chunk_view(grad_out, d, P)
             symmetric.matmul_reduce_scatter_symmetric(a, weight.t(), transport=t, partial_dtype=opts.partial_dtype,
-                                                      out=dx, chunked=True)
+                                                      out=dx, chunked=True, agree=False)
         for j in range(P):  # the weight gradient after it
             between(j)
     for _ in sources or ():  # exhausted already: closes the re-gather
@@ -266,12 +268,17 @@ def all_gather_matmul(
     Returns ``[batch, seq, out_shard]`` (gather_dim 1), i.e. the gather dim grows ``tp`` times.
     """
     op = "all_gather_matmul"
-    check_linear_args(op, x, weight, bias, activation)
-    dim = _token_dim(op, "gather_dim", gather_dim, x)
-    partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
+    with agreed_arguments(op, transport, group, dict(
+            x=x, weight=weight, bias=bias, gather_dim=gather_dim, activation=activation, partial_dtype=partial_dtype,
+            save_gathered_input=save_gathered_input, return_gathered=return_gathered, transport=transport)):
+        check_linear_args(op, x, weight, bias, activation)
+        dim = _token_dim(op, "gather_dim", gather_dim, x)
+        partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
+        check_bool(f"{op}: save_gathered_input", save_gathered_input)
+        check_bool(f"{op}: return_gathered", return_gathered)
     t = symmetric.resolve_transport(transport, x, group)
-    opts = TPOptions(t, dim, activation, partial_dtype, save_gathered_input=bool(save_gathered_input),
-                     return_gathered=bool(return_gathered))
+    opts = TPOptions(t, dim, activation, partial_dtype, save_gathered_input=save_gathered_input,
+                     return_gathered=return_gathered)
     return _AllGatherMatmul.apply(x, weight, bias, opts, torch.is_grad_enabled())
 
 
@@ -287,7 +294,7 @@ def matmul_reduce_scatter_fwd(x, weight, bias, opts: TPOptions):
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     if t.in_kernel_waits:
         symmetric.matmul_reduce_scatter_symmetric(x, weight, bias, transport=t, scatter_dim=d,
-                                                  partial_dtype=opts.partial_dtype, out=out)
+                                                  partial_dtype=opts.partial_dtype, out=out, agree=False)
     else:
         ring_reduce_scatter(lambda c: x.narrow(d, c * n, n), weight, "nk", bias, out, t, opts.partial_dtype)
     return out
@@ -312,7 +319,7 @@ def matmul_reduce_scatter_bwd(grad_out, x, weight, opts: TPOptions, *, need_dx=T
         gathered = (torch.empty((t.size,) + tuple(grad_out.shape), dtype=grad_out.dtype, device=grad_out.device)
                     if keep else None)
         symmetric.all_gather_matmul_symmetric(grad_out, weight.t(), transport=t, gather_dim=d, out=dx,
-                                              gathered_out=gathered)
+                                              gathered_out=gathered, agree=False)
         chunks = enumerate(gathered.unbind(0)) if keep else iter(())
         dgrad_done = True
     else:
@@ -367,9 +374,11 @@ def matmul_reduce_scatter(
     Returns ``[batch, seq/tp, out]``. The bias gradient is the full one on every rank.
     """
     op = "matmul_reduce_scatter"
-    check_linear_args(op, x, weight, bias)
-    dim = _token_dim(op, "scatter_dim", scatter_dim, x)
-    partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
+    with agreed_arguments(op, transport, group, dict(x=x, weight=weight, bias=bias, scatter_dim=scatter_dim,
+                                                     partial_dtype=partial_dtype, transport=transport)):
+        check_linear_args(op, x, weight, bias)
+        dim = _token_dim(op, "scatter_dim", scatter_dim, x)
+        partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
     t = symmetric.resolve_transport(transport, x, group)
     check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], t.size)
     return _MatmulReduceScatter.apply(x, weight, bias, TPOptions(t, dim, partial_dtype=partial_dtype))
@@ -414,9 +423,12 @@ class _MatmulAllReduce(torch.autograd.Function):
 
 def _reduce_options(op, x, weight, bias, activation, num_chunks, reduce_dtype, transport, group):
     """Checks and options of the two all-reduce ops."""
-    check_linear_args(op, x, weight, bias, activation)
-    check_int(f"{op}: num_chunks", num_chunks, min_value=1)
-    reduce_dtype = _partial_dtype(op, "reduce_dtype", reduce_dtype, x)
+    with agreed_arguments(op, transport, group, dict(x=x, weight=weight, bias=bias, activation=activation,
+                                                     num_chunks=num_chunks, reduce_dtype=reduce_dtype,
+                                                     transport=transport)):
+        check_linear_args(op, x, weight, bias, activation)
+        check_int(f"{op}: num_chunks", num_chunks, min_value=1)
+        reduce_dtype = _partial_dtype(op, "reduce_dtype", reduce_dtype, x)
     t = symmetric.resolve_transport(transport, x, group)
     return TPOptions(t, activation=activation, partial_dtype=reduce_dtype, num_chunks=num_chunks)
 
@@ -549,7 +561,8 @@ class _ScatterFeatures(torch.autograd.Function):
 def gather_features(t: torch.Tensor, group=None, *, transport: Transport | str | None = None) -> torch.Tensor:
     """All-gather the last (feature) dim over the group: ``[..., n]`` -> ``[..., P * n]`` in rank
     order. Backward: this rank's slice of the (replicated) gradient. A group of one returns ``t``."""
-    check_tensor("gather_features: t", t)
+    with agreed_arguments("gather_features", transport, group, dict(t=t, transport=transport)):
+        check_tensor("gather_features: t", t)
     tr = get_transport(transport, group)
     return t if tr.size == 1 else _GatherFeatures.apply(t, tr)
 
@@ -557,7 +570,8 @@ def gather_features(t: torch.Tensor, group=None, *, transport: Transport | str |
 def scatter_features(t: torch.Tensor, group=None, *, transport: Transport | str | None = None) -> torch.Tensor:
     """This rank's slice of the last (feature) dim of a replicated ``t``: ``[..., P * n]`` ->
     ``[..., n]``. Backward: all-gathers the gradient. A group of one returns ``t``."""
-    check_tensor("scatter_features: t", t)
+    with agreed_arguments("scatter_features", transport, group, dict(t=t, transport=transport)):
+        check_tensor("scatter_features: t", t)
     tr = get_transport(transport, group)
     if tr.size == 1:
         return t

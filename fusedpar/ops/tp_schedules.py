@@ -24,7 +24,7 @@ import torch
 
 from fusedpar.kernels import matmul, matmul_tn
 from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
-from fusedpar.kernels.runtime import ACTIVATIONS, activation_reference
+from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, activation_reference
 from fusedpar.ops.transport import Transport
 
 __all__ = [
@@ -179,8 +179,9 @@ class WeightGrad:
 def check_linear_args(op, x, weight, bias, activation="none"):
     """The operands of a tensor-parallel linear op: ``x`` 2-D/3-D, ``weight`` ``[out, x's last
     dim]`` (``nn.Linear`` layout; an even number of rows for gated activations), ``bias``
-    ``[out]``, all on ``x``'s device with ``x``'s dtype. Errors name ``op`` and the argument."""
-    check_tensor(f"{op}: x", x, dims=(2, 3))
+    ``[out]``, all on ``x``'s device with ``x``'s dtype (a supported float dtype). Errors name ``op``
+    and the argument."""
+    check_tensor(f"{op}: x", x, dims=(2, 3), dtypes=SUPPORTED_DTYPES)
     check_tensor(f"{op}: weight", weight, dims=(2,))
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"{op}: weight must have shape [out, {x.shape[-1]}] (nn.Linear layout, in = x's last "

@@ -1,0 +1,188 @@
+"""Bad public arguments give a clear error naming the argument, the expected and the actual value
+(one style: fusedpar.kernels.checks), never a silent wrong number: loose booleans, out-of-set
+modes, unsupported dtypes, empty sizes (zero heads, zero-size experts), ids out of range.
+
+One process, CPU tensors under the interpreter (the collective ops on an EmulatedTransport, where
+every argument check runs exactly as on a real group). Each case is (error type, message
+fragment, call); a valid edge case next to each class checks that the check is not too strict.
+"""
+import pytest
+import torch
+
+from _utils import DEVICE
+from fusedpar.kernels import matmul, matmul_tn, routing_metadata, routing_metadata_reference
+from fusedpar.kernels.flash_attention import flash_attention_forward
+from fusedpar.kernels.moe_routing import check_routing_ids
+from fusedpar.nn.attention import AttentionReference, ParallelAttention
+from fusedpar.ops import (
+    EmulatedTransport,
+    all_gather_matmul,
+    copy_to_tp_matmul,
+    flash_attention,
+    grouped_mlp,
+    hybrid_attention,
+    matmul_all_reduce,
+    matmul_reduce_scatter,
+    moe_dispatch,
+    moe_mlp,
+    ring_attention,
+    ulysses_attention,
+)
+
+
+def _r(*shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape) + 1)).to(DEVICE, dtype)
+
+
+def _qkv(hq=2, hk=2, s=4):
+    return _r(1, s, hq, 8), _r(1, s, hk, 8), _r(1, s, hk, 8)
+
+
+def _em(size=2):
+    return EmulatedTransport(size)
+
+
+def _ids(*rows):
+    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+
+
+CASES = {
+    # booleans are bools
+    "flash causal str": (TypeError, "causal must be a bool, got str 'no'",
+                         lambda: flash_attention(*_qkv(), causal="no")),
+    "flash causal int": (TypeError, "causal must be a bool, got int 1", lambda: flash_attention(*_qkv(), causal=1)),
+    "flash launcher causal None": (TypeError, "causal must be a bool, got NoneType",
+                                   lambda: flash_attention_forward(*_qkv(), causal=None)),
+    "ring causal str": (TypeError, "causal must be a bool, got str 'no'",
+                        lambda: ring_attention(*_qkv(), transport=_em(), causal="no")),
+    "ulysses causal str": (TypeError, "causal must be a bool, got str 'yes'",
+                           lambda: ulysses_attention(*_qkv(), transport=_em(), causal="yes")),
+    "hybrid causal str": (TypeError, "causal must be a bool, got str 'no'",
+                          lambda: hybrid_attention(*_qkv(), ulysses_transport=_em(), ring_transport=_em(),
+                                                   causal="no")),
+    "ParallelAttention causal str": (TypeError, "ParallelAttention: causal must be a bool, got str 'no'",
+                                     lambda: ParallelAttention(16, 2, causal="no")),
+    "AttentionReference causal int": (TypeError, "AttentionReference: causal must be a bool, got int 0",
+                                      lambda: AttentionReference(16, 2, causal=0)),
+    "all_gather_matmul save_gathered_input str": (
+        TypeError, "all_gather_matmul: save_gathered_input must be a bool, got str 'yes'",
+        lambda: all_gather_matmul(_r(2, 4, 8), _r(6, 8), transport=_em(), save_gathered_input="yes")),
+    "all_gather_matmul return_gathered int": (
+        TypeError, "all_gather_matmul: return_gathered must be a bool, got int 1",
+        lambda: all_gather_matmul(_r(2, 4, 8), _r(6, 8), transport=_em(), return_gathered=1)),
+    "routing check_ids str": (TypeError, "check_ids must be a bool",
+                              lambda: routing_metadata(_ids([0, 1]), 2, check_ids="no")),
+    # modes from their documented set
+    "ring layout": (ValueError, "layout must be one of ('zigzag', 'contiguous'), got 'striped'",
+                    lambda: ring_attention(*_qkv(), transport=_em(), layout="striped")),
+    "tp activation": (ValueError, "copy_to_tp_matmul: activation must be one of",
+                      lambda: copy_to_tp_matmul(_r(4, 8), _r(6, 8), transport=_em(), activation="tanh")),
+    "tp transport name": (ValueError, "transport must be one of",
+                          lambda: matmul_all_reduce(_r(4, 8), _r(6, 8), transport="nvlink")),
+    "moe activation": (ValueError, "activation must be one of",
+                       lambda: grouped_mlp(_r(4, 8), _r(2, 6, 8), _r(2, 8, 3), [0, 2, 4], activation="tanh")),
+    # supported dtypes
+    "matmul out_dtype int32": (TypeError, "out_dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+                               "got torch.int32", lambda: matmul(_r(4, 8), _r(6, 8), out_dtype=torch.int32)),
+    "matmul out_dtype float64": (TypeError, "out_dtype must be one of", lambda: matmul(_r(4, 8), _r(6, 8),
+                                                                                      out_dtype=torch.float64)),
+    "matmul out_dtype str": (TypeError, "out_dtype must be one of", lambda: matmul(_r(4, 8), _r(6, 8),
+                                                                                  out_dtype="float32")),
+    "matmul_tn out_dtype int64": (TypeError, "out_dtype must be one of",
+                                  lambda: matmul_tn(_r(4, 6), _r(4, 8), out_dtype=torch.int64)),
+    "tp partial_dtype int": (TypeError, "matmul_reduce_scatter: partial_dtype must be one of torch.float32, got "
+                             "torch.int32", lambda: matmul_reduce_scatter(_r(2, 4, 8), _r(6, 8), transport=_em(),
+                                                                          partial_dtype=torch.int32)),
+    "tp x int dtype": (TypeError, "all_gather_matmul: x must have dtype torch.float32 or torch.float16 or "
+                       "torch.bfloat16, got torch.int32",
+                       lambda: all_gather_matmul(_r(2, 4, 8).int(), _r(6, 8).int(), transport=_em())),
+    # sizes positive
+    "flash zero query heads": (ValueError, "q must have at least one head (dim 2), got shape (1, 4, 0, 8)",
+                               lambda: flash_attention(_r(1, 4, 0, 8), _r(1, 4, 1, 8), _r(1, 4, 1, 8))),
+    "flash zero heads everywhere": (ValueError, "q must have at least one head",
+                                    lambda: flash_attention(*_qkv(hq=0, hk=0))),
+    "ring zero query heads": (ValueError, "q must have at least one head",
+                              lambda: ring_attention(*_qkv(hq=0, hk=1), transport=_em())),
+    "ulysses zero heads": (ValueError, "q must have at least one head",
+                           lambda: ulysses_attention(*_qkv(hq=0, hk=0), transport=_em())),
+    "ParallelAttention zero heads": (ValueError, "num_heads must be a positive int, got 0",
+                                     lambda: ParallelAttention(16, 0)),
+    "tp num_chunks 0": (ValueError, "matmul_all_reduce: num_chunks must be >= 1, got 0",
+                        lambda: matmul_all_reduce(_r(4, 8), _r(6, 8), transport=_em(), num_chunks=0)),
+    "tp num_chunks bool": (TypeError, "num_chunks must be an int, got bool True",
+                           lambda: copy_to_tp_matmul(_r(4, 8), _r(6, 8), transport=_em(), num_chunks=True)),
+    "grouped_mlp zero experts": (ValueError, "w1 must have at least one expert (dim 0), got shape (0, 6, 8)",
+                                 lambda: grouped_mlp(_r(4, 8), _r(0, 6, 8), _r(0, 8, 3), [0])),
+    "grouped_mlp zero ffn": (ValueError, "w1 must have at least one row (dim 1)",
+                             lambda: grouped_mlp(_r(4, 8), _r(2, 0, 8), _r(2, 8, 0), [0, 2, 4])),
+    "moe_mlp zero ffn": (ValueError, "w1 must have at least one row (dim 1)",
+                         lambda: moe_mlp(_r(4, 8), _ids([0], [1], [0], [1]), _r(4, 1), _r(2, 0, 8), _r(2, 8, 0),
+                                         num_experts=2)),
+    "moe_mlp zero hidden": (ValueError, "x must be [..., hidden] with at least 2 dims and hidden >= 1, got shape "
+                            "(4, 0)", lambda: moe_mlp(_r(4, 0), _ids([0], [1], [0], [1]), _r(4, 1), _r(2, 6, 0),
+                                                      _r(2, 0, 3), num_experts=2)),
+    "moe_dispatch x not a tensor": (TypeError, "x must be a torch.Tensor, got list",
+                                    lambda: moe_dispatch([[1.0]], _ids([0]), 2)),
+    "moe num_experts bool": (TypeError, "num_experts must be an int, got bool True",
+                             lambda: moe_dispatch(_r(2, 8), _ids([0], [0]), True)),
+    "moe num_chunks 0": (ValueError, "num_chunks must be >= 1, got 0",
+                         lambda: moe_mlp(_r(4, 8), _ids([0], [1], [0], [1]), _r(4, 1), _r(1, 6, 8), _r(1, 8, 3),
+                                         num_experts=2, transport=_em(), num_chunks=0)),
+    # ids in range
+    "routing id == num_groups": (ValueError, r"group_ids must lie in [0, 8) (or be -1: not routed), got 1 id(s)",
+                                 lambda: routing_metadata(_ids([0, 1], [2, 8], [3, 4], [5, 6]), 8)),
+    "routing id < -1": (ValueError, "group_ids must lie in [0, 3)", lambda: routing_metadata(_ids([0, -5]), 3)),
+    "moe expert id out of range": (ValueError, r"expert_ids must lie in [0, 2), got values in [0, 2]",
+                                   lambda: moe_mlp(_r(2, 8), _ids([0], [2]), _r(2, 1), _r(2, 6, 8), _r(2, 8, 3),
+                                                   num_experts=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_argument_is_a_clear_error(case):
+    exc, fragment, call = CASES[case]
+    with pytest.raises(exc) as info:
+        call()
+    assert fragment in str(info.value), f"{case}: {info.value}"
+
+
+def test_routing_keeps_every_in_range_id_and_drops_only_the_sentinel():
+    """The issue's example: one id of 8 groups out of range used to give counts summing to 7 of 8.
+    In range, every slot is counted; -1 (not routed) is the one id dropped on purpose."""
+    ids = _ids([0, 1], [2, 7], [3, 4], [5, 6])
+    counts, offsets, slot_pos, sorted_slot = routing_metadata(ids, 8)
+    assert int(counts.sum()) == 8 and int(offsets[-1]) == 8
+    ids[1, 1] = -1
+    got = routing_metadata(ids, 8)
+    want = routing_metadata_reference(ids.cpu(), 8)
+    for g, w in zip(got, want):
+        assert g.cpu().tolist() == w.tolist()
+    assert int(got[0].sum()) == 7 and int(got[2][3]) == -1
+    check_routing_ids()  # nothing pending on CPU: the call itself raised or passed
+
+
+def test_routing_without_checks_drops_out_of_range_ids_as_documented():
+    counts, _, slot_pos, _ = routing_metadata(_ids([0, 9], [1, 2]), 3, check_ids=False)
+    assert counts.cpu().tolist() == [1, 1, 1] and int(slot_pos[1]) == -1
+
+
+def test_valid_edge_inputs_still_pass():
+    """Checks that are strict but not too strict: fp32 out_dtype, bools given as bools, one head."""
+    y = matmul(_r(4, 8), _r(6, 8), out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (4, 6)
+    out, lse = flash_attention(*_qkv(hq=1, hk=1), causal=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    y = all_gather_matmul(_r(2, 4, 8), _r(6, 8), transport=_em(), save_gathered_input=False, return_gathered=True)
+    assert y[0].shape == (2, 8, 6) and y[1].shape == (2, 8, 8)
+
+
+@pytest.mark.gpu
+def test_routing_ids_out_of_range_on_gpu_are_reported_later_without_a_sync():
+    """On a GPU the launch does not read the flag (no host sync); the error comes from the next
+    routing call that finds the flag landed, or from check_routing_ids(), which waits for it."""
+    ids = torch.tensor([[0, 1], [2, 8]], device="cuda")
+    counts, *_ = routing_metadata(ids, 8)  # returns: nothing was read on the host
+    with pytest.raises(ValueError, match=r"group_ids must lie in \[0, 8\) .* got 1 id\(s\)"):
+        check_routing_ids()
+    check_routing_ids()  # reported once
+    assert int(counts.sum()) == 3  # the bad slot was dropped, not written out of bounds
