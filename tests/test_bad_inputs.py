@@ -13,6 +13,7 @@ from _utils import DEVICE
 from fusedpar.kernels import matmul, matmul_tn, routing_metadata, routing_metadata_reference
 from fusedpar.kernels.flash_attention import flash_attention_forward
 from fusedpar.kernels.moe_routing import check_routing_ids
+from fusedpar.nn import Transformer, TransformerConfig
 from fusedpar.nn.attention import AttentionReference, ParallelAttention
 from fusedpar.ops import (
     EmulatedTransport,
@@ -135,7 +136,30 @@ CASES = {
     "moe expert id out of range": (ValueError, r"expert_ids must lie in [0, 2), got values in [0, 2]",
                                    lambda: moe_mlp(_r(2, 8), _ids([0], [2]), _r(2, 1), _r(2, 6, 8), _r(2, 8, 3),
                                                    num_experts=2)),
+    # the model's configuration and its token ids
+    "config causal str": (TypeError, "TransformerConfig.causal must be a bool, got str 'no'",
+                          lambda: _config(causal="no")),
+    "config moe_ffn 0": (ValueError, "TransformerConfig.moe_ffn_hidden_size must be >= 1, got 0",
+                         lambda: _config(num_experts=2, moe_ffn_hidden_size=0)),
+    "config top_k > experts": (ValueError, "TransformerConfig.top_k must be <= 2, got 3",
+                               lambda: _config(num_experts=2, top_k=3)),
+    "config sp_mode": (ValueError, "TransformerConfig.sp_mode must be one of ('ring', 'ulysses', 'hybrid'), got 'rign'",
+                       lambda: _config(sp_mode="rign")),
+    "config qk_norm int": (TypeError, "TransformerConfig.qk_norm must be a bool, got int 1", lambda: _config(qk_norm=1)),
+    "config norm_eps 0": (ValueError, "TransformerConfig.norm_eps must be a positive number, got 0",
+                          lambda: _config(norm_eps=0)),
+    "token id >= vocab": (ValueError, "input_ids must hold token ids in [0, 10), got values in [0, 10]",
+                          lambda: Transformer(_config())(torch.tensor([[0, 3, 10]]))),  # CPU: a GPU trusts the embedding
+    "token id < 0": (ValueError, "input_ids must hold token ids in [0, 10), got values in [-1, 3]",
+                     lambda: Transformer(_config())(torch.tensor([[-1, 3]]))),
+    "float token ids": (TypeError, "input_ids must be an integer tensor of token ids, got torch.float32",
+                        lambda: Transformer(_config())(torch.randn(1, 3))),
 }
+
+
+def _config(**overrides):
+    return TransformerConfig(**{**dict(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=6),
+                                **overrides})
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fusedpar.kernels.checks import check_divisible
+from fusedpar.kernels.checks import check_bool, check_choice, check_divisible, check_int
+from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import comm
 from fusedpar.ops.loss import attach_aux_loss, vocab_parallel_cross_entropy
 from fusedpar.ops.varlen import document_bounds
@@ -113,6 +114,7 @@ class TransformerConfig:
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise ValueError(f"TransformerConfig.shared_expert_ffn_hidden_size must be an int >= 0, got {s!r}")
         self.dense_layers = tuple(int(i) for i in self.dense_layers)
+        check_config_values(self)
 
     def is_moe(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer % self.moe_every == self.moe_every - 1
@@ -129,6 +131,41 @@ class TransformerConfig:
                     rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0)
+
+
+def check_config_values(cfg: "TransformerConfig") -> None:
+    """The fields the size checks above do not cover: booleans are bools, modes from their set,
+    optional sizes positive (a 0 is an error, never a silent fall-back to the default)."""
+    for name in ("causal", "qkv_bias", "qk_norm", "tie_word_embeddings"):
+        check_bool(f"TransformerConfig.{name}", getattr(cfg, name))
+    if cfg.norm_topk_prob is not None:
+        check_bool("TransformerConfig.norm_topk_prob", cfg.norm_topk_prob)
+    check_choice("TransformerConfig.sp_mode", cfg.sp_mode, ("ring", "ulysses", "hybrid"))
+    check_choice("TransformerConfig.activation", cfg.activation, sorted(a for a in ACTIVATIONS if a != "none"))
+    for name in ("num_kv_heads", "moe_ffn_hidden_size", "head_dim"):
+        if getattr(cfg, name) is not None:
+            check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=1)
+    if cfg.num_experts:
+        check_int("TransformerConfig.top_k", cfg.top_k, min_value=1, max_value=cfg.num_experts)
+    if cfg.capacity_factor is not None and not (isinstance(cfg.capacity_factor, (int, float))
+                                                and not isinstance(cfg.capacity_factor, bool)
+                                                and cfg.capacity_factor > 0):
+        raise ValueError(f"TransformerConfig.capacity_factor must be None or a positive number, "
+                         f"got {cfg.capacity_factor!r}")
+    if not isinstance(cfg.norm_eps, (int, float)) or isinstance(cfg.norm_eps, bool) or cfg.norm_eps <= 0:
+        raise ValueError(f"TransformerConfig.norm_eps must be a positive number, got {cfg.norm_eps!r}")
+
+
+def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
+    """Token ids are an integer tensor in ``[0, vocab_size)``. The range is read on CPU tensors; on
+    a GPU it would cost a host sync, so there the embedding's own device-side bounds check stands."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be an integer tensor of token ids, got {got}")
+    if ids.device.type == "cpu" and ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} must hold token ids in [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,6 +348,7 @@ class Transformer(nn.Module):
         every rank): attention stays inside documents and rotary positions restart at each one
         (or follow ``position_ids``, ``[seq_len]`` of the full row)."""
         if self.embedding is not None:
+            check_token_ids("input_ids", x, self.config.vocab_size)
             x = self.embedding(x)
         docs = dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
         for block in self.layers.values():
