@@ -27,6 +27,7 @@ from fusedpar.ops import (
     ring_attention,
     scatter_features,
     ulysses_attention,
+    vocab_parallel_cross_entropy,
 )
 from fusedpar.ops import agreement
 from fusedpar.ops.agreement import agreement_check_enabled, check_agreement, describe, set_agreement_check
@@ -135,6 +136,10 @@ LOCAL_CASES = {
     "agm_bad_activation_everywhere": (
         lambda odd, g: all_gather_matmul(_r(2, 4, 8), _r(6, 8), group=g, activation="tanh"),
         "ValueError: all_gather_matmul: activation must be one of"),
+    "loss_target_out_of_vocab_on_one_rank": (
+        lambda odd, g: vocab_parallel_cross_entropy(_r(1, 3, 4), torch.tensor([[0, 11 if odd else 2, 1]]), g),
+        "ValueError: vocab_parallel_cross_entropy: the arguments of every rank must pass its checks (a rank cannot "
+        "go on alone), got rank 0: valid; "),
     "ulysses_causal_string_everywhere": (
         lambda odd, g: ulysses_attention(*_qkv(), group=g, causal="no"),
         "TypeError: causal must be a bool, got str 'no'"),
@@ -225,8 +230,11 @@ def test_local_check_failures_stop_every_rank(results, case, gs):
     msgs = _group_results(results, (case, gs), gs)
     assert len(set(msgs)) == 1, f"ranks raised different errors: {msgs}"
     assert msgs[0].startswith(LOCAL_CASES[case][1]), msgs[0]
-    if "valid" in LOCAL_CASES[case][1]:
+    if case == "moe_ids_of_other_tokens":
         assert f"rank {gs - 1}: ValueError: expert_ids has 3 tokens but x has 4" in msgs[0], msgs[0]
+    if case == "loss_target_out_of_vocab_on_one_rank":
+        assert f"rank {gs - 1}: ValueError: target must hold ids in [0, {4 * gs}) or ignore_index=-100, got 11" \
+            in msgs[0], msgs[0]
 
 
 @pytest.mark.parametrize("gs", [2, 3])

@@ -24,6 +24,7 @@ import torch
 from fusedpar.kernels.checks import check_choice, check_shape, check_tensor
 
 from . import comm
+from .agreement import agreed_arguments
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -83,16 +84,8 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         return vocab_parallel_cross_entropy_bwd(grad_loss, softmax, idx, inside, ctx.dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
-                                 reduction: str = "mean", ignore_index: int = -100) -> torch.Tensor:
-    """Cross entropy of ``logits`` ``[..., V / tp]`` (this rank's vocabulary block, rank ``r`` holds
-    ids ``r*V/tp ..``) against global ``target`` ids ``[...]``; ``reduction`` ``"mean"``, ``"sum"``
-    or ``"none"``. Same result on every rank of ``group``; the gradient is this rank's block.
-
-    Tokens whose target is ``ignore_index`` (default -100, as in ``torch.nn.functional.cross_entropy``
-    and Hugging Face labels) contribute zero loss and zero gradient; ``"mean"`` averages over the
-    other tokens (NaN when every token is ignored, as torch). Any other target outside
-    ``[0, V)`` raises ``ValueError`` (this checks the targets on the host: one synchronisation)."""
+def _checked_targets(logits, target, group, reduction, ignore_index):
+    """The flat int64 targets and which of them count, after the argument checks."""
     check_tensor("logits", logits)
     check_tensor("target", target)
     check_shape("target", target, logits.shape[:-1])
@@ -108,6 +101,22 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     if target.numel() and bool(bad.any()):
         raise ValueError(f"target must hold ids in [0, {vocab}) or ignore_index={ignore_index}, got "
                          f"{target[bad][0].item()}")
+    return target, valid
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
+                                 reduction: str = "mean", ignore_index: int = -100) -> torch.Tensor:
+    """Cross entropy of ``logits`` ``[..., V / tp]`` (this rank's vocabulary block, rank ``r`` holds
+    ids ``r*V/tp ..``) against global ``target`` ids ``[...]``; ``reduction`` ``"mean"``, ``"sum"``
+    or ``"none"``. Same result on every rank of ``group``; the gradient is this rank's block.
+
+    Tokens whose target is ``ignore_index`` (default -100, as in ``torch.nn.functional.cross_entropy``
+    and Hugging Face labels) contribute zero loss and zero gradient; ``"mean"`` averages over the
+    other tokens (NaN when every token is ignored, as torch). Any other target outside
+    ``[0, V)`` raises ``ValueError`` (this checks the targets on the host: one synchronisation)."""
+    fields = dict(logits=logits, target=target, reduction=reduction, ignore_index=ignore_index)
+    with agreed_arguments("vocab_parallel_cross_entropy", None, group, fields):  # a rank failing alone stops all
+        target, valid = _checked_targets(logits, target, group, reduction, ignore_index)
     safe = torch.where(valid, target, torch.zeros_like(target))
     loss = VocabParallelCrossEntropyFunction.apply(logits.reshape(-1, logits.shape[-1]), safe, group)
     loss = torch.where(valid, loss, torch.zeros_like(loss))
