@@ -137,7 +137,7 @@ LOCAL_CASES = {
         lambda odd, g: all_gather_matmul(_r(2, 4, 8), _r(6, 8), group=g, activation="tanh"),
         "ValueError: all_gather_matmul: activation must be one of"),
     "loss_target_out_of_vocab_on_one_rank": (
-        lambda odd, g: vocab_parallel_cross_entropy(_r(1, 3, 4), torch.tensor([[0, 11 if odd else 2, 1]]), g),
+        lambda odd, g: vocab_parallel_cross_entropy(_r(1, 3, 4), torch.tensor([[0, 100 if odd else 2, 1]]), g),
         "ValueError: vocab_parallel_cross_entropy: the arguments of every rank must pass its checks (a rank cannot "
         "go on alone), got rank 0: valid; "),
     "ulysses_causal_string_everywhere": (
@@ -233,7 +233,7 @@ def test_local_check_failures_stop_every_rank(results, case, gs):
     if case == "moe_ids_of_other_tokens":
         assert f"rank {gs - 1}: ValueError: expert_ids has 3 tokens but x has 4" in msgs[0], msgs[0]
     if case == "loss_target_out_of_vocab_on_one_rank":
-        assert f"rank {gs - 1}: ValueError: target must hold ids in [0, {4 * gs}) or ignore_index=-100, got 11" \
+        assert f"rank {gs - 1}: ValueError: target must hold ids in [0, {4 * gs}) or ignore_index=-100, got 100" \
             in msgs[0], msgs[0]
 
 
