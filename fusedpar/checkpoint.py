@@ -211,7 +211,7 @@ def dcp_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | None 
     source = {n: p.data for n, p in model.named_parameters()} if tensors is None else tensors
     for name, local in source.items():
         if name not in specs:
-            raise KeyError(f"{name!r} is not a parameter of the model")
+            raise ValueError(f"tensors must be keyed by parameter names of the model, got {name!r}")
         spec, local = specs[name], local.detach()
         if spec is None:
             secs = fused.get(name)
@@ -262,7 +262,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     for name, p in source.items():
         st = optimizer.state.get(p)
         if st is None:
-            raise KeyError(f"parameter {name!r} is not updated by the optimizer")
+            raise ValueError(f"optimizer must update every parameter of the model, parameter {name!r} is not among its "
+                             "params")
         for k, v in st.items():
             if v.shape == p.shape and v.dim() > 0:
                 for sub, view in dcp_state_dict(model, {name: v}).items():
