@@ -547,13 +547,7 @@ class CheckpointManager:
     def checkpoints(self) -> list[tuple[int, str, bool]]:
         """``(step, path, complete)`` of every ``step_*`` entry, oldest first (as rank 0 sees it)."""
         rank, world = _world()
-        found = []
-        if rank == 0 and os.path.isdir(self.directory):
-            for name in sorted(os.listdir(self.directory)):
-                m = self.PATTERN.match(name)
-                if m:
-                    path = os.path.join(self.directory, name)
-                    found.append((int(m.group(1)), path, os.path.isfile(os.path.join(path, MARKER))))
+        found = self._listing() if rank == 0 and os.path.isdir(self.directory) else []
         if world > 1:
             holder = [found]
             dist.broadcast_object_list(holder, src=0)

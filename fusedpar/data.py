@@ -11,7 +11,8 @@ Sources (:func:`load_tokens`):
 * a ``.bin`` file of pre-tokenized ids (the nanoGPT convention: a flat array of ``uint16`` ids, or
   ``uint32`` when the vocabulary exceeds 65536), read with ``np.memmap``; ``vocab`` is required.
 
-The last ``val_fraction`` of the tokens is held out for validation. :class:`BatchLoader` cuts the
+The last ``val_fraction`` of the tokens is held out for validation; :func:`unigram_baseline` is
+the validation loss a context-free model would reach. :class:`BatchLoader` cuts the
 training tokens into windows of ``seq + 1`` tokens, visits them in a seeded random order per epoch
 and hands data-parallel rank ``r`` rows ``r*b .. (r+1)*b`` of every global batch of ``dp*b``
 windows: its only state is ``position`` (windows consumed globally), so a run resumed at another
@@ -148,14 +149,28 @@ def split(tokens: Tokens, val_fraction: float, seq: int) -> tuple[np.ndarray, np
     return train, val
 
 
-def unigram_entropy(ids: np.ndarray, vocab: int) -> float:
-    """Entropy (nats/token) of the ids' unigram distribution: the loss of the best model that
-    ignores context, the baseline a language model must beat."""
+def unigram_counts(ids: np.ndarray, vocab: int) -> np.ndarray:
     counts = np.zeros(vocab, dtype=np.int64)
     for i in range(0, len(ids), 1 << 24):
         counts += np.bincount(np.asarray(ids[i:i + (1 << 24)], dtype=np.int64), minlength=vocab)[:vocab]
+    return counts
+
+
+def unigram_entropy(ids: np.ndarray, vocab: int) -> float:
+    """Entropy (nats/token) of the ids' unigram distribution."""
+    counts = unigram_counts(ids, vocab)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
+
+
+def unigram_baseline(train: np.ndarray, val: np.ndarray, vocab: int) -> float:
+    """Cross entropy (nats/token) of the ids ``val`` under the training ids' unigram
+    distribution (add-half smoothed): the loss on ``val`` of the best model that ignores context,
+    the baseline a language model must beat (pass the evaluated targets themselves)."""
+    p = unigram_counts(train, vocab) + 0.5
+    p = p / p.sum()
+    q = unigram_counts(val, vocab)
+    return float(-(q * np.log(p)).sum() / q.sum())
 
 
 class BatchLoader:
