@@ -33,7 +33,7 @@ def _torchrun(nproc, *args, restarts=0, check=True):
 
 def _run_demo(*args):
     """Run the demo under torchrun on 4 CPU processes; return its stdout."""
-    out = _torchrun(4, "--steps", "2", "--seq", "8", "--eval-every", "2", "--eval-batches", "1",
+    out = _torchrun(4, "--steps", "2", "--seq", "8", "--batch", "2", "--eval-every", "2", "--eval-batches", "1",
                     "--max-bytes", "100000", *args).stdout
     losses = [float(m) for m in re.findall(r"^step +\d+/2 +loss (\S+)", out, flags=re.M)]
     assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses), out
