@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine by themselves:
-#   make demo   the main job: trains a small Transformer with tensor + sequence + expert parallelism
+#   make demo   the main job: trains a small Transformer on real text (the Python standard library's
+#               sources) with tensor + sequence + expert parallelism, validation, checkpoints
 #               (4 gloo processes under the Triton interpreter without GPUs; NCCL with 4-8 GPUs)
 #   make test   the test suite (Triton interpreter + gloo on a CPU machine, compiled on a GPU machine)
 # Both create .venv on first use. Where torch is already installed system-wide (the GPU machines),

@@ -1,23 +1,34 @@
-"""Train a small fusedpar Transformer on synthetic data with every kind of parallelism the world
+"""Train a small fusedpar Transformer on real text with every kind of parallelism the world
 allows: tensor parallelism (fused all-gather / reduce-scatter GEMMs), sequence-parallel ring
-attention, expert-parallel MoE, and data or pipeline parallelism on top.
+attention, expert-parallel MoE, and data or pipeline parallelism on top; with validation, metrics,
+checkpoints that resume exactly (at any layout) and recovery from a rank failure under torchrun.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 -m fusedpar.demo
 
 On a machine without CUDA it runs on CPU tensors under Triton's interpreter (gloo); with CUDA,
 compiled kernels on NCCL (one GPU per rank). The layout defaults to tp=2, sp=2 when the world
 has 4 ranks per data/pipeline replica (the rest becomes dp, or pp with ``--pp``); experts are
-split over the sp x tp ranks (``--ep``). The data: sequences that follow a fixed random
-permutation of the vocabulary (``x[t+1] = perm[x[t]]``) from random starting tokens, so the
-loss can fall from ``ln(vocab)`` towards 0 within a few dozen steps.
+split over the sp x tp ranks (``--ep``). The data (:mod:`fusedpar.data`): byte-level text from
+``--data`` (a file or a directory), by default the Python standard library's sources (no
+download), or pre-tokenized ``.bin`` ids with ``--vocab``; the last ``--val-fraction`` is held out
+and the validation loss is reported against the unigram baseline (the validation loss of a
+context-free model fitted to the training split).
+
+With ``--ckpt-dir`` the run saves every ``--save-every`` steps (model, optimizer, LR schedule,
+data position, step, every rank's RNG state) and, when the directory already holds a
+checkpoint, resumes from the newest complete one, continuing with the losses the uninterrupted
+run would have had. ``--simulate-failure STEP`` makes rank 1 fail at that step on the first
+attempt only (``TORCHELASTIC_RESTART_COUNT`` 0): under ``torchrun --max-restarts 1`` the restarted
+workers resume from the last checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import time
-
 
 def _use_cuda(device: str) -> bool:
     """CUDA when asked, or (``auto``) when every local rank can have its own GPU."""
@@ -47,25 +58,48 @@ def parse_args(argv):
                    "the world allows)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B schedule); the rest of the world is dp")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default sp*tp)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=2, help="sequences per data-parallel replica and step")
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32)
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps in all (a resumed run counts its past ones)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per data-parallel replica and step")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--data", default=None, help="a text file, a directory of text files (byte-level, vocab 256) or "
+                   "a .bin of pre-tokenized ids (uint16, uint32 above 65536 ids; needs --vocab); default: the Python "
+                   "standard library's sources")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary of a .bin token file (text: 256)")
+    p.add_argument("--max-bytes", type=int, default=4 << 20, help="read at most this many bytes of text")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="share of the tokens held out for validation")
+    p.add_argument("--eval-every", type=int, default=4, help="validation loss every N steps (and at the last)")
+    p.add_argument("--eval-batches", type=int, default=2, help="global batches per validation")
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2, help="blocks; every second one is an MoE block")
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--lr", type=float, default=2e-2)
+    p.add_argument("--lr", type=float, default=2e-2, help="peak learning rate (linear warm-up, cosine decay)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps")
     p.add_argument("--microbatches", type=int, default=2, help="pipeline microbatches (with --pp > 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="parameter/activation dtype (bf16 only on GPU: the interpreter's bf16 dot is wrong)")
+                   help="bf16: bf16 parameters and activations, fp32 master weights, gradient reductions and "
+                        "optimizer")
+    p.add_argument("--ckpt-dir", default=None, help="save checkpoints here; resume from the newest complete one")
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end); 0: only at "
+                   "the end (with --ckpt-dir)")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    p.add_argument("--simulate-failure", type=int, default=None, metavar="STEP",
+                   help="rank 1 raises at step STEP on the first attempt (TORCHELASTIC_RESTART_COUNT 0)")
+    p.add_argument("--metrics", default=None, help="write one JSON line per step to this file")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: NCCL + CUDA when every local rank has a GPU, else gloo + CPU tensors under the "
                         "Triton interpreter")
-    return p.parse_args(argv)
-
+    args = p.parse_args(argv)
+    for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "keep", "max_bytes"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.save_every < 0 or args.warmup < 0:
+        p.error("--save-every and --warmup must be >= 0")
+    if (args.save_every or args.simulate_failure is not None) and not args.ckpt_dir:
+        p.error("--save-every and --simulate-failure need --ckpt-dir")
+    return args
 
 def default_layout(world: int, pp: int, tp, sp):
     """``(tp, sp)``: the given sizes, or 2 each where the ranks of one pipeline stage allow."""
@@ -77,21 +111,30 @@ def default_layout(world: int, pp: int, tp, sp):
     return tp, sp
 
 
-def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int, device):
-    """``batch`` sequences following the fixed permutation from random starts (same on every
-    rank for a given step), and their next-token targets."""
+def join_world(use_cuda: bool) -> None:
+    """Under torchelastic, join the default process group through a store prefixed with the
+    restart attempt. torchrun's rendezvous shares one TCP store across restarts, so a restarted
+    gloo/NCCL group that used it plainly would read the previous attempt's (dead) peer addresses
+    and fail to connect."""
+    import datetime
+
     import torch
+    import torch.distributed as dist
 
-    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-    g = torch.Generator().manual_seed(seed * 100003 + step)
-    x = torch.empty(batch, seq + 1, dtype=torch.long)
-    x[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
-    for t in range(seq):
-        x[:, t + 1] = perm[x[:, t]]
-    return x[:, :-1].to(device), x[:, 1:].to(device)
+    if dist.is_initialized() or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=300)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
+    store = dist.PrefixStore(f"fusedpar.attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
-def build(args, use_cuda: bool):
+def build(args, use_cuda: bool, vocab: int):
     """The parallel layout, the model (this rank's pipeline stage of it) and its config."""
     import torch
 
@@ -101,12 +144,11 @@ def build(args, use_cuda: bool):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp, sp = default_layout(world, args.pp, args.tp, args.sp)
     ep = args.ep if args.ep is not None else sp * tp
+    join_world(use_cuda)
     state = init_parallel(pp=args.pp, tp=tp, sp=sp, ep=ep, backend="nccl" if use_cuda else "gloo")
-    if args.dtype == "bf16" and state.device.type != "cuda":
-        raise ValueError("--dtype bf16 needs CUDA (under the interpreter bf16 tl.dot is wrong)")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     config = TransformerConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+        vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
         num_kv_heads=args.heads, ffn_hidden_size=2 * args.hidden, num_experts=args.experts, top_k=args.top_k,
         moe_every=2, sp_mode="ring", layout="zigzag", causal=True,
     )
@@ -130,36 +172,246 @@ def pipeline_schedule(model, state, microbatches: int):
     return Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=model.loss)
 
 
-def train_step(step: int, args, state, config, model, schedule, opt, plan):
-    """One optimizer step on this step's synthetic batch; returns the global mean loss (the
-    same value on every rank)."""
+def load_data(args, state, tokens):
+    """``(training loader, validation loader, unigram baseline)`` of ``tokens`` for this rank;
+    the baseline is that of exactly the validation targets every evaluation reads."""
+    import numpy as np
+
+    from fusedpar.data import BatchLoader, split, unigram_baseline
+
+    train, val = split(tokens, args.val_fraction, args.seq)
+    kw = dict(dp=state.dp, dp_rank=state.dp_rank, seed=args.seed)
+    evaluated = BatchLoader(val, args.seq, args.batch * state.dp, seed=args.seed)
+    targets = np.concatenate([y.numpy().ravel() for _, y in evaluated.eval_batches(args.eval_batches)])
+    return (BatchLoader(train, args.seq, args.batch, **kw), BatchLoader(val, args.seq, args.batch, **kw),
+            unigram_baseline(train, targets, tokens.vocab))
+
+
+def lr_at(step: int, args) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, cosine decay to 10%."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+class MasterWeights:
+    """What the optimizer updates: the parameters themselves (fp32), or fp32 master copies of
+    bf16 parameters, whose gradients are the bf16 ones upcast before the (fp32) reductions."""
+
+    def __init__(self, model):
+        import torch
+
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.mixed = any(p.dtype != torch.float32 for p in self.params.values())
+        self.tensors = ({n: p.detach().float().clone() for n, p in self.params.items()} if self.mixed
+                        else self.params)
+
+    def grads_to_master(self) -> None:
+        if self.mixed:
+            for n, p in self.params.items():
+                self.tensors[n].grad = None if p.grad is None else p.grad.float()
+
+    def master_to_model(self) -> None:
+        import torch
+
+        if self.mixed:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(self.tensors[n])
+
+
+def forward_loss(ids, tgt, state, model, schedule, train: bool):
+    """This rank's loss on one batch (a pipeline stage that holds no loss: 0); backward when training."""
     import torch
-    import torch.distributed as dist
 
-    from fusedpar.nn import shard_tokens
-    from fusedpar.parallel import sync_gradients
-
-    tokens, targets = synthetic_batch(step, args.batch * state.dp, args.seq, args.vocab, args.seed, state.device)
-    rows = slice(state.dp_rank * args.batch, (state.dp_rank + 1) * args.batch)
-    ids, tgt = shard_tokens(tokens[rows], targets[rows], sp_size=state.sp, sp_rank=state.sp_rank,
-                            tp_size=state.tp, tp_rank=state.tp_rank, layout=config.layout)
-    opt.zero_grad(set_to_none=True)
     if schedule is None:
         loss = model.loss(model(ids), tgt)
-        loss.backward()
-        loss = loss.detach()
-    else:
-        losses = []
-        schedule.step(ids if state.is_first_stage else None, target=tgt, losses=losses)
-        loss = torch.stack(losses).mean().detach() if state.is_last_stage else torch.zeros((), device=state.device)
-    sync_gradients(model.named_parameters(), state, plan)
-    opt.step()
-    report = loss.float().reshape(1).clone()
+        if train:
+            loss.backward()
+        return loss.detach().float()
+    losses = []
+    run = schedule.step if train else schedule.eval
+    run(ids if state.is_first_stage else None, target=tgt, losses=losses)
+    return torch.stack(losses).mean().detach().float() if state.is_last_stage else torch.zeros((), device=state.device)
+
+
+def global_mean(value, state) -> float:
+    """Mean of a per-rank loss over the loss-holding ranks (the same value on every rank)."""
+    import torch.distributed as dist
+
+    report = value.reshape(1).clone()
     dist.all_reduce(report, group=state.data_group)
-    report /= state.data_size
-    if state.device.type == "cuda":
-        torch.cuda.synchronize()
-    return report.item()
+    return (report / state.data_size).item()
+
+
+def local_rows(loader_batch, state, config):
+    from fusedpar.nn import shard_tokens
+
+    tokens, targets = loader_batch
+    ids, tgt = shard_tokens(tokens, targets, sp_size=state.sp, sp_rank=state.sp_rank, tp_size=state.tp,
+                            tp_rank=state.tp_rank, layout=config.layout)
+    return ids.to(state.device), tgt.to(state.device)
+
+
+def train_step(step: int, run) -> float:
+    """Optimizer step ``step`` (0-based) on the loader's next batch; the global mean loss."""
+    from fusedpar.parallel import sync_gradients
+
+    for group in run.opt.param_groups:
+        group["lr"] = lr_at(step, run.args)
+    ids, tgt = local_rows(run.train.next_batch(), run.state, run.config)
+    run.opt.zero_grad(set_to_none=True)
+    run.model.zero_grad(set_to_none=True)
+    loss = forward_loss(ids, tgt, run.state, run.model, run.schedule, train=True)
+    run.master.grads_to_master()
+    sync_gradients(run.master.tensors.items(), run.state, run.plan)
+    run.opt.step()
+    run.master.master_to_model()
+    return global_mean(loss, run.state)
+
+
+def evaluate(run) -> float:
+    """Mean validation loss over ``--eval-batches`` fixed global batches."""
+    import torch
+
+    total = 0.0
+    with torch.no_grad():
+        for batch in run.val.eval_batches(run.args.eval_batches):
+            ids, tgt = local_rows(batch, run.state, run.config)
+            total += global_mean(forward_loss(ids, tgt, run.state, run.model, run.schedule, train=False), run.state)
+    return total / run.args.eval_batches
+
+
+class Run:
+    """Everything one training run holds (built by :func:`setup`)."""
+
+    def __init__(self, **parts):
+        self.__dict__.update(parts)
+
+
+def checkpoint_extra(run, step: int):
+    """``(extra tensors, optional keys)`` a checkpoint holds besides model and optimizer: step,
+    data position and fingerprint, LR schedule, this rank's RNG states (optional: a run resumed at
+    another world size has other ranks)."""
+    import torch
+
+    extra = {"step": torch.tensor(step, dtype=torch.int64),
+             "data.position": torch.tensor(run.train.position, dtype=torch.int64),
+             "data.fingerprint": torch.tensor(run.tokens.fingerprint(), dtype=torch.int64),
+             "schedule": torch.tensor([run.args.lr, run.args.warmup, run.args.steps], dtype=torch.float64),
+             f"rng.cpu.rank{run.state.rank}": torch.get_rng_state()}
+    if run.state.device.type == "cuda":
+        extra[f"rng.cuda.rank{run.state.rank}"] = torch.cuda.get_rng_state()
+    return extra, tuple(k for k in extra if k.startswith("rng."))
+
+
+def save_checkpoint(run, step: int) -> None:
+    extra, _ = checkpoint_extra(run, step)
+    path = run.ckpt.save(step, run.model, optimizer=run.opt, params=run.master.tensors if run.master.mixed else None,
+                         extra=extra)
+    run.say(f"[checkpoint] saved {path}")
+
+
+def resume(run) -> int:
+    """Load the newest complete checkpoint of ``--ckpt-dir`` (if any); the step to continue from."""
+    import torch
+
+    if run.ckpt is None:
+        return 0
+    extra, optional = checkpoint_extra(run, 0)
+    step, loaded = run.ckpt.resume(run.model, optimizer=run.opt, extra=extra, optional=optional,
+                                   params=run.master.tensors if run.master.mixed else None)
+    if step is None:
+        return 0
+    run.train.position = int(extra["data.position"])
+    if int(extra["data.fingerprint"]) != run.tokens.fingerprint():
+        run.say("[checkpoint] WARNING: the checkpoint was trained on other data than --data gives now")
+    if extra["schedule"].tolist() != [run.args.lr, run.args.warmup, run.args.steps]:
+        run.say(f"[checkpoint] note: LR schedule (lr, warmup, steps) was {extra['schedule'].tolist()}, now "
+                f"{[run.args.lr, run.args.warmup, run.args.steps]}")
+    if set(optional) <= loaded:
+        torch.set_rng_state(extra[f"rng.cpu.rank{run.state.rank}"])
+        if run.state.device.type == "cuda":
+            torch.cuda.set_rng_state(extra[f"rng.cuda.rank{run.state.rank}"])
+    else:
+        run.say("[checkpoint] RNG states not restored: the checkpoint was saved at another world size")
+    run.master.master_to_model()
+    return int(extra["step"])
+
+
+def open_metrics(path: str | None, resumed: int):
+    """The metrics file, holding only the lines of steps up to ``resumed`` (a restarted run
+    rewrites the steps it repeats)."""
+    if path is None:
+        return None
+    kept = []
+    if resumed and os.path.exists(path):
+        with open(path) as f:
+            kept = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= resumed]
+    f = open(path, "w")
+    f.writelines(kept)
+    f.flush()
+    return f
+
+
+def setup(args, use_cuda: bool):
+    """Data, model, optimizer, schedule and checkpoint manager of this rank."""
+    import torch
+
+    from fusedpar.checkpoint import CheckpointManager
+    from fusedpar.data import load_tokens
+
+    tokens = load_tokens(args.data, args.vocab, args.max_bytes)
+    state, config, model, dtype = build(args, use_cuda, tokens.vocab)
+    train, val, baseline = load_data(args, state, tokens)
+    master = MasterWeights(model)
+    reporter = state.rank == (state.pp - 1) * state.dp * state.sp * state.tp  # last stage, dp/sp/tp rank 0
+
+    def say(msg):
+        if reporter:
+            print(msg, flush=True)
+
+    run = Run(args=args, state=state, config=config, model=model, dtype=dtype, plan=model.gradient_sync_plan(),
+              master=master, opt=torch.optim.AdamW(list(master.tensors.values()), lr=args.lr, weight_decay=0.0),
+              schedule=pipeline_schedule(model, state, args.microbatches), tokens=tokens, train=train, val=val,
+              baseline=baseline, reporter=reporter, say=say)
+    rank0 = print if state.rank == 0 else (lambda *a, **k: None)
+    run.ckpt = CheckpointManager(args.ckpt_dir, args.keep, log=lambda m: rank0(m, flush=True)) if args.ckpt_dir else None
+    return run
+
+
+def describe(run) -> str:
+    s, c, a = run.state, run.config, run.args
+    on_gpu = s.device.type == "cuda"
+    return (f"fusedpar demo: world {s.world_size} = dp {s.dp} x pp {s.pp} x sp {s.sp} x tp {s.tp} (ep {s.ep}); "
+            f"{'NCCL on CUDA' if on_gpu else 'gloo on CPU, Triton interpreter'}; {run.dtype}; {c.num_layers} blocks "
+            f"(MoE every 2nd: {c.num_experts} experts, top-{c.top_k}), hidden {c.hidden_size}, vocab {c.vocab_size}, "
+            f"seq {a.seq}, {a.batch * s.dp} sequences/step\n"
+            f"data: {run.tokens.source}: {len(run.train.ids)} training / {len(run.val.ids)} validation tokens; "
+            f"unigram baseline {run.baseline:.4f} nats/token (the evaluated tokens under "
+            f"the training unigram distribution; uniform: ln {c.vocab_size} = {math.log(c.vocab_size):.4f})")
+
+
+def log_step(run, rec: dict, metrics) -> None:
+    val = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+    run.say(f"step {rec['step']:4d}/{run.args.steps}  loss {rec['loss']:.4f}{val}  lr {rec['lr']:.2e}  "
+            f"{rec['tokens_per_s']:9.1f} tokens/s  {rec['elapsed_s']:8.1f} s")
+    if metrics is not None:
+        metrics.write(json.dumps(rec) + "\n")
+        metrics.flush()
+
+
+def summary(run, first: dict | None, last: dict | None, val: float | None, tokens: int, seconds: float) -> None:
+    if last is None:
+        run.say(f"nothing to do: the checkpoint is at step {run.args.steps} of {run.args.steps}")
+        return
+    verdict = "" if val is None else (f", val loss {val:.4f}: " + ("BELOW" if val < run.baseline else "NOT below") +
+                                      f" the unigram baseline {run.baseline:.4f}")
+    run.say(f"summary: train loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+            f"(step {last['step']}){verdict}; {tokens / max(seconds, 1e-9):.1f} tokens/s over "
+            f"{last['step'] - first['step'] + 1} steps")
 
 
 def main(argv=None) -> int:
@@ -170,31 +422,32 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    state, config, model, dtype = build(args, use_cuda)
-    plan = model.gradient_sync_plan()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = pipeline_schedule(model, state, args.microbatches)
-    reporter = state.rank == (state.pp - 1) * state.dp * state.sp * state.tp  # last stage, dp/sp/tp rank 0
-    if reporter:
-        on_gpu = state.device.type == "cuda"
-        print(f"fusedpar demo: world {state.world_size} = dp {state.dp} x pp {state.pp} x sp {state.sp} x tp {state.tp}"
-              f" (ep {state.ep}); {'NCCL on CUDA' if on_gpu else 'gloo on CPU, Triton interpreter'}; {dtype}; "
-              f"{config.num_layers} blocks (MoE every 2nd: {config.num_experts} experts, top-{config.top_k}), "
-              f"hidden {config.hidden_size}, vocab {config.vocab_size}, seq {args.seq}, "
-              f"{args.batch * state.dp} sequences/step", flush=True)
-    first = last = None
-    tokens_per_step = args.batch * state.dp * args.seq
-    for step in range(args.steps):
+    run = setup(args, use_cuda)
+    if args.simulate_failure is not None and run.state.world_size < 2:
+        raise ValueError("--simulate-failure fails rank 1: it needs at least 2 ranks")
+    run.say(describe(run))
+    start = resume(run)
+    metrics = open_metrics(args.metrics, start) if run.reporter else None
+    t_start, tokens, first, last, val = time.perf_counter(), 0, None, None, None
+    per_step = args.batch * run.state.dp * args.seq
+    for step in range(start, args.steps):
+        if (step + 1 == args.simulate_failure and run.state.rank == 1
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            raise RuntimeError(f"simulated failure of rank 1 at step {step + 1} (--simulate-failure)")
         t0 = time.perf_counter()
-        last = train_step(step, args, state, config, model, schedule, opt, plan)
+        rec = {"step": step + 1, "loss": train_step(step, run), "lr": lr_at(step, args)}
         dt = time.perf_counter() - t0
-        first = last if first is None else first
-        if reporter:
-            print(f"step {step + 1:3d}/{args.steps}  loss {last:.4f}  {dt * 1e3:8.1f} ms  "
-                  f"{tokens_per_step / dt:10.1f} tokens/s", flush=True)
-    if reporter and args.steps > 1:
-        print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps "
-              f"({'falling' if last < first else 'NOT falling'})", flush=True)
+        tokens += per_step
+        rec.update(tokens_per_s=per_step / dt, elapsed_s=time.perf_counter() - t_start)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            rec["val_loss"] = val = evaluate(run)
+        log_step(run, rec, metrics)
+        first, last = first or rec, rec
+        if run.ckpt is not None and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            save_checkpoint(run, step + 1)
+    summary(run, first, last, val, tokens, time.perf_counter() - t_start)
+    if metrics is not None:
+        metrics.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
