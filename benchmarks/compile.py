@@ -203,7 +203,8 @@ def main(argv=None) -> int:
         print("  " + b)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(f"# Compile check: `python -m benchmarks compile {' '.join(argv or sys.argv[2:])}`\n\n"
+            shown = [a for a in (argv if argv is not None else sys.argv[2:]) if a != args.cache_dir and a != "--cache-dir"]
+            f.write(f"# Compile check: `python -m benchmarks compile {' '.join(shown)}`\n\n"
                     + report + "\n")
     if args.json:
         with open(args.json, "w") as f:
