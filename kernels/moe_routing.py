@@ -110,6 +110,8 @@ class _IdReports:
         self.pending = collections.deque()
 
     def add(self, bad: torch.Tensor, num_groups: int) -> None:
+        if bad.device.type == "meta":
+            return  # a shape-only launch (the compile check): there are no ids to check
         if bad.device.type != "cuda":
             self.raise_for(int(bad.item()), num_groups)
             return
