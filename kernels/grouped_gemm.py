@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INDEX_DTYPES, check_buffer, check_choice, check_float_tensor, check_same
+from .checks import INDEX_DTYPES, check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same
 from .moe_routing import MAX_ROWS
 from .runtime import (
     ACTIVATIONS,
@@ -394,6 +394,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_lay
     and produce ``F`` features; ``preact_out [M, 2F]`` (or ``[M, N]``) receives pre-activations.
     """
     act, glu, n_w, K, w_strides = _gemm_operands("x", x, weight, weight_layout, activation)
+    check_out_dtype("out_dtype", out_dtype)
     if glu and n_w % 2:
         raise ValueError(f"activation {activation!r} needs an even number of weight output features, got {n_w}")
     M = x.shape[0]
@@ -484,6 +485,7 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
     ``[E, N, K]`` in the ``"nk"`` layout (zeros for experts without rows). grad ``[M, N]``,
     x ``[M, K]``, any strides. ``accumulate=True`` adds into ``out`` (sum in fp32)."""
     _wgrad_operands(grad, x, num_experts, out, accumulate)
+    check_out_dtype("out_dtype", out_dtype)
     M, N = grad.shape
     K = x.shape[1]
     offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)

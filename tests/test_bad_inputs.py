@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _utils import DEVICE
-from fusedpar.kernels import matmul, matmul_tn, routing_metadata, routing_metadata_reference
+from fusedpar.kernels import grouped_matmul, grouped_wgrad, matmul, matmul_tn, routing_metadata, routing_metadata_reference
 from fusedpar.kernels.flash_attention import flash_attention_forward
 from fusedpar.kernels.moe_routing import check_routing_ids
 from fusedpar.nn import Transformer, TransformerConfig
@@ -136,6 +136,11 @@ CASES = {
     "moe expert id out of range": (ValueError, r"expert_ids must lie in [0, 2), got values in [0, 2]",
                                    lambda: moe_mlp(_r(2, 8), _ids([0], [2]), _r(2, 1), _r(2, 6, 8), _r(2, 8, 3),
                                                    num_experts=2)),
+    "grouped_wgrad out_dtype int32": (TypeError, "out_dtype must be one of torch.float32, torch.float16, torch.bfloat16, got torch.int",
+                                      lambda: grouped_wgrad(_r(4, 6), _r(4, 8), [0, 2, 4], 2, out_dtype=torch.int32)),
+    "grouped_matmul out_dtype int64": (TypeError, "out_dtype must be one of torch.float32, torch.float16, torch.bfloat16, got torch.int",
+                                       lambda: grouped_matmul(_r(4, 8), _r(2, 6, 8), [0, 2, 4],
+                                                              out_dtype=torch.int64)),
     # the model's configuration and its token ids
     "config causal str": (TypeError, "TransformerConfig.causal must be a bool, got str 'no'",
                           lambda: _config(causal="no")),
