@@ -107,6 +107,15 @@ def check_int(name: str, v, *, min_value: int | None = None, max_value: int | No
     return v
 
 
+def check_positive_number(name: str, v) -> float:
+    """A real number (``bool`` is not one) greater than 0; returns it as a float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a positive number, got {type(v).__name__} {v!r}")
+    if not v > 0:
+        raise ValueError(f"{name} must be a positive number, got {v!r}")
+    return float(v)
+
+
 def check_bool(name: str, v) -> bool:
     """A ``bool`` (a string such as ``"no"`` would otherwise read as True)."""
     if not isinstance(v, bool):

@@ -157,7 +157,7 @@ CASES = {
                           lambda: Transformer(_config())(torch.tensor([[0, 3, 10]]))),  # CPU: a GPU trusts the embedding
     "token id < 0": (ValueError, "input_ids must hold token ids in [0, 10), got values in [-1, 3]",
                      lambda: Transformer(_config())(torch.tensor([[-1, 3]]))),
-    "float token ids": (TypeError, "input_ids must be an integer tensor of token ids, got torch.float32",
+    "float token ids": (TypeError, "input_ids must have dtype torch.int32 or torch.int64, got torch.float32",
                         lambda: Transformer(_config())(torch.randn(1, 3))),
 }
 

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from fusedpar.kernels.checks import check_bool
+from fusedpar.kernels.checks import check_bool, check_positive_number
 from fusedpar.kernels.flash_attention import attention_reference
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
@@ -227,8 +227,7 @@ class ParallelAttention(nn.Module):
             raise ValueError(f"{name}: sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
-        if not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
-            raise ValueError(f"{name}: rope_theta must be a positive number, got {rope_theta!r}")
+        check_positive_number(f"{name}: rope_theta", rope_theta)
         tp_group = comm.resolve_group(tp_group)
         tp = comm.group_size(tp_group)
         for what, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):

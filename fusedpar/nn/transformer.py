@@ -36,7 +36,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fusedpar.kernels.checks import check_bool, check_choice, check_divisible, check_int
+from fusedpar.kernels.checks import (
+    INDEX_DTYPES,
+    check_bool,
+    check_choice,
+    check_divisible,
+    check_int,
+    check_positive_number,
+    check_tensor,
+)
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import comm
 from fusedpar.ops.loss import attach_aux_loss, vocab_parallel_cross_entropy
@@ -107,8 +115,7 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.layout must be 'zigzag' or 'contiguous', got {self.layout!r}")
         if self.aux_loss_style not in ("switch", "hf"):
             raise ValueError(f"TransformerConfig.aux_loss_style must be 'switch' or 'hf', got {self.aux_loss_style!r}")
-        if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
-            raise ValueError(f"TransformerConfig.rope_theta must be a positive number, got {self.rope_theta!r}")
+        check_positive_number("TransformerConfig.rope_theta", self.rope_theta)
         rope_inv_freq(2, float(self.rope_theta), self.rope_scaling)  # raises on an unsupported scaling
         s = self.shared_expert_ffn_hidden_size
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
@@ -147,21 +154,15 @@ def check_config_values(cfg: "TransformerConfig") -> None:
             check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=1)
     if cfg.num_experts:
         check_int("TransformerConfig.top_k", cfg.top_k, min_value=1, max_value=cfg.num_experts)
-    if cfg.capacity_factor is not None and not (isinstance(cfg.capacity_factor, (int, float))
-                                                and not isinstance(cfg.capacity_factor, bool)
-                                                and cfg.capacity_factor > 0):
-        raise ValueError(f"TransformerConfig.capacity_factor must be None or a positive number, "
-                         f"got {cfg.capacity_factor!r}")
-    if not isinstance(cfg.norm_eps, (int, float)) or isinstance(cfg.norm_eps, bool) or cfg.norm_eps <= 0:
-        raise ValueError(f"TransformerConfig.norm_eps must be a positive number, got {cfg.norm_eps!r}")
+    if cfg.capacity_factor is not None:
+        check_positive_number("TransformerConfig.capacity_factor", cfg.capacity_factor)
+    check_positive_number("TransformerConfig.norm_eps", cfg.norm_eps)
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
-    """Token ids are an integer tensor in ``[0, vocab_size)``. The range is read on CPU tensors; on
+    """Token ids are an int32/int64 tensor in ``[0, vocab_size)``. The range is read on CPU tensors; on
     a GPU it would cost a host sync, so there the embedding's own device-side bounds check stands."""
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise TypeError(f"{name} must be an integer tensor of token ids, got {got}")
+    check_tensor(name, ids, dtypes=INDEX_DTYPES)
     if ids.device.type == "cpu" and ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
