@@ -43,7 +43,7 @@ def _add_args(p):
 def matmul_params(cfg) -> int:
     """Weights a token goes through in GEMMs: attention, active MLP/experts, router, head."""
     h, heads = cfg.hidden_size, cfg.num_heads
-    d = h // heads
+    d = cfg.head_dim or h // heads
     kv = cfg.num_kv_heads or heads
     total = cfg.hidden_size * cfg.vocab_size
     for layer in range(cfg.num_layers):
@@ -56,7 +56,8 @@ def matmul_params(cfg) -> int:
 
 
 def step_flops(cfg, batch: int, seq: int) -> float:
-    attn = 3 * 4 * batch * seq * seq * cfg.hidden_size * cfg.num_layers * (0.5 if cfg.causal else 1.0)
+    d = cfg.head_dim or cfg.hidden_size // cfg.num_heads
+    attn = 3 * 4 * batch * seq * seq * cfg.num_heads * d * cfg.num_layers * (0.5 if cfg.causal else 1.0)
     return 6.0 * batch * seq * matmul_params(cfg) + attn
 
 
