@@ -37,6 +37,19 @@ LOOP_CHUNK = 4096
 
 
 @triton.jit
+def _input_with_residual(x_ptrs, r_ptrs, h_ptrs, mask, HAS_RES: tl.constexpr):
+    """The norm's input in fp32: ``x``, or ``h = x + r`` rounded to h's dtype and stored (the norm
+    reads the stored, rounded residual, exactly what the backward will reload). Any tile shape."""
+    h = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        h = h.to(h_ptrs.dtype.element_ty)
+        tl.store(h_ptrs, h, mask=mask)
+        h = h.to(tl.float32)
+    return h
+
+
+@triton.jit
 def _rmsnorm_fwd_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr,
     M, H, eps,
@@ -58,15 +71,9 @@ def _rmsnorm_fwd_kernel(
     cols = rh.to(tl.int64)
 
     x_off = row_offsets(rm, x_inner, s_x0, s_x1, X_SPLIT)[:, None] + cols[None, :] * s_xh
-    h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        r_off = row_offsets(rm, r_inner, s_r0, s_r1, R_SPLIT)[:, None] + cols[None, :] * s_rh
-        h += tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
-        # the norm reads the stored (rounded) residual, exactly what the backward will reload
-        h = h.to(h_ptr.dtype.element_ty)
-        h_off = row_offsets(rm, h_inner, s_h0, s_h1, H_SPLIT)[:, None] + cols[None, :] * s_hh
-        tl.store(h_ptr + h_off, h, mask=mask)
-        h = h.to(tl.float32)
+    r_off = row_offsets(rm, r_inner, s_r0, s_r1, R_SPLIT)[:, None] + cols[None, :] * s_rh
+    h_off = row_offsets(rm, h_inner, s_h0, s_h1, H_SPLIT)[:, None] + cols[None, :] * s_hh
+    h = _input_with_residual(x_ptr + x_off, r_ptr + r_off, h_ptr + h_off, mask, HAS_RES)
 
     ms = tl.sum(h * h, axis=1) / H
     rstd = 1.0 / tl.sqrt(ms + eps)
@@ -152,12 +159,8 @@ def _rmsnorm_fwd_looped_kernel(
         cols = c0 + rc
         mask = cols < H
         c64 = cols.to(tl.int64)
-        h = tl.load(x_ptr + x_row + c64 * s_xh, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            h += tl.load(r_ptr + r_row + c64 * s_rh, mask=mask, other=0.0).to(tl.float32)
-            h = h.to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + h_row + c64 * s_hh, h, mask=mask)
-            h = h.to(tl.float32)
+        h = _input_with_residual(x_ptr + x_row + c64 * s_xh, r_ptr + r_row + c64 * s_rh, h_ptr + h_row + c64 * s_hh,
+                                 mask, HAS_RES)
         sq += h * h
     rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / H + eps)
     tl.store(rstd_ptr + row, rstd)
