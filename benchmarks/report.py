@@ -15,6 +15,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from ._common import markdown_table
+
 
 @dataclass(frozen=True)
 class Target:
@@ -87,20 +89,9 @@ def check_row(op: str, row: dict) -> list[str]:
     return out
 
 
-def _cell(v) -> str:
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else (f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}")
-    return str(v)
-
-
 def op_table(op: str, rows: list[dict]) -> str:
-    cols = []
-    for r in rows:
-        cols += [c for c in r if c not in cols]
-    lines = ["| " + " | ".join(cols) + " | targets |", "|" + "---|" * (len(cols) + 1)]
-    for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " | " + "; ".join(check_row(op, r)) + " |")
-    return "\n".join(lines)
+    """The benchmark's own markdown table with a last column of the targets each row meets."""
+    return markdown_table([{**r, "targets": "; ".join(check_row(op, r))} for r in rows])
 
 
 def ratio_points(runs) -> list[tuple[str, float, Target | None]]:
