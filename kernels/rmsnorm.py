@@ -288,8 +288,8 @@ def _check_operand(name: str, t, x: torch.Tensor | None = None, shape=None) -> N
         check_shape(name, t, shape)
 
 
-def _check_fwd(x, weight, eps, residual) -> int:
-    """Validate the forward's inputs; returns the hidden size."""
+def check_rms_norm_inputs(x, weight, eps, residual) -> int:
+    """Validate the forward's inputs (metadata only: traceable by torch.compile); returns the hidden size."""
     _check_operand("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden features), got a scalar")
@@ -343,7 +343,7 @@ def rms_norm_fwd(
               bf16 activations is fine).
     out / residual_out: optional destinations (same shape as x, any strides).
     """
-    H = _check_fwd(x, weight, eps, residual)
+    H = check_rms_norm_inputs(x, weight, eps, residual)
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
     out, residual_out = _fwd_outputs(x, residual, out, residual_out, out_dtype)

@@ -60,7 +60,7 @@ from .attention import (
     zigzag_shard,
     zigzag_unshard,
 )
-from .norm import RMSNormFunction, rms_norm
+from .norm import rms_norm
 from .loss import attach_aux_loss, vocab_parallel_cross_entropy
 
 __all__ = [
@@ -78,5 +78,5 @@ __all__ = [
     "ring_attention_bwd", "ring_attention_fwd", "sequence_shard", "shard_positions", "ulysses_attention",
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",
-    "RMSNormFunction", "rms_norm", "attach_aux_loss", "vocab_parallel_cross_entropy",
+    "rms_norm", "attach_aux_loss", "vocab_parallel_cross_entropy",
 ]

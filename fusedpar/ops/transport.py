@@ -42,6 +42,7 @@ import torch
 
 from fusedpar.kernels.checks import check_bool, check_int
 from fusedpar.ops import comm
+from fusedpar.ops.library import register_transport
 
 __all__ = ["Transport", "PortableTransport", "EmulatedTransport", "SymmetricBuffers", "SymmetricWorkspace",
            "cached_workspace", "get_transport"]
@@ -64,6 +65,8 @@ class Transport:
     def __init__(self, size: int, rank: int):
         self.size = size
         self.rank = rank
+        #: the string that names this transport in an op's schema (:mod:`fusedpar.ops.library`)
+        self.token = register_transport(self)
 
     # --- point to point --------------------------------------------------------------------
     def send_recv(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None,

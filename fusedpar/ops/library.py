@@ -1,0 +1,107 @@
+"""What makes fusedpar's ops visible to ``torch.compile``: the ``torch.library`` namespace, the
+names that stand for transports and groups in an op's schema, and the placeholder of a tensor an
+op does not produce.
+
+Every differentiable fusedpar op is a ``torch.library.custom_op`` in the ``fusedpar`` namespace
+(``torch.ops.fusedpar.<name>``) with a fake (meta) implementation that computes the output shapes
+without running anything and a ``register_autograd`` backward that calls the op's ``*_backward``
+custom op. The compiler (Dynamo, AOTAutograd, Inductor) treats each op as one opaque node, so a
+block with fusedpar ops traces without a graph break and its backward graph calls the same
+kernels as eager mode: eager and compiled runs take the same code path.
+
+**Transports and groups in a schema.** A schema holds tensors, numbers, strings and dtypes, not
+Python objects. The functional API therefore passes a *transport token*: a string that the op
+resolves back to its :class:`~fusedpar.ops.transport.Transport` when it runs
+(:func:`transport_token` / :func:`resolve_token`):
+
+* ``"<name>@<group name>"`` for a transport chosen by name (``"portable"``, ``"symmetric"``,
+  ``"auto"``, or empty for the op's default) over a process group (``group.group_name``; empty
+  for the default group). Dynamo reads ``group.group_name`` as a constant, so the token is a
+  constant of the graph.
+* ``"object:<n>"`` for a :class:`Transport` instance (each registers itself when it is built,
+  weakly: a token outlives its transport only as a dangling name, which raises a clear error).
+
+**Absent tensors.** A custom op cannot return ``None``: an output an op does not produce (a
+gradient nobody asked for, a residual not kept) is a 0-element tensor, :func:`absent`, mapped
+back to ``None`` by :func:`present`.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NAMESPACE", "absent", "present", "register_transport", "transport_token", "transport_size",
+           "resolve_token", "token_group"]
+
+#: the ``torch.library`` namespace of every fusedpar op: ``torch.ops.fusedpar.<name>``
+NAMESPACE = "fusedpar"
+
+_OBJECT_PREFIX = "object:"
+_objects: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+_counter = itertools.count()
+
+
+def register_transport(transport) -> str:
+    """A fresh token naming ``transport`` (held weakly); called once by every Transport's constructor."""
+    token = f"{_OBJECT_PREFIX}{next(_counter)}"
+    _objects[token] = transport
+    return token
+
+
+def transport_token(transport, group) -> str:
+    """The string an op's schema carries for ``transport=`` / ``group=`` (see the module
+    docstring). Pure Python on constants: Dynamo folds it into the graph. Raises the same
+    ``ValueError`` as the transports for a Transport instance passed together with a group."""
+    if isinstance(transport, str) or transport is None:
+        name = "" if transport is None else transport
+        return f"{name}@{'' if group is None else group.group_name}"
+    token = getattr(transport, "token", None)
+    if not isinstance(token, str):
+        raise TypeError(f"transport must be None, a transport name or a fusedpar.ops.transport.Transport, "
+                        f"got {type(transport).__name__}")
+    if group is not None:
+        raise ValueError("pass either group= or a Transport instance as transport=, not both "
+                         f"(got group={group!r} and transport={transport!r})")
+    return token
+
+
+def transport_size(transport, group) -> int:
+    """The group size an op will run on, from its ``transport=`` / ``group=`` arguments without
+    building the transport (Dynamo folds ``dist.get_world_size`` into a constant)."""
+    if transport is not None and not isinstance(transport, str):
+        return transport.size
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def token_group(token: str):
+    """The process group a name token names (``None``: the default group)."""
+    name = token.rpartition("@")[2]
+    if not name:
+        return None
+    # torch's own registry of group names (what its functional collectives resolve names with)
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def resolve_token(token: str):
+    """``(transport, group)`` for a token: a registered Transport instance and ``None``, or the
+    transport name (``None`` for the op's default) and the process group it names."""
+    if token.startswith(_OBJECT_PREFIX):
+        transport = _objects.get(token)
+        if transport is None:
+            raise ValueError(f"transport token {token!r} names a Transport that no longer exists")
+        return transport, None
+    name = token.rpartition("@")[0]
+    return (name or None), token_group(token)
+
+
+def absent(like: torch.Tensor) -> torch.Tensor:
+    """The placeholder of a tensor an op does not produce: 0 elements, ``like``'s dtype and device."""
+    return like.new_empty((0,))
+
+
+def present(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or ``None`` for :func:`absent`'s placeholder."""
+    return None if t is None or t.numel() == 0 and t.dim() == 1 else t
