@@ -1,0 +1,141 @@
+"""``torch.compile(block, fullgraph=True)`` of whole transformer blocks, the torchtitan way, against
+the same blocks run eagerly (output, every parameter gradient and the input gradient):
+
+* one process: a dense block and a MoE block (the router losses attached to the backward), and a
+  block under activation checkpointing (``torch.utils.checkpoint`` inside the compiled region);
+* two gloo processes: tensor parallelism (tp2, sequence parallel), sequence parallelism with ring
+  attention and the experts over the same ranks (sp2 . ep2), Ulysses (sp2), and FSDP2 over the two
+  ranks with every block of a Transformer compiled (``block.compile(fullgraph=True)``).
+
+The backend is ``aot_eager``: Dynamo and AOTAutograd trace the block (a graph break fails
+``fullgraph=True``), the kernels run under the Triton interpreter. fp32 throughout: compiled and
+eager runs call the same kernels on the same inputs, so they agree to rounding (1e-6 of scale; the
+graph may reorder the few plain torch ops between the kernels).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _compose import batch, tiny_config
+from _utils import assert_close
+from _world import world_fixture
+from fusedpar.nn import Transformer, TransformerBlock
+
+world2 = world_fixture(2)
+
+RTOL = 1e-6
+B, S_LOCAL, H = 2, 6, 16  # 6 local tokens: zigzag needs the ring shard in 2 equal chunks
+
+
+def _run(block, x, **kw):
+    """Output, input gradient and parameter gradients of one forward / backward."""
+    x = x.detach().clone().requires_grad_(True)
+    y = block(x, **kw)
+    g = torch.Generator().manual_seed(7)
+    (y * torch.randn(y.shape, generator=g)).sum().backward()
+    # a compiled module names its parameters "_orig_mod.<name>"
+    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+    return y.detach(), x.grad, grads
+
+
+def compare_compiled(make_block, x, label, **kw):
+    """Build the block twice (same seed: same weights), run one eagerly and one compiled
+    (``fullgraph=True``, aot_eager) on the same input and compare everything; returns the number
+    of gradients compared."""
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    eager = make_block()
+    torch.manual_seed(3)
+    compiled = torch.compile(make_block(), backend="aot_eager", fullgraph=True)
+    y0, dx0, g0 = _run(eager, x, **kw)
+    y1, dx1, g1 = _run(compiled, x, **kw)
+    assert_close(y1, y0, torch.float32, rtol=RTOL, msg=f"{label}: output")
+    assert_close(dx1, dx0, torch.float32, rtol=RTOL, msg=f"{label}: input gradient")
+    assert g1.keys() == g0.keys() and g0, (label, sorted(g0), sorted(g1))
+    for name in g0:
+        assert_close(g1[name], g0[name], torch.float32, rtol=RTOL, msg=f"{label}: grad of {name}")
+    return len(g0) + 1
+
+
+def _x(seed, shape=(B, S_LOCAL, H)):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+class Checkpointed(torch.nn.Module):
+    """A block under non-reentrant activation checkpointing (what torchtitan applies before compile)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "checkpointed"])
+def test_block_compiles_fullgraph_world1(kind):
+    moe = dict(num_experts=4, top_k=2, aux_loss_scale=0.5) if kind == "moe" else {}
+
+    def make():
+        block = TransformerBlock(H, 4, 24, num_kv_heads=2, **moe)
+        return Checkpointed(block) if kind == "checkpointed" else block
+
+    assert compare_compiled(make, _x(1, (B, 7, H)), kind) > 5
+
+
+def _parallel_blocks(rank, size):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    alone = [dist.new_group([r]) for r in range(size)][rank]  # tp of one beside sp over both ranks
+    x = _x(10 + rank)  # each rank's shard
+    counts = {}
+    cases = {
+        "tp2": dict(tp_group=group, sp_group=alone),
+        "sp2 ring zigzag x ep2": dict(tp_group=alone, sp_group=group, ep_group=group, num_experts=4, top_k=2,
+                                      aux_loss_scale=0.5),
+        "sp2 ulysses": dict(tp_group=alone, sp_group=group, sp_mode="ulysses"),
+    }
+    for label, kw in cases.items():
+        counts[label] = compare_compiled(lambda: TransformerBlock(H, 4, 24, num_kv_heads=2, **kw), x, label)
+    return counts
+
+
+def _fsdp2_compiled_blocks(rank, size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    config = tiny_config(num_layers=2)
+    ids, targets = batch(5, B, 6, config.vocab_size)  # the same batch on both ranks: the dp mean is the local grad
+    alone = [dist.new_group([r]) for r in range(size)][rank]  # no tp / sp / ep: the two ranks are dp
+    groups = dict(tp_group=alone, sp_group=alone, ep_group=alone)
+    eager = Transformer(config, seed=1, **groups)
+    loss0 = eager.loss(eager(ids), targets)
+    loss0.backward()
+    torch._dynamo.reset()
+    model = Transformer(config, seed=1, **groups)
+    mesh = init_device_mesh("cpu", (size,))
+    for block in model.layers.values():  # the torchtitan recipe: compile each block, then shard it
+        block.compile(backend="aot_eager", fullgraph=True)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    loss1 = model.loss(model(ids), targets)
+    loss1.backward()
+    assert_close(loss1.detach(), loss0.detach(), torch.float32, rtol=RTOL, msg="FSDP2 loss")
+    ref = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(p.grad.full_tensor(), ref[name].grad, torch.float32, rtol=RTOL, msg=f"FSDP2 grad of {name}")
+    dist.barrier()
+    return len(ref)
+
+
+def test_blocks_compile_fullgraph_tp2_sp2_ep2(world2):
+    out = world2.run(_parallel_blocks)
+    assert all(c == out[0] and min(c.values()) > 5 for c in out), out
+
+
+def test_fsdp2_over_compiled_blocks(world2):
+    out = world2.run(_fsdp2_compiled_blocks)
+    assert out[0] == out[1] > 10, out
