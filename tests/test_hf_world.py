@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf import TOL, compare_grads, hf_model, hf_reference, tokens_targets
+from _hf import TOL, compare_grads, hf_model, hf_named_reference, hf_reference, tokens_targets
 from _world import world_fixture
 
 pytest.importorskip("transformers")
@@ -92,58 +92,104 @@ def test_moe_with_tokens_replicated_over_the_ep_ranks_counts_each_token_once(wor
     assert all(world2.run(_replicated_tokens_case, x, r, ref))
 
 
-def _expected_shard(name, full, rank, size):
-    """The piece of HF's full gradient ``full`` that parameter ``name`` of the parallelised model holds."""
+def _expected_shard(name, full, rank, size, tp):
+    """The piece of HF's full gradient ``full`` that parameter ``name`` of the parallelised model
+    holds (experts split over the 2 ranks; linears over tp)."""
     if ".mlp.moe." in name:
         n = full.shape[0] // size
-        return full[rank * n:(rank + 1) * n] if name.endswith((".w1", ".w2")) else full
+        return full[rank * n:(rank + 1) * n]
     leaf = name.split(".")[-2]
-    if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+    if tp and leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         return full.chunk(size, dim=0)[rank]
-    if leaf in ("o_proj", "down_proj") and name.endswith("weight"):
+    if tp and leaf in ("o_proj", "down_proj") and name.endswith("weight"):
         return full.chunk(size, dim=1)[rank]
     return full
 
 
 def _hf_name(name):
-    return (name.replace(".mlp.moe.router.weight", ".mlp.gate.weight")
-            .replace(".mlp.moe.w1", ".mlp.experts.gate_up_proj").replace(".mlp.moe.w2", ".mlp.experts.down_proj"))
+    return name.replace(".mlp.moe.w1", ".mlp.experts.gate_up_proj").replace(".mlp.moe.w2", ".mlp.experts.down_proj")
 
 
-def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads, ref_aux):
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from fusedpar.hf import parallelize
-    from fusedpar.nn.moe import hf_load_balancing_loss
-
-    hf = parallelize(hf_model(family), tp_group=dist.group.WORLD, ep_group=dist.group.WORLD)
-    logits = hf(tokens).logits
-    err = (logits - ref_logits).abs().max().item()
-    assert err <= TOL * ref_logits.abs().max().item(), f"{family}: logits off by {err:.3g}"
-    if ref_aux is not None:  # every rank routed all tokens: HF's pooled aux loss exactly
-        aux = hf_load_balancing_loss([layer.mlp.moe.router for layer in hf.model.layers])
-        assert abs(aux.item() - ref_aux.item()) <= TOL * abs(ref_aux.item()), (aux, ref_aux)
-    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+def _compare_hf_grads(hf, ref_grads, rank, size, tp, msg):
     n = 0
     for name, p in hf.named_parameters():
-        expect = _expected_shard(name, ref_grads[_hf_name(name)], rank, size)
+        expect = _expected_shard(name, ref_grads[_hf_name(name)], rank, size, tp)
         err = (p.grad - expect).abs().max().item()
-        assert err <= TOL * (expect.abs().max().item() + 1e-12), f"{family}: grad of {name} off by {err:.3g}"
+        assert err <= TOL * (expect.abs().max().item() + 1e-12), f"{msg}: grad of {name} off by {err:.3g}"
         n += 1
     return n
 
 
-@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe"])
-def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
+def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads, ref_extra):
+    """Route B at tp2 = ep2: logits, HF's router logits and aux loss (every rank routes all tokens:
+    exact), and every gradient of the loss with the aux loss included."""
+    import torch.distributed as dist
     import torch.nn.functional as F
 
-    tokens, targets = tokens_targets(6, B, S)
-    hf = hf_model(family)
+    from fusedpar.hf import parallelize
+
+    hf = parallelize(hf_model(family), tp_group=dist.group.WORLD, ep_group=dist.group.WORLD)
     out = hf(tokens)
-    F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1)).backward()
-    grads = {n: p.grad.detach().clone() for n, p in hf.named_parameters()}
-    aux = getattr(out, "aux_loss", None)
-    res = world2.run(_parallelize_case, family, tokens, targets, out.logits.detach(), grads,
-                     None if aux is None else aux.detach())
+    err = (out.logits - ref_logits).abs().max().item()
+    assert err <= TOL * ref_logits.abs().max().item(), f"{family}: logits off by {err:.3g}"
+    loss = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1))
+    if "aux_loss" in ref_extra:
+        assert len(out.router_logits) == len(ref_extra["router_logits"])
+        for got, want in zip(out.router_logits, ref_extra["router_logits"]):
+            torch.testing.assert_close(got, want, rtol=TOL, atol=TOL * want.abs().max().item())
+        assert abs(out.aux_loss.item() - ref_extra["aux_loss"].item()) <= TOL * ref_extra["aux_loss"].item()
+        loss = loss + hf.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    return _compare_hf_grads(hf, ref_grads, rank, size, True, family)
+
+
+@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe"])
+def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
+    tokens, targets = tokens_targets(6, B, S)
+    logits, _, grads, extra = hf_named_reference(hf_model(family), tokens, targets, aux=True)
+    res = world2.run(_parallelize_case, family, tokens, targets, logits, grads, extra)
+    assert all(r > 10 for r in res), res
+
+
+SP_CASES = {  # family -> (sp_mode, experts over the two sp ranks, HF's own shifted labels loss)
+    "llama31": ("ring", False, True),
+    "mistral": ("ulysses", False, False),  # sliding_window=8: accepted at 8 tokens, refused at 16
+    "qwen2_moe": ("ring", True, False),
+}
+
+
+def _parallelize_sp_case(rank, size, family, tokens, targets, ref_logits, ref_grads):
+    from fusedpar.hf import gather_sequence, gradient_sync_plan, parallelize, sequence_parallel_loss, shard_batch
+    from fusedpar.ops import shard_positions
+    from fusedpar.parallel import build_parallel_state, sync_gradients
+
+    mode, ep, labels = SP_CASES[family]
+    state = build_parallel_state(sp=2, ep=2 if ep else 1)
+    hf = parallelize(hf_model(family), sp_group=state.sp_group, sp_mode=mode, ep_group=state.ep_group if ep else None)
+    ids, pos, tgt = shard_batch(hf, tokens, tokens if labels else None)
+    expect_pos = shard_positions(S, layout="zigzag" if mode == "ring" else "contiguous", ring_rank=rank if mode == "ring"
+                                 else 0, ring_size=2 if mode == "ring" else 1, ulysses_rank=0 if mode == "ring" else rank,
+                                 ulysses_size=1 if mode == "ring" else 2)
+    assert torch.equal(pos[0], expect_pos), pos
+    tgt = tgt if labels else targets[:, pos[0]]
+    out = hf(input_ids=ids, position_ids=pos)
+    full = gather_sequence(hf, out.logits)
+    err = (full - ref_logits).abs().max().item()
+    assert err <= TOL * ref_logits.abs().max().item(), f"{family} sp2 {mode}: logits off by {err:.3g}"
+    sequence_parallel_loss(hf, out.logits, tgt).backward()
+    sync_gradients(hf.named_parameters(), state, gradient_sync_plan(hf))
+    if family == "mistral":  # 16 tokens > sliding_window=8: refused (the global length, not the shard's)
+        with pytest.raises(ValueError, match="sliding_window=8 is shorter than the sequence length 16"):
+            hf(torch.cat([ids, ids], dim=1))
+    return _compare_hf_grads(hf, ref_grads, rank, size, False, f"{family} sp2 {mode}")
+
+
+@pytest.mark.parametrize("family", list(SP_CASES))
+def test_parallelize_sequence_parallel_matches_transformers(world2, family):
+    """Route B at sp2: ring zigzag / Ulysses through transformers' attention interface; gathered
+    logits and every gradient (after sync_gradients with gradient_sync_plan) equal HF's."""
+    tokens, targets = tokens_targets(7, B, S)
+    labels = SP_CASES[family][2]
+    logits, _, grads, _ = hf_named_reference(hf_model(family), tokens, None if labels else targets, aux=False)
+    res = world2.run(_parallelize_sp_case, family, tokens, targets, logits, grads)
     assert all(r > 10 for r in res), res
