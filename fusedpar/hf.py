@@ -9,6 +9,8 @@
 * :func:`to_hf_state_dict`: the full tensors under Hugging Face's names (a collective over the
   model's groups), for ``hf_model.load_state_dict(..., strict=True)``.
 * :func:`load_full_state_dict`: full tensors (fusedpar names) into a sharded model.
+* Route B (keep the HF model): :func:`parallelize` and its helpers, from
+  :mod:`fusedpar.hf_parallel` (re-exported here).
 
 ``transformers`` is not a dependency of fusedpar: only reading a checkpoint directory's config
 imports it.
@@ -23,15 +25,20 @@ import torch
 from torch import nn
 
 from fusedpar.checkpoint import full_state, shard_specs
-from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
-from fusedpar.nn.moe import MoE
+from fusedpar.hf_parallel import (
+    SUPPORTED_MODEL_TYPES,
+    HFMoEBlock,
+    gather_sequence,
+    gradient_sync_plan,
+    parallelize,
+    sequence_parallel_loss,
+    shard_batch,
+)
 from fusedpar.nn.transformer import Transformer, TransformerConfig
-from fusedpar.ops import comm
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "config_from_hf", "from_hf", "load_full_state_dict", "parallelize",
-           "to_hf_state_dict"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "config_from_hf", "from_hf", "gather_sequence", "gradient_sync_plan",
+           "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch", "to_hf_state_dict"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
@@ -75,15 +82,18 @@ def _check_unsupported(cfg, model_type):
         _unsupported(model_type, "attention_bias", True, "no bias on the output projection")
     if _get(cfg, "mlp_bias", False):
         _unsupported(model_type, "mlp_bias", True, "bias-free MLPs only")
-    window = _get(cfg, "sliding_window")
-    uses_window = _get(cfg, "use_sliding_window", model_type in ("mistral", "mixtral"))
-    if window and uses_window:
-        _unsupported(model_type, "sliding_window", window, "full causal attention only; set it to None when "
-                     "every sequence is at most that long")
     if float(_get(cfg, "router_jitter_noise", 0.0) or 0.0):
         _unsupported(model_type, "router_jitter_noise", _get(cfg, "router_jitter_noise"), "no router jitter")
     if int(_get(cfg, "pretraining_tp", 1) or 1) != 1:
         _unsupported(model_type, "pretraining_tp", _get(cfg, "pretraining_tp"), "must be 1")
+
+
+def _sliding_window(cfg, model_type):
+    """HF's active sliding window (None when off): kept in the config, where the model accepts it
+    for sequences it cannot change (at most that long) and refuses longer ones at forward time."""
+    window = _get(cfg, "sliding_window")
+    uses_window = _get(cfg, "use_sliding_window", model_type in ("mistral", "mixtral"))
+    return int(window) if window and uses_window else None
 
 
 def _moe_fields(cfg, model_type):
@@ -106,7 +116,9 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     """The :class:`~fusedpar.nn.TransformerConfig` of a Hugging Face config (a ``PretrainedConfig``
     or its dict). ``overrides`` set layout fields (``sp_mode``, ``layout``, ``capacity_factor``...).
     Raises ``ValueError`` naming the field for a model type or field value fusedpar does not
-    implement (e.g. an active sliding window, another RoPE type, attention dropout)."""
+    implement (e.g. another RoPE type, attention dropout). An active sliding window (stock Mistral:
+    4096) is kept as ``sliding_window``: the model runs sequences of at most that many tokens, where
+    full causal attention is the same, and raises ``ValueError`` at forward time for longer ones."""
     model_type = _get(hf_config, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config_from_hf: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
@@ -121,7 +133,8 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
         norm_eps=float(_get(hf_config, "rms_norm_eps")), causal=True, rope_theta=theta, rope_scaling=scaling,
         head_dim=_get(hf_config, "head_dim", None), qkv_bias=model_type in ("qwen2", "qwen2_moe"),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)))
+        tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        sliding_window=_sliding_window(hf_config, model_type))
     if model_type in _MOE_TYPES:
         fields.update(_moe_fields(hf_config, model_type))
     fields.update(overrides)
@@ -201,11 +214,16 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"load_full_state_dict: {name} must be {tuple(_full_shape(p, spec))} in full, "
                              f"got {tuple(full.shape)}")
-        target = p.device if p.device.type != "meta" else torch.device(device or "cpu")
-        new = local.to(device=target, dtype=dtype or (p.dtype if p.device.type != "meta" else local.dtype)).clone()
-        mod_name, _, pname = name.rpartition(".")
-        mod = model.get_submodule(mod_name) if mod_name else model
-        setattr(mod, pname, nn.Parameter(new, requires_grad=p.requires_grad))
+        _set_param(model, name, p, local, device, dtype)
+
+
+def _set_param(model: nn.Module, name: str, p: torch.Tensor, local: torch.Tensor, device, dtype) -> None:
+    """Replace parameter ``name`` (currently ``p``, maybe on the meta device) by ``local``."""
+    target = p.device if p.device.type != "meta" else torch.device(device or "cpu")
+    new = local.to(device=target, dtype=dtype or (p.dtype if p.device.type != "meta" else local.dtype)).clone()
+    mod_name, _, pname = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    setattr(mod, pname, nn.Parameter(new, requires_grad=p.requires_grad))
 
 
 def _full_shape(p: torch.Tensor, spec):
@@ -245,27 +263,40 @@ class _SafetensorsDir:
     def __contains__(self, name):
         return name in self.where
 
-    def __getitem__(self, name):
+    def _file(self, name):
         file = self.where[name]
         if file not in self.files:
             self.files[file] = self.open(file).__enter__()
-        return self.files[file].get_tensor(name)
+        return self.files[file]
+
+    def __getitem__(self, name):
+        return self._file(name).get_tensor(name)
+
+    def rows(self, name, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` (dim 0) of tensor ``name``, reading only those."""
+        return self._file(name).get_slice(name)[lo:hi]
 
 
-def _hf_tensor(source, name: str) -> torch.Tensor:
+def _rows(source, name: str, lo: int, hi: int) -> torch.Tensor:
+    return source.rows(name, lo, hi) if isinstance(source, _SafetensorsDir) else source[name][lo:hi]
+
+
+def _hf_tensor(source, name: str, experts: tuple[int, int] | None = None) -> torch.Tensor:
     """A Hugging Face tensor by its transformers-5 name; stacks the per-expert tensors of
     checkpoints saved with one tensor per expert (Mixtral ``block_sparse_moe.experts.j.w1/w3/w2``,
-    Qwen-MoE ``mlp.experts.j.gate_proj/up_proj/down_proj``)."""
+    Qwen-MoE ``mlp.experts.j.gate_proj/up_proj/down_proj``). ``experts=(lo, hi)``: of a stacked
+    expert tensor only experts ``lo..hi-1`` are read (rows of the fused tensor, or those experts'
+    tensors)."""
     if name in source:
-        return source[name]
+        return source[name] if experts is None else _rows(source, name, *experts)
     if ".mlp.experts." in name:
         layer = name.split(".mlp.")[0]
         fused_gate_up = name.endswith("gate_up_proj")
         for mlp, gate, up, down in ((".block_sparse_moe.experts.", "w1", "w3", "w2"),
                                     (".mlp.experts.", "gate_proj", "up_proj", "down_proj")):
             if f"{layer}{mlp}0.{gate}.weight" in source:
-                out, j = [], 0
-                while f"{layer}{mlp}{j}.{gate}.weight" in source:
+                out, j = [], 0 if experts is None else experts[0]
+                while f"{layer}{mlp}{j}.{gate}.weight" in source and (experts is None or j < experts[1]):
                     e = f"{layer}{mlp}{j}."
                     out.append(torch.cat([source[e + gate + ".weight"], source[e + up + ".weight"]])
                                if fused_gate_up else source[e + down + ".weight"])
@@ -279,6 +310,26 @@ def _hf_tensor(source, name: str) -> torch.Tensor:
 def _full_param(source, name: str, config: TransformerConfig) -> torch.Tensor:
     parts = [_hf_tensor(source, s) for s in _param_sources(name, config)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@torch.no_grad()
+def _load_from_source(model: Transformer, source, device, dtype) -> None:
+    """Materialise every parameter of the meta-device ``model`` from ``source``: this rank's
+    shard of each full tensor; expert weights (split over ep) read expert by expert, only this
+    rank's experts (a checkpoint directory is never read whole on every rank)."""
+    specs = shard_specs(model)
+    for name, p in list(model.named_parameters()):
+        spec = specs[name]
+        if spec is not None and name.endswith((".mlp.w1", ".mlp.w2")):
+            n = p.shape[0]
+            (src,) = _param_sources(name, model.config)
+            local = _hf_tensor(source, src, experts=(spec.rank * n, (spec.rank + 1) * n))
+        else:
+            full = _full_param(source, name, model.config)
+            local = full if spec is None else spec.local_from_full(full)
+        if tuple(local.shape) != tuple(p.shape):
+            raise ValueError(f"from_hf: {name} must be {tuple(p.shape)} on this rank, got {tuple(local.shape)}")
+        _set_param(model, name, p, local, device, dtype)
 
 
 def from_hf(hf_model_or_path, *, tp_group=None, sp_group=None, ep_group=None, ulysses_group=None,
@@ -308,7 +359,7 @@ def from_hf(hf_model_or_path, *, tp_group=None, sp_group=None, ep_group=None, ul
     model = Transformer(config, tp_group=tp_group, sp_group=sp_group, ep_group=ep_group,
                         ulysses_group=ulysses_group, ring_group=ring_group, device="meta")
     try:
-        load_full_state_dict(model, lambda name: _full_param(source, name, config), device=device, dtype=dtype)
+        _load_from_source(model, source, device, dtype)
     finally:
         if isinstance(source, _SafetensorsDir):
             source.close()
@@ -333,85 +384,3 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     if model.config.tie_word_embeddings and "embedding.weight" in full:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# route B: parallelise a Hugging Face model in place (tensor + expert parallelism)
-# ----------------------------------------------------------------------------------------------
-class HFMoEBlock(nn.Module):
-    """Drop-in for a Mixtral / Qwen-MoE sparse MoE block: a fusedpar :class:`~fusedpar.nn.MoE`
-    (experts over ``ep_group``, tokens replicated over ``tp_group``: ``replicated_group``) plus,
-    for Qwen2-MoE, the shared expert (its linears tensor-parallel) and its sigmoid gate.
-    ``[batch, seq, hidden]`` in and out, as the block it replaces."""
-
-    def __init__(self, moe: MoE, shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None):
-        super().__init__()
-        self.moe, self.shared_expert, self.shared_expert_gate = moe, shared_expert, shared_expert_gate
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        y = self.moe(hidden_states)
-        if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
-        return y
-
-
-def _tp_mlp(mlp: nn.Module, tp_group) -> None:
-    """gate / up projections column-parallel, down projection row-parallel, in place."""
-    for name in ("gate_proj", "up_proj"):
-        setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), group=tp_group))
-    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=tp_group)
-
-
-def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
-    gate, experts = block.gate, block.experts
-    E, k = gate.weight.shape[0], int(_get(config, "num_experts_per_tok"))
-    H, F = experts.down_proj.shape[1], experts.down_proj.shape[2]
-    norm = True if _get(config, "model_type") == "mixtral" else bool(_get(config, "norm_topk_prob", False))
-    moe = MoE(H, F, E, k, ep_group=ep_group, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0,
-              replicated_group=tp_group, device="meta")
-    lo, hi = moe.first_expert, moe.first_expert + moe.experts_per_rank
-    with torch.no_grad():
-        for mod, name, t in ((moe.router, "weight", gate.weight), (moe, "w1", experts.gate_up_proj[lo:hi]),
-                             (moe, "w2", experts.down_proj[lo:hi])):
-            setattr(mod, name, nn.Parameter(t.detach().clone()))
-    shared = getattr(block, "shared_expert", None)
-    if shared is not None:
-        _tp_mlp(shared, tp_group)
-    return HFMoEBlock(moe, shared, getattr(block, "shared_expert_gate", None))
-
-
-def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None) -> nn.Module:
-    """Make a Hugging Face decoder (the families of :data:`SUPPORTED_MODEL_TYPES`) tensor- and
-    expert-parallel in place and return it: q / k / v and gate / up projections become
-    :class:`~fusedpar.nn.ColumnParallelLinear`, o / down projections
-    :class:`~fusedpar.nn.RowParallelLinear` over ``tp_group`` (replicated activations, as in the
-    unmodified model: every rank of ``tp_group`` feeds the same tokens), and sparse MoE blocks
-    :class:`HFMoEBlock` with experts over ``ep_group`` (which may span the tp ranks: the tokens are
-    replicated over ``tp_group``, so each routed slot reaches its expert once). Embedding, norms,
-    router and head stay replicated; every gradient is then whole on its rank (sum dense and
-    expert gradients over data-parallel replicas only). Not done here: sequence parallelism (load
-    with :func:`from_hf` for ring / Ulysses attention) and HF's router aux loss: the MoE blocks do
-    not record router logits, so ``config.output_router_logits`` is set to False (each
-    ``HFMoEBlock.moe.router`` keeps ``balance_stats`` for
-    :func:`~fusedpar.nn.moe.hf_load_balancing_loss`)."""
-    config = hf_model.config
-    model_type = _get(config, "model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"parallelize: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
-    tp = comm.group_size(comm.resolve_group(tp_group))
-    heads, kv = int(_get(config, "num_attention_heads")), int(_get(config, "num_key_value_heads", None) or 0)
-    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv or heads)):
-        if n % tp:
-            raise ValueError(f"parallelize: {what}={n} must be divisible by the tensor-parallel group size ({tp})")
-    if _get(config, "output_router_logits", False):
-        config.output_router_logits = False
-    for layer in hf_model.model.layers:
-        attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=tp_group))
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
-        if hasattr(layer.mlp, "experts"):
-            layer.mlp = _moe_block(layer.mlp, config, tp_group, ep_group)
-        else:
-            _tp_mlp(layer.mlp, tp_group)
-    return hf_model

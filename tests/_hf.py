@@ -34,7 +34,8 @@ def hf_model(family: str, seed: int = 0, **extra):
     configs = {
         "llama": lambda: T.LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
         "llama31": lambda: T.LlamaConfig(**kw, rope_parameters=llama3, tie_word_embeddings=True),
-        "mistral": lambda: T.MistralConfig(**kw, sliding_window=None),
+        # an active window as long as the tests' sequences: HF applies it, fusedpar accepts it (no effect)
+        "mistral": lambda: T.MistralConfig(**kw, sliding_window=8),
         "qwen2": lambda: T.Qwen2Config(**kw, tie_word_embeddings=True),
         "qwen3": lambda: T.Qwen3Config(**kw),
         "mixtral": lambda: T.MixtralConfig(**kw, **moe, num_local_experts=4),
@@ -78,6 +79,30 @@ def hf_reference(model, tokens, targets, *, aux: bool):
         loss = loss + model.config.router_aux_loss_coef * out.aux_loss
     loss.backward()
     return out.logits.detach(), loss.detach(), fusedpar_grads(model)
+
+
+def hf_named_reference(model, tokens, targets=None, *, aux: bool):
+    """HF logits, loss and gradients under HF's names. ``targets=None``: HF's own ``labels=tokens``
+    loss (shifted inside, the last position not counted); else the mean cross entropy against
+    ``targets`` of every position. ``aux``: plus ``router_aux_loss_coef`` times HF's aux loss."""
+    model.zero_grad()
+    if targets is None:
+        out = model(tokens, labels=tokens)
+        loss = out.loss if aux or getattr(out, "aux_loss", None) is None else \
+            out.loss - model.config.router_aux_loss_coef * out.aux_loss
+    else:
+        out = model(tokens)
+        loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
+        if aux and getattr(out, "aux_loss", None) is not None:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    extra = {k: getattr(out, k) for k in ("aux_loss", "router_logits") if getattr(out, k, None) is not None}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return out.logits.detach(), loss.detach(), grads, {k: _detach(v) for k, v in extra.items()}
+
+
+def _detach(v):
+    return tuple(t.detach() for t in v) if isinstance(v, tuple) else v.detach()
 
 
 def fusedpar_grads(model) -> dict:

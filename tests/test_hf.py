@@ -77,8 +77,8 @@ def test_training_steps_match_transformers():
 
 
 def test_config_from_hf_rejects_what_it_does_not_implement():
-    with pytest.raises(ValueError, match="sliding_window=4096"):
-        config_from_hf(transformers.MistralConfig())
+    assert config_from_hf(transformers.MistralConfig()).sliding_window == 4096  # stock Mistral: kept, see below
+    assert config_from_hf(transformers.Qwen2Config(use_sliding_window=False)).sliding_window is None
     with pytest.raises(ValueError, match="rope_type"):
         config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
                                                                  "factor": 2.0}))
@@ -90,6 +90,22 @@ def test_config_from_hf_rejects_what_it_does_not_implement():
     assert c.rope_theta == 5e5 and c.rope_scaling is None
     c = config_from_hf(transformers.MixtralConfig())
     assert c.norm_topk_prob is True and c.aux_loss_style == "hf" and c.aux_loss_coef == 1e-3 and c.z_loss_coef == 0
+
+
+def test_sliding_window_is_accepted_up_to_its_length_and_refused_beyond():
+    """fusedpar attention is full causal: equal to a sliding window of w for sequences (or packed
+    documents) of at most w tokens (the mistral family, window 8, matches HF at 8 tokens above);
+    a longer one raises at forward time, naming the window and the length."""
+    model = from_hf(hf_model("mistral"))
+    assert model.config.sliding_window == 8
+    tokens, _ = tokens_targets(8, 1, 16)
+    with pytest.raises(ValueError, match="sliding_window=8 is shorter than the sequence length 16"):
+        model(tokens)
+    model(tokens, cu_seqlens=torch.tensor([0, 8, 16], dtype=torch.int32))  # two documents of 8: accepted
+    with pytest.raises(ValueError, match="sliding_window=8 is shorter than the sequence length 10"):
+        model(tokens, cu_seqlens=torch.tensor([0, 10, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8, sliding_window=0)
 
 
 def test_kernels_directory_does_not_break_transformers_probe():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf import TOL, compare_grads, hf_model, hf_reference, tokens_targets
+from _hf import TOL, compare_grads, hf_model, hf_named_reference, hf_reference, tokens_targets
 from _world import world_fixture
 
 pytest.importorskip("transformers")
@@ -20,23 +20,96 @@ LAYOUTS = {  # name -> (build_parallel_state sizes, config overrides)
     "sp2-ulysses": (dict(sp=2), dict(sp_mode="ulysses")),
     "sp2-ep2": (dict(sp=2, ep=2), dict(sp_mode="ring", layout="zigzag")),
 }
-# llama / mistral share llama31's code path (default RoPE, untied head: covered at world 1)
-CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe") for lay in LAYOUTS
-         if not (lay == "sp2-ep2" and f in ("llama31", "qwen2", "qwen3"))]
+# Each family at two or three layouts, each layout for two or more families, where the family's
+# own feature meets the layout (tied head / qkv bias / QK-norm / shared expert under tp, rotary
+# scaling under the zigzag ring...); llama / mistral share llama31's code path (covered at world 1).
+CASES = [("llama31", "tp2"), ("llama31", "sp2-ring-zigzag"), ("qwen2", "tp2"), ("qwen2", "sp2-ulysses"),
+         ("qwen3", "tp2"), ("qwen3", "sp2-ring-zigzag"), ("mixtral", "tp2"), ("mixtral", "sp2-ep2"),
+         ("qwen2_moe", "tp2"), ("qwen2_moe", "sp2-ulysses"), ("qwen2_moe", "sp2-ep2"),
+         ("qwen3_moe", "sp2-ring-zigzag"), ("qwen3_moe", "sp2-ep2")]
+# sp2-ep2 loads from a checkpoint directory: one tensor per expert (save_pretrained's format) or
+# transformers 5's stacked expert tensors; each rank must read only its own experts' bytes
+FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked"}
 B, S = 2, 8
 
 
-def _layout_case(rank, size, family, layout, tokens, targets, ref_logits, ref_grads):
+def _recording_safe_open(reads: list):
+    """``safetensors.safe_open`` that appends ``(tensor name, rows or None)`` to ``reads`` for
+    every tensor read (``get_tensor``: whole; ``get_slice(name)[rows]``: those rows)."""
+    import safetensors
+
+    real = safetensors.safe_open
+
+    class Slice:
+        def __init__(self, name, sl):
+            self.name, self.sl = name, sl
+
+        def __getitem__(self, rows):
+            reads.append((self.name, rows))
+            return self.sl[rows]
+
+    class Recording:
+        def __init__(self, path, framework):
+            self.f = real(path, framework)
+
+        def __enter__(self):
+            self.h = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.h.keys()
+
+        def get_tensor(self, name):
+            reads.append((name, None))
+            return self.h.get_tensor(name)
+
+        def get_slice(self, name):
+            return Slice(name, self.h.get_slice(name))
+
+    return real, Recording
+
+
+def _check_expert_reads(reads, rank, fmt):
+    """Only this rank's experts (2 of 4) were read, of every layer's expert tensors."""
+    expert_reads = [(n, rows) for n, rows in reads if ".experts." in n]
+    assert expert_reads, reads
+    if fmt == "per-expert":  # ...experts.{j}.w1.weight: whole tensors of experts 2r, 2r+1 only
+        assert {int(n.split(".experts.")[1].split(".")[0]) for n, _ in expert_reads} == {2 * rank, 2 * rank + 1}
+        assert all(rows is None for _, rows in expert_reads)
+    else:  # ...experts.gate_up_proj / down_proj: rows 2r:2r+2 only
+        assert all(rows == slice(2 * rank, 2 * rank + 2) for _, rows in expert_reads), expert_reads
+
+
+def _load(family, layout, state, overrides, directory, rank):
+    import safetensors
+
     from fusedpar.hf import from_hf
+
+    # HF pools its aux loss over all tokens, fusedpar over each rank's: compared at world 1 only
+    kw = dict(tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group, aux_loss_coef=0.0,
+              **overrides)
+    if directory is None:
+        return from_hf(hf_model(family), **kw)  # same seed on every rank: the same full model
+    reads = []
+    real, safetensors.safe_open = _recording_safe_open(reads)
+    try:
+        model = from_hf(directory, **kw)
+    finally:
+        safetensors.safe_open = real
+    _check_expert_reads(reads, rank, FROM_DIRECTORY[family])
+    return model
+
+
+def _layout_case(rank, size, family, layout, tokens, targets, ref_logits, ref_grads, directory=None):
     from fusedpar.nn.transformer import shard_tokens
     from fusedpar.parallel import build_parallel_state, sync_gradients
 
     sizes, overrides = LAYOUTS[layout]
     state = build_parallel_state(**sizes)
-    hf = hf_model(family)  # same seed on every rank: the same full model
-    # HF pools its aux loss over all tokens, fusedpar over each rank's: compared at world 1 only
-    model = from_hf(hf, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group,
-                    aux_loss_coef=0.0, **overrides)
+    model = _load(family, layout, state, overrides, directory, rank)
     ids, tgt = shard_tokens(tokens, targets, sp_size=state.sp, sp_rank=state.sp_rank, tp_size=state.tp,
                             tp_rank=state.tp_rank, layout=model.config.layout,
                             ring_size=1 if model.config.sp_mode == "ulysses" else state.sp)
@@ -49,11 +122,25 @@ def _layout_case(rank, size, family, layout, tokens, targets, ref_logits, ref_gr
     return compare_grads(model, ref_grads, f"{family} {layout}")
 
 
+def _save(hf, path, fmt):
+    if fmt == "per-expert":
+        hf.save_pretrained(path)
+    else:
+        from safetensors.torch import save_file
+
+        hf.config.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(path / "model.safetensors"))
+    return str(path)
+
+
 @pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}-{lay}" for f, lay in CASES])
-def test_layout_matches_transformers(world2, family, layout):
+def test_layout_matches_transformers(world2, family, layout, tmp_path):
     tokens, targets = tokens_targets(5, B, S)
-    ref_logits, _, ref_grads = hf_reference(hf_model(family), tokens, targets, aux=False)
-    out = world2.run(_layout_case, family, layout, tokens, targets, ref_logits, ref_grads)
+    hf = hf_model(family)
+    from_dir = layout == "sp2-ep2" and family in FROM_DIRECTORY
+    directory = _save(hf, tmp_path, FROM_DIRECTORY[family]) if from_dir else None
+    ref_logits, _, ref_grads = hf_reference(hf, tokens, targets, aux=False)
+    out = world2.run(_layout_case, family, layout, tokens, targets, ref_logits, ref_grads, directory)
     assert all(n > 10 for n in out), out
 
 
@@ -92,58 +179,105 @@ def test_moe_with_tokens_replicated_over_the_ep_ranks_counts_each_token_once(wor
     assert all(world2.run(_replicated_tokens_case, x, r, ref))
 
 
-def _expected_shard(name, full, rank, size):
-    """The piece of HF's full gradient ``full`` that parameter ``name`` of the parallelised model holds."""
+def _expected_shard(name, full, rank, size, tp):
+    """The piece of HF's full gradient ``full`` that parameter ``name`` of the parallelised model
+    holds (experts split over the 2 ranks; linears over tp)."""
     if ".mlp.moe." in name:
         n = full.shape[0] // size
-        return full[rank * n:(rank + 1) * n] if name.endswith((".w1", ".w2")) else full
+        return full[rank * n:(rank + 1) * n]
     leaf = name.split(".")[-2]
-    if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+    if tp and leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         return full.chunk(size, dim=0)[rank]
-    if leaf in ("o_proj", "down_proj") and name.endswith("weight"):
+    if tp and leaf in ("o_proj", "down_proj") and name.endswith("weight"):
         return full.chunk(size, dim=1)[rank]
     return full
 
 
 def _hf_name(name):
-    return (name.replace(".mlp.moe.router.weight", ".mlp.gate.weight")
-            .replace(".mlp.moe.w1", ".mlp.experts.gate_up_proj").replace(".mlp.moe.w2", ".mlp.experts.down_proj"))
+    return name.replace(".mlp.moe.w1", ".mlp.experts.gate_up_proj").replace(".mlp.moe.w2", ".mlp.experts.down_proj")
 
 
-def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads, ref_aux):
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from fusedpar.hf import parallelize
-    from fusedpar.nn.moe import hf_load_balancing_loss
-
-    hf = parallelize(hf_model(family), tp_group=dist.group.WORLD, ep_group=dist.group.WORLD)
-    logits = hf(tokens).logits
-    err = (logits - ref_logits).abs().max().item()
-    assert err <= TOL * ref_logits.abs().max().item(), f"{family}: logits off by {err:.3g}"
-    if ref_aux is not None:  # every rank routed all tokens: HF's pooled aux loss exactly
-        aux = hf_load_balancing_loss([layer.mlp.moe.router for layer in hf.model.layers])
-        assert abs(aux.item() - ref_aux.item()) <= TOL * abs(ref_aux.item()), (aux, ref_aux)
-    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+def _compare_hf_grads(hf, ref_grads, rank, size, tp, msg):
     n = 0
     for name, p in hf.named_parameters():
-        expect = _expected_shard(name, ref_grads[_hf_name(name)], rank, size)
+        expect = _expected_shard(name, ref_grads[_hf_name(name)], rank, size, tp)
         err = (p.grad - expect).abs().max().item()
-        assert err <= TOL * (expect.abs().max().item() + 1e-12), f"{family}: grad of {name} off by {err:.3g}"
+        assert err <= TOL * (expect.abs().max().item() + 1e-12), f"{msg}: grad of {name} off by {err:.3g}"
         n += 1
     return n
 
 
-@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe"])
-def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
+def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads, ref_extra):
+    """Route B at tp2 = ep2: logits, HF's router logits and aux loss (every rank routes all tokens:
+    exact), and every gradient of the loss with the aux loss included."""
+    import torch.distributed as dist
     import torch.nn.functional as F
 
-    tokens, targets = tokens_targets(6, B, S)
-    hf = hf_model(family)
+    from fusedpar.hf import parallelize
+
+    hf = parallelize(hf_model(family), tp_group=dist.group.WORLD, ep_group=dist.group.WORLD)
     out = hf(tokens)
-    F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1)).backward()
-    grads = {n: p.grad.detach().clone() for n, p in hf.named_parameters()}
-    aux = getattr(out, "aux_loss", None)
-    res = world2.run(_parallelize_case, family, tokens, targets, out.logits.detach(), grads,
-                     None if aux is None else aux.detach())
+    err = (out.logits - ref_logits).abs().max().item()
+    assert err <= TOL * ref_logits.abs().max().item(), f"{family}: logits off by {err:.3g}"
+    loss = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1))
+    if "aux_loss" in ref_extra:
+        assert len(out.router_logits) == len(ref_extra["router_logits"])
+        for got, want in zip(out.router_logits, ref_extra["router_logits"]):
+            torch.testing.assert_close(got, want, rtol=TOL, atol=TOL * want.abs().max().item())
+        assert abs(out.aux_loss.item() - ref_extra["aux_loss"].item()) <= TOL * ref_extra["aux_loss"].item()
+        loss = loss + hf.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    return _compare_hf_grads(hf, ref_grads, rank, size, True, family)
+
+
+@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe"])
+def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
+    tokens, targets = tokens_targets(6, B, S)
+    logits, _, grads, extra = hf_named_reference(hf_model(family), tokens, targets, aux=True)
+    res = world2.run(_parallelize_case, family, tokens, targets, logits, grads, extra)
+    assert all(r > 10 for r in res), res
+
+
+SP_CASES = {  # family -> (sp_mode, experts over the two sp ranks, HF's own shifted labels loss)
+    "llama31": ("ring", False, True),
+    "mistral": ("ulysses", False, False),  # sliding_window=8: accepted at 8 tokens, refused at 16
+    "qwen2_moe": ("ring", True, False),
+}
+
+
+def _parallelize_sp_case(rank, size, family, tokens, targets, ref_logits, ref_grads):
+    from fusedpar.hf import gather_sequence, gradient_sync_plan, parallelize, sequence_parallel_loss, shard_batch
+    from fusedpar.ops import shard_positions
+    from fusedpar.parallel import build_parallel_state, sync_gradients
+
+    mode, ep, labels = SP_CASES[family]
+    state = build_parallel_state(sp=2, ep=2 if ep else 1)
+    hf = parallelize(hf_model(family), sp_group=state.sp_group, sp_mode=mode, ep_group=state.ep_group if ep else None)
+    ids, pos, tgt = shard_batch(hf, tokens, tokens if labels else None)
+    ring = mode == "ring"
+    expect_pos = shard_positions(S, layout="zigzag" if ring else "contiguous", ring_rank=rank if ring else 0,
+                                 ring_size=2 if ring else 1, ulysses_rank=0 if ring else rank,
+                                 ulysses_size=1 if ring else 2)
+    assert torch.equal(pos[0], expect_pos), pos
+    tgt = tgt if labels else targets[:, pos[0]]
+    out = hf(input_ids=ids, position_ids=pos)
+    full = gather_sequence(hf, out.logits)
+    err = (full - ref_logits).abs().max().item()
+    assert err <= TOL * ref_logits.abs().max().item(), f"{family} sp2 {mode}: logits off by {err:.3g}"
+    sequence_parallel_loss(hf, out.logits, tgt).backward()
+    sync_gradients(hf.named_parameters(), state, gradient_sync_plan(hf))
+    if family == "mistral":  # 16 tokens > sliding_window=8: refused (the global length, not the shard's)
+        with pytest.raises(ValueError, match="sliding_window=8 is shorter than the sequence length 16"):
+            hf(torch.cat([ids, ids], dim=1))
+    return _compare_hf_grads(hf, ref_grads, rank, size, False, f"{family} sp2 {mode}")
+
+
+@pytest.mark.parametrize("family", list(SP_CASES))
+def test_parallelize_sequence_parallel_matches_transformers(world2, family):
+    """Route B at sp2: ring zigzag / Ulysses through transformers' attention interface; gathered
+    logits and every gradient (after sync_gradients with gradient_sync_plan) equal HF's."""
+    tokens, targets = tokens_targets(7, B, S)
+    labels = SP_CASES[family][2]
+    logits, _, grads, _ = hf_named_reference(hf_model(family), tokens, None if labels else targets, aux=False)
+    res = world2.run(_parallelize_sp_case, family, tokens, targets, logits, grads)
     assert all(r > 10 for r in res), res

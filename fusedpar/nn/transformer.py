@@ -103,6 +103,7 @@ class TransformerConfig:
     aux_loss_style: str = "switch"  # "switch": per-layer coef * balance + z-loss; "hf": HF's pooled loss
     shared_expert_ffn_hidden_size: int = 0  # Qwen2-MoE: a shared expert MLP with a sigmoid gate
     dense_layers: tuple = ()  # HF mlp_only_layers: blocks that stay dense in a MoE model
+    sliding_window: int | None = None  # HF's window: attention stays full causal, so forward refuses longer sequences
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -149,7 +150,7 @@ def check_config_values(cfg: "TransformerConfig") -> None:
         check_bool("TransformerConfig.norm_topk_prob", cfg.norm_topk_prob)
     check_choice("TransformerConfig.sp_mode", cfg.sp_mode, ("ring", "ulysses", "hybrid"))
     check_choice("TransformerConfig.activation", cfg.activation, sorted(a for a in ACTIVATIONS if a != "none"))
-    for name in ("num_kv_heads", "moe_ffn_hidden_size", "head_dim"):
+    for name in ("num_kv_heads", "moe_ffn_hidden_size", "head_dim", "sliding_window"):
         if getattr(cfg, name) is not None:
             check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=1)
     if cfg.num_experts:
@@ -351,6 +352,8 @@ class Transformer(nn.Module):
         if self.embedding is not None:
             check_token_ids("input_ids", x, self.config.vocab_size)
             x = self.embedding(x)
+        if self.config.sliding_window is not None:
+            self._check_sliding_window(x.shape[1], cu_seqlens)
         docs = dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
         for block in self.layers.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -360,6 +363,21 @@ class Transformer(nn.Module):
         if self.norm is not None:
             x = self.head(self.norm(x)) if self.head is not None else self._tied_head(self.norm(x))
         return x
+
+    def _check_sliding_window(self, local_len: int, cu_seqlens) -> None:
+        """A sliding window changes nothing on sequences (documents, with ``cu_seqlens``) of at most
+        ``sliding_window`` tokens; fusedpar attention is full causal, so a longer one raises."""
+        if not self.layers:
+            return
+        attn = next(iter(self.layers.values())).attn
+        seq = local_len * comm.group_size(self.tp_group) * attn.ring_size * attn.ulysses_size
+        if cu_seqlens is not None:
+            bounds = torch.as_tensor(cu_seqlens).reshape(-1)
+            seq = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else seq
+        if seq > self.config.sliding_window:
+            raise ValueError(f"sliding_window={self.config.sliding_window} is shorter than the sequence length {seq}: "
+                             "fusedpar attention is full causal, which equals sliding-window attention only for "
+                             "sequences of at most sliding_window tokens")
 
     def _tied_head(self, x):
         """The head of tied embeddings: this rank's vocabulary rows of the embedding table (its

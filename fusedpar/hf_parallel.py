@@ -1,0 +1,353 @@
+"""Route B: parallelise an unmodified Hugging Face decoder in place.
+
+:func:`parallelize` swaps, inside a ``transformers`` Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
+Qwen-MoE model,
+
+* the q / k / v / o and gate / up / down linears for fusedpar's tensor-parallel linears
+  (``tp_group``; activations replicated over it, as in the unmodified model),
+* the sparse MoE blocks for :class:`HFMoEBlock` (experts over ``ep_group``; HF's router kept, so
+  ``output_router_logits=True`` and HF's aux loss work),
+* attention for fusedpar's ring / Ulysses / hybrid attention (``sp_group``, or ``ulysses_group`` +
+  ``ring_group``) through transformers' attention interface: the function registered as
+  :data:`ATTN_IMPLEMENTATION` and set as the model's ``config._attn_implementation``.
+
+With sequence parallelism every rank feeds its shard of the sequence (:func:`shard_batch`) and
+gets the logits of that shard; :func:`sequence_parallel_loss` is the global mean cross entropy
+split over the ranks, :func:`gather_sequence` un-shards (for evaluation), and
+:func:`gradient_sync_plan` with :func:`fusedpar.parallel.sync_gradients` reduces the gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fusedpar.nn.moe import MoE
+from fusedpar.ops import comm, hybrid_attention, ring_attention, shard_positions, ulysses_attention
+
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "SequenceParallel", "check_sliding_window",
+           "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
+           "sequence_parallel_loss", "shard_batch"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ATTN_IMPLEMENTATION = "fusedpar_sequence_parallel"  # the name registered in transformers.AttentionInterface
+
+
+def _get(cfg, name, default=None):
+    return cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
+
+
+def check_sliding_window(sliding_window, seq_len: int) -> None:
+    """A sliding window (HF's meaning: token ``q`` sees keys ``k`` with ``q - k < sliding_window``)
+    changes nothing when ``seq_len <= sliding_window``; fusedpar's attention is full causal, so a
+    longer sequence raises ``ValueError``."""
+    if sliding_window is not None and seq_len > int(sliding_window):
+        raise ValueError(f"sliding_window={sliding_window} is shorter than the sequence length {seq_len}: fusedpar "
+                         "attention is full causal, which equals sliding-window attention only for sequences of at "
+                         "most sliding_window tokens")
+
+
+# ----------------------------------------------------------------------------------------------
+# sequence parallelism
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+    """Where this rank's tokens sit: ``mode`` "ring" / "ulysses" over ``group``, or "hybrid"
+    (Ulysses inside ``ulysses_group``, ring across ``ring_group``); ``layout`` of the ring."""
+
+    mode: str
+    layout: str
+    group: object = None
+    ulysses_group: object = None
+    ring_group: object = None
+
+    @property
+    def ring(self):
+        """``(ring rank, ring size, Ulysses rank, Ulysses size)``."""
+        if self.mode == "ring":
+            return comm.group_rank(self.group), comm.group_size(self.group), 0, 1
+        if self.mode == "ulysses":
+            return 0, 1, comm.group_rank(self.group), comm.group_size(self.group)
+        return (comm.group_rank(self.ring_group), comm.group_size(self.ring_group),
+                comm.group_rank(self.ulysses_group), comm.group_size(self.ulysses_group))
+
+    @property
+    def size(self) -> int:
+        _, r, _, u = self.ring
+        return r * u
+
+    def groups(self) -> list:
+        return [self.group] if self.mode != "hybrid" else [self.ring_group, self.ulysses_group]
+
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's ``local_len`` tokens (see :func:`fusedpar.ops.shard_positions`)."""
+        rr, rs, ur, us = self.ring
+        return shard_positions(local_len * rs * us, layout=self.layout if rs > 1 else "contiguous", ring_rank=rr,
+                               ring_size=rs, ulysses_rank=ur, ulysses_size=us, device=device)
+
+    def attend(self, q, k, v, *, causal: bool, softmax_scale):
+        if self.mode == "ring":
+            return ring_attention(q, k, v, group=self.group, causal=causal, layout=self.layout,
+                                  softmax_scale=softmax_scale)
+        if self.mode == "ulysses":
+            return ulysses_attention(q, k, v, group=self.group, causal=causal, softmax_scale=softmax_scale)
+        return hybrid_attention(q, k, v, ulysses_group=self.ulysses_group, ring_group=self.ring_group, causal=causal,
+                                layout=self.layout, softmax_scale=softmax_scale)
+
+
+def sequence_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                                sliding_window=None, **kwargs):
+    """The attention function :func:`parallelize` registers with transformers: q ``[b, heads,
+    s_local, d]``, k / v ``[b, kv_heads, s_local, d]`` of this rank's shard (HF's layout) ->
+    ``([b, s_local, heads, d], None)``, through fusedpar's ring / Ulysses / hybrid attention with
+    the settings :func:`parallelize` put on ``module.fusedpar_sp``."""
+    sp = getattr(module, "fusedpar_sp", None)
+    if not isinstance(sp, SequenceParallel):
+        raise ValueError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs a model prepared by "
+                         "fusedpar.hf.parallelize(..., sp_group=...)")
+    if attention_mask is not None:
+        raise ValueError("sequence-parallel attention takes no attention_mask (full causal attention only), got one")
+    if dropout:
+        raise ValueError(f"sequence-parallel attention has no attention dropout, got dropout={dropout}")
+    check_sliding_window(sliding_window, query.shape[2] * sp.size)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = sp.attend(q, k, v, causal=bool(getattr(module, "is_causal", True)), softmax_scale=scaling)
+    return out, None
+
+
+def _sp_pre_hook(base_model, args, kwargs):
+    """Before the HF base model's forward: refuse what sequence parallelism cannot do (padding
+    masks, KV caches), fill in / check ``position_ids`` (the global positions of this rank's shard)."""
+    sp = base_model.fusedpar_sp
+    x = kwargs.get("input_ids", args[0] if args else None)
+    x = kwargs.get("inputs_embeds") if x is None else x
+    if x is None:
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
+        raise ValueError("sequence parallelism: attention_mask must be None or all ones (no padding, no custom "
+                         f"masks), got a {mask.dim()}-d mask with zeros")
+    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        raise ValueError("sequence parallelism: no KV cache (past_key_values / use_cache=True)")
+    kwargs["use_cache"] = False
+    expect = sp.positions(x.shape[1], device=x.device)
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        kwargs["position_ids"] = expect.unsqueeze(0)
+    elif pos.device.type == "cpu" and (pos.shape[-1] != expect.numel() or not bool((pos == expect).all())):
+        raise ValueError(f"position_ids must be the global positions of this rank's shard ({expect.tolist()}, "
+                         f"fusedpar.ops.shard_positions), got {pos.tolist()}")
+    return args, kwargs
+
+
+def _sp_of(hf_model) -> SequenceParallel:
+    sp = getattr(hf_model.model, "fusedpar_sp", None)
+    if sp is None:
+        raise ValueError("the model has no sequence parallelism: call fusedpar.hf.parallelize(..., sp_group=...) first")
+    return sp
+
+
+def shard_batch(hf_model, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, ignore_index: int = -100):
+    """This rank's share of a full ``[batch, seq]`` batch for a model :func:`parallelize` made
+    sequence-parallel: ``(input_ids, position_ids, targets)``. ``targets`` are the next-token
+    targets of HF's ``labels`` convention (``labels`` shifted left by one, the last position
+    ``ignore_index``; None without ``labels``), for :func:`sequence_parallel_loss` (do not pass
+    them as ``labels=`` to the model: HF would shift them again inside the shard)."""
+    sp = _sp_of(hf_model)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+    S = input_ids.shape[1]
+    if S % sp.size:
+        raise ValueError(f"seq_len={S} must be divisible by the sequence-parallel size {sp.size}")
+    pos = sp.positions(S // sp.size, device=input_ids.device)
+    targets = None
+    if labels is not None:
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        targets = torch.full_like(labels, ignore_index)
+        targets[:, :-1] = labels[:, 1:]
+        targets = targets[:, pos]
+    return input_ids[:, pos], pos.unsqueeze(0), targets
+
+
+def sequence_parallel_loss(hf_model, logits: torch.Tensor, targets: torch.Tensor, *,
+                           ignore_index: int = -100) -> torch.Tensor:
+    """Cross entropy of this rank's shard scaled so that the mean over the sequence-parallel
+    ranks is the mean over the whole sequence's counted tokens (``sp * local_sum / global_count``,
+    one all-reduce of the count), whatever the number of ignored tokens per rank. Averaging the
+    gradients over the sp ranks (:func:`fusedpar.parallel.sync_gradients`) then gives the
+    full-sequence gradients."""
+    sp = _sp_of(hf_model)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                            ignore_index=ignore_index, reduction="sum")
+    count = (targets != ignore_index).sum().to(torch.float32).reshape(1)
+    for g in sp.groups():
+        if comm.group_size(g) > 1:
+            dist.all_reduce(count, group=g)
+    return total * sp.size / count.clamp(min=1)[0]
+
+
+@torch.no_grad()
+def gather_sequence(hf_model, local: torch.Tensor) -> torch.Tensor:
+    """The full ``[batch, seq, ...]`` tensor in the original token order on every rank, from
+    this rank's ``[batch, seq / sp, ...]`` shard (e.g. the logits). A collective over the sp
+    group(s); not differentiable (for evaluation and tests)."""
+    sp = _sp_of(hf_model)
+    x = local.contiguous()
+    pos = sp.positions(x.shape[1], device=x.device)
+    for g in reversed(sp.groups()):  # Ulysses pieces first, then the ring shards
+        n = comm.group_size(g)
+        if n > 1:
+            xs, ps = [torch.empty_like(x) for _ in range(n)], [torch.empty_like(pos) for _ in range(n)]
+            dist.all_gather(xs, x, group=g)
+            dist.all_gather(ps, pos, group=g)
+            x, pos = torch.cat(xs, dim=1), torch.cat(ps)
+    out = torch.empty_like(x)
+    out[:, pos] = x
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor and expert parallelism
+# ----------------------------------------------------------------------------------------------
+class HFMoEBlock(nn.Module):
+    """Drop-in for a Mixtral / Qwen-MoE sparse MoE block: a fusedpar :class:`~fusedpar.nn.MoE`
+    (experts over ``ep_group``, tokens replicated over ``tp_group``: ``replicated_group``) plus,
+    for Qwen2-MoE, the shared expert (its linears tensor-parallel) and its sigmoid gate.
+    ``[batch, seq, hidden]`` in and out, as the block it replaces.
+
+    ``gate`` is HF's own router module, whose weight *is* the fusedpar router's (one parameter,
+    named ``...mlp.gate.weight`` as in HF). It runs only when transformers has hooked it to record
+    ``router_logits`` (``output_router_logits=True``), so HF's aux loss sees the same logits."""
+
+    def __init__(self, moe: MoE, gate: nn.Module, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Module | None = None):
+        super().__init__()
+        self.gate = gate
+        self.moe, self.shared_expert, self.shared_expert_gate = moe, shared_expert, shared_expert_gate
+        moe.router.weight = gate.weight
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.gate._forward_hooks:  # transformers records the router logits through a forward hook
+            self.gate(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        y = self.moe(hidden_states)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+        return y
+
+
+def _tp_mlp(mlp: nn.Module, tp_group) -> None:
+    """gate / up projections column-parallel, down projection row-parallel, in place."""
+    for name in ("gate_proj", "up_proj"):
+        setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), group=tp_group))
+    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=tp_group)
+
+
+def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
+    gate, experts = block.gate, block.experts
+    E, k = gate.weight.shape[0], int(_get(config, "num_experts_per_tok"))
+    H, F_ = experts.down_proj.shape[1], experts.down_proj.shape[2]
+    norm = True if _get(config, "model_type") == "mixtral" else bool(_get(config, "norm_topk_prob", False))
+    moe = MoE(H, F_, E, k, ep_group=ep_group, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0,
+              replicated_group=tp_group, device="meta")
+    lo, hi = moe.first_expert, moe.first_expert + moe.experts_per_rank
+    with torch.no_grad():
+        for name, t in (("w1", experts.gate_up_proj[lo:hi]), ("w2", experts.down_proj[lo:hi])):
+            setattr(moe, name, nn.Parameter(t.detach().clone()))
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None and tp_group is not None:
+        _tp_mlp(shared, tp_group)
+    return HFMoEBlock(moe, gate, shared, getattr(block, "shared_expert_gate", None))
+
+
+def _sequence_parallel(sp_group, sp_mode, layout, ulysses_group, ring_group) -> SequenceParallel | None:
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"parallelize: layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    if (ulysses_group is None) != (ring_group is None):
+        raise ValueError("parallelize: hybrid sequence parallelism needs both ulysses_group and ring_group")
+    if ulysses_group is not None:
+        if sp_group is not None:
+            raise ValueError("parallelize: pass sp_group or ulysses_group + ring_group, not both")
+        return SequenceParallel("hybrid", layout, None, ulysses_group, ring_group)
+    if sp_group is None or comm.group_size(sp_group) == 1:
+        return None
+    if sp_mode not in ("ring", "ulysses"):
+        raise ValueError(f"parallelize: sp_mode must be 'ring' or 'ulysses', got {sp_mode!r}")
+    return SequenceParallel(sp_mode, layout, sp_group)
+
+
+def _enable_sequence_parallel(hf_model, sp: SequenceParallel) -> None:
+    from transformers import AttentionInterface  # only route B with sequence parallelism needs transformers
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sequence_parallel_attention)
+    hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
+    base = hf_model.model
+    base.fusedpar_sp = sp
+    base.register_forward_pre_hook(_sp_pre_hook, with_kwargs=True)
+    for layer in base.layers:
+        layer.self_attn.fusedpar_sp = sp
+
+
+def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=None, sp_mode: str = "ring",
+                layout: str = "zigzag", ulysses_group=None, ring_group=None) -> nn.Module:
+    """Make a Hugging Face decoder (the families of :data:`SUPPORTED_MODEL_TYPES`) parallel in
+    place and return it. A group left ``None`` turns its dimension off (unlike :func:`from_hf`).
+
+    * ``tp_group``: q / k / v and gate / up projections become
+      :class:`~fusedpar.nn.ColumnParallelLinear`, o / down projections
+      :class:`~fusedpar.nn.RowParallelLinear` (activations replicated over ``tp_group``).
+    * ``ep_group``: sparse MoE blocks become :class:`HFMoEBlock` with the experts split over
+      ``ep_group`` (which may span the tp ranks: tokens replicated over ``tp_group`` reach each
+      expert once). HF's router is kept: ``output_router_logits`` and the aux loss work.
+    * ``sp_group`` (``sp_mode`` "ring" with ``layout`` "zigzag" / "contiguous", or "ulysses"), or
+      ``ulysses_group`` + ``ring_group`` (hybrid): attention runs through
+      :func:`sequence_parallel_attention` (registered with transformers as
+      :data:`ATTN_IMPLEMENTATION`). Each rank then feeds its shard of the sequence
+      (:func:`shard_batch`; ``position_ids`` default to the shard's, and are checked when given)
+      and gets that shard's logits; no padding mask, no KV cache.
+
+    Embedding, norms, router and head stay replicated. Gradients: whole on each rank over its
+    tokens; reduce them with ``fusedpar.parallel.sync_gradients(model.named_parameters(), state,
+    gradient_sync_plan(model))`` (a no-op without sp / dp)."""
+    config = hf_model.config
+    model_type = _get(config, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"parallelize: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+    sp = _sequence_parallel(sp_group, sp_mode, layout, ulysses_group, ring_group)
+    tp = comm.group_size(tp_group) if tp_group is not None else 1
+    heads, kv = int(_get(config, "num_attention_heads")), int(_get(config, "num_key_value_heads", None) or 0)
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv or heads)):
+        if n % tp:
+            raise ValueError(f"parallelize: {what}={n} must be divisible by the tensor-parallel group size ({tp})")
+    tp_group = tp_group if tp > 1 else None
+    for layer in hf_model.model.layers:
+        attn = layer.self_attn
+        if tp_group is not None:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=tp_group))
+            attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
+        if hasattr(layer.mlp, "experts") and ep_group is not None:
+            layer.mlp = _moe_block(layer.mlp, config, tp_group, ep_group)
+        elif tp_group is not None and not hasattr(layer.mlp, "experts"):  # (no ep_group: HF's MoE block stays)
+            _tp_mlp(layer.mlp, tp_group)
+    if sp is not None:
+        _enable_sequence_parallel(hf_model, sp)
+    return hf_model
+
+
+def gradient_sync_plan(hf_model: nn.Module) -> dict[str, str]:
+    """Parameter name -> gradient kind for :func:`fusedpar.parallel.sync_gradients` of a model
+    :func:`parallelize` made parallel: ``"expert"`` for the experts of :class:`HFMoEBlock`,
+    ``"dense"`` for everything else (every rank of a tp group sees all of its tokens, so even
+    the replicated embedding, norms and router hold whole gradients: nothing to sum over tp)."""
+    plan = {}
+    for mname, mod in hf_model.named_modules():
+        for pname, _ in mod.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            plan[name] = "expert" if isinstance(mod, MoE) and pname in ("w1", "w2") else "dense"
+    return plan
