@@ -43,16 +43,12 @@ from .moe import (
 )
 from .flash import flash_attention, flash_attention_varlen
 from .varlen import document_positions
+from .sp_attention import hybrid_attention, ring_attention, ulysses_attention
 from .attention import (
-    RingAttentionFunction,
-    UlyssesAttentionFunction,
-    hybrid_attention,
-    ring_attention,
     ring_attention_bwd,
     ring_attention_fwd,
     sequence_shard,
     shard_positions,
-    ulysses_attention,
     ulysses_attention_bwd,
     ulysses_attention_fwd,
     ulysses_kv_heads,
@@ -74,7 +70,7 @@ __all__ = [
     "moe_combine", "moe_dispatch", "moe_expert_compute", "moe_experts_bwd", "moe_experts_fwd", "moe_mlp",
     "moe_permute_bwd", "moe_permute_fwd", "moe_plan", "moe_unpermute_bwd", "moe_unpermute_fwd",
     "flash_attention", "flash_attention_varlen",
-    "document_positions", "RingAttentionFunction", "UlyssesAttentionFunction", "hybrid_attention", "ring_attention",
+    "document_positions", "hybrid_attention", "ring_attention",
     "ring_attention_bwd", "ring_attention_fwd", "sequence_shard", "shard_positions", "ulysses_attention",
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",
