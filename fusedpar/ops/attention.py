@@ -381,7 +381,7 @@ def _heads_to_seq(parts, transport, dtype):
     transport.all_to_all(recv, send).wait()
     outs, lo = [], 0
     for n in widths:
-        outs.append(recv[:, :, :, lo:lo + n].permute(1, 2, 0, 3, 4).reshape(b, s_local, size * n, d))
+        outs.append(recv[:, :, :, lo:lo + n].permute(1, 2, 0, 3, 4).contiguous().view(b, s_local, size * n, d))
         lo += n
     return outs
 
