@@ -31,20 +31,21 @@ from .flash_attention import Segments, attention_reference, flash_attention_forw
 from .flash_attention_bwd import flash_attention_backward
 
 __all__ = [
-    "check_cu_seqlens", "flash_attention_varlen", "flash_attention_varlen_backward", "varlen_attention_reference",
-    "varlen_segments",
+    "check_cu_seqlens", "check_varlen_inputs", "flash_attention_varlen", "flash_attention_varlen_backward",
+    "varlen_attention_reference", "varlen_segments",
 ]
 
 
-def check_cu_seqlens(name: str, cu, total: int, max_seqlen=None, *, max_name: str = "max_seqlen") -> None:
-    """``cu`` is an int32 ``[num_docs + 1]`` tensor; on the CPU also: ``cu[0] == 0``,
-    non-decreasing, ``cu[-1] == total`` and (when given) every length ``<= max_seqlen``."""
+def check_cu_seqlens(name: str, cu, total: int, max_seqlen=None, *, max_name: str = "max_seqlen",
+                     values: bool = True) -> None:
+    """``cu`` is an int32 ``[num_docs + 1]`` tensor; on the CPU also (unless ``values=False``):
+    ``cu[0] == 0``, non-decreasing, ``cu[-1] == total`` and (when given) every length ``<= max_seqlen``."""
     check_tensor(name, cu, dims=(1,), dtypes=(torch.int32,))
     if cu.numel() == 0:
         raise ValueError(f"{name} must have num_docs + 1 >= 1 entries, got 0")
     if max_seqlen is not None:
         check_int(max_name, max_seqlen, min_value=0)
-    if cu.device.type != "cpu":
+    if not values or cu.device.type != "cpu":
         return  # trusted on a GPU (see the module docstring)
     vals = cu.tolist()
     if vals[0] != 0:
@@ -67,11 +68,13 @@ def varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
     return Segments(table, int(max_seqlen_q), int(max_seqlen_k))
 
 
-def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, values=True) -> None:
+    """The checks of :func:`flash_attention_varlen`'s arguments; ``values=False``: only those that
+    read no tensor values (shapes, dtypes, devices: what ``torch.compile`` traces)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(name, t, dims=(3,))
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, max_name="max_seqlen_q")
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, max_name="max_seqlen_k")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, max_name="max_seqlen_q", values=values)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, max_name="max_seqlen_k", values=values)
     check_same("cu_seqlens_q", cu_seqlens_q, "q", q, dtype=False)
     check_same("cu_seqlens_k", cu_seqlens_k, "q", q, dtype=False)
     if cu_seqlens_k.numel() != cu_seqlens_q.numel():
@@ -86,7 +89,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``[total_k, kv_heads, d]`` (kv_heads divides heads), ``cu_seqlens_*`` int32 ``[docs + 1]``
     on q's device, ``max_seqlen_*`` >= the longest document. Not differentiable (see
     :func:`fusedpar.ops.flash_attention_varlen`)."""
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     lse = torch.empty((1, q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     out, lse = flash_attention_forward(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
@@ -97,7 +100,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, *, causal=False, softmax_scale=None):
     """Gradients ``(dq, dk, dv)`` of :func:`flash_attention_varlen` from its ``out`` / ``lse``."""
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_tensor("lse", lse, dims=(2,))
     return tuple(g[0] for g in flash_attention_backward(

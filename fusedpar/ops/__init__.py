@@ -41,18 +41,14 @@ from .moe import (
     moe_unpermute_bwd,
     moe_unpermute_fwd,
 )
-from .flash import FlashAttentionFunction, FlashAttentionVarlenFunction, flash_attention, flash_attention_varlen
+from .flash import flash_attention, flash_attention_varlen
 from .varlen import document_positions
+from .sp_attention import hybrid_attention, ring_attention, ulysses_attention
 from .attention import (
-    RingAttentionFunction,
-    UlyssesAttentionFunction,
-    hybrid_attention,
-    ring_attention,
     ring_attention_bwd,
     ring_attention_fwd,
     sequence_shard,
     shard_positions,
-    ulysses_attention,
     ulysses_attention_bwd,
     ulysses_attention_fwd,
     ulysses_kv_heads,
@@ -73,8 +69,8 @@ __all__ = [
     "MoEPlan", "all_to_all_v_bwd", "all_to_all_v_fwd", "grouped_mlp", "grouped_mlp_bwd", "grouped_mlp_fwd",
     "moe_combine", "moe_dispatch", "moe_expert_compute", "moe_experts_bwd", "moe_experts_fwd", "moe_mlp",
     "moe_permute_bwd", "moe_permute_fwd", "moe_plan", "moe_unpermute_bwd", "moe_unpermute_fwd",
-    "FlashAttentionFunction", "FlashAttentionVarlenFunction", "flash_attention", "flash_attention_varlen",
-    "document_positions", "RingAttentionFunction", "UlyssesAttentionFunction", "hybrid_attention", "ring_attention",
+    "flash_attention", "flash_attention_varlen",
+    "document_positions", "hybrid_attention", "ring_attention",
     "ring_attention_bwd", "ring_attention_fwd", "sequence_shard", "shard_positions", "ulysses_attention",
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",

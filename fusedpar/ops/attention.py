@@ -1,4 +1,6 @@
-"""Sequence-parallel attention: ring (zigzag or contiguous), Ulysses, and the 2-D hybrid.
+"""Sequence-parallel attention: ring (zigzag or contiguous), Ulysses, and the 2-D hybrid; this
+module holds the layouts and the schedules, :mod:`fusedpar.ops.sp_attention` the differentiable
+ops (:func:`ring_attention`, :func:`ulysses_attention`, :func:`hybrid_attention`).
 
 Every rank holds a shard of the sequence (``[batch, s_local, heads, head_dim]``) and gets back
 the attention output of its own shard; gradients flow back to the shard inputs. Every transfer
@@ -30,8 +32,9 @@ on torch.distributed and on an :class:`~fusedpar.ops.transport.EmulatedTransport
 
 Layers: fusedpar.kernels flash launchers -> the named steps :func:`ring_attention_fwd` /
 :func:`ring_attention_bwd` and :func:`ulysses_attention_fwd` / :func:`ulysses_attention_bwd` ->
-:class:`RingAttentionFunction` / :class:`UlyssesAttentionFunction` (autograd) ->
-:func:`ring_attention` / :func:`ulysses_attention` / :func:`hybrid_attention`; the shard
+the custom ops ``fusedpar::ring_attention`` / ``fusedpar::ulysses_attention`` (and their
+backwards, :mod:`fusedpar.ops.sp_attention`) -> :func:`ring_attention` /
+:func:`ulysses_attention` / :func:`hybrid_attention`; the shard
 helpers give each rank its piece of a full sequence and the global positions of its tokens
 (for rotary embeddings).
 """
@@ -40,20 +43,17 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels.checks import check_bool, check_choice, check_int
-from fusedpar.kernels.flash_attention import check_qkv, flash_attention_forward, resolve_softmax_scale
+from fusedpar.kernels.flash_attention import check_qkv, flash_attention_forward
 from fusedpar.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
-from fusedpar.ops import comm
-from fusedpar.ops.agreement import agreed_arguments
-from fusedpar.ops.transport import Transport, get_transport
+from fusedpar.ops.transport import Transport
 from fusedpar.ops.varlen import document_bounds, ring_document_plan
 
 LAYOUTS = ("zigzag", "contiguous")
 
 __all__ = [
-    "LAYOUTS", "RingAttentionFunction", "UlyssesAttentionFunction", "document_plan", "hybrid_attention",
-    "ring_attention", "ring_attention_bwd", "ring_attention_fwd", "ring_step_plan", "sequence_shard", "shard_chunks",
-    "shard_positions", "ulysses_attention", "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads",
-    "zigzag_positions", "zigzag_shard", "zigzag_unshard",
+    "LAYOUTS", "check_sp_args", "check_transport", "document_plan", "ring_attention_bwd", "ring_attention_fwd",
+    "ring_step_plan", "sequence_shard", "shard_chunks", "shard_positions", "split_heads", "ulysses_attention_bwd",
+    "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard", "zigzag_unshard",
 ]
 
 
@@ -209,12 +209,13 @@ def _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
     return [(*launch, None) for launch in ring_step_plan(q_chunks, shard_chunks(layout, src, size, s), causal)]
 
 
-def _check_transport(name, transport):
+def check_transport(name, transport):
+    """``transport`` (the argument ``name``) is a :class:`~fusedpar.ops.transport.Transport`."""
     if not isinstance(transport, Transport):
         raise TypeError(f"{name} must be a fusedpar.ops.transport.Transport, got {type(transport).__name__}")
 
 
-def _check_args(q, k, v, causal, layout, ring_shard=None, ring_size=1):
+def check_sp_args(q, k, v, causal, layout, ring_shard=None, ring_size=1):
     """Local checks of every sequence-parallel op (before any transfer). ``ring_shard``: the
     length of the ring shard (``s_local * ulysses_size``), which zigzag cuts in two."""
     check_qkv(q, k, v)
@@ -238,8 +239,8 @@ def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="z
     With ``cu_seqlens`` each step launches the segment tables of :func:`document_plan` (none
     when the block holds nothing visible).
     """
-    _check_transport("transport", transport)
-    _check_args(q, k, v, causal, layout, ring_size=transport.size)
+    check_transport("transport", transport)
+    check_sp_args(q, k, v, causal, layout, ring_size=transport.size)
     size, rank = transport.size, transport.rank
     if size == 1:
         segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device)
@@ -272,7 +273,7 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
     K/V travel as in the forward; the fp32 dK/dV sums of the block in hand travel with it, one
     ``ring_shift`` behind, and arrive back at the block's owner complete.
     """
-    _check_transport("transport", transport)
+    check_transport("transport", transport)
     size, rank = transport.size, transport.rank
     grad_dtype = q.dtype if grad_dtype is None else grad_dtype
     if size == 1:
@@ -310,7 +311,8 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
             handle.wait()
             kv, nxt = nxt, kv
     dkv_handle.wait()  # the finished sums for this rank's own block, from the left neighbour
-    return dq.to(grad_dtype), dkv_in[0].to(grad_dtype), dkv_in[1].to(grad_dtype)
+    # dv copied when it is a view (fp32): the three gradients never share storage (custom-op outputs)
+    return dq.to(grad_dtype), dkv_in[0].to(grad_dtype), dkv_in[1].to(grad_dtype, copy=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,8 +339,8 @@ def ulysses_kv_heads(hq: int, hk: int, size: int):
 
 
 def _seq_to_heads(parts, transport, s_local):
-    """``parts``: ``[(tensor [b, s_local, size * n_i, d], n_i)]``. One all-to-all; returns views
-    ``[b, size * s_local, n_i, d]`` of one packed full-sequence buffer."""
+    """``parts``: ``[(tensor [b, s_local, size * n_i, d], n_i)]``. One all-to-all; returns the
+    packed full-sequence head shards ``[b, size * s_local, sum(n_i), d]`` (see :func:`split_heads`)."""
     size = transport.size
     b, d = parts[0][0].shape[0], parts[0][0].shape[3]
     widths = [n for _, n in parts]
@@ -349,10 +351,15 @@ def _seq_to_heads(parts, transport, s_local):
         lo += n
     recv = torch.empty_like(send)
     transport.all_to_all(recv, send).wait()
-    full = recv.permute(1, 0, 2, 3, 4).reshape(b, size * s_local, sum(widths), d)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, size * s_local, sum(widths), d)
+
+
+def split_heads(heads: torch.Tensor, widths) -> list:
+    """Views ``heads[:, :, lo:lo + n]`` of consecutive head groups of ``widths`` (the packed
+    q/k/v head shards of :func:`ulysses_attention_fwd`)."""
     views, lo = [], 0
     for n in widths:
-        views.append(full[:, :, lo:lo + n])
+        views.append(heads[:, :, lo:lo + n])
         lo += n
     return views
 
@@ -374,7 +381,7 @@ def _heads_to_seq(parts, transport, dtype):
     transport.all_to_all(recv, send).wait()
     outs, lo = [], 0
     for n in widths:
-        outs.append(recv[:, :, :, lo:lo + n].permute(1, 2, 0, 3, 4).reshape(b, s_local, size * n, d))
+        outs.append(recv[:, :, :, lo:lo + n].permute(1, 2, 0, 3, 4).contiguous().view(b, s_local, size * n, d))
         lo += n
     return outs
 
@@ -385,45 +392,50 @@ def ulysses_attention_fwd(q, k, v, transport: Transport, *, ring_transport: Tran
     :func:`hybrid_attention` (ring attention over ``ring_transport`` on the head shards).
 
     Returns ``(out, saved)``: ``out`` this rank's output shard (q's shape and dtype) and
-    ``saved = (q_heads, k_heads, v_heads, out_heads, lse)``, the head-shard tensors
-    :func:`ulysses_attention_bwd` takes.
+    ``saved = (heads, out_heads, lse)``: the q, k and v head shards packed along the heads
+    (``[b, size * s_local, heads/size + 2 * kv_heads_per_rank, d]``, :func:`split_heads` with
+    :func:`ulysses_kv_heads`), the output's and the lse, what :func:`ulysses_attention_bwd` takes.
+    In a group of one ``heads`` and ``out_heads`` are None (they are q, k, v and ``out``).
     """
-    _check_transport("transport", transport)
+    check_transport("transport", transport)
     if ring_transport is not None:
-        _check_transport("ring_transport", ring_transport)
+        check_transport("ring_transport", ring_transport)
     size, rsize = transport.size, 1 if ring_transport is None else ring_transport.size
-    _check_args(q, k, v, causal, layout, ring_shard=q.shape[1] * size, ring_size=rsize)
+    check_sp_args(q, k, v, causal, layout, ring_shard=q.shape[1] * size, ring_size=rsize)
     hq, hk = q.shape[2], k.shape[2]
     kv_idx, hk_l = ulysses_kv_heads(hq, hk, size)
     if size > 1:
         idx = torch.tensor(kv_idx, device=q.device)
         ks, vs = (k, v) if len(kv_idx) == hk else (k.index_select(2, idx), v.index_select(2, idx))
-        ql, kl, vl = _seq_to_heads([(q, hq // size), (ks, hk_l), (vs, hk_l)], transport, q.shape[1])
+        heads = _seq_to_heads([(q, hq // size), (ks, hk_l), (vs, hk_l)], transport, q.shape[1])
+        ql, kl, vl = split_heads(heads, (hq // size, hk_l, hk_l))
     else:
-        ql, kl, vl = q, k, v
+        heads, (ql, kl, vl) = None, (q, k, v)
     if ring_transport is None:
         segments = _whole_sequence_segments(cu_seqlens, ql.shape[1], causal, q.device)
         out_l, lse = flash_attention_forward(ql, kl, vl, causal=causal, softmax_scale=softmax_scale, segments=segments)
     else:
         out_l, lse = ring_attention_fwd(ql, kl, vl, ring_transport, causal=causal, layout=layout,
                                         softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-    out = _heads_to_seq([out_l], transport, q.dtype)[0] if size > 1 else out_l
-    return out, (ql, kl, vl, out_l, lse)
+    if size == 1:
+        return out_l, (None, None, lse)
+    return _heads_to_seq([out_l], transport, q.dtype)[0], (heads, out_l, lse)
 
 
 def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, transport: Transport, *, kv_heads: int,
                           ring_transport: Transport | None = None, causal=False, layout="contiguous",
                           softmax_scale=None, cu_seqlens=None):
-    """The backward of :func:`ulysses_attention_fwd` from its ``saved`` tensors: ``(dq, dk, dv)``
-    of this rank's sequence shard; ``kv_heads`` is the number of kv heads of the input k/v."""
-    _check_transport("transport", transport)
+    """The backward of :func:`ulysses_attention_fwd` from its ``saved`` tensors (the packed heads
+    split, or q, k, v and out in a group of one): ``(dq, dk, dv)`` of this rank's sequence shard;
+    ``kv_heads`` is the number of kv heads of the input k/v."""
+    check_transport("transport", transport)
     size = transport.size
     dtype = q_heads.dtype
     kv_idx, _ = ulysses_kv_heads(q_heads.shape[2] * size, kv_heads, size)
     replicated = len(kv_idx) != kv_heads
     # replicated kv heads are summed over ranks after the all-to-all: keep those sums in fp32
     grad_dtype = torch.float32 if replicated else dtype
-    dout_l = _seq_to_heads([(dout, q_heads.shape[2])], transport, dout.shape[1])[0] if size > 1 else dout
+    dout_l = _seq_to_heads([(dout, q_heads.shape[2])], transport, dout.shape[1]) if size > 1 else dout
     args = (dout_l, q_heads, k_heads, v_heads, out_heads, lse)
     if ring_transport is None:
         grads = [torch.empty(t.shape, device=dout.device, dtype=grad_dtype) for t in (q_heads, k_heads, v_heads)]
@@ -443,156 +455,3 @@ def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, trans
         dv = torch.zeros((b, s, kv_heads, d), device=dq.device, dtype=torch.float32).index_add_(2, idx, dv)
         dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
     return dq, dk, dv
-
-
-# ----------------------------------------------------------------------------------------------
-# Autograd
-# ----------------------------------------------------------------------------------------------
-class RingAttentionFunction(torch.autograd.Function):
-    """:func:`ring_attention_fwd` / :func:`ring_attention_bwd` over one ring transport."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, transport, causal, layout, softmax_scale, cu_seqlens=None):
-        out, lse = ring_attention_fwd(q, k, v, transport, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                                      cu_seqlens=cu_seqlens)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (transport, causal, layout, softmax_scale, cu_seqlens)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        transport, causal, layout, softmax_scale, cu_seqlens = ctx.args
-        dq, dk, dv = ring_attention_bwd(dout.to(q.dtype), q, k, v, out, lse, transport, causal=causal, layout=layout,
-                                        softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-        return dq, dk, dv, None, None, None, None, None
-
-
-class UlyssesAttentionFunction(torch.autograd.Function):
-    """:func:`ulysses_attention_fwd` / :func:`ulysses_attention_bwd`: Ulysses over ``transport``,
-    then ring attention over ``ring_transport`` (None: local attention)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens=None):
-        out, saved = ulysses_attention_fwd(q, k, v, transport, ring_transport=ring_transport, causal=causal,
-                                           layout=layout, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-        ctx.save_for_backward(*saved)
-        ctx.args = (transport, ring_transport, causal, layout, softmax_scale, k.shape[2], cu_seqlens)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        saved = ctx.saved_tensors
-        transport, ring_transport, causal, layout, softmax_scale, kv_heads, cu_seqlens = ctx.args
-        dq, dk, dv = ulysses_attention_bwd(dout.to(saved[0].dtype), *saved, transport, kv_heads=kv_heads,
-                                           ring_transport=ring_transport, causal=causal, layout=layout,
-                                           softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-        return dq, dk, dv, None, None, None, None, None, None
-
-
-# ----------------------------------------------------------------------------------------------
-# Functional API
-# ----------------------------------------------------------------------------------------------
-def _resolve(group_name, group, transport):
-    """The transport of one sequence-parallel dimension: ``transport`` (an instance or None)
-    or a PortableTransport over ``group``."""
-    if group is not None and not isinstance(group, comm.ProcessGroup):
-        raise TypeError(f"{group_name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    return get_transport(transport, group)
-
-
-def _check_documents(cu_seqlens, q, total):
-    """``cu_seqlens`` (None, or the global document boundaries of the ``total`` packed tokens)
-    fits q: batch 1, boundaries valid (see :func:`~fusedpar.ops.varlen.document_bounds`)."""
-    if cu_seqlens is None:
-        return
-    if q.shape[0] != 1:
-        raise ValueError(f"q batch size must be 1 with cu_seqlens= (one packed row), got {q.shape[0]}")
-    document_bounds(cu_seqlens, total)
-
-
-def _agreed(q, k, v, transport, causal, softmax_scale, **modes):
-    """What the ranks of a sequence-parallel group must agree on (see fusedpar.ops.agreement)."""
-    return dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, **modes, transport=transport)
-
-
-def _documents(cu_seqlens):
-    """What the ranks must agree on of ``cu_seqlens``: its values when they are on the host (a
-    device tensor is compared by shape and dtype: reading it would sync the stream)."""
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "cpu" and cu_seqlens.dim() == 1:
-        return tuple(cu_seqlens.tolist())
-    return cu_seqlens
-
-
-def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, layout="zigzag",
-                   softmax_scale=None, cu_seqlens=None):
-    """Attention over the full sequence from this rank's shard; returns this rank's output shard.
-
-    q ``[b, s_local, heads, d]``, k/v ``[b, s_local, kv_heads, d]`` (kv_heads divides heads),
-    the shard of ring rank ``r`` of ``P`` in ``layout`` (see :func:`sequence_shard`:
-    ``"contiguous"``: positions ``[r*s_local, (r+1)*s_local)``; ``"zigzag"``: chunks ``r`` and
-    ``2P-1-r`` of ``2P``, so ``s_local`` must be even). Every rank must hold the same ``s_local``.
-    The ring is ``transport`` (a :class:`~fusedpar.ops.transport.Transport`) or, by default, a
-    portable transport over ``group`` (None: the default group).
-
-    ``cu_seqlens``: packed documents (batch 1): int32 ``[num_docs + 1]`` boundaries in global
-    positions of the full ``s_local * P`` tokens, the same on every rank (CPU or device; a device
-    tensor costs one host copy per call). Attention is then exact per document, documents of any
-    length crossing any shard boundaries; ring steps with nothing visible launch no kernel.
-    """
-    t = _resolve("group", group, transport)
-    with agreed_arguments("ring_attention", t, None, _agreed(q, k, v, t, causal, softmax_scale, layout=layout,
-                                                             cu_seqlens=_documents(cu_seqlens))):
-        _check_args(q, k, v, causal, layout, ring_size=t.size)
-        resolve_softmax_scale(softmax_scale, q.shape[3])
-        _check_documents(cu_seqlens, q, q.shape[1] * t.size)
-    return RingAttentionFunction.apply(q, k, v, t, causal, layout, softmax_scale, cu_seqlens)
-
-
-def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, softmax_scale=None,
-                      cu_seqlens=None):
-    """Ulysses (all-to-all) sequence-parallel attention; returns this rank's output shard.
-
-    q ``[b, s_local, heads, d]``, k/v ``[b, s_local, kv_heads, d]``: rank ``r`` holds positions
-    ``[r*s_local, (r+1)*s_local)``. The group size must divide ``heads`` and divide (or be a
-    multiple of) ``kv_heads``; otherwise a ValueError lists the sizes that work. The all-to-alls
-    run on ``transport``, by default a portable transport over ``group``. ``cu_seqlens``: packed
-    documents, as in :func:`ring_attention`.
-    """
-    t = _resolve("group", group, transport)
-    with agreed_arguments("ulysses_attention", t, None,
-                          _agreed(q, k, v, t, causal, softmax_scale, cu_seqlens=_documents(cu_seqlens))):
-        _check_args(q, k, v, causal, "contiguous")
-        ulysses_kv_heads(q.shape[2], k.shape[2], t.size)
-        resolve_softmax_scale(softmax_scale, q.shape[3])
-        _check_documents(cu_seqlens, q, q.shape[1] * t.size)
-    return UlyssesAttentionFunction.apply(q, k, v, t, None, causal, "contiguous", softmax_scale, cu_seqlens)
-
-
-def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_transport: Transport | None = None,
-                     ring_transport: Transport | None = None, causal=False, layout="zigzag", softmax_scale=None,
-                     cu_seqlens=None):
-    """2-D sequence parallelism: Ulysses inside ``ulysses_group``, ring across ``ring_group``
-    (or the given transports of the two dimensions; one of group / transport each).
-
-    The two groups must be orthogonal (each rank is in one of each; e.g. on 4 ranks
-    ``ulysses_group`` {0,1} / {2,3} and ``ring_group`` {0,2} / {1,3}). Rank (ring rank ``r``,
-    ulysses rank ``u``) holds piece ``u`` of ``ulysses_size`` contiguous pieces of ring shard
-    ``r`` in ``layout``: ``sequence_shard(x, layout=layout, ring_rank=r, ring_size=R,
-    ulysses_rank=u, ulysses_size=U)``; its positions are :func:`shard_positions`.
-    ``cu_seqlens``: packed documents, as in :func:`ring_attention`.
-    """
-    if (ulysses_group is None and ulysses_transport is None) or (ring_group is None and ring_transport is None):
-        raise ValueError("hybrid_attention needs both a Ulysses and a ring dimension (ulysses_group or "
-                         "ulysses_transport, and ring_group or ring_transport); use ring_attention or "
-                         "ulysses_attention for one-dimensional sequence parallelism")
-    uly = _resolve("ulysses_group", ulysses_group, ulysses_transport)
-    ring = _resolve("ring_group", ring_group, ring_transport)
-    with agreed_arguments("hybrid_attention", {"ulysses": (uly, None), "ring": (ring, None)}, None,
-                          _agreed(q, k, v, f"{uly.name} x {ring.name}", causal, softmax_scale, layout=layout,
-                                  cu_seqlens=_documents(cu_seqlens))):
-        _check_args(q, k, v, causal, layout, ring_shard=q.shape[1] * uly.size, ring_size=ring.size)
-        ulysses_kv_heads(q.shape[2], k.shape[2], uly.size)
-        resolve_softmax_scale(softmax_scale, q.shape[3])
-        _check_documents(cu_seqlens, q, q.shape[1] * uly.size * ring.size)
-    return UlyssesAttentionFunction.apply(q, k, v, uly, ring, causal, layout, softmax_scale, cu_seqlens)

@@ -1,0 +1,174 @@
+"""torch.compile of fusedpar's attention: ``torch.library.opcheck`` of every attention custom op
+(flash, varlen, ring, Ulysses/hybrid and their backwards) on fresh random inputs of small odd
+shapes, and ``torch.compile(backend="aot_eager", fullgraph=True)`` of the functional ops and of
+ParallelAttention (world 1; a 2-rank gloo world with ring zigzag / ring contiguous / Ulysses,
+causal, with packed documents in some cases): output and every input and parameter gradient equal
+to eager. The ParallelAttention cases need the tensor-parallel linears traceable too.
+
+Compiled and eager runs call the same kernels (aot_eager runs the traced graph's aten ops and the
+opaque custom ops); the only difference is the rotary embedding's aten decomposition, so fp32
+results agree to rounding: COMPILED_TOL (relative to the RMS of the eager value).
+"""
+import torch
+import torch.distributed as dist
+
+from _utils import assert_close
+from _world import rank_rng, world_fixture
+from fusedpar.nn import ParallelAttention
+from fusedpar.ops import flash_attention, flash_attention_varlen, hybrid_attention, ring_attention
+from fusedpar.ops.transport import EmulatedTransport
+
+world2 = world_fixture(2)
+
+#: fp32, same kernels in both runs; the traced elementwise ops (rotary) may round differently
+COMPILED_TOL = 1e-5
+
+
+def _qkv(gen, b, s, hq, hk, d=8, requires_grad=False):
+    return tuple(torch.randn(b, s, h, d, generator=gen).requires_grad_(requires_grad) for h in (hq, hk, hk))
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+def _assert_same(got, want, msg):
+    scale = max(want.detach().pow(2).mean().sqrt().item(), 1e-6)
+    assert_close(got, want, torch.float32, rtol=COMPILED_TOL, atol=COMPILED_TOL * scale, msg=msg)
+
+
+# ----------------------------------------------------------------------------------------------
+# opcheck, one process
+# ----------------------------------------------------------------------------------------------
+def test_opcheck_flash_ops():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = _qkv(g, 1, 5, 2, 1, requires_grad=True)
+    k, v = (torch.randn(1, 7, 1, 8, generator=g).requires_grad_() for _ in range(2))
+    args = (q, k, v, True, None, 0, 2)  # causal with offsets: a block of a longer sequence
+    _opcheck(torch.ops.fusedpar.flash_attention.default, args)
+    out, lse = torch.ops.fusedpar.flash_attention(*args)
+    dout = torch.randn(out.shape, generator=g)
+    _opcheck(torch.ops.fusedpar.flash_attention_backward.default,
+             (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, None, 0, 2))
+
+    cu = torch.tensor([0, 2, 2, 7], dtype=torch.int32)  # an empty document
+    qv, kv, vv = (torch.randn(7, h, 8, generator=g).requires_grad_() for h in (2, 1, 1))
+    vargs = (qv, kv, vv, cu, cu, 5, 5, True, 0.3)
+    _opcheck(torch.ops.fusedpar.flash_attention_varlen.default, vargs)
+    out, lse = torch.ops.fusedpar.flash_attention_varlen(*vargs)
+    dout = torch.randn(out.shape, generator=g)
+    _opcheck(torch.ops.fusedpar.flash_attention_varlen_backward.default,
+             (dout, qv.detach(), kv.detach(), vv.detach(), out.detach(), lse, cu, cu, 5, 5, True, 0.3))
+
+
+def _sp_opchecks(g, ring_token, uly_token, ring_layout, ring_cu=None, uly_cu=None, hybrid_ring_token=None):
+    """opcheck of the ring and Ulysses ops (forward and backward) over the given transport tokens."""
+    q, k, v = _qkv(g, 1, 6, 2, 1, requires_grad=True)
+    args = (q, k, v, ring_token, True, ring_layout, None, ring_cu)
+    _opcheck(torch.ops.fusedpar.ring_attention.default, args)
+    out, lse = torch.ops.fusedpar.ring_attention(*args)
+    dout = torch.randn(out.shape, generator=g)
+    plain = tuple(t.detach() for t in (q, k, v, out))
+    _opcheck(torch.ops.fusedpar.ring_attention_backward.default,
+             (dout, *plain, lse, ring_token, True, ring_layout, None, ring_cu))
+
+    uargs = (q, k, v, uly_token, hybrid_ring_token, True, ring_layout, 0.4, uly_cu)
+    _opcheck(torch.ops.fusedpar.ulysses_attention.default, uargs)
+    out, heads, out_heads, lse = torch.ops.fusedpar.ulysses_attention(*uargs)
+    qh, kh, vh = heads[:, :, :1], heads[:, :, 1:2], heads[:, :, 2:3]  # 2 / size q heads, 1 replicated kv head
+    dout = torch.randn(out.shape, generator=g)
+    _opcheck(torch.ops.fusedpar.ulysses_attention_backward.default,
+             (dout, qh, kh, vh, out_heads, lse, uly_token, hybrid_ring_token, 1, True, ring_layout, 0.4, uly_cu))
+
+
+def test_opcheck_sequence_parallel_ops_emulated():
+    # rank 1 / rank 0 of emulated groups of 2: ring and the hybrid (Ulysses x ring), packed documents
+    uly, ring = EmulatedTransport(2, 1), EmulatedTransport(2, 0)
+    ring_cu = torch.tensor([0, 1, 7, 12], dtype=torch.int32)  # 12 tokens: the ring's
+    uly_cu = torch.tensor([0, 5, 17, 24], dtype=torch.int32)  # 24 tokens: the 2 x 2 grid's
+    _sp_opchecks(torch.Generator().manual_seed(2), ring.token, uly.token, "zigzag", ring_cu=ring_cu, uly_cu=uly_cu,
+                 hybrid_ring_token=ring.token)
+
+
+# ----------------------------------------------------------------------------------------------
+# the functional ops under torch.compile, one process (emulated ranks)
+# ----------------------------------------------------------------------------------------------
+def _compiled_equals_eager(fn, inputs, msg, extra=()):
+    """fn(*inputs, *extra) compiled (aot_eager, fullgraph) vs eager: output and input gradients."""
+    torch._dynamo.reset()
+    results = []
+    for f in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True)):
+        xs = [t.detach().clone().requires_grad_() for t in inputs]
+        y = f(*xs, *extra)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(99))
+        results.append((y.detach(), *torch.autograd.grad(y, xs, dy)))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), results[1], results[0]):
+        _assert_same(got, want, f"{name} {msg}")
+
+
+def test_functional_ops_compile_fullgraph():
+    g = torch.Generator().manual_seed(3)
+    uly, ring = EmulatedTransport(2, 1), EmulatedTransport(2, 0)
+    qkv = _qkv(g, 1, 6, 2, 1)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    _compiled_equals_eager(lambda q, k, v: flash_attention(q, k, v, causal=True)[0], qkv, "flash")
+    _compiled_equals_eager(lambda q, k, v, c: flash_attention_varlen(q, k, v, c, c, 6, 6, causal=True)[0],
+                           [t[0] for t in qkv], "varlen", extra=(torch.tensor([0, 1, 6], dtype=torch.int32),))
+    _compiled_equals_eager(lambda q, k, v, c: ring_attention(q, k, v, transport=ring, causal=True, cu_seqlens=c),
+                           qkv, "ring emulated zigzag documents", extra=(cu,))
+    _compiled_equals_eager(lambda q, k, v: hybrid_attention(q, k, v, ulysses_transport=uly, ring_transport=ring,
+                                                            causal=True, layout="contiguous"),
+                           qkv, "hybrid emulated 2x2")
+
+
+# ----------------------------------------------------------------------------------------------
+# ParallelAttention compiled: world 1 and a 2-rank world
+# ----------------------------------------------------------------------------------------------
+def _module_compiled_equals_eager(mod, x, msg, **kwargs):
+    """One compile of ``mod``; forward output, input gradient and every parameter gradient of
+    the compiled module equal eager."""
+    torch._dynamo.reset()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(98))
+    results = []
+    for f in (mod, torch.compile(mod, backend="aot_eager", fullgraph=True)):
+        mod.zero_grad(set_to_none=True)
+        xs = x.detach().clone().requires_grad_()
+        y = f(xs, **kwargs)
+        y.backward(dy)
+        results.append((y.detach(), xs.grad, {n: p.grad.clone() for n, p in mod.named_parameters()}))
+    (y0, gx0, gp0), (y1, gx1, gp1) = results
+    _assert_same(y1, y0, f"out {msg}")
+    _assert_same(gx1, gx0, f"dx {msg}")
+    assert set(gp1) == set(gp0)
+    for n in gp0:
+        _assert_same(gp1[n], gp0[n], f"grad {n} {msg}")
+
+
+def test_parallel_attention_compiles_world1():
+    torch.manual_seed(4)
+    mod = ParallelAttention(24, 3, 1, head_dim=8, bias=True, causal=True)
+    x = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(5))
+    _module_compiled_equals_eager(mod, x, "world 1", cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
+
+
+# (sp_mode, layout, packed documents of the 12-token row); the hybrid needs a 2-D grid (4 ranks):
+# its op is compiled above on emulated ranks (and opchecked), ParallelAttention's hybrid path is
+# the same call with two transports
+WORLD_CASES = [("ring", "zigzag", None), ("ring", "contiguous", [0, 5, 12]), ("ulysses", "contiguous", None)]
+
+
+def _world_cases(rank, size):
+    single = [dist.new_group([r]) for r in range(size)][rank]
+    g = torch.Generator().manual_seed(6)  # the same inputs on every rank: the ops are collectives
+    _sp_opchecks(g, "@", "@", "zigzag")
+    for i, (sp_mode, layout, docs) in enumerate(WORLD_CASES):
+        torch.manual_seed(7 + i)  # the same weights on every rank
+        mod = ParallelAttention(16, 2, 2, head_dim=8, causal=True, tp_group=single, sp_mode=sp_mode, layout=layout)
+        x = torch.randn(1, 6, 16, generator=rank_rng(8 + i, rank))
+        cu = None if docs is None else torch.tensor(docs, dtype=torch.int32)
+        _module_compiled_equals_eager(mod, x, f"{sp_mode} {layout} docs={docs} rank {rank}", cu_seqlens=cu)
+    return True
+
+
+def test_parallel_attention_compiles_world2(world2):
+    assert all(world2.run(_world_cases))
