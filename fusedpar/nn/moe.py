@@ -9,6 +9,7 @@ from torch import nn
 
 from ..kernels.checks import check_choice, check_divisible, check_int
 from ..kernels.runtime import ACTIVATIONS
+from ..ops import comm
 from ..ops.moe import moe_mlp
 from ..ops.tensor_parallel import gather_features, scatter_features
 from ..ops.transport import get_transport
@@ -230,7 +231,7 @@ class MoE(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., hidden_size={self.hidden_size}] with at least 2 dims, "
                              f"got {getattr(x, 'shape', x)}")
-        if self.replicated_group is not None and get_transport(None, self.replicated_group).size > 1:
+        if self.replicated_group is not None and comm.group_size(self.replicated_group) > 1:
             return self._forward_replicated(x)
         return self._forward_tokens(x)
 
@@ -255,10 +256,10 @@ class MoE(nn.Module):
         self.router_output = r
         self.aux_loss = r.aux_loss + r.z_loss
         T, k = r.expert_ids.shape
-        n = get_transport(None, self.replicated_group).size
+        n = comm.group_size(self.replicated_group)
         check_divisible("MoE: number of routed slots (tokens * top_k)", T * k, n, "the size of replicated_group")
         slots = scatter_features(x2d.repeat_interleave(k, dim=0).t().contiguous(), self.replicated_group).t()
-        ids = r.expert_ids.reshape(-1, 1).chunk(n)[get_transport(None, self.replicated_group).rank]
+        ids = r.expert_ids.reshape(-1, 1).chunk(n)[comm.group_rank(self.replicated_group)]
         ones = torch.ones(ids.shape, device=x.device, dtype=torch.float32)
         y = moe_mlp(slots.contiguous(), ids.contiguous(), ones, self.w1, self.w2, num_experts=self.num_experts,
                     transport=self.transport, capacity=None, activation=self.activation, num_chunks=self.num_chunks)

@@ -8,12 +8,16 @@ all-gathered, the sum of exponentials and the target logit are all-reduced (fp32
 ``group`` ends with the same loss; the gradient is this rank's block of ``softmax - onehot``.
 
 Layers: :func:`vocab_parallel_cross_entropy_fwd` / :func:`vocab_parallel_cross_entropy_bwd`
-(the math and the collectives) -> :class:`VocabParallelCrossEntropyFunction` (autograd) ->
-:func:`vocab_parallel_cross_entropy` (checks, flattening, reduction).
+(the math and the collectives) -> the ``torch.library`` ops ``fusedpar::vocab_parallel_cross_entropy`` /
+``..._backward`` (the group as a transport token, see :mod:`fusedpar.ops.library`) ->
+:func:`vocab_parallel_cross_entropy` (checks, flattening, reduction). The target ids are range-checked
+on the host inside the ranks' agreement in eager mode; under ``torch.compile`` the op body checks them
+(each rank alone: a compiled graph holds no agreement exchange).
 
 ``attach_aux_loss(x, aux_loss, scale)``: identity on ``x`` whose backward also sends gradient
 ``scale`` into ``aux_loss``, so router losses train the router even where the training loop never
-sees them (inside a pipeline stage).
+sees them (inside a pipeline stage). The op ``fusedpar::attach_aux_loss`` returns a copy of ``x``
+(a custom op's output cannot alias its input).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from fusedpar.kernels.checks import check_choice, check_shape, check_tensor
 
 from . import comm
 from .agreement import agreed_arguments
+from .library import token_group, transport_token
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -61,27 +66,64 @@ def vocab_parallel_cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor,
 def vocab_parallel_cross_entropy_bwd(grad_loss: torch.Tensor, softmax: torch.Tensor, idx: torch.Tensor,
                                      inside: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gradient of the logits block: ``(softmax - onehot(target)) * grad_loss`` in ``dtype``
-    (``softmax`` is overwritten). Local: the forward's collectives already made it exact."""
-    grad = softmax
-    grad.scatter_add_(1, idx[:, None], -inside.to(grad.dtype)[:, None])
-    grad.mul_(grad_loss.float()[:, None])
+    (``softmax`` is left as it is). Local: the forward's collectives already made it exact."""
+    g = grad_loss.float()
+    grad = softmax * g[:, None]
+    grad.scatter_add_(1, idx[:, None], -(inside.to(grad.dtype) * g)[:, None])
     return grad.to(dtype)
 
 
-class VocabParallelCrossEntropyFunction(torch.autograd.Function):
-    """Autograd of the per-token loss: ``apply(logits [T, V/tp], target [T] int64, group)``."""
+@torch.library.custom_op("fusedpar::vocab_parallel_cross_entropy", mutates_args=())
+def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, token: str, ignore_index: int,
+                      check_targets: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, softmax, idx, inside)`` of :func:`vocab_parallel_cross_entropy_fwd` for flat int64
+    ``target`` (``ignore_index`` entries scored as class 0; the caller masks them). ``check_targets``:
+    check the ids here (under torch.compile, where the functional API cannot read them)."""
+    group = token_group(token)
+    valid = target != ignore_index
+    if check_targets:
+        _check_target_range(target, valid, logits.shape[-1] * comm.group_size(group), ignore_index)
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    return vocab_parallel_cross_entropy_fwd(logits, safe, group)
 
-    @staticmethod
-    def forward(ctx, logits, target, group):
-        loss, softmax, idx, inside = vocab_parallel_cross_entropy_fwd(logits, target, group)
-        ctx.save_for_backward(softmax, idx, inside)
-        ctx.dtype = logits.dtype
-        return loss
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, idx, inside = ctx.saved_tensors
-        return vocab_parallel_cross_entropy_bwd(grad_loss, softmax, idx, inside, ctx.dtype), None, None
+@_cross_entropy_op.register_fake
+def _(logits, target, token, ignore_index, check_targets):
+    T = logits.shape[0]
+    return (logits.new_empty((T,), dtype=torch.float32), torch.empty_like(logits, dtype=torch.float32),
+            torch.empty_like(target), target.new_empty((T,), dtype=torch.bool))
+
+
+@torch.library.custom_op("fusedpar::vocab_parallel_cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward_op(grad_loss: torch.Tensor, softmax: torch.Tensor, idx: torch.Tensor,
+                               inside: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return vocab_parallel_cross_entropy_bwd(grad_loss, softmax, idx, inside, dtype)
+
+
+@_cross_entropy_backward_op.register_fake
+def _(grad_loss, softmax, idx, inside, dtype):
+    return torch.empty_like(softmax, dtype=dtype)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    ctx.dtype = inputs[0].dtype
+    ctx.save_for_backward(*output[1:])
+
+
+def _cross_entropy_backward(ctx, grad_loss, *unused):
+    softmax, idx, inside = ctx.saved_tensors
+    grad = torch.ops.fusedpar.vocab_parallel_cross_entropy_backward(grad_loss, softmax, idx, inside, ctx.dtype)
+    return grad, None, None, None, None
+
+
+_cross_entropy_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+
+def _check_target_range(target, valid, vocab, ignore_index):
+    bad = valid & ((target < 0) | (target >= vocab))
+    if target.numel() and bool(bad.any()):
+        raise ValueError(f"target must hold ids in [0, {vocab}) or ignore_index={ignore_index}, got "
+                         f"{target[bad][0].item()}")
 
 
 def _checked_targets(logits, target, group, reduction, ignore_index):
@@ -94,13 +136,10 @@ def _checked_targets(logits, target, group, reduction, ignore_index):
     check_choice("reduction", reduction, REDUCTIONS)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    vocab = logits.shape[-1] * comm.group_size(group)
     target = target.reshape(-1).long()
     valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= vocab))
-    if target.numel() and bool(bad.any()):
-        raise ValueError(f"target must hold ids in [0, {vocab}) or ignore_index={ignore_index}, got "
-                         f"{target[bad][0].item()}")
+    if not torch.compiler.is_compiling():  # a host read: while compiling, the op checks the ids itself
+        _check_target_range(target, valid, logits.shape[-1] * comm.group_size(group), ignore_index)
     return target, valid
 
 
@@ -117,8 +156,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     fields = dict(logits=logits, target=target, reduction=reduction, ignore_index=ignore_index)
     with agreed_arguments("vocab_parallel_cross_entropy", None, group, fields):  # a rank failing alone stops all
         target, valid = _checked_targets(logits, target, group, reduction, ignore_index)
-    safe = torch.where(valid, target, torch.zeros_like(target))
-    loss = VocabParallelCrossEntropyFunction.apply(logits.reshape(-1, logits.shape[-1]), safe, group)
+    loss = torch.ops.fusedpar.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target,
+                                                           transport_token(None, group), ignore_index,
+                                                           torch.compiler.is_compiling())[0]
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     if reduction == "mean":
         return loss.sum() / valid.sum()
@@ -127,18 +167,26 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return loss.view(logits.shape[:-1])
 
 
-class AttachAuxLossFunction(torch.autograd.Function):
-    """Identity on ``x``; the backward also sends gradient ``scale`` into ``aux_loss``."""
+@torch.library.custom_op("fusedpar::attach_aux_loss", mutates_args=())
+def _attach_aux_loss_op(x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+    return x.clone()  # a custom op's output cannot alias its input: one copy of x
 
-    @staticmethod
-    def forward(ctx, x, aux_loss, scale):
-        ctx.scale = scale
-        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+@_attach_aux_loss_op.register_fake
+def _(x, aux_loss, scale):
+    return torch.empty_like(x)
+
+
+def _attach_setup(ctx, inputs, output):
+    _, aux_loss, ctx.scale = inputs
+    ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+
+
+def _attach_backward(ctx, grad):
+    return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+_attach_aux_loss_op.register_autograd(_attach_backward, setup_context=_attach_setup)
 
 
 def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
@@ -146,4 +194,4 @@ def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> to
     gradient ``scale``), so a loss computed inside a layer trains it without being returned."""
     check_tensor("x", x)
     check_tensor("aux_loss", aux_loss)
-    return AttachAuxLossFunction.apply(x, aux_loss, float(scale))
+    return torch.ops.fusedpar.attach_aux_loss(x, aux_loss, float(scale))

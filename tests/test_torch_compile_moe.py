@@ -1,0 +1,196 @@
+"""torch.compile of the MoE layer and the losses (issue #16): ``torch.library.opcheck`` on every
+MoE / loss op (small odd shapes; the expert-parallel schedule on an ``EmulatedTransport`` and in a
+2-rank gloo world), and ``torch.compile(..., backend="aot_eager", fullgraph=True)`` of
+:class:`fusedpar.nn.MoE` (world 1, emulated ep2, ep2) and of ``vocab_parallel_cross_entropy``
+(world 1, tp2): output, aux loss and every gradient equal to eager.
+
+Tolerances: eager and compiled run the same kernels in the same order (aot_eager keeps every
+fusedpar op opaque), so fp32 results agree to rounding of the few torch ops AOT may reorder
+(``1e-5``)."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from _world import rank_rng, world_fixture
+
+from fusedpar.nn import MoE
+from fusedpar.ops import attach_aux_loss, vocab_parallel_cross_entropy
+from fusedpar.ops.library import transport_token
+from fusedpar.ops.transport import EmulatedTransport
+
+world2 = world_fixture(2)
+TOL = dict(rtol=1e-5, atol=1e-5)
+#: no test_aot_dispatch_static: the dynamic variant traces the same graph with symbolic sizes
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _opcheck(op, args, kwargs=None):
+    torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_TESTS)
+
+
+def _routing(g, T, k, E):
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g).requires_grad_()
+    return ids, weights
+
+
+def _experts(g, E, H, F, glu=True):
+    w1 = (torch.randn(E, 2 * F if glu else F, H, generator=g) * 0.3).requires_grad_()
+    w2 = (torch.randn(E, H, F, generator=g) * 0.3).requires_grad_()
+    return w1, w2
+
+
+def _moe_op_args(g, token, ep, T=7, H=6, F=5, E=4, k=2, capacity=None, chunks=2):
+    x = torch.randn(T, H, generator=g).requires_grad_()
+    ids, weights = _routing(g, T, k, E)
+    w1, w2 = _experts(g, E // ep, H, F)
+    return (x, ids, weights, w1, w2, E, token, ep, capacity, "swiglu", chunks)
+
+
+def _moe_backward_args(fwd_args):
+    """Inputs of fusedpar::moe_mlp_backward from one eager forward (grads requested for all)."""
+    with torch.no_grad():
+        out, *res = torch.ops.fusedpar.moe_mlp(*fwd_args)
+    x, _, weights, w1, w2, E, token, _, _, act, _ = fwd_args
+    return (torch.randn_like(out), weights.detach(), w1.detach(), w2.detach(), *res, E, token, act, True, True)
+
+
+def _check_loss_ops(g, group, V=5, T=7):
+    token = transport_token(None, group)
+    logits = torch.randn(T, V, generator=g).requires_grad_()
+    vocab = V * (dist.get_world_size(group) if group is not None else 1)
+    target = torch.randint(0, vocab, (T,), generator=rank_rng(6))  # the same on every rank of the group
+    target[2] = -100
+    _opcheck(torch.ops.fusedpar.vocab_parallel_cross_entropy.default, (logits, target, token, -100, True))
+    _, soft, idx, inside = torch.ops.fusedpar.vocab_parallel_cross_entropy(logits.detach(), target, token, -100, False)
+    _opcheck(torch.ops.fusedpar.vocab_parallel_cross_entropy_backward.default,
+             (torch.randn(T, generator=g), soft, idx, inside, torch.float32))
+
+
+def _compiled_matches_eager(fn, inputs, params=()):
+    """``fn(*inputs)`` -> (out, extra loss or None); eager vs aot_eager fullgraph: outputs and grads."""
+    torch._dynamo.reset()
+    results = []
+    for f in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True)):
+        xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        for p in params:
+            p.grad = None
+        out, extra = f(*xs)
+        gen = torch.Generator().manual_seed(5)
+        loss = (out.float() * torch.randn(out.shape, generator=gen)).sum() + (0 if extra is None else extra)
+        loss.backward()
+        grads = [t.grad for t in xs if t.requires_grad] + [p.grad.clone() for p in params]
+        results.append((out.detach(), None if extra is None else extra.detach(), grads))
+    (o1, e1, g1), (o2, e2, g2) = results
+    torch.testing.assert_close(o2, o1, **TOL)
+    if e1 is not None:
+        torch.testing.assert_close(e2, e1, **TOL)
+    assert len(g1) == len(g2) and all(a is not None for a in g1 + g2)
+    for a, b in zip(g2, g1):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def _check_moe_compiles(g, seed, **moe_kwargs):
+    torch.manual_seed(seed)  # the expert weights' base seed: the same on every rank
+    moe = MoE(10, 6, 4, 2, num_chunks=2, **moe_kwargs)
+
+    def fn(x):
+        return moe(x), moe.aux_loss
+
+    x = torch.randn(3, 5, 10, generator=g).requires_grad_()
+    _compiled_matches_eager(fn, [x], params=list(moe.parameters()))
+
+
+def _check_cross_entropy_compiles(g, group, V=5):
+    vocab = V * (dist.get_world_size(group) if group is not None else 1)
+    target = torch.randint(0, vocab, (2, 7), generator=rank_rng(3))  # the same on every rank of the group
+    target[0, 3] = -100
+
+    def fn(logits):
+        return vocab_parallel_cross_entropy(logits, target, group), None
+
+    _compiled_matches_eager(fn, [torch.randn(2, 7, V, generator=g).requires_grad_()])
+
+
+# ----------------------------------------------------------------------------------------------
+# single process
+# ----------------------------------------------------------------------------------------------
+def test_opcheck_moe_and_loss_ops_single_process():
+    g = torch.Generator().manual_seed(0)
+    x, ids, weights, w1, w2 = _moe_op_args(g, "@", 1)[:5]
+    M = x.shape[0]
+    offsets = torch.tensor([0, 2, 2, 5, M - 1], dtype=torch.int32)  # an empty group, a zero tail row
+    _opcheck(torch.ops.fusedpar.grouped_mlp.default, (x, w1, w2, offsets, "swiglu", True))
+    y, h, pre = torch.ops.fusedpar.grouped_mlp(x.detach(), w1.detach(), w2.detach(), offsets, "swiglu", False)
+    _opcheck(torch.ops.fusedpar.grouped_mlp_backward.default,
+             (torch.randn_like(y), x.detach(), h, pre, w1.detach(), w2.detach(), offsets, "swiglu", True, True))
+    emulated = EmulatedTransport(2, 1)  # held: a token names its transport weakly
+    for ep, token, capacity in ((1, "@", 2), (2, emulated.token, None)):
+        args = _moe_op_args(g, token, ep, capacity=capacity)
+        _opcheck(torch.ops.fusedpar.moe_mlp.default, args)
+        _opcheck(torch.ops.fusedpar.moe_mlp_backward.default, _moe_backward_args(args))
+    # the stage API's pieces
+    slot_pos = torch.randperm(M * 2, generator=g).to(torch.int32)
+    sorted_slot = torch.argsort(slot_pos).to(torch.int32)
+    _opcheck(torch.ops.fusedpar.moe_permute.default, (x, sorted_slot, slot_pos, 2))
+    _opcheck(torch.ops.fusedpar.moe_permute_backward.default, (torch.randn(2 * M, 6, generator=g), slot_pos, 2))
+    y = torch.randn(2 * M, 6, generator=g).requires_grad_()
+    _opcheck(torch.ops.fusedpar.moe_unpermute.default, (y, weights, slot_pos, sorted_slot, 2))
+    _opcheck(torch.ops.fusedpar.moe_unpermute_backward.default,
+             (torch.randn(M, 6, generator=g), y.detach(), weights.detach(), sorted_slot, 2))
+    emulated = EmulatedTransport(3, 2)
+    _opcheck(torch.ops.fusedpar.all_to_all_v.default, (x, 7, [2, 3, 2], [2, 3, 2], emulated.token))
+    _check_loss_ops(g, None)
+    aux = torch.rand((), generator=g).requires_grad_()
+    _opcheck(torch.ops.fusedpar.attach_aux_loss.default, (x, aux, 0.25))
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_layer_compiles_fullgraph_single_process(ep):
+    """World 1, and ep2 emulated in this process (every peer mirrors this rank)."""
+    transport = EmulatedTransport(2, 1) if ep == 2 else None
+    _check_moe_compiles(torch.Generator().manual_seed(ep), 7, transport=transport, capacity_factor=1.5)
+
+
+def test_losses_compile_fullgraph_single_process():
+    _check_cross_entropy_compiles(torch.Generator().manual_seed(1), None)
+    aux = torch.rand((), generator=torch.Generator().manual_seed(2)).requires_grad_()
+
+    def fn(x, aux):
+        return attach_aux_loss(x * 2, aux * 3, 0.5), None
+
+    _compiled_matches_eager(fn, [torch.randn(4, 3), aux])
+
+
+def test_stage_api_is_eager_only_under_compile():
+    from fusedpar.ops import moe_dispatch
+
+    def fn(x, ids):
+        return moe_dispatch(x, ids, 4)[0]
+
+    x, ids = torch.randn(5, 6), torch.randint(0, 4, (5, 2))
+    with pytest.raises(Exception, match="cannot be traced by torch.compile"):
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(x, ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2-rank gloo world: ep2 and tp2
+# ----------------------------------------------------------------------------------------------
+def _world_case(rank, size):
+    g = rank_rng(17, rank)  # each rank its own tokens
+    token = transport_token(None, None)
+    # fusedpar::moe_mlp(_backward) at ep2 are opchecked on an EmulatedTransport (the single-process
+    # test: the same schema, fakes and schedule, at a fraction of the cost); here they run on the
+    # real all-to-all inside the compiled ep2 layer
+    x = torch.randn(5, 3, generator=rank_rng(4)).requires_grad_()
+    splits = [2 + rank, 3 - rank]  # what rank s sends to r is what r receives from s
+    _opcheck(torch.ops.fusedpar.all_to_all_v.default, (x, 5, splits, splits, token))
+    _check_loss_ops(g, dist.group.WORLD)
+    _check_moe_compiles(g, 9, ep_group=dist.group.WORLD)
+    _check_cross_entropy_compiles(g, dist.group.WORLD)
+    return rank
+
+
+def test_ep2_and_tp2_compile_and_opcheck_in_a_world(world2):
+    assert world2.run(_world_case) == [0, 1]
