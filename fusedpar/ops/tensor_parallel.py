@@ -23,9 +23,9 @@ functional API here checks the arguments (before any communication, and while ``
 traces it), names the transport by a token and calls the op: eager and compiled runs take the same
 code, and a block of these ops compiles with ``fullgraph=True``.
 
-Backward passes are overlapped the same way: the data gradient of an all-gather GEMM is a reduce-scatter GEMM (``weight_layout="kn"``, no transposed weight copy) and
-vice versa; weight gradients are accumulated per chunk with ``matmul_tn`` in fp32 straight from
-strided chunk views.
+Backward passes are overlapped the same way: the data gradient of an all-gather GEMM is a
+reduce-scatter GEMM (``weight_layout="kn"``, no transposed weight copy) and vice versa; weight
+gradients are accumulated per chunk with ``matmul_tn`` in fp32 straight from strided chunk views.
 
 Every transfer goes through a :class:`~fusedpar.ops.transport.Transport` (the schedules of
 :mod:`fusedpar.ops.tp_schedules`); on a transport with in-kernel waits (symmetric memory) the
