@@ -24,7 +24,7 @@ import torch
 
 from fusedpar.kernels import matmul, matmul_tn
 from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
-from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, activation_reference
+from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES
 from fusedpar.ops.transport import Transport
 
 __all__ = [
@@ -33,28 +33,29 @@ __all__ = [
 ]
 
 
-def ring_gather(x: torch.Tensor, transport: Transport, keep: bool = False):
+def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None = None):
     """Yield ``(src_rank, chunk)`` for every rank's ``x``, the local one first.
 
     The transfer of the next chunk is posted before the current one is yielded (so it is in flight
     while the caller computes) and waited on only when the caller asks for it. Receive buffers are
-    double-buffered, or with ``keep=True`` one slot per rank so that the caller may hold on to
+    double-buffered, or with ``into`` (a ``[P, *x.shape]`` tensor) every chunk lands in its source
+    rank's slot ``into[src]`` (the local one copied there first), so that the caller may hold on to
     every chunk (the gathered input kept for the weight gradient).
     """
     P, r = transport.size, transport.rank
-    cur = x.contiguous()
+    if into is not None:
+        cur = into[r]
+        cur.copy_(x)
+    else:
+        cur = x.contiguous()
     if P == 1:
         yield r, cur
         return
-    if keep:
-        slots = torch.empty((P - 1,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        bufs = [slots[i] for i in range(P - 1)]
-    else:
-        bufs = [torch.empty_like(cur) for _ in range(2)]
+    bufs = None if into is not None else [torch.empty_like(cur) for _ in range(2)]
     for j in range(P):
         handle = None
         if j + 1 < P:
-            nxt = bufs[j] if keep else bufs[(j + 1) % 2]
+            nxt = into[(r - j - 1) % P] if into is not None else bufs[(j + 1) % 2]
             handle = transport.ring_shift(cur, nxt)
         yield (r - j) % P, cur
         if handle is not None:
@@ -144,14 +145,30 @@ def chunked_matmul_all_reduce(x, weight, weight_layout, bias, transport: Transpo
     return y.to(x.dtype).view(lead + (n_out,))
 
 
+def _act_and_grad(x: torch.Tensor, code: int):
+    """``(act(x), act'(x))`` in fp32 for the activation of code ``code`` (:data:`ACTIVATIONS`)."""
+    if code == 1:
+        return torch.relu(x), (x > 0).to(x.dtype)
+    if code == 2:  # gelu_tanh(x) = x * sigmoid(k * (x + c x^3)), k = 2 sqrt(2/pi)
+        k, c = 1.5957691216057308, 0.044715
+        s = torch.sigmoid(k * (x + c * x * x * x))
+        return x * s, s + x * s * (1 - s) * k * (1 + 3 * c * x * x)
+    if code == 3:  # silu
+        s = torch.sigmoid(x)
+        return x * s, s + x * s * (1 - s)
+    return x, torch.ones_like(x)
+
+
 def activation_backward(preact: torch.Tensor, grad: torch.Tensor, activation: str) -> torch.Tensor:
     """``d(act(preact))/d(preact) * grad``, in fp32 (``preact`` is ``[..., 2F]`` gate|up when gated),
-    returned in ``grad``'s dtype."""
-    with torch.enable_grad():
-        p = preact.detach().float().requires_grad_(True)
-        y = activation_reference(p, activation)
-        (dp,) = torch.autograd.grad(y, p, grad.float())
-    return dp.to(grad.dtype)
+    returned in ``grad``'s dtype. Closed-form derivatives (no autograd: it runs inside ops)."""
+    code, glu = ACTIVATIONS[activation]
+    p, g = preact.float(), grad.float()
+    if not glu:
+        return (g * _act_and_grad(p, code)[1]).to(grad.dtype)
+    gate, up = p.chunk(2, dim=-1)
+    a, da = _act_and_grad(gate, code)
+    return torch.cat([g * up * da, g * a], dim=-1).to(grad.dtype)
 
 
 def sum_tokens(t: torch.Tensor) -> torch.Tensor:
