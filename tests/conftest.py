@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
     # tests that use a multi-process world fixture (tests/_world.py names them world2, world3, ...)
     # get the `world` marker, so that `-m "not world"` runs only the in-process tests
     for item in items:
-        if any(re.fullmatch(r"world\d+", name) for name in getattr(item, "fixturenames", ())):
+        if any(re.fullmatch(r"world\d+(_\w+)?", name) for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.world)
     if _choice == "cuda":
         return
@@ -54,3 +54,14 @@ def pytest_collection_modifyitems(config, items):
         # parent directories, so a checkout in a folder named gpu/ would skip every test
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def world2_compile():
+    """One gloo world of 2 shared by the torch.compile test modules (tests/test_torch_compile_*.py):
+    Dynamo's and AOTAutograd's first-use warm-up (seconds per process) is paid once per rank."""
+    from _world import World
+
+    w = World(2)
+    yield w
+    w.close()

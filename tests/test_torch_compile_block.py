@@ -19,10 +19,7 @@ import torch
 
 from _compose import batch, tiny_config
 from _utils import assert_close
-from _world import world_fixture
 from fusedpar.nn import Transformer, TransformerBlock
-
-world2 = world_fixture(2)
 
 RTOL = 1e-6
 B, S_LOCAL, H = 2, 6, 16  # 6 local tokens: zigzag needs the ring shard in 2 equal chunks
@@ -131,11 +128,11 @@ def _fsdp2_compiled_blocks(rank, size):
     return len(ref)
 
 
-def test_blocks_compile_fullgraph_tp2_sp2_ep2(world2):
-    out = world2.run(_parallel_blocks)
+def test_blocks_compile_fullgraph_tp2_sp2_ep2(world2_compile):
+    out = world2_compile.run(_parallel_blocks)
     assert all(c == out[0] and min(c.values()) > 5 for c in out), out
 
 
-def test_fsdp2_over_compiled_blocks(world2):
-    out = world2.run(_fsdp2_compiled_blocks)
+def test_fsdp2_over_compiled_blocks(world2_compile):
+    out = world2_compile.run(_fsdp2_compiled_blocks)
     assert out[0] == out[1] > 10, out

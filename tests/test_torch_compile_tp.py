@@ -5,7 +5,8 @@
   also runs each backward op through ``register_autograd``) on every op of
   :mod:`fusedpar.ops.tp_library`: in this process on an ``EmulatedTransport`` of size 2 (the
   multi-rank schedules in one process; its token names the instance), the backward ops called
-  directly too; in the world of 2 the forward ops over the default group (a name token).
+  directly too. In the world of 2 the fakes run on name tokens (a process group) while the
+  modules compile.
 * compiled modules: ``ColumnParallelLinear``, ``RowParallelLinear``, ``ParallelMLP`` (sequence
   parallel and not, an activation): no graph break (``fullgraph=True``), the output and every
   input and parameter gradient equal to eager. Eager mode is checked against fp64 references by
@@ -14,14 +15,12 @@
 """
 import torch
 
-from _world import rank_rng, world_fixture
+from _world import rank_rng
 from fusedpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
-from fusedpar.ops.library import transport_token
 from fusedpar.ops.tensor_parallel import gather_features, scatter_features
 from fusedpar.ops.transport import EmulatedTransport
 
-world2 = world_fixture(2)
 OPS = torch.ops.fusedpar
 F32 = torch.float32
 
@@ -70,8 +69,6 @@ def _backward_cases(token, P, g):
 #: what opcheck runs on the backward ops called directly: their AOT dispatch (and their use by
 #: register_autograd) is already traced by the forward ops' test_aot_dispatch_dynamic
 BACKWARD_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
-#: in the world: what depends on the token naming a process group (the schema does not)
-WORLD_TESTS = ("test_faketensor", "test_aot_dispatch_dynamic")
 
 
 def _opcheck_all(cases, test_utils=None):
@@ -87,16 +84,6 @@ def test_opcheck_on_an_emulated_transport():
     g = rank_rng(11)
     _opcheck_all(_forward_cases(t.token, t.size, g))
     _opcheck_all(_backward_cases(t.token, t.size, g), BACKWARD_TESTS)
-
-
-def _opcheck_world(rank, size, seed):
-    g = rank_rng(seed)  # the same shapes and values on every rank
-    _opcheck_all(_forward_cases(transport_token(None, None), size, g), WORLD_TESTS)
-    return True
-
-
-def test_opcheck_world2(world2):
-    assert all(world2.run(_opcheck_world, seed=12))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,8 +141,8 @@ def test_compiled_modules_equal_eager_world1():
     _compile_modules(0, 1, seed=21)
 
 
-def test_compiled_modules_equal_eager_world2(world2):
-    assert all(world2.run(_compile_modules, seed=22))
+def test_compiled_modules_equal_eager_world2(world2_compile):
+    assert all(world2_compile.run(_compile_modules, seed=22))
 
 
 def test_compiled_ops_on_an_emulated_transport():
