@@ -270,7 +270,7 @@ def plan_from_residuals(slot_pos, sorted_slot, offsets, splits, top_k: int, num_
 
 
 # ----------------------------------------------------------------------------------------------
-# forward / backward of each op (what the autograd Functions call)
+# forward / backward of each op (the bodies of the custom ops in moe_library.py)
 # ----------------------------------------------------------------------------------------------
 def moe_permute_fwd(x2d: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
     """x ``[T, H]`` -> ``[T*k, H]`` expert-contiguous (zero tail)."""
