@@ -7,8 +7,9 @@ the same blocks run eagerly (output, every parameter gradient and the input grad
   attention and the experts over the same ranks (sp2 . ep2), Ulysses (sp2), and FSDP2 over the two
   ranks with every block of a Transformer compiled (``block.compile(fullgraph=True)``).
 
-The backend is ``aot_eager``: Dynamo and AOTAutograd trace the block (a graph break fails
-``fullgraph=True``), the kernels run under the Triton interpreter. fp32 throughout: compiled and
+The backend is ``aot_eager`` on CPU: Dynamo and AOTAutograd trace the block (a graph break fails
+``fullgraph=True``), the kernels run under the Triton interpreter. On a GPU
+(``FUSEDPAR_TEST_DEVICE=cuda``) the one-process cases run on the device with ``inductor``. fp32 throughout: compiled and
 eager runs call the same kernels on the same inputs, so they agree to rounding (1e-6 of scale; the
 graph may reorder the few plain torch ops between the kernels).
 """
@@ -18,10 +19,13 @@ import pytest
 import torch
 
 from _compose import batch, tiny_config
-from _utils import assert_close
+from _utils import DEVICE, INTERPRETED, assert_close
 from fusedpar.nn import Transformer, TransformerBlock
 
 RTOL = 1e-6
+#: Inductor (GPU) generates its own kernels for the torch ops between fusedpar's: fp32 rounding of a
+#: fused elementwise chain may differ by a few ulps per op, and TF32 is off in the tests
+RTOL_INDUCTOR = 1e-5
 B, S_LOCAL, H = 2, 6, 16  # 6 local tokens: zigzag needs the ring shard in 2 equal chunks
 
 
@@ -30,13 +34,13 @@ def _run(block, x, **kw):
     x = x.detach().clone().requires_grad_(True)
     y = block(x, **kw)
     g = torch.Generator().manual_seed(7)
-    (y * torch.randn(y.shape, generator=g)).sum().backward()
+    (y * torch.randn(y.shape, generator=g).to(y.device)).sum().backward()
     # a compiled module names its parameters "_orig_mod.<name>"
     grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
     return y.detach(), x.grad, grads
 
 
-def compare_compiled(make_block, x, label, **kw):
+def compare_compiled(make_block, x, label, backend="aot_eager", rtol=RTOL, **kw):
     """Build the block twice (same seed: same weights), run one eagerly and one compiled
     (``fullgraph=True``, aot_eager) on the same input and compare everything; returns the number
     of gradients compared."""
@@ -44,14 +48,14 @@ def compare_compiled(make_block, x, label, **kw):
     torch.manual_seed(3)
     eager = make_block()
     torch.manual_seed(3)
-    compiled = torch.compile(make_block(), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(make_block(), backend=backend, fullgraph=True)
     y0, dx0, g0 = _run(eager, x, **kw)
     y1, dx1, g1 = _run(compiled, x, **kw)
-    assert_close(y1, y0, torch.float32, rtol=RTOL, msg=f"{label}: output")
-    assert_close(dx1, dx0, torch.float32, rtol=RTOL, msg=f"{label}: input gradient")
+    assert_close(y1, y0, torch.float32, rtol=rtol, msg=f"{label}: output")
+    assert_close(dx1, dx0, torch.float32, rtol=rtol, msg=f"{label}: input gradient")
     assert g1.keys() == g0.keys() and g0, (label, sorted(g0), sorted(g1))
     for name in g0:
-        assert_close(g1[name], g0[name], torch.float32, rtol=RTOL, msg=f"{label}: grad of {name}")
+        assert_close(g1[name], g0[name], torch.float32, rtol=rtol, msg=f"{label}: grad of {name}")
     return len(g0) + 1
 
 
@@ -75,10 +79,11 @@ def test_block_compiles_fullgraph_world1(kind):
     moe = dict(num_experts=4, top_k=2, aux_loss_scale=0.5) if kind == "moe" else {}
 
     def make():
-        block = TransformerBlock(H, 4, 24, num_kv_heads=2, **moe)
+        block = TransformerBlock(H, 4, 24, num_kv_heads=2, **moe).to(DEVICE)
         return Checkpointed(block) if kind == "checkpointed" else block
 
-    assert compare_compiled(make, _x(1, (B, 7, H)), kind) > 5
+    backend, rtol = ("aot_eager", RTOL) if INTERPRETED else ("inductor", RTOL_INDUCTOR)
+    assert compare_compiled(make, _x(1, (B, 7, H)).to(DEVICE), kind, backend=backend, rtol=rtol) > 5
 
 
 def _parallel_blocks(rank, size):
