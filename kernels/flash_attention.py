@@ -54,8 +54,8 @@ LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 __all__ = [
-    "MAX_GRID_X", "MAX_HEAD_DIM", "Segments", "attention_grid", "attention_reference", "check_offsets", "check_qkv",
-    "check_segments", "flash_attention_forward", "gpu_configs", "kernel_flags", "launch_attention_kernel",
+    "FP32_TILE", "MAX_GRID_X", "MAX_HEAD_DIM", "Segments", "attention_grid", "attention_reference", "check_offsets",
+    "check_qkv", "check_segments", "flash_attention_forward", "gpu_configs", "kernel_flags", "launch_attention_kernel",
     "launch_smem_estimate", "program_tile", "register_estimate", "resolve_softmax_scale", "smem_estimate",
     "uses_wgmma",
 ]
@@ -236,11 +236,14 @@ _RESTORE = {"fwd": ["o_ptr", "lse_ptr"], "dq": ["dq_ptr"], "dkdv": ["dk_ptr", "d
 #: per kernel kind: (BLOCK_M, BLOCK_N, num_stages, num_warps). Measured with ``python -m benchmarks
 #: compile --family flash`` (ptxas, sm_90 and sm_80): these compile without register spills at
 #: head_dim <= 128 in bf16/fp16. For dK/dV BLOCK_N is the resident key block (its dK and dV fp32
-#: accumulators dominate the registers), BLOCK_M the streamed query block.
+#: accumulators dominate the registers), BLOCK_M the streamed query block. The last entry,
+#: ``FP32_TILE``, is the only one fp32 "ieee" launches keep (their dots run on FMA units).
+FP32_TILE = (32, 16)
 _GPU_CONFIGS = {
-    "fwd": [(128, 64, 3, 8), (64, 128, 3, 8), (64, 64, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), (32, 32, 3, 4)],
-    "dq": [(64, 128, 3, 8), (64, 64, 3, 8), (64, 32, 4, 4), (32, 64, 4, 4), (32, 32, 3, 4)],
-    "dkdv": [(64, 64, 3, 8), (32, 64, 3, 8), (32, 32, 3, 4)],
+    "fwd": [(128, 64, 3, 8), (64, 128, 3, 8), (64, 64, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), (32, 32, 3, 4),
+            (*FP32_TILE, 2, 4)],
+    "dq": [(64, 128, 3, 8), (64, 64, 3, 8), (64, 32, 4, 4), (32, 32, 3, 4), (*FP32_TILE, 2, 4)],
+    "dkdv": [(32, 64, 3, 8), (32, 32, 3, 4), (*FP32_TILE, 2, 4)],
 }
 #: live fp32 score tiles ([BLOCK_M, BLOCK_N]) and the register budget (32-bit registers per
 #: thread for the tiles of :func:`register_estimate`) each kind compiles within without spills
@@ -271,21 +274,27 @@ def uses_wgmma(kind: str, block_m: int, block_n: int, capability: tuple, precisi
 
 
 def smem_estimate(kind: str, cfg, block_d: int, elem_size: int, capability: tuple, precision: str = "") -> int:
-    """Shared memory (bytes) of one program, as the compiler allocates it (checked against ptxas
-    figures by the compile check). wgmma: ``num_stages`` buffers of the streamed tile pair plus the
-    resident tiles (Q; Q and dO; K and V) in shared memory, and for dK/dV the pipelined lse/delta.
-    mma.sync (and fp32 FMA dots): ``num_stages - 1`` buffers, one resident tile and the score tile
-    converted through shared memory (exact on sm_90's small tiles; sm_80's layouts differ by up to
-    ~20% on some tiles, see benchmarks/results/compile_sm80.md)."""
-    bm, bn, stages = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_stages
+    """Shared memory (bytes) of one program as Triton 3.9 allocates it (checked against the
+    compiler by ``python -m benchmarks compile``). wgmma: ``num_stages`` buffers of the streamed
+    tile pair plus the resident tiles (Q; Q and dO; K and V). mma.sync and fp32 "ieee" FMA dots:
+    ``num_stages - 1`` buffers plus the layout-conversion buffers of the resident and score tiles
+    (fitted per kernel from the compiler's figures). dK/dV also pipelines lse and delta."""
+    bm, bn, stages, e = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_stages, elem_size
     stream_rows, rows = (bm, bn) if kind == "dkdv" else (bn, bm)
-    pair = stream_rows * block_d * 2 * elem_size
+    pair = stream_rows * block_d * 2 * e
+    tile = rows * block_d * e  # one resident tile
     n_res = 1 if kind == "fwd" else 2
     lse = (stages - 1) * 2 * bm * 4 if kind == "dkdv" else 0
     if uses_wgmma(kind, bm, bn, capability, precision):
-        return stages * pair + n_res * rows * block_d * elem_size + lse
-    scratch = bm * bn * elem_size if bm < 128 else 0  # the probabilities converted to an MMA operand
-    return (stages - 1) * pair + rows * block_d * elem_size + scratch + lse
+        return stages * pair + n_res * tile + lse
+    base = (stages - 1) * pair + lse
+    if precision == "ieee_fp32":
+        return base + n_res * tile + bm * bn * e
+    if kind == "fwd":
+        return base + tile + (bm * bn * e if bm < block_d else 0)
+    if kind == "dq":
+        return base + (tile if bn <= bm else 0) + min(bm, bn) * 32 * e
+    return base + tile + bm * bn * e + (bm * block_d * e if bn > bm else 0)
 
 
 def launch_smem_estimate(kind: str, cfg, named_args, **kwargs) -> int:
@@ -314,8 +323,10 @@ def _prune(kind):
                 continue
             if register_estimate(kind, bm, bn, bd, cfg.num_warps, elem) > _REGISTER_BUDGET[kind]:
                 continue
-            if ieee_fp32 and bm * bn > 32 * 32:
-                continue  # fp32 "ieee" dots run on FMA units: only the 32x32 tiles compile without spills
+            if kind == "dq" and bd < 128 and bm > 32 and device_capability(q.device.index or 0)[0] < 9:
+                continue  # measured: 64-row dQ tiles of a head_dim-64 spill with mma.sync (sm_80)
+            if ieee_fp32 != ((bm, bn) == FP32_TILE):
+                continue  # fp32 "ieee" dots run on FMA units: only FP32_TILE compiles (nearly) without spills
             if bm > 2 * triton.next_power_of_2(sq) and bm > 32:
                 continue
             if bn > 2 * triton.next_power_of_2(sk) and bn > 32:
