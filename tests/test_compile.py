@@ -63,3 +63,31 @@ def test_no_spills(fast_rows):
               if r["decision"] != "pruned" and r["spill"]]
     assert not spills, spills
     assert {"rmsnorm_fwd_looped_kernel", "rmsnorm_bwd_looped_kernel"} <= {r["kernel"] for r in rows}
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_flash_estimates_match_the_committed_tables(arch):
+    """The flash-attention prune rule's shared memory against the compiler's figures recorded in
+    benchmarks/results/compile_{arch}.md (the full matrix, every dtype; sm_80 is not compiled in
+    CI, so this pins its rule to the last full run)."""
+    import triton
+
+    from fusedpar.kernels.flash_attention import smem_estimate
+
+    kinds = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq", "attn_bwd_dkdv_kernel": "dkdv"}
+    elem = {"bfloat16": 2, "float16": 2, "float32": 4}
+    table = os.path.join(ROOT, "benchmarks", "results", f"compile_{arch.replace('_', '')}.md")
+    with open(table) as f:
+        rows = [line.split(" | ") for line in f if line.startswith("| flash |")]
+    checked = 0
+    for _, kernel, dtype, config, decision, _, shared, *_ in rows:
+        if decision == "pruned":
+            continue
+        tile, warps, stages = config.split()
+        bm, bn, bd = (int(x) for x in tile.split("x"))
+        cfg = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=int(warps[1:]), num_stages=int(stages[1:]))
+        est = smem_estimate(kinds[kernel], cfg, bd, elem[dtype], (int(arch[3]), 0),
+                            "ieee_fp32" if dtype == "float32" else "")
+        assert abs(est - int(shared)) <= ESTIMATE_TOLERANCE * int(shared), (kernel, dtype, config, est, shared)
+        checked += 1
+    assert checked >= 40
