@@ -6,7 +6,7 @@ The launchers run for real on ``meta`` tensors under :class:`benchmarks._capture
 every constexpr is the compiled-path value and the autotuners' prune rules decide as they would
 on the GPU (every config is recorded with its decision; ``kept`` ones are launchable). Exit 1
 on a compile failure or a launchable variant over the shared-memory limit; ``--fail-on-spill``
-also fails on spills of launchable bf16/fp16 variants outside the flash-attention kernels.
+also fails on spills of launchable bf16/fp16 variants.
 """
 from __future__ import annotations
 
@@ -36,16 +36,10 @@ def _estimates():
 
 
 def flash_smem_estimate(kind: str):
-    """The shared-memory term of the flash-attention prune rule (kernels/flash_attention.py):
-    streamed K/V (Q/dO for dK/dV) tiles times stages plus the resident tile pair."""
-    def estimate(cfg, named_args, **kwargs):
-        bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-        elem = named_args["q_ptr"].element_size()
-        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-        stream = (bn if kind != "dkdv" else bm) * bd * 2 * elem * cfg.num_stages
-        return stream + (bm if kind != "dkdv" else bn) * bd * 2 * elem
+    """The shared-memory term of the flash-attention prune rule (kernels/flash_attention.py)."""
+    from fusedpar.kernels import flash_attention
 
-    return estimate
+    return lambda cfg, named_args, **kwargs: flash_attention.launch_smem_estimate(kind, cfg, named_args, **kwargs)
 
 
 def capture(arch: str, subset: str, families=FAMILIES, match: str = ""):
@@ -117,7 +111,7 @@ def _grid_ok(grid: str) -> bool:
 
 def problems(rows, fail_on_spill: bool) -> list[str]:
     """What makes the check fail: compile errors, launchable variants over the shared-memory
-    limit, and (``fail_on_spill``) spills of launchable bf16/fp16 non-flash variants."""
+    limit, and (``fail_on_spill``) spills of launchable bf16/fp16 variants."""
     out = []
     for r in rows:
         launchable = r["decision"] != "pruned"
@@ -126,8 +120,7 @@ def problems(rows, fail_on_spill: bool) -> list[str]:
             out.append(f"compile failure: {what}: {r['error']}")
         elif launchable and r["over_smem"]:
             out.append(f"over the shared-memory limit: {what}: {r['shared']} B")
-        elif (fail_on_spill and launchable and r["spill"] and r["family"] != "flash"
-              and r["dtype"] != "float32"):
+        elif fail_on_spill and launchable and r["spill"] and r["dtype"] != "float32":
             out.append(f"spills: {what}: {r['spill']} B")
     return out
 
@@ -173,7 +166,7 @@ def add_args(p):
                                                           os.path.join(os.path.expanduser("~"), ".cache", "fusedpar", "compile")),
                    help="results cache ('' disables); keyed by Triton's source hash, target and options")
     p.add_argument("--fail-on-spill", action="store_true",
-                   help="also fail on spills of launchable bf16/fp16 variants (flash attention excluded)")
+                   help="also fail on spills of launchable bf16/fp16 variants")
     p.add_argument("--markdown", help="write the tables to this markdown file")
     p.add_argument("--json", help="write the rows to this JSON file")
 

@@ -48,15 +48,16 @@ from .checks import (
     check_same,
     check_tensor,
 )
-from .runtime import input_precision, interpreting, needs_upcast, shared_memory_limit
+from .runtime import device_capability, input_precision, interpreting, needs_upcast, shared_memory_limit
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 __all__ = [
-    "MAX_GRID_X", "MAX_HEAD_DIM", "Segments", "attention_grid", "attention_reference", "check_offsets", "check_qkv",
-    "check_segments", "flash_attention_forward", "kernel_flags", "launch_attention_kernel", "program_tile",
-    "resolve_softmax_scale",
+    "FP32_TILE", "MAX_GRID_X", "MAX_HEAD_DIM", "Segments", "attention_grid", "attention_reference", "check_offsets",
+    "check_qkv", "check_segments", "flash_attention_forward", "gpu_configs", "kernel_flags", "launch_attention_kernel",
+    "launch_smem_estimate", "program_tile", "register_estimate", "resolve_softmax_scale", "smem_estimate",
+    "uses_wgmma",
 ]
 
 
@@ -232,34 +233,100 @@ INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
 _RESTORE = {"fwd": ["o_ptr", "lse_ptr"], "dq": ["dq_ptr"], "dkdv": ["dk_ptr", "dv_ptr"]}
 
 
+#: per kernel kind: (BLOCK_M, BLOCK_N, num_stages, num_warps). Measured with ``python -m benchmarks
+#: compile --family flash`` (ptxas, sm_90 and sm_80): these compile without register spills at
+#: head_dim <= 128 in bf16/fp16. For dK/dV BLOCK_N is the resident key block (its dK and dV fp32
+#: accumulators dominate the registers), BLOCK_M the streamed query block. The last entry,
+#: ``FP32_TILE``, is the only one fp32 "ieee" launches keep (their dots run on FMA units).
+FP32_TILE = (32, 16)
+_GPU_CONFIGS = {
+    "fwd": [(128, 64, 3, 8), (64, 128, 3, 8), (64, 64, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), (32, 32, 3, 4),
+            (*FP32_TILE, 2, 4)],
+    "dq": [(64, 128, 3, 8), (64, 64, 3, 8), (64, 32, 4, 4), (32, 32, 3, 4), (*FP32_TILE, 2, 4)],
+    "dkdv": [(32, 64, 3, 8), (32, 32, 3, 4), (*FP32_TILE, 2, 4)],
+}
+#: live fp32 score tiles ([BLOCK_M, BLOCK_N]) and the register budget (32-bit registers per
+#: thread for the tiles of :func:`register_estimate`) each kind compiles within without spills
+_SCORE_TILES = {"fwd": 2, "dq": 2, "dkdv": 4}
+_REGISTER_BUDGET = {"fwd": 160, "dq": 160, "dkdv": 128}
+
+
 def gpu_configs(kind: str):
-    configs = []
-    for bm, bn, stages, warps in [
-        (128, 128, 3, 8), (128, 64, 3, 4), (128, 64, 4, 8), (64, 128, 3, 4),
-        (64, 64, 4, 4), (64, 64, 3, 4), (128, 32, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), (32, 32, 3, 4),
-    ]:
-        configs.append(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_stages=stages, num_warps=warps))
-    return configs
+    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_stages=stages, num_warps=warps)
+            for bm, bn, stages, warps in _GPU_CONFIGS[kind]]
+
+
+def register_estimate(kind: str, block_m: int, block_n: int, block_d: int, num_warps: int, elem_size: int) -> int:
+    """32-bit registers per thread of the live tiles of one program: the fp32 accumulators
+    (O or dQ: one ``[rows, BLOCK_D]``; dK/dV: two), the resident operands (Q; Q and dO; K and V)
+    and the fp32 score tiles. The prune rule keeps configs within ``_REGISTER_BUDGET``."""
+    rows = block_n if kind == "dkdv" else block_m
+    n_acc, n_res = (1, 1) if kind == "fwd" else (1, 2) if kind == "dq" else (2, 2)
+    words = rows * block_d * (n_acc + n_res * elem_size / 4) + _SCORE_TILES[kind] * block_m * block_n
+    return int(words // (32 * num_warps))
+
+
+def uses_wgmma(kind: str, block_m: int, block_n: int, capability: tuple, precision: str) -> bool:
+    """Whether Triton compiles the kernel's dots to Hopper wgmma (operands from shared memory):
+    sm_90 with a 64-row MMA tile (the rows are BLOCK_N for dK/dV) and tensor-core precision."""
+    rows = block_n if kind == "dkdv" else block_m
+    return capability[0] == 9 and rows >= 64 and precision != "ieee_fp32"
+
+
+def smem_estimate(kind: str, cfg, block_d: int, elem_size: int, capability: tuple, precision: str = "") -> int:
+    """Shared memory (bytes) of one program as Triton 3.9 allocates it (checked against the
+    compiler by ``python -m benchmarks compile``). wgmma: ``num_stages`` buffers of the streamed
+    tile pair plus the resident tiles (Q; Q and dO; K and V). mma.sync and fp32 "ieee" FMA dots:
+    ``num_stages - 1`` buffers plus the layout-conversion buffers of the resident and score tiles
+    (fitted per kernel from the compiler's figures). dK/dV also pipelines lse and delta."""
+    bm, bn, stages, e = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_stages, elem_size
+    stream_rows, rows = (bm, bn) if kind == "dkdv" else (bn, bm)
+    pair = stream_rows * block_d * 2 * e
+    tile = rows * block_d * e  # one resident tile
+    n_res = 1 if kind == "fwd" else 2
+    lse = (stages - 1) * 2 * bm * 4 if kind == "dkdv" else 0
+    if uses_wgmma(kind, bm, bn, capability, precision):
+        return stages * pair + n_res * tile + lse
+    base = (stages - 1) * pair + lse
+    if precision == "ieee_fp32":
+        return base + n_res * tile + bm * bn * e
+    if kind == "fwd":
+        return base + tile + (bm * bn * e if bm < block_d else 0)
+    if kind == "dq":
+        return base + (tile if bn <= bm else 0) + min(bm, bn) * 32 * e
+    return base + tile + bm * bn * e + (bm * block_d * e if bn > bm else 0)
+
+
+def launch_smem_estimate(kind: str, cfg, named_args, **kwargs) -> int:
+    """:func:`smem_estimate` of ``cfg`` for an autotuned launch with ``named_args`` (the prune
+    rule's figure; the compile check compares it with the compiler's)."""
+    q = named_args["q_ptr"]
+    precision = "ieee_fp32" if kwargs.get("INPUT_PRECISION") == "ieee" and q.element_size() == 4 else ""
+    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    return smem_estimate(kind, cfg, bd, q.element_size(), device_capability(q.device.index or 0),
+                         precision)
 
 
 def _prune(kind):
     def prune(configs, named_args, **kwargs):
-        """Drop configs whose resident tiles overflow shared memory or are far larger than the
-        sequence (a 128-row tile on a 40-row problem only wastes work)."""
+        """Drop configs whose tiles overflow shared memory or the register budget, or are far
+        larger than the sequence (a 128-row tile on a 40-row problem only wastes work)."""
         q = named_args["q_ptr"]
-        bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-        elem = q.element_size()
+        bd, elem = kwargs.get("BLOCK_D", named_args.get("BLOCK_D")), q.element_size()
         limit = shared_memory_limit(q.device.index or 0)
         sq, sk = named_args["SQ"], named_args["SK"]
+        ieee_fp32 = kwargs.get("INPUT_PRECISION") == "ieee" and elem == 4
         kept = []
         for cfg in configs:
             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-            stream = (bn if kind != "dkdv" else bm) * bd * 2 * elem * cfg.num_stages
-            resident = (bm if kind != "dkdv" else bn) * bd * 2 * elem
-            if stream + resident > limit:
+            if launch_smem_estimate(kind, cfg, named_args, **kwargs) > limit:
                 continue
-            if bd >= 256 and bm * bn > 64 * 64:
-                continue  # register pressure: the fp32 accumulators alone exceed the register file
+            if register_estimate(kind, bm, bn, bd, cfg.num_warps, elem) > _REGISTER_BUDGET[kind]:
+                continue
+            if kind == "dq" and bd < 128 and bm > 32 and device_capability(q.device.index or 0)[0] < 9:
+                continue  # measured: 64-row dQ tiles of a head_dim-64 spill with mma.sync (sm_80)
+            if ieee_fp32 != ((bm, bn) == FP32_TILE):
+                continue  # fp32 "ieee" dots run on FMA units: only FP32_TILE compiles (nearly) without spills
             if bm > 2 * triton.next_power_of_2(sq) and bm > 32:
                 continue
             if bn > 2 * triton.next_power_of_2(sk) and bn > 32:
