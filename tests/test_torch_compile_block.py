@@ -141,3 +141,34 @@ def test_blocks_compile_fullgraph_tp2_sp2_ep2(world2_compile):
 def test_fsdp2_over_compiled_blocks(world2_compile):
     out = world2_compile.run(_fsdp2_compiled_blocks)
     assert out[0] == out[1] > 10, out
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors under the interpreter")
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_ops_pass_opcheck(residual):
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 5, 37, generator=g, requires_grad=True)
+    w = torch.randn(37, generator=g, requires_grad=True)
+    r = torch.randn(3, 5, 37, generator=g, requires_grad=True) if residual else None
+    torch.library.opcheck(torch.ops.fusedpar.rms_norm.default, (x, w, r, 1e-5))
+    torch.library.opcheck(torch.ops.fusedpar.rms_norm.default, (x, None, r, 1e-5))
+    rstd = torch.rand(15, generator=g) + 0.5
+    h = x.detach() + (r.detach() if residual else 0)
+    gh = torch.randn(3, 5, 37, generator=g) if residual else None
+    torch.library.opcheck(torch.ops.fusedpar.rms_norm_backward.default,
+                          (torch.randn(3, 5, 37, generator=g), gh, h, w.detach(), rstd, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_every_registered_op_is_opchecked():
+    """Each ``torch.ops.fusedpar`` op is named in an opcheck of these compile test modules."""
+    import glob
+    import os
+    import re
+
+    import fusedpar.nn  # noqa: F401 - registers every op
+
+    here = os.path.dirname(__file__)
+    source = "".join(open(f).read() for f in glob.glob(os.path.join(here, "test_torch_compile_*.py")))
+    missing = [op for op in torch.ops.fusedpar if not re.search(rf"\b{op}\b", source)]
+    assert not missing, f"ops without an opcheck: {missing}"
