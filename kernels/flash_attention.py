@@ -341,7 +341,7 @@ def _prune(kind):
 def _tuned(kernel, kind: str):
     return triton.autotune(
         configs=gpu_configs(kind),
-        key=["SQ", "SK", "HEAD_DIM", "CAUSAL", "GROUP", "SEGMENTED"],
+        key=["SQ", "SK", "HEAD_DIM", "CAUSAL", "GROUP", "SEGMENTED", "INPUT_PRECISION"],  # fp32 ieee prunes differently
         prune_configs_by={"early_config_prune": _prune(kind)},
         restore_value=_RESTORE[kind],
     )(kernel)

@@ -419,3 +419,14 @@ def test_attach_aux_loss_sends_its_scale_into_the_aux_loss(scale):
     (3 * y).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
     assert_close(w.grad, 2 * scale * w.detach(), torch.float32)
+    # on the residual add of a block: y = x + residual in one pass, gradients to both and to aux
+    x.grad = w.grad = None
+    residual = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)  # an fp64 residual stream
+    y = ops.attach_aux_loss(x, (w * w).sum(), scale, residual=residual)
+    assert y.dtype == torch.float64 and torch.equal(y, x.double() + residual)
+    (3 * y).sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, torch.full_like(x, 3.0))
+    assert torch.equal(residual.grad, torch.full_like(residual, 3.0))
+    assert_close(w.grad, 2 * scale * w.detach(), torch.float32)
+    with pytest.raises(ValueError, match=r"residual must have the same shape as x \(\(3, 4\)\), got \(4, 3\)"):
+        ops.attach_aux_loss(x, (w * w).sum(), scale, residual=residual.t())

@@ -71,9 +71,9 @@ def _check_loss_ops(g, group, V=5, T=7):
     target = torch.randint(0, vocab, (T,), generator=rank_rng(6))  # the same on every rank of the group
     target[2] = -100
     _opcheck(torch.ops.fusedpar.vocab_parallel_cross_entropy.default, (logits, target, token, -100, True))
-    _, soft, idx, inside = torch.ops.fusedpar.vocab_parallel_cross_entropy(logits.detach(), target, token, -100, False)
+    _, lse, idx, inside = torch.ops.fusedpar.vocab_parallel_cross_entropy(logits.detach(), target, token, -100, False)
     _opcheck_backward(torch.ops.fusedpar.vocab_parallel_cross_entropy_backward.default,
-             (torch.randn(T, generator=g), soft, idx, inside, torch.float32))
+             (torch.randn(T, generator=g), logits.detach(), lse, idx, inside))
 
 
 def _compiled_matches_eager(fn, inputs, params=()):
@@ -151,7 +151,9 @@ def test_opcheck_moe_and_loss_ops_single_process():
     _opcheck(torch.ops.fusedpar.all_to_all_v.default, (x, 7, [2, 3, 2], [2, 3, 2], emulated.token))
     _check_loss_ops(g, None)
     aux = torch.rand((), generator=g).requires_grad_()
-    _opcheck(torch.ops.fusedpar.attach_aux_loss.default, (x, aux, 0.25))
+    _opcheck(torch.ops.fusedpar.attach_aux_loss.default, (x, aux, 0.25, None))
+    res = torch.randn(x.shape, generator=g, dtype=torch.float64).requires_grad_()  # an fp64 residual stream
+    _opcheck(torch.ops.fusedpar.attach_aux_loss.default, (x.t(), aux, 0.25, res.t()))
 
 
 @pytest.mark.parametrize("ep", [1, 2])

@@ -276,7 +276,8 @@ class TransformerBlock(nn.Module):
         if self.shared_expert is not None:
             m = m + self.shared_expert_gate(n2) * self.shared_expert(n2)
         if self.is_moe and self.aux_loss_scale and torch.is_grad_enabled():
-            m = attach_aux_loss(m, self.mlp.aux_loss, self.aux_loss_scale)
+            # the router losses ride on the residual add (no extra pass over the activations)
+            return attach_aux_loss(m, self.mlp.aux_loss, self.aux_loss_scale, residual=h)
         return h + m
 
 
@@ -371,7 +372,11 @@ class Transformer(nn.Module):
             return
         attn = next(iter(self.layers.values())).attn
         seq = local_len * comm.group_size(self.tp_group) * attn.ring_size * attn.ulysses_size
-        if cu_seqlens is not None:
+        if seq <= self.config.sliding_window:
+            return  # no document can be longer than the packed row: nothing to read
+        if cu_seqlens is not None and not torch.compiler.is_compiling():
+            # the longest document (a host read, a sync on a GPU: only when the row exceeds the window);
+            # a compiled graph cannot read it, so there the packed row's length counts
             bounds = torch.as_tensor(cu_seqlens).reshape(-1)
             seq = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else seq
         if seq > self.config.sliding_window:

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from fusedpar.kernels.checks import check_choice, check_shape, check_tensor
+from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
 
 from . import comm
 from .agreement import agreed_arguments
@@ -36,9 +36,10 @@ REDUCTIONS = ("mean", "sum", "none")
 
 def vocab_parallel_cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, group=None):
     """Per-token loss ``[T]`` (fp32) of ``logits`` ``[T, V/tp]`` against global ids ``target``
-    ``[T]`` (int64), and what the backward needs: ``(loss, softmax, idx, inside)`` with
-    ``softmax`` this rank's fp32 block of the full softmax, ``idx`` the target's column in this
-    block and ``inside`` whether the target falls in it. A collective over ``group``."""
+    ``[T]`` (int64), and what the backward needs besides ``logits``: ``(loss, lse, idx, inside)``
+    with ``lse`` the fp32 log-sum-exp of the full row (the softmax is recomputed from it: a
+    vocabulary-sized fp32 block is not kept between forward and backward), ``idx`` the target's
+    column in this block and ``inside`` whether the target falls in it. A collective over ``group``."""
     T, V = logits.shape
     P, r = comm.group_size(group), comm.group_rank(group)
     z = logits.float()
@@ -59,24 +60,25 @@ def vocab_parallel_cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor,
     if P > 1:
         comm.all_reduce(stats, group).wait()
     sum_exp, target_logit = stats[0], stats[1]
-    loss = sum_exp.log() - target_logit
-    return loss, exp.div_(sum_exp[:, None]), idx, inside
+    log_sum = sum_exp.log()
+    return log_sum - target_logit, row_max + log_sum, idx, inside
 
 
-def vocab_parallel_cross_entropy_bwd(grad_loss: torch.Tensor, softmax: torch.Tensor, idx: torch.Tensor,
-                                     inside: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gradient of the logits block: ``(softmax - onehot(target)) * grad_loss`` in ``dtype``
-    (``softmax`` is left as it is). Local: the forward's collectives already made it exact."""
+def vocab_parallel_cross_entropy_bwd(grad_loss: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor,
+                                     idx: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """Gradient of the logits block, ``(softmax - onehot(target)) * grad_loss`` in ``logits.dtype``,
+    the softmax recomputed as ``exp(logits - lse)`` into one fp32 buffer. Local: the forward's
+    collectives already made ``lse`` the full row's."""
     g = grad_loss.float()
-    grad = softmax * g[:, None]
+    grad = torch.sub(logits, lse[:, None]).exp_().mul_(g[:, None])  # fp32 (lse's dtype wins)
     grad.scatter_add_(1, idx[:, None], -(inside.to(grad.dtype) * g)[:, None])
-    return grad.to(dtype)
+    return grad.to(logits.dtype)
 
 
 @torch.library.custom_op("fusedpar::vocab_parallel_cross_entropy", mutates_args=())
 def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, token: str, ignore_index: int,
                       check_targets: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, softmax, idx, inside)`` of :func:`vocab_parallel_cross_entropy_fwd` for flat int64
+    """``(loss, lse, idx, inside)`` of :func:`vocab_parallel_cross_entropy_fwd` for flat int64
     ``target`` (``ignore_index`` entries scored as class 0; the caller masks them). ``check_targets``:
     check the ids here (under torch.compile, where the functional API cannot read them)."""
     group = token_group(token)
@@ -90,29 +92,28 @@ def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, token: str, ig
 @_cross_entropy_op.register_fake
 def _(logits, target, token, ignore_index, check_targets):
     T = logits.shape[0]
-    return (logits.new_empty((T,), dtype=torch.float32), torch.empty_like(logits, dtype=torch.float32),
+    return (logits.new_empty((T,), dtype=torch.float32), logits.new_empty((T,), dtype=torch.float32),
             torch.empty_like(target), target.new_empty((T,), dtype=torch.bool))
 
 
 @torch.library.custom_op("fusedpar::vocab_parallel_cross_entropy_backward", mutates_args=())
-def _cross_entropy_backward_op(grad_loss: torch.Tensor, softmax: torch.Tensor, idx: torch.Tensor,
-                               inside: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return vocab_parallel_cross_entropy_bwd(grad_loss, softmax, idx, inside, dtype)
+def _cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, idx: torch.Tensor,
+                               inside: torch.Tensor) -> torch.Tensor:
+    return vocab_parallel_cross_entropy_bwd(grad_loss, logits, lse, idx, inside)
 
 
 @_cross_entropy_backward_op.register_fake
-def _(grad_loss, softmax, idx, inside, dtype):
-    return torch.empty_like(softmax, dtype=dtype)
+def _(grad_loss, logits, lse, idx, inside):
+    return logits.new_empty(logits.shape)
 
 
 def _cross_entropy_setup(ctx, inputs, output):
-    ctx.dtype = inputs[0].dtype
-    ctx.save_for_backward(*output[1:])
+    ctx.save_for_backward(inputs[0], *output[1:])  # logits, lse, idx, inside
 
 
 def _cross_entropy_backward(ctx, grad_loss, *unused):
-    softmax, idx, inside = ctx.saved_tensors
-    grad = torch.ops.fusedpar.vocab_parallel_cross_entropy_backward(grad_loss, softmax, idx, inside, ctx.dtype)
+    logits, lse, idx, inside = ctx.saved_tensors
+    grad = torch.ops.fusedpar.vocab_parallel_cross_entropy_backward(grad_loss, logits, lse, idx, inside)
     return grad, None, None, None, None
 
 
@@ -168,30 +169,43 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 
 @torch.library.custom_op("fusedpar::attach_aux_loss", mutates_args=())
-def _attach_aux_loss_op(x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
-    return x.clone()  # a custom op's output cannot alias its input: one copy of x
+def _attach_aux_loss_op(x: torch.Tensor, aux_loss: torch.Tensor, scale: float,
+                        residual: torch.Tensor | None) -> torch.Tensor:
+    # a custom op's output cannot alias its input: x is copied, or (with a residual) the add that
+    # follows anyway writes the new tensor
+    out = torch.empty(x.shape, dtype=x.dtype if residual is None else torch.result_type(x, residual), device=x.device)
+    return out.copy_(x) if residual is None else torch.add(x, residual, out=out)
 
 
 @_attach_aux_loss_op.register_fake
-def _(x, aux_loss, scale):
-    return torch.empty_like(x)
+def _(x, aux_loss, scale, residual):
+    return x.new_empty(x.shape, dtype=x.dtype if residual is None else torch.result_type(x, residual))
 
 
 def _attach_setup(ctx, inputs, output):
-    _, aux_loss, ctx.scale = inputs
-    ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+    x, aux_loss, ctx.scale, residual = inputs
+    ctx.aux_shape, ctx.aux_dtype, ctx.x_dtype = aux_loss.shape, aux_loss.dtype, x.dtype
+    ctx.residual_dtype = None if residual is None else residual.dtype
 
 
 def _attach_backward(ctx, grad):
-    return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+    d_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
+    d_res = None if ctx.residual_dtype is None else grad.to(ctx.residual_dtype)
+    return grad.to(ctx.x_dtype), d_aux, None, d_res
 
 
 _attach_aux_loss_op.register_autograd(_attach_backward, setup_context=_attach_setup)
 
 
-def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x`` unchanged; its backward adds ``scale * d(aux_loss)`` to the graph (``aux_loss`` gets
-    gradient ``scale``), so a loss computed inside a layer trains it without being returned."""
+def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, scale: float, *,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (a copy; ``x + residual`` with ``residual``, the add a block does next anyway, so the
+    attachment costs no extra pass); its backward adds ``scale * d(aux_loss)`` to the graph
+    (``aux_loss`` gets gradient ``scale``), so a loss computed inside a layer trains it without
+    being returned."""
     check_tensor("x", x)
     check_tensor("aux_loss", aux_loss)
-    return torch.ops.fusedpar.attach_aux_loss(x, aux_loss, float(scale))
+    if residual is not None:
+        check_tensor("residual", residual)
+        check_same("residual", residual, "x", x, dtype=False, shape=True)  # dtypes may differ (fp32 stream)
+    return torch.ops.fusedpar.attach_aux_loss(x, aux_loss, float(scale), residual)

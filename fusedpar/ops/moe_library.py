@@ -68,10 +68,11 @@ def _grouped_mlp_backward_op(gy: _T, x: _T, h: _T, pre: _T, w1: _T, w2: _T, offs
 
 @_grouped_mlp_backward_op.register_fake
 def _(gy, x, h, pre, w1, w2, offsets, activation, need_input_grad, need_weight_grad):
-    dx = torch.empty_like(x) if need_input_grad else x.new_empty((0,))
+    # the kernels allocate contiguous gradients, whatever the strides of x / w1 / w2
+    dx = x.new_empty(x.shape) if need_input_grad else x.new_empty((0,))
     if not need_weight_grad:
         return dx, w1.new_empty((0,)), w2.new_empty((0,))
-    return dx, torch.empty_like(w1), torch.empty_like(w2)
+    return dx, w1.new_empty(w1.shape), w2.new_empty(w2.shape)
 
 
 def _grouped_mlp_setup(ctx, inputs, output):
@@ -150,10 +151,12 @@ def _moe_mlp_backward_op(grad: _T, weights: _T, w1: _T, w2: _T, recv: _T, h: _T,
 @_moe_mlp_backward_op.register_fake
 def _(grad, weights, w1, w2, recv, h, pre, y_perm, slot_pos, sorted_slot, offsets, splits, num_experts, token,
       activation, need_input_grad, need_weight_grad):
-    gx = torch.empty_like(grad) if need_input_grad else grad.new_empty((0,))
+    # contiguous, as the kernels allocate them, whatever the strides of grad / weights / w1 / w2
+    gx = grad.new_empty(grad.shape) if need_input_grad else grad.new_empty((0,))
+    gw = weights.new_empty(weights.shape)
     if not need_weight_grad:
-        return gx, torch.empty_like(weights), w1.new_empty((0,)), w2.new_empty((0,))
-    return gx, torch.empty_like(weights), torch.empty_like(w1), torch.empty_like(w2)
+        return gx, gw, w1.new_empty((0,)), w2.new_empty((0,))
+    return gx, gw, w1.new_empty(w1.shape), w2.new_empty(w2.shape)
 
 
 def _moe_mlp_setup(ctx, inputs, output):
@@ -227,7 +230,7 @@ def _moe_unpermute_backward_op(grad: _T, y: _T, weights: _T, sorted_slot: _T, to
 
 @_moe_unpermute_backward_op.register_fake
 def _(grad, y, weights, sorted_slot, top_k):
-    return torch.empty_like(y), torch.empty_like(weights)
+    return y.new_empty(y.shape), weights.new_empty(weights.shape)
 
 
 def _moe_unpermute_setup(ctx, inputs, output):

@@ -27,9 +27,9 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.T
 
 @_rms_norm_op.register_fake
 def _(x, weight, residual, eps):
-    rows = x.shape[:-1].numel()
-    h = torch.empty_like(x, dtype=residual.dtype) if residual is not None else x.new_empty((0,))
-    return torch.empty_like(x), h, x.new_empty((rows,), dtype=torch.float32)
+    rows = x.shape[:-1].numel()  # the launcher allocates contiguous outputs, whatever x's strides
+    h = x.new_empty(x.shape, dtype=residual.dtype) if residual is not None else x.new_empty((0,))
+    return x.new_empty(x.shape), h, x.new_empty((rows,), dtype=torch.float32)
 
 
 @torch.library.custom_op("fusedpar::rms_norm_backward", mutates_args=())
@@ -43,7 +43,7 @@ def _rms_norm_backward_op(grad_y: torch.Tensor, grad_h: torch.Tensor | None, h: 
 @_rms_norm_backward_op.register_fake
 def _(grad_y, grad_h, h, weight, rstd, need_weight_grad):
     dw = torch.empty_like(weight) if weight is not None and need_weight_grad else h.new_empty((0,))
-    return torch.empty_like(h), dw
+    return h.new_empty(h.shape), dw
 
 
 def _setup(ctx, inputs, output):
