@@ -88,6 +88,8 @@ def _gemm_cases():
     cases += [  # the test suite's shapes: tiny, odd, K not a multiple of 64
         Case("gemm", "tests 37x45x70 swiglu", False, lambda dt: matmul(
             meta(37, 70, dtype=dt), meta(90, 70, dtype=dt), activation="swiglu", preact_out=meta(37, 90, dtype=dt))),
+        Case("gemm", "37x45x80 swiglu (K masked, vectorised)", False, lambda dt: matmul(
+            meta(37, 80, dtype=dt), meta(90, 80, dtype=dt), activation="swiglu", preact_out=meta(37, 90, dtype=dt))),
         Case("gemm", "tests 2x19x40 gelu+residual", False, lambda dt: matmul(
             meta(2, 19, 40, dtype=dt), meta(24, 40, dtype=dt), activation="gelu", residual=meta(2, 19, 24, dtype=dt))),
     ]

@@ -6,7 +6,10 @@ The launchers run for real on ``meta`` tensors under :class:`benchmarks._capture
 every constexpr is the compiled-path value and the autotuners' prune rules decide as they would
 on the GPU (every config is recorded with its decision; ``kept`` ones are launchable). Exit 1
 on a compile failure or a launchable variant over the shared-memory limit; ``--fail-on-spill``
-also fails on spills of launchable bf16/fp16 variants.
+also fails on spills of launchable bf16/fp16 variants. ``--against TABLE`` compiles nothing: it
+captures the launches and checks every launchable variant against a committed table (recorded,
+prune estimate within 5%, no bf16/fp16 spills, fp32 spills <= 256 B), which is how CI pins the
+rules to the sm_80 figures without compiling for sm_80.
 """
 from __future__ import annotations
 
@@ -125,9 +128,50 @@ def problems(rows, fail_on_spill: bool) -> list[str]:
     return out
 
 
+COLUMNS = ["family", "kernel", "dtype", "config", "decision", "estimate", "shared", "est_err", "regs", "spill", "mma",
+           "grid_ok", "cases"]
+#: spill bytes an fp32 "ieee" variant (FMA dots) may have; bf16/fp16 variants must have none
+FP32_SPILL_LIMIT = 256
+#: prune estimate vs the compiler's shared memory
+ESTIMATE_TOLERANCE = 0.05
+
+
+def table_rows(path: str) -> dict:
+    """The variant rows of a committed markdown table (``--markdown``), keyed by kernel, dtype,
+    config and cases."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            p = [x.strip() for x in line.strip().strip("|").split(" | ")]
+            if len(p) == len(COLUMNS) and p[0] in FAMILIES:
+                r = dict(zip(COLUMNS, p))
+                out[(r["kernel"], r["dtype"], r["config"], r["cases"])] = r
+    return out
+
+
+def against_table(rows, table: dict) -> list[str]:
+    """Without compiling: every launchable variant of ``rows`` (captured now) must be in the
+    committed ``table`` with compiled figures, its prune estimate within ESTIMATE_TOLERANCE of the
+    recorded shared memory, and its recorded spills 0 (bf16/fp16) or <= FP32_SPILL_LIMIT (fp32)."""
+    out = []
+    for r in rows:
+        if r["decision"] == "pruned":
+            continue
+        what = f"{r['kernel']} {r['dtype']} {r['config']} ({r['cases']})"
+        t = table.get((r["kernel"], r["dtype"], r["config"].strip(), r["cases"]))
+        if t is None or not t["shared"].isdigit():
+            out.append(f"launchable but not compiled in the committed table (regenerate it): {what}")
+            continue
+        shared, spill = int(t["shared"]), int(t["spill"] or 0)
+        if r["estimate"] is not None and abs(r["estimate"] - shared) > ESTIMATE_TOLERANCE * shared:
+            out.append(f"prune estimate {r['estimate']} B vs the compiler's {shared} B: {what}")
+        if spill > (FP32_SPILL_LIMIT if r["dtype"] == "float32" else 0):
+            out.append(f"spills {spill} B: {what}")
+    return out
+
+
 def markdown(rows, arch) -> str:
-    cols = ["family", "kernel", "dtype", "config", "decision", "estimate", "shared", "est_err", "regs", "spill",
-            "mma", "grid_ok", "cases"]
+    cols = COLUMNS
     lines = [f"### {arch}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         vals = [r[c] if r["error"] is None or c not in ("shared", "regs", "spill") else "ERROR" for c in cols]
@@ -169,6 +213,24 @@ def add_args(p):
                    help="also fail on spills of launchable bf16/fp16 variants")
     p.add_argument("--markdown", help="write the tables to this markdown file")
     p.add_argument("--json", help="write the rows to this JSON file")
+    p.add_argument("--against", metavar="TABLE",
+                   help="compile nothing: check the launchable variants against a committed --markdown table "
+                        "(recorded, estimate within 5%%, no bf16/fp16 spills, fp32 spills <= 256 B)")
+
+
+def _check_against(args) -> int:
+    from ._capture import ARCHS
+
+    table, bad, n = table_rows(args.against), [], 0
+    for arch in (list(ARCHS) if args.arch == "all" else [args.arch]):
+        cap = capture(arch, args.subset, tuple(args.family), args.cases)
+        rows = rows_of(arch, cap.smem, [(v, {}) for v in cap.variants.values()])
+        n += sum(r["decision"] != "pruned" for r in rows)
+        bad += against_table(rows, table)
+    print(f"{n} launchable variants checked against {args.against}; {len(bad)} problem(s)")
+    for b in bad:
+        print("  " + b)
+    return 1 if bad else 0
 
 
 def main(argv=None) -> int:
@@ -182,6 +244,8 @@ def main(argv=None) -> int:
     from ._capture import ARCHS
 
     t0 = time.time()
+    if args.against:
+        return _check_against(args)
     all_rows, text = [], []
     for arch in (list(ARCHS) if args.arch == "all" else [args.arch]):
         cap = capture(arch, args.subset, tuple(args.family), args.cases)

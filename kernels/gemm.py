@@ -33,6 +33,7 @@ from .runtime import (
     input_precision,
     interpreting,
     needs_upcast,
+    pipelined,
     prune_tile_configs,
     row_offsets,
     shared_memory_limit,
@@ -41,7 +42,7 @@ from .runtime import (
 
 __all__ = [
     "INTERPRETER_CONFIG", "LinearOperands", "gemm_epilogue", "gemm_mainloop", "gpu_configs", "linear_operands",
-    "EPILOGUE_ACC_BUDGET", "matmul", "matmul_reference", "matmul_tn", "smem_estimate", "tile_rule",
+    "EPILOGUE_ACC_BUDGET", "SYNC_TIGHT_ACC_BUDGET", "matmul", "matmul_reference", "matmul_tn", "smem_estimate", "tile_rule",
 ]
 
 
@@ -234,6 +235,11 @@ def gpu_configs():
 #: 64 with a fused one (activation, gated pair, pre-activation store, residual on split rows),
 #: whose activation terms and int64 pointer tiles are live next to the accumulators.
 EPILOGUE_ACC_BUDGET = {"plain": 128, "fused": 64}
+#: the same for dots lowered to mma.sync (sm_80, and tiles under 64 rows on sm_90), whose operand
+#: fragments are held in registers next to the accumulators: an activation followed by a residual
+#: add, or a fused epilogue whose loads do not vectorise (:func:`~fusedpar.kernels.runtime.aligned`),
+#: fits 32 (64 spills 4-136 B on sm_80)
+SYNC_TIGHT_ACC_BUDGET = 32
 
 
 def tile_rule(named_args: dict, **kwargs) -> dict:
@@ -243,21 +249,28 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
         return kwargs.get(k, named_args.get(k, default))
 
     a, glu, precision = named_args["a_ptr"], bool(get("GLU")), get("INPUT_PRECISION", "ieee")
-    fused = glu or get("ACT", 0) != 0 or get("STORE_AUX") or (get("HAS_RES") and get("R_M_SPLIT"))
-    budget = acc_budget_for(EPILOGUE_ACC_BUDGET["fused" if fused else "plain"], elem_size=a.element_size(),
-                            precision=precision, acc_tiles=2 if glu else 1)
+    act = glu or get("ACT", 0) != 0
+    fused = act or get("STORE_AUX") or (get("HAS_RES") and get("R_M_SPLIT"))
     extents = [named_args.get(k, 16) for k in ("K", "s_am0", "s_am1", "s_ak0", "s_ak1", "s_ak", "s_bk0", "s_bk1", "s_bk",
                                                 "s_bn")]
-    return dict(elem_size=a.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1, acc_budget=budget,
-                capability=device_capability(a.device.index or 0), precision=precision,
-                unaligned=named_args.get("K", 64) % 64 != 0 or not aligned(a.element_size(), *[e for e in extents if e != 1]))
+    extents = [e for e in extents if e != 1]
+    # a masked contiguous dim counts too: A contiguous along M (matmul_tn), B along N ("kn")
+    extents += [named_args[d] for d, s in (("M", "s_am1"), ("N", "s_bn")) if d in named_args and named_args.get(s) == 1]
+    unaligned = named_args.get("K", 64) % 64 != 0 or not aligned(a.element_size(), *extents)
+    budget = EPILOGUE_ACC_BUDGET["fused" if fused else "plain"]
+    sync = SYNC_TIGHT_ACC_BUDGET if fused and (unaligned or (act and get("HAS_RES"))) else budget
+    cap = dict(elem_size=a.element_size(), precision=precision, acc_tiles=2 if glu else 1)
+    return dict(elem_size=a.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1,
+                acc_budget=acc_budget_for(budget, **cap), sync_acc_budget=acc_budget_for(sync, **cap),
+                capability=device_capability(a.device.index or 0), precision=precision, unaligned=unaligned,
+                pipelined=pipelined(a.element_size(), *extents))
 
 
 def smem_estimate(cfg, named_args, **kwargs) -> int:
     """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``."""
     r = tile_rule(named_args, **kwargs)
     return tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
-                           precision=r["precision"])
+                           precision=r["precision"], pipelined=r["pipelined"])
 
 
 def _prune_configs(configs, named_args, **kwargs):

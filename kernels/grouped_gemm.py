@@ -39,6 +39,7 @@ from .runtime import (
     input_precision,
     interpreting,
     needs_upcast,
+    pipelined,
     prune_tile_configs,
     shared_memory_limit,
     tile_smem_bytes,
@@ -255,6 +256,10 @@ def _wgrad_gpu_configs():
 #: fused activation backward (``DACT``: loads the gate and up pre-activations, forms act and act')
 #: 32.
 GROUPED_ACC_BUDGET = {"plain": 128, "fused": 64, "dact": 32}
+#: the same for dots lowered to mma.sync (sm_80, tiles under 64 rows), whose operand fragments are
+#: held in registers too: a plain 128 spills 4-8 B on sm_80 (the group lookup is live as well); a
+#: fused epilogue whose loads do not vectorise fits 32
+GROUPED_SYNC_ACC_BUDGET = {"plain": 64, "fused": 64, "dact": 32, "fused unaligned": 32}
 
 
 def tile_rule(named_args: dict, **kwargs) -> dict:
@@ -267,28 +272,34 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     glu = bool(get("GLU")) and not dact  # the backward reads the up half from aux, one B tile
     kind = "dact" if dact else "fused" if glu or get("ACT", 0) != 0 or get("STORE_AUX") else "plain"
     precision = get("INPUT_PRECISION", "ieee")
-    budget = acc_budget_for(GROUPED_ACC_BUDGET[kind], elem_size=x.element_size(), precision=precision,
-                            acc_tiles=2 if glu else 1)
-    extents = [named_args.get(k, 16) for k in ("K", "s_xm", "s_xk", "s_wn", "s_wk")]
-    return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1, acc_budget=budget,
-                capability=device_capability(x.device.index or 0), precision=precision,
-                unaligned=named_args["K"] % 64 != 0 or not aligned(x.element_size(), *[e for e in extents if e != 1]))
+    extents = [e for e in (named_args.get(k, 16) for k in ("K", "s_xm", "s_xk", "s_wn", "s_wk")) if e != 1]
+    if named_args.get("s_wn") == 1:  # "kn" weights: the masked N is the contiguous dim
+        extents.append(named_args["N"])
+    unaligned = named_args["K"] % 64 != 0 or not aligned(x.element_size(), *extents)
+    sync = GROUPED_SYNC_ACC_BUDGET["fused unaligned" if kind == "fused" and unaligned else kind]
+    cap = dict(elem_size=x.element_size(), precision=precision, acc_tiles=2 if glu else 1)
+    return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1,
+                acc_budget=acc_budget_for(GROUPED_ACC_BUDGET[kind], **cap), sync_acc_budget=acc_budget_for(sync, **cap),
+                capability=device_capability(x.device.index or 0), precision=precision, unaligned=unaligned,
+                pipelined=pipelined(x.element_size(), *extents))
 
 
 def wgrad_tile_rule(named_args: dict, **kwargs) -> dict:
     """The prune rule's parameters of a grouped weight-gradient launch: its dot is
-    ``dy^T [BLOCK_N, BLOCK_M] @ x [BLOCK_M, BLOCK_K]`` (the rows block is the contraction)."""
+    ``dy^T [BLOCK_N, BLOCK_M] @ x [BLOCK_M, BLOCK_K]`` (the rows block is the contraction); the
+    loads are masked along N and K, their contiguous dims."""
     dy = named_args["dy_ptr"]
+    extents = [e for e in (named_args.get(k, 16) for k in ("N", "K", "s_dm", "s_dn", "s_xm", "s_xk")) if e != 1]
     return dict(elem_size=dy.element_size(), b_tiles=1, capability=device_capability(dy.device.index or 0),
                 precision=kwargs.get("INPUT_PRECISION", named_args.get("INPUT_PRECISION", "ieee")),
-                dims=("BLOCK_N", "BLOCK_K", "BLOCK_M"))
+                dims=("BLOCK_N", "BLOCK_K", "BLOCK_M"), pipelined=pipelined(dy.element_size(), *extents))
 
 
 def smem_estimate(cfg, named_args, **kwargs) -> int:
     """The prune rule's shared-memory bytes of a grouped forward / dgrad config."""
     r = tile_rule(named_args, **kwargs)
     return tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
-                           precision=r["precision"])
+                           precision=r["precision"], pipelined=r["pipelined"])
 
 
 def wgrad_smem_estimate(cfg, named_args, **kwargs) -> int:
@@ -308,7 +319,8 @@ def _prune_wgrad(configs, named_args, **kwargs):
     r["tile_dims"] = r.pop("dims")
     return prune_tile_configs(configs, smem_limit=shared_memory_limit(named_args["dy_ptr"].device.index or 0),
                               dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]},
-                              acc_tiles=1, **r)
+                              acc_tiles=1, acc_budget=acc_budget_for(GROUPED_ACC_BUDGET["plain"], elem_size=r["elem_size"],
+                                                                     precision=r["precision"]), **r)
 
 
 @functools.lru_cache(maxsize=None)

@@ -61,16 +61,18 @@ def device_capability(device_index: int) -> tuple[int, int]:
 #: residual / pre-activation store live needs more registers per element (the kernels pass
 #: their own, smaller budgets).
 ACC_BUDGET = 128
-#: the same per accumulator for an fp32 "ieee" dot, which Triton lowers to FMAs whose operand
-#: fragments are held in registers next to the accumulator
+#: fp32 "ieee" dots, which Triton lowers to FMAs whose operand fragments are held in registers
+#: next to the accumulators: accumulator elements per thread (all accumulators together) and the
+#: largest contraction block that compile with at most a few hundred bytes of spills (sm_80 and
+#: sm_90, ``python -m benchmarks compile``); larger tiles spill kilobytes
 FMA_ACC_BUDGET = 32
+FMA_MAX_BLOCK_K = 32
 
 
 #: operand elements (A tile plus B tiles) one thread may load per K step when the loads cannot be
 #: vectorised (a row stride or K not a multiple of 16 bytes) or are masked along K (K not a
-#: multiple of 64): every element then carries its own address and mask, Triton does not pipeline
-#: them (the shared-memory estimate is then an upper bound), and tiles with BLOCK_K = 64 spill on
-#: such problems (``python -m benchmarks compile``)
+#: multiple of 64): every element then carries its own address and mask, and tiles with BLOCK_K =
+#: 64 spill on such problems (``python -m benchmarks compile``)
 UNALIGNED_OPERAND_BUDGET = 64
 UNALIGNED_MAX_BLOCK_K = 32
 
@@ -81,11 +83,21 @@ def aligned(elem_size: int, *extents) -> bool:
     return all(int(e) * elem_size % 16 == 0 for e in extents)
 
 
+def pipelined(elem_size: int, *extents) -> bool:
+    """Whether Triton pipelines a GEMM main loop's loads (``cp.async`` / TMA, ``num_stages``
+    buffers): they must vectorise to at least 4 bytes, which 16-bit operands do only when every
+    extent their addresses and masks depend on (K, the row strides, a masked contiguous dim) is
+    a multiple of 16 elements, the divisibility Triton specialises integer arguments on. Otherwise
+    the loads are synchronous and shared memory holds one A and one B tile for the dot."""
+    return elem_size >= 4 or all(int(e) % 16 == 0 for e in extents)
+
+
 def acc_budget_for(budget: int, *, elem_size: int, precision: str, acc_tiles: int = 1) -> int:
-    """``budget`` (accumulator elements per thread of a kernel's epilogue), capped at
-    :data:`FMA_ACC_BUDGET` per accumulator for fp32 operands multiplied in "ieee" precision."""
+    """``budget`` (accumulator elements per thread of a kernel's epilogue, all ``acc_tiles``
+    accumulators together), capped at :data:`FMA_ACC_BUDGET` for fp32 operands multiplied in
+    "ieee" precision."""
     if elem_size == 4 and precision == "ieee":
-        return min(budget, FMA_ACC_BUDGET * acc_tiles)
+        return min(budget, FMA_ACC_BUDGET)
     return budget
 
 
@@ -102,13 +114,16 @@ def uses_wgmma(capability, dot_m: int, elem_size: int, precision: str = "tf32") 
 
 
 def tile_smem_bytes(cfg, *, elem_size: int, b_tiles: int, capability=(9, 0), dims=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-                    precision: str = "tf32") -> int:
+                    precision: str = "tf32", pipelined: bool = True) -> int:
     """Shared memory of a pipelined GEMM main loop: the A tile (``M x K`` of ``dims``, the dot's
     rows, columns and contraction block) and ``b_tiles`` B tiles (``K x N``), buffered
     ``num_stages`` times for wgmma (sm_90) and ``num_stages - 1`` times for mma.sync / FMA dots
-    (sm_80, or tiles under 64 rows), as Triton's pipeliner allocates them."""
+    (sm_80, or tiles under 64 rows), as Triton's pipeliner allocates them. Loads that are not
+    ``pipelined`` (see :func:`pipelined`) stage one A and one B tile for the dot, on any GPU."""
     kw, _, stages = _tile(cfg)
     m, n, k = (kw[d] for d in dims)
+    if not pipelined:
+        return (m * k + k * n) * elem_size
     buffers = stages if uses_wgmma(capability, m, elem_size, precision) else max(stages - 1, 1)
     return (m * k + b_tiles * k * n) * elem_size * buffers
 
@@ -121,20 +136,29 @@ def acc_per_thread(cfg, acc_tiles: int = 1, dims=("BLOCK_M", "BLOCK_N")) -> int:
 
 def tile_config_problem(cfg, *, elem_size: int, b_tiles: int, smem_limit: int, capability=(9, 0),
                         acc_tiles: int = 1, acc_budget: int = ACC_BUDGET, dims=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-                        precision: str = "tf32", unaligned: bool = False) -> str | None:
+                        precision: str = "tf32", unaligned: bool = False, sync_acc_budget: int | None = None,
+                        pipelined: bool = True) -> str | None:
     """Why a GEMM tile config cannot run well (None if it can): its pipelined tiles overflow
-    shared memory, its accumulators exceed ``acc_budget`` elements per thread, or (``unaligned``
-    loads) its K block or operand tiles exceed the unaligned budgets; the last two would spill."""
+    shared memory, its accumulators exceed ``acc_budget`` elements per thread (``sync_acc_budget``
+    when the dot lowers to mma.sync or FMAs rather than wgmma: their operand fragments live in
+    registers too), an fp32 "ieee" (FMA) dot's contraction block exceeds
+    :data:`FMA_MAX_BLOCK_K`, or (``unaligned`` loads) its K block or operand tiles exceed the
+    unaligned budgets; all but the first would spill."""
+    kw, warps, _ = _tile(cfg)
+    m, n, k = (kw[d] for d in dims)
     smem = tile_smem_bytes(cfg, elem_size=elem_size, b_tiles=b_tiles, capability=capability, dims=dims,
-                           precision=precision)
+                           precision=precision, pipelined=pipelined)
     if smem > smem_limit:
         return f"needs {smem} B of shared memory > {smem_limit} B on this GPU"
+    if sync_acc_budget is not None and not uses_wgmma(capability, m, elem_size, precision):
+        acc_budget = sync_acc_budget
     acc = acc_per_thread(cfg, acc_tiles, dims[:2])
     if acc > acc_budget:
         return f"holds {acc} fp32 accumulator elements per thread > {acc_budget}: it would spill registers"
+    if elem_size == 4 and precision == "ieee" and k > FMA_MAX_BLOCK_K:
+        return (f"runs an fp32 FMA dot with a contraction block of {k} > {FMA_MAX_BLOCK_K}: its operand "
+                f"fragments would spill registers")
     if unaligned:
-        kw, warps, _ = _tile(cfg)
-        m, n, k = (kw[d] for d in dims)
         per_thread = (m * k + b_tiles * k * n) // (32 * warps)
         if k > UNALIGNED_MAX_BLOCK_K or per_thread > UNALIGNED_OPERAND_BUDGET:
             return (f"loads {per_thread} operand elements per thread (BLOCK_K {k}) without vectorisation "
@@ -145,7 +169,8 @@ def tile_config_problem(cfg, *, elem_size: int, b_tiles: int, smem_limit: int, c
 
 def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int, dims: dict, capability=(9, 0),
                        acc_tiles: int = 1, acc_budget: int = ACC_BUDGET, tile_dims=("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-                       precision: str = "tf32", unaligned: bool = False):
+                       precision: str = "tf32", unaligned: bool = False, sync_acc_budget: int | None = None,
+                       pipelined: bool = True):
     """GEMM tile configs worth autotuning: :func:`tile_config_problem` finds nothing (the
     pipelined tiles fit in shared memory, the accumulators in registers; ``b_tiles=2`` /
     ``acc_tiles=2`` for gated epilogues, which stream gate and up columns into two
@@ -156,7 +181,8 @@ def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int
     for cfg in configs:
         if tile_config_problem(cfg, elem_size=elem_size, b_tiles=b_tiles, smem_limit=smem_limit,
                                capability=capability, acc_tiles=acc_tiles, acc_budget=acc_budget, dims=tile_dims,
-                               precision=precision, unaligned=unaligned):
+                               precision=precision, unaligned=unaligned, sync_acc_budget=sync_acc_budget,
+                               pipelined=pipelined):
             continue
         if any(cfg.kwargs[k] > 2 * triton.next_power_of_2(n) and cfg.kwargs[k] > 32 for k, n in dims.items()):
             continue

@@ -66,6 +66,22 @@ def test_no_spills(fast_rows):
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_launch_decisions_match_the_committed_tables(arch):
+    """Without compiling (capture only, ~5 s): every variant the launchers can launch over the
+    full matrix (every family, shape and dtype) is in benchmarks/results/compile_{arch}.md with 0
+    spills (fp32: <= 256 B) and, for autotuned kernels, a prune estimate within 5% of the
+    compiler's shared memory: the prune rules cannot drift from the last full run (sm_80 is not
+    compiled in CI)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    table = os.path.join("benchmarks", "results", f"compile_{arch.replace('_', '')}.md")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "compile", "--arch", arch, "--subset", "full",
+                           "--against", table], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert " 0 problem(s)" in proc.stdout and int(proc.stdout.split()[0]) >= 500, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_flash_estimates_match_the_committed_tables(arch):
     """The flash-attention prune rule's shared memory against the compiler's figures recorded in
     benchmarks/results/compile_{arch}.md (the full matrix, every dtype; sm_80 is not compiled in

@@ -259,3 +259,27 @@ def test_prune_rule_models_the_compiler():
     assert "128 fp32 accumulator elements per thread > 64" in tile_config_problem(
         gated, acc_budget=gemm.EPILOGUE_ACC_BUDGET["fused"], **rule)
     assert tile_config_problem(gated, acc_budget=gemm.EPILOGUE_ACC_BUDGET["plain"], **rule) is None
+
+
+def test_prune_rule_follows_the_mma_kind_and_the_load_pipelining():
+    """Figures of the sm_80 compile check: mma.sync (sm_80) holds its operand fragments in
+    registers, so an activation + residual epilogue over 64 accumulator elements per thread is
+    dropped there but kept for wgmma (sm_90); fp32 "ieee" (FMA) dots keep BLOCK_K <= 32 and <= 32
+    accumulator elements per thread in all; loads that do not vectorise (bf16, K = 70) are not
+    pipelined, so shared memory is one A and one B tile (8192 B for 64x64x32 s4, not 36864)."""
+    from fusedpar.kernels.runtime import pipelined, tile_config_problem, tile_smem_bytes
+
+    wide = triton.Config(dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64), num_stages=4, num_warps=4)
+    rule = dict(elem_size=2, b_tiles=1, smem_limit=166912, acc_budget=gemm.EPILOGUE_ACC_BUDGET["fused"],
+                sync_acc_budget=gemm.SYNC_TIGHT_ACC_BUDGET)
+    assert "64 fp32 accumulator elements per thread > 32" in tile_config_problem(wide, capability=(8, 0), **rule)
+    assert tile_config_problem(wide, capability=(9, 0), **rule) is None
+    fma = dict(elem_size=4, b_tiles=1, smem_limit=166912, capability=(8, 0), precision="ieee", acc_budget=32)
+    assert "contraction block of 64 > 32" in tile_config_problem(
+        triton.Config(dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64), num_stages=5, num_warps=2), **fma)
+    assert tile_config_problem(triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_stages=3, num_warps=8),
+                               **fma) is None
+    assert not pipelined(2, 70, 70, 70) and pipelined(4, 70, 70) and pipelined(2, 4096, 4096)
+    small = triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_stages=4, num_warps=4)
+    assert tile_smem_bytes(small, elem_size=2, b_tiles=2, capability=(8, 0)) == 36864
+    assert tile_smem_bytes(small, elem_size=2, b_tiles=2, capability=(8, 0), pipelined=False) == 8192
