@@ -21,6 +21,9 @@ import time
 
 FAMILIES = ("gemm", "persistent", "grouped", "moe", "rmsnorm", "flash")
 DTYPES = {"fast": ("bfloat16",), "full": ("bfloat16", "float16", "float32")}
+#: the families whose kernels run ``tl.dot``: their fp32 launches are captured a second time with
+#: ``torch.backends.cuda.matmul.allow_tf32`` set (dtype "tf32": INPUT_PRECISION "tf32")
+TF32_FAMILIES = ("gemm", "persistent", "grouped", "flash")
 
 
 def _estimates():
@@ -45,22 +48,36 @@ def flash_smem_estimate(kind: str):
     return lambda cfg, named_args, **kwargs: flash_attention.launch_smem_estimate(kind, cfg, named_args, **kwargs)
 
 
-def capture(arch: str, subset: str, families=FAMILIES, match: str = ""):
+def dtypes_of(subset: str, precision: str) -> tuple:
+    """The dtype passes: the subset's dtypes (``precision`` "ieee"), only "tf32" (fp32 operands
+    with TF32 dots) or both."""
+    return {"ieee": DTYPES[subset], "tf32": ("tf32",), "both": DTYPES[subset] + ("tf32",)}[precision]
+
+
+def capture(arch: str, subset: str, families=FAMILIES, match: str = "", precision: str = "ieee"):
     """Run the cases of ``subset`` under a :class:`Capture` for ``arch``; returns its variants
-    (each with its family and the cases that launch it)."""
+    (each with its family and the cases that launch it). The "tf32" pass runs the fp32 cases of
+    :data:`TF32_FAMILIES` with ``torch.backends.cuda.matmul.allow_tf32`` set."""
     import torch
 
     from ._capture import Capture
     from ._compile_cases import all_cases
 
     cap = Capture(arch, _estimates(), sample=subset == "fast")
+    allow = torch.backends.cuda.matmul.allow_tf32
     with cap:
         for case in all_cases():
             if case.family not in families or (subset == "fast" and not case.fast) or match not in case.name:
                 continue
-            for dt in DTYPES[subset]:
-                with cap.case(f"{case.family}: {case.name}", dt):
-                    case.run(getattr(torch, dt))
+            for dt in dtypes_of(subset, precision):
+                if dt == "tf32" and case.family not in TF32_FAMILIES:
+                    continue
+                torch.backends.cuda.matmul.allow_tf32 = dt == "tf32"
+                try:
+                    with cap.case(f"{case.family}: {case.name}", dt):
+                        case.run(torch.float32 if dt == "tf32" else getattr(torch, dt))
+                finally:
+                    torch.backends.cuda.matmul.allow_tf32 = allow
     return cap
 
 
@@ -123,15 +140,16 @@ def problems(rows, fail_on_spill: bool) -> list[str]:
             out.append(f"compile failure: {what}: {r['error']}")
         elif launchable and r["over_smem"]:
             out.append(f"over the shared-memory limit: {what}: {r['shared']} B")
-        elif fail_on_spill and launchable and r["spill"] and r["dtype"] != "float32":
+        elif fail_on_spill and launchable and r["spill"] and r["dtype"] not in FP32_DTYPES:
             out.append(f"spills: {what}: {r['spill']} B")
     return out
 
 
 COLUMNS = ["family", "kernel", "dtype", "config", "decision", "estimate", "shared", "est_err", "regs", "spill", "mma",
            "grid_ok", "cases"]
-#: spill bytes an fp32 "ieee" variant (FMA dots) may have; bf16/fp16 variants must have none
+#: spill bytes an fp32 variant ("ieee": FMA dots, or "tf32") may have; bf16/fp16 variants must have none
 FP32_SPILL_LIMIT = 256
+FP32_DTYPES = ("float32", "tf32")
 #: prune estimate vs the compiler's shared memory
 ESTIMATE_TOLERANCE = 0.05
 
@@ -165,7 +183,7 @@ def against_table(rows, table: dict) -> list[str]:
         shared, spill = int(t["shared"]), int(t["spill"] or 0)
         if r["estimate"] is not None and abs(r["estimate"] - shared) > ESTIMATE_TOLERANCE * shared:
             out.append(f"prune estimate {r['estimate']} B vs the compiler's {shared} B: {what}")
-        if spill > (FP32_SPILL_LIMIT if r["dtype"] == "float32" else 0):
+        if spill > (FP32_SPILL_LIMIT if r["dtype"] in FP32_DTYPES else 0):
             out.append(f"spills {spill} B: {what}")
     return out
 
@@ -186,15 +204,16 @@ def summary(rows) -> str:
     for r in rows:
         if r["decision"] == "pruned" or r["error"]:
             continue
-        s = by.setdefault((r["arch"], r["kernel"], r["dtype"] == "float32"), [0, 0, 0, 0.0])
+        kind = {"float32": "fp32", "tf32": "tf32"}.get(r["dtype"], "bf16/fp16")
+        s = by.setdefault((r["arch"], r["kernel"], kind), [0, 0, 0, 0.0])
         s[0] += 1
         s[1] += bool(r["spill"])
         s[2] = max(s[2], r["spill"] or 0)
         if r["est_err"] is not None:
             s[3] = max(s[3], abs(r["est_err"]))
     lines = ["| arch | kernel | dtypes | launchable | spilling | max spill B | max |est err| % |", "|---|---|---|---|---|---|---|"]
-    for (arch, k, fp32), (n, ns, mx, err) in sorted(by.items()):
-        lines.append(f"| {arch} | {k} | {'fp32' if fp32 else 'bf16/fp16'} | {n} | {ns} | {mx} | {err:.1f} |")
+    for (arch, k, kind), (n, ns, mx, err) in sorted(by.items()):
+        lines.append(f"| {arch} | {k} | {kind} | {n} | {ns} | {mx} | {err:.1f} |")
     return "\n".join(lines)
 
 
@@ -203,6 +222,9 @@ def add_args(p):
     p.add_argument("--subset", choices=["fast", "full"], default="fast",
                    help="fast: bf16, one LLM shape per launcher (CI); full: every shape and dtype")
     p.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    p.add_argument("--precision", choices=["ieee", "tf32", "both"], default="ieee",
+                   help="ieee: the subset's dtypes (fp32 dots in IEEE fp32); tf32: only fp32 operands with "
+                        "allow_tf32 set (dtype 'tf32'; GEMM, persistent, grouped, flash); both: the two passes")
     p.add_argument("--cases", default="", help="only the cases whose name contains this")
     p.add_argument("--pruned", action="store_true", help="also compile configs the prune rules drop")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
@@ -223,7 +245,7 @@ def _check_against(args) -> int:
 
     table, bad, n = table_rows(args.against), [], 0
     for arch in (list(ARCHS) if args.arch == "all" else [args.arch]):
-        cap = capture(arch, args.subset, tuple(args.family), args.cases)
+        cap = capture(arch, args.subset, tuple(args.family), args.cases, args.precision)
         rows = rows_of(arch, cap.smem, [(v, {}) for v in cap.variants.values()])
         n += sum(r["decision"] != "pruned" for r in rows)
         bad += against_table(rows, table)
@@ -248,7 +270,7 @@ def main(argv=None) -> int:
         return _check_against(args)
     all_rows, text = [], []
     for arch in (list(ARCHS) if args.arch == "all" else [args.arch]):
-        cap = capture(arch, args.subset, tuple(args.family), args.cases)
+        cap = capture(arch, args.subset, tuple(args.family), args.cases, args.precision)
         rows = rows_of(arch, cap.smem, compile_all(cap, args.jobs, args.cache_dir or None, args.pruned))
         all_rows += rows
         text.append(markdown(rows, arch))

@@ -278,7 +278,8 @@ def smem_estimate(kind: str, cfg, block_d: int, elem_size: int, capability: tupl
     compiler by ``python -m benchmarks compile``). wgmma: ``num_stages`` buffers of the streamed
     tile pair plus the resident tiles (Q; Q and dO; K and V). mma.sync and fp32 "ieee" FMA dots:
     ``num_stages - 1`` buffers plus the layout-conversion buffers of the resident and score tiles
-    (fitted per kernel from the compiler's figures). dK/dV also pipelines lse and delta."""
+    (fitted per kernel from the compiler's figures). dK/dV also pipelines lse and delta. ``precision``:
+    "" (16-bit operands), "ieee_fp32" or "tf32" (fp32 operands, FMA or tensor-core dots)."""
     bm, bn, stages, e = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_stages, elem_size
     stream_rows, rows = (bm, bn) if kind == "dkdv" else (bn, bm)
     pair = stream_rows * block_d * 2 * e
@@ -286,10 +287,15 @@ def smem_estimate(kind: str, cfg, block_d: int, elem_size: int, capability: tupl
     n_res = 1 if kind == "fwd" else 2
     lse = (stages - 1) * 2 * bm * 4 if kind == "dkdv" else 0
     if uses_wgmma(kind, bm, bn, capability, precision):
-        return stages * pair + n_res * tile + lse
+        # tf32: the fp32 resident operands of dQ / dK/dV stage one tile (fitted)
+        return stages * pair + (1 if precision == "tf32" and kind != "fwd" else n_res) * tile + lse
     base = (stages - 1) * pair + lse
     if precision == "ieee_fp32":
         return base + n_res * tile + bm * bn * e
+    if precision == "tf32" and kind != "fwd":  # mma.sync on fp32 operands (fitted)
+        if kind == "dq":
+            return base + (tile if bn <= bm else 0) + min(bm, bn) * 32 * e + bm * bn * e
+        return base + (n_res * tile + bm * block_d * e if bn < bm else tile + (bm * bn * e // 2 if bn > bm else 0))
     if kind == "fwd":
         return base + tile + (bm * bn * e if bm < block_d else 0)
     if kind == "dq":
@@ -301,7 +307,8 @@ def launch_smem_estimate(kind: str, cfg, named_args, **kwargs) -> int:
     """:func:`smem_estimate` of ``cfg`` for an autotuned launch with ``named_args`` (the prune
     rule's figure; the compile check compares it with the compiler's)."""
     q = named_args["q_ptr"]
-    precision = "ieee_fp32" if kwargs.get("INPUT_PRECISION") == "ieee" and q.element_size() == 4 else ""
+    precision = ("" if q.element_size() != 4 else
+                 "ieee_fp32" if kwargs.get("INPUT_PRECISION") == "ieee" else "tf32")
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     return smem_estimate(kind, cfg, bd, q.element_size(), device_capability(q.device.index or 0),
                          precision)
@@ -325,6 +332,9 @@ def _prune(kind):
                 continue
             if kind == "dq" and bd < 128 and bm > 32 and device_capability(q.device.index or 0)[0] < 9:
                 continue  # measured: 64-row dQ tiles of a head_dim-64 spill with mma.sync (sm_80)
+            if elem == 4 and not ieee_fp32 and (bn > 64 if kind == "dq" else kind == "dkdv" and bn > bm and
+                                                 device_capability(q.device.index or 0)[0] < 9):
+                continue  # measured, tf32: 128-wide dQ key blocks (sm_90) and wide dK/dV tiles (sm_80) spill
             if ieee_fp32 != ((bm, bn) == FP32_TILE):
                 continue  # fp32 "ieee" dots run on FMA units: only FP32_TILE compiles (nearly) without spills
             if bm > 2 * triton.next_power_of_2(sq) and bm > 32:

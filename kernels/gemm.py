@@ -259,9 +259,10 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     unaligned = named_args.get("K", 64) % 64 != 0 or not aligned(a.element_size(), *extents)
     budget = EPILOGUE_ACC_BUDGET["fused" if fused else "plain"]
     sync = SYNC_TIGHT_ACC_BUDGET if fused and (unaligned or (act and get("HAS_RES"))) else budget
-    cap = dict(elem_size=a.element_size(), precision=precision, acc_tiles=2 if glu else 1)
+    cap = dict(elem_size=a.element_size(), precision=precision, acc_tiles=2 if glu else 1,
+               reads_out_tile=bool(get("HAS_RES")))
     return dict(elem_size=a.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1,
-                acc_budget=acc_budget_for(budget, **cap), sync_acc_budget=acc_budget_for(sync, **cap),
+                acc_budget=acc_budget_for(budget, **cap), sync_acc_budget=acc_budget_for(sync, **cap, sync=True),
                 capability=device_capability(a.device.index or 0), precision=precision, unaligned=unaligned,
                 pipelined=pipelined(a.element_size(), *extents))
 

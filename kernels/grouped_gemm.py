@@ -279,7 +279,7 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     sync = GROUPED_SYNC_ACC_BUDGET["fused unaligned" if kind == "fused" and unaligned else kind]
     cap = dict(elem_size=x.element_size(), precision=precision, acc_tiles=2 if glu else 1)
     return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1,
-                acc_budget=acc_budget_for(GROUPED_ACC_BUDGET[kind], **cap), sync_acc_budget=acc_budget_for(sync, **cap),
+                acc_budget=acc_budget_for(GROUPED_ACC_BUDGET[kind], **cap), sync_acc_budget=acc_budget_for(sync, **cap, sync=True),
                 capability=device_capability(x.device.index or 0), precision=precision, unaligned=unaligned,
                 pipelined=pipelined(x.element_size(), *extents))
 

@@ -92,12 +92,18 @@ def pipelined(elem_size: int, *extents) -> bool:
     return elem_size >= 4 or all(int(e) % 16 == 0 for e in extents)
 
 
-def acc_budget_for(budget: int, *, elem_size: int, precision: str, acc_tiles: int = 1) -> int:
+def acc_budget_for(budget: int, *, elem_size: int, precision: str, acc_tiles: int = 1, sync: bool = False,
+                   reads_out_tile: bool = False) -> int:
     """``budget`` (accumulator elements per thread of a kernel's epilogue, all ``acc_tiles``
     accumulators together), capped at :data:`FMA_ACC_BUDGET` for fp32 operands multiplied in
-    "ieee" precision."""
+    "ieee" precision, and halved for fp32 operands multiplied in "tf32" when the dot lowers to
+    mma.sync (``sync``: its fp32 operand fragments take twice the registers of 16-bit ones) or
+    the epilogue loads a residual / accumulate tile of the fp32 output (``reads_out_tile``: as
+    wide as the accumulator; measured: 128 spills 12-168 B with wgmma)."""
     if elem_size == 4 and precision == "ieee":
         return min(budget, FMA_ACC_BUDGET)
+    if elem_size == 4 and precision == "tf32" and (sync or reads_out_tile):
+        return budget // 2
     return budget
 
 

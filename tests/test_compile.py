@@ -68,14 +68,14 @@ def test_no_spills(fast_rows):
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_launch_decisions_match_the_committed_tables(arch):
     """Without compiling (capture only, ~5 s): every variant the launchers can launch over the
-    full matrix (every family, shape and dtype) is in benchmarks/results/compile_{arch}.md with 0
-    spills (fp32: <= 256 B) and, for autotuned kernels, a prune estimate within 5% of the
-    compiler's shared memory: the prune rules cannot drift from the last full run (sm_80 is not
-    compiled in CI)."""
+    full matrix (every family, shape and dtype, and the fp32 launches once more with TF32 dots:
+    dtype "tf32") is in benchmarks/results/compile_{arch}.md with 0 spills (fp32 "ieee": <= 256 B)
+    and, for autotuned kernels, a prune estimate within 5% of the compiler's shared memory: the
+    prune rules cannot drift from the last full run (sm_80 is not compiled in CI)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     table = os.path.join("benchmarks", "results", f"compile_{arch.replace('_', '')}.md")
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "compile", "--arch", arch, "--subset", "full",
-                           "--against", table], cwd=ROOT, env=env,
+                           "--precision", "both", "--against", table], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert " 0 problem(s)" in proc.stdout and int(proc.stdout.split()[0]) >= 500, proc.stdout[-2000:]
@@ -91,11 +91,11 @@ def test_flash_estimates_match_the_committed_tables(arch):
     from fusedpar.kernels.flash_attention import smem_estimate
 
     kinds = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq", "attn_bwd_dkdv_kernel": "dkdv"}
-    elem = {"bfloat16": 2, "float16": 2, "float32": 4}
+    elem = {"bfloat16": 2, "float16": 2, "float32": 4, "tf32": 4}
     table = os.path.join(ROOT, "benchmarks", "results", f"compile_{arch.replace('_', '')}.md")
     with open(table) as f:
         rows = [line.split(" | ") for line in f if line.startswith("| flash |")]
-    checked = 0
+    checked, tf32 = 0, 0
     for _, kernel, dtype, config, decision, _, shared, *_ in rows:
         if decision == "pruned":
             continue
@@ -103,7 +103,8 @@ def test_flash_estimates_match_the_committed_tables(arch):
         bm, bn, bd = (int(x) for x in tile.split("x"))
         cfg = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=int(warps[1:]), num_stages=int(stages[1:]))
         est = smem_estimate(kinds[kernel], cfg, bd, elem[dtype], (int(arch[3]), 0),
-                            "ieee_fp32" if dtype == "float32" else "")
+                            {"float32": "ieee_fp32", "tf32": "tf32"}.get(dtype, ""))
         assert abs(est - int(shared)) <= ESTIMATE_TOLERANCE * int(shared), (kernel, dtype, config, est, shared)
         checked += 1
-    assert checked >= 40
+        tf32 += dtype == "tf32"
+    assert checked >= 40 and tf32 >= 5, (checked, tf32)
