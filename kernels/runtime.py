@@ -99,11 +99,12 @@ def acc_budget_for(budget: int, *, elem_size: int, precision: str, acc_tiles: in
     "ieee" precision, and halved for fp32 operands multiplied in "tf32" when the dot lowers to
     mma.sync (``sync``: its fp32 operand fragments take twice the registers of 16-bit ones) or
     the epilogue loads a residual / accumulate tile of the fp32 output (``reads_out_tile``: as
-    wide as the accumulator; measured: 128 spills 12-168 B with wgmma)."""
+    wide as the accumulator; measured: 128 spills 12-168 B with wgmma), never below 32 (the tight
+    budgets of 32 stay: below them only the fallback tile is left, which spills more)."""
     if elem_size == 4 and precision == "ieee":
         return min(budget, FMA_ACC_BUDGET)
     if elem_size == 4 and precision == "tf32" and (sync or reads_out_tile):
-        return budget // 2
+        return max(budget // 2, min(budget, 32))
     return budget
 
 
