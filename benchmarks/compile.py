@@ -1,4 +1,4 @@
-"""``python -m benchmarks compile --arch sm_90|sm_80|all [--subset fast|full] [--json PATH]``:
+"""``python -m benchmarks compile --arch sm_90|sm_80|all [--subset fast|full] [--precision ieee|tf32|both] [--json PATH]``:
 compile every kernel variant the shipped launchers can launch for an NVIDIA target, without a
 GPU, and report registers, spills, shared memory, the MMA kind and the prune decision.
 
@@ -9,7 +9,9 @@ on a compile failure or a launchable variant over the shared-memory limit; ``--f
 also fails on spills of launchable bf16/fp16 variants. ``--against TABLE`` compiles nothing: it
 captures the launches and checks every launchable variant against a committed table (recorded,
 prune estimate within 5%, no bf16/fp16 spills, fp32 spills <= 256 B), which is how CI pins the
-rules to the sm_80 figures without compiling for sm_80.
+rules to the sm_80 figures without compiling for sm_80. ``--precision tf32`` captures the fp32
+launches of the GEMM, persistent, grouped and flash launchers with
+``torch.backends.cuda.matmul.allow_tf32`` set (rows of dtype "tf32"); ``both`` adds that pass.
 """
 from __future__ import annotations
 
