@@ -1,9 +1,9 @@
 """torch.compile of fusedpar's attention: ``torch.library.opcheck`` of every attention custom op
 (flash, varlen, ring, Ulysses/hybrid and their backwards) on fresh random inputs of small odd
 shapes, and ``torch.compile(backend="aot_eager", fullgraph=True)`` of the functional ops and of
-ParallelAttention (world 1 with packed documents; a 2-rank gloo world with ring contiguous and
-packed documents crossing the shards — ring zigzag and Ulysses compile inside whole blocks in
-tests/test_torch_compile_block.py): output and every input and parameter gradient equal to eager.
+ParallelAttention at world 1 with packed documents (ring zigzag and Ulysses at sp2 compile inside
+whole blocks in tests/test_torch_compile_block.py, in a gloo world of 2): output and every input
+and parameter gradient equal to eager.
 
 Compiled and eager runs call the same kernels (aot_eager runs the traced graph's aten ops and the
 opaque custom ops); the only difference is the rotary embedding's aten decomposition, so fp32
@@ -11,10 +11,8 @@ results agree to rounding: COMPILED_TOL (relative to the RMS of the eager value)
 """
 import pytest
 import torch
-import torch.distributed as dist
 
 from _utils import INTERPRETED, assert_close
-from _world import rank_rng
 from fusedpar.nn import ParallelAttention
 from fusedpar.ops import flash_attention, flash_attention_varlen, hybrid_attention, ring_attention
 from fusedpar.ops.transport import EmulatedTransport
@@ -158,24 +156,3 @@ def test_parallel_attention_compiles_world1():
     mod = ParallelAttention(24, 3, 1, head_dim=8, bias=True, causal=True)
     x = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(5))
     _module_compiled_equals_eager(mod, x, "world 1", cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
-
-
-# (sp_mode, layout, packed documents of the 12-token row); the hybrid needs a 2-D grid (4 ranks):
-# its op is compiled above on emulated ranks (and opchecked), ParallelAttention's hybrid path is
-# the same call with two transports
-WORLD_CASES = [("ring", "contiguous", [0, 5, 12])]
-
-
-def _world_cases(rank, size):
-    single = [dist.new_group([r]) for r in range(size)][rank]
-    for i, (sp_mode, layout, docs) in enumerate(WORLD_CASES):
-        torch.manual_seed(7 + i)  # the same weights on every rank
-        mod = ParallelAttention(16, 2, 2, head_dim=8, causal=True, tp_group=single, sp_mode=sp_mode, layout=layout)
-        x = torch.randn(1, 6, 16, generator=rank_rng(8 + i, rank))
-        cu = None if docs is None else torch.tensor(docs, dtype=torch.int32)
-        _module_compiled_equals_eager(mod, x, f"{sp_mode} {layout} docs={docs} rank {rank}", cu_seqlens=cu)
-    return True
-
-
-def test_parallel_attention_compiles_world2(world2_compile):
-    assert all(world2_compile.run(_world_cases))
