@@ -7,7 +7,6 @@ against fp32."""
 import json
 import os
 import shutil
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -133,12 +132,8 @@ def _failures(rank, size, root):
     return out
 
 
-def test_every_checkpoint_failure_is_a_fusedpar_error_on_every_rank(world2):
-    root = tempfile.mkdtemp(prefix="fusedpar_ckpt_")
-    try:
-        r0, r1 = world2.run(_failures, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def test_every_checkpoint_failure_is_a_fusedpar_error_on_every_rank(world2, tmp_path):
+    r0, r1 = world2.run(_failures, str(tmp_path))  # the ranks share the directory
     assert r0 == r1, (r0, r1)  # the same error on both ranks
     flipped = r0.pop("flipped chunk")
     expect = {  # case -> (error class, words the message must hold)
@@ -181,12 +176,8 @@ def _reshard(rank, size, root):
     return len(full)
 
 
-def test_model_and_optimizer_reshard_tp2_ep2_to_dp2(world2):
-    root = tempfile.mkdtemp(prefix="fusedpar_ckpt_")
-    try:
-        n = world2.run(_reshard, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def test_model_and_optimizer_reshard_tp2_ep2_to_dp2(world2, tmp_path):
+    n = world2.run(_reshard, str(tmp_path))  # the ranks share the directory
     assert n[0] == n[1] > 0
 
 
@@ -207,12 +198,8 @@ def _manager(rank, size, root):
     return names, got, step_t.item(), said, other
 
 
-def test_manager_keeps_last_k_and_skips_damaged_and_partial_checkpoints(world2):
-    root = tempfile.mkdtemp(prefix="fusedpar_ckpt_")
-    try:
-        r0, r1 = world2.run(_manager, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def test_manager_keeps_last_k_and_skips_damaged_and_partial_checkpoints(world2, tmp_path):
+    r0, r1 = world2.run(_manager, str(tmp_path))  # the ranks share the directory
     names, (step, loaded), step_value, said, other = r0
     assert names == ["step_00000002", "step_00000003"], names  # keep=2, no partial directories left
     assert (step, loaded, step_value) == (2, {"step"}, 2)

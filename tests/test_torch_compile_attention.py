@@ -12,7 +12,7 @@ results agree to rounding: COMPILED_TOL (relative to the RMS of the eager value)
 import pytest
 import torch
 
-from _utils import INTERPRETED, assert_close
+from _utils import BACKWARD_OPCHECK, INTERPRETED, assert_close
 from fusedpar.nn import ParallelAttention
 from fusedpar.ops import flash_attention, flash_attention_varlen, hybrid_attention, ring_attention
 from fusedpar.ops.transport import EmulatedTransport
@@ -34,9 +34,7 @@ def _opcheck(op, args):
 
 
 def _opcheck_backward(op, args):
-    """A backward op called directly: schema, registration and fakes. Its AOT dispatch is already
-    traced by the forward op's test_aot_dispatch_* (register_autograd calls it)."""
-    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(op, args, test_utils=BACKWARD_OPCHECK)
 
 
 def _assert_same(got, want, msg):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _compose import batch, tiny_config
-from _utils import DEVICE, INTERPRETED, assert_close
+from _utils import BACKWARD_OPCHECK, DEVICE, INTERPRETED, assert_close
 from fusedpar.nn import Transformer, TransformerBlock
 
 RTOL = 1e-6
@@ -157,7 +157,7 @@ def test_rms_norm_ops_pass_opcheck(residual):
     gh = torch.randn(3, 5, 37, generator=g) if residual else None
     torch.library.opcheck(torch.ops.fusedpar.rms_norm_backward.default,
                           (torch.randn(3, 5, 37, generator=g), gh, h, w.detach(), rstd, True),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+                          test_utils=BACKWARD_OPCHECK)
 
 
 def test_every_registered_op_is_opchecked():

@@ -10,7 +10,7 @@ fusedpar op opaque), so fp32 results agree to rounding of the few torch ops AOT 
 import pytest
 import torch
 import torch.distributed as dist
-from _utils import INTERPRETED
+from _utils import BACKWARD_OPCHECK, INTERPRETED
 from _world import rank_rng
 
 from fusedpar.nn import MoE
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason="CPU-interpreter test; o
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 #: no test_aot_dispatch_static: the dynamic variant traces the same graph with symbolic sizes
-OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+OPCHECK_TESTS = BACKWARD_OPCHECK + ("test_aot_dispatch_dynamic",)
 
 
 def _opcheck(op, args, kwargs=None):
@@ -32,9 +32,7 @@ def _opcheck(op, args, kwargs=None):
 
 
 def _opcheck_backward(op, args, kwargs=None):
-    """A backward op called directly: its AOT dispatch is already traced by the forward op's
-    test_aot_dispatch_dynamic (register_autograd calls it)."""
-    torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_TESTS[:3])
+    torch.library.opcheck(op, args, kwargs, test_utils=BACKWARD_OPCHECK)
 
 
 def _routing(g, T, k, E):

@@ -16,7 +16,7 @@
 import pytest
 import torch
 
-from _utils import INTERPRETED
+from _utils import BACKWARD_OPCHECK, INTERPRETED
 from _world import rank_rng
 from fusedpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
@@ -72,11 +72,6 @@ def _backward_cases(token, P, g):
     ]
 
 
-#: what opcheck runs on the backward ops called directly: their AOT dispatch (and their use by
-#: register_autograd) is already traced by the forward ops' test_aot_dispatch_dynamic
-BACKWARD_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
-
-
 def _opcheck_all(cases, test_utils=None):
     for op, args in cases:
         if test_utils is None:
@@ -89,7 +84,7 @@ def test_opcheck_on_an_emulated_transport():
     t = EmulatedTransport(2, rank=1)  # held for the whole test: the token names it weakly
     g = rank_rng(11)
     _opcheck_all(_forward_cases(t.token, t.size, g))
-    _opcheck_all(_backward_cases(t.token, t.size, g), BACKWARD_TESTS)
+    _opcheck_all(_backward_cases(t.token, t.size, g), BACKWARD_OPCHECK)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["NAMESPACE", "absent", "present", "register_transport", "transport_token", "transport_size",
-           "resolve_token", "token_group"]
+           "resolve_token", "token_group", "token_size", "hold"]
 
 #: the ``torch.library`` namespace of every fusedpar op: ``torch.ops.fusedpar.<name>``
 NAMESPACE = "fusedpar"
@@ -95,6 +95,18 @@ def resolve_token(token: str):
         return transport, None
     name = token.rpartition("@")[0]
     return (name or None), token_group(token)
+
+
+def token_size(token: str) -> int:
+    """The group size a token names, without building a transport (what the fakes need)."""
+    return transport_size(*resolve_token(token))
+
+
+def hold(*tokens) -> tuple:
+    """What a backward's context keeps for the tokens it will use (``None`` entries skipped): a
+    Transport made for one call (``transport=EmulatedTransport(2)``) is named by its token only
+    weakly, so the context holds it until the backward has run."""
+    return tuple(resolve_token(t)[0] for t in tokens if t is not None)
 
 
 def absent(like: torch.Tensor) -> torch.Tensor:

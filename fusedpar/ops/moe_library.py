@@ -21,20 +21,14 @@ import torch
 
 from ..kernels.grouped_gemm import as_group_offsets
 from ..kernels.moe_permute import combine, combine_backward, permute
-from .library import absent, present, resolve_token
+from .library import absent, hold, present
 from .moe_layout import (all_to_all_v_fwd, build_plan, grouped_mlp_bwd, grouped_mlp_fwd, moe_experts_bwd,
                          moe_experts_fwd, plan_from_residuals, plan_residuals)
-from .transport import Transport, get_transport
+from .transport import token_transport
 
-__all__ = ["op_transport"]
+__all__ = []  # registers the ops; the API is fusedpar.ops.moe
 
 _T = torch.Tensor
-
-
-def op_transport(token: str) -> Transport:
-    """The :class:`Transport` a transport token names (inside an op body)."""
-    transport, group = resolve_token(token)
-    return transport if isinstance(transport, Transport) else get_transport(transport, group)
 
 
 def _needs(ctx, *idx) -> bool:
@@ -100,7 +94,7 @@ _grouped_mlp_op.register_autograd(_grouped_mlp_backward, setup_context=_grouped_
 def _moe_mlp_op(x: _T, expert_ids: _T, weights: _T, w1: _T, w2: _T, num_experts: int, token: str, ep: int,
                 capacity: int | None, activation: str, num_chunks: int) -> tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]:
     """``(out, recv, h, pre, y_perm, slot_pos, sorted_slot, offsets, splits)``; see the module docstring."""
-    plan, pending = build_plan(x, expert_ids, num_experts, op_transport(token), capacity, num_chunks if ep > 1 else 1)
+    plan, pending = build_plan(x, expert_ids, num_experts, token_transport(token), capacity, num_chunks if ep > 1 else 1)
     k = plan.top_k
     x_perm = permute(x, plan.sorted_slot, k)
     if ep == 1:
@@ -134,7 +128,7 @@ def _moe_mlp_backward_op(grad: _T, weights: _T, w1: _T, w2: _T, recv: _T, h: _T,
     """``(grad_x, grad_weights, grad_w1, grad_w2)`` (absent where not needed) from the forward's residuals."""
     k = weights.shape[1]
     gy_perm, gw = combine_backward(grad.contiguous(), y_perm, weights, sorted_slot, k)
-    transport = op_transport(token)
+    transport = token_transport(token)
     if transport.size == 1:
         gx_perm, dw1, dw2 = grouped_mlp_bwd(gy_perm, recv, h, pre, w1, w2, offsets[0], activation,
                                             need_input_grad=need_input_grad, need_weight_grad=need_weight_grad)
@@ -162,7 +156,7 @@ def _(grad, weights, w1, w2, recv, h, pre, y_perm, slot_pos, sorted_slot, offset
 def _moe_mlp_setup(ctx, inputs, output):
     _, _, weights, w1, w2, num_experts, token, _, _, activation, _ = inputs
     ctx.num_experts, ctx.token, ctx.activation = num_experts, token, activation
-    ctx.transport = op_transport(token)  # a Transport instance given inline lives as long as the graph
+    ctx.transports = hold(token)  # a Transport instance given inline lives until the backward
     ctx.save_for_backward(weights, w1, w2, *output[1:])
 
 
@@ -251,7 +245,7 @@ _moe_unpermute_op.register_autograd(_moe_unpermute_backward, setup_context=_moe_
 @torch.library.custom_op("fusedpar::all_to_all_v", mutates_args=())
 def _all_to_all_v_op(inp: _T, out_rows: int, out_splits: list[int], in_splits: list[int], token: str) -> _T:
     """``in_splits[r]`` rows of ``inp`` to rank ``r``, ``out_splits[r]`` rows from it (``out_rows`` in all)."""
-    return all_to_all_v_fwd(inp, out_rows, out_splits, in_splits, op_transport(token))
+    return all_to_all_v_fwd(inp, out_rows, out_splits, in_splits, token_transport(token))
 
 
 @_all_to_all_v_op.register_fake
@@ -262,7 +256,7 @@ def _(inp, out_rows, out_splits, in_splits, token):
 def _all_to_all_v_setup(ctx, inputs, output):
     inp, _, out_splits, in_splits, token = inputs
     ctx.args = (inp.shape[0], in_splits, out_splits, token)
-    ctx.transport = op_transport(token)  # alive until the backward has run
+    ctx.transports = hold(token)  # a Transport instance given inline lives until the backward
 
 
 def _all_to_all_v_backward(ctx, grad):  # the gradients go back the way the rows came

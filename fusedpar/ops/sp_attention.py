@@ -35,8 +35,8 @@ from fusedpar.ops.attention import (
     ulysses_attention_fwd,
     ulysses_kv_heads,
 )
-from fusedpar.ops.library import absent, present, resolve_token, transport_size, transport_token
-from fusedpar.ops.transport import Transport, get_transport
+from fusedpar.ops.library import absent, hold, present, token_size, transport_size, transport_token
+from fusedpar.ops.transport import Transport, token_transport
 from fusedpar.ops.varlen import document_bounds
 
 __all__ = ["hybrid_attention", "ring_attention", "ulysses_attention"]
@@ -45,21 +45,8 @@ Tensor = torch.Tensor
 
 
 def _transport(token):
-    """The Transport a token names: the registered instance, or a portable transport over its group."""
-    if token is None:
-        return None
-    transport, group = resolve_token(token)
-    return transport if isinstance(transport, Transport) else get_transport(transport, group)
-
-
-def _held(*tokens) -> tuple:
-    """The transports the tokens name, for a backward's context to hold: a Transport made for one
-    call (``transport=EmulatedTransport(2)``) is referenced by its token only weakly."""
-    return tuple(resolve_token(t)[0] for t in tokens if t is not None)
-
-
-def _token_size(token) -> int:
-    return transport_size(*resolve_token(token))
+    """The Transport a token names (``None`` for no token: no ring in a plain Ulysses call)."""
+    return None if token is None else token_transport(token)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,7 +84,7 @@ def _ring_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.args = (transport, causal, layout, softmax_scale)
-    ctx.transports = _held(transport)
+    ctx.transports = hold(transport)
 
 
 def _ring_backward(ctx, dout, dlse):
@@ -129,7 +116,7 @@ def _ulysses_op(q: Tensor, k: Tensor, v: Tensor, transport: str, ring_transport:
 
 @_ulysses_op.register_fake
 def _(q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens):
-    size = _token_size(transport)
+    size = token_size(transport)
     b, s, hq, d = q.shape
     lse = q.new_empty((b, hq // size, size * s), dtype=torch.float32)
     if size == 1:
@@ -152,7 +139,7 @@ def _ulysses_backward_op(dout: Tensor, q_heads: Tensor, k_heads: Tensor, v_heads
 @_ulysses_backward_op.register_fake
 def _(dout, q_heads, k_heads, v_heads, out_heads, lse, transport, ring_transport, kv_heads, causal, layout,
       softmax_scale, cu_seqlens):
-    size = _token_size(transport)
+    size = token_size(transport)
     b, s_full, hq_local, d = q_heads.shape
     kv = (b, s_full // size, kv_heads, d)
     return q_heads.new_empty((b, s_full // size, hq_local * size, d)), q_heads.new_empty(kv), q_heads.new_empty(kv)
@@ -170,7 +157,7 @@ def _ulysses_setup(ctx, inputs, output):
         hk_local = (heads.shape[2] - out_heads.shape[2]) // 2
         ctx.widths = (out_heads.shape[2], hk_local, hk_local)
     ctx.args = (transport, ring_transport, k.shape[2], causal, layout, softmax_scale)
-    ctx.transports = _held(transport, ring_transport)
+    ctx.transports = hold(transport, ring_transport)
 
 
 def _ulysses_backward(ctx, dout, dheads, dout_heads, dlse):

@@ -32,8 +32,8 @@ import torch
 
 from fusedpar.kernels import chunk_view, matmul
 from fusedpar.kernels.runtime import ACTIVATIONS
-from fusedpar.ops import comm, symmetric
-from fusedpar.ops.library import absent, resolve_token
+from fusedpar.ops import symmetric
+from fusedpar.ops.library import absent, hold, resolve_token, token_size
 from fusedpar.ops.tp_schedules import (
     WeightGrad,
     activation_backward,
@@ -42,12 +42,12 @@ from fusedpar.ops.tp_schedules import (
     ring_reduce_scatter,
     sum_tokens,
 )
-from fusedpar.ops.transport import Transport, get_transport
+from fusedpar.ops.transport import Transport, token_transport
 
 __all__ = [
     "TPOptions", "all_gather_matmul_fwd", "all_gather_matmul_bwd", "matmul_reduce_scatter_fwd",
     "matmul_reduce_scatter_bwd", "matmul_all_reduce_fwd", "matmul_all_reduce_bwd", "copy_to_tp_matmul_fwd",
-    "copy_to_tp_matmul_bwd", "all_gather_last_dim", "token_transport", "token_size",
+    "copy_to_tp_matmul_bwd", "all_gather_last_dim", "tp_transport",
 ]
 
 Tensor = torch.Tensor
@@ -72,19 +72,11 @@ class TPOptions:
     return_gathered: bool = False
 
 
-def token_transport(token: str, x: torch.Tensor, *, portable_only: bool = False) -> Transport:
-    """The transport a token names: the registered instance, or the named one over the token's
-    group (``symmetric.resolve_transport``; :func:`get_transport` with ``portable_only``)."""
+def tp_transport(token: str, x: torch.Tensor):
+    """The transport a tensor-parallel op runs on: the token's registered instance, or the named
+    one over the token's group (``symmetric.resolve_transport``: symmetric where it can run)."""
     transport, group = resolve_token(token)
-    if isinstance(transport, Transport) or portable_only:
-        return get_transport(transport, group)
     return symmetric.resolve_transport(transport, x, group)
-
-
-def token_size(token: str) -> int:
-    """The group size a token names, without building a transport (what the fakes need)."""
-    transport, group = resolve_token(token)
-    return transport.size if isinstance(transport, Transport) else comm.group_size(group)
 
 
 def _n_out(weight, activation):
@@ -101,11 +93,6 @@ def _grads_fake(like_dx, weight, need_dx, need_dw, need_db, n_db=None):
     dw = weight.new_empty(weight.shape) if need_dw else absent(weight)
     db = weight.new_empty((weight.shape[0] if n_db is None else n_db,)) if need_db else absent(weight)
     return dx, dw, db
-
-
-def _hold(ctx, token):
-    """Keep the token's Transport instance alive until the backward (tokens name it weakly)."""
-    ctx.transport = resolve_token(token)[0]
 
 
 def _grads_out(dx, dw, db, like):
@@ -199,7 +186,7 @@ def all_gather_matmul_bwd(grad_out, x, weight, preact, gathered, opts: TPOptions
 def _ag_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, dim: int, activation: str,
            partial_dtype: torch.dtype, keep_preact: bool, keep_gathered: bool,
            save_gathered: bool) -> tuple[Tensor, Tensor, Tensor]:
-    opts = TPOptions(token_transport(token, x), dim, activation, partial_dtype)
+    opts = TPOptions(tp_transport(token, x), dim, activation, partial_dtype)
     out, preact, gathered = all_gather_matmul_fwd(x, weight, bias, opts, keep_preact=keep_preact,
                                                   keep_gathered=keep_gathered)
     return out, _or_absent(preact, x), _or_absent(gathered, x)
@@ -220,7 +207,7 @@ def _ag_backward_op(grad_out: Tensor, x: Tensor | None, gathered: Tensor | None,
                     preact: Tensor | None, token: str, dim: int, activation: str, partial_dtype: torch.dtype,
                     need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     like = x if x is not None else gathered[0]
-    opts = TPOptions(token_transport(token, like), dim, activation, partial_dtype)
+    opts = TPOptions(tp_transport(token, like), dim, activation, partial_dtype)
     dx, dw, db = all_gather_matmul_bwd(grad_out, x, weight, preact, gathered, opts, need_dx=need_dx, need_dw=need_dw,
                                        need_db=need_db)
     return _grads_out(dx, dw, db, weight)
@@ -236,7 +223,7 @@ def _ag_setup(ctx, inputs, output):
     x, weight, bias, token, dim, activation, partial_dtype, keep_preact, _, save_gathered = inputs
     _, preact, gathered = output
     ctx.args = (token, dim, activation, partial_dtype)
-    _hold(ctx, token)
+    ctx.transports = hold(token)
     ctx.has_preact = keep_preact and activation != "none"
     ctx.save_for_backward(None if save_gathered else x, gathered if save_gathered else None, weight,
                           preact if ctx.has_preact else None)
@@ -310,7 +297,7 @@ def matmul_reduce_scatter_bwd(grad_out, x, weight, opts: TPOptions, *, need_dx=T
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
 def _rs_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, dim: int,
            partial_dtype: torch.dtype) -> Tensor:
-    return matmul_reduce_scatter_fwd(x, weight, bias, TPOptions(token_transport(token, x), dim,
+    return matmul_reduce_scatter_fwd(x, weight, bias, TPOptions(tp_transport(token, x), dim,
                                                                 partial_dtype=partial_dtype))
 
 
@@ -324,7 +311,7 @@ def _(x, weight, bias, token, dim, partial_dtype):
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter_backward", mutates_args=())
 def _rs_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, token: str, dim: int, partial_dtype: torch.dtype,
                     need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
-    opts = TPOptions(token_transport(token, x), dim, partial_dtype=partial_dtype)
+    opts = TPOptions(tp_transport(token, x), dim, partial_dtype=partial_dtype)
     dx, dw, db = matmul_reduce_scatter_bwd(grad_out, x, weight, opts, need_dx=need_dx, need_dw=need_dw,
                                            need_db=need_db)
     return _grads_out(dx, dw, db, weight)
@@ -338,7 +325,7 @@ def _(grad_out, x, weight, token, dim, partial_dtype, need_dx, need_dw, need_db)
 def _rs_setup(ctx, inputs, output):
     x, weight, _, token, dim, partial_dtype = inputs
     ctx.args = (token, dim, partial_dtype)
-    _hold(ctx, token)
+    ctx.transports = hold(token)
     ctx.save_for_backward(x, weight)
 
 
@@ -378,7 +365,7 @@ def matmul_all_reduce_bwd(grad_out, x, weight, *, need_dx=True, need_dw=True, ne
 @torch.library.custom_op("fusedpar::matmul_all_reduce", mutates_args=())
 def _ar_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, num_chunks: int,
            reduce_dtype: torch.dtype) -> Tensor:
-    opts = TPOptions(token_transport(token, x), partial_dtype=reduce_dtype, num_chunks=num_chunks)
+    opts = TPOptions(tp_transport(token, x), partial_dtype=reduce_dtype, num_chunks=num_chunks)
     return matmul_all_reduce_fwd(x, weight, bias, opts)
 
 
@@ -464,7 +451,7 @@ def _(x, weight, bias, token, activation, num_chunks, reduce_dtype, keep_preact)
 def _cp_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, preact: Tensor | None, token: str, activation: str,
                     num_chunks: int, reduce_dtype: torch.dtype, need_dx: bool, need_dw: bool,
                     need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
-    opts = TPOptions(token_transport(token, x), activation=activation, partial_dtype=reduce_dtype,
+    opts = TPOptions(tp_transport(token, x), activation=activation, partial_dtype=reduce_dtype,
                      num_chunks=num_chunks)
     dx, dw, db = copy_to_tp_matmul_bwd(grad_out, x, weight, preact, opts, need_dx=need_dx, need_dw=need_dw,
                                        need_db=need_db)
@@ -479,7 +466,7 @@ def _(grad_out, x, weight, preact, token, activation, num_chunks, reduce_dtype, 
 def _cp_setup(ctx, inputs, output):
     x, weight, _, token, activation, num_chunks, reduce_dtype, keep_preact = inputs
     ctx.args = (token, activation, num_chunks, reduce_dtype)
-    _hold(ctx, token)
+    ctx.transports = hold(token)
     ctx.save_for_backward(x, weight, output[1] if keep_preact and activation != "none" else None)
 
 
@@ -511,7 +498,7 @@ def all_gather_last_dim(t: torch.Tensor, transport: Transport) -> torch.Tensor:
 
 @torch.library.custom_op("fusedpar::gather_features", mutates_args=())
 def _gather_op(t: Tensor, token: str) -> Tensor:
-    return all_gather_last_dim(t, token_transport(token, t, portable_only=True))
+    return all_gather_last_dim(t, token_transport(token))
 
 
 @_gather_op.register_fake
@@ -521,7 +508,7 @@ def _(t, token):
 
 @torch.library.custom_op("fusedpar::scatter_features", mutates_args=())
 def _scatter_op(t: Tensor, token: str) -> Tensor:
-    tr = token_transport(token, t, portable_only=True)
+    tr = token_transport(token)
     n = t.shape[-1] // tr.size
     return t.narrow(-1, tr.rank * n, n).clone(memory_format=torch.contiguous_format)
 
@@ -533,7 +520,7 @@ def _(t, token):
 
 def _token_setup(ctx, inputs, output):
     ctx.token = inputs[1]
-    _hold(ctx, inputs[1])
+    ctx.transports = hold(inputs[1])
 
 
 def _gather_backward(ctx, grad):

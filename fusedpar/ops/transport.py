@@ -42,10 +42,10 @@ import torch
 
 from fusedpar.kernels.checks import check_bool, check_int
 from fusedpar.ops import comm
-from fusedpar.ops.library import register_transport
+from fusedpar.ops.library import register_transport, resolve_token
 
 __all__ = ["Transport", "PortableTransport", "EmulatedTransport", "SymmetricBuffers", "SymmetricWorkspace",
-           "cached_workspace", "get_transport"]
+           "cached_workspace", "get_transport", "token_transport"]
 
 # SMs the emulation's waiting GEMM leaves free: peer copies run on copy engines, but a driver may
 # serve a same-device copy with a kernel, which must find an SM while the GEMM programs spin
@@ -331,3 +331,9 @@ def get_transport(transport=None, group=None) -> Transport:
     if transport is not None and transport != "portable":
         raise ValueError(f"transport must be None, 'portable' or a fusedpar.ops.transport.Transport, got {transport!r}")
     return PortableTransport(group)
+
+
+def token_transport(token: str) -> Transport:
+    """The transport a token (:mod:`fusedpar.ops.library`) names, inside an op body: the registered
+    instance, or :class:`PortableTransport` over the token's group."""
+    return get_transport(*resolve_token(token))
