@@ -75,6 +75,7 @@ gpu-test: gpu-setup
 gpu-bench-kernels: gpu-setup
 	for e in none bias gelu swiglu; do $(GPU_BENCH) matmul --epilogue $$e --json $(GPU_RESULTS)/$(GPU_TAG)-matmul-$$e.json || exit 1; done
 	$(GPU_BENCH) attention --json $(GPU_RESULTS)/$(GPU_TAG)-attention.json
+	$(GPU_BENCH) varlen_attention --json $(GPU_RESULTS)/$(GPU_TAG)-varlen_attention.json
 
 gpu-bench-comm: gpu-setup
 	for op in ag_matmul matmul_rs persistent_ag persistent_rs ring_attention; do $(GPU_BENCH) $$op --json $(GPU_RESULTS)/$(GPU_TAG)-$$op.json || exit 1; done

@@ -156,7 +156,8 @@ class Capture:
         kwargs = dict(kwargs)
         kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton >= 3.7 binds it too (3.6: absent)
+            kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
         binder = self._binders.get(fn)
         if binder is None:
             binder = self._binders[fn] = create_function_from_signature(fn.signature, fn.params, self.backend)

@@ -233,7 +233,8 @@ def forward_loss(ids, tgt, state, model, schedule, train: bool):
         return loss.detach().float()
     losses = []
     run = schedule.step if train else schedule.eval
-    run(ids if state.is_first_stage else None, target=tgt, losses=losses)
+    # later stages pass no input at all: torch 2.11 reads a positional None as an input
+    run(*((ids,) if state.is_first_stage else ()), target=tgt, losses=losses)
     return torch.stack(losses).mean().detach().float() if state.is_last_stage else torch.zeros((), device=state.device)
 
 

@@ -16,7 +16,9 @@ if __name__ == "kernels":  # the source dir imported as a top-level package (rep
 
     __all__ = []
 else:
-    from .runtime import ACTIVATIONS, interpreting
+    from .runtime import ACTIVATIONS, check_interpreter, interpreting
+
+    check_interpreter()
     from .gemm import matmul, matmul_reference, matmul_tn
     from .grouped_gemm import (
         as_group_offsets,

@@ -36,6 +36,40 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _release(version: str) -> tuple:
+    """``"3.6.0+git1a2b"`` -> ``(3, 6)``."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def interpreter_incompatibility(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter cannot run the kernels with these versions, or None.
+
+    Triton 3.6's interpreter turns a scalar into a Python int with ``int()`` of a one-element
+    1-D array (a loop ``range(start, ...)`` whose start comes from ``tl.program_id``), which
+    NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"); Triton
+    3.7 and later squeeze first. Compiled kernels are unaffected."""
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) does not run with NumPy "
+                f"{numpy_version}: it needs numpy<2.4 or triton>=3.7 (pip install 'numpy<2.4')")
+    return None
+
+
+def check_interpreter() -> None:
+    """Raise ``RuntimeError`` when the interpreter is on and cannot run the kernels (see
+    :func:`interpreter_incompatibility`); called when ``fusedpar.kernels`` is imported."""
+    if not interpreting():
+        return
+    import numpy
+
+    problem = interpreter_incompatibility(triton.__version__, numpy.__version__)
+    if problem:
+        raise RuntimeError(problem)
+
+
 def needs_upcast(dtype: torch.dtype) -> bool:
     """Under the interpreter ``tl.dot`` on bf16 multiplies bit patterns (triton issue 11584),
     so kernels upcast bf16 operands to fp32 there. The compiled path never upcasts."""

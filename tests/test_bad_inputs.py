@@ -215,3 +215,31 @@ def test_routing_ids_out_of_range_on_gpu_are_reported_later_without_a_sync():
         check_routing_ids()
     check_routing_ids()  # reported once
     assert int(counts.sum()) == 3  # the bad slot was dropped, not written out of bounds
+
+
+@pytest.mark.parametrize("triton_version,numpy_version,bad", [
+    ("3.6.0", "2.4.6", True), ("3.6.0+git1a2b3c4", "2.4.0rc1", True), ("3.6.0", "2.3.5", False),
+    ("3.7.0", "2.4.6", False), ("3.9.0", "2.4.6", False), ("3.6.0", "1.26.4", False)])
+def test_interpreter_version_check(triton_version, numpy_version, bad):
+    """Triton 3.6's interpreter cannot run loops whose start is a program id with NumPy >= 2.4
+    (int() of a one-element array): the versions are named instead of a TypeError deep in a kernel."""
+    from fusedpar.kernels.runtime import interpreter_incompatibility
+
+    problem = interpreter_incompatibility(triton_version, numpy_version)
+    if bad:
+        assert triton_version in problem and numpy_version in problem and "numpy<2.4" in problem, problem
+    else:
+        assert problem is None, problem
+
+
+def test_interpreter_version_check_runs_at_import():
+    """``import fusedpar.kernels`` under TRITON_INTERPRET=1 with the bad pair raises the message."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy, triton; numpy.__version__ = '2.4.1'; triton.__version__ = '3.6.0'\n"
+            "try:\n    import fusedpar.kernels\nexcept RuntimeError as e:\n    print('raised:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=120)
+    assert "raised: Triton 3.6.0's interpreter" in out.stdout and "numpy<2.4" in out.stdout, out.stdout + out.stderr

@@ -205,7 +205,7 @@ def _pipeline(rank, size, refs):
         else:
             schedule = cls(stages, n_microbatches=2, loss_fn=loss_fn)
         losses = []
-        schedule.step(ids if state.is_first_stage else None, target=tgt, losses=losses)
+        schedule.step(*((ids,) if state.is_first_stage else ()), target=tgt, losses=losses)
         if state.is_last_stage:
             assert len(losses) == 2
             assert_close(torch.stack(losses).mean().reshape(1), ref_loss.reshape(1), torch.float32,

@@ -27,7 +27,7 @@ def _three_d(rank, size, ref_loss, ref_grads):
     stage = PipelineStage(model, s, 2, state.device, group=state.pp_group)
     schedule = Schedule1F1B(stage, n_microbatches=2, loss_fn=model.loss)
     losses = []
-    schedule.step(ids if state.is_first_stage else None, target=tgt, losses=losses)
+    schedule.step(*((ids,) if state.is_first_stage else ()), target=tgt, losses=losses)
     sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
     if state.is_last_stage:
         assert_close(data_mean(torch.stack(losses).mean(), state), ref_loss.reshape(1), torch.float32, msg="loss")
