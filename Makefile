@@ -68,9 +68,14 @@ gpu-env: gpu-setup
 	@$(GPU_PY) -c "import torch, triton, platform; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', platform.python_version(), 'device', torch.cuda.get_device_name(), 'sm', torch.cuda.get_device_capability())"
 
 # the compiled test suite: every in-process test (kernels in fp32/fp16/bf16, persistent/waiting GEMMs,
-# the emulated transports); the multi-process worlds are deselected
+# the emulated transports); the multi-process worlds are deselected. About 1,300 kernel
+# specializations compile: each autotuner tries only its first kept config (FUSEDPAR_TUNE_CONFIGS=1;
+# tests/test_tuning.py runs every kept config) and pytest-xdist, where installed, spreads the tests
+# (and their compiles) over GPU_TEST_WORKERS processes sharing the GPU.
+GPU_TEST_WORKERS ?= $(shell $(GPU_PY) -c "import os; print(max(1, min(12, (os.cpu_count() or 2) - 2)))")
 gpu-test: gpu-setup
-	FUSEDPAR_TEST_DEVICE=cuda $(GPU_PY) -m pytest -q -p no:cacheprovider -m "not world" $(PYTEST_ARGS)
+	FUSEDPAR_TEST_DEVICE=cuda FUSEDPAR_TUNE_CONFIGS=1 $(GPU_PY) -m pytest -q -p no:cacheprovider -m "not world" \
+	  $$($(GPU_PY) -c "import xdist" >/dev/null 2>&1 && echo "-n $(GPU_TEST_WORKERS)") $(PYTEST_ARGS)
 
 gpu-bench-kernels: gpu-setup
 	for e in none bias gelu swiglu; do $(GPU_BENCH) matmul --epilogue $$e --json $(GPU_RESULTS)/$(GPU_TAG)-matmul-$$e.json || exit 1; done

@@ -262,6 +262,7 @@ def _check_against(args) -> int:
 
 def main(argv=None) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.pop("FUSEDPAR_TUNE_CONFIGS", None)  # the decisions are the prune rules' alone
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("triton was imported in interpreter mode; run the compile check in a fresh process")

@@ -48,7 +48,7 @@ from .checks import (
     check_same,
     check_tensor,
 )
-from .runtime import device_capability, input_precision, interpreting, needs_upcast, shared_memory_limit
+from .runtime import autotuned, device_capability, input_precision, interpreting, needs_upcast, shared_memory_limit
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -349,12 +349,11 @@ def _prune(kind):
 
 @functools.lru_cache(maxsize=None)
 def _tuned(kernel, kind: str):
-    return triton.autotune(
-        configs=gpu_configs(kind),
+    return autotuned(
+        kernel, configs=gpu_configs(kind),
         key=["SQ", "SK", "HEAD_DIM", "CAUSAL", "GROUP", "SEGMENTED", "INPUT_PRECISION"],  # fp32 ieee prunes differently
-        prune_configs_by={"early_config_prune": _prune(kind)},
-        restore_value=_RESTORE[kind],
-    )(kernel)
+        prune=_prune(kind), restore_value=_RESTORE[kind],
+    )
 
 
 #: CUDA's limit on grid axis 0 (axes 1 and 2 stop at 65535, so nothing goes there)

@@ -28,6 +28,7 @@ from .runtime import (
     acc_budget_for,
     activation_reference,
     aligned,
+    autotuned,
     apply_activation,
     device_capability,
     input_precision,
@@ -283,12 +284,11 @@ def _prune_configs(configs, named_args, **kwargs):
 
 @functools.lru_cache(maxsize=None)
 def _tuned_kernel():
-    return triton.autotune(
-        configs=gpu_configs(),
-        key=["M", "N", "K", "GLU", "A_K_SPLIT", "HAS_RES"],
-        prune_configs_by={"early_config_prune": _prune_configs},
+    return autotuned(
+        _gemm_kernel, configs=gpu_configs(), key=["M", "N", "K", "GLU", "A_K_SPLIT", "HAS_RES"],
+        prune=_prune_configs,
         restore_value=["c_ptr"],  # accumulate mode reads C: tuning runs must not compound it
-    )(_gemm_kernel)
+    )
 
 
 # --------------------------------------------------------------------------------------------

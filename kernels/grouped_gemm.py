@@ -35,6 +35,7 @@ from .runtime import (
     acc_budget_for,
     activation_reference,
     aligned,
+    autotuned,
     device_capability,
     input_precision,
     interpreting,
@@ -325,18 +326,14 @@ def _prune_wgrad(configs, named_args, **kwargs):
 
 @functools.lru_cache(maxsize=None)
 def _tuned_gemm():
-    return triton.autotune(
-        configs=_gemm_gpu_configs(), key=["N", "K", "G", "ACT", "GLU", "DACT"],
-        prune_configs_by={"early_config_prune": _prune},
-    )(_grouped_gemm_kernel)
+    return autotuned(_grouped_gemm_kernel, configs=_gemm_gpu_configs(), key=["N", "K", "G", "ACT", "GLU", "DACT"],
+                     prune=_prune)
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned_wgrad():
-    return triton.autotune(
-        configs=_wgrad_gpu_configs(), key=["N", "K", "G", "ACCUMULATE"],
-        prune_configs_by={"early_config_prune": _prune_wgrad}, restore_value=["dw_ptr"],
-    )(_grouped_wgrad_kernel)
+    return autotuned(_grouped_wgrad_kernel, configs=_wgrad_gpu_configs(), key=["N", "K", "G", "ACCUMULATE"],
+                     prune=_prune_wgrad, restore_value=["dw_ptr"])
 
 
 

@@ -36,8 +36,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _release(version: str) -> tuple:
-    """``"3.6.0+git1a2b"`` -> ``(3, 6)``."""
+def release(version: str) -> tuple:
+    """A version's (major, minor): ``"3.6.0+git1a2b"`` -> ``(3, 6)``."""
     parts = []
     for piece in version.split(".")[:2]:
         digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
@@ -52,7 +52,7 @@ def interpreter_incompatibility(triton_version: str, numpy_version: str) -> str 
     1-D array (a loop ``range(start, ...)`` whose start comes from ``tl.program_id``), which
     NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"); Triton
     3.7 and later squeeze first. Compiled kernels are unaffected."""
-    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+    if release(triton_version) < (3, 7) and release(numpy_version) >= (2, 4):
         return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) does not run with NumPy "
                 f"{numpy_version}: it needs numpy<2.4 or triton>=3.7 (pip install 'numpy<2.4')")
     return None
@@ -229,6 +229,70 @@ def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int
             continue
         kept.append(cfg)
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+#: the autotuners :func:`autotuned` made, by kernel name (so a sweep can clear their choices)
+_AUTOTUNERS: dict = {}
+#: per autotuned kernel name, how many configs its prune rule kept at its latest tuning
+_KEPT: dict = {}
+
+
+def tuning_selection() -> tuple:
+    """``FUSEDPAR_TUNE_CONFIGS``: which of the configs a prune rule keeps an autotuner tries.
+    Unset or empty: all of them (users, benchmarks). ``N`` (an integer >= 1): the first N, in the
+    config list's order; the compiled test suite sets 1 so that each kernel specialization
+    compiles once. ``#K``: only the K-th (modulo their number), for a sweep that checks every kept
+    config in turn (tests/test_tuning.py). Returns ``("all",)``, ``("first", N)`` or ``("index", K)``."""
+    raw = os.environ.get("FUSEDPAR_TUNE_CONFIGS", "").strip()
+    if not raw:
+        return ("all",)
+    try:
+        value = int(raw[1:] if raw.startswith("#") else raw)
+    except ValueError:
+        value = -1
+    if value < (0 if raw.startswith("#") else 1):
+        raise ValueError(f"FUSEDPAR_TUNE_CONFIGS must be an integer >= 1 or '#K' with K >= 0, got {raw!r}")
+    return ("index", value) if raw.startswith("#") else ("first", value)
+
+
+def select_tuning_configs(name: str, kept: list) -> list:
+    """The configs the autotuner of kernel ``name`` benchmarks, out of those its prune rule kept
+    (see :func:`tuning_selection`); records how many were kept (:func:`kept_config_count`)."""
+    _KEPT[name] = len(kept)
+    mode = tuning_selection()
+    if mode[0] == "first":
+        return kept[:mode[1]]
+    if mode[0] == "index":
+        return [kept[mode[1] % len(kept)]]
+    return kept
+
+
+def kept_config_count(name: str) -> int:
+    """How many configs the prune rule of autotuned kernel ``name`` kept at its latest tuning."""
+    if name not in _KEPT:
+        raise KeyError(f"kernel {name!r} has not been tuned yet; tuned so far: {sorted(_KEPT)}")
+    return _KEPT[name]
+
+
+def autotuned(kernel, *, configs, key, prune, restore_value=None):
+    """``triton.autotune`` over ``configs`` with the early prune rule ``prune(configs, named_args,
+    **kwargs)`` followed by :func:`select_tuning_configs`; registered under the kernel's name."""
+    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+
+    def early_prune(cfgs, named_args, **kwargs):
+        return select_tuning_configs(name, prune(cfgs, named_args, **kwargs))
+
+    tuner = triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": early_prune},
+                            restore_value=restore_value)(kernel)
+    _AUTOTUNERS[name] = tuner
+    return tuner
+
+
+def clear_tuning_caches() -> None:
+    """Forget every autotuner's per-key choice, so the next launch prunes and tunes anew (after
+    ``FUSEDPAR_TUNE_CONFIGS`` changed)."""
+    for tuner in _AUTOTUNERS.values():
+        tuner.cache.clear()
 
 
 def input_precision(dtype: torch.dtype) -> str:

@@ -1,0 +1,132 @@
+"""``FUSEDPAR_TUNE_CONFIGS``: which of the configs a prune rule keeps the autotuners try.
+
+The compiled suite (``make gpu-test``) sets it to 1 so each kernel specialization compiles once
+(about 1,300 specializations; every kept config of each would be several thousand compiles). So
+that no kept config goes unchecked, the sweeps below run every config the prune rules keep, one
+at a time (``#K``), on awkward shapes (odd sizes, tails in every tile dim) against a float64
+reference: the GEMM with a fused bias + GELU epilogue, a gated SwiGLU with a residual, the
+grouped GEMM (gated, empty and ragged groups) and its weight gradient, flash attention forward
+and backward (causal and not, d 64 and 128). The parsing and selection rules run on CPU too.
+"""
+import pytest
+import torch
+
+from _utils import DEVICE, assert_close, randn
+from fusedpar.kernels import (
+    attention_reference,
+    flash_attention_backward,
+    flash_attention_forward,
+    grouped_matmul,
+    grouped_matmul_reference,
+    grouped_wgrad,
+    matmul,
+    matmul_reference,
+)
+from fusedpar.kernels.runtime import clear_tuning_caches, kept_config_count, select_tuning_configs, tuning_selection
+
+# tolerances relative to the reference's RMS, as in test_gemm / test_flash_attention: bf16 inputs
+# and outputs carry an 8-bit mantissa (1.6e-2); attention gradients round P and dS to bf16 (4e-2)
+OUT_TOL, GRAD_TOL = 1.6e-2, 4e-2
+
+
+@pytest.mark.parametrize("raw,expected", [("", ("all",)), ("  ", ("all",)), ("1", ("first", 1)), ("3", ("first", 3)),
+                                          ("#0", ("index", 0)), ("#7", ("index", 7))])
+def test_selection_parsing(monkeypatch, raw, expected):
+    monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", raw)
+    assert tuning_selection() == expected
+
+
+@pytest.mark.parametrize("raw", ["0", "-2", "#-1", "all", "#", "1.5"])
+def test_selection_rejects_bad_values(monkeypatch, raw):
+    monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", raw)
+    with pytest.raises(ValueError, match=r"FUSEDPAR_TUNE_CONFIGS must be an integer >= 1 or '#K'.*" + repr(raw)[1:-1]):
+        tuning_selection()
+
+
+def test_selection_of_kept_configs(monkeypatch):
+    kept = ["a", "b", "c"]
+    monkeypatch.delenv("FUSEDPAR_TUNE_CONFIGS", raising=False)
+    assert select_tuning_configs("k", kept) == kept and kept_config_count("k") == 3
+    monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "2")
+    assert select_tuning_configs("k", kept) == ["a", "b"]
+    monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "5")
+    assert select_tuning_configs("k", kept) == kept
+    monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "#4")
+    assert select_tuning_configs("k", kept[:2]) == ["a"] and kept_config_count("k") == 2
+    with pytest.raises(KeyError, match="has not been tuned"):
+        kept_config_count("never_tuned_kernel")
+
+
+def _sweep(monkeypatch, kernels, run_and_check):
+    """Run ``run_and_check()`` once per kept config of the autotuned ``kernels`` (``#K`` for K up
+    to the largest kept count among them; each kernel takes K modulo its own count)."""
+    monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "#0")
+    clear_tuning_caches()
+    run_and_check()
+    n = max(kept_config_count(k) for k in kernels)
+    assert n >= 1
+    for k in range(1, n):
+        monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", f"#{k}")
+        clear_tuning_caches()
+        run_and_check()
+    clear_tuning_caches()
+    return n
+
+
+@pytest.mark.gpu
+def test_every_gemm_config(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    dt = torch.bfloat16
+    a, w, bias = randn(93, 200, dtype=dt, generator=g), randn(135, 200, dtype=dt, generator=g), randn(135, dtype=dt, generator=g)
+    wg, res = randn(2 * 71, 200, dtype=dt, generator=g), randn(93, 71, dtype=dt, generator=g)
+    ref = matmul_reference(a, w, bias, activation="gelu")
+    ref_g = matmul_reference(a, wg, activation="swiglu", residual=res)
+
+    def check():
+        assert_close(matmul(a, w, bias, activation="gelu"), ref, dt, rtol=OUT_TOL, msg="bias+gelu")
+        assert_close(matmul(a, wg, activation="swiglu", residual=res), ref_g, dt, rtol=OUT_TOL, msg="swiglu+residual")
+
+    assert _sweep(monkeypatch, ["_gemm_kernel"], check) >= 2
+
+
+@pytest.mark.gpu
+def test_every_grouped_config(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    dt = torch.bfloat16
+    offsets = [0, 37, 37, 120, 121, 190]  # an empty group, a one-row group, ragged tails
+    x, w = randn(197, 96, dtype=dt, generator=g), randn(3, 2 * 72, 96, dtype=dt, generator=g)
+    dy = randn(197, 80, dtype=dt, generator=g)
+    ref = grouped_matmul_reference(x, w, offsets, activation="swiglu")
+    ref_w = torch.zeros(3, 80, 96, dtype=torch.float64, device=DEVICE)
+    for i in range(len(offsets) - 1):
+        lo, hi = offsets[i], offsets[i + 1]
+        ref_w[i % 3] += dy[lo:hi].double().t() @ x[lo:hi].double()
+
+    def check():
+        assert_close(grouped_matmul(x, w, offsets, activation="swiglu"), ref, dt, rtol=OUT_TOL, msg="grouped swiglu")
+        assert_close(grouped_wgrad(dy, x, offsets, 3), ref_w, dt, rtol=OUT_TOL, msg="grouped wgrad")
+
+    assert _sweep(monkeypatch, ["_grouped_gemm_kernel", "_grouped_wgrad_kernel"], check) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_flash_config(monkeypatch, head_dim, causal):
+    g = torch.Generator().manual_seed(5 + head_dim)
+    dt = torch.bfloat16
+    q = randn(2, 203, 4, head_dim, dtype=dt, generator=g)
+    k, v = randn(2, 203, 2, head_dim, dtype=dt, generator=g), randn(2, 203, 2, head_dim, dtype=dt, generator=g)
+    do = randn(2, 203, 4, head_dim, dtype=dt, generator=g)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ro, _ = attention_reference(q64, k64, v64, causal=causal)
+    ro.backward(do.double())
+
+    def check():
+        out, lse = flash_attention_forward(q, k, v, causal=causal)
+        assert_close(out, ro.detach(), dt, rtol=OUT_TOL, msg="flash out")
+        for name, got, ref in zip("dq dk dv".split(), flash_attention_backward(do, q, k, v, out, lse, causal=causal),
+                                  (q64.grad, k64.grad, v64.grad)):
+            assert_close(got, ref, dt, rtol=GRAD_TOL, atol=GRAD_TOL * ref.pow(2).mean().sqrt().item(), msg=name)
+
+    _sweep(monkeypatch, ["_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"], check)
