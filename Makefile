@@ -70,12 +70,12 @@ gpu-env: gpu-setup
 # the compiled test suite: every in-process test (kernels in fp32/fp16/bf16, persistent/waiting GEMMs,
 # the emulated transports); the multi-process worlds are deselected. About 1,300 kernel
 # specializations compile: each autotuner tries only its first kept config (FUSEDPAR_TUNE_CONFIGS=1;
-# tests/test_tuning.py runs every kept config) and pytest-xdist, where installed, spreads the tests
-# (and their compiles) over GPU_TEST_WORKERS processes sharing the GPU.
+# tests/test_tuning.py runs the kept configs of ragged shapes one by one) and pytest-xdist, where
+# installed, spreads the tests (and their compiles) over GPU_TEST_WORKERS processes sharing the GPU.
 GPU_TEST_WORKERS ?= $(shell $(GPU_PY) -c "import os; print(max(1, min(12, (os.cpu_count() or 2) - 2)))")
 gpu-test: gpu-setup
 	FUSEDPAR_TEST_DEVICE=cuda FUSEDPAR_TUNE_CONFIGS=1 $(GPU_PY) -m pytest -q -p no:cacheprovider -m "not world" \
-	  $$($(GPU_PY) -c "import xdist" >/dev/null 2>&1 && echo "-n $(GPU_TEST_WORKERS)") $(PYTEST_ARGS)
+	  $$($(GPU_PY) -c "import xdist" >/dev/null 2>&1 && echo "-n $(GPU_TEST_WORKERS) --dist loadgroup") $(PYTEST_ARGS)
 
 gpu-bench-kernels: gpu-setup
 	for e in none bias gelu swiglu; do $(GPU_BENCH) matmul --epilogue $$e --json $(GPU_RESULTS)/$(GPU_TAG)-matmul-$$e.json || exit 1; done

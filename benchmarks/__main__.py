@@ -53,9 +53,6 @@ def main(argv=None):
         return 0
 
     ctx = Context(gpu=gpu, device=torch.device("cuda" if gpu else "cpu"))
-    if os.environ.get("FUSEDPAR_TUNE_CONFIGS", "").strip():
-        ctx.notes.append(f"FUSEDPAR_TUNE_CONFIGS={os.environ['FUSEDPAR_TUNE_CONFIGS']} limits the autotuners: "
-                         "these are not the tuned kernels' figures.")
     info = env_info(ctx)
     print("fusedpar benchmarks: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     results: dict = {}

@@ -136,6 +136,10 @@ def env_info(ctx: Context) -> dict:
             info["driver"] = "unknown"
     else:
         info["device"] = f"CPU ({platform.processor() or platform.machine()})"
+    if os.environ.get("FUSEDPAR_TUNE_CONFIGS", "").strip():
+        # the test-time limit on the autotuners: such figures are not the tuned kernels' (the
+        # report leaves these runs out)
+        info["tune_configs"] = os.environ["FUSEDPAR_TUNE_CONFIGS"].strip()
     return info
 
 

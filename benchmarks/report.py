@@ -72,8 +72,8 @@ def load_runs(results_dir: str) -> list[tuple[str, dict]]:
                 raise ValueError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(data, dict) or "env" not in data or "results" not in data:
             continue  # not a benchmark run file (e.g. the compile tables)
-        if not str(data["env"].get("mode", "")).startswith("compiled"):
-            continue
+        if not str(data["env"].get("mode", "")).startswith("compiled") or data["env"].get("tune_configs"):
+            continue  # CPU smoke runs; runs with the autotuners limited (FUSEDPAR_TUNE_CONFIGS)
         runs.append((os.path.basename(path), data))
     runs.sort(key=lambda r: str(r[1]["env"].get("date", "")))
     return runs

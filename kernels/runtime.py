@@ -233,7 +233,8 @@ def prune_tile_configs(configs, *, elem_size: int, b_tiles: int, smem_limit: int
 
 #: the autotuners :func:`autotuned` made, by kernel name (so a sweep can clear their choices)
 _AUTOTUNERS: dict = {}
-#: per autotuned kernel name, how many configs its prune rule kept at its latest tuning
+#: per autotuned kernel name, the most configs its prune rule kept at any tuning since the last
+#: :func:`clear_tuning_caches`
 _KEPT: dict = {}
 
 
@@ -258,7 +259,7 @@ def tuning_selection() -> tuple:
 def select_tuning_configs(name: str, kept: list) -> list:
     """The configs the autotuner of kernel ``name`` benchmarks, out of those its prune rule kept
     (see :func:`tuning_selection`); records how many were kept (:func:`kept_config_count`)."""
-    _KEPT[name] = len(kept)
+    _KEPT[name] = max(_KEPT.get(name, 0), len(kept))
     mode = tuning_selection()
     if mode[0] == "first":
         return kept[:mode[1]]
@@ -268,7 +269,8 @@ def select_tuning_configs(name: str, kept: list) -> list:
 
 
 def kept_config_count(name: str) -> int:
-    """How many configs the prune rule of autotuned kernel ``name`` kept at its latest tuning."""
+    """The most configs the prune rule of autotuned kernel ``name`` kept at one tuning (one key)
+    since the last :func:`clear_tuning_caches`."""
     if name not in _KEPT:
         raise KeyError(f"kernel {name!r} has not been tuned yet; tuned so far: {sorted(_KEPT)}")
     return _KEPT[name]
@@ -289,10 +291,11 @@ def autotuned(kernel, *, configs, key, prune, restore_value=None):
 
 
 def clear_tuning_caches() -> None:
-    """Forget every autotuner's per-key choice, so the next launch prunes and tunes anew (after
-    ``FUSEDPAR_TUNE_CONFIGS`` changed)."""
+    """Forget every autotuner's per-key choice (and the kept counts), so the next launch prunes
+    and tunes anew (after ``FUSEDPAR_TUNE_CONFIGS`` changed)."""
     for tuner in _AUTOTUNERS.values():
         tuner.cache.clear()
+    _KEPT.clear()
 
 
 def input_precision(dtype: torch.dtype) -> str:

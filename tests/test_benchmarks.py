@@ -112,8 +112,8 @@ def test_train_cli_smoke(bench_main, tmp_path):
         assert r["matmul_params"] > 0 and r["model_TFLOPs"] > 0
 
 
-def _run_file(path, mode, date, rows):
-    env = {"date": date, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "mode": mode}
+def _run_file(path, mode, date, rows, **extra_env):
+    env = {"date": date, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "mode": mode, **extra_env}
     path.write_text(json.dumps({"env": env, "results": rows}))
 
 
@@ -124,11 +124,14 @@ def test_report_from_gpu_runs_only(bench_main, tmp_path):
     _run_file(results / "h100-attention.json", "compiled (CUDA)", "2026-11-23 10:00 UTC", {"attention": attn})
     _run_file(results / "cpu.json", "CPU smoke (Triton interpreter): numbers are NOT performance",
               "2026-11-23 11:00 UTC", {"matmul": [{"epilogue": "none", "ratio_vs_torch": 123.0}]})
+    _run_file(results / "limited.json", "compiled (CUDA)", "2026-11-23 12:00 UTC",
+              {"matmul": [{"epilogue": "none", "ratio_vs_torch": 456.0}]}, tune_configs="1")
     (results / "compile_sm90.json").write_text(json.dumps([{"kernel": "not a run file"}]))
     out = tmp_path / "RESULTS.md"
     assert bench_main(["report", "--results", str(results), "--out", str(out)]) == 0
     text = out.read_text()
     assert "## h100-attention.json" in text and "cpu.json" not in text and "123" not in text
+    assert "limited.json" not in text and "456" not in text  # autotuners limited: not tuned figures
     assert "fwd_ratio_vs_sdpa 1.07 (≥ 1: met)" in text
     assert "bwd_ratio_vs_sdpa 0.81 (≥ 0.9: MISSED)" in text
     svg = (tmp_path / "results_ratios.svg").read_text()
@@ -141,3 +144,14 @@ def test_report_without_runs_lists_the_targets(bench_main, tmp_path):
     text = out.read_text()
     assert "No GPU run has been recorded yet" in text and "| ring_attention | efficiency_vs_plain | ≥ 0.92 |" in text
     assert not (tmp_path / "results_ratios.svg").exists()
+
+
+def test_env_line_names_limited_autotuners(common, monkeypatch):
+    """A run under FUSEDPAR_TUNE_CONFIGS records it in its env (and the report leaves it out)."""
+    import torch
+
+    ctx = common.Context(gpu=False, device=torch.device("cpu"))
+    monkeypatch.delenv("FUSEDPAR_TUNE_CONFIGS", raising=False)
+    assert "tune_configs" not in common.env_info(ctx)
+    monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "1")
+    assert common.env_info(ctx)["tune_configs"] == "1"

@@ -11,6 +11,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# under pytest-xdist (make gpu-test) the module's tests share one worker, so the fast subset
+# (a compile subprocess of its own, one process per core) is compiled once
+pytestmark = pytest.mark.xdist_group("compile")
 #: prune estimate vs the compiler's shared memory, for every autotuned kernel (GEMMs, flash attention)
 ESTIMATE_TOLERANCE = 0.05
 #: the Triton release benchmarks/results/compile_sm90.md and compile_sm80.md were compiled with
@@ -90,7 +93,7 @@ def test_no_spills(fast_rows):
         assert not spills, spills
         return
     recorded = recorded_spills(table)
-    unexpected = [s for s in spills if not any(r[:3] == s[:3] and set(s[3].split("; ")) <= r[3] and r[4] == s[4]
+    unexpected = [s for s in spills if not any(r[:3] == s[:3] and set(s[3].split("; ")) <= r[3] and s[4] <= r[4]
                                                for r in recorded)]
     assert not unexpected, (f"spills that {os.path.basename(table)} does not record", unexpected)
 

@@ -2,11 +2,15 @@
 
 The compiled suite (``make gpu-test``) sets it to 1 so each kernel specialization compiles once
 (about 1,300 specializations; every kept config of each would be several thousand compiles). So
-that no kept config goes unchecked, the sweeps below run every config the prune rules keep, one
-at a time (``#K``), on awkward shapes (odd sizes, tails in every tile dim) against a float64
-reference: the GEMM with a fused bias + GELU epilogue, a gated SwiGLU with a residual, the
-grouped GEMM (gated, empty and ragged groups) and its weight gradient, flash attention forward
-and backward (causal and not, d 64 and 128). The parsing and selection rules run on CPU too.
+that the configs the first-config rule skips are still run, the sweeps below run every config
+the prune rules keep at their shapes, one at a time (``#K``), on awkward shapes (odd M and N,
+tails in every tile dim; K both "unaligned", which keeps only 32-deep tiles, and a multiple of
+64, which keeps the 64-deep ones) against a float64 reference, in bf16: the GEMM plain, with a
+fused bias + GELU epilogue and gated SwiGLU + residual; the grouped GEMM (plain and gated, empty
+and one-row groups) and its weight gradient; flash attention forward and backward (causal and
+not, d 64 and 128, GQA). Not swept: fp16 / fp32 / TF32 launches (other prune outcomes) and
+configs only LLM-sized shapes keep (the benchmarks check those results before timing them).
+The parsing and selection rules run on CPU too.
 """
 import pytest
 import torch
@@ -52,6 +56,10 @@ def test_selection_of_kept_configs(monkeypatch):
     monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "5")
     assert select_tuning_configs("k", kept) == kept
     monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "#4")
+    assert select_tuning_configs("k", kept[:2]) == ["a"] and kept_config_count("k") == 3  # the most of any key
+    clear_tuning_caches()
+    with pytest.raises(KeyError, match="has not been tuned"):
+        kept_config_count("k")
     assert select_tuning_configs("k", kept[:2]) == ["a"] and kept_config_count("k") == 2
     with pytest.raises(KeyError, match="has not been tuned"):
         kept_config_count("never_tuned_kernel")
@@ -60,33 +68,41 @@ def test_selection_of_kept_configs(monkeypatch):
 def _sweep(monkeypatch, kernels, run_and_check):
     """Run ``run_and_check()`` once per kept config of the autotuned ``kernels`` (``#K`` for K up
     to the largest kept count among them; each kernel takes K modulo its own count)."""
-    monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "#0")
-    clear_tuning_caches()
-    run_and_check()
-    n = max(kept_config_count(k) for k in kernels)
-    assert n >= 1
-    for k in range(1, n):
-        monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", f"#{k}")
+    try:
+        monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "#0")
         clear_tuning_caches()
         run_and_check()
-    clear_tuning_caches()
-    return n
+        counts = {k: kept_config_count(k) for k in kernels}
+        for k in range(1, max(counts.values())):
+            monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", f"#{k}")
+            clear_tuning_caches()
+            run_and_check()
+    finally:
+        clear_tuning_caches()  # no later test may inherit a '#K' choice
+    return counts
 
 
 @pytest.mark.gpu
 def test_every_gemm_config(monkeypatch):
     g = torch.Generator().manual_seed(3)
     dt = torch.bfloat16
-    a, w, bias = randn(93, 200, dtype=dt, generator=g), randn(135, 200, dtype=dt, generator=g), randn(135, dtype=dt, generator=g)
-    wg, res = randn(2 * 71, 200, dtype=dt, generator=g), randn(93, 71, dtype=dt, generator=g)
-    ref = matmul_reference(a, w, bias, activation="gelu")
-    ref_g = matmul_reference(a, wg, activation="swiglu", residual=res)
+    cases = []
+    for k in (200, 256):  # K = 200 is "unaligned" (only BLOCK_K 32 tiles); K = 256 keeps the 64-deep ones
+        a, w, bias = (randn(93, k, dtype=dt, generator=g), randn(135, k, dtype=dt, generator=g),
+                      randn(135, dtype=dt, generator=g))
+        wg, res = randn(2 * 71, k, dtype=dt, generator=g), randn(93, 71, dtype=dt, generator=g)
+        cases.append((a, w, bias, wg, res, matmul_reference(a, w, bias, activation="gelu"),
+                      matmul_reference(a, wg, activation="swiglu", residual=res), matmul_reference(a, w)))
 
     def check():
-        assert_close(matmul(a, w, bias, activation="gelu"), ref, dt, rtol=OUT_TOL, msg="bias+gelu")
-        assert_close(matmul(a, wg, activation="swiglu", residual=res), ref_g, dt, rtol=OUT_TOL, msg="swiglu+residual")
+        for a, w, bias, wg, res, ref, ref_g, ref_p in cases:
+            k = a.shape[1]
+            assert_close(matmul(a, w), ref_p, dt, rtol=OUT_TOL, msg=f"plain K={k}")
+            assert_close(matmul(a, w, bias, activation="gelu"), ref, dt, rtol=OUT_TOL, msg=f"bias+gelu K={k}")
+            assert_close(matmul(a, wg, activation="swiglu", residual=res), ref_g, dt, rtol=OUT_TOL,
+                         msg=f"swiglu+residual K={k}")
 
-    assert _sweep(monkeypatch, ["_gemm_kernel"], check) >= 2
+    assert _sweep(monkeypatch, ["_gemm_kernel"], check)["_gemm_kernel"] >= 8
 
 
 @pytest.mark.gpu
@@ -94,19 +110,28 @@ def test_every_grouped_config(monkeypatch):
     g = torch.Generator().manual_seed(4)
     dt = torch.bfloat16
     offsets = [0, 37, 37, 120, 121, 190]  # an empty group, a one-row group, ragged tails
-    x, w = randn(197, 96, dtype=dt, generator=g), randn(3, 2 * 72, 96, dtype=dt, generator=g)
-    dy = randn(197, 80, dtype=dt, generator=g)
-    ref = grouped_matmul_reference(x, w, offsets, activation="swiglu")
-    ref_w = torch.zeros(3, 80, 96, dtype=torch.float64, device=DEVICE)
-    for i in range(len(offsets) - 1):
-        lo, hi = offsets[i], offsets[i + 1]
-        ref_w[i % 3] += dy[lo:hi].double().t() @ x[lo:hi].double()
+    cases = []
+    for k in (96, 256):  # K = 96 is "unaligned" for 64-deep tiles; K = 256 keeps them
+        x, w, wp = (randn(197, k, dtype=dt, generator=g), randn(3, 2 * 72, k, dtype=dt, generator=g),
+                    randn(3, 88, k, dtype=dt, generator=g))
+        dy = randn(197, 80, dtype=dt, generator=g)
+        ref_w = torch.zeros(3, 80, k, dtype=torch.float64, device=DEVICE)
+        for i in range(len(offsets) - 1):
+            lo, hi = offsets[i], offsets[i + 1]
+            ref_w[i % 3] += dy[lo:hi].double().t() @ x[lo:hi].double()
+        cases.append((x, w, wp, dy, grouped_matmul_reference(x, w, offsets, activation="swiglu"),
+                      grouped_matmul_reference(x, wp, offsets), ref_w))
 
     def check():
-        assert_close(grouped_matmul(x, w, offsets, activation="swiglu"), ref, dt, rtol=OUT_TOL, msg="grouped swiglu")
-        assert_close(grouped_wgrad(dy, x, offsets, 3), ref_w, dt, rtol=OUT_TOL, msg="grouped wgrad")
+        for x, w, wp, dy, ref, ref_p, ref_w in cases:
+            k = x.shape[1]
+            assert_close(grouped_matmul(x, w, offsets, activation="swiglu"), ref, dt, rtol=OUT_TOL,
+                         msg=f"grouped swiglu K={k}")
+            assert_close(grouped_matmul(x, wp, offsets), ref_p, dt, rtol=OUT_TOL, msg=f"grouped plain K={k}")
+            assert_close(grouped_wgrad(dy, x, offsets, 3), ref_w, dt, rtol=OUT_TOL, msg=f"grouped wgrad K={k}")
 
-    assert _sweep(monkeypatch, ["_grouped_gemm_kernel", "_grouped_wgrad_kernel"], check) >= 2
+    counts = _sweep(monkeypatch, ["_grouped_gemm_kernel", "_grouped_wgrad_kernel"], check)
+    assert counts["_grouped_gemm_kernel"] >= 6 and counts["_grouped_wgrad_kernel"] >= 2, counts
 
 
 @pytest.mark.gpu
