@@ -58,14 +58,18 @@ def interpreter_incompatibility(triton_version: str, numpy_version: str) -> str 
     return None
 
 
+def interpreter_problem() -> str | None:
+    """:func:`interpreter_incompatibility` of the installed Triton and NumPy (whether or not the
+    interpreter is on: test worlds ask it before starting interpreted workers)."""
+    import numpy
+
+    return interpreter_incompatibility(triton.__version__, numpy.__version__)
+
+
 def check_interpreter() -> None:
     """Raise ``RuntimeError`` when the interpreter is on and cannot run the kernels (see
     :func:`interpreter_incompatibility`); called when ``fusedpar.kernels`` is imported."""
-    if not interpreting():
-        return
-    import numpy
-
-    problem = interpreter_incompatibility(triton.__version__, numpy.__version__)
+    problem = interpreter_problem() if interpreting() else None
     if problem:
         raise RuntimeError(problem)
 
@@ -279,7 +283,7 @@ def kept_config_count(name: str) -> int:
 def autotuned(kernel, *, configs, key, prune, restore_value=None):
     """``triton.autotune`` over ``configs`` with the early prune rule ``prune(configs, named_args,
     **kwargs)`` followed by :func:`select_tuning_configs`; registered under the kernel's name."""
-    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+    name = kernel.fn.__name__  # kernel: a @triton.jit function
 
     def early_prune(cfgs, named_args, **kwargs):
         return select_tuning_configs(name, prune(cfgs, named_args, **kwargs))

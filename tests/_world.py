@@ -73,17 +73,6 @@ class WorldError(AssertionError):
     pass
 
 
-def gloo_interpreter_problem() -> str | None:
-    """Why gloo workers, which run the kernels under Triton's interpreter, cannot run here (on a
-    GPU machine whose Triton 3.6 meets NumPy >= 2.4), or None."""
-    import numpy
-    import triton
-
-    from fusedpar.kernels.runtime import interpreter_incompatibility
-
-    return interpreter_incompatibility(triton.__version__, numpy.__version__)
-
-
 class World:
     def __init__(self, size: int, timeout: float = DEFAULT_TIMEOUT):
         self.size = size
@@ -92,7 +81,11 @@ class World:
         self.broken = False
         self.backend = ("nccl" if os.environ.get("FUSEDPAR_TEST_DEVICE") == "cuda" and torch.cuda.device_count() >= size
                         else "gloo")
-        problem = gloo_interpreter_problem() if self.backend == "gloo" else None
+        # gloo workers run the kernels interpreted (a GPU machine's Triton 3.6 with NumPy >= 2.4 cannot).
+        # Imported here, not at module level: workers import this module before they set TRITON_INTERPRET.
+        from fusedpar.kernels.runtime import interpreter_problem
+
+        problem = interpreter_problem() if self.backend == "gloo" else None
         if problem:
             pytest.skip(f"a gloo world of {size} runs its kernels interpreted: {problem}")
         self._start()
@@ -102,13 +95,12 @@ class World:
         fd, self._init_file = tempfile.mkstemp(prefix="fusedpar_world_")
         os.close(fd)
         os.unlink(self._init_file)  # the file store wants to create it
-        backend = self.backend
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.size)]
         self.procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.size, self._init_file, self.tasks[r], self.results, list(sys.path), backend,
+                args=(r, self.size, self._init_file, self.tasks[r], self.results, list(sys.path), self.backend,
                       self.timeout),
                 daemon=True,
             )

@@ -16,13 +16,13 @@ import sys
 import numpy as np
 import pytest
 
-from _world import gloo_interpreter_problem
 from fusedpar.data import BatchLoader, DataError, load_tokens, split, unigram_baseline, unigram_entropy
 from fusedpar.demo import default_layout, lr_at, main, parse_args
+from fusedpar.kernels.runtime import interpreter_problem
 
 
 def _torchrun(nproc, *args, restarts=0, check=True):
-    problem = gloo_interpreter_problem()  # the CPU ranks run the kernels interpreted
+    problem = interpreter_problem()  # the CPU ranks run the kernels interpreted
     if problem:
         pytest.skip(problem)
     env = dict(os.environ, OMP_NUM_THREADS="1")
