@@ -1,30 +1,16 @@
-"""Sharded parameters described once, and used three ways: slicing a full tensor into this
-rank's shard, gathering shards into the full tensor, and saving / loading with
-``torch.distributed.checkpoint`` (DCP) at *any* parallel layout.
+"""Save and load models with ``torch.distributed.checkpoint`` (DCP) at *any* parallel layout.
 
-A :class:`ShardSpec` says how a local tensor sits in the full one: the full tensor's dimension
-``dim`` is cut into sections, and rank ``r`` of ``group`` holds block ``r`` of
-each section (two equal sections for the ``[gate; up]`` rows of a gated column-parallel weight,
-``[q; k; v]`` rows of unequal sizes for a fused attention projection, one otherwise).
-:func:`shard_specs` derives the specs from the fusedpar modules in a model:
-
-* ``ColumnParallelLinear``: weight and bias rows over its tp group (two sections when gated);
-* ``RowParallelLinear``: weight columns over its tp group (the bias is replicated);
-* ``ParallelAttention``: the fused QKV rows as three sections ``[q; k; v]`` (each rank holds its
-  heads of each), the output projection as a row-parallel layer;
-* ``MoE``: ``w1`` / ``w2`` experts (dim 0) over its ep group;
-* everything else: replicated (no spec).
-
-DCP checkpoints store every parameter as a DTensor over a one-dimensional mesh of its group with
-placement ``Shard(dim)`` (one per section when there are several), so the files hold
-full logical tensors: a model built at another tp or ep degree loads them by building its own
-DTensors, and DCP reads each rank's slice. Replicated tensors are written once (DCP deduplicates
-identical chunks). A tensor made of unequal sections (a fused ``[q; k; v]`` projection) is stored
-as one DTensor per section.
+How every parameter sits in the full tensor comes from the placements its modules declare
+(:mod:`fusedpar.nn.placement`); nothing here knows a module type. DCP checkpoints store every
+sharded parameter as a DTensor over a one-dimensional mesh of its group with placement
+``Shard(dim)``, one per section when it has several (the ``[gate; up]`` rows of a gated weight,
+the ``[q; k; v]`` rows of a fused attention projection, stored as ``<name>.section<c>`` at every
+tp degree, so keys never depend on the layout), so the files hold full logical tensors: a model
+built at another tp or ep degree loads them by building its own DTensors, and DCP reads each
+rank's slice. Replicated tensors are written once (DCP deduplicates identical chunks).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -37,98 +23,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fusedpar.nn.placement import Placement, parameter_placements
 from fusedpar.ops import comm
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardSpec:
-    """``dim`` of the full tensor is cut into sections (``sections``: their full sizes, or a count
-    of equal sections); rank ``r`` of ``group`` holds block ``r`` of every section, in order."""
-
-    group: dist.ProcessGroup | None
-    dim: int
-    sections: tuple[int, ...] | int = 1
-
-    @property
-    def size(self) -> int:
-        return comm.group_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return comm.group_rank(self.group)
-
-    def full_sections(self, n_full: int) -> list[int]:
-        if isinstance(self.sections, int):
-            if n_full % self.sections:
-                raise ValueError(f"dim {self.dim} of size {n_full} does not split into {self.sections} sections")
-            secs = [n_full // self.sections] * self.sections
-        else:
-            secs = list(self.sections)
-            if sum(secs) != n_full:
-                raise ValueError(f"sections {secs} do not add up to dim {self.dim} of size {n_full}")
-        for sec in secs:
-            if sec % self.size:
-                raise ValueError(f"section of size {sec} along dim {self.dim} does not split over {self.size} ranks")
-        return secs
-
-    def local_sections(self, n_local: int) -> list[int]:
-        return [sec // self.size for sec in self.full_sections(n_local * self.size)]
-
-    def local_from_full(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of ``full`` (a copy)."""
-        parts = full.split(self.full_sections(full.shape[self.dim]), dim=self.dim)
-        return torch.cat([p.chunk(self.size, dim=self.dim)[self.rank] for p in parts], dim=self.dim).clone()
-
-    def full_from_local(self, local: torch.Tensor) -> torch.Tensor:
-        """All-gather every rank's shard and reassemble the full tensor (collective over ``group``)."""
-        P = self.size
-        if P == 1:
-            return local.detach().clone()
-        buf = torch.empty((P,) + tuple(local.shape), dtype=local.dtype, device=local.device)
-        comm.all_gather_into(buf.view(P * local.shape[0], *local.shape[1:]), local.detach().contiguous(),
-                             self.group).wait()
-        secs = self.local_sections(local.shape[self.dim])
-        parts = [b.split(secs, dim=self.dim) for b in buf.unbind(0)]  # parts[r][c]
-        return torch.cat([parts[r][c] for c in range(len(secs)) for r in range(P)], dim=self.dim)
-
-    def local_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``local``, one per section (each the rank's block of that section)."""
-        return list(local.split(self.local_sections(local.shape[self.dim]), dim=self.dim))
+def placements_of(model: nn.Module) -> dict[str, Placement]:
+    """:func:`~fusedpar.nn.placement.parameter_placements` of ``model``, computed once per model
+    object (a parameter no module declares raises ``ValueError`` naming it)."""
+    if model not in _PLACEMENTS:
+        _PLACEMENTS[model] = parameter_placements(model)
+    return _PLACEMENTS[model]
 
 
-def shard_specs(model: nn.Module) -> dict[str, ShardSpec | None]:
-    """Parameter name -> :class:`ShardSpec` (``None``: replicated) for every parameter of ``model``."""
-    from fusedpar.nn.attention import ParallelAttention
-    from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
-    from fusedpar.nn.moe import MoE
-
-    specs: dict[str, ShardSpec | None] = {name: None for name, _ in model.named_parameters()}
-    fused_qkv = {}
-    for mname, mod in model.named_modules():
-        if isinstance(mod, ParallelAttention) and mod.tp_size > 1:
-            # rank t's rows are [its q heads; its k heads; its v heads]: three sections of the
-            # standard [q; k; v] fused weight (the tp-ordered full weight depends on the degree)
-            d = mod.head_dim
-            fused_qkv[f"{mname}.qkv" if mname else "qkv"] = (mod.num_heads * d, mod.num_kv_heads * d,
-                                                             mod.num_kv_heads * d)
-    for mname, mod in model.named_modules():
-        prefix = f"{mname}." if mname else ""
-        if mname in fused_qkv:
-            spec = ShardSpec(mod.group, 0, fused_qkv[mname])
-            specs[prefix + "weight"] = spec
-            if mod.bias is not None:
-                specs[prefix + "bias"] = spec
-        elif isinstance(mod, ColumnParallelLinear) and mod.tp_size > 1:
-            spec = ShardSpec(mod.group, 0, 2 if mod.gated else 1)  # gated: [gate rows; up rows]
-            specs[prefix + "weight"] = spec
-            if mod.bias is not None:
-                specs[prefix + "bias"] = spec
-        elif isinstance(mod, RowParallelLinear) and mod.tp_size > 1:
-            specs[prefix + "weight"] = ShardSpec(mod.group, 1)
-        elif isinstance(mod, MoE) and mod.ep_size > 1:
-            specs[prefix + "w1"] = ShardSpec(mod.ep_group, 0)
-            specs[prefix + "w2"] = ShardSpec(mod.ep_group, 0)
-    return {k: v for k, v in specs.items() if k in dict(model.named_parameters())}
+_PLACEMENTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def full_state(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -139,19 +46,8 @@ def full_state(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tens
         t = p.grad if grads else p.detach()
         if t is None:
             raise ValueError(f"parameter {name!r} has no gradient")
-        spec = shard_specs_cache(model)[name]
-        out[name] = t.detach().clone() if spec is None else spec.full_from_local(t)
+        out[name] = placements_of(model)[name].full_from_local(t)
     return out
-
-
-_SPECS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def shard_specs_cache(model: nn.Module) -> dict[str, ShardSpec | None]:
-    """:func:`shard_specs`, computed once per model object."""
-    if model not in _SPECS:
-        _SPECS[model] = shard_specs(model)
-    return _SPECS[model]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,29 +70,6 @@ def group_mesh(group, device_type: str):
     return per_device[device_type]
 
 
-def fused_sections(model: nn.Module) -> dict[str, tuple[int, ...] | int]:
-    """Parameter name -> its sections (full sizes along dim 0, or a count of equal ones) for the
-    fused parameters: ``[q; k; v]`` projections and gated ``[gate; up]`` weights, at any tp
-    degree. Checkpoints store each section as its own tensor, so keys do not depend on the layout."""
-    from fusedpar.nn.attention import ParallelAttention
-    from fusedpar.nn.linear import ColumnParallelLinear
-
-    out: dict[str, tuple[int, ...] | int] = {}
-    qkv = {}
-    for mname, mod in model.named_modules():
-        if isinstance(mod, ParallelAttention):
-            d = mod.head_dim
-            qkv[f"{mname}.qkv" if mname else "qkv"] = (mod.num_heads * d, mod.num_kv_heads * d, mod.num_kv_heads * d)
-    for mname, mod in model.named_modules():
-        prefix = f"{mname}." if mname else ""
-        secs = qkv.get(mname) or (2 if isinstance(mod, ColumnParallelLinear) and mod.gated else None)
-        if secs is not None:
-            out[prefix + "weight"] = secs
-            if getattr(mod, "bias", None) is not None:
-                out[prefix + "bias"] = secs
-    return out
-
-
 def dcp_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Parameters as DTensors (sharded ones) or plain tensors (replicated ones), all *views* of
     the model's parameters: ``dcp.save`` writes them, ``dcp.load`` fills them in place. A fused
@@ -206,26 +79,20 @@ def dcp_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | None 
     from torch.distributed.tensor import DTensor, Shard
 
     sd = {}
-    specs = shard_specs_cache(model)
-    fused = fused_sections(model)
+    placements = placements_of(model)
     source = {n: p.data for n, p in model.named_parameters()} if tensors is None else tensors
     for name, local in source.items():
-        if name not in specs:
+        if name not in placements:
             raise ValueError(f"tensors must be keyed by parameter names of the model, got {name!r}")
-        spec, local = specs[name], local.detach()
-        if spec is None:
-            secs = fused.get(name)
-            pieces = [local] if secs is None else list(
-                local.chunk(secs, dim=0) if isinstance(secs, int) else local.split(list(secs), dim=0))
-        else:
-            pieces = spec.local_pieces(local)
+        placement, local = placements[name], local.detach()
+        pieces = placement.local_pieces(local)
         for c, piece in enumerate(pieces):
             key = name if len(pieces) == 1 else f"{name}.section{c}"
-            if spec is None:
-                sd[key] = piece
+            if placement.sharded:
+                mesh = group_mesh(comm.resolve_group(placement.group), local.device.type)
+                sd[key] = DTensor.from_local(piece, mesh, [Shard(placement.dim)], run_check=False)
             else:
-                mesh = group_mesh(comm.resolve_group(spec.group), local.device.type)
-                sd[key] = DTensor.from_local(piece, mesh, [Shard(spec.dim)], run_check=False)
+                sd[key] = piece
     return sd
 
 

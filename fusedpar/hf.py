@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from fusedpar.checkpoint import full_state, shard_specs
+from fusedpar.checkpoint import full_state, placements_of
 from fusedpar.hf_parallel import (
     SUPPORTED_MODEL_TYPES,
     HFMoEBlock,
@@ -178,17 +178,6 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
     return [s.format(i=i) for s in table[rest]]
 
 
-def _split_sizes(name: str, full: torch.Tensor, model: Transformer) -> list[int]:
-    """Row counts of the Hugging Face tensors inside the full fusedpar parameter ``name``."""
-    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
-        attn = model.layers[name.split(".")[1]].attn
-        d = attn.head_dim
-        return [attn.num_heads * d, attn.num_kv_heads * d, attn.num_kv_heads * d]
-    if name.endswith("fc1.weight"):
-        return [full.shape[0] // 2] * 2
-    return [full.shape[0]]
-
-
 # ----------------------------------------------------------------------------------------------
 # loading
 # ----------------------------------------------------------------------------------------------
@@ -196,10 +185,10 @@ def _split_sizes(name: str, full: torch.Tensor, model: Transformer) -> list[int]
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
                          *, device=None, dtype=None, strict: bool = True) -> None:
     """Load full (unsharded) tensors, keyed by ``model``'s parameter names, into a model of any
-    parallel layout: each rank keeps its shard (:func:`fusedpar.checkpoint.shard_specs`). A model
+    parallel layout: each rank keeps its shard (by the placements its modules declare). A model
     built on the meta device is materialised (on ``device``, default CPU). ``state_dict`` may be a
     callable ``name -> full tensor`` (read on demand). ``strict``: every parameter must be given."""
-    specs = shard_specs(model)
+    placements = placements_of(model)
     for name, p in list(model.named_parameters()):
         if callable(state_dict):
             full = state_dict(name)
@@ -209,10 +198,10 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             raise ValueError(f"load_full_state_dict: state_dict has no tensor for parameter {name!r}")
         else:
             continue
-        spec = specs[name]
-        local = full if spec is None else spec.local_from_full(full)
+        placement = placements[name]
+        local = placement.local_from_full(full)
         if tuple(local.shape) != tuple(p.shape):
-            raise ValueError(f"load_full_state_dict: {name} must be {tuple(_full_shape(p, spec))} in full, "
+            raise ValueError(f"load_full_state_dict: {name} must be {placement.full_shape(p.shape)} in full, "
                              f"got {tuple(full.shape)}")
         _set_param(model, name, p, local, device, dtype)
 
@@ -224,15 +213,6 @@ def _set_param(model: nn.Module, name: str, p: torch.Tensor, local: torch.Tensor
     mod_name, _, pname = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
     setattr(mod, pname, nn.Parameter(new, requires_grad=p.requires_grad))
-
-
-def _full_shape(p: torch.Tensor, spec):
-    """The full shape a local parameter ``p`` with ``spec`` implies (for error messages)."""
-    if spec is None:
-        return p.shape
-    shape = list(p.shape)
-    shape[spec.dim] = p.shape[spec.dim] * spec.size
-    return shape
 
 
 class _SafetensorsDir:
@@ -317,16 +297,15 @@ def _load_from_source(model: Transformer, source, device, dtype) -> None:
     """Materialise every parameter of the meta-device ``model`` from ``source``: this rank's
     shard of each full tensor; expert weights (split over ep) read expert by expert, only this
     rank's experts (a checkpoint directory is never read whole on every rank)."""
-    specs = shard_specs(model)
+    placements = placements_of(model)
     for name, p in list(model.named_parameters()):
-        spec = specs[name]
-        if spec is not None and name.endswith((".mlp.w1", ".mlp.w2")):
+        placement = placements[name]
+        if placement.role == "ep":  # only this rank's experts are read
             n = p.shape[0]
             (src,) = _param_sources(name, model.config)
-            local = _hf_tensor(source, src, experts=(spec.rank * n, (spec.rank + 1) * n))
+            local = _hf_tensor(source, src, experts=(placement.rank * n, (placement.rank + 1) * n))
         else:
-            full = _full_param(source, name, model.config)
-            local = full if spec is None else spec.local_from_full(full)
+            local = placement.local_from_full(_full_param(source, name, model.config))
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"from_hf: {name} must be {tuple(p.shape)} on this rank, got {tuple(local.shape)}")
         _set_param(model, name, p, local, device, dtype)
@@ -376,10 +355,12 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     if not isinstance(model, Transformer):
         raise TypeError(f"to_hf_state_dict needs a fusedpar.nn.Transformer, got {type(model).__name__}")
     full = full_state(model)
+    placements = placements_of(model)
     out = {}
     for name, t in full.items():
         sources = _param_sources(name, model.config)
-        for src, piece in zip(sources, torch.split(t, _split_sizes(name, t, model))):
+        pl = placements[name]  # a fused parameter's sections are the Hugging Face tensors
+        for src, piece in zip(sources, torch.split(t, pl.full_sections(t.shape[pl.dim], 1), dim=pl.dim)):
             out[src] = piece.clone()
     if model.config.tie_word_embeddings and "embedding.weight" in full:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]

@@ -28,6 +28,8 @@ from torch import nn
 
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.moe import MoE
+from fusedpar.nn.placement import Placement
+from fusedpar.nn.placement import gradient_sync_plan as placement_gradient_sync_plan
 from fusedpar.ops import comm, hybrid_attention, ring_attention, shard_positions, ulysses_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "SequenceParallel", "check_sliding_window",
@@ -342,12 +344,8 @@ def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=N
 
 def gradient_sync_plan(hf_model: nn.Module) -> dict[str, str]:
     """Parameter name -> gradient kind for :func:`fusedpar.parallel.sync_gradients` of a model
-    :func:`parallelize` made parallel: ``"expert"`` for the experts of :class:`HFMoEBlock`,
-    ``"dense"`` for everything else (every rank of a tp group sees all of its tokens, so even
-    the replicated embedding, norms and router hold whole gradients: nothing to sum over tp)."""
-    plan = {}
-    for mname, mod in hf_model.named_modules():
-        for pname, _ in mod.named_parameters(recurse=False):
-            name = f"{mname}.{pname}" if mname else pname
-            plan[name] = "expert" if isinstance(mod, MoE) and pname in ("w1", "w2") else "dense"
-    return plan
+    :func:`parallelize` made parallel, read from the placements of its fusedpar modules
+    (``"expert"`` for the experts of :class:`HFMoEBlock`); Hugging Face's own modules are
+    ``"dense"``: every rank of a tp group sees all of its tokens, so even the replicated
+    embedding, norms and router hold whole gradients (nothing to sum over tp)."""
+    return placement_gradient_sync_plan(hf_model, default=Placement.replicated(sequence_sharded=False))

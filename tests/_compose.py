@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from _utils import assert_close
-from fusedpar.checkpoint import shard_specs
+from fusedpar.nn import parameter_placements
 from fusedpar.nn import Transformer, TransformerConfig
 from fusedpar.nn.transformer import shard_tokens
 
@@ -60,13 +60,13 @@ def data_mean(loss, state):
 
 def compare_grads(model, ref_grads, msg, grads=None):
     """Every local gradient equals the matching shard of the reference's full gradient."""
-    specs = shard_specs(model)
+    placements = parameter_placements(model)
     checked = 0
     for name, p in model.named_parameters():
         g = p.grad if grads is None else grads[name]
         assert g is not None, f"{msg}: {name} has no gradient"
         full = ref_grads[name]
-        expect = full if specs[name] is None else specs[name].local_from_full(full)
+        expect = placements[name].local_from_full(full)
         assert_close(g, expect, torch.float32, rtol=RTOL, atol=RTOL * full.pow(2).mean().sqrt().item() + 1e-12,
                      msg=f"{msg}: grad of {name}")
         checked += 1

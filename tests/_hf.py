@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from fusedpar.checkpoint import shard_specs
+from fusedpar.nn import parameter_placements
 from fusedpar.hf import from_hf
 
 # fp32 on both sides, the same math in another order (fused norms, flash attention with an online
@@ -122,12 +122,12 @@ def fusedpar_grads(model) -> dict:
 
 def compare_grads(model, ref_grads, msg, tol=TOL):
     """Every local gradient equals its shard of the HF gradient (``tol`` of the tensor's scale)."""
-    specs = shard_specs(model)
+    placements = parameter_placements(model)
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{msg}: {name} has no gradient"
         full = ref_grads[name]
-        expect = full if specs[name] is None else specs[name].local_from_full(full)
+        expect = placements[name].local_from_full(full)
         scale = full.abs().max().item() + 1e-12
         err = (p.grad - expect).abs().max().item()
         assert err <= tol * scale, f"{msg}: grad of {name} off by {err:.3g} (scale {scale:.3g})"
-    return len(specs)
+    return len(placements)

@@ -41,8 +41,8 @@ def _trained(state, **kw):
 
 
 def _full(model, tensors):
-    specs = fck.shard_specs_cache(model)
-    return {n: t.detach().clone() if specs[n] is None else specs[n].full_from_local(t) for n, t in tensors.items()}
+    placements = fck.placements_of(model)
+    return {n: placements[n].full_from_local(t) for n, t in tensors.items()}
 
 
 def _moments(model, opt):

@@ -266,27 +266,19 @@ class ParallelAttention(nn.Module):
                    qk_norm_eps=ref.q_norm.eps if ref.q_norm is not None else 1e-6, _reference=ref, **kwargs)
 
     def _shard_from(self, ref, *, device, dtype):
-        """Fused QKV rows in tensor-parallel order (rank t's block = [its q heads; k heads; v
-        heads]) so that the column-parallel split hands every rank whole heads."""
-        tp, d = self.tp_size, self.head_dim
-        hl, kl = self.heads_local, self.kv_heads_local
+        """One fused ``[q; k; v]`` projection, column-parallel with three sections, so that every
+        tensor-parallel rank holds whole heads: ``[its q heads; its k heads; its v heads]``."""
+        d = self.head_dim
         with torch.no_grad():
-            wq, wk, wv = (p.weight.detach() for p in (ref.q_proj, ref.k_proj, ref.v_proj))
-            rows = []
-            for t in range(tp):
-                rows += [wq[t * hl * d:(t + 1) * hl * d], wk[t * kl * d:(t + 1) * kl * d],
-                         wv[t * kl * d:(t + 1) * kl * d]]
+            projs = (ref.q_proj, ref.k_proj, ref.v_proj)
             fused = nn.Linear(self.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d,
                               bias=ref.q_proj.bias is not None, device="meta")
-            fused.weight = nn.Parameter(torch.cat(rows))
+            fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in projs]))
             if ref.q_proj.bias is not None:
-                bq, bk, bv = (p.bias.detach() for p in (ref.q_proj, ref.k_proj, ref.v_proj))
-                brows = []
-                for t in range(tp):
-                    brows += [bq[t * hl * d:(t + 1) * hl * d], bk[t * kl * d:(t + 1) * kl * d],
-                              bv[t * kl * d:(t + 1) * kl * d]]
-                fused.bias = nn.Parameter(torch.cat(brows))
-            self.qkv = ColumnParallelLinear.from_linear(fused, group=self.tp_group, sequence_parallel=True)
+                fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in projs]))
+            self.qkv = ColumnParallelLinear.from_linear(
+                fused, group=self.tp_group, sequence_parallel=True,
+                sections=(self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d))
             self.proj = RowParallelLinear.from_linear(ref.o_proj, group=self.tp_group, sequence_parallel=True,
                                                       input_is_parallel=True)
             self.q_norm = self.k_norm = None

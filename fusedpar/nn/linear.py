@@ -11,8 +11,11 @@
   its GEMM epilogue, row-parallel down projection.
 
 The full weight is initialised like ``nn.Linear`` (same RNG draws, then sliced), so a given torch
-seed gives the same full model at every tensor-parallel degree. ``state_dict`` holds the local shard
-plus extra state (``tp_rank``, ``tp_size``, ``partition_dim``, ``full_shape``, ``gated``).
+seed gives the same full model at every tensor-parallel degree. How each parameter is split is
+declared once, in :meth:`placements` (:mod:`fusedpar.nn.placement`); the constructor, ``from_linear``,
+:func:`merge_shards`, checkpoints, the gradient sync plan and ``fusedpar.hf`` all slice and
+reassemble through it. ``state_dict`` holds the local shard plus extra state (``tp_rank``,
+``tp_size``, ``partition_dim``, ``full_shape``, ``gated``, ``sections``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from torch import nn
 from fusedpar.kernels.checks import check_choice, check_divisible, check_int
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import comm
+from fusedpar.nn.placement import Placement
 from fusedpar.ops.tensor_parallel import (
     all_gather_matmul,
     copy_to_tp_matmul,
@@ -49,6 +53,25 @@ def _check_features(cls, name, value, size):
     check_divisible(f"{cls}: {name}", value, size, "the tensor-parallel group size")
 
 
+def _check_sections(cls, sections, out_features, size, gated):
+    """``sections`` of a column-parallel weight's rows: ``None`` (one section, or ``[gate; up]``
+    when gated) or positive sizes adding up to ``out_features``, each divisible by ``size``."""
+    if sections is None:
+        return 1
+    if gated:
+        raise ValueError(f"{cls}: sections must be None with a gated activation (its rows are [gate; up]), "
+                         f"got {sections!r}")
+    if not isinstance(sections, (tuple, list)) or not sections or any(
+            isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sections):
+        raise ValueError(f"{cls}: sections must be a tuple of positive ints, got {sections!r}")
+    if sum(sections) != out_features:
+        raise ValueError(f"{cls}: sections must add up to out_features={out_features}, got {tuple(sections)}")
+    for s in sections:
+        check_divisible(f"{cls}: every section of sections={tuple(sections)}", s, size,
+                        "the tensor-parallel group size")
+    return tuple(sections)
+
+
 def _full_linear_init(out_features, in_features, bias, device=None):
     """The draws of ``nn.Linear.reset_parameters`` for the full layer (fp32, CPU, global RNG).
     On the meta device nothing is drawn (no values exist there)."""
@@ -64,23 +87,14 @@ def _full_linear_init(out_features, in_features, bias, device=None):
     return w, b
 
 
-def _row_block(full, rank, size, gated):
-    """This rank's rows; gated weights hold [gate rows; up rows] so take a block of each."""
-    if gated:
-        gate, up = full.chunk(2, dim=0)
-        n = gate.shape[0] // size
-        return torch.cat([gate[rank * n:(rank + 1) * n], up[rank * n:(rank + 1) * n]], dim=0)
-    n = full.shape[0] // size
-    return full[rank * n:(rank + 1) * n]
-
-
 class _TPLinearBase(nn.Module):
-    partition_dim = 0
-
     def _meta(self):
+        w = self.weight_placement()
+        rows = self.out_features_full * (2 if self.gated else 1)
         return {
-            "tp_rank": self.tp_rank, "tp_size": self.tp_size, "partition_dim": self.partition_dim,
-            "full_shape": [self.out_features_full * (2 if self.gated else 1), self.in_features], "gated": self.gated,
+            "tp_rank": self.tp_rank, "tp_size": self.tp_size, "partition_dim": w.dim,
+            "full_shape": [rows, self.in_features], "gated": self.gated,
+            "sections": w.full_sections((rows, self.in_features)[w.dim], self.tp_size),
         }
 
     def get_extra_state(self):
@@ -115,21 +129,31 @@ class _TPLinearBase(nn.Module):
 
 
 def encode_shard_meta(meta: dict) -> torch.Tensor:
-    """``{tp_rank, tp_size, partition_dim, full_shape, gated}`` as an int64 tensor of 6 values."""
+    """``{tp_rank, tp_size, partition_dim, full_shape, gated, sections}`` as an int64 tensor:
+    the first five fields (6 values), then the full sizes of the sections along ``partition_dim``."""
     rows, cols = meta["full_shape"]
-    return torch.tensor([meta["tp_rank"], meta["tp_size"], meta["partition_dim"], rows, cols, int(meta["gated"])],
-                        dtype=torch.int64)
+    head = [meta["tp_rank"], meta["tp_size"], meta["partition_dim"], rows, cols, int(meta["gated"])]
+    return torch.tensor(head + [int(s) for s in meta["sections"]], dtype=torch.int64)
 
 
 def shard_meta(state) -> dict:
     """The layout dict of a Column/RowParallelLinear's ``_extra_state`` (the tensor it saves, or a
-    dict as saved by earlier versions)."""
+    dict as saved by earlier versions; a 6-value tensor of an earlier version has no sections:
+    they follow from ``gated``)."""
     if isinstance(state, dict):
-        return state
-    if not isinstance(state, torch.Tensor) or state.numel() != 6:
-        raise ValueError(f"_extra_state must be a 6-element int64 tensor or a dict, got {state!r}")
-    v = [int(x) for x in state.tolist()]
-    return {"tp_rank": v[0], "tp_size": v[1], "partition_dim": v[2], "full_shape": [v[3], v[4]], "gated": bool(v[5])}
+        meta = dict(state)
+    elif isinstance(state, torch.Tensor) and state.dim() == 1 and state.numel() >= 6:
+        v = [int(x) for x in state.tolist()]
+        meta = {"tp_rank": v[0], "tp_size": v[1], "partition_dim": v[2], "full_shape": [v[3], v[4]],
+                "gated": bool(v[5])}
+        if len(v) > 6:
+            meta["sections"] = v[6:]
+    else:
+        raise ValueError(f"_extra_state must be an int64 tensor of at least 6 values or a dict, got {state!r}")
+    if "sections" not in meta:
+        n = meta["full_shape"][meta["partition_dim"]]
+        meta["sections"] = [n // 2] * 2 if meta["gated"] and meta["partition_dim"] == 0 else [n]
+    return meta
 
 
 def _own_copy(t, device, dtype):
@@ -138,28 +162,20 @@ def _own_copy(t, device, dtype):
 
 def merge_shards(state_dicts, prefix=""):
     """Reassemble ``{"weight": full, "bias": full or None}`` from every rank's ``state_dict`` of one
-    Column/RowParallelLinear (any order); uses the extra state saved beside each shard."""
+    Column/RowParallelLinear (any order), by the placement its extra state records."""
     metas = [shard_meta(sd[prefix + "_extra_state"]) for sd in state_dicts]
     size = metas[0]["tp_size"]
     if sorted(m["tp_rank"] for m in metas) != list(range(size)):
         raise ValueError(f"merge_shards: need one state dict per rank 0..{size - 1}, got ranks "
                          f"{sorted(m['tp_rank'] for m in metas)}")
     order = sorted(range(len(metas)), key=lambda i: metas[i]["tp_rank"])
-    dim, gated = metas[0]["partition_dim"], metas[0]["gated"]
-    ws = [state_dicts[i][prefix + "weight"] for i in order]
+    dim = metas[0]["partition_dim"]
+    placement = Placement("tp", None, dim, tuple(metas[0]["sections"]))
+    weight = placement.full_from_locals([state_dicts[i][prefix + "weight"] for i in order])
     bs = [state_dicts[i].get(prefix + "bias") for i in order]
-    if dim == 0 and gated:
-        weight = torch.cat([w.chunk(2, 0)[0] for w in ws] + [w.chunk(2, 0)[1] for w in ws], dim=0)
-    else:
-        weight = torch.cat(ws, dim=dim)
     bias = None
-    if bs[0] is not None:
-        if dim == 1:
-            bias = bs[0]
-        elif gated:
-            bias = torch.cat([b.chunk(2)[0] for b in bs] + [b.chunk(2)[1] for b in bs])
-        else:
-            bias = torch.cat(bs)
+    if bs[0] is not None:  # a column-parallel bias is split like the weight's rows; a row-parallel one is whole
+        bias = bs[0] if dim == 1 else placement.full_from_locals(bs)
     if list(weight.shape) != list(metas[0]["full_shape"]):
         raise ValueError(
             f"merge_shards: reassembled weight {tuple(weight.shape)} != full_shape {metas[0]['full_shape']}"
@@ -181,11 +197,9 @@ class ColumnParallelLinear(_TPLinearBase):
     and produce ``out_features`` (= F) features.
     """
 
-    partition_dim = 0
-
     def __init__(self, in_features, out_features, bias=True, *, group=None, sequence_parallel=True,
                  gather_output=False, device=None, dtype=None, activation="none", sequence_dim=1,
-                 save_gathered_input=True):
+                 save_gathered_input=True, sections=None):
         super().__init__()
         name = type(self).__name__
         check_choice(f"{name}: activation", activation, ACTIVATIONS)
@@ -195,22 +209,34 @@ class ColumnParallelLinear(_TPLinearBase):
         self.in_features, self.out_features_full = in_features, out_features
         self.activation = activation
         self.gated = ACTIVATIONS[activation][1]
+        self.sections = _check_sections(name, sections, out_features, self.tp_size, self.gated)
         self.out_features = out_features  # the full layer's, as nn.Linear reports it
         self.out_features_local = out_features // self.tp_size
         self.sequence_parallel, self.gather_output = bool(sequence_parallel), bool(gather_output)
         self.sequence_dim, self.save_gathered_input = sequence_dim, bool(save_gathered_input)
         rows = 2 * out_features if self.gated else out_features
         w, b = _full_linear_init(rows, in_features, bias, device)
-        self._set_params(_row_block(w, self.tp_rank, self.tp_size, self.gated),
-                         None if b is None else _row_block(b, self.tp_rank, self.tp_size, self.gated),
-                         device, dtype)
+        self._set_params(*self._shard(w, b), device, dtype)
+
+    def weight_placement(self) -> Placement:
+        """Rows over the group, section by section: ``[gate; up]`` when gated, the given
+        ``sections`` (e.g. ``[q; k; v]``), else one."""
+        return Placement.tp(self.group, 0, 2 if self.gated else self.sections)
+
+    def placements(self) -> dict[str, Placement]:
+        w = self.weight_placement()
+        return {"weight": w, **({"bias": w} if self.bias is not None else {})}
+
+    def _shard(self, weight, bias):
+        w = self.weight_placement()
+        return w.local_from_full(weight), None if bias is None else w.local_from_full(bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False, **kwargs):
-        """Shard an existing ``nn.Linear`` (its rows; ``[gate; up]`` halves separately when
-        ``activation`` is gated). Keyword options as in the constructor, except that
-        ``sequence_parallel`` defaults to False here: a drop-in replacement sees the same replicated
-        ``[batch, seq, in]`` input as the ``nn.Linear`` did."""
+        """Shard an existing ``nn.Linear`` (its rows, section by section: ``[gate; up]`` halves
+        when ``activation`` is gated, ``sections=`` when given). Keyword options as in the
+        constructor, except that ``sequence_parallel`` defaults to False here: a drop-in
+        replacement sees the same replicated ``[batch, seq, in]`` input as the ``nn.Linear`` did."""
         gated = ACTIVATIONS.get(kwargs.get("activation", "none"), (0, False))[1]
         if gated and linear.out_features % 2:
             raise ValueError(f"{cls.__name__}.from_linear: a gated activation needs an even out_features "
@@ -219,9 +245,7 @@ class ColumnParallelLinear(_TPLinearBase):
         mod = cls(linear.in_features, out_features, linear.bias is not None, group=group,
                   sequence_parallel=sequence_parallel, device="meta", dtype=linear.weight.dtype, **kwargs)
         with torch.no_grad():
-            mod._set_params(_row_block(linear.weight.detach(), mod.tp_rank, mod.tp_size, gated),
-                            None if linear.bias is None else
-                            _row_block(linear.bias.detach(), mod.tp_rank, mod.tp_size, gated),
+            mod._set_params(*mod._shard(linear.weight.detach(), None if linear.bias is None else linear.bias.detach()),
                             linear.weight.device, linear.weight.dtype)
         return mod
 
@@ -255,7 +279,6 @@ class RowParallelLinear(_TPLinearBase):
     replicated and added once; its gradient is the full one on every rank.
     """
 
-    partition_dim = 1
     gated = False
 
     def __init__(self, in_features, out_features, bias=True, *, group=None, sequence_parallel=True,
@@ -271,8 +294,17 @@ class RowParallelLinear(_TPLinearBase):
         self.sequence_parallel, self.input_is_parallel = bool(sequence_parallel), bool(input_is_parallel)
         self.sequence_dim = sequence_dim
         w, b = _full_linear_init(out_features, in_features, bias, device)
-        n = self.in_features_local
-        self._set_params(w[:, self.tp_rank * n:(self.tp_rank + 1) * n], b, device, dtype)
+        self._set_params(self.weight_placement().local_from_full(w), b, device, dtype)
+
+    def weight_placement(self) -> Placement:
+        """Columns (input features) over the group."""
+        return Placement.tp(self.group, 1)
+
+    def placements(self) -> dict[str, Placement]:
+        # the bias is added once, after the reduction: each rank's gradient covers the tokens
+        # its output holds (its sequence shard when sequence parallel)
+        bias = Placement.replicated(sequence_sharded=self.sequence_parallel)
+        return {"weight": self.weight_placement(), **({"bias": bias} if self.bias is not None else {})}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False, **kwargs):
@@ -281,9 +313,8 @@ class RowParallelLinear(_TPLinearBase):
         ``[batch, seq, out]`` output, as the ``nn.Linear`` gave)."""
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
                   sequence_parallel=sequence_parallel, device="meta", dtype=linear.weight.dtype, **kwargs)
-        n = mod.in_features_local
         with torch.no_grad():
-            mod._set_params(linear.weight.detach()[:, mod.tp_rank * n:(mod.tp_rank + 1) * n],
+            mod._set_params(mod.weight_placement().local_from_full(linear.weight.detach()),
                             None if linear.bias is None else linear.bias.detach(),
                             linear.weight.device, linear.weight.dtype)
         return mod

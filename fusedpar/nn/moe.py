@@ -10,6 +10,7 @@ from torch import nn
 from ..kernels.checks import check_choice, check_divisible, check_int
 from ..kernels.runtime import ACTIVATIONS
 from ..ops import comm
+from .placement import Placement
 from ..ops.moe import moe_mlp
 from ..ops.tensor_parallel import gather_features, scatter_features
 from ..ops.transport import get_transport
@@ -145,6 +146,10 @@ class SharedExpertGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(1, hidden_size, device=device, dtype=dtype))
         nn.init.uniform_(self.weight, -1.0 / math.sqrt(hidden_size), 1.0 / math.sqrt(hidden_size))
 
+    def placements(self) -> dict[str, Placement]:
+        """Replicated; it gates the block's sequence-sharded tokens, so its gradient is partial."""
+        return {"weight": Placement.replicated(sequence_sharded=True)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(x @ self.weight.t())
 
@@ -209,6 +214,13 @@ class MoE(nn.Module):
         self.aux_loss = None
         self.router_output = None
         self.reset_parameters(router=False)
+
+    def placements(self) -> dict[str, Placement]:
+        """Experts over the ep group; the router replicated, its gradient partial unless every
+        rank of ``replicated_group`` routes the same tokens."""
+        experts = Placement.ep(self.ep_group)
+        router = Placement.replicated(sequence_sharded=self.replicated_group is None)
+        return {"w1": experts, "w2": experts, "router.weight": router}
 
     @property
     def first_expert(self) -> int:

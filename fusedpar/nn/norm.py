@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fusedpar.nn.placement import Placement
 from fusedpar.ops.norm import rms_norm
 
 
@@ -28,6 +29,11 @@ class RMSNorm(nn.Module):
             self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
+
+    def placements(self) -> dict[str, Placement]:
+        """Replicated; fusedpar's norms run on sequence-sharded activations (a Transformer's
+        blocks, q/k norms over this rank's heads), so each rank's gradient is partial."""
+        return {"weight": Placement.replicated(sequence_sharded=True)} if self.weight is not None else {}
 
     def reset_parameters(self) -> None:
         if self.weight is not None:

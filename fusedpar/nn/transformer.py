@@ -25,7 +25,7 @@ The output head is column-parallel over the vocabulary;
 :func:`fusedpar.ops.vocab_parallel_cross_entropy` computes the loss without gathering the logits.
 Every rank of a tp group ends with the same loss (over that tp group's tokens), which is what the
 gradient rules in :mod:`fusedpar.parallel` assume; :meth:`Transformer.gradient_sync_plan` names
-the rule of every parameter.
+the rule of every parameter, from the placements its modules declare.
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ from .attention import ParallelAttention, rope_inv_freq
 from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from .moe import MoE, SharedExpertGate, TopKRouter, hf_load_balancing_loss
 from .norm import RMSNorm
+from .placement import Placement, gradient_sync_plan
 
 __all__ = ["Transformer", "TransformerBlock", "TransformerConfig", "sequence_order", "shard_tokens",
            "vocab_parallel_cross_entropy"]  # the loss lives in fusedpar.ops.loss, re-exported here
@@ -443,58 +444,18 @@ class Transformer(nn.Module):
         losses = [b.mlp.aux_loss for b in self.layers.values() if b.is_moe and b.mlp.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
+    def placements(self) -> dict[str, Placement]:
+        """The embedding table is replicated; each rank looks up its own sequence shard's tokens."""
+        return {"embedding.weight": Placement.replicated(sequence_sharded=True)} if self.embedding is not None else {}
+
     def gradient_sync_plan(self) -> dict[str, str]:
-        """Parameter name -> gradient kind for :func:`fusedpar.parallel.sync_gradients`, by the
-        module that owns the parameter (:data:`GRADIENT_KINDS`): ``"replicated"`` for copies that
-        see only this rank's sequence shard (norms, embedding, router, a sequence-parallel
-        row-parallel bias), ``"expert"`` for expert weights, ``"dense"`` for tensor-parallel
-        shards. A parameter of any other module, or one these modules do not declare, raises
-        ``ValueError`` naming it: a guess would silently reduce its gradient over the wrong ranks."""
-        plan = {}
-        for mname, mod in self.named_modules():
-            for pname, _ in mod.named_parameters(recurse=False):
-                name = f"{mname}.{pname}" if mname else pname
-                plan[name] = gradient_kind(mod, pname, name)
-        return plan
-
-
-def _row_parallel_kind(mod: nn.Module, pname: str) -> str | None:
-    if pname == "weight":
-        return "dense"
-    if pname == "bias":  # added after the reduce-scatter: each rank sees its own sequence shard
-        return "replicated" if mod.sequence_parallel else "dense"
-    return None
-
-
-# module type -> parameter name -> gradient kind (a callable decides from the module)
-GRADIENT_KINDS = {
-    nn.Embedding: {"weight": "replicated"},
-    RMSNorm: {"weight": "replicated"},
-    TopKRouter: {"weight": "replicated"},
-    SharedExpertGate: {"weight": "replicated"},
-    MoE: {"w1": "expert", "w2": "expert"},
-    ColumnParallelLinear: {"weight": "dense", "bias": "dense"},
-    RowParallelLinear: _row_parallel_kind,
-}
-
-
-def gradient_kind(module: nn.Module, pname: str, full_name: str | None = None) -> str:
-    """The gradient kind of ``module``'s own parameter ``pname`` (see :data:`GRADIENT_KINDS`; a
-    subclass follows its base's rule, for the parameters the base declares); ``ValueError`` naming
-    ``full_name`` when the module type or the parameter is unknown."""
-    rule = next((GRADIENT_KINDS[c] for c in type(module).__mro__ if c in GRADIENT_KINDS), None)
-    kind = None
-    if callable(rule):
-        kind = rule(module, pname)
-    elif rule is not None:
-        kind = rule.get(pname)
-    if kind is None:
-        known = ", ".join(t.__name__ for t in GRADIENT_KINDS)
-        raise ValueError(
-            f"parameter {full_name or pname!r} of a {type(module).__name__} has no gradient kind: "
-            f"gradient_sync_plan knows the parameters of {known} only; add a rule to "
-            "fusedpar.nn.transformer.GRADIENT_KINDS (or pass sync_gradients a plan that names it)")
-    return kind
+        """Parameter name -> gradient kind for :func:`fusedpar.parallel.sync_gradients`, read from
+        the placement every module declares (:mod:`fusedpar.nn.placement`): ``"replicated"`` for
+        copies that see only this rank's sequence shard (norms, embedding, router, a
+        sequence-parallel row-parallel bias), ``"expert"`` for expert weights, ``"dense"`` for
+        tensor-parallel shards. A parameter no module declares raises ``ValueError`` naming it: a
+        guess would silently reduce its gradient over the wrong ranks."""
+        return gradient_sync_plan(self)
 
 
 class _seeded:

@@ -1,0 +1,202 @@
+"""How each parameter of a parallel module sits in the full tensor, declared once by its module.
+
+A :class:`Placement` says, for one parameter:
+
+* its **role**: ``"tp"`` (a block of a tensor-parallel split over ``group``), ``"ep"`` (a block of
+  the experts over the expert-parallel ``group``) or ``None`` (every rank holds the whole tensor);
+* the split dimension ``dim`` and its **sections**: the full tensor's ``dim`` is a concatenation
+  of sections (``[gate; up]`` rows of a gated weight, ``[q; k; v]`` rows of a fused attention
+  projection; one section otherwise) and rank ``r`` holds block ``r`` of every section, in order;
+* its **gradient kind** for :func:`fusedpar.parallel.sync_gradients`: ``"dense"`` (each rank's
+  gradient is whole for the tokens its tp group holds: tensor-parallel shards and copies that see
+  all of those tokens), ``"replicated"`` (a copy whose gradient covers only this rank's sequence
+  shard of the tp group's tokens: norms, embedding, router, a sequence-parallel row-parallel
+  bias; summed over tp too) or ``"expert"`` (summed over the ranks holding the same experts).
+
+Every parallel module declares its parameters in a ``placements()`` method returning
+``{name relative to the module: Placement}`` (its own parameters, or a child's that the module
+alone knows the context of: ``MoE`` declares its router, ``Transformer`` its embedding).
+:func:`parameter_placements` collects them for a whole model; checkpointing (save, load, reshard,
+``full_state``), :func:`~fusedpar.nn.merge_shards`, ``from_linear``, the gradient sync plan and
+``fusedpar.hf`` (load, export, parallelize) all read that, and nothing else, so a new parallel
+module that declares its parameters gets all of them with no edit elsewhere.
+
+The declaration is a fusedpar type rather than DTensor placements on the parameters: the
+kernels and custom ops take local tensors (a DTensor parameter would need a sharding rule for
+every custom op, or a ``to_local`` in every forward), sections of unequal sizes (``[q; k; v]``
+with fewer kv heads) have no DTensor placement, and fusedpar's modules run on any process group,
+not only a ``DeviceMesh`` dimension. Checkpoints still give DCP DTensors, built from the
+placements at save / load time.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from fusedpar.ops import comm
+
+__all__ = ["GRAD_KINDS", "ROLES", "Placement", "gradient_sync_plan", "parameter_placements"]
+
+#: gradient kinds of :func:`fusedpar.parallel.sync_gradients`
+GRAD_KINDS = ("dense", "replicated", "expert")
+#: what a parameter is split over
+ROLES = (None, "tp", "ep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One parameter's place in the full tensor (see the module docstring). ``group`` is the
+    process group of the role (``None``: the default group; ignored when ``role`` is ``None``);
+    ``sections`` the full sizes of the sections of ``dim``, or a count of equal ones."""
+
+    role: str | None = None
+    group: object = None
+    dim: int = 0
+    sections: tuple[int, ...] | int = 1
+    grad: str = "dense"
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"Placement.role must be one of {ROLES}, got {self.role!r}")
+        if self.grad not in GRAD_KINDS:
+            raise ValueError(f"Placement.grad must be one of {GRAD_KINDS}, got {self.grad!r}")
+        if (self.role == "ep") != (self.grad == "expert"):
+            raise ValueError(f"Placement: role 'ep' goes with grad 'expert' and only with it, got role={self.role!r}, "
+                             f"grad={self.grad!r}")
+        if not isinstance(self.sections, int):
+            object.__setattr__(self, "sections", tuple(int(s) for s in self.sections))
+
+    # -- constructors ----------------------------------------------------------------------------
+    @classmethod
+    def tp(cls, group, dim: int, sections: tuple[int, ...] | int = 1) -> "Placement":
+        """A block of ``dim`` over the tensor-parallel ``group`` (gradient "dense")."""
+        return cls("tp", comm.resolve_group(group), dim, sections, "dense")
+
+    @classmethod
+    def ep(cls, group, dim: int = 0) -> "Placement":
+        """A block of the experts (``dim``) over the expert-parallel ``group``."""
+        return cls("ep", comm.resolve_group(group), dim, 1, "expert")
+
+    @classmethod
+    def replicated(cls, *, sequence_sharded: bool, sections: tuple[int, ...] | int = 1, dim: int = 0) -> "Placement":
+        """A whole copy on every rank; ``sequence_sharded``: its gradient covers only this
+        rank's sequence shard of its tp group's tokens (kind "replicated"), else "dense"."""
+        return cls(None, None, dim, sections, "replicated" if sequence_sharded else "dense")
+
+    # -- the split -------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return 1 if self.role is None else comm.group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.role is None else comm.group_rank(self.group)
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+    def full_sections(self, n_full: int, size: int | None = None) -> list[int]:
+        """The full sizes of the sections of a full ``dim`` of size ``n_full`` (each must split
+        over ``size`` ranks, default the group's)."""
+        size = self.size if size is None else size
+        if isinstance(self.sections, int):
+            if self.sections < 1 or n_full % self.sections:
+                raise ValueError(f"dim {self.dim} of size {n_full} does not split into {self.sections} sections")
+            secs = [n_full // self.sections] * self.sections
+        else:
+            secs = list(self.sections)
+            if sum(secs) != n_full:
+                raise ValueError(f"sections {secs} do not add up to dim {self.dim} of size {n_full}")
+        for sec in secs:
+            if sec % size:
+                raise ValueError(f"section of size {sec} along dim {self.dim} does not split over {size} ranks")
+        return secs
+
+    def local_sections(self, n_local: int, size: int | None = None) -> list[int]:
+        """The local sizes of the sections of a local ``dim`` of size ``n_local``."""
+        size = self.size if size is None else size
+        return [sec // size for sec in self.full_sections(n_local * size, size)]
+
+    def full_shape(self, local_shape) -> tuple[int, ...]:
+        shape = list(local_shape)
+        if self.dim < len(shape):
+            shape[self.dim] *= self.size
+        return tuple(shape)
+
+    def local_from_full(self, full: torch.Tensor, rank: int | None = None, size: int | None = None) -> torch.Tensor:
+        """Block ``rank`` of ``size`` (default: this rank's of the group's) of ``full`` (a copy)."""
+        rank, P = self.rank if rank is None else rank, self.size if size is None else size
+        if P == 1:
+            return full.detach().clone()
+        parts = full.split(self.full_sections(full.shape[self.dim], P), dim=self.dim)
+        return torch.cat([p.chunk(P, dim=self.dim)[rank] for p in parts], dim=self.dim).clone()
+
+    def full_from_locals(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's block, in rank order (no communication: the number
+        of blocks is the number of ranks)."""
+        P = len(blocks)
+        if P == 1:
+            return blocks[0].detach().clone()
+        secs = self.local_sections(blocks[0].shape[self.dim], P)
+        parts = [t.split(secs, dim=self.dim) for t in blocks]  # parts[r][c]
+        return torch.cat([parts[r][c] for c in range(len(secs)) for r in range(P)], dim=self.dim)
+
+    def full_from_local(self, local: torch.Tensor) -> torch.Tensor:
+        """All-gather every rank's block over ``group`` and reassemble the full tensor (a
+        collective over the group; a copy when not sharded)."""
+        P = self.size
+        if P == 1:
+            return local.detach().clone()
+        buf = torch.empty((P,) + tuple(local.shape), dtype=local.dtype, device=local.device)
+        comm.all_gather_into(buf.view(P * local.shape[0], *local.shape[1:]), local.detach().contiguous(),
+                             self.group).wait()
+        return self.full_from_locals(list(buf.unbind(0)))
+
+    def local_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``local``, one per section (this rank's block of each)."""
+        return list(local.split(self.local_sections(local.shape[self.dim]), dim=self.dim))
+
+
+def parameter_placements(model: nn.Module, *, default: Placement | None = None) -> dict[str, Placement]:
+    """Parameter name -> :class:`Placement` for every parameter of ``model``, from the
+    ``placements()`` declarations of its modules. A parameter nobody declares gets ``default``;
+    without one it raises ``ValueError`` naming it (a guess would checkpoint or reduce it
+    wrongly). A parameter declared twice, or a declared name that is no parameter, raises too."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    out: dict[str, Placement] = {}
+    for mname, mod in model.named_modules():
+        declare = getattr(mod, "placements", None)
+        if not callable(declare):
+            continue
+        prefix = f"{mname}." if mname else ""
+        for rel, placement in declare().items():
+            try:
+                p = mod.get_parameter(rel)
+            except AttributeError:
+                raise ValueError(f"{type(mod).__name__} {mname or '(root)'!r} declares a placement for {rel!r}, "
+                                 "which is not one of its parameters") from None
+            name = canonical.get(id(p), prefix + rel)
+            if name in out and out[name] != placement:
+                raise ValueError(f"parameter {name!r} has two placements: {out[name]} and {placement} "
+                                 f"(the second from {type(mod).__name__} {mname or '(root)'!r})")
+            out[name] = placement
+    for name, p in model.named_parameters():
+        if name in out:
+            continue
+        if default is None:
+            owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            raise ValueError(
+                f"parameter {name!r} of a {type(owner).__name__} has no placement: no module declares how it is "
+                "sharded and how its gradient is reduced; declare it in its module's placements() "
+                "(see fusedpar.nn.placement)")
+        out[name] = default
+    return out
+
+
+def gradient_sync_plan(model: nn.Module, *, default: Placement | None = None) -> dict[str, str]:
+    """Parameter name -> gradient kind (for :func:`fusedpar.parallel.sync_gradients`), read from
+    :func:`parameter_placements` (same ``default``)."""
+    return {name: pl.grad for name, pl in parameter_placements(model, default=default).items()}
