@@ -111,29 +111,6 @@ def default_layout(world: int, pp: int, tp, sp):
     return tp, sp
 
 
-def join_world(use_cuda: bool) -> None:
-    """Under torchelastic, join the default process group through a store prefixed with the
-    restart attempt. torchrun's rendezvous shares one TCP store across restarts, so a restarted
-    gloo/NCCL group that used it plainly would read the previous attempt's (dead) peer addresses
-    and fail to connect."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized() or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=300)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
-    store = dist.PrefixStore(f"fusedpar.attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-
-
 def build(args, use_cuda: bool, vocab: int):
     """The parallel layout, the model (this rank's pipeline stage of it) and its config."""
     import torch
@@ -144,7 +121,6 @@ def build(args, use_cuda: bool, vocab: int):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp, sp = default_layout(world, args.pp, args.tp, args.sp)
     ep = args.ep if args.ep is not None else sp * tp
-    join_world(use_cuda)
     state = init_parallel(pp=args.pp, tp=tp, sp=sp, ep=ep, backend="nccl" if use_cuda else "gloo")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     config = TransformerConfig(

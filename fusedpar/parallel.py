@@ -198,7 +198,9 @@ def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 
 
     If ``torch.distributed`` is not initialised yet, it is initialised from the ``torchrun``
     environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), or as a one-process
-    world when none of those is set. The backend defaults to NCCL when CUDA is available (each
+    world when none of those is set; under torchelastic through a store prefixed with the restart
+    attempt (:func:`elastic_store`), so a restarted world never meets the previous attempt's peers.
+    The backend defaults to NCCL when CUDA is available (each
     rank then uses GPU ``LOCAL_RANK``) and gloo otherwise. Sizes are validated before any group is
     created; ``dp=None`` takes whatever the other sizes leave.
     """
@@ -212,7 +214,11 @@ def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = datetime.timedelta(seconds=timeout_s)
-        if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        store = elastic_store(timeout)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_env,
+                                    timeout=timeout)
+        elif "MASTER_ADDR" in os.environ and "RANK" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         elif world_env == 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -222,6 +228,21 @@ def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 
                 "(python -m torch.distributed.run --nproc-per-node N ...)"
             )
     return build_parallel_state(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses, device=device)
+
+
+def elastic_store(timeout: datetime.timedelta):
+    """Under torchelastic (``TORCHELASTIC_RESTART_COUNT`` set), the store to join the default
+    process group through: torchrun's rendezvous store, prefixed with the restart attempt.
+    torchrun shares one TCP store across restarts, so a restarted group that used it plainly
+    would read the previous attempt's (dead) peer addresses and fail to connect. ``None``
+    outside torchelastic."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
+    return dist.PrefixStore(f"fusedpar.attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def build_parallel_state(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1,

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 from fusedpar import checkpoint as fck
-from fusedpar.nn import Transformer
+from fusedpar.nn import Placement, Transformer
+from fusedpar.nn.placement import gradient_sync_plan
+from fusedpar.ops import comm
 from fusedpar.parallel import build_parallel_state, sync_gradients
 
 from _compose import batch, local_batch, tiny_config
@@ -179,6 +181,62 @@ def _reshard(rank, size, root):
 def test_model_and_optimizer_reshard_tp2_ep2_to_dp2(world2, tmp_path):
     n = world2.run(_reshard, str(tmp_path))  # the ranks share the directory
     assert n[0] == n[1] > 0
+
+
+class _SectionedScale(torch.nn.Module):
+    """A parallel module that exists only in this test: ``y = x * weight[:, j] + offset`` where
+    ``weight [8, 3]`` is a fused pair of unequal sections ``[a (6 rows); b (2 rows)]`` split by
+    rows over ``group`` and ``offset [3]`` is replicated with a sequence-sharded gradient. It
+    declares its placements and nothing else: checkpoints, resharding, ``full_state`` and the
+    gradient sync must follow from that alone."""
+
+    SECTIONS = (6, 2)
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        full = torch.arange(24, dtype=torch.float32).view(8, 3) / 7
+        self.weight = torch.nn.Parameter(self.placements()["weight"].local_from_full(full))
+        self.offset = torch.nn.Parameter(torch.full((3,), 0.5))
+
+    def placements(self):
+        return {"weight": Placement.tp(self.group, 0, self.SECTIONS),
+                "offset": Placement.replicated(sequence_sharded=True)}
+
+
+def _new_module(rank, size, root):
+    tp2 = build_parallel_state(tp=2)
+    m = _SectionedScale(tp2.tp_group)
+    a, b = m.weight.detach()[:3], m.weight.detach()[3:]  # this rank's blocks of the two sections
+    full = torch.arange(24, dtype=torch.float32).view(8, 3) / 7
+    assert torch.equal(a, full[:6].chunk(2)[rank]) and torch.equal(b, full[6:].chunk(2)[rank])
+    with torch.no_grad():
+        m.weight.mul_(-1.5)
+        m.offset.add_(1.0)
+    before = fck.full_state(m)
+    path = os.path.join(root, "new")
+    fck.save(m, path)
+    tp1 = build_parallel_state(dp=2)  # tp1: every tensor whole on each rank
+    one = _SectionedScale(tp1.tp_group)
+    fck.load(one, path)
+    assert torch.equal(one.weight.detach(), before["weight"]) and torch.equal(one.offset.detach(), before["offset"])
+    back = _SectionedScale(tp2.tp_group)  # and back to tp2
+    fck.load(back, path)
+    assert torch.equal(back.weight.detach(), m.weight.detach())
+    # gradient sync from the declaration: "dense" weight shards stay (one data rank), the
+    # "replicated" offset is summed over tp
+    assert gradient_sync_plan(m) == {"weight": "dense", "offset": "replicated"}
+    m.weight.grad = torch.full_like(m.weight, float(rank + 1))
+    m.offset.grad = torch.full_like(m.offset, float(rank + 1))
+    sync_gradients(m.named_parameters(), tp2, gradient_sync_plan(m))
+    assert torch.equal(m.weight.grad, torch.full_like(m.weight, float(rank + 1)))
+    assert torch.equal(m.offset.grad, torch.full_like(m.offset, 3.0))
+    return comm.group_size(tp2.tp_group)
+
+
+def test_a_new_parallel_module_needs_only_its_placements(world2, tmp_path):
+    """Defined here, declared once: saved at tp2, loaded at tp1 and back, its gradients synced."""
+    assert world2.run(_new_module, str(tmp_path)) == [2, 2]
 
 
 def _manager(rank, size, root):

@@ -1,4 +1,5 @@
 """fusedpar.parallel: mesh layout, group membership, size validation, gradient sync rules."""
+import os
 import pytest
 import torch
 import torch.distributed as dist
@@ -147,3 +148,39 @@ def test_resolve_sizes_without_a_world():
         resolve_sizes(4, dp=-1)
     with pytest.raises(RuntimeError, match="not initialised"):
         parallel.build_parallel_state(tp=1)
+
+
+_ELASTIC = r"""
+import datetime, os
+import torch.distributed as dist
+from fusedpar.parallel import elastic_store, init_parallel
+
+timeout = datetime.timedelta(seconds=60)
+shared = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)  # torchrun's, shared by attempts
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(shared.port), RANK="0", WORLD_SIZE="1",
+                  TORCHELASTIC_USE_AGENT_STORE="True")
+for attempt in (0, 1):
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    store = elastic_store(timeout)
+    store.set("probe", str(attempt))
+    assert shared.get(f"fusedpar.attempt{attempt}/probe") == str(attempt).encode()
+    assert not store.check(["stale"]), "a key of the previous attempt is visible to this one"
+    store.set("stale", "written by this attempt: the next one must not read it")
+    before = shared.num_keys()
+    state = init_parallel(backend="gloo")  # joins through the prefixed store, not the plain one
+    assert state.world_size == 1 and shared.num_keys() > before
+    dist.destroy_process_group()
+assert not shared.check(["stale"]) and shared.check(["fusedpar.attempt0/stale", "fusedpar.attempt1/stale"])
+print("ok")
+"""
+
+
+def test_init_parallel_joins_through_a_store_per_restart_attempt():
+    """Under torchelastic, init_parallel joins the world through torchrun's shared store prefixed
+    with the restart attempt, so a restarted world never reads the previous attempt's peers."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_", "RANK", "WORLD_"))}
+    out = subprocess.run([sys.executable, "-c", _ELASTIC], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
