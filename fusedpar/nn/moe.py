@@ -51,11 +51,14 @@ class TopKRouter(nn.Module):
 
     Ties in the scores are broken deterministically towards the lowest expert id (stable sort).
     ``capacity_factor`` ``c`` gives ``capacity = ceil(c * T * k / E)`` slots per expert.
+    ``sequence_sharded``: the tokens it routes are this rank's sequence shard of its tensor-parallel
+    group's (as in a :class:`~fusedpar.nn.Transformer`; its weight's gradient is then partial over
+    tp), or all of them (``False``: a replicated-token layer).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, capacity_factor: float | None = None,
-                 normalize: bool | None = None, device=None, dtype=None):
+                 normalize: bool | None = None, sequence_sharded: bool = True, device=None, dtype=None):
         super().__init__()
         check_int("hidden_size", hidden_size, min_value=1)
         check_int("num_experts", num_experts, min_value=1)
@@ -70,11 +73,15 @@ class TopKRouter(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.capacity_factor = capacity_factor
         self.normalize = (score == "sigmoid") if normalize is None else bool(normalize)
+        self.sequence_sharded = bool(sequence_sharded)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         self.aux_loss = None
         self.z_loss = None
         self.balance_stats = None
         self.reset_parameters()
+
+    def placements(self) -> dict[str, Placement]:
+        return {"weight": Placement.replicated(sequence_sharded=self.sequence_sharded)}
 
     def reset_parameters(self):
         bound = 1.0 / math.sqrt(self.hidden_size)
@@ -196,7 +203,7 @@ class MoE(nn.Module):
                              f"got {activation!r}")
         self.router = TopKRouter(hidden_size, num_experts, top_k, score=score, aux_loss_coef=aux_loss_coef,
                                  z_loss_coef=z_loss_coef, capacity_factor=capacity_factor, normalize=normalize,
-                                 device=device, dtype=dtype)
+                                 sequence_sharded=replicated_group is None, device=device, dtype=dtype)
         self.ep_group = ep_group
         self.transport = get_transport(transport, ep_group)
         ep = self.transport.size
@@ -216,11 +223,9 @@ class MoE(nn.Module):
         self.reset_parameters(router=False)
 
     def placements(self) -> dict[str, Placement]:
-        """Experts over the ep group; the router replicated, its gradient partial unless every
-        rank of ``replicated_group`` routes the same tokens."""
+        """Experts over the ep group (the router declares its own weight)."""
         experts = Placement.ep(self.ep_group)
-        router = Placement.replicated(sequence_sharded=self.replicated_group is None)
-        return {"w1": experts, "w2": experts, "router.weight": router}
+        return {"w1": experts, "w2": experts}
 
     @property
     def first_expert(self) -> int:

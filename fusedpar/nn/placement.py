@@ -15,7 +15,7 @@ A :class:`Placement` says, for one parameter:
 
 Every parallel module declares its parameters in a ``placements()`` method returning
 ``{name relative to the module: Placement}`` (its own parameters, or a child's that the module
-alone knows the context of: ``MoE`` declares its router, ``Transformer`` its embedding).
+alone knows the context of: ``Transformer`` declares its embedding table).
 :func:`parameter_placements` collects them for a whole model; checkpointing (save, load, reshard,
 ``full_state``), :func:`~fusedpar.nn.merge_shards`, ``from_linear``, the gradient sync plan and
 ``fusedpar.hf`` (load, export, parallelize) all read that, and nothing else, so a new parallel
