@@ -83,9 +83,16 @@ def _init_and_state(rank, size):
     torch.testing.assert_close(mlp.fc2.weight, _chunk(ref.fc2.weight, 1, rank, size), rtol=0, atol=0)
     assert mlp.fc1.bias is None and mlp.fc2.bias is None
 
+    # unequal sections ([q; k; v]-like): every rank holds its block of each section
+    full_s = nn.Linear(10, 7 * size)
+    secs = (4 * size, 2 * size, size)
+    sectioned = ColumnParallelLinear.from_linear(full_s, sections=secs)
+    blocks = [_chunk(part, 0, rank, size) for part in full_s.weight.detach().split(secs)]
+    torch.testing.assert_close(sectioned.weight, torch.cat(blocks), rtol=0, atol=0)
+
     # state_dict: the local shard + metadata; every rank's dicts reassemble the full weights
     for mod, full_w, full_b in [(col, full.weight, full.bias), (row, full_r.weight, full_r.bias),
-                                (mlp.fc1, ref.fc1.weight, None)]:
+                                (mlp.fc1, ref.fc1.weight, None), (sectioned, full_s.weight, full_s.bias)]:
         sd = mod.state_dict()
         assert isinstance(sd["_extra_state"], torch.Tensor)  # every entry a tensor (HF save_pretrained)
         meta = shard_meta(sd["_extra_state"])
@@ -108,6 +115,12 @@ def _init_and_state(rank, size):
         RowParallelLinear(4 * size + 1, 8)
     with pytest.raises(ValueError, match="activation must be one of"):
         ParallelMLP(8, 4 * size, activation="tanh")
+    with pytest.raises(ValueError, match=r"sections must add up to out_features=8, got \(4, 2\)"):
+        ColumnParallelLinear(8, 8, sections=(4, 2))
+    with pytest.raises(ValueError, match=r"every section of sections=\(5, 3\).* must be divisible"):
+        ColumnParallelLinear(8, 8, sections=(5, 3))
+    with pytest.raises(ValueError, match=r"sections must be None with a gated activation"):
+        ColumnParallelLinear(8, 8, activation="swiglu", sections=(4, 4))
     with pytest.raises(ValueError, match="must be divisible by the group size"):
         RowParallelLinear(4 * size, 8)(torch.randn(2, 2 * size + 1, 4))
     return True
