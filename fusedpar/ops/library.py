@@ -21,23 +21,57 @@ resolves back to its :class:`~fusedpar.ops.transport.Transport` when it runs
 * ``"object:<n>"`` for a :class:`Transport` instance (each registers itself when it is built,
   weakly: a token outlives its transport only as a dangling name, which raises a clear error).
 
+**Defining an op.** Every op is defined in a ``fusedpar/ops/<family>_library.py`` module with
+:func:`custom_op` (the namespace is written only here) and bound to a public module-level name
+(``rms_norm_op``) that the functional API calls; a registered backward returns
+:func:`input_grads` (one entry per argument of the forward's schema, ``None`` where not given).
+
 **Absent tensors.** A custom op cannot return ``None``: an output an op does not produce (a
 gradient nobody asked for, a residual not kept) is a 0-element tensor, :func:`absent`, mapped
 back to ``None`` by :func:`present`.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["NAMESPACE", "absent", "present", "register_transport", "transport_token", "transport_size",
+__all__ = ["NAMESPACE", "custom_op", "input_grads", "absent", "present", "register_transport", "transport_token",
+           "transport_size",
            "resolve_token", "token_group", "token_size", "hold"]
 
 #: the ``torch.library`` namespace of every fusedpar op: ``torch.ops.fusedpar.<name>``
 NAMESPACE = "fusedpar"
+
+
+
+def custom_op(name: str, *, mutates_args=()):
+    """``torch.library.custom_op`` in the fusedpar namespace: ``custom_op("rms_norm")`` defines
+    ``fusedpar::rms_norm`` (``torch.ops.fusedpar.rms_norm``). Used as a decorator, or called on a
+    named body: ``rms_norm_op = custom_op("rms_norm")(rms_norm_fwd)``."""
+    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)
+
+
+@functools.lru_cache(maxsize=None)
+def _argument_names(op) -> tuple:
+    return tuple(a.name for a in op._opoverload._schema.arguments)
+
+
+def input_grads(op, **grads) -> tuple:
+    """What a ``register_autograd`` backward of ``op`` returns: one entry per argument of its
+    schema, in order, ``grads[name]`` for the named arguments and ``None`` for the rest.
+    ``input_grads(rms_norm_op, x=dx, weight=dw)`` -> ``(dx, dw, None, None)``. Raises
+    ``ValueError`` for a name that is not an argument of ``op``."""
+    names = _argument_names(op)
+    unknown = sorted(set(grads) - set(names))
+    if unknown:
+        raise ValueError(f"input_grads: {op._name} has no argument {', '.join(unknown)} (its arguments: "
+                         f"{', '.join(names)})")
+    return tuple(grads.get(n) for n in names)
+
 
 _OBJECT_PREFIX = "object:"
 _objects: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
