@@ -3,7 +3,7 @@
 
 * opcheck (schema, autograd registration, fake tensors, AOT dispatch with dynamic shapes, which
   also runs each backward op through ``register_autograd``) on every op of
-  :mod:`fusedpar.ops.tp_library`: in this process on an ``EmulatedTransport`` of size 2 (the
+  :mod:`fusedpar.ops.tensor_parallel_library`: in this process on an ``EmulatedTransport`` of size 2 (the
   multi-rank schedules in one process; its token names the instance), the backward ops called
   directly too. In the world of 2 the fakes run on name tokens (a process group) while the
   modules compile.

@@ -66,13 +66,14 @@ from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES
 from fusedpar.kernels.waits import check_wait_timeouts
 from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
-from fusedpar.ops.tp_schedules import check_linear_args
+from fusedpar.ops.tensor_parallel_schedules import check_linear_args
 from fusedpar.ops.transport import (
     PortableTransport,
     SymmetricBuffers,
     SymmetricWorkspace,
     Transport,
     cached_workspace,
+    check_transport_name,
     get_transport,
 )
 
@@ -190,9 +191,7 @@ def resolve_transport(transport, x: torch.Tensor, group=None) -> Transport:
         return get_transport(transport, group)
     if transport is None:
         transport = DEFAULT_TRANSPORT
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS} or a fusedpar.ops.transport.Transport, "
-                         f"got {transport!r}")
+    check_transport_name(transport, TRANSPORTS)
     if transport == "portable" or comm.group_size(group) == 1:
         return PortableTransport(group)
     ok, reason = symmetric_status(x, group)

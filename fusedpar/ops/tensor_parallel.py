@@ -1,7 +1,8 @@
 """Tensor-parallel GEMMs with the communication overlapped chunk by chunk, forward and backward.
 
-Four functional ops (each a ``torch.library`` custom op over ``fusedpar.kernels.matmul``, see
-:mod:`fusedpar.ops.tp_library`) and the feature-dim gather / scatter of the tensor-parallel layers:
+The functional API of four GEMM ops (each a custom op over ``fusedpar.kernels.matmul``, see
+:mod:`fusedpar.ops.tensor_parallel_library`) and of the feature-dim gather / scatter of the
+tensor-parallel layers:
 
 * :func:`all_gather_matmul` -- ``act(all_gather(x, gather_dim) @ W^T + b)`` (column parallel with
   sequence parallelism). Ring schedule: the local chunk is multiplied first while chunk ``i+1``
@@ -17,20 +18,22 @@ Four functional ops (each a ``torch.library`` custom op over ``fusedpar.kernels.
   the last dim (``gather_output`` / ``input_is_parallel=False``; not on the hot path).
 
 Per op, the forward and the backward are named functions (``all_gather_matmul_fwd`` /
-``all_gather_matmul_bwd``, ...; :mod:`fusedpar.ops.tp_library`) that are the bodies of a forward
-and a backward custom op (``torch.ops.fusedpar.all_gather_matmul`` / ``..._backward``); the
+``all_gather_matmul_bwd``, ...; :mod:`fusedpar.ops.tensor_parallel_library`) that are the bodies
+of a forward and a backward custom op (``all_gather_matmul_op`` /
+``all_gather_matmul_backward_op``: ``fusedpar::all_gather_matmul`` / ``..._backward``); the
 functional API here checks the arguments (before any communication, and while ``torch.compile``
-traces it), names the transport by a token and calls the op: eager and compiled runs take the same
-code, and a block of these ops compiles with ``fullgraph=True``.
+traces it), names the transport by a token and calls the op object: eager and compiled runs take
+the same code, and a block of these ops compiles with ``fullgraph=True``.
 
 Backward passes are overlapped the same way: the data gradient of an all-gather GEMM is a
 reduce-scatter GEMM (``weight_layout="kn"``, no transposed weight copy) and vice versa; weight
 gradients are accumulated per chunk with ``matmul_tn`` in fp32 straight from strided chunk views.
 
 Every transfer goes through a :class:`~fusedpar.ops.transport.Transport` (the schedules of
-:mod:`fusedpar.ops.tp_schedules`); on a transport with in-kernel waits (symmetric memory) the
-GEMMs are the persistent ones of :mod:`fusedpar.ops.symmetric`. Every input check runs before the
-first transfer, so bad input raises the same error on every rank instead of leaving peers waiting.
+:mod:`fusedpar.ops.tensor_parallel_schedules`); on a transport with in-kernel waits (symmetric
+memory) the GEMMs are the persistent ones of :mod:`fusedpar.ops.symmetric`. Every input check
+runs before the first transfer, so bad input raises the same error on every rank instead of
+leaving peers waiting.
 
 On an :class:`~fusedpar.ops.transport.EmulatedTransport` of size ``P`` (every peer mirrors this
 rank) the ops compute: ``all_gather_matmul`` -- the op over ``P`` copies of ``x``, gradients as
@@ -47,19 +50,25 @@ from fusedpar.kernels.checks import check_bool, check_divisible, check_dtype, ch
 from fusedpar.ops import symmetric
 from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.library import transport_size, transport_token
-from fusedpar.ops.tp_library import (  # noqa: F401 - the per-op schedules, re-exported; registers the ops
+from fusedpar.ops.tensor_parallel_library import (  # noqa: F401 - the per-op forward / backward, re-exported
     TPOptions,
     all_gather_matmul_bwd,
     all_gather_matmul_fwd,
+    all_gather_matmul_op,
     copy_to_tp_matmul_bwd,
     copy_to_tp_matmul_fwd,
+    copy_to_tp_matmul_op,
+    gather_features_op,
     matmul_all_reduce_bwd,
     matmul_all_reduce_fwd,
+    matmul_all_reduce_op,
     matmul_reduce_scatter_bwd,
     matmul_reduce_scatter_fwd,
+    matmul_reduce_scatter_op,
+    scatter_features_op,
 )
-from fusedpar.ops.tp_schedules import check_linear_args
-from fusedpar.ops.transport import Transport
+from fusedpar.ops.tensor_parallel_schedules import check_linear_args
+from fusedpar.ops.transport import Transport, check_transport_name
 
 __all__ = [
     "TPOptions", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "copy_to_tp_matmul",
@@ -92,11 +101,7 @@ def _partial_dtype(op, name, dtype, x):
 
 def _token(transport, group, names=symmetric.TRANSPORTS):
     """The op's transport token; an unknown transport name raises the transports' own error."""
-    if not isinstance(transport, Transport) and transport is not None and transport not in names:
-        if names == symmetric.TRANSPORTS:
-            raise ValueError(f"transport must be one of {names} or a fusedpar.ops.transport.Transport, "
-                             f"got {transport!r}")
-        raise ValueError(f"transport must be None, 'portable' or a fusedpar.ops.transport.Transport, got {transport!r}")
+    check_transport_name(transport, names)
     return transport_token(transport, group)
 
 
@@ -157,8 +162,8 @@ def all_gather_matmul(
     token = _token(transport, group)
     need_dw = _grad_needed(weight)
     keep = return_gathered or (save_gathered_input and need_dw)
-    out, _, gathered = torch.ops.fusedpar.all_gather_matmul(x, weight, bias, token, dim, activation, partial_dtype,
-                                                            _grad_needed(x, weight, bias), keep, keep and need_dw)
+    out, _, gathered = all_gather_matmul_op(x, weight, bias, token, dim, activation, partial_dtype,
+                                            _grad_needed(x, weight, bias), keep, keep and need_dw)
     if not return_gathered:
         return out
     # [P, *x.shape] by source rank -> concatenated along the gather dim (a copy made only on request)
@@ -199,7 +204,7 @@ def matmul_reduce_scatter(
         partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
     token = _token(transport, group)
     check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], transport_size(transport, group))
-    return torch.ops.fusedpar.matmul_reduce_scatter(x, weight, bias, token, dim, partial_dtype)
+    return matmul_reduce_scatter_op(x, weight, bias, token, dim, partial_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,7 +242,7 @@ def matmul_all_reduce(
     """
     token, reduce_dtype = _reduce_options("matmul_all_reduce", x, weight, bias, "none", num_chunks, reduce_dtype,
                                           transport, group)
-    return torch.ops.fusedpar.matmul_all_reduce(x, weight, bias, token, num_chunks, reduce_dtype)
+    return matmul_all_reduce_op(x, weight, bias, token, num_chunks, reduce_dtype)
 
 
 def copy_to_tp_matmul(
@@ -256,8 +261,8 @@ def copy_to_tp_matmul(
     like :func:`matmul_all_reduce` (Megatron's "copy to tensor-parallel region")."""
     token, reduce_dtype = _reduce_options("copy_to_tp_matmul", x, weight, bias, activation, num_chunks, reduce_dtype,
                                           transport, group)
-    out, _ = torch.ops.fusedpar.copy_to_tp_matmul(x, weight, bias, token, activation, num_chunks, reduce_dtype,
-                                                  _grad_needed(x, weight, bias))
+    out, _ = copy_to_tp_matmul_op(x, weight, bias, token, activation, num_chunks, reduce_dtype,
+                                  _grad_needed(x, weight, bias))
     return out
 
 
@@ -272,7 +277,7 @@ def gather_features(t: torch.Tensor, group=None, *, transport: Transport | str |
     token = _token(transport, group, names=("portable",))
     if transport_size(transport, group) == 1:
         return t
-    return torch.ops.fusedpar.gather_features(t, token)
+    return gather_features_op(t, token)
 
 
 def scatter_features(t: torch.Tensor, group=None, *, transport: Transport | str | None = None) -> torch.Tensor:
@@ -285,4 +290,4 @@ def scatter_features(t: torch.Tensor, group=None, *, transport: Transport | str 
     if size == 1:
         return t
     check_divisible("scatter_features: t.shape[-1]", t.shape[-1], size)
-    return torch.ops.fusedpar.scatter_features(t, token)
+    return scatter_features_op(t, token)

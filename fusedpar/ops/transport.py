@@ -45,7 +45,7 @@ from fusedpar.ops import comm
 from fusedpar.ops.library import register_transport, resolve_token
 
 __all__ = ["Transport", "PortableTransport", "EmulatedTransport", "SymmetricBuffers", "SymmetricWorkspace",
-           "cached_workspace", "get_transport", "token_transport"]
+           "cached_workspace", "check_transport_name", "get_transport", "token_transport"]
 
 # SMs the emulation's waiting GEMM leaves free: peer copies run on copy engines, but a driver may
 # serve a same-device copy with a kernel, which must find an SM while the GEMM programs spin
@@ -328,9 +328,19 @@ def get_transport(transport=None, group=None) -> Transport:
             raise ValueError("pass either group= or a Transport instance as transport=, not both "
                              f"(got group={group!r} and transport={transport!r})")
         return transport
-    if transport is not None and transport != "portable":
-        raise ValueError(f"transport must be None, 'portable' or a fusedpar.ops.transport.Transport, got {transport!r}")
+    check_transport_name(transport)
     return PortableTransport(group)
+
+
+def check_transport_name(transport, names=("portable",)) -> None:
+    """``transport`` is ``None``, a :class:`Transport` or one of the transport ``names`` an op
+    accepts (``("portable",)``; the tensor-parallel ops also take ``"symmetric"`` and ``"auto"``).
+    Raises ``ValueError`` naming what is accepted."""
+    if transport is None or isinstance(transport, Transport) or transport in names:
+        return
+    if tuple(names) == ("portable",):
+        raise ValueError(f"transport must be None, 'portable' or a fusedpar.ops.transport.Transport, got {transport!r}")
+    raise ValueError(f"transport must be one of {names} or a fusedpar.ops.transport.Transport, got {transport!r}")
 
 
 def token_transport(token: str) -> Transport:

@@ -1,10 +1,13 @@
-"""The tensor-parallel GEMMs of :mod:`fusedpar.ops.tensor_parallel` as ``torch.library`` custom ops.
+"""The custom ops of the tensor-parallel GEMMs of :mod:`fusedpar.ops.tensor_parallel` (see
+:mod:`fusedpar.ops.library`).
 
 Per op, a forward and a backward are named functions (``all_gather_matmul_fwd`` /
-``all_gather_matmul_bwd``, ...) over the schedules of :mod:`fusedpar.ops.tp_schedules` (or the
-persistent GEMMs of :mod:`fusedpar.ops.symmetric` on a transport with in-kernel waits); the
-static options travel in one :class:`TPOptions`. Each pair is the body of two custom ops with
-fake (meta) implementations, tied together by ``register_autograd``:
+``all_gather_matmul_bwd``, ...) over the schedules of :mod:`fusedpar.ops.tensor_parallel_schedules`
+(or the persistent GEMMs of :mod:`fusedpar.ops.symmetric` on a transport with in-kernel waits);
+the static options travel in one :class:`TPOptions`. Each pair is the body of two custom ops
+(bound to ``<op>_op`` / ``<op>_backward_op``, e.g. :data:`all_gather_matmul_op`; the op resolves
+the transport token and the absent placeholders and calls the body) with fake (meta)
+implementations, tied together by ``register_autograd``:
 
 * ``fusedpar::all_gather_matmul(x, weight, bias, token, dim, activation, partial_dtype,
   keep_preact, keep_gathered, save_gathered) -> (out, preact, gathered)``: ``preact`` the
@@ -33,8 +36,8 @@ import torch
 from fusedpar.kernels import chunk_view, matmul
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import symmetric
-from fusedpar.ops.library import absent, hold, resolve_token, token_size
-from fusedpar.ops.tp_schedules import (
+from fusedpar.ops.library import absent, custom_op, hold, input_grads, resolve_token, token_size
+from fusedpar.ops.tensor_parallel_schedules import (
     WeightGrad,
     activation_backward,
     chunked_matmul_all_reduce,
@@ -48,6 +51,9 @@ __all__ = [
     "TPOptions", "all_gather_matmul_fwd", "all_gather_matmul_bwd", "matmul_reduce_scatter_fwd",
     "matmul_reduce_scatter_bwd", "matmul_all_reduce_fwd", "matmul_all_reduce_bwd", "copy_to_tp_matmul_fwd",
     "copy_to_tp_matmul_bwd", "all_gather_last_dim", "tp_transport",
+    "all_gather_matmul_op", "all_gather_matmul_backward_op", "matmul_reduce_scatter_op",
+    "matmul_reduce_scatter_backward_op", "matmul_all_reduce_op", "matmul_all_reduce_backward_op",
+    "copy_to_tp_matmul_op", "copy_to_tp_matmul_backward_op", "gather_features_op", "scatter_features_op",
 ]
 
 Tensor = torch.Tensor
@@ -59,8 +65,7 @@ class TPOptions:
 
     transport: the resolved :class:`Transport`. dim: the (normalised) gather / scatter token dim.
     partial_dtype: what travels in reductions (the reduce-scatter partials; the all-reduce dtype).
-    num_chunks: row chunks of the all-reduce ops. save_gathered_input / return_gathered: see
-    :func:`~fusedpar.ops.tensor_parallel.all_gather_matmul`.
+    num_chunks: row chunks of the all-reduce ops.
     """
 
     transport: Transport
@@ -68,8 +73,6 @@ class TPOptions:
     activation: str = "none"
     partial_dtype: torch.dtype = torch.float32
     num_chunks: int = 1
-    save_gathered_input: bool = True
-    return_gathered: bool = False
 
 
 def tp_transport(token: str, x: torch.Tensor):
@@ -97,6 +100,13 @@ def _grads_fake(like_dx, weight, need_dx, need_dw, need_db, n_db=None):
 
 def _grads_out(dx, dw, db, like):
     return _or_absent(dx, like), _or_absent(dw, like), _or_absent(db, like)
+
+
+def _input_grads(op, ctx, dx=None, dw=None, db=None):
+    """What the registered backward of a GEMM op returns: ``(dx, dW, db)`` for ``x``, ``weight``
+    and ``bias`` where the forward's inputs need them, ``None`` for every other argument."""
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    return input_grads(op, x=dx if need_dx else None, weight=dw if need_dw else None, bias=db if need_db else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,17 +192,17 @@ def all_gather_matmul_bwd(grad_out, x, weight, preact, gathered, opts: TPOptions
     return dx, (dw.result() if need_dw else None), db
 
 
-@torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=())
-def _ag_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, dim: int, activation: str,
-           partial_dtype: torch.dtype, keep_preact: bool, keep_gathered: bool,
-           save_gathered: bool) -> tuple[Tensor, Tensor, Tensor]:
+@custom_op("all_gather_matmul")
+def all_gather_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, dim: int, activation: str,
+                         partial_dtype: torch.dtype, keep_preact: bool, keep_gathered: bool,
+                         save_gathered: bool) -> tuple[Tensor, Tensor, Tensor]:
     opts = TPOptions(tp_transport(token, x), dim, activation, partial_dtype)
     out, preact, gathered = all_gather_matmul_fwd(x, weight, bias, opts, keep_preact=keep_preact,
                                                   keep_gathered=keep_gathered)
     return out, _or_absent(preact, x), _or_absent(gathered, x)
 
 
-@_ag_op.register_fake
+@all_gather_matmul_op.register_fake
 def _(x, weight, bias, token, dim, activation, partial_dtype, keep_preact, keep_gathered, save_gathered):
     P, lead = token_size(token), list(x.shape[:-1])
     out_lead = list(lead)
@@ -202,10 +212,11 @@ def _(x, weight, bias, token, dim, activation, partial_dtype, keep_preact, keep_
     return out, preact, (x.new_empty([P] + list(x.shape)) if keep_gathered else absent(x))
 
 
-@torch.library.custom_op("fusedpar::all_gather_matmul_backward", mutates_args=())
-def _ag_backward_op(grad_out: Tensor, x: Tensor | None, gathered: Tensor | None, weight: Tensor,
-                    preact: Tensor | None, token: str, dim: int, activation: str, partial_dtype: torch.dtype,
-                    need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+@custom_op("all_gather_matmul_backward")
+def all_gather_matmul_backward_op(grad_out: Tensor, x: Tensor | None, gathered: Tensor | None, weight: Tensor,
+                                  preact: Tensor | None, token: str, dim: int, activation: str,
+                                  partial_dtype: torch.dtype, need_dx: bool, need_dw: bool,
+                                  need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     like = x if x is not None else gathered[0]
     opts = TPOptions(tp_transport(token, like), dim, activation, partial_dtype)
     dx, dw, db = all_gather_matmul_bwd(grad_out, x, weight, preact, gathered, opts, need_dx=need_dx, need_dw=need_dw,
@@ -213,7 +224,7 @@ def _ag_backward_op(grad_out: Tensor, x: Tensor | None, gathered: Tensor | None,
     return _grads_out(dx, dw, db, weight)
 
 
-@_ag_backward_op.register_fake
+@all_gather_matmul_backward_op.register_fake
 def _(grad_out, x, gathered, weight, preact, token, dim, activation, partial_dtype, need_dx, need_dw, need_db):
     like = x if x is not None else gathered[0]
     return _grads_fake(grad_out.new_empty(like.shape), weight, need_dx, need_dw, need_db)
@@ -233,13 +244,13 @@ def _ag_backward(ctx, grad_out, grad_preact, grad_gathered):
     x, gathered, weight, preact = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if grad_out is None or not (need_dx or need_dw or need_db):
-        return (None,) * 10
-    dx, dw, db = torch.ops.fusedpar.all_gather_matmul_backward(grad_out, x, gathered, weight, preact, *ctx.args,
-                                                               need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 7
+        return input_grads(all_gather_matmul_op)
+    dx, dw, db = all_gather_matmul_backward_op(grad_out, x, gathered, weight, preact, *ctx.args, need_dx, need_dw,
+                                               need_db)
+    return _input_grads(all_gather_matmul_op, ctx, dx, dw, db)
 
 
-_ag_op.register_autograd(_ag_backward, setup_context=_ag_setup)
+all_gather_matmul_op.register_autograd(_ag_backward, setup_context=_ag_setup)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,30 +305,31 @@ def matmul_reduce_scatter_bwd(grad_out, x, weight, opts: TPOptions, *, need_dx=T
     return dx, (dw.result() if need_dw else None), (db32.to(weight.dtype) if need_db else None)
 
 
-@torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
-def _rs_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, dim: int,
-           partial_dtype: torch.dtype) -> Tensor:
+@custom_op("matmul_reduce_scatter")
+def matmul_reduce_scatter_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, dim: int,
+                             partial_dtype: torch.dtype) -> Tensor:
     return matmul_reduce_scatter_fwd(x, weight, bias, TPOptions(tp_transport(token, x), dim,
                                                                 partial_dtype=partial_dtype))
 
 
-@_rs_op.register_fake
+@matmul_reduce_scatter_op.register_fake
 def _(x, weight, bias, token, dim, partial_dtype):
     shape = list(x.shape[:-1]) + [weight.shape[0]]
     shape[dim] = shape[dim] // token_size(token)
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("fusedpar::matmul_reduce_scatter_backward", mutates_args=())
-def _rs_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, token: str, dim: int, partial_dtype: torch.dtype,
-                    need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+@custom_op("matmul_reduce_scatter_backward")
+def matmul_reduce_scatter_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, token: str, dim: int,
+                                      partial_dtype: torch.dtype, need_dx: bool, need_dw: bool,
+                                      need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     opts = TPOptions(tp_transport(token, x), dim, partial_dtype=partial_dtype)
     dx, dw, db = matmul_reduce_scatter_bwd(grad_out, x, weight, opts, need_dx=need_dx, need_dw=need_dw,
                                            need_db=need_db)
     return _grads_out(dx, dw, db, weight)
 
 
-@_rs_backward_op.register_fake
+@matmul_reduce_scatter_backward_op.register_fake
 def _(grad_out, x, weight, token, dim, partial_dtype, need_dx, need_dw, need_db):
     return _grads_fake(x, weight, need_dx, need_dw, need_db)
 
@@ -332,12 +344,11 @@ def _rs_setup(ctx, inputs, output):
 def _rs_backward(ctx, grad_out):
     x, weight = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dx, dw, db = torch.ops.fusedpar.matmul_reduce_scatter_backward(grad_out, x, weight, *ctx.args, need_dx, need_dw,
-                                                                   need_db)
-    return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None, None
+    dx, dw, db = matmul_reduce_scatter_backward_op(grad_out, x, weight, *ctx.args, need_dx, need_dw, need_db)
+    return _input_grads(matmul_reduce_scatter_op, ctx, dx, dw, db)
 
 
-_rs_op.register_autograd(_rs_backward, setup_context=_rs_setup)
+matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,26 +373,26 @@ def matmul_all_reduce_bwd(grad_out, x, weight, *, need_dx=True, need_dw=True, ne
     return dx, dw, db
 
 
-@torch.library.custom_op("fusedpar::matmul_all_reduce", mutates_args=())
-def _ar_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, num_chunks: int,
-           reduce_dtype: torch.dtype) -> Tensor:
+@custom_op("matmul_all_reduce")
+def matmul_all_reduce_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, num_chunks: int,
+                         reduce_dtype: torch.dtype) -> Tensor:
     opts = TPOptions(tp_transport(token, x), partial_dtype=reduce_dtype, num_chunks=num_chunks)
     return matmul_all_reduce_fwd(x, weight, bias, opts)
 
 
-@_ar_op.register_fake
+@matmul_all_reduce_op.register_fake
 def _(x, weight, bias, token, num_chunks, reduce_dtype):
     return x.new_empty(list(x.shape[:-1]) + [weight.shape[0]])
 
 
-@torch.library.custom_op("fusedpar::matmul_all_reduce_backward", mutates_args=())
-def _ar_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bool,
-                    need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+@custom_op("matmul_all_reduce_backward")
+def matmul_all_reduce_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bool,
+                                  need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = matmul_all_reduce_bwd(grad_out, x, weight, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
     return _grads_out(dx, dw, db, weight)
 
 
-@_ar_backward_op.register_fake
+@matmul_all_reduce_backward_op.register_fake
 def _(grad_out, x, weight, need_dx, need_dw, need_db):
     return _grads_fake(grad_out.new_empty(list(grad_out.shape[:-1]) + [weight.shape[1]]), weight, need_dx, need_dw,
                        need_db)
@@ -394,11 +405,11 @@ def _ar_setup(ctx, inputs, output):
 def _ar_backward(ctx, grad_out):
     x, weight = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dx, dw, db = torch.ops.fusedpar.matmul_all_reduce_backward(grad_out, x, weight, need_dx, need_dw, need_db)
-    return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None, None
+    dx, dw, db = matmul_all_reduce_backward_op(grad_out, x, weight, need_dx, need_dw, need_db)
+    return _input_grads(matmul_all_reduce_op, ctx, dx, dw, db)
 
 
-_ar_op.register_autograd(_ar_backward, setup_context=_ar_setup)
+matmul_all_reduce_op.register_autograd(_ar_backward, setup_context=_ar_setup)
 
 
 def copy_to_tp_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False):
@@ -428,16 +439,16 @@ def copy_to_tp_matmul_bwd(grad_out, x, weight, preact, opts: TPOptions, *, need_
     return dx, dw, db
 
 
-@torch.library.custom_op("fusedpar::copy_to_tp_matmul", mutates_args=())
-def _cp_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, activation: str, num_chunks: int,
-           reduce_dtype: torch.dtype, keep_preact: bool) -> tuple[Tensor, Tensor]:
+@custom_op("copy_to_tp_matmul")
+def copy_to_tp_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, activation: str, num_chunks: int,
+                         reduce_dtype: torch.dtype, keep_preact: bool) -> tuple[Tensor, Tensor]:
     # local: the token, num_chunks and reduce_dtype are the backward's
     opts = TPOptions(None, activation=activation)
     out, preact = copy_to_tp_matmul_fwd(x, weight, bias, opts, keep_preact=keep_preact)
     return out, _or_absent(preact, x)
 
 
-@_cp_op.register_fake
+@copy_to_tp_matmul_op.register_fake
 def _(x, weight, bias, token, activation, num_chunks, reduce_dtype, keep_preact):
     lead = list(x.shape[:-1])
     out = x.new_empty(lead + [_n_out(weight, activation)])
@@ -447,10 +458,10 @@ def _(x, weight, bias, token, activation, num_chunks, reduce_dtype, keep_preact)
     return out, (x.new_empty([rows, weight.shape[0]]) if keep_preact and activation != "none" else absent(x))
 
 
-@torch.library.custom_op("fusedpar::copy_to_tp_matmul_backward", mutates_args=())
-def _cp_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, preact: Tensor | None, token: str, activation: str,
-                    num_chunks: int, reduce_dtype: torch.dtype, need_dx: bool, need_dw: bool,
-                    need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+@custom_op("copy_to_tp_matmul_backward")
+def copy_to_tp_matmul_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, preact: Tensor | None, token: str,
+                                  activation: str, num_chunks: int, reduce_dtype: torch.dtype, need_dx: bool,
+                                  need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     opts = TPOptions(tp_transport(token, x), activation=activation, partial_dtype=reduce_dtype,
                      num_chunks=num_chunks)
     dx, dw, db = copy_to_tp_matmul_bwd(grad_out, x, weight, preact, opts, need_dx=need_dx, need_dw=need_dw,
@@ -458,7 +469,7 @@ def _cp_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, preact: Tensor 
     return _grads_out(dx, dw, db, weight)
 
 
-@_cp_backward_op.register_fake
+@copy_to_tp_matmul_backward_op.register_fake
 def _(grad_out, x, weight, preact, token, activation, num_chunks, reduce_dtype, need_dx, need_dw, need_db):
     return _grads_fake(grad_out.new_empty(x.shape), weight, need_dx, need_dw, need_db)
 
@@ -474,13 +485,12 @@ def _cp_backward(ctx, grad_out, grad_preact):
     x, weight, preact = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if grad_out is None or not (need_dx or need_dw or need_db):
-        return (None,) * 8
-    dx, dw, db = torch.ops.fusedpar.copy_to_tp_matmul_backward(grad_out, x, weight, preact, *ctx.args, need_dx,
-                                                               need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 5
+        return input_grads(copy_to_tp_matmul_op)
+    dx, dw, db = copy_to_tp_matmul_backward_op(grad_out, x, weight, preact, *ctx.args, need_dx, need_dw, need_db)
+    return _input_grads(copy_to_tp_matmul_op, ctx, dx, dw, db)
 
 
-_cp_op.register_autograd(_cp_backward, setup_context=_cp_setup)
+copy_to_tp_matmul_op.register_autograd(_cp_backward, setup_context=_cp_setup)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,24 +506,24 @@ def all_gather_last_dim(t: torch.Tensor, transport: Transport) -> torch.Tensor:
     return buf.movedim(0, -2).reshape(tuple(t.shape[:-1]) + (P * t.shape[-1],))
 
 
-@torch.library.custom_op("fusedpar::gather_features", mutates_args=())
-def _gather_op(t: Tensor, token: str) -> Tensor:
+@custom_op("gather_features")
+def gather_features_op(t: Tensor, token: str) -> Tensor:
     return all_gather_last_dim(t, token_transport(token))
 
 
-@_gather_op.register_fake
+@gather_features_op.register_fake
 def _(t, token):
     return t.new_empty(list(t.shape[:-1]) + [t.shape[-1] * token_size(token)])
 
 
-@torch.library.custom_op("fusedpar::scatter_features", mutates_args=())
-def _scatter_op(t: Tensor, token: str) -> Tensor:
+@custom_op("scatter_features")
+def scatter_features_op(t: Tensor, token: str) -> Tensor:
     tr = token_transport(token)
     n = t.shape[-1] // tr.size
     return t.narrow(-1, tr.rank * n, n).clone(memory_format=torch.contiguous_format)
 
 
-@_scatter_op.register_fake
+@scatter_features_op.register_fake
 def _(t, token):
     return t.new_empty(list(t.shape[:-1]) + [t.shape[-1] // token_size(token)])
 
@@ -524,12 +534,12 @@ def _token_setup(ctx, inputs, output):
 
 
 def _gather_backward(ctx, grad):
-    return torch.ops.fusedpar.scatter_features(grad, ctx.token), None
+    return input_grads(gather_features_op, t=scatter_features_op(grad, ctx.token))
 
 
 def _scatter_backward(ctx, grad):
-    return torch.ops.fusedpar.gather_features(grad, ctx.token), None
+    return input_grads(scatter_features_op, t=gather_features_op(grad, ctx.token))
 
 
-_gather_op.register_autograd(_gather_backward, setup_context=_token_setup)
-_scatter_op.register_autograd(_scatter_backward, setup_context=_token_setup)
+gather_features_op.register_autograd(_gather_backward, setup_context=_token_setup)
+scatter_features_op.register_autograd(_scatter_backward, setup_context=_token_setup)
