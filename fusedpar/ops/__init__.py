@@ -1,7 +1,14 @@
-"""Autograd Functions, their named forward/backward functions, the transports and the schedules.
+"""The functional API of fusedpar's differentiable ops, their named forward / backward functions,
+the transports and the schedules.
 
-Every differentiable fusedpar op is importable from here; the layers below (``fusedpar.kernels``)
-hold kernels and launchers only, the layer above (``fusedpar.nn``) modules only.
+Every differentiable op is importable from here. Each op family ``F`` (``tensor_parallel``,
+``sp_attention``, ``flash``, ``moe``, ``norm``, ``loss``) keeps its functional API (argument
+checks, then the custom-op object) in ``fusedpar/ops/F.py``, its ``torch.library`` custom ops
+(forward op, ``*_backward`` op, fakes, autograd registration) in ``fusedpar/ops/F_library.py``
+and the ops' named bodies (``<op>_fwd`` / ``<op>_bwd``) there or in helper modules
+``fusedpar/ops/F_<part>.py``; :mod:`fusedpar.ops.library` holds the namespace and the helpers
+every op definition uses. The layers below (``fusedpar.kernels``) hold kernels and launchers
+only, the layer above (``fusedpar.nn``) modules only.
 """
 from .transport import EmulatedTransport, PortableTransport, Transport, get_transport
 from .symmetric import SymmetricTransport, resolve_transport
@@ -44,7 +51,7 @@ from .moe import (
 from .flash import flash_attention, flash_attention_varlen
 from .varlen import document_positions
 from .sp_attention import hybrid_attention, ring_attention, ulysses_attention
-from .attention import (
+from .sp_attention_schedules import (
     ring_attention_bwd,
     ring_attention_fwd,
     sequence_shard,

@@ -1,22 +1,15 @@
-"""Sequence-parallel attention as ``torch.library`` custom ops, and its functional API:
-:func:`ring_attention`, :func:`ulysses_attention`, :func:`hybrid_attention` (the layouts and the
-schedules are in :mod:`fusedpar.ops.attention`).
+"""Sequence-parallel attention, the functional API: :func:`ring_attention`,
+:func:`ulysses_attention`, :func:`hybrid_attention`, and the shard helpers of the layouts
+(:func:`sequence_shard`, :func:`shard_positions`, ...; re-exported from
+:mod:`fusedpar.ops.sp_attention_schedules`, which holds the layouts and the schedules).
 
-Ops (see :mod:`fusedpar.ops.library`; transports and groups travel as transport tokens):
-
-* ``torch.ops.fusedpar.ring_attention(q, k, v, transport, causal, layout, softmax_scale,
-  cu_seqlens) -> (out, lse)`` (:func:`~fusedpar.ops.attention.ring_attention_fwd`) and
-  ``fusedpar::ring_attention_backward`` (:func:`~fusedpar.ops.attention.ring_attention_bwd`).
-* ``torch.ops.fusedpar.ulysses_attention(q, k, v, transport, ring_transport, causal, layout,
-  softmax_scale, cu_seqlens) -> (out, heads, out_heads, lse)``: Ulysses over ``transport``, then
-  ring attention over ``ring_transport`` (None: local attention), i.e. Ulysses and the hybrid;
-  ``heads`` / ``out_heads`` are the head-shard residuals of the backward (absent in a Ulysses
-  group of one). ``fusedpar::ulysses_attention_backward``.
-
-Only ``out`` is differentiable. The functional API checks its arguments (shapes, dtypes, modes;
-what ``torch.compile`` traces) inside the cross-rank agreement check, then calls the op. The
-values of ``cu_seqlens`` (host-built segment tables) are read inside the ops; in eager mode they
-are also checked before the op, inside the agreement check.
+Each function checks its arguments (shapes, dtypes, modes; what ``torch.compile`` traces) inside
+the cross-rank agreement check, then calls its custom op of :mod:`fusedpar.ops.sp_attention_library`
+(:data:`~fusedpar.ops.sp_attention_library.ring_attention_op`,
+:data:`~fusedpar.ops.sp_attention_library.ulysses_attention_op`; hybrid attention is the Ulysses
+op with a ring transport). Only ``out`` is differentiable. The values of ``cu_seqlens``
+(host-built segment tables) are read inside the ops; in eager mode they are also checked before
+the op, inside the agreement check.
 """
 from __future__ import annotations
 
@@ -26,154 +19,30 @@ from fusedpar.kernels.checks import check_tensor
 from fusedpar.kernels.flash_attention import resolve_softmax_scale
 from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
-from fusedpar.ops.attention import (
+from fusedpar.ops.library import transport_size, transport_token
+from fusedpar.ops.sp_attention_library import ring_attention_op, ulysses_attention_op
+from fusedpar.ops.sp_attention_schedules import (  # noqa: F401 - the layouts and schedules, re-exported
+    LAYOUTS,
     check_sp_args,
     ring_attention_bwd,
     ring_attention_fwd,
-    split_heads,
+    sequence_shard,
+    shard_positions,
     ulysses_attention_bwd,
     ulysses_attention_fwd,
     ulysses_kv_heads,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
 )
-from fusedpar.ops.library import absent, hold, present, token_size, transport_size, transport_token
-from fusedpar.ops.transport import Transport, token_transport
+from fusedpar.ops.transport import Transport, check_transport_name
 from fusedpar.ops.varlen import document_bounds
 
-__all__ = ["hybrid_attention", "ring_attention", "ulysses_attention"]
-
-Tensor = torch.Tensor
-
-
-def _transport(token):
-    """The Transport a token names (``None`` for no token: no ring in a plain Ulysses call)."""
-    return None if token is None else token_transport(token)
-
-
-# ----------------------------------------------------------------------------------------------
-# fusedpar::ring_attention
-# ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusedpar::ring_attention", mutates_args=())
-def _ring_op(q: Tensor, k: Tensor, v: Tensor, transport: str, causal: bool, layout: str,
-             softmax_scale: float | None, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
-    return ring_attention_fwd(q, k, v, _transport(transport), causal=causal, layout=layout,
-                              softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-
-
-@_ring_op.register_fake
-def _(q, k, v, transport, causal, layout, softmax_scale, cu_seqlens):
-    b, s, hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, hq, s), dtype=torch.float32)
-
-
-@torch.library.custom_op("fusedpar::ring_attention_backward", mutates_args=())
-def _ring_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, transport: str,
-                      causal: bool, layout: str, softmax_scale: float | None,
-                      cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    return ring_attention_bwd(dout, q, k, v, out, lse, _transport(transport), causal=causal, layout=layout,
-                              softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-
-
-@_ring_backward_op.register_fake
-def _(dout, q, k, v, out, lse, transport, causal, layout, softmax_scale, cu_seqlens):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _ring_setup(ctx, inputs, output):
-    q, k, v, transport, causal, layout, softmax_scale, cu_seqlens = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.args = (transport, causal, layout, softmax_scale)
-    ctx.transports = hold(transport)
-
-
-def _ring_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    if dout is None:
-        return (None,) * 8
-    dq, dk, dv = torch.ops.fusedpar.ring_attention_backward(dout.to(q.dtype), q, k, v, out, lse, *ctx.args,
-                                                            cu_seqlens)
-    return dq, dk, dv, None, None, None, None, None
-
-
-_ring_op.register_autograd(_ring_backward, setup_context=_ring_setup)
-
-
-# ----------------------------------------------------------------------------------------------
-# fusedpar::ulysses_attention (Ulysses and the hybrid)
-# ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusedpar::ulysses_attention", mutates_args=())
-def _ulysses_op(q: Tensor, k: Tensor, v: Tensor, transport: str, ring_transport: str | None, causal: bool,
-                layout: str, softmax_scale: float | None,
-                cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    out, (heads, out_heads, lse) = ulysses_attention_fwd(
-        q, k, v, _transport(transport), ring_transport=_transport(ring_transport), causal=causal, layout=layout,
-        softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-    if heads is None:  # a group of one: the heads are q, k, v and out themselves
-        return out, absent(q), absent(q), lse
-    return out, heads, out_heads, lse
-
-
-@_ulysses_op.register_fake
-def _(q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens):
-    size = token_size(transport)
-    b, s, hq, d = q.shape
-    lse = q.new_empty((b, hq // size, size * s), dtype=torch.float32)
-    if size == 1:
-        return q.new_empty(q.shape), absent(q), absent(q), lse
-    _, hk_local = ulysses_kv_heads(hq, k.shape[2], size)
-    heads = q.new_empty((b, size * s, hq // size + 2 * hk_local, d))
-    return q.new_empty(q.shape), heads, q.new_empty((b, size * s, hq // size, d)), lse
-
-
-@torch.library.custom_op("fusedpar::ulysses_attention_backward", mutates_args=())
-def _ulysses_backward_op(dout: Tensor, q_heads: Tensor, k_heads: Tensor, v_heads: Tensor, out_heads: Tensor,
-                         lse: Tensor, transport: str, ring_transport: str | None, kv_heads: int, causal: bool,
-                         layout: str, softmax_scale: float | None,
-                         cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    return ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, _transport(transport),
-                                 kv_heads=kv_heads, ring_transport=_transport(ring_transport), causal=causal,
-                                 layout=layout, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-
-
-@_ulysses_backward_op.register_fake
-def _(dout, q_heads, k_heads, v_heads, out_heads, lse, transport, ring_transport, kv_heads, causal, layout,
-      softmax_scale, cu_seqlens):
-    size = token_size(transport)
-    b, s_full, hq_local, d = q_heads.shape
-    kv = (b, s_full // size, kv_heads, d)
-    return q_heads.new_empty((b, s_full // size, hq_local * size, d)), q_heads.new_empty(kv), q_heads.new_empty(kv)
-
-
-def _ulysses_setup(ctx, inputs, output):
-    q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens = inputs
-    out, heads, out_heads, lse = output
-    ctx.mark_non_differentiable(heads, out_heads, lse)
-    ctx.group_of_one = present(heads) is None
-    if ctx.group_of_one:
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    else:
-        ctx.save_for_backward(heads, out_heads, lse, cu_seqlens)
-        hk_local = (heads.shape[2] - out_heads.shape[2]) // 2
-        ctx.widths = (out_heads.shape[2], hk_local, hk_local)
-    ctx.args = (transport, ring_transport, k.shape[2], causal, layout, softmax_scale)
-    ctx.transports = hold(transport, ring_transport)
-
-
-def _ulysses_backward(ctx, dout, dheads, dout_heads, dlse):
-    if dout is None:
-        return (None,) * 9
-    if ctx.group_of_one:
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    else:
-        heads, out, lse, cu_seqlens = ctx.saved_tensors
-        q, k, v = split_heads(heads, ctx.widths)
-    dq, dk, dv = torch.ops.fusedpar.ulysses_attention_backward(dout.to(q.dtype), q, k, v, out, lse, *ctx.args,
-                                                               cu_seqlens)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_ulysses_op.register_autograd(_ulysses_backward, setup_context=_ulysses_setup)
+__all__ = [
+    "LAYOUTS", "hybrid_attention", "ring_attention", "ring_attention_bwd", "ring_attention_fwd", "sequence_shard",
+    "shard_positions", "ulysses_attention", "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads",
+    "zigzag_positions", "zigzag_shard", "zigzag_unshard",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,8 +53,7 @@ def _dimension(group_name, group, transport):
     arguments, without building a transport (traceable: both are constants of a graph)."""
     if group is not None and not isinstance(group, comm.ProcessGroup):
         raise TypeError(f"{group_name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    if transport is not None and not isinstance(transport, Transport) and transport != "portable":
-        raise ValueError(f"transport must be None, 'portable' or a fusedpar.ops.transport.Transport, got {transport!r}")
+    check_transport_name(transport)
     return transport_token(transport, group), transport_size(transport, group)
 
 
@@ -233,7 +101,7 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
 
     q ``[b, s_local, heads, d]``, k/v ``[b, s_local, kv_heads, d]`` (kv_heads divides heads),
     the shard of ring rank ``r`` of ``P`` in ``layout`` (see
-    :func:`~fusedpar.ops.attention.sequence_shard`: ``"contiguous"``: positions
+    :func:`sequence_shard`: ``"contiguous"``: positions
     ``[r*s_local, (r+1)*s_local)``; ``"zigzag"``: chunks ``r`` and ``2P-1-r`` of ``2P``, so
     ``s_local`` must be even). Every rank must hold the same ``s_local``. The ring is
     ``transport`` (a :class:`~fusedpar.ops.transport.Transport`) or, by default, a portable
@@ -243,7 +111,7 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
     positions of the full ``s_local * P`` tokens, the same on every rank (CPU or device; a device
     tensor costs one host copy per call). Attention is then exact per document, documents of any
     length crossing any shard boundaries; ring steps with nothing visible launch no kernel.
-    A ``torch.library`` op (``torch.ops.fusedpar.ring_attention``): traceable by ``torch.compile``.
+    The custom op ``fusedpar::ring_attention``: traceable by ``torch.compile``.
     """
     token, size = _dimension("group", group, transport)
     with agreed_arguments("ring_attention", transport, group,
@@ -252,7 +120,7 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
         check_sp_args(q, k, v, causal, layout, ring_size=size)
         resolve_softmax_scale(softmax_scale, q.shape[3])
         _check_documents(cu_seqlens, q, q.shape[1] * size)
-    return torch.ops.fusedpar.ring_attention(q, k, v, token, causal, layout, _scale(softmax_scale), cu_seqlens)[0]
+    return ring_attention_op(q, k, v, token, causal, layout, _scale(softmax_scale), cu_seqlens)[0]
 
 
 def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, softmax_scale=None,
@@ -263,8 +131,8 @@ def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None
     ``[r*s_local, (r+1)*s_local)``. The group size must divide ``heads`` and divide (or be a
     multiple of) ``kv_heads``; otherwise a ValueError lists the sizes that work. The all-to-alls
     run on ``transport``, by default a portable transport over ``group``. ``cu_seqlens``: packed
-    documents, as in :func:`ring_attention`. A ``torch.library`` op
-    (``torch.ops.fusedpar.ulysses_attention``): traceable by ``torch.compile``.
+    documents, as in :func:`ring_attention`. The custom op
+    ``fusedpar::ulysses_attention``: traceable by ``torch.compile``.
     """
     token, size = _dimension("group", group, transport)
     with agreed_arguments("ulysses_attention", transport, group,
@@ -274,8 +142,7 @@ def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None
         ulysses_kv_heads(q.shape[2], k.shape[2], size)
         resolve_softmax_scale(softmax_scale, q.shape[3])
         _check_documents(cu_seqlens, q, q.shape[1] * size)
-    return torch.ops.fusedpar.ulysses_attention(q, k, v, token, None, causal, "contiguous", _scale(softmax_scale),
-                                                cu_seqlens)[0]
+    return ulysses_attention_op(q, k, v, token, None, causal, "contiguous", _scale(softmax_scale), cu_seqlens)[0]
 
 
 def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_transport: Transport | None = None,
@@ -289,8 +156,8 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
     ulysses rank ``u``) holds piece ``u`` of ``ulysses_size`` contiguous pieces of ring shard
     ``r`` in ``layout``: ``sequence_shard(x, layout=layout, ring_rank=r, ring_size=R,
     ulysses_rank=u, ulysses_size=U)``; its positions are
-    :func:`~fusedpar.ops.attention.shard_positions`. ``cu_seqlens``: packed documents, as in
-    :func:`ring_attention`. The op ``torch.ops.fusedpar.ulysses_attention`` with a ring transport.
+    :func:`shard_positions`. ``cu_seqlens``: packed documents, as in
+    :func:`ring_attention`. The op ``fusedpar::ulysses_attention`` with a ring transport.
     """
     if (ulysses_group is None and ulysses_transport is None) or (ring_group is None and ring_transport is None):
         raise ValueError("hybrid_attention needs both a Ulysses and a ring dimension (ulysses_group or "
@@ -306,5 +173,4 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
         ulysses_kv_heads(q.shape[2], k.shape[2], usize)
         resolve_softmax_scale(softmax_scale, q.shape[3])
         _check_documents(cu_seqlens, q, q.shape[1] * usize * rsize)
-    return torch.ops.fusedpar.ulysses_attention(q, k, v, uly, ring, causal, layout, _scale(softmax_scale),
-                                                cu_seqlens)[0]
+    return ulysses_attention_op(q, k, v, uly, ring, causal, layout, _scale(softmax_scale), cu_seqlens)[0]

@@ -1,0 +1,461 @@
+"""The layouts and the schedules of sequence-parallel attention: ring (zigzag or contiguous),
+Ulysses, and the 2-D hybrid. The functional API is :mod:`fusedpar.ops.sp_attention`
+(:func:`~fusedpar.ops.sp_attention.ring_attention`,
+:func:`~fusedpar.ops.sp_attention.ulysses_attention`,
+:func:`~fusedpar.ops.sp_attention.hybrid_attention`); the custom ops whose bodies are the
+schedules here are in :mod:`fusedpar.ops.sp_attention_library`.
+
+Every rank holds a shard of the sequence (``[batch, s_local, heads, head_dim]``) and gets back
+the attention output of its own shard; gradients flow back to the shard inputs. Every transfer
+goes through a :class:`~fusedpar.ops.transport.Transport`, so the same schedule runs on
+torch.distributed and on an :class:`~fusedpar.ops.transport.EmulatedTransport` (one rank of
+``P`` emulated in one process: the benchmarks on one GPU, fast CPU tests).
+
+* **Ring** (:func:`ring_attention_fwd` / :func:`ring_attention_bwd`): K/V blocks travel around the
+  ring (``transport.ring_shift``, double-buffered) while the flash kernel computes on the block in
+  hand, merging into an fp32 ``(out, lse)`` state (the kernel's accumulate mode). The backward
+  sends K/V around again, and passes the dK/dV accumulators along the ring in fp32 (one shift
+  behind), so rounding does not grow with the ring size. Layouts: ``"contiguous"`` (rank ``r``
+  holds positions ``[r*s, (r+1)*s)``) and ``"zigzag"`` (the sequence cut in ``2P`` chunks, rank
+  ``r`` holds chunks ``r`` and ``2P-1-r``: with causal masking every rank does the same work at
+  every step). Block pairs that the causal mask hides completely are skipped; partially visible
+  ones are split into half-blocks so that fully visible halves run unmasked
+  (:func:`ring_step_plan`).
+* **Ulysses** (:func:`ulysses_attention_fwd` / :func:`ulysses_attention_bwd`): one all-to-all
+  (``transport.all_to_all``) turns sequence shards with all heads into head shards with the full
+  sequence, local flash attention runs, a second all-to-all turns the output back. Q, K and V
+  travel in one packed all-to-all. K/V heads fewer than the group size are replicated (each rank
+  gets the kv head its query heads read) and their gradients summed back in fp32.
+* **Hybrid** (:func:`ulysses_attention_fwd` with a ring transport): Ulysses inside the Ulysses
+  group, then ring attention across the ring group on the head shards: 2-D sequence parallelism.
+* **Packed documents** (``cu_seqlens=`` on all three, batch 1): attention stays inside each
+  document, documents crossing any shard boundaries; each rank builds the kernels' segment
+  tables of every ring step from the global boundaries (:func:`document_plan`,
+  :mod:`fusedpar.ops.varlen`), and steps with nothing visible launch nothing.
+
+Layers: fusedpar.kernels flash launchers -> the named steps :func:`ring_attention_fwd` /
+:func:`ring_attention_bwd` and :func:`ulysses_attention_fwd` / :func:`ulysses_attention_bwd` ->
+the custom ops ``fusedpar::ring_attention`` / ``fusedpar::ulysses_attention`` (and their
+backwards, :mod:`fusedpar.ops.sp_attention_library`) -> the functional API of
+:mod:`fusedpar.ops.sp_attention`; the shard
+helpers give each rank its piece of a full sequence and the global positions of its tokens
+(for rotary embeddings).
+"""
+from __future__ import annotations
+
+import torch
+
+from fusedpar.kernels.checks import check_bool, check_choice, check_int
+from fusedpar.kernels.flash_attention import check_qkv, flash_attention_forward
+from fusedpar.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
+from fusedpar.ops.transport import Transport
+from fusedpar.ops.varlen import document_bounds, ring_document_plan
+
+LAYOUTS = ("zigzag", "contiguous")
+
+__all__ = [
+    "LAYOUTS", "check_sp_args", "check_transport", "document_plan", "ring_attention_bwd", "ring_attention_fwd",
+    "ring_step_plan", "sequence_shard", "shard_chunks", "shard_positions", "split_heads", "ulysses_attention_bwd",
+    "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard", "zigzag_unshard",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout helpers
+# ----------------------------------------------------------------------------------------------
+def _check_rank(name, rank, size):
+    check_int(f"{name}_size", size, min_value=1)
+    check_int(f"{name}_rank", rank, min_value=0, max_value=size - 1)
+
+
+def shard_positions(seq_len: int, *, layout: str = "zigzag", ring_rank: int = 0, ring_size: int = 1,
+                    ulysses_rank: int = 0, ulysses_size: int = 1, device=None) -> torch.Tensor:
+    """Global positions (``int64``, in local order) of the tokens one rank holds.
+
+    The sequence is first split over the ring (``layout="contiguous"``: ``ring_size`` equal
+    pieces; ``"zigzag"``: ``2 * ring_size`` chunks, ring rank ``r`` holding chunks ``r`` and
+    ``2*ring_size-1-r`` in that order), then the ring shard is cut into ``ulysses_size``
+    contiguous pieces. Plain ring attention uses ``ulysses_size=1``, plain Ulysses
+    ``ring_size=1`` (then the layout does not matter).
+    """
+    check_choice("layout", layout, LAYOUTS)
+    _check_rank("ring", ring_rank, ring_size)
+    _check_rank("ulysses", ulysses_rank, ulysses_size)
+    n_chunks = 2 * ring_size if layout == "zigzag" and ring_size > 1 else ring_size
+    if seq_len % n_chunks or (seq_len // ring_size) % ulysses_size:
+        raise ValueError(
+            f"seq_len={seq_len} must split into {n_chunks} equal {layout} chunks, and each ring shard "
+            f"(seq_len / {ring_size}) into ulysses_size={ulysses_size} equal pieces"
+        )
+    c = seq_len // n_chunks
+    if n_chunks > ring_size:
+        ring = torch.cat([torch.arange(ring_rank * c, (ring_rank + 1) * c),
+                          torch.arange((n_chunks - 1 - ring_rank) * c, (n_chunks - ring_rank) * c)])
+    else:
+        ring = torch.arange(ring_rank * c, (ring_rank + 1) * c)
+    piece = ring.numel() // ulysses_size
+    return ring[ulysses_rank * piece:(ulysses_rank + 1) * piece].to(device)
+
+
+def zigzag_positions(seq_len: int, rank: int, size: int, *, device=None) -> torch.Tensor:
+    """Global positions of rank ``rank``'s zigzag shard (chunks ``rank`` and ``2*size-1-rank`` of
+    ``2*size``): the position ids to use for rotary embeddings."""
+    return shard_positions(seq_len, layout="zigzag", ring_rank=rank, ring_size=size, device=device)
+
+
+def sequence_shard(x: torch.Tensor, *, layout: str = "zigzag", ring_rank: int = 0, ring_size: int = 1,
+                   ulysses_rank: int = 0, ulysses_size: int = 1, dim: int = 1) -> torch.Tensor:
+    """This rank's shard of the full sequence ``x`` (along ``dim``), see :func:`shard_positions`."""
+    pos = shard_positions(x.shape[dim], layout=layout, ring_rank=ring_rank, ring_size=ring_size,
+                          ulysses_rank=ulysses_rank, ulysses_size=ulysses_size, device=x.device)
+    return x.index_select(dim, pos)
+
+
+def zigzag_shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s zigzag shard of the full sequence ``x``: chunks ``rank`` and
+    ``2*size-1-rank`` of ``2*size`` equal chunks along ``dim``, concatenated."""
+    return sequence_shard(x, layout="zigzag", ring_rank=rank, ring_size=size, dim=dim)
+
+
+def zigzag_unshard(x: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`zigzag_shard` over all ranks: ``x`` is every rank's shard concatenated in
+    rank order along ``dim`` (what an all-gather returns); the result is the full sequence."""
+    n = x.shape[dim]
+    pos = torch.cat([zigzag_positions(n, r, size) for r in range(size)]).to(x.device)
+    out = torch.empty_like(x)
+    out.index_copy_(dim, pos, x)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Ring schedule
+# ----------------------------------------------------------------------------------------------
+def shard_chunks(layout: str, rank: int, size: int, s_local: int) -> list:
+    """``[(local_start, length, global_start)]``: the contiguous runs of ring rank ``rank``'s
+    shard of ``s_local`` tokens (one run for ``"contiguous"``, two for ``"zigzag"``)."""
+    if layout == "contiguous" or size == 1:
+        return [(0, s_local, rank * s_local)]
+    c = s_local // 2
+    return [(0, c, rank * c), (c, c, (2 * size - 1 - rank) * c)]
+
+
+def ring_step_plan(q_chunks, k_chunks, causal: bool) -> list:
+    """Kernel launches for one (query shard, key block) pair of a ring step, from the two
+    shards' :func:`shard_chunks`:
+    ``[(q_slice, k_slice, q_offset, k_offset, causal)]``. Fully hidden chunk pairs are dropped;
+    runs of fully visible chunks are merged into one unmasked launch."""
+    sq = sum(c[1] for c in q_chunks)
+    sk = sum(c[1] for c in k_chunks)
+    if not causal:
+        return [(slice(0, sq), slice(0, sk), 0, 0, False)]
+
+    def kind(qc, kc):
+        (_, ql, qg), (_, kl, kg) = qc, kc
+        if kg > qg + ql - 1:
+            return "hidden"
+        if kg + kl - 1 <= qg:
+            return "visible"
+        return "causal"
+
+    kinds = {(i, j): kind(qc, kc) for i, qc in enumerate(q_chunks) for j, kc in enumerate(k_chunks)}
+    if all(t == "visible" for t in kinds.values()):
+        return [(slice(0, sq), slice(0, sk), 0, 0, False)]
+    launches, done = [], set()
+    nq, nk = len(q_chunks), len(k_chunks)
+
+    def sl(c):
+        return slice(c[0], c[0] + c[1])
+
+    if nq > 1:
+        for j, kc in enumerate(k_chunks):
+            if all(kinds[i, j] == "visible" for i in range(nq)):
+                launches.append((slice(0, sq), sl(kc), 0, 0, False))
+                done |= {(i, j) for i in range(nq)}
+    if nk > 1:
+        for i, qc in enumerate(q_chunks):
+            if all(kinds[i, j] == "visible" and (i, j) not in done for j in range(nk)):
+                launches.append((sl(qc), slice(0, sk), 0, 0, False))
+                done |= {(i, j) for j in range(nk)}
+    for (i, j), t in kinds.items():
+        if (i, j) in done or t == "hidden":
+            continue
+        qc, kc = q_chunks[i], k_chunks[j]
+        launches.append((sl(qc), sl(kc), qc[2], kc[2], t == "causal"))
+    return launches
+
+
+def document_plan(cu_seqlens, layout: str, rank: int, size: int, s_local: int, causal: bool, device) -> tuple:
+    """Per ring step, the segment tables of packed documents (``cu_seqlens``: global boundaries
+    of the ``s_local * size`` tokens) for ring rank ``rank``'s shard in ``layout``: see
+    :mod:`fusedpar.ops.varlen` (cached; empty at steps with nothing visible)."""
+    bounds = document_bounds(cu_seqlens, s_local * size)
+    q_chunks = tuple(shard_chunks(layout, rank, size, s_local))
+    k_chunks = tuple(tuple(shard_chunks(layout, (rank - t) % size, size, s_local)) for t in range(size))
+    return ring_document_plan(bounds, q_chunks, k_chunks, bool(causal), torch.device(device))
+
+
+def _whole_sequence_segments(cu_seqlens, s, causal, device):
+    """The documents of one whole local sequence (a ring of one, Ulysses' gathered sequence) as
+    one segment table covering every row; None without documents (or tokens)."""
+    if cu_seqlens is None:
+        return None
+    plan = document_plan(cu_seqlens, "contiguous", 0, 1, s, causal, device)
+    return plan[0][0] if plan[0] else None
+
+
+def _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
+    """The launches of one ring step as ``(q_slice, k_slice, q_offset, k_offset, causal,
+    segments)``: the documents' segment tables over the whole shard, or the dense
+    :func:`ring_step_plan` of chunk pairs."""
+    if plan is not None:
+        return [(slice(None), slice(None), 0, 0, causal, seg) for seg in plan[step]]
+    return [(*launch, None) for launch in ring_step_plan(q_chunks, shard_chunks(layout, src, size, s), causal)]
+
+
+def check_transport(name, transport):
+    """``transport`` (the argument ``name``) is a :class:`~fusedpar.ops.transport.Transport`."""
+    if not isinstance(transport, Transport):
+        raise TypeError(f"{name} must be a fusedpar.ops.transport.Transport, got {type(transport).__name__}")
+
+
+def check_sp_args(q, k, v, causal, layout, ring_shard=None, ring_size=1):
+    """Local checks of every sequence-parallel op (before any transfer). ``ring_shard``: the
+    length of the ring shard (``s_local * ulysses_size``), which zigzag cuts in two."""
+    check_qkv(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"sequence-parallel attention needs k/v shards of q's length {q.shape[1]}, got {k.shape[1]}")
+    check_bool("causal", causal)
+    check_choice("layout", layout, LAYOUTS)
+    ring_shard = q.shape[1] if ring_shard is None else ring_shard
+    if layout == "zigzag" and ring_size > 1 and ring_shard % 2:
+        raise ValueError(f"layout='zigzag' needs an even ring shard (two chunks: s_local * ulysses_size), "
+                         f"got {ring_shard}")
+
+
+def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="zigzag", softmax_scale=None,
+                       cu_seqlens=None):
+    """The forward of :func:`~fusedpar.ops.sp_attention.ring_attention` on ring rank ``transport.rank`` of
+    ``transport.size``: returns ``(out, lse)``, out in q's dtype, lse ``[b, heads, s_local]`` fp32.
+
+    At step ``t`` this rank holds the K/V block of ring rank ``rank - t`` and the flash kernel
+    merges it into an fp32 ``(out, lse)`` state while ``transport.ring_shift`` brings the next one.
+    With ``cu_seqlens`` each step launches the segment tables of :func:`document_plan` (none
+    when the block holds nothing visible).
+    """
+    check_transport("transport", transport)
+    check_sp_args(q, k, v, causal, layout, ring_size=transport.size)
+    size, rank = transport.size, transport.rank
+    if size == 1:
+        segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device)
+        return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, segments=segments)
+    b, s, hq, d = q.shape
+    plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device)
+    out = torch.zeros((b, s, hq, d), device=q.device, dtype=torch.float32)
+    lse = torch.full((b, hq, s), float("-inf"), device=q.device, dtype=torch.float32)
+    kv = torch.stack((k, v))  # one contiguous block to pass around: [2, b, s, hk, d]
+    nxt = torch.empty_like(kv)
+    q_chunks = shard_chunks(layout, rank, size, s)
+    for step in range(size):
+        src = (rank - step) % size
+        handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
+        for qs, ks, qo, ko, c, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
+            flash_attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=c, softmax_scale=softmax_scale,
+                                    q_offset=qo, k_offset=ko, out=out[:, qs], lse=lse[:, :, qs], accumulate=True,
+                                    segments=seg)
+        if handle is not None:
+            handle.wait()  # the next block has arrived and our send of this one has left
+            kv, nxt = nxt, kv
+    return out.to(q.dtype), lse
+
+
+def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=False, layout="zigzag",
+                       softmax_scale=None, grad_dtype=None, cu_seqlens=None):
+    """The backward of :func:`~fusedpar.ops.sp_attention.ring_attention`: ``(dq, dk, dv)`` of this rank's shard in
+    ``grad_dtype`` (default q's dtype), from the forward's ``out`` and ``lse``.
+
+    K/V travel as in the forward; the fp32 dK/dV sums of the block in hand travel with it, one
+    ``ring_shift`` behind, and arrive back at the block's owner complete.
+    """
+    check_transport("transport", transport)
+    size, rank = transport.size, transport.rank
+    grad_dtype = q.dtype if grad_dtype is None else grad_dtype
+    if size == 1:
+        grads = [torch.empty(t.shape, device=q.device, dtype=grad_dtype) for t in (q, k, v)]
+        segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device)
+        return flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                        dq=grads[0], dk=grads[1], dv=grads[2], segments=segments)
+    s = q.shape[1]
+    plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device)
+    delta = attention_delta(out, dout).contiguous()
+    lse = lse.contiguous()
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    kv = torch.stack((k, v))
+    nxt = torch.empty_like(kv)
+    # dK/dV of the block in hand travel with it (fp32), one shift behind the K/V themselves
+    dkv_bufs = [torch.empty((2,) + tuple(k.shape), device=q.device, dtype=torch.float32) for _ in range(2)]
+    dkv_in = torch.empty_like(dkv_bufs[0])
+    dkv_handle = None
+    q_chunks = shard_chunks(layout, rank, size, s)
+    for step in range(size):
+        src = (rank - step) % size
+        handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
+        dkv = dkv_bufs[step % 2]  # its send two steps ago was waited on at the previous step
+        dkv.zero_()
+        for qs, ks, qo, ko, c, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
+            flash_attention_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], None, lse[:, :, qs],
+                                     delta=delta[:, :, qs], causal=c, softmax_scale=softmax_scale, q_offset=qo,
+                                     k_offset=ko, dq=dq[:, qs], dk=dkv[0][:, ks], dv=dkv[1][:, ks], accumulate=True,
+                                     segments=seg)
+        if dkv_handle is not None:
+            dkv_handle.wait()  # the left neighbour's partial sums for block src
+            dkv += dkv_in
+        dkv_handle = transport.ring_shift(dkv, dkv_in)
+        if handle is not None:
+            handle.wait()
+            kv, nxt = nxt, kv
+    dkv_handle.wait()  # the finished sums for this rank's own block, from the left neighbour
+    # dv copied when it is a view (fp32): the three gradients never share storage (custom-op outputs)
+    return dq.to(grad_dtype), dkv_in[0].to(grad_dtype), dkv_in[1].to(grad_dtype, copy=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ulysses all-to-alls
+# ----------------------------------------------------------------------------------------------
+def ulysses_kv_heads(hq: int, hk: int, size: int):
+    """``(kv_heads, kv_heads_per_rank)``: the kv head indices sent to the ranks of a Ulysses
+    group of ``size`` (``[size * kv_heads_per_rank]``; kv heads are replicated when there are
+    fewer than ranks), or a ValueError naming the group sizes that work."""
+
+    def ok(u):
+        return hq % u == 0 and (hk % u == 0 or u % hk == 0)
+
+    if not ok(size):
+        good = [u for u in range(1, hq + 1) if ok(u)]
+        raise ValueError(
+            f"Ulysses cannot split {hq} query heads / {hk} kv heads over a group of size {size}: the "
+            f"group size must divide the query heads and divide or be a multiple of the kv heads; "
+            f"sizes that work: {good}"
+        )
+    if hk % size == 0:
+        return list(range(hk)), hk // size
+    return [u * hk // size for u in range(size)], 1  # replicate: one kv head per rank
+
+
+def _seq_to_heads(parts, transport, s_local):
+    """``parts``: ``[(tensor [b, s_local, size * n_i, d], n_i)]``. One all-to-all; returns the
+    packed full-sequence head shards ``[b, size * s_local, sum(n_i), d]`` (see :func:`split_heads`)."""
+    size = transport.size
+    b, d = parts[0][0].shape[0], parts[0][0].shape[3]
+    widths = [n for _, n in parts]
+    send = torch.empty((size, b, s_local, sum(widths), d), device=parts[0][0].device, dtype=parts[0][0].dtype)
+    lo = 0
+    for t, n in parts:
+        send[:, :, :, lo:lo + n].copy_(t.unflatten(2, (size, n)).permute(2, 0, 1, 3, 4))
+        lo += n
+    recv = torch.empty_like(send)
+    transport.all_to_all(recv, send).wait()
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, size * s_local, sum(widths), d)
+
+
+def split_heads(heads: torch.Tensor, widths) -> list:
+    """Views ``heads[:, :, lo:lo + n]`` of consecutive head groups of ``widths`` (the packed
+    q/k/v head shards of :func:`ulysses_attention_fwd`)."""
+    views, lo = [], 0
+    for n in widths:
+        views.append(heads[:, :, lo:lo + n])
+        lo += n
+    return views
+
+
+def _heads_to_seq(parts, transport, dtype):
+    """``parts``: ``[tensor [b, size * s_local, n_i, d]]`` (head shards, full sequence). One
+    all-to-all; returns ``[b, s_local, size * n_i, d]`` per part (sequence shards, all heads)."""
+    size = transport.size
+    b, s_full, _, d = parts[0].shape
+    s_local = s_full // size
+    widths = [t.shape[2] for t in parts]
+    send = torch.empty((size, b, s_local, sum(widths), d), device=parts[0].device, dtype=dtype)
+    lo = 0
+    for t in parts:
+        n = t.shape[2]
+        send[:, :, :, lo:lo + n].copy_(t.unflatten(1, (size, s_local)).permute(1, 0, 2, 3, 4))
+        lo += n
+    recv = torch.empty_like(send)
+    transport.all_to_all(recv, send).wait()
+    outs, lo = [], 0
+    for n in widths:
+        outs.append(recv[:, :, :, lo:lo + n].permute(1, 2, 0, 3, 4).contiguous().view(b, s_local, size * n, d))
+        lo += n
+    return outs
+
+
+def ulysses_attention_fwd(q, k, v, transport: Transport, *, ring_transport: Transport | None = None, causal=False,
+                          layout="contiguous", softmax_scale=None, cu_seqlens=None):
+    """The forward of :func:`~fusedpar.ops.sp_attention.ulysses_attention` (``ring_transport=None``)
+    and of :func:`~fusedpar.ops.sp_attention.hybrid_attention` (ring attention over
+    ``ring_transport`` on the head shards).
+
+    Returns ``(out, saved)``: ``out`` this rank's output shard (q's shape and dtype) and
+    ``saved = (heads, out_heads, lse)``: the q, k and v head shards packed along the heads
+    (``[b, size * s_local, heads/size + 2 * kv_heads_per_rank, d]``, :func:`split_heads` with
+    :func:`ulysses_kv_heads`), the output's and the lse, what :func:`ulysses_attention_bwd` takes.
+    In a group of one ``heads`` and ``out_heads`` are None (they are q, k, v and ``out``).
+    """
+    check_transport("transport", transport)
+    if ring_transport is not None:
+        check_transport("ring_transport", ring_transport)
+    size, rsize = transport.size, 1 if ring_transport is None else ring_transport.size
+    check_sp_args(q, k, v, causal, layout, ring_shard=q.shape[1] * size, ring_size=rsize)
+    hq, hk = q.shape[2], k.shape[2]
+    kv_idx, hk_l = ulysses_kv_heads(hq, hk, size)
+    if size > 1:
+        idx = torch.tensor(kv_idx, device=q.device)
+        ks, vs = (k, v) if len(kv_idx) == hk else (k.index_select(2, idx), v.index_select(2, idx))
+        heads = _seq_to_heads([(q, hq // size), (ks, hk_l), (vs, hk_l)], transport, q.shape[1])
+        ql, kl, vl = split_heads(heads, (hq // size, hk_l, hk_l))
+    else:
+        heads, (ql, kl, vl) = None, (q, k, v)
+    if ring_transport is None:
+        segments = _whole_sequence_segments(cu_seqlens, ql.shape[1], causal, q.device)
+        out_l, lse = flash_attention_forward(ql, kl, vl, causal=causal, softmax_scale=softmax_scale, segments=segments)
+    else:
+        out_l, lse = ring_attention_fwd(ql, kl, vl, ring_transport, causal=causal, layout=layout,
+                                        softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    if size == 1:
+        return out_l, (None, None, lse)
+    return _heads_to_seq([out_l], transport, q.dtype)[0], (heads, out_l, lse)
+
+
+def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, transport: Transport, *, kv_heads: int,
+                          ring_transport: Transport | None = None, causal=False, layout="contiguous",
+                          softmax_scale=None, cu_seqlens=None):
+    """The backward of :func:`ulysses_attention_fwd` from its ``saved`` tensors (the packed heads
+    split, or q, k, v and out in a group of one): ``(dq, dk, dv)`` of this rank's sequence shard;
+    ``kv_heads`` is the number of kv heads of the input k/v."""
+    check_transport("transport", transport)
+    size = transport.size
+    dtype = q_heads.dtype
+    kv_idx, _ = ulysses_kv_heads(q_heads.shape[2] * size, kv_heads, size)
+    replicated = len(kv_idx) != kv_heads
+    # replicated kv heads are summed over ranks after the all-to-all: keep those sums in fp32
+    grad_dtype = torch.float32 if replicated else dtype
+    dout_l = _seq_to_heads([(dout, q_heads.shape[2])], transport, dout.shape[1]) if size > 1 else dout
+    args = (dout_l, q_heads, k_heads, v_heads, out_heads, lse)
+    if ring_transport is None:
+        grads = [torch.empty(t.shape, device=dout.device, dtype=grad_dtype) for t in (q_heads, k_heads, v_heads)]
+        segments = _whole_sequence_segments(cu_seqlens, q_heads.shape[1], causal, dout.device)
+        flash_attention_backward(*args, causal=causal, softmax_scale=softmax_scale, dq=grads[0], dk=grads[1],
+                                 dv=grads[2], segments=segments)
+    else:
+        grads = ring_attention_bwd(*args, ring_transport, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                                   grad_dtype=grad_dtype, cu_seqlens=cu_seqlens)
+    if size == 1:
+        return tuple(grads)
+    dq, dk, dv = _heads_to_seq(list(grads), transport, grad_dtype)
+    if replicated:
+        idx = torch.tensor(kv_idx, device=dq.device)
+        b, s, _, d = dk.shape
+        dk = torch.zeros((b, s, kv_heads, d), device=dq.device, dtype=torch.float32).index_add_(2, idx, dk)
+        dv = torch.zeros((b, s, kv_heads, d), device=dq.device, dtype=torch.float32).index_add_(2, idx, dv)
+        dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    return dq, dk, dv
