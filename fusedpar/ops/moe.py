@@ -35,8 +35,8 @@ min / max ride on the count exchange (every rank raises the same error, none is 
 with ``ep == 1`` on a GPU they are copied to the host behind the routing kernels and read once
 the layer's kernels are queued. With ``ep > 1`` the ranks first agree (:mod:`fusedpar.ops.agreement`).
 
-**torch.compile.** :func:`moe_mlp` and :func:`grouped_mlp` are ``torch.library`` ops
-(``torch.ops.fusedpar.moe_mlp`` / ``grouped_mlp``, :mod:`fusedpar.ops.moe_library`): the whole
+**torch.compile.** :func:`moe_mlp` and :func:`grouped_mlp` call one custom op each
+(``fusedpar::moe_mlp`` / ``grouped_mlp``, :mod:`fusedpar.ops.moe_library`): the whole
 routed MLP, count exchange and host read included, is one opaque node with a fake, so a model
 with MoE layers compiles with ``fullgraph=True``. The stage API (:func:`moe_plan`,
 :func:`moe_dispatch`, :func:`moe_expert_compute`, :func:`moe_combine`) stays eager-only: its
@@ -50,13 +50,13 @@ import torch
 
 from ..kernels.checks import check_shape, check_tensor
 from ..kernels.grouped_gemm import as_group_offsets
-from . import moe_library  # noqa: F401 - registers the torch.ops.fusedpar MoE ops
 from .agreement import agreed_arguments
 from .library import transport_size, transport_token
+from .moe_library import all_to_all_v_op, grouped_mlp_op, moe_mlp_op, moe_permute_op, moe_unpermute_op
 from .moe_layout import (MoEPlan, all_to_all_v_bwd, all_to_all_v_fwd, build_plan, check_expert_weights,
                          check_routing, ep_fields, grouped_mlp_bwd, grouped_mlp_fwd, moe_experts_bwd, moe_experts_fwd,
                          moe_permute_bwd, moe_permute_fwd, moe_unpermute_bwd, moe_unpermute_fwd, token_rows)
-from .transport import Transport, get_transport
+from .transport import Transport, check_transport_name, get_transport
 
 __all__ = [
     "MoEPlan", "moe_plan", "moe_dispatch", "moe_expert_compute", "moe_combine", "moe_mlp", "grouped_mlp",
@@ -95,11 +95,11 @@ def grouped_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offsets, *,
     x ``[M, H]``; w1 ``[E, 2F, H]`` (gate rows then up rows for gated activations, else
     ``[E, F, H]``); w2 ``[E, H, F]``; offsets ``[G+1]`` int tensor (on any device; its values are
     checked with one host read, inside the op) or a sequence of ints. Differentiable in x, w1, w2;
-    rows past ``offsets[-1]`` give zeros. The op ``torch.ops.fusedpar.grouped_mlp``."""
+    rows past ``offsets[-1]`` give zeros. The op ``fusedpar::grouped_mlp``."""
     check_tensor("x", x, dims=(2,))
     check_expert_weights(x, w1, w2, activation, None)
     offsets = as_group_offsets(offsets, x.shape[0], x.device, check=False)
-    return torch.ops.fusedpar.grouped_mlp(x, w1, w2, offsets, activation, True)[0]
+    return grouped_mlp_op(x, w1, w2, offsets, activation, True)[0]
 
 
 def moe_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_group=None, transport=None,
@@ -113,14 +113,14 @@ def moe_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *,
         x2d = token_rows(x)
         check_routing(x2d, expert_ids, num_experts, transport.size, capacity=capacity)
     plan, pending = build_plan(x2d, expert_ids, num_experts, transport, capacity, 1)
-    x_perm = torch.ops.fusedpar.moe_permute(x2d, plan.sorted_slot, plan.slot_pos, plan.top_k)
+    x_perm = moe_permute_op(x2d, plan.sorted_slot, plan.slot_pos, plan.top_k)
     if pending is not None:
         pending.wait()
     if plan.ep_size == 1:
         return x_perm, plan
     kept = x_perm[: plan.num_kept]
-    return torch.ops.fusedpar.all_to_all_v(kept, plan.num_expert_rows, plan.recv_splits[0], plan.send_splits[0],
-                                           plan.transport.token), plan
+    return all_to_all_v_op(kept, plan.num_expert_rows, plan.recv_splits[0], plan.send_splits[0],
+                           plan.transport.token), plan
 
 
 def moe_expert_compute(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, plan: MoEPlan, *,
@@ -131,7 +131,7 @@ def moe_expert_compute(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     rows = plan.num_rows if plan.ep_size == 1 else plan.num_expert_rows
     if tokens.shape[0] != rows:  # the plan's offsets address exactly these rows
         raise ValueError(f"tokens must have the {rows} rows the plan dispatched, got shape {tuple(tokens.shape)}")
-    return torch.ops.fusedpar.grouped_mlp(tokens, w1, w2, plan.expert_offsets[0], activation, False)[0]
+    return grouped_mlp_op(tokens, w1, w2, plan.expert_offsets[0], activation, False)[0]
 
 
 def moe_combine(expert_out: torch.Tensor, plan: MoEPlan, weights: torch.Tensor) -> torch.Tensor:
@@ -141,15 +141,13 @@ def moe_combine(expert_out: torch.Tensor, plan: MoEPlan, weights: torch.Tensor) 
     check_shape("weights", weights, (plan.num_tokens, plan.top_k))
     y = expert_out
     if plan.ep_size > 1:
-        y = torch.ops.fusedpar.all_to_all_v(expert_out, plan.num_kept, plan.send_splits[0], plan.recv_splits[0],
-                                            plan.transport.token)
-    return torch.ops.fusedpar.moe_unpermute(y, weights, plan.slot_pos, plan.sorted_slot, plan.top_k)
+        y = all_to_all_v_op(expert_out, plan.num_kept, plan.send_splits[0], plan.recv_splits[0], plan.transport.token)
+    return moe_unpermute_op(y, weights, plan.slot_pos, plan.sorted_slot, plan.top_k)
 
 
 def _mlp_transport(transport, ep_group) -> tuple[Transport | None, str, int]:
     """``(Transport instance or None, token, ep)`` without building a transport (traceable)."""
-    if transport is not None and not isinstance(transport, Transport) and transport != "portable":
-        raise ValueError(f"transport must be None, 'portable' or a fusedpar.ops.transport.Transport, got {transport!r}")
+    check_transport_name(transport)
     token = transport_token(transport, ep_group)
     return (transport if isinstance(transport, Transport) else None), token, transport_size(transport, ep_group)
 
@@ -164,13 +162,12 @@ def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1
     ``ep > 1`` the dispatch is pipelined over ``num_chunks`` token chunks (see module docstring).
     ``transport``: a Transport (then ``ep_group`` must be None), default portable over ``ep_group``.
     Returns x's shape and dtype. Slots over ``capacity`` are dropped (earliest tokens kept).
-    The op ``torch.ops.fusedpar.moe_mlp``: traceable by ``torch.compile``."""
+    The op ``fusedpar::moe_mlp``: traceable by ``torch.compile``."""
     instance, token, ep = _mlp_transport(transport, ep_group)
     with agreed_arguments("moe_mlp", instance, ep_group, ep_fields(x, num_experts, num_chunks, activation=activation,
                                                                    w1=w1, w2=w2)):
         x2d = token_rows(x)
         check_routing(x2d, expert_ids, num_experts, ep, weights=weights, capacity=capacity, num_chunks=num_chunks)
         check_expert_weights(x2d, w1, w2, activation, num_experts // ep)
-    out = torch.ops.fusedpar.moe_mlp(x2d, expert_ids, weights, w1, w2, num_experts, token, ep, capacity, activation,
-                                     num_chunks)[0]
+    out = moe_mlp_op(x2d, expert_ids, weights, w1, w2, num_experts, token, ep, capacity, activation, num_chunks)[0]
     return out.view(x.shape)

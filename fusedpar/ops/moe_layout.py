@@ -270,39 +270,46 @@ def plan_from_residuals(slot_pos, sorted_slot, offsets, splits, top_k: int, num_
 
 
 # ----------------------------------------------------------------------------------------------
-# forward / backward of each op (the bodies of the custom ops in moe_library.py)
+# forward / backward of each op (the bodies of the custom ops of moe_library.py)
 # ----------------------------------------------------------------------------------------------
-def moe_permute_fwd(x2d: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-    """x ``[T, H]`` -> ``[T*k, H]`` expert-contiguous (zero tail)."""
-    return permute(x2d, plan.sorted_slot, plan.top_k)
+def moe_permute_fwd(x2d: torch.Tensor, sorted_slot: torch.Tensor, top_k: int) -> torch.Tensor:
+    """x ``[T, H]`` -> ``[T*k, H]`` expert-contiguous (zero tail): the body of ``fusedpar::moe_permute``
+    (``sorted_slot``: the plan's slot of every expert-side row)."""
+    return permute(x2d, sorted_slot, top_k)
 
 
-def moe_permute_bwd(grad: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-    """The sum of each token's ``k`` slot gradients."""
-    return combine(grad.contiguous(), plan.slot_pos, None, plan.top_k)
+def moe_permute_bwd(grad: torch.Tensor, slot_pos: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The sum of each token's ``k`` slot gradients: the body of ``fusedpar::moe_permute_backward``
+    (``slot_pos``: the plan's row of every slot)."""
+    return combine(grad.contiguous(), slot_pos, None, top_k)
 
 
-def moe_unpermute_fwd(y: torch.Tensor, weights: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
-    """y ``[R, H]`` token-side permuted rows, weights ``[T, k]`` -> ``[T, H] = sum_j w * y[pos]`` (fp32)."""
-    return combine(y, plan.slot_pos, weights, plan.top_k, out_dtype=y.dtype)
+def moe_unpermute_fwd(y: torch.Tensor, weights: torch.Tensor, slot_pos: torch.Tensor, top_k: int) -> torch.Tensor:
+    """y ``[R, H]`` token-side permuted rows, weights ``[T, k]`` -> ``[T, H] = sum_j w * y[pos]``
+    (fp32 sum): the body of ``fusedpar::moe_unpermute``."""
+    return combine(y, slot_pos, weights, top_k, out_dtype=y.dtype)
 
 
-def moe_unpermute_bwd(grad: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, plan: MoEPlan):
-    """``(grad_y, grad_weights)`` in the dtypes of ``y`` and ``weights``."""
-    gy, gw = combine_backward(grad.contiguous(), y, weights, plan.sorted_slot[: y.shape[0]], plan.top_k)
+def moe_unpermute_bwd(grad: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, sorted_slot: torch.Tensor,
+                      top_k: int):
+    """``(grad_y, grad_weights)`` in the dtypes of ``y`` and ``weights``: the body of
+    ``fusedpar::moe_unpermute_backward``."""
+    gy, gw = combine_backward(grad.contiguous(), y, weights, sorted_slot[: y.shape[0]], top_k)
     return gy, gw.to(weights.dtype)
 
 
 def all_to_all_v_fwd(inp: torch.Tensor, out_rows: int, out_splits, in_splits, transport: Transport) -> torch.Tensor:
     """All-to-all-v along rows: ``in_splits[r]`` rows of ``inp`` to rank ``r``, ``out_splits[r]``
-    rows from it; returns the ``[out_rows, ...]`` received rows."""
+    rows from it; returns the ``[out_rows, ...]`` received rows. The body of ``fusedpar::all_to_all_v``."""
     out = inp.new_empty((out_rows,) + tuple(inp.shape[1:]))
     transport.all_to_all(out, inp.contiguous(), out_splits, in_splits).wait()
     return out
 
 
 def all_to_all_v_bwd(grad: torch.Tensor, in_rows: int, out_splits, in_splits, transport: Transport) -> torch.Tensor:
-    """The gradients go back the way the rows came: the forward exchange with the splits swapped."""
+    """The gradients go back the way the rows came: the forward exchange with the splits swapped
+    (what the registered backward of ``fusedpar::all_to_all_v`` computes, by calling that op with
+    the splits swapped so that a compiled graph holds the exchange)."""
     return all_to_all_v_fwd(grad, in_rows, in_splits, out_splits, transport)
 
 

@@ -1,7 +1,11 @@
-"""The mixture-of-experts ops as ``torch.library`` custom ops (see :mod:`fusedpar.ops.library`).
+"""The custom ops of the mixture-of-experts family (:mod:`fusedpar.ops.moe`; see
+:mod:`fusedpar.ops.library`). Each op is bound to ``<op>_op`` (``<op>_backward_op``); its body
+is a named ``<op>_fwd`` / ``<op>_bwd`` function, here or in :mod:`fusedpar.ops.moe_layout`.
 
 * ``fusedpar::moe_mlp(x, expert_ids, weights, w1, w2, num_experts, token, ep, capacity,
-  activation, num_chunks)`` — the whole routed MLP of :func:`fusedpar.ops.moe_mlp` in one op:
+  activation, num_chunks)`` (:data:`moe_mlp_op`, body :func:`moe_mlp_fwd`; backward
+  :data:`moe_mlp_backward_op`, body :func:`moe_mlp_bwd`) — the whole routed MLP of
+  :func:`fusedpar.ops.moe_mlp` in one op:
   routing, the count exchange and host read (``ep > 1``), permute, the experts (the pipelined
   schedule of :func:`~fusedpar.ops.moe_layout.moe_experts_fwd` at ``ep > 1``) and the weighted
   combine. Its residuals are the expert-side rows ``(recv, h, pre)``, the token-side expert
@@ -11,22 +15,29 @@
   At ``ep > 1`` the number of expert-side rows depends on the other ranks' routing: the fake
   gives those residuals an unbacked size (``get_ctx().new_dynamic_size()``); they only flow
   into the backward op, so nothing downstream needs the value.
-* ``fusedpar::grouped_mlp`` / ``grouped_mlp_backward`` — the expert MLP over given offsets.
-* ``fusedpar::moe_permute`` / ``moe_unpermute`` / ``all_to_all_v`` (+ backward ops) — the pieces of
-  the stage API (:func:`fusedpar.ops.moe_dispatch` ...), whose plan is built eagerly.
+* ``fusedpar::grouped_mlp`` / ``grouped_mlp_backward`` (:data:`grouped_mlp_op` /
+  :data:`grouped_mlp_backward_op`, bodies :func:`~fusedpar.ops.moe_layout.grouped_mlp_fwd` /
+  :func:`~fusedpar.ops.moe_layout.grouped_mlp_bwd`) — the expert MLP over given offsets.
+* ``fusedpar::moe_permute`` / ``moe_unpermute`` (+ backward ops) and ``all_to_all_v`` (its own
+  backward with the splits swapped) — the pieces of the stage API (:func:`fusedpar.ops.moe_dispatch`
+  ...), whose plan is built eagerly; bodies ``moe_permute_fwd`` ... ``all_to_all_v_fwd`` of
+  :mod:`fusedpar.ops.moe_layout`.
 """
 from __future__ import annotations
 
 import torch
 
 from ..kernels.grouped_gemm import as_group_offsets
-from ..kernels.moe_permute import combine, combine_backward, permute
-from .library import absent, hold, present
+from .library import absent, custom_op, hold, input_grads, present
 from .moe_layout import (all_to_all_v_fwd, build_plan, grouped_mlp_bwd, grouped_mlp_fwd, moe_experts_bwd,
-                         moe_experts_fwd, plan_from_residuals, plan_residuals)
+                         moe_experts_fwd, moe_permute_bwd, moe_permute_fwd, moe_unpermute_bwd, moe_unpermute_fwd,
+                         plan_from_residuals, plan_residuals)
 from .transport import token_transport
 
-__all__ = []  # registers the ops; the API is fusedpar.ops.moe
+__all__ = [  # the API is fusedpar.ops.moe
+    "all_to_all_v_op", "grouped_mlp_backward_op", "grouped_mlp_op", "moe_mlp_backward_op", "moe_mlp_bwd", "moe_mlp_fwd",
+    "moe_mlp_op", "moe_permute_backward_op", "moe_permute_op", "moe_unpermute_backward_op", "moe_unpermute_op",
+]
 
 _T = torch.Tensor
 
@@ -38,29 +49,29 @@ def _needs(ctx, *idx) -> bool:
 # ----------------------------------------------------------------------------------------------
 # grouped_mlp
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusedpar::grouped_mlp", mutates_args=())
-def _grouped_mlp_op(x: _T, w1: _T, w2: _T, offsets: _T, activation: str, check_offsets: bool) -> tuple[_T, _T, _T]:
+@custom_op("grouped_mlp")
+def grouped_mlp_op(x: _T, w1: _T, w2: _T, offsets: _T, activation: str, check_offsets: bool) -> tuple[_T, _T, _T]:
     if check_offsets:  # the value check reads the offsets on the host: inside the op, not in a trace
         as_group_offsets(offsets, x.shape[0], x.device)
     return grouped_mlp_fwd(x, w1, w2, offsets, activation)
 
 
-@_grouped_mlp_op.register_fake
+@grouped_mlp_op.register_fake
 def _(x, w1, w2, offsets, activation, check_offsets):
     M = x.shape[0]
     return x.new_empty((M, w2.shape[1])), x.new_empty((M, w2.shape[2])), x.new_empty((M, w1.shape[1]))
 
 
-@torch.library.custom_op("fusedpar::grouped_mlp_backward", mutates_args=())
-def _grouped_mlp_backward_op(gy: _T, x: _T, h: _T, pre: _T, w1: _T, w2: _T, offsets: _T, activation: str,
-                             need_input_grad: bool, need_weight_grad: bool) -> tuple[_T, _T, _T]:
+@custom_op("grouped_mlp_backward")
+def grouped_mlp_backward_op(gy: _T, x: _T, h: _T, pre: _T, w1: _T, w2: _T, offsets: _T, activation: str,
+                            need_input_grad: bool, need_weight_grad: bool) -> tuple[_T, _T, _T]:
     dx, dw1, dw2 = grouped_mlp_bwd(gy, x, h, pre, w1, w2, offsets, activation, need_input_grad=need_input_grad,
                                    need_weight_grad=need_weight_grad)
     return (dx if dx is not None else absent(x)), (dw1 if dw1 is not None else absent(w1)), \
         (dw2 if dw2 is not None else absent(w2))
 
 
-@_grouped_mlp_backward_op.register_fake
+@grouped_mlp_backward_op.register_fake
 def _(gy, x, h, pre, w1, w2, offsets, activation, need_input_grad, need_weight_grad):
     # the kernels allocate contiguous gradients, whatever the strides of x / w1 / w2
     dx = x.new_empty(x.shape) if need_input_grad else x.new_empty((0,))
@@ -79,37 +90,39 @@ def _grouped_mlp_setup(ctx, inputs, output):
 def _grouped_mlp_backward(ctx, gy, grad_h, grad_pre):
     x, h, pre, w1, w2, offsets = ctx.saved_tensors
     need_w = _needs(ctx, 1, 2)
-    dx, dw1, dw2 = torch.ops.fusedpar.grouped_mlp_backward(gy, x, h, pre, w1, w2, offsets, ctx.activation,
-                                                           ctx.needs_input_grad[0], need_w)
-    return present(dx), present(dw1), present(dw2), None, None, None
+    dx, dw1, dw2 = grouped_mlp_backward_op(gy, x, h, pre, w1, w2, offsets, ctx.activation, ctx.needs_input_grad[0],
+                                           need_w)
+    return input_grads(grouped_mlp_op, x=present(dx), w1=present(dw1), w2=present(dw2))
 
 
-_grouped_mlp_op.register_autograd(_grouped_mlp_backward, setup_context=_grouped_mlp_setup)
+grouped_mlp_op.register_autograd(_grouped_mlp_backward, setup_context=_grouped_mlp_setup)
 
 
 # ----------------------------------------------------------------------------------------------
 # moe_mlp: the whole routed MLP (ep == 1 and the pipelined ep > 1 schedule)
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusedpar::moe_mlp", mutates_args=())
-def _moe_mlp_op(x: _T, expert_ids: _T, weights: _T, w1: _T, w2: _T, num_experts: int, token: str, ep: int,
+def moe_mlp_fwd(x: _T, expert_ids: _T, weights: _T, w1: _T, w2: _T, num_experts: int, token: str, ep: int,
                 capacity: int | None, activation: str, num_chunks: int) -> tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]:
     """``(out, recv, h, pre, y_perm, slot_pos, sorted_slot, offsets, splits)``; see the module docstring."""
     plan, pending = build_plan(x, expert_ids, num_experts, token_transport(token), capacity, num_chunks if ep > 1 else 1)
     k = plan.top_k
-    x_perm = permute(x, plan.sorted_slot, k)
+    x_perm = moe_permute_fwd(x, plan.sorted_slot, k)
     if ep == 1:
         y_perm, h, pre = grouped_mlp_fwd(x_perm, w1, w2, plan.expert_offsets[0], activation)
         recv = x_perm
     else:
         y_perm, (recv, h, pre) = moe_experts_fwd(x_perm, w1, w2, plan, activation)
-    out = combine(y_perm, plan.slot_pos, weights, k, out_dtype=y_perm.dtype)
+    out = moe_unpermute_fwd(y_perm, weights, plan.slot_pos, k)
     if pending is not None:
         pending.wait()
     offsets, splits = plan_residuals(plan)
     return out, recv, h, pre, y_perm, plan.slot_pos, plan.sorted_slot, offsets, splits
 
 
-@_moe_mlp_op.register_fake
+moe_mlp_op = custom_op("moe_mlp")(moe_mlp_fwd)
+
+
+@moe_mlp_op.register_fake
 def _(x, expert_ids, weights, w1, w2, num_experts, token, ep, capacity, activation, num_chunks):
     (T, H), k = x.shape, expert_ids.shape[1]
     C = num_chunks if ep > 1 else 1
@@ -121,13 +134,12 @@ def _(x, expert_ids, weights, w1, w2, num_experts, token, ep, capacity, activati
             torch.empty((2, C, ep), dtype=torch.int64, device="cpu"))
 
 
-@torch.library.custom_op("fusedpar::moe_mlp_backward", mutates_args=())
-def _moe_mlp_backward_op(grad: _T, weights: _T, w1: _T, w2: _T, recv: _T, h: _T, pre: _T, y_perm: _T, slot_pos: _T,
-                         sorted_slot: _T, offsets: _T, splits: _T, num_experts: int, token: str, activation: str,
-                         need_input_grad: bool, need_weight_grad: bool) -> tuple[_T, _T, _T, _T]:
+def moe_mlp_bwd(grad: _T, weights: _T, w1: _T, w2: _T, recv: _T, h: _T, pre: _T, y_perm: _T, slot_pos: _T,
+                sorted_slot: _T, offsets: _T, splits: _T, num_experts: int, token: str, activation: str,
+                need_input_grad: bool, need_weight_grad: bool) -> tuple[_T, _T, _T, _T]:
     """``(grad_x, grad_weights, grad_w1, grad_w2)`` (absent where not needed) from the forward's residuals."""
     k = weights.shape[1]
-    gy_perm, gw = combine_backward(grad.contiguous(), y_perm, weights, sorted_slot, k)
+    gy_perm, gw = moe_unpermute_bwd(grad, y_perm, weights, sorted_slot, k)
     transport = token_transport(token)
     if transport.size == 1:
         gx_perm, dw1, dw2 = grouped_mlp_bwd(gy_perm, recv, h, pre, w1, w2, offsets[0], activation,
@@ -136,13 +148,16 @@ def _moe_mlp_backward_op(grad: _T, weights: _T, w1: _T, w2: _T, recv: _T, h: _T,
         plan = plan_from_residuals(slot_pos, sorted_slot, offsets, splits, k, num_experts, transport)
         gx_perm, dw1, dw2 = moe_experts_bwd(gy_perm, (recv, h, pre), w1, w2, plan, activation,
                                             need_weight_grad=need_weight_grad)
-    gx = combine(gx_perm, slot_pos, None, k) if need_input_grad else absent(grad)
+    gx = moe_permute_bwd(gx_perm, slot_pos, k) if need_input_grad else absent(grad)
     if not need_weight_grad:
         dw1, dw2 = absent(w1), absent(w2)
-    return gx, gw.to(weights.dtype), dw1, dw2
+    return gx, gw, dw1, dw2
 
 
-@_moe_mlp_backward_op.register_fake
+moe_mlp_backward_op = custom_op("moe_mlp_backward")(moe_mlp_bwd)
+
+
+@moe_mlp_backward_op.register_fake
 def _(grad, weights, w1, w2, recv, h, pre, y_perm, slot_pos, sorted_slot, offsets, splits, num_experts, token,
       activation, need_input_grad, need_weight_grad):
     # contiguous, as the kernels allocate them, whatever the strides of grad / weights / w1 / w2
@@ -162,33 +177,36 @@ def _moe_mlp_setup(ctx, inputs, output):
 
 def _moe_mlp_backward(ctx, grad, *unused):
     saved = ctx.saved_tensors
-    gx, gw, dw1, dw2 = torch.ops.fusedpar.moe_mlp_backward(grad, *saved, ctx.num_experts, ctx.token, ctx.activation,
-                                                           ctx.needs_input_grad[0], _needs(ctx, 3, 4))
-    return present(gx), None, (gw if ctx.needs_input_grad[2] else None), present(dw1), present(dw2), *([None] * 6)
+    gx, gw, dw1, dw2 = moe_mlp_backward_op(grad, *saved, ctx.num_experts, ctx.token, ctx.activation,
+                                           ctx.needs_input_grad[0], _needs(ctx, 3, 4))
+    return input_grads(moe_mlp_op, x=present(gx), weights=gw if ctx.needs_input_grad[2] else None, w1=present(dw1),
+                       w2=present(dw2))
 
 
-_moe_mlp_op.register_autograd(_moe_mlp_backward, setup_context=_moe_mlp_setup)
+moe_mlp_op.register_autograd(_moe_mlp_backward, setup_context=_moe_mlp_setup)
 
 
 # ----------------------------------------------------------------------------------------------
 # the stage API's pieces: permute, unpermute (weighted combine), all-to-all-v
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusedpar::moe_permute", mutates_args=())
-def _moe_permute_op(x: _T, sorted_slot: _T, slot_pos: _T, top_k: int) -> _T:
-    return permute(x, sorted_slot, top_k)
+@custom_op("moe_permute")
+def moe_permute_op(x: _T, sorted_slot: _T, slot_pos: _T, top_k: int) -> _T:
+    """:func:`~fusedpar.ops.moe_layout.moe_permute_fwd` (``slot_pos`` is kept for the backward)."""
+    return moe_permute_fwd(x, sorted_slot, top_k)
 
 
-@_moe_permute_op.register_fake
+@moe_permute_op.register_fake
 def _(x, sorted_slot, slot_pos, top_k):
     return x.new_empty((x.shape[0] * top_k, x.shape[1]))
 
 
-@torch.library.custom_op("fusedpar::moe_permute_backward", mutates_args=())
-def _moe_permute_backward_op(grad: _T, slot_pos: _T, top_k: int) -> _T:
-    return combine(grad.contiguous(), slot_pos, None, top_k)
+@custom_op("moe_permute_backward")
+def moe_permute_backward_op(grad: _T, slot_pos: _T, top_k: int) -> _T:
+    """:func:`~fusedpar.ops.moe_layout.moe_permute_bwd`."""
+    return moe_permute_bwd(grad, slot_pos, top_k)
 
 
-@_moe_permute_backward_op.register_fake
+@moe_permute_backward_op.register_fake
 def _(grad, slot_pos, top_k):
     return grad.new_empty((slot_pos.shape[0] // top_k, grad.shape[1]))
 
@@ -200,29 +218,30 @@ def _moe_permute_setup(ctx, inputs, output):
 
 def _moe_permute_backward(ctx, grad):
     (slot_pos,) = ctx.saved_tensors
-    return torch.ops.fusedpar.moe_permute_backward(grad, slot_pos, ctx.top_k), None, None, None
+    return input_grads(moe_permute_op, x=moe_permute_backward_op(grad, slot_pos, ctx.top_k))
 
 
-_moe_permute_op.register_autograd(_moe_permute_backward, setup_context=_moe_permute_setup)
+moe_permute_op.register_autograd(_moe_permute_backward, setup_context=_moe_permute_setup)
 
 
-@torch.library.custom_op("fusedpar::moe_unpermute", mutates_args=())
-def _moe_unpermute_op(y: _T, weights: _T, slot_pos: _T, sorted_slot: _T, top_k: int) -> _T:
-    return combine(y, slot_pos, weights, top_k, out_dtype=y.dtype)
+@custom_op("moe_unpermute")
+def moe_unpermute_op(y: _T, weights: _T, slot_pos: _T, sorted_slot: _T, top_k: int) -> _T:
+    """:func:`~fusedpar.ops.moe_layout.moe_unpermute_fwd` (``sorted_slot`` is kept for the backward)."""
+    return moe_unpermute_fwd(y, weights, slot_pos, top_k)
 
 
-@_moe_unpermute_op.register_fake
+@moe_unpermute_op.register_fake
 def _(y, weights, slot_pos, sorted_slot, top_k):
     return y.new_empty((weights.shape[0], y.shape[1]))
 
 
-@torch.library.custom_op("fusedpar::moe_unpermute_backward", mutates_args=())
-def _moe_unpermute_backward_op(grad: _T, y: _T, weights: _T, sorted_slot: _T, top_k: int) -> tuple[_T, _T]:
-    gy, gw = combine_backward(grad.contiguous(), y, weights, sorted_slot[: y.shape[0]], top_k)
-    return gy, gw.to(weights.dtype)
+@custom_op("moe_unpermute_backward")
+def moe_unpermute_backward_op(grad: _T, y: _T, weights: _T, sorted_slot: _T, top_k: int) -> tuple[_T, _T]:
+    """:func:`~fusedpar.ops.moe_layout.moe_unpermute_bwd`."""
+    return moe_unpermute_bwd(grad, y, weights, sorted_slot, top_k)
 
 
-@_moe_unpermute_backward_op.register_fake
+@moe_unpermute_backward_op.register_fake
 def _(grad, y, weights, sorted_slot, top_k):
     return y.new_empty(y.shape), weights.new_empty(weights.shape)
 
@@ -235,20 +254,20 @@ def _moe_unpermute_setup(ctx, inputs, output):
 
 def _moe_unpermute_backward(ctx, grad):
     y, weights, sorted_slot = ctx.saved_tensors
-    gy, gw = torch.ops.fusedpar.moe_unpermute_backward(grad, y, weights, sorted_slot, ctx.top_k)
-    return gy, gw, None, None, None
+    gy, gw = moe_unpermute_backward_op(grad, y, weights, sorted_slot, ctx.top_k)
+    return input_grads(moe_unpermute_op, y=gy, weights=gw)
 
 
-_moe_unpermute_op.register_autograd(_moe_unpermute_backward, setup_context=_moe_unpermute_setup)
+moe_unpermute_op.register_autograd(_moe_unpermute_backward, setup_context=_moe_unpermute_setup)
 
 
-@torch.library.custom_op("fusedpar::all_to_all_v", mutates_args=())
-def _all_to_all_v_op(inp: _T, out_rows: int, out_splits: list[int], in_splits: list[int], token: str) -> _T:
+@custom_op("all_to_all_v")
+def all_to_all_v_op(inp: _T, out_rows: int, out_splits: list[int], in_splits: list[int], token: str) -> _T:
     """``in_splits[r]`` rows of ``inp`` to rank ``r``, ``out_splits[r]`` rows from it (``out_rows`` in all)."""
     return all_to_all_v_fwd(inp, out_rows, out_splits, in_splits, token_transport(token))
 
 
-@_all_to_all_v_op.register_fake
+@all_to_all_v_op.register_fake
 def _(inp, out_rows, out_splits, in_splits, token):
     return inp.new_empty((out_rows,) + tuple(inp.shape[1:]))
 
@@ -260,7 +279,7 @@ def _all_to_all_v_setup(ctx, inputs, output):
 
 
 def _all_to_all_v_backward(ctx, grad):  # the gradients go back the way the rows came
-    return torch.ops.fusedpar.all_to_all_v(grad.contiguous(), *ctx.args), None, None, None, None
+    return input_grads(all_to_all_v_op, inp=all_to_all_v_op(grad.contiguous(), *ctx.args))
 
 
-_all_to_all_v_op.register_autograd(_all_to_all_v_backward, setup_context=_all_to_all_v_setup)
+all_to_all_v_op.register_autograd(_all_to_all_v_backward, setup_context=_all_to_all_v_setup)
