@@ -78,6 +78,17 @@ def check_buffer(name: str, t, shape, device: torch.device, dtype: torch.dtype |
     check_supported_dtype(name, t)
 
 
+def output_buffer(name: str, out, shape, device: torch.device, dtype: torch.dtype, *,
+                  exact_dtype: bool = False) -> torch.Tensor:
+    """The buffer a launcher writes: ``out`` checked with :func:`check_buffer` (its dtype must be
+    ``dtype`` only with ``exact_dtype``), or, when ``out`` is None, a new empty tensor of
+    ``shape``, ``device`` and ``dtype``."""
+    if out is None:
+        return torch.empty(shape, device=device, dtype=dtype)
+    check_buffer(name, out, shape, device, dtype if exact_dtype else None)
+    return out
+
+
 def check_supported_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)

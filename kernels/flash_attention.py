@@ -26,8 +26,8 @@ and the plain torch oracle.
 
 Layers: ``_attn_fwd_kernel`` (jit) -> :func:`flash_attention_forward` (validate, allocate,
 launch); the backward kernels and :func:`~.flash_attention_bwd.flash_attention_backward` live
-in :mod:`.flash_attention_bwd`; the differentiable ``flash_attention`` (autograd) lives in
-``fusedpar.ops.flash``. :func:`attention_reference` is the plain fp64 torch oracle.
+in :mod:`.flash_attention_bwd`; the differentiable ``flash_attention`` (a custom op,
+``fusedpar.ops.flash_library``) is called through ``fusedpar.ops.flash``. :func:`attention_reference` is the plain fp64 torch oracle.
 """
 from __future__ import annotations
 
@@ -41,12 +41,12 @@ import triton.language as tl
 
 from .checks import (
     check_bool,
-    check_buffer,
     check_float_tensor,
     check_int,
     check_positive_dims,
     check_same,
     check_tensor,
+    output_buffer,
 )
 from .runtime import autotuned, device_capability, input_precision, interpreting, needs_upcast, shared_memory_limit
 
@@ -510,14 +510,8 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     scale = resolve_softmax_scale(softmax_scale, d)
     if accumulate and (out is None or lse is None):
         raise ValueError("accumulate=True needs out= and lse= (the state to continue from)")
-    if out is None:
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    else:
-        check_buffer("out", out, q.shape, q.device)
-    if lse is None:
-        lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
-    else:
-        check_buffer("lse", lse, (b, hq, sq), q.device, torch.float32)
+    out = output_buffer("out", out, q.shape, q.device, q.dtype)
+    lse = output_buffer("lse", lse, (b, hq, sq), q.device, torch.float32, exact_dtype=True)
     if b * sq * hq == 0:
         return out, lse
     if sk == 0:

@@ -31,7 +31,7 @@ from .flash_attention import Segments, attention_reference, flash_attention_forw
 from .flash_attention_bwd import flash_attention_backward
 
 __all__ = [
-    "check_cu_seqlens", "check_varlen_inputs", "flash_attention_varlen", "flash_attention_varlen_backward",
+    "check_cu_seqlens", "check_cu_seqlens_values", "check_varlen_inputs", "flash_attention_varlen", "flash_attention_varlen_backward",
     "varlen_attention_reference", "varlen_segments",
 ]
 
@@ -47,16 +47,25 @@ def check_cu_seqlens(name: str, cu, total: int, max_seqlen=None, *, max_name: st
         check_int(max_name, max_seqlen, min_value=0)
     if not values or cu.device.type != "cpu":
         return  # trusted on a GPU (see the module docstring)
-    vals = cu.tolist()
+    lengths = check_cu_seqlens_values(name, cu.tolist(), total)
+    if max_seqlen is not None and lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} must be >= the longest document ({max(lengths)}), got {max_seqlen}")
+
+
+def check_cu_seqlens_values(name: str, vals, total: int, *, total_name: str = "the number of tokens") -> list:
+    """The boundaries ``vals`` (ints, read from a ``cu_seqlens`` tensor) start at 0, do not
+    decrease and end at ``total`` (``total_name`` in the message); returns the document lengths."""
+    vals = list(vals)
+    if not vals:
+        raise ValueError(f"{name} must have num_docs + 1 >= 1 entries, got 0")
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {vals[0]}")
     lengths = [b - a for a, b in zip(vals, vals[1:])]
     if any(n < 0 for n in lengths):
         raise ValueError(f"{name} must be non-decreasing, got {vals}")
     if vals[-1] != total:
-        raise ValueError(f"{name}[-1] must equal the number of tokens ({total}), got {vals[-1]}")
-    if max_seqlen is not None and lengths and max(lengths) > max_seqlen:
-        raise ValueError(f"{max_name} must be >= the longest document ({max(lengths)}), got {max_seqlen}")
+        raise ValueError(f"{name}[-1] must equal {total_name} ({total}), got {vals[-1]}")
+    return lengths
 
 
 def varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Segments:

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same, check_supported_dtype
+from .checks import (check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same, check_supported_dtype,
+                     output_buffer)
 from .runtime import (
     ACTIVATIONS,
     RowView,
@@ -392,12 +393,10 @@ def _matmul_buffers(a, ops, *, out, accumulate, residual, preact_out, out_dtype,
             raise ValueError("accumulate=True already adds out; pass either residual or accumulate, not both")
         if activation != "none":
             raise ValueError(f"accumulate=True needs activation='none', got {activation!r}")
-    if out is None:
-        out = torch.empty(out_shape, device=a.device, dtype=out_dtype or a.dtype)
-    else:
-        check_buffer("out", out, out_shape, a.device)
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise TypeError(f"out_dtype must be out's dtype ({out.dtype}) when out is given, got {out_dtype}")
+    given = out is not None
+    out = output_buffer("out", out, out_shape, a.device, out_dtype or a.dtype)
+    if given and out_dtype is not None and out.dtype != out_dtype:
+        raise TypeError(f"out_dtype must be out's dtype ({out.dtype}) when out is given, got {out_dtype}")
     if accumulate:
         residual = out
     if residual is not None:
@@ -489,10 +488,7 @@ def matmul_tn(
     check_out_dtype("out_dtype", out_dtype)
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
-    if out is None:
-        out = torch.empty((N, K), device=grad.device, dtype=out_dtype or grad.dtype)
-    else:
-        check_buffer("out", out, (N, K), grad.device)
+    out = output_buffer("out", out, (N, K), grad.device, out_dtype or grad.dtype)
     if N == 0 or K == 0:
         return out
     if T == 0:

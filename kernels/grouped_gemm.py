@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INDEX_DTYPES, check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same
+from .checks import (INDEX_DTYPES, check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same,
+                     output_buffer)
 from .moe_routing import MAX_ROWS
 from .runtime import (
     ACTIVATIONS,
@@ -409,10 +410,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_lay
     M = x.shape[0]
     offsets = as_group_offsets(offsets, M, x.device, check=check_offsets)
     N = n_w // 2 if glu else n_w
-    if out is None:
-        out = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
-    else:
-        check_buffer("out", out, (M, N), x.device)
+    out = output_buffer("out", out, (M, N), x.device, out_dtype or x.dtype)
     if preact_out is not None:
         check_buffer("preact_out", preact_out, (M, n_w), x.device)
     _launch_gemm(x, weight, out, preact_out, offsets, M=M, N=N, K=K, w_strides=w_strides, act=act, glu=glu,
@@ -499,10 +497,7 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
     K = x.shape[1]
     offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)
     G = offsets.numel() - 1
-    if out is None:
-        out = torch.empty((num_experts, N, K), device=grad.device, dtype=out_dtype or grad.dtype)
-    else:
-        check_buffer("out", out, (num_experts, N, K), grad.device)
+    out = output_buffer("out", out, (num_experts, N, K), grad.device, out_dtype or grad.dtype)
     if N == 0 or K == 0:
         return out
     args = (grad, x, out, offsets, G, num_experts, N, K, grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_float_tensor, check_index_tensor, check_same
+from .checks import check_float_tensor, check_index_tensor, check_same, output_buffer
 from .runtime import interpreting
 
 
@@ -128,10 +128,7 @@ def permute(x: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, *, out: torc
     T, H = x.shape
     n = T * top_k
     sorted_slot = _index_operand("sorted_slot", sorted_slot, n, "x", x)
-    if out is None:
-        out = torch.empty((n, H), device=x.device, dtype=x.dtype)
-    else:
-        check_buffer("out", out, (n, H), x.device)
+    out = output_buffer("out", out, (n, H), x.device, x.dtype)
     if n == 0 or H == 0:
         return out
     BR, BH = (16, 32) if interpreting() else (32, min(256, triton.next_power_of_2(H)))
@@ -155,10 +152,7 @@ def combine(y: torch.Tensor, slot_pos: torch.Tensor, weights: torch.Tensor | Non
     H = y.shape[1]
     if weights is not None:
         weights = _weights_operand(weights, T, top_k, y)
-    if out is None:
-        out = torch.empty((T, H), device=y.device, dtype=out_dtype or y.dtype)
-    else:
-        check_buffer("out", out, (T, H), y.device)
+    out = output_buffer("out", out, (T, H), y.device, out_dtype or y.dtype)
     if T == 0 or H == 0:
         return out
     BT, BH = (16, 32) if interpreting() else (16, min(256, triton.next_power_of_2(H)))

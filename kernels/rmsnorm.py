@@ -18,7 +18,8 @@ too.
 
 Layers: ``_rmsnorm_fwd_kernel`` / ``_rmsnorm_bwd_kernel`` (jit) -> ``rms_norm_fwd`` /
 ``rms_norm_bwd`` (validate, allocate, launch); ``rms_norm_reference`` is the torch oracle. The
-autograd Function and functional API live in ``fusedpar.ops.norm``; the module in ``fusedpar.nn``.
+custom ops live in ``fusedpar.ops.norm_library``, the functional API in ``fusedpar.ops.norm``; the
+module in ``fusedpar.nn``.
 """
 from __future__ import annotations
 

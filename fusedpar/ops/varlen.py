@@ -25,6 +25,7 @@ import torch
 
 from fusedpar.kernels.checks import check_int, check_tensor
 from fusedpar.kernels.flash_attention import Segments
+from fusedpar.kernels.flash_varlen import check_cu_seqlens_values
 
 __all__ = ["chunk_pair_segments", "document_bounds", "document_positions", "ring_document_plan"]
 
@@ -34,12 +35,7 @@ def document_bounds(cu_seqlens, total: int) -> tuple:
     tensor (any device) starting at 0, non-decreasing, ending at ``total``."""
     check_tensor("cu_seqlens", cu_seqlens, dims=(1,), dtypes=(torch.int32,))
     vals = tuple(cu_seqlens.tolist())
-    if not vals or vals[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {list(vals[:1])}")
-    if any(b < a for a, b in zip(vals, vals[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {list(vals)}")
-    if vals[-1] != total:
-        raise ValueError(f"cu_seqlens[-1] must equal the full packed length ({total}), got {vals[-1]}")
+    check_cu_seqlens_values("cu_seqlens", vals, total, total_name="the full packed length")
     return vals
 
 
