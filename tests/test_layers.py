@@ -11,10 +11,16 @@
 * everywhere (``kernels/``, ``fusedpar/``, ``benchmarks/``): no private name (one leading
   underscore, not a dunder) of another project module, neither ``from x import _y`` nor
   ``x._y`` on an imported project module, and no private module from outside its package;
-  no module over :data:`MAX_MODULE_LINES` lines, no host function over
+  no ``torch.ops.fusedpar`` attribute (code calls the custom-op objects, which lead to their
+  definitions); no module over :data:`MAX_MODULE_LINES` lines, no host function over
   :data:`MAX_FUNCTION_LINES` lines (docstring excluded; ``@triton.jit`` kernels are device code
   and exempt); no docstring or comment that points to a design-document section or to a path
   outside the repository.
+* op families: every ``custom_op`` call, ``register_fake`` and ``register_autograd`` lives in a
+  ``fusedpar/ops/<family>_library.py`` module (``fusedpar/ops/library.py`` holds the one
+  ``torch.library.custom_op`` call, the helper that names the namespace); every family ``F`` has its
+  functional API in ``fusedpar/ops/F.py`` and every other module of ``fusedpar/ops/`` is either
+  ``F_<part>.py`` of a family or named in :data:`OPS_SHARED`.
 """
 from __future__ import annotations
 
@@ -275,6 +281,98 @@ def test_no_private_name_from_another_module(rel):
 
 
 # ----------------------------------------------------------------------------------------------
+# custom ops: called as objects, defined in the families' *_library.py modules
+# ----------------------------------------------------------------------------------------------
+OPS_DIR = "fusedpar/ops"
+# modules of fusedpar/ops that belong to no op family, each with its role
+OPS_SHARED = {
+    "__init__": "the package: every public name",
+    "library": "the namespace, custom_op / input_grads, transport tokens, absent outputs",
+    "transport": "the Transport classes and get_transport / check_transport_name",
+    "symmetric": "the symmetric-memory transport and the persistent-GEMM TP paths",
+    "comm": "torch.distributed transfers returning handles",
+    "agreement": "the cross-rank agreement of arguments",
+    "varlen": "packed documents: cu_seqlens -> the flash kernels' segment tables (sequence parallel)",
+    "attention": "the names of the sequence-parallel family, re-exported where they were imported before",
+}
+# the call names that define or register an op (``torch.library.custom_op``, the helper ``custom_op``)
+OP_DEFINITIONS = ("custom_op", "register_fake", "register_autograd")
+
+
+def _is_op_library(rel: str) -> bool:
+    return os.path.dirname(rel) == OPS_DIR and os.path.basename(rel).endswith("_library.py")
+
+
+def op_namespace_uses(p: Parsed) -> list[str]:
+    """``torch.ops.fusedpar`` (or ``ops.fusedpar`` after ``from torch import ops``) attributes."""
+    return [f"line {n.lineno}: {_dotted(n)}" for n in ast.walk(p.tree)
+            if isinstance(n, ast.Attribute) and (_dotted(n) or "").split(".")[-2:] == ["ops", "fusedpar"]]
+
+
+def op_definitions(p: Parsed) -> list[str]:
+    """Calls that define or register a custom op outside a ``fusedpar/ops/*_library.py`` module
+    (``fusedpar/ops/library.py`` may call ``torch.library.custom_op``: the helper)."""
+    if _is_op_library(p.rel):
+        return []
+    bad = []
+    for n in ast.walk(p.tree):
+        if isinstance(n, ast.Call):
+            name = _dotted(n.func) or ""
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):  # a bare decorator: @op.register_fake
+            bad += [f"line {d.lineno}: @{_dotted(d)}" for d in n.decorator_list
+                    if (_dotted(d) or "").split(".")[-1] in OP_DEFINITIONS]
+            continue
+        else:
+            continue
+        if name.split(".")[-1] not in OP_DEFINITIONS:
+            continue
+        if p.rel == f"{OPS_DIR}/library.py" and name == "torch.library.custom_op":
+            continue
+        bad.append(f"line {n.lineno}: {name}(...)")
+    return bad
+
+
+def op_families(files) -> set[str]:
+    return {os.path.basename(f)[: -len("_library.py")] for f in files if _is_op_library(f)}
+
+
+def ops_layout_violations(files) -> list[str]:
+    """Modules of fusedpar/ops that fit no family (``F.py``, ``F_library.py``, ``F_<part>.py``) and
+    are not shared; families without their ``F.py``."""
+    families = op_families(files)
+    bad = [f"family {f}: no {OPS_DIR}/{f}.py (its functional API)" for f in sorted(families)
+           if f"{OPS_DIR}/{f}.py" not in files]
+    for rel in files:
+        if os.path.dirname(rel) != OPS_DIR:
+            continue
+        stem = os.path.basename(rel)[:-3]
+        if stem not in OPS_SHARED and not any(stem == f or stem.startswith(f + "_") for f in families):
+            bad.append(f"{rel}: belongs to no op family and is not in OPS_SHARED")
+    return bad
+
+
+@pytest.mark.parametrize("rel", _case(lambda f: True))
+def test_custom_ops_are_called_as_objects(rel):
+    bad = op_namespace_uses(parse(rel))
+    assert not bad, (f"{rel} reaches ops through torch.ops.fusedpar (call the custom-op object its "
+                     "*_library.py module binds instead):\n" + "\n".join(bad))
+
+
+@pytest.mark.parametrize("rel", _case(lambda f: True))
+def test_custom_ops_are_defined_in_library_modules(rel):
+    bad = op_definitions(parse(rel))
+    assert not bad, f"{rel} defines or registers custom ops outside fusedpar/ops/*_library.py:\n" + "\n".join(bad)
+
+
+def test_every_op_family_follows_the_layout():
+    assert op_families(FILES) >= {"tensor_parallel", "sp_attention", "flash", "moe", "norm", "loss"}
+    bad = ops_layout_violations(FILES)
+    assert not bad, "\n".join(bad)
+    for stem in OPS_SHARED:
+        assert f"{OPS_DIR}/{stem}.py" in FILES, stem
+
+
+# ----------------------------------------------------------------------------------------------
 # sizes
 # ----------------------------------------------------------------------------------------------
 def _is_device_code(fn: ast.AST) -> bool:
@@ -374,6 +472,13 @@ def test_the_checker_reads_the_tree():
     assert function_lines(fn) == 2
     assert SECTION_REF.search("see DESIGN.md §3") and OUTSIDE_PATH.search("read /work/shared/x")
     assert not OUTSIDE_PATH.search("GB/s over seq/(sp*tp) and tokens/s")
+    assert _is_op_library("fusedpar/ops/norm_library.py") and not _is_op_library("fusedpar/ops/library.py")
+    files = ["fusedpar/ops/library.py", "fusedpar/ops/norm.py", "fusedpar/ops/norm_library.py",
+             "fusedpar/ops/norm_kernels.py", "fusedpar/ops/loss_library.py", "fusedpar/ops/stray.py", "kernels/x.py"]
+    assert op_families(files) == {"norm", "loss"}
+    assert ops_layout_violations(files) == [
+        "family loss: no fusedpar/ops/loss.py (its functional API)",
+        "fusedpar/ops/stray.py: belongs to no op family and is not in OPS_SHARED"]
 
 
 SNIPPETS = [  # (file, code, which check, number of violations)
@@ -395,6 +500,17 @@ SNIPPETS = [  # (file, code, which check, number of violations)
     ("fusedpar/nn/x.py", "from torch.autograd import Function as Fn\nclass F(Fn):\n    pass\n",
      autograd_functions, 1),
     ("fusedpar/nn/x.py", "from torch import nn\nclass M(nn.Module):\n    pass\n", autograd_functions, 0),
+    ("fusedpar/ops/norm.py", "import torch\ntorch.ops.fusedpar.rms_norm(x)\n", op_namespace_uses, 1),
+    ("benchmarks/x.py", "from torch import ops\nops.fusedpar.flash_attention.default\n", op_namespace_uses, 1),
+    ("fusedpar/ops/norm_library.py", "torch.ops.aten.add(x, y)\nrms_norm_op(x)\n", op_namespace_uses, 0),
+    ("fusedpar/ops/norm.py", "import torch\n@torch.library.custom_op('fusedpar::f', mutates_args=())\n"
+     "def f(x: torch.Tensor) -> torch.Tensor:\n    return x\n", op_definitions, 1),
+    ("fusedpar/ops/norm.py", "f_op = custom_op('f')(f)\nf_op.register_autograd(b)\n", op_definitions, 2),
+    ("kernels/x.py", "@f_op.register_fake\ndef _(x):\n    pass\n", op_definitions, 1),
+    ("fusedpar/ops/norm_library.py", "f_op = custom_op('f')(f)\n@f_op.register_fake\ndef _(x):\n    pass\n"
+     "f_op.register_autograd(b)\n", op_definitions, 0),
+    ("fusedpar/ops/library.py", "def custom_op(name):\n    return torch.library.custom_op(name)\n", op_definitions, 0),
+    ("fusedpar/ops/library.py", "x = custom_op('f')\n", op_definitions, 1),
 ]
 
 
