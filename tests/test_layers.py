@@ -293,7 +293,6 @@ OPS_SHARED = {
     "comm": "torch.distributed transfers returning handles",
     "agreement": "the cross-rank agreement of arguments",
     "varlen": "packed documents: cu_seqlens -> the flash kernels' segment tables (sequence parallel)",
-    "attention": "the names of the sequence-parallel family, re-exported where they were imported before",
 }
 # the call names that define or register an op (``torch.library.custom_op``, the helper ``custom_op``)
 OP_DEFINITIONS = ("custom_op", "register_fake", "register_autograd")

@@ -30,7 +30,7 @@ from fusedpar.kernels.flash_attention import attention_reference
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
 from fusedpar.ops import comm
-from fusedpar.ops.attention import LAYOUTS, shard_positions, ulysses_kv_heads
+from fusedpar.ops.sp_attention import LAYOUTS, shard_positions, ulysses_kv_heads
 from fusedpar.ops.sp_attention import hybrid_attention, ring_attention, ulysses_attention
 from fusedpar.ops.transport import get_transport
 from fusedpar.ops.varlen import document_positions

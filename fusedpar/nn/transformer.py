@@ -50,7 +50,7 @@ from fusedpar.ops import comm
 from fusedpar.ops.loss import attach_aux_loss, vocab_parallel_cross_entropy
 from fusedpar.ops.varlen import document_bounds
 
-from fusedpar.ops.attention import shard_positions
+from fusedpar.ops.sp_attention import shard_positions
 from fusedpar.ops.tensor_parallel import all_gather_matmul
 
 from .attention import ParallelAttention, rope_inv_freq

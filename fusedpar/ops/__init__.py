@@ -31,7 +31,6 @@ from .tensor_parallel import (
 )
 from .moe import (
     MoEPlan,
-    all_to_all_v_bwd,
     all_to_all_v_fwd,
     grouped_mlp,
     grouped_mlp_bwd,
@@ -73,7 +72,7 @@ __all__ = [
     "copy_to_tp_matmul_bwd", "copy_to_tp_matmul_fwd", "gather_features", "matmul_all_reduce",
     "matmul_all_reduce_bwd", "matmul_all_reduce_fwd", "matmul_reduce_scatter", "matmul_reduce_scatter_bwd",
     "matmul_reduce_scatter_fwd", "scatter_features",
-    "MoEPlan", "all_to_all_v_bwd", "all_to_all_v_fwd", "grouped_mlp", "grouped_mlp_bwd", "grouped_mlp_fwd",
+    "MoEPlan", "all_to_all_v_fwd", "grouped_mlp", "grouped_mlp_bwd", "grouped_mlp_fwd",
     "moe_combine", "moe_dispatch", "moe_expert_compute", "moe_experts_bwd", "moe_experts_fwd", "moe_mlp",
     "moe_permute_bwd", "moe_permute_fwd", "moe_plan", "moe_unpermute_bwd", "moe_unpermute_fwd",
     "flash_attention", "flash_attention_varlen",

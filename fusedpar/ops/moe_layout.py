@@ -24,7 +24,7 @@ from .transport import Transport
 __all__ = [
     "MoEPlan", "build_plan", "check_routing", "check_expert_weights", "token_rows", "ep_fields", "plan_residuals",
     "plan_from_residuals", "moe_permute_fwd", "moe_permute_bwd", "moe_unpermute_fwd", "moe_unpermute_bwd",
-    "all_to_all_v_fwd", "all_to_all_v_bwd", "grouped_mlp_fwd", "grouped_mlp_bwd", "moe_experts_fwd",
+    "all_to_all_v_fwd", "grouped_mlp_fwd", "grouped_mlp_bwd", "moe_experts_fwd",
     "moe_experts_bwd",
 ]
 
@@ -304,13 +304,6 @@ def all_to_all_v_fwd(inp: torch.Tensor, out_rows: int, out_splits, in_splits, tr
     out = inp.new_empty((out_rows,) + tuple(inp.shape[1:]))
     transport.all_to_all(out, inp.contiguous(), out_splits, in_splits).wait()
     return out
-
-
-def all_to_all_v_bwd(grad: torch.Tensor, in_rows: int, out_splits, in_splits, transport: Transport) -> torch.Tensor:
-    """The gradients go back the way the rows came: the forward exchange with the splits swapped
-    (what the registered backward of ``fusedpar::all_to_all_v`` computes, by calling that op with
-    the splits swapped so that a compiled graph holds the exchange)."""
-    return all_to_all_v_fwd(grad, in_rows, in_splits, out_splits, transport)
 
 
 def grouped_mlp_fwd(x, w1, w2, offsets, activation, *, h_out=None, pre_out=None, y_out=None):
