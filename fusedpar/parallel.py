@@ -266,18 +266,20 @@ def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 
     world when none of those is set; under torchelastic through a store prefixed with the restart
     attempt (:func:`elastic_store`), so a restarted world never meets the previous attempt's peers.
     The backend defaults to NCCL when CUDA is available (each
-    rank then uses GPU ``LOCAL_RANK``) and gloo otherwise. Sizes are validated before joining the world
-    (sizes that do not fit ``WORLD_SIZE`` fail there, alike on every rank that passed them) and,
-    once joined, compared across ranks before any group is created (:func:`check_sizes_agree`:
-    ranks passing different sizes all raise the same ``ValueError`` instead of hanging);
+    rank then uses GPU ``LOCAL_RANK``) and gloo otherwise. Sizes are compared across ranks once the world
+    is joined and before any group is created (:func:`check_sizes_agree`: ranks passing different
+    sizes all raise the same ``ValueError`` instead of hanging), then validated (sizes that do not
+    fit the world raise the same error on every rank; in a world of one, before joining it);
     ``dp=None`` takes whatever the other sizes leave.
     """
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
     if not dist.is_initialized():
         world_env = int(os.environ.get("WORLD_SIZE", "1"))
-        # fail before joining a world
-        resolve_sizes(world_env, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
+        if world_env == 1:  # nothing to wait for: fail before joining
+            resolve_sizes(world_env, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
+        # with peers, join even with bad sizes: a rank that left now would leave the others
+        # waiting at the rendezvous; build_parallel_state makes every rank raise the same error
         backend = backend or _default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -146,3 +146,37 @@ def _missing_rank(rank, size):
 
 def test_a_rank_that_never_arrives_times_out(world2):
     assert all(world2.run(_missing_rank, timeout=SHORT))
+
+
+_INIT = r"""
+import os, sys
+from fusedpar.parallel import init_parallel
+rank = int(os.environ["RANK"])
+try:
+    init_parallel(tp=3 if rank == 1 else 1, backend="gloo", timeout_s=60)  # tp=3 does not fit a world of 2
+except ValueError as e:
+    print(f"rank {rank}: {e}", flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.world
+def test_init_parallel_ranks_with_different_sizes_all_raise(tmp_path):
+    """Under torchrun, a rank whose sizes do not fit still joins, so that the other is not left at
+    the rendezvous: both raise the same ValueError, quickly."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "init.py"
+    script.write_text(_INIT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's fusedpar
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 120
+    lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("rank "))
+    assert len(lines) == 2, proc.stdout + proc.stderr[-3000:]
+    msgs = {ln.split(": ", 1)[1] for ln in lines}
+    assert len(msgs) == 1 and "tp=1 on ranks [0] and tp=3 on ranks [1]" in msgs.pop(), lines
