@@ -195,7 +195,10 @@ def build(args, use_cuda: bool, vocab: int):
     from fusedpar.nn import Transformer, TransformerConfig
     from fusedpar.parallel import init_parallel
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    import torch.distributed as dist
+
+    # the world joined already (a caller's), else the one torchrun describes
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     tp, sp = default_layout(world, args.pp, args.tp, args.sp)
     ep = args.ep if args.ep is not None else sp * tp
     check_layout(args, world, tp, sp, ep)
