@@ -33,7 +33,9 @@ DEFAULT_MAX_BYTES = 4 << 20
 
 
 class DataError(ValueError):
-    """A ``--data`` source that cannot be used (missing, empty, too short, ids out of range)."""
+    """A ``--data`` source that cannot be used (missing, unreadable, empty, too short, ids out of
+    range). Arguments of the wrong type or out of range (``seq=0``, ``batch=0``) raise
+    ``TypeError`` / ``ValueError`` naming the argument."""
 
 
 def stdlib_dir() -> str:
@@ -64,8 +66,11 @@ def read_bytes(files: list[str], max_bytes: int) -> np.ndarray:
     for f in files:
         if total >= max_bytes:
             break
-        with open(f, "rb") as fh:
-            data = fh.read(max_bytes - total)
+        try:
+            with open(f, "rb") as fh:
+                data = fh.read(max_bytes - total)
+        except OSError as e:
+            raise DataError(f"--data: cannot read {f!r}: {e.strerror or e}") from None
         chunks.append(data)
         total += len(data)
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
@@ -93,8 +98,12 @@ class Tokens:
 
 def load_tokens(path: str | None, vocab: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Tokens:
     """The token stream of ``path`` (see the module docstring); :class:`DataError` on a bad source."""
-    if max_bytes <= 0:
-        raise DataError(f"max_bytes must be positive, got {max_bytes}")
+    _check_count("max_bytes", max_bytes)
+    if vocab is not None:
+        _check_count("vocab", vocab)
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str, a path or None, got {type(path).__name__} {path!r}")
+    path = None if path is None else os.fspath(path)
     if path is None:
         root = stdlib_dir()
         ids = read_bytes(text_files(root, (".py",)), max_bytes)
@@ -120,6 +129,15 @@ def load_tokens(path: str | None, vocab: int | None = None, max_bytes: int = DEF
     return Tokens(ids, BYTE_VOCAB, source)
 
 
+def _check_count(name: str, value, minimum: int = 1) -> int:
+    """An int ``>= minimum`` (``bool`` is not one): ``TypeError`` / ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
 def _bin_tokens(path: str, vocab: int | None) -> Tokens:
     if vocab is None or vocab <= 0:
         raise DataError(f"--vocab must be given (a positive int) for the pre-tokenized file {path!r}, got {vocab}")
@@ -138,6 +156,9 @@ def _bin_tokens(path: str, vocab: int | None) -> Tokens:
 
 def split(tokens: Tokens, val_fraction: float, seq: int) -> tuple[np.ndarray, np.ndarray]:
     """``(train, val)``: the last ``val_fraction`` of the ids held out; each needs ``seq + 1`` ids."""
+    _check_count("seq", seq)
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)):
+        raise TypeError(f"val_fraction must be a number in (0, 1), got {type(val_fraction).__name__} {val_fraction!r}")
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     n_val = int(len(tokens.ids) * val_fraction)
@@ -179,8 +200,14 @@ class BatchLoader:
     next global batch of ``batch * dp`` windows. ``position`` counts windows consumed globally."""
 
     def __init__(self, ids: np.ndarray, seq: int, batch: int, *, dp: int = 1, dp_rank: int = 0, seed: int = 0):
+        seq, batch, dp, dp_rank = (_check_count(n, v, m) for n, v, m in (("seq", seq, 1), ("batch", batch, 1),
+                                                                          ("dp", dp, 1), ("dp_rank", dp_rank, 0)))
+        _check_count("seed", seed, 0)
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank must be in [0, {dp}), got {dp_rank}")
+        if not hasattr(ids, "__len__") or getattr(ids, "ndim", 1) != 1:
+            raise ValueError(f"ids must be a 1-D array of token ids, got {type(ids).__name__} "
+                             f"of shape {getattr(ids, 'shape', None)}")
         self.ids, self.seq, self.batch, self.dp, self.dp_rank, self.seed = ids, seq, batch, dp, dp_rank, seed
         self.windows = (len(ids) - 1) // seq
         if self.windows < 1:
@@ -211,6 +238,7 @@ class BatchLoader:
     def eval_batches(self, n_batches: int):
         """``n_batches`` fixed global batches of windows spread evenly over the ids (the same
         every call): this rank's rows of each."""
+        _check_count("n_batches", n_batches)
         per = self.batch * self.dp
         stride = max(1, self.windows // (n_batches * per))
         for b in range(n_batches):

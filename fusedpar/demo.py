@@ -39,8 +39,8 @@ def _use_cuda(device: str) -> bool:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     usable = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     if device == "cuda" and not usable:
-        raise RuntimeError(f"--device cuda needs one GPU per local rank ({local_world}), "
-                           f"found {torch.cuda.device_count()}")
+        raise UsageError(f"--device cuda needs one GPU per local rank ({local_world}), "
+                         f"got {torch.cuda.device_count()} GPUs")
     return usable
 
 
@@ -50,9 +50,28 @@ def _setup_env(use_cuda: bool):
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+class UsageError(SystemExit):
+    """A user mistake on the command line or in what it names (data, checkpoint directory, sizes
+    that do not fit the world): :func:`main` prints its one line on rank 0 and returns its code 2
+    (no traceback; ``--debug`` keeps it). A ``SystemExit`` so that a caller of :func:`parse_args`
+    sees what argparse raises."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage on every rank and exit
+        raise UsageError(message)
+
+
 def parse_args(argv):
-    """The command line (``python -m fusedpar.demo --help``)."""
-    p = argparse.ArgumentParser(prog="python -m fusedpar.demo", description=__doc__.split("\n\n")[0])
+    """The command line (``python -m fusedpar.demo --help``); :class:`UsageError` names a bad option."""
+    p = _Parser(prog="python -m fusedpar.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2 when the world allows)")
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel (ring attention) size (default 2 when "
                    "the world allows)")
@@ -91,15 +110,73 @@ def parse_args(argv):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: NCCL + CUDA when every local rank has a GPU, else gloo + CPU tensors under the "
                         "Triton interpreter")
+    p.add_argument("--debug", action="store_true", help="on a user error, show the traceback too")
     args = p.parse_args(argv)
-    for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "keep", "max_bytes"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.save_every < 0 or args.warmup < 0:
-        p.error("--save-every and --warmup must be >= 0")
-    if (args.save_every or args.simulate_failure is not None) and not args.ckpt_dir:
-        p.error("--save-every and --simulate-failure need --ckpt-dir")
+    check_args(args)
     return args
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(args) -> None:
+    """The options' own ranges (no world needed); :class:`UsageError` naming the option."""
+    for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "keep", "max_bytes", "hidden", "heads",
+                 "layers", "experts", "top_k", "microbatches", "pp", "tp", "sp", "ep", "vocab"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"{_option(name)} must be positive, got {value}")
+    for name in ("save_every", "warmup"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"{_option(name)} must be >= 0, got {getattr(args, name)}")
+    if not 0.0 < args.val_fraction < 1.0:
+        raise UsageError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k must be <= --experts ({args.experts}), got {args.top_k}")
+    if args.hidden % args.heads or (args.hidden // args.heads) % 2:
+        raise UsageError(f"--hidden must be a multiple of --heads ({args.heads}) with an even head size, "
+                         f"got {args.hidden}")
+    if (args.save_every or args.simulate_failure is not None) and not args.ckpt_dir:
+        raise UsageError(f"--save-every and --simulate-failure need --ckpt-dir, got --save-every {args.save_every}"
+                         f" and --simulate-failure {args.simulate_failure} without it")
+    if args.ckpt_dir:
+        check_ckpt_dir(args.ckpt_dir)
+
+
+def check_ckpt_dir(path: str) -> None:
+    """``--ckpt-dir``: a directory this process can read and write, or one it can create."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise UsageError(f"--ckpt-dir must be a directory, got {path!r} (a file)")
+        if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+            raise UsageError(f"--ckpt-dir must be a directory this process can read and write, got {path!r}")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--ckpt-dir must be a directory that can be created, got {path!r} ({parent!r} is not "
+                         "a writable directory)")
+
+
+def check_layout(args, world: int, tp: int, sp: int, ep: int) -> None:
+    """The sizes fit the world and the model (every rank finds the same, before joining the world)."""
+    if world % (args.pp * tp * sp):
+        raise UsageError(f"--pp {args.pp} x --tp {tp} x --sp {sp} = {args.pp * tp * sp} must divide the world "
+                         f"size {world}")
+    stage = world // args.pp
+    for name, value, n, what in (("--ep", ep, stage, "the ranks of one pipeline stage"),
+                                 ("--layers", args.pp, args.layers, "--layers"),
+                                 ("--tp", tp, args.heads, "--heads"), ("--ep", ep, args.experts, "--experts")):
+        if n % value:
+            raise UsageError(f"{name} {value} must divide {what} ({n})" if name != "--layers" else
+                             f"--layers must be divisible by --pp {args.pp}, got {args.layers}")
+    need = sp * tp if sp == 1 else math.lcm(2 * sp, sp * tp)  # zigzag: 2 chunks per sp rank, then tp pieces
+    if args.seq % need:
+        raise UsageError(f"--seq must be divisible by {need} (--sp {sp}, --tp {tp}, zigzag layout), got {args.seq}")
 
 def default_layout(world: int, pp: int, tp, sp):
     """``(tp, sp)``: the given sizes, or 2 each where the ranks of one pipeline stage allow."""
@@ -118,9 +195,13 @@ def build(args, use_cuda: bool, vocab: int):
     from fusedpar.nn import Transformer, TransformerConfig
     from fusedpar.parallel import init_parallel
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    import torch.distributed as dist
+
+    # the world joined already (a caller's), else the one torchrun describes
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     tp, sp = default_layout(world, args.pp, args.tp, args.sp)
     ep = args.ep if args.ep is not None else sp * tp
+    check_layout(args, world, tp, sp, ep)
     state = init_parallel(pp=args.pp, tp=tp, sp=sp, ep=ep, backend="nccl" if use_cuda else "gloo")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     config = TransformerConfig(
@@ -128,8 +209,6 @@ def build(args, use_cuda: bool, vocab: int):
         num_kv_heads=args.heads, ffn_hidden_size=2 * args.hidden, num_experts=args.experts, top_k=args.top_k,
         moe_every=2, sp_mode="ring", layout="zigzag", causal=True,
     )
-    if args.layers % args.pp:
-        raise ValueError(f"--layers {args.layers} must be divisible by --pp {args.pp}")
     per_stage = args.layers // args.pp
     layers = range(state.pp_rank * per_stage, (state.pp_rank + 1) * per_stage)
     model = Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group,
@@ -392,16 +471,58 @@ def summary(run, first: dict | None, last: dict | None, val: float | None, token
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    """Run the demo; a user mistake (:class:`UsageError`, a bad ``--data`` source, a checkpoint
+    directory that does not fit the model) prints one line on rank 0 and returns 2, on every rank
+    (``--debug``: raise it with its traceback)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _run(parse_args(argv))
+    except (Exception, UsageError) as e:  # noqa: BLE001 - only user errors are caught, the rest re-raised
+        if "--debug" in argv or not _is_user_error(e):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"fusedpar.demo: error: {_one_line(e)}", file=sys.stderr, flush=True)
+        _leave_world()
+        return 2
+
+
+def _is_user_error(e: BaseException) -> bool:
+    from fusedpar.data import DataError
+
+    if isinstance(e, (UsageError, DataError)):
+        return True
+    from fusedpar.checkpoint import CheckpointError
+
+    return isinstance(e, CheckpointError)
+
+
+def _one_line(e: BaseException) -> str:
+    from fusedpar.checkpoint import CheckpointError
+
+    msg = " ".join(str(e).split())
+    return f"--ckpt-dir: {msg}" if isinstance(e, CheckpointError) else msg
+
+
+def _leave_world() -> None:
+    """Leave the process group after a user error (every rank found the same), so that an
+    in-process caller is back where it started."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(args) -> int:
     use_cuda = _use_cuda(args.device)
     _setup_env(use_cuda)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if args.simulate_failure is not None and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise UsageError("--simulate-failure fails rank 1: it needs at least 2 ranks, got a world of 1")
     run = setup(args, use_cuda)
-    if args.simulate_failure is not None and run.state.world_size < 2:
-        raise ValueError("--simulate-failure fails rank 1: it needs at least 2 ranks")
     run.say(describe(run))
     start = resume(run)
     metrics = open_metrics(args.metrics, start) if run.reporter else None

@@ -28,6 +28,7 @@ from fusedpar.checkpoint import full_state, placements_of
 from fusedpar.hf_parallel import (
     SUPPORTED_MODEL_TYPES,
     HFMoEBlock,
+    config_number,
     gather_sequence,
     gradient_sync_plan,
     parallelize,
@@ -97,13 +98,14 @@ def _sliding_window(cfg, model_type):
 
 
 def _moe_fields(cfg, model_type):
-    coef = float(_get(cfg, "router_aux_loss_coef", 1e-3))
-    common = dict(top_k=int(_get(cfg, "num_experts_per_tok")), aux_loss_style="hf", aux_loss_coef=coef,
+    coef = config_number(cfg, "router_aux_loss_coef", "config_from_hf", kind=float, default=1e-3)
+    common = dict(top_k=config_number(cfg, "num_experts_per_tok", "config_from_hf"), aux_loss_style="hf", aux_loss_coef=coef,
                   z_loss_coef=0.0)
     if model_type == "mixtral":
-        return dict(common, num_experts=int(_get(cfg, "num_local_experts")), norm_topk_prob=True)
-    fields = dict(common, num_experts=int(_get(cfg, "num_experts")),
-                  moe_ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")),
+        return dict(common, num_experts=config_number(cfg, "num_local_experts", "config_from_hf"),
+                    norm_topk_prob=True)
+    fields = dict(common, num_experts=config_number(cfg, "num_experts", "config_from_hf"),
+                  moe_ffn_hidden_size=config_number(cfg, "moe_intermediate_size", "config_from_hf"),
                   norm_topk_prob=bool(_get(cfg, "norm_topk_prob", False)),
                   moe_every=int(_get(cfg, "decoder_sparse_step", 1) or 1),
                   dense_layers=tuple(_get(cfg, "mlp_only_layers", None) or ()))
@@ -124,13 +126,13 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
         raise ValueError(f"config_from_hf: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
     _check_unsupported(hf_config, model_type)
     theta, scaling = _rope(hf_config, model_type)
-    heads = int(_get(hf_config, "num_attention_heads"))
+    num = lambda name, **kw: config_number(hf_config, name, "config_from_hf", **kw)  # noqa: E731
+    heads = num("num_attention_heads")
     fields = dict(
-        vocab_size=int(_get(hf_config, "vocab_size")), hidden_size=int(_get(hf_config, "hidden_size")),
-        num_layers=int(_get(hf_config, "num_hidden_layers")), num_heads=heads,
-        ffn_hidden_size=int(_get(hf_config, "intermediate_size")),
-        num_kv_heads=int(_get(hf_config, "num_key_value_heads", None) or heads), activation="swiglu",
-        norm_eps=float(_get(hf_config, "rms_norm_eps")), causal=True, rope_theta=theta, rope_scaling=scaling,
+        vocab_size=num("vocab_size"), hidden_size=num("hidden_size"), num_layers=num("num_hidden_layers"),
+        num_heads=heads, ffn_hidden_size=num("intermediate_size"),
+        num_kv_heads=num("num_key_value_heads", default=None) or heads, activation="swiglu",
+        norm_eps=num("rms_norm_eps", kind=float), causal=True, rope_theta=theta, rope_scaling=scaling,
         head_dim=_get(hf_config, "head_dim", None), qkv_bias=model_type in ("qwen2", "qwen2_moe"),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
@@ -224,14 +226,17 @@ class _SafetensorsDir:
 
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                self.where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+            weight_map = read_json(index, "from_hf").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"from_hf: {index!r} must hold a weight_map object, got {type(weight_map).__name__}")
+            self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
         else:
             single = os.path.join(path, "model.safetensors")
             if not os.path.exists(single):
                 raise ValueError(f"from_hf: {path!r} has neither model.safetensors nor model.safetensors.index.json")
-            with safe_open(single, "pt") as f:
-                self.where = {k: single for k in f.keys()}
+            with _safetensors_errors(single):
+                with safe_open(single, "pt") as f:
+                    self.where = {k: single for k in f.keys()}
         self.open = lambda file: safe_open(file, "pt")
         self.files: dict[str, object] = {}
 
@@ -243,18 +248,58 @@ class _SafetensorsDir:
     def __contains__(self, name):
         return name in self.where
 
+    def keys(self):
+        return self.where.keys()
+
     def _file(self, name):
         file = self.where[name]
         if file not in self.files:
-            self.files[file] = self.open(file).__enter__()
+            with _safetensors_errors(file):
+                self.files[file] = self.open(file).__enter__()
         return self.files[file]
 
     def __getitem__(self, name):
-        return self._file(name).get_tensor(name)
+        f = self._file(name)
+        with _safetensors_errors(self.where[name], name):
+            return f.get_tensor(name)
 
     def rows(self, name, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo:hi`` (dim 0) of tensor ``name``, reading only those."""
-        return self._file(name).get_slice(name)[lo:hi]
+        f = self._file(name)
+        with _safetensors_errors(self.where[name], name):
+            return f.get_slice(name)[lo:hi]
+
+
+class _safetensors_errors:
+    """Turn a safetensors / OS error on ``file`` (truncated, damaged, unreadable) into a
+    ``ValueError`` naming the file (and the tensor being read)."""
+
+    def __init__(self, file: str, tensor: str | None = None):
+        self.file, self.tensor = file, tensor
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, ValueError) and "from_hf" in str(exc):
+            return False
+        what = f" (reading tensor {self.tensor!r})" if self.tensor else ""
+        raise ValueError(f"from_hf: {self.file!r} must be a readable safetensors file{what}, got "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
+def read_json(path: str, owner: str) -> dict:
+    """A JSON object from ``path``; a missing, unreadable or malformed file raises naming it."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{owner}: {path!r} must exist, got no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{owner}: {path!r} must be a readable JSON file, got {type(e).__name__}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{owner}: {path!r} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _rows(source, name: str, lo: int, hi: int) -> torch.Tensor:
@@ -284,7 +329,18 @@ def _hf_tensor(source, name: str, experts: tuple[int, int] | None = None) -> tor
                 return torch.stack(out)
     if name.endswith(".mlp.gate.weight") and name.replace(".mlp.", ".block_sparse_moe.") in source:
         return source[name.replace(".mlp.", ".block_sparse_moe.")]
-    raise KeyError(f"from_hf: the checkpoint has no tensor {name!r}")
+    raise ValueError(f"from_hf: the checkpoint must hold tensor {name!r}, got none; {_layers_held(source)}")
+
+
+def _layers_held(source) -> str:
+    """How many decoder layers a checkpoint's tensor names cover (for a missing-tensor message)."""
+    layers = sorted({int(k.split(".")[2]) for k in source.keys()
+                     if k.startswith("model.layers.") and k.split(".")[2].isdigit()})
+    if not layers:
+        return "it holds no model.layers.* tensors"
+    gaps = sorted(set(range(layers[-1] + 1)) - set(layers))
+    return (f"it holds {len(layers)} layers (model.layers.{layers[0]}..{layers[-1]}"
+            + (f", without {gaps}" if gaps else "") + "): does config.json's num_hidden_layers match the checkpoint?")
 
 
 def _full_param(source, name: str, config: TransformerConfig) -> torch.Tensor:
@@ -323,12 +379,13 @@ def from_hf(hf_model_or_path, *, tp_group=None, sp_group=None, ep_group=None, ul
     :func:`config_from_hf` (e.g. ``sp_mode="ulysses"``)."""
     if isinstance(hf_model_or_path, (str, os.PathLike)):
         path = os.fspath(hf_model_or_path)
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
+        raw = read_json(os.path.join(path, "config.json"), "from_hf")
         try:
             from transformers import AutoConfig  # normalises older config formats when installed
             hf_config = AutoConfig.from_pretrained(path)
         except ImportError:
+            hf_config = raw
+        except (ValueError, KeyError):  # a model type transformers does not know: config_from_hf names it
             hf_config = raw
         source = _SafetensorsDir(path)
     else:

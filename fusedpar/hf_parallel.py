@@ -44,6 +44,27 @@ def _get(cfg, name, default=None):
     return cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
 
 
+_REQUIRED = object()
+
+
+def config_number(cfg, name: str, owner: str, kind=int, default=_REQUIRED):
+    """Field ``name`` of a Hugging Face config (a ``PretrainedConfig`` or its dict) as ``kind``
+    (``int`` / ``float``): a missing or null field without ``default``, or a value that is not a
+    number, raises ``ValueError`` naming the field (never ``int(None)``'s ``TypeError``)."""
+    value = _get(cfg, name, None)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{owner}: the config must have {name} ({kind.__name__}), got none (missing or null)")
+        return default
+    try:
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner}: the config's {name} must be {'an int' if kind is int else 'a number'}, "
+                         f"got {type(value).__name__} {value!r}") from None
+
+
 def check_sliding_window(sliding_window, seq_len: int) -> None:
     """A sliding window (HF's meaning: token ``q`` sees keys ``k`` with ``q - k < sliding_window``)
     changes nothing when ``seq_len <= sliding_window``; fusedpar's attention is full causal, so a
@@ -252,7 +273,7 @@ def _tp_mlp(mlp: nn.Module, tp_group) -> None:
 
 def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
     gate, experts = block.gate, block.experts
-    E, k = gate.weight.shape[0], int(_get(config, "num_experts_per_tok"))
+    E, k = gate.weight.shape[0], config_number(config, "num_experts_per_tok", "parallelize")
     H, F_ = experts.down_proj.shape[1], experts.down_proj.shape[2]
     norm = True if _get(config, "model_type") == "mixtral" else bool(_get(config, "norm_topk_prob", False))
     moe = MoE(H, F_, E, k, ep_group=ep_group, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0,
@@ -322,7 +343,8 @@ def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=N
         raise ValueError(f"parallelize: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
     sp = _sequence_parallel(sp_group, sp_mode, layout, ulysses_group, ring_group)
     tp = comm.group_size(tp_group) if tp_group is not None else 1
-    heads, kv = int(_get(config, "num_attention_heads")), int(_get(config, "num_key_value_heads", None) or 0)
+    heads = config_number(config, "num_attention_heads", "parallelize")
+    kv = config_number(config, "num_key_value_heads", "parallelize", default=0)
     for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv or heads)):
         if n % tp:
             raise ValueError(f"parallelize: {what}={n} must be divisible by the tensor-parallel group size ({tp})")

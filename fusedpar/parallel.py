@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 from typing import Iterable, Mapping
 
 import torch
@@ -174,6 +175,70 @@ def resolve_sizes(world_size: int, *, dp: int | None = None, pp: int = 1, tp: in
     return dict(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
 
 
+SIZE_NAMES = ("dp", "pp", "tp", "sp", "ep", "sp_ulysses")
+_UNSET, _NOT_INT = -(1 << 62), -(1 << 62) + 1  # encodings of dp=None and of a value that is no int
+
+
+def _encode_size(value) -> int:
+    if value is None:
+        return _UNSET
+    if isinstance(value, bool) or not isinstance(value, int):
+        return _NOT_INT
+    return max(min(value, (1 << 62) - 1), -(1 << 62) + 2)
+
+
+def _decode_size(code: int) -> str:
+    return {_UNSET: "None", _NOT_INT: "a non-int"}.get(code, str(code))
+
+
+def check_sizes_agree(sizes: Mapping[str, object], *, timeout_s: float = 300.0, group=None) -> None:
+    """Every rank of ``group`` (default: the world) passed the same ``sizes`` (``{"dp": ...,
+    "tp": ...}``; ``None`` and non-int values are compared as such): one all-gather of a fixed-size
+    int64 vector, so the exchange itself cannot mismatch. Every rank then raises the same
+    ``ValueError`` naming each size that differs and the ranks that passed each value; a rank that
+    does not arrive within ``timeout_s`` makes the others raise ``TimeoutError``."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    names = tuple(sizes)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor([_encode_size(sizes[n]) for n in names], dtype=torch.int64, device=device)
+    table = torch.empty(world * len(names), dtype=torch.int64, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    work = gather(table, mine, group=group, async_op=True)
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"build_parallel_state: every rank of the world ({world} ranks) must call it to check "
+                               f"the sizes {dict(sizes)}, got no answer from some rank within {timeout_s:g} s")
+        time.sleep(0.002)
+    work.wait()
+    rows = table.view(world, len(names)).tolist()
+    differ = []
+    for j, name in enumerate(names):
+        values = sorted({r[j] for r in rows})
+        if len(values) > 1:
+            by_value = [f"{name}={_decode_size(v)} on ranks {[i for i, r in enumerate(rows) if r[j] == v]}"
+                        for v in values]
+            differ.append(" and ".join(by_value))
+    if differ:
+        raise ValueError("build_parallel_state: the sizes must be the same on every rank, got " + "; ".join(differ))
+
+
+def _agreed_sizes(world: int, sizes: dict, timeout_s: float) -> dict:
+    """:func:`resolve_sizes` on every rank, after checking that the ranks agree: a rank compares
+    its resolved sizes (``dp=None`` and an explicit equal ``dp`` agree) or, where they do not
+    resolve, the sizes it passed; ranks that agree then raise the same validation error."""
+    try:
+        resolved, error = resolve_sizes(world, **sizes), None
+    except (TypeError, ValueError) as e:
+        resolved, error = sizes, e
+    check_sizes_agree(resolved, timeout_s=timeout_s)
+    if error is not None:
+        raise error
+    return resolved
+
+
 def _new_groups(blocks: Iterable[list[int]], rank: int, backend) -> dist.ProcessGroup:
     """Create one group per rank list (every rank must call this with the same lists, in the
     same order) and return the one holding ``rank``."""
@@ -201,15 +266,20 @@ def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 
     world when none of those is set; under torchelastic through a store prefixed with the restart
     attempt (:func:`elastic_store`), so a restarted world never meets the previous attempt's peers.
     The backend defaults to NCCL when CUDA is available (each
-    rank then uses GPU ``LOCAL_RANK``) and gloo otherwise. Sizes are validated before any group is
-    created; ``dp=None`` takes whatever the other sizes leave.
+    rank then uses GPU ``LOCAL_RANK``) and gloo otherwise. Sizes are compared across ranks once the world
+    is joined and before any group is created (:func:`check_sizes_agree`: ranks passing different
+    sizes all raise the same ``ValueError`` instead of hanging), then validated (sizes that do not
+    fit the world raise the same error on every rank; in a world of one, before joining it);
+    ``dp=None`` takes whatever the other sizes leave.
     """
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
     if not dist.is_initialized():
         world_env = int(os.environ.get("WORLD_SIZE", "1"))
-        # fail before joining a world
-        resolve_sizes(world_env, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
+        if world_env == 1:  # nothing to wait for: fail before joining
+            resolve_sizes(world_env, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
+        # with peers, join even with bad sizes: a rank that left now would leave the others
+        # waiting at the rendezvous; build_parallel_state makes every rank raise the same error
         backend = backend or _default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -227,7 +297,8 @@ def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 
                 f"WORLD_SIZE={world_env} but RANK/MASTER_ADDR are not set: launch with torchrun "
                 "(python -m torch.distributed.run --nproc-per-node N ...)"
             )
-    return build_parallel_state(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses, device=device)
+    return build_parallel_state(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses, device=device,
+                                timeout_s=timeout_s)
 
 
 def elastic_store(timeout: datetime.timedelta):
@@ -246,13 +317,18 @@ def elastic_store(timeout: datetime.timedelta):
 
 
 def build_parallel_state(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1,
-                         sp_ulysses: int = 1, device: torch.device | str | None = None) -> ParallelState:
+                         sp_ulysses: int = 1, device: torch.device | str | None = None,
+                         timeout_s: float = 300.0) -> ParallelState:
     """The layout over an already initialised default process group (every rank must call this,
-    with the same sizes: it creates process groups)."""
+    with the same sizes: it creates process groups). Before any group is created the ranks check
+    that they passed the same sizes (:func:`check_sizes_agree`, one small all-gather on the
+    default group, ``timeout_s`` for every rank to arrive): ranks that disagree all raise one
+    ``ValueError`` naming the ranks and their sizes; sizes that do not fit the world raise the
+    same error on every rank."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call init_parallel() or init_process_group() first")
     world, rank = dist.get_world_size(), dist.get_rank()
-    s = resolve_sizes(world, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
+    s = _agreed_sizes(world, dict(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses), timeout_s)
     dp, pp, tp, sp, ep, uly = s["dp"], s["pp"], s["tp"], s["sp"], s["ep"], s["sp_ulysses"]
     backend = dist.get_backend()
     if device is None:

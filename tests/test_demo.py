@@ -210,7 +210,117 @@ def test_data_sources_and_bad_paths(tmp_path):
         split(load_tokens(_write(tmp_path / "short.txt", b"abc" * 10)), 0.1, 16)
 
 
-def test_bad_data_path_fails_the_demo_clearly(tmp_path):
-    """The demo reads its data before it joins a world: a bad path fails at once, by name."""
+def test_bad_data_path_fails_the_demo_clearly(tmp_path, capsys):
+    """The demo reads its data before it joins a world: a bad path fails at once, by name, in one
+    line without a traceback (``--debug`` raises it)."""
+    assert main(["--data", str(tmp_path / "nope"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"fusedpar.demo: error: --data '.*nope': no such file or directory", err), err
     with pytest.raises(DataError, match=r"--data '.*nope': no such file or directory"):
-        main(["--data", str(tmp_path / "nope"), "--device", "cpu"])
+        main(["--data", str(tmp_path / "nope"), "--device", "cpu", "--debug"])
+
+
+# --- user mistakes: one line on rank 0, exit code 2, no traceback (issue #30) ---------------
+def _demo_error(argv, capsys, monkeypatch, world=None):
+    if world is not None:  # sizes are checked against WORLD_SIZE before the world is joined
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert main([*argv, "--device", "cpu"]) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fusedpar.demo: error: "), out.err
+    assert "Traceback" not in out.err and out.out == "", out
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,world,words", [
+    (["--tp", "0"], None, "--tp must be positive, got 0"),
+    (["--sp", "-2"], None, "--sp must be positive, got -2"),
+    (["--pp", "0"], None, "--pp must be positive, got 0"),
+    (["--batch", "0"], None, "--batch must be positive, got 0"),
+    (["--seq", "0"], None, "--seq must be positive, got 0"),
+    (["--val-fraction", "1.5"], None, "--val-fraction must be in (0, 1), got 1.5"),
+    (["--lr", "0"], None, "--lr must be positive, got 0.0"),
+    (["--top-k", "3", "--experts", "2"], None, "--top-k must be <= --experts (2), got 3"),
+    (["--hidden", "30", "--heads", "4"], None, "--hidden must be a multiple of --heads (4)"),
+    (["--tp", "x"], None, "argument --tp: invalid int value: 'x'"),
+    (["--save-every", "2"], None, "--save-every and --simulate-failure need --ckpt-dir"),
+    (["--tp", "3"], 4, "--pp 1 x --tp 3 x --sp 1 = 3 must divide the world size 4"),
+    (["--pp", "2", "--layers", "3"], 4, "--layers must be divisible by --pp 2, got 3"),
+    (["--ep", "3", "--tp", "1", "--sp", "1"], 4, "--ep 3 must divide the ranks of one pipeline stage (4)"),
+    (["--tp", "4", "--sp", "1", "--heads", "2", "--hidden", "16"], 4, "--tp 4 must divide --heads (2)"),
+    (["--seq", "10"], 4, "--seq must be divisible by 4 (--sp 2, --tp 2, zigzag layout), got 10"),
+    (["--simulate-failure", "1", "--ckpt-dir", "."], None, "--simulate-failure fails rank 1: it needs at least 2"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_user_mistakes_exit_with_one_line(argv, world, words, capsys, monkeypatch):
+    line = _demo_error(argv, capsys, monkeypatch, world)
+    assert words in line, line
+
+
+def test_user_mistakes_print_on_rank_0_only(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert main(["--tp", "0", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_debug_keeps_the_traceback():
+    with pytest.raises(SystemExit, match="--tp must be positive"):
+        main(["--tp", "0", "--device", "cpu", "--debug"])
+
+
+def test_bad_sources_and_checkpoint_directories(tmp_path, capsys, monkeypatch):
+    a_file = _write(tmp_path / "a_file.txt", b"hello")
+    (tmp_path / "empty_dir").mkdir()
+    cases = [
+        (["--data", str(tmp_path / "empty_dir")], "--data '", "the directory holds no"),
+        (["--data", str(a_file), "--vocab", "300"], "--vocab must be 256", ""),
+        (["--data", str(a_file), "--seq", "64"], "a shorter --seq", ""),
+        (["--ckpt-dir", str(a_file)], f"--ckpt-dir must be a directory, got {str(a_file)!r} (a file)", ""),
+        (["--ckpt-dir", os.path.join(a_file, "sub")], "--ckpt-dir must be a directory that can be created", ""),
+    ]
+    for argv, *words in cases:
+        line = _demo_error(argv, capsys, monkeypatch)
+        assert all(w in line for w in words), line
+
+
+def test_a_checkpoint_of_another_model_is_one_line(tmp_path, capsys):
+    """An intact checkpoint of another model in --ckpt-dir is a user mistake: one line naming
+    --ckpt-dir (in-process, world of 1, no training step: the checkpoint is written directly)."""
+    import torch
+
+    from fusedpar.checkpoint import CheckpointManager
+    from fusedpar.nn import Transformer, TransformerConfig
+
+    other = Transformer(TransformerConfig(vocab_size=256, hidden_size=8, num_layers=1, num_heads=2,
+                                          ffn_hidden_size=8))
+    CheckpointManager(str(tmp_path), log=lambda m: None).save(1, other)
+    data = _write(tmp_path / "d.txt", bytes(range(256)) * 8)
+    rc = main(["--data", str(data), "--ckpt-dir", str(tmp_path), "--device", "cpu", "--seq", "8", "--steps", "2",
+               "--max-bytes", "4096"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("fusedpar.demo: error: --ckpt-dir: "), err
+    assert not torch.distributed.is_initialized()  # the in-process world was left
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(seq=0, batch=2), ValueError, "seq must be >= 1, got 0"),
+    (dict(seq=4, batch=0), ValueError, "batch must be >= 1, got 0"),
+    (dict(seq=4, batch=2, dp=0), ValueError, "dp must be >= 1, got 0"),
+    (dict(seq=4.0, batch=2), TypeError, "seq must be an int, got float 4.0"),
+    (dict(seq=4, batch=2, dp=2, dp_rank=2), ValueError, "dp_rank must be in [0, 2), got 2"),
+    (dict(seq=4, batch=2, seed=-1), ValueError, "seed must be >= 0, got -1"),
+], ids=["seq0", "batch0", "dp0", "seq-float", "dp-rank", "seed"])
+def test_batch_loader_validates_its_arguments(kwargs, exc, words):
+    with pytest.raises(exc, match=re.escape(words)):
+        BatchLoader(np.arange(100), **kwargs)
+
+
+def test_data_functions_validate_their_arguments(tmp_path):
+    text = _write(tmp_path / "t.txt", b"x" * 100)
+    with pytest.raises(ValueError, match=re.escape("max_bytes must be >= 1, got 0")):
+        load_tokens(text, max_bytes=0)
+    with pytest.raises(TypeError, match="path must be a str, a path or None, got int 3"):
+        load_tokens(3)
+    with pytest.raises(ValueError, match=re.escape("seq must be >= 1, got 0")):
+        split(load_tokens(text), 0.1, 0)
+    with pytest.raises(ValueError, match=re.escape("n_batches must be >= 1, got 0")):
+        list(BatchLoader(np.arange(100), 4, 2).eval_batches(0))

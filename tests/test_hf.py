@@ -225,3 +225,90 @@ def test_config_from_a_config_json_dict_of_older_transformers():
     assert (c.rope_theta, c.rope_scaling["factor"], c.norm_eps, c.tie_word_embeddings, c.sp_mode) == \
         (500000.0, 8.0, 1e-5, True, "ulysses")
     assert c.num_kv_heads == 2 and c.qkv_bias is False and c.qk_norm is False
+
+
+# --- damaged checkpoints and configs: one clear error naming the file or field (issue #30) --
+def _saved(tmp_path, family="llama"):
+    hf_model(family).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _truncate(path, keep):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep(len(data))])
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda d: _truncate(d / "model.safetensors", lambda n: n // 2), "must be a readable safetensors file"),
+    (lambda d: _truncate(d / "model.safetensors", lambda n: 3), "must be a readable safetensors file"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64), "must be a readable safetensors file"),
+    (lambda d: (d / "config.json").write_text("{not json"), "config.json' must be a readable JSON file"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json' must hold a JSON object, got list"),
+], ids=["truncated-half", "truncated-header", "garbage", "config-not-json", "config-not-object"])
+def test_damaged_checkpoint_names_the_file(tmp_path, damage, words):
+    d = _saved(tmp_path)
+    damage(d)
+    with pytest.raises(ValueError, match=words) as e:
+        from_hf(str(d))
+    assert str(d) in str(e.value), str(e.value)
+
+
+def test_missing_config_names_the_path(tmp_path):
+    d = _saved(tmp_path)
+    (d / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json' must exist"):
+        from_hf(str(d))
+
+
+@pytest.mark.parametrize("field", ["num_attention_heads", "hidden_size", "vocab_size", "num_hidden_layers",
+                                   "intermediate_size"])
+def test_config_without_a_required_field_names_it(field):
+    raw = hf_model("llama").config.to_dict()
+    raw.pop(field)
+    with pytest.raises(ValueError, match=f"config_from_hf: the config must have {field} \\(int\\), got none"):
+        config_from_hf(raw)
+    raw[field] = "four"
+    with pytest.raises(ValueError, match=f"config_from_hf: the config's {field} must be an int, got str 'four'"):
+        config_from_hf(raw)
+
+
+def test_checkpoint_missing_a_layer_says_which_tensor_and_how_many_layers(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    d = _saved(tmp_path)
+    raw = json.loads((d / "config.json").read_text())
+    layers = raw["num_hidden_layers"]
+    tensors = {k: v for k, v in load_file(d / "model.safetensors").items()
+               if not k.startswith(f"model.layers.{layers - 1}.")}
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"must hold tensor 'model.layers.{layers - 1}\\..*', got none; it holds "
+                                         f"{layers - 1} layers") as e:
+        from_hf(str(d))
+    assert "num_hidden_layers" in str(e.value)
+    # a model in memory missing its first layer: the gap is named
+    hf = hf_model("llama")
+    sd = {k: v for k, v in hf.state_dict().items() if not k.startswith("model.layers.0.")}
+
+    class Holder(torch.nn.Module):  # from_hf reads .config and .state_dict()
+        def __init__(self):
+            super().__init__()
+            self.config = hf.config
+
+        def state_dict(self, *a, **k):
+            return sd
+
+    with pytest.raises(ValueError, match=f"it holds {layers - 1} layers .*without \\[0\\]"):
+        from_hf(Holder())
+
+
+def test_parallelize_without_heads_names_the_field():
+    from fusedpar.hf import parallelize
+
+    hf = hf_model("llama")
+    import types
+
+    hf.config = types.SimpleNamespace(**{**hf.config.to_dict(), "num_attention_heads": None})  # HF would refuse None
+    with pytest.raises(ValueError, match=r"parallelize: the config must have num_attention_heads \(int\), got none"):
+        parallelize(hf)

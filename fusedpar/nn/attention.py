@@ -27,6 +27,7 @@ from torch import nn
 
 from fusedpar.kernels.checks import check_bool, check_positive_number
 from fusedpar.kernels.flash_attention import attention_reference
+from fusedpar.nn.groups import check_divides, check_orthogonal, group_arg
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
 from fusedpar.ops import comm
@@ -187,6 +188,22 @@ def _sp_transports(name, sp_mode, sp_group, sp_transport, ulysses_group, ulysses
     return (None, t) if sp_mode == "ring" else (t, None)
 
 
+def _check_attention_groups(name, tp_arg, ulysses_transport, ring_transport, *, sp_omitted=False):
+    """tp and the sequence-parallel group(s) pairwise orthogonal (see :mod:`fusedpar.nn.groups`);
+    the sequence groups are named as passed (``sp_group`` outside hybrid mode)."""
+    hybrid = ulysses_transport is not None and ring_transport is not None
+    sp_omitted = sp_omitted and not hybrid  # hybrid mode needs both groups: none is omitted
+    sp = [group_arg("ulysses_group" if hybrid else "sp_group", transport=ulysses_transport, omitted=sp_omitted)
+          if ulysses_transport is not None else None,
+          group_arg("ring_group" if hybrid else "sp_group", transport=ring_transport, omitted=sp_omitted)
+          if ring_transport is not None else None]
+    sp = [g for g in sp if g is not None]
+    for g in sp:
+        check_orthogonal(name, tp_arg, g)
+    if len(sp) == 2:
+        check_orthogonal(name, sp[0], sp[1])
+
+
 # ----------------------------------------------------------------------------------------------
 # ParallelAttention
 # ----------------------------------------------------------------------------------------------
@@ -197,9 +214,12 @@ class ParallelAttention(nn.Module):
     ``tp_group`` splits the heads (``num_heads`` and ``num_kv_heads`` must be divisible by its
     size), ``sp_group`` the sequence (``sp_mode="ring"``: ring attention with ``layout``;
     ``"ulysses"``: all-to-all, the group size must split this rank's heads; ``"hybrid"``: pass
-    ``ulysses_group`` and ``ring_group`` instead of ``sp_group``). ``None`` means the default
-    (world) group, as everywhere in fusedpar; tensor and sequence groups must be different
-    (orthogonal) groups unless one has size 1. Each sequence-parallel group may be given as a
+    ``ulysses_group`` and ``ring_group`` instead of ``sp_group``). An omitted group
+    (``None``) means the default (world) group, as everywhere in fusedpar; for no parallelism on a
+    dimension pass a group of one rank. Groups of more than one rank must be orthogonal (tp and sp,
+    or tp, Ulysses and ring: their rank sets meet in this rank only): at construction, an overlap
+    (e.g. ``tp_group`` of 2 in a world of 4 with ``sp_group`` omitted, so the world) raises one
+    ``ValueError`` naming the groups and their ranks, on every rank (:mod:`fusedpar.nn.groups`). Each sequence-parallel group may be given as a
     :class:`~fusedpar.ops.transport.Transport` instead (``sp_transport``, ``ulysses_transport``,
     ``ring_transport``; e.g. an ``EmulatedTransport`` to run one rank's schedule in one process).
 
@@ -222,11 +242,11 @@ class ParallelAttention(nn.Module):
         if layout not in LAYOUTS:
             raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
         check_positive_number(f"{name}: rope_theta", rope_theta)
+        tp_arg = group_arg("tp_group", tp_group, omitted=tp_group is None)
         tp_group = comm.resolve_group(tp_group)
         tp = comm.group_size(tp_group)
         for what, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if n % tp:
-                raise ValueError(f"{name}: {what}={n} must be divisible by the tensor-parallel group size ({tp})")
+            check_divides(name, what, n, tp_arg, "tensor-parallel")
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.num_kv_heads = num_kv_heads
         self.heads_local, self.kv_heads_local = num_heads // tp, num_kv_heads // tp
@@ -238,10 +258,8 @@ class ParallelAttention(nn.Module):
         self.sp_transports = tuple(t for t in (self.ulysses_transport, self.ring_transport) if t is not None)
         self.ulysses_size, self.ulysses_rank = _size_rank(self.ulysses_transport)
         self.ring_size, self.ring_rank = _size_rank(self.ring_transport)
-        for t in self.sp_transports:
-            if tp > 1 and t.size > 1 and getattr(t, "group", None) is tp_group:
-                raise ValueError(f"{name}: tp_group and the sequence-parallel group are the same group; pass "
-                                 "orthogonal groups (e.g. from fusedpar's device mesh)")
+        _check_attention_groups(name, tp_arg, self.ulysses_transport, self.ring_transport,
+                               sp_omitted=sp_group is None and sp_transport is None)
         if self.ulysses_size > 1:
             ulysses_kv_heads(self.heads_local, self.kv_heads_local, self.ulysses_size)
 

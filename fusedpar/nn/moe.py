@@ -10,6 +10,7 @@ from torch import nn
 from ..kernels.checks import check_choice, check_divisible, check_int
 from ..kernels.runtime import ACTIVATIONS
 from ..ops import comm
+from .groups import check_divides, group_arg
 from .placement import Placement
 from ..ops.moe import moe_mlp
 from ..ops.tensor_parallel import gather_features, scatter_features
@@ -175,6 +176,10 @@ class MoE(nn.Module):
     ``EmulatedTransport`` to run one rank of an EP layer in one process. The full expert weights
     do not depend on the EP degree: a base seed drawn from torch's global generator (identical on
     all ranks when they share a seed) and the global expert index seed each expert's generator.
+    An omitted ``ep_group`` is the default (world) group, as everywhere in fusedpar (a group of one
+    rank keeps every expert here); ``num_experts`` must divide its size, else one ``ValueError``
+    names the group and its ranks. Whether the ep group stays inside one pipeline stage is the
+    layout's to ensure (:func:`fusedpar.parallel.build_parallel_state` builds it so).
 
     ``replicated_group``: a group whose ranks hold the *same* tokens (e.g. a tensor-parallel group
     without sequence parallelism, as inside a Hugging Face model). Every rank routes all tokens,
@@ -207,7 +212,8 @@ class MoE(nn.Module):
         self.ep_group = ep_group
         self.transport = get_transport(transport, ep_group)
         ep = self.transport.size
-        check_divisible("num_experts", num_experts, ep, "the expert-parallel group size")
+        ep_arg = group_arg("ep_group", transport=self.transport, omitted=ep_group is None and transport is None)
+        check_divides("MoE", "num_experts", num_experts, ep_arg, "expert-parallel")
         self.ep_size, self.ep_rank = ep, self.transport.rank
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k

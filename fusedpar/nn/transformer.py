@@ -54,6 +54,7 @@ from fusedpar.ops.sp_attention import shard_positions
 from fusedpar.ops.tensor_parallel import all_gather_matmul
 
 from .attention import ParallelAttention, rope_inv_freq
+from .groups import check_divides, check_orthogonal, group_arg
 from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from .moe import MoE, SharedExpertGate, TopKRouter, hf_load_balancing_loss
 from .norm import RMSNorm
@@ -232,7 +233,9 @@ class TransformerBlock(nn.Module):
     weight ``aux_loss_scale`` when that is non-zero.
 
     ``sp_mode="hybrid"`` takes ``ulysses_group`` and ``ring_group`` (e.g. a
-    :class:`~fusedpar.parallel.ParallelState`'s) instead of ``sp_group``.
+    :class:`~fusedpar.parallel.ParallelState`'s) instead of ``sp_group``. Omitted groups and the
+    construction-time layout checks: as in :class:`Transformer` (an omitted group is the world; a
+    layout that does not fit raises one ``ValueError`` naming the groups and their ranks).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
@@ -282,6 +285,26 @@ class TransformerBlock(nn.Module):
         return h + m
 
 
+def _check_groups(config, tp_group, sp_group, ep_group, ulysses_group, ring_group) -> None:
+    """The groups fit together (:mod:`fusedpar.nn.groups`), checked once for the whole model (also
+    for a pipeline stage without blocks); the blocks' attention checks them again with its
+    transports."""
+    tp = group_arg("tp_group", tp_group, omitted=tp_group is None)
+    check_divides("Transformer", "config.vocab_size", config.vocab_size, tp, "tensor-parallel")
+    check_divides("Transformer", "config.num_heads", config.num_heads, tp, "tensor-parallel")
+    check_divides("Transformer", "config.num_kv_heads", config.num_kv_heads or config.num_heads, tp,
+                  "tensor-parallel")
+    if any(config.is_moe(i) for i in range(config.num_layers)):
+        ep = group_arg("ep_group", ep_group, omitted=ep_group is None)
+        check_divides("Transformer", "config.num_experts", config.num_experts, ep, "expert-parallel")
+    if config.sp_mode != "hybrid":
+        check_orthogonal("Transformer", tp, group_arg("sp_group", sp_group, omitted=sp_group is None))
+    elif ulysses_group is not None and ring_group is not None:
+        uly, ring = group_arg("ulysses_group", ulysses_group), group_arg("ring_group", ring_group)
+        for a, b in ((tp, uly), (tp, ring), (uly, ring)):
+            check_orthogonal("Transformer", a, b)
+
+
 class Transformer(nn.Module):
     """Embedding -> blocks -> final RMSNorm -> vocabulary-parallel head, or one pipeline stage of it.
 
@@ -296,6 +319,16 @@ class Transformer(nn.Module):
     ``sp_group``; the input ids then come from :func:`shard_tokens` with ``ring_size`` = the ring
     group's size.
 
+    Groups: an omitted group (``None``) is the default (world) group, as everywhere in fusedpar;
+    for no parallelism on a dimension pass a group of one rank (a
+    :class:`~fusedpar.parallel.ParallelState` has one for every size-1 dimension: pass all its
+    groups). The groups are checked at construction (:mod:`fusedpar.nn.groups`): tp and sp (tp,
+    Ulysses and ring) must be orthogonal where more than one of them has more than one rank, and
+    the tensor-parallel size must divide the vocabulary and the heads, the expert-parallel size the
+    experts; a layout that does not fit raises one ``ValueError`` on every rank naming the groups
+    and their ranks, where running it would hang (e.g. ``tp_group=state.tp_group`` alone in a
+    pp2 x tp2 world: the omitted ``sp_group`` is the world of 4, which overlaps tp).
+
     Initialisation does not depend on the parallel layout: every block is initialised from a
     generator seeded with ``seed + layer`` (embedding ``seed - 1``, head ``seed - 2``), so a
     one-process model and any split of it hold the same full weights.
@@ -309,8 +342,7 @@ class Transformer(nn.Module):
         self.config = config
         self.tp_group, self.sp_group, self.ep_group = tp_group, sp_group, ep_group
         self.ulysses_group, self.ring_group = ulysses_group, ring_group
-        tp = comm.group_size(tp_group)
-        check_divisible("vocab_size", config.vocab_size, tp, "the tensor-parallel group size")
+        _check_groups(config, tp_group, sp_group, ep_group, ulysses_group, ring_group)
         self.activation_checkpointing = bool(activation_checkpointing)
         layers = list(range(config.num_layers)) if layers is None else [int(i) for i in layers]
         for i in layers:

@@ -71,6 +71,17 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def group_ranks(group: ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``group`` in group-rank order (``None``: the world; ``(0,)`` when
+    torch.distributed is not initialised)."""
+    group = resolve_group(group)
+    if group is None:
+        return (0,)
+    if group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
 def global_rank(group: ProcessGroup | None, rank: int) -> int:
     """The global rank of ``rank`` inside ``group``."""
     group = resolve_group(group)
