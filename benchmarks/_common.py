@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     import torch
 
 _GPU = None
+# smoke mode (no GPU) caps every size given on the command line at this, so that a GPU command runs
+# on a CPU machine in seconds: it checks the code path, not performance
+SMOKE_MAX_DIM = 64
 
 
 def select_backend() -> bool:
@@ -65,6 +68,18 @@ class Context:
     @property
     def smoke(self) -> bool:
         return not self.gpu
+
+    def smoke_shape(self, shape: tuple) -> tuple:
+        """``shape`` as run: unchanged on a GPU; in smoke mode each size capped at
+        :data:`SMOKE_MAX_DIM` (the interpreter would take hours on GPU shapes), with a note."""
+        if not self.smoke or max(shape) <= SMOKE_MAX_DIM:
+            return tuple(shape)
+        capped = tuple(min(d, SMOKE_MAX_DIM) for d in shape)
+        note = (f"CPU smoke mode: shapes capped at {SMOKE_MAX_DIM} per dimension "
+                f"({'x'.join(map(str, shape))} ran as {'x'.join(map(str, capped))}).")
+        if note not in self.notes:
+            self.notes.append(note)
+        return capped
 
     def time_ms(self, fn: Callable[[], object]) -> float:
         """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on GPU, a few wall-clock

@@ -21,7 +21,8 @@ def _shape(text: str):
 
 def _add_args(p):
     p.add_argument("--dtype", type=parse_dtype, default=None, help="bf16 (GPU default), fp16, fp32 (CPU default)")
-    p.add_argument("--shapes", type=_shape, nargs="+", default=None, metavar="MxNxK")
+    p.add_argument("--shapes", type=_shape, nargs="+", default=None, metavar="MxNxK",
+                   help="off GPU (smoke mode) each size is capped at 64")
     p.add_argument("--epilogue", choices=["none", "bias", "gelu", "swiglu"], default="none",
                    help="fused epilogue; the baseline runs the same epilogue as separate torch ops")
 
@@ -34,7 +35,7 @@ def run(args, ctx):
     from fusedpar.kernels import matmul
 
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
-    shapes = args.shapes or (GPU_SHAPES if ctx.gpu else SMOKE_SHAPES)
+    shapes = [ctx.smoke_shape(s) for s in args.shapes] if args.shapes else (GPU_SHAPES if ctx.gpu else SMOKE_SHAPES)
     epi = args.epilogue
     rows = []
     for M, N, K in shapes:

@@ -271,6 +271,10 @@ def init_parallel(*, dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 
     sizes all raise the same ``ValueError`` instead of hanging), then validated (sizes that do not
     fit the world raise the same error on every rank; in a world of one, before joining it);
     ``dp=None`` takes whatever the other sizes leave.
+
+    The caller ends the world with ``torch.distributed.destroy_process_group()``; a group left up
+    at interpreter exit can abort a rank there. No exit hook does it for the caller: it would also
+    run on a rank that failed with collectives in flight, where NCCL's teardown is untested.
     """
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
