@@ -480,6 +480,92 @@ def test_the_checker_reads_the_tree():
         "fusedpar/ops/stray.py: belongs to no op family and is not in OPS_SHARED"]
 
 
+# ----------------------------------------------------------------------------------------------
+# placements: every parameter a module creates is declared by a placements() method
+# ----------------------------------------------------------------------------------------------
+PLACEMENT_DIRS = ("fusedpar",)
+
+
+def _creates_parameters(cls: ast.ClassDef) -> list[int]:
+    """Lines where a method of ``cls`` assigns ``self.<name> = nn.Parameter(...)``."""
+    lines = []
+    for fn in cls.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(fn):
+            if (isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                    and (_dotted(n.value.func) or "").split(".")[-1] == "Parameter"
+                    and any(isinstance(t, ast.Attribute) and _dotted(t.value) == "self" for t in n.targets)):
+                lines.append(n.lineno)
+    return lines
+
+
+def undeclared_parameters(p: Parsed) -> list[str]:
+    """Classes that create parameters (``self.x = nn.Parameter(...)``) without a ``placements``
+    method: nothing would tell checkpoints, the gradient sync or the HF export how they are split."""
+    bad = []
+    for cls in ast.walk(p.tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        lines = _creates_parameters(cls)
+        declares = any(isinstance(f, ast.FunctionDef) and f.name == "placements" for f in cls.body)
+        if lines and not declares:
+            bad.append(f"class {cls.name} (line {lines[0]}) creates parameters but has no placements()")
+    return bad
+
+
+@pytest.mark.parametrize("rel", _case(lambda f: f.split("/")[0] in PLACEMENT_DIRS))
+def test_modules_declare_the_placement_of_their_parameters(rel):
+    bad = undeclared_parameters(parse(rel))
+    assert not bad, f"{rel}:\n" + "\n".join(bad)
+
+
+def test_every_parameter_of_a_full_model_has_a_placement():
+    """A Transformer with every parameter-bearing option: each parameter's placement is declared
+    by some module (parameter_placements raises naming any that is not)."""
+    from fusedpar.nn import Transformer, TransformerConfig, parameter_placements
+
+    config = TransformerConfig(vocab_size=16, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=1,
+                               ffn_hidden_size=8, num_experts=2, top_k=1, moe_every=2, qkv_bias=True, qk_norm=True,
+                               shared_expert_ffn_hidden_size=8)
+    for tied in (False, True):
+        config.tie_word_embeddings = tied
+        model = Transformer(config, device="meta")
+        placements = parameter_placements(model)
+        assert set(placements) == {n for n, _ in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------
+# the design document's code map names every module
+# ----------------------------------------------------------------------------------------------
+def code_map(text: str) -> set[str]:
+    """The paths the code map of ``docs/DESIGN.md`` names: the first fenced block of its section 1;
+    a line ``dir/`` (unindented) opens a directory, an indented line's first word is a file in it,
+    an unindented ``dir/file.py`` names a file."""
+    section = text.split("## 1.", 1)[1]
+    block = section.split("```", 2)[1]
+    paths, current = set(), ""
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        word = line.split()[0]
+        if not line.startswith(" "):
+            current = word if word.endswith("/") else ""
+            if word.endswith(".py"):
+                paths.add(word)
+        elif current and word.endswith(".py"):
+            paths.add(current + word)
+    return paths
+
+
+def test_the_design_code_map_names_every_module():
+    with open(os.path.join(ROOT, "docs", "DESIGN.md")) as f:
+        named = code_map(f.read())
+    modules = {f for f in FILES if f.split("/")[0] in ("kernels", "fusedpar") and not f.endswith("__init__.py")}
+    assert not modules - named, f"modules missing from the code map of docs/DESIGN.md: {sorted(modules - named)}"
+    assert not named - modules, f"the code map of docs/DESIGN.md names modules that do not exist: {sorted(named - modules)}"
+
+
 SNIPPETS = [  # (file, code, which check, number of violations)
     ("fusedpar/nn/x.py", "from fusedpar.ops import comm\ncomm._straggle(1)\n", private_uses, 1),
     ("fusedpar/nn/x.py", "import fusedpar.ops.comm as c\nc._x\nc.public\n", private_uses, 1),
@@ -510,6 +596,12 @@ SNIPPETS = [  # (file, code, which check, number of violations)
      "f_op.register_autograd(b)\n", op_definitions, 0),
     ("fusedpar/ops/library.py", "def custom_op(name):\n    return torch.library.custom_op(name)\n", op_definitions, 0),
     ("fusedpar/ops/library.py", "x = custom_op('f')\n", op_definitions, 1),
+    ("fusedpar/nn/x.py", "class M:\n    def __init__(self):\n        self.w = nn.Parameter(t)\n",
+     undeclared_parameters, 1),
+    ("fusedpar/nn/x.py", "class M:\n    def __init__(self):\n        self.w = nn.Parameter(t)\n"
+     "    def placements(self):\n        return {}\n", undeclared_parameters, 0),
+    ("fusedpar/nn/x.py", "class M:\n    def f(self):\n        setattr(self, 'w', nn.Parameter(t))\n",
+     undeclared_parameters, 0),
 ]
 
 

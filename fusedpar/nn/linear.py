@@ -88,6 +88,10 @@ def _full_linear_init(out_features, in_features, bias, device=None):
 
 
 class _TPLinearBase(nn.Module):
+    def placements(self) -> dict[str, Placement]:
+        """``weight`` by :meth:`weight_placement`, ``bias`` by :meth:`bias_placement`."""
+        return {"weight": self.weight_placement(), **({"bias": self.bias_placement()} if self.bias is not None else {})}
+
     def _meta(self):
         w = self.weight_placement()
         rows = self.out_features_full * (2 if self.gated else 1)
@@ -223,9 +227,9 @@ class ColumnParallelLinear(_TPLinearBase):
         ``sections`` (e.g. ``[q; k; v]``), else one."""
         return Placement.tp(self.group, 0, 2 if self.gated else self.sections)
 
-    def placements(self) -> dict[str, Placement]:
-        w = self.weight_placement()
-        return {"weight": w, **({"bias": w} if self.bias is not None else {})}
+    def bias_placement(self) -> Placement:
+        """Split like the rows."""
+        return self.weight_placement()
 
     def _shard(self, weight, bias):
         w = self.weight_placement()
@@ -300,11 +304,10 @@ class RowParallelLinear(_TPLinearBase):
         """Columns (input features) over the group."""
         return Placement.tp(self.group, 1)
 
-    def placements(self) -> dict[str, Placement]:
-        # the bias is added once, after the reduction: each rank's gradient covers the tokens
-        # its output holds (its sequence shard when sequence parallel)
-        bias = Placement.replicated(sequence_sharded=self.sequence_parallel)
-        return {"weight": self.weight_placement(), **({"bias": bias} if self.bias is not None else {})}
+    def bias_placement(self) -> Placement:
+        """Whole on every rank, added once after the reduction: each rank's gradient covers the
+        tokens its output holds (its sequence shard when sequence parallel)."""
+        return Placement.replicated(sequence_sharded=self.sequence_parallel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False, **kwargs):
