@@ -343,9 +343,10 @@ def _layers_held(source) -> str:
             + (f", without {gaps}" if gaps else "") + "): does config.json's num_hidden_layers match the checkpoint?")
 
 
-def _full_param(source, name: str, config: TransformerConfig) -> torch.Tensor:
+def _full_param(source, name: str, config: TransformerConfig, dim: int) -> torch.Tensor:
+    """The full parameter ``name``: its Hugging Face tensors (its sections) joined along ``dim``."""
     parts = [_hf_tensor(source, s) for s in _param_sources(name, config)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 @torch.no_grad()
@@ -357,11 +358,10 @@ def _load_from_source(model: Transformer, source, device, dtype) -> None:
     for name, p in list(model.named_parameters()):
         placement = placements[name]
         if placement.role == "ep":  # only this rank's experts are read
-            n = p.shape[0]
             (src,) = _param_sources(name, model.config)
-            local = _hf_tensor(source, src, experts=(placement.rank * n, (placement.rank + 1) * n))
+            local = _hf_tensor(source, src, experts=placement.block_range(p.shape[placement.dim]))
         else:
-            local = placement.local_from_full(_full_param(source, name, model.config))
+            local = placement.local_from_full(_full_param(source, name, model.config, placement.dim))
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"from_hf: {name} must be {tuple(p.shape)} on this rank, got {tuple(local.shape)}")
         _set_param(model, name, p, local, device, dtype)

@@ -155,6 +155,14 @@ class Placement:
                              self.group).wait()
         return self.full_from_locals(list(buf.unbind(0)))
 
+    def block_range(self, n_local: int) -> tuple[int, int]:
+        """``(lo, hi)``: the indices of the full ``dim`` that this rank's block covers, for a local
+        ``dim`` of size ``n_local`` (one section only: e.g. this rank's experts, read from a
+        checkpoint without reading the others)."""
+        if self.local_sections(n_local) != [n_local]:
+            raise ValueError(f"block_range: a block of sections {self.sections} is not one range of dim {self.dim}")
+        return self.rank * n_local, (self.rank + 1) * n_local
+
     def local_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``local``, one per section (this rank's block of each)."""
         return list(local.split(self.local_sections(local.shape[self.dim]), dim=self.dim))

@@ -5,9 +5,11 @@ op does not produce.
 Every differentiable fusedpar op is a ``torch.library.custom_op`` in the ``fusedpar`` namespace
 (``torch.ops.fusedpar.<name>``) with a fake (meta) implementation that computes the output shapes
 without running anything and a ``register_autograd`` backward that calls the op's ``*_backward``
-custom op. The compiler (Dynamo, AOTAutograd, Inductor) treats each op as one opaque node, so a
-block with fusedpar ops traces without a graph break and its backward graph calls the same
-kernels as eager mode: eager and compiled runs take the same code path.
+custom op (``gather_features`` / ``scatter_features`` are each other's backward, ``all_to_all_v``
+is its own with the splits swapped, ``attach_aux_loss``'s backward is closed-form). The
+compiler (Dynamo, AOTAutograd, Inductor) treats each op as one opaque node, so a block with
+fusedpar ops traces without a graph break and its backward graph calls the same kernels as eager
+mode: eager and compiled runs take the same code path.
 
 **Transports and groups in a schema.** A schema holds tensors, numbers, strings and dtypes, not
 Python objects. The functional API therefore passes a *transport token*: a string that the op
