@@ -13,7 +13,7 @@ from _utils import DEVICE
 from fusedpar.kernels import grouped_matmul, grouped_wgrad, matmul, matmul_tn, routing_metadata, routing_metadata_reference
 from fusedpar.kernels.flash_attention import flash_attention_forward
 from fusedpar.kernels.moe_routing import check_routing_ids
-from fusedpar.nn import Transformer, TransformerConfig
+from fusedpar.nn import Transformer, TransformerConfig, shard_tokens
 from fusedpar.nn.attention import AttentionReference, ParallelAttention
 from fusedpar.ops import (
     EmulatedTransport,
@@ -29,6 +29,8 @@ from fusedpar.ops import (
     ring_attention,
     ulysses_attention,
 )
+from fusedpar.ops.sp_attention import sequence_shard, shard_positions, zigzag_positions, zigzag_shard, zigzag_unshard
+from fusedpar.ops.varlen import document_positions
 
 
 def _r(*shape, dtype=torch.float32):
@@ -41,6 +43,14 @@ def _qkv(hq=2, hk=2, s=4):
 
 def _em(size=2):
     return EmulatedTransport(size)
+
+
+def _tok(seq=8):
+    return torch.arange(seq).view(1, seq)
+
+
+def _cu(*vals, device="cpu"):
+    return torch.tensor(vals, dtype=torch.int32, device=device)
 
 
 def _ids(*rows):
@@ -159,6 +169,56 @@ CASES = {
                      lambda: Transformer(_config())(torch.tensor([[-1, 3]]))),
     "float token ids": (TypeError, "input_ids must have dtype torch.int32 or torch.int64, got torch.float32",
                         lambda: Transformer(_config())(torch.randn(1, 3))),
+    # layout helpers: ranks in [0, size), sizes >= 1, lengths that split as required
+    "shard_tokens sp_rank": (ValueError, "sp_rank must be in [0, sp_size=2), got 2",
+                             lambda: shard_tokens(_tok(), _tok(), sp_size=2, sp_rank=2, tp_size=1, tp_rank=0)),
+    "shard_tokens sp_rank negative": (ValueError, "sp_rank must be >= 0, got -1",
+                                      lambda: shard_tokens(_tok(), _tok(), sp_size=2, sp_rank=-1, tp_size=1, tp_rank=0)),
+    "shard_tokens tp_rank": (ValueError, "tp_rank must be in [0, tp_size=2), got 2",
+                             lambda: shard_tokens(_tok(), _tok(), sp_size=1, sp_rank=0, tp_size=2, tp_rank=2)),
+    "shard_tokens tp_size 0": (ValueError, "tp_size must be >= 1, got 0",
+                               lambda: shard_tokens(_tok(), _tok(), sp_size=1, sp_rank=0, tp_size=0, tp_rank=0)),
+    "shard_tokens layout": (ValueError, "layout must be one of ('zigzag', 'contiguous'), got 'zz'",
+                            lambda: shard_tokens(_tok(), _tok(), sp_size=2, sp_rank=0, tp_size=1, tp_rank=0,
+                                                 layout="zz")),
+    "sequence_shard ring_rank": (ValueError, "ring_rank must be in [0, ring_size=2), got 2",
+                                 lambda: sequence_shard(_r(1, 8, 4), ring_rank=2, ring_size=2)),
+    "sequence_shard ulysses_rank": (ValueError, "ulysses_rank must be in [0, ulysses_size=2), got -1",
+                                    lambda: sequence_shard(_r(1, 8, 4), ulysses_rank=-1, ulysses_size=2)),
+    "sequence_shard dim": (ValueError, "dim must be <= 2, got 3", lambda: sequence_shard(_r(1, 8, 4), dim=3)),
+    "shard_positions ring_size 0": (ValueError, "ring_size must be >= 1, got 0",
+                                    lambda: shard_positions(8, ring_rank=0, ring_size=0)),
+    "shard_positions seq_len float": (TypeError, "seq_len must be an int, got float 8.0",
+                                      lambda: shard_positions(8.0, ring_size=2)),
+    "shard_positions seq_len negative": (ValueError, "seq_len must be >= 0, got -4", lambda: shard_positions(-4)),
+    "shard_positions indivisible": (ValueError, "seq_len=6 must split into 4 equal zigzag chunks",
+                                    lambda: shard_positions(6, ring_size=2)),
+    "zigzag_positions rank": (ValueError, "rank must be in [0, size=2), got 2", lambda: zigzag_positions(8, 2, 2)),
+    "zigzag_positions size 0": (ValueError, "size must be >= 1, got 0", lambda: zigzag_positions(8, 0, 0)),
+    "zigzag_shard rank": (ValueError, "rank must be in [0, size=2), got 3", lambda: zigzag_shard(_r(1, 8, 4), 3, 2)),
+    "zigzag_shard rank bool": (TypeError, "rank must be an int, got bool True",
+                               lambda: zigzag_shard(_r(1, 8, 4), True, 2)),
+    "zigzag_unshard size 0": (ValueError, "size must be >= 1, got 0", lambda: zigzag_unshard(_r(1, 8, 4), 0)),
+    "zigzag_unshard indivisible": (ValueError, "seq_len=8 must split into 6 equal zigzag chunks",
+                                   lambda: zigzag_unshard(_r(1, 8, 4), 3)),
+    "zigzag_unshard dim": (ValueError, "dim must be >= -3, got -4", lambda: zigzag_unshard(_r(1, 8, 4), 2, dim=-4)),
+    "document_positions empty": (ValueError, "cu_seqlens must have num_docs + 1 >= 1 entries, got 0",
+                                 lambda: document_positions(_cu())),
+    "document_positions start": (ValueError, "cu_seqlens must start at 0, got 1",
+                                 lambda: document_positions(_cu(1, 3, 8))),
+    "document_positions decreasing": (ValueError, "cu_seqlens must be non-decreasing, got [0, 5, 3, 8]",
+                                      lambda: document_positions(_cu(0, 5, 3, 8))),
+    "document_positions total": (ValueError, "cu_seqlens[-1] must equal total (5), got 8",
+                                 lambda: document_positions(_cu(0, 3, 8), 5)),
+    # cu_seqlens on another device than q: a clear device message, as flash_attention_varlen's check
+    "ring cu_seqlens device": (ValueError, "cu_seqlens must be on the CPU or on the same device as q",
+                               lambda: ring_attention(*_qkv(), transport=_em(), cu_seqlens=_cu(0, 3, 8, device="meta"))),
+    "ulysses cu_seqlens device": (ValueError, "cu_seqlens must be on the CPU or on the same device as q",
+                                  lambda: ulysses_attention(*_qkv(), transport=_em(),
+                                                            cu_seqlens=_cu(0, 3, 8, device="meta"))),
+    "hybrid cu_seqlens device": (ValueError, "cu_seqlens must be on the CPU or on the same device as q",
+                                 lambda: hybrid_attention(*_qkv(), ulysses_transport=_em(), ring_transport=_em(1),
+                                                          cu_seqlens=_cu(0, 3, 8, device="meta"))),
 }
 
 

@@ -219,7 +219,7 @@ def test_zigzag_helpers():
         zigzag_positions(10, 0, 3)
     with pytest.raises(ValueError, match="layout"):
         shard_positions(8, layout="striped")
-    with pytest.raises(ValueError, match="ring_rank"):
+    with pytest.raises(ValueError, match=r"rank must be in \[0, size=3\), got 3"):  # its own argument names
         zigzag_positions(12, 3, 3)
 
 

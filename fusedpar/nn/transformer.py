@@ -200,6 +200,14 @@ def shard_tokens(tokens: torch.Tensor, targets: torch.Tensor, *, sp_size: int, s
     each document's last token, which would predict the next document's first token, becomes
     ``ignore_index`` (for a loss that skips it); pass the same ``cu_seqlens`` to the model.
     """
+    for name, t in (("tokens", tokens), ("targets", targets)):
+        check_tensor(name, t)
+    for group, size, rank in (("sp", sp_size, sp_rank), ("tp", tp_size, tp_rank)):
+        check_int(f"{group}_size", size, min_value=1)
+        check_int(f"{group}_rank", rank, min_value=0)
+        if rank >= size:
+            raise ValueError(f"{group}_rank must be in [0, {group}_size={size}), got {rank}")
+    check_choice("layout", layout, ("zigzag", "contiguous"))
     if tokens.dim() != 2 or targets.shape != tokens.shape:
         raise ValueError(f"tokens and targets must both be [batch, seq], got {tuple(tokens.shape)} and "
                          f"{tuple(targets.shape)}")

@@ -16,10 +16,12 @@ from fusedpar.kernels.checks import check_bool
 from fusedpar.kernels.flash_attention import check_offsets, check_qkv, resolve_softmax_scale
 from fusedpar.kernels.flash_varlen import check_varlen_inputs
 from fusedpar.ops.flash_library import flash_attention_op, flash_attention_varlen_op
+from fusedpar.ops.library import checked_api
 
 __all__ = ["flash_attention", "flash_attention_varlen"]
 
 
+@checked_api
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0):
     """Scaled dot-product attention with a flash kernel; returns ``(out, lse)``.
 
@@ -39,6 +41,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_
     return flash_attention_op(q, k, v, causal, scale, q_offset, k_offset)
 
 
+@checked_api
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                            softmax_scale=None):
     """Differentiable attention over packed documents (flash-attn's ``flash_attn_varlen_func``

@@ -31,19 +31,29 @@ resolves back to its :class:`~fusedpar.ops.transport.Transport` when it runs
 **Absent tensors.** A custom op cannot return ``None``: an output an op does not produce (a
 gradient nobody asked for, a residual not kept) is a 0-element tensor, :func:`absent`, mapped
 back to ``None`` by :func:`present`.
+
+**Argument errors under torch.compile.** Every functional API is wrapped in :func:`checked_api`:
+in eager mode it changes nothing; while Dynamo traces, a ``TypeError`` / ``ValueError`` raised by
+the API's checks would reach the user (``fullgraph=True``) as Dynamo's ``Unsupported: Observed
+exception`` with the real error buried in a debug line, so the wrapper catches it and raises it
+again from outside the traced code as :class:`CheckTypeError` / :class:`CheckValueError`: a
+subclass of the same built-in type with the same message (Dynamo lets its ``Unsupported`` family
+through unwrapped; the traced user code that made the call is attached as a note).
 """
 from __future__ import annotations
 
 import functools
 import itertools
+import traceback
 import weakref
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.exc import Unsupported
 
 __all__ = ["NAMESPACE", "custom_op", "input_grads", "absent", "present", "register_transport", "transport_token",
            "transport_size",
-           "resolve_token", "token_group", "token_size", "hold"]
+           "resolve_token", "token_group", "token_size", "hold", "checked_api", "CheckTypeError", "CheckValueError"]
 
 #: the ``torch.library`` namespace of every fusedpar op: ``torch.ops.fusedpar.<name>``
 NAMESPACE = "fusedpar"
@@ -153,3 +163,49 @@ def absent(like: torch.Tensor) -> torch.Tensor:
 def present(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t``, or ``None`` for :func:`absent`'s placeholder."""
     return None if t is None or t.numel() == 0 and t.dim() == 1 else t
+
+
+class _CheckErrorMixin:
+    """What the two compiled-check errors share: ``str()`` is the check's own message (Dynamo
+    appends the traced user code to an error's text; it is kept as a note instead)."""
+
+    def __init__(self, message: str):
+        Unsupported.__init__(self, message)
+        self.message = message
+        frames = "".join(traceback.format_list(list(self.real_stack or [])[:-1]))  # [-1]: checked_api itself
+        if frames:
+            self.add_note(f"raised while torch.compile traced:\n{frames}")
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CheckTypeError(_CheckErrorMixin, TypeError, Unsupported):
+    """A ``TypeError`` of an op's argument checks, raised while ``torch.compile`` traced the call."""
+
+
+class CheckValueError(_CheckErrorMixin, ValueError, Unsupported):
+    """A ``ValueError`` of an op's argument checks, raised while ``torch.compile`` traced the call."""
+
+
+@torch._dynamo.assume_constant_result
+def _raise_traced(kind: str, message: str):
+    # called by Dynamo, not traced: the error leaves the compiler as itself (module docstring)
+    raise (CheckTypeError if kind == "TypeError" else CheckValueError)(message)
+
+
+def checked_api(fn):
+    """Decorator of a functional API: its ``TypeError`` / ``ValueError`` reaches the caller with
+    its type and message under ``torch.compile(fullgraph=True)`` too (module docstring)."""
+
+    @functools.wraps(fn)
+    def api(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            _raise_traced("TypeError" if isinstance(e, TypeError) else "ValueError", str(e))
+            raise
+
+    return api

@@ -29,7 +29,7 @@ from fusedpar.kernels.checks import check_choice, check_same, check_shape, check
 
 from . import comm
 from .agreement import agreed_arguments
-from .library import transport_token
+from .library import checked_api, transport_token
 from .loss_library import attach_aux_loss_op, check_target_range, vocab_parallel_cross_entropy_op
 
 __all__ = ["REDUCTIONS", "attach_aux_loss", "vocab_parallel_cross_entropy"]
@@ -54,6 +54,7 @@ def _checked_targets(logits, target, group, reduction, ignore_index):
     return target, valid
 
 
+@checked_api
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
                                  reduction: str = "mean", ignore_index: int = -100) -> torch.Tensor:
     """Cross entropy of ``logits`` ``[..., V / tp]`` (this rank's vocabulary block, rank ``r`` holds
@@ -77,6 +78,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return loss.view(logits.shape[:-1])
 
 
+@checked_api
 def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, scale: float, *,
                     residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (a copy; ``x + residual`` with ``residual``, the add a block does next anyway, so the

@@ -51,7 +51,7 @@ import torch
 from ..kernels.checks import check_shape, check_tensor
 from ..kernels.grouped_gemm import as_group_offsets
 from .agreement import agreed_arguments
-from .library import transport_size, transport_token
+from .library import checked_api, transport_size, transport_token
 from .moe_library import all_to_all_v_op, grouped_mlp_op, moe_mlp_op, moe_permute_op, moe_unpermute_op
 from .moe_layout import (MoEPlan, all_to_all_v_fwd, build_plan, check_expert_weights,
                          check_routing, ep_fields, grouped_mlp_bwd, grouped_mlp_fwd, moe_experts_bwd, moe_experts_fwd,
@@ -72,6 +72,7 @@ def _eager_only(op: str) -> None:
                            "run the stage API (moe_plan / moe_dispatch / moe_expert_compute / moe_combine) eagerly")
 
 
+@checked_api
 def moe_plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_group=None, transport=None,
              capacity: int | None = None, num_chunks: int = 1) -> MoEPlan:
     """Routing metadata and (``ep > 1``) the count exchange. ``capacity``: at most this many slots per
@@ -89,6 +90,7 @@ def moe_plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_
     return plan
 
 
+@checked_api
 def grouped_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offsets, *, activation: str = "swiglu"):
     """Expert MLPs over group-contiguous rows: ``y[rows_g] = act(x W1_e^T) W2_e^T``, ``e = g % E``.
 
@@ -102,6 +104,7 @@ def grouped_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offsets, *,
     return grouped_mlp_op(x, w1, w2, offsets, activation, True)[0]
 
 
+@checked_api
 def moe_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_group=None, transport=None,
                  capacity: int | None = None):
     """Stage 1: ``(tokens, plan)``. ``tokens`` are this rank's experts' inputs, ``[R, H]``
@@ -123,6 +126,7 @@ def moe_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *,
                            plan.transport.token), plan
 
 
+@checked_api
 def moe_expert_compute(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, plan: MoEPlan, *,
                        activation: str = "swiglu") -> torch.Tensor:
     """Stage 2: this rank's experts (``w1 [E_local, 2F, H]``, ``w2 [E_local, H, F]``) on the
@@ -134,6 +138,7 @@ def moe_expert_compute(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     return grouped_mlp_op(tokens, w1, w2, plan.expert_offsets[0], activation, False)[0]
 
 
+@checked_api
 def moe_combine(expert_out: torch.Tensor, plan: MoEPlan, weights: torch.Tensor) -> torch.Tensor:
     """Stage 3: send expert outputs back (``ep > 1``) and return ``[T, H]`` with
     ``out[t] = sum_j weights[t, j] * expert_out_of_slot(t, j)`` (fp32 sum; dropped slots add 0)."""
@@ -152,6 +157,7 @@ def _mlp_transport(transport, ep_group) -> tuple[Transport | None, str, int]:
     return (transport if isinstance(transport, Transport) else None), token, transport_size(transport, ep_group)
 
 
+@checked_api
 def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             *, num_experts: int, ep_group=None, transport=None, capacity: int | None = None,
             activation: str = "swiglu", num_chunks: int = 2) -> torch.Tensor:

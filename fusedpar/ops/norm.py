@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels.rmsnorm import check_rms_norm_inputs
+from fusedpar.ops.library import checked_api
 from fusedpar.ops.norm_library import rms_norm_op
 
 __all__ = ["rms_norm"]
 
 
+@checked_api
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
              residual: torch.Tensor | None = None):
     """Fused RMSNorm over the last dim, fp32 statistics.

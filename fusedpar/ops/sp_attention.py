@@ -19,7 +19,7 @@ from fusedpar.kernels.checks import check_tensor
 from fusedpar.kernels.flash_attention import resolve_softmax_scale
 from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
-from fusedpar.ops.library import transport_size, transport_token
+from fusedpar.ops.library import checked_api, transport_size, transport_token
 from fusedpar.ops.sp_attention_library import ring_attention_op, ulysses_attention_op
 from fusedpar.ops.sp_attention_schedules import (  # noqa: F401 - the layouts and schedules, re-exported
     LAYOUTS,
@@ -63,16 +63,18 @@ def _name(transport) -> str:
 
 def _check_documents(cu_seqlens, q, total):
     """``cu_seqlens`` (None, or the global document boundaries of the ``total`` packed tokens)
-    fits q: batch 1, an int32 1-D tensor; its values (see
+    fits q: batch 1, an int32 1-D tensor on the CPU or on q's device; its values (see
     :func:`~fusedpar.ops.varlen.document_bounds`) are checked here in eager mode and by the op
     when it runs under ``torch.compile`` (a traced graph reads no values)."""
     if cu_seqlens is None:
         return
     if q.shape[0] != 1:
         raise ValueError(f"q batch size must be 1 with cu_seqlens= (one packed row), got {q.shape[0]}")
-    if torch.compiler.is_compiling():
-        check_tensor("cu_seqlens", cu_seqlens, dims=(1,), dtypes=(torch.int32,))
-    else:
+    check_tensor("cu_seqlens", cu_seqlens, dims=(1,), dtypes=(torch.int32,))
+    if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the CPU or on the same device as q ({q.device}), "
+                         f"got {cu_seqlens.device}")
+    if not torch.compiler.is_compiling():
         document_bounds(cu_seqlens, total)
 
 
@@ -95,6 +97,7 @@ def _scale(softmax_scale):
     return None if softmax_scale is None else float(softmax_scale)
 
 
+@checked_api
 def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, layout="zigzag",
                    softmax_scale=None, cu_seqlens=None):
     """Attention over the full sequence from this rank's shard; returns this rank's output shard.
@@ -123,6 +126,7 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
     return ring_attention_op(q, k, v, token, causal, layout, _scale(softmax_scale), cu_seqlens)[0]
 
 
+@checked_api
 def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, softmax_scale=None,
                       cu_seqlens=None):
     """Ulysses (all-to-all) sequence-parallel attention; returns this rank's output shard.
@@ -145,6 +149,7 @@ def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None
     return ulysses_attention_op(q, k, v, token, None, causal, "contiguous", _scale(softmax_scale), cu_seqlens)[0]
 
 
+@checked_api
 def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_transport: Transport | None = None,
                      ring_transport: Transport | None = None, causal=False, layout="zigzag", softmax_scale=None,
                      cu_seqlens=None):

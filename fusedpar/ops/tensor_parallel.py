@@ -49,7 +49,7 @@ import torch
 from fusedpar.kernels.checks import check_bool, check_divisible, check_dtype, check_int, check_tensor
 from fusedpar.ops import symmetric
 from fusedpar.ops.agreement import agreed_arguments
-from fusedpar.ops.library import transport_size, transport_token
+from fusedpar.ops.library import checked_api, transport_size, transport_token
 from fusedpar.ops.tensor_parallel_library import (  # noqa: F401 - the per-op forward / backward, re-exported
     TPOptions,
     all_gather_matmul_bwd,
@@ -113,6 +113,7 @@ def _grad_needed(*tensors):
 # ----------------------------------------------------------------------------------------------
 # all_gather_matmul
 # ----------------------------------------------------------------------------------------------
+@checked_api
 def all_gather_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -173,6 +174,7 @@ def all_gather_matmul(
 # ----------------------------------------------------------------------------------------------
 # matmul_reduce_scatter
 # ----------------------------------------------------------------------------------------------
+@checked_api
 def matmul_reduce_scatter(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -221,6 +223,7 @@ def _reduce_options(op, x, weight, bias, activation, num_chunks, reduce_dtype, t
     return _token(transport, group), reduce_dtype
 
 
+@checked_api
 def matmul_all_reduce(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -245,6 +248,7 @@ def matmul_all_reduce(
     return matmul_all_reduce_op(x, weight, bias, token, num_chunks, reduce_dtype)
 
 
+@checked_api
 def copy_to_tp_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -269,6 +273,7 @@ def copy_to_tp_matmul(
 # ----------------------------------------------------------------------------------------------
 # feature-dim gather / scatter (gather_output, input_is_parallel=False): not on the hot path
 # ----------------------------------------------------------------------------------------------
+@checked_api
 def gather_features(t: torch.Tensor, group=None, *, transport: Transport | str | None = None) -> torch.Tensor:
     """All-gather the last (feature) dim over the group: ``[..., n]`` -> ``[..., P * n]`` in rank
     order. Backward: this rank's slice of the (replicated) gradient. A group of one returns ``t``."""
@@ -280,6 +285,7 @@ def gather_features(t: torch.Tensor, group=None, *, transport: Transport | str |
     return gather_features_op(t, token)
 
 
+@checked_api
 def scatter_features(t: torch.Tensor, group=None, *, transport: Transport | str | None = None) -> torch.Tensor:
     """This rank's slice of the last (feature) dim of a replicated ``t``: ``[..., P * n]`` ->
     ``[..., n]``. Backward: all-gathers the gradient. A group of one returns ``t``."""

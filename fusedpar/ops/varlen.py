@@ -26,6 +26,7 @@ import torch
 from fusedpar.kernels.checks import check_int, check_tensor
 from fusedpar.kernels.flash_attention import Segments
 from fusedpar.kernels.flash_varlen import check_cu_seqlens_values
+from fusedpar.ops.library import checked_api
 
 __all__ = ["chunk_pair_segments", "document_bounds", "document_positions", "ring_document_plan"]
 
@@ -39,13 +40,23 @@ def document_bounds(cu_seqlens, total: int) -> tuple:
     return vals
 
 
+@checked_api
 def document_positions(cu_seqlens, total: int | None = None) -> torch.Tensor:
     """Position of every token inside its document (int64 ``[total]``, restarting at 0 at each
     boundary): the default rotary positions of a packed row. ``total`` defaults to
-    ``cu_seqlens[-1]``."""
+    ``cu_seqlens[-1]``; given, the boundaries must end at it. The values (start at 0, non-decreasing,
+    last = ``total``) are checked when ``cu_seqlens`` is on the CPU (eager; a device tensor is not read
+    for it)."""
     check_tensor("cu_seqlens", cu_seqlens, dims=(1,), dtypes=(torch.int32, torch.int64))
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must have num_docs + 1 >= 1 entries, got 0")
+    if total is not None:
+        check_int("total", total, min_value=0)
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():  # values: read on the host only
+        vals = cu_seqlens.tolist()
+        check_cu_seqlens_values("cu_seqlens", vals, vals[-1] if total is None else total, total_name="total")
     cu = cu_seqlens.to(torch.int64)
-    total = int(cu[-1]) if total is None else check_int("total", total, min_value=0)
+    total = int(cu[-1]) if total is None else total
     idx = torch.arange(total, device=cu.device)
     doc = torch.searchsorted(cu[1:], idx, right=True).clamp_max(cu.numel() - 1)
     return idx - cu[doc]
