@@ -27,26 +27,31 @@ from fusedpar.nn.placement import Placement, parameter_placements
 from fusedpar.ops import comm
 
 
-def placements_of(model: nn.Module) -> dict[str, Placement]:
+def placements_of(model: nn.Module, default: Placement | None = None) -> dict[str, Placement]:
     """:func:`~fusedpar.nn.placement.parameter_placements` of ``model``, computed once per model
-    object (a parameter no module declares raises ``ValueError`` naming it)."""
-    if model not in _PLACEMENTS:
-        _PLACEMENTS[model] = parameter_placements(model)
-    return _PLACEMENTS[model]
+    object and ``default``: a parameter no module declares gets ``default`` (e.g. the Hugging Face
+    modules of a model :func:`fusedpar.hf.parallelize` made parallel: ``Placement()``, whole on
+    every rank), or without one raises ``ValueError`` naming it."""
+    per_default = _PLACEMENTS.setdefault(model, {})
+    if default not in per_default:
+        per_default[default] = parameter_placements(model, default=default)
+    return per_default[default]
 
 
 _PLACEMENTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def full_state(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+def full_state(model: nn.Module, *, grads: bool = False,
+               default_placement: Placement | None = None) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) as the full tensor, gathered over its group; a
-    collective: every rank of every group must call it (same model structure)."""
+    collective: every rank of every group must call it (same model structure).
+    ``default_placement``: see :func:`placements_of`."""
     out = {}
     for name, p in model.named_parameters():
         t = p.grad if grads else p.detach()
         if t is None:
             raise ValueError(f"parameter {name!r} has no gradient")
-        out[name] = placements_of(model)[name].full_from_local(t)
+        out[name] = placements_of(model, default_placement)[name].full_from_local(t)
     return out
 
 
@@ -70,7 +75,8 @@ def group_mesh(group, device_type: str):
     return per_device[device_type]
 
 
-def dcp_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def dcp_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | None = None,
+                   default_placement: Placement | None = None) -> dict[str, torch.Tensor]:
     """Parameters as DTensors (sharded ones) or plain tensors (replicated ones), all *views* of
     the model's parameters: ``dcp.save`` writes them, ``dcp.load`` fills them in place. A fused
     parameter is one entry per section (``<name>.section<c>``) at every tp degree.
@@ -79,7 +85,7 @@ def dcp_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | None 
     from torch.distributed.tensor import DTensor, Shard
 
     sd = {}
-    placements = placements_of(model)
+    placements = placements_of(model, default_placement)
     source = {n: p.data for n, p in model.named_parameters()} if tensors is None else tensors
     for name, local in source.items():
         if name not in placements:
@@ -119,7 +125,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                         params: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                         params: Mapping[str, torch.Tensor] | None = None,
+                         default_placement: Placement | None = None) -> dict[str, torch.Tensor]:
     """``"<param name>.<state key>"`` -> views of ``optimizer``'s state: tensors shaped like the
     parameter sharded as it is (so the state reshards with the model), scalars replicated.
     ``params`` maps names to the tensors the optimizer updates (default: the model's parameters)."""
@@ -133,19 +140,20 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                              "params")
         for k, v in st.items():
             if v.shape == p.shape and v.dim() > 0:
-                for sub, view in dcp_state_dict(model, {name: v}).items():
+                for sub, view in dcp_state_dict(model, {name: v}, default_placement).items():
                     sd[f"{sub}.{k}" if sub == name else f"{name}.{k}.{sub[len(name) + 1:]}"] = view
             else:
                 sd[f"{name}.{k}"] = v
     return sd
 
 
-def full_state_dict(model: nn.Module, *, optimizer=None, params=None, extra=None) -> dict:
+def full_state_dict(model: nn.Module, *, optimizer=None, params=None, extra=None, default_placement=None) -> dict:
     """The flat DCP state dict :func:`save` writes: ``model.*`` (``params`` or the parameters),
     ``optim.*`` (with ``optimizer``), ``extra.*``."""
-    sd = {f"model.{k}": v for k, v in dcp_state_dict(model, params).items()}
+    sd = {f"model.{k}": v for k, v in dcp_state_dict(model, params, default_placement).items()}
     if optimizer is not None:
-        sd.update({f"optim.{k}": v for k, v in optimizer_state_dict(model, optimizer, params).items()})
+        sd.update({f"optim.{k}": v for k, v in
+                   optimizer_state_dict(model, optimizer, params, default_placement).items()})
     for k, v in (extra or {}).items():
         sd[f"extra.{k}"] = v
     return sd
@@ -244,10 +252,12 @@ def _write_marker(path: str) -> None:
 
 
 def save(model: nn.Module, path: str, extra: Mapping[str, torch.Tensor] | None = None, *,
-         optimizer: torch.optim.Optimizer | None = None, params: Mapping[str, torch.Tensor] | None = None) -> None:
+         optimizer: torch.optim.Optimizer | None = None, params: Mapping[str, torch.Tensor] | None = None,
+         default_placement: Placement | None = None) -> None:
     """Save ``model`` (any parallel layout; ``params`` instead of its parameters, e.g. fp32 master
     weights), ``optimizer``'s state laid out like the parameters, and ``extra`` tensors with DCP
-    into directory ``path``; collective. The completion marker (with a crc32 of every stored chunk
+    into directory ``path``; collective. ``default_placement``: the placement of parameters no
+    module declares (:func:`placements_of`; without it they raise). The completion marker (with a crc32 of every stored chunk
     and of DCP's metadata) is written last: a save interrupted before it is never loaded."""
     import torch.distributed.checkpoint as dcp
 
@@ -260,7 +270,8 @@ def save(model: nn.Module, path: str, extra: Mapping[str, torch.Tensor] | None =
     if world > 1:
         dist.barrier()
     try:
-        dcp.save(full_state_dict(model, optimizer=optimizer, params=params, extra=extra), checkpoint_id=path)
+        dcp.save(full_state_dict(model, optimizer=optimizer, params=params, extra=extra,
+                                 default_placement=default_placement), checkpoint_id=path)
     except (Exception, dcp.api.CheckpointException) as e:
         raise CheckpointError(f"checkpoint {path}: saving failed: {_first_line(e)}") from e
     _write_marker(path)
@@ -353,14 +364,15 @@ def _checksum_problem(path: str, manifest: dict) -> str | None:
 
 def load(model: nn.Module, path: str, extra: Mapping[str, torch.Tensor] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None, params: Mapping[str, torch.Tensor] | None = None,
-         optional: tuple[str, ...] = (), strict: bool = True) -> set[str]:
+         optional: tuple[str, ...] = (), strict: bool = True, default_placement: Placement | None = None) -> set[str]:
     """Load a checkpoint written by :func:`save` at any layout into ``model`` (or ``params``),
     ``optimizer`` and ``extra`` in place; collective. Extra keys named in ``optional`` are loaded
     only when saved; returns the extra keys loaded. Before any byte is loaded the request is checked
     on every rank — marker present, DCP metadata and every chunk matching their crc32, each key
     saved with the expected global shape and (``strict``) no saved model/optimizer key left over —
     and any problem raises the same :class:`CheckpointError` on every rank
-    (:class:`CheckpointMismatchError` for an intact checkpoint that does not fit)."""
+    (:class:`CheckpointMismatchError` for an intact checkpoint that does not fit).
+    ``default_placement``: as in :func:`save`."""
     import torch.distributed.checkpoint as dcp
 
     problem, metadata, manifest = None, None, None
@@ -373,7 +385,7 @@ def load(model: nn.Module, path: str, extra: Mapping[str, torch.Tensor] | None =
     _agree(path, problem)
     saved = metadata.state_dict_metadata
     extra = {k: v for k, v in (extra or {}).items() if k not in optional or f"extra.{k}" in saved}
-    sd = full_state_dict(model, optimizer=optimizer, params=params, extra=extra)
+    sd = full_state_dict(model, optimizer=optimizer, params=params, extra=extra, default_placement=default_placement)
     _agree(path, _request_problem(sd, metadata), CheckpointMismatchError)
     if strict:
         _agree(path, _unexpected_problem(_gather(sorted(sd)), metadata), CheckpointMismatchError)

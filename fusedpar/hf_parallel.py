@@ -278,10 +278,10 @@ def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
     norm = True if _get(config, "model_type") == "mixtral" else bool(_get(config, "norm_topk_prob", False))
     moe = MoE(H, F_, E, k, ep_group=ep_group, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0,
               replicated_group=tp_group, device="meta")
-    lo, hi = moe.first_expert, moe.first_expert + moe.experts_per_rank
+    placements = moe.placements()  # this rank's experts
     with torch.no_grad():
-        for name, t in (("w1", experts.gate_up_proj[lo:hi]), ("w2", experts.down_proj[lo:hi])):
-            setattr(moe, name, nn.Parameter(t.detach().clone()))
+        for name, t in (("w1", experts.gate_up_proj), ("w2", experts.down_proj)):
+            setattr(moe, name, nn.Parameter(placements[name].local_from_full(t.detach())))
     shared = getattr(block, "shared_expert", None)
     if shared is not None and tp_group is not None:
         _tp_mlp(shared, tp_group)

@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fusedpar.nn.placement import GRAD_KINDS
 from fusedpar.ops import comm
 
 MESH_DIMS = ("pp", "dp", "sp", "tp")
-GRAD_KINDS = ("dense", "replicated", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,6 @@ def resolve_sizes(world_size: int, *, dp: int | None = None, pp: int = 1, tp: in
     return dict(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, sp_ulysses=sp_ulysses)
 
 
-SIZE_NAMES = ("dp", "pp", "tp", "sp", "ep", "sp_ulysses")
 _UNSET, _NOT_INT = -(1 << 62), -(1 << 62) + 1  # encodings of dp=None and of a value that is no int
 
 

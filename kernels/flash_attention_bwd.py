@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_same, check_tensor
+from .checks import check_buffer, check_same, check_tensor, output_buffer
 from .flash_attention import (
     LOG2E,
     program_tile,
@@ -293,11 +293,7 @@ def _grad_buffers(q, k, v, dq, dk, dv, accumulate):
     want_dq, want_dkv = dq is not False, dk is not False
     bufs = []
     for name, buf, ref, want in (("dq", dq, q, want_dq), ("dk", dk, k, want_dkv), ("dv", dv, v, want_dkv)):
-        if buf is None:
-            buf = torch.empty(ref.shape, device=ref.device, dtype=ref.dtype)
-        elif want:
-            check_buffer(name, buf, ref.shape, q.device)
-        bufs.append(buf)
+        bufs.append(output_buffer(name, buf, ref.shape, q.device, ref.dtype) if want else buf)
     return (*bufs, want_dq, want_dkv)
 
 

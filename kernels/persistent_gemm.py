@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_choice, check_float_tensor, check_int, check_tensor
+from .checks import check_buffer, check_choice, check_float_tensor, check_int, check_tensor, output_buffer
 from .gemm import (
     INTERPRETER_CONFIG,
     LinearOperands,
@@ -353,17 +353,14 @@ def _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, 
 
 def _chunked_outputs(a, ops, out, preact_out, tile_log, total):
     """Check (or allocate) the chunked outputs of :func:`persistent_matmul`; returns ``out``."""
-    for name, t, feats in (("out", out, ops.n), ("preact_out", preact_out, ops.n_w)):
-        if t is not None:
-            check_buffer(name, t, tuple(a.shape[:-1]) + (feats,), a.device)
+    if preact_out is not None:
+        check_buffer("preact_out", preact_out, tuple(a.shape[:-1]) + (ops.n_w,), a.device)
     if tile_log is not None:
         check_tensor("tile_log", tile_log, dims=(1,), dtypes=(torch.int32,))
         if not tile_log.is_contiguous() or tile_log.numel() != total + 1 or tile_log.device != a.device:
             raise ValueError(f"tile_log must be a contiguous tensor of {total + 1} entries (tiles + 1) on {a.device}, "
                              f"got shape {tuple(tile_log.shape)} on {tile_log.device}")
-    if out is None:
-        out = torch.empty(tuple(a.shape[:-1]) + (ops.n,), device=a.device, dtype=a.dtype)
-    return out
+    return output_buffer("out", out, tuple(a.shape[:-1]) + (ops.n,), a.device, a.dtype)
 
 
 def _launch_persistent(a, weight, out, ops, cfg, *, first_chunk, wait_mode, wait_flags, ready_value,

@@ -312,3 +312,26 @@ def test_parallelize_without_heads_names_the_field():
     hf.config = types.SimpleNamespace(**{**hf.config.to_dict(), "num_attention_heads": None})  # HF would refuse None
     with pytest.raises(ValueError, match=r"parallelize: the config must have num_attention_heads \(int\), got none"):
         parallelize(hf)
+
+
+def test_fusedpar_checkpoint_of_a_model_with_hugging_face_modules(tmp_path):
+    """HF's own modules declare no placement: fusedpar checkpoints refuse to guess, naming the
+    parameter, unless told that undeclared parameters are whole on every rank."""
+    from fusedpar import checkpoint
+    from fusedpar.nn import ColumnParallelLinear, Placement
+
+    hf = hf_model("llama")
+    layer = hf.model.layers[0].self_attn
+    layer.q_proj = ColumnParallelLinear.from_linear(layer.q_proj)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"parameter 'model\.embed_tokens\.weight' \(in a Embedding module\) has no placement"):
+        checkpoint.save(hf, str(tmp_path / "refused"))
+    whole = Placement()
+    checkpoint.save(hf, str(tmp_path / "ok"), default_placement=whole)
+    before = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(1.0)
+    checkpoint.load(hf, str(tmp_path / "ok"), default_placement=whole)
+    for n, p in hf.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n

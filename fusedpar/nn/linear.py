@@ -99,6 +99,7 @@ class _TPLinearBase(nn.Module):
             "tp_rank": self.tp_rank, "tp_size": self.tp_size, "partition_dim": w.dim,
             "full_shape": [rows, self.in_features], "gated": self.gated,
             "sections": w.full_sections((rows, self.in_features)[w.dim], self.tp_size),
+            "bias_split": self.bias_placement().role is not None,
         }
 
     def get_extra_state(self):
@@ -109,11 +110,10 @@ class _TPLinearBase(nn.Module):
 
     def set_extra_state(self, state):
         mine = self._meta()
-        if isinstance(state, torch.Tensor):
-            state = shard_meta(state)
-        if not isinstance(state, dict):
+        if not isinstance(state, (dict, torch.Tensor)):
             raise TypeError(f"{type(self).__name__}: extra state must be a dict or an int64 tensor, got "
                             f"{type(state).__name__}")
+        state = shard_meta(state)
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if diff:
             detail = ", ".join(f"{k}: checkpoint {a!r} vs module {b!r}" for k, (a, b) in diff.items())
@@ -133,30 +133,33 @@ class _TPLinearBase(nn.Module):
 
 
 def encode_shard_meta(meta: dict) -> torch.Tensor:
-    """``{tp_rank, tp_size, partition_dim, full_shape, gated, sections}`` as an int64 tensor:
-    the first five fields (6 values), then the full sizes of the sections along ``partition_dim``."""
+    """``{tp_rank, tp_size, partition_dim, full_shape, gated, bias_split, sections}`` as an int64
+    tensor: the first four fields (5 values), ``gated + 2 * bias_split``, then the full sizes of the
+    sections along ``partition_dim``."""
     rows, cols = meta["full_shape"]
-    head = [meta["tp_rank"], meta["tp_size"], meta["partition_dim"], rows, cols, int(meta["gated"])]
+    flags = int(meta["gated"]) + 2 * int(meta["bias_split"])
+    head = [meta["tp_rank"], meta["tp_size"], meta["partition_dim"], rows, cols, flags]
     return torch.tensor(head + [int(s) for s in meta["sections"]], dtype=torch.int64)
 
 
 def shard_meta(state) -> dict:
     """The layout dict of a Column/RowParallelLinear's ``_extra_state`` (the tensor it saves, or a
-    dict as saved by earlier versions; a 6-value tensor of an earlier version has no sections:
-    they follow from ``gated``)."""
+    dict as saved by earlier versions; a 6-value tensor of an earlier version has no sections and
+    no ``bias_split``: they follow from ``gated`` and the split dim, as those versions laid them out)."""
     if isinstance(state, dict):
         meta = dict(state)
     elif isinstance(state, torch.Tensor) and state.dim() == 1 and state.numel() >= 6:
         v = [int(x) for x in state.tolist()]
         meta = {"tp_rank": v[0], "tp_size": v[1], "partition_dim": v[2], "full_shape": [v[3], v[4]],
-                "gated": bool(v[5])}
+                "gated": bool(v[5] & 1)}
         if len(v) > 6:
-            meta["sections"] = v[6:]
+            meta["sections"], meta["bias_split"] = v[6:], bool(v[5] & 2)
     else:
         raise ValueError(f"_extra_state must be an int64 tensor of at least 6 values or a dict, got {state!r}")
     if "sections" not in meta:
         n = meta["full_shape"][meta["partition_dim"]]
         meta["sections"] = [n // 2] * 2 if meta["gated"] and meta["partition_dim"] == 0 else [n]
+    meta.setdefault("bias_split", meta["partition_dim"] == 0)
     return meta
 
 
@@ -178,8 +181,8 @@ def merge_shards(state_dicts, prefix=""):
     weight = placement.full_from_locals([state_dicts[i][prefix + "weight"] for i in order])
     bs = [state_dicts[i].get(prefix + "bias") for i in order]
     bias = None
-    if bs[0] is not None:  # a column-parallel bias is split like the weight's rows; a row-parallel one is whole
-        bias = bs[0] if dim == 1 else placement.full_from_locals(bs)
+    if bs[0] is not None:  # split like the weight's rows, or whole on every rank (its bias_placement)
+        bias = placement.full_from_locals(bs) if metas[0]["bias_split"] else bs[0]
     if list(weight.shape) != list(metas[0]["full_shape"]):
         raise ValueError(
             f"merge_shards: reassembled weight {tuple(weight.shape)} != full_shape {metas[0]['full_shape']}"

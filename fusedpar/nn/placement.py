@@ -197,7 +197,7 @@ def parameter_placements(model: nn.Module, *, default: Placement | None = None) 
         if default is None:
             owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             raise ValueError(
-                f"parameter {name!r} of a {type(owner).__name__} has no placement: no module declares how it is "
+                f"parameter {name!r} (in a {type(owner).__name__} module) has no placement: no module declares how it is "
                 "sharded and how its gradient is reduced; declare it in its module's placements() "
                 "(see fusedpar.nn.placement)")
         out[name] = default

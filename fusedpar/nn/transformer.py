@@ -55,8 +55,8 @@ from fusedpar.ops.tensor_parallel import all_gather_matmul
 
 from .attention import ParallelAttention, rope_inv_freq
 from .groups import check_divides, check_orthogonal, group_arg
-from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear
-from .moe import MoE, SharedExpertGate, TopKRouter, hf_load_balancing_loss
+from .linear import ColumnParallelLinear, ParallelMLP
+from .moe import MoE, SharedExpertGate, hf_load_balancing_loss
 from .norm import RMSNorm
 from .placement import Placement, gradient_sync_plan
 

@@ -15,35 +15,31 @@ from .symmetric import SymmetricTransport, resolve_transport
 from .tensor_parallel import (
     TPOptions,
     all_gather_matmul,
-    all_gather_matmul_bwd,
-    all_gather_matmul_fwd,
     copy_to_tp_matmul,
-    copy_to_tp_matmul_bwd,
-    copy_to_tp_matmul_fwd,
     gather_features,
     matmul_all_reduce,
-    matmul_all_reduce_bwd,
-    matmul_all_reduce_fwd,
     matmul_reduce_scatter,
-    matmul_reduce_scatter_bwd,
-    matmul_reduce_scatter_fwd,
     scatter_features,
 )
-from .moe import (
-    MoEPlan,
+from .tensor_parallel_library import (
+    all_gather_matmul_bwd,
+    all_gather_matmul_fwd,
+    copy_to_tp_matmul_bwd,
+    copy_to_tp_matmul_fwd,
+    matmul_all_reduce_bwd,
+    matmul_all_reduce_fwd,
+    matmul_reduce_scatter_bwd,
+    matmul_reduce_scatter_fwd,
+)
+from .moe import MoEPlan, grouped_mlp, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp, moe_plan
+from .moe_layout import (
     all_to_all_v_fwd,
-    grouped_mlp,
     grouped_mlp_bwd,
     grouped_mlp_fwd,
-    moe_combine,
-    moe_dispatch,
-    moe_expert_compute,
     moe_experts_bwd,
     moe_experts_fwd,
-    moe_mlp,
     moe_permute_bwd,
     moe_permute_fwd,
-    moe_plan,
     moe_unpermute_bwd,
     moe_unpermute_fwd,
 )

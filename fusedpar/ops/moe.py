@@ -53,15 +53,11 @@ from ..kernels.grouped_gemm import as_group_offsets
 from .agreement import agreed_arguments
 from .library import checked_api, transport_size, transport_token
 from .moe_library import all_to_all_v_op, grouped_mlp_op, moe_mlp_op, moe_permute_op, moe_unpermute_op
-from .moe_layout import (MoEPlan, all_to_all_v_fwd, build_plan, check_expert_weights,
-                         check_routing, ep_fields, grouped_mlp_bwd, grouped_mlp_fwd, moe_experts_bwd, moe_experts_fwd,
-                         moe_permute_bwd, moe_permute_fwd, moe_unpermute_bwd, moe_unpermute_fwd, token_rows)
+from .moe_layout import MoEPlan, build_plan, check_expert_weights, check_routing, ep_fields, token_rows
 from .transport import Transport, check_transport_name, get_transport
 
 __all__ = [
     "MoEPlan", "moe_plan", "moe_dispatch", "moe_expert_compute", "moe_combine", "moe_mlp", "grouped_mlp",
-    "moe_permute_fwd", "moe_permute_bwd", "moe_unpermute_fwd", "moe_unpermute_bwd", "all_to_all_v_fwd",
-    "grouped_mlp_fwd", "grouped_mlp_bwd", "moe_experts_fwd", "moe_experts_bwd",
 ]
 
 

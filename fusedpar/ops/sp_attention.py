@@ -21,15 +21,11 @@ from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.library import checked_api, transport_size, transport_token
 from fusedpar.ops.sp_attention_library import ring_attention_op, ulysses_attention_op
-from fusedpar.ops.sp_attention_schedules import (  # noqa: F401 - the layouts and schedules, re-exported
+from fusedpar.ops.sp_attention_schedules import (  # noqa: F401 - the layout helpers, part of this API
     LAYOUTS,
     check_sp_args,
-    ring_attention_bwd,
-    ring_attention_fwd,
     sequence_shard,
     shard_positions,
-    ulysses_attention_bwd,
-    ulysses_attention_fwd,
     ulysses_kv_heads,
     zigzag_positions,
     zigzag_shard,
@@ -39,8 +35,8 @@ from fusedpar.ops.transport import Transport, check_transport_name
 from fusedpar.ops.varlen import document_bounds
 
 __all__ = [
-    "LAYOUTS", "hybrid_attention", "ring_attention", "ring_attention_bwd", "ring_attention_fwd", "sequence_shard",
-    "shard_positions", "ulysses_attention", "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads",
+    "LAYOUTS", "hybrid_attention", "ring_attention", "sequence_shard", "shard_positions", "ulysses_attention",
+    "ulysses_kv_heads",
     "zigzag_positions", "zigzag_shard", "zigzag_unshard",
 ]
 

@@ -46,13 +46,11 @@ import torch.distributed as dist
 
 from fusedpar.kernels.checks import (
     check_buffer,
-    check_choice,
     check_divisible,
     check_dtype,
     check_int,
-    check_same,
-    check_shape,
     check_tensor,
+    output_buffer,
 )
 from fusedpar.kernels.persistent_gemm import (
     chunk_reduce,
@@ -429,9 +427,7 @@ def _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_
     n_w = weight.shape[0]
     shape = list(x.shape[:-1]) + [n_w // 2 if ACTIVATIONS[activation][1] else n_w]
     shape[gather_dim] *= P
-    if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    check_buffer("out", out, shape, x.device)
+    out = output_buffer("out", out, shape, x.device, x.dtype)
     if preact_out is not None:
         check_buffer("preact_out", preact_out, (P,) + tuple(x.shape[:-1]) + (n_w,), x.device)
     if gathered_out is not None:

@@ -50,20 +50,12 @@ from fusedpar.kernels.checks import check_bool, check_divisible, check_dtype, ch
 from fusedpar.ops import symmetric
 from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.library import checked_api, transport_size, transport_token
-from fusedpar.ops.tensor_parallel_library import (  # noqa: F401 - the per-op forward / backward, re-exported
+from fusedpar.ops.tensor_parallel_library import (
     TPOptions,
-    all_gather_matmul_bwd,
-    all_gather_matmul_fwd,
     all_gather_matmul_op,
-    copy_to_tp_matmul_bwd,
-    copy_to_tp_matmul_fwd,
     copy_to_tp_matmul_op,
     gather_features_op,
-    matmul_all_reduce_bwd,
-    matmul_all_reduce_fwd,
     matmul_all_reduce_op,
-    matmul_reduce_scatter_bwd,
-    matmul_reduce_scatter_fwd,
     matmul_reduce_scatter_op,
     scatter_features_op,
 )
@@ -72,8 +64,6 @@ from fusedpar.ops.transport import Transport, check_transport_name
 
 __all__ = [
     "TPOptions", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "copy_to_tp_matmul",
-    "all_gather_matmul_fwd", "all_gather_matmul_bwd", "matmul_reduce_scatter_fwd", "matmul_reduce_scatter_bwd",
-    "matmul_all_reduce_fwd", "matmul_all_reduce_bwd", "copy_to_tp_matmul_fwd", "copy_to_tp_matmul_bwd",
     "gather_features", "scatter_features",
 ]
 
