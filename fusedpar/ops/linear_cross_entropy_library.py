@@ -9,9 +9,12 @@
 
 Tokens are processed ``chunk_tokens`` at a time; a chunk's logits ``[chunk, V/tp]`` live in one
 fp32 buffer reused by every chunk, written by fusedpar's GEMM
-(:func:`fusedpar.kernels.gemm.matmul`). Per chunk one all-gather over the tp group carries each
-shard's log-sum-exp, target logit (from the shard that owns the target, zero elsewhere) and sum of
-logits (label smoothing): ``3 * chunk`` floats. The backward recomputes each chunk's logits, forms
+(:func:`fusedpar.kernels.gemm.matmul`); each chunk leaves three fp32 numbers per token: this
+shard's log-sum-exp, the target logit (from the shard that owns the target, zero elsewhere) and the
+sum of logits (label smoothing). One all-gather of those ``3 * T`` floats over the tp group after
+the chunks combines the shards (log-sum-exp of the log-sum-exps): every rank visits the chunks in
+its own order under sequence parallelism (its own block first), so a per-chunk exchange would pair
+different tokens; one exchange at the end also never stalls the chunk loop. The backward recomputes each chunk's logits, forms
 ``dlogits`` in the same buffer and, in the same pass, writes the chunk's rows of ``d_hidden``
 (``dlogits @ W``) and accumulates ``d_weight += dlogits^T @ h`` in fp32 (:func:`matmul_tn`).
 
@@ -85,17 +88,24 @@ def _logits(h, weight, buf, softcap):
     return z
 
 
-def _chunk_forward(h, tgt, weight, buf, opts: LCEOptions):
-    """Per-token ``(loss, lse)`` (fp32) of one chunk of rows; one all-gather over the group."""
-    t = opts.transport
+def _chunk_stats(h, tgt, weight, buf, opts: LCEOptions, out):
+    """This shard's ``(log-sum-exp, target logit or 0, sum of logits)`` of one chunk of rows, into
+    ``out`` ``[3, rows]`` (fp32)."""
     z = _logits(h, weight, buf, opts.softcap)
-    valid, idx, inside = _targets(tgt, opts, t.rank, weight.shape[0])
-    picked = z.gather(1, idx[:, None]).squeeze(1) * inside
-    stats = torch.stack([torch.logsumexp(z, dim=-1), picked,
-                         z.sum(dim=-1) if opts.label_smoothing else torch.zeros_like(picked)])  # [3, rows]
+    _, idx, inside = _targets(tgt, opts, opts.transport.rank, weight.shape[0])
+    torch.logsumexp(z, dim=-1, out=out[0])
+    torch.mul(z.gather(1, idx[:, None]).squeeze(1), inside, out=out[1])
+    if opts.label_smoothing:
+        torch.sum(z, dim=-1, out=out[2])
+
+
+def _combine(stats, targets, opts: LCEOptions):
+    """Per-token ``(loss, lse)`` from every shard's statistics ``[3, T]``: one all-gather over the
+    group (3 floats per token)."""
+    t = opts.transport
     if t.size > 1:
         every = torch.empty((t.size,) + tuple(stats.shape), dtype=stats.dtype, device=stats.device)
-        t.all_gather_into(every.view(-1), stats.reshape(-1)).wait()
+        t.all_gather_into(every.view(-1), stats.view(-1)).wait()
         lse, picked, zsum = every[:, 0].logsumexp(dim=0), every[:, 1].sum(dim=0), every[:, 2].sum(dim=0)
     else:
         lse, picked, zsum = stats[0], stats[1], stats[2]
@@ -105,6 +115,7 @@ def _chunk_forward(h, tgt, weight, buf, opts: LCEOptions):
         loss = loss + eps * (lse - zsum / opts.vocab)
     if opts.z_loss:
         loss = loss + opts.z_loss * lse * lse
+    valid = targets != opts.ignore_index
     return torch.where(valid, loss, torch.zeros_like(loss)), lse
 
 
@@ -119,8 +130,7 @@ def linear_cross_entropy_fwd(hidden, weight, targets, opts: LCEOptions, sequence
     (None without ``sequence_parallel``). ``targets``: flat int64 ids ``[T]`` of every token."""
     t, H = opts.transport, hidden.shape[-1]
     T = targets.shape[0]
-    loss = torch.empty(T, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty(T, dtype=torch.float32, device=hidden.device)
+    stats = torch.zeros((3, T), dtype=torch.float32, device=hidden.device)
     buf = torch.empty((min(opts.chunk, max(T, 1)), weight.shape[0]), dtype=torch.float32, device=hidden.device)
     gathered = None
     if sequence_parallel:
@@ -132,8 +142,8 @@ def linear_cross_entropy_fwd(hidden, weight, targets, opts: LCEOptions, sequence
         rows = block.reshape(-1, H)
         base = src * rows.shape[0]
         for lo, hi in _chunks(rows.shape[0], opts.chunk):
-            loss[base + lo:base + hi], lse[base + lo:base + hi] = _chunk_forward(
-                rows[lo:hi], targets[base + lo:base + hi], weight, buf, opts)
+            _chunk_stats(rows[lo:hi], targets[base + lo:base + hi], weight, buf, opts, stats[:, base + lo:base + hi])
+    loss, lse = _combine(stats, targets, opts)
     return loss, lse, gathered
 
 
