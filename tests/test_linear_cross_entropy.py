@@ -148,9 +148,10 @@ def test_no_tokens_by_vocabulary_tensor_is_allocated():
 
 
 def test_weight_gradient_accumulates_in_fp32_over_many_chunks():
-    """512 chunks of 4 tokens: the fp32 accumulator stays within fp32 tolerance of fp64, where
-    summing the same per-chunk contributions in a bf16 accumulator would not."""
-    T, H, V, C = 2048, 8, 12, 4
+    """64 chunks of 4 tokens: the fp32 accumulator stays within fp32 tolerance of fp64, where
+    summing the same per-chunk contributions in a bf16 accumulator would not (here it is off by
+    2.9e-2 of the gradient's RMS, thousands of times the 1e-5 tolerance)."""
+    T, H, V, C = 256, 8, 12, 4
     g = torch.Generator().manual_seed(6)
     h = torch.randn(T, H, generator=g).requires_grad_()
     w = (torch.randn(V, H, generator=g) * 0.3).requires_grad_()
