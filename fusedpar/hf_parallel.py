@@ -13,7 +13,7 @@ Qwen-MoE model,
 
 With sequence parallelism every rank feeds its shard of the sequence (:func:`shard_batch`) and
 gets the logits of that shard; :func:`sequence_parallel_loss` is the global mean cross entropy
-split over the ranks, :func:`gather_sequence` un-shards (for evaluation), and
+(the same value on every sp rank), :func:`gather_sequence` un-shards (for evaluation), and
 :func:`gradient_sync_plan` with :func:`fusedpar.parallel.sync_gradients` reduces the gradients.
 """
 from __future__ import annotations
