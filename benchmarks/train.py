@@ -106,7 +106,7 @@ def _one_variant(args, ctx, name, overrides, dtype):
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
 
     def step():
-        loss = model.loss(model(inp), tgt)
+        loss = model.loss(model(inp, return_hidden=True), tgt)  # the head fused into the loss
         aux = model.aux_loss()
         (loss if aux is None else loss + aux).backward()
         opt.step()

@@ -213,7 +213,8 @@ def build(args, use_cuda: bool, vocab: int):
     layers = range(state.pp_rank * per_stage, (state.pp_rank + 1) * per_stage)
     model = Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group,
                         layers=layers, embed=state.is_first_stage, head=state.is_last_stage, seed=args.seed,
-                        aux_loss_scale=1.0 / state.tp, device=state.device, dtype=dtype)
+                        aux_loss_scale=1.0 / state.tp, device=state.device, dtype=dtype,
+                        return_hidden=True)  # the loss fuses the head: no logits in training
     return state, config, model, dtype
 
 

@@ -13,7 +13,7 @@ Qwen-MoE model,
 
 With sequence parallelism every rank feeds its shard of the sequence (:func:`shard_batch`) and
 gets the logits of that shard; :func:`sequence_parallel_loss` is the global mean cross entropy
-split over the ranks, :func:`gather_sequence` un-shards (for evaluation), and
+(the same value on every sp rank), :func:`gather_sequence` un-shards (for evaluation), and
 :func:`gradient_sync_plan` with :func:`fusedpar.parallel.sync_gradients` reduces the gradients.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.moe import MoE
 from fusedpar.nn.placement import Placement
 from fusedpar.nn.placement import gradient_sync_plan as placement_gradient_sync_plan
-from fusedpar.ops import comm, hybrid_attention, ring_attention, shard_positions, ulysses_attention
+from fusedpar.ops import comm, global_loss, hybrid_attention, ring_attention, shard_positions, ulysses_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "SequenceParallel", "check_sliding_window",
            "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
@@ -200,19 +200,15 @@ def shard_batch(hf_model, input_ids: torch.Tensor, labels: torch.Tensor | None =
 
 def sequence_parallel_loss(hf_model, logits: torch.Tensor, targets: torch.Tensor, *,
                            ignore_index: int = -100) -> torch.Tensor:
-    """Cross entropy of this rank's shard scaled so that the mean over the sequence-parallel
-    ranks is the mean over the whole sequence's counted tokens (``sp * local_sum / global_count``,
-    one all-reduce of the count), whatever the number of ignored tokens per rank. Averaging the
-    gradients over the sp ranks (:func:`fusedpar.parallel.sync_gradients`) then gives the
-    full-sequence gradients."""
+    """Mean cross entropy over the counted tokens of the whole sequence (all sequence-parallel
+    ranks), the same value on every sp rank, whatever the number of ignored tokens per rank
+    (:func:`fusedpar.ops.global_loss`: one all-reduce of the sum and the count). Its gradient is
+    ``sp`` times this rank's share, so averaging the gradients over the sp ranks
+    (:func:`fusedpar.parallel.sync_gradients`) gives the full-sequence gradients."""
     sp = _sp_of(hf_model)
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                             ignore_index=ignore_index, reduction="sum")
-    count = (targets != ignore_index).sum().to(torch.float32).reshape(1)
-    for g in sp.groups():
-        if comm.group_size(g) > 1:
-            dist.all_reduce(count, group=g)
-    return total * sp.size / count.clamp(min=1)[0]
+    return global_loss(total, (targets != ignore_index).sum(), tuple(sp.groups()))
 
 
 @torch.no_grad()

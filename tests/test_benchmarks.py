@@ -112,6 +112,16 @@ def test_train_cli_smoke(bench_main, tmp_path):
         assert r["matmul_params"] > 0 and r["model_TFLOPs"] > 0
 
 
+def test_linear_ce_cli_smoke(bench_main, tmp_path):
+    """The fused linear cross entropy against the materialised logits + loss, shrunk heads."""
+    out = tmp_path / "l.json"
+    assert bench_main(["linear_ce", "--tp", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]["linear_ce"]
+    assert (row["tokens"], row["vocab"], row["tp"], row["chunk_tokens"]) == (48, 250, 2, 16)
+    assert row["fused_ms"] > 0 and row["materialised_ms"] > 0 and row["max_rel_err"] < 1e-4
+    assert row["fused_peak_MiB"] is None  # measured on a GPU only
+
+
 def _run_file(path, mode, date, rows, **extra_env):
     env = {"date": date, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "mode": mode, **extra_env}
     path.write_text(json.dumps({"env": env, "results": rows}))

@@ -40,6 +40,9 @@ def test_logits_gradients_aux_loss_and_export_match_transformers(family):
     if family in MOE_FAMILIES:
         loss = loss + model.aux_loss()
     _assert_close(loss.detach(), ref_loss, f"{family} loss (with HF's aux loss)")
+    with torch.no_grad():  # the fused head (tied embeddings: the embedding's rows) gives HF's loss too
+        fused = model.loss(model(tokens, return_hidden=True), targets)
+    _assert_close(fused + (model.aux_loss() if family in MOE_FAMILIES else 0), ref_loss, f"{family} fused loss")
     loss.backward()
     compare_grads(model, ref_grads, family)
     # export: strict load into a fresh HF model gives the same model back
@@ -70,7 +73,8 @@ def test_training_steps_match_transformers():
          + hf.config.router_aux_loss_coef * out.aux_loss).backward()
         opt_hf.step()
         opt.zero_grad()
-        (model.loss(model(tokens), targets) + model.aux_loss()).backward()
+        # training fuses the head into the loss (the logits never exist)
+        (model.loss(model(tokens, return_hidden=True), targets) + model.aux_loss()).backward()
         opt.step()
     tokens, _ = tokens_targets(20, 2, 8)
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "logits after 3 AdamW steps")

@@ -22,7 +22,9 @@ the layout :func:`fusedpar.ops.hybrid_attention` documents; ``sp_mode="ulysses"`
 ``ring_size=1`` (contiguous).
 
 The output head is column-parallel over the vocabulary;
-:func:`fusedpar.ops.vocab_parallel_cross_entropy` computes the loss without gathering the logits.
+:func:`fusedpar.ops.vocab_parallel_cross_entropy` computes the loss without gathering the logits,
+and :meth:`Transformer.loss` of the final hidden states (``model(ids, return_hidden=True)``) fuses
+the head into the loss (:func:`fusedpar.ops.linear_cross_entropy`): the logits never exist.
 Every rank of a tp group ends with the same loss (over that tp group's tokens), which is what the
 gradient rules in :mod:`fusedpar.parallel` assume; :meth:`Transformer.gradient_sync_plan` names
 the rule of every parameter, from the placements its modules declare.
@@ -47,6 +49,7 @@ from fusedpar.kernels.checks import (
 )
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import comm
+from fusedpar.ops.linear_cross_entropy import linear_cross_entropy
 from fusedpar.ops.loss import attach_aux_loss, vocab_parallel_cross_entropy
 from fusedpar.ops.varlen import document_bounds
 
@@ -345,9 +348,11 @@ class Transformer(nn.Module):
     def __init__(self, config: TransformerConfig, *, tp_group=None, sp_group=None, ep_group=None,
                  ulysses_group=None, ring_group=None, layers: Iterable[int] | None = None, embed: bool = True,
                  head: bool = True, seed: int = 0,
-                 activation_checkpointing: bool = False, aux_loss_scale: float = 0.0, device=None, dtype=None):
+                 activation_checkpointing: bool = False, aux_loss_scale: float = 0.0, device=None, dtype=None,
+                 return_hidden: bool = False):
         super().__init__()
         self.config = config
+        self.return_hidden = check_bool("return_hidden", return_hidden)
         self.tp_group, self.sp_group, self.ep_group = tp_group, sp_group, ep_group
         self.ulysses_group, self.ring_group = ulysses_group, ring_group
         _check_groups(config, tp_group, sp_group, ep_group, ulysses_group, ring_group)
@@ -387,10 +392,16 @@ class Transformer(nn.Module):
                     self.head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False,
                                                      group=tp_group, sequence_parallel=True, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None,
+                return_hidden: bool | None = None) -> torch.Tensor:
         """``cu_seqlens``: int32 document boundaries of the full packed row (batch 1, the same on
         every rank): attention stays inside documents and rotary positions restart at each one
-        (or follow ``position_ids``, ``[seq_len]`` of the full row)."""
+        (or follow ``position_ids``, ``[seq_len]`` of the full row).
+
+        ``return_hidden`` (default: the constructor's, ``False``): a module holding the head
+        returns the final-norm hidden states ``[batch, seq/(sp*tp), hidden]`` instead of the logits,
+        for :meth:`loss` to fuse the head (a pipeline's last stage built with
+        ``return_hidden=True`` hands them to ``loss_fn=model.loss``)."""
         if self.embedding is not None:
             check_token_ids("input_ids", x, self.config.vocab_size)
             x = self.embedding(x)
@@ -403,7 +414,9 @@ class Transformer(nn.Module):
             else:
                 x = block(x, **docs)
         if self.norm is not None:
-            x = self.head(self.norm(x)) if self.head is not None else self._tied_head(self.norm(x))
+            x = self.norm(x)
+            if not (self.return_hidden if return_hidden is None else return_hidden):
+                x = self.head(x) if self.head is not None else self._tied_head(x)
         return x
 
     def _check_sliding_window(self, local_len: int, cu_seqlens) -> None:
@@ -425,13 +438,27 @@ class Transformer(nn.Module):
                              "fusedpar attention is full causal, which equals sliding-window attention only for "
                              "sequences of at most sliding_window tokens")
 
-    def _tied_head(self, x):
-        """The head of tied embeddings: this rank's vocabulary rows of the embedding table (its
-        gradient lands in those rows; the embedding's "replicated" rule sums it over tp and sp)."""
+    def head_weight(self) -> torch.Tensor:
+        """This rank's ``[vocab / tp, hidden]`` rows of the head: the head's weight, or with tied
+        embeddings this rank's vocabulary rows of the embedding table (their gradient lands in
+        those rows; the embedding's "replicated" rule sums it over tp and sp)."""
+        if self.norm is None:
+            raise ValueError("head_weight needs a module holding the head (head=True)")
+        if self.head is not None:
+            return self.head.weight
         n = self.config.vocab_size // comm.group_size(self.tp_group)
         r = comm.group_rank(self.tp_group)
-        w = self.embedding.weight[r * n:(r + 1) * n]
-        return all_gather_matmul(x, w, None, group=self.tp_group, gather_dim=1)
+        return self.embedding.weight[r * n:(r + 1) * n]
+
+    def _tied_head(self, x):
+        return all_gather_matmul(x, self.head_weight(), None, group=self.tp_group, gather_dim=1)
+
+    def data_groups(self) -> tuple:
+        """The groups whose ranks hold other tokens of the same sequences: the sp group, or the
+        Ulysses and ring groups of ``sp_mode="hybrid"`` (``None``: the default group)."""
+        if self.config.sp_mode == "hybrid":
+            return (self.ulysses_group, self.ring_group)
+        return (self.sp_group,)
 
     @torch.no_grad()
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
@@ -463,15 +490,43 @@ class Transformer(nn.Module):
         out[:, pos] = x
         return out
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean",
-             ignore_index: int = -100) -> torch.Tensor:
-        """Mean cross entropy over this tp group's tokens (the same value on each of its ranks);
-        targets equal to ``ignore_index`` are left out. The data-parallel rules average the
-        per-rank means, which is the global mean only when every sp / dp rank has as many counted
-        tokens: with ignored tokens spread unevenly, use ``reduction="sum"`` and divide by the
-        global count of counted tokens."""
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, reduction=reduction,
-                                            ignore_index=ignore_index)
+    def loss(self, output: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean",
+             ignore_index: int = -100, data_group="sp", **fused) -> torch.Tensor:
+        """Cross entropy of this rank's ``output`` against ``targets`` ``[batch, seq / sp]`` (the
+        targets of :func:`shard_tokens`); ``ignore_index`` targets are left out.
+
+        ``output``: the logits ``[batch, seq / sp, vocab / tp]`` of ``model(ids)``, or the hidden
+        states ``[batch, seq / (sp*tp), hidden]`` of ``model(ids, return_hidden=True)``: then the
+        head is fused into the loss (:func:`fusedpar.ops.linear_cross_entropy`, the logits never
+        exist; ``fused`` passes its ``label_smoothing``, ``z_loss``, ``softcap``, ``chunk_tokens``).
+        Which one is read from the shapes (hidden when both fit: ``tp == 1`` and ``hidden ==
+        vocab``, and ``return_hidden`` was set at construction).
+
+        ``reduction="mean"``: the mean over the counted tokens of every rank of ``data_group``
+        (default ``"sp"``: the sequence-parallel group(s), i.e. the whole sequences; pass
+        ``(state.data_group,)`` for the global batch, ``None`` for this tp group's tokens only), the
+        same value on each of those ranks; its gradient is scaled by their number, which
+        :func:`~fusedpar.parallel.sync_gradients` divides by, so the synced gradients equal the
+        one-process ones however unevenly ignored tokens fall. ``"sum"`` likewise sums over them;
+        ``"none"``: per-token losses of this tp group's tokens."""
+        groups = self.data_groups() if isinstance(data_group, str) and data_group == "sp" else data_group
+        if self._is_hidden(output, targets):
+            return linear_cross_entropy(output, self.head_weight(), targets, group=self.tp_group,
+                                        sequence_parallel=True, ignore_index=ignore_index, reduction=reduction,
+                                        data_group=groups, **fused)
+        if fused:
+            raise ValueError(f"{', '.join(sorted(fused))}: only with hidden states (model(ids, return_hidden=True))")
+        return vocab_parallel_cross_entropy(output, targets, self.tp_group, reduction=reduction,
+                                            ignore_index=ignore_index, data_group=groups)
+
+    def _is_hidden(self, output: torch.Tensor, targets: torch.Tensor) -> bool:
+        """Whether :meth:`loss` was given hidden states (else logits), from the shapes."""
+        tp = comm.group_size(self.tp_group)
+        if output.dim() != 3 or targets.dim() != 2:
+            return False
+        hidden = output.shape[-1] == self.config.hidden_size and output.shape[1] * tp == targets.shape[1]
+        logits = output.shape[-1] == self.config.vocab_size // tp and output.shape[1] == targets.shape[1]
+        return hidden and (not logits or self.return_hidden)
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE router losses of the last forward (``None`` without MoE blocks); with

@@ -9,6 +9,10 @@
   :func:`attach_aux_loss_fwd`): a copy of ``x`` (a custom op's output cannot alias its input),
   or ``x + residual``; its registered backward sends gradient ``scale`` into ``aux_loss`` in
   closed form (no backward op).
+* ``fusedpar::global_loss(total, count, tokens, mean) -> (loss, global_count)``
+  (:data:`global_loss_op`, body :func:`global_loss_fwd`): a loss summed (and its counted tokens
+  counted) over the data ranks; its registered backward, in closed form, scales the gradient of
+  ``total`` by the number of data ranks (no backward op).
 """
 from __future__ import annotations
 
@@ -17,10 +21,11 @@ import math
 import torch
 
 from . import comm
-from .library import custom_op, input_grads, token_group
+from .library import custom_op, hold, input_grads, token_group, token_size
+from .transport import token_transport
 
 __all__ = [
-    "attach_aux_loss_fwd", "attach_aux_loss_op", "check_target_range", "vocab_parallel_cross_entropy_backward_op",
+    "attach_aux_loss_fwd", "data_tokens", "global_loss_fwd", "global_loss_op", "attach_aux_loss_op", "check_target_range", "vocab_parallel_cross_entropy_backward_op",
     "vocab_parallel_cross_entropy_bwd", "vocab_parallel_cross_entropy_fwd", "vocab_parallel_cross_entropy_op",
 ]
 
@@ -147,3 +152,51 @@ def _attach_backward(ctx, grad):
 
 
 attach_aux_loss_op.register_autograd(_attach_backward, setup_context=_attach_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# the loss over the data ranks
+# ----------------------------------------------------------------------------------------------
+def data_tokens(tokens: str) -> list[str]:
+    """The transport tokens of ``global_loss``'s ``tokens`` argument (``;``-separated; a schema
+    holds no list of strings)."""
+    return [t for t in tokens.split(";") if t]
+
+
+def global_loss_fwd(total: torch.Tensor, count: torch.Tensor, tokens: str,
+                    mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, global_count)``: ``total`` (a scalar loss sum) and ``count`` (counted tokens)
+    summed in fp64 over every group ``tokens`` names (one all-reduce of two numbers per group of
+    more than one rank), then ``sum / count`` if ``mean`` else ``sum``; fp32 scalars."""
+    pair = torch.stack([total.detach().double().reshape(()), count.detach().double().reshape(())])
+    for tok in data_tokens(tokens):
+        t = token_transport(tok)
+        if t.size > 1:
+            t.all_reduce(pair).wait()
+    loss = pair[0] / pair[1] if mean else pair[0]
+    return loss.float(), pair[1].float()
+
+
+global_loss_op = custom_op("global_loss")(global_loss_fwd)
+
+
+@global_loss_op.register_fake
+def _(total, count, tokens, mean):
+    return total.new_empty((), dtype=torch.float32), total.new_empty((), dtype=torch.float32)
+
+
+def _global_setup(ctx, inputs, output):
+    total, _, tokens, ctx.mean = inputs
+    ctx.n = math.prod(token_size(t) for t in data_tokens(tokens))
+    ctx.total_dtype = total.dtype
+    ctx.transports = hold(*data_tokens(tokens))
+    ctx.save_for_backward(output[1])
+
+
+def _global_backward(ctx, grad, _unused):
+    (count,) = ctx.saved_tensors
+    scale = grad * ctx.n / count if ctx.mean else grad * ctx.n  # sync_gradients divides by the data ranks
+    return input_grads(global_loss_op, total=scale.to(ctx.total_dtype))
+
+
+global_loss_op.register_autograd(_global_backward, setup_context=_global_setup)

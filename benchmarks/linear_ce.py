@@ -1,0 +1,86 @@
+"""``python -m benchmarks linear_ce``: the fused linear + vocabulary-parallel cross entropy
+(:func:`fusedpar.ops.linear_cross_entropy`) against the materialised path (the head GEMM, then
+:func:`fusedpar.ops.vocab_parallel_cross_entropy` of the logits): time of forward + backward and
+peak memory above the inputs (``torch.cuda.max_memory_allocated``), for the Llama-3 heads.
+
+One GPU: ``--tp`` runs one rank's vocabulary shard (``V / tp`` rows) without the (small)
+collectives. The baseline's GEMM is ``torch.nn.functional.linear`` (cuBLAS, differentiable)."""
+from __future__ import annotations
+
+from ._common import check_close, parse_dtype, register
+
+# (name, tokens per rank, hidden, vocabulary): Llama-3 8B / 70B heads, 8k tokens
+GPU_SHAPES = [("llama3-8b", 8192, 4096, 128256), ("llama3-70b", 8192, 8192, 128256)]
+SMOKE_SHAPES = [("smoke", 48, 40, 250)]
+
+
+def _add_args(p):
+    p.add_argument("--dtype", type=parse_dtype, default=None, help="bf16 (GPU default), fp32 (CPU default)")
+    p.add_argument("--tp", type=int, default=1, help="vocabulary shards: time one rank's V/tp rows")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="tokens per chunk (default: the op's, a 256 MiB fp32 logits buffer; 16 in smoke mode)")
+
+
+def _peak(ctx, fn):
+    """``(result, peak MiB above what was allocated before)`` on a GPU; ``(result, None)`` off it."""
+    import torch
+
+    if not ctx.gpu:
+        return fn(), None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def _row(ctx, name, T, H, V, dtype, tp, chunk):
+    import torch
+    import torch.nn.functional as F
+
+    from fusedpar.ops import linear_cross_entropy, vocab_parallel_cross_entropy
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    v = V // tp
+    h = (torch.randn(T, H, generator=g) * 0.5).to(ctx.device, dtype).requires_grad_()
+    w = (torch.randn(v, H, generator=g) * H ** -0.5).to(ctx.device, dtype).requires_grad_()
+    t = torch.randint(0, v, (T,), generator=g).to(ctx.device)  # this shard's ids (one rank, no exchange)
+
+    def fused():
+        h.grad = w.grad = None
+        loss = linear_cross_entropy(h, w, t, chunk_tokens=chunk)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad
+
+    def materialised():
+        h.grad = w.grad = None
+        loss = vocab_parallel_cross_entropy(F.linear(h, w), t)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad
+
+    (l1, dh1, dw1), peak_fused = _peak(ctx, fused)
+    (l0, dh0, dw0), peak_mat = _peak(ctx, materialised)
+    err = max(check_close(l1, l0), check_close(dh1, dh0), check_close(dw1, dw0))
+    t_fused, t_mat = ctx.time_ms(fused), ctx.time_ms(materialised)
+    return {
+        "head": name, "tokens": T, "hidden": H, "vocab": V, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
+        "chunk_tokens": chunk or "default", "fused_ms": t_fused, "materialised_ms": t_mat,
+        "ratio_vs_materialised": t_mat / t_fused, "fused_peak_MiB": peak_fused, "materialised_peak_MiB": peak_mat,
+        "logits_MiB": T * v * torch.finfo(dtype).bits / 8 / 2 ** 20, "max_rel_err": err,
+    }
+
+
+@register("linear_ce", "fused linear + vocab-parallel cross entropy vs logits + loss (time, peak memory)",
+          add_args=_add_args)
+def run(args, ctx):
+    import torch
+
+    dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
+    chunk = args.chunk_tokens or (None if ctx.gpu else 16)
+    rows = [_row(ctx, name, T, H, V, dtype, args.tp, chunk)
+            for name, T, H, V in (GPU_SHAPES if ctx.gpu else SMOKE_SHAPES)]
+    if ctx.smoke:
+        ctx.notes.append("CPU smoke mode: Llama-3 heads shrunk to 48 tokens x hidden 40 x vocab 250 (chunks of 16); "
+                         "the Triton interpreter is timed and peak memory is not measured: not performance.")
+    return rows
