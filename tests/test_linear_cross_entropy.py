@@ -186,7 +186,7 @@ def test_bf16_on_gpu():
 # ----------------------------------------------------------------------------------------------
 # one gloo world of 4: tp2 (subgroups {0,1}, {2,3}) and tp4, sequence parallel or not
 # ----------------------------------------------------------------------------------------------
-B, S, H, V = 2, 12, 5, 20  # 24 tokens, chunks of 5; vocab shards of 10 / 5 rows
+B, S, H, V = 2, 12, 5, 24  # 24 tokens, chunks of 5; vocab shards of 12 / 8 / 6 rows
 _GROUPS = {}
 
 
@@ -196,8 +196,10 @@ def _groups():
     if not _GROUPS:  # every rank creates every group, in the same order
         _GROUPS["tp2"] = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         _GROUPS["sp2"] = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        _GROUPS["tp3"] = [dist.new_group([0, 1, 2]), dist.new_group([3])]
     r = dist.get_rank()
     return _GROUPS["tp2"][r // 2], _GROUPS["sp2"][r % 2]
+
 
 
 def _world_inputs():
@@ -212,9 +214,12 @@ def _world_inputs():
 
 def _tp_case(rank, size, opts, ref):
     tp2, _ = _groups()
+    tp3 = _GROUPS["tp3"][0 if rank < 3 else 1]  # ranks 0-2 a tp group of 3, rank 3 alone (tp 1)
     h, w, t = _world_inputs()
     done = 0
-    for name, group, P, r in (("tp2", tp2, 2, rank % 2), ("tp4", None, 4, rank)):
+    layouts = (("tp2", tp2, 2, rank % 2), ("tp3" if rank < 3 else "tp1", tp3, 3 if rank < 3 else 1, rank % 3),
+               ("tp4", None, 4, rank))
+    for name, group, P, r in layouts:
         n, v = S // P, V // P
         for sp in (False, True):
             hl = (h[:, r * n:(r + 1) * n] if sp else h).clone().requires_grad_()
@@ -237,7 +242,7 @@ def test_tensor_parallel_matches_one_process(world4, opts):
     hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
     loss = reference(hr, wr, t, **opts)
     loss.backward(torch.ones_like(loss) if loss.dim() else None)
-    assert world4.run(_tp_case, opts, (loss.detach(), hr.grad, wr.grad)) == [4] * 4
+    assert world4.run(_tp_case, opts, (loss.detach(), hr.grad, wr.grad)) == [6] * 4
 
 
 def _sp_mean_case(rank, size, ref):
