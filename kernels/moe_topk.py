@@ -172,12 +172,14 @@ def _topk_route_bwd_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, grad_ptr,
 # host launchers
 # --------------------------------------------------------------------------------------------
 def check_routing_config(num_experts: int, top_k: int, *, score: str = "softmax", n_group: int = 1,
-                         topk_group: int | None = None, scale: float = 1.0, prefix: str = "") -> int:
-    """Check a routing configuration (``ValueError`` / ``TypeError`` naming ``prefix + field``);
-    returns the effective ``topk_group`` (``n_group`` when ``None``)."""
+                         topk_group: int | None = None, scale: float = 1.0, prefix: str = "",
+                         score_name: str = "score") -> int:
+    """Check a routing configuration (``ValueError`` / ``TypeError`` naming ``prefix + field``;
+    ``score_name``: the score function's field); returns the effective ``topk_group``
+    (``n_group`` when ``None``)."""
     check_int(f"{prefix}num_experts", num_experts, min_value=1)
     check_int(f"{prefix}top_k", top_k, min_value=1, max_value=num_experts)
-    check_choice(f"{prefix}score_func", score, tuple(SCORE_FUNCS))
+    check_choice(f"{prefix}{score_name}", score, tuple(SCORE_FUNCS))
     check_int(f"{prefix}n_group", n_group, min_value=1, max_value=num_experts)
     topk_group = n_group if topk_group is None else topk_group
     check_int(f"{prefix}topk_group", topk_group, min_value=1, max_value=n_group)
