@@ -35,8 +35,10 @@ __all__ = ["SCORE_FUNCS", "check_routing_config", "topk_route", "topk_route_back
 #: score functions: name -> constexpr code of the kernels
 SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 #: most elements one program holds (tokens x padded experts) on a GPU
-TILE_ELEMENTS = 4096
+TILE_ELEMENTS = 2048
 INTERPRETED_TILE_ELEMENTS = 1024
+#: warps per program: 8 elements of a full tile per thread, so the few live tiles stay in registers
+NUM_WARPS = 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,7 +239,7 @@ def topk_route(logits: torch.Tensor, top_k: int, *, score: str = "softmax", bias
         logits, logits.stride(0), bias if bias is not None else logits, weights, ids, T, E, epg, n_group, float(scale),
         SCORE=SCORE_FUNCS[score], HAS_BIAS=bias is not None, TOPK_GROUP=topk_group if grouped else 0, TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), NORMALIZE=bool(normalize), BLOCK_T=block_t, G_PAD=g_pad,
-        EPG_PAD=epg_pad)
+        EPG_PAD=epg_pad, num_warps=NUM_WARPS)
     return weights, ids
 
 
@@ -264,7 +266,7 @@ def topk_route_backward(grad_weights: torch.Tensor, logits: torch.Tensor, weight
     _topk_route_bwd_kernel[(triton.cdiv(T, block_t),)](
         logits, logits.stride(0), weights, ids, grad_weights, dlogits, T, E, epg, float(scale),
         SCORE=SCORE_FUNCS[score], TOP_K=k, NORMALIZE=bool(normalize) and score != "softmax_topk", BLOCK_T=block_t,
-        G_PAD=g_pad, EPG_PAD=epg_pad)
+        G_PAD=g_pad, EPG_PAD=epg_pad, num_warps=NUM_WARPS)
     return dlogits
 
 
