@@ -214,8 +214,11 @@ class TopKRouter(nn.Module):
         return RouterLoad(counts.detach().cpu(), max_violation(counts))
 
     def extra_repr(self):
+        extra = "".join(f", {n}={v}" for n, v in (("n_group", self.n_group), ("topk_group", self.topk_group),
+                                                   ("routed_scaling_factor", self.routed_scaling_factor),
+                                                   ("bias_update_rate", self.bias_update_rate)) if v not in (1, 0.0))
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"score={self.score!r}, capacity_factor={self.capacity_factor}")
+                f"score={self.score!r}, capacity_factor={self.capacity_factor}{extra}")
 
 
 def hf_load_balancing_loss(routers) -> torch.Tensor:
