@@ -21,6 +21,7 @@ from fusedpar.kernels import (
 from fusedpar.kernels.flash_attention import flash_attention_forward
 from fusedpar.kernels.flash_attention_bwd import flash_attention_backward
 from fusedpar.kernels.moe_routing import routing_metadata
+from fusedpar.kernels.moe_topk import topk_route, topk_route_backward
 from fusedpar.kernels.persistent_gemm import chunk_reduce, chunk_view, persistent_matmul
 from fusedpar.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
 
@@ -161,9 +162,35 @@ def _moe_cases():
                 combine_backward(meta(T, H, dtype=dt), meta(T * k, H, dtype=dt), meta(T, k, dtype=dt),
                                  meta(T * k, dtype=torch.int32), k))),
         ]
+    cases += _router_cases()
     cases.append(Case("grouped", "tests 5 groups 61x24x40 swiglu", False, lambda dt: grouped_matmul(
         meta(61, 40, dtype=dt), meta(3, 48, 40, dtype=dt), [0, 7, 7, 30, 41, 55], activation="swiglu")))
     return cases
+
+
+#: routers (fp32 logits, whatever the pass's dtype): experts, top-k, tokens, options
+ROUTERS = {
+    "mixtral softmax": (8, 2, 8192, dict(score="softmax")),
+    "deepseek-v3 sigmoid grouped 8/4 +bias": (256, 8, 8192, dict(score="sigmoid", n_group=8, topk_group=4,
+                                                                  normalize=True, scale=2.5, bias=True)),
+    "gpt-oss softmax_topk": (128, 4, 8192, dict(score="softmax_topk")),
+    "tests 12 experts groups 4/2": (12, 3, 13, dict(score="sigmoid", n_group=4, topk_group=2, normalize=True,
+                                                    bias=True)),
+}
+
+
+def _router(E, k, T, opts):
+    opts = dict(opts)
+    bias = meta(E, dtype=torch.float32) if opts.pop("bias", False) else None
+    logits = meta(T, E, dtype=torch.float32)
+    w, ids = topk_route(logits, k, bias=bias, **opts)
+    opts.pop("topk_group", None)
+    topk_route_backward(meta(T, k, dtype=torch.float32), logits, w, ids, **opts)
+
+
+def _router_cases():
+    return [Case("moe", f"{name} router top-k", name.startswith(("mixtral", "deepseek")),
+                 lambda dt, c=c: _router(*c)) for name, c in ROUTERS.items()]
 
 
 # --------------------------------------------------------------------------------------------

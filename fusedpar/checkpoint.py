@@ -7,7 +7,9 @@ sharded parameter as a DTensor over a one-dimensional mesh of its group with pla
 the ``[q; k; v]`` rows of a fused attention projection, stored as ``<name>.section<c>`` at every
 tp degree, so keys never depend on the layout), so the files hold full logical tensors: a model
 built at another tp or ep degree loads them by building its own DTensors, and DCP reads each
-rank's slice. Replicated tensors are written once (DCP deduplicates identical chunks).
+rank's slice. Replicated tensors are written once (DCP deduplicates identical chunks). Buffers
+that modules declare in ``checkpoint_buffers()`` (:func:`~fusedpar.nn.placement.checkpoint_buffers`:
+the MoE router's ``e_score_correction_bias``) are saved and loaded beside the parameters, replicated.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedpar.nn.placement import Placement, parameter_placements
+from fusedpar.nn.placement import Placement, checkpoint_buffers, parameter_placements
 from fusedpar.ops import comm
 
 
@@ -148,9 +150,11 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def full_state_dict(model: nn.Module, *, optimizer=None, params=None, extra=None, default_placement=None) -> dict:
-    """The flat DCP state dict :func:`save` writes: ``model.*`` (``params`` or the parameters),
-    ``optim.*`` (with ``optimizer``), ``extra.*``."""
+    """The flat DCP state dict :func:`save` writes: ``model.*`` (``params`` or the parameters, and
+    the buffers modules declare in ``checkpoint_buffers()``, replicated), ``optim.*`` (with
+    ``optimizer``), ``extra.*``."""
     sd = {f"model.{k}": v for k, v in dcp_state_dict(model, params, default_placement).items()}
+    sd.update({f"model.{k}": v for k, v in checkpoint_buffers(model).items()})
     if optimizer is not None:
         sd.update({f"optim.{k}": v for k, v in
                    optimizer_state_dict(model, optimizer, params, default_placement).items()})

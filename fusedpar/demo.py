@@ -93,6 +93,11 @@ def parse_args(argv):
     p.add_argument("--layers", type=int, default=2, help="blocks; every second one is an MoE block")
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--router-score", choices=["softmax", "sigmoid"], default="softmax",
+                   help="router score function (sigmoid: DeepSeek-V3 style, weights renormalised)")
+    p.add_argument("--bias-update-rate", type=float, default=0.0,
+                   help="auxiliary-loss-free balancing: per-expert selection bias moved by this much per step")
+    p.add_argument("--seq-aux-coef", type=float, default=0.0, help="DeepSeek-V3 sequence-wise balance loss weight")
     p.add_argument("--lr", type=float, default=2e-2, help="peak learning rate (linear warm-up, cosine decay)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps")
     p.add_argument("--microbatches", type=int, default=2, help="pipeline microbatches (with --pp > 1)")
@@ -134,6 +139,9 @@ def check_args(args) -> None:
         raise UsageError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    for name in ("bias_update_rate", "seq_aux_coef"):
+        if not getattr(args, name) >= 0:
+            raise UsageError(f"{_option(name)} must be >= 0, got {getattr(args, name)}")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k must be <= --experts ({args.experts}), got {args.top_k}")
     if args.hidden % args.heads or (args.hidden // args.heads) % 2:
@@ -207,7 +215,8 @@ def build(args, use_cuda: bool, vocab: int):
     config = TransformerConfig(
         vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
         num_kv_heads=args.heads, ffn_hidden_size=2 * args.hidden, num_experts=args.experts, top_k=args.top_k,
-        moe_every=2, sp_mode="ring", layout="zigzag", causal=True,
+        moe_every=2, sp_mode="ring", layout="zigzag", causal=True, score_func=args.router_score,
+        bias_update_rate=args.bias_update_rate, seq_aux_loss_coef=args.seq_aux_coef,
     )
     per_stage = args.layers // args.pp
     layers = range(state.pp_rank * per_stage, (state.pp_rank + 1) * per_stage)
@@ -326,6 +335,8 @@ def train_step(step: int, run) -> float:
     sync_gradients(run.master.tensors.items(), run.state, run.plan)
     run.opt.step()
     run.master.master_to_model()
+    # the step's per-expert counts summed over this stage's ranks; the routers' bias update
+    run.router_loads = run.model.update_router_bias(run.state.data_tp_group)
     return global_mean(loss, run.state)
 
 
@@ -451,10 +462,18 @@ def describe(run) -> str:
             f"the training unigram distribution; uniform: ln {c.vocab_size} = {math.log(c.vocab_size):.4f})")
 
 
+def router_record(loads: dict) -> dict:
+    """``{layer: {"counts": [...], "max_violation": v}}`` of :meth:`Transformer.update_router_bias`."""
+    return {name: {"counts": load.counts.tolist(), "max_violation": round(load.max_violation, 4)}
+            for name, load in loads.items()}
+
+
 def log_step(run, rec: dict, metrics) -> None:
     val = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+    load = "".join(f"  layer {name.split('.')[-1]} load {r['counts']} maxvio {r['max_violation']:.2f}"
+                   for name, r in rec.get("router", {}).items())
     run.say(f"step {rec['step']:4d}/{run.args.steps}  loss {rec['loss']:.4f}{val}  lr {rec['lr']:.2e}  "
-            f"{rec['tokens_per_s']:9.1f} tokens/s  {rec['elapsed_s']:8.1f} s")
+            f"{rec['tokens_per_s']:9.1f} tokens/s  {rec['elapsed_s']:8.1f} s{load}")
     if metrics is not None:
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
@@ -538,6 +557,7 @@ def _run(args) -> int:
         dt = time.perf_counter() - t0
         tokens += per_step
         rec.update(tokens_per_s=per_step / dt, elapsed_s=time.perf_counter() - t_start)
+        rec["router"] = router_record(getattr(run, "router_loads", {}))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             rec["val_loss"] = val = evaluate(run)
         log_step(run, rec, metrics)

@@ -292,3 +292,35 @@ def test_bf16_mixed_precision_tracks_fp32(world2):
     assert fp32 != bf16  # bf16 really ran
     for a, b in zip(fp32, bf16):
         assert abs(a - b) <= 2e-2 * abs(a), (fp32, bf16)
+
+
+def _router_bias(rank, size, root):
+    """DeepSeek-V3 routing at tp2 x ep2 (each rank routes its own sequence shard): the step's
+    counts are summed over the stage's ranks, both ranks get the same bias, and a checkpoint keeps
+    it (loaded at dp2)."""
+    config = tiny_config(num_experts=4, top_k=2, moe_every=2, score_func="sigmoid", n_group=2, topk_group=1,
+                         routed_scaling_factor=2.0, bias_update_rate=0.01)
+    state = build_parallel_state(tp=2, ep=2)
+    model = Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group, seed=3)
+    ids, tgt = local_batch(*batch(5, B, S, config.vocab_size), state)
+    model.loss(model(ids), tgt).backward()
+    router = model.layers["1"].mlp.router
+    local = router.step_counts().clone()
+    summed = local.clone()
+    dist.all_reduce(summed)
+    loads = model.update_router_bias(state.data_tp_group)
+    assert torch.equal(loads["layers.1"].counts, summed)
+    assert torch.equal(router.e_score_correction_bias, 0.01 * torch.sign(summed.sum() - 4 * summed).float())
+    path = os.path.join(root, "bias")
+    fck.save(model, path)
+    at = build_parallel_state(dp=2)
+    other = Transformer(config, tp_group=at.tp_group, sp_group=at.sp_group, ep_group=at.ep_group, seed=4)
+    fck.load(other, path)
+    return local.tolist(), router.e_score_correction_bias.tolist(), \
+        other.layers["1"].mlp.router.e_score_correction_bias.tolist()
+
+
+def test_router_bias_is_summed_identical_and_checkpointed(world2, tmp_path):
+    r0, r1 = world2.run(_router_bias, str(tmp_path))  # the ranks share the directory
+    assert sum(r0[0]) == sum(r1[0]) > 0  # each rank routed its own tokens
+    assert r0[1] == r1[1] == r0[2] == r1[2] and any(r0[1]), (r0, r1)

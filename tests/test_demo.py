@@ -51,8 +51,13 @@ def _run_demo(*args):
 
 @pytest.mark.world
 def test_demo_runs_under_torchrun():
-    out = _run_demo()
+    """The default layout with DeepSeek-V3 style routing (sigmoid scores, the bias update, the
+    sequence-wise loss); each step line shows the MoE block's global per-expert load."""
+    out = _run_demo("--router-score", "sigmoid", "--bias-update-rate", "1e-3", "--seq-aux-coef", "1e-3")
     assert "world 4 = dp 1 x pp 1 x sp 2 x tp 2 (ep 4)" in out, out
+    loads = re.findall(r"^step +\d+/2 .* layer 1 load \[(\d+), (\d+), (\d+), (\d+)\] maxvio (\S+)$", out, flags=re.M)
+    # 2 sequences of 8 tokens, top-2: 32 routed slots per step, summed over the 4 ranks
+    assert len(loads) == 2 and all(sum(int(c) for c in row[:4]) == 32 for row in loads), out
     assert "Python standard library sources" in out, out
 
 
@@ -132,8 +137,9 @@ def test_layout_choice(world, pp, expected):
 
 
 @pytest.mark.parametrize("argv", [["--dtype", "fp8"], ["--steps", "0"], ["--save-every", "2"],
-                                  ["--simulate-failure", "3"], ["--eval-every", "-1"]],
-                         ids=["dtype", "steps", "save-without-dir", "failure-without-dir", "eval-every"])
+                                  ["--simulate-failure", "3"], ["--eval-every", "-1"], ["--bias-update-rate", "-1"]],
+                         ids=["dtype", "steps", "save-without-dir", "failure-without-dir", "eval-every",
+                              "bias-update-rate"])
 def test_bad_arguments(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)

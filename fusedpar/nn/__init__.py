@@ -1,6 +1,6 @@
-from .placement import Placement, parameter_placements  # noqa: F401
+from .placement import Placement, checkpoint_buffers, parameter_placements  # noqa: F401
 from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_shards
-from .moe import MoE, RouterOutput, TopKRouter  # noqa: F401
+from .moe import MoE, RouterLoad, RouterOutput, TopKRouter  # noqa: F401
 from .attention import AttentionReference, ParallelAttention, apply_rotary, rotary_cos_sin  # noqa: F401
 from .norm import RMSNorm  # noqa: E402,F401
 from .transformer import (  # noqa: E402,F401

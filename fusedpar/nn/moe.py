@@ -7,59 +7,91 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..kernels.checks import check_choice, check_divisible, check_int
+from ..kernels.checks import check_bool, check_choice, check_divisible, check_int
+from ..kernels.moe_topk import SCORE_FUNCS, check_routing_config
 from ..kernels.runtime import ACTIVATIONS
 from ..ops import comm
 from .groups import check_divides, group_arg
 from .placement import Placement
-from ..ops.moe import moe_mlp
+from ..ops.moe import moe_mlp, moe_route
 from ..ops.tensor_parallel import gather_features, scatter_features
 from ..ops.transport import get_transport
 
-__all__ = ["TopKRouter", "RouterOutput", "MoE", "SharedExpertGate", "hf_load_balancing_loss"]
+__all__ = ["TopKRouter", "RouterOutput", "RouterLoad", "MoE", "max_violation", "sum_over_groups", "SharedExpertGate", "hf_load_balancing_loss"]
 
-_SCORES = ("softmax", "sigmoid")
+_SCORES = tuple(SCORE_FUNCS)  # softmax, sigmoid, softmax_topk
 
 
 class RouterOutput(NamedTuple):
     weights: torch.Tensor  # [T, k] fp32 combine weights
     expert_ids: torch.Tensor  # [T, k] int64, best first; ties -> lowest expert id
     capacity: int | None  # slots per expert kept (None: dropless)
-    aux_loss: torch.Tensor  # aux_loss_coef * load-balancing loss (scalar, fp32)
+    aux_loss: torch.Tensor  # aux_loss_coef * load-balancing loss + seq_aux_loss_coef * sequence-wise loss (fp32)
     z_loss: torch.Tensor  # z_loss_coef * router z-loss (scalar, fp32)
 
 
+class RouterLoad(NamedTuple):
+    """The routing load of one router over one training step (all its forwards since the last
+    :meth:`TopKRouter.update_bias`), summed over the ranks given to the update."""
+    counts: torch.Tensor  # [E] int64: routed slots per expert (before capacity drops)
+    max_violation: float  # max_e counts_e / mean(counts) - 1 (0: perfectly balanced)
+
+
+def _number(name: str, v, *, positive: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 if positive else v >= 0):
+        raise ValueError(f"{name} must be a number {'> 0' if positive else '>= 0'}, got {v!r}")
+    return float(v)
+
+
+def max_violation(counts: torch.Tensor) -> float:
+    """``max_e counts_e / mean_e counts_e - 1`` (DeepSeek-V3's MaxVio; 0 when nothing was routed)."""
+    total = int(counts.sum())
+    return 0.0 if total == 0 else float(counts.max()) * counts.numel() / total - 1.0
+
+
 class TopKRouter(nn.Module):
-    """Linear gate + top-k selection with the two standard auxiliary losses.
+    """Linear gate + top-k selection (the routing kernel, :func:`fusedpar.ops.moe_route`) with
+    the standard auxiliary losses and DeepSeek-V3's auxiliary-loss-free load balancing.
 
-    ``score="softmax"``: probabilities ``softmax(logits)``; the combine weights are the top-k
-    probabilities (renormalised to sum to 1 when ``normalize=True``; default False).
-    ``score="sigmoid"``: scores ``sigmoid(logits)``, top-k of them, renormalised by default.
+    Scores (``score``): ``"softmax"`` (``softmax(logits)``), ``"sigmoid"`` (``sigmoid(logits)``;
+    DeepSeek-V3, Kimi K2, GLM-4.5) or ``"softmax_topk"`` (gpt-oss: the top-k by logit, the
+    weights a softmax over the chosen logits). The combine weights are the chosen experts' scores,
+    renormalised to sum to 1 when ``normalize`` (default: False for softmax, True for sigmoid),
+    times ``routed_scaling_factor``. ``router_bias``: a learned ``bias [E]`` added to the logits
+    (gpt-oss).
 
-    Losses (computed in fp32 over this call's tokens; both already multiplied by their
-    coefficient and stored as ``self.aux_loss`` / ``self.z_loss`` and in the returned tuple, so a
-    training loop adds them to its loss):
+    Selection: ``n_group`` groups of consecutive experts, ranked by the sum of their two best
+    scores; only the ``topk_group`` best groups are searched (DeepSeek-V3's group-limited
+    routing; ``n_group=1``: all experts). ``score_bias`` / ``bias_update_rate > 0``: a buffer
+    ``e_score_correction_bias [E]`` (fp32, persistent, saved in checkpoints) is added to the scores
+    for the selection only; :meth:`update_bias` moves it by ``bias_update_rate * sign(mean load -
+    load)`` after each optimizer step. Ties go to the lowest expert (group) id.
+
+    Losses (fp32, over this call's tokens; already multiplied by their coefficient and stored as
+    ``self.aux_loss`` / ``self.z_loss`` and in the returned tuple):
 
     * load balancing (Switch / GShard): ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the
-      ``T*k`` routed slots that chose expert ``e`` (before any capacity drop; no gradient) and
-      ``P_e`` the mean over tokens of the expert's probability (sigmoid: the scores normalised
-      per token). ``f`` and ``P`` each sum to 1 over experts, so uniform routing gives 1.
+      ``T*k`` routed slots that chose expert ``e`` (no gradient) and ``P_e`` the mean over tokens of
+      the expert's probability (sigmoid: the scores normalised per token);
+    * sequence-wise balance (DeepSeek-V3, ``seq_aux_loss_coef``): the same ``E * sum_e f_e P_e``
+      computed per sequence (``x [..., S, H]``: the rows of the last-but-one dimension; a 2-D ``x``
+      is one sequence) and averaged over sequences; added to ``aux_loss``;
     * z-loss (ST-MoE): ``mean_t logsumexp(logits_t)^2``.
 
-    ``self.balance_stats`` keeps ``(counts [E], prob_sum [E], T)`` of the last call (top-k
-    assignments per expert, no gradient; the sum over tokens of the probabilities) for losses
-    pooled over several layers, e.g. Hugging Face's :func:`hf_load_balancing_loss`.
-
-    Ties in the scores are broken deterministically towards the lowest expert id (stable sort).
-    ``capacity_factor`` ``c`` gives ``capacity = ceil(c * T * k / E)`` slots per expert.
-    ``sequence_sharded``: the tokens it routes are this rank's sequence shard of its tensor-parallel
-    group's (as in a :class:`~fusedpar.nn.Transformer`; its weight's gradient is then partial over
-    tp), or all of them (``False``: a replicated-token layer).
+    ``self.balance_stats`` keeps ``(counts [E], prob_sum [E], T)`` of the last call for losses
+    pooled over layers (:func:`hf_load_balancing_loss`). ``self.tokens_per_expert`` (int64 ``[E]``)
+    accumulates the routed slots of the training forwards (``self.training`` and gradients on)
+    since the last :meth:`update_bias`. ``capacity_factor`` ``c`` gives ``capacity = ceil(c * T * k /
+    E)`` slots per expert. ``sequence_sharded``: the tokens are this rank's sequence shard of its
+    tensor-parallel group's (the weight's gradient is partial over tp), or all of them (``False``).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, capacity_factor: float | None = None,
-                 normalize: bool | None = None, sequence_sharded: bool = True, device=None, dtype=None):
+                 normalize: bool | None = None, sequence_sharded: bool = True, routed_scaling_factor: float = 1.0,
+                 n_group: int = 1, topk_group: int | None = None, score_bias: bool = False,
+                 bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0, router_bias: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         check_int("hidden_size", hidden_size, min_value=1)
         check_int("num_experts", num_experts, min_value=1)
@@ -69,24 +101,41 @@ class TopKRouter(nn.Module):
         check_choice("score", score, _SCORES)
         if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
             raise ValueError(f"capacity_factor must be None or a number > 0, got {capacity_factor!r}")
+        self.topk_group = check_routing_config(num_experts, top_k, score=score, n_group=n_group,
+                                               topk_group=topk_group, scale=routed_scaling_factor)
+        self.bias_update_rate = _number("bias_update_rate", bias_update_rate)
+        self.seq_aux_loss_coef = _number("seq_aux_loss_coef", seq_aux_loss_coef)
+        for name, v in (("score_bias", score_bias), ("router_bias", router_bias)):
+            check_bool(name, v)
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
-        self.score = score
+        self.score, self.n_group, self.routed_scaling_factor = score, n_group, float(routed_scaling_factor)
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.capacity_factor = capacity_factor
         self.normalize = (score == "sigmoid") if normalize is None else bool(normalize)
         self.sequence_sharded = bool(sequence_sharded)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if router_bias else None
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device, dtype=torch.float32)
+                             if score_bias or self.bias_update_rate > 0 else None)
+        self.tokens_per_expert = None  # int64 [E] on the logits' device, made by the first training forward
         self.aux_loss = None
         self.z_loss = None
         self.balance_stats = None
         self.reset_parameters()
 
     def placements(self) -> dict[str, Placement]:
-        return {"weight": Placement.replicated(sequence_sharded=self.sequence_sharded)}
+        p = Placement.replicated(sequence_sharded=self.sequence_sharded)
+        return {"weight": p, "bias": p} if self.bias is not None else {"weight": p}
+
+    def checkpoint_buffers(self) -> tuple[str, ...]:
+        """Buffers that checkpoints save and restore (replicated: identical on every rank)."""
+        return ("e_score_correction_bias",) if self.e_score_correction_bias is not None else ()
 
     def reset_parameters(self):
         bound = 1.0 / math.sqrt(self.hidden_size)
         nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -97,36 +146,79 @@ class TopKRouter(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., hidden_size={self.hidden_size}], got {getattr(x, 'shape', x)}")
         x2d = x.reshape(-1, self.hidden_size)
-        T, E, k = x2d.shape[0], self.num_experts, self.top_k
         logits = x2d.float() @ self.weight.float().t()
-        if self.score == "softmax":
-            probs = torch.softmax(logits, dim=-1)
-            scores = probs
-        else:
+        if self.bias is not None:
+            logits = logits + self.bias.float()
+        weights, ids = moe_route(logits, self.top_k, score=self.score, bias=self.e_score_correction_bias,
+                                 n_group=self.n_group, topk_group=self.topk_group, normalize=self.normalize,
+                                 scale=self.routed_scaling_factor)
+        aux, z = self._losses(logits, ids, x.shape[-2] if x.dim() > 2 else x2d.shape[0])
+        self.aux_loss = self.aux_loss_coef * aux[0] + (self.seq_aux_loss_coef * aux[1] if self.seq_aux_loss_coef
+                                                       else 0.0)
+        self.z_loss = self.z_loss_coef * z
+        return RouterOutput(weights, ids, self.capacity(x2d.shape[0]), self.aux_loss, self.z_loss)
+
+    def _losses(self, logits, ids, seq_len: int):
+        """``((balance loss, sequence-wise balance loss), z-loss)``, unscaled; keeps the counts."""
+        T, E, k = logits.shape[0], self.num_experts, self.top_k
+        if self.score == "sigmoid":
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        # stable descending sort: among equal scores the lower expert id comes first
-        top, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
-        weights, ids = top[:, :k], ids[:, :k]
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if T:
-            counts = torch.zeros(E, device=x.device, dtype=torch.float32).index_add_(
-                0, ids.reshape(-1), torch.ones(T * k, device=x.device, dtype=torch.float32))
-            f = counts / (T * k)
-            aux = E * (f * probs.mean(dim=0)).sum()
-            z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-            self.balance_stats = (counts, probs.sum(dim=0), T)
-        else:  # no tokens: zero losses that still belong to the graph
-            aux = z = logits.sum() * 0.0
-            self.balance_stats = (torch.zeros(E, device=x.device), probs.sum(dim=0), 0)
-        self.aux_loss = self.aux_loss_coef * aux
-        self.z_loss = self.z_loss_coef * z
-        return RouterOutput(weights, ids, self.capacity(T), self.aux_loss, self.z_loss)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        counts = torch.zeros(E, device=logits.device, dtype=torch.float32).index_add_(
+            0, ids.reshape(-1), torch.ones(T * k, device=logits.device, dtype=torch.float32))
+        if self.training and torch.is_grad_enabled():
+            self._count(counts)
+        self.balance_stats = (counts, probs.sum(dim=0), T)
+        if not T:  # no tokens: zero losses that still belong to the graph
+            zero = logits.sum() * 0.0
+            return (zero, zero), zero
+        aux = E * (counts / (T * k) * probs.mean(dim=0)).sum()
+        seq = aux * 0.0
+        if self.seq_aux_loss_coef:
+            S = seq_len if seq_len and T % seq_len == 0 else T
+            per_seq = torch.zeros(T // S, E, device=logits.device, dtype=torch.float32).scatter_add_(
+                1, ids.reshape(T // S, S * k), torch.ones(T // S, S * k, device=logits.device))
+            seq = (E * (per_seq / (S * k) * probs.view(T // S, S, E).mean(dim=1)).sum(dim=-1)).mean()
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return (aux, seq), z
+
+    @torch.no_grad()
+    def _count(self, counts: torch.Tensor) -> None:
+        if self.tokens_per_expert is None or self.tokens_per_expert.device != counts.device:
+            self.tokens_per_expert = torch.zeros(self.num_experts, device=counts.device, dtype=torch.int64)
+        self.tokens_per_expert += counts.to(torch.int64)
+
+    def step_counts(self) -> torch.Tensor:
+        """``tokens_per_expert``: the routed slots per expert since the last update (int64 ``[E]``,
+        zeros before the first training forward), on this rank."""
+        if self.tokens_per_expert is None:
+            device = self.weight.device if self.weight.device.type != "meta" else "cpu"
+            self.tokens_per_expert = torch.zeros(self.num_experts, device=device, dtype=torch.int64)
+        return self.tokens_per_expert
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor | None = None) -> RouterLoad:
+        """Apply DeepSeek-V3's bias update from ``counts`` (``[E]``, the routed slots per expert over
+        the step, summed over every rank that routes different tokens: default this router's own
+        ``tokens_per_expert``): ``e_score_correction_bias += bias_update_rate * sign(mean(counts) -
+        counts)`` (exact: ``sign(sum(counts) - E * counts)`` in integers, so identical counts give an
+        identical bias on every rank); no change when ``bias_update_rate`` is 0. Resets
+        ``tokens_per_expert``; returns the step's :class:`RouterLoad`."""
+        counts = (self.step_counts() if counts is None else counts).to(torch.int64, copy=True)
+        if self.bias_update_rate > 0:
+            sign = torch.sign(counts.sum() - self.num_experts * counts).to(torch.float32)
+            self.e_score_correction_bias += self.bias_update_rate * sign.to(self.e_score_correction_bias.device)
+        self.step_counts().zero_()
+        return RouterLoad(counts.detach().cpu(), max_violation(counts))
 
     def extra_repr(self):
+        extra = "".join(f", {n}={v}" for n, v in (("n_group", self.n_group), ("topk_group", self.topk_group),
+                                                   ("routed_scaling_factor", self.routed_scaling_factor),
+                                                   ("bias_update_rate", self.bias_update_rate)) if v not in (1, 0.0))
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"score={self.score!r}, capacity_factor={self.capacity_factor}")
+                f"score={self.score!r}, capacity_factor={self.capacity_factor}{extra}")
 
 
 def hf_load_balancing_loss(routers) -> torch.Tensor:
@@ -142,6 +234,15 @@ def hf_load_balancing_loss(routers) -> torch.Tensor:
     counts = torch.stack([c for c, _, _ in stats]).sum(dim=0)
     probs = torch.stack([p for _, p, _ in stats]).sum(dim=0)
     return E * (counts / rows * probs / rows).sum()
+
+
+def sum_over_groups(t: torch.Tensor, groups=None) -> torch.Tensor:
+    """``t`` summed in place over each of ``groups`` in turn (one process group, a list of them,
+    or ``None``: the default group; groups of one rank are skipped)."""
+    for g in (groups if isinstance(groups, (list, tuple)) else [groups]):
+        if comm.group_size(g) > 1:
+            comm.all_reduce(t, g).wait()
+    return t
 
 
 class SharedExpertGate(nn.Module):
@@ -189,6 +290,11 @@ class MoE(nn.Module):
     times too large whenever the ep group spans those ranks). Router, input and combine gradients
     are whole and identical on every rank of the group (nothing to reduce); dropless only.
 
+    Router options (:class:`TopKRouter`): ``score`` (``"softmax"``, ``"sigmoid"``,
+    ``"softmax_topk"``), ``normalize``, ``routed_scaling_factor``, ``n_group`` / ``topk_group``,
+    ``score_bias`` / ``bias_update_rate`` (auxiliary-loss-free balancing: call :meth:`update_bias`
+    after each optimizer step), ``seq_aux_loss_coef``, ``router_bias``.
+
     After ``forward``, ``self.aux_loss`` holds the router's coefficient-weighted load-balancing
     plus z-loss (scalar) and ``self.router_output`` the routing decision.
     Weights: ``w1 [E_local, 2F, H]`` (gate rows, then up rows, for gated activations; ``[E_local,
@@ -198,8 +304,10 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, ep_group=None,
                  transport=None, capacity_factor: float | None = None, activation: str = "swiglu",
                  score: str = "softmax", aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3,
-                 normalize: bool | None = None, num_chunks: int = 2, replicated_group=None, device=None,
-                 dtype=None):
+                 normalize: bool | None = None, num_chunks: int = 2, replicated_group=None,
+                 routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int | None = None,
+                 score_bias: bool = False, bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
+                 router_bias: bool = False, device=None, dtype=None):
         super().__init__()
         check_int("ffn_hidden_size", ffn_hidden_size, min_value=1)
         check_int("num_chunks", num_chunks, min_value=1)
@@ -208,7 +316,11 @@ class MoE(nn.Module):
                              f"got {activation!r}")
         self.router = TopKRouter(hidden_size, num_experts, top_k, score=score, aux_loss_coef=aux_loss_coef,
                                  z_loss_coef=z_loss_coef, capacity_factor=capacity_factor, normalize=normalize,
-                                 sequence_sharded=replicated_group is None, device=device, dtype=dtype)
+                                 sequence_sharded=replicated_group is None,
+                                 routed_scaling_factor=routed_scaling_factor, n_group=n_group, topk_group=topk_group,
+                                 score_bias=score_bias, bias_update_rate=bias_update_rate,
+                                 seq_aux_loss_coef=seq_aux_loss_coef, router_bias=router_bias, device=device,
+                                 dtype=dtype)
         self.ep_group = ep_group
         self.transport = get_transport(transport, ep_group)
         ep = self.transport.size
@@ -275,7 +387,7 @@ class MoE(nn.Module):
         if self.router.capacity_factor is not None:
             raise ValueError("MoE: replicated_group does not support capacity_factor (dropless only)")
         x2d = x.reshape(-1, self.hidden_size)
-        r = self.router(x2d)
+        r = self.router(x)
         self.router_output = r
         self.aux_loss = r.aux_loss + r.z_loss
         T, k = r.expert_ids.shape
@@ -288,6 +400,18 @@ class MoE(nn.Module):
                     transport=self.transport, capacity=None, activation=self.activation, num_chunks=self.num_chunks)
         y = gather_features(y.t().contiguous(), self.replicated_group).t().reshape(T, k, self.hidden_size)
         return (r.weights.unsqueeze(-1) * y.float()).sum(dim=1).to(x.dtype).reshape(x.shape)
+
+    def update_bias(self, groups=None) -> RouterLoad:
+        """After an optimizer step: sum the router's per-expert counts of the step over ``groups``
+        (a process group or a list of them, each summed in turn; ``None``: the default group; ``()``:
+        this rank only), then :meth:`TopKRouter.update_bias`. Pass the groups whose ranks route
+        *different* tokens (in a :class:`~fusedpar.nn.Transformer`, every rank of one pipeline stage:
+        ``ParallelState.data_tp_group``); counting replicated tokens several times scales every count
+        alike and changes neither the update (a sign) nor the violation (a ratio). Collective over
+        ``groups``; every rank ends with the same bias. Returns the step's :class:`RouterLoad`."""
+        counts = self.router.step_counts().clone()
+        sum_over_groups(counts, groups)
+        return self.router.update_bias(counts)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -37,7 +37,7 @@ from torch import nn
 
 from fusedpar.ops import comm
 
-__all__ = ["GRAD_KINDS", "ROLES", "Placement", "gradient_sync_plan", "parameter_placements"]
+__all__ = ["GRAD_KINDS", "ROLES", "Placement", "checkpoint_buffers", "gradient_sync_plan", "parameter_placements"]
 
 #: gradient kinds of :func:`fusedpar.parallel.sync_gradients`
 GRAD_KINDS = ("dense", "replicated", "expert")
@@ -201,6 +201,22 @@ def parameter_placements(model: nn.Module, *, default: Placement | None = None) 
                 "sharded and how its gradient is reduced; declare it in its module's placements() "
                 "(see fusedpar.nn.placement)")
         out[name] = default
+    return out
+
+
+def checkpoint_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffer name -> buffer for every buffer a module of ``model`` declares in a
+    ``checkpoint_buffers()`` method (names relative to it): state that is not a parameter but
+    must survive a resume (the router's ``e_score_correction_bias``). Such buffers are replicated
+    (identical on every rank); checkpoints save and load them like replicated parameters."""
+    out = {}
+    for mname, mod in model.named_modules():
+        declare = getattr(mod, "checkpoint_buffers", None)
+        if not callable(declare):
+            continue
+        prefix = f"{mname}." if mname else ""
+        for rel in declare():
+            out[prefix + rel] = mod.get_buffer(rel)
     return out
 
 

@@ -42,16 +42,15 @@ from fusedpar.kernels.checks import (
     INDEX_DTYPES,
     check_bool,
     check_choice,
-    check_divisible,
     check_int,
     check_positive_number,
     check_tensor,
 )
+from fusedpar.kernels.moe_topk import SCORE_FUNCS, check_routing_config
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import comm
 from fusedpar.ops.linear_cross_entropy import linear_cross_entropy
 from fusedpar.ops.loss import attach_aux_loss, vocab_parallel_cross_entropy
-from fusedpar.ops.varlen import document_bounds
 
 from fusedpar.ops.sp_attention import shard_positions
 from fusedpar.ops.tensor_parallel import all_gather_matmul
@@ -59,9 +58,10 @@ from fusedpar.ops.tensor_parallel import all_gather_matmul
 from .attention import ParallelAttention, rope_inv_freq
 from .groups import check_divides, check_orthogonal, group_arg
 from .linear import ColumnParallelLinear, ParallelMLP
-from .moe import MoE, SharedExpertGate, hf_load_balancing_loss
+from .moe import MoE, RouterLoad, SharedExpertGate, hf_load_balancing_loss, sum_over_groups
 from .norm import RMSNorm
 from .placement import Placement, gradient_sync_plan
+from .sequence import sequence_order, shard_tokens  # the input layout, re-exported
 
 __all__ = ["Transformer", "TransformerBlock", "TransformerConfig", "sequence_order", "shard_tokens",
            "vocab_parallel_cross_entropy"]  # the loss lives in fusedpar.ops.loss, re-exported here
@@ -109,6 +109,15 @@ class TransformerConfig:
     shared_expert_ffn_hidden_size: int = 0  # Qwen2-MoE: a shared expert MLP with a sigmoid gate
     dense_layers: tuple = ()  # HF mlp_only_layers: blocks that stay dense in a MoE model
     sliding_window: int | None = None  # HF's window: attention stays full causal, so forward refuses longer sequences
+    # MoE routing (DeepSeek-V3, Kimi K2, GLM-4.5, gpt-oss; defaults keep softmax top-k)
+    score_func: str = "softmax"  # "softmax", "sigmoid" or "softmax_topk" (gpt-oss: softmax over the chosen logits)
+    routed_scaling_factor: float = 1.0  # multiplies the combine weights
+    n_group: int = 1  # expert groups of group-limited routing (1: none)
+    topk_group: int | None = None  # groups searched per token (None: n_group)
+    score_correction_bias: bool = False  # e_score_correction_bias buffer for the selection (also with a rate > 0)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing: Transformer.update_router_bias after opt.step()
+    seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (added to the aux loss)
+    router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -143,7 +152,15 @@ class TransformerConfig:
                     aux_loss_coef=0.0 if hf_aux else self.aux_loss_coef, z_loss_coef=0.0 if hf_aux else self.z_loss_coef,
                     rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
-                    shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0)
+                    shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
+                    router_options=self.router_options())
+
+    def router_options(self) -> dict:
+        """The :class:`MoE` router keyword arguments of the routing fields."""
+        return dict(score=self.score_func, routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
+                    topk_group=self.topk_group, score_bias=self.score_correction_bias,
+                    bias_update_rate=self.bias_update_rate, seq_aux_loss_coef=self.seq_aux_loss_coef,
+                    router_bias=self.router_bias)
 
 
 def check_config_values(cfg: "TransformerConfig") -> None:
@@ -160,6 +177,17 @@ def check_config_values(cfg: "TransformerConfig") -> None:
             check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=1)
     if cfg.num_experts:
         check_int("TransformerConfig.top_k", cfg.top_k, min_value=1, max_value=cfg.num_experts)
+    check_choice("TransformerConfig.score_func", cfg.score_func, tuple(SCORE_FUNCS))
+    if cfg.num_experts:
+        check_routing_config(cfg.num_experts, cfg.top_k, score=cfg.score_func, n_group=cfg.n_group,
+                             topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor, prefix="TransformerConfig.",
+                             score_name="score_func")
+    for name in ("score_correction_bias", "router_bias"):
+        check_bool(f"TransformerConfig.{name}", getattr(cfg, name))
+    for name in ("bias_update_rate", "seq_aux_loss_coef"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"TransformerConfig.{name} must be a number >= 0, got {v!r}")
     if cfg.capacity_factor is not None:
         check_positive_number("TransformerConfig.capacity_factor", cfg.capacity_factor)
     check_positive_number("TransformerConfig.norm_eps", cfg.norm_eps)
@@ -173,63 +201,6 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} must hold token ids in [0, {vocab_size}), got values in [{lo}, {hi}]")
-
-
-# ----------------------------------------------------------------------------------------------
-# sequence layout
-# ----------------------------------------------------------------------------------------------
-def sequence_order(seq_len: int, sp: int, layout: str) -> torch.Tensor:
-    """Positions of the full sequence in the order the sp ranks hold them (rank-major)."""
-    if layout == "contiguous" or sp == 1:
-        return torch.arange(seq_len)
-    if seq_len % (2 * sp):
-        raise ValueError(f"seq_len={seq_len} must be divisible by 2*sp={2 * sp} for the zigzag layout")
-    chunks = torch.arange(seq_len).chunk(2 * sp)
-    return torch.cat([torch.cat([chunks[i], chunks[2 * sp - 1 - i]]) for i in range(sp)])
-
-
-def shard_tokens(tokens: torch.Tensor, targets: torch.Tensor, *, sp_size: int, sp_rank: int, tp_size: int,
-                 tp_rank: int, layout: str = "zigzag", ring_size: int | None = None, cu_seqlens=None,
-                 ignore_index: int = -100):
-    """Split a full ``[batch, seq]`` batch into this rank's pieces: the input ids
-    ``[batch, seq / (sp*tp)]`` (sequence-parallel over sp, then tp) and the targets of the whole
-    sp shard ``[batch, seq / sp]`` (the vocabulary-parallel loss covers all tokens of a tp group).
-
-    ``ring_size`` is the number of ring-attention ranks in sp (default ``sp_size``: pure ring;
-    ``1`` for Ulysses; ``sp / sp_ulysses`` for hybrid with ``sp_rank = ring_rank * sp_ulysses +
-    ulysses_rank``): ``layout`` applies over the ring ranks, each ring shard splits contiguously.
-
-    Packed rows: with ``cu_seqlens`` (the row's int32 document boundaries, batch 1) the target of
-    each document's last token, which would predict the next document's first token, becomes
-    ``ignore_index`` (for a loss that skips it); pass the same ``cu_seqlens`` to the model.
-    """
-    for name, t in (("tokens", tokens), ("targets", targets)):
-        check_tensor(name, t)
-    for group, size, rank in (("sp", sp_size, sp_rank), ("tp", tp_size, tp_rank)):
-        check_int(f"{group}_size", size, min_value=1)
-        check_int(f"{group}_rank", rank, min_value=0)
-        if rank >= size:
-            raise ValueError(f"{group}_rank must be in [0, {group}_size={size}), got {rank}")
-    check_choice("layout", layout, ("zigzag", "contiguous"))
-    if tokens.dim() != 2 or targets.shape != tokens.shape:
-        raise ValueError(f"tokens and targets must both be [batch, seq], got {tuple(tokens.shape)} and "
-                         f"{tuple(targets.shape)}")
-    ring_size = sp_size if ring_size is None else ring_size
-    if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size <= 0 or sp_size % ring_size:
-        raise ValueError(f"ring_size must be a positive int dividing sp_size={sp_size}, got {ring_size!r}")
-    S = tokens.shape[1]
-    check_divisible("seq_len", S, sp_size * tp_size, "sp * tp")
-    order = sequence_order(S, ring_size, layout).to(tokens.device)
-    n_sp = S // sp_size
-    sp_idx = order[sp_rank * n_sp:(sp_rank + 1) * n_sp]
-    n_tp = n_sp // tp_size
-    ids = tokens[:, sp_idx[tp_rank * n_tp:(tp_rank + 1) * n_tp]]
-    if cu_seqlens is not None:
-        ends = document_bounds(cu_seqlens, S)
-        last = sorted({e - 1 for a, e in zip(ends, ends[1:]) if e > a and e < S})
-        targets = targets.clone()
-        targets[:, last] = ignore_index
-    return ids, targets[:, sp_idx]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,7 +228,7 @@ class TransformerBlock(nn.Module):
                  z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None,
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, head_dim: int | None = None,
                  qkv_bias: bool = False, qk_norm: bool = False, norm_topk_prob: bool | None = None,
-                 shared_expert_ffn_hidden_size: int = 0):
+                 shared_expert_ffn_hidden_size: int = 0, router_options: dict | None = None):
         super().__init__()
         self.hidden_size = hidden_size
         self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
@@ -272,7 +243,8 @@ class TransformerBlock(nn.Module):
         if self.is_moe:
             self.mlp = MoE(hidden_size, ffn_hidden_size, num_experts, top_k, ep_group=ep_group,
                            capacity_factor=capacity_factor, activation=activation, aux_loss_coef=aux_loss_coef,
-                           z_loss_coef=z_loss_coef, normalize=norm_topk_prob, device=device, dtype=dtype)
+                           z_loss_coef=z_loss_coef, normalize=norm_topk_prob, device=device, dtype=dtype,
+                           **(router_options or {}))
             if shared_expert_ffn_hidden_size:  # Qwen2-MoE: y = moe(x) + sigmoid(gate x) * mlp(x)
                 self.shared_expert = ParallelMLP(hidden_size, shared_expert_ffn_hidden_size, activation=activation,
                                                  group=tp_group, sequence_parallel=True, bias=False, device=device,
@@ -538,6 +510,21 @@ class Transformer(nn.Module):
             return self.config.aux_loss_coef * hf_load_balancing_loss(routers) if routers else None
         losses = [b.mlp.aux_loss for b in self.layers.values() if b.is_moe and b.mlp.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
+
+    def update_router_bias(self, groups=None) -> dict[str, RouterLoad]:
+        """After each optimizer step: sum every MoE router's per-expert counts of the step over
+        ``groups`` (one all-reduce per group for all layers; pass the groups whose ranks route
+        different tokens, i.e. every rank of this pipeline stage: ``state.data_tp_group``; ``()``:
+        this rank only) and apply each router's bias update (:meth:`TopKRouter.update_bias`; none
+        at ``bias_update_rate == 0``). Collective. Returns ``{"layers.<i>": RouterLoad}`` (the
+        step's counts and max violation), also kept as ``self.router_loads``."""
+        moes = {f"layers.{i}": b.mlp for i, b in self.layers.items() if b.is_moe}
+        if not moes:
+            return {}
+        counts = torch.stack([m.router.step_counts() for m in moes.values()])
+        sum_over_groups(counts, groups)
+        self.router_loads = {name: m.router.update_bias(c) for (name, m), c in zip(moes.items(), counts)}
+        return self.router_loads
 
     def placements(self) -> dict[str, Placement]:
         """The embedding table is replicated; each rank looks up its own sequence shard's tokens."""

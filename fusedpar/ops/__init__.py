@@ -32,7 +32,7 @@ from .tensor_parallel_library import (
     matmul_reduce_scatter_bwd,
     matmul_reduce_scatter_fwd,
 )
-from .moe import MoEPlan, grouped_mlp, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp, moe_plan
+from .moe import MoEPlan, grouped_mlp, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp, moe_plan, moe_route
 from .moe_layout import (
     all_to_all_v_fwd,
     grouped_mlp_bwd,
@@ -72,7 +72,7 @@ __all__ = [
     "matmul_reduce_scatter_fwd", "scatter_features",
     "MoEPlan", "all_to_all_v_fwd", "grouped_mlp", "grouped_mlp_bwd", "grouped_mlp_fwd",
     "moe_combine", "moe_dispatch", "moe_expert_compute", "moe_experts_bwd", "moe_experts_fwd", "moe_mlp",
-    "moe_permute_bwd", "moe_permute_fwd", "moe_plan", "moe_unpermute_bwd", "moe_unpermute_fwd",
+    "moe_permute_bwd", "moe_permute_fwd", "moe_plan", "moe_route", "moe_unpermute_bwd", "moe_unpermute_fwd",
     "flash_attention", "flash_attention_varlen",
     "document_positions", "hybrid_attention", "ring_attention",
     "ring_attention_bwd", "ring_attention_fwd", "sequence_shard", "shard_positions", "ulysses_attention",

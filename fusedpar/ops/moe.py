@@ -48,16 +48,18 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.checks import check_shape, check_tensor
+from ..kernels.checks import check_bool, check_shape, check_tensor
 from ..kernels.grouped_gemm import as_group_offsets
+from ..kernels.moe_topk import check_routing_config
 from .agreement import agreed_arguments
 from .library import checked_api, transport_size, transport_token
-from .moe_library import all_to_all_v_op, grouped_mlp_op, moe_mlp_op, moe_permute_op, moe_unpermute_op
+from .moe_library import (all_to_all_v_op, grouped_mlp_op, moe_mlp_op, moe_permute_op, moe_route_op,
+                          moe_unpermute_op)
 from .moe_layout import MoEPlan, build_plan, check_expert_weights, check_routing, ep_fields, token_rows
 from .transport import Transport, check_transport_name, get_transport
 
 __all__ = [
-    "MoEPlan", "moe_plan", "moe_dispatch", "moe_expert_compute", "moe_combine", "moe_mlp", "grouped_mlp",
+    "MoEPlan", "moe_route", "moe_plan", "moe_dispatch", "moe_expert_compute", "moe_combine", "moe_mlp", "grouped_mlp",
 ]
 
 
@@ -173,3 +175,23 @@ def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1
         check_expert_weights(x2d, w1, w2, activation, num_experts // ep)
     out = moe_mlp_op(x2d, expert_ids, weights, w1, w2, num_experts, token, ep, capacity, activation, num_chunks)[0]
     return out.view(x.shape)
+
+
+@checked_api
+def moe_route(logits: torch.Tensor, top_k: int, *, score: str = "softmax", bias: torch.Tensor | None = None,
+              n_group: int = 1, topk_group: int | None = None, normalize: bool = False,
+              scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's top-k: ``(weights [T, k] fp32, expert_ids [T, k] int64)`` of fp32 router
+    ``logits [T, E]`` (:func:`fusedpar.kernels.moe_topk.topk_route`: score function ``"softmax"``,
+    ``"sigmoid"`` or ``"softmax_topk"``; ``bias`` for the selection only; group-limited with
+    ``n_group`` / ``topk_group``; ``normalize``; ``scale``). Ties go to the lower expert id. The
+    weights are differentiable w.r.t. ``logits`` (the selection is not). The op
+    ``fusedpar::moe_route``: traceable by ``torch.compile``."""
+    check_tensor("logits", logits, dims=(2,), dtypes=(torch.float32,))
+    check_bool("normalize", normalize)
+    topk_group = check_routing_config(logits.shape[1], top_k, score=score, n_group=n_group, topk_group=topk_group,
+                                      scale=scale)
+    if bias is not None:
+        check_tensor("bias", bias, dims=(1,), dtypes=(torch.float32,))
+        check_shape("bias", bias, (logits.shape[1],))
+    return moe_route_op(logits.contiguous(), bias, top_k, score, n_group, topk_group, bool(normalize), float(scale))

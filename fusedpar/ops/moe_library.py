@@ -22,12 +22,19 @@ is a named ``<op>_fwd`` / ``<op>_bwd`` function, here or in :mod:`fusedpar.ops.m
   backward with the splits swapped) — the pieces of the stage API (:func:`fusedpar.ops.moe_dispatch`
   ...), whose plan is built eagerly; bodies ``moe_permute_fwd`` ... ``all_to_all_v_fwd`` of
   :mod:`fusedpar.ops.moe_layout`.
+* ``fusedpar::moe_route(logits, bias, top_k, score, n_group, topk_group, normalize, scale)``
+  (:data:`moe_route_op`, body :func:`moe_route_fwd`; backward :data:`moe_route_backward_op`) —
+  the router's top-k selection and combine weights (:func:`fusedpar.kernels.moe_topk.topk_route`):
+  ``(weights [T, k] fp32, ids [T, k] int64)``; only the weights are differentiable, w.r.t. the logits.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from ..kernels.grouped_gemm import as_group_offsets
+from ..kernels.moe_topk import topk_route, topk_route_backward
 from .library import absent, custom_op, hold, input_grads, present
 from .moe_layout import (all_to_all_v_fwd, build_plan, grouped_mlp_bwd, grouped_mlp_fwd, moe_experts_bwd,
                          moe_experts_fwd, moe_permute_bwd, moe_permute_fwd, moe_unpermute_bwd, moe_unpermute_fwd,
@@ -36,7 +43,7 @@ from .transport import token_transport
 
 __all__ = [  # the API is fusedpar.ops.moe
     "all_to_all_v_op", "grouped_mlp_backward_op", "grouped_mlp_op", "moe_mlp_backward_op", "moe_mlp_bwd", "moe_mlp_fwd",
-    "moe_mlp_op", "moe_permute_backward_op", "moe_permute_op", "moe_unpermute_backward_op", "moe_unpermute_op",
+    "moe_mlp_op", "moe_permute_backward_op", "moe_route_backward_op", "moe_route_bwd", "moe_route_fwd", "moe_route_op", "moe_permute_op", "moe_unpermute_backward_op", "moe_unpermute_op",
 ]
 
 _T = torch.Tensor
@@ -283,3 +290,53 @@ def _all_to_all_v_backward(ctx, grad):  # the gradients go back the way the rows
 
 
 all_to_all_v_op.register_autograd(_all_to_all_v_backward, setup_context=_all_to_all_v_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# moe_route: the router's selection and combine weights
+# ----------------------------------------------------------------------------------------------
+def moe_route_fwd(logits: _T, bias: Optional[_T], top_k: int, score: str, n_group: int, topk_group: int,
+                  normalize: bool, scale: float) -> tuple[_T, _T]:
+    """:func:`~fusedpar.kernels.moe_topk.topk_route` of ``logits``."""
+    return topk_route(logits, top_k, score=score, bias=bias, n_group=n_group, topk_group=topk_group,
+                      normalize=normalize, scale=scale)
+
+
+moe_route_op = custom_op("moe_route")(moe_route_fwd)
+
+
+@moe_route_op.register_fake
+def _(logits, bias, top_k, score, n_group, topk_group, normalize, scale):
+    T = logits.shape[0]
+    return logits.new_empty((T, top_k)), logits.new_empty((T, top_k), dtype=torch.int64)
+
+
+def moe_route_bwd(grad: _T, logits: _T, weights: _T, ids: _T, score: str, n_group: int, normalize: bool,
+                  scale: float) -> _T:
+    """:func:`~fusedpar.kernels.moe_topk.topk_route_backward`: ``d logits``."""
+    return topk_route_backward(grad, logits, weights, ids, score=score, n_group=n_group, normalize=normalize,
+                               scale=scale)
+
+
+moe_route_backward_op = custom_op("moe_route_backward")(moe_route_bwd)
+
+
+@moe_route_backward_op.register_fake
+def _(grad, logits, weights, ids, score, n_group, normalize, scale):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _moe_route_setup(ctx, inputs, output):
+    logits, _, _, ctx.score, ctx.n_group, _, ctx.normalize, ctx.scale = inputs
+    ctx.save_for_backward(logits, *output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _moe_route_backward(ctx, grad_weights, _grad_ids):
+    logits, weights, ids = ctx.saved_tensors
+    dl = moe_route_backward_op(grad_weights.contiguous(), logits, weights, ids, ctx.score, ctx.n_group,
+                               ctx.normalize, ctx.scale)
+    return input_grads(moe_route_op, logits=dl)
+
+
+moe_route_op.register_autograd(_moe_route_backward, setup_context=_moe_route_setup)
