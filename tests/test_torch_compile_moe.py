@@ -196,3 +196,17 @@ def _world_case(rank, size):
 
 def test_ep2_and_tp2_compile_in_a_world(world2_compile):
     assert world2_compile.run(_world_case) == [0, 1]
+
+
+@pytest.mark.parametrize("score,n_group,topk_group", [("softmax", 1, 1), ("sigmoid", 2, 1), ("softmax_topk", 1, 1)])
+def test_opcheck_moe_route(score, n_group, topk_group):
+    """The routing op (softmax / DeepSeek-V3 sigmoid with a correction bias and group-limited
+    selection / gpt-oss) and its backward: schema, fake, autograd registration."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 8, generator=g).requires_grad_()
+    bias = torch.randn(8, generator=g) * 0.1 if score == "sigmoid" else None
+    args = (logits, bias, 2, score, n_group, topk_group, score != "softmax", 1.5)
+    _opcheck(torch.ops.fusedpar.moe_route.default, args)
+    weights, ids = torch.ops.fusedpar.moe_route(logits.detach(), *args[1:])
+    _opcheck_backward(torch.ops.fusedpar.moe_route_backward.default,
+                      (torch.randn_like(weights), logits.detach(), weights, ids, score, n_group, score != "softmax", 1.5))
