@@ -197,7 +197,7 @@ BAD_INPUTS = [
      lambda: flash_attention(_bad(_Q), _bad((1, 4, 2, 32)), _bad((1, 4, 2, 32)))),
     ("meta device", ValueError, "k must be a CUDA tensor .* got a tensor on meta",
      lambda: flash_attention(_bad(_Q), _bad(_K).to("meta"), _bad(_K).to("meta"))),
-    ("k/v shape", ValueError, "same shape", lambda: flash_attention(_bad(_Q), _bad(_K), _bad((1, 5, 2, 16)))),
+    ("k/v shape", ValueError, "v must have k's batch, length and heads", lambda: flash_attention(_bad(_Q), _bad(_K), _bad((1, 5, 2, 16)))),
     ("q_offset", ValueError, "q_offset", lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), q_offset=-1)),
     ("softmax_scale", ValueError, "softmax_scale",
      lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), softmax_scale=0.0)),
@@ -209,7 +209,7 @@ BAD_INPUTS = [
     ("lse dtype", TypeError, "lse must have dtype",
      lambda: flash_attention_forward(_bad(_Q), _bad(_K), _bad(_K), lse=torch.empty(1, 4, 4, dtype=torch.float16,
                                                                                  device=DEVICE))),
-    ("dout shape", ValueError, "dout must have the same shape as q",
+    ("dout shape", ValueError, r"dout must have shape \(1, 4, 4, 16\)",
      lambda: flash_attention_backward(_bad((1, 3, 4, 16)), _bad(_Q), _bad(_K), _bad(_K), _bad(_Q),
                                       torch.zeros(1, 4, 4, device=DEVICE))),
 ]
