@@ -280,7 +280,8 @@ def _attn_bwd_dkdv_kernel(
     if RIGHT:
         first = tl.maximum(k_offset + n0 - win_right - q_offset, 0)  # the first query row that sees key n0
         lo = tl.minimum((first // BLOCK_M) * BLOCK_M, SQ)
-        last = tl.maximum(k_offset + n0 + BLOCK_N - 1 - win_right - q_offset, 0)  # from here on rows see the whole block
+        # from here on rows see the whole block
+        last = tl.maximum(k_offset + n0 + BLOCK_N - 1 - win_right - q_offset, 0)
         full_lo = tl.minimum(tl.maximum(((last + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, lo), SQ)
     else:
         lo = 0

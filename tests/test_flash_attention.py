@@ -186,7 +186,8 @@ def test_fully_masked_rows():
 def _check_options(q, k, v, do, *, sinks=None, msg="", **opts):
     """The op (forward, lse, dq, dk, dv, d_sink) against the float64 oracle, and the launcher
     writing into NaN-poisoned buffers bit for bit like the op."""
-    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)] + ([] if sinks is None else [sinks.clone().requires_grad_()])
+    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ins += [] if sinks is None else [sinks.clone().requires_grad_()]
     out, lse = flash_attention(*ins[:3], sinks=None if sinks is None else ins[3], **opts)
     grads = torch.autograd.grad(out, ins, do)
     refs = [t.detach().double().requires_grad_() for t in ins]
@@ -276,7 +277,7 @@ def test_window_skips_key_blocks(q_offset):
     ro, _ = attention_reference(q, k[:, near], v[:, near], window=(3, 3), q_offset=q_offset, k_offset=near.start)
     assert_close(out, ro, torch.float32, msg="out")
     assert not torch.isnan(dq).any() and not torch.isnan(dk[:, near]).any()
-    assert torch.equal(dk[:, far], torch.zeros_like(dk[:, far])) and torch.equal(dv[:, far], torch.zeros_like(dv[:, far]))
+    assert not dk[:, far].any() and not dv[:, far].any()  # exact zeros: the far keys are never visited
 
 
 def _bad(shape):
@@ -296,7 +297,8 @@ BAD_INPUTS = [
      lambda: flash_attention(_bad(_Q), _bad((1, 4, 2, 32)), _bad((1, 4, 2, 32)))),
     ("meta device", ValueError, "k must be a CUDA tensor .* got a tensor on meta",
      lambda: flash_attention(_bad(_Q), _bad(_K).to("meta"), _bad(_K).to("meta"))),
-    ("k/v shape", ValueError, "v must have k's batch, length and heads", lambda: flash_attention(_bad(_Q), _bad(_K), _bad((1, 5, 2, 16)))),
+    ("k/v shape", ValueError, "v must have k's batch, length and heads",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad((1, 5, 2, 16)))),
     ("q_offset", ValueError, "q_offset", lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), q_offset=-1)),
     ("softmax_scale", ValueError, "softmax_scale",
      lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), softmax_scale=0.0)),
