@@ -62,9 +62,11 @@ from .flash_tiles import (
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+#: window bounds of a segmented launch are clamped to this (more than any segment's positions span)
+WINDOW_CLAMP = 2**30
 
 __all__ = [
-    "FP32_TILE", "MAX_GRID_X", "MAX_HEAD_DIM", "ScoreOptions", "Segments", "attention_grid", "attention_reference",
+    "FP32_TILE", "MAX_GRID_X", "MAX_HEAD_DIM", "WINDOW_CLAMP", "ScoreOptions", "Segments", "attention_grid", "attention_reference",
     "check_offsets", "check_qkv", "check_segments", "check_sinks", "check_softcap", "check_window",
     "flash_attention_forward", "gpu_configs", "kernel_flags", "launch_attention_kernel", "launch_smem_estimate",
     "option_flags", "program_tile", "register_estimate", "resolve_softmax_scale", "score_args", "score_options",
@@ -379,8 +381,8 @@ def check_segments(segments, q, k, q_offset=0, k_offset=0) -> None:
 class ScoreOptions(NamedTuple):
     """The score options of one launch, checked (:func:`score_options`): ``left`` / ``right``
     the window (query ``i`` sees keys ``j`` with ``i - left <= j <= i + right`` in global
-    positions; -1 unbounded; causal is ``right = 0``; a bound that cuts no key of the launch is
-    -1), ``softcap`` (0.0: off) and ``sinks`` (fp32 ``[heads]`` or None)."""
+    positions; -1 unbounded; causal is ``right = 0``), ``softcap`` (0.0: off) and ``sinks``
+    (fp32 ``[heads]`` or None)."""
     left: int
     right: int
     softcap: float
@@ -422,21 +424,22 @@ def check_sinks(sinks, q) -> None:
 def score_options(q, k, *, causal=False, window=None, softcap=None, sinks=None, q_offset=0, k_offset=0,
                   segments=None) -> ScoreOptions:
     """Checked :class:`ScoreOptions` for q ``[b, sq, hq, d]`` / k ``[b, sk, ...]``. ``causal``
-    sets ``right = 0`` (as flash-attn does); a bound that cuts no key of this launch (for
-    ``segments``: of any segment) becomes -1, so the kernels never see a huge window."""
+    sets ``right = 0`` (as flash-attn does). Dense, a bound that cuts no key of this launch
+    becomes -1 (no mask, and the kernels never see a huge window); with ``segments`` the bounds
+    are clamped to ``WINDOW_CLAMP`` (2**30: beyond any segment's reach)."""
     left, right = check_window(window)
     check_bool("causal", causal)
     cap = check_softcap(softcap)
     check_sinks(sinks, q)
     if causal:
         right = 0
-    if segments is not None:  # positions differ by at most max_q + max_k inside a segment
-        reach_left = reach_right = segments.max_q + segments.max_k
-    else:
-        reach_left, reach_right = q_offset + q.shape[1] - 1 - k_offset, k_offset + k.shape[1] - 1 - q_offset
-    if left >= max(reach_left, 0):
+    if segments is not None:
+        # the shifts live in the table (reading them would sync a GPU): keep the bounds, clamped
+        # so that position + bound stays inside int32 for any realistic shift
+        return ScoreOptions(min(left, WINDOW_CLAMP), min(right, WINDOW_CLAMP), cap, sinks)
+    if left >= max(q_offset + q.shape[1] - 1 - k_offset, 0):
         left = -1
-    if not causal and right >= max(reach_right, 0):
+    if not causal and right >= max(k_offset + k.shape[1] - 1 - q_offset, 0):
         right = -1
     return ScoreOptions(left, right, cap, sinks)
 

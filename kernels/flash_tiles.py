@@ -43,7 +43,13 @@ _GPU_CONFIGS = {
 #: live fp32 score tiles ([BLOCK_M, BLOCK_N]) and the register budget (32-bit registers per
 #: thread for the tiles of :func:`register_estimate`) each kind compiles within without spills
 _SCORE_TILES = {"fwd": 2, "dq": 2, "dkdv": 4}
+#: extra live fp32 score tiles of a softcapped launch (tanh's terms, kept for dS' 1 - tanh^2);
+#: measured: without them dQ 64x128 and dK/dV 32x32 / 32x64 at head_dim 128 spilled in bf16
+_SOFTCAP_TILES = {"fwd": 0, "dq": 2, "dkdv": 1}
 _REGISTER_BUDGET = {"fwd": 160, "dq": 160, "dkdv": 128}
+#: dK/dV with q/k and v wider than 128 + 128 padded (MLA's 192 / 128 runs as 256 / 128): measured
+#: 32x64 (wgmma) and 32x32 at 232 and 237 registers without spills, estimated 176
+_WIDE_DKDV_BUDGET = 176
 
 
 def gpu_configs(kind: str):
@@ -52,16 +58,18 @@ def gpu_configs(kind: str):
 
 
 def register_estimate(kind: str, block_m: int, block_n: int, block_d: int, num_warps: int, elem_size: int,
-                      block_dv: int | None = None) -> int:
+                      block_dv: int | None = None, softcap: bool = False) -> int:
     """32-bit registers per thread of the live tiles of one program: the fp32 accumulators
     (O ``[rows, BLOCK_DV]`` or dQ ``[rows, BLOCK_D]``; dK and dV), the resident operands (Q; Q and
     dO; K and V) and the fp32 score tiles. The prune rule keeps configs within
-    ``_REGISTER_BUDGET``. ``block_dv``: v's padded head dim (default ``block_d``)."""
+    ``_REGISTER_BUDGET``. ``block_dv``: v's padded head dim (default ``block_d``); ``softcap``
+    adds the softcap's score tiles."""
     rows = block_n if kind == "dkdv" else block_m
     bdv = block_d if block_dv is None else block_dv
     acc_d, res_d = (bdv, block_d) if kind == "fwd" else (block_d, block_d + bdv) if kind == "dq" else \
         (block_d + bdv, block_d + bdv)
-    words = rows * (acc_d + res_d * elem_size / 4) + _SCORE_TILES[kind] * block_m * block_n
+    score_tiles = _SCORE_TILES[kind] + (_SOFTCAP_TILES[kind] if softcap else 0)
+    words = rows * (acc_d + res_d * elem_size / 4) + score_tiles * block_m * block_n
     return int(words // (32 * num_warps))
 
 
@@ -80,30 +88,34 @@ def smem_estimate(kind: str, cfg, block_d: int, elem_size: int, capability: tupl
     ``num_stages - 1`` buffers plus the layout-conversion buffers of the resident and score tiles
     (fitted per kernel from the compiler's figures). dK/dV also pipelines lse and delta. ``precision``:
     "" (16-bit operands), "ieee_fp32" or "tf32" (fp32 operands, FMA or tensor-core dots).
-    ``block_dv`` (v's padded head dim, default ``block_d``): the tiles are then counted at the
-    mean width of the q/k and v tiles (fitted at equal widths only)."""
+    ``block_dv`` (v's padded head dim, default ``block_d``): the streamed pair (K and V; Q and
+    dO) and the resident tiles (dQ: Q and dO; dK/dV: K and V) count each tile at its own width;
+    the fitted layout-conversion terms keep ``block_d``."""
     bm, bn, stages, e = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_stages, elem_size
-    if block_dv is not None and block_dv != block_d:
-        block_d = (block_d + block_dv) // 2
+    bdv = block_d if block_dv is None else block_dv
     stream_rows, rows = (bm, bn) if kind == "dkdv" else (bn, bm)
-    pair = stream_rows * block_d * 2 * e
-    tile = rows * block_d * e  # one resident tile
-    n_res = 1 if kind == "fwd" else 2
+    pair = stream_rows * (block_d + bdv) * e
+    tile = rows * block_d * e  # one resident tile (Q, or the q/k-width one)
+    if kind != "fwd" and bdv != block_d:  # the fitted conversion terms of dQ / dK/dV: mean width
+        tile = rows * ((block_d + bdv) // 2) * e
+    res = tile if kind == "fwd" else rows * (block_d + bdv) * e  # every resident tile
     lse = (stages - 1) * 2 * bm * 4 if kind == "dkdv" else 0
     if uses_wgmma(kind, bm, bn, capability, precision):
         # tf32: the fp32 resident operands of dQ / dK/dV stage one tile (fitted)
-        return stages * pair + (1 if precision == "tf32" and kind != "fwd" else n_res) * tile + lse
+        return stages * pair + (tile if precision == "tf32" and kind != "fwd" else res) + lse
     base = (stages - 1) * pair + lse
     if precision == "ieee_fp32":
-        return base + n_res * tile + bm * bn * e
+        return base + res + bm * bn * e
     if precision == "tf32" and kind != "fwd":  # mma.sync on fp32 operands (fitted)
         if kind == "dq":
             return base + (tile if bn <= bm else 0) + min(bm, bn) * 32 * e + bm * bn * e
-        return base + (n_res * tile + bm * block_d * e if bn < bm else tile + (bm * bn * e // 2 if bn > bm else 0))
+        return base + (res + bm * block_d * e if bn < bm else tile + (bm * bn * e // 2 if bn > bm else 0))
     if kind == "fwd":
         return base + tile + (bm * bn * e if bm < block_d else 0)
     if kind == "dq":
         return base + (tile if bn <= bm else 0) + min(bm, bn) * 32 * e
+    if bn < bm:  # 16-bit dK/dV only as the fallback tile (fitted: head dims 128 and 192 / 128)
+        return base + rows * block_d * e + tile + 2 * bm * bn * e
     return base + tile + bm * bn * e + (bm * block_d * e if bn > bm else 0)
 
 
@@ -134,7 +146,8 @@ def _prune(kind):
             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
             if launch_smem_estimate(kind, cfg, named_args, **kwargs) > limit:
                 continue
-            if register_estimate(kind, bm, bn, bd, cfg.num_warps, elem, bdv) > _REGISTER_BUDGET[kind]:
+            budget = _WIDE_DKDV_BUDGET if kind == "dkdv" and bd + bdv > 256 else _REGISTER_BUDGET[kind]
+            if register_estimate(kind, bm, bn, bd, cfg.num_warps, elem, bdv, bool(kwargs.get("SOFTCAP"))) > budget:
                 continue
             if kind == "dq" and bd < 128 and bm > 32 and device_capability(q.device.index or 0)[0] < 9:
                 continue  # measured: 64-row dQ tiles of a head_dim-64 spill with mma.sync (sm_80)
