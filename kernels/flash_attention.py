@@ -20,6 +20,10 @@ and the plain torch oracle.
   causal mask (:func:`program_tile`); the varlen API (:mod:`.flash_varlen`) and ring attention
   over documents use it. The grid is one axis (:func:`attention_grid`), so batch x heads is not
   bound by CUDA's 65535 limit on axes 1 and 2.
+* Score options, one code path behind constexpr flags (:func:`score_options`): a sliding
+  ``window=(left, right)`` (key blocks outside it are skipped whole, :func:`window_keys`),
+  ``softcap`` (``c * tanh(s / c)``, tanh from exp2), ``sinks`` (a logit per head in the
+  denominator, included in ``lse``), and a v head dim of its own (``HEAD_DIM_V``).
 * Accumulate modes for ring attention: the forward can continue from a previous normalised
   ``(out, lse)`` pair held in fp32 (``accumulate=True``), and the backward can add ``dq``/``dk``/
   ``dv`` into fp32 buffers, so every ring step reuses these kernels.
