@@ -112,11 +112,11 @@ def smem_estimate(kind: str, cfg, block_d: int, elem_size: int, capability: tupl
         return base + (res + bm * block_d * e if bn < bm else tile + (bm * bn * e // 2 if bn > bm else 0))
     if kind == "fwd":
         return base + tile + (bm * bn * e if bm < block_d else 0)
-    if kind == "dq":
-        return base + (tile if bn <= bm else 0) + min(bm, bn) * 32 * e
+    if kind == "dq":  # (fitted: the dO-wide tile; MLA 192 / 128: exact on sm_80, -3.3% on sm_90)
+        return base + (rows * bdv * e if bn <= bm else 0) + min(bm, bn) * 32 * e
     if bn < bm:  # 16-bit dK/dV only as the fallback tile (fitted: head dims 128 and 192 / 128)
         return base + rows * block_d * e + tile + 2 * bm * bn * e
-    return base + tile + bm * bn * e + (bm * block_d * e if bn > bm else 0)
+    return base + tile + bm * bn * e + (bm * bdv * e if bn > bm else 0)
 
 
 def launch_smem_estimate(kind: str, cfg, named_args, **kwargs) -> int:
@@ -151,6 +151,8 @@ def _prune(kind):
                 continue
             if kind == "dq" and bd < 128 and bm > 32 and device_capability(q.device.index or 0)[0] < 9:
                 continue  # measured: 64-row dQ tiles of a head_dim-64 spill with mma.sync (sm_80)
+            if kind == "dkdv" and kwargs.get("LEFT") and bn > 32 and device_capability(q.device.index or 0)[0] < 9:
+                continue  # measured: a windowed dK/dV's 64-key tiles spill 44 B with mma.sync (sm_80, d 64)
             if elem == 4 and not ieee_fp32 and (bn > 64 if kind == "dq" else kind == "dkdv" and bn > bm and
                                                  device_capability(q.device.index or 0)[0] < 9):
                 continue  # measured, tf32: 128-wide dQ key blocks (sm_90) and wide dK/dV tiles (sm_80) spill
