@@ -477,8 +477,8 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     ``segments`` (a :class:`Segments`, batch 1): independent problems inside the sequence (packed
     documents); the offsets are then unused (the table's ``shift`` places each causal mask).
     ``window=(left, right)``: query ``i`` sees key ``j`` iff ``i - left <= j <= i + right`` in
-    global positions (``q_offset + i``, ``k_offset + j``; segments: ``j <= i + shift + right``
-    ...), -1 unbounded, ``causal`` sets ``right = 0``. ``softcap``: scores ``c * tanh(s / c)``
+    global positions (``q_offset + i``, ``k_offset + j``; with segments, segment-local
+    ``i + shift - left <= j <= i + shift + right``), -1 unbounded, ``causal`` sets ``right = 0``. ``softcap``: scores ``c * tanh(s / c)``
     before the softmax. ``sinks`` (fp32 ``[hq]``): one logit per head added to the softmax's
     denominator (no value); ``lse`` includes it, so a row that sees no key gets ``out = 0``,
     ``lse = sink`` (without sinks: ``lse = -inf``). With ``accumulate``, pass sinks to one step only.
