@@ -212,10 +212,18 @@ def _norm_cases():
     ]
 
 
-def _flash(dt, b, s, hq, hk, d, causal):
-    q, k, v = meta(b, s, hq, d, dtype=dt), meta(b, s, hk, d, dtype=dt), meta(b, s, hk, d, dtype=dt)
-    out, lse = flash_attention_forward(q, k, v, causal=causal)
-    flash_attention_backward(meta(b, s, hq, d, dtype=dt), q, k, v, out, lse, causal=causal)
+def _flash(dt, b, s, hq, hk, d, causal, dv=None, **options):
+    """Forward and backward launches; ``dv``: v's head dim (default d); ``options``: window,
+    softcap, sinks=True (an fp32 [hq] tensor). Cases with options or ``dv`` launch nothing in
+    fp32 (and TF32)."""
+    dv = d if dv is None else dv
+    if dt == torch.float32 and (options or dv != d):
+        return  # the score-option cases run 16-bit only: their fp32 / TF32 tiles spill (DESIGN §4.6)
+    q, k, v = meta(b, s, hq, d, dtype=dt), meta(b, s, hk, d, dtype=dt), meta(b, s, hk, dv, dtype=dt)
+    if options.get("sinks"):
+        options["sinks"] = meta(hq, dtype=torch.float32)
+    out, lse = flash_attention_forward(q, k, v, causal=causal, **options)
+    flash_attention_backward(meta(b, s, hq, dv, dtype=dt), q, k, v, out, lse, causal=causal, **options)
 
 
 def _flash_cases():
@@ -224,6 +232,14 @@ def _flash_cases():
         cases.append(Case("flash", f"{model} causal", model == "llama3-8b", lambda dt, c=c: _flash(
             dt, c["batch"], c["seq"], c["heads"], c["kv"], c["d"], True)))
     cases.append(Case("flash", "tests 2x33x4/2x64", False, lambda dt: _flash(dt, 2, 33, 4, 2, 64, False)))
+    # the score options (issue 25): gpt-oss (window 128 + sinks, d 64), a Gemma-2-like softcap +
+    # window at d 128, MLA's q/k 192 with v 128 (DeepSeek-V3: 128 heads); the softcap case is not
+    # in the fast subset (CI time: each case compiles ~10 s uncached), --against pins it
+    cases.append(Case("flash", "gpt-oss window 128 sinks", True, lambda dt: _flash(
+        dt, 1, 8192, 64, 8, 64, True, window=(127, 0), sinks=True)))
+    cases.append(Case("flash", "softcap 50 window 4096 d128", False, lambda dt: _flash(
+        dt, 1, 8192, 16, 8, 128, True, window=(4095, 0), softcap=50.0)))
+    cases.append(Case("flash", "mla 192/128 causal", True, lambda dt: _flash(dt, 1, 4096, 128, 128, 192, True, dv=128)))
     return cases
 
 

@@ -108,6 +108,8 @@ def rows_of(arch: str, smem_limit: int, compiled) -> list[dict]:
         cfg = v.config
         tile = "x".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_H", "BLOCK_R", "BLOCK_T", "BLOCK",
                                               "BLOCK_D") if k in cfg)
+        if cfg.get("BLOCK_DV", cfg.get("BLOCK_D")) != cfg.get("BLOCK_D"):  # flash: v's own head dim
+            tile += f"/{cfg['BLOCK_DV']}"
         dtypes = {c[1] for c in v.cases}
         if {"float32", "tf32"} <= dtypes:  # one fp32 variant both passes launch: no dot precision
             dtypes.discard("tf32")

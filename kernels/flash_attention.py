@@ -20,6 +20,10 @@ and the plain torch oracle.
   causal mask (:func:`program_tile`); the varlen API (:mod:`.flash_varlen`) and ring attention
   over documents use it. The grid is one axis (:func:`attention_grid`), so batch x heads is not
   bound by CUDA's 65535 limit on axes 1 and 2.
+* Score options, one code path behind constexpr flags (:func:`score_options`): a sliding
+  ``window=(left, right)`` (key blocks outside it are skipped whole, :func:`window_keys`),
+  ``softcap`` (``c * tanh(s / c)``, tanh from exp2), ``sinks`` (a logit per head in the
+  denominator, included in ``lse``), and a v head dim of its own (``HEAD_DIM_V``).
 * Accumulate modes for ring attention: the forward can continue from a previous normalised
   ``(out, lse)`` pair held in fp32 (``accumulate=True``), and the backward can add ``dq``/``dk``/
   ``dv`` into fp32 buffers, so every ring step reuses these kernels.
@@ -31,7 +35,6 @@ in :mod:`.flash_attention_bwd`; the differentiable ``flash_attention`` (a custom
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -48,16 +51,30 @@ from .checks import (
     check_tensor,
     output_buffer,
 )
-from .runtime import autotuned, device_capability, input_precision, interpreting, needs_upcast, shared_memory_limit
+from .flash_tiles import (
+    FP32_TILE,
+    MAX_GRID_X,
+    attention_grid,
+    gpu_configs,
+    kernel_flags,
+    launch_attention_kernel,
+    launch_smem_estimate,
+    register_estimate,
+    smem_estimate,
+    uses_wgmma,
+)
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+#: window bounds of a segmented launch are clamped to this (more than any segment's positions span)
+WINDOW_CLAMP = 2**30
 
 __all__ = [
-    "FP32_TILE", "MAX_GRID_X", "MAX_HEAD_DIM", "Segments", "attention_grid", "attention_reference", "check_offsets",
-    "check_qkv", "check_segments", "flash_attention_forward", "gpu_configs", "kernel_flags", "launch_attention_kernel",
-    "launch_smem_estimate", "program_tile", "register_estimate", "resolve_softmax_scale", "smem_estimate",
-    "uses_wgmma",
+    "FP32_TILE", "MAX_GRID_X", "MAX_HEAD_DIM", "WINDOW_CLAMP", "ScoreOptions", "Segments", "attention_grid", "attention_reference",
+    "check_offsets", "check_qkv", "check_segments", "check_sinks", "check_softcap", "check_window",
+    "flash_attention_forward", "gpu_configs", "kernel_flags", "launch_attention_kernel", "launch_smem_estimate",
+    "option_flags", "program_tile", "register_estimate", "resolve_softmax_scale", "score_args", "score_options",
+    "smem_estimate", "uses_wgmma", "window_keys",
 ]
 
 
@@ -65,38 +82,53 @@ __all__ = [
 # Triton kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, lo, hi, SK, k_offset,
-               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
-               UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi, q_lo, lo, hi, SK, k_offset,
+               qk_scale, cap_scale, cap2, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
+               SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               PAD_DV: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online-softmax update over key blocks ``[lo, hi)``. ``MASKED=False`` only for blocks that
-    every query row of the program sees completely (no tail, no causal cut)."""
+    every query row of the program sees completely (no tail, no window or causal cut). Key ``j``
+    is visible to a row iff ``q_lo <= k_offset + j <= q_hi`` (``RIGHT`` / ``LEFT``: which bound
+    applies). ``SOFTCAP``: scores ``cap * tanh(s * scale / cap)`` (``cap_scale = scale / cap``,
+    ``cap2 = cap * log2 e``), tanh written with exp2 (no libdevice under the interpreter)."""
     # loads are written out per case (no nested helper: under the interpreter every nested jit
     # call re-patches triton.language); interior blocks of an unpadded head_dim load unmasked
     rn = tl.arange(0, BLOCK_N)
     d_ok = rd < HEAD_DIM
+    dv_ok = rdv < HEAD_DIM_V
     k_ptrs = k_base + rd[:, None] * s_kd  # [BLOCK_D, 1]: K is read transposed
-    v_ptrs = v_base + rd[None, :] * s_vd
+    v_ptrs = v_base + rdv[None, :] * s_vd
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + rn
         n_mask = cols < SK
         kv_rows = cols.to(tl.int64)
         if MASKED:
             k = tl.load(k_ptrs + kv_rows[None, :] * s_ks, mask=n_mask[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs + kv_rows[:, None] * s_vs, mask=n_mask[:, None] & d_ok[None, :], other=0.0)
-        elif PAD_D:
-            k = tl.load(k_ptrs + kv_rows[None, :] * s_ks, mask=d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs + kv_rows[:, None] * s_vs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs + kv_rows[:, None] * s_vs, mask=n_mask[:, None] & dv_ok[None, :], other=0.0)
         else:
-            k = tl.load(k_ptrs + kv_rows[None, :] * s_ks)
-            v = tl.load(v_ptrs + kv_rows[:, None] * s_vs)
+            if PAD_D:
+                k = tl.load(k_ptrs + kv_rows[None, :] * s_ks, mask=d_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs + kv_rows[None, :] * s_ks)
+            if PAD_DV:
+                v = tl.load(v_ptrs + kv_rows[:, None] * s_vs, mask=dv_ok[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs + kv_rows[:, None] * s_vs)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale
+        if SOFTCAP:
+            t = tl.dot(q, k, input_precision=INPUT_PRECISION) * cap_scale
+            e = tl.exp2(tl.abs(t) * -2.8853900817779268)  # exp(-2|t|): no overflow
+            s = tl.where(t < 0, e - 1.0, 1.0 - e) / (1.0 + e) * cap2
+        else:
+            s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale
         if MASKED:
             visible = n_mask[None, :]
-            if CAUSAL:
-                visible = visible & ((k_offset + cols)[None, :] <= q_pos[:, None])
+            if RIGHT:
+                visible = visible & ((k_offset + cols)[None, :] <= q_hi[:, None])
+            if LEFT:
+                visible = visible & ((k_offset + cols)[None, :] >= q_lo[:, None])
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows that have seen no visible key yet keep m = -inf; subtract 0 there to avoid nan
@@ -154,20 +186,35 @@ def program_tile(seg_ptr, H, SQ, SK, q_offset, k_offset, ON_KEYS: tl.constexpr, 
 
 
 @triton.jit
+def window_keys(m0, q_offset, k_offset, win_left, hi, full_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The left edge of the window for the query rows ``[m0, m0 + BLOCK_M)`` (row ``i`` sees keys
+    ``k_offset + j >= q_offset + i - win_left``): ``(lo, full_lo, full_hi)`` such that keys
+    ``[lo, full_lo)`` need masks, ``[full_lo, full_hi)`` are seen by every row (block aligned, no
+    masks) and ``[full_hi, hi)`` need masks again; keys before ``lo`` are skipped whole."""
+    first = tl.maximum(q_offset + m0 - win_left - k_offset, 0)  # the first key row m0 sees
+    lo = tl.minimum((first // BLOCK_N) * BLOCK_N, hi)
+    every = tl.maximum(q_offset + m0 + BLOCK_M - 1 - win_left - k_offset, 0)  # the last row's first key
+    full_lo = tl.minimum(tl.maximum(((every + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo), hi)
+    return lo, full_lo, tl.maximum(full_hi, full_lo)
+
+
+@triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seg_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seg_ptr, sink_ptr,
     s_qb, s_qs, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,
     s_vb, s_vs, s_vh, s_vd,
     s_ob, s_os, s_oh, s_od,
     s_lb, s_lh, s_ls,
-    H, GROUP, SQ, SK, q_offset, k_offset, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, SEGMENTED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    H, GROUP, SQ, SK, q_offset, k_offset, qk_scale, win_left, win_right, cap_scale, cap2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PAD_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr, ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
     tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
+    tl.static_assert(PAD_DV == (BLOCK_DV != HEAD_DIM_V), "PAD_DV says whether BLOCK_DV pads HEAD_DIM_V")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
     b, h, m0, SQ, SK, q_row0, k_row0, q_offset, k_offset = program_tile(
         seg_ptr, H, SQ, SK, q_offset, k_offset, False, SEGMENTED, BLOCK_M)
@@ -176,9 +223,10 @@ def _attn_fwd_kernel(
 
     rm = m0 + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
+    rdv = tl.arange(0, BLOCK_DV)
     m_mask = rm < SQ
-    d_mask = rd < HEAD_DIM
-    md_mask = m_mask[:, None] & d_mask[None, :]
+    md_mask = m_mask[:, None] & (rd < HEAD_DIM)[None, :]
+    mdv_mask = m_mask[:, None] & (rdv < HEAD_DIM_V)[None, :]
 
     q_base = q_ptr + b * s_qb + h * s_qh + q_row0 * s_qs
     k_base = k_ptr + b * s_kb + hk * s_kh + k_row0 * s_ks
@@ -190,218 +238,65 @@ def _attn_fwd_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    o_off = rm.to(tl.int64)[:, None] * s_os + rd[None, :] * s_od
+    o_off = rm.to(tl.int64)[:, None] * s_os + rdv[None, :] * s_od
     if ACCUM:
         # continue from the normalised state (out_prev, lse_prev): m = lse_prev, l = 1
         m_i = tl.load(lse_base + rm.to(tl.int64) * s_ls, mask=m_mask, other=float("-inf")) * 1.4426950408889634
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
-        acc = tl.load(o_base + o_off, mask=md_mask, other=0.0).to(tl.float32)
+        acc = tl.load(o_base + o_off, mask=mdv_mask, other=0.0).to(tl.float32)
     else:
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
 
-    q_pos = q_offset + rm
-    if CAUSAL:
-        # keys up to the last row's position are visible to some row; keys up to the first
-        # row's position to every row (those blocks run without masks)
-        hi = tl.minimum(SK, tl.maximum(q_offset + m0 + BLOCK_M - k_offset, 0))
-        full = tl.minimum(SK, tl.maximum(q_offset + m0 + 1 - k_offset, 0))
+    q_hi = q_offset + rm + win_right  # row i sees keys at positions [q_lo, q_hi]
+    q_lo = q_offset + rm - win_left
+    if RIGHT:
+        # keys up to the last row's right edge are visible to some row; keys up to the first
+        # row's right edge to every row (those blocks run without masks, unless LEFT cuts them)
+        hi = tl.minimum(SK, tl.maximum(q_offset + m0 + BLOCK_M + win_right - k_offset, 0))
+        full = tl.minimum(SK, tl.maximum(q_offset + m0 + 1 + win_right - k_offset, 0))
     else:
         hi = SK
         full = SK
     full = (full // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, 0, full, SK,
-                               k_offset, qk_scale, False, CAUSAL, HEAD_DIM, PAD_D, UPCAST, INPUT_PRECISION, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, q_pos, full, hi, SK,
-                               k_offset, qk_scale, True, CAUSAL, HEAD_DIM, PAD_D, UPCAST, INPUT_PRECISION, BLOCK_N)
+    full_lo = 0
+    if LEFT:  # key blocks left of the window are skipped whole; [lo, full_lo) is masked
+        lo, full_lo, full = window_keys(m0, q_offset, k_offset, win_left, hi, full, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi, q_lo, lo,
+                                   full_lo, SK, k_offset, qk_scale, cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP,
+                                   HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi, q_lo, full_lo,
+                               full, SK, k_offset, qk_scale, cap_scale, cap2, False, RIGHT, LEFT, SOFTCAP, HEAD_DIM,
+                               PAD_D, HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi, q_lo, full,
+                               hi, SK, k_offset, qk_scale, cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM,
+                               PAD_D, HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, BLOCK_N)
+    if SINKS:
+        # one more logit per head in the denominator, with no value: the sink takes probability
+        # mass; lse includes it (a row that sees no key then has lse = sink, out = 0)
+        sink2 = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink2)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink2 - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(o_base + o_off, out.to(o_ptr.dtype.element_ty), mask=md_mask)
+    tl.store(o_base + o_off, out.to(o_ptr.dtype.element_ty), mask=mdv_mask)
     tl.store(lse_base + rm.to(tl.int64) * s_ls, lse, mask=m_mask)
-
-
-# --------------------------------------------------------------------------------------------
-# Configurations: fixed small blocks under the interpreter, autotuned pruned configs on GPU
-# --------------------------------------------------------------------------------------------
-INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
-#: which outputs a tuning run of each kernel kind writes (restored between configs: the
-#: accumulate modes read them, so tuning runs must not compound them)
-_RESTORE = {"fwd": ["o_ptr", "lse_ptr"], "dq": ["dq_ptr"], "dkdv": ["dk_ptr", "dv_ptr"]}
-
-
-#: per kernel kind: (BLOCK_M, BLOCK_N, num_stages, num_warps). Measured with ``python -m benchmarks
-#: compile --family flash`` (ptxas, sm_90 and sm_80): these compile without register spills at
-#: head_dim <= 128 in bf16/fp16. For dK/dV BLOCK_N is the resident key block (its dK and dV fp32
-#: accumulators dominate the registers), BLOCK_M the streamed query block. The last entry,
-#: ``FP32_TILE``, is the only one fp32 "ieee" launches keep (their dots run on FMA units).
-FP32_TILE = (32, 16)
-_GPU_CONFIGS = {
-    "fwd": [(128, 64, 3, 8), (64, 128, 3, 8), (64, 64, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), (32, 32, 3, 4),
-            (*FP32_TILE, 2, 4)],
-    "dq": [(64, 128, 3, 8), (64, 64, 3, 8), (64, 32, 4, 4), (32, 32, 3, 4), (*FP32_TILE, 2, 4)],
-    "dkdv": [(32, 64, 3, 8), (32, 32, 3, 4), (*FP32_TILE, 2, 4)],
-}
-#: live fp32 score tiles ([BLOCK_M, BLOCK_N]) and the register budget (32-bit registers per
-#: thread for the tiles of :func:`register_estimate`) each kind compiles within without spills
-_SCORE_TILES = {"fwd": 2, "dq": 2, "dkdv": 4}
-_REGISTER_BUDGET = {"fwd": 160, "dq": 160, "dkdv": 128}
-
-
-def gpu_configs(kind: str):
-    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_stages=stages, num_warps=warps)
-            for bm, bn, stages, warps in _GPU_CONFIGS[kind]]
-
-
-def register_estimate(kind: str, block_m: int, block_n: int, block_d: int, num_warps: int, elem_size: int) -> int:
-    """32-bit registers per thread of the live tiles of one program: the fp32 accumulators
-    (O or dQ: one ``[rows, BLOCK_D]``; dK/dV: two), the resident operands (Q; Q and dO; K and V)
-    and the fp32 score tiles. The prune rule keeps configs within ``_REGISTER_BUDGET``."""
-    rows = block_n if kind == "dkdv" else block_m
-    n_acc, n_res = (1, 1) if kind == "fwd" else (1, 2) if kind == "dq" else (2, 2)
-    words = rows * block_d * (n_acc + n_res * elem_size / 4) + _SCORE_TILES[kind] * block_m * block_n
-    return int(words // (32 * num_warps))
-
-
-def uses_wgmma(kind: str, block_m: int, block_n: int, capability: tuple, precision: str) -> bool:
-    """Whether Triton compiles the kernel's dots to Hopper wgmma (operands from shared memory):
-    sm_90 with a 64-row MMA tile (the rows are BLOCK_N for dK/dV) and tensor-core precision."""
-    rows = block_n if kind == "dkdv" else block_m
-    return capability[0] == 9 and rows >= 64 and precision != "ieee_fp32"
-
-
-def smem_estimate(kind: str, cfg, block_d: int, elem_size: int, capability: tuple, precision: str = "") -> int:
-    """Shared memory (bytes) of one program as Triton 3.9 allocates it (checked against the
-    compiler by ``python -m benchmarks compile``). wgmma: ``num_stages`` buffers of the streamed
-    tile pair plus the resident tiles (Q; Q and dO; K and V). mma.sync and fp32 "ieee" FMA dots:
-    ``num_stages - 1`` buffers plus the layout-conversion buffers of the resident and score tiles
-    (fitted per kernel from the compiler's figures). dK/dV also pipelines lse and delta. ``precision``:
-    "" (16-bit operands), "ieee_fp32" or "tf32" (fp32 operands, FMA or tensor-core dots)."""
-    bm, bn, stages, e = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_stages, elem_size
-    stream_rows, rows = (bm, bn) if kind == "dkdv" else (bn, bm)
-    pair = stream_rows * block_d * 2 * e
-    tile = rows * block_d * e  # one resident tile
-    n_res = 1 if kind == "fwd" else 2
-    lse = (stages - 1) * 2 * bm * 4 if kind == "dkdv" else 0
-    if uses_wgmma(kind, bm, bn, capability, precision):
-        # tf32: the fp32 resident operands of dQ / dK/dV stage one tile (fitted)
-        return stages * pair + (1 if precision == "tf32" and kind != "fwd" else n_res) * tile + lse
-    base = (stages - 1) * pair + lse
-    if precision == "ieee_fp32":
-        return base + n_res * tile + bm * bn * e
-    if precision == "tf32" and kind != "fwd":  # mma.sync on fp32 operands (fitted)
-        if kind == "dq":
-            return base + (tile if bn <= bm else 0) + min(bm, bn) * 32 * e + bm * bn * e
-        return base + (n_res * tile + bm * block_d * e if bn < bm else tile + (bm * bn * e // 2 if bn > bm else 0))
-    if kind == "fwd":
-        return base + tile + (bm * bn * e if bm < block_d else 0)
-    if kind == "dq":
-        return base + (tile if bn <= bm else 0) + min(bm, bn) * 32 * e
-    return base + tile + bm * bn * e + (bm * block_d * e if bn > bm else 0)
-
-
-def launch_smem_estimate(kind: str, cfg, named_args, **kwargs) -> int:
-    """:func:`smem_estimate` of ``cfg`` for an autotuned launch with ``named_args`` (the prune
-    rule's figure; the compile check compares it with the compiler's)."""
-    q = named_args["q_ptr"]
-    precision = ("" if q.element_size() != 4 else
-                 "ieee_fp32" if kwargs.get("INPUT_PRECISION") == "ieee" else "tf32")
-    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    return smem_estimate(kind, cfg, bd, q.element_size(), device_capability(q.device.index or 0),
-                         precision)
-
-
-def _prune(kind):
-    def prune(configs, named_args, **kwargs):
-        """Drop configs whose tiles overflow shared memory or the register budget, or are far
-        larger than the sequence (a 128-row tile on a 40-row problem only wastes work)."""
-        q = named_args["q_ptr"]
-        bd, elem = kwargs.get("BLOCK_D", named_args.get("BLOCK_D")), q.element_size()
-        limit = shared_memory_limit(q.device.index or 0)
-        sq, sk = named_args["SQ"], named_args["SK"]
-        ieee_fp32 = kwargs.get("INPUT_PRECISION") == "ieee" and elem == 4
-        kept = []
-        for cfg in configs:
-            bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-            if launch_smem_estimate(kind, cfg, named_args, **kwargs) > limit:
-                continue
-            if register_estimate(kind, bm, bn, bd, cfg.num_warps, elem) > _REGISTER_BUDGET[kind]:
-                continue
-            if kind == "dq" and bd < 128 and bm > 32 and device_capability(q.device.index or 0)[0] < 9:
-                continue  # measured: 64-row dQ tiles of a head_dim-64 spill with mma.sync (sm_80)
-            if elem == 4 and not ieee_fp32 and (bn > 64 if kind == "dq" else kind == "dkdv" and bn > bm and
-                                                 device_capability(q.device.index or 0)[0] < 9):
-                continue  # measured, tf32: 128-wide dQ key blocks (sm_90) and wide dK/dV tiles (sm_80) spill
-            if ieee_fp32 != ((bm, bn) == FP32_TILE):
-                continue  # fp32 "ieee" dots run on FMA units: only FP32_TILE compiles (nearly) without spills
-            if bm > 2 * triton.next_power_of_2(sq) and bm > 32:
-                continue
-            if bn > 2 * triton.next_power_of_2(sk) and bn > 32:
-                continue
-            kept.append(cfg)
-        return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
-
-    return prune
-
-
-@functools.lru_cache(maxsize=None)
-def _tuned(kernel, kind: str):
-    return autotuned(
-        kernel, configs=gpu_configs(kind),
-        key=["SQ", "SK", "HEAD_DIM", "CAUSAL", "GROUP", "SEGMENTED", "INPUT_PRECISION"],  # fp32 ieee prunes differently
-        prune=_prune(kind), restore_value=_RESTORE[kind],
-    )
-
-
-#: CUDA's limit on grid axis 0 (axes 1 and 2 stop at 65535, so nothing goes there)
-MAX_GRID_X = 2**31 - 1
-
-
-def attention_grid(rows: int, n_bh: int, block: int) -> tuple:
-    """The launch grid of an attention kernel: ``(cdiv(rows, block) * n_bh,)`` programs on axis 0
-    (block index fastest, see ``program_tile``); ``n_bh`` counts (batch or segment) x heads.
-    One axis keeps batch x heads beyond axis 1's 65535 launchable."""
-    n = triton.cdiv(rows, block) * n_bh
-    if n > MAX_GRID_X:
-        raise ValueError(f"attention grid must have at most {MAX_GRID_X} programs (CUDA grid axis 0), "
-                         f"got {n} ({triton.cdiv(rows, block)} blocks x {n_bh} batch-heads)")
-    return (n,)
-
-
-def launch_attention_kernel(kernel, kind: str, grid_rows: int, n_bh: int, args, flags) -> None:
-    """Launch one attention kernel over :func:`attention_grid` programs: fixed small blocks under
-    the interpreter, the autotuned configs on a GPU. ``kind`` is ``"fwd"``, ``"dq"`` (one program
-    per block of query rows) or ``"dkdv"`` (one per block of key rows)."""
-    if kind not in _RESTORE:
-        raise ValueError(f"kind must be one of {tuple(_RESTORE)}, got {kind!r}")
-    key = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
-    if interpreting():
-        cfg = INTERPRETER_CONFIG
-        kernel[attention_grid(grid_rows, n_bh, cfg[key])](*args, **flags, **cfg)
-        return
-    attention_grid(grid_rows, n_bh, min(c.kwargs[key] for c in gpu_configs(kind)))  # fail here, not in autotune
-    grid = lambda meta: attention_grid(grid_rows, n_bh, meta[key])  # noqa: E731
-    with torch.cuda.device(args[0].device):
-        _tuned(kernel, kind)[grid](*args, **flags)
-
-
-def kernel_flags(q: torch.Tensor, causal: bool, accumulate: bool, segmented: bool = False) -> dict:
-    """The compile-time flags every attention kernel takes, for q ``[b, s, h, d]``."""
-    d = q.shape[3]
-    bd = max(16, triton.next_power_of_2(d))
-    return dict(HEAD_DIM=d, BLOCK_D=bd, PAD_D=bd != d, CAUSAL=bool(causal), ACCUM=bool(accumulate),
-                UPCAST=needs_upcast(q.dtype), INPUT_PRECISION=input_precision(q.dtype), SEGMENTED=bool(segmented))
 
 
 # --------------------------------------------------------------------------------------------
 # Host side: validation
 # --------------------------------------------------------------------------------------------
 def check_qkv(q, k, v) -> None:
-    """q ``[b, sq, hq, d]``, k/v ``[b, sk, hk, d]``: kernel operands of one dtype on one device,
-    ``1 <= d <= MAX_HEAD_DIM`` and ``hk`` dividing ``hq`` (grouped-query attention)."""
+    """q ``[b, sq, hq, d]``, k ``[b, sk, hk, d]``, v ``[b, sk, hk, d_v]``: kernel operands of one
+    dtype on one device, ``1 <= d, d_v <= MAX_HEAD_DIM`` (v may have its own head dim, as in
+    MLA) and ``hk`` dividing ``hq`` (grouped-query attention)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(name, t, dims=(4,))
         check_positive_dims(name, t, {2: "head"})
@@ -409,13 +304,16 @@ def check_qkv(q, k, v) -> None:
         check_same(name, t, "q", q)
         if t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} batch size must equal q's ({q.shape[0]}), got {t.shape[0]}")
-    check_same("v", v, "k", k, device=False, dtype=False, shape=True)
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must have k's batch, length and heads {tuple(k.shape[:3])} (its own head dim), "
+                         f"got shape {tuple(v.shape)}")
     d = q.shape[3]
     if k.shape[3] != d:
         raise ValueError(f"k head_dim must equal q's ({d}), got {k.shape[3]}")
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim must be between 1 and {MAX_HEAD_DIM} (16, 32, 64, 128 are the tuned sizes), got {d}")
+    for name, n in (("head_dim", d), ("v head_dim", v.shape[3])):
+        if not 1 <= n <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name} must be between 1 and {MAX_HEAD_DIM} (16, 32, 64, 128 are the tuned sizes), got {n}")
     hq, hk = q.shape[2], k.shape[2]
     if hk == 0 or hq % hk:
         raise ValueError(f"q heads must be a multiple of k/v heads ({hk}) for grouped-query attention, got {hq}")
@@ -484,40 +382,130 @@ def check_segments(segments, q, k, q_offset=0, k_offset=0) -> None:
                              f"max_k={segments.max_k}")
 
 
+class ScoreOptions(NamedTuple):
+    """The score options of one launch, checked (:func:`score_options`): ``left`` / ``right``
+    the window (query ``i`` sees keys ``j`` with ``i - left <= j <= i + right`` in global
+    positions; -1 unbounded; causal is ``right = 0``), ``softcap`` (0.0: off) and ``sinks``
+    (fp32 ``[heads]`` or None)."""
+    left: int
+    right: int
+    softcap: float
+    sinks: torch.Tensor | None
+
+
+def check_window(window) -> tuple:
+    """``None`` (no window) or ``(left, right)``: ints in ``[-1, 2**31 - 1]``, -1 unbounded."""
+    if window is None:
+        return (-1, -1)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a (left, right) pair of ints, got {window!r}")
+    return tuple(check_int(f"window[{i}] ({side})", w, min_value=-1, max_value=MAX_GRID_X)
+                 for i, (side, w) in enumerate(zip(("left", "right"), window)))
+
+
+def check_softcap(softcap) -> float:
+    """``None`` (off) or a positive finite number; returns it as a float (0.0: off)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a positive finite number or None, got {type(softcap).__name__} {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    return float(softcap)
+
+
+def check_sinks(sinks, q) -> None:
+    """``None`` or an fp32 ``[heads]`` tensor (one sink logit per query head) on q's device."""
+    if sinks is None:
+        return
+    check_tensor("sinks", sinks, dims=(1,), dtypes=(torch.float32,))
+    check_same("sinks", sinks, "q", q, dtype=False)
+    if sinks.shape[0] != q.shape[-2]:
+        raise ValueError(f"sinks must have shape ({q.shape[-2]},) (one logit per query head), "
+                         f"got {tuple(sinks.shape)}")
+
+
+def score_options(q, k, *, causal=False, window=None, softcap=None, sinks=None, q_offset=0, k_offset=0,
+                  segments=None) -> ScoreOptions:
+    """Checked :class:`ScoreOptions` for q ``[b, sq, hq, d]`` / k ``[b, sk, ...]``. ``causal``
+    sets ``right = 0`` (as flash-attn does). Dense, a bound that cuts no key of this launch
+    becomes -1 (no mask, and the kernels never see a huge window); with ``segments`` the bounds
+    are clamped to ``WINDOW_CLAMP`` (2**30: beyond any segment's reach)."""
+    left, right = check_window(window)
+    check_bool("causal", causal)
+    cap = check_softcap(softcap)
+    check_sinks(sinks, q)
+    if causal:
+        right = 0
+    if segments is not None:
+        # the shifts live in the table (reading them would sync a GPU): keep the bounds, clamped
+        # so that position + bound stays inside int32 for any realistic shift
+        return ScoreOptions(min(left, WINDOW_CLAMP), min(right, WINDOW_CLAMP), cap, sinks)
+    if left >= max(q_offset + q.shape[1] - 1 - k_offset, 0):
+        left = -1
+    if not causal and right >= max(k_offset + k.shape[1] - 1 - q_offset, 0):
+        right = -1
+    return ScoreOptions(left, right, cap, sinks)
+
+
+def score_args(opts: ScoreOptions, scale: float) -> tuple:
+    """The kernels' runtime score arguments ``(win_left, win_right, cap_scale, cap2)``."""
+    cap = opts.softcap
+    return max(opts.left, 0), max(opts.right, 0), (scale / cap if cap else 0.0), cap * LOG2E
+
+
+def option_flags(q, v, opts: ScoreOptions, accumulate: bool, segmented: bool) -> dict:
+    """:func:`~.flash_tiles.kernel_flags` of a launch with ``opts``."""
+    return kernel_flags(q, opts.right >= 0, accumulate, segmented, v=v, window=(opts.left, opts.right),
+                        softcap=opts.softcap, sinks=opts.sinks is not None)
+
+
 # --------------------------------------------------------------------------------------------
 # Host side: the forward launcher (ring attention calls it once per block pair)
 # --------------------------------------------------------------------------------------------
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0,
-                            out=None, lse=None, accumulate=False, segments=None):
+                            out=None, lse=None, accumulate=False, segments=None, window=None, softcap=None,
+                            sinks=None):
     """One attention block: returns ``(out, lse)``.
 
-    q ``[b, sq, hq, d]``, k/v ``[b, sk, hk, d]`` (any strides). ``out`` (same shape as q, any
-    strides, any supported dtype) and ``lse`` (``[b, hq, sq]`` fp32, any strides) are written in
-    place when given. ``accumulate=True`` continues from the normalised state already held in
-    ``(out, lse)`` (use an fp32 ``out``; start from ``out = 0``, ``lse = -inf``): afterwards they
-    hold the attention over the union of all key blocks seen so far, which is how ring steps merge.
+    q ``[b, sq, hq, d]``, k ``[b, sk, hk, d]``, v ``[b, sk, hk, d_v]`` (any strides; ``d_v`` may
+    differ from ``d``). ``out`` (``[b, sq, hq, d_v]``, any strides, any supported dtype) and
+    ``lse`` (``[b, hq, sq]`` fp32, any strides) are written in place when given.
+    ``accumulate=True`` continues from the normalised state already held in ``(out, lse)`` (use
+    an fp32 ``out``; start from ``out = 0``, ``lse = -inf``): afterwards they hold the attention
+    over the union of all key blocks seen so far, which is how ring steps merge.
     ``segments`` (a :class:`Segments`, batch 1): independent problems inside the sequence (packed
     documents); the offsets are then unused (the table's ``shift`` places each causal mask).
+    ``window=(left, right)``: query ``i`` sees key ``j`` iff ``i - left <= j <= i + right`` in
+    global positions (``q_offset + i``, ``k_offset + j``; with segments, segment-local
+    ``i + shift - left <= j <= i + shift + right``), -1 unbounded, ``causal`` sets ``right = 0``. ``softcap``: scores ``c * tanh(s / c)``
+    before the softmax. ``sinks`` (fp32 ``[hq]``): one logit per head added to the softmax's
+    denominator (no value); ``lse`` includes it, so a row that sees no key gets ``out = 0``,
+    ``lse = sink`` (without sinks: ``lse = -inf``). With ``accumulate``, pass sinks to one step only.
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
-    check_bool("causal", causal)
     check_bool("accumulate", accumulate)
     if segments is not None:
         check_segments(segments, q, k, q_offset, k_offset)
+    opts = score_options(q, k, causal=causal, window=window, softcap=softcap, sinks=sinks, q_offset=q_offset,
+                         k_offset=k_offset, segments=segments)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = resolve_softmax_scale(softmax_scale, d)
     if accumulate and (out is None or lse is None):
         raise ValueError("accumulate=True needs out= and lse= (the state to continue from)")
-    out = output_buffer("out", out, q.shape, q.device, q.dtype)
+    out = output_buffer("out", out, (b, sq, hq, v.shape[3]), q.device, q.dtype)
     lse = output_buffer("lse", lse, (b, hq, sq), q.device, torch.float32, exact_dtype=True)
     if b * sq * hq == 0:
         return out, lse
     if sk == 0:
         if not accumulate:
             out.zero_()
-            lse.fill_(float("-inf"))
+            if sinks is None:
+                lse.fill_(float("-inf"))
+            else:
+                lse.copy_(sinks[None, :, None].expand(lse.shape))
         return out, lse
     rows, n_b, sq_arg, sk_arg, table = sq, b, sq, sk, q  # dense: the table argument is never read
     if segments is not None:
@@ -525,9 +513,10 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
         n_b, sk_arg, table = segments.table.shape[0], segments.max_k, segments.table
         if n_b * rows == 0:
             return out, lse
-    args = (q, k, v, out, lse, table, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            hq, hq // hk, sq_arg, sk_arg, q_offset, k_offset, scale * LOG2E)
-    flags = kernel_flags(q, causal, accumulate, segments is not None)
+    args = (q, k, v, out, lse, table, q if sinks is None else sinks, *q.stride(), *k.stride(), *v.stride(),
+            *out.stride(), *lse.stride(), hq, hq // hk, sq_arg, sk_arg, q_offset, k_offset, scale * LOG2E,
+            *score_args(opts, scale))
+    flags = option_flags(q, v, opts, accumulate, segments is not None)
     launch_attention_kernel(_attn_fwd_kernel, "fwd", rows, n_b * hq, args, flags)
     return out, lse
 
@@ -536,9 +525,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
 # Reference
 # --------------------------------------------------------------------------------------------
 def attention_reference(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0,
-                        compute_dtype=torch.float64):
+                        compute_dtype=torch.float64, window=None, softcap=None, sinks=None):
     """Plain torch attention in ``compute_dtype``: ``(out, lse)`` with the same conventions as
-    the flash kernels (fully masked rows: out 0, lse -inf). Differentiable."""
+    the flash kernels (window, softcap, sinks as :func:`flash_attention_forward`; v may have its
+    own head dim; fully masked rows: out 0, lse -inf, or lse = sink with sinks). Differentiable
+    (``sinks`` included)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
@@ -546,10 +537,20 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, q_offset=0
     kf = k.to(compute_dtype).transpose(1, 2).repeat_interleave(hq // hk, dim=1)
     vf = v.to(compute_dtype).transpose(1, 2).repeat_interleave(hq // hk, dim=1)
     s = qf @ kf.transpose(-1, -2) * scale
-    if causal:
-        qi = torch.arange(sq, device=q.device)[:, None] + q_offset
-        kj = torch.arange(sk, device=q.device)[None, :] + k_offset
-        s = s.masked_fill(kj > qi, float("-inf"))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = (-1, -1) if window is None else window
+    right = 0 if causal else right
+    qi = torch.arange(sq, device=q.device)[:, None] + q_offset
+    kj = torch.arange(sk, device=q.device)[None, :] + k_offset
+    if right >= 0:
+        s = s.masked_fill(kj > qi + right, float("-inf"))
+    if left >= 0:
+        s = s.masked_fill(kj < qi - left, float("-inf"))
+    if sinks is not None:  # one more column: the sink logit, with no value
+        sink = sinks.to(compute_dtype)[None, :, None, None].expand(b, hq, sq, 1)
+        s = torch.cat((s, sink), dim=-1)
+        vf = torch.cat((vf, vf.new_zeros(b, hq, 1, vf.shape[-1])), dim=-2)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
     out = (p @ vf).transpose(1, 2)

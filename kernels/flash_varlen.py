@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_float_tensor, check_int, check_same, check_tensor
-from .flash_attention import Segments, attention_reference, flash_attention_forward
+from .flash_attention import Segments, attention_reference, check_qkv, flash_attention_forward
 from .flash_attention_bwd import flash_attention_backward
 
 __all__ = [
@@ -82,6 +82,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     read no tensor values (shapes, dtypes, devices: what ``torch.compile`` traces)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(name, t, dims=(3,))
+    check_qkv(q[None], k[None], v[None])  # head dims, heads, one dtype and device (views: no copy)
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, max_name="max_seqlen_q", values=values)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, max_name="max_seqlen_k", values=values)
     check_same("cu_seqlens_q", cu_seqlens_q, "q", q, dtype=False)
@@ -92,42 +93,48 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           softmax_scale=None):
-    """Packed attention: ``(out, lse)``, out ``[total_q, heads, d]`` in q's dtype, lse
-    ``[heads, total_q]`` fp32 (natural log). q ``[total_q, heads, d]``, k/v
-    ``[total_k, kv_heads, d]`` (kv_heads divides heads), ``cu_seqlens_*`` int32 ``[docs + 1]``
-    on q's device, ``max_seqlen_*`` >= the longest document. Not differentiable (see
-    :func:`fusedpar.ops.flash_attention_varlen`)."""
+                           softmax_scale=None, window=None, softcap=None, sinks=None):
+    """Packed attention: ``(out, lse)``, out ``[total_q, heads, d_v]`` in q's dtype, lse
+    ``[heads, total_q]`` fp32 (natural log). q ``[total_q, heads, d]``, k ``[total_k, kv_heads, d]``,
+    v ``[total_k, kv_heads, d_v]`` (kv_heads divides heads), ``cu_seqlens_*`` int32 ``[docs + 1]``
+    on q's device, ``max_seqlen_*`` >= the longest document. ``window`` / ``softcap`` / ``sinks``
+    as in :func:`~.flash_attention.flash_attention_forward`, in each document's bottom-right
+    aligned positions (query ``i`` sees key ``j`` iff ``i + shift - left <= j <= i + shift + right``,
+    ``shift = len_k - len_q``). Not differentiable (see :func:`fusedpar.ops.flash_attention_varlen`)."""
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     lse = torch.empty((1, q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     out, lse = flash_attention_forward(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
-                                       lse=lse, segments=seg)
+                                       lse=lse, segments=seg, window=window, softcap=softcap, sinks=sinks)
     return out[0], lse[0]
 
 
 def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, *, causal=False, softmax_scale=None):
-    """Gradients ``(dq, dk, dv)`` of :func:`flash_attention_varlen` from its ``out`` / ``lse``."""
+                                    max_seqlen_k, *, causal=False, softmax_scale=None, window=None, softcap=None,
+                                    sinks=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`flash_attention_varlen` from its ``out`` / ``lse``;
+    with ``sinks=`` also ``dsinks`` (fp32 ``[heads]``): ``(dq, dk, dv, dsinks)``."""
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_tensor("lse", lse, dims=(2,))
-    return tuple(g[0] for g in flash_attention_backward(
-        dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal, softmax_scale=softmax_scale,
-        segments=seg))
+    grads = flash_attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal,
+                                     softmax_scale=softmax_scale, segments=seg, window=window, softcap=softcap,
+                                     sinks=sinks)
+    return (*(g[0] for g in grads[:3]), *grads[3:])
 
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
-                               compute_dtype=torch.float64):
+                               compute_dtype=torch.float64, window=None, softcap=None, sinks=None):
     """Plain torch oracle: each document attended separately with :func:`attention_reference`
-    (bottom-right causal); ``(out [total_q, h, d], lse [h, total_q])``. Differentiable."""
+    (bottom-right causal and window); ``(out [total_q, h, d_v], lse [h, total_q])``. Differentiable."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
     for i in range(len(cq) - 1):
         qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
         lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
         o, lse = attention_reference(q[None, qs], k[None, ks], v[None, ks], causal=causal,
-                                     softmax_scale=softmax_scale, q_offset=lk - lq, compute_dtype=compute_dtype)
+                                     softmax_scale=softmax_scale, q_offset=lk - lq, compute_dtype=compute_dtype,
+                                     window=window, softcap=softcap, sinks=sinks)
         outs.append(o[0])
         lses.append(lse[0])
     h, d = q.shape[1], v.shape[2]

@@ -145,10 +145,11 @@ def test_flash_estimates_match_the_committed_tables(arch):
         if decision == "pruned":
             continue
         tile, warps, stages = config.split()
+        tile, _, bdv = tile.partition("/")  # "BMxBNxBD[/BDV]": v's own head dim when it differs
         bm, bn, bd = (int(x) for x in tile.split("x"))
         cfg = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=int(warps[1:]), num_stages=int(stages[1:]))
         est = smem_estimate(kinds[kernel], cfg, bd, elem[dtype], (int(arch[3]), 0),
-                            {"float32": "ieee_fp32", "tf32": "tf32"}.get(dtype, ""))
+                            {"float32": "ieee_fp32", "tf32": "tf32"}.get(dtype, ""), int(bdv) if bdv else None)
         assert abs(est - int(shared)) <= ESTIMATE_TOLERANCE * int(shared), (kernel, dtype, config, est, shared)
         checked += 1
         tf32 += dtype == "tf32"

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _utils import DEVICE, DTYPES, assert_close, poison, randn
+from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
 from fusedpar.kernels import attention_reference, flash_attention_backward, flash_attention_forward
 from fusedpar.ops import flash_attention
 
@@ -180,6 +180,106 @@ def test_fully_masked_rows():
         assert torch.equal(gr, torch.zeros_like(gr))
 
 
+# ----------------------------------------------------------------------------------------------
+# window, softcap, sinks, a v head dim of its own
+# ----------------------------------------------------------------------------------------------
+def _check_options(q, k, v, do, *, sinks=None, msg="", **opts):
+    """The op (forward, lse, dq, dk, dv, d_sink) against the float64 oracle, and the launcher
+    writing into NaN-poisoned buffers bit for bit like the op."""
+    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ins += [] if sinks is None else [sinks.clone().requires_grad_()]
+    out, lse = flash_attention(*ins[:3], sinks=None if sinks is None else ins[3], **opts)
+    grads = torch.autograd.grad(out, ins, do)
+    refs = [t.detach().double().requires_grad_() for t in ins]
+    ro, rl = attention_reference(*refs[:3], sinks=None if sinks is None else refs[3], **opts)
+    rgrads = torch.autograd.grad(ro, refs, do.double())
+    assert out.shape == (*q.shape[:3], v.shape[3])
+    tol = OUT_TOL[q.dtype]
+    assert_close(out, ro, q.dtype, rtol=tol, atol=tol * max(ro.pow(2).mean().sqrt().item(), 1e-3), msg=f"out {msg}")
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl)), f"lse -inf pattern {msg}"
+    fin = torch.isfinite(rl)
+    assert_close(lse[fin], rl[fin], torch.float32, rtol=tol, atol=tol, msg=f"lse {msg}")
+    do_rms = do.double().pow(2).mean().sqrt().item()
+    for name, got, ref in zip(("dq", "dk", "dv", "d_sink"), grads, rgrads):
+        tol = GRAD_TOL[q.dtype]
+        assert_close(got, ref, q.dtype, rtol=tol, atol=tol * max(ref.pow(2).mean().sqrt().item(), do_rms),
+                     msg=f"{name} {msg}")
+    b, sq, hq, _ = q.shape
+    out_p, lse_p = flash_attention_forward(q, k, v, sinks=sinks, out=poison(out.shape, q.dtype),
+                                           lse=poison((b, hq, sq), torch.float32), **opts)
+    assert torch.equal(out_p, out.detach()) and torch.equal(lse_p, lse), f"poisoned launch {msg}"
+    return out, lse
+
+
+# (id, batch, seq_q, seq_k, heads, kv_heads, head_dim, head_dim_v, options, sinks, q scale)
+OPTION_CASES = [
+    ("window-1", 1, 19, 19, 2, 1, 16, 16, dict(window=(1, 1)), False, 1.0),
+    ("window-odd-causal", 1, 37, 37, 2, 2, 16, 16, dict(window=(5, -1), causal=True), False, 1.0),
+    ("window-beyond-seq", 1, 13, 11, 2, 1, 16, 16, dict(window=(40, 2**31 - 1)), False, 1.0),
+    ("left-only-offsets", 1, 29, 33, 2, 1, 16, 16, dict(window=(3, -1), q_offset=4), False, 1.0),
+    ("right-only-offsets", 1, 29, 21, 2, 2, 8, 8, dict(window=(-1, 2), k_offset=3), False, 1.0),
+    ("window-empty-rows-sinks", 1, 9, 5, 2, 1, 16, 16, dict(window=(2, 0), k_offset=5), True, 1.0),
+    ("sinks-causal-gqa", 2, 21, 21, 4, 2, 16, 16, dict(causal=True), True, 1.0),
+    ("softcap-saturated", 1, 17, 23, 2, 1, 16, 16, dict(softcap=0.5, window=(6, 6)), False, 6.0),
+    ("qk24-v16-window-sinks", 1, 19, 26, 2, 1, 24, 16, dict(window=(7, -1), causal=True, softmax_scale=0.4), True,
+     1.0),
+    ("qk20-v20-all", 1, 23, 23, 2, 1, 20, 20, dict(window=(4, 9), softcap=3.0), True, 2.0),
+]
+
+
+@pytest.mark.parametrize("case", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_window_softcap_sinks_head_dims(case):
+    name, b, sq, sk, hq, hk, d, dv, opts, with_sinks, q_scale = case
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    q = randn(b, sq, hq, d, generator=g, scale=q_scale)
+    k = randn(b, sk, hk, d, generator=g)
+    v, do = randn(b, sk, hk, dv, generator=g), randn(b, sq, hq, dv, generator=g)
+    sinks = randn(hq, generator=g) if with_sinks else None
+    out, lse = _check_options(q, k, v, do, sinks=sinks, msg=name, **opts)
+    if name == "window-empty-rows-sinks":  # rows 0-2 see no key: out 0, lse = the sink (the sink's mass only)
+        assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3]))
+        assert torch.equal(lse[:, :, :3], sinks[None, :, None].expand(b, hq, 3))
+
+
+def test_window_against_sdpa_mask():
+    # the external oracle: SDPA with the equivalent boolean mask (GQA expanded), window (3, 1)
+    g = torch.Generator().manual_seed(11)
+    q, k, v, do = (randn(1, 27, h, 16, generator=g) for h in (4, 2, 2, 4))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, _ = flash_attention(qg, kg, vg, window=(3, 1))
+    grads = torch.autograd.grad(out, (qg, kg, vg), do)
+    i = torch.arange(27, device=q.device)
+    mask = (i[None, :] >= i[:, None] - 3) & (i[None, :] <= i[:, None] + 1)
+    qs, ks, vs = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qs, ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1), attn_mask=mask)
+    rgrads = torch.autograd.grad(ref, (qs, ks, vs), do.transpose(1, 2))
+    assert_close(out, ref.transpose(1, 2), torch.float32, rtol=1e-5, atol=1e-5)
+    for got, r in zip(grads, rgrads):
+        assert_close(got, r.transpose(1, 2), torch.float32, rtol=GRAD_TOL[torch.float32], atol=GRAD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("q_offset", [0, 48], ids=["right-edge", "left-edge"])
+def test_window_skips_key_blocks(q_offset):
+    # cost follows the window: 16 queries at positions q_offset.. with window (3, 3) see keys
+    # [q_offset - 3, q_offset + 18] of 64, i.e. two of the four key blocks (16 keys each under the
+    # interpreter, the smallest GPU block too). The other two hold NaN: a kernel that loaded them
+    # would spread NaN into out (0 * NaN in P @ V), dq (through dS) and their dk (through dP).
+    if not INTERPRETED:
+        pytest.skip("the GPU's autotuned key blocks may be wider than the visible range")
+    g = torch.Generator().manual_seed(6)
+    q, do = (randn(1, 16, 2, 16, generator=g) for _ in range(2))
+    k, v = (randn(1, 64, 1, 16, generator=g) for _ in range(2))
+    far = slice(32, 64) if q_offset == 0 else slice(0, 32)
+    k[:, far], v[:, far] = float("nan"), float("nan")
+    out, lse = flash_attention_forward(q, k, v, window=(3, 3), q_offset=q_offset)
+    dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, window=(3, 3), q_offset=q_offset)
+    near = slice(0, 32) if q_offset == 0 else slice(32, 64)
+    ro, _ = attention_reference(q, k[:, near], v[:, near], window=(3, 3), q_offset=q_offset, k_offset=near.start)
+    assert_close(out, ro, torch.float32, msg="out")
+    assert not torch.isnan(dq).any() and not torch.isnan(dk[:, near]).any()
+    assert not dk[:, far].any() and not dv[:, far].any()  # exact zeros: the far keys are never visited
+
+
 def _bad(shape):
     return torch.randn(*shape, device=DEVICE)
 
@@ -197,7 +297,8 @@ BAD_INPUTS = [
      lambda: flash_attention(_bad(_Q), _bad((1, 4, 2, 32)), _bad((1, 4, 2, 32)))),
     ("meta device", ValueError, "k must be a CUDA tensor .* got a tensor on meta",
      lambda: flash_attention(_bad(_Q), _bad(_K).to("meta"), _bad(_K).to("meta"))),
-    ("k/v shape", ValueError, "same shape", lambda: flash_attention(_bad(_Q), _bad(_K), _bad((1, 5, 2, 16)))),
+    ("k/v shape", ValueError, "v must have k's batch, length and heads",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad((1, 5, 2, 16)))),
     ("q_offset", ValueError, "q_offset", lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), q_offset=-1)),
     ("softmax_scale", ValueError, "softmax_scale",
      lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), softmax_scale=0.0)),
@@ -209,7 +310,32 @@ BAD_INPUTS = [
     ("lse dtype", TypeError, "lse must have dtype",
      lambda: flash_attention_forward(_bad(_Q), _bad(_K), _bad(_K), lse=torch.empty(1, 4, 4, dtype=torch.float16,
                                                                                  device=DEVICE))),
-    ("dout shape", ValueError, "dout must have the same shape as q",
+    ("window type", TypeError, r"window must be None or a \(left, right\) pair",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), window=3)),
+    ("window float", TypeError, r"window\[0\] \(left\) must be an int",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), window=(1.5, 0))),
+    ("window -2", ValueError, r"window\[1\] \(right\) must be >= -1, got -2",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), window=(0, -2))),
+    ("window 2**31", ValueError, r"window\[0\] \(left\) must be <= 2147483647",
+     lambda: flash_attention_forward(_bad(_Q), _bad(_K), _bad(_K), window=(2**31, 0))),
+    ("softcap 0", ValueError, "softcap must be a positive finite number or None, got 0",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), softcap=0)),
+    ("softcap nan", ValueError, "softcap must be a positive finite number",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), softcap=float("nan"))),
+    ("softcap str", TypeError, "softcap must be a positive finite number or None, got str",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), softcap="1")),
+    ("sinks shape", ValueError, r"sinks must have shape \(4,\) \(one logit per query head\), got \(2,\)",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), sinks=_bad((2,)))),
+    ("sinks dtype", TypeError, "sinks must have dtype torch.float32, got torch.float16",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), sinks=_bad((4,)).half())),
+    ("sinks device", ValueError, "sinks must be on the same device as q",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), sinks=torch.zeros(4, device="meta"))),
+    ("sinks 2-D", ValueError, "sinks must be 1-D",
+     lambda: flash_attention_backward(_bad(_Q), _bad(_Q), _bad(_K), _bad(_K), _bad(_Q),
+                                      torch.zeros(1, 4, 4, device=DEVICE), sinks=_bad((1, 4)))),
+    ("v head_dim 300", ValueError, "v head_dim must be between 1 and 256",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad((1, 4, 2, 300)))),
+    ("dout shape", ValueError, r"dout must have shape \(1, 4, 4, 16\)",
      lambda: flash_attention_backward(_bad((1, 3, 4, 16)), _bad(_Q), _bad(_K), _bad(_K), _bad(_Q),
                                       torch.zeros(1, 4, 4, device=DEVICE))),
 ]

@@ -66,6 +66,50 @@ def test_opcheck_flash_ops():
              (dout, qv.detach(), kv.detach(), vv.detach(), out.detach(), lse, cu, cu, 5, 5, True, 0.3))
 
 
+def test_opcheck_flash_ops_window_softcap_sinks():
+    # the new schema arguments: window (left, right), softcap, differentiable sinks, v head dim 6 != 8
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 5, 2, 8, generator=g).requires_grad_()
+    k = torch.randn(1, 7, 1, 8, generator=g).requires_grad_()
+    v = torch.randn(1, 7, 1, 6, generator=g).requires_grad_()
+    sinks = torch.randn(2, generator=g).requires_grad_()
+    args = (q, k, v, True, None, 0, 2, 3, -1, 2.0, sinks)
+    _opcheck(torch.ops.fusedpar.flash_attention.default, args)
+    out, lse = torch.ops.fusedpar.flash_attention(*args)
+    dout = torch.randn(out.shape, generator=g)
+    _opcheck_backward(torch.ops.fusedpar.flash_attention_backward.default,
+                      (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, None, 0, 2, 3, -1, 2.0,
+                       sinks.detach()))
+
+    cu = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
+    qv, kv = (torch.randn(7, h, 8, generator=g).requires_grad_() for h in (2, 1))
+    vv = torch.randn(7, 1, 6, generator=g).requires_grad_()
+    vargs = (qv, kv, vv, cu, cu, 5, 5, False, 0.3, 1, 2, None, sinks)
+    _opcheck(torch.ops.fusedpar.flash_attention_varlen.default, vargs)
+    out, lse = torch.ops.fusedpar.flash_attention_varlen(*vargs)
+    dout = torch.randn(out.shape, generator=g)
+    _opcheck_backward(torch.ops.fusedpar.flash_attention_varlen_backward.default,
+                      (dout, qv.detach(), kv.detach(), vv.detach(), out.detach(), lse, cu, cu, 5, 5, False, 0.3, 1, 2,
+                       None, sinks.detach()))
+
+
+def test_flash_options_compile_fullgraph():
+    # window, softcap and sinks through torch.compile: out and every gradient (d_sink included) equal eager
+    g = torch.Generator().manual_seed(5)
+    q, k, v = _qkv(g, 1, 6, 2, 1)
+    sinks = torch.randn(2, generator=g)
+    fn = lambda q, k, v, s: flash_attention(q, k, v, causal=True, window=(2, -1), softcap=1.5, sinks=s)[0]  # noqa: E731
+    torch._dynamo.reset()
+    results = []
+    for f in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True)):
+        xs = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+        y = f(*xs)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
+        results.append((y.detach(), *torch.autograd.grad(y, xs, dy)))
+    for name, got, want in zip(("out", "dq", "dk", "dv", "d_sink"), results[1], results[0]):
+        _assert_same(got, want, f"{name} flash options")
+
+
 def _sp_opchecks(g, ring_token, uly_token, ring_layout, ring_cu=None, uly_cu=None, hybrid_ring_token=None):
     """opcheck of the ring and Ulysses ops (forward and backward) over the given transport tokens."""
     q, k, v = _qkv(g, 1, 6, 2, 1, requires_grad=True)

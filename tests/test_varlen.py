@@ -64,6 +64,53 @@ def test_varlen_against_fp64_reference(lq, lk, hq, hk, d, causal, dtype):
     _check_case(lq, lk, hq, hk, d, causal, dtype, seed=len(lq) * 31 + d + causal)
 
 
+# (id, query lengths, key lengths, heads, kv_heads, head_dim, head_dim_v, options, sinks)
+OPTION_CASES = [
+    ("window-sinks-gqa-bottom-right", [5, 1, 0, 23, 3], [9, 2, 4, 20, 3], 4, 2, 16, 16,
+     dict(window=(3, 2)), True),
+    ("causal-window-softcap-qk24-v16", [7, 19, 2], None, 2, 1, 24, 16, dict(causal=True, window=(4, -1), softcap=1.0),
+     True),
+]
+
+
+@pytest.mark.parametrize("case", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_varlen_window_softcap_sinks(case):
+    # the op and the launchers (NaN-poisoned buffers) against the per-document fp64 oracle: the
+    # window follows each document's bottom-right alignment (shift = len_k - len_q) like causal
+    name, lq, lk, hq, hk, d, dv, opts, with_sinks = case
+    lk = lq if lk is None else lk
+    cq, ck = _cu(lq), _cu(lk)
+    g = torch.Generator().manual_seed(len(name))
+    q, k = randn(sum(lq), hq, d, generator=g, scale=3.0), randn(sum(lk), hk, d, generator=g)
+    v, do = randn(sum(lk), hk, dv, generator=g), randn(sum(lq), hq, dv, generator=g)
+    sinks = randn(hq, generator=g) if with_sinks else None
+    ins = [t.clone().requires_grad_() for t in (q, k, v)] + ([sinks.clone().requires_grad_()] if with_sinks else [])
+    out, lse = flash_attention_varlen(*ins[:3], cq, ck, max(lq), max(lk), sinks=ins[3] if with_sinks else None, **opts)
+    grads = torch.autograd.grad(out, ins, do)
+    refs = [t.detach().double().requires_grad_() for t in ins]
+    ro, rl = varlen_attention_reference(*refs[:3], cq.cpu(), ck.cpu(), sinks=refs[3] if with_sinks else None, **opts)
+    rgrads = torch.autograd.grad(ro, refs, do.double())
+    tol = OUT_TOL[torch.float32]
+    assert_close(out, ro, torch.float32, rtol=tol, atol=tol * ro.pow(2).mean().sqrt().item(), msg="out")
+    assert torch.equal(torch.isinf(lse).cpu(), torch.isinf(rl)), "lse -inf pattern"
+    fin = torch.isfinite(rl)
+    assert_close(lse.cpu()[fin], rl[fin], torch.float32, rtol=tol, atol=tol, msg="lse")
+    do_rms = do.double().pow(2).mean().sqrt().item()
+    for gname, got, ref in zip(("dq", "dk", "dv", "d_sink"), grads, rgrads):
+        tol = GRAD_TOL[torch.float32]
+        assert_close(got, ref, torch.float32, rtol=tol, atol=tol * max(ref.pow(2).mean().sqrt().item(), do_rms),
+                     msg=gname)
+    seg = varlen_segments(cq, ck, max(lq), max(lk))
+    out_p, lse_p = poison((1, *out.shape), out.dtype), poison((1, *lse.shape), torch.float32)
+    flash_attention_forward(q[None], k[None], v[None], out=out_p, lse=lse_p, segments=seg, sinks=sinks, **opts)
+    assert torch.equal(out_p[0], out.detach()) and torch.equal(lse_p[0], lse)
+    dq, dk, dv = poison((1, *q.shape), q.dtype), poison((1, *k.shape), k.dtype), poison((1, *v.shape), v.dtype)
+    res = flash_attention_backward(do[None], q[None], k[None], v[None], out_p, lse_p, dq=dq, dk=dk, dv=dv,
+                                   segments=seg, sinks=sinks, **opts)
+    for got, want in zip((dq[0], dk[0], dv[0], *res[3:]), grads):
+        assert torch.equal(got, want)
+
+
 def test_launchers_write_every_row_into_poisoned_buffers():
     # the kernels-level launchers with the segment table: every output row, lse entry and
     # gradient row is written (poisoned with NaN beforehand), rows of empty-key documents too

@@ -13,7 +13,14 @@ Layers: Triton kernels -> launchers (``fusedpar.kernels``) -> the custom ops ->
 from __future__ import annotations
 
 from fusedpar.kernels.checks import check_bool
-from fusedpar.kernels.flash_attention import check_offsets, check_qkv, resolve_softmax_scale
+from fusedpar.kernels.flash_attention import (
+    check_offsets,
+    check_qkv,
+    check_sinks,
+    check_softcap,
+    check_window,
+    resolve_softmax_scale,
+)
 from fusedpar.kernels.flash_varlen import check_varlen_inputs
 from fusedpar.ops.flash_library import flash_attention_op, flash_attention_varlen_op
 from fusedpar.ops.library import checked_api
@@ -21,43 +28,60 @@ from fusedpar.ops.library import checked_api
 __all__ = ["flash_attention", "flash_attention_varlen"]
 
 
+def _score_arguments(q, causal, softmax_scale, head_dim, window, softcap, sinks) -> tuple:
+    """The checked ``(softmax_scale, window_left, window_right, softcap)`` of the op's schema."""
+    check_bool("causal", causal)
+    resolve_softmax_scale(softmax_scale, head_dim)
+    left, right = check_window(window)
+    cap = check_softcap(softcap)
+    check_sinks(sinks, q)
+    return None if softmax_scale is None else float(softmax_scale), left, right, (cap or None)
+
+
 @checked_api
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0):
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0, window=None, softcap=None,
+                    sinks=None):
     """Scaled dot-product attention with a flash kernel; returns ``(out, lse)``.
 
-    q ``[batch, seq_q, heads, head_dim]``, k/v ``[batch, seq_k, kv_heads, head_dim]`` (kv_heads
-    divides heads: grouped-query attention), any strides. ``softmax_scale`` defaults to
-    ``head_dim ** -0.5``. With ``causal=True`` query ``i`` sees key ``j`` iff
-    ``k_offset + j <= q_offset + i`` (global positions of two blocks of one sequence); rows that
-    see no key give ``out = 0`` and ``lse = -inf``. ``lse`` (``[batch, heads, seq_q]``, fp32,
-    natural log) is not differentiable (it is marked so; gradients flow through ``out``).
+    q ``[batch, seq_q, heads, head_dim]``, k ``[batch, seq_k, kv_heads, head_dim]``, v
+    ``[batch, seq_k, kv_heads, head_dim_v]`` (kv_heads divides heads: grouped-query attention; v
+    may have its own head dim, e.g. MLA's 192 / 128), any strides; out is
+    ``[batch, seq_q, heads, head_dim_v]``. ``softmax_scale`` defaults to ``head_dim ** -0.5``.
+    With ``causal=True`` query ``i`` sees key ``j`` iff ``k_offset + j <= q_offset + i`` (global
+    positions of two blocks of one sequence). ``window=(left, right)`` (flash-attn's convention):
+    query ``i`` sees key ``j`` iff ``i - left <= j <= i + right`` in those global positions, -1
+    unbounded; ``causal`` sets ``right = 0``. ``softcap=c``: scores ``c * tanh(s / c)`` before the
+    softmax (Gemma 2). ``sinks`` (fp32 ``[heads]``, differentiable): one learnable logit per query
+    head added to the softmax denominator (gpt-oss); it takes probability mass but carries no
+    value. Rows that see no key give ``out = 0`` and ``lse = -inf`` (with sinks ``lse = sink``).
+    ``lse`` (``[batch, heads, seq_q]``, fp32, natural log, including the sink) is not
+    differentiable (it is marked so; gradients flow through ``out``).
     The custom op ``fusedpar::flash_attention``: traceable by ``torch.compile``.
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
-    check_bool("causal", causal)
-    resolve_softmax_scale(softmax_scale, q.shape[3])
-    scale = None if softmax_scale is None else float(softmax_scale)
-    return flash_attention_op(q, k, v, causal, scale, q_offset, k_offset)
+    scale, left, right, cap = _score_arguments(q, causal, softmax_scale, q.shape[3], window, softcap, sinks)
+    return flash_attention_op(q, k, v, causal, scale, q_offset, k_offset, left, right, cap, sinks)
 
 
 @checked_api
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           softmax_scale=None):
+                           softmax_scale=None, window=None, softcap=None, sinks=None):
     """Differentiable attention over packed documents (flash-attn's ``flash_attn_varlen_func``
     convention); returns ``(out, lse)``.
 
-    q ``[total_q, heads, d]``, k/v ``[total_k, kv_heads, d]`` (kv_heads divides heads),
-    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 ``[num_docs + 1]`` cumulative document lengths on
-    q's device, ``max_seqlen_*`` at least the longest document. Document ``i``'s queries attend
-    to its own keys only; ``causal=True`` is bottom-right aligned per document (query ``i`` sees
-    key ``j`` iff ``j <= i + len_k - len_q``). ``lse`` ``[heads, total_q]`` fp32 is not
-    differentiable. The kernels-level :func:`fusedpar.kernels.flash_attention_varlen` is the
-    same forward without autograd. The custom op
-    ``fusedpar::flash_attention_varlen``: traceable by ``torch.compile``.
+    q ``[total_q, heads, d]``, k ``[total_k, kv_heads, d]``, v ``[total_k, kv_heads, d_v]``
+    (kv_heads divides heads), ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 ``[num_docs + 1]``
+    cumulative document lengths on q's device, ``max_seqlen_*`` at least the longest document.
+    Document ``i``'s queries attend to its own keys only; ``causal=True`` is bottom-right aligned
+    per document (query ``i`` sees key ``j`` iff ``j <= i + len_k - len_q``), and so is
+    ``window=(left, right)`` (``i + shift - left <= j <= i + shift + right``, ``shift = len_k -
+    len_q``). ``softcap`` and ``sinks`` as in :func:`flash_attention`. ``lse`` ``[heads, total_q]``
+    fp32 is not differentiable. The kernels-level :func:`fusedpar.kernels.flash_attention_varlen`
+    is the same forward without autograd. The custom op ``fusedpar::flash_attention_varlen``:
+    traceable by ``torch.compile``.
     """
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, values=False)
-    check_bool("causal", causal)
-    resolve_softmax_scale(softmax_scale, q.shape[2])
-    scale = None if softmax_scale is None else float(softmax_scale)
-    return flash_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    scale, left, right, cap = _score_arguments(q, causal, softmax_scale, q.shape[2], window, softcap, sinks)
+    return flash_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                     left, right, cap, sinks)

@@ -1,19 +1,22 @@
 """The flash-attention custom ops of :func:`fusedpar.ops.flash.flash_attention` and
 :func:`fusedpar.ops.flash.flash_attention_varlen` (see :mod:`fusedpar.ops.library`).
 
-* ``fusedpar::flash_attention(q, k, v, causal, softmax_scale, q_offset, k_offset) -> (out, lse)``
-  (:data:`flash_attention_op`, body :func:`flash_attention_fwd`) and
-  ``fusedpar::flash_attention_backward`` (:data:`flash_attention_backward_op`, body
-  :func:`flash_attention_bwd`).
+* ``fusedpar::flash_attention(q, k, v, causal, softmax_scale, q_offset, k_offset, window_left=-1,
+  window_right=-1, softcap=None, sinks=None) -> (out, lse)`` (:data:`flash_attention_op`, body
+  :func:`flash_attention_fwd`) and ``fusedpar::flash_attention_backward``
+  (:data:`flash_attention_backward_op`, body :func:`flash_attention_bwd`, returning
+  ``(dq, dk, dv, dsinks)``, ``dsinks`` an :func:`~fusedpar.ops.library.absent` placeholder
+  without sinks).
 * ``fusedpar::flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-  max_seqlen_k, causal, softmax_scale) -> (out, lse)`` (:data:`flash_attention_varlen_op`, body
-  :func:`flash_attention_varlen_fwd`) and ``fusedpar::flash_attention_varlen_backward``
-  (:data:`flash_attention_varlen_backward_op`, body :func:`flash_attention_varlen_bwd`).
+  max_seqlen_k, causal, softmax_scale, window_left=-1, window_right=-1, softcap=None, sinks=None)
+  -> (out, lse)`` (:data:`flash_attention_varlen_op`, body :func:`flash_attention_varlen_fwd`)
+  and ``fusedpar::flash_attention_varlen_backward`` (:data:`flash_attention_varlen_backward_op`,
+  body :func:`flash_attention_varlen_bwd`).
 
-``lse`` is not differentiable. The bodies call the launchers of
-:mod:`fusedpar.kernels.flash_attention`, :mod:`fusedpar.kernels.flash_attention_bwd` and
-:mod:`fusedpar.kernels.flash_varlen`; the values of ``cu_seqlens`` are checked there (on CPU
-tensors), where they are read.
+``lse`` is not differentiable; ``sinks`` is (its gradient comes from the backward op). The
+bodies call the launchers of :mod:`fusedpar.kernels.flash_attention`,
+:mod:`fusedpar.kernels.flash_attention_bwd` and :mod:`fusedpar.kernels.flash_varlen`; the values
+of ``cu_seqlens`` are checked there (on CPU tensors), where they are read.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from fusedpar.kernels import flash_varlen
 from fusedpar.kernels.flash_attention import flash_attention_forward
 from fusedpar.kernels.flash_attention_bwd import flash_attention_backward
-from fusedpar.ops.library import custom_op, input_grads
+from fusedpar.ops.library import absent, custom_op, input_grads, present
 
 __all__ = [
     "flash_attention_backward_op", "flash_attention_bwd", "flash_attention_fwd", "flash_attention_op",
@@ -33,54 +36,73 @@ __all__ = [
 Tensor = torch.Tensor
 
 
+def _window(left: int, right: int):
+    return None if left == right == -1 else (left, right)
+
+
+def _with_dsinks(grads, q):
+    """``(dq, dk, dv, dsinks)`` from a launcher's 3 or 4 gradients (no sinks: an absent dsinks)."""
+    return (*grads[:3], grads[3] if len(grads) == 4 else absent(q.new_empty((), dtype=torch.float32)))
+
+
+def _backward_fake(q, k, v):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((0,), dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------------------------
 # fusedpar::flash_attention
 # ----------------------------------------------------------------------------------------------
 def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None, q_offset: int,
-                        k_offset: int) -> tuple[Tensor, Tensor]:
+                        k_offset: int, window_left: int = -1, window_right: int = -1, softcap: float | None = None,
+                        sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of the flash forward kernel."""
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset,
-                                   k_offset=k_offset)
+                                   k_offset=k_offset, window=_window(window_left, window_right), softcap=softcap,
+                                   sinks=sinks)
 
 
 flash_attention_op = custom_op("flash_attention")(flash_attention_fwd)
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, q_offset, k_offset):
+def _(q, k, v, causal, softmax_scale, q_offset, k_offset, window_left=-1, window_right=-1, softcap=None, sinks=None):
     b, sq, hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
+    return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 def flash_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                        softmax_scale: float | None, q_offset: int, k_offset: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of the flash backward kernels."""
-    return flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                    q_offset=q_offset, k_offset=k_offset)
+                        softmax_scale: float | None, q_offset: int, k_offset: int, window_left: int = -1,
+                        window_right: int = -1, softcap: float | None = None,
+                        sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)`` of the flash backward kernels (``dsinks`` absent without sinks)."""
+    return _with_dsinks(flash_attention_backward(
+        dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset, k_offset=k_offset,
+        window=_window(window_left, window_right), softcap=softcap, sinks=sinks), q)
 
 
 flash_attention_backward_op = custom_op("flash_attention_backward")(flash_attention_bwd)
 
 
 @flash_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, causal, softmax_scale, q_offset, k_offset):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, causal, softmax_scale, q_offset, k_offset, window_left=-1, window_right=-1,
+      softcap=None, sinks=None):
+    return _backward_fake(q, k, v) if sinks is None else (*_backward_fake(q, k, v)[:3], sinks.new_empty(sinks.shape))
 
 
 def _flash_setup(ctx, inputs, output):
-    q, k, v, *args = inputs
+    q, k, v, *args, sinks = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = tuple(args)  # causal, softmax_scale, q_offset, k_offset
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.args = tuple(args)  # causal, softmax_scale, q_offset, k_offset, window_left, window_right, softcap
 
 
 def _flash_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     if dout is None:
         return input_grads(flash_attention_op)
-    dq, dk, dv = flash_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args)
-    return input_grads(flash_attention_op, q=dq, k=dk, v=dv)
+    dq, dk, dv, dsinks = flash_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args, sinks)
+    return input_grads(flash_attention_op, q=dq, k=dk, v=dv, sinks=present(dsinks))
 
 
 flash_attention_op.register_autograd(_flash_backward, setup_context=_flash_setup)
@@ -90,52 +112,60 @@ flash_attention_op.register_autograd(_flash_backward, setup_context=_flash_setup
 # fusedpar::flash_attention_varlen
 # ----------------------------------------------------------------------------------------------
 def flash_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                               max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                               softmax_scale: float | None) -> tuple[Tensor, Tensor]:
+                               max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float | None,
+                               window_left: int = -1, window_right: int = -1, softcap: float | None = None,
+                               sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of the varlen launcher (which checks the ``cu_seqlens`` values)."""
     return flash_varlen.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               causal=causal, softmax_scale=softmax_scale)
+                                               causal=causal, softmax_scale=softmax_scale,
+                                               window=_window(window_left, window_right), softcap=softcap,
+                                               sinks=sinks)
 
 
 flash_attention_varlen_op = custom_op("flash_attention_varlen")(flash_attention_varlen_fwd)
 
 
 @flash_attention_varlen_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left=-1,
+      window_right=-1, softcap=None, sinks=None):
+    return q.new_empty((*q.shape[:2], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def flash_attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                               causal: bool, softmax_scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of the varlen backward launcher."""
-    return flash_varlen.flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                        max_seqlen_q, max_seqlen_k, causal=causal,
-                                                        softmax_scale=softmax_scale)
+                               causal: bool, softmax_scale: float | None, window_left: int = -1,
+                               window_right: int = -1, softcap: float | None = None,
+                               sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)`` of the varlen backward launcher (``dsinks`` absent without sinks)."""
+    return _with_dsinks(flash_varlen.flash_attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window=_window(window_left, window_right), softcap=softcap, sinks=sinks), q)
 
 
 flash_attention_varlen_backward_op = custom_op("flash_attention_varlen_backward")(flash_attention_varlen_bwd)
 
 
 @flash_attention_varlen_backward_op.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      window_left=-1, window_right=-1, softcap=None, sinks=None):
+    return _backward_fake(q, k, v) if sinks is None else (*_backward_fake(q, k, v)[:3], sinks.new_empty(sinks.shape))
 
 
 def _varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *args = inputs
+    q, k, v, cu_q, cu_k, *args, sinks = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = tuple(args)  # max_seqlen_q, max_seqlen_k, causal, softmax_scale
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
+    ctx.args = tuple(args)  # max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap
 
 
 def _varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
     if dout is None:
         return input_grads(flash_attention_varlen_op)
-    dq, dk, dv = flash_attention_varlen_backward_op(dout.to(q.dtype), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return input_grads(flash_attention_varlen_op, q=dq, k=dk, v=dv)
+    dq, dk, dv, dsinks = flash_attention_varlen_backward_op(dout.to(q.dtype), q, k, v, out, lse, cu_q, cu_k,
+                                                            *ctx.args, sinks)
+    return input_grads(flash_attention_varlen_op, q=dq, k=dk, v=dv, sinks=present(dsinks))
 
 
 flash_attention_varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)
