@@ -31,6 +31,7 @@ from .runtime import (
     aligned,
     autotuned,
     apply_activation,
+    apply_up,
     device_capability,
     input_precision,
     interpreting,
@@ -139,7 +140,10 @@ def gemm_epilogue(
                      mask=out_mask)
     acc = apply_activation(acc, ACT)
     if GLU:
-        acc = acc * acc_up
+        if ACT == 4:
+            acc = acc * apply_up(acc_up, ACT)
+        else:
+            acc = acc * acc_up
     return acc
 
 
@@ -160,7 +164,7 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
-    tl.static_assert(ACT >= 0 and ACT <= 3, "unknown activation code")
+    tl.static_assert(ACT >= 0 and ACT <= 4, "unknown activation code")
 
     # Grouped ordering of programs (tutorial 03): neighbouring programs share B column blocks.
     pid = tl.program_id(0)

@@ -132,11 +132,21 @@ def _grouped_gemm_kernel(
                 sg = 1.0 / (1.0 + tl.exp(-pre))
                 a_val = pre * sg
                 d_val = sg + pre * sg * (1.0 - sg)
+            elif ACT == 4:
+                # swiglu_oai's gate: g = min(pre, 7), g * sigmoid(1.702 g); no gradient above 7
+                gc = tl.minimum(pre, 7.0)
+                sg = 1.0 / (1.0 + tl.exp(-1.702 * gc))
+                a_val = gc * sg
+                d_val = tl.where(pre <= 7.0, sg + 1.702 * gc * sg * (1.0 - sg), 0.0)
             else:
                 a_val = pre
                 d_val = pre * 0.0 + 1.0
             if GLU:
                 up = tl.load(aux_ptr + a_off + glu_offset * s_an, mask=out_mask, other=0.0).to(tl.float32)
+                if ACT == 4:
+                    # up's factor clamp(up, -7, 7) + 1, whose gradient is zero outside the range
+                    a_val = tl.where((up >= -7.0) & (up <= 7.0), a_val, 0.0)
+                    up = tl.minimum(tl.maximum(up, -7.0), 7.0) + 1.0
                 tl.store(out_ptr + o_off, (acc * up * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
                 tl.store(out_ptr + o_off + glu_offset * s_on, (acc * a_val).to(out_ptr.dtype.element_ty),
                          mask=out_mask)
@@ -154,10 +164,16 @@ def _grouped_gemm_kernel(
                 res = acc / (1.0 + tl.exp(-1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)))
             elif ACT == 3:
                 res = acc / (1.0 + tl.exp(-acc))
+            elif ACT == 4:
+                res = tl.minimum(acc, 7.0)
+                res = res / (1.0 + tl.exp(-1.702 * res))
             else:
                 res = acc
             if GLU:
-                res = res * acc_up
+                if ACT == 4:
+                    res = res * (tl.minimum(tl.maximum(acc_up, -7.0), 7.0) + 1.0)
+                else:
+                    res = res * acc_up
             tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Tail rows after the last group get zeros, so nothing downstream reads unwritten memory.

@@ -146,7 +146,7 @@ def persistent_gemm_kernel(
 ):
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(WAIT >= 0 and WAIT <= 2, "WAIT: 0 none, 1 spin, 2 skip")
-    tl.static_assert(ACT >= 0 and ACT <= 3, "unknown activation code")
+    tl.static_assert(ACT >= 0 and ACT <= 4, "unknown activation code")
 
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)

@@ -16,7 +16,7 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # name -> (constexpr code of the activation in the kernels, gated: the weight holds gate rows then
-# up rows and the epilogue computes act(gate) * up)
+# up rows and the epilogue computes act(gate) * up; "swiglu_oai" computes act(gate) * (clamp(up) + 1))
 ACTIVATIONS = {
     "none": (0, False),
     "relu": (1, False),
@@ -24,7 +24,14 @@ ACTIVATIONS = {
     "silu": (3, False),
     "swiglu": (3, True),
     "geglu": (2, True),
+    # gpt-oss's clamped SwiGLU (transformers' GptOssExperts._apply_gate), with its constants fixed:
+    # g = min(gate, L); u = clamp(up, -L, L); out = (u + 1) * g * sigmoid(ALPHA * g)
+    "swiglu_oai": (4, True),
 }
+#: the constants of "swiglu_oai" (gpt-oss's swiglu_alpha and swiglu_limit); the kernels write them
+#: as literals (1.702, 7.0), tests check them against these
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
 
 
 def interpreting() -> bool:
@@ -356,14 +363,31 @@ def apply_activation(x, ACT: tl.constexpr):
         x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
     elif ACT == 3:
         x = x * tl.sigmoid(x)
+    elif ACT == 4:
+        # the gate half of swiglu_oai: g = min(x, 7); g * sigmoid(1.702 g) (see apply_up)
+        x = tl.minimum(x, 7.0)
+        x = x / (1.0 + tl.exp(-1.702 * x))
     return x
+
+
+@triton.jit
+def apply_up(up, ACT: tl.constexpr):
+    """The up half of a gated activation of code ``ACT`` on an fp32 tile: itself, or for
+    ``swiglu_oai`` ``clamp(up, -7, 7) + 1``."""
+    if ACT == 4:
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0) + 1.0
+    return up
 
 
 def activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
     """Plain torch reference of the fused activations (``x`` is ``[..., 2F]`` gate|up when gated)."""
     act, glu = ACTIVATIONS[activation]
     gate, up = (x.chunk(2, dim=-1) if glu else (x, None))
-    if act == 1:
+    if act == 4:  # gpt-oss: the clamp's gradient is zero outside the range, as torch.clamp's
+        gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+        up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1
+        gate = gate * torch.sigmoid(SWIGLU_OAI_ALPHA * gate)
+    elif act == 1:
         gate = torch.relu(gate)
     elif act == 2:
         gate = torch.nn.functional.gelu(gate, approximate="tanh")

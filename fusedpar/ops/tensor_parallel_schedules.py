@@ -24,7 +24,7 @@ import torch
 
 from fusedpar.kernels import matmul, matmul_tn
 from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
-from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES
+from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from fusedpar.ops.transport import Transport
 
 __all__ = [
@@ -156,6 +156,10 @@ def _act_and_grad(x: torch.Tensor, code: int):
     if code == 3:  # silu
         s = torch.sigmoid(x)
         return x * s, s + x * s * (1 - s)
+    if code == 4:  # swiglu_oai's gate: g = min(x, L), g * sigmoid(alpha g); no gradient above L
+        g = x.clamp(max=SWIGLU_OAI_LIMIT)
+        s = torch.sigmoid(SWIGLU_OAI_ALPHA * g)
+        return g * s, torch.where(x <= SWIGLU_OAI_LIMIT, s + SWIGLU_OAI_ALPHA * g * s * (1 - s), 0.0)
     return x, torch.ones_like(x)
 
 
@@ -168,6 +172,9 @@ def activation_backward(preact: torch.Tensor, grad: torch.Tensor, activation: st
         return (g * _act_and_grad(p, code)[1]).to(grad.dtype)
     gate, up = p.chunk(2, dim=-1)
     a, da = _act_and_grad(gate, code)
+    if code == 4:  # the up factor clamp(up, -L, L) + 1, no gradient outside the range
+        a = torch.where(up.abs() <= SWIGLU_OAI_LIMIT, a, 0.0)
+        up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1
     return torch.cat([g * up * da, g * a], dim=-1).to(grad.dtype)
 
 
