@@ -55,19 +55,20 @@ _LAYOUTS = ("nk", "kn")
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _grouped_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, aux_ptr, offsets_ptr,
+    x_ptr, w_ptr, out_ptr, aux_ptr, offsets_ptr, bias_ptr,
     G, E_w, M, N, K,
-    s_xm, s_xk, s_we, s_wn, s_wk, s_om, s_on, s_am, s_an, glu_offset,
-    ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, DACT: tl.constexpr,
+    s_xm, s_xk, s_we, s_wn, s_wk, s_om, s_on, s_am, s_an, glu_offset, s_be,
+    ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, DACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Rows of group g times weight[g % E_w] ([N, K] through strides, so a transposed view of the
     same tensor needs no copy). Epilogues: forward ``act`` (gated: act(gate) * up, pre-activation
-    to ``aux``), or backward ``DACT``: the product is the gradient of the activation output and
+    to ``aux``; ``HAS_BIAS``: ``bias[g % E_w]`` added first, gate and up halves), or backward ``DACT``: the product is the gradient of the activation output and
     ``aux`` holds the pre-activation; writes the gradient of the pre-activation."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not (DACT and STORE_AUX), "the backward epilogue reads aux, it does not store it")
+    tl.static_assert(not (DACT and HAS_BIAS), "the bias is a forward epilogue")
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # This program's (group, row block) from the offsets: tiles_g = cdiv(count_g, BLOCK_M); the
@@ -153,6 +154,11 @@ def _grouped_gemm_kernel(
             else:
                 tl.store(out_ptr + o_off, (acc * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
+            if HAS_BIAS:
+                b_base = bias_ptr + expert * s_be
+                acc += tl.load(b_base + rn64, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                if GLU:
+                    acc_up += tl.load(b_base + rn64 + glu_offset, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if STORE_AUX:
                 a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
                 tl.store(aux_ptr + a_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
@@ -343,7 +349,7 @@ def _prune_wgrad(configs, named_args, **kwargs):
 
 @functools.lru_cache(maxsize=None)
 def _tuned_gemm():
-    return autotuned(_grouped_gemm_kernel, configs=_gemm_gpu_configs(), key=["N", "K", "G", "ACT", "GLU", "DACT"],
+    return autotuned(_grouped_gemm_kernel, configs=_gemm_gpu_configs(), key=["N", "K", "G", "ACT", "GLU", "DACT", "HAS_BIAS"],
                      prune=_prune)
 
 
@@ -407,8 +413,8 @@ def _gemm_operands(a_name, a, weight, layout, activation):
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_layout: str = "nk",
                    activation: str = "none", preact_out: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                   check_offsets: bool = True) -> torch.Tensor:
-    """Grouped GEMM: ``out[rows_g] = act(x[rows_g] @ W_g)`` with ``rows_g = offsets[g] .. offsets[g+1]``
+                   check_offsets: bool = True, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped GEMM: ``out[rows_g] = act(x[rows_g] @ W_g + b_g)`` with ``rows_g = offsets[g] .. offsets[g+1]``
     and ``W_g = weight[g % E]`` (so groups laid out ``[source rank][expert]`` reuse the expert
     weights without a regrouping copy). fp32 accumulation; groups of any size, zero included;
     rows past ``offsets[-1]`` are written as zeros.
@@ -418,6 +424,8 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_lay
     (see :func:`as_group_offsets`; ``check_offsets=False`` trusts them).
     Gated activations (``swiglu``/``geglu``) take weights with ``2F`` output rows (gate then up)
     and produce ``F`` features; ``preact_out [M, 2F]`` (or ``[M, N]``) receives pre-activations.
+    ``bias``: ``[E, N_w]`` (``b_g = bias[g % E]``, gate then up for gated activations), added
+    before the activation (its gradient: :func:`grouped_bias_grad` of the pre-activation's).
     """
     act, glu, n_w, K, w_strides = _gemm_operands("x", x, weight, weight_layout, activation)
     check_out_dtype("out_dtype", out_dtype)
@@ -429,8 +437,16 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_lay
     out = output_buffer("out", out, (M, N), x.device, out_dtype or x.dtype)
     if preact_out is not None:
         check_buffer("preact_out", preact_out, (M, n_w), x.device)
+    if bias is not None:
+        check_float_tensor("bias", bias, dims=(2,))
+        check_same("bias", bias, "x", x, dtype=False)
+        if tuple(bias.shape) != (weight.shape[0], n_w):
+            raise ValueError(f"bias must have shape {(weight.shape[0], n_w)} ([experts, weight rows]), "
+                             f"got {tuple(bias.shape)}")
+        if bias.stride(1) != 1:
+            bias = bias.contiguous()
     _launch_gemm(x, weight, out, preact_out, offsets, M=M, N=N, K=K, w_strides=w_strides, act=act, glu=glu,
-                 dact=False)
+                 dact=False, bias=bias)
     return out
 
 
@@ -463,21 +479,23 @@ def _row_tiles(M, G, block_m):
     return M // block_m + min(G, M) + 1
 
 
-def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, dact):
+def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, dact, bias=None):
     if M == 0 or N == 0:
         return
     G = offsets.numel() - 1
     E_w = weight.shape[0]
-    if K == 0:  # empty contraction: the product, and every activation (and gradient) of it, is zero
+    if K == 0 and bias is None:  # empty contraction: the product, every activation (and gradient) of it is zero
         out.zero_()
         if aux is not None and not dact:
             aux.zero_()
         return
     has_aux = aux is not None
-    args = (x, weight, out, aux if has_aux else out, offsets, G, E_w, M, N, K,
+    args = (x, weight, out, aux if has_aux else out, offsets, out if bias is None else bias, G, E_w, M, N, K,
             x.stride(0), x.stride(1), *w_strides, out.stride(0), out.stride(1),
-            aux.stride(0) if has_aux else 0, aux.stride(1) if has_aux else 0, N if glu else 0)
-    flags = dict(ACT=act, GLU=glu, STORE_AUX=has_aux and not dact, DACT=dact, UPCAST=needs_upcast(x.dtype),
+            aux.stride(0) if has_aux else 0, aux.stride(1) if has_aux else 0, N if glu else 0,
+            0 if bias is None else bias.stride(0))
+    flags = dict(ACT=act, GLU=glu, STORE_AUX=has_aux and not dact, DACT=dact, HAS_BIAS=bias is not None,
+                 UPCAST=needs_upcast(x.dtype),
                  INPUT_PRECISION=input_precision(x.dtype), G_PAD=max(2, triton.next_power_of_2(G)))
     if interpreting():
         cfg = INTERPRETER_GEMM_CONFIG
@@ -532,12 +550,36 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
     return out
 
 
+def grouped_bias_grad(grad: torch.Tensor, offsets, num_experts: int, *, out: torch.Tensor | None = None,
+                      accumulate: bool = False, check_offsets: bool = True) -> torch.Tensor:
+    """The gradient of :func:`grouped_matmul`'s ``bias``: ``out[e] (+)= sum_{g % E == e} sum of
+    grad[rows_g]`` (``grad``: the pre-activation's gradient ``[M, N]``; tail rows count for no
+    expert), ``[E, N]`` summed in fp32, then in ``out``'s dtype (fp32 when allocated here, or
+    with ``accumulate=True``). Torch ops on the device (row -> group by a search of the offsets, an
+    ``index_add_``): no host sync."""
+    _wgrad_operands(grad, grad, num_experts, out, accumulate)
+    M, N = grad.shape
+    offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)
+    G = offsets.numel() - 1
+    out = output_buffer("out", out, (num_experts, N), grad.device, torch.float32)
+    rows = torch.arange(M, device=grad.device, dtype=offsets.dtype)
+    group = torch.searchsorted(offsets[1:], rows, right=True)  # G for tail rows
+    expert = torch.where(group < G, group % num_experts, num_experts)
+    acc = torch.zeros((num_experts + 1, N), device=grad.device, dtype=torch.float32)
+    acc.index_add_(0, expert, grad.float())
+    if accumulate:
+        out += acc[:num_experts].to(out.dtype)
+    else:
+        out.copy_(acc[:num_experts])
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # reference (plain torch; the tests' oracle)
 # --------------------------------------------------------------------------------------------
 def grouped_matmul_reference(x, weight, offsets: Sequence[int], *, weight_layout="nk", activation="none",
-                             compute_dtype=torch.float64):
-    """Per-group loop: ``act(x[rows_g] @ W_{g % E})``; rows past the last group are zero."""
+                             compute_dtype=torch.float64, bias=None):
+    """Per-group loop: ``act(x[rows_g] @ W_{g % E} + bias[g % E])``; rows past the last group are zero."""
     offsets = [int(v) for v in offsets]
     E = weight.shape[0]
     w = weight.to(compute_dtype)
@@ -551,5 +593,8 @@ def grouped_matmul_reference(x, weight, offsets: Sequence[int], *, weight_layout
     for g in range(len(offsets) - 1):
         a, b = offsets[g], offsets[g + 1]
         if b > a:
-            out[a:b] = activation_reference(xs[a:b] @ w[g % E], activation)
+            pre = xs[a:b] @ w[g % E]
+            if bias is not None:
+                pre = pre + bias[g % E].to(compute_dtype).cpu()
+            out[a:b] = activation_reference(pre, activation)
     return out

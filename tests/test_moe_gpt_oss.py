@@ -1,5 +1,6 @@
 """gpt-oss's expert MLP: the clamped SwiGLU ``swiglu_oai`` (forward and backward, in the dense and
-grouped GEMM epilogues) against float64 references, with values straddling the clamp at +-7.
+grouped GEMM epilogues) against float64 references, with values straddling the clamp at +-7; the
+grouped GEMM's per-expert bias and its gradient.
 
 The formula (transformers' ``GptOssExperts._apply_gate``, alpha 1.702, limit 7):
 ``g = min(gate, 7); u = clamp(up, -7, 7); out = (u + 1) * g * sigmoid(1.702 g)``.
@@ -9,7 +10,8 @@ import torch
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
 from fusedpar.kernels import matmul
-from fusedpar.kernels.grouped_gemm import grouped_matmul, grouped_matmul_dact, grouped_matmul_reference
+from fusedpar.kernels.grouped_gemm import (grouped_bias_grad, grouped_matmul, grouped_matmul_dact,
+                                           grouped_matmul_reference)
 from fusedpar.kernels.runtime import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_reference
 from fusedpar.ops.tensor_parallel_schedules import activation_backward
 
@@ -96,3 +98,39 @@ def test_grouped_dact_swiglu_oai(dtype):
     ref = pre_d.grad.clone()
     ref[OFFS[-1]:] = 0
     assert_close(got, ref, dtype, msg=f"grouped swiglu_oai backward {_name(dtype)}")
+
+
+@pytest.mark.parametrize("activation", ["swiglu_oai", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_grouped_bias(dtype, activation):
+    """bias[g % E] added before the activation (gate and up halves), empty groups, a zero tail."""
+    g = torch.Generator().manual_seed(4)
+    E, H, Fd = 3, 32, 20
+    n_w = 2 * Fd if activation == "swiglu_oai" else Fd
+    x = randn(M, H, dtype=dtype, generator=g)
+    w = randn(E, n_w, H, dtype=dtype, generator=g, scale=3 * H ** -0.5)
+    bias = randn(E, n_w, dtype=dtype, generator=g, scale=4.0)
+    pre = poison((M, n_w), dtype)
+    out = grouped_matmul(x, w, OFFS, activation=activation, bias=bias, preact_out=pre, out=poison((M, Fd), dtype))
+    assert_close(pre, grouped_matmul_reference(x, w, OFFS, bias=bias), dtype, msg="preact with bias")
+    ref = grouped_matmul_reference(x, w, OFFS, activation=activation, bias=bias)
+    assert_close(out, ref, dtype, msg=f"grouped {activation} with bias {_name(dtype)}")
+    assert (out[OFFS[-1]:] == 0).all()
+
+
+@pytest.mark.parametrize("num_experts", [3, 4], ids=lambda e: f"E{e}")
+def test_grouped_bias_grad(num_experts):
+    """Per expert, the sum of the rows of every group mapped to it (tail rows ignored); empty
+    experts get zeros; accumulate adds into an fp32 buffer."""
+    g = torch.Generator().manual_seed(5)
+    dpre = randn(M, 24, dtype=torch.float16, generator=g)
+    ref = torch.zeros(num_experts, 24, dtype=torch.float64)
+    for grp in range(len(OFFS) - 1):
+        ref[grp % num_experts] += dpre[OFFS[grp]:OFFS[grp + 1]].double().cpu().sum(0)
+    got = grouped_bias_grad(dpre, torch.tensor(OFFS, device=DEVICE), num_experts)
+    assert got.dtype == torch.float32
+    assert_close(got, ref, torch.float32, msg="bias grad")
+    init = randn(num_experts, 24, generator=g)
+    expected = ref + init.double().cpu()
+    grouped_bias_grad(dpre, OFFS, num_experts, out=init, accumulate=True)
+    assert_close(init, expected, torch.float32, msg="bias grad accumulate")
