@@ -162,10 +162,27 @@ def _moe_cases():
                 combine_backward(meta(T, H, dtype=dt), meta(T * k, H, dtype=dt), meta(T, k, dtype=dt),
                                  meta(T * k, dtype=torch.int32), k))),
         ]
+    cases += _gpt_oss_cases()
     cases += _router_cases()
     cases.append(Case("grouped", "tests 5 groups 61x24x40 swiglu", False, lambda dt: grouped_matmul(
         meta(61, 40, dtype=dt), meta(3, 48, 40, dtype=dt), [0, 7, 7, 30, 41, 55], activation="swiglu")))
     return cases
+
+
+def _gpt_oss_cases():
+    """gpt-oss's expert MLP (hidden = ffn = 2880, 128 experts, top-4): the clamped SwiGLU
+    ``swiglu_oai`` with the per-expert biases of both projections, and its fused backward."""
+    H, F, E, M = 2880, 2880, 128, 8192 * 4
+    off = _offsets(M, E)
+    return [
+        Case("grouped", "gpt-oss up swiglu_oai+bias+preact", True, lambda dt: grouped_matmul(
+            meta(M, H, dtype=dt), meta(E, 2 * F, H, dtype=dt), off, activation="swiglu_oai",
+            bias=meta(E, 2 * F, dtype=dt), preact_out=meta(M, 2 * F, dtype=dt))),
+        Case("grouped", "gpt-oss down +bias", False, lambda dt: grouped_matmul(
+            meta(M, F, dtype=dt), meta(E, H, F, dtype=dt), off, bias=meta(E, H, dtype=dt))),
+        Case("grouped", "gpt-oss dgrad swiglu_oai", True, lambda dt: grouped_matmul_dact(
+            meta(M, H, dtype=dt), meta(E, H, F, dtype=dt), off, meta(M, 2 * F, dtype=dt), activation="swiglu_oai")),
+    ]
 
 
 #: routers (fp32 logits, whatever the pass's dtype): experts, top-k, tokens, options
