@@ -22,6 +22,7 @@ else:
     from .gemm import matmul, matmul_reference, matmul_tn
     from .grouped_gemm import (
         as_group_offsets,
+        grouped_bias_grad,
         grouped_matmul,
         grouped_matmul_dact,
         grouped_matmul_reference,
@@ -38,7 +39,7 @@ else:
 
     __all__ = [
         "ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn",
-        "as_group_offsets", "combine", "combine_backward", "grouped_matmul", "grouped_matmul_dact",
+        "as_group_offsets", "combine", "combine_backward", "grouped_bias_grad", "grouped_matmul", "grouped_matmul_dact",
         "grouped_matmul_reference", "grouped_wgrad", "moe_mlp_reference", "permute", "routing_metadata",
         "routing_metadata_reference",
         "WaitTimeout", "check_wait_timeouts", "chunk_reduce", "chunk_view", "persistent_matmul",

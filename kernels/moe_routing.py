@@ -219,9 +219,10 @@ def routing_metadata_reference(group_ids: torch.Tensor, num_groups: int, capacit
 
 
 def moe_mlp_reference(x, expert_ids, weights, w1, w2, *, activation="swiglu", capacity=None,
-                      compute_dtype=torch.float64):
+                      compute_dtype=torch.float64, b1=None, b2=None):
     """A plain per-expert loop: ``sum_j weights[t, j] * mlp_{e}(x[t])`` over the kept slots
-    (slots of an expert beyond ``capacity``, in token order, are dropped)."""
+    (slots of an expert beyond ``capacity``, in token order, are dropped); ``mlp_e(x) =
+    act(x W1_e^T + b1_e) W2_e^T + b2_e``, the expert biases optional."""
     T, k = expert_ids.shape
     E = w1.shape[0]
     xs = x.to(compute_dtype).cpu()
@@ -230,12 +231,14 @@ def moe_mlp_reference(x, expert_ids, weights, w1, w2, *, activation="swiglu", ca
     ids = expert_ids.cpu().tolist()
     wts = weights.to(compute_dtype).cpu()
     w1c, w2c = w1.to(compute_dtype).cpu(), w2.to(compute_dtype).cpu()
+    b1c, b2c = ((torch.zeros(w.shape[:2], dtype=compute_dtype) if b is None else b.to(compute_dtype).cpu())
+                for b, w in ((b1, w1), (b2, w2)))
     for t in range(T):
         for j in range(k):
             e = ids[t][j]
             keep = capacity is None or seen[e] < capacity
             seen[e] += 1
             if keep:
-                h = activation_reference(xs[t] @ w1c[e].t(), activation)
-                out[t] += wts[t, j] * (h @ w2c[e].t())
+                h = activation_reference(xs[t] @ w1c[e].t() + b1c[e], activation)
+                out[t] += wts[t, j] * (h @ w2c[e].t() + b2c[e])
     return out

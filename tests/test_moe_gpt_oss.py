@@ -134,3 +134,135 @@ def test_grouped_bias_grad(num_experts):
     expected = ref + init.double().cpu()
     grouped_bias_grad(dpre, OFFS, num_experts, out=init, accumulate=True)
     assert_close(init, expected, torch.float32, msg="bias grad accumulate")
+
+
+# ----------------------------------------------------------------------------------------------
+# the MoE with expert biases (gpt-oss)
+# ----------------------------------------------------------------------------------------------
+def _expert_inputs(T, k, E, H, Fd, g, ep=1):
+    x = randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    wts = torch.rand(T, k, generator=g).to(DEVICE)
+    E_loc = E // ep
+    w1 = randn(E_loc, 2 * Fd, H, generator=g, scale=4 * H ** -0.5)  # pre-activations of std ~4: clamps hit
+    w2 = randn(E_loc, H, Fd, generator=g, scale=Fd ** -0.5)
+    b1 = randn(E_loc, 2 * Fd, generator=g, scale=2.0)
+    b2 = randn(E_loc, H, generator=g)
+    return x, ids, wts, w1, w2, b1, b2, randn(T, H, generator=g)
+
+
+@pytest.mark.parametrize("ep,capacity", [(1, None), (1, 3), (2, None), (2, 2)], ids=lambda v: str(v))
+def test_moe_mlp_expert_bias_swiglu_oai(ep, capacity):
+    """moe_mlp with b1 / b2 and swiglu_oai (one rank, and the EP schedule on EmulatedTransport,
+    whose peers mirror this rank: global expert e is local expert e % E_local) against the fp64
+    loop, outputs and every gradient; capacity drops included."""
+    from fusedpar.kernels.moe_routing import moe_mlp_reference
+    from fusedpar.ops import moe_mlp
+    from fusedpar.ops.transport import EmulatedTransport
+
+    g = torch.Generator().manual_seed(6 + ep)
+    T, k, E, H, Fd = 13, 2, 4, 16, 12
+    inputs = _expert_inputs(T, k, E, H, Fd, g, ep)
+    leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs[:7]]
+    x, ids, wts, w1, w2, b1, b2 = leaves
+    transport = EmulatedTransport(ep, ep - 1) if ep > 1 else None
+    y = moe_mlp(x, ids.detach(), wts, w1, w2, b1=b1, b2=b2, num_experts=E, capacity=capacity,
+                activation="swiglu_oai", transport=transport)
+    (y * inputs[7]).sum().backward()
+    ref = [t.detach().cpu() if i == 1 else t.detach().double().cpu().requires_grad_() for i, t in enumerate(inputs[:7])]
+    rep = [t.repeat(ep, *([1] * (t.dim() - 1))) for t in ref[3:]]
+    yr = moe_mlp_reference(ref[0], ids, ref[2], rep[0], rep[1], b1=rep[2], b2=rep[3], activation="swiglu_oai",
+                           capacity=capacity)
+    yr = yr + 0.0 * sum(t.sum() for t in ref if t.dtype == torch.float64)
+    (yr * inputs[7].double().cpu()).sum().backward()
+    assert_close(y, yr, torch.float32, msg="output")
+    for name, a, b in zip(("x", "weights", "w1", "w2", "b1", "b2"), leaves[:1] + leaves[2:], ref[:1] + ref[2:]):
+        assert_close(a.grad, b.grad, torch.float32, msg=f"grad {name} (ep={ep}, capacity={capacity})")
+
+
+def test_grouped_mlp_bias_without_weight_grads():
+    """Only the biases (and x) need gradients: the bias gradients still come back."""
+    from fusedpar.ops import grouped_mlp
+
+    g = torch.Generator().manual_seed(9)
+    x, _, _, w1, w2, b1, b2, _ = _expert_inputs(15, 1, 3, 16, 12, g)
+    offs = [0, 4, 4, 11, 15]
+    b1l, b2l = b1.clone().requires_grad_(), b2.clone().requires_grad_()
+    y = grouped_mlp(x, w1, w2, offs, activation="swiglu_oai", b1=b1l, b2=b2l)
+    y.sum().backward()
+    bd = [b.double().requires_grad_() for b in (b1, b2)]
+    ref = torch.zeros(15, 16, dtype=torch.float64)
+    for grp in range(4):
+        a, b = offs[grp], offs[grp + 1]
+        e = grp % 3
+        h = activation_reference(x[a:b].double() @ w1[e].double().t() + bd[0][e], "swiglu_oai")
+        ref[a:b] = h @ w2[e].double().t() + bd[1][e]
+    ref.sum().backward()
+    assert_close(y, ref, torch.float32, msg="grouped_mlp with biases")
+    assert_close(b1l.grad, bd[0].grad, torch.float32, msg="b1 grad")
+    assert_close(b2l.grad, bd[1].grad, torch.float32, msg="b2 grad")
+
+
+def test_moe_layer_expert_bias():
+    from fusedpar.nn import MoE
+    from fusedpar.nn.placement import parameter_placements
+
+    torch.manual_seed(0)
+    m = MoE(16, 12, 4, 2, activation="swiglu_oai", score="softmax_topk", router_bias=True, expert_bias=True,
+            device=DEVICE)
+    assert m.b1.shape == (4, 24) and m.b2.shape == (4, 16) and not m.b1.any() and not m.b2.any()
+    places = parameter_placements(m)
+    assert places["b1"] == places["w1"] and places["b2"] == places["w2"] and places["b1"].role == "ep"
+    with torch.no_grad():
+        m.b1.normal_()
+        m.b2.normal_()
+    x = randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    y = m(x)
+    y.square().sum().backward()
+    assert m.b1.grad is not None and m.b2.grad is not None and m.b2.grad.abs().sum() > 0
+    plain = MoE(16, 12, 4, 2, activation="swiglu_oai", device=DEVICE)
+    assert plain.b1 is None and set(parameter_placements(plain)) >= {"w1", "w2"} and "b1" not in parameter_placements(plain)
+
+
+def test_matches_transformers_gpt_oss_experts():
+    """transformers' GptOssExperts (interleaved gate / up columns, biases, clamped SwiGLU) on a tiny
+    random config against moe_mlp with the mapped weights: outputs and gradients, fp32."""
+    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from transformers import GptOssConfig
+
+    from fusedpar.ops import moe_mlp
+
+    T, k, E, H, Fd = 11, 2, 4, 16, 12
+    cfg = GptOssConfig(hidden_size=H, intermediate_size=Fd, num_local_experts=E, num_experts_per_tok=k,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                       vocab_size=32)
+    assert (cfg.swiglu_limit, getattr(cfg, "swiglu_alpha", 1.702)) == (SWIGLU_OAI_LIMIT, SWIGLU_OAI_ALPHA)
+    hf = modeling.GptOssExperts(cfg)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(torch.randn(E, H, 2 * Fd, generator=g) * 4 * H ** -0.5)
+        hf.gate_up_proj_bias.copy_(torch.randn(E, 2 * Fd, generator=g) * 2)
+        hf.down_proj.copy_(torch.randn(E, Fd, H, generator=g) * Fd ** -0.5)
+        hf.down_proj_bias.copy_(torch.randn(E, H, generator=g))
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.softmax(torch.randn(T, k, generator=g), -1)
+    go = torch.randn(T, H, generator=g)
+    xh, wh = x.clone().requires_grad_(), wts.clone().requires_grad_()
+    (hf(xh, router_indices=ids, routing_weights=wh) * go).sum().backward()
+
+    params = {n: p.detach().clone().to(DEVICE).requires_grad_() for n, p in hf.named_parameters()}
+    gu, gub = params["gate_up_proj"], params["gate_up_proj_bias"]
+    w1 = torch.cat([gu[..., ::2], gu[..., 1::2]], -1).transpose(1, 2)  # [E, 2F, H]: gate rows, then up rows
+    b1 = torch.cat([gub[:, ::2], gub[:, 1::2]], -1)
+    w2 = params["down_proj"].transpose(1, 2)  # [E, H, F]
+    xo, wo = x.to(DEVICE).requires_grad_(), wts.to(DEVICE).requires_grad_()
+    y = moe_mlp(xo, ids.to(DEVICE), wo, w1, w2, b1=b1, b2=params["down_proj_bias"], num_experts=E,
+                activation="swiglu_oai")
+    (y * go.to(DEVICE)).sum().backward()
+    ref = hf(x, router_indices=ids, routing_weights=wts).detach()
+    assert_close(y, ref.double(), torch.float32, msg="output vs GptOssExperts")
+    assert_close(xo.grad, xh.grad.double(), torch.float32, msg="grad x")
+    assert_close(wo.grad, wh.grad.double(), torch.float32, msg="grad routing weights")
+    for name, p in hf.named_parameters():
+        assert_close(params[name].grad, p.grad.double(), torch.float32, msg=f"grad {name}")

@@ -47,19 +47,24 @@ def _experts(g, E, H, F, glu=True):
     return w1, w2
 
 
-def _moe_op_args(g, token, ep, T=7, H=6, F=5, E=4, k=2, capacity=None, chunks=2):
+def _moe_op_args(g, token, ep, T=7, H=6, F=5, E=4, k=2, capacity=None, chunks=2, biases=False):
+    """``fusedpar::moe_mlp``'s arguments; ``biases``: expert biases and gpt-oss's swiglu_oai."""
     x = torch.randn(T, H, generator=g).requires_grad_()
     ids, weights = _routing(g, T, k, E)
     w1, w2 = _experts(g, E // ep, H, F)
-    return (x, ids, weights, w1, w2, E, token, ep, capacity, "swiglu", chunks)
+    b1 = b2 = None
+    if biases:
+        b1, b2 = (torch.randn(E // ep, n, generator=g).requires_grad_() for n in (2 * F, H))
+    return (x, ids, weights, w1, w2, b1, b2, E, token, ep, capacity, "swiglu_oai" if biases else "swiglu", chunks)
 
 
 def _moe_backward_args(fwd_args):
     """Inputs of fusedpar::moe_mlp_backward from one eager forward (grads requested for all)."""
     with torch.no_grad():
         out, *res = torch.ops.fusedpar.moe_mlp(*fwd_args)
-    x, _, weights, w1, w2, E, token, _, _, act, _ = fwd_args
-    return (torch.randn_like(out), weights.detach(), w1.detach(), w2.detach(), *res, E, token, act, True, True)
+    x, _, weights, w1, w2, b1, _, E, token, _, _, act, _ = fwd_args
+    return (torch.randn_like(out), weights.detach(), w1.detach(), w2.detach(), *res, E, token, act, True, True,
+            b1 is not None)
 
 
 def _check_loss_ops(g, group, V=5, T=7):
@@ -127,13 +132,19 @@ def test_opcheck_moe_and_loss_ops_single_process():
     x, ids, weights, w1, w2 = _moe_op_args(g, "@", 1)[:5]
     M = x.shape[0]
     offsets = torch.tensor([0, 2, 2, 5, M - 1], dtype=torch.int32)  # an empty group, a zero tail row
-    _opcheck(torch.ops.fusedpar.grouped_mlp.default, (x, w1, w2, offsets, "swiglu", True))
-    y, h, pre = torch.ops.fusedpar.grouped_mlp(x.detach(), w1.detach(), w2.detach(), offsets, "swiglu", False)
-    _opcheck_backward(torch.ops.fusedpar.grouped_mlp_backward.default,
-             (torch.randn_like(y), x.detach(), h, pre, w1.detach(), w2.detach(), offsets, "swiglu", True, True))
+    _opcheck(torch.ops.fusedpar.grouped_mlp.default, (x, w1, w2, None, None, offsets, "swiglu", True))
+    b1, b2 = torch.randn(w1.shape[:2], generator=g).requires_grad_(), torch.randn(w2.shape[:2], generator=g)
+    _opcheck(torch.ops.fusedpar.grouped_mlp.default, (x, w1, w2, b1, b2, offsets, "swiglu_oai", True))
+    y, h, pre = torch.ops.fusedpar.grouped_mlp(x.detach(), w1.detach(), w2.detach(), None, None, offsets, "swiglu",
+                                               False)
+    for biases in (False, True):
+        _opcheck_backward(torch.ops.fusedpar.grouped_mlp_backward.default,
+                          (torch.randn_like(y), x.detach(), h, pre, w1.detach(), w2.detach(), offsets, "swiglu", True,
+                           True, biases))
     emulated = EmulatedTransport(2, 1)  # held: a token names its transport weakly
-    for ep, token, capacity in ((1, "@", 2), (2, emulated.token, None)):
-        args = _moe_op_args(g, token, ep, capacity=capacity)
+    for ep, token, capacity, biases in ((1, "@", 2, False), (2, emulated.token, None, False), (1, "@", 2, True),
+                                        (2, emulated.token, None, True)):
+        args = _moe_op_args(g, token, ep, capacity=capacity, biases=biases)
         _opcheck(torch.ops.fusedpar.moe_mlp.default, args)
         _opcheck_backward(torch.ops.fusedpar.moe_mlp_backward.default, _moe_backward_args(args))
     # the stage API's pieces
@@ -159,6 +170,12 @@ def test_moe_layer_compiles_fullgraph_single_process(ep):
     """World 1, and ep2 emulated in this process (every peer mirrors this rank)."""
     transport = EmulatedTransport(2, 1) if ep == 2 else None
     _check_moe_compiles(torch.Generator().manual_seed(ep), 7, transport=transport, capacity_factor=1.5)
+
+
+def test_gpt_oss_moe_layer_compiles_fullgraph_single_process():
+    """Expert biases and swiglu_oai (gpt-oss) through the compiled layer: every parameter's gradient."""
+    _check_moe_compiles(torch.Generator().manual_seed(3), 8, activation="swiglu_oai", score="softmax_topk",
+                        router_bias=True, expert_bias=True)
 
 
 def test_losses_compile_fullgraph_single_process():

@@ -299,6 +299,12 @@ class MoE(nn.Module):
     plus z-loss (scalar) and ``self.router_output`` the routing decision.
     Weights: ``w1 [E_local, 2F, H]`` (gate rows, then up rows, for gated activations; ``[E_local,
     F, H]`` otherwise) and ``w2 [E_local, H, F]``; the router's ``weight [E, H]`` is replicated.
+    ``expert_bias=True`` (gpt-oss) adds ``b1 [E_local, 2F]`` (gate then up) and ``b2 [E_local, H]``,
+    split over ep like the weights, initialised to zeros: ``MLP_e(x) = act(x W1_e^T + b1_e) W2_e^T
+    + b2_e``. gpt-oss itself: ``activation="swiglu_oai"``, ``score="softmax_topk"``,
+    ``router_bias=True``; its ``gate_up_proj [E, H, 2F]`` interleaves gate and up columns, so
+    ``w1 = cat(gate_up_proj[..., ::2], gate_up_proj[..., 1::2], -1).transpose(1, 2)``, ``b1`` the
+    same split of ``gate_up_proj_bias``, ``w2 = down_proj.transpose(1, 2)``, ``b2 = down_proj_bias``.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, ep_group=None,
@@ -307,7 +313,7 @@ class MoE(nn.Module):
                  normalize: bool | None = None, num_chunks: int = 2, replicated_group=None,
                  routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int | None = None,
                  score_bias: bool = False, bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
-                 router_bias: bool = False, device=None, dtype=None):
+                 router_bias: bool = False, expert_bias: bool = False, device=None, dtype=None):
         super().__init__()
         check_int("ffn_hidden_size", ffn_hidden_size, min_value=1)
         check_int("num_chunks", num_chunks, min_value=1)
@@ -335,6 +341,12 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(self.experts_per_rank, n1, hidden_size, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(self.experts_per_rank, hidden_size, ffn_hidden_size, device=device,
                                            dtype=dtype))
+        check_bool("expert_bias", expert_bias)
+        self.expert_bias = expert_bias
+        self.b1 = self.b2 = None
+        if expert_bias:
+            self.b1 = nn.Parameter(torch.zeros(self.experts_per_rank, n1, device=device, dtype=dtype))
+            self.b2 = nn.Parameter(torch.zeros(self.experts_per_rank, hidden_size, device=device, dtype=dtype))
         self.replicated_group = replicated_group
         self.aux_loss = None
         self.router_output = None
@@ -343,6 +355,8 @@ class MoE(nn.Module):
     def placements(self) -> dict[str, Placement]:
         """Experts over the ep group (the router declares its own weight)."""
         experts = Placement.ep(self.ep_group)
+        if self.expert_bias:
+            return {"w1": experts, "w2": experts, "b1": experts, "b2": experts}
         return {"w1": experts, "w2": experts}
 
     @property
@@ -361,6 +375,9 @@ class MoE(nn.Module):
             g = torch.Generator().manual_seed(base + 2 * (self.first_expert + i) + 1)
             b2 = 1.0 / math.sqrt(self.ffn_hidden_size)
             self.w2[i].copy_(torch.empty(self.w2.shape[1:]).uniform_(-b2, b2, generator=g))
+        if self.expert_bias:
+            self.b1.zero_()
+            self.b2.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != self.hidden_size:
@@ -376,7 +393,7 @@ class MoE(nn.Module):
         self.aux_loss = r.aux_loss + r.z_loss
         return moe_mlp(x, r.expert_ids, r.weights, self.w1, self.w2, num_experts=self.num_experts,
                        transport=self.transport, capacity=r.capacity, activation=self.activation,
-                       num_chunks=self.num_chunks)
+                       num_chunks=self.num_chunks, b1=self.b1, b2=self.b2)
 
     def _forward_replicated(self, x):
         """Every rank routes all (replicated) tokens; the ``T * k`` routed slots are split over
@@ -397,7 +414,8 @@ class MoE(nn.Module):
         ids = r.expert_ids.reshape(-1, 1).chunk(n)[comm.group_rank(self.replicated_group)]
         ones = torch.ones(ids.shape, device=x.device, dtype=torch.float32)
         y = moe_mlp(slots.contiguous(), ids.contiguous(), ones, self.w1, self.w2, num_experts=self.num_experts,
-                    transport=self.transport, capacity=None, activation=self.activation, num_chunks=self.num_chunks)
+                    transport=self.transport, capacity=None, activation=self.activation, num_chunks=self.num_chunks,
+                    b1=self.b1, b2=self.b2)
         y = gather_features(y.t().contiguous(), self.replicated_group).t().reshape(T, k, self.hidden_size)
         return (r.weights.unsqueeze(-1) * y.float()).sum(dim=1).to(x.dtype).reshape(x.shape)
 
@@ -416,4 +434,5 @@ class MoE(nn.Module):
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size} ({self.transport.name}), "
-                f"activation={self.activation!r}, experts_per_rank={self.experts_per_rank}")
+                f"activation={self.activation!r}, experts_per_rank={self.experts_per_rank}"
+                + (", expert_bias=True" if self.expert_bias else ""))

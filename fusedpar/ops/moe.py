@@ -89,17 +89,19 @@ def moe_plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, ep_
 
 
 @checked_api
-def grouped_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offsets, *, activation: str = "swiglu"):
-    """Expert MLPs over group-contiguous rows: ``y[rows_g] = act(x W1_e^T) W2_e^T``, ``e = g % E``.
+def grouped_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offsets, *, activation: str = "swiglu",
+                b1: torch.Tensor | None = None, b2: torch.Tensor | None = None):
+    """Expert MLPs over group-contiguous rows: ``y[rows_g] = act(x W1_e^T + b1_e) W2_e^T + b2_e``,
+    ``e = g % E`` (the expert biases ``b1 [E, 2F]`` / ``b2 [E, H]`` are optional).
 
     x ``[M, H]``; w1 ``[E, 2F, H]`` (gate rows then up rows for gated activations, else
     ``[E, F, H]``); w2 ``[E, H, F]``; offsets ``[G+1]`` int tensor (on any device; its values are
-    checked with one host read, inside the op) or a sequence of ints. Differentiable in x, w1, w2;
-    rows past ``offsets[-1]`` give zeros. The op ``fusedpar::grouped_mlp``."""
+    checked with one host read, inside the op) or a sequence of ints. Differentiable in x, w1, w2
+    (b1, b2); rows past ``offsets[-1]`` give zeros. The op ``fusedpar::grouped_mlp``."""
     check_tensor("x", x, dims=(2,))
-    check_expert_weights(x, w1, w2, activation, None)
+    check_expert_weights(x, w1, w2, activation, None, b1, b2)
     offsets = as_group_offsets(offsets, x.shape[0], x.device, check=False)
-    return grouped_mlp_op(x, w1, w2, offsets, activation, True)[0]
+    return grouped_mlp_op(x, w1, w2, b1, b2, offsets, activation, True)[0]
 
 
 @checked_api
@@ -126,14 +128,16 @@ def moe_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *,
 
 @checked_api
 def moe_expert_compute(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, plan: MoEPlan, *,
-                       activation: str = "swiglu") -> torch.Tensor:
-    """Stage 2: this rank's experts (``w1 [E_local, 2F, H]``, ``w2 [E_local, H, F]``) on the
-    dispatched tokens (the first result of :func:`moe_dispatch` with this ``plan``)."""
-    check_expert_weights(tokens, w1, w2, activation, plan.experts_per_rank)
+                       activation: str = "swiglu", b1: torch.Tensor | None = None,
+                       b2: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage 2: this rank's experts (``w1 [E_local, 2F, H]``, ``w2 [E_local, H, F]``, optional
+    biases ``b1 [E_local, 2F]``, ``b2 [E_local, H]``) on the dispatched tokens (the first result
+    of :func:`moe_dispatch` with this ``plan``)."""
+    check_expert_weights(tokens, w1, w2, activation, plan.experts_per_rank, b1, b2)
     rows = plan.num_rows if plan.ep_size == 1 else plan.num_expert_rows
     if tokens.shape[0] != rows:  # the plan's offsets address exactly these rows
         raise ValueError(f"tokens must have the {rows} rows the plan dispatched, got shape {tuple(tokens.shape)}")
-    return grouped_mlp_op(tokens, w1, w2, plan.expert_offsets[0], activation, False)[0]
+    return grouped_mlp_op(tokens, w1, w2, b1, b2, plan.expert_offsets[0], activation, False)[0]
 
 
 @checked_api
@@ -158,8 +162,10 @@ def _mlp_transport(transport, ep_group) -> tuple[Transport | None, str, int]:
 @checked_api
 def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             *, num_experts: int, ep_group=None, transport=None, capacity: int | None = None,
-            activation: str = "swiglu", num_chunks: int = 2) -> torch.Tensor:
-    """The whole routed MLP: ``out[t] = sum_j weights[t, j] * MLP_{expert_ids[t, j]}(x[t])``.
+            activation: str = "swiglu", num_chunks: int = 2, b1: torch.Tensor | None = None,
+            b2: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole routed MLP: ``out[t] = sum_j weights[t, j] * MLP_{expert_ids[t, j]}(x[t])``,
+    ``MLP_e(x) = act(x W1_e^T + b1_e) W2_e^T + b2_e`` (expert biases optional, gpt-oss).
 
     x ``[..., H]``; expert_ids / weights ``[T, k]`` (T = tokens of x); w1 / w2 this rank's experts
     (``num_experts / ep`` of them, global expert ``e`` lives on rank ``e // E_local``). With
@@ -169,11 +175,12 @@ def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1
     The op ``fusedpar::moe_mlp``: traceable by ``torch.compile``."""
     instance, token, ep = _mlp_transport(transport, ep_group)
     with agreed_arguments("moe_mlp", instance, ep_group, ep_fields(x, num_experts, num_chunks, activation=activation,
-                                                                   w1=w1, w2=w2)):
+                                                                   w1=w1, w2=w2, b1=b1, b2=b2)):
         x2d = token_rows(x)
         check_routing(x2d, expert_ids, num_experts, ep, weights=weights, capacity=capacity, num_chunks=num_chunks)
-        check_expert_weights(x2d, w1, w2, activation, num_experts // ep)
-    out = moe_mlp_op(x2d, expert_ids, weights, w1, w2, num_experts, token, ep, capacity, activation, num_chunks)[0]
+        check_expert_weights(x2d, w1, w2, activation, num_experts // ep, b1, b2)
+    out = moe_mlp_op(x2d, expert_ids, weights, w1, w2, b1, b2, num_experts, token, ep, capacity, activation,
+                     num_chunks)[0]
     return out.view(x.shape)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.checks import (check_choice, check_divisible, check_int, check_positive_dims, check_same, check_shape,
                               check_tensor)
-from ..kernels.grouped_gemm import grouped_matmul, grouped_matmul_dact, grouped_wgrad
+from ..kernels.grouped_gemm import grouped_bias_grad, grouped_matmul, grouped_matmul_dact, grouped_wgrad
 from ..kernels.moe_permute import combine, combine_backward, permute
 from ..kernels.moe_routing import routing_metadata
 from ..kernels.runtime import ACTIVATIONS
@@ -306,11 +306,12 @@ def all_to_all_v_fwd(inp: torch.Tensor, out_rows: int, out_splits, in_splits, tr
     return out
 
 
-def grouped_mlp_fwd(x, w1, w2, offsets, activation, *, h_out=None, pre_out=None, y_out=None):
-    """``(y, h, pre)``: ``pre = x W1^T`` per group, ``h = act(pre)``, ``y = h W2^T``."""
+def grouped_mlp_fwd(x, w1, w2, offsets, activation, *, b1=None, b2=None, h_out=None, pre_out=None, y_out=None):
+    """``(y, h, pre)``: ``pre = x W1^T + b1`` per group, ``h = act(pre)``, ``y = h W2^T + b2``
+    (expert biases ``b1 [E, 2F]`` / ``b2 [E, H]`` optional, added in the GEMM epilogues)."""
     pre = pre_out if pre_out is not None else x.new_empty((x.shape[0], w1.shape[1]))
-    h = grouped_matmul(x, w1, offsets, activation=activation, preact_out=pre, out=h_out, check_offsets=False)
-    y = grouped_matmul(h, w2, offsets, out=y_out, check_offsets=False)
+    h = grouped_matmul(x, w1, offsets, activation=activation, preact_out=pre, out=h_out, check_offsets=False, bias=b1)
+    y = grouped_matmul(h, w2, offsets, out=y_out, check_offsets=False, bias=b2)
     return y, h, pre
 
 
@@ -324,24 +325,33 @@ def _mlp_dgrad(gy, pre, w1, w2, offsets, activation, *, need_dx=True, dx_out=Non
     return dx, dpre
 
 
-def _mlp_wgrad(gy, x, h, dpre, offsets, num_experts, *, dw1=None, dw2=None, accumulate=False):
-    """dW2 = gy^T h and dW1 = dpre^T x per expert (into fp32 buffers when accumulating)."""
+def _mlp_wgrad(gy, x, h, dpre, offsets, num_experts, *, dw1=None, dw2=None, accumulate=False, db=None):
+    """dW2 = gy^T h and dW1 = dpre^T x per expert (into fp32 buffers when accumulating); with
+    ``db = [db1, db2]`` (fp32 buffers, or None to allocate) the expert-bias gradients too, the
+    per-expert row sums of dpre and gy, stored back into ``db``."""
     dw2 = grouped_wgrad(gy, h, offsets, num_experts, out=dw2, accumulate=accumulate, check_offsets=False)
     dw1 = grouped_wgrad(dpre, x, offsets, num_experts, out=dw1, accumulate=accumulate, check_offsets=False)
+    if db is not None:
+        db[0] = grouped_bias_grad(dpre, offsets, num_experts, out=db[0], accumulate=accumulate, check_offsets=False)
+        db[1] = grouped_bias_grad(gy, offsets, num_experts, out=db[1], accumulate=accumulate, check_offsets=False)
     return dw1, dw2
 
 
-def grouped_mlp_bwd(gy, x, h, pre, w1, w2, offsets, activation, *, need_input_grad=True, need_weight_grad=True):
-    """``(dx, dw1, dw2)`` of :func:`grouped_mlp_fwd` (None where not needed)."""
+def grouped_mlp_bwd(gy, x, h, pre, w1, w2, offsets, activation, *, need_input_grad=True, need_weight_grad=True,
+                    biases=False):
+    """``(dx, dw1, dw2, db1, db2)`` of :func:`grouped_mlp_fwd` (None where not needed; the bias
+    gradients only with ``biases``, in w1's dtype)."""
     gy = gy.contiguous()
     dx, dpre = _mlp_dgrad(gy, pre, w1, w2, offsets, activation, need_dx=need_input_grad)
     dw1 = dw2 = None
+    db = [None, None]
     if need_weight_grad:
-        dw1, dw2 = _mlp_wgrad(gy, x, h, dpre, offsets, w1.shape[0])
-    return dx, dw1, dw2
+        dw1, dw2 = _mlp_wgrad(gy, x, h, dpre, offsets, w1.shape[0], db=db if biases else None)
+    db1, db2 = (None, None) if db[0] is None else (db[0].to(w1.dtype), db[1].to(w2.dtype))
+    return dx, dw1, dw2, db1, db2
 
 
-def moe_experts_fwd(x_perm, w1, w2, plan: MoEPlan, activation: str):
+def moe_experts_fwd(x_perm, w1, w2, plan: MoEPlan, activation: str, b1=None, b2=None):
     """Token-side permuted rows -> dispatch (chunked all-to-all-v) -> expert MLP per chunk as its
     chunk arrives -> return all-to-all-v per chunk. Returns the token-side expert outputs
     ``[T*k, H]`` (zero tail) and what the backward needs: ``(y_perm, (recv, h, pre))``."""
@@ -358,19 +368,21 @@ def moe_experts_fwd(x_perm, w1, w2, plan: MoEPlan, activation: str):
         r0, rn = plan.recv_rows(c)
         handles[c].wait()
         sl = slice(r0, r0 + rn)
-        grouped_mlp_fwd(recv[sl], w1, w2, plan.expert_offsets[c], activation, h_out=h[sl], pre_out=pre[sl],
-                        y_out=y_exp[sl])
+        grouped_mlp_fwd(recv[sl], w1, w2, plan.expert_offsets[c], activation, b1=b1, b2=b2, h_out=h[sl],
+                        pre_out=pre[sl], y_out=y_exp[sl])
         back.append(plan.return_chunk(c, y_perm, y_exp))
     for hd in back:
         hd.wait()
     return y_perm, (recv, h, pre)
 
 
-def moe_experts_bwd(gy_perm, saved, w1, w2, plan: MoEPlan, activation: str, *, need_weight_grad: bool = True):
+def moe_experts_bwd(gy_perm, saved, w1, w2, plan: MoEPlan, activation: str, *, need_weight_grad: bool = True,
+                    biases: bool = False):
     """Backward of :func:`moe_experts_fwd` (``saved`` is its second result): the output
     gradients travel like the dispatch, the input gradients like the return; the weight
     gradients of a chunk accumulate in fp32 while its input gradients travel.
-    Returns ``(gx_perm, dw1, dw2)`` (weight gradients None unless ``need_weight_grad``)."""
+    Returns ``(gx_perm, dw1, dw2, db1, db2)`` (weight gradients None unless ``need_weight_grad``,
+    bias gradients None unless ``biases`` too)."""
     recv, h, pre = saved
     gy_perm = gy_perm.contiguous()
     H, R = gy_perm.shape[1], recv.shape[0]
@@ -378,6 +390,8 @@ def moe_experts_bwd(gy_perm, saved, w1, w2, plan: MoEPlan, activation: str, *, n
     handles = plan.dispatch_chunks(g_recv, gy_perm)
     dw1 = torch.zeros(w1.shape, device=w1.device, dtype=torch.float32) if need_weight_grad else None
     dw2 = torch.zeros(w2.shape, device=w2.device, dtype=torch.float32) if need_weight_grad else None
+    db = [torch.zeros(w.shape[:2], device=w.device, dtype=torch.float32) for w in (w1, w2)] \
+        if need_weight_grad and biases else None
     gx_perm = gy_perm.new_empty((plan.num_rows, H))
     gx_perm[plan.num_kept:].zero_()
     dx_exp = gy_perm.new_empty((R, H))
@@ -390,15 +404,16 @@ def moe_experts_bwd(gy_perm, saved, w1, w2, plan: MoEPlan, activation: str, *, n
         back.append(plan.return_chunk(c, gx_perm, dx_exp))
         if need_weight_grad:  # weight gradients of this chunk while its input gradients travel
             _mlp_wgrad(g_recv[sl], recv[sl], h[sl], dpre, plan.expert_offsets[c], w1.shape[0], dw1=dw1, dw2=dw2,
-                       accumulate=True)
+                       accumulate=True, db=db)
     for hd in back:
         hd.wait()
     if need_weight_grad:
         dw1, dw2 = dw1.to(w1.dtype), dw2.to(w2.dtype)
-    return gx_perm, dw1, dw2
+    db1, db2 = (None, None) if db is None else (db[0].to(w1.dtype), db[1].to(w2.dtype))
+    return gx_perm, dw1, dw2, db1, db2
 
 
-def check_expert_weights(x2d, w1, w2, activation, experts_per_rank):
+def check_expert_weights(x2d, w1, w2, activation, experts_per_rank, b1=None, b2=None):
     check_choice("activation", activation, ACTIVATIONS)
     for name, w in (("w1", w1), ("w2", w2)):
         check_tensor(name, w, dims=(3,))
@@ -416,5 +431,12 @@ def check_expert_weights(x2d, w1, w2, activation, experts_per_rank):
         raise ValueError(f"activation {activation!r} needs w1 with 2F (gate, up) rows, got {n1}")
     if tuple(w2.shape) != (E, H, F):
         raise ValueError(f"w2 must have shape {(E, H, F)} ([experts, hidden, ffn]), got {tuple(w2.shape)}")
+    for name, b, shape in (("b1", b1, (E, n1)), ("b2", b2, (E, H))):
+        if b is not None:
+            check_tensor(name, b, dims=(2,))
+            check_same(name, b, "x", x2d)
+            if tuple(b.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape} ([experts, {'2F' if name == 'b1' else 'hidden'}]), "
+                                 f"got {tuple(b.shape)}")
 
 

@@ -2,8 +2,8 @@
 :mod:`fusedpar.ops.library`). Each op is bound to ``<op>_op`` (``<op>_backward_op``); its body
 is a named ``<op>_fwd`` / ``<op>_bwd`` function, here or in :mod:`fusedpar.ops.moe_layout`.
 
-* ``fusedpar::moe_mlp(x, expert_ids, weights, w1, w2, num_experts, token, ep, capacity,
-  activation, num_chunks)`` (:data:`moe_mlp_op`, body :func:`moe_mlp_fwd`; backward
+* ``fusedpar::moe_mlp(x, expert_ids, weights, w1, w2, b1, b2, num_experts, token, ep, capacity,
+  activation, num_chunks)`` (``b1`` / ``b2``: optional expert biases) (:data:`moe_mlp_op`, body :func:`moe_mlp_fwd`; backward
   :data:`moe_mlp_backward_op`, body :func:`moe_mlp_bwd`) — the whole routed MLP of
   :func:`fusedpar.ops.moe_mlp` in one op:
   routing, the count exchange and host read (``ep > 1``), permute, the experts (the pipelined
@@ -57,49 +57,62 @@ def _needs(ctx, *idx) -> bool:
 # grouped_mlp
 # ----------------------------------------------------------------------------------------------
 @custom_op("grouped_mlp")
-def grouped_mlp_op(x: _T, w1: _T, w2: _T, offsets: _T, activation: str, check_offsets: bool) -> tuple[_T, _T, _T]:
+def grouped_mlp_op(x: _T, w1: _T, w2: _T, b1: Optional[_T], b2: Optional[_T], offsets: _T, activation: str,
+                   check_offsets: bool) -> tuple[_T, _T, _T]:
     if check_offsets:  # the value check reads the offsets on the host: inside the op, not in a trace
         as_group_offsets(offsets, x.shape[0], x.device)
-    return grouped_mlp_fwd(x, w1, w2, offsets, activation)
+    return grouped_mlp_fwd(x, w1, w2, offsets, activation, b1=b1, b2=b2)
 
 
 @grouped_mlp_op.register_fake
-def _(x, w1, w2, offsets, activation, check_offsets):
+def _(x, w1, w2, b1, b2, offsets, activation, check_offsets):
     M = x.shape[0]
     return x.new_empty((M, w2.shape[1])), x.new_empty((M, w2.shape[2])), x.new_empty((M, w1.shape[1]))
 
 
+def _or_absent(grads, likes):
+    return tuple(g if g is not None else absent(like) for g, like in zip(grads, likes))
+
+
+def _bias_grad_shapes(w1, w2, need: bool):
+    return (w1.new_empty(w1.shape[:2]), w2.new_empty(w2.shape[:2])) if need else (w1.new_empty((0,)),
+                                                                                  w2.new_empty((0,)))
+
+
 @custom_op("grouped_mlp_backward")
 def grouped_mlp_backward_op(gy: _T, x: _T, h: _T, pre: _T, w1: _T, w2: _T, offsets: _T, activation: str,
-                            need_input_grad: bool, need_weight_grad: bool) -> tuple[_T, _T, _T]:
-    dx, dw1, dw2 = grouped_mlp_bwd(gy, x, h, pre, w1, w2, offsets, activation, need_input_grad=need_input_grad,
-                                   need_weight_grad=need_weight_grad)
-    return (dx if dx is not None else absent(x)), (dw1 if dw1 is not None else absent(w1)), \
-        (dw2 if dw2 is not None else absent(w2))
+                            need_input_grad: bool, need_weight_grad: bool,
+                            biases: bool) -> tuple[_T, _T, _T, _T, _T]:
+    grads = grouped_mlp_bwd(gy, x, h, pre, w1, w2, offsets, activation, need_input_grad=need_input_grad,
+                            need_weight_grad=need_weight_grad, biases=biases)
+    return _or_absent(grads, (x, w1, w2, w1, w2))
 
 
 @grouped_mlp_backward_op.register_fake
-def _(gy, x, h, pre, w1, w2, offsets, activation, need_input_grad, need_weight_grad):
+def _(gy, x, h, pre, w1, w2, offsets, activation, need_input_grad, need_weight_grad, biases):
     # the kernels allocate contiguous gradients, whatever the strides of x / w1 / w2
     dx = x.new_empty(x.shape) if need_input_grad else x.new_empty((0,))
+    db = _bias_grad_shapes(w1, w2, need_weight_grad and biases)
     if not need_weight_grad:
-        return dx, w1.new_empty((0,)), w2.new_empty((0,))
-    return dx, w1.new_empty(w1.shape), w2.new_empty(w2.shape)
+        return (dx, w1.new_empty((0,)), w2.new_empty((0,))) + db
+    return (dx, w1.new_empty(w1.shape), w2.new_empty(w2.shape)) + db
 
 
 def _grouped_mlp_setup(ctx, inputs, output):
-    x, w1, w2, offsets, activation, _ = inputs
+    x, w1, w2, b1, b2, offsets, activation, _ = inputs
     _, h, pre = output
-    ctx.activation = activation
+    ctx.activation, ctx.biases = activation, b1 is not None or b2 is not None
     ctx.save_for_backward(x, h, pre, w1, w2, offsets)
 
 
 def _grouped_mlp_backward(ctx, gy, grad_h, grad_pre):
     x, h, pre, w1, w2, offsets = ctx.saved_tensors
-    need_w = _needs(ctx, 1, 2)
-    dx, dw1, dw2 = grouped_mlp_backward_op(gy, x, h, pre, w1, w2, offsets, ctx.activation, ctx.needs_input_grad[0],
-                                           need_w)
-    return input_grads(grouped_mlp_op, x=present(dx), w1=present(dw1), w2=present(dw2))
+    need_w = _needs(ctx, 1, 2, 3, 4)
+    dx, dw1, dw2, db1, db2 = grouped_mlp_backward_op(gy, x, h, pre, w1, w2, offsets, ctx.activation,
+                                                     ctx.needs_input_grad[0], need_w, ctx.biases)
+    return input_grads(grouped_mlp_op, x=present(dx), w1=present(dw1), w2=present(dw2),
+                       b1=present(db1) if ctx.needs_input_grad[3] else None,
+                       b2=present(db2) if ctx.needs_input_grad[4] else None)
 
 
 grouped_mlp_op.register_autograd(_grouped_mlp_backward, setup_context=_grouped_mlp_setup)
@@ -108,17 +121,18 @@ grouped_mlp_op.register_autograd(_grouped_mlp_backward, setup_context=_grouped_m
 # ----------------------------------------------------------------------------------------------
 # moe_mlp: the whole routed MLP (ep == 1 and the pipelined ep > 1 schedule)
 # ----------------------------------------------------------------------------------------------
-def moe_mlp_fwd(x: _T, expert_ids: _T, weights: _T, w1: _T, w2: _T, num_experts: int, token: str, ep: int,
-                capacity: int | None, activation: str, num_chunks: int) -> tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]:
+def moe_mlp_fwd(x: _T, expert_ids: _T, weights: _T, w1: _T, w2: _T, b1: Optional[_T], b2: Optional[_T],
+                num_experts: int, token: str, ep: int, capacity: int | None, activation: str,
+                num_chunks: int) -> tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]:
     """``(out, recv, h, pre, y_perm, slot_pos, sorted_slot, offsets, splits)``; see the module docstring."""
     plan, pending = build_plan(x, expert_ids, num_experts, token_transport(token), capacity, num_chunks if ep > 1 else 1)
     k = plan.top_k
     x_perm = moe_permute_fwd(x, plan.sorted_slot, k)
     if ep == 1:
-        y_perm, h, pre = grouped_mlp_fwd(x_perm, w1, w2, plan.expert_offsets[0], activation)
+        y_perm, h, pre = grouped_mlp_fwd(x_perm, w1, w2, plan.expert_offsets[0], activation, b1=b1, b2=b2)
         recv = x_perm
     else:
-        y_perm, (recv, h, pre) = moe_experts_fwd(x_perm, w1, w2, plan, activation)
+        y_perm, (recv, h, pre) = moe_experts_fwd(x_perm, w1, w2, plan, activation, b1, b2)
     out = moe_unpermute_fwd(y_perm, weights, plan.slot_pos, k)
     if pending is not None:
         pending.wait()
@@ -130,7 +144,7 @@ moe_mlp_op = custom_op("moe_mlp")(moe_mlp_fwd)
 
 
 @moe_mlp_op.register_fake
-def _(x, expert_ids, weights, w1, w2, num_experts, token, ep, capacity, activation, num_chunks):
+def _(x, expert_ids, weights, w1, w2, b1, b2, num_experts, token, ep, capacity, activation, num_chunks):
     (T, H), k = x.shape, expert_ids.shape[1]
     C = num_chunks if ep > 1 else 1
     # expert-side rows: T * k at ep == 1, else what the other ranks route here (known after the exchange)
@@ -143,22 +157,22 @@ def _(x, expert_ids, weights, w1, w2, num_experts, token, ep, capacity, activati
 
 def moe_mlp_bwd(grad: _T, weights: _T, w1: _T, w2: _T, recv: _T, h: _T, pre: _T, y_perm: _T, slot_pos: _T,
                 sorted_slot: _T, offsets: _T, splits: _T, num_experts: int, token: str, activation: str,
-                need_input_grad: bool, need_weight_grad: bool) -> tuple[_T, _T, _T, _T]:
-    """``(grad_x, grad_weights, grad_w1, grad_w2)`` (absent where not needed) from the forward's residuals."""
+                need_input_grad: bool, need_weight_grad: bool, biases: bool) -> tuple[_T, _T, _T, _T, _T, _T]:
+    """``(grad_x, grad_weights, grad_w1, grad_w2, grad_b1, grad_b2)`` (absent where not needed)
+    from the forward's residuals."""
     k = weights.shape[1]
     gy_perm, gw = moe_unpermute_bwd(grad, y_perm, weights, sorted_slot, k)
     transport = token_transport(token)
     if transport.size == 1:
-        gx_perm, dw1, dw2 = grouped_mlp_bwd(gy_perm, recv, h, pre, w1, w2, offsets[0], activation,
-                                            need_input_grad=need_input_grad, need_weight_grad=need_weight_grad)
+        gx_perm, dw1, dw2, db1, db2 = grouped_mlp_bwd(gy_perm, recv, h, pre, w1, w2, offsets[0], activation,
+                                                      need_input_grad=need_input_grad,
+                                                      need_weight_grad=need_weight_grad, biases=biases)
     else:  # every rank returns its experts' input gradients, whatever it needs itself
         plan = plan_from_residuals(slot_pos, sorted_slot, offsets, splits, k, num_experts, transport)
-        gx_perm, dw1, dw2 = moe_experts_bwd(gy_perm, (recv, h, pre), w1, w2, plan, activation,
-                                            need_weight_grad=need_weight_grad)
+        gx_perm, dw1, dw2, db1, db2 = moe_experts_bwd(gy_perm, (recv, h, pre), w1, w2, plan, activation,
+                                                      need_weight_grad=need_weight_grad, biases=biases)
     gx = moe_permute_bwd(gx_perm, slot_pos, k) if need_input_grad else absent(grad)
-    if not need_weight_grad:
-        dw1, dw2 = absent(w1), absent(w2)
-    return gx, gw, dw1, dw2
+    return (gx, gw) + _or_absent((dw1, dw2, db1, db2), (w1, w2, w1, w2))
 
 
 moe_mlp_backward_op = custom_op("moe_mlp_backward")(moe_mlp_bwd)
@@ -166,28 +180,31 @@ moe_mlp_backward_op = custom_op("moe_mlp_backward")(moe_mlp_bwd)
 
 @moe_mlp_backward_op.register_fake
 def _(grad, weights, w1, w2, recv, h, pre, y_perm, slot_pos, sorted_slot, offsets, splits, num_experts, token,
-      activation, need_input_grad, need_weight_grad):
+      activation, need_input_grad, need_weight_grad, biases):
     # contiguous, as the kernels allocate them, whatever the strides of grad / weights / w1 / w2
     gx = grad.new_empty(grad.shape) if need_input_grad else grad.new_empty((0,))
     gw = weights.new_empty(weights.shape)
+    db = _bias_grad_shapes(w1, w2, need_weight_grad and biases)
     if not need_weight_grad:
-        return gx, gw, w1.new_empty((0,)), w2.new_empty((0,))
-    return gx, gw, w1.new_empty(w1.shape), w2.new_empty(w2.shape)
+        return (gx, gw, w1.new_empty((0,)), w2.new_empty((0,))) + db
+    return (gx, gw, w1.new_empty(w1.shape), w2.new_empty(w2.shape)) + db
 
 
 def _moe_mlp_setup(ctx, inputs, output):
-    _, _, weights, w1, w2, num_experts, token, _, _, activation, _ = inputs
+    _, _, weights, w1, w2, b1, b2, num_experts, token, _, _, activation, _ = inputs
     ctx.num_experts, ctx.token, ctx.activation = num_experts, token, activation
+    ctx.biases = b1 is not None or b2 is not None
     ctx.transports = hold(token)  # a Transport instance given inline lives until the backward
     ctx.save_for_backward(weights, w1, w2, *output[1:])
 
 
 def _moe_mlp_backward(ctx, grad, *unused):
     saved = ctx.saved_tensors
-    gx, gw, dw1, dw2 = moe_mlp_backward_op(grad, *saved, ctx.num_experts, ctx.token, ctx.activation,
-                                           ctx.needs_input_grad[0], _needs(ctx, 3, 4))
+    gx, gw, dw1, dw2, db1, db2 = moe_mlp_backward_op(grad, *saved, ctx.num_experts, ctx.token, ctx.activation,
+                                                     ctx.needs_input_grad[0], _needs(ctx, 3, 4, 5, 6), ctx.biases)
     return input_grads(moe_mlp_op, x=present(gx), weights=gw if ctx.needs_input_grad[2] else None, w1=present(dw1),
-                       w2=present(dw2))
+                       w2=present(dw2), b1=present(db1) if ctx.needs_input_grad[5] else None,
+                       b2=present(db2) if ctx.needs_input_grad[6] else None)
 
 
 moe_mlp_op.register_autograd(_moe_mlp_backward, setup_context=_moe_mlp_setup)
