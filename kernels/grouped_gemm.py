@@ -64,8 +64,9 @@ def _grouped_gemm_kernel(
 ):
     """Rows of group g times weight[g % E_w] ([N, K] through strides, so a transposed view of the
     same tensor needs no copy). Epilogues: forward ``act`` (gated: act(gate) * up, pre-activation
-    to ``aux``; ``HAS_BIAS``: ``bias[g % E_w]`` added first, gate and up halves), or backward ``DACT``: the product is the gradient of the activation output and
-    ``aux`` holds the pre-activation; writes the gradient of the pre-activation."""
+    to ``aux``; ``HAS_BIAS``: ``bias[g % E_w]`` added first, gate and up halves), or backward
+    ``DACT``: the product is the gradient of the activation output and ``aux`` holds the
+    pre-activation; writes the gradient of the pre-activation."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not (DACT and STORE_AUX), "the backward epilogue reads aux, it does not store it")
     tl.static_assert(not (DACT and HAS_BIAS), "the bias is a forward epilogue")
@@ -357,7 +358,6 @@ def _tuned_gemm():
 def _tuned_wgrad():
     return autotuned(_grouped_wgrad_kernel, configs=_wgrad_gpu_configs(), key=["N", "K", "G", "ACCUMULATE"],
                      prune=_prune_wgrad, restore_value=["dw_ptr"])
-
 
 
 # --------------------------------------------------------------------------------------------
