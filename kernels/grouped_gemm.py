@@ -136,9 +136,12 @@ def _grouped_gemm_kernel(
                 a_val = pre
                 d_val = pre * 0.0 + 1.0
             if GLU:
-                up = tl.load(aux_ptr + a_off + glu_offset * s_an, mask=out_mask, other=0.0).to(tl.float32)
+                # the up half's column offset in int64 (glu_offset * stride can pass 2^31)
+                a_up_off = rm64[:, None] * s_am + (rn64 + glu_offset)[None, :] * s_an
+                o_up_off = rm64[:, None] * s_om + (rn64 + glu_offset)[None, :] * s_on
+                up = tl.load(aux_ptr + a_up_off, mask=out_mask, other=0.0).to(tl.float32)
                 tl.store(out_ptr + o_off, (acc * up * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.store(out_ptr + o_off + glu_offset * s_on, (acc * a_val).to(out_ptr.dtype.element_ty),
+                tl.store(out_ptr + o_up_off, (acc * a_val).to(out_ptr.dtype.element_ty),
                          mask=out_mask)
             else:
                 tl.store(out_ptr + o_off, (acc * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -147,7 +150,8 @@ def _grouped_gemm_kernel(
                 a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
                 tl.store(aux_ptr + a_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
                 if GLU:
-                    tl.store(aux_ptr + a_off + glu_offset * s_an, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                    a_up_off = rm64[:, None] * s_am + (rn64 + glu_offset)[None, :] * s_an
+                    tl.store(aux_ptr + a_up_off, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
             if ACT == 1:
                 res = tl.maximum(acc, 0.0)
             elif ACT == 2:
@@ -174,12 +178,14 @@ def _grouped_gemm_kernel(
             o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
             tl.store(out_ptr + o_off, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
             if GLU and DACT:
-                tl.store(out_ptr + o_off + glu_offset * s_on, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
+                o_up_off = rm64[:, None] * s_om + (rn64 + glu_offset)[None, :] * s_on
+                tl.store(out_ptr + o_up_off, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
             if STORE_AUX:
                 a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
                 tl.store(aux_ptr + a_off, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
                 if GLU:
-                    tl.store(aux_ptr + a_off + glu_offset * s_an, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                    a_up_off = rm64[:, None] * s_am + (rn64 + glu_offset)[None, :] * s_an
+                    tl.store(aux_ptr + a_up_off, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
