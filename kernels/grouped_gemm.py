@@ -501,6 +501,8 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
     check_out_dtype("out_dtype", out_dtype)
     M, N = grad.shape
     K = x.shape[1]
+    if M > MAX_ROWS:
+        raise ValueError(f"grad must have at most {MAX_ROWS} rows, got {M}")
     offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)
     G = offsets.numel() - 1
     out = output_buffer("out", out, (num_experts, N, K), grad.device, out_dtype or grad.dtype)

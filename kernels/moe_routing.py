@@ -35,8 +35,10 @@ import triton.language as tl
 from .checks import check_bool, check_index_tensor
 from .runtime import activation_reference, interpreting
 
-#: most rows (slots) a routing or grouped-GEMM launch addresses: positions are int32
-MAX_ROWS = 2**31 - 1
+#: most rows (slots) a routing, permute / combine or grouped-GEMM launch addresses: positions and
+#: row indices are int32, and a program's last row block (``pid * BLOCK + arange(BLOCK)``, up to
+#: ``rows + BLOCK - 1``) must not wrap either, hence the 2^16 headroom below 2^31
+MAX_ROWS = 2**31 - 2**16
 
 
 # --------------------------------------------------------------------------------------------

@@ -436,3 +436,30 @@ def test_kernel_offsets_are_64_bit():
     lines = [ln for ln in res.stdout.splitlines() if ": [" in ln]
     assert len(lines) == 11, res.stdout
     assert all(ln.endswith(": []") for ln in lines), "32-bit products of a stride / width:\n" + "\n".join(lines)
+
+
+def test_row_counts_past_int32_positions_are_refused():
+    """Positions and row indices are int32 (with headroom for a program's last row block): every
+    launcher refuses more rows than MAX_ROWS, before touching the data (expanded views: no
+    memory behind the 2^31 rows)."""
+    from fusedpar.kernels.moe_routing import MAX_ROWS
+
+    n = MAX_ROWS + 1
+    assert MAX_ROWS + 1024 < 2**31  # the largest row block of any launch still fits
+    msg = f"at most {MAX_ROWS}"
+    x = torch.zeros(1, 16, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE).expand(n)
+    with pytest.raises(ValueError, match=msg):
+        permute(x.expand(n, 16), slots, 1)
+    with pytest.raises(ValueError, match=msg):
+        combine(x, slots, None, 1)
+    with pytest.raises(ValueError, match=msg):
+        combine_backward(x, x.expand(n, 16), torch.ones(1, 1, device=DEVICE), slots, 1)
+    with pytest.raises(ValueError, match=msg):
+        routing_metadata(torch.zeros(1, dtype=torch.int64, device=DEVICE).expand(n), 4)
+    w = torch.zeros(2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=msg):
+        grouped_matmul(x.expand(n, 16), w, [0, 0, 0], check_offsets=False)
+    with pytest.raises(ValueError, match=msg):
+        grouped_wgrad(torch.zeros(1, 8, device=DEVICE).expand(n, 8), x.expand(n, 16), [0, 0, 0], 2,
+                      check_offsets=False)
