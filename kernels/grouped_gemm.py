@@ -84,6 +84,10 @@ def _grouped_gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn64 = rn.to(tl.int64)
+    # the gated up half's column offset, in int64: glu_offset * stride can pass 2^31 (tl.cast, not
+    # .to: an argument equal to 1 arrives as a constexpr)
+    glu_an = tl.cast(glu_offset, tl.int64) * s_an
+    glu_on = tl.cast(glu_offset, tl.int64) * s_on
     if group < G:
         first_tile = tl.sum(tl.where(gi < group, tiles, 0), axis=0)
         row0 = tl.load(offsets_ptr + group).to(tl.int32) + (pid_m - first_tile) * BLOCK_M
@@ -136,12 +140,9 @@ def _grouped_gemm_kernel(
                 a_val = pre
                 d_val = pre * 0.0 + 1.0
             if GLU:
-                # the up half's column offset in int64 (glu_offset * stride can pass 2^31)
-                a_up_off = rm64[:, None] * s_am + (rn64 + glu_offset)[None, :] * s_an
-                o_up_off = rm64[:, None] * s_om + (rn64 + glu_offset)[None, :] * s_on
-                up = tl.load(aux_ptr + a_up_off, mask=out_mask, other=0.0).to(tl.float32)
+                up = tl.load(aux_ptr + a_off + glu_an, mask=out_mask, other=0.0).to(tl.float32)
                 tl.store(out_ptr + o_off, (acc * up * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.store(out_ptr + o_up_off, (acc * a_val).to(out_ptr.dtype.element_ty),
+                tl.store(out_ptr + o_off + glu_on, (acc * a_val).to(out_ptr.dtype.element_ty),
                          mask=out_mask)
             else:
                 tl.store(out_ptr + o_off, (acc * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -150,8 +151,7 @@ def _grouped_gemm_kernel(
                 a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
                 tl.store(aux_ptr + a_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
                 if GLU:
-                    a_up_off = rm64[:, None] * s_am + (rn64 + glu_offset)[None, :] * s_an
-                    tl.store(aux_ptr + a_up_off, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                    tl.store(aux_ptr + a_off + glu_an, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
             if ACT == 1:
                 res = tl.maximum(acc, 0.0)
             elif ACT == 2:
@@ -178,14 +178,12 @@ def _grouped_gemm_kernel(
             o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
             tl.store(out_ptr + o_off, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
             if GLU and DACT:
-                o_up_off = rm64[:, None] * s_om + (rn64 + glu_offset)[None, :] * s_on
-                tl.store(out_ptr + o_up_off, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(out_ptr + o_off + glu_on, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
             if STORE_AUX:
                 a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
                 tl.store(aux_ptr + a_off, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
                 if GLU:
-                    a_up_off = rm64[:, None] * s_am + (rn64 + glu_offset)[None, :] * s_an
-                    tl.store(aux_ptr + a_up_off, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                    tl.store(aux_ptr + a_off + glu_an, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
