@@ -25,11 +25,10 @@ else:
         grouped_bias_grad,
         grouped_matmul,
         grouped_matmul_dact,
-        grouped_matmul_reference,
         grouped_wgrad,
     )
     from .moe_permute import combine, combine_backward, permute
-    from .moe_routing import moe_mlp_reference, routing_metadata, routing_metadata_reference
+    from .moe_routing import grouped_matmul_reference, moe_mlp_reference, routing_metadata, routing_metadata_reference
     from .persistent_gemm import chunk_reduce, chunk_view, persistent_matmul, persistent_matmul_reference
     from .waits import WaitTimeout, check_wait_timeouts, wait_timeouts
     from .flash_attention import attention_reference, flash_attention_forward

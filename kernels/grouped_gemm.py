@@ -22,7 +22,6 @@ fp64 torch, the tests' oracle) at the end of the file.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
 
 import torch
 import triton
@@ -34,7 +33,6 @@ from .moe_routing import MAX_ROWS
 from .runtime import (
     ACTIVATIONS,
     acc_budget_for,
-    activation_reference,
     aligned,
     autotuned,
     device_capability,
@@ -86,6 +84,10 @@ def _grouped_gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn64 = rn.to(tl.int64)
+    # the gated up half's column offset, in int64: glu_offset * stride can pass 2^31 (tl.cast, not
+    # .to: an argument equal to 1 arrives as a constexpr)
+    glu_an = tl.cast(glu_offset, tl.int64) * s_an
+    glu_on = tl.cast(glu_offset, tl.int64) * s_on
     if group < G:
         first_tile = tl.sum(tl.where(gi < group, tiles, 0), axis=0)
         row0 = tl.load(offsets_ptr + group).to(tl.int32) + (pid_m - first_tile) * BLOCK_M
@@ -144,13 +146,13 @@ def _grouped_gemm_kernel(
                 a_val = pre
                 d_val = pre * 0.0 + 1.0
             if GLU:
-                up = tl.load(aux_ptr + a_off + glu_offset * s_an, mask=out_mask, other=0.0).to(tl.float32)
+                up = tl.load(aux_ptr + a_off + glu_an, mask=out_mask, other=0.0).to(tl.float32)
                 if ACT == 4:
                     # up's factor clamp(up, -7, 7) + 1, whose gradient is zero outside the range
                     a_val = tl.where((up >= -7.0) & (up <= 7.0), a_val, 0.0)
                     up = tl.minimum(tl.maximum(up, -7.0), 7.0) + 1.0
                 tl.store(out_ptr + o_off, (acc * up * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.store(out_ptr + o_off + glu_offset * s_on, (acc * a_val).to(out_ptr.dtype.element_ty),
+                tl.store(out_ptr + o_off + glu_on, (acc * a_val).to(out_ptr.dtype.element_ty),
                          mask=out_mask)
             else:
                 tl.store(out_ptr + o_off, (acc * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -164,7 +166,7 @@ def _grouped_gemm_kernel(
                 a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
                 tl.store(aux_ptr + a_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
                 if GLU:
-                    tl.store(aux_ptr + a_off + glu_offset * s_an, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                    tl.store(aux_ptr + a_off + glu_an, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
             if ACT == 1:
                 res = tl.maximum(acc, 0.0)
             elif ACT == 2:
@@ -197,12 +199,12 @@ def _grouped_gemm_kernel(
             o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
             tl.store(out_ptr + o_off, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
             if GLU and DACT:
-                tl.store(out_ptr + o_off + glu_offset * s_on, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(out_ptr + o_off + glu_on, zero.to(out_ptr.dtype.element_ty), mask=out_mask)
             if STORE_AUX:
                 a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
                 tl.store(aux_ptr + a_off, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
                 if GLU:
-                    tl.store(aux_ptr + a_off + glu_offset * s_an, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                    tl.store(aux_ptr + a_off + glu_an, zero.to(aux_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -529,6 +531,8 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
     check_out_dtype("out_dtype", out_dtype)
     M, N = grad.shape
     K = x.shape[1]
+    if M > MAX_ROWS:
+        raise ValueError(f"grad must have at most {MAX_ROWS} rows, got {M}")
     offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)
     G = offsets.numel() - 1
     out = output_buffer("out", out, (num_experts, N, K), grad.device, out_dtype or grad.dtype)
@@ -577,24 +581,3 @@ def grouped_bias_grad(grad: torch.Tensor, offsets, num_experts: int, *, out: tor
 # --------------------------------------------------------------------------------------------
 # reference (plain torch; the tests' oracle)
 # --------------------------------------------------------------------------------------------
-def grouped_matmul_reference(x, weight, offsets: Sequence[int], *, weight_layout="nk", activation="none",
-                             compute_dtype=torch.float64, bias=None):
-    """Per-group loop: ``act(x[rows_g] @ W_{g % E} + bias[g % E])``; rows past the last group are zero."""
-    offsets = [int(v) for v in offsets]
-    E = weight.shape[0]
-    w = weight.to(compute_dtype)
-    if weight_layout == "nk":
-        w = w.transpose(1, 2)
-    _, glu = ACTIVATIONS[activation]
-    n = w.shape[2] // 2 if glu else w.shape[2]
-    out = torch.zeros((x.shape[0], n), dtype=compute_dtype)
-    xs = x.to(compute_dtype).cpu()
-    w = w.cpu()
-    for g in range(len(offsets) - 1):
-        a, b = offsets[g], offsets[g + 1]
-        if b > a:
-            pre = xs[a:b] @ w[g % E]
-            if bias is not None:
-                pre = pre + bias[g % E].to(compute_dtype).cpu()
-            out[a:b] = activation_reference(pre, activation)
-    return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_float_tensor, check_index_tensor, check_same, output_buffer
+from .moe_routing import MAX_ROWS
 from .runtime import interpreting
 
 
@@ -96,9 +97,15 @@ def _combine_bwd_kernel(go_ptr, y_ptr, w_ptr, sorted_slot_ptr, gy_ptr, gw_ptr, n
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
+def _check_rows(name, n):
+    if n > MAX_ROWS:
+        raise ValueError(f"{name} must have at most {MAX_ROWS} rows (int32 positions), got {n}")
+
+
 def _index_operand(name, t, n, ref_name, ref):
     """A 1-D routing index of ``n`` entries on the device of ``ref``, made contiguous."""
     check_index_tensor(name, t, dims=(1,))
+    _check_rows(name, t.numel())
     if t.numel() != n:
         raise ValueError(f"{name} must have {n} elements, got {t.numel()}")
     check_same(name, t, ref_name, ref, dtype=False)

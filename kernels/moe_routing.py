@@ -21,22 +21,25 @@ reported later, by the next :func:`routing_metadata` call that finds the copy la
 pass ``check_ids=False``.
 
 Layers: ``@triton.jit`` kernels -> :func:`routing_metadata` (validate, allocate, launch) ->
-references (plain Python / torch loops, the tests' oracle): :func:`routing_metadata_reference`
-and the whole routed MLP, :func:`moe_mlp_reference`.
+references (plain Python / torch loops, the tests' oracle): :func:`routing_metadata_reference`,
+the grouped GEMM's :func:`grouped_matmul_reference` and the whole routed MLP, :func:`moe_mlp_reference`.
 """
 from __future__ import annotations
 
 import collections
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from .checks import check_bool, check_index_tensor
-from .runtime import activation_reference, interpreting
+from .runtime import ACTIVATIONS, activation_reference, interpreting
 
-#: most rows (slots) a routing or grouped-GEMM launch addresses: positions are int32
-MAX_ROWS = 2**31 - 1
+#: most rows (slots) a routing, permute / combine or grouped-GEMM launch addresses: positions and
+#: row indices are int32, and a program's last row block (``pid * BLOCK + arange(BLOCK)``, up to
+#: ``rows + BLOCK - 1``) must not wrap either, hence the 2^16 headroom below 2^31
+MAX_ROWS = 2**31 - 2**16
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,4 +244,27 @@ def moe_mlp_reference(x, expert_ids, weights, w1, w2, *, activation="swiglu", ca
             if keep:
                 h = activation_reference(xs[t] @ w1c[e].t() + b1c[e], activation)
                 out[t] += wts[t, j] * (h @ w2c[e].t() + b2c[e])
+    return out
+
+
+def grouped_matmul_reference(x, weight, offsets: Sequence[int], *, weight_layout="nk", activation="none",
+                             compute_dtype=torch.float64, bias=None):
+    """Per-group loop: ``act(x[rows_g] @ W_{g % E} + bias[g % E])``; rows past the last group are zero."""
+    offsets = [int(v) for v in offsets]
+    E = weight.shape[0]
+    w = weight.to(compute_dtype)
+    if weight_layout == "nk":
+        w = w.transpose(1, 2)
+    _, glu = ACTIVATIONS[activation]
+    n = w.shape[2] // 2 if glu else w.shape[2]
+    out = torch.zeros((x.shape[0], n), dtype=compute_dtype)
+    xs = x.to(compute_dtype).cpu()
+    w = w.cpu()
+    for g in range(len(offsets) - 1):
+        a, b = offsets[g], offsets[g + 1]
+        if b > a:
+            pre = xs[a:b] @ w[g % E]
+            if bias is not None:
+                pre = pre + bias[g % E].to(compute_dtype).cpu()
+            out[a:b] = activation_reference(pre, activation)
     return out

@@ -37,15 +37,21 @@ def _f64(t):
 
 
 def _layer_vs_single(rank, size, seed, self_group, *, tokens, capacity_factor, num_chunks, score, activation,
-                     single_layer):
+                     single_layer, bias=None):
     """EP layer on this rank's tokens vs the single-process layer (``single_layer``) and vs the
-    fp64 loop; expert gradients vs the fp64 loop summed over every rank's tokens."""
+    fp64 loop; expert gradients vs the fp64 loop summed over every rank's tokens. ``bias``: a
+    selection-only correction bias (sigmoid scores) that steers the routing."""
     tag = f"rank {rank}/{size} tokens={tokens} cf={capacity_factor} chunks={num_chunks} {score}/{activation}"
-    kw = dict(capacity_factor=capacity_factor, activation=activation, score=score, num_chunks=num_chunks)
+    kw = dict(capacity_factor=capacity_factor, activation=activation, score=score, num_chunks=num_chunks,
+              score_bias=bias is not None)
     torch.manual_seed(seed)
     ep = MoE(H, FFN, E, K, **kw)
     torch.manual_seed(seed)
     full = MoE(H, FFN, E, K, ep_group=self_group, **kw)  # all experts on this rank
+    if bias is not None:
+        with torch.no_grad():
+            for m in (ep, full):
+                m.router.e_score_correction_bias.copy_(torch.tensor(bias))
     lo, n = ep.first_expert, ep.experts_per_rank
     assert n == E // size and lo == rank * n
     # the full expert weights do not depend on the EP degree
@@ -58,7 +64,7 @@ def _layer_vs_single(rank, size, seed, self_group, *, tokens, capacity_factor, n
     y = ep(x)
     ((y * go).sum() + ep.aux_loss).backward()
 
-    if single_layer:  # the single-process layer on this rank's tokens
+    if single_layer and tokens[rank]:  # the single-process layer on this rank's tokens
         xs = x.detach().clone().requires_grad_()
         ys = full(xs)
         ((ys * go).sum() + full.aux_loss).backward()
@@ -130,6 +136,45 @@ def _skew_and_stages(rank, size, seed):
         outs.append([yy.detach()] + [t.grad for t in lv])
     for name, a, b in zip(("y", "x", "weights", "w1", "w2"), *outs):
         assert_close(a, b, torch.float32, msg=f"stages vs moe_mlp: {name} rank {rank}")
+
+
+def _ep_dp_grads(rank, size, seed):
+    """dp 4 x ep 2 (experts 0-1 on ranks 0 and 2, experts 2-3 on ranks 1 and 3; edp groups {0, 2}
+    and {1, 3}): every rank routes its own tokens (rank 1 none), the global loss is the mean of
+    the ranks' losses. After ``sync_gradients`` with the layer's ``gradient_sync_plan`` each
+    gradient equals the one-process gradient of that mean over the whole batch: the expert
+    gradients summed over the ranks that route to them (no copy counted twice, none missing, the
+    1/dp applied once), the router's averaged."""
+    from fusedpar.nn.placement import gradient_sync_plan
+    from fusedpar.parallel import build_parallel_state, sync_gradients
+
+    state = build_parallel_state(dp=4, ep=2)
+    assert (state.dp, state.ep, state.ep_rank) == (4, 2, rank % 2)
+    tokens = [6, 0, 9, 4]
+    kw = dict(score="sigmoid", score_bias=True, capacity_factor=None)
+    bias = torch.tensor([0.0, 0.5, 0.0, -0.5])
+    torch.manual_seed(seed)
+    m = MoE(H, FFN, E, K, ep_group=state.ep_group, **kw)
+    torch.manual_seed(seed)
+    full = MoE(H, FFN, E, K, ep_group=_self_group(rank, size), **kw)  # one process: every expert
+    with torch.no_grad():
+        for mod in (m, full):
+            mod.router.e_score_correction_bias.copy_(bias)
+    x, go = _inputs(seed, rank, tokens[rank])
+    ((m(x) * go).sum() + m.aux_loss).backward()
+    plan = gradient_sync_plan(m)
+    assert plan == {"w1": "expert", "w2": "expert", "router.weight": "replicated"}, plan
+    sync_gradients(m.named_parameters(), state, plan)
+    # the global batch in one process: mean over the 4 ranks' losses
+    for r in range(size):
+        xr, gor = _inputs(seed, r, tokens[r])
+        if tokens[r]:
+            (((full(xr) * gor).sum() + full.aux_loss) / size).backward()
+    lo, n = m.first_expert, m.experts_per_rank
+    tag = f"ep x dp rank {rank}"
+    assert_close(m.w1.grad, full.w1.grad[lo:lo + n], torch.float32, msg=f"w1 grad {tag}")
+    assert_close(m.w2.grad, full.w2.grad[lo:lo + n], torch.float32, msg=f"w2 grad {tag}")
+    assert_close(m.router.weight.grad, full.router.weight.grad, torch.float32, msg=f"router grad {tag}")
 
 
 class _SpyHandle:
@@ -240,6 +285,16 @@ def _run_case(rank, size, case, seed):
             zero = [0, 7, 3, 10][:size] if size == 4 else [0, 9]  # a rank without tokens, capacity drops
             _layer_vs_single(rank, size, seed + 1, self_group, tokens=zero, capacity_factor=0.5, num_chunks=3,
                              score="sigmoid", activation="gelu", single_layer=False)
+        elif case == "idle-ep-ranks":
+            # the bias sends every slot to experts 0 and 1: the other experts' ranks receive
+            # nothing (at 2 ranks rank 1 still sends, then neither sends nor receives); at 4 ranks
+            # rank 1 sends nothing, ranks 2 and 3 receive nothing, rank 3 sends
+            bias = [0.0, 0.0, -8.0, -8.0]
+            for i, tokens in enumerate([[4, 7], [7, 0]] if size == 2 else [[5, 0, 3, 6]]):
+                _layer_vs_single(rank, size, seed + 7 + i, self_group, tokens=tokens, capacity_factor=None,
+                                 num_chunks=2, score="sigmoid", activation="swiglu", single_layer=True, bias=bias)
+        elif case == "ep-x-dp-grads" and size == 4:
+            _ep_dp_grads(rank, size, seed)
         elif case == "skew-and-stages":
             _skew_and_stages(rank, size, seed)
         elif case == "pipeline-order":
@@ -249,7 +304,8 @@ def _run_case(rank, size, case, seed):
     return rank
 
 
-WORLD_CASES = ["layer", "rank-without-tokens-capacity", "skew-and-stages", "errors", "bad-ids-on-one-rank"]
+WORLD_CASES = ["layer", "rank-without-tokens-capacity", "idle-ep-ranks", "skew-and-stages", "errors",
+               "bad-ids-on-one-rank"]
 
 
 @pytest.mark.parametrize("case", WORLD_CASES + ["pipeline-order"])
@@ -257,7 +313,7 @@ def test_ep_world2(world2, case):
     assert world2.run(_run_case, case=case, seed=11) == [0, 1]
 
 
-@pytest.mark.parametrize("case", WORLD_CASES)
+@pytest.mark.parametrize("case", WORLD_CASES + ["ep-x-dp-grads"])
 def test_ep_world4(world4, case):
     assert world4.run(_run_case, case=case, seed=23) == [0, 1, 2, 3]
 

@@ -10,8 +10,8 @@ import torch
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
 from fusedpar.kernels import matmul
-from fusedpar.kernels.grouped_gemm import (grouped_bias_grad, grouped_matmul, grouped_matmul_dact,
-                                           grouped_matmul_reference)
+from fusedpar.kernels.grouped_gemm import grouped_bias_grad, grouped_matmul, grouped_matmul_dact
+from fusedpar.kernels.moe_routing import grouped_matmul_reference
 from fusedpar.kernels.runtime import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_reference
 from fusedpar.ops.tensor_parallel_schedules import activation_backward
 

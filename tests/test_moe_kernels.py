@@ -3,6 +3,11 @@
 References: Python loops (routing), fp64 torch (GEMMs), torch autograd in fp64 (backward
 epilogues) and torch's own grouped GEMM (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``).
 """
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,11 +17,10 @@ from fusedpar.kernels.grouped_gemm import (
     as_group_offsets,
     grouped_matmul,
     grouped_matmul_dact,
-    grouped_matmul_reference,
     grouped_wgrad,
 )
 from fusedpar.kernels.moe_permute import combine, combine_backward, permute
-from fusedpar.kernels.moe_routing import routing_metadata, routing_metadata_reference
+from fusedpar.kernels.moe_routing import grouped_matmul_reference, routing_metadata, routing_metadata_reference
 from fusedpar.kernels.runtime import activation_reference
 
 # bf16 runs interpreted too: the kernels upcast bf16 operands of tl.dot behind a constexpr there
@@ -313,3 +317,148 @@ def test_offsets_checked_on_every_device(case, offsets_device):
     # offsets that are correct by construction may skip the host read
     good = torch.tensor([0, 3, 8], dtype=torch.int32, device=offsets_device)
     assert as_group_offsets(good, 8, DEVICE, check=False).tolist() == [0, 3, 8]
+
+
+# ----------------------------------------------------------------------------------------------
+# edges: empty groups in the weight gradient, 64-bit offsets
+# ----------------------------------------------------------------------------------------------
+def test_grouped_wgrad_empty_groups_give_exact_zeros():
+    """An expert whose groups are all empty (here experts 1 and 3: no rows at all; expert 2's
+    only group is empty too) gets exactly zero weight gradient, also over a NaN-poisoned output
+    and when accumulating into an existing fp32 buffer (left untouched)."""
+    g = torch.Generator().manual_seed(11)
+    offs = _offsets([4, 0, 0, 0, 19, 0])  # 6 groups over 4 experts: g % 4 -> 0, 1, 2, 3, 0, 1
+    x = randn(23, 20, generator=g)
+    dy = randn(23, 24, generator=g)
+    got = grouped_wgrad(dy, x, offs, 4, out=poison((4, 24, 20), torch.float32))
+    assert not got.isnan().any()
+    for e in (1, 2, 3):
+        assert torch.equal(got[e], torch.zeros_like(got[e])), f"expert {e} without rows"
+    ref0 = dy[:4].double().cpu().t() @ x[:4].double().cpu() + dy[4:].double().cpu().t() @ x[4:].double().cpu()
+    assert_close(got[0], ref0, torch.float32, msg="expert 0 (two groups)")
+    acc = randn(4, 24, 20, dtype=torch.float32, generator=g)
+    before = acc.clone()
+    grouped_wgrad(dy, x, offs, 4, out=acc, accumulate=True)
+    for e in (1, 2, 3):
+        assert torch.equal(acc[e], before[e]), f"accumulate: expert {e} without rows must be left as is"
+    # no rows at all (M == 0): every expert is zero
+    empty = grouped_wgrad(dy[:0], x[:0], [0, 0, 0], 2, out=poison((2, 24, 20), torch.float32))
+    assert torch.equal(empty, torch.zeros_like(empty))
+
+
+# The kernels' addresses are ``row * stride`` with int32 rows and strides (a launch specialises
+# every int argument below 2^31 to i32), so a product must be formed in int64 or it wraps once
+# tokens x hidden (or experts x rows, or a transposed buffer's column stride x features) passes
+# 2^31. Without a 2^31-element tensor, the check reads the kernels' Triton IR (as generated from
+# the source for sm_90, no GPU needed): no 32-bit multiplication may take a scalar argument (a
+# stride, a width, an offset such as the gated activation's ``glu_offset``) as an operand.
+_INT64_CHECK = textwrap.dedent(
+    """
+    import re
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton._C.libtriton import ir
+    from fusedpar.kernels import grouped_gemm as gg, moe_permute as mp, moe_routing as mr, moe_topk as mt
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    LINE = re.compile(r"^\\s*(%[\\w.]+) = ([\\w.]+) (.*?) : (.*?) loc")
+
+    def i32_products(fn, const, ptr_types):
+        names = fn.arg_names
+        sig = {n: "constexpr" if n in const else ptr_types.get(n, "*fp32") if n.endswith("_ptr") else
+               "fp32" if n == "scale" else "i32" for n in names}
+        src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs={})
+        opts = backend.parse_options({})
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        backend.load_dialects(ctx)
+        text = str(src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(),
+                               ctx))
+        # values that are a scalar int argument, splatted / broadcast / expanded
+        derived = {"%" + n for n in names if n not in const and sig[n] == "i32"}
+        bad = []
+        for line in text.splitlines():
+            m = LINE.match(line)
+            if not m:
+                continue
+            res, op, operands, types = m.groups()
+            uses = [o for o in re.findall(r"%[\\w.]+", operands) if o in derived]
+            if op in ("tt.splat", "tt.broadcast", "tt.expand_dims") and uses:
+                derived.add(res)
+            elif op == "arith.muli" and uses and "i64" not in types:
+                bad.append(line.strip().split(" loc(")[0])
+        return bad
+
+    gemm = dict(UPCAST=False, INPUT_PRECISION="ieee", G_PAD=8, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+    route = dict(TOPK_GROUP=1, TOP_K=2, K_PAD=2, NORMALIZE=True, BLOCK_T=16, G_PAD=1, EPG_PAD=8)
+    idx = {n: "*i32" for n in ("offsets_ptr", "sorted_slot_ptr", "slot_pos_ptr", "counts_ptr", "bad_ptr",
+                               "prefix_ptr")}
+    idx.update(ids_ptr="*i64")
+    cases = {
+        "grouped_gemm forward swiglu + pre-activation": (gg._grouped_gemm_kernel,
+            dict(ACT=3, GLU=True, STORE_AUX=True, DACT=False, **gemm)),
+        "grouped_gemm dact swiglu": (gg._grouped_gemm_kernel, dict(ACT=3, GLU=True, STORE_AUX=False, DACT=True, **gemm)),
+        "grouped_gemm plain": (gg._grouped_gemm_kernel, dict(ACT=0, GLU=False, STORE_AUX=False, DACT=False, **gemm)),
+        "grouped_wgrad": (gg._grouped_wgrad_kernel, dict(ACCUMULATE=True, UPCAST=False, INPUT_PRECISION="ieee",
+                                                         BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
+        "permute": (mp._permute_kernel, dict(BLOCK_R=16, BLOCK_H=32)),
+        "combine": (mp._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=16, BLOCK_H=32)),
+        "combine_backward": (mp._combine_bwd_kernel, dict(BLOCK_R=16, BLOCK_H=32)),
+        "routing count": (mr._route_count_kernel, dict(BLOCK=64, G_PAD=8)),
+        "routing scatter": (mr._route_scatter_kernel, dict(BLOCK=64, G_PAD=8)),
+        "topk_route": (mt._topk_route_kernel, dict(SCORE=1, HAS_BIAS=True, **route)),
+        "topk_route_backward": (mt._topk_route_bwd_kernel,
+                                dict(SCORE=1, **{k: v for k, v in route.items() if k not in ("TOPK_GROUP", "K_PAD")})),
+    }
+    # products known to stay small: the expert id within a row of logits (g * EPG + j < E)
+    allowed = {"topk_route": ("%eid",), "topk_route_backward": ("%eid",)}
+    for name, (fn, const) in cases.items():
+        bad = [b for b in i32_products(fn, const, idx) if not b.startswith(allowed.get(name, ("-",)))]
+        print(f"{name}: {bad}")
+    """
+)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="reads the IR for sm_90 off-GPU (the interpreted run covers it)")
+def test_kernel_offsets_are_64_bit():
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton build has no NVIDIA backend")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _INT64_CHECK], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if ": [" in ln]
+    assert len(lines) == 11, res.stdout
+    assert all(ln.endswith(": []") for ln in lines), "32-bit products of a stride / width:\n" + "\n".join(lines)
+
+
+def test_row_counts_past_int32_positions_are_refused():
+    """Positions and row indices are int32 (with headroom for a program's last row block): every
+    launcher refuses more rows than MAX_ROWS, before touching the data (expanded views: no
+    memory behind the 2^31 rows)."""
+    from fusedpar.kernels.moe_routing import MAX_ROWS
+
+    n = MAX_ROWS + 1
+    assert MAX_ROWS + 1024 < 2**31  # the largest row block of any launch still fits
+    msg = f"at most {MAX_ROWS}"
+    x = torch.zeros(1, 16, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE).expand(n)
+    with pytest.raises(ValueError, match=msg):
+        permute(x.expand(n, 16), slots, 1)
+    with pytest.raises(ValueError, match=msg):
+        combine(x, slots, None, 1)
+    with pytest.raises(ValueError, match=msg):
+        combine_backward(x, x.expand(n, 16), torch.ones(1, 1, device=DEVICE), slots, 1)
+    with pytest.raises(ValueError, match=msg):
+        routing_metadata(torch.zeros(1, dtype=torch.int64, device=DEVICE).expand(n), 4)
+    w = torch.zeros(2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=msg):
+        grouped_matmul(x.expand(n, 16), w, [0, 0, 0], check_offsets=False)
+    with pytest.raises(ValueError, match=msg):
+        grouped_wgrad(torch.zeros(1, 8, device=DEVICE).expand(n, 8), x.expand(n, 16), [0, 0, 0], 2,
+                      check_offsets=False)

@@ -345,3 +345,100 @@ def test_benchmark_cli_smoke(tmp_path):
     kinds = {r["bench"] for r in rows}
     assert kinds == {"grouped_gemm", "permute", "unpermute", "layer_fwd_bwd", "ep_layer_fwd_bwd"}
     assert all(r["max_rel_err"] < 1e-3 and r["tokens"] == 9 and r["experts"] == 3 for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# edges of routing: idle experts, all tokens to one expert, top_k == E, capacity drops, with the
+# sigmoid + correction-bias selection (DeepSeek-V3)
+# ----------------------------------------------------------------------------------------------
+def _assert_idle_grads_zero(w1g, w2g, idle, tag):
+    for name, gr in (("w1", w1g), ("w2", w2g)):
+        assert gr is not None and not gr.isnan().any(), f"{name} grad has NaN ({tag})"
+        for e in idle:
+            assert torch.equal(gr[e], torch.zeros_like(gr[e])), f"{name} grad of idle expert {e} is not 0 ({tag})"
+
+
+def test_idle_expert_weight_grads_are_exact_zeros():
+    """moe_mlp: experts 1 and 4 of 5 receive no token (top-1 and top-2, dropless and with capacity
+    drops): their weight gradients are exactly zero, nothing is NaN, the rest matches fp64."""
+    g = torch.Generator().manual_seed(21)
+    T, E, H, Fd = 9, 5, 16, 24
+    for k, cap in ((1, None), (2, None), (2, 3)):
+        ids = torch.stack([torch.tensor([0, 2, 3])[torch.randperm(3, generator=g)[:k]] for _ in range(T)])
+        x = randn(T, H, generator=g).requires_grad_()
+        w = torch.rand(T, k, generator=g).to(DEVICE).requires_grad_()
+        w1 = randn(E, 2 * Fd, H, generator=g, scale=H ** -0.5).requires_grad_()
+        w2 = randn(E, H, Fd, generator=g, scale=Fd ** -0.5).requires_grad_()
+        y = moe_mlp(x, ids.to(DEVICE), w, w1, w2, num_experts=E, capacity=cap)
+        go = randn(T, H, generator=g)
+        (y * go).sum().backward()
+        tag = f"k={k} capacity={cap}"
+        _assert_idle_grads_zero(w1.grad, w2.grad, (1, 4), tag)
+        ref = [_f64(t) for t in (x, w, w1, w2)]
+        yr = moe_mlp_reference(ref[0], ids, ref[1], ref[2], ref[3], capacity=cap)
+        (yr * go.double().cpu()).sum().backward()
+        assert_close(y, yr, torch.float32, msg=f"output {tag}")
+        for name, ours, r in zip(("x", "weights", "w1", "w2"), (x, w, w1, w2), ref):
+            assert_close(ours.grad, r.grad, torch.float32, msg=f"grad {name} {tag}")
+
+
+def _biased_selection(x, router_w, bias, k):
+    """fp64 DeepSeek-V3 selection: top-k of sigmoid(logits) + bias, stable (ties: lowest id)."""
+    s = torch.sigmoid(x.double().cpu() @ router_w.double().cpu().t()) + bias.double().cpu()
+    return torch.sort(s, dim=-1, descending=True, stable=True)[1][:, :k]
+
+
+BIASED_CASES = {  # name -> (E, k, capacity_factor, correction bias, idle experts)
+    "all-to-expert-2": (4, 1, None, [0.0, 0.0, 4.0, 0.0], (0, 1, 3)),
+    "all-to-experts-3-0": (4, 2, None, [3.0, 0.0, 0.0, 4.0], (1, 2)),
+    "all-to-one-capacity": (4, 1, 1.0, [0.0, 4.0, 0.0, 0.0], (0, 2, 3)),  # cap ceil(T/E): most dropped
+    "top_k-equals-experts": (4, 4, None, [0.3, -0.2, 0.1, 0.0], ()),
+    "skewed-capacity": (5, 2, 0.75, [1.5, 0.0, 0.0, 0.0, -4.0], (4,)),  # expert 0 overflows
+}
+
+
+@pytest.mark.parametrize("case", list(BIASED_CASES))
+def test_sigmoid_correction_bias_edges(case):
+    """MoE with TopKRouter(score="sigmoid", score_bias=True): the bias picks the experts (all
+    tokens to one or two of them, every expert, overflowing ones with capacity drops) while the
+    weights stay the unbiased normalised sigmoid scores; outputs, losses and every gradient match
+    the fp64 reference, idle experts' gradients are exact zeros."""
+    E, k, cf, bias, idle = BIASED_CASES[case]
+    i = list(BIASED_CASES).index(case)
+    g = torch.Generator().manual_seed(30 + i)
+    torch.manual_seed(30 + i)
+    m = MoE(16, 24, E, k, score="sigmoid", score_bias=True, capacity_factor=cf, device=DEVICE)
+    assert m.router.normalize
+    with torch.no_grad():
+        m.router.e_score_correction_bias.copy_(torch.tensor(bias))
+    x = randn(2, 6, 16, generator=g)
+    _layer_case_ids(m, x, g, cf, _biased_selection(x.reshape(-1, 16), m.router.weight, m.router.e_score_correction_bias, k))
+    ids = m.router_output.expert_ids.cpu()
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    for e in idle:
+        assert counts[e] == 0, f"expert {e} must be idle ({case})"
+    _assert_idle_grads_zero(m.w1.grad, m.w2.grad, idle, case)
+    if cf is not None:
+        assert (counts > m.router_output.capacity).any(), f"the case must drop slots ({case})"
+
+
+def _layer_case_ids(m, x, g, capacity_factor, expected_ids):
+    """Like _layer_case, for a selection the plain reference does not make (the bias): the ids
+    are checked against ``expected_ids``, the continuous parts recomputed in fp64."""
+    x = x.detach().requires_grad_()
+    y = m(x)
+    go = randn(*y.shape, generator=g)
+    ((y * go).sum() + m.aux_loss).backward()
+    H = x.shape[-1]
+    ids = m.router_output.expert_ids.cpu()
+    assert torch.equal(ids, expected_ids), "selection differs from the fp64 biased top-k"
+    xd, rw, w1, w2 = _f64(x.reshape(-1, H)), _f64(m.router.weight), _f64(m.w1), _f64(m.w2)
+    yr, aux, z, _ = reference_moe(xd, rw, w1, w2, top_k=m.top_k, score="sigmoid", normalize=True,
+                                  capacity_factor=capacity_factor, ids=ids)
+    ((yr * go.reshape(-1, H).double().cpu()).sum() + aux + z).backward()
+    assert_close(y.reshape(-1, H), yr, torch.float32, msg="output")
+    assert_close(m.router_output.aux_loss, aux, torch.float32, msg="aux loss")
+    assert_close(x.grad.reshape(-1, H), xd.grad, torch.float32, msg="input grad")
+    assert_close(m.router.weight.grad, rw.grad, torch.float32, msg="router grad")
+    assert_close(m.w1.grad, w1.grad, torch.float32, msg="w1 grad")
+    assert_close(m.w2.grad, w2.grad, torch.float32, msg="w2 grad")
