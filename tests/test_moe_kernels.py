@@ -397,9 +397,13 @@ _INT64_CHECK = textwrap.dedent(
     idx.update(ids_ptr="*i64")
     cases = {
         "grouped_gemm forward swiglu + pre-activation": (gg._grouped_gemm_kernel,
-            dict(ACT=3, GLU=True, STORE_AUX=True, DACT=False, **gemm)),
-        "grouped_gemm dact swiglu": (gg._grouped_gemm_kernel, dict(ACT=3, GLU=True, STORE_AUX=False, DACT=True, **gemm)),
-        "grouped_gemm plain": (gg._grouped_gemm_kernel, dict(ACT=0, GLU=False, STORE_AUX=False, DACT=False, **gemm)),
+            dict(ACT=3, GLU=True, STORE_AUX=True, DACT=False, HAS_BIAS=False, **gemm)),
+        "grouped_gemm forward swiglu_oai + bias + pre-activation": (gg._grouped_gemm_kernel,
+            dict(ACT=4, GLU=True, STORE_AUX=True, DACT=False, HAS_BIAS=True, **gemm)),
+        "grouped_gemm dact swiglu": (gg._grouped_gemm_kernel,
+            dict(ACT=3, GLU=True, STORE_AUX=False, DACT=True, HAS_BIAS=False, **gemm)),
+        "grouped_gemm plain": (gg._grouped_gemm_kernel,
+            dict(ACT=0, GLU=False, STORE_AUX=False, DACT=False, HAS_BIAS=False, **gemm)),
         "grouped_wgrad": (gg._grouped_wgrad_kernel, dict(ACCUMULATE=True, UPCAST=False, INPUT_PRECISION="ieee",
                                                          BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
         "permute": (mp._permute_kernel, dict(BLOCK_R=16, BLOCK_H=32)),
@@ -433,7 +437,7 @@ def test_kernel_offsets_are_64_bit():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ": [" in ln]
-    assert len(lines) == 11, res.stdout
+    assert len(lines) == 12, res.stdout
     assert all(ln.endswith(": []") for ln in lines), "32-bit products of a stride / width:\n" + "\n".join(lines)
 
 
