@@ -8,6 +8,7 @@ every rank before the first transfer, so bad input raises on every rank alike.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -125,6 +126,18 @@ def check_positive_number(name: str, v) -> float:
     if not v > 0:
         raise ValueError(f"{name} must be a positive number, got {v!r}")
     return float(v)
+
+
+def check_softcap(softcap) -> float:
+    """A logit softcap (attention, loss): ``None`` (off) or a positive finite number; returns it as
+    a float (0.0: off)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a positive finite number or None, got {type(softcap).__name__} {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    return float(softcap)
 
 
 def check_bool(name: str, v) -> bool:

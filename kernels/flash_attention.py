@@ -48,6 +48,7 @@ from .checks import (
     check_int,
     check_positive_dims,
     check_same,
+    check_softcap,
     check_tensor,
     output_buffer,
 )
@@ -71,7 +72,7 @@ WINDOW_CLAMP = 2**30
 
 __all__ = [
     "FP32_TILE", "MAX_GRID_X", "MAX_HEAD_DIM", "WINDOW_CLAMP", "ScoreOptions", "Segments", "attention_grid", "attention_reference",
-    "check_offsets", "check_qkv", "check_segments", "check_sinks", "check_softcap", "check_window",
+    "check_offsets", "check_qkv", "check_segments", "check_sinks", "check_window",
     "flash_attention_forward", "gpu_configs", "kernel_flags", "launch_attention_kernel", "launch_smem_estimate",
     "option_flags", "program_tile", "register_estimate", "resolve_softmax_scale", "score_args", "score_options",
     "smem_estimate", "uses_wgmma", "window_keys",
@@ -401,17 +402,6 @@ def check_window(window) -> tuple:
         raise TypeError(f"window must be None or a (left, right) pair of ints, got {window!r}")
     return tuple(check_int(f"window[{i}] ({side})", w, min_value=-1, max_value=MAX_GRID_X)
                  for i, (side, w) in enumerate(zip(("left", "right"), window)))
-
-
-def check_softcap(softcap) -> float:
-    """``None`` (off) or a positive finite number; returns it as a float (0.0: off)."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a positive finite number or None, got {type(softcap).__name__} {softcap!r}")
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
-    return float(softcap)
 
 
 def check_sinks(sinks, q) -> None:

@@ -12,12 +12,11 @@ Layers: Triton kernels -> launchers (``fusedpar.kernels``) -> the custom ops ->
 """
 from __future__ import annotations
 
-from fusedpar.kernels.checks import check_bool
+from fusedpar.kernels.checks import check_bool, check_softcap
 from fusedpar.kernels.flash_attention import (
     check_offsets,
     check_qkv,
     check_sinks,
-    check_softcap,
     check_window,
     resolve_softmax_scale,
 )

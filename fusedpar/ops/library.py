@@ -52,12 +52,11 @@ import torch.distributed as dist
 from torch._dynamo.exc import Unsupported
 
 __all__ = ["NAMESPACE", "custom_op", "input_grads", "absent", "present", "register_transport", "transport_token",
-           "transport_size",
-           "resolve_token", "token_group", "token_size", "hold", "checked_api", "CheckTypeError", "CheckValueError"]
+           "transport_size", "resolve_token", "token_group", "token_size", "hold", "checked_api", "CheckTypeError",
+           "CheckValueError"]
 
 #: the ``torch.library`` namespace of every fusedpar op: ``torch.ops.fusedpar.<name>``
 NAMESPACE = "fusedpar"
-
 
 
 def custom_op(name: str, *, mutates_args=()):

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar.kernels.checks import check_bool, check_choice, check_int, check_same, check_tensor
+from fusedpar.kernels.checks import check_bool, check_int, check_same, check_softcap, check_tensor
 from fusedpar.kernels.runtime import SUPPORTED_DTYPES
 
 from .agreement import agreed_arguments
 from .library import checked_api, transport_size, transport_token
 from .linear_cross_entropy_library import default_chunk_tokens, linear_cross_entropy_op
-from .loss import REDUCTIONS, data_group_token, reduce_token_losses
+from .loss import check_target_args, data_group_token, reduce_token_losses
 from .loss_library import check_target_range
 
 __all__ = ["linear_cross_entropy"]
@@ -46,21 +46,14 @@ def _check_args(hidden, weight, targets, P, sequence_parallel, reduction, ignore
         raise ValueError(f"weight must have shape [V / tp, {hidden.shape[-1] if hidden.dim() else '?'}] (hidden's "
                          f"last dim), got {tuple(weight.shape)}")
     check_tensor("targets", targets)
-    if targets.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"targets must hold integer class ids (torch.int64 or torch.int32), got dtype {targets.dtype}")
+    check_target_args("targets", targets, reduction, ignore_index)
     shape = (hidden.shape[0], hidden.shape[1] * P) if sequence_parallel else tuple(hidden.shape[:-1])
     if tuple(targets.shape) != shape:
         raise ValueError(f"targets must have shape {shape} ({'[b, s] of the whole group' if sequence_parallel else 'hidden.shape[:-1]'}), "
                          f"got {tuple(targets.shape)}")
-    check_choice("reduction", reduction, REDUCTIONS)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     _check_number("label_smoothing", label_smoothing, 0.0, 1.0)
     _check_number("z_loss", z_loss, 0.0)
-    if softcap is not None:
-        _check_number("softcap", softcap, 0.0)
-        if softcap == 0:
-            raise ValueError("softcap must be None or > 0, got 0")
+    check_softcap(softcap)
     if chunk_tokens is not None:
         check_int("chunk_tokens", chunk_tokens, min_value=1)
     return shape

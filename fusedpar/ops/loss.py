@@ -32,17 +32,26 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
+from fusedpar.kernels.checks import check_choice, check_int, check_same, check_shape, check_tensor
 
 from . import comm
 from .agreement import agreed_arguments
 from .library import checked_api, transport_token
 from .loss_library import attach_aux_loss_op, check_target_range, global_loss_op, vocab_parallel_cross_entropy_op
 
-__all__ = ["REDUCTIONS", "attach_aux_loss", "data_group_token", "global_loss", "reduce_token_losses",
+__all__ = ["REDUCTIONS", "attach_aux_loss", "check_target_args", "data_group_token", "global_loss", "reduce_token_losses",
            "vocab_parallel_cross_entropy"]
 
 REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_target_args(name: str, target: torch.Tensor, reduction: str, ignore_index: int) -> None:
+    """What every cross entropy checks of its targets: integer class ids, a known ``reduction``,
+    an int ``ignore_index``."""
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold integer class ids (torch.int64 or torch.int32), got dtype {target.dtype}")
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_int("ignore_index", ignore_index)
 
 
 def _checked_targets(logits, target, group, reduction, ignore_index):
@@ -50,11 +59,7 @@ def _checked_targets(logits, target, group, reduction, ignore_index):
     check_tensor("logits", logits)
     check_tensor("target", target)
     check_shape("target", target, logits.shape[:-1])
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must hold integer class ids (torch.int64 or torch.int32), got dtype {target.dtype}")
-    check_choice("reduction", reduction, REDUCTIONS)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_target_args("target", target, reduction, ignore_index)
     target = target.reshape(-1).long()
     valid = target != ignore_index
     if not torch.compiler.is_compiling():  # a host read: while compiling, the op checks the ids itself
