@@ -142,6 +142,9 @@ def check_args(args) -> None:
     for name in ("bias_update_rate", "seq_aux_coef"):
         if not getattr(args, name) >= 0:
             raise UsageError(f"{_option(name)} must be >= 0, got {getattr(args, name)}")
+    if args.pp > 1 and args.batch % args.microbatches:
+        raise UsageError(f"--batch must be a multiple of --microbatches ({args.microbatches}) with --pp > 1, "
+                         f"got {args.batch}")
     if args.top_k > args.experts:
         raise UsageError(f"--top-k must be <= --experts ({args.experts}), got {args.top_k}")
     if args.hidden % args.heads or (args.hidden // args.heads) % 2:
@@ -227,14 +230,17 @@ def build(args, use_cuda: bool, vocab: int):
     return state, config, model, dtype
 
 
-def pipeline_schedule(model, state, microbatches: int):
-    """A 1F1B schedule over the pipeline stages (``None`` without pipeline parallelism)."""
+def pipeline_schedule(model, state, args):
+    """A 1F1B schedule over the pipeline stages (``None`` without pipeline parallelism); the
+    stages' shapes are given, so no shape-inference pass runs the blocks on uninitialised memory."""
     if state.pp == 1:
         return None
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    stage = PipelineStage(model, state.pp_rank, state.pp, state.device, group=state.pp_group)
-    return Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=model.loss)
+    inputs, outputs = model.pipeline_args(args.batch // args.microbatches, args.seq)
+    stage = PipelineStage(model, state.pp_rank, state.pp, state.device, input_args=inputs, output_args=outputs,
+                          group=state.pp_group)
+    return Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=model.loss)
 
 
 def load_data(args, state, tokens):
@@ -443,7 +449,7 @@ def setup(args, use_cuda: bool):
 
     run = Run(args=args, state=state, config=config, model=model, dtype=dtype, plan=model.gradient_sync_plan(),
               master=master, opt=torch.optim.AdamW(list(master.tensors.values()), lr=args.lr, weight_decay=0.0),
-              schedule=pipeline_schedule(model, state, args.microbatches), tokens=tokens, train=train, val=val,
+              schedule=pipeline_schedule(model, state, args), tokens=tokens, train=train, val=val,
               baseline=baseline, reporter=reporter, say=say)
     rank0 = print if state.rank == 0 else (lambda *a, **k: None)
     run.ckpt = CheckpointManager(args.ckpt_dir, args.keep, log=lambda m: rank0(m, flush=True)) if args.ckpt_dir else None

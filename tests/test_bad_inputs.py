@@ -169,6 +169,8 @@ CASES = {
                      lambda: Transformer(_config())(torch.tensor([[-1, 3]]))),
     "float token ids": (TypeError, "input_ids must have dtype torch.int32 or torch.int64, got torch.float32",
                         lambda: Transformer(_config())(torch.randn(1, 3))),
+    "pipeline_args microbatch_size 0": (ValueError, "microbatch_size must be >= 1, got 0",
+                                        lambda: Transformer(_config()).pipeline_args(0, 8)),
     # layout helpers: ranks in [0, size), sizes >= 1, lengths that split as required
     "shard_tokens sp_rank": (ValueError, "sp_rank must be in [0, sp_size=2), got 2",
                              lambda: shard_tokens(_tok(), _tok(), sp_size=2, sp_rank=2, tp_size=1, tp_rank=0)),

@@ -198,7 +198,9 @@ def _pipeline(rank, size, refs):
         ids, tgt = local_batch(tokens, targets, state)
         stage_ids = [state.pp_rank + k * state.pp for k in range(per_rank)]
         models = [_tp_model(config, state, layers=[s], embed=s == 0, head=s == n_stages - 1) for s in stage_ids]
-        stages = [PipelineStage(m, s, n_stages, state.device, group=state.pp_group) for m, s in zip(models, stage_ids)]
+        # the stages' shapes given (Transformer.pipeline_args): no shape-inference pass on torch.empty
+        stages = [PipelineStage(m, s, n_stages, state.device, *m.pipeline_args(B // 2, S), group=state.pp_group)
+                  for m, s in zip(models, stage_ids)]
         loss_fn = models[-1].loss  # every rank passes it: the schedule plans a backward only when given one
         if per_rank == 1:
             schedule = cls(stages[0], n_microbatches=2, loss_fn=loss_fn)

@@ -67,6 +67,10 @@ def test_demo_pipeline_path_pp2_x_tp2():
     head), tp2 inside each, experts over the stage's tp group; tiny sizes, two steps."""
     out = _run_demo("--pp", "2", "--hidden", "16", "--heads", "2", "--experts", "2", "--top-k", "1")
     assert "world 4 = dp 1 x pp 2 x sp 1 x tp 2 (ep 2)" in out, out
+    # the router counts exactly the step's tokens (2 sequences x 8, top-1): no shape-inference pass
+    # running the MoE stage on uninitialised memory (torch.empty) adds its garbage tokens
+    loads = [sum(map(int, m.split(","))) for m in re.findall(r"load \[([\d, ]+)\]", out)]
+    assert loads == [16, 16], out
 
 
 TINY = ("--seq", "8", "--hidden", "16", "--heads", "2", "--experts", "2", "--top-k", "1", "--eval-batches", "1",
@@ -251,6 +255,7 @@ def _demo_error(argv, capsys, monkeypatch, world=None):
     (["--tp", "x"], None, "argument --tp: invalid int value: 'x'"),
     (["--save-every", "2"], None, "--save-every and --simulate-failure need --ckpt-dir"),
     (["--tp", "3"], 4, "--pp 1 x --tp 3 x --sp 1 = 3 must divide the world size 4"),
+    (["--pp", "2", "--batch", "3"], None, "--batch must be a multiple of --microbatches (2) with --pp > 1, got 3"),
     (["--pp", "2", "--layers", "3"], 4, "--layers must be divisible by --pp 2, got 3"),
     (["--ep", "3", "--tp", "1", "--sp", "1"], 4, "--ep 3 must divide the ranks of one pipeline stage (4)"),
     (["--tp", "4", "--sp", "1", "--heads", "2", "--hidden", "16"], 4, "--tp 4 must divide --heads (2)"),

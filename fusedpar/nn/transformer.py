@@ -410,6 +410,28 @@ class Transformer(nn.Module):
                              "fusedpar attention is full causal, which equals sliding-window attention only for "
                              "sequences of at most sliding_window tokens")
 
+    def pipeline_args(self, microbatch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_args, output_args)``: meta tensors of this stage's input (token ids where it
+        holds the embedding, else hidden states) and output (``[microbatch, seq/(sp*tp), hidden]``,
+        or the local logits ``[microbatch, seq/sp, vocab/tp]``; the floating ones need a gradient), for ``PipelineStage(..., input_args=, output_args=)``. With them the
+        schedule skips its shape-inference pass, which runs a later stage's blocks on uninitialised
+        memory (``torch.empty``): that pass would count its garbage tokens in the routers' loads."""
+        check_int("microbatch_size", microbatch_size, min_value=1)
+        check_int("seq_len", seq_len, min_value=1)
+        tp, sp = comm.group_size(self.tp_group), 1
+        for g in self.data_groups():
+            sp *= comm.group_size(g)
+        if seq_len % (tp * sp):
+            raise ValueError(f"seq_len must be a multiple of tp * sp = {tp * sp}, got {seq_len}")
+        dtype = next(self.parameters()).dtype
+        local = (microbatch_size, seq_len // (tp * sp))
+        hidden = torch.empty(*local, self.config.hidden_size, device="meta", dtype=dtype, requires_grad=True)
+        inputs = torch.empty(*local, device="meta", dtype=torch.long) if self.embedding is not None else hidden
+        if self.norm is not None and not self.return_hidden:  # the head gathers the sequence over tp
+            return inputs, torch.empty(microbatch_size, seq_len // sp, self.config.vocab_size // tp,
+                                       device="meta", dtype=dtype, requires_grad=True)
+        return inputs, hidden
+
     def head_weight(self) -> torch.Tensor:
         """This rank's ``[vocab / tp, hidden]`` rows of the head: the head's weight, or with tied
         embeddings this rank's vocabulary rows of the embedding table (their gradient lands in
