@@ -35,7 +35,7 @@ from fusedpar.hf_parallel import (
     sequence_parallel_loss,
     shard_batch,
 )
-from fusedpar.nn.transformer import Transformer, TransformerConfig
+from fusedpar.nn import Transformer, TransformerConfig
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "config_from_hf", "from_hf", "gather_sequence", "gradient_sync_plan",
            "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch", "to_hf_state_dict"]

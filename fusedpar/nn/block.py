@@ -1,0 +1,77 @@
+"""One transformer block, :class:`TransformerBlock`: attention and MLP (dense or MoE) with their
+norms and residual adds, over ``[batch, seq / (sp * tp), hidden]`` activations."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fusedpar.ops.loss import attach_aux_loss
+
+from .attention import ParallelAttention
+from .linear import ParallelMLP
+from .moe import MoE, SharedExpertGate
+from .norm import RMSNorm
+
+__all__ = ["TransformerBlock"]
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm1(x))``; ``y = h + mlp(norm2(h))`` (the second norm is
+    fused with the residual add). ``x`` and ``y`` are ``[batch, seq / (sp*tp), hidden]``.
+
+    ``num_experts > 0`` replaces the dense :class:`ParallelMLP` with a :class:`MoE` over
+    ``ep_group``; its router losses (``self.mlp.aux_loss``) are attached to the backward with
+    weight ``aux_loss_scale`` when that is non-zero.
+
+    ``sp_mode="hybrid"`` takes ``ulysses_group`` and ``ring_group`` (e.g. a
+    :class:`~fusedpar.parallel.ParallelState`'s) instead of ``sp_group``. Omitted groups and the
+    construction-time layout checks: as in :class:`Transformer` (an omitted group is the world; a
+    layout that does not fit raises one ``ValueError`` naming the groups and their ranks).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
+                 tp_group=None, sp_group=None, ep_group=None, ulysses_group=None, ring_group=None,
+                 sp_mode: str = "ring", layout: str = "zigzag",
+                 causal: bool = True, activation: str = "swiglu", eps: float = 1e-6, num_experts: int = 0,
+                 top_k: int = 2, capacity_factor: float | None = None, aux_loss_coef: float = 1e-2,
+                 z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None,
+                 rope_theta: float = 10000.0, rope_scaling: dict | None = None, head_dim: int | None = None,
+                 qkv_bias: bool = False, qk_norm: bool = False, norm_topk_prob: bool | None = None,
+                 shared_expert_ffn_hidden_size: int = 0, router_options: dict | None = None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
+        self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
+                                      sp_mode=sp_mode, causal=causal, bias=False, layout=layout,
+                                      ulysses_group=ulysses_group, ring_group=ring_group, device=device, dtype=dtype,
+                                      rope_theta=rope_theta, rope_scaling=rope_scaling, head_dim=head_dim,
+                                      qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps)
+        self.norm2 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
+        self.is_moe = num_experts > 0
+        self.shared_expert = self.shared_expert_gate = None
+        if self.is_moe:
+            self.mlp = MoE(hidden_size, ffn_hidden_size, num_experts, top_k, ep_group=ep_group,
+                           capacity_factor=capacity_factor, activation=activation, aux_loss_coef=aux_loss_coef,
+                           z_loss_coef=z_loss_coef, normalize=norm_topk_prob, device=device, dtype=dtype,
+                           **(router_options or {}))
+            if shared_expert_ffn_hidden_size:  # Qwen2-MoE: y = moe(x) + sigmoid(gate x) * mlp(x)
+                self.shared_expert = ParallelMLP(hidden_size, shared_expert_ffn_hidden_size, activation=activation,
+                                                 group=tp_group, sequence_parallel=True, bias=False, device=device,
+                                                 dtype=dtype)
+                self.shared_expert_gate = SharedExpertGate(hidden_size, device=device, dtype=dtype)
+        else:
+            self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, group=tp_group,
+                                   sequence_parallel=True, bias=False, device=device, dtype=dtype)
+        self.aux_loss_scale = float(aux_loss_scale)
+
+    def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
+        """``cu_seqlens`` / ``position_ids``: packed documents, see :meth:`ParallelAttention.forward`."""
+        a = self.attn(self.norm1(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
+        n2, h = self.norm2(a, residual=x)
+        m = self.mlp(n2)
+        if self.shared_expert is not None:
+            m = m + self.shared_expert_gate(n2) * self.shared_expert(n2)
+        if self.is_moe and self.aux_loss_scale and torch.is_grad_enabled():
+            # the router losses ride on the residual add (no extra pass over the activations)
+            return attach_aux_loss(m, self.mlp.aux_loss, self.aux_loss_scale, residual=h)
+        return h + m
