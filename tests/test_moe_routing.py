@@ -9,7 +9,7 @@ import torch
 
 from _utils import DEVICE
 from fusedpar.kernels.moe_topk import topk_route, topk_route_backward, topk_route_reference
-from fusedpar.nn import MoE, TopKRouter, TransformerConfig
+from fusedpar.nn import MoE, TopKRouter, Transformer, TransformerConfig
 from fusedpar.nn.moe import max_violation
 from fusedpar.ops import moe_route
 
@@ -196,6 +196,28 @@ def test_bias_update_balances_a_skewed_router():
     with torch.no_grad():  # evaluation forwards are not counted
         r(x)
     assert r.step_counts().sum() == 0
+
+
+def test_activation_checkpointing_counts_each_token_once():
+    """A checkpointed block runs its router twice (forward, then the recomputation in backward):
+    the step's loads count the forward only, so the bias update is the same as without
+    checkpointing; the gradients are too."""
+    config = TransformerConfig(vocab_size=16, hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=8,
+                               num_experts=4, top_k=2, score_func="sigmoid", score_correction_bias=True,
+                               bias_update_rate=0.01)
+    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(5))
+    loads, grads = [], []
+    for checkpointed in (False, True):
+        model = Transformer(config, seed=3, activation_checkpointing=checkpointed, device=DEVICE)
+        model.loss(model(ids.to(DEVICE)), ids.to(DEVICE)).backward()
+        loads.append({n: load.counts for n, load in model.update_router_bias().items()})
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert loads[0].keys() == loads[1].keys() and loads[0]
+    for name, counts in loads[0].items():
+        assert counts.sum() == 2 * 6 * 2, (name, counts)
+        assert torch.equal(loads[1][name], counts), name
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
 
 
 def test_configuration_errors_name_the_field():

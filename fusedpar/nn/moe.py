@@ -1,7 +1,9 @@
 """Mixture-of-experts modules: :class:`TopKRouter` and :class:`MoE` (dropless or capacity, EP)."""
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -17,9 +19,33 @@ from ..ops.moe import moe_mlp, moe_route
 from ..ops.tensor_parallel import gather_features, scatter_features
 from ..ops.transport import get_transport
 
-__all__ = ["TopKRouter", "RouterOutput", "RouterLoad", "MoE", "max_violation", "sum_over_groups", "SharedExpertGate", "hf_load_balancing_loss"]
+__all__ = ["TopKRouter", "RouterOutput", "RouterLoad", "MoE", "max_violation", "sum_over_groups", "SharedExpertGate",
+           "hf_load_balancing_loss", "recomputation_contexts"]
 
 _SCORES = tuple(SCORE_FUNCS)  # softmax, sigmoid, softmax_topk
+
+
+class _Recomputing(threading.local):
+    active = False
+
+
+_RECOMPUTING = _Recomputing()
+
+
+@contextlib.contextmanager
+def _recomputing():
+    previous, _RECOMPUTING.active = _RECOMPUTING.active, True
+    try:
+        yield
+    finally:
+        _RECOMPUTING.active = previous
+
+
+def recomputation_contexts():
+    """``context_fn`` of ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: during
+    the recomputation of a checkpointed region the routers do not count their tokens again (the
+    step's loads, and the aux-free bias update read from them, would double)."""
+    return contextlib.nullcontext(), _recomputing()
 
 
 class RouterOutput(NamedTuple):
@@ -168,7 +194,7 @@ class TopKRouter(nn.Module):
             probs = torch.softmax(logits, dim=-1)
         counts = torch.zeros(E, device=logits.device, dtype=torch.float32).index_add_(
             0, ids.reshape(-1), torch.ones(T * k, device=logits.device, dtype=torch.float32))
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not _RECOMPUTING.active:
             self._count(counts)
         self.balance_stats = (counts, probs.sum(dim=0), T)
         if not T:  # no tokens: zero losses that still belong to the graph

@@ -49,7 +49,7 @@ from .block import TransformerBlock
 from .config import TransformerConfig, check_token_ids
 from .groups import check_divides, check_orthogonal, group_arg
 from .linear import ColumnParallelLinear
-from .moe import RouterLoad, hf_load_balancing_loss, sum_over_groups
+from .moe import RouterLoad, hf_load_balancing_loss, recomputation_contexts, sum_over_groups
 from .norm import RMSNorm
 from .placement import Placement, gradient_sync_plan
 from .sequence import sequence_order, shard_tokens  # the input layout, re-exported
@@ -174,7 +174,7 @@ class Transformer(nn.Module):
         docs = dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
         for block in self.layers.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False, **docs)
+                x = checkpoint(block, x, use_reentrant=False, context_fn=recomputation_contexts, **docs)
             else:
                 x = block(x, **docs)
         if self.norm is not None:
