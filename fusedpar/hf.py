@@ -28,6 +28,7 @@ from fusedpar.checkpoint import full_state, placements_of
 from fusedpar.hf_parallel import (
     SUPPORTED_MODEL_TYPES,
     HFMoEBlock,
+    causal_lm_loss,
     config_number,
     gather_sequence,
     gradient_sync_plan,
@@ -37,7 +38,7 @@ from fusedpar.hf_parallel import (
 )
 from fusedpar.nn import Transformer, TransformerConfig
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "config_from_hf", "from_hf", "gather_sequence", "gradient_sync_plan",
+__all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "causal_lm_loss", "config_from_hf", "from_hf", "gather_sequence", "gradient_sync_plan",
            "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch", "to_hf_state_dict"]
 
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")

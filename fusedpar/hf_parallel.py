@@ -19,6 +19,7 @@ gets the logits of that shard; :func:`sequence_parallel_loss` is the global mean
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Mapping
 
 import torch
@@ -32,8 +33,8 @@ from fusedpar.nn.placement import Placement
 from fusedpar.nn.placement import gradient_sync_plan as placement_gradient_sync_plan
 from fusedpar.ops import comm, global_loss, hybrid_attention, ring_attention, shard_positions, ulysses_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "SequenceParallel", "check_sliding_window",
-           "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "SequenceParallel", "causal_lm_loss",
+           "check_sliding_window", "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
            "sequence_parallel_loss", "shard_batch"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -209,6 +210,42 @@ def sequence_parallel_loss(hf_model, logits: torch.Tensor, targets: torch.Tensor
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                             ignore_index=ignore_index, reduction="sum")
     return global_loss(total, (targets != ignore_index).sum(), tuple(sp.groups()))
+
+
+def causal_lm_loss(hf_model, input_ids: torch.Tensor, targets: torch.Tensor, *, position_ids=None,
+                   ignore_index: int = -100, chunk_tokens: int | None = None) -> torch.Tensor:
+    """The training loss of a Hugging Face causal LM without its logits: the decoder's final
+    hidden states go through :func:`fusedpar.ops.linear_cross_entropy` with the (replicated)
+    ``lm_head`` weight, chunk by chunk, so no ``[tokens, vocab]`` tensor exists in the forward or
+    the backward. ``targets`` are next-token targets (:func:`shard_batch`'s, or ``labels`` shifted
+    left by one), not HF ``labels``. The value is the mean over the counted tokens of the whole
+    sequence (all sequence-parallel ranks when the model is sequence-parallel), the family's
+    ``final_logit_softcapping`` applied; with ``config.output_router_logits`` it adds
+    ``router_aux_loss_coef`` times the family's load-balancing loss of this rank's tokens, as the
+    model's own forward with ``labels=`` does."""
+    from fusedpar.ops import linear_cross_entropy
+    from fusedpar.ops.transport import EmulatedTransport
+
+    config = hf_model.config
+    head = hf_model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("causal_lm_loss: the output head must have no bias, got lm_head.bias")
+    if targets.shape != input_ids.shape:
+        raise ValueError(f"targets must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(targets.shape)}")
+    router = bool(getattr(config, "output_router_logits", False))
+    kwargs = dict(output_router_logits=True) if router else {}
+    out = hf_model.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
+    sp = getattr(hf_model.model, "fusedpar_sp", None)
+    total = linear_cross_entropy(out.last_hidden_state, head.weight, targets, transport=EmulatedTransport(1),
+                                 ignore_index=ignore_index, reduction="sum", chunk_tokens=chunk_tokens,
+                                 softcap=getattr(config, "final_logit_softcapping", None))
+    loss = global_loss(total, (targets != ignore_index).sum(), tuple(sp.groups()) if sp is not None else ())
+    if router:
+        family = sys.modules[type(hf_model).__module__]
+        aux = family.load_balancing_loss_func(out.router_logits, hf_model.num_experts, hf_model.num_experts_per_tok,
+                                              None)
+        loss = loss + hf_model.router_aux_loss_coef * aux
+    return loss
 
 
 @torch.no_grad()

@@ -149,6 +149,31 @@ def test_ignore_index_and_out_of_range_targets():
     assert none.shape == (2, 6) and bool((none[targets.clamp(min=0) == 3] == 0).all())
 
 
+@pytest.mark.parametrize("family", ["llama31", "mixtral"])
+def test_causal_lm_loss_equals_the_model_s_own_loss_without_logits(family):
+    """Route B's fused loss (fusedpar.hf.causal_lm_loss: decoder hidden states -> the chunked
+    linear cross entropy with lm_head's weight) equals the HF model's ``labels=`` loss, the
+    aux loss included where the family has one, and every gradient; a tied head (llama31) too.
+    No [tokens, vocab] tensor is created (the op's memory test covers the chunking)."""
+    from _hf import hf_named_reference
+    from fusedpar.hf import causal_lm_loss
+
+    tokens, _ = tokens_targets(3, 2, 8)
+    tokens[1, 2:5] = tokens[0, :3]
+    model = hf_model(family)
+    _, ref_loss, ref_grads, _ = hf_named_reference(model, tokens, aux=True)
+    model.zero_grad()
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = tokens[:, 1:]
+    loss = causal_lm_loss(model, tokens, targets, chunk_tokens=5)  # ragged chunks of the 16 tokens
+    _assert_close(loss.detach(), ref_loss, f"{family} loss")
+    loss.backward()
+    for name, p in model.named_parameters():
+        _assert_close(p.grad, ref_grads[name], f"{family} grad {name}")
+    with pytest.raises(ValueError, match=r"targets must have input_ids' shape \(2, 8\), got \(2, 7\)"):
+        causal_lm_loss(model, tokens, targets[:, 1:])
+
+
 def test_router_renormalisation_is_a_config_field():
     base = dict(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=8, num_experts=4, top_k=2)
     x = torch.randint(0, 32, (1, 8))

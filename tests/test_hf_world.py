@@ -244,7 +244,14 @@ SP_CASES = {  # family -> (sp_mode, experts over the two sp ranks, HF's own shif
 
 
 def _parallelize_sp_case(rank, size, family, tokens, targets, ref_logits, ref_grads):
-    from fusedpar.hf import gather_sequence, gradient_sync_plan, parallelize, sequence_parallel_loss, shard_batch
+    from fusedpar.hf import (
+        causal_lm_loss,
+        gather_sequence,
+        gradient_sync_plan,
+        parallelize,
+        sequence_parallel_loss,
+        shard_batch,
+    )
     from fusedpar.ops import shard_positions
     from fusedpar.parallel import build_parallel_state, sync_gradients
 
@@ -262,7 +269,13 @@ def _parallelize_sp_case(rank, size, family, tokens, targets, ref_logits, ref_gr
     full = gather_sequence(hf, out.logits)
     err = (full - ref_logits).abs().max().item()
     assert err <= TOL * ref_logits.abs().max().item(), f"{family} sp2 {mode}: logits off by {err:.3g}"
-    sequence_parallel_loss(hf, out.logits, tgt).backward()
+    if ep:  # the reference has no aux loss, which causal_lm_loss adds (output_router_logits=True)
+        sequence_parallel_loss(hf, out.logits, tgt).backward()
+    else:  # the fused loss: decoder hidden states -> chunked linear cross entropy, no logits
+        loss = causal_lm_loss(hf, ids, tgt, position_ids=pos, chunk_tokens=3)
+        torch.testing.assert_close(loss.detach(), sequence_parallel_loss(hf, out.logits, tgt).detach(),
+                                   rtol=1e-5, atol=1e-6, msg=f"{family} fused loss")
+        loss.backward()
     sync_gradients(hf.named_parameters(), state, gradient_sync_plan(hf))
     if family == "mistral":  # 16 tokens > sliding_window=8: refused (the global length, not the shard's)
         with pytest.raises(ValueError, match="sliding_window=8 is shorter than the sequence length 16"):
