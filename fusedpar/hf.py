@@ -90,8 +90,8 @@ def _check_unsupported(cfg, model_type):
 
 
 def _sliding_window(cfg, model_type):
-    """HF's active sliding window (None when off): kept in the config, where the model accepts it
-    for sequences it cannot change (at most that long) and refuses longer ones at forward time."""
+    """HF's active sliding window (None when off): the layers that ``layer_types`` marks
+    ``"sliding_attention"`` (all of them without ``layer_types``) attend through it."""
     window = _get(cfg, "sliding_window")
     uses_window = _get(cfg, "use_sliding_window", model_type in ("mistral", "mixtral"))
     return int(window) if window and uses_window else None
@@ -119,8 +119,7 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     or its dict). ``overrides`` set layout fields (``sp_mode``, ``layout``, ``capacity_factor``...).
     Raises ``ValueError`` naming the field for a model type or field value fusedpar does not
     implement (e.g. another RoPE type, attention dropout). An active sliding window (stock Mistral:
-    4096) is kept as ``sliding_window``: the model runs sequences of at most that many tokens, where
-    full causal attention is the same, and raises ``ValueError`` at forward time for longer ones."""
+    4096) is kept as ``sliding_window``, with HF's ``layer_types`` (which layers slide)."""
     model_type = _get(hf_config, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config_from_hf: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
@@ -137,6 +136,8 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
         sliding_window=_sliding_window(hf_config, model_type))
+    if fields["sliding_window"] is not None and _get(hf_config, "layer_types", None) is not None:
+        fields["layer_types"] = list(_get(hf_config, "layer_types"))
     if model_type in _MOE_TYPES:
         fields.update(_moe_fields(hf_config, model_type))
     fields.update(overrides)

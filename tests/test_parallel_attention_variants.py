@@ -1,7 +1,8 @@
 """fusedpar.nn.ParallelAttention with the attention options (sliding window, softcap, learnable
 sinks, a v head dim other than q/k's, softmax_scale) on a 4-rank gloo world: tp2 x ring2,
 tp2 x Ulysses2 and the 2 x 2 hybrid equal the single-process AttentionReference, outputs and
-every parameter gradient (the sinks' included); the sinks save at tp2 and load at tp1."""
+every parameter gradient (the sinks' included); the sinks save at tp2 and load at tp1; the
+TransformerConfig fields in Hugging Face's terms reach every block's attention."""
 import os
 
 import torch
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from _utils import assert_close
 from _world import rank_rng, straggle, world_fixture
 from fusedpar import checkpoint as fck
-from fusedpar.nn import AttentionReference, ParallelAttention
+from fusedpar.nn import AttentionReference, ParallelAttention, Transformer, TransformerConfig
 from fusedpar.nn.placement import gradient_sync_plan
 from fusedpar.ops import comm
 
@@ -116,3 +117,34 @@ def _checkpoint(rank, size, root):
 
 def test_sinks_checkpoint_tp2_to_tp1(world4, tmp_path):
     assert all(world4.run(_checkpoint, str(tmp_path)))  # the ranks share the directory
+
+
+def test_transformer_config_passes_per_layer_attention_options():
+    # Hugging Face's fields -> each block's ParallelAttention: HF's window W is window=(W - 1, 0)
+    # on the "sliding_attention" layers only; Gemma's query_pre_attn_scalar is the softmax scale
+    config = TransformerConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, ffn_hidden_size=16,
+                               head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                               attn_logit_softcapping=30.0, attention_sinks=True, v_head_dim=6,
+                               query_pre_attn_scalar=16.0)
+    model = Transformer(config, seed=1)
+    attns = [model.layers[str(i)].attn for i in range(2)]
+    assert [a.window for a in attns] == [(3, 0), None]
+    assert all(a.softcap == 30.0 and a.v_head_dim == 6 and a.softmax_scale == 0.25 for a in attns)
+    assert all(a.sinks.shape == (2,) and a.sinks.dtype == torch.float32 for a in attns)
+    assert model.gradient_sync_plan()["layers.0.attn.sinks"] == "dense"
+    # each block equals its AttentionReference with the same options and weights (12 tokens: the
+    # window of 4 cuts), the sinks' gradient included
+    x = torch.randn(1, 12, 16, generator=torch.Generator().manual_seed(2))
+    for attn in attns:
+        ref = AttentionReference(16, 2, head_dim=8, window=attn.window, softcap=30.0, sinks=True, v_head_dim=6,
+                                 softmax_scale=0.25)
+        with torch.no_grad():
+            ref.sinks.copy_(torch.tensor([0.5, -1.0]))
+            attn.sinks.copy_(ref.sinks)
+            q, k, v = attn.qkv.weight.split((16, 16, 12))
+            for proj, w in zip((ref.q_proj, ref.k_proj, ref.v_proj, ref.o_proj), (q, k, v, attn.proj.weight)):
+                proj.weight.copy_(w)
+        y, yr = attn(x), ref(x)
+        assert_close(y, yr, torch.float32, rtol=TOL, atol=TOL * yr.pow(2).mean().sqrt().item(), msg="block attention")
+        gs, gr = torch.autograd.grad(y.sum(), attn.sinks)[0], torch.autograd.grad(yr.sum(), ref.sinks)[0]
+        assert_close(gs, gr, torch.float32, rtol=TOL, atol=TOL * gr.abs().max().item(), msg="d sinks")
