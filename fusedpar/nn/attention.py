@@ -344,9 +344,9 @@ class ParallelAttention(nn.Module):
             # Parameters rather than set_data, which cannot move a tensor to the meta device
             for mod in self.modules():
                 for pname, p in list(mod.named_parameters(recurse=False)):
-                    keep = mod is self and pname == "sinks"  # the sink logits stay fp32
-                    setattr(mod, pname, nn.Parameter(p.detach().to(device=device, dtype=None if keep else dtype)
-                                                     .clone()))
+                    fp32 = mod is self and pname == "sinks"  # the sink logits stay fp32
+                    t = p.detach().to(device=device, dtype=torch.float32 if fp32 else dtype)
+                    setattr(mod, pname, nn.Parameter(t.clone()))
 
     def placements(self) -> dict[str, Placement]:
         """``sinks``: one logit per head, split over tp like the heads (the projections and norms
