@@ -217,3 +217,8 @@ def test_parallel_attention_compiles_world1():
     mod = ParallelAttention(24, 3, 1, head_dim=8, bias=True, causal=True)
     x = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(5))
     _module_compiled_equals_eager(mod, x, "world 1", cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
+    # the attention options: window, softcap, the sinks parameter (its gradient too), a v head dim of 4
+    mod = ParallelAttention(24, 2, 1, head_dim=8, window=(3, 0), softcap=20.0, sinks=True, v_head_dim=4)
+    with torch.no_grad():
+        mod.sinks.copy_(torch.tensor([0.5, -1.0]))
+    _module_compiled_equals_eager(mod, x, "world 1 options")
