@@ -6,13 +6,14 @@ Every rank knows every document boundary, so each rank computes, without communi
 table of every (local query chunk, key chunk) pair it meets on the ring: for each document that
 overlaps both chunks, one segment ``(q rows, k rows, shift)`` in local row indices, ``shift``
 being the difference of the two parts' global start positions (so a causal segment sees key
-``j`` from query ``i`` iff their global positions satisfy ``kpos <= qpos``). Causally hidden
-parts and empty parts are dropped, so a ring step whose key block holds nothing visible to the
-local queries launches no kernel. Documents may have any length and cross any number of shard
+``j`` from query ``i`` iff their global positions satisfy ``kpos <= qpos``, and a window
+``(left, right)`` applies at global positions too). Parts that the causal mask or the window
+hide completely and empty parts are dropped, so a ring step whose key block holds nothing
+visible to the local queries launches no kernel. Documents may have any length and cross any number of shard
 boundaries: only the existing divisibility of the total length by the layout holds.
 
-The plans are cached (keyed by the boundaries, layout, rank, sizes, causal flag and device), so
-the backward and every layer of a model reuse the forward's tables; reading the boundaries costs
+The plans are cached (keyed by the boundaries, layout, rank, sizes, causal flag, window and
+device), so the backward and every layer of a model reuse the forward's tables; reading the boundaries costs
 one device-to-host copy per call when ``cu_seqlens`` lives on a GPU (pass a CPU tensor to avoid
 the sync).
 """
