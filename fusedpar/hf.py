@@ -168,7 +168,7 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
         "attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
         "attn.qkv.bias": [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"],
         "attn.proj.weight": [a + "o_proj.weight"], "attn.q_norm.weight": [a + "q_norm.weight"],
-        "attn.k_norm.weight": [a + "k_norm.weight"],
+        "attn.k_norm.weight": [a + "k_norm.weight"], "attn.sinks": [a + "sinks"],
         "mlp.fc1.weight": [m + "gate_proj.weight", m + "up_proj.weight"], "mlp.fc2.weight": [m + "down_proj.weight"],
         "mlp.router.weight": [m + "gate.weight"], "mlp.w1": [m + "experts.gate_up_proj"],
         "mlp.w2": [m + "experts.down_proj"],

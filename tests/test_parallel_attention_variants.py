@@ -11,6 +11,7 @@ import torch.distributed as dist
 from _utils import assert_close
 from _world import rank_rng, straggle, world_fixture
 from fusedpar import checkpoint as fck
+from fusedpar.hf import to_hf_state_dict
 from fusedpar.nn import AttentionReference, ParallelAttention, Transformer, TransformerConfig
 from fusedpar.nn.placement import gradient_sync_plan
 from fusedpar.ops import comm
@@ -148,3 +149,14 @@ def test_transformer_config_passes_per_layer_attention_options():
         assert_close(y, yr, torch.float32, rtol=TOL, atol=TOL * yr.pow(2).mean().sqrt().item(), msg="block attention")
         gs, gr = torch.autograd.grad(y.sum(), attn.sinks)[0], torch.autograd.grad(yr.sum(), ref.sinks)[0]
         assert_close(gs, gr, torch.float32, rtol=TOL, atol=TOL * gr.abs().max().item(), msg="d sinks")
+
+
+def test_sinks_export_under_their_hugging_face_name():
+    # gpt-oss's name: model.layers.{i}.self_attn.sinks, the full fp32 [num_heads] logits
+    config = TransformerConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=16,
+                               attention_sinks=True)
+    model = Transformer(config, seed=1)
+    with torch.no_grad():
+        model.layers["0"].attn.sinks.copy_(torch.tensor([0.25, -2.0]))
+    sd = to_hf_state_dict(model)
+    assert torch.equal(sd["model.layers.0.self_attn.sinks"], torch.tensor([0.25, -2.0]))
