@@ -91,8 +91,8 @@ def _check_unsupported(cfg, model_type):
 
 
 def _sliding_window(cfg, model_type):
-    """HF's active sliding window (None when off): kept in the config, where the model accepts it
-    for sequences it cannot change (at most that long) and refuses longer ones at forward time."""
+    """HF's active sliding window (None when off): the layers that ``layer_types`` marks
+    ``"sliding_attention"`` (all of them without ``layer_types``) attend through it."""
     window = _get(cfg, "sliding_window")
     uses_window = _get(cfg, "use_sliding_window", model_type in ("mistral", "mixtral"))
     return int(window) if window and uses_window else None
@@ -120,8 +120,7 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     or its dict). ``overrides`` set layout fields (``sp_mode``, ``layout``, ``capacity_factor``...).
     Raises ``ValueError`` naming the field for a model type or field value fusedpar does not
     implement (e.g. another RoPE type, attention dropout). An active sliding window (stock Mistral:
-    4096) is kept as ``sliding_window``: the model runs sequences of at most that many tokens, where
-    full causal attention is the same, and raises ``ValueError`` at forward time for longer ones."""
+    4096) is kept as ``sliding_window``, with HF's ``layer_types`` (which layers slide)."""
     model_type = _get(hf_config, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config_from_hf: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
@@ -138,6 +137,8 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
         sliding_window=_sliding_window(hf_config, model_type))
+    if fields["sliding_window"] is not None and _get(hf_config, "layer_types", None) is not None:
+        fields["layer_types"] = list(_get(hf_config, "layer_types"))
     if model_type in _MOE_TYPES:
         fields.update(_moe_fields(hf_config, model_type))
     fields.update(overrides)
@@ -168,7 +169,7 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
         "attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
         "attn.qkv.bias": [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"],
         "attn.proj.weight": [a + "o_proj.weight"], "attn.q_norm.weight": [a + "q_norm.weight"],
-        "attn.k_norm.weight": [a + "k_norm.weight"],
+        "attn.k_norm.weight": [a + "k_norm.weight"], "attn.sinks": [a + "sinks"],
         "mlp.fc1.weight": [m + "gate_proj.weight", m + "up_proj.weight"], "mlp.fc2.weight": [m + "down_proj.weight"],
         "mlp.router.weight": [m + "gate.weight"], "mlp.w1": [m + "experts.gate_up_proj"],
         "mlp.w2": [m + "experts.down_proj"],

@@ -34,7 +34,7 @@ from fusedpar.nn.placement import gradient_sync_plan as placement_gradient_sync_
 from fusedpar.ops import comm, global_loss, hybrid_attention, ring_attention, shard_positions, ulysses_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "SequenceParallel", "causal_lm_loss",
-           "check_sliding_window", "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
+           "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
            "sequence_parallel_loss", "shard_batch"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -64,16 +64,6 @@ def config_number(cfg, name: str, owner: str, kind=int, default=_REQUIRED):
     except (TypeError, ValueError):
         raise ValueError(f"{owner}: the config's {name} must be {'an int' if kind is int else 'a number'}, "
                          f"got {type(value).__name__} {value!r}") from None
-
-
-def check_sliding_window(sliding_window, seq_len: int) -> None:
-    """A sliding window (HF's meaning: token ``q`` sees keys ``k`` with ``q - k < sliding_window``)
-    changes nothing when ``seq_len <= sliding_window``; fusedpar's attention is full causal, so a
-    longer sequence raises ``ValueError``."""
-    if sliding_window is not None and seq_len > int(sliding_window):
-        raise ValueError(f"sliding_window={sliding_window} is shorter than the sequence length {seq_len}: fusedpar "
-                         "attention is full causal, which equals sliding-window attention only for sequences of at "
-                         "most sliding_window tokens")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,14 +104,14 @@ class SequenceParallel:
         return shard_positions(local_len * rs * us, layout=self.layout if rs > 1 else "contiguous", ring_rank=rr,
                                ring_size=rs, ulysses_rank=ur, ulysses_size=us, device=device)
 
-    def attend(self, q, k, v, *, causal: bool, softmax_scale):
+    def attend(self, q, k, v, *, causal: bool, softmax_scale, window=None):
+        opts = dict(causal=causal, softmax_scale=softmax_scale, window=window)
         if self.mode == "ring":
-            return ring_attention(q, k, v, group=self.group, causal=causal, layout=self.layout,
-                                  softmax_scale=softmax_scale)
+            return ring_attention(q, k, v, group=self.group, layout=self.layout, **opts)
         if self.mode == "ulysses":
-            return ulysses_attention(q, k, v, group=self.group, causal=causal, softmax_scale=softmax_scale)
-        return hybrid_attention(q, k, v, ulysses_group=self.ulysses_group, ring_group=self.ring_group, causal=causal,
-                                layout=self.layout, softmax_scale=softmax_scale)
+            return ulysses_attention(q, k, v, group=self.group, **opts)
+        return hybrid_attention(q, k, v, ulysses_group=self.ulysses_group, ring_group=self.ring_group,
+                                layout=self.layout, **opts)
 
 
 def sequence_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -138,9 +128,10 @@ def sequence_parallel_attention(module, query, key, value, attention_mask, scali
         raise ValueError("sequence-parallel attention takes no attention_mask (full causal attention only), got one")
     if dropout:
         raise ValueError(f"sequence-parallel attention has no attention dropout, got dropout={dropout}")
-    check_sliding_window(sliding_window, query.shape[2] * sp.size)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = sp.attend(q, k, v, causal=bool(getattr(module, "is_causal", True)), softmax_scale=scaling)
+    # HF's sliding window W: query i sees keys i - W < j <= i
+    window = None if sliding_window is None else (int(sliding_window) - 1, 0)
+    out = sp.attend(q, k, v, causal=bool(getattr(module, "is_causal", True)), softmax_scale=scaling, window=window)
     return out, None
 
 

@@ -34,8 +34,8 @@ def hf_model(family: str, seed: int = 0, **extra):
     configs = {
         "llama": lambda: T.LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
         "llama31": lambda: T.LlamaConfig(**kw, rope_parameters=llama3, tie_word_embeddings=True),
-        # an active window as long as the tests' sequences: HF applies it, fusedpar accepts it (no effect)
-        "mistral": lambda: T.MistralConfig(**kw, sliding_window=8),
+        # an active window shorter than the tests' sequences (HF's W: query i sees keys i - W < j <= i)
+        "mistral": lambda: T.MistralConfig(**kw, sliding_window=5),
         "qwen2": lambda: T.Qwen2Config(**kw, tie_word_embeddings=True),
         "qwen3": lambda: T.Qwen3Config(**kw),
         "mixtral": lambda: T.MixtralConfig(**kw, **moe, num_local_experts=4),

@@ -96,20 +96,28 @@ def test_config_from_hf_rejects_what_it_does_not_implement():
     assert c.norm_topk_prob is True and c.aux_loss_style == "hf" and c.aux_loss_coef == 1e-3 and c.z_loss_coef == 0
 
 
-def test_sliding_window_is_accepted_up_to_its_length_and_refused_beyond():
-    """fusedpar attention is full causal: equal to a sliding window of w for sequences (or packed
-    documents) of at most w tokens (the mistral family, window 8, matches HF at 8 tokens above);
-    a longer one raises at forward time, naming the window and the length."""
-    model = from_hf(hf_model("mistral"))
-    assert model.config.sliding_window == 8
-    tokens, _ = tokens_targets(8, 1, 16)
-    with pytest.raises(ValueError, match="sliding_window=8 is shorter than the sequence length 16"):
-        model(tokens)
-    model(tokens, cu_seqlens=torch.tensor([0, 8, 16], dtype=torch.int32))  # two documents of 8: accepted
-    with pytest.raises(ValueError, match="sliding_window=8 is shorter than the sequence length 10"):
-        model(tokens, cu_seqlens=torch.tensor([0, 10, 16], dtype=torch.int32))
+def test_sliding_windows_match_transformers():
+    """HF's sliding window W (query i sees keys i - W < j <= i, fusedpar's window=(W - 1, 0)) on
+    sequences several windows long: every layer of the mistral family (W = 5), and the layers that
+    ``layer_types`` marks in a Qwen2 model whose first layer stays full."""
+    hf = hf_model("mistral")
+    model = from_hf(hf)
+    assert model.config.sliding_window == 5 and model.config.attention_options(0)["window"] == (4, 0)
+    tokens, _ = tokens_targets(8, 2, 16)
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "mistral logits, 16 tokens, window 5")
+    hf = hf_model("qwen2", use_sliding_window=True, sliding_window=3,
+                  layer_types=["full_attention", "sliding_attention"])
+    model = from_hf(hf)
+    assert [model.config.attention_options(i)["window"] for i in range(2)] == [None, (2, 0)]
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "qwen2 logits, one sliding layer")
     with pytest.raises(ValueError, match="sliding_window must be"):
         TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8, sliding_window=0)
+    with pytest.raises(ValueError, match="sliding_window is None"):
+        TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8,
+                          layer_types=["sliding_attention"])
+    with pytest.raises(ValueError, match=r"layer_types\[1\]"):
+        TransformerConfig(vocab_size=8, hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=8, sliding_window=4,
+                          layer_types=["full_attention", "local"])
 
 
 def test_kernels_directory_does_not_break_transformers_probe():

@@ -143,13 +143,15 @@ def test_grid_is_one_axis_beyond_65535_batch_heads():
         attention_grid(2**20, 2**20, 16)
 
 
-def _pairs_seen(cu, layout, size, S, causal):
-    """How often the document plans of all ranks and steps cover each (query, key) position pair."""
+def _pairs_seen(cu, layout, size, S, causal, window=(-1, -1)):
+    """How often the document plans of all ranks and steps cover each (query, key) position pair
+    (under the causal mask and ``window``; every segment must hold a visible pair)."""
     s = S // size
+    left, right = window[0], 0 if causal else window[1]
     seen = torch.zeros(S, S, dtype=torch.int64)
     launches = 0
     for rank in range(size):
-        plan = document_plan(cu, layout, rank, size, s, causal, "cpu")
+        plan = document_plan(cu, layout, rank, size, s, causal, "cpu", window)
         q_pos = [c[2] + i for c in shard_chunks(layout, rank, size, s) for i in range(c[1])]
         for step, segs in enumerate(plan):
             src = (rank - step) % size
@@ -158,10 +160,14 @@ def _pairs_seen(cu, layout, size, S, causal):
             for seg in segs:
                 for q0, q1, k0, k1, shift in seg.table.tolist():
                     assert q1 - q0 <= seg.max_q and k1 - k0 <= seg.max_k
+                    visible = 0
                     for i in range(q0, q1):
                         for j in range(k0, k1):
-                            if not causal or j - k0 <= i - q0 + shift:
+                            d = j - k0 - (i - q0 + shift)  # key minus query, in global positions
+                            if (right < 0 or d <= right) and (left < 0 or d >= -left):
                                 seen[q_pos[i], k_pos[j]] += 1
+                                visible += 1
+                    assert visible, "a segment part the mask hides completely"
     return seen, launches
 
 
@@ -176,6 +182,19 @@ def test_document_plan_covers_every_visible_pair_once(size, layout, causal):
     expected = (doc[:, None] == doc[None, :]).long()
     if causal:
         expected = expected.tril()
+    assert torch.equal(seen, expected)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal, window", [(True, (2, 0)), (False, (1, 3)), (True, (9, 0))])
+def test_windowed_document_plan_covers_the_window_once(layout, causal, window):
+    size, S = 4, 24
+    cu = torch.tensor([0, 1, 1, 3, 17, S], dtype=torch.int32)
+    seen, _ = _pairs_seen(cu, layout, size, S, causal, window)
+    doc = torch.searchsorted(cu[1:].long(), torch.arange(S), right=True)
+    d = torch.arange(S)[None, :] - torch.arange(S)[:, None]
+    right = 0 if causal else window[1]
+    expected = ((doc[:, None] == doc[None, :]) & (d >= -window[0]) & (d <= right)).long()
     assert torch.equal(seen, expected)
 
 

@@ -25,11 +25,12 @@ import math
 import torch
 from torch import nn
 
-from fusedpar.kernels.checks import check_bool, check_positive_number
-from fusedpar.kernels.flash_attention import attention_reference
+from fusedpar.kernels.checks import check_bool, check_positive_number, check_softcap
+from fusedpar.kernels.flash_attention import attention_reference, check_window, resolve_softmax_scale
 from fusedpar.nn.groups import check_divides, check_orthogonal, group_arg
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
+from fusedpar.nn.placement import Placement
 from fusedpar.ops import comm
 from fusedpar.ops.sp_attention import LAYOUTS, shard_positions, ulysses_kv_heads
 from fusedpar.ops.sp_attention import hybrid_attention, ring_attention, ulysses_attention
@@ -115,18 +116,41 @@ def _check_shape_args(cls, hidden_size, num_heads, num_kv_heads, head_dim):
     return num_kv_heads, head_dim
 
 
+def _check_score_args(cls, head_dim, v_head_dim, window, softcap, sinks, softmax_scale):
+    """The checked ``(v_head_dim, window, softcap, sinks, softmax_scale)`` of both modules."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or v_head_dim <= 0:
+        raise ValueError(f"{cls}: v_head_dim must be a positive int or None (head_dim), got {v_head_dim!r}")
+    left, right = check_window(window)
+    check_bool(f"{cls}: sinks", sinks)
+    resolve_softmax_scale(softmax_scale, head_dim)
+    return (v_head_dim, None if left == right == -1 else (left, right), check_softcap(softcap) or None, bool(sinks),
+            None if softmax_scale is None else float(softmax_scale))
+
+
 class AttentionReference(nn.Module):
     """Plain single-process attention block: ``o_proj(attn(rope(q_proj x), rope(k_proj x),
     v_proj x))`` with ``nn.Linear`` projections drawn in the order q, k, v, o. The oracle of the
-    tests, and the source of :class:`ParallelAttention`'s full weights."""
+    tests, and the source of :class:`ParallelAttention`'s full weights.
+
+    Attention options (those of :func:`~fusedpar.ops.flash.flash_attention`): ``window=(left,
+    right)`` (a sliding window in sequence positions), ``softcap`` (Gemma 2's logit
+    softcapping), ``sinks=True`` (a learnable fp32 logit per head in the softmax denominator,
+    gpt-oss; the parameter ``sinks`` ``[num_heads]``, initialised to 0), ``v_head_dim`` (the
+    head dim of v and of the attention output, default ``head_dim``) and ``softmax_scale``
+    (default ``head_dim ** -0.5``; Gemma's ``query_pre_attn_scalar ** -0.5``)."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, causal=True, bias=False,
                  rope_theta=10000.0, head_dim=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6,
-                 rope_scaling=None, device=None, dtype=None):
+                 rope_scaling=None, window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None,
+                 device=None, dtype=None):
         super().__init__()
-        num_kv_heads, head_dim = _check_shape_args(type(self).__name__, hidden_size, num_heads, num_kv_heads, head_dim)
-        check_bool(f"{type(self).__name__}: causal", causal)
-        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        name = type(self).__name__
+        num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
+        check_bool(f"{name}: causal", causal)
+        dv, self.window, self.softcap, _, self.softmax_scale = _check_score_args(
+            name, head_dim, v_head_dim, window, softcap, sinks, softmax_scale)
+        self.hidden_size, self.num_heads, self.head_dim, self.v_head_dim = hidden_size, num_heads, head_dim, dv
         self.num_kv_heads = num_kv_heads
         self.causal, self.rope_theta = bool(causal), float(rope_theta)
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
@@ -134,8 +158,9 @@ class AttentionReference(nn.Module):
         kw = dict(bias=bias if qkv_bias is None else bool(qkv_bias), device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias, device=device, dtype=dtype)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * dv, **kw)
+        self.o_proj = nn.Linear(num_heads * dv, hidden_size, bias=bias, device=device, dtype=dtype)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=torch.float32)) if sinks else None
         self.q_norm = self.k_norm = None
         if qk_norm:  # Qwen3: RMSNorm over head_dim of every q / k head, before the rotary embedding
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, device=device, dtype=dtype)
@@ -150,9 +175,10 @@ class AttentionReference(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, d)
-        o, _ = attention_reference(q, k, v, causal=self.causal, compute_dtype=compute_dtype)
-        return self.o_proj(o.to(x.dtype).reshape(b, s, self.num_heads * d))
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.v_head_dim)
+        o, _ = attention_reference(q, k, v, causal=self.causal, compute_dtype=compute_dtype, window=self.window,
+                                   softcap=self.softcap, sinks=self.sinks, softmax_scale=self.softmax_scale)
+        return self.o_proj(o.to(x.dtype).reshape(b, s, self.num_heads * self.v_head_dim))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,6 +249,10 @@ class ParallelAttention(nn.Module):
     :class:`~fusedpar.ops.transport.Transport` instead (``sp_transport``, ``ulysses_transport``,
     ``ring_transport``; e.g. an ``EmulatedTransport`` to run one rank's schedule in one process).
 
+    Attention options ``window``, ``softcap``, ``sinks``, ``v_head_dim``, ``softmax_scale``: as in
+    :class:`AttentionReference` (the window in global sequence positions); the ``sinks``
+    parameter is split over tp by heads, like the heads themselves.
+
     Parameters are replicated across the sequence-parallel ranks and each rank's gradients cover
     its own tokens only: sum them over the sequence-parallel group(s) (include those ranks in the
     data-parallel gradient reduction, or call :meth:`reduce_sequence_parallel_grads`).
@@ -232,7 +262,7 @@ class ParallelAttention(nn.Module):
                  sp_mode="ring", causal=True, bias=False, rope_theta=10000.0, head_dim=None, layout="zigzag",
                  ulysses_group=None, ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None,
                  device=None, dtype=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6, rope_scaling=None,
-                 _reference=None):
+                 window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None, _reference=None):
         super().__init__()
         name = type(self).__name__
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
@@ -242,6 +272,8 @@ class ParallelAttention(nn.Module):
         if layout not in LAYOUTS:
             raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
         check_positive_number(f"{name}: rope_theta", rope_theta)
+        self.v_head_dim, self.window, self.softcap, _, self.softmax_scale = _check_score_args(
+            name, head_dim, v_head_dim, window, softcap, sinks, softmax_scale)
         tp_arg = group_arg("tp_group", tp_group, omitted=tp_group is None)
         tp_group = comm.resolve_group(tp_group)
         tp = comm.group_size(tp_group)
@@ -267,7 +299,8 @@ class ParallelAttention(nn.Module):
         # (on the meta device the reference is built there too: nothing is drawn or allocated)
         ref = _reference if _reference is not None else AttentionReference(
             hidden_size, num_heads, num_kv_heads, causal=causal, bias=bias, rope_theta=rope_theta, head_dim=head_dim,
-            qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, rope_scaling=rope_scaling,
+            qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, rope_scaling=rope_scaling, window=window,
+            softcap=softcap, sinks=sinks, v_head_dim=v_head_dim, softmax_scale=softmax_scale,
             device="meta" if device is not None and torch.device(device).type == "meta" else None)
         self.rope_scaling = ref.rope_scaling
         self._shard_from(ref, device=device, dtype=dtype)
@@ -281,32 +314,44 @@ class ParallelAttention(nn.Module):
         return cls(ref.hidden_size, ref.num_heads, ref.num_kv_heads, causal=ref.causal,
                    bias=ref.o_proj.bias is not None, qkv_bias=ref.q_proj.bias is not None, rope_theta=ref.rope_theta,
                    head_dim=ref.head_dim, qk_norm=ref.q_norm is not None, rope_scaling=ref.rope_scaling,
-                   qk_norm_eps=ref.q_norm.eps if ref.q_norm is not None else 1e-6, _reference=ref, **kwargs)
+                   qk_norm_eps=ref.q_norm.eps if ref.q_norm is not None else 1e-6, window=ref.window,
+                   softcap=ref.softcap, sinks=ref.sinks is not None, v_head_dim=ref.v_head_dim,
+                   softmax_scale=ref.softmax_scale, _reference=ref, **kwargs)
 
     def _shard_from(self, ref, *, device, dtype):
         """One fused ``[q; k; v]`` projection, column-parallel with three sections, so that every
-        tensor-parallel rank holds whole heads: ``[its q heads; its k heads; its v heads]``."""
-        d = self.head_dim
+        tensor-parallel rank holds whole heads: ``[its q heads; its k heads; its v heads]``; the
+        sinks (fp32) split by heads too."""
+        d, dv = self.head_dim, self.v_head_dim
         with torch.no_grad():
             projs = (ref.q_proj, ref.k_proj, ref.v_proj)
-            fused = nn.Linear(self.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d,
+            fused = nn.Linear(self.hidden_size, (self.num_heads + self.num_kv_heads) * d + self.num_kv_heads * dv,
                               bias=ref.q_proj.bias is not None, device="meta")
             fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in projs]))
             if ref.q_proj.bias is not None:
                 fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in projs]))
             self.qkv = ColumnParallelLinear.from_linear(
                 fused, group=self.tp_group, sequence_parallel=True,
-                sections=(self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d))
+                sections=(self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * dv))
             self.proj = RowParallelLinear.from_linear(ref.o_proj, group=self.tp_group, sequence_parallel=True,
                                                       input_is_parallel=True)
             self.q_norm = self.k_norm = None
             if ref.q_norm is not None:  # replicated [head_dim] scales, shared by all heads
                 self.q_norm, self.k_norm = copy.deepcopy(ref.q_norm), copy.deepcopy(ref.k_norm)
+            self.sinks = None if ref.sinks is None else nn.Parameter(Placement.tp(self.tp_group, 0).local_from_full(
+                ref.sinks.detach()))
             # own storage: no views into the full weights (nor into ref's parameters); new
             # Parameters rather than set_data, which cannot move a tensor to the meta device
             for mod in self.modules():
                 for pname, p in list(mod.named_parameters(recurse=False)):
-                    setattr(mod, pname, nn.Parameter(p.detach().to(device=device, dtype=dtype).clone()))
+                    fp32 = mod is self and pname == "sinks"  # the sink logits stay fp32
+                    t = p.detach().to(device=device, dtype=torch.float32 if fp32 else dtype)
+                    setattr(mod, pname, nn.Parameter(t.clone()))
+
+    def placements(self) -> dict[str, Placement]:
+        """``sinks``: one logit per head, split over tp like the heads (the projections and norms
+        declare their own)."""
+        return {} if self.sinks is None else {"sinks": Placement.tp(self.tp_group, 0)}
 
     # -- layout ------------------------------------------------------------------------------
     def _sp_positions(self, seq_len, device=None):
@@ -349,18 +394,18 @@ class ParallelAttention(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{type(self).__name__}: x must be [batch, seq_local, {self.hidden_size}], got {shape}")
-        hl, kl, d = self.heads_local, self.kv_heads_local, self.head_dim
-        y = self.qkv(x)  # [b, s_sp, (hl + 2 kl) * d]: the sequence-parallel shard, this rank's heads
+        hl, kl, d, dv = self.heads_local, self.kv_heads_local, self.head_dim, self.v_head_dim
+        y = self.qkv(x)  # [b, s_sp, (hl + kl) * d + kl * dv]: the sequence-parallel shard, this rank's heads
         b, s_sp, _ = y.shape
-        y = y.view(b, s_sp, hl + 2 * kl, d)
-        q, k, v = y[:, :, :hl], y[:, :, hl:hl + kl], y[:, :, hl + kl:]
+        q, k, v = (t.unflatten(2, (n, -1)) for t, n in zip(y.split((hl * d, kl * d, kl * dv), dim=2), (hl, kl, kl)))
         seq_len = s_sp * self.ring_size * self.ulysses_size
         pos = self.rotary_positions(seq_len, y.device, cu_seqlens=cu_seqlens, position_ids=position_ids)
         cos, sin = rotary_cos_sin(pos, d, self.rope_theta, scaling=self.rope_scaling)
         if self.q_norm is not None:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        docs = dict(cu_seqlens=cu_seqlens)
+        docs = dict(cu_seqlens=cu_seqlens, window=self.window, softcap=self.softcap, sinks=self.sinks,
+                    softmax_scale=self.softmax_scale)
         if self.sp_mode == "ring":
             o = ring_attention(q, k, v, transport=self.ring_transport, causal=self.causal, layout=self.layout, **docs)
         elif self.sp_mode == "ulysses":
@@ -368,7 +413,7 @@ class ParallelAttention(nn.Module):
         else:
             o = hybrid_attention(q, k, v, ulysses_transport=self.ulysses_transport, ring_transport=self.ring_transport,
                                  causal=self.causal, layout=self.layout, **docs)
-        return self.proj(o.reshape(b, s_sp, hl * d))
+        return self.proj(o.reshape(b, s_sp, hl * dv))
 
     def reduce_sequence_parallel_grads(self):
         """Sum the parameter gradients over the sequence-parallel group(s), in place (hybrid: over
@@ -383,5 +428,7 @@ class ParallelAttention(nn.Module):
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads} (local {self.heads_local}), "
                 f"kv_heads={self.num_kv_heads} (local {self.kv_heads_local}), head_dim={self.head_dim}, "
+                f"v_head_dim={self.v_head_dim}, window={self.window}, softcap={self.softcap}, "
+                f"sinks={self.sinks is not None}, softmax_scale={self.softmax_scale}, "
                 f"sp_mode={self.sp_mode!r}, layout={self.layout!r}, tp={self.tp_rank}/{self.tp_size}, "
                 f"causal={self.causal}")

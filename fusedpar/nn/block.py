@@ -27,6 +27,8 @@ class TransformerBlock(nn.Module):
     :class:`~fusedpar.parallel.ParallelState`'s) instead of ``sp_group``. Omitted groups and the
     construction-time layout checks: as in :class:`Transformer` (an omitted group is the world; a
     layout that does not fit raises one ``ValueError`` naming the groups and their ranks).
+    ``window``, ``softcap``, ``sinks``, ``v_head_dim``, ``softmax_scale``: the attention options
+    of :class:`ParallelAttention`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
@@ -37,7 +39,9 @@ class TransformerBlock(nn.Module):
                  z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None,
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, head_dim: int | None = None,
                  qkv_bias: bool = False, qk_norm: bool = False, norm_topk_prob: bool | None = None,
-                 shared_expert_ffn_hidden_size: int = 0, router_options: dict | None = None):
+                 shared_expert_ffn_hidden_size: int = 0, router_options: dict | None = None, window=None,
+                 softcap: float | None = None, sinks: bool = False, v_head_dim: int | None = None,
+                 softmax_scale: float | None = None):
         super().__init__()
         self.hidden_size = hidden_size
         self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
@@ -45,7 +49,9 @@ class TransformerBlock(nn.Module):
                                       sp_mode=sp_mode, causal=causal, bias=False, layout=layout,
                                       ulysses_group=ulysses_group, ring_group=ring_group, device=device, dtype=dtype,
                                       rope_theta=rope_theta, rope_scaling=rope_scaling, head_dim=head_dim,
-                                      qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps)
+                                      qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps, window=window,
+                                      softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
+                                      softmax_scale=softmax_scale)
         self.norm2 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
         self.is_moe = num_experts > 0
         self.shared_expert = self.shared_expert_gate = None

@@ -60,7 +60,12 @@ class TransformerConfig:
     aux_loss_style: str = "switch"  # "switch": per-layer coef * balance + z-loss; "hf": HF's pooled loss
     shared_expert_ffn_hidden_size: int = 0  # Qwen2-MoE: a shared expert MLP with a sigmoid gate
     dense_layers: tuple = ()  # HF mlp_only_layers: blocks that stay dense in a MoE model
-    sliding_window: int | None = None  # HF's window: attention stays full causal, so forward refuses longer sequences
+    sliding_window: int | None = None  # HF's W: query i sees keys i - W < j <= i (window=(W - 1, 0))
+    layer_types: list | None = None  # HF: "full_attention" / "sliding_attention" per layer (None: all slide if W is set)
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention scores c * tanh(s / c)
+    attention_sinks: bool = False  # gpt-oss: a learnable logit per head in the softmax denominator
+    v_head_dim: int | None = None  # the head dim of v and the attention output (default head_dim)
+    query_pre_attn_scalar: float | None = None  # Gemma: softmax scale query_pre_attn_scalar ** -0.5
     # MoE routing (DeepSeek-V3, Kimi K2, GLM-4.5, gpt-oss; defaults keep softmax top-k)
     score_func: str = "softmax"  # "softmax", "sigmoid" or "softmax_topk" (gpt-oss: softmax over the chosen logits)
     routed_scaling_factor: float = 1.0  # multiplies the combine weights
@@ -105,7 +110,20 @@ class TransformerConfig:
                     rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
-                    router_options=self.router_options())
+                    router_options=self.router_options(), **self.attention_options(layer))
+
+    def attention_options(self, layer: int) -> dict:
+        """The attention options of block ``layer`` (:class:`ParallelAttention` keywords) from
+        the Hugging Face fields: a sliding window of ``sliding_window`` ``W`` (query ``i`` sees keys
+        ``i - W < j <= i``, so ``window=(W - 1, 0)``) where ``layer_types`` says
+        ``"sliding_attention"`` (every layer when ``layer_types`` is None), the softcap, the
+        sinks, ``v_head_dim`` and the softmax scale ``query_pre_attn_scalar ** -0.5``."""
+        slides = self.sliding_window is not None and (
+            self.layer_types is None or self.layer_types[layer] == "sliding_attention")
+        scalar = self.query_pre_attn_scalar
+        return dict(window=(self.sliding_window - 1, 0) if slides else None, softcap=self.attn_logit_softcapping,
+                    sinks=self.attention_sinks, v_head_dim=self.v_head_dim,
+                    softmax_scale=None if scalar is None else float(scalar) ** -0.5)
 
     def router_options(self) -> dict:
         """The :class:`MoE` router keyword arguments of the routing fields."""
@@ -118,15 +136,19 @@ class TransformerConfig:
 def check_config_values(cfg: "TransformerConfig") -> None:
     """The fields the size checks above do not cover: booleans are bools, modes from their set,
     optional sizes positive (a 0 is an error, never a silent fall-back to the default)."""
-    for name in ("causal", "qkv_bias", "qk_norm", "tie_word_embeddings"):
+    for name in ("causal", "qkv_bias", "qk_norm", "tie_word_embeddings", "attention_sinks"):
         check_bool(f"TransformerConfig.{name}", getattr(cfg, name))
     if cfg.norm_topk_prob is not None:
         check_bool("TransformerConfig.norm_topk_prob", cfg.norm_topk_prob)
     check_choice("TransformerConfig.sp_mode", cfg.sp_mode, ("ring", "ulysses", "hybrid"))
     check_choice("TransformerConfig.activation", cfg.activation, sorted(a for a in ACTIVATIONS if a != "none"))
-    for name in ("num_kv_heads", "moe_ffn_hidden_size", "head_dim", "sliding_window"):
+    for name in ("num_kv_heads", "moe_ffn_hidden_size", "head_dim", "sliding_window", "v_head_dim"):
         if getattr(cfg, name) is not None:
             check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=1)
+    for name in ("attn_logit_softcapping", "query_pre_attn_scalar"):
+        if getattr(cfg, name) is not None:
+            check_positive_number(f"TransformerConfig.{name}", getattr(cfg, name))
+    check_layer_types(cfg)
     if cfg.num_experts:
         check_int("TransformerConfig.top_k", cfg.top_k, min_value=1, max_value=cfg.num_experts)
     check_choice("TransformerConfig.score_func", cfg.score_func, tuple(SCORE_FUNCS))
@@ -143,6 +165,25 @@ def check_config_values(cfg: "TransformerConfig") -> None:
     if cfg.capacity_factor is not None:
         check_positive_number("TransformerConfig.capacity_factor", cfg.capacity_factor)
     check_positive_number("TransformerConfig.norm_eps", cfg.norm_eps)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_layer_types(cfg: "TransformerConfig") -> None:
+    """``layer_types``: None or one of :data:`LAYER_TYPES` per layer; a sliding layer needs
+    ``sliding_window``."""
+    types = cfg.layer_types
+    if types is None:
+        return
+    if not isinstance(types, (list, tuple)) or len(types) != cfg.num_layers:
+        raise ValueError(f"TransformerConfig.layer_types must be None or a list of num_layers={cfg.num_layers} "
+                         f"entries, got {types!r}")
+    for i, t in enumerate(types):
+        check_choice(f"TransformerConfig.layer_types[{i}]", t, LAYER_TYPES)
+    if "sliding_attention" in types and cfg.sliding_window is None:
+        raise ValueError("TransformerConfig.layer_types has 'sliding_attention' layers but sliding_window is None")
+    cfg.layer_types = list(types)
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:

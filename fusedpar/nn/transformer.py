@@ -169,8 +169,6 @@ class Transformer(nn.Module):
         if self.embedding is not None:
             check_token_ids("input_ids", x, self.config.vocab_size)
             x = self.embedding(x)
-        if self.config.sliding_window is not None:
-            self._check_sliding_window(x.shape[1], cu_seqlens)
         docs = dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
         for block in self.layers.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -182,25 +180,6 @@ class Transformer(nn.Module):
             if not (self.return_hidden if return_hidden is None else return_hidden):
                 x = self.head(x) if self.head is not None else self._tied_head(x)
         return x
-
-    def _check_sliding_window(self, local_len: int, cu_seqlens) -> None:
-        """A sliding window changes nothing on sequences (documents, with ``cu_seqlens``) of at most
-        ``sliding_window`` tokens; fusedpar attention is full causal, so a longer one raises."""
-        if not self.layers:
-            return
-        attn = next(iter(self.layers.values())).attn
-        seq = local_len * comm.group_size(self.tp_group) * attn.ring_size * attn.ulysses_size
-        if seq <= self.config.sliding_window:
-            return  # no document can be longer than the packed row: nothing to read
-        if cu_seqlens is not None and not torch.compiler.is_compiling():
-            # the longest document (a host read, a sync on a GPU: only when the row exceeds the window);
-            # a compiled graph cannot read it, so there the packed row's length counts
-            bounds = torch.as_tensor(cu_seqlens).reshape(-1)
-            seq = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else seq
-        if seq > self.config.sliding_window:
-            raise ValueError(f"sliding_window={self.config.sliding_window} is shorter than the sequence length {seq}: "
-                             "fusedpar attention is full causal, which equals sliding-window attention only for "
-                             "sequences of at most sliding_window tokens")
 
     def pipeline_args(self, microbatch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_args, output_args)``: meta tensors of this stage's input (token ids where it

@@ -7,7 +7,7 @@ Each function checks its arguments (shapes, dtypes, modes; what ``torch.compile`
 the cross-rank agreement check, then calls its custom op of :mod:`fusedpar.ops.sp_attention_library`
 (:data:`~fusedpar.ops.sp_attention_library.ring_attention_op`,
 :data:`~fusedpar.ops.sp_attention_library.ulysses_attention_op`; hybrid attention is the Ulysses
-op with a ring transport). Only ``out`` is differentiable. The values of ``cu_seqlens``
+op with a ring transport). Only ``out`` is differentiable (in q, k, v and ``sinks``). The values of ``cu_seqlens``
 (host-built segment tables) are read inside the ops; in eager mode they are also checked before
 the op, inside the agreement check.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar.kernels.checks import check_tensor
-from fusedpar.kernels.flash_attention import resolve_softmax_scale
+from fusedpar.kernels.checks import check_softcap, check_tensor
+from fusedpar.kernels.flash_attention import check_sinks, check_window, resolve_softmax_scale
 from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.library import checked_api, transport_size, transport_token
@@ -74,9 +74,28 @@ def _check_documents(cu_seqlens, q, total):
         document_bounds(cu_seqlens, total)
 
 
-def _agreed(q, k, v, transport, causal, softmax_scale, **modes):
-    """What the ranks of a sequence-parallel group must agree on (see fusedpar.ops.agreement)."""
-    return dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, **modes, transport=transport)
+def _agreed(q, k, v, transport, causal, softmax_scale, scores, **modes):
+    """What the ranks of a sequence-parallel group must agree on (see fusedpar.ops.agreement):
+    the tensors' shapes and dtypes, the modes, the score options (the sinks by shape and dtype)."""
+    window, softcap, sinks = scores
+    window = tuple(window) if isinstance(window, list) else window
+    return dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, **modes, window=window, softcap=softcap,
+                sinks=sinks, transport=transport)
+
+
+def _check_scores(q, scores):
+    """The local checks of ``window``, ``softcap`` and ``sinks`` (those of flash attention)."""
+    window, softcap, sinks = scores
+    check_window(window)
+    check_softcap(softcap)
+    check_sinks(sinks, q)
+
+
+def _score_args(scores) -> tuple:
+    """``(window_left, window_right, softcap, sinks)`` of the ops' schemas."""
+    window, softcap, sinks = scores
+    left, right = check_window(window)
+    return left, right, (check_softcap(softcap) or None), sinks
 
 
 def _documents(cu_seqlens):
@@ -95,10 +114,11 @@ def _scale(softmax_scale):
 
 @checked_api
 def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, layout="zigzag",
-                   softmax_scale=None, cu_seqlens=None):
+                   softmax_scale=None, cu_seqlens=None, window=None, softcap=None, sinks=None):
     """Attention over the full sequence from this rank's shard; returns this rank's output shard.
 
-    q ``[b, s_local, heads, d]``, k/v ``[b, s_local, kv_heads, d]`` (kv_heads divides heads),
+    q ``[b, s_local, heads, d]``, k ``[b, s_local, kv_heads, d]``, v ``[b, s_local, kv_heads,
+    d_v]`` (kv_heads divides heads; out is ``[b, s_local, heads, d_v]``),
     the shard of ring rank ``r`` of ``P`` in ``layout`` (see
     :func:`sequence_shard`: ``"contiguous"``: positions
     ``[r*s_local, (r+1)*s_local)``; ``"zigzag"``: chunks ``r`` and ``2P-1-r`` of ``2P``, so
@@ -110,45 +130,59 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
     positions of the full ``s_local * P`` tokens, the same on every rank (CPU or device; a device
     tensor costs one host copy per call). Attention is then exact per document, documents of any
     length crossing any shard boundaries; ring steps with nothing visible launch no kernel.
+
+    ``window=(left, right)``, ``softcap``, ``sinks`` (fp32 ``[heads]``, differentiable): as in
+    :func:`~fusedpar.ops.flash.flash_attention`, the window in global sequence positions (key
+    blocks outside every query's window launch nothing). The sinks enter the merged softmax once;
+    each rank's ``sinks`` gradient is its own query rows' part (sum it over the group, as for
+    any parameter replicated over sequence parallelism).
     The custom op ``fusedpar::ring_attention``: traceable by ``torch.compile``.
     """
     token, size = _dimension("group", group, transport)
+    scores = (window, softcap, sinks)
     with agreed_arguments("ring_attention", transport, group,
-                          _agreed(q, k, v, _name(transport), causal, softmax_scale, layout=layout,
+                          _agreed(q, k, v, _name(transport), causal, softmax_scale, scores, layout=layout,
                                   cu_seqlens=_documents(cu_seqlens))):
         check_sp_args(q, k, v, causal, layout, ring_size=size)
         resolve_softmax_scale(softmax_scale, q.shape[3])
+        _check_scores(q, scores)
         _check_documents(cu_seqlens, q, q.shape[1] * size)
-    return ring_attention_op(q, k, v, token, causal, layout, _scale(softmax_scale), cu_seqlens)[0]
+    return ring_attention_op(q, k, v, token, causal, layout, _scale(softmax_scale), cu_seqlens, *_score_args(scores))[0]
 
 
 @checked_api
 def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, softmax_scale=None,
-                      cu_seqlens=None):
+                      cu_seqlens=None, window=None, softcap=None, sinks=None):
     """Ulysses (all-to-all) sequence-parallel attention; returns this rank's output shard.
 
-    q ``[b, s_local, heads, d]``, k/v ``[b, s_local, kv_heads, d]``: rank ``r`` holds positions
+    q ``[b, s_local, heads, d]``, k ``[b, s_local, kv_heads, d]``, v ``[b, s_local, kv_heads,
+    d_v]``: rank ``r`` holds positions
     ``[r*s_local, (r+1)*s_local)``. The group size must divide ``heads`` and divide (or be a
     multiple of) ``kv_heads``; otherwise a ValueError lists the sizes that work. The all-to-alls
     run on ``transport``, by default a portable transport over ``group``. ``cu_seqlens``: packed
-    documents, as in :func:`ring_attention`. The custom op
-    ``fusedpar::ulysses_attention``: traceable by ``torch.compile``.
+    documents, as in :func:`ring_attention`. ``window``, ``softcap``, ``sinks``: as in
+    :func:`ring_attention`; after the all-to-all each rank applies the sinks of the query heads
+    it holds, and its ``sinks`` gradient is those heads' part (zero elsewhere; sum it over the
+    group). The custom op ``fusedpar::ulysses_attention``: traceable by ``torch.compile``.
     """
     token, size = _dimension("group", group, transport)
+    scores = (window, softcap, sinks)
     with agreed_arguments("ulysses_attention", transport, group,
-                          _agreed(q, k, v, _name(transport), causal, softmax_scale,
+                          _agreed(q, k, v, _name(transport), causal, softmax_scale, scores,
                                   cu_seqlens=_documents(cu_seqlens))):
         check_sp_args(q, k, v, causal, "contiguous")
         ulysses_kv_heads(q.shape[2], k.shape[2], size)
         resolve_softmax_scale(softmax_scale, q.shape[3])
+        _check_scores(q, scores)
         _check_documents(cu_seqlens, q, q.shape[1] * size)
-    return ulysses_attention_op(q, k, v, token, None, causal, "contiguous", _scale(softmax_scale), cu_seqlens)[0]
+    return ulysses_attention_op(q, k, v, token, None, causal, "contiguous", _scale(softmax_scale), cu_seqlens,
+                                *_score_args(scores))[0]
 
 
 @checked_api
 def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_transport: Transport | None = None,
                      ring_transport: Transport | None = None, causal=False, layout="zigzag", softmax_scale=None,
-                     cu_seqlens=None):
+                     cu_seqlens=None, window=None, softcap=None, sinks=None):
     """2-D sequence parallelism: Ulysses inside ``ulysses_group``, ring across ``ring_group``
     (or the given transports of the two dimensions; one of group / transport each).
 
@@ -157,8 +191,10 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
     ulysses rank ``u``) holds piece ``u`` of ``ulysses_size`` contiguous pieces of ring shard
     ``r`` in ``layout``: ``sequence_shard(x, layout=layout, ring_rank=r, ring_size=R,
     ulysses_rank=u, ulysses_size=U)``; its positions are
-    :func:`shard_positions`. ``cu_seqlens``: packed documents, as in
-    :func:`ring_attention`. The op ``fusedpar::ulysses_attention`` with a ring transport.
+    :func:`shard_positions`. ``cu_seqlens``: packed documents, ``window``, ``softcap``,
+    ``sinks``: as in :func:`ring_attention` and :func:`ulysses_attention` (each rank's ``sinks``
+    gradient: its heads over its ring rows). The op ``fusedpar::ulysses_attention`` with a ring
+    transport.
     """
     if (ulysses_group is None and ulysses_transport is None) or (ring_group is None and ring_transport is None):
         raise ValueError("hybrid_attention needs both a Ulysses and a ring dimension (ulysses_group or "
@@ -167,11 +203,14 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
     uly, usize = _dimension("ulysses_group", ulysses_group, ulysses_transport)
     ring, rsize = _dimension("ring_group", ring_group, ring_transport)
     dims = {"ulysses": (ulysses_transport, ulysses_group), "ring": (ring_transport, ring_group)}
+    scores = (window, softcap, sinks)
     with agreed_arguments("hybrid_attention", dims, None,
                           _agreed(q, k, v, f"{_name(ulysses_transport)} x {_name(ring_transport)}", causal,
-                                  softmax_scale, layout=layout, cu_seqlens=_documents(cu_seqlens))):
+                                  softmax_scale, scores, layout=layout, cu_seqlens=_documents(cu_seqlens))):
         check_sp_args(q, k, v, causal, layout, ring_shard=q.shape[1] * usize, ring_size=rsize)
         ulysses_kv_heads(q.shape[2], k.shape[2], usize)
         resolve_softmax_scale(softmax_scale, q.shape[3])
+        _check_scores(q, scores)
         _check_documents(cu_seqlens, q, q.shape[1] * usize * rsize)
-    return ulysses_attention_op(q, k, v, uly, ring, causal, layout, _scale(softmax_scale), cu_seqlens)[0]
+    return ulysses_attention_op(q, k, v, uly, ring, causal, layout, _scale(softmax_scale), cu_seqlens,
+                                *_score_args(scores))[0]

@@ -1,13 +1,15 @@
 """The custom ops of sequence-parallel attention (:mod:`fusedpar.ops.sp_attention`; see
 :mod:`fusedpar.ops.library`; transports and groups travel as transport tokens):
 
-* ``fusedpar::ring_attention(q, k, v, transport, causal, layout, softmax_scale, cu_seqlens) ->
-  (out, lse)`` (:data:`ring_attention_op`, body
+* ``fusedpar::ring_attention(q, k, v, transport, causal, layout, softmax_scale, cu_seqlens,
+  window_left=-1, window_right=-1, softcap=None, sinks=None) -> (out, lse)`` (:data:`ring_attention_op`, body
   :func:`~fusedpar.ops.sp_attention_schedules.ring_attention_fwd`) and
   ``fusedpar::ring_attention_backward`` (:data:`ring_attention_backward_op`, body
-  :func:`~fusedpar.ops.sp_attention_schedules.ring_attention_bwd`).
+  :func:`~fusedpar.ops.sp_attention_schedules.ring_attention_bwd`, returning ``(dq, dk, dv,
+  dsinks)``, ``dsinks`` an :func:`~fusedpar.ops.library.absent` placeholder without sinks).
 * ``fusedpar::ulysses_attention(q, k, v, transport, ring_transport, causal, layout,
-  softmax_scale, cu_seqlens) -> (out, heads, out_heads, lse)`` (:data:`ulysses_attention_op`,
+  softmax_scale, cu_seqlens, window_left=-1, window_right=-1, softcap=None, sinks=None) ->
+  (out, heads, out_heads, lse)`` (:data:`ulysses_attention_op`,
   body :func:`~fusedpar.ops.sp_attention_schedules.ulysses_attention_fwd`): Ulysses over
   ``transport``, then ring attention over ``ring_transport`` (None: local attention), i.e.
   Ulysses and the hybrid; ``heads`` / ``out_heads`` are the head-shard residuals of the backward
@@ -15,7 +17,8 @@
   (:data:`ulysses_attention_backward_op`, body
   :func:`~fusedpar.ops.sp_attention_schedules.ulysses_attention_bwd`).
 
-Each op resolves its transport tokens and calls its body; only ``out`` is differentiable. The
+Each op resolves its transport tokens and calls its body; ``out`` is differentiable (with
+respect to q, k, v and the sinks), nothing else is. The
 values of ``cu_seqlens`` (host-built segment tables) are read inside the bodies.
 """
 from __future__ import annotations
@@ -26,10 +29,10 @@ from fusedpar.ops.library import absent, custom_op, hold, input_grads, present, 
 from fusedpar.ops.sp_attention_schedules import (
     ring_attention_bwd,
     ring_attention_fwd,
+    head_widths,
     split_heads,
     ulysses_attention_bwd,
     ulysses_attention_fwd,
-    ulysses_kv_heads,
 )
 from fusedpar.ops.transport import token_transport
 
@@ -43,50 +46,74 @@ def _transport(token):
     return None if token is None else token_transport(token)
 
 
+def _scores(window_left, window_right, softcap, sinks) -> dict:
+    """The score options of the schema as the schedules' keyword arguments."""
+    window = None if window_left == window_right == -1 else (window_left, window_right)
+    return dict(window=window, softcap=softcap, sinks=sinks)
+
+
+def _with_dsinks(grads, q):
+    """``(dq, dk, dv, dsinks)`` from a schedule's 3 or 4 gradients (no sinks: an absent dsinks)."""
+    return (*grads[:3], grads[3] if len(grads) == 4 else absent(q.new_empty((), dtype=torch.float32)))
+
+
+def _dsinks_fake(sinks, q):
+    return q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+
+
 # ----------------------------------------------------------------------------------------------
 # fusedpar::ring_attention
 # ----------------------------------------------------------------------------------------------
 @custom_op("ring_attention")
 def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, transport: str, causal: bool, layout: str,
-             softmax_scale: float | None, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
+                      softmax_scale: float | None, cu_seqlens: Tensor | None, window_left: int = -1,
+                      window_right: int = -1, softcap: float | None = None,
+                      sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return ring_attention_fwd(q, k, v, _transport(transport), causal=causal, layout=layout,
-                              softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+                              softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                              **_scores(window_left, window_right, softcap, sinks))
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, transport, causal, layout, softmax_scale, cu_seqlens):
+def _(q, k, v, transport, causal, layout, softmax_scale, cu_seqlens, window_left=-1, window_right=-1, softcap=None,
+      sinks=None):
     b, s, hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, hq, s), dtype=torch.float32)
+    return q.new_empty((b, s, hq, v.shape[3])), q.new_empty((b, hq, s), dtype=torch.float32)
 
 
 @custom_op("ring_attention_backward")
 def ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, transport: str,
-                      causal: bool, layout: str, softmax_scale: float | None,
-                      cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    return ring_attention_bwd(dout, q, k, v, out, lse, _transport(transport), causal=causal, layout=layout,
-                              softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+                               causal: bool, layout: str, softmax_scale: float | None, cu_seqlens: Tensor | None,
+                               window_left: int = -1, window_right: int = -1, softcap: float | None = None,
+                               sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _with_dsinks(ring_attention_bwd(dout, q, k, v, out, lse, _transport(transport), causal=causal,
+                                           layout=layout, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                                           **_scores(window_left, window_right, softcap, sinks)), q)
 
 
 @ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, transport, causal, layout, softmax_scale, cu_seqlens):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, transport, causal, layout, softmax_scale, cu_seqlens, window_left=-1, window_right=-1,
+      softcap=None, sinks=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_fake(sinks, q)
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, transport, causal, layout, softmax_scale, cu_seqlens = inputs
+    q, k, v, transport, causal, layout, softmax_scale, cu_seqlens, *scores, sinks = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sinks)
     ctx.args = (transport, causal, layout, softmax_scale)
+    ctx.scores = tuple(scores)  # window_left, window_right, softcap
     ctx.transports = hold(transport)
 
 
 def _ring_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
     if dout is None:
         return input_grads(ring_attention_op)
-    dq, dk, dv = ring_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args, cu_seqlens)
-    return input_grads(ring_attention_op, q=dq, k=dk, v=dv)
+    dq, dk, dv, dsinks = ring_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args, cu_seqlens,
+                                                    *ctx.scores, sinks)
+    return input_grads(ring_attention_op, q=dq, k=dk, v=dv, sinks=present(dsinks))
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
@@ -97,59 +124,65 @@ ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
 # ----------------------------------------------------------------------------------------------
 @custom_op("ulysses_attention")
 def ulysses_attention_op(q: Tensor, k: Tensor, v: Tensor, transport: str, ring_transport: str | None, causal: bool,
-                layout: str, softmax_scale: float | None,
-                cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         layout: str, softmax_scale: float | None, cu_seqlens: Tensor | None, window_left: int = -1,
+                         window_right: int = -1, softcap: float | None = None,
+                         sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out, (heads, out_heads, lse) = ulysses_attention_fwd(
         q, k, v, _transport(transport), ring_transport=_transport(ring_transport), causal=causal, layout=layout,
-        softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+        softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, **_scores(window_left, window_right, softcap, sinks))
     if heads is None:  # a group of one: the heads are q, k, v and out themselves
         return out, absent(q), absent(q), lse
     return out, heads, out_heads, lse
 
 
 @ulysses_attention_op.register_fake
-def _(q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens):
+def _(q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens, window_left=-1, window_right=-1,
+      softcap=None, sinks=None):
     size = token_size(transport)
     b, s, hq, d = q.shape
     lse = q.new_empty((b, hq // size, size * s), dtype=torch.float32)
+    out = q.new_empty((b, s, hq, v.shape[3]))
     if size == 1:
-        return q.new_empty(q.shape), absent(q), absent(q), lse
-    _, hk_local = ulysses_kv_heads(hq, k.shape[2], size)
-    heads = q.new_empty((b, size * s, hq // size + 2 * hk_local, d))
-    return q.new_empty(q.shape), heads, q.new_empty((b, size * s, hq // size, d)), lse
+        return out, absent(q), absent(q), lse
+    widths = head_widths(hq, k.shape[2], size, d, v.shape[3])
+    heads = q.new_empty((b, size * s, sum(n * w for n, w in widths)))
+    return out, heads, q.new_empty((b, size * s, hq // size, v.shape[3])), lse
 
 
 @custom_op("ulysses_attention_backward")
 def ulysses_attention_backward_op(dout: Tensor, q_heads: Tensor, k_heads: Tensor, v_heads: Tensor, out_heads: Tensor,
-                         lse: Tensor, transport: str, ring_transport: str | None, kv_heads: int, causal: bool,
-                         layout: str, softmax_scale: float | None,
-                         cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    return ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, _transport(transport),
-                                 kv_heads=kv_heads, ring_transport=_transport(ring_transport), causal=causal,
-                                 layout=layout, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+                                  lse: Tensor, transport: str, ring_transport: str | None, kv_heads: int,
+                                  causal: bool, layout: str, softmax_scale: float | None, cu_seqlens: Tensor | None,
+                                  window_left: int = -1, window_right: int = -1, softcap: float | None = None,
+                                  sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _with_dsinks(ulysses_attention_bwd(
+        dout, q_heads, k_heads, v_heads, out_heads, lse, _transport(transport), kv_heads=kv_heads,
+        ring_transport=_transport(ring_transport), causal=causal, layout=layout, softmax_scale=softmax_scale,
+        cu_seqlens=cu_seqlens, **_scores(window_left, window_right, softcap, sinks)), q_heads)
 
 
 @ulysses_attention_backward_op.register_fake
 def _(dout, q_heads, k_heads, v_heads, out_heads, lse, transport, ring_transport, kv_heads, causal, layout,
-      softmax_scale, cu_seqlens):
+      softmax_scale, cu_seqlens, window_left=-1, window_right=-1, softcap=None, sinks=None):
     size = token_size(transport)
     b, s_full, hq_local, d = q_heads.shape
-    kv = (b, s_full // size, kv_heads, d)
-    return q_heads.new_empty((b, s_full // size, hq_local * size, d)), q_heads.new_empty(kv), q_heads.new_empty(kv)
+    s = s_full // size
+    return (q_heads.new_empty((b, s, hq_local * size, d)), q_heads.new_empty((b, s, kv_heads, d)),
+            q_heads.new_empty((b, s, kv_heads, v_heads.shape[3])), _dsinks_fake(sinks, q_heads))
 
 
 def _ulysses_setup(ctx, inputs, output):
-    q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens = inputs
+    q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens, *scores, sinks = inputs
     out, heads, out_heads, lse = output
     ctx.mark_non_differentiable(heads, out_heads, lse)
     ctx.group_of_one = present(heads) is None
     if ctx.group_of_one:
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sinks)
     else:
-        ctx.save_for_backward(heads, out_heads, lse, cu_seqlens)
-        hk_local = (heads.shape[2] - out_heads.shape[2]) // 2
-        ctx.widths = (out_heads.shape[2], hk_local, hk_local)
+        ctx.save_for_backward(heads, out_heads, lse, cu_seqlens, sinks)
+        ctx.widths = head_widths(q.shape[2], k.shape[2], token_size(transport), q.shape[3], v.shape[3])
     ctx.args = (transport, ring_transport, k.shape[2], causal, layout, softmax_scale)
+    ctx.scores = tuple(scores)  # window_left, window_right, softcap
     ctx.transports = hold(transport, ring_transport)
 
 
@@ -157,12 +190,13 @@ def _ulysses_backward(ctx, dout, dheads, dout_heads, dlse):
     if dout is None:
         return input_grads(ulysses_attention_op)
     if ctx.group_of_one:
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
     else:
-        heads, out, lse, cu_seqlens = ctx.saved_tensors
+        heads, out, lse, cu_seqlens, sinks = ctx.saved_tensors
         q, k, v = split_heads(heads, ctx.widths)
-    dq, dk, dv = ulysses_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args, cu_seqlens)
-    return input_grads(ulysses_attention_op, q=dq, k=dk, v=dv)
+    dq, dk, dv, dsinks = ulysses_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args, cu_seqlens,
+                                                       *ctx.scores, sinks)
+    return input_grads(ulysses_attention_op, q=dq, k=dk, v=dv, sinks=present(dsinks))
 
 
 ulysses_attention_op.register_autograd(_ulysses_backward, setup_context=_ulysses_setup)

@@ -46,8 +46,8 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels.checks import check_bool, check_choice, check_int, check_tensor
-from fusedpar.kernels.flash_attention import check_qkv, flash_attention_forward
-from fusedpar.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
+from fusedpar.kernels.flash_attention import check_qkv, check_window, flash_attention_forward
+from fusedpar.kernels.flash_attention_bwd import attention_delta, flash_attention_backward, sink_grad
 from fusedpar.ops.library import checked_api
 from fusedpar.ops.transport import Transport
 from fusedpar.ops.varlen import document_bounds, ring_document_plan
@@ -55,9 +55,10 @@ from fusedpar.ops.varlen import document_bounds, ring_document_plan
 LAYOUTS = ("zigzag", "contiguous")
 
 __all__ = [
-    "LAYOUTS", "check_sp_args", "check_transport", "document_plan", "ring_attention_bwd", "ring_attention_fwd",
-    "ring_step_plan", "sequence_shard", "shard_chunks", "shard_positions", "split_heads", "ulysses_attention_bwd",
-    "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard", "zigzag_unshard",
+    "LAYOUTS", "check_sp_args", "check_transport", "document_plan", "head_widths", "ring_attention_bwd",
+    "ring_attention_fwd", "ring_step_plan", "sequence_shard", "shard_chunks", "shard_positions", "split_heads",
+    "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
+    "zigzag_unshard",
 ]
 
 
@@ -161,23 +162,26 @@ def shard_chunks(layout: str, rank: int, size: int, s_local: int) -> list:
     return [(0, c, rank * c), (c, c, (2 * size - 1 - rank) * c)]
 
 
-def ring_step_plan(q_chunks, k_chunks, causal: bool) -> list:
+def ring_step_plan(q_chunks, k_chunks, causal: bool, window=(-1, -1)) -> list:
     """Kernel launches for one (query shard, key block) pair of a ring step, from the two
     shards' :func:`shard_chunks`:
-    ``[(q_slice, k_slice, q_offset, k_offset, causal)]``. Fully hidden chunk pairs are dropped;
-    runs of fully visible chunks are merged into one unmasked launch."""
+    ``[(q_slice, k_slice, q_offset, k_offset, masked)]``. ``window``: ``(left, right)`` in global
+    positions, -1 unbounded (``causal`` sets ``right = 0``). Chunk pairs that the mask hides
+    completely are dropped; runs of fully visible chunks are merged into one unmasked launch;
+    ``masked`` launches take the mask (causal, window) at the chunks' global offsets."""
     sq = sum(c[1] for c in q_chunks)
     sk = sum(c[1] for c in k_chunks)
-    if not causal:
+    left, right = window[0], 0 if causal else window[1]
+    if left < 0 and right < 0:
         return [(slice(0, sq), slice(0, sk), 0, 0, False)]
 
     def kind(qc, kc):
         (_, ql, qg), (_, kl, kg) = qc, kc
-        if kg > qg + ql - 1:
+        if (right >= 0 and kg > qg + ql - 1 + right) or (left >= 0 and kg + kl - 1 < qg - left):
             return "hidden"
-        if kg + kl - 1 <= qg:
+        if (right < 0 or kg + kl - 1 <= qg + right) and (left < 0 or kg >= qg + ql - 1 - left):
             return "visible"
-        return "causal"
+        return "masked"
 
     kinds = {(i, j): kind(qc, kc) for i, qc in enumerate(q_chunks) for j, kc in enumerate(k_chunks)}
     if all(t == "visible" for t in kinds.values()):
@@ -202,36 +206,48 @@ def ring_step_plan(q_chunks, k_chunks, causal: bool) -> list:
         if (i, j) in done or t == "hidden":
             continue
         qc, kc = q_chunks[i], k_chunks[j]
-        launches.append((sl(qc), sl(kc), qc[2], kc[2], t == "causal"))
+        launches.append((sl(qc), sl(kc), qc[2], kc[2], t == "masked"))
     return launches
 
 
-def document_plan(cu_seqlens, layout: str, rank: int, size: int, s_local: int, causal: bool, device) -> tuple:
+def document_plan(cu_seqlens, layout: str, rank: int, size: int, s_local: int, causal: bool, device,
+                  window=(-1, -1)) -> tuple:
     """Per ring step, the segment tables of packed documents (``cu_seqlens``: global boundaries
     of the ``s_local * size`` tokens) for ring rank ``rank``'s shard in ``layout``: see
-    :mod:`fusedpar.ops.varlen` (cached; empty at steps with nothing visible)."""
+    :mod:`fusedpar.ops.varlen` (cached; empty at steps with nothing visible under the causal
+    mask and the ``window``)."""
     bounds = document_bounds(cu_seqlens, s_local * size)
     q_chunks = tuple(shard_chunks(layout, rank, size, s_local))
     k_chunks = tuple(tuple(shard_chunks(layout, (rank - t) % size, size, s_local)) for t in range(size))
-    return ring_document_plan(bounds, q_chunks, k_chunks, bool(causal), torch.device(device))
+    return ring_document_plan(bounds, q_chunks, k_chunks, bool(causal), torch.device(device), tuple(window))
 
 
-def _whole_sequence_segments(cu_seqlens, s, causal, device):
+def _whole_sequence_segments(cu_seqlens, s, causal, device, window):
     """The documents of one whole local sequence (a ring of one, Ulysses' gathered sequence) as
-    one segment table covering every row; None without documents (or tokens)."""
+    one segment table covering every visible row; None without documents (or tokens)."""
     if cu_seqlens is None:
         return None
-    plan = document_plan(cu_seqlens, "contiguous", 0, 1, s, causal, device)
+    plan = document_plan(cu_seqlens, "contiguous", 0, 1, s, causal, device, window)
     return plan[0][0] if plan[0] else None
 
 
-def _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
-    """The launches of one ring step as ``(q_slice, k_slice, q_offset, k_offset, causal,
+def _step_launches(plan, step, q_chunks, layout, src, size, s, causal, window):
+    """The launches of one ring step as ``(q_slice, k_slice, q_offset, k_offset, masked,
     segments)``: the documents' segment tables over the whole shard, or the dense
     :func:`ring_step_plan` of chunk pairs."""
     if plan is not None:
-        return [(slice(None), slice(None), 0, 0, causal, seg) for seg in plan[step]]
-    return [(*launch, None) for launch in ring_step_plan(q_chunks, shard_chunks(layout, src, size, s), causal)]
+        return [(slice(None), slice(None), 0, 0, True, seg) for seg in plan[step]]
+    return [(*launch, None) for launch in ring_step_plan(q_chunks, shard_chunks(layout, src, size, s), causal, window)]
+
+
+def _fold_sinks(out, lse, sinks):
+    """Adds the sink logits (fp32 ``[heads]``) to a merged softmax state in place: ``out``
+    ``[b, s, heads, d_v]`` (fp32) and ``lse`` ``[b, heads, s]`` over the keys only become the
+    attention with the sinks in the denominator (``lse`` then includes them, as the flash
+    kernels' do). Ring steps merge without the sinks, so they are counted once."""
+    merged = torch.logaddexp(lse, sinks.float()[None, :, None])
+    out.mul_(torch.exp(lse - merged).transpose(1, 2)[..., None])
+    lse.copy_(merged)
 
 
 def check_transport(name, transport):
@@ -254,67 +270,84 @@ def check_sp_args(q, k, v, causal, layout, ring_shard=None, ring_size=1):
                          f"got {ring_shard}")
 
 
+def _mask(masked, causal, window):
+    """The ``causal`` / ``window`` arguments of one launch (an unmasked launch takes neither)."""
+    return (causal, None if window == (-1, -1) else window) if masked else (False, None)
+
+
 def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="zigzag", softmax_scale=None,
-                       cu_seqlens=None):
+                       cu_seqlens=None, window=None, softcap=None, sinks=None):
     """The forward of :func:`~fusedpar.ops.sp_attention.ring_attention` on ring rank ``transport.rank`` of
-    ``transport.size``: returns ``(out, lse)``, out in q's dtype, lse ``[b, heads, s_local]`` fp32.
+    ``transport.size``: returns ``(out, lse)``, out ``[b, s_local, heads, d_v]`` in q's dtype, lse
+    ``[b, heads, s_local]`` fp32 (including the sinks).
 
     At step ``t`` this rank holds the K/V block of ring rank ``rank - t`` and the flash kernel
     merges it into an fp32 ``(out, lse)`` state while ``transport.ring_shift`` brings the next one.
     With ``cu_seqlens`` each step launches the segment tables of :func:`document_plan` (none
-    when the block holds nothing visible).
+    when the block holds nothing visible). ``window`` (global positions), ``softcap``: per
+    launch; blocks outside every query's window launch nothing. ``sinks``: folded into the
+    merged state once, after the last step (:func:`_fold_sinks`).
     """
     check_transport("transport", transport)
     check_sp_args(q, k, v, causal, layout, ring_size=transport.size)
+    win = check_window(window)
     size, rank = transport.size, transport.rank
     if size == 1:
-        segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device)
-        return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, segments=segments)
+        segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device, win)
+        return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, segments=segments,
+                                       window=window, softcap=softcap, sinks=sinks)
     b, s, hq, d = q.shape
-    plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device)
-    out = torch.zeros((b, s, hq, d), device=q.device, dtype=torch.float32)
+    plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device, win)
+    out = torch.zeros((b, s, hq, v.shape[3]), device=q.device, dtype=torch.float32)
     lse = torch.full((b, hq, s), float("-inf"), device=q.device, dtype=torch.float32)
-    kv = torch.stack((k, v))  # one contiguous block to pass around: [2, b, s, hk, d]
+    kv = torch.cat((k, v), dim=3)  # one contiguous block to pass around: [b, s, hk, d + d_v]
     nxt = torch.empty_like(kv)
     q_chunks = shard_chunks(layout, rank, size, s)
     for step in range(size):
         src = (rank - step) % size
         handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
-        for qs, ks, qo, ko, c, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
-            flash_attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=c, softmax_scale=softmax_scale,
-                                    q_offset=qo, k_offset=ko, out=out[:, qs], lse=lse[:, :, qs], accumulate=True,
-                                    segments=seg)
+        for qs, ks, qo, ko, masked, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal, win):
+            c, w = _mask(masked, causal, win)
+            flash_attention_forward(q[:, qs], kv[:, ks, :, :d], kv[:, ks, :, d:], causal=c, window=w,
+                                    softcap=softcap, softmax_scale=softmax_scale, q_offset=qo, k_offset=ko,
+                                    out=out[:, qs], lse=lse[:, :, qs], accumulate=True, segments=seg)
         if handle is not None:
             handle.wait()  # the next block has arrived and our send of this one has left
             kv, nxt = nxt, kv
+    if sinks is not None:
+        _fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
 def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=False, layout="zigzag",
-                       softmax_scale=None, grad_dtype=None, cu_seqlens=None):
+                       softmax_scale=None, grad_dtype=None, cu_seqlens=None, window=None, softcap=None, sinks=None):
     """The backward of :func:`~fusedpar.ops.sp_attention.ring_attention`: ``(dq, dk, dv)`` of this rank's shard in
-    ``grad_dtype`` (default q's dtype), from the forward's ``out`` and ``lse``.
+    ``grad_dtype`` (default q's dtype), from the forward's ``out`` and ``lse``; with ``sinks``
+    also ``dsinks`` (fp32 ``[heads]``: this rank's query rows' part of the sinks' gradient, from
+    the final ``lse`` once; the kernels see the sinks through ``lse`` only).
 
     K/V travel as in the forward; the fp32 dK/dV sums of the block in hand travel with it, one
     ``ring_shift`` behind, and arrive back at the block's owner complete.
     """
     check_transport("transport", transport)
+    win = check_window(window)
     size, rank = transport.size, transport.rank
     grad_dtype = q.dtype if grad_dtype is None else grad_dtype
     if size == 1:
         grads = [torch.empty(t.shape, device=q.device, dtype=grad_dtype) for t in (q, k, v)]
-        segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device)
+        segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device, win)
         return flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                        dq=grads[0], dk=grads[1], dv=grads[2], segments=segments)
-    s = q.shape[1]
-    plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device)
+                                        dq=grads[0], dk=grads[1], dv=grads[2], segments=segments, window=window,
+                                        softcap=softcap, sinks=sinks)
+    s, d = q.shape[1], q.shape[3]
+    plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device, win)
     delta = attention_delta(out, dout).contiguous()
     lse = lse.contiguous()
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    kv = torch.stack((k, v))
+    kv = torch.cat((k, v), dim=3)
     nxt = torch.empty_like(kv)
     # dK/dV of the block in hand travel with it (fp32), one shift behind the K/V themselves
-    dkv_bufs = [torch.empty((2,) + tuple(k.shape), device=q.device, dtype=torch.float32) for _ in range(2)]
+    dkv_bufs = [torch.empty(kv.shape, device=q.device, dtype=torch.float32) for _ in range(2)]
     dkv_in = torch.empty_like(dkv_bufs[0])
     dkv_handle = None
     q_chunks = shard_chunks(layout, rank, size, s)
@@ -323,11 +356,12 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
         handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
         dkv = dkv_bufs[step % 2]  # its send two steps ago was waited on at the previous step
         dkv.zero_()
-        for qs, ks, qo, ko, c, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal):
-            flash_attention_backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], None, lse[:, :, qs],
-                                     delta=delta[:, :, qs], causal=c, softmax_scale=softmax_scale, q_offset=qo,
-                                     k_offset=ko, dq=dq[:, qs], dk=dkv[0][:, ks], dv=dkv[1][:, ks], accumulate=True,
-                                     segments=seg)
+        for qs, ks, qo, ko, masked, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal, win):
+            c, w = _mask(masked, causal, win)
+            flash_attention_backward(dout[:, qs], q[:, qs], kv[:, ks, :, :d], kv[:, ks, :, d:], None, lse[:, :, qs],
+                                     delta=delta[:, :, qs], causal=c, window=w, softcap=softcap,
+                                     softmax_scale=softmax_scale, q_offset=qo, k_offset=ko, dq=dq[:, qs],
+                                     dk=dkv[:, ks, :, :d], dv=dkv[:, ks, :, d:], accumulate=True, segments=seg)
         if dkv_handle is not None:
             dkv_handle.wait()  # the left neighbour's partial sums for block src
             dkv += dkv_in
@@ -336,8 +370,9 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
             handle.wait()
             kv, nxt = nxt, kv
     dkv_handle.wait()  # the finished sums for this rank's own block, from the left neighbour
-    # dv copied when it is a view (fp32): the three gradients never share storage (custom-op outputs)
-    return dq.to(grad_dtype), dkv_in[0].to(grad_dtype), dkv_in[1].to(grad_dtype, copy=True)
+    # views of one fp32 buffer, converted (copied): the gradients never share storage (custom-op outputs)
+    grads = (dq.to(grad_dtype), dkv_in[..., :d].to(grad_dtype, copy=True), dkv_in[..., d:].to(grad_dtype, copy=True))
+    return grads if sinks is None else (*grads, sink_grad(sinks, lse, delta))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,64 +399,80 @@ def ulysses_kv_heads(hq: int, hk: int, size: int):
 
 
 def _seq_to_heads(parts, transport, s_local):
-    """``parts``: ``[(tensor [b, s_local, size * n_i, d], n_i)]``. One all-to-all; returns the
-    packed full-sequence head shards ``[b, size * s_local, sum(n_i), d]`` (see :func:`split_heads`)."""
+    """``parts``: ``[(tensor [b, s_local, size * n_i, d_i], n_i)]``. One all-to-all; returns the
+    packed full-sequence head shards ``[b, size * s_local, sum(n_i * d_i)]`` (see :func:`split_heads`)."""
     size = transport.size
-    b, d = parts[0][0].shape[0], parts[0][0].shape[3]
-    widths = [n for _, n in parts]
-    send = torch.empty((size, b, s_local, sum(widths), d), device=parts[0][0].device, dtype=parts[0][0].dtype)
+    b = parts[0][0].shape[0]
+    widths = [n * t.shape[3] for t, n in parts]
+    send = torch.empty((size, b, s_local, sum(widths)), device=parts[0][0].device, dtype=parts[0][0].dtype)
     lo = 0
-    for t, n in parts:
-        send[:, :, :, lo:lo + n].copy_(t.unflatten(2, (size, n)).permute(2, 0, 1, 3, 4))
-        lo += n
+    for (t, n), w in zip(parts, widths):
+        send[:, :, :, lo:lo + w].copy_(t.unflatten(2, (size, n)).permute(2, 0, 1, 3, 4).flatten(3))
+        lo += w
     recv = torch.empty_like(send)
     transport.all_to_all(recv, send).wait()
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, size * s_local, sum(widths), d)
+    return recv.permute(1, 0, 2, 3).reshape(b, size * s_local, sum(widths))
 
 
 def split_heads(heads: torch.Tensor, widths) -> list:
-    """Views ``heads[:, :, lo:lo + n]`` of consecutive head groups of ``widths`` (the packed
-    q/k/v head shards of :func:`ulysses_attention_fwd`)."""
+    """Views ``[b, s, n, d]`` of consecutive head groups of ``widths`` (``(n, d)`` pairs) in the
+    packed q/k/v head shards ``[b, s, sum(n * d)]`` of :func:`ulysses_attention_fwd`."""
     views, lo = [], 0
-    for n in widths:
-        views.append(heads[:, :, lo:lo + n])
-        lo += n
+    for n, d in widths:
+        views.append(heads[:, :, lo:lo + n * d].unflatten(2, (n, d)))
+        lo += n * d
     return views
 
 
 def _heads_to_seq(parts, transport, dtype):
-    """``parts``: ``[tensor [b, size * s_local, n_i, d]]`` (head shards, full sequence). One
-    all-to-all; returns ``[b, s_local, size * n_i, d]`` per part (sequence shards, all heads)."""
+    """``parts``: ``[tensor [b, size * s_local, n_i, d_i]]`` (head shards, full sequence). One
+    all-to-all; returns ``[b, s_local, size * n_i, d_i]`` per part (sequence shards, all heads)."""
     size = transport.size
-    b, s_full, _, d = parts[0].shape
+    b, s_full = parts[0].shape[:2]
     s_local = s_full // size
-    widths = [t.shape[2] for t in parts]
-    send = torch.empty((size, b, s_local, sum(widths), d), device=parts[0].device, dtype=dtype)
+    widths = [t.shape[2] * t.shape[3] for t in parts]
+    send = torch.empty((size, b, s_local, sum(widths)), device=parts[0].device, dtype=dtype)
     lo = 0
-    for t in parts:
-        n = t.shape[2]
-        send[:, :, :, lo:lo + n].copy_(t.unflatten(1, (size, s_local)).permute(1, 0, 2, 3, 4))
-        lo += n
+    for t, w in zip(parts, widths):
+        send[:, :, :, lo:lo + w].copy_(t.unflatten(1, (size, s_local)).permute(1, 0, 2, 3, 4).flatten(3))
+        lo += w
     recv = torch.empty_like(send)
     transport.all_to_all(recv, send).wait()
     outs, lo = [], 0
-    for n in widths:
-        outs.append(recv[:, :, :, lo:lo + n].permute(1, 2, 0, 3, 4).contiguous().view(b, s_local, size * n, d))
-        lo += n
+    for t, w in zip(parts, widths):
+        n, d = t.shape[2:]
+        part = recv[:, :, :, lo:lo + w].unflatten(3, (n, d))  # [size, b, s_local, n, d]
+        outs.append(part.permute(1, 2, 0, 3, 4).contiguous().view(b, s_local, size * n, d))
+        lo += w
     return outs
 
 
+def head_widths(hq: int, hk: int, size: int, d: int, d_v: int) -> tuple:
+    """The ``(heads, head_dim)`` of the q, k and v head shards one rank of a Ulysses group of
+    ``size`` holds (:func:`split_heads` of the packed shards)."""
+    hk_l = ulysses_kv_heads(hq, hk, size)[1]
+    return (hq // size, d), (hk_l, d), (hk_l, d_v)
+
+
+def _local_sinks(sinks, transport, heads):
+    """This rank's slice of the sink logits: the ``heads`` query heads the all-to-all gave it."""
+    return None if sinks is None else sinks[transport.rank * heads:(transport.rank + 1) * heads]
+
+
 def ulysses_attention_fwd(q, k, v, transport: Transport, *, ring_transport: Transport | None = None, causal=False,
-                          layout="contiguous", softmax_scale=None, cu_seqlens=None):
+                          layout="contiguous", softmax_scale=None, cu_seqlens=None, window=None, softcap=None,
+                          sinks=None):
     """The forward of :func:`~fusedpar.ops.sp_attention.ulysses_attention` (``ring_transport=None``)
     and of :func:`~fusedpar.ops.sp_attention.hybrid_attention` (ring attention over
     ``ring_transport`` on the head shards).
 
-    Returns ``(out, saved)``: ``out`` this rank's output shard (q's shape and dtype) and
-    ``saved = (heads, out_heads, lse)``: the q, k and v head shards packed along the heads
-    (``[b, size * s_local, heads/size + 2 * kv_heads_per_rank, d]``, :func:`split_heads` with
-    :func:`ulysses_kv_heads`), the output's and the lse, what :func:`ulysses_attention_bwd` takes.
+    Returns ``(out, saved)``: ``out`` this rank's output shard (``[b, s_local, heads, d_v]``, q's
+    dtype) and ``saved = (heads, out_heads, lse)``: the q, k and v head shards packed along the
+    last dim (``[b, size * s_local, sum(n * d)]`` over :func:`head_widths`, see
+    :func:`split_heads`), the output's and the lse, what :func:`ulysses_attention_bwd` takes.
     In a group of one ``heads`` and ``out_heads`` are None (they are q, k, v and ``out``).
+    ``window``, ``softcap`` as in the ring; ``sinks`` (``[heads]``): each rank applies the slice
+    of its query heads.
     """
     check_transport("transport", transport)
     if ring_transport is not None:
@@ -434,15 +485,16 @@ def ulysses_attention_fwd(q, k, v, transport: Transport, *, ring_transport: Tran
         idx = torch.tensor(kv_idx, device=q.device)
         ks, vs = (k, v) if len(kv_idx) == hk else (k.index_select(2, idx), v.index_select(2, idx))
         heads = _seq_to_heads([(q, hq // size), (ks, hk_l), (vs, hk_l)], transport, q.shape[1])
-        ql, kl, vl = split_heads(heads, (hq // size, hk_l, hk_l))
+        ql, kl, vl = split_heads(heads, head_widths(hq, hk, size, q.shape[3], v.shape[3]))
     else:
         heads, (ql, kl, vl) = None, (q, k, v)
+    scores = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                  sinks=_local_sinks(sinks, transport, hq // size))
     if ring_transport is None:
-        segments = _whole_sequence_segments(cu_seqlens, ql.shape[1], causal, q.device)
-        out_l, lse = flash_attention_forward(ql, kl, vl, causal=causal, softmax_scale=softmax_scale, segments=segments)
+        segments = _whole_sequence_segments(cu_seqlens, ql.shape[1], causal, q.device, check_window(window))
+        out_l, lse = flash_attention_forward(ql, kl, vl, segments=segments, **scores)
     else:
-        out_l, lse = ring_attention_fwd(ql, kl, vl, ring_transport, causal=causal, layout=layout,
-                                        softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+        out_l, lse = ring_attention_fwd(ql, kl, vl, ring_transport, layout=layout, cu_seqlens=cu_seqlens, **scores)
     if size == 1:
         return out_l, (None, None, lse)
     return _heads_to_seq([out_l], transport, q.dtype)[0], (heads, out_l, lse)
@@ -450,34 +502,42 @@ def ulysses_attention_fwd(q, k, v, transport: Transport, *, ring_transport: Tran
 
 def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, transport: Transport, *, kv_heads: int,
                           ring_transport: Transport | None = None, causal=False, layout="contiguous",
-                          softmax_scale=None, cu_seqlens=None):
+                          softmax_scale=None, cu_seqlens=None, window=None, softcap=None, sinks=None):
     """The backward of :func:`ulysses_attention_fwd` from its ``saved`` tensors (the packed heads
     split, or q, k, v and out in a group of one): ``(dq, dk, dv)`` of this rank's sequence shard;
-    ``kv_heads`` is the number of kv heads of the input k/v."""
+    ``kv_heads`` is the number of kv heads of the input k/v. With ``sinks`` also ``dsinks``
+    (fp32 ``[heads]``): this rank's heads' slice over the whole sequence, zero elsewhere (the
+    sum over the group is the sinks' gradient)."""
     check_transport("transport", transport)
     size = transport.size
     dtype = q_heads.dtype
-    kv_idx, _ = ulysses_kv_heads(q_heads.shape[2] * size, kv_heads, size)
+    hq_l = q_heads.shape[2]
+    kv_idx, _ = ulysses_kv_heads(hq_l * size, kv_heads, size)
     replicated = len(kv_idx) != kv_heads
     # replicated kv heads are summed over ranks after the all-to-all: keep those sums in fp32
     grad_dtype = torch.float32 if replicated else dtype
-    dout_l = _seq_to_heads([(dout, q_heads.shape[2])], transport, dout.shape[1]) if size > 1 else dout
+    dout_l = _seq_to_heads([(dout, hq_l)], transport, dout.shape[1]).unflatten(2, (hq_l, -1)) if size > 1 else dout
     args = (dout_l, q_heads, k_heads, v_heads, out_heads, lse)
+    scores = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                  sinks=_local_sinks(sinks, transport, hq_l))
     if ring_transport is None:
         grads = [torch.empty(t.shape, device=dout.device, dtype=grad_dtype) for t in (q_heads, k_heads, v_heads)]
-        segments = _whole_sequence_segments(cu_seqlens, q_heads.shape[1], causal, dout.device)
-        flash_attention_backward(*args, causal=causal, softmax_scale=softmax_scale, dq=grads[0], dk=grads[1],
-                                 dv=grads[2], segments=segments)
+        segments = _whole_sequence_segments(cu_seqlens, q_heads.shape[1], causal, dout.device, check_window(window))
+        grads = flash_attention_backward(*args, dq=grads[0], dk=grads[1], dv=grads[2], segments=segments, **scores)
     else:
-        grads = ring_attention_bwd(*args, ring_transport, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                                   grad_dtype=grad_dtype, cu_seqlens=cu_seqlens)
-    if size == 1:
-        return tuple(grads)
-    dq, dk, dv = _heads_to_seq(list(grads), transport, grad_dtype)
+        grads = ring_attention_bwd(*args, ring_transport, layout=layout, grad_dtype=grad_dtype, cu_seqlens=cu_seqlens,
+                                   **scores)
+    dsinks = None
+    if sinks is not None:
+        dsinks = torch.zeros(sinks.shape, device=sinks.device, dtype=torch.float32)
+        dsinks[transport.rank * hq_l:(transport.rank + 1) * hq_l] = grads[3]
+    dq, dk, dv = grads[:3]
+    if size > 1:
+        dq, dk, dv = _heads_to_seq([dq, dk, dv], transport, grad_dtype)
     if replicated:
         idx = torch.tensor(kv_idx, device=dq.device)
-        b, s, _, d = dk.shape
-        dk = torch.zeros((b, s, kv_heads, d), device=dq.device, dtype=torch.float32).index_add_(2, idx, dk)
-        dv = torch.zeros((b, s, kv_heads, d), device=dq.device, dtype=torch.float32).index_add_(2, idx, dv)
+        b, s = dk.shape[:2]
+        dk = torch.zeros((b, s, kv_heads, dk.shape[3]), device=dq.device, dtype=torch.float32).index_add_(2, idx, dk)
+        dv = torch.zeros((b, s, kv_heads, dv.shape[3]), device=dq.device, dtype=torch.float32).index_add_(2, idx, dv)
         dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
-    return dq, dk, dv
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)

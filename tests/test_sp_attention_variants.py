@@ -1,0 +1,219 @@
+"""Attention variants under sequence parallelism on a real gloo world of 4: sliding windows (in
+global positions, crossing shard boundaries, smaller than a zigzag chunk, both sides),
+softcapping, attention sinks and a v head dim other than q/k's, through ring attention (zigzag
+and contiguous over 4), Ulysses over 4 (kv heads split and replicated) and the 2 x 2 hybrid,
+dense and on packed documents. Each rank's output and q/k/v gradients equal the fp64
+one-process reference at its positions; the sinks' gradient summed over the group equals the
+reference's."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from _utils import assert_close, randn
+from _world import rank_rng, straggle, world_fixture
+from fusedpar.kernels import attention_reference, varlen_attention_reference
+from fusedpar.ops import comm, hybrid_attention, ring_attention, shard_positions, ulysses_attention
+from fusedpar.ops.sp_attention_schedules import ring_step_plan, shard_chunks
+from fusedpar.ops.transport import EmulatedTransport
+
+world4 = world_fixture(4)
+
+# fp32 against the fp64 reference, relative to the reference's RMS: the ring merges 4 partial
+# softmaxes in fp32 and folds the sinks in once (~1e-6 relative each), as in test_sp_attention.
+TOL = 2e-5
+
+
+def _inputs(seed, S, hq, hk, d, dv, sinks):
+    g = rank_rng(seed)  # the same full tensors on every rank
+    q, k, v, do = (randn(*shape, generator=g) for shape in ((1, S, hq, d), (1, S, hk, d), (1, S, hk, dv),
+                                                           (1, S, hq, dv)))
+    s = randn(hq, generator=g) if sinks else None
+    return q, k, v, do, s
+
+
+def _reference(q, k, v, do, sinks, opts, cu):
+    """fp64 ``(out, dq, dk, dv, dsinks)`` of the full sequence (per document with ``cu``)."""
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    sr = None if sinks is None else sinks.double().requires_grad_()
+    if cu is None:
+        out = attention_reference(*leaves, sinks=sr, **opts)[0]
+    else:
+        out = varlen_attention_reference(*(t[0] for t in leaves), cu, cu, sinks=sr, **opts)[0][None]
+    grads = torch.autograd.grad(out, leaves + ([sr] if sr is not None else []), do.double())
+    return (out.detach(), *grads)
+
+
+def _compare(fn, full, pos, opts, msg, cu=None, group=None):
+    q, k, v, do, sinks = full
+    shards = [t.index_select(1, pos).requires_grad_() for t in (q, k, v)]
+    s = None if sinks is None else sinks.clone().requires_grad_()
+    out = fn(*shards, s)
+    grads = list(torch.autograd.grad(out, shards + ([s] if s is not None else []), do.index_select(1, pos)))
+    if s is not None:  # each rank holds its part of the sinks' gradient
+        dist.all_reduce(grads[3], group=group)
+    ref = _reference(q, k, v, do, sinks, opts, cu)
+    names = ("out", "dq", "dk", "dv", "dsinks")
+    for name, got, r in zip(names, (out, *grads), ref):
+        r = r if name == "dsinks" else r.index_select(1, pos)
+        scale = max(r.pow(2).mean().sqrt().item(), 1.0)  # errors scale with |dout| = 1 as well
+        assert_close(got, r, torch.float32, rtol=TOL, atol=TOL * scale, msg=f"{name} {msg}")
+
+
+def _documents(S):
+    """A length-1 document, documents crossing shard boundaries, one spanning several ranks."""
+    return torch.tensor([0, 1, 9, S - 3, S], dtype=torch.int32)
+
+
+# (layout, causal, window, softcap, sinks, hq, hk, d, dv, documents); s_local 6, zigzag chunks of 3
+RING_CASES = [
+    ("zigzag", True, (2, 0), None, True, 2, 1, 16, 8, False),  # window smaller than a chunk
+    ("zigzag", True, (9, 0), 5.0, False, 2, 2, 16, 16, False),  # window over several ranks' chunks
+    ("contiguous", False, (4, 7), None, True, 2, 1, 8, 16, False),  # both sides, non-causal
+    ("contiguous", True, None, 3.0, True, 2, 1, 16, 16, False),  # softcap and sinks, full causal
+    ("zigzag", True, (4, 0), 5.0, True, 2, 1, 16, 8, True),  # documents with a window
+    ("contiguous", False, (3, 2), None, False, 2, 2, 16, 16, True),
+]
+
+
+def _ring_cases(rank, size, seed, s_local):
+    straggle(0.01, seed)
+    S = s_local * size
+    try:
+        for i, (layout, causal, window, softcap, sinks, hq, hk, d, dv, docs) in enumerate(RING_CASES):
+            full = _inputs(seed + i, S, hq, hk, d, dv, sinks)
+            cu = _documents(S) if docs else None
+            pos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
+            opts = dict(causal=causal, window=window, softcap=softcap)
+            _compare(lambda q, k, v, s: ring_attention(q, k, v, layout=layout, sinks=s, cu_seqlens=cu, **opts),
+                     full, pos, opts, cu=cu, msg=f"ring case {i} rank {rank}")
+    finally:
+        comm.set_straggler(0)
+    return True
+
+
+def test_ring_variants(world4):
+    assert all(world4.run(_ring_cases, seed=1, s_local=6))
+
+
+# (causal, window, softcap, sinks, hq, hk, d, dv, documents): kv heads split, replicated
+ULYSSES_CASES = [
+    (True, (3, 0), 4.0, True, 4, 2, 16, 8, False),
+    (False, (2, 5), None, True, 8, 1, 8, 16, False),
+    (True, (5, 0), None, True, 4, 4, 16, 16, True),
+]
+
+
+def _ulysses_cases(rank, size, seed, s_local):
+    straggle(0.01, seed)
+    S = s_local * size
+    try:
+        for i, (causal, window, softcap, sinks, hq, hk, d, dv, docs) in enumerate(ULYSSES_CASES):
+            full = _inputs(seed + i, S, hq, hk, d, dv, sinks)
+            cu = _documents(S) if docs else None
+            pos = torch.arange(rank * s_local, (rank + 1) * s_local)
+            opts = dict(causal=causal, window=window, softcap=softcap)
+            _compare(lambda q, k, v, s: ulysses_attention(q, k, v, sinks=s, cu_seqlens=cu, **opts), full, pos, opts,
+                     cu=cu, msg=f"ulysses case {i} rank {rank}")
+    finally:
+        comm.set_straggler(0)
+    return True
+
+
+def test_ulysses_variants(world4):
+    assert all(world4.run(_ulysses_cases, seed=10, s_local=5))
+
+
+def _hybrid_cases(rank, size, seed):
+    # 2 x 2: ulysses groups {0,1} {2,3}, ring groups {0,2} {1,3}
+    uly = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ring = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    u_group, r_group = uly[rank // 2], ring[rank % 2]
+    u_rank, r_rank = rank % 2, rank // 2
+    straggle(0.01, seed)
+    S = 24
+    try:
+        for i, (layout, causal, window, docs) in enumerate([("zigzag", True, (4, 0), False),
+                                                            ("contiguous", False, (2, 9), True)]):
+            full = _inputs(seed + i, S, 4, 2, 16, 8, True)
+            cu = _documents(S) if docs else None
+            pos = shard_positions(S, layout=layout, ring_rank=r_rank, ring_size=2, ulysses_rank=u_rank,
+                                  ulysses_size=2)
+            opts = dict(causal=causal, window=window, softcap=6.0)
+            _compare(lambda q, k, v, s: hybrid_attention(q, k, v, ulysses_group=u_group, ring_group=r_group,
+                                                         layout=layout, sinks=s, cu_seqlens=cu, **opts),
+                     full, pos, opts, cu=cu, msg=f"hybrid case {i} rank {rank}")
+    finally:
+        comm.set_straggler(0)
+    return True
+
+
+def test_hybrid_variants(world4):
+    assert all(world4.run(_hybrid_cases, seed=20))
+
+
+def _disagreeing_window(rank, size):
+    # one rank asks for another window: every rank raises the same error before any transfer
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="window"):
+        ring_attention(q, q, q, causal=True, window=(2, 0) if rank else (3, 0))
+    return True
+
+
+def test_ranks_agree_on_the_window(world4):
+    assert all(world4.run(_disagreeing_window))
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal, window", [(True, (2, 0)), (True, (7, 0)), (False, (3, 5)), (False, (0, 0))])
+def test_windowed_ring_plan_covers_the_window_once(layout, causal, window):
+    # every (query, key) pair inside the window is computed exactly once over the ring; blocks
+    # outside every query's window launch nothing; an unmasked launch sees only visible pairs
+    size, s = 4, 6
+    S = size * s
+    qi_all, kj_all = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    right = 0 if causal else window[1]
+    want = (kj_all >= qi_all - window[0]) & (kj_all <= qi_all + right)
+    seen = torch.zeros(S, S, dtype=torch.int64)
+    for rank in range(size):
+        qpos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
+        for step in range(size):
+            src = (rank - step) % size
+            kpos = shard_positions(S, layout=layout, ring_rank=src, ring_size=size)
+            launches = ring_step_plan(shard_chunks(layout, rank, size, s), shard_chunks(layout, src, size, s), causal,
+                                      window)
+            for qs, ks, qo, ko, masked in launches:
+                qi, kj = qpos[qs][:, None], kpos[ks][None, :]
+                vis = want[qi, kj]
+                assert vis.any(), "a launch with nothing visible"
+                if masked:  # offsets must be the chunks' true global starts
+                    assert qo == qpos[qs][0] and ko == kpos[ks][0]
+                else:
+                    assert bool(vis.all()), "an unmasked launch must see only visible keys"
+                seen[qi.expand_as(vis)[vis], kj.expand_as(vis)[vis]] += 1
+    assert torch.equal(seen, want.long())
+
+
+_Q = (1, 8, 2, 16)
+
+
+# (id, exception, message pattern, keyword arguments)
+BAD_OPTIONS = [
+    ("window shape", TypeError, "window must be None or a", dict(window=3)),
+    ("window value", ValueError, r"window\[0\] \(left\)", dict(window=(-2, 0))),
+    ("softcap", ValueError, "softcap", dict(softcap=-1.0)),
+    ("sinks shape", ValueError, r"sinks must have shape \(2,\)", dict(sinks=torch.zeros(3))),
+    ("sinks dtype", TypeError, "sinks", dict(sinks=torch.zeros(2, dtype=torch.float64))),
+]
+
+
+@pytest.mark.parametrize("exc, pattern, kwargs", [c[1:] for c in BAD_OPTIONS], ids=[c[0] for c in BAD_OPTIONS])
+@pytest.mark.parametrize("op", ["ring", "ulysses", "hybrid"])
+def test_bad_options(op, exc, pattern, kwargs):
+    q = torch.randn(*_Q)
+    t = EmulatedTransport(2)
+    call = {"ring": lambda: ring_attention(q, q, q, transport=t, **kwargs),
+            "ulysses": lambda: ulysses_attention(q, q, q, transport=t, **kwargs),
+            "hybrid": lambda: hybrid_attention(q, q, q, ulysses_transport=t, ring_transport=EmulatedTransport(2),
+                                               **kwargs)}[op]
+    with pytest.raises(exc, match=pattern):
+        call()
