@@ -33,6 +33,8 @@ def _reference_grads(ref, tp_rank, tp_size, hl, kl, d):
                        gv[tp_rank * kl * d:(tp_rank + 1) * kl * d]])
     n = ref.o_proj.in_features // tp_size
     out = {"qkv.weight": qkv_w, "proj.weight": ref.o_proj.weight.grad[:, tp_rank * n:(tp_rank + 1) * n]}
+    if ref.q_norm is not None:  # replicated [head_dim] scales: every head's (every tp rank's) share summed
+        out["q_norm.weight"], out["k_norm.weight"] = ref.q_norm.weight.grad, ref.k_norm.weight.grad
     if ref.q_proj.bias is not None:
         bq, bk, bv = (p.bias.grad for p in (ref.q_proj, ref.k_proj, ref.v_proj))
         out["qkv.bias"] = torch.cat([bq[tp_rank * hl * d:(tp_rank + 1) * hl * d],
@@ -60,15 +62,18 @@ def _cases(rank, size, seed):
              2, 2, False, 16, 1, docs),
             ("hybrid 2x2, documents", dict(tp_group=single, ulysses_group=row, ring_group=col, sp_mode="hybrid"),
              4, 2, False, 16, 1, docs),
+            ("tp2 x ulysses2, q/k norms", dict(tp_group=row, sp_group=col, sp_mode="ulysses", qk_norm=True),
+             4, 2, True, 8, 1, None),
         ]
         for i, (name, kw, hq, hk, bias, S, b, cu) in enumerate(cases):
             d, hidden = 8, 32
             torch.manual_seed(seed + i)  # the same full weights on every rank, at every parallel degree
-            ref = AttentionReference(hidden, hq, hk, bias=bias, causal=True, rope_theta=500.0, head_dim=d)
+            norms = dict(qk_norm=kw.get("qk_norm", False))
+            ref = AttentionReference(hidden, hq, hk, bias=bias, causal=True, rope_theta=500.0, head_dim=d, **norms)
             torch.manual_seed(seed + i)
             mod = ParallelAttention(hidden, hq, hk, bias=bias, causal=True, rope_theta=500.0, head_dim=d, **kw)
             # from_reference shards the same weights
-            mod2 = ParallelAttention.from_reference(ref, **kw)
+            mod2 = ParallelAttention.from_reference(ref, **{k: v for k, v in kw.items() if k not in norms})
             for (n1, p1), (n2, p2) in zip(mod.named_parameters(), mod2.named_parameters()):
                 assert n1 == n2 and torch.equal(p1, p2), f"{name}: {n1} differs between init and from_reference"
             x = torch.randn(b, S, hidden, generator=rank_rng(seed + i))

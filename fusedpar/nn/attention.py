@@ -30,7 +30,7 @@ from fusedpar.kernels.flash_attention import attention_reference, check_window, 
 from fusedpar.nn.groups import check_divides, check_orthogonal, group_arg
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
-from fusedpar.nn.placement import Placement
+from fusedpar.nn.placement import Placement, gradient_sync_plan
 from fusedpar.ops import comm
 from fusedpar.ops.sp_attention import LAYOUTS, shard_positions, ulysses_kv_heads
 from fusedpar.ops.sp_attention import hybrid_attention, ring_attention, ulysses_attention
@@ -417,13 +417,19 @@ class ParallelAttention(nn.Module):
 
     def reduce_sequence_parallel_grads(self):
         """Sum the parameter gradients over the sequence-parallel group(s), in place (hybrid: over
-        the Ulysses group, then the ring group, i.e. over the whole 2-D grid)."""
-        for p in self.parameters():
+        the Ulysses group, then the ring group, i.e. over the whole 2-D grid), and the gradients of
+        the parameters declared "replicated" (q / k norm scales, the output bias: each tp rank's
+        covers its heads or its tokens) over the tp group too: the rule
+        :func:`fusedpar.parallel.sync_gradients` applies to the same placements."""
+        plan = gradient_sync_plan(self)
+        for name, p in self.named_parameters():
             if p.grad is None:
                 continue
             for t in self.sp_transports:
                 if t.size > 1:
                     t.all_reduce(p.grad).wait()
+            if plan[name] == "replicated" and self.tp_size > 1:
+                comm.all_reduce(p.grad, self.tp_group).wait()
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads} (local {self.heads_local}), "

@@ -308,9 +308,11 @@ class RowParallelLinear(_TPLinearBase):
         return Placement.tp(self.group, 1)
 
     def bias_placement(self) -> Placement:
-        """Whole on every rank, added once after the reduction: each rank's gradient covers the
-        tokens its output holds (its sequence shard when sequence parallel)."""
-        return Placement.replicated(sequence_sharded=self.sequence_parallel)
+        """Whole on every rank, added once after the reduction. Its gradient is whole over the tp
+        group's tokens on every rank (kind "dense", nothing to sum over tp): the reduce-scatter's
+        backward all-gathers the output gradient and every rank sums every chunk; the all-reduce's
+        output gradient is replicated."""
+        return Placement.replicated(sequence_sharded=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False, **kwargs):
