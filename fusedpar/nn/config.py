@@ -70,6 +70,9 @@ class TransformerConfig:
     bias_update_rate: float = 0.0  # aux-loss-free balancing: Transformer.update_router_bias after opt.step()
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (added to the aux loss)
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    # DeepSeek-V3 / GLM-4.5 MoE layout (defaults keep the earlier behaviour)
+    first_k_dense_replace: int = 0  # HF first_k_dense_replace: blocks 0..k-1 stay dense
+    shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3 / GLM-4.5)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -92,7 +95,7 @@ class TransformerConfig:
 
     def is_moe(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer % self.moe_every == self.moe_every - 1
-                and layer not in self.dense_layers)
+                and layer not in self.dense_layers and layer >= self.first_k_dense_replace)
 
     def block_kwargs(self, layer: int) -> dict:
         """The :class:`TransformerBlock` keyword arguments of block ``layer`` (sizes and options)."""
@@ -105,6 +108,7 @@ class TransformerConfig:
                     rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
+                    shared_expert_gate=self.shared_expert_gate,
                     router_options=self.router_options())
 
     def router_options(self) -> dict:
@@ -134,7 +138,8 @@ def check_config_values(cfg: "TransformerConfig") -> None:
         check_routing_config(cfg.num_experts, cfg.top_k, score=cfg.score_func, n_group=cfg.n_group,
                              topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor, prefix="TransformerConfig.",
                              score_name="score_func")
-    for name in ("score_correction_bias", "router_bias"):
+    check_int("TransformerConfig.first_k_dense_replace", cfg.first_k_dense_replace, min_value=0)
+    for name in ("score_correction_bias", "router_bias", "shared_expert_gate"):
         check_bool(f"TransformerConfig.{name}", getattr(cfg, name))
     for name in ("bias_update_rate", "seq_aux_loss_coef"):
         v = getattr(cfg, name)
