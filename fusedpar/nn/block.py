@@ -39,7 +39,7 @@ class TransformerBlock(nn.Module):
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, head_dim: int | None = None,
                  qkv_bias: bool = False, qk_norm: bool = False, norm_topk_prob: bool | None = None,
                  shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = True,
-                 router_options: dict | None = None):
+                 router_options: dict | None = None, rotary_dim: int | None = None):
         super().__init__()
         self.hidden_size = hidden_size
         self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
@@ -47,7 +47,7 @@ class TransformerBlock(nn.Module):
                                       sp_mode=sp_mode, causal=causal, bias=False, layout=layout,
                                       ulysses_group=ulysses_group, ring_group=ring_group, device=device, dtype=dtype,
                                       rope_theta=rope_theta, rope_scaling=rope_scaling, head_dim=head_dim,
-                                      qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps)
+                                      qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps, rotary_dim=rotary_dim)
         self.norm2 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
         self.is_moe = num_experts > 0
         self.shared_expert = self.shared_expert_gate = None

@@ -73,6 +73,7 @@ class TransformerConfig:
     # DeepSeek-V3 / GLM-4.5 MoE layout (defaults keep the earlier behaviour)
     first_k_dense_replace: int = 0  # HF first_k_dense_replace: blocks 0..k-1 stay dense
     shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3 / GLM-4.5)
+    partial_rotary_factor: float = 1.0  # GLM-4.5: rotary on the first int(head_dim * factor) features of a head
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -108,8 +109,14 @@ class TransformerConfig:
                     rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
-                    shared_expert_gate=self.shared_expert_gate,
+                    shared_expert_gate=self.shared_expert_gate, rotary_dim=self.rotary_dim(),
                     router_options=self.router_options())
+
+    def rotary_dim(self) -> int | None:
+        """The rotated features per head (HF: ``int(head_dim * partial_rotary_factor)``); None: all."""
+        if self.partial_rotary_factor == 1.0:
+            return None
+        return int((self.head_dim or self.hidden_size // self.num_heads) * self.partial_rotary_factor)
 
     def router_options(self) -> dict:
         """The :class:`MoE` router keyword arguments of the routing fields."""
@@ -148,6 +155,13 @@ def check_config_values(cfg: "TransformerConfig") -> None:
     if cfg.capacity_factor is not None:
         check_positive_number("TransformerConfig.capacity_factor", cfg.capacity_factor)
     check_positive_number("TransformerConfig.norm_eps", cfg.norm_eps)
+    f = cfg.partial_rotary_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+        raise ValueError(f"TransformerConfig.partial_rotary_factor must be a number in (0, 1], got {f!r}")
+    r = cfg.rotary_dim()
+    if r is not None and (r < 2 or r % 2):
+        raise ValueError(f"TransformerConfig.partial_rotary_factor={f} must give an even rotary dim >= 2 "
+                         f"(int(head_dim * factor)), got {r}")
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
