@@ -273,6 +273,20 @@ def _tp_mlp(mlp: nn.Module, tp_group) -> None:
     mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=tp_group)
 
 
+def _head_norm_placements() -> dict[str, Placement]:
+    return {"weight": Placement.replicated(sequence_sharded=True)}
+
+
+def _declare_head_norms(attn: nn.Module) -> None:
+    """HF's qk-norm scales (Qwen3, GLM-4.5) are shared by all heads; with the heads split over tp
+    each rank's gradient covers only its own heads: declared "replicated", summed over tp by
+    :func:`fusedpar.parallel.sync_gradients`."""
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        if isinstance(norm, nn.Module):
+            norm.placements = _head_norm_placements
+
+
 def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
     gate, experts = block.gate, block.experts
     E, k = gate.weight.shape[0], config_number(config, "num_experts_per_tok", "parallelize")
@@ -363,6 +377,7 @@ def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=N
             for name in ("q_proj", "k_proj", "v_proj"):
                 setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=tp_group))
             attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
+            _declare_head_norms(attn)
         if hasattr(layer.mlp, "experts") and ep_group is not None:
             layer.mlp = _moe_block(layer.mlp, config, tp_group, ep_group)
         elif tp_group is not None and not hasattr(layer.mlp, "experts"):  # (no ep_group: HF's MoE block stays)
