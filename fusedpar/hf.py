@@ -1,8 +1,9 @@
 """Hugging Face models in and out of :class:`fusedpar.nn.Transformer`.
 
 * :func:`config_from_hf`: a ``transformers`` config (Llama 2/3/3.1, Mistral, Qwen2, Qwen3,
-  Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 MoE ``glm4_moe``) -> :class:`~fusedpar.nn.TransformerConfig`; any field value the
-  model does not implement raises ``ValueError`` naming it.
+  Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 MoE ``glm4_moe``) ->
+  :class:`~fusedpar.nn.TransformerConfig`; any field value the model does not implement raises
+  ``ValueError`` naming it.
 * :func:`from_hf`: a ``transformers`` model, or a checkpoint directory (``config.json`` +
   ``*.safetensors``, read file by file), -> a :class:`~fusedpar.nn.Transformer` at any tp / sp / ep
   layout. The model is built on the meta device and every rank materialises only its shards.

@@ -285,7 +285,8 @@ class ParallelAttention(nn.Module):
         ref = _reference if _reference is not None else AttentionReference(
             hidden_size, num_heads, num_kv_heads, causal=causal, bias=bias, rope_theta=rope_theta, head_dim=head_dim,
             qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, rope_scaling=rope_scaling,
-            rotary_dim=rotary_dim, device="meta" if device is not None and torch.device(device).type == "meta" else None)
+            rotary_dim=rotary_dim,
+            device="meta" if device is not None and torch.device(device).type == "meta" else None)
         self.rope_scaling = ref.rope_scaling
         self._shard_from(ref, device=device, dtype=dtype)
 
