@@ -5,7 +5,7 @@ column block) walks that expert's groups in order and their rows in ``BLOCK_M`` 
 in fp32. The order of every addition is fixed by the offsets and the (constant) block sizes, so
 the result is bit-identical from run to run (an ``index_add_`` / atomic scatter is not on a GPU).
 The offsets are read on the device (no host sync); tail rows past ``offsets[G]`` count for no
-expert. Row addresses are formed in 64 bits.
+expert. Addresses are formed in 64 bits.
 
 Layers: ``@triton.jit`` kernel -> launcher (validate, allocate, launch) -> float64 reference.
 """
@@ -27,7 +27,7 @@ _BLOCK_M, _BLOCK_N = 32, 64  # fixed (never autotuned): the summation order must
 def _grouped_bias_grad_kernel(grad_ptr, offsets_ptr, out_ptr, G, E, N, s_gm, s_gn, s_oe, s_on,
                               ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     e = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cmask = cols < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for grp in range(e, G, E):
@@ -38,7 +38,7 @@ def _grouped_bias_grad_kernel(grad_ptr, offsets_ptr, out_ptr, G, E, N, s_gm, s_g
             mask = (rows < hi)[:, None] & cmask[None, :]
             tile = tl.load(grad_ptr + rows[:, None] * s_gm + cols[None, :] * s_gn, mask=mask, other=0.0)
             acc += tl.sum(tile.to(tl.float32), axis=0)
-    ptrs = out_ptr + e * s_oe + cols * s_on
+    ptrs = out_ptr + e.to(tl.int64) * s_oe + cols * s_on
     if ACCUMULATE:
         acc += tl.load(ptrs, mask=cmask, other=0.0).to(tl.float32)
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=cmask)
