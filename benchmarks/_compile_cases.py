@@ -11,6 +11,7 @@ import torch
 from fusedpar.kernels import (
     combine,
     combine_backward,
+    grouped_bias_grad,
     grouped_matmul,
     grouped_matmul_dact,
     grouped_wgrad,
@@ -182,6 +183,11 @@ def _gpt_oss_cases():
             meta(M, F, dtype=dt), meta(E, H, F, dtype=dt), off, bias=meta(E, H, dtype=dt))),
         Case("grouped", "gpt-oss dgrad swiglu_oai", True, lambda dt: grouped_matmul_dact(
             meta(M, H, dtype=dt), meta(E, H, F, dtype=dt), off, meta(M, 2 * F, dtype=dt), activation="swiglu_oai")),
+        Case("moe", "gpt-oss bias grad", True, lambda dt: grouped_bias_grad(
+            meta(M, 2 * F, dtype=dt), off, E, check_offsets=False)),
+        Case("moe", "gpt-oss bias grad accumulate", False, lambda dt: grouped_bias_grad(
+            meta(M, H, dtype=dt), off, E, out=meta(E, H, dtype=torch.float32), accumulate=True,
+            check_offsets=False)),
     ]
 
 

@@ -11,7 +11,13 @@ Rows (each with a correctness check against its baseline before timing):
   backward against a per-expert loop in plain torch (index, two matmuls, index_add);
 * ``ep_layer_fwd_bwd``: the shipped expert-parallel schedule of ``fusedpar.ops.moe_mlp``
   (chunked all-to-all-v, expert GEMMs of a chunk while later chunks travel) as rank 0 of ``--ep``
-  ranks emulated on this device (``EmulatedTransport``), against the same layer on one rank.
+  ranks emulated on this device (``EmulatedTransport``), against the same layer on one rank;
+* ``deepseek_v3_layer_fwd_bwd``: DeepSeek-V3's routed layer, router included (``fusedpar.nn.MoE``:
+  sigmoid scores, the selection-only correction bias, 8 groups of which the top 4 are searched,
+  top-8 of 256 experts, renormalised weights times 2.5; hidden 7168, expert ffn 2048, ``--tokens``
+  default 4096) forward + backward against the same router in plain torch (transformers'
+  ``DeepseekV3TopkRouter`` formulas) and the per-expert loop. Its own shape (``--hidden``,
+  ``--ffn``, ``--experts``, ``--top-k`` do not apply); off GPU 16 experts, top-4, hidden 32.
 
 Default GPU shape: hidden 4096, 64 experts, top-8, 8192 tokens, ffn 1024 (bf16). Off GPU a tiny
 smoke shape runs under the interpreter (its numbers are not performance).
@@ -172,6 +178,75 @@ def _layer_row(ctx, d):
             "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err}
 
 
+DEEPSEEK_V3 = dict(hidden=7168, ffn=2048, experts=256, top_k=8, n_group=8, topk_group=4, scale=2.5)
+DEEPSEEK_V3_SMOKE = dict(DEEPSEEK_V3, hidden=32, ffn=16, experts=16, top_k=4)
+
+
+def _torch_deepseek_router(x, weight, bias, c):
+    """DeepSeek-V3's router in plain torch: sigmoid scores; groups ranked by the sum of their two
+    best biased scores; the top-k of the best groups' biased scores; weights the unbiased scores
+    of those, renormalised, times the scaling factor."""
+    import torch
+
+    scores = torch.sigmoid(x.float() @ weight.float().t())
+    biased = scores + bias
+    T, E = scores.shape
+    group = biased.view(T, c["n_group"], E // c["n_group"]).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(group).scatter_(1, group.topk(c["topk_group"], dim=-1).indices, 1.0)
+    mask = keep.repeat_interleave(E // c["n_group"], dim=1).bool()
+    ids = biased.masked_fill(~mask, float("-inf")).topk(c["top_k"], dim=-1).indices
+    w = scores.gather(1, ids)
+    return w / w.sum(-1, keepdim=True) * c["scale"], ids
+
+
+def _deepseek_v3_row(ctx, args):
+    """The DeepSeek-V3 routed layer (router + experts) forward + backward vs plain torch. The two
+    routers may order near-ties differently in the last bit: outputs are compared on the tokens
+    whose chosen experts agree (all but a few; fewer than 99% raises)."""
+    import torch
+
+    from fusedpar.nn import MoE
+
+    c = DEEPSEEK_V3 if ctx.gpu else DEEPSEEK_V3_SMOKE
+    dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
+    T = args.tokens or (4096 if ctx.gpu else 24)
+    H, Fd, E, k = c["hidden"], c["ffn"], c["experts"], c["top_k"]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    moe = MoE(H, Fd, E, k, score="sigmoid", normalize=True, n_group=c["n_group"], topk_group=c["topk_group"],
+              routed_scaling_factor=c["scale"], score_bias=True, aux_loss_coef=0.0, z_loss_coef=0.0,
+              device=ctx.device, dtype=dtype)
+    with torch.no_grad():
+        for p, std in ((moe.router.weight, H ** -0.5), (moe.w1, H ** -0.5), (moe.w2, Fd ** -0.5)):
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+        moe.router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.05)
+    x = torch.randn(T, H, generator=g).to(ctx.device, dtype).requires_grad_()
+    go = torch.randn(T, H, generator=g).to(ctx.device, dtype)
+    bias = moe.router.e_score_correction_bias
+    base = [t_.detach().clone().requires_grad_() for t_ in (x, moe.router.weight, moe.w1, moe.w2)]
+
+    def baseline(xb, wr, w1, w2):
+        w, ids = _torch_deepseek_router(xb, wr, bias, c)
+        return _loop_mlp(xb, ids, w, w1, w2), ids
+
+    leaves = [x, *moe.parameters()]
+    fused = _fwd_bwd(leaves, go, lambda xx, *_: moe(xx))  # the parameters are the module's
+    loop = _fwd_bwd(base, go, lambda *a: baseline(*a)[0])
+    y = fused().detach()
+    y_ref, ids = baseline(*base)
+    agree = (moe.router_output.expert_ids.sort(-1).values == ids.sort(-1).values).all(-1)
+    if agree.float().mean() < 0.99:
+        raise AssertionError(f"DeepSeek-V3 routers agree on {agree.float().mean():.3f} of the tokens, expected >= 0.99")
+    err = check_close(y[agree], y_ref.detach()[agree])
+    t_ours, t_base = ctx.time_ms(fused), ctx.time_ms(loop)
+    flops = 3 * 2.0 * T * k * (H * 2 * Fd + Fd * H) + 3 * 2.0 * T * H * E
+    shape = {"tokens": T, "hidden": H, "ffn": Fd, "experts": E, "top_k": k, "dtype": str(dtype).replace("torch.", ""),
+             "groups": f"{c['topk_group']}/{c['n_group']}"}
+    return {"bench": "deepseek_v3_layer_fwd_bwd", **shape, "fusedpar_ms": t_ours, "baseline_ms": t_base,
+            "baseline": "torch router + per-expert loop", "fusedpar_TFLOPs": tflops(flops, t_ours),
+            "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err,
+            "routing_agreement": float(agree.float().mean())}
+
+
 def _ep_size(requested, E):
     if requested is None:
         return next(p for p in range(2, E + 1) if E % p == 0) if E > 1 else 1
@@ -204,7 +279,8 @@ def _ep_row(ctx, d, ep, chunks):
             "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err}
 
 
-@register("moe", "MoE: grouped GEMM, permute/unpermute, routed MLP fwd+bwd (one rank, emulated EP)",
+@register("moe", "MoE: grouped GEMM, permute/unpermute, routed MLP fwd+bwd (one rank, emulated EP), "
+                 "DeepSeek-V3 layer",
           add_args=_add_args)
 def run(args, ctx):
     from fusedpar.kernels import permute, routing_metadata
@@ -219,6 +295,7 @@ def run(args, ctx):
     rows += _permute_rows(ctx, d, xp, slot_pos, sorted_slot)
     rows.append(_layer_row(ctx, d))
     rows.append(_ep_row(ctx, d, ep, args.chunks))
+    rows.append(_deepseek_v3_row(ctx, args))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     return rows

@@ -1,8 +1,9 @@
 """Hugging Face models in and out of :class:`fusedpar.nn.Transformer`.
 
 * :func:`config_from_hf`: a ``transformers`` config (Llama 2/3/3.1, Mistral, Qwen2, Qwen3,
-  Mixtral, Qwen2-MoE, Qwen3-MoE) -> :class:`~fusedpar.nn.TransformerConfig`; any field value the
-  model does not implement raises ``ValueError`` naming it.
+  Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 MoE ``glm4_moe``) ->
+  :class:`~fusedpar.nn.TransformerConfig`; any field value the model does not implement raises
+  ``ValueError`` naming it.
 * :func:`from_hf`: a ``transformers`` model, or a checkpoint directory (``config.json`` +
   ``*.safetensors``, read file by file), -> a :class:`~fusedpar.nn.Transformer` at any tp / sp / ep
   layout. The model is built on the meta device and every rank materialises only its shards.
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from fusedpar.checkpoint import full_state, placements_of
+from fusedpar.nn.placement import checkpoint_buffers
 from fusedpar.hf_parallel import (
     SUPPORTED_MODEL_TYPES,
     HFMoEBlock,
@@ -41,7 +43,7 @@ from fusedpar.nn import Transformer, TransformerConfig
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "causal_lm_loss", "config_from_hf", "from_hf", "gather_sequence", "gradient_sync_plan",
            "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch", "to_hf_state_dict"]
 
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,8 +58,8 @@ def _unsupported(model_type, name, value, why):
 
 
 def _rope(cfg, model_type):
-    """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
-    ``rope_scaling`` (earlier versions)."""
+    """``(rope_theta, rope_scaling, partial_rotary_factor)`` from ``rope_parameters`` (transformers
+    5) or ``rope_theta`` + ``rope_scaling`` (earlier versions)."""
     params = dict(_get(cfg, "rope_parameters") or {})
     if not params:
         params = dict(_get(cfg, "rope_scaling") or {})
@@ -66,12 +68,13 @@ def _rope(cfg, model_type):
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         _unsupported(model_type, "rope_type", rope_type, "fusedpar implements 'default' and 'llama3'")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        _unsupported(model_type, "partial_rotary_factor", params["partial_rotary_factor"], "full rotary only")
+    partial = float(params.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor", None) or 1.0))
+    if partial != 1.0 and model_type != "glm4_moe":
+        _unsupported(model_type, "partial_rotary_factor", partial, "full rotary except in glm4_moe")
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
     return theta, {k: params[k] for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
-                                         "original_max_position_embeddings") if k in params}
+                                         "original_max_position_embeddings") if k in params}, partial
 
 
 def _check_unsupported(cfg, model_type):
@@ -98,7 +101,23 @@ def _sliding_window(cfg, model_type):
     return int(window) if window and uses_window else None
 
 
+def _glm4_moe_fields(cfg):
+    """GLM-4.5: sigmoid group-limited routing with the correction bias, first_k_dense_replace dense
+    blocks, ungated shared experts; no auxiliary loss (transformers computes none)."""
+    num = lambda name, **kw: config_number(cfg, name, "config_from_hf", **kw)  # noqa: E731
+    ffn = num("moe_intermediate_size")
+    return dict(num_experts=num("n_routed_experts"), top_k=num("num_experts_per_tok"), moe_ffn_hidden_size=ffn,
+                norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)), score_func="sigmoid",
+                n_group=num("n_group", default=1), topk_group=num("topk_group", default=None),
+                routed_scaling_factor=num("routed_scaling_factor", kind=float, default=1.0),
+                score_correction_bias=True, first_k_dense_replace=num("first_k_dense_replace", default=0),
+                shared_expert_ffn_hidden_size=ffn * num("n_shared_experts", default=0), shared_expert_gate=False,
+                aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
 def _moe_fields(cfg, model_type):
+    if model_type == "glm4_moe":
+        return _glm4_moe_fields(cfg)
     coef = config_number(cfg, "router_aux_loss_coef", "config_from_hf", kind=float, default=1e-3)
     common = dict(top_k=config_number(cfg, "num_experts_per_tok", "config_from_hf"), aux_loss_style="hf", aux_loss_coef=coef,
                   z_loss_coef=0.0)
@@ -125,7 +144,7 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config_from_hf: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
     _check_unsupported(hf_config, model_type)
-    theta, scaling = _rope(hf_config, model_type)
+    theta, scaling, partial = _rope(hf_config, model_type)
     num = lambda name, **kw: config_number(hf_config, name, "config_from_hf", **kw)  # noqa: E731
     heads = num("num_attention_heads")
     fields = dict(
@@ -135,10 +154,14 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
         norm_eps=num("rms_norm_eps", kind=float), causal=True, rope_theta=theta, rope_scaling=scaling,
         head_dim=_get(hf_config, "head_dim", None), qkv_bias=model_type in ("qwen2", "qwen2_moe"),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        partial_rotary_factor=partial,
         tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
         sliding_window=_sliding_window(hf_config, model_type))
     if fields["sliding_window"] is not None and _get(hf_config, "layer_types", None) is not None:
         fields["layer_types"] = list(_get(hf_config, "layer_types"))
+    if model_type == "glm4_moe":
+        fields.update(qkv_bias=bool(_get(hf_config, "attention_bias", False)),
+                      qk_norm=bool(_get(hf_config, "use_qk_norm", False)))
     if model_type in _MOE_TYPES:
         fields.update(_moe_fields(hf_config, model_type))
     fields.update(overrides)
@@ -173,13 +196,15 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
         "mlp.fc1.weight": [m + "gate_proj.weight", m + "up_proj.weight"], "mlp.fc2.weight": [m + "down_proj.weight"],
         "mlp.router.weight": [m + "gate.weight"], "mlp.w1": [m + "experts.gate_up_proj"],
         "mlp.w2": [m + "experts.down_proj"],
-        "shared_expert.fc1.weight": [m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"],
-        "shared_expert.fc2.weight": [m + "shared_expert.down_proj.weight"],
+        "shared_expert.fc1.weight": [m + "{s}.gate_proj.weight", m + "{s}.up_proj.weight"],
+        "shared_expert.fc2.weight": [m + "{s}.down_proj.weight"],
         "shared_expert_gate.weight": [m + "shared_expert_gate.weight"],
+        "mlp.router.e_score_correction_bias": [m + "gate.e_score_correction_bias"],
     }
     if rest not in table:
         raise ValueError(f"no Hugging Face name for parameter {name!r}")
-    return [s.format(i=i) for s in table[rest]]
+    shared = "shared_expert" if config.shared_expert_gate else "shared_experts"  # Qwen2-MoE / DeepSeek, GLM
+    return [s.format(i=i, s=shared) for s in table[rest]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,6 +392,14 @@ def _load_from_source(model: Transformer, source, device, dtype) -> None:
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"from_hf: {name} must be {tuple(p.shape)} on this rank, got {tuple(local.shape)}")
         _set_param(model, name, p, local, device, dtype)
+    for name, buf in checkpoint_buffers(model).items():  # replicated state (the routers' correction bias)
+        (src,) = _param_sources(name, model.config)
+        full = _hf_tensor(source, src)
+        if tuple(full.shape) != tuple(buf.shape):
+            raise ValueError(f"from_hf: {src} must be {tuple(buf.shape)}, got {tuple(full.shape)}")
+        mod_name, _, bname = name.rpartition(".")
+        target = buf.device if buf.device.type != "meta" else torch.device(device or "cpu")
+        model.get_submodule(mod_name).register_buffer(bname, full.to(device=target, dtype=buf.dtype).clone())
 
 
 def from_hf(hf_model_or_path, *, tp_group=None, sp_group=None, ep_group=None, ulysses_group=None,
@@ -421,6 +454,9 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         pl = placements[name]  # a fused parameter's sections are the Hugging Face tensors
         for src, piece in zip(sources, torch.split(t, pl.full_sections(t.shape[pl.dim], 1), dim=pl.dim)):
             out[src] = piece.clone()
+    for name, buf in checkpoint_buffers(model).items():  # replicated: identical on every rank
+        (src,) = _param_sources(name, model.config)
+        out[src] = buf.detach().clone()
     if model.config.tie_word_embeddings and "embedding.weight" in full:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

@@ -1,7 +1,7 @@
 """Route B: parallelise an unmodified Hugging Face decoder in place.
 
 :func:`parallelize` swaps, inside a ``transformers`` Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
-Qwen-MoE model,
+Qwen-MoE / GLM-4.5 MoE model,
 
 * the q / k / v / o and gate / up / down linears for fusedpar's tensor-parallel linears
   (``tp_group``; activations replicated over it, as in the unmodified model),
@@ -37,7 +37,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "Sequen
            "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
            "sequence_parallel_loss", "shard_batch"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 ATTN_IMPLEMENTATION = "fusedpar_sequence_parallel"  # the name registered in transformers.AttentionInterface
 
 
@@ -263,9 +263,11 @@ def gather_sequence(hf_model, local: torch.Tensor) -> torch.Tensor:
 # tensor and expert parallelism
 # ----------------------------------------------------------------------------------------------
 class HFMoEBlock(nn.Module):
-    """Drop-in for a Mixtral / Qwen-MoE sparse MoE block: a fusedpar :class:`~fusedpar.nn.MoE`
-    (experts over ``ep_group``, tokens replicated over ``tp_group``: ``replicated_group``) plus,
-    for Qwen2-MoE, the shared expert (its linears tensor-parallel) and its sigmoid gate.
+    """Drop-in for a Mixtral / Qwen-MoE / GLM-4.5 sparse MoE block: a fusedpar
+    :class:`~fusedpar.nn.MoE` (experts over ``ep_group``, tokens replicated over ``tp_group``:
+    ``replicated_group``; GLM-4.5's sigmoid group-limited router sharing HF's
+    ``e_score_correction_bias``) plus the shared expert (its linears tensor-parallel) with, for
+    Qwen2-MoE, its sigmoid gate (GLM-4.5's shared experts are ungated).
     ``[batch, seq, hidden]`` in and out, as the block it replaces.
 
     ``gate`` is HF's own router module, whose weight *is* the fusedpar router's (one parameter,
@@ -278,12 +280,16 @@ class HFMoEBlock(nn.Module):
         self.gate = gate
         self.moe, self.shared_expert, self.shared_expert_gate = moe, shared_expert, shared_expert_gate
         moe.router.weight = gate.weight
+        if moe.router.e_score_correction_bias is not None:  # GLM-4.5: HF's buffer, one tensor
+            moe.router.e_score_correction_bias = gate.e_score_correction_bias
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.gate._forward_hooks:  # transformers records the router logits through a forward hook
             self.gate(hidden_states.reshape(-1, hidden_states.shape[-1]))
         y = self.moe(hidden_states)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is None:  # GLM-4.5: ungated
+            y = y + self.shared_expert(hidden_states)
+        elif self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
         return y
 
@@ -295,18 +301,38 @@ def _tp_mlp(mlp: nn.Module, tp_group) -> None:
     mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=tp_group)
 
 
+def _head_norm_placements() -> dict[str, Placement]:
+    return {"weight": Placement.replicated(sequence_sharded=True)}
+
+
+def _declare_head_norms(attn: nn.Module) -> None:
+    """HF's qk-norm scales (Qwen3, GLM-4.5) are shared by all heads; with the heads split over tp
+    each rank's gradient covers only its own heads: declared "replicated", summed over tp by
+    :func:`fusedpar.parallel.sync_gradients`."""
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        if isinstance(norm, nn.Module):
+            norm.placements = _head_norm_placements
+
+
 def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
     gate, experts = block.gate, block.experts
     E, k = gate.weight.shape[0], config_number(config, "num_experts_per_tok", "parallelize")
     H, F_ = experts.down_proj.shape[1], experts.down_proj.shape[2]
     norm = True if _get(config, "model_type") == "mixtral" else bool(_get(config, "norm_topk_prob", False))
+    router = {}
+    if _get(config, "model_type") == "glm4_moe":  # sigmoid group-limited routing with the correction bias
+        router = dict(score="sigmoid", n_group=config_number(config, "n_group", "parallelize", default=1),
+                      topk_group=config_number(config, "topk_group", "parallelize", default=None), score_bias=True,
+                      routed_scaling_factor=config_number(config, "routed_scaling_factor", "parallelize", kind=float,
+                                                          default=1.0))
     moe = MoE(H, F_, E, k, ep_group=ep_group, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0,
-              replicated_group=tp_group, device="meta")
+              replicated_group=tp_group, device="meta", **router)
     placements = moe.placements()  # this rank's experts
     with torch.no_grad():
         for name, t in (("w1", experts.gate_up_proj), ("w2", experts.down_proj)):
             setattr(moe, name, nn.Parameter(placements[name].local_from_full(t.detach())))
-    shared = getattr(block, "shared_expert", None)
+    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)  # Qwen2-MoE / GLM
     if shared is not None and tp_group is not None:
         _tp_mlp(shared, tp_group)
     return HFMoEBlock(moe, gate, shared, getattr(block, "shared_expert_gate", None))
@@ -379,6 +405,7 @@ def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=N
             for name in ("q_proj", "k_proj", "v_proj"):
                 setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=tp_group))
             attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
+            _declare_head_norms(attn)
         if hasattr(layer.mlp, "experts") and ep_group is not None:
             layer.mlp = _moe_block(layer.mlp, config, tp_group, ep_group)
         elif tp_group is not None and not hasattr(layer.mlp, "experts"):  # (no ep_group: HF's MoE block stays)

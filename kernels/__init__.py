@@ -20,9 +20,9 @@ else:
 
     check_interpreter()
     from .gemm import matmul, matmul_reference, matmul_tn
+    from .grouped_bias import grouped_bias_grad
     from .grouped_gemm import (
         as_group_offsets,
-        grouped_bias_grad,
         grouped_matmul,
         grouped_matmul_dact,
         grouped_wgrad,

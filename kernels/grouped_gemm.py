@@ -427,7 +427,8 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_lay
     Gated activations (``swiglu``/``geglu``) take weights with ``2F`` output rows (gate then up)
     and produce ``F`` features; ``preact_out [M, 2F]`` (or ``[M, N]``) receives pre-activations.
     ``bias``: ``[E, N_w]`` (``b_g = bias[g % E]``, gate then up for gated activations), added
-    before the activation (its gradient: :func:`grouped_bias_grad` of the pre-activation's).
+    before the activation (its gradient: :func:`~fusedpar.kernels.grouped_bias.grouped_bias_grad` of the
+    pre-activation's).
     """
     act, glu, n_w, K, w_strides = _gemm_operands("x", x, weight, weight_layout, activation)
     check_out_dtype("out_dtype", out_dtype)
@@ -551,30 +552,6 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
 
         with torch.cuda.device(grad.device):
             _tuned_wgrad()[grid](*args, **flags)
-    return out
-
-
-def grouped_bias_grad(grad: torch.Tensor, offsets, num_experts: int, *, out: torch.Tensor | None = None,
-                      accumulate: bool = False, check_offsets: bool = True) -> torch.Tensor:
-    """The gradient of :func:`grouped_matmul`'s ``bias``: ``out[e] (+)= sum_{g % E == e} sum of
-    grad[rows_g]`` (``grad``: the pre-activation's gradient ``[M, N]``; tail rows count for no
-    expert), ``[E, N]`` summed in fp32, then in ``out``'s dtype (fp32 when allocated here, or
-    with ``accumulate=True``). Torch ops on the device (row -> group by a search of the offsets, an
-    ``index_add_``): no host sync."""
-    _wgrad_operands(grad, grad, num_experts, out, accumulate)
-    M, N = grad.shape
-    offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)
-    G = offsets.numel() - 1
-    out = output_buffer("out", out, (num_experts, N), grad.device, torch.float32)
-    rows = torch.arange(M, device=grad.device, dtype=offsets.dtype)
-    group = torch.searchsorted(offsets[1:], rows, right=True)  # G for tail rows
-    expert = torch.where(group < G, group % num_experts, num_experts)
-    acc = torch.zeros((num_experts + 1, N), device=grad.device, dtype=torch.float32)
-    acc.index_add_(0, expert, grad.float())
-    if accumulate:
-        out += acc[:num_experts].to(out.dtype)
-    else:
-        out.copy_(acc[:num_experts])
     return out
 
 

@@ -16,8 +16,8 @@ from fusedpar.hf import from_hf
 # or a double count by orders of magnitude.
 TOL = 1e-4
 
-FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 VOCAB, HIDDEN, LAYERS = 32, 16, 2
 
 
@@ -43,6 +43,12 @@ def hf_model(family: str, seed: int = 0, **extra):
                                               shared_expert_intermediate_size=12, norm_topk_prob=False),
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**kw, **moe, num_experts=4, moe_intermediate_size=8,
                                               norm_topk_prob=True),
+        # GLM-4.5: partial rotary (4 of 8 features), q/k/v biases, qk-norm, layer 0 dense, 2 of 3
+        # groups searched, an ungated shared expert, sigmoid scores with the correction bias
+        "glm4_moe": lambda: T.Glm4MoeConfig(**dict(kw, head_dim=8), num_experts_per_tok=2, n_routed_experts=6,
+                                            moe_intermediate_size=8, n_shared_experts=1, n_group=3, topk_group=2,
+                                            routed_scaling_factor=1.5, first_k_dense_replace=1, norm_topk_prob=True,
+                                            attention_bias=True, use_qk_norm=True),
     }
     config = configs[family]()
     for k, v in extra.items():
@@ -51,7 +57,8 @@ def hf_model(family: str, seed: int = 0, **extra):
     torch.manual_seed(seed)
     cls = {"llama": T.LlamaForCausalLM, "llama31": T.LlamaForCausalLM, "mistral": T.MistralForCausalLM,
            "qwen2": T.Qwen2ForCausalLM, "qwen3": T.Qwen3ForCausalLM, "mixtral": T.MixtralForCausalLM,
-           "qwen2_moe": T.Qwen2MoeForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM}[family]
+           "qwen2_moe": T.Qwen2MoeForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
+           "glm4_moe": T.Glm4MoeForCausalLM}[family]
     model = cls(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,6 +68,9 @@ def hf_model(family: str, seed: int = 0, **extra):
                 p.normal_(0, 0.5)
             else:
                 p.normal_(0, 0.3)
+        for name, b in model.named_buffers():  # GLM-4.5's router correction bias steers the selection
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
     return model
 
 

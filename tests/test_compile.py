@@ -43,6 +43,7 @@ def test_fast_subset_covers_every_launcher(fast_rows):
     assert {"gemm_kernel", "persistent_gemm_kernel", "grouped_gemm_kernel", "grouped_wgrad_kernel",
             "rmsnorm_fwd_kernel", "rmsnorm_bwd_kernel", "route_count_kernel", "route_scatter_kernel",
             "permute_kernel", "combine_kernel", "combine_bwd_kernel", "topk_route_kernel", "topk_route_bwd_kernel",
+            "grouped_bias_grad_kernel",
             "attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"} <= kernels
     assert all(r["regs"] and r["mma"] for r in rows if not r["error"])
     assert {r["mma"] for r in rows if r["kernel"] == "gemm_kernel"} >= {"wgmma"}

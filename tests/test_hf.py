@@ -52,16 +52,24 @@ def test_logits_gradients_aux_loss_and_export_match_transformers(family):
         assert torch.equal(a, b), n
 
 
-def test_from_checkpoint_directory_reads_safetensors(tmp_path):
-    hf = hf_model("mixtral")
+@pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
+def test_from_checkpoint_directory_reads_safetensors(tmp_path, family):
+    """save_pretrained's directory (one tensor per expert; GLM-4.5's correction-bias buffers) ->
+    from_hf -> the same logits, and to_hf_state_dict loads back strictly, every tensor equal."""
+    hf = hf_model(family)
     hf.save_pretrained(tmp_path)
     tokens, _ = tokens_targets(2, 1, 8)
     model = from_hf(str(tmp_path))
-    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "mixtral from a directory")
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), f"{family} from a directory")
+    fresh = hf_model(family, seed=7)
+    fresh.load_state_dict(to_hf_state_dict(model), strict=True)
+    for (n, a), b in zip(hf.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
 
 
-def test_training_steps_match_transformers():
-    hf = hf_model("qwen2_moe")
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+def test_training_steps_match_transformers(family):
+    hf = hf_model(family)
     model = from_hf(hf)
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -69,15 +77,15 @@ def test_training_steps_match_transformers():
         tokens, targets = tokens_targets(10 + step, 2, 8)
         opt_hf.zero_grad()
         out = hf(tokens)
-        (F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
-         + hf.config.router_aux_loss_coef * out.aux_loss).backward()
+        aux = 0.0 if out.aux_loss is None else hf.config.router_aux_loss_coef * out.aux_loss  # GLM-4.5: none
+        (F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1)) + aux).backward()
         opt_hf.step()
         opt.zero_grad()
         # training fuses the head into the loss (the logits never exist)
         (model.loss(model(tokens, return_hidden=True), targets) + model.aux_loss()).backward()
         opt.step()
     tokens, _ = tokens_targets(20, 2, 8)
-    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "logits after 3 AdamW steps")
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), f"{family} logits after 3 AdamW steps")
 
 
 def test_config_from_hf_rejects_what_it_does_not_implement():
@@ -372,3 +380,23 @@ def test_fusedpar_checkpoint_of_a_model_with_hugging_face_modules(tmp_path):
     checkpoint.load(hf, str(tmp_path / "ok"), default_placement=whole)
     for n, p in hf.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
+
+
+def test_glm4_moe_config_fields_and_partial_rotary_checks():
+    c = config_from_hf(transformers.Glm4MoeConfig(n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                                                  first_k_dense_replace=3, n_shared_experts=2,
+                                                  moe_intermediate_size=64, attention_bias=True, use_qk_norm=True,
+                                                  head_dim=128))
+    assert (c.score_func, c.n_group, c.topk_group, c.routed_scaling_factor, c.score_correction_bias) == \
+        ("sigmoid", 8, 4, 2.5, True)
+    assert (c.first_k_dense_replace, c.shared_expert_ffn_hidden_size, c.shared_expert_gate) == (3, 128, False)
+    assert (c.qkv_bias, c.qk_norm, c.partial_rotary_factor, c.rotary_dim()) == (True, True, 0.5, 64)
+    assert not c.is_moe(2) and c.is_moe(3) and c.aux_loss_coef == c.z_loss_coef == 0.0
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                 "partial_rotary_factor": 0.5}))
+    base = dict(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=8)
+    with pytest.raises(ValueError, match=r"partial_rotary_factor must be a number in \(0, 1\], got 0"):
+        TransformerConfig(**base, partial_rotary_factor=0)
+    with pytest.raises(ValueError, match="must give an even rotary dim >= 2"):
+        TransformerConfig(**base, partial_rotary_factor=0.375)  # int(8 * 0.375) = 3: odd

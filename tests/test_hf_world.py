@@ -25,6 +25,9 @@ LAYOUTS = {  # name -> (build_parallel_state sizes, config overrides)
 # scaling under the zigzag ring, head splits under Ulysses); mistral shares llama31's code path
 CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe") for lay in LAYOUTS
          if not (lay == "sp2-ep2" and f in ("llama31", "qwen2", "qwen3"))]
+# GLM-4.5 (partial rotary, q/k/v biases, qk-norm, dense first block, sigmoid group router with its
+# correction bias, ungated shared expert): tp2, and the zigzag ring with experts over the sp ranks
+CASES += [("glm4_moe", "tp2"), ("glm4_moe", "sp2-ep2")]
 # sp2-ep2 loads from a checkpoint directory: one tensor per expert (save_pretrained's format) or
 # transformers 5's stacked expert tensors; each rank must read only its own experts' bytes
 FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked"}
@@ -191,14 +194,16 @@ def _expected_shard(name, full, rank, size, tp):
     return full
 
 
-def _hf_name(name):
-    return name.replace(".mlp.moe.w1", ".mlp.experts.gate_up_proj").replace(".mlp.moe.w2", ".mlp.experts.down_proj")
+def _hf_name(name, ref_grads):
+    name = name.replace(".mlp.moe.w1", ".mlp.experts.gate_up_proj").replace(".mlp.moe.w2", ".mlp.experts.down_proj")
+    glm = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")  # GLM-4.5's name of the shared expert
+    return name if name in ref_grads else glm
 
 
 def _compare_hf_grads(hf, ref_grads, rank, size, tp, msg):
     n = 0
     for name, p in hf.named_parameters():
-        expect = _expected_shard(name, ref_grads[_hf_name(name)], rank, size, tp)
+        expect = _expected_shard(name, ref_grads[_hf_name(name, ref_grads)], rank, size, tp)
         err = (p.grad - expect).abs().max().item()
         assert err <= TOL * (expect.abs().max().item() + 1e-12), f"{msg}: grad of {name} off by {err:.3g}"
         n += 1
@@ -211,7 +216,8 @@ def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from fusedpar.hf import parallelize
+    from fusedpar.hf import gradient_sync_plan, parallelize
+    from fusedpar.parallel import build_parallel_state, sync_gradients
 
     hf = parallelize(hf_model(family), tp_group=dist.group.WORLD, ep_group=dist.group.WORLD)
     out = hf(tokens)
@@ -225,10 +231,12 @@ def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads
         assert abs(out.aux_loss.item() - ref_extra["aux_loss"].item()) <= TOL * ref_extra["aux_loss"].item()
         loss = loss + hf.config.router_aux_loss_coef * out.aux_loss
     loss.backward()
+    # a no-op but for the qk-norm scales (GLM-4.5), whose gradients cover this rank's heads: summed over tp
+    sync_gradients(hf.named_parameters(), build_parallel_state(tp=2, ep=2), gradient_sync_plan(hf))
     return _compare_hf_grads(hf, ref_grads, rank, size, True, family)
 
 
-@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe", "glm4_moe"])
 def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
     tokens, targets = tokens_targets(6, B, S)
     logits, _, grads, extra = hf_named_reference(hf_model(family), tokens, targets, aux=True)
@@ -240,6 +248,7 @@ SP_CASES = {  # family -> (sp_mode, experts over the two sp ranks, HF's own shif
     "llama31": ("ring", False, True),
     "mistral": ("ulysses", False, False),  # sliding_window=5: shorter than the sequence
     "qwen2_moe": ("ring", True, False),
+    "glm4_moe": ("ulysses", True, False),  # partial rotary on the shard's positions, GLM's router over ep2
 }
 
 

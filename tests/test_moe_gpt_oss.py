@@ -10,7 +10,8 @@ import torch
 
 from _utils import DEVICE, DTYPES, assert_close, poison, randn
 from fusedpar.kernels import matmul
-from fusedpar.kernels.grouped_gemm import grouped_bias_grad, grouped_matmul, grouped_matmul_dact
+from fusedpar.kernels.grouped_bias import grouped_bias_grad, grouped_bias_grad_reference
+from fusedpar.kernels.grouped_gemm import grouped_matmul, grouped_matmul_dact
 from fusedpar.kernels.moe_routing import grouped_matmul_reference
 from fusedpar.kernels.runtime import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_reference
 from fusedpar.ops.tensor_parallel_schedules import activation_backward
@@ -121,19 +122,41 @@ def test_grouped_bias(dtype, activation):
 @pytest.mark.parametrize("num_experts", [3, 4], ids=lambda e: f"E{e}")
 def test_grouped_bias_grad(num_experts):
     """Per expert, the sum of the rows of every group mapped to it (tail rows ignored); empty
-    experts get zeros; accumulate adds into an fp32 buffer."""
+    experts get zeros; accumulate adds into an fp32 buffer; a strided grad."""
     g = torch.Generator().manual_seed(5)
     dpre = randn(M, 24, dtype=torch.float16, generator=g)
     ref = torch.zeros(num_experts, 24, dtype=torch.float64)
     for grp in range(len(OFFS) - 1):
         ref[grp % num_experts] += dpre[OFFS[grp]:OFFS[grp + 1]].double().cpu().sum(0)
-    got = grouped_bias_grad(dpre, torch.tensor(OFFS, device=DEVICE), num_experts)
+    torch.testing.assert_close(grouped_bias_grad_reference(dpre, OFFS, num_experts), ref, rtol=0, atol=0)
+    got = grouped_bias_grad(dpre, torch.tensor(OFFS, device=DEVICE), num_experts,
+                            out=poison((num_experts, 24), torch.float32))
     assert got.dtype == torch.float32
     assert_close(got, ref, torch.float32, msg="bias grad")
     init = randn(num_experts, 24, generator=g)
     expected = ref + init.double().cpu()
     grouped_bias_grad(dpre, OFFS, num_experts, out=init, accumulate=True)
     assert_close(init, expected, torch.float32, msg="bias grad accumulate")
+    wide = randn(M, 48, dtype=torch.float32, generator=g)
+    assert_close(grouped_bias_grad(wide[:, 1::2], OFFS, num_experts),
+                 grouped_bias_grad_reference(wide[:, 1::2], OFFS, num_experts), torch.float32, msg="strided grad")
+
+
+def test_grouped_bias_grad_is_deterministic():
+    """Many rows per expert (several row tiles and column blocks, ragged ends): bit-identical over
+    repeated runs, equal to the float64 sum. The summation order is fixed by the offsets and the
+    block sizes (no atomics): on a GPU too, where index_add_ was not reproducible."""
+    g = torch.Generator().manual_seed(7)
+    sizes = [70, 0, 33, 101, 1, 45]
+    offs = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    dpre = randn(offs[-1] + 5, 83, generator=g, scale=3.0)
+    runs = [grouped_bias_grad(dpre, offs, 4) for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    assert_close(runs[0], grouped_bias_grad_reference(dpre, offs, 4), torch.float32, msg="bias grad vs float64")
+    with pytest.raises(ValueError, match="num_experts must be"):
+        grouped_bias_grad(dpre, offs, 0)
+    with pytest.raises(ValueError, match="accumulate=True needs out="):
+        grouped_bias_grad(dpre, offs, 4, accumulate=True)
 
 
 # ----------------------------------------------------------------------------------------------

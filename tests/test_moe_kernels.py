@@ -358,7 +358,8 @@ _INT64_CHECK = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton._C.libtriton import ir
-    from fusedpar.kernels import grouped_gemm as gg, moe_permute as mp, moe_routing as mr, moe_topk as mt
+    from fusedpar.kernels import grouped_bias as gb, grouped_gemm as gg, moe_permute as mp, moe_routing as mr
+    from fusedpar.kernels import moe_topk as mt
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
@@ -404,6 +405,7 @@ _INT64_CHECK = textwrap.dedent(
             dict(ACT=3, GLU=True, STORE_AUX=False, DACT=True, HAS_BIAS=False, **gemm)),
         "grouped_gemm plain": (gg._grouped_gemm_kernel,
             dict(ACT=0, GLU=False, STORE_AUX=False, DACT=False, HAS_BIAS=False, **gemm)),
+        "grouped_bias_grad": (gb._grouped_bias_grad_kernel, dict(ACCUMULATE=True, BLOCK_M=32, BLOCK_N=64)),
         "grouped_wgrad": (gg._grouped_wgrad_kernel, dict(ACCUMULATE=True, UPCAST=False, INPUT_PRECISION="ieee",
                                                          BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
         "permute": (mp._permute_kernel, dict(BLOCK_R=16, BLOCK_H=32)),
@@ -437,7 +439,7 @@ def test_kernel_offsets_are_64_bit():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ": [" in ln]
-    assert len(lines) == 12, res.stdout
+    assert len(lines) == 13, res.stdout
     assert all(ln.endswith(": []") for ln in lines), "32-bit products of a stride / width:\n" + "\n".join(lines)
 
 

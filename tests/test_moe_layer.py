@@ -343,8 +343,12 @@ def test_benchmark_cli_smoke(tmp_path):
     assert main(["moe", "--tokens", "9", "--experts", "3", "--top-k", "2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["moe"]
     kinds = {r["bench"] for r in rows}
-    assert kinds == {"grouped_gemm", "permute", "unpermute", "layer_fwd_bwd", "ep_layer_fwd_bwd"}
-    assert all(r["max_rel_err"] < 1e-3 and r["tokens"] == 9 and r["experts"] == 3 for r in rows)
+    assert kinds == {"grouped_gemm", "permute", "unpermute", "layer_fwd_bwd", "ep_layer_fwd_bwd",
+                     "deepseek_v3_layer_fwd_bwd"}
+    assert all(r["max_rel_err"] < 1e-3 and r["tokens"] == 9 for r in rows)
+    (ds,) = [r for r in rows if r["bench"] == "deepseek_v3_layer_fwd_bwd"]  # its own (smoke) shape
+    assert (ds["experts"], ds["top_k"], ds["groups"], ds["routing_agreement"]) == (16, 4, "4/8", 1.0)
+    assert all(r["experts"] == 3 for r in rows if r is not ds)
 
 
 # ----------------------------------------------------------------------------------------------

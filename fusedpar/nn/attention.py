@@ -87,7 +87,12 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=t
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` for ``x`` ``[batch, seq, heads, head_dim]`` and
-    ``cos``/``sin`` ``[seq, head_dim]``; computed in fp32, returned in x's dtype."""
+    ``cos``/``sin`` ``[seq, rotary_dim]``; computed in fp32, returned in x's dtype. ``rotary_dim <
+    head_dim`` (partial rotary, GLM-4.5): the first ``rotary_dim`` features of each head are rotated
+    (rotate-half within them), the others pass unchanged (transformers' ``apply_rotary_pos_emb``)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     xf = x.float()
     half = x.shape[-1] // 2
     rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
@@ -128,6 +133,16 @@ def _check_score_args(cls, head_dim, v_head_dim, window, softcap, sinks, softmax
             None if softmax_scale is None else float(softmax_scale))
 
 
+def _rotary_dim(cls, rotary_dim, head_dim):
+    """The rotated features per head: ``head_dim`` by default, else an even int in ``[2, head_dim]``."""
+    if rotary_dim is None:
+        return head_dim
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 2 <= rotary_dim <= head_dim \
+            or rotary_dim % 2:
+        raise ValueError(f"{cls}: rotary_dim must be an even int in [2, head_dim={head_dim}], got {rotary_dim!r}")
+    return rotary_dim
+
+
 class AttentionReference(nn.Module):
     """Plain single-process attention block: ``o_proj(attn(rope(q_proj x), rope(k_proj x),
     v_proj x))`` with ``nn.Linear`` projections drawn in the order q, k, v, o. The oracle of the
@@ -143,10 +158,11 @@ class AttentionReference(nn.Module):
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, causal=True, bias=False,
                  rope_theta=10000.0, head_dim=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6,
                  rope_scaling=None, window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, rotary_dim=None):
         super().__init__()
         name = type(self).__name__
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
+        self.rotary_dim = _rotary_dim(name, rotary_dim, head_dim)
         check_bool(f"{name}: causal", causal)
         dv, self.window, self.softcap, _, self.softmax_scale = _check_score_args(
             name, head_dim, v_head_dim, window, softcap, sinks, softmax_scale)
@@ -170,7 +186,7 @@ class AttentionReference(nn.Module):
         b, s, _ = x.shape
         d = self.head_dim
         positions = torch.arange(s, device=x.device) if positions is None else positions
-        cos, sin = rotary_cos_sin(positions, d, self.rope_theta, scaling=self.rope_scaling)
+        cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rope_theta, scaling=self.rope_scaling)
         q, k = self.q_proj(x).view(b, s, self.num_heads, d), self.k_proj(x).view(b, s, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -262,10 +278,12 @@ class ParallelAttention(nn.Module):
                  sp_mode="ring", causal=True, bias=False, rope_theta=10000.0, head_dim=None, layout="zigzag",
                  ulysses_group=None, ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None,
                  device=None, dtype=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6, rope_scaling=None,
-                 window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None, _reference=None):
+                 window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None, rotary_dim=None,
+                 _reference=None):
         super().__init__()
         name = type(self).__name__
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
+        self.rotary_dim = _rotary_dim(name, rotary_dim, head_dim)
         check_bool(f"{name}: causal", causal)
         if sp_mode not in SP_MODES:
             raise ValueError(f"{name}: sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
@@ -300,7 +318,7 @@ class ParallelAttention(nn.Module):
         ref = _reference if _reference is not None else AttentionReference(
             hidden_size, num_heads, num_kv_heads, causal=causal, bias=bias, rope_theta=rope_theta, head_dim=head_dim,
             qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, rope_scaling=rope_scaling, window=window,
-            softcap=softcap, sinks=sinks, v_head_dim=v_head_dim, softmax_scale=softmax_scale,
+            softcap=softcap, sinks=sinks, v_head_dim=v_head_dim, softmax_scale=softmax_scale, rotary_dim=rotary_dim,
             device="meta" if device is not None and torch.device(device).type == "meta" else None)
         self.rope_scaling = ref.rope_scaling
         self._shard_from(ref, device=device, dtype=dtype)
@@ -316,7 +334,7 @@ class ParallelAttention(nn.Module):
                    head_dim=ref.head_dim, qk_norm=ref.q_norm is not None, rope_scaling=ref.rope_scaling,
                    qk_norm_eps=ref.q_norm.eps if ref.q_norm is not None else 1e-6, window=ref.window,
                    softcap=ref.softcap, sinks=ref.sinks is not None, v_head_dim=ref.v_head_dim,
-                   softmax_scale=ref.softmax_scale, _reference=ref, **kwargs)
+                   softmax_scale=ref.softmax_scale, rotary_dim=ref.rotary_dim, _reference=ref, **kwargs)
 
     def _shard_from(self, ref, *, device, dtype):
         """One fused ``[q; k; v]`` projection, column-parallel with three sections, so that every
@@ -400,7 +418,7 @@ class ParallelAttention(nn.Module):
         q, k, v = (t.unflatten(2, (n, -1)) for t, n in zip(y.split((hl * d, kl * d, kl * dv), dim=2), (hl, kl, kl)))
         seq_len = s_sp * self.ring_size * self.ulysses_size
         pos = self.rotary_positions(seq_len, y.device, cu_seqlens=cu_seqlens, position_ids=position_ids)
-        cos, sin = rotary_cos_sin(pos, d, self.rope_theta, scaling=self.rope_scaling)
+        cos, sin = rotary_cos_sin(pos, self.rotary_dim, self.rope_theta, scaling=self.rope_scaling)
         if self.q_norm is not None:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fusedpar.kernels.checks import check_bool
 from fusedpar.ops.loss import attach_aux_loss
 
 from .attention import ParallelAttention
@@ -39,9 +40,9 @@ class TransformerBlock(nn.Module):
                  z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None,
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, head_dim: int | None = None,
                  qkv_bias: bool = False, qk_norm: bool = False, norm_topk_prob: bool | None = None,
-                 shared_expert_ffn_hidden_size: int = 0, router_options: dict | None = None, window=None,
-                 softcap: float | None = None, sinks: bool = False, v_head_dim: int | None = None,
-                 softmax_scale: float | None = None):
+                 shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = True,
+                 router_options: dict | None = None, window=None, softcap: float | None = None, sinks: bool = False,
+                 v_head_dim: int | None = None, softmax_scale: float | None = None, rotary_dim: int | None = None):
         super().__init__()
         self.hidden_size = hidden_size
         self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
@@ -51,7 +52,7 @@ class TransformerBlock(nn.Module):
                                       rope_theta=rope_theta, rope_scaling=rope_scaling, head_dim=head_dim,
                                       qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps, window=window,
                                       softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
-                                      softmax_scale=softmax_scale)
+                                      softmax_scale=softmax_scale, rotary_dim=rotary_dim)
         self.norm2 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
         self.is_moe = num_experts > 0
         self.shared_expert = self.shared_expert_gate = None
@@ -64,7 +65,8 @@ class TransformerBlock(nn.Module):
                 self.shared_expert = ParallelMLP(hidden_size, shared_expert_ffn_hidden_size, activation=activation,
                                                  group=tp_group, sequence_parallel=True, bias=False, device=device,
                                                  dtype=dtype)
-                self.shared_expert_gate = SharedExpertGate(hidden_size, device=device, dtype=dtype)
+                if check_bool("shared_expert_gate", shared_expert_gate):  # DeepSeek-V3: y = moe(x) + mlp(x)
+                    self.shared_expert_gate = SharedExpertGate(hidden_size, device=device, dtype=dtype)
         else:
             self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, group=tp_group,
                                    sequence_parallel=True, bias=False, device=device, dtype=dtype)
@@ -74,10 +76,17 @@ class TransformerBlock(nn.Module):
         """``cu_seqlens`` / ``position_ids``: packed documents, see :meth:`ParallelAttention.forward`."""
         a = self.attn(self.norm1(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
         n2, h = self.norm2(a, residual=x)
-        m = self.mlp(n2)
-        if self.shared_expert is not None:
-            m = m + self.shared_expert_gate(n2) * self.shared_expert(n2)
+        m = self.feed_forward(n2)
         if self.is_moe and self.aux_loss_scale and torch.is_grad_enabled():
             # the router losses ride on the residual add (no extra pass over the activations)
             return attach_aux_loss(m, self.mlp.aux_loss, self.aux_loss_scale, residual=h)
         return h + m
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP sub-block on normed ``x`` (no residual): the dense MLP, or the MoE plus its shared
+        expert (times its sigmoid gate when it has one), e.g. transformers' ``DeepseekV3MoE``."""
+        m = self.mlp(x)
+        if self.shared_expert is None:
+            return m
+        s = self.shared_expert(x)
+        return m + (s if self.shared_expert_gate is None else self.shared_expert_gate(x) * s)

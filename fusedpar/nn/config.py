@@ -75,6 +75,10 @@ class TransformerConfig:
     bias_update_rate: float = 0.0  # aux-loss-free balancing: Transformer.update_router_bias after opt.step()
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (added to the aux loss)
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    # DeepSeek-V3 / GLM-4.5 MoE layout (defaults keep the earlier behaviour)
+    first_k_dense_replace: int = 0  # HF first_k_dense_replace: blocks 0..k-1 stay dense
+    shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3 / GLM-4.5)
+    partial_rotary_factor: float = 1.0  # GLM-4.5: rotary on the first int(head_dim * factor) features of a head
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -97,7 +101,7 @@ class TransformerConfig:
 
     def is_moe(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer % self.moe_every == self.moe_every - 1
-                and layer not in self.dense_layers)
+                and layer not in self.dense_layers and layer >= self.first_k_dense_replace)
 
     def block_kwargs(self, layer: int) -> dict:
         """The :class:`TransformerBlock` keyword arguments of block ``layer`` (sizes and options)."""
@@ -110,6 +114,7 @@ class TransformerConfig:
                     rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
+                    shared_expert_gate=self.shared_expert_gate, rotary_dim=self.rotary_dim(),
                     router_options=self.router_options(), **self.attention_options(layer))
 
     def attention_options(self, layer: int) -> dict:
@@ -124,6 +129,12 @@ class TransformerConfig:
         return dict(window=(self.sliding_window - 1, 0) if slides else None, softcap=self.attn_logit_softcapping,
                     sinks=self.attention_sinks, v_head_dim=self.v_head_dim,
                     softmax_scale=None if scalar is None else float(scalar) ** -0.5)
+
+    def rotary_dim(self) -> int | None:
+        """The rotated features per head (HF: ``int(head_dim * partial_rotary_factor)``); None: all."""
+        if self.partial_rotary_factor == 1.0:
+            return None
+        return int((self.head_dim or self.hidden_size // self.num_heads) * self.partial_rotary_factor)
 
     def router_options(self) -> dict:
         """The :class:`MoE` router keyword arguments of the routing fields."""
@@ -156,7 +167,8 @@ def check_config_values(cfg: "TransformerConfig") -> None:
         check_routing_config(cfg.num_experts, cfg.top_k, score=cfg.score_func, n_group=cfg.n_group,
                              topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor, prefix="TransformerConfig.",
                              score_name="score_func")
-    for name in ("score_correction_bias", "router_bias"):
+    check_int("TransformerConfig.first_k_dense_replace", cfg.first_k_dense_replace, min_value=0)
+    for name in ("score_correction_bias", "router_bias", "shared_expert_gate"):
         check_bool(f"TransformerConfig.{name}", getattr(cfg, name))
     for name in ("bias_update_rate", "seq_aux_loss_coef"):
         v = getattr(cfg, name)
@@ -165,6 +177,13 @@ def check_config_values(cfg: "TransformerConfig") -> None:
     if cfg.capacity_factor is not None:
         check_positive_number("TransformerConfig.capacity_factor", cfg.capacity_factor)
     check_positive_number("TransformerConfig.norm_eps", cfg.norm_eps)
+    f = cfg.partial_rotary_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+        raise ValueError(f"TransformerConfig.partial_rotary_factor must be a number in (0, 1], got {f!r}")
+    r = cfg.rotary_dim()
+    if r is not None and (r < 2 or r % 2):
+        raise ValueError(f"TransformerConfig.partial_rotary_factor={f} must give an even rotary dim >= 2 "
+                         f"(int(head_dim * factor)), got {r}")
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -15,7 +15,8 @@ import torch
 
 from ..kernels.checks import (check_choice, check_divisible, check_int, check_positive_dims, check_same, check_shape,
                               check_tensor)
-from ..kernels.grouped_gemm import grouped_bias_grad, grouped_matmul, grouped_matmul_dact, grouped_wgrad
+from ..kernels.grouped_bias import grouped_bias_grad
+from ..kernels.grouped_gemm import grouped_matmul, grouped_matmul_dact, grouped_wgrad
 from ..kernels.moe_permute import combine, combine_backward, permute
 from ..kernels.moe_routing import routing_metadata
 from ..kernels.runtime import ACTIVATIONS
