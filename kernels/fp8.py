@@ -22,9 +22,10 @@ The cast (:func:`to_e4m3`): compiled, Triton lowers the fp32 -> e4m3 conversion 
 round-to-nearest-even conversion that saturates to +-448 and keeps NaN (``cvt.rn.satfinite``).
 Triton's interpreter does not (upstream triton issue 8322): its conversion loses a rounding carry
 into the exponent (1.99 -> 1.0), flushes subnormals and gives garbage above 448; its fp32 -> bf16
-cast truncates. Under the interpreter the kernels therefore round to the e4m3 grid (and the bf16
-grid, :func:`round_to_bf16`) in fp32 first, which the interpreter's conversion then encodes exactly,
-behind the constexpr ``EMULATE`` that only the interpreter sets.
+cast truncates, and its bf16 -> fp32 conversion gets bf16 subnormals wrong. Under the interpreter
+the kernels therefore round to the e4m3 grid (and to the bf16 grid, :func:`round_to_bf16`) in fp32
+before the cast, which the interpreter's conversion then encodes exactly, and widen bf16 through
+its bits (:func:`to_fp32`), behind the constexpr ``EMULATE`` that only the interpreter sets.
 
 fp8 tensor cores exist from compute capability 8.9 (Ada, Hopper): launches on an older GPU raise
 :class:`FP8UnsupportedError` naming the device (:func:`check_fp8_device`).
@@ -42,7 +43,7 @@ from .runtime import device_capability, interpreting
 
 __all__ = ["E4M3_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", "GRANULARITIES", "SCALE_FLOOR", "FP8UnsupportedError",
            "check_fp8_device", "dequantize_e4m3", "fp8_support_problem", "quantize_e4m3", "quantize_e4m3_reference",
-           "round_to_bf16", "scale_shape", "to_e4m3"]
+           "round_to_bf16", "scale_shape", "to_e4m3", "to_fp32"]
 
 #: e4m3's largest finite value: a group's amax maps to it
 E4M3_MAX = 448.0
@@ -87,6 +88,7 @@ def to_e4m3(x, EMULATE: tl.constexpr):
     """fp32 ``x`` to ``float8e4nv``: round to nearest even, saturate to +-448, NaN stays NaN.
     ``EMULATE`` (interpreter only): round to the e4m3 grid in fp32 first (module docstring)."""
     if EMULATE:
+        nan = x != x  # before the clamp: the interpreter's minimum / maximum drop NaN, as the GPU's do
         x = tl.minimum(tl.maximum(x, -448.0), 448.0)
         bits = x.to(tl.int32, bitcast=True)
         # the grid step of |x|: 2^(e - 3) for a normal exponent e >= -6, 2^-9 for subnormals
@@ -96,8 +98,17 @@ def to_e4m3(x, EMULATE: tl.constexpr):
         # ties to even; the sign is put back afterwards (-0.0 and negatives rounding to zero)
         mag = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
         x = tl.where(bits < 0, -mag, mag)
-        x = tl.where(x == x, x, 480.0)  # NaN: 480 encodes as e4m3's NaN (0x7F) in the interpreter
+        x = tl.where(nan, 480.0, x)  # NaN: 480 encodes as e4m3's NaN (0x7F) in the interpreter
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def to_fp32(x, EMULATE: tl.constexpr):
+    """A loaded tile in fp32. ``EMULATE`` (interpreter only): bf16 through its bits, because the
+    interpreter's bf16 -> fp32 conversion gets bf16 subnormals wrong (the GPU's is exact)."""
+    if EMULATE and x.dtype == tl.bfloat16:
+        x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -126,14 +137,14 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, s_xr, s_xc, EMULATE: tl.conste
     for c0 in range(0, tl.cdiv(C, BLOCK_C)):
         cc = c0 * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = r_mask[:, None] & (cc < C)[None, :]
-        x = tl.load(x_ptr + x_rows + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0).to(tl.float32)
+        x = to_fp32(tl.load(x_ptr + x_rows + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0), EMULATE)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     scale = _group_scale(amax)
     tl.store(s_ptr + rr, scale, mask=r_mask)
     for c0 in range(0, tl.cdiv(C, BLOCK_C)):
         cc = c0 * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = r_mask[:, None] & (cc < C)[None, :]
-        x = tl.load(x_ptr + x_rows + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0).to(tl.float32)
+        x = to_fp32(tl.load(x_ptr + x_rows + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0), EMULATE)
         q = to_e4m3(tl.math.div_rn(x, scale[:, None]), EMULATE)
         tl.store(q_ptr + q_rows + cc[None, :], q, mask=mask)
 
@@ -152,8 +163,8 @@ def _quant_blocks_kernel(x_ptr, q_ptr, s_ptr, R, C, s_xr, s_xc, n_cblocks, ONE_R
     r_mask = rr < R
     mask = r_mask[:, None] & (cc < C)[None, :]
     rr64 = rr.to(tl.int64)
-    x = tl.load(x_ptr + rr64[:, None] * s_xr + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x = to_fp32(tl.load(x_ptr + rr64[:, None] * s_xr + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0),
+                EMULATE)
     if ONE_ROW:
         scale = _group_scale(tl.max(tl.abs(x), axis=1))
         tl.store(s_ptr + rr64 * n_cblocks + pid_c, scale, mask=r_mask)
