@@ -111,7 +111,7 @@ def test_quantize_empty_and_bad_input():
         quantize_e4m3(torch.randn(2, 3, 4, device=DEVICE))
 
 
-def _quantisation_bound(x, sx, w, sw):
+def quantisation_bound(x, sx, w, sw):
     """Per output element, the bound of |(q(x) sx) @ (q(w) sw)^T - x @ w^T| (module docstring);
     ``sx`` / ``sw``: each element's scale."""
     dx = REL_BOUND * x.abs() + SUBNORMAL_BOUND * sx
@@ -150,7 +150,7 @@ def test_fp8_matmul(scaling, ga, gb, M, N, K):
     exact = x.cpu().double() @ w.cpu().double().t() + bias.cpu().double()
     sx = dequantize_e4m3(torch.ones_like(xq.cpu()), xs.cpu(), ga)
     sw = dequantize_e4m3(torch.ones_like(wq.cpu()), ws.cpu(), gb)
-    bound = _quantisation_bound(x.cpu().double(), sx, w.cpu().double(), sw)
+    bound = quantisation_bound(x.cpu().double(), sx, w.cpu().double(), sw)
     err = (out.cpu().double() - exact).abs()
     assert (err <= bound + 1e-5 * scale).all(), (err - bound).max()
     assert err.max() > 1e-4 * scale  # the quantisation is real: the test would see a missing scale
