@@ -113,7 +113,18 @@ def fp8_gpu_configs():
     block of the blockwise recipe), pruned per problem by :func:`_prune_configs`."""
     return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8), num_stages=stages, num_warps=warps)
             for bm, bn, stages, warps in [(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 4, 8), (128, 128, 4, 4),
-                                          (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 4)]]
+                                          (64, 128, 4, 8), (128, 64, 4, 8), (64, 128, 4, 4), (128, 64, 4, 4),
+                                          (64, 64, 4, 4)]]
+
+
+#: fp32 accumulator elements per thread (both tiles) of a blockwise GEMM whose B scales are per row
+#: (1x128 tiles: a vector of scales and its pointers live next to the accumulators in every K
+#: step): 128 spills 16 B on sm_90 (128x128 w8 at the weight-gradient shape), 64 does not
+TILED_B_ACC_BUDGET = 64
+#: output tile elements of a GEMM whose loads do not vectorise (K or a row stride not a multiple of
+#: 16 bytes: every element carries its own address and mask): 64x64 compiles without spills on
+#: sm_90, every larger tile of the list spills 200-4100 B at the test shape 37x45x200
+UNALIGNED_FP8_TILE = 64 * 64
 
 
 def _rule(named_args: dict, **kwargs) -> dict:
@@ -121,8 +132,10 @@ def _rule(named_args: dict, **kwargs) -> dict:
     the step's fresh dot next to the running sum), the plain epilogue's register budget."""
     a = named_args["a_ptr"]
     blockwise = bool(kwargs.get("BLOCKWISE", named_args.get("BLOCKWISE", False)))
+    tiled_b = blockwise and kwargs.get("B_SCALE_ROWS", named_args.get("B_SCALE_ROWS", 1)) == 1
     extents = [e for e in (named_args["K"], named_args["s_am"], named_args["s_bn"]) if e != 1]
-    return dict(elem_size=1, b_tiles=1, acc_tiles=2 if blockwise else 1, acc_budget=EPILOGUE_ACC_BUDGET["plain"],
+    budget = TILED_B_ACC_BUDGET if tiled_b else EPILOGUE_ACC_BUDGET["plain"]
+    return dict(elem_size=1, b_tiles=1, acc_tiles=2 if blockwise else 1, acc_budget=budget, sync_acc_budget=budget,
                 capability=device_capability(a.device.index or 0), precision="ieee",
                 pipelined=pipelined(1, *extents))
 
@@ -135,10 +148,13 @@ def fp8_smem_estimate(cfg, named_args, **kwargs) -> int:
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    a = named_args["a_ptr"]
+    """:func:`~fusedpar.kernels.runtime.prune_tile_configs` with the fp8 rule (:func:`_rule`);
+    loads that do not vectorise keep only tiles within :data:`UNALIGNED_FP8_TILE`."""
+    a, rule = named_args["a_ptr"], _rule(named_args, **kwargs)
+    if not rule["pipelined"]:
+        configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= UNALIGNED_FP8_TILE] or configs
     return prune_tile_configs(configs, smem_limit=shared_memory_limit(a.device.index or 0),
-                              dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]},
-                              **_rule(named_args, **kwargs))
+                              dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]}, **rule)
 
 
 @functools.lru_cache(maxsize=None)
