@@ -7,7 +7,8 @@ high-precision weight gradient, against
 * the unquantised float64 linear layer and its gradients, within the quantisation bound of every
   element (tests/test_fp8.py: e4m3 rounds within 2^-4 relative, 2^-10 of the scale for subnormals);
 
-and ``torch.compile`` (``opcheck`` of both custom ops, a compiled call equal to eager).
+and ``torch.compile`` (``opcheck`` of both custom ops, a compiled call equal to eager); the module
+``FP8Linear``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from _utils import BACKWARD_OPCHECK, DEVICE, INTERPRETED
 from fusedpar.kernels import dequantize_e4m3
 from fusedpar.kernels.fp8 import quantize_e4m3_reference
+from fusedpar.nn import FP8Linear
 from fusedpar.ops import fp8_linear
 from fusedpar.ops.fp8_library import FP8_RECIPES
 from test_fp8 import quantisation_bound
@@ -122,3 +124,24 @@ def test_fp8_linear_under_torch_compile():
         results.append((out.detach(), xs.grad, ws.grad, bs.grad))
     for a, c in zip(*results):
         torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_linear_module():
+    torch.manual_seed(4)
+    layer = FP8Linear(130, 20, recipe="blockwise", grad_high_precision=True, device=DEVICE)
+    ref = torch.nn.Linear(130, 20, device=DEVICE)
+    assert layer.weight.dtype == torch.float32 and set(layer.placements()) == {"weight", "bias"}
+    assert all(p.grad == "dense" and p.role is None for p in layer.placements().values())
+    x = torch.randn(3, 130, device=DEVICE)
+    torch.testing.assert_close(layer(x), fp8_linear(x, layer.weight, layer.bias, recipe="blockwise"), rtol=0, atol=0)
+    with torch.no_grad():  # nn.Linear's initialisation range
+        bound = 1 / 130 ** 0.5
+        assert layer.weight.abs().max() <= bound and layer.bias.abs().max() <= bound
+        ref.weight.copy_(layer.weight)
+        ref.bias.copy_(layer.bias)
+    assert (layer(x) - ref(x)).abs().max() <= 0.1 * ref(x).abs().max()  # fp8: a few percent
+    assert "recipe='blockwise'" in repr(layer) and FP8Linear(4, 2, bias=False).bias is None
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        FP8Linear(4, 2, recipe="tensorwise")
+    with pytest.raises(ValueError, match="out_features must be >= 1"):
+        FP8Linear(4, 0)
