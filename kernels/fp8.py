@@ -185,10 +185,12 @@ def scale_shape(rows: int, cols: int, granularity: str) -> tuple:
     return {"row": (rows,), "tile": (rows, nb), "block": (triton.cdiv(rows, FP8_BLOCK), nb)}[granularity]
 
 
-#: fixed launch shapes (memory-bound passes, no tuning): rows per program of the row / tile
-#: kernels and the row kernel's column chunk, compiled and interpreted
-_ROW_BLOCKS = {False: (8, 512, 4), True: (16, 128, 4)}
-_TILE_ROWS = {False: 32, True: 16}
+#: fixed launch shapes (memory-bound passes, no tuning), by mode: "interpreted", "rows" (a row-major
+#: input: the loads run along the rows) and "columns" (a transposed view, ``x.t()`` of a row-major
+#: tensor: consecutive rows are adjacent in memory, so a program takes 64 of them to read 128 bytes
+#: of bf16 at a time); the row kernel's (rows, column chunk, warps), the tile kernel's rows
+_ROW_BLOCKS = {"interpreted": (16, 128, 4), "rows": (8, 512, 4), "columns": (64, 64, 4)}
+_TILE_ROWS = {"interpreted": 16, "rows": 32, "columns": 64}
 
 
 def quantize_e4m3(x: torch.Tensor, granularity: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,15 +207,16 @@ def quantize_e4m3(x: torch.Tensor, granularity: str = "row") -> tuple[torch.Tens
     if R == 0 or C == 0:
         return q, scale.fill_(1.0)
     emulate = interpreting()
+    mode = "interpreted" if emulate else "columns" if x.stride(0) == 1 and x.stride(1) != 1 else "rows"
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         if granularity == "row":
-            block_r, block_c, warps = _ROW_BLOCKS[emulate]
+            block_r, block_c, warps = _ROW_BLOCKS[mode]
             _quant_rows_kernel[(triton.cdiv(R, block_r),)](x, q, scale, R, C, x.stride(0), x.stride(1),
                                                           EMULATE=emulate, BLOCK_R=block_r, BLOCK_C=block_c,
                                                           num_warps=warps)
         else:
             one_row = granularity == "tile"
-            block_r = _TILE_ROWS[emulate] if one_row else FP8_BLOCK
+            block_r = _TILE_ROWS[mode] if one_row else FP8_BLOCK
             grid = (triton.cdiv(R, block_r), triton.cdiv(C, FP8_BLOCK))
             _quant_blocks_kernel[grid](x, q, scale, R, C, x.stride(0), x.stride(1), grid[1], ONE_ROW=one_row,
                                        EMULATE=emulate, BLOCK_R=block_r, BLOCK_C=FP8_BLOCK,
