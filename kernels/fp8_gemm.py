@@ -33,7 +33,7 @@ from .gemm import EPILOGUE_ACC_BUDGET
 from .runtime import autotuned, device_capability, interpreting, pipelined, prune_tile_configs, shared_memory_limit, \
     tile_smem_bytes
 
-__all__ = ["FP8_INTERPRETER_CONFIG", "SCALINGS", "fp8_gpu_configs", "fp8_matmul", "fp8_matmul_reference",
+__all__ = ["FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "SCALINGS", "fp8_gpu_configs", "fp8_matmul", "fp8_matmul_reference",
            "fp8_smem_estimate"]
 
 SCALINGS = ("rowwise", "blockwise")
@@ -45,12 +45,13 @@ def _fp8_gemm_kernel(
     M, N, K,
     s_am, s_ak, s_bn, s_bk, s_cm, s_cn, s_sam, s_sak, s_sbn, s_sbk,
     BLOCKWISE: tl.constexpr, B_SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K >= 32, "an fp8 dot needs BLOCK_K >= 32")
     tl.static_assert(not BLOCKWISE or BLOCK_K == 128, "blockwise scaling steps K one 128-wide scale block at a time")
     tl.static_assert(B_SCALE_ROWS == 1 or B_SCALE_ROWS == 128, "B's scales cover 1 or 128 rows")
+    tl.static_assert(PROMOTE_K <= BLOCK_K, "the fp32 promotion interval must be at most one K step")
 
     # grouped ordering of programs (tutorial 03): neighbouring programs share B column blocks
     pid = tl.program_id(0)
@@ -87,9 +88,9 @@ def _fp8_gemm_kernel(
         if BLOCKWISE:
             sa = tl.load(sa_rows + k0 * s_sak, mask=m_mask, other=0.0)
             sb = tl.load(sb_rows + k0 * s_sbk, mask=n_mask, other=0.0)
-            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]  # a fresh dot per step: promoted every BLOCK_K
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
     if not BLOCKWISE:
         sa = tl.load(sa_rows, mask=m_mask, other=0.0)
         sb = tl.load(sb_rows, mask=n_mask, other=0.0)
@@ -106,6 +107,12 @@ def _fp8_gemm_kernel(
 # Configurations: a fixed small one under the interpreter, an autotuned pruned list on GPU
 # --------------------------------------------------------------------------------------------
 FP8_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, GROUP_M=4)
+#: Hopper's fp8 wgmma accumulates in less than fp32 (DeepSeek-V3 measured about 14 bits), and
+#: Triton's default on sm_90 lets a dot accumulate its whole K that way. Both recipes promote to
+#: the fp32 accumulator every 128 K elements (DeepSeek-V3's interval): blockwise by its fresh dot
+#: per K step, rowwise by ``max_num_imprecise_acc=PROMOTE_K`` (a partial fp32 tile added to the
+#: accumulator after each step: a second accumulator tile, counted by the prune rule)
+FP8_PROMOTE_K = 128
 
 
 def fp8_gpu_configs():
@@ -128,14 +135,15 @@ UNALIGNED_FP8_TILE = 64 * 64
 
 
 def _rule(named_args: dict, **kwargs) -> dict:
-    """The prune rule's parameters: 1-byte operands, one accumulator (rowwise) or two (blockwise:
-    the step's fresh dot next to the running sum), the plain epilogue's register budget."""
+    """The prune rule's parameters: 1-byte operands, two accumulator tiles (the running fp32 sum
+    and the step's dot: blockwise's fresh dot, rowwise's partial accumulator), the plain
+    epilogue's register budget."""
     a = named_args["a_ptr"]
     blockwise = bool(kwargs.get("BLOCKWISE", named_args.get("BLOCKWISE", False)))
     tiled_b = blockwise and kwargs.get("B_SCALE_ROWS", named_args.get("B_SCALE_ROWS", 1)) == 1
     extents = [e for e in (named_args["K"], named_args["s_am"], named_args["s_bn"]) if e != 1]
     budget = TILED_B_ACC_BUDGET if tiled_b else EPILOGUE_ACC_BUDGET["plain"]
-    return dict(elem_size=1, b_tiles=1, acc_tiles=2 if blockwise else 1, acc_budget=budget, sync_acc_budget=budget,
+    return dict(elem_size=1, b_tiles=1, acc_tiles=2, acc_budget=budget, sync_acc_budget=budget,
                 capability=device_capability(a.device.index or 0), precision="ieee",
                 pipelined=pipelined(1, *extents))
 
@@ -244,7 +252,7 @@ def fp8_matmul(
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
             a_scale.stride(0), a_scale.stride(-1), b_scale.stride(0), b_scale.stride(-1))
     flags = dict(BLOCKWISE=scaling == "blockwise", B_SCALE_ROWS=b_rows, HAS_BIAS=bias is not None,
-                 EVEN_K=K % 128 == 0, EMULATE=interpreting())
+                 EVEN_K=K % 128 == 0, EMULATE=interpreting(), PROMOTE_K=FP8_PROMOTE_K)
     if interpreting():
         cfg = FP8_INTERPRETER_CONFIG
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
