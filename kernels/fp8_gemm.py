@@ -26,15 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_choice, check_same, check_shape, check_supported_dtype, check_tensor, check_out_dtype, \
-    output_buffer
-from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, round_to_bf16
+from .checks import (check_choice, check_out_dtype, check_same, check_shape, check_supported_dtype, check_tensor,
+                     output_buffer)
+from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, round_to_bf16, to_fp32
 from .gemm import EPILOGUE_ACC_BUDGET
-from .runtime import autotuned, device_capability, interpreting, pipelined, prune_tile_configs, shared_memory_limit, \
-    tile_smem_bytes
+from .runtime import (autotuned, device_capability, interpreting, pipelined, prune_tile_configs, shared_memory_limit,
+                      tile_smem_bytes)
 
-__all__ = ["FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "SCALINGS", "fp8_gpu_configs", "fp8_matmul", "fp8_matmul_reference",
-           "fp8_smem_estimate"]
+__all__ = ["FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "SCALINGS", "fp8_gpu_configs", "fp8_matmul",
+           "fp8_matmul_reference", "fp8_smem_estimate"]
 
 SCALINGS = ("rowwise", "blockwise")
 
@@ -96,7 +96,7 @@ def _fp8_gemm_kernel(
         sb = tl.load(sb_rows, mask=n_mask, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc += to_fp32(tl.load(bias_ptr + rn, mask=n_mask, other=0.0), EMULATE)[None, :]
     if EMULATE and c_ptr.dtype.element_ty == tl.bfloat16:
         acc = round_to_bf16(acc)  # the interpreter's bf16 cast truncates (kernels/fp8.py)
     c_off = rm64[:, None] * s_cm + rn64[None, :] * s_cn

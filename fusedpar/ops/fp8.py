@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar.kernels.checks import check_bool, check_choice, check_float_tensor, check_same, check_shape, \
-    check_supported_dtype, check_tensor
+from fusedpar.kernels.checks import (check_bool, check_choice, check_float_tensor, check_same, check_shape,
+                                     check_supported_dtype, check_tensor)
 from fusedpar.kernels.fp8 import check_fp8_device
 from fusedpar.ops.fp8_library import FP8_RECIPES, fp8_linear_op
 from fusedpar.ops.library import checked_api
