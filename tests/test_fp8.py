@@ -140,6 +140,7 @@ def test_fp8_matmul(scaling, ga, gb, M, N, K):
     bias = torch.randn(N, generator=g).to(DEVICE)
     xq, xs = quantize_e4m3(x, ga)
     wq, ws = quantize_e4m3(w, gb)
+    xq = torch.empty(M, K + 16, dtype=xq.dtype, device=DEVICE)[:, :K].copy_(xq)  # a strided A
     ref = fp8_matmul_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), bias.cpu(), scaling=scaling)
     scale = ref.pow(2).mean().sqrt().item()
     # fp32 output into a NaN-poisoned strided view: fp32 accumulation only
@@ -160,6 +161,16 @@ def test_fp8_matmul(scaling, ga, gb, M, N, K):
     err = (out.cpu().double() - exact).abs()
     assert (err <= bound + ACC_RTOL * scale).all(), (err - bound).max()
     assert err.max() > 1e-4 * scale  # the quantisation is real: the test would see a missing scale
+
+
+def test_fp8_matmul_empty():
+    a = quantize_e4m3(torch.randn(3, 0, device=DEVICE))
+    b = quantize_e4m3(torch.randn(2, 0, device=DEVICE))
+    bias = torch.randn(2, device=DEVICE)
+    out = fp8_matmul(*a, *b, bias, out=poison((3, 2), torch.float32))
+    assert torch.equal(out.cpu(), bias.cpu().expand(3, 2))  # empty contraction: the bias alone
+    assert fp8_matmul(*quantize_e4m3(torch.randn(0, 8, device=DEVICE)), *quantize_e4m3(
+        torch.randn(2, 8, device=DEVICE))).shape == (0, 2)
 
 
 def test_fp8_matmul_bad_input():
