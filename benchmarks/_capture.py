@@ -101,6 +101,8 @@ class Capture:
         self.estimates = estimates or {}
         self.sample = sample
         self.variants: dict[str, Variant] = {}
+        #: cases whose launcher refused this architecture (fp8 below 8.9): case -> its error
+        self.unsupported: dict[str, str] = {}
         self.label = ("?", "?")
         self._binders: dict = {}
         self._undo: list = []

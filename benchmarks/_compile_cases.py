@@ -20,6 +20,8 @@ from fusedpar.kernels import (
     permute,
 )
 from fusedpar.kernels.flash_attention import flash_attention_forward
+from fusedpar.kernels.fp8 import quantize_e4m3
+from fusedpar.kernels.fp8_gemm import fp8_matmul
 from fusedpar.kernels.flash_attention_bwd import flash_attention_backward
 from fusedpar.kernels.moe_routing import routing_metadata
 from fusedpar.kernels.moe_topk import topk_route, topk_route_backward
@@ -266,5 +268,56 @@ def _flash_cases():
     return cases
 
 
+# --------------------------------------------------------------------------------------------
+# fp8: quantisation and the scaled GEMM (bf16 passes only: fp8 operands whatever the dtype; sm_80
+# raises FP8UnsupportedError, which the check reports as unsupported)
+# --------------------------------------------------------------------------------------------
+def _fp8_gemm(dt, M, N, K, scaling, b_granularity, out_dtype=None, bias=False):
+    if dt != torch.bfloat16:
+        return
+    f8 = torch.float8_e4m3fn
+    kb = -(-K // 128)
+    if scaling == "rowwise":
+        sa, sb = meta(M, dtype=torch.float32), meta(N, dtype=torch.float32)
+    else:
+        sa = meta(M, kb, dtype=torch.float32)
+        sb = meta(-(-N // 128) if b_granularity == "block" else N, kb, dtype=torch.float32)
+    fp8_matmul(meta(M, K, dtype=f8), sa, meta(N, K, dtype=f8), sb, meta(N, dtype=dt) if bias else None,
+               scaling=scaling, out_dtype=out_dtype or dt)
+
+
+def _fp8_quantize(dt, rows, cols, granularity, transposed=False):
+    if dt != torch.bfloat16:
+        return
+    quantize_e4m3(meta(cols, rows, dtype=dt).t() if transposed else meta(rows, cols, dtype=dt), granularity)
+
+
+def _fp8_cases():
+    c = LLAMA["llama3-8b"]
+    H, F, T = c["hidden"], c["ffn"], c["batch"] * c["seq"]
+    qkv = (c["heads"] + 2 * c["kv"]) * c["d"]
+    cases = []
+    for scaling, wg in (("rowwise", "row"), ("blockwise", "block")):
+        cases += [
+            Case("fp8", f"llama3-8b qkv+bias {scaling}", False, lambda dt, s=scaling, wg=wg: _fp8_gemm(
+                dt, T, qkv, H, s, wg, bias=True)),
+            Case("fp8", f"llama3-8b up {scaling}", scaling == "blockwise", lambda dt, s=scaling, wg=wg: _fp8_gemm(
+                dt, T, 2 * F, H, s, wg)),
+            Case("fp8", f"llama3-8b down dgrad {scaling}", False, lambda dt, s=scaling, wg=wg: _fp8_gemm(
+                dt, T, F, H, s, wg)),
+            Case("fp8", f"llama3-8b down wgrad fp32 {scaling}", False, lambda dt, s=scaling: _fp8_gemm(
+                dt, H, F, T, s, "tile", out_dtype=torch.float32)),
+            Case("fp8", f"tests 37x45x200 {scaling}", False, lambda dt, s=scaling, wg=wg: _fp8_gemm(
+                dt, 37, 45, 200, s, wg, bias=True)),
+        ]
+    for granularity in ("row", "tile", "block"):
+        cases.append(Case("fp8", f"llama3-8b quantize {granularity}", granularity == "tile",
+                          lambda dt, g=granularity: _fp8_quantize(dt, T, H if g != "block" else 2 * F, g)))
+    for granularity in ("row", "tile"):
+        cases.append(Case("fp8", f"llama3-8b quantize {granularity} transposed", False,
+                          lambda dt, g=granularity: _fp8_quantize(dt, H, T, g, transposed=True)))
+    return cases
+
+
 def all_cases():
-    return _gemm_cases() + _persistent_cases() + _moe_cases() + _norm_cases() + _flash_cases()
+    return _gemm_cases() + _persistent_cases() + _moe_cases() + _norm_cases() + _flash_cases() + _fp8_cases()

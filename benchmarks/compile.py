@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-FAMILIES = ("gemm", "persistent", "grouped", "moe", "rmsnorm", "flash")
+FAMILIES = ("gemm", "persistent", "grouped", "moe", "rmsnorm", "flash", "fp8")
 DTYPES = {"fast": ("bfloat16",), "full": ("bfloat16", "float16", "float32")}
 #: the families whose kernels run ``tl.dot``: their fp32 launches are captured a second time with
 #: ``torch.backends.cuda.matmul.allow_tf32`` set (dtype "tf32": INPUT_PRECISION "tf32")
@@ -30,9 +30,10 @@ TF32_FAMILIES = ("gemm", "persistent", "grouped", "flash")
 
 def _estimates():
     """The prune rules' shared-memory estimate of each autotuned kernel (bytes per program)."""
-    from fusedpar.kernels import gemm, grouped_gemm
+    from fusedpar.kernels import fp8_gemm, gemm, grouped_gemm
 
     return {
+        "_fp8_gemm_kernel": fp8_gemm.fp8_smem_estimate,
         "_gemm_kernel": gemm.smem_estimate,
         "persistent_gemm_kernel": gemm.smem_estimate,
         "_grouped_gemm_kernel": grouped_gemm.smem_estimate,
@@ -59,8 +60,11 @@ def dtypes_of(subset: str, precision: str) -> tuple:
 def capture(arch: str, subset: str, families=FAMILIES, match: str = "", precision: str = "ieee"):
     """Run the cases of ``subset`` under a :class:`Capture` for ``arch``; returns its variants
     (each with its family and the cases that launch it). The "tf32" pass runs the fp32 cases of
-    :data:`TF32_FAMILIES` with ``torch.backends.cuda.matmul.allow_tf32`` set."""
+    :data:`TF32_FAMILIES` with ``torch.backends.cuda.matmul.allow_tf32`` set. A case whose launcher
+    refuses the architecture (fp8 below compute capability 8.9) is recorded in ``cap.unsupported``."""
     import torch
+
+    from fusedpar.kernels.fp8 import FP8UnsupportedError
 
     from ._capture import Capture
     from ._compile_cases import all_cases
@@ -78,6 +82,8 @@ def capture(arch: str, subset: str, families=FAMILIES, match: str = "", precisio
                 try:
                     with cap.case(f"{case.family}: {case.name}", dt):
                         case.run(torch.float32 if dt == "tf32" else getattr(torch, dt))
+                except FP8UnsupportedError as e:
+                    cap.unsupported[f"{case.family}: {case.name}"] = str(e)
                 finally:
                     torch.backends.cuda.matmul.allow_tf32 = allow
     return cap
@@ -205,6 +211,18 @@ def markdown(rows, arch) -> str:
     return "\n".join(lines)
 
 
+def unsupported_markdown(cap) -> str:
+    """The cases the launchers refuse on ``cap``'s architecture, with the launcher's error."""
+    if not cap.unsupported:
+        return ""
+    by_message: dict = {}
+    for case, message in sorted(cap.unsupported.items()):
+        by_message.setdefault(message, []).append(case)
+    lines = [f"### {cap.arch}: unsupported", "", "| cases | error |", "|---|---|"]
+    lines += [f"| {'; '.join(cases)} | {message} |" for message, cases in by_message.items()]
+    return "\n".join(lines)
+
+
 def summary(rows) -> str:
     """Per kernel: launchable variants, how many spill, the largest spill, the worst estimate error."""
     by = {}
@@ -250,13 +268,15 @@ def add_args(p):
 def _check_against(args) -> int:
     from ._capture import ARCHS
 
-    table, bad, n = table_rows(args.against), [], 0
+    table, bad, n, unsupported = table_rows(args.against), [], 0, 0
     for arch in (list(ARCHS) if args.arch == "all" else [args.arch]):
         cap = capture(arch, args.subset, tuple(args.family), args.cases, args.precision)
         rows = rows_of(arch, cap.smem, [(v, {}) for v in cap.variants.values()])
         n += sum(r["decision"] != "pruned" for r in rows)
+        unsupported += len(cap.unsupported)
         bad += against_table(rows, table)
-    print(f"{n} launchable variants checked against {args.against}; {len(bad)} problem(s)")
+    print(f"{n} launchable variants checked against {args.against}; {len(bad)} problem(s)"
+          + (f"; {unsupported} case(s) unsupported on this architecture" if unsupported else ""))
     for b in bad:
         print("  " + b)
     return 1 if bad else 0
@@ -281,7 +301,7 @@ def main(argv=None) -> int:
         cap = capture(arch, args.subset, tuple(args.family), args.cases, args.precision)
         rows = rows_of(arch, cap.smem, compile_all(cap, args.jobs, args.cache_dir or None, args.pruned))
         all_rows += rows
-        text.append(markdown(rows, arch))
+        text += [markdown(rows, arch)] + ([unsupported_markdown(cap)] if cap.unsupported else [])
     bad = problems(all_rows, args.fail_on_spill)
     report = "\n\n".join(text + ["### summary (launchable variants)", "", summary(all_rows)])
     print(report)

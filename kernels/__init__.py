@@ -21,6 +21,8 @@ else:
     check_interpreter()
     from .gemm import matmul, matmul_reference, matmul_tn
     from .grouped_bias import grouped_bias_grad
+    from .fp8 import dequantize_e4m3, quantize_e4m3
+    from .fp8_gemm import fp8_matmul
     from .grouped_gemm import (
         as_group_offsets,
         grouped_matmul,
@@ -38,6 +40,7 @@ else:
 
     __all__ = [
         "ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn",
+        "dequantize_e4m3", "fp8_matmul", "quantize_e4m3",
         "as_group_offsets", "combine", "combine_backward", "grouped_bias_grad", "grouped_matmul", "grouped_matmul_dact",
         "grouped_matmul_reference", "grouped_wgrad", "moe_mlp_reference", "permute", "routing_metadata",
         "routing_metadata_reference",

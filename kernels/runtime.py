@@ -161,8 +161,8 @@ def _tile(cfg):
 
 def uses_wgmma(capability, dot_m: int, elem_size: int, precision: str = "tf32") -> bool:
     """Whether Triton lowers a ``tl.dot`` with ``dot_m`` rows to Hopper's wgmma: sm_90, at
-    least 64 rows, 16-bit operands (or fp32 as tf32)."""
-    return capability[0] == 9 and dot_m >= 64 and (elem_size == 2 or precision == "tf32")
+    least 64 rows, 8-bit (fp8) or 16-bit operands (or fp32 as tf32)."""
+    return capability[0] == 9 and dot_m >= 64 and (elem_size in (1, 2) or precision == "tf32")
 
 
 def tile_smem_bytes(cfg, *, elem_size: int, b_tiles: int, capability=(9, 0), dims=("BLOCK_M", "BLOCK_N", "BLOCK_K"),

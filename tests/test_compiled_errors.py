@@ -11,6 +11,7 @@ from fusedpar.ops import (
     EmulatedTransport,
     all_gather_matmul,
     flash_attention,
+    fp8_linear,
     linear_cross_entropy,
     moe_mlp,
     ring_attention,
@@ -46,6 +47,7 @@ CASES = {
     "loss target dtype": lambda: (vocab_parallel_cross_entropy, (_r(2, 3, 10), torch.zeros(2, 3, device=DEVICE)), {}),
     "linear_cross_entropy reduction": lambda: (linear_cross_entropy, (_r(6, 8), _r(10, 8), _ids(1, 2, 3, 4, 5, 6)),
                                                dict(reduction="avg")),
+    "fp8 recipe": lambda: (fp8_linear, (_r(4, 8), _r(3, 8)), dict(recipe="tensorwise")),
     "layout helper rank": lambda: (sequence_shard, (_r(1, 8, 4),), dict(ring_rank=2, ring_size=2)),
 }
 

@@ -3,6 +3,7 @@ from .linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear, merge_
 from .moe import MoE, RouterLoad, RouterOutput, TopKRouter  # noqa: F401
 from .attention import AttentionReference, ParallelAttention, apply_rotary, rotary_cos_sin  # noqa: F401
 from .norm import RMSNorm  # noqa: E402,F401
+from .fp8 import FP8Linear  # noqa: E402,F401
 from .config import TransformerConfig  # noqa: E402,F401
 from .block import TransformerBlock  # noqa: E402,F401
 from .transformer import Transformer, shard_tokens, vocab_parallel_cross_entropy  # noqa: E402,F401

@@ -1,0 +1,263 @@
+"""fp8 (e4m3) quantisation: scales from the current amax and the cast, row by row or block by block.
+
+Granularities (``scale = max(amax / 448, 2^-126)`` of each group, ``q = e4m3(x / scale)``):
+
+* ``"row"``: one scale per row of a 2-D tensor (the rowwise recipe: activations and gradients per
+  token, weights per output row);
+* ``"tile"``: one scale per 1x128 tile along a row (DeepSeek-V3's activations and gradients);
+* ``"block"``: one scale per 128x128 block (DeepSeek-V3's weights).
+
+The last tile / block of a row or column may be ragged: its amax covers the elements it has. Every
+launcher quantises the rows of a 2-D tensor of any strides (``x.t()`` quantises the columns of
+``x``, the transposed scaling a backward needs) into a contiguous ``[R, C]`` ``float8_e4m3fn``
+tensor and an fp32 scale tensor (``[R]``, ``[R, ceil(C/128)]``, ``[ceil(R/128), ceil(C/128)]``).
+
+The range is guarded: 448 is e4m3's largest finite value, so the group's amax maps to 448 and
+nothing else saturates; an all-zero group gets the floor ``2^-126`` (the smallest normal fp32: the
+scale stays normal, finite and positive, ``x / scale`` never divides by zero). Both divisions are
+IEEE round-to-nearest (``tl.math.div_rn``), so the results equal torch's
+``(x.float() / scale).to(torch.float8_e4m3fn)`` bit for bit (:func:`quantize_e4m3_reference`).
+
+The cast (:func:`to_e4m3`): compiled, Triton lowers the fp32 -> e4m3 conversion to a
+round-to-nearest-even conversion that saturates to +-448 and keeps NaN (``cvt.rn.satfinite``).
+Triton's interpreter does not (upstream triton issue 8322): its conversion loses a rounding carry
+into the exponent (1.99 -> 1.0), flushes subnormals and gives garbage above 448; its fp32 -> bf16
+cast truncates, and its bf16 -> fp32 conversion gets bf16 subnormals wrong. Under the interpreter
+the kernels therefore round to the e4m3 grid (and to the bf16 grid, :func:`round_to_bf16`) in fp32
+before the cast, which the interpreter's conversion then encodes exactly, and widen bf16 through
+its bits (:func:`to_fp32`), behind the constexpr ``EMULATE`` that only the interpreter sets.
+
+fp8 tensor cores exist from compute capability 8.9 (Ada, Hopper): launches on an older GPU raise
+:class:`FP8UnsupportedError` naming the device (:func:`check_fp8_device`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_choice, check_float_tensor
+from .runtime import device_capability, interpreting
+
+__all__ = ["E4M3_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", "GRANULARITIES", "SCALE_FLOOR", "FP8UnsupportedError",
+           "check_fp8_device", "dequantize_e4m3", "fp8_support_problem", "quantize_e4m3", "quantize_e4m3_reference",
+           "round_to_bf16", "scale_shape", "to_e4m3", "to_fp32"]
+
+#: e4m3's largest finite value: a group's amax maps to it
+E4M3_MAX = 448.0
+#: the smallest scale (the smallest normal fp32): the scale of an all-zero group
+SCALE_FLOOR = 2.0 ** -126
+#: the side of DeepSeek-V3's tiles (1 x 128) and blocks (128 x 128)
+FP8_BLOCK = 128
+GRANULARITIES = ("row", "tile", "block")
+#: fp8 tensor cores: Ada (8.9) and Hopper (9.0) or later
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+class FP8UnsupportedError(RuntimeError):
+    """An fp8 kernel launched on a GPU without fp8 tensor cores (compute capability < 8.9)."""
+
+
+def fp8_support_problem(capability, device_name: str) -> str | None:
+    """Why a GPU of ``capability`` cannot run the fp8 kernels, or None."""
+    if tuple(capability) >= FP8_MIN_CAPABILITY:
+        return None
+    return (f"fp8 (e4m3) kernels need fp8 tensor cores (compute capability >= 8.9: Ada, Hopper or later); "
+            f"{device_name} has compute capability {capability[0]}.{capability[1]}: leave the fp8 option off "
+            f"(fp8_linear / recipe=...) on this GPU")
+
+
+def check_fp8_device(t: torch.Tensor) -> None:
+    """Raise :class:`FP8UnsupportedError` when ``t`` lives on a GPU without fp8 tensor cores (CPU
+    tensors run under the interpreter, which has no such limit)."""
+    if t.device.type == "cpu":
+        return
+    index = t.device.index or 0
+    problem = fp8_support_problem(device_capability(index), torch.cuda.get_device_name(index))
+    if problem:
+        raise FP8UnsupportedError(problem)
+
+
+# --------------------------------------------------------------------------------------------
+# jit helpers: the casts, exact under the interpreter too
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def to_e4m3(x, EMULATE: tl.constexpr):
+    """fp32 ``x`` to ``float8e4nv``: round to nearest even, saturate to +-448, NaN stays NaN.
+    ``EMULATE`` (interpreter only): round to the e4m3 grid in fp32 first (module docstring)."""
+    if EMULATE:
+        nan = x != x  # before the clamp: the interpreter's minimum / maximum drop NaN, as the GPU's do
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        bits = x.to(tl.int32, bitcast=True)
+        # the grid step of |x|: 2^(e - 3) for a normal exponent e >= -6, 2^-9 for subnormals
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+        step = ((e + 124) << 23).to(tl.float32, bitcast=True)
+        # |x| / step < 16 is exact; adding and subtracting 1.5 * 2^23 rounds it to an integer,
+        # ties to even; the sign is put back afterwards (-0.0 and negatives rounding to zero)
+        mag = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
+        x = tl.where(bits < 0, -mag, mag)
+        x = tl.where(nan, 480.0, x)  # NaN: 480 encodes as e4m3's NaN (0x7F) in the interpreter
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def to_fp32(x, EMULATE: tl.constexpr):
+    """A loaded tile in fp32. ``EMULATE`` (interpreter only): bf16 through its bits, because the
+    interpreter's bf16 -> fp32 conversion gets bf16 subnormals wrong (the GPU's is exact)."""
+    if EMULATE and x.dtype == tl.bfloat16:
+        x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 ``x`` rounded to the bf16 grid (nearest even), still fp32: the interpreter's fp32 ->
+    bf16 cast truncates, the GPU's rounds; cast after this, both give the same bits."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def _group_scale(amax):
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # SCALE_FLOOR
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, s_xr, s_xc, EMULATE: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    """One scale per row: the row's amax over every column (first loop), then the cast (second)."""
+    rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = rr < R
+    x_rows = rr.to(tl.int64)[:, None] * s_xr
+    q_rows = rr.to(tl.int64)[:, None] * C
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, tl.cdiv(C, BLOCK_C)):
+        cc = c0 * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = r_mask[:, None] & (cc < C)[None, :]
+        x = to_fp32(tl.load(x_ptr + x_rows + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0), EMULATE)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    scale = _group_scale(amax)
+    tl.store(s_ptr + rr, scale, mask=r_mask)
+    for c0 in range(0, tl.cdiv(C, BLOCK_C)):
+        cc = c0 * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = r_mask[:, None] & (cc < C)[None, :]
+        x = to_fp32(tl.load(x_ptr + x_rows + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0), EMULATE)
+        q = to_e4m3(tl.math.div_rn(x, scale[:, None]), EMULATE)
+        tl.store(q_ptr + q_rows + cc[None, :], q, mask=mask)
+
+
+@triton.jit
+def _quant_blocks_kernel(x_ptr, q_ptr, s_ptr, R, C, s_xr, s_xc, n_cblocks, ONE_ROW: tl.constexpr,
+                         EMULATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One scale per 1 x BLOCK_C tile (``ONE_ROW``) or per BLOCK_R x BLOCK_C block of a
+    BLOCK_R x BLOCK_C program tile."""
+    tl.static_assert(BLOCK_C == 128, "fp8 tiles and blocks are 128 wide")
+    tl.static_assert(ONE_ROW or BLOCK_R == 128, "a 128x128 block is one program tile")
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_mask = rr < R
+    mask = r_mask[:, None] & (cc < C)[None, :]
+    rr64 = rr.to(tl.int64)
+    x = to_fp32(tl.load(x_ptr + rr64[:, None] * s_xr + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0),
+                EMULATE)
+    if ONE_ROW:
+        scale = _group_scale(tl.max(tl.abs(x), axis=1))
+        tl.store(s_ptr + rr64 * n_cblocks + pid_c, scale, mask=r_mask)
+        q = to_e4m3(tl.math.div_rn(x, scale[:, None]), EMULATE)
+    else:
+        scale = _group_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        tl.store(s_ptr + pid_r.to(tl.int64) * n_cblocks + pid_c, scale)
+        q = to_e4m3(tl.math.div_rn(x, scale), EMULATE)
+    tl.store(q_ptr + rr64[:, None] * C + cc[None, :], q, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+def scale_shape(rows: int, cols: int, granularity: str) -> tuple:
+    """The shape of the fp32 scales of a ``[rows, cols]`` tensor quantised at ``granularity``."""
+    nb = triton.cdiv(cols, FP8_BLOCK)
+    return {"row": (rows,), "tile": (rows, nb), "block": (triton.cdiv(rows, FP8_BLOCK), nb)}[granularity]
+
+
+#: fixed launch shapes (memory-bound passes, no tuning), by mode: "interpreted", "rows" (a row-major
+#: input: the loads run along the rows) and "columns" (a transposed view, ``x.t()`` of a row-major
+#: tensor: consecutive rows are adjacent in memory, so a program takes 64 of them to read 128 bytes
+#: of bf16 at a time); the row kernel's (rows, column chunk, warps), the tile kernel's rows
+_ROW_BLOCKS = {"interpreted": (16, 128, 4), "rows": (8, 512, 4), "columns": (64, 64, 4)}
+_TILE_ROWS = {"interpreted": 16, "rows": 32, "columns": 64}
+
+
+def quantize_e4m3(x: torch.Tensor, granularity: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: the rows of the 2-D tensor ``x`` (any strides; fp32, fp16 or bf16)
+    quantised to a contiguous ``float8_e4m3fn`` tensor of ``x``'s shape with fp32 scales per
+    ``granularity`` ("row", "tile": 1x128, "block": 128x128; see the module docstring), such that
+    ``x ~ q * scale`` (:func:`dequantize_e4m3`)."""
+    check_float_tensor("x", x, dims=(2,))
+    check_choice("granularity", granularity, GRANULARITIES)
+    check_fp8_device(x)
+    R, C = x.shape
+    q = torch.empty((R, C), device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(scale_shape(R, C, granularity), device=x.device, dtype=torch.float32)
+    if R == 0 or C == 0:
+        return q, scale.fill_(1.0)
+    emulate = interpreting()
+    mode = "interpreted" if emulate else "columns" if x.stride(0) == 1 and x.stride(1) != 1 else "rows"
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        if granularity == "row":
+            block_r, block_c, warps = _ROW_BLOCKS[mode]
+            _quant_rows_kernel[(triton.cdiv(R, block_r),)](x, q, scale, R, C, x.stride(0), x.stride(1),
+                                                          EMULATE=emulate, BLOCK_R=block_r, BLOCK_C=block_c,
+                                                          num_warps=warps)
+        else:
+            one_row = granularity == "tile"
+            block_r = _TILE_ROWS[mode] if one_row else FP8_BLOCK
+            grid = (triton.cdiv(R, block_r), triton.cdiv(C, FP8_BLOCK))
+            _quant_blocks_kernel[grid](x, q, scale, R, C, x.stride(0), x.stride(1), grid[1], ONE_ROW=one_row,
+                                       EMULATE=emulate, BLOCK_R=block_r, BLOCK_C=FP8_BLOCK,
+                                       num_warps=4 if one_row else 8)
+    return q, scale
+
+
+def _expand(scale: torch.Tensor, rows: int, cols: int, granularity: str) -> torch.Tensor:
+    """``scale`` broadcast to one value per element of a ``[rows, cols]`` tensor."""
+    if granularity == "row":
+        return scale[:, None].expand(rows, cols)
+    s = scale.repeat_interleave(FP8_BLOCK, dim=1)[:, :cols]
+    if granularity == "block":
+        s = s.repeat_interleave(FP8_BLOCK, dim=0)[:rows]
+    return s
+
+
+def quantize_e4m3_reference(x: torch.Tensor, granularity: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`quantize_e4m3` computes, in plain torch (fp32 amax, scale and division, torch's
+    e4m3 cast of the values clamped to +-448): the tests' bit-exact oracle."""
+    check_choice("granularity", granularity, GRANULARITIES)
+    xf = x.float()
+    R, C = xf.shape
+    a = xf.abs()
+    if granularity == "row":
+        amax = a.amax(dim=1) if C else a.new_zeros(R)
+    else:
+        nb, pad_r = triton.cdiv(C, FP8_BLOCK), (-R) % FP8_BLOCK
+        padded = torch.nn.functional.pad(a, (0, nb * FP8_BLOCK - C, 0, pad_r if granularity == "block" else 0))
+        if granularity == "tile":
+            amax = padded.view(R, nb, FP8_BLOCK).amax(dim=2)
+        else:
+            amax = padded.view(-1, FP8_BLOCK, nb, FP8_BLOCK).amax(dim=(1, 3))
+    scale = torch.clamp(amax / E4M3_MAX, min=SCALE_FLOOR)
+    q = (xf / _expand(scale, R, C, granularity)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_e4m3(q: torch.Tensor, scale: torch.Tensor, granularity: str = "row",
+                    dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``q * scale`` in ``dtype`` (float64 by default: exact), ``granularity`` as quantised."""
+    check_choice("granularity", granularity, GRANULARITIES)
+    R, C = q.shape
+    return q.to(dtype) * _expand(scale.to(dtype), R, C, granularity)

@@ -1,0 +1,276 @@
+"""Scaled fp8 GEMM: ``C = (A_fp8 * sa) @ (B_fp8 * sb)^T (+ bias)``, fp32 accumulation, bf16 / fp16 /
+fp32 output.
+
+``A`` is ``[M, K]`` and ``B`` ``[N, K]`` (the ``nn.Linear`` layout: both contiguous along K, what
+fp8 tensor cores want), both ``float8_e4m3fn`` as :func:`~fusedpar.kernels.fp8.quantize_e4m3`
+writes them, with their fp32 scales:
+
+* ``"rowwise"``: ``sa[M]``, ``sb[N]``; the main loop is a plain fp8 GEMM and the epilogue
+  multiplies the fp32 accumulator by ``sa[m] * sb[n]``.
+* ``"blockwise"`` (DeepSeek-V3): ``sa[M, ceil(K/128)]`` (1x128 tiles of A) and ``sb`` either
+  ``[ceil(N/128), ceil(K/128)]`` (128x128 blocks: weights) or ``[N, ceil(K/128)]`` (1x128 tiles:
+  the weight gradient's token-blocked operands). The main loop steps K one 128-wide scale block at
+  a time (``BLOCK_K == 128``): each step's fp8 dot starts from zero and is added to the fp32
+  accumulator times ``sa[m, k] * sb[n, k]``. A ragged last K block is masked (zeros).
+
+Layers: ``_fp8_gemm_kernel`` (jit) -> :func:`fp8_matmul` (validate, allocate, launch; autotuned
+on a GPU, one fixed tile under the interpreter) -> :func:`fp8_matmul_reference` (float64 product
+of the dequantised operands, the tests' oracle). Needs fp8 tensor cores (compute capability >= 8.9,
+:func:`~fusedpar.kernels.fp8.check_fp8_device`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import (check_choice, check_out_dtype, check_same, check_shape, check_supported_dtype, check_tensor,
+                     output_buffer)
+from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, round_to_bf16, to_fp32
+from .gemm import EPILOGUE_ACC_BUDGET
+from .runtime import (autotuned, device_capability, interpreting, pipelined, prune_tile_configs, shared_memory_limit,
+                      tile_smem_bytes)
+
+__all__ = ["FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "SCALINGS", "fp8_gpu_configs", "fp8_matmul",
+           "fp8_matmul_reference", "fp8_smem_estimate"]
+
+SCALINGS = ("rowwise", "blockwise")
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
+    M, N, K,
+    s_am, s_ak, s_bn, s_bk, s_cm, s_cn, s_sam, s_sak, s_sbn, s_sbk,
+    BLOCKWISE: tl.constexpr, B_SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    tl.static_assert(BLOCK_K >= 32, "an fp8 dot needs BLOCK_K >= 32")
+    tl.static_assert(not BLOCKWISE or BLOCK_K == 128, "blockwise scaling steps K one 128-wide scale block at a time")
+    tl.static_assert(B_SCALE_ROWS == 1 or B_SCALE_ROWS == 128, "B's scales cover 1 or 128 rows")
+    tl.static_assert(PROMOTE_K <= BLOCK_K, "the fp32 promotion interval must be at most one K step")
+
+    # grouped ordering of programs (tutorial 03): neighbouring programs share B column blocks
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % num_in_group) % group_size)
+    pid_n = (pid % num_in_group) // group_size
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    a_rows = a_ptr + rm64[:, None] * s_am
+    b_cols = b_ptr + rn64[None, :] * s_bn
+    sa_rows = sa_ptr + rm64 * s_sam
+    sb_rows = sb_ptr + (rn // B_SCALE_ROWS).to(tl.int64) * s_sbn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        kk64 = (k0 * BLOCK_K + rk).to(tl.int64)
+        if EVEN_K:
+            a = tl.load(a_rows + (kk64 * s_ak)[None, :], mask=m_mask[:, None], other=0.0)
+            b = tl.load(b_cols + (kk64 * s_bk)[:, None], mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = kk64 < K
+            a = tl.load(a_rows + (kk64 * s_ak)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_cols + (kk64 * s_bk)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if BLOCKWISE:
+            sa = tl.load(sa_rows + k0 * s_sak, mask=m_mask, other=0.0)
+            sb = tl.load(sb_rows + k0 * s_sbk, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]  # a fresh dot per step: promoted every BLOCK_K
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
+    if not BLOCKWISE:
+        sa = tl.load(sa_rows, mask=m_mask, other=0.0)
+        sb = tl.load(sb_rows, mask=n_mask, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += to_fp32(tl.load(bias_ptr + rn, mask=n_mask, other=0.0), EMULATE)[None, :]
+    if EMULATE and c_ptr.dtype.element_ty == tl.bfloat16:
+        acc = round_to_bf16(acc)  # the interpreter's bf16 cast truncates (kernels/fp8.py)
+    c_off = rm64[:, None] * s_cm + rn64[None, :] * s_cn
+    tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Configurations: a fixed small one under the interpreter, an autotuned pruned list on GPU
+# --------------------------------------------------------------------------------------------
+FP8_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, GROUP_M=4)
+#: Hopper's fp8 wgmma accumulates in less than fp32 (DeepSeek-V3 measured about 14 bits), and
+#: Triton's default on sm_90 lets a dot accumulate its whole K that way. Both recipes promote to
+#: the fp32 accumulator every 128 K elements (DeepSeek-V3's interval): blockwise by its fresh dot
+#: per K step, rowwise by ``max_num_imprecise_acc=PROMOTE_K`` (a partial fp32 tile added to the
+#: accumulator after each step: a second accumulator tile, counted by the prune rule)
+FP8_PROMOTE_K = 128
+
+
+def fp8_gpu_configs():
+    """Candidate tiles (sm_89 / sm_90): 128-deep K steps (128 bytes of fp8 per row, one scale
+    block of the blockwise recipe), pruned per problem by :func:`_prune_configs`."""
+    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8), num_stages=stages, num_warps=warps)
+            for bm, bn, stages, warps in [(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 4, 8), (128, 128, 4, 4),
+                                          (64, 128, 4, 8), (128, 64, 4, 8), (64, 128, 4, 4), (128, 64, 4, 4),
+                                          (64, 64, 4, 4)]]
+
+
+#: fp32 accumulator elements per thread (both tiles) of a blockwise GEMM whose B scales are per row
+#: (1x128 tiles: a vector of scales and its pointers live next to the accumulators in every K
+#: step): 128 spills 16 B on sm_90 (128x128 w8 at the weight-gradient shape), 64 does not
+TILED_B_ACC_BUDGET = 64
+#: output tile elements of a GEMM whose loads do not vectorise (K or a row stride not a multiple of
+#: 16 bytes: every element carries its own address and mask): 64x64 compiles without spills on
+#: sm_90, every larger tile of the list spills 200-4100 B at the test shape 37x45x200
+UNALIGNED_FP8_TILE = 64 * 64
+
+
+def _rule(named_args: dict, **kwargs) -> dict:
+    """The prune rule's parameters: 1-byte operands, two accumulator tiles (the running fp32 sum
+    and the step's dot: blockwise's fresh dot, rowwise's partial accumulator), the plain
+    epilogue's register budget."""
+    a = named_args["a_ptr"]
+    blockwise = bool(kwargs.get("BLOCKWISE", named_args.get("BLOCKWISE", False)))
+    tiled_b = blockwise and kwargs.get("B_SCALE_ROWS", named_args.get("B_SCALE_ROWS", 1)) == 1
+    extents = [e for e in (named_args["K"], named_args["s_am"], named_args["s_bn"]) if e != 1]
+    budget = TILED_B_ACC_BUDGET if tiled_b else EPILOGUE_ACC_BUDGET["plain"]
+    return dict(elem_size=1, b_tiles=1, acc_tiles=2, acc_budget=budget, sync_acc_budget=budget,
+                capability=device_capability(a.device.index or 0), precision="ieee",
+                pipelined=pipelined(1, *extents))
+
+
+def fp8_smem_estimate(cfg, named_args, **kwargs) -> int:
+    """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``."""
+    r = _rule(named_args, **kwargs)
+    return tile_smem_bytes(cfg, elem_size=1, b_tiles=1, capability=r["capability"], precision="ieee",
+                           pipelined=r["pipelined"])
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """:func:`~fusedpar.kernels.runtime.prune_tile_configs` with the fp8 rule (:func:`_rule`);
+    loads that do not vectorise keep only tiles within :data:`UNALIGNED_FP8_TILE`."""
+    a, rule = named_args["a_ptr"], _rule(named_args, **kwargs)
+    if not rule["pipelined"]:
+        configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= UNALIGNED_FP8_TILE] or configs
+    return prune_tile_configs(configs, smem_limit=shared_memory_limit(a.device.index or 0),
+                              dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]}, **rule)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_kernel():
+    return autotuned(_fp8_gemm_kernel, configs=fp8_gpu_configs(), key=["M", "N", "K", "BLOCKWISE", "B_SCALE_ROWS"],
+                     prune=_prune_configs)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+def _check_operand(name: str, t) -> None:
+    check_tensor(name, t, dims=(2,), dtypes=(torch.float8_e4m3fn,), kernel_device=True)
+
+
+def _b_scale_rows(b_scale: torch.Tensor, N: int, kb: int) -> int:
+    """Rows of B one blockwise scale covers: 128 for ``[ceil(N/128), kb]`` (blocks), 1 for
+    ``[N, kb]`` (tiles)."""
+    if tuple(b_scale.shape) == (N, kb):
+        return 1
+    if tuple(b_scale.shape) == (triton.cdiv(N, FP8_BLOCK), kb):
+        return FP8_BLOCK
+    raise ValueError(f"b_scale must have shape {(triton.cdiv(N, FP8_BLOCK), kb)} (128x128 blocks) or {(N, kb)} "
+                     f"(1x128 tiles) for blockwise scaling of b {(N, kb * FP8_BLOCK)}, got {tuple(b_scale.shape)}")
+
+
+def _check_scales(a_scale, b_scale, *, M: int, N: int, K: int, scaling: str, device) -> int:
+    """Check the scales; returns the rows of B one scale covers (rowwise: 1)."""
+    for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
+        check_tensor(name, s, dims=(1, 2), dtypes=(torch.float32,))
+        if s.device != device:
+            raise ValueError(f"{name} must be on the same device as a ({device}), got {s.device}")
+    if scaling == "rowwise":
+        check_shape("a_scale", a_scale, (M,))
+        check_shape("b_scale", b_scale, (N,))
+        return 1
+    kb = triton.cdiv(K, FP8_BLOCK)
+    check_shape("a_scale", a_scale, (M, kb))
+    return _b_scale_rows(b_scale, N, kb)
+
+
+def fp8_matmul(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    scaling: str = "rowwise",
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[M, N] = (a * a_scale) @ (b * b_scale)^T (+ bias)`` with fp32 accumulation.
+
+    a:       ``[M, K]`` ``float8_e4m3fn`` (any strides; contiguous along K is what tensor cores want).
+    b:       ``[N, K]`` ``float8_e4m3fn`` (the ``nn.Linear`` layout).
+    a_scale, b_scale: fp32; ``scaling="rowwise"``: ``[M]`` and ``[N]``; ``"blockwise"``:
+             ``[M, ceil(K/128)]`` and ``[ceil(N/128), ceil(K/128)]`` (128x128 blocks) or
+             ``[N, ceil(K/128)]`` (1x128 tiles) (module docstring).
+    bias:    ``[N]``, added in fp32 after the scales.
+    out:     ``[M, N]`` written in place if given (any strides, its dtype wins), else allocated
+             with ``out_dtype`` (bf16, fp16 or fp32).
+    """
+    _check_operand("a", a)
+    _check_operand("b", b)
+    check_same("b", b, "a", a)
+    check_choice("scaling", scaling, SCALINGS)
+    (M, K), (N, K_b) = a.shape, b.shape
+    if K_b != K:
+        raise ValueError(f"inner dimensions differ: a has K={K} (shape {tuple(a.shape)}) but b has K={K_b} "
+                         f"(shape {tuple(b.shape)})")
+    b_rows = _check_scales(a_scale, b_scale, M=M, N=N, K=K, scaling=scaling, device=a.device)
+    if bias is not None:
+        check_tensor("bias", bias, dims=(1,))
+        check_shape("bias", bias, (N,))
+        check_same("bias", bias, "a", a, dtype=False)
+        check_supported_dtype("bias", bias)
+        bias = bias.contiguous()
+    check_out_dtype("out_dtype", out_dtype)
+    out = output_buffer("out", out, (M, N), a.device, out_dtype)
+    check_fp8_device(a)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:  # empty contraction: the product is zero
+        return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros((M, N), device=a.device))
+    args = (a, b, out, a_scale, b_scale, bias if bias is not None else out, M, N, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            a_scale.stride(0), a_scale.stride(-1), b_scale.stride(0), b_scale.stride(-1))
+    flags = dict(BLOCKWISE=scaling == "blockwise", B_SCALE_ROWS=b_rows, HAS_BIAS=bias is not None,
+                 EVEN_K=K % 128 == 0, EMULATE=interpreting(), PROMOTE_K=FP8_PROMOTE_K)
+    if interpreting():
+        cfg = FP8_INTERPRETER_CONFIG
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        _fp8_gemm_kernel[grid](*args, **flags, **cfg)
+    else:
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        with torch.cuda.device(a.device):
+            _tuned_kernel()[grid](*args, **flags)
+    return out
+
+
+def fp8_matmul_reference(a, a_scale, b, b_scale, bias=None, *, scaling="rowwise", compute_dtype=torch.float64):
+    """What :func:`fp8_matmul` computes, in ``compute_dtype``: the product of the dequantised
+    operands (float64: exact up to the final sum)."""
+    check_choice("scaling", scaling, SCALINGS)
+    if scaling == "rowwise":
+        ga = gb = "row"
+    else:
+        ga, gb = "tile", "tile" if b_scale.shape[0] == b.shape[0] and b.shape[0] != 1 else "block"
+    y = dequantize_e4m3(a, a_scale, ga, compute_dtype) @ dequantize_e4m3(b, b_scale, gb, compute_dtype).t()
+    return y + bias.to(compute_dtype) if bias is not None else y
