@@ -224,7 +224,8 @@ def test_gather_logits_single_process_is_identity():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type must be one of"),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "rope_type must be one of"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "must have 'original_max_position_embeddings'"),
     ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "must have 'low_freq_factor'"),
     ("aux_loss_style", "mixtral", "aux_loss_style must be 'switch' or 'hf'"),
     ("shared_expert_ffn_hidden_size", -1, "shared_expert_ffn_hidden_size must be an int >= 0"),

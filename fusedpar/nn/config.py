@@ -51,7 +51,7 @@ class TransformerConfig:
     z_loss_coef: float = 1e-3
     # fields with Hugging Face's meaning (defaults keep the earlier behaviour)
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters: None, "default" or "llama3"
+    rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters: None, "default", "llama3" or "yarn"
     head_dim: int | None = None  # default hidden_size // num_heads
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections (not on the output one)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k before the rotary embedding
