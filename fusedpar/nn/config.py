@@ -70,6 +70,14 @@ class TransformerConfig:
     bias_update_rate: float = 0.0  # aux-loss-free balancing: Transformer.update_router_bias after opt.step()
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (added to the aux loss)
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi K2): attention="mla" and its sizes (HF's names)
+    attention: str = "default"  # "default": ParallelAttention (q, k, v heads); "mla": MLAttention
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = True  # HF's rope_interleave: the rotary features are interleaved pairs
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -105,7 +113,15 @@ class TransformerConfig:
                     rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
-                    router_options=self.router_options())
+                    router_options=self.router_options(), mla=self.mla_options())
+
+    def mla_options(self) -> dict | None:
+        """The :class:`MLAttention` sizes with ``attention="mla"``, else None."""
+        if self.attention != "mla":
+            return None
+        return dict(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                    qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                    v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave)
 
     def router_options(self) -> dict:
         """The :class:`MoE` router keyword arguments of the routing fields."""
@@ -142,7 +158,35 @@ def check_config_values(cfg: "TransformerConfig") -> None:
             raise ValueError(f"TransformerConfig.{name} must be a number >= 0, got {v!r}")
     if cfg.capacity_factor is not None:
         check_positive_number("TransformerConfig.capacity_factor", cfg.capacity_factor)
+    check_mla_values(cfg)
     check_positive_number("TransformerConfig.norm_eps", cfg.norm_eps)
+
+
+def check_mla_values(cfg: "TransformerConfig") -> None:
+    """``attention`` is "default" or "mla"; "mla" needs its sizes and takes none of the fields
+    of the default attention's projections (qkv_bias, qk_norm, head_dim)."""
+    check_choice("TransformerConfig.attention", cfg.attention, ("default", "mla"))
+    check_bool("TransformerConfig.rope_interleave", cfg.rope_interleave)
+    sizes = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if cfg.attention != "mla":
+        for name in sizes + ("q_lora_rank",):
+            if getattr(cfg, name) is not None:
+                raise ValueError(f"TransformerConfig.{name} is for attention='mla', got {getattr(cfg, name)!r} "
+                                 f"with attention={cfg.attention!r}")
+        return
+    for name in sizes:
+        if getattr(cfg, name) is None:
+            raise ValueError(f"TransformerConfig.{name} must be set with attention='mla', got None")
+        check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=0 if name == "qk_nope_head_dim" else 1)
+    if cfg.q_lora_rank is not None:
+        check_int("TransformerConfig.q_lora_rank", cfg.q_lora_rank, min_value=1)
+    for name in ("qkv_bias", "qk_norm"):
+        if getattr(cfg, name):
+            raise ValueError(f"TransformerConfig.{name} must be False with attention='mla' (MLA has its own "
+                             f"projections), got True")
+    if cfg.head_dim is not None:
+        raise ValueError(f"TransformerConfig.head_dim must be None with attention='mla' (qk_nope_head_dim, "
+                         f"qk_rope_head_dim and v_head_dim size the heads), got {cfg.head_dim!r}")
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:

@@ -1,0 +1,92 @@
+"""MLA (attention="mla") in a 4-rank gloo world: a Transformer of MLA blocks at tp2, sp2 (ring
+zigzag) and tp2 x sp2 (the rest of the world data parallel) gives the one-process model's loss
+and, after fusedpar.parallel.sync_gradients with the model's gradient plan, every gradient (the
+replicated down projections and latent norms summed over tp and sp, the up projections split by
+heads); a checkpoint saved at tp2 x sp2 loads at tp1. One world for the module."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+
+from _compose import RTOL, batch, compare_grads, data_mean, local_batch, reference, tiny_config
+from _utils import assert_close
+from _world import world_fixture
+from fusedpar import checkpoint as fcheckpoint
+from fusedpar.nn import MLAttention, Transformer
+from fusedpar.parallel import build_parallel_state, sync_gradients
+
+world4 = world_fixture(4)
+
+B, S = 2, 8
+# q / k head dim 4 + 4 = 8, v head dim 6 (padded to 8 under the ring), the q latent on, YaRN with
+# DeepSeek's mscale_all_dim (the softmax scale correction and an attention factor != 1 on cos / sin)
+MLA = dict(attention="mla", q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "mscale": 1.0,
+                         "mscale_all_dim": 0.8})
+LAYOUTS = {"tp2": dict(tp=2), "sp2 ring zigzag": dict(sp=2), "tp2 x sp2 ring zigzag": dict(tp=2, sp=2)}
+
+
+def _config(**kw):
+    return tiny_config(num_layers=1, **dict(MLA, **kw))
+
+
+def _layouts(rank, size, ref_loss, ref_grads):
+    config = _config()
+    tokens, targets = batch(5, B, S, config.vocab_size)
+    checked = {}
+    for name, sizes in LAYOUTS.items():
+        state = build_parallel_state(**sizes)
+        model = Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group)
+        attn = model.layers["0"].attn
+        assert isinstance(attn, MLAttention) and (attn.tp_size, attn.ring_size) == (state.tp, state.sp), name
+        ids, tgt = local_batch(tokens, targets, state, layout=config.layout)
+        loss = model.loss(model(ids), tgt)
+        loss.backward()
+        sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
+        assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, rtol=RTOL, msg=f"{name} loss")
+        checked[name] = compare_grads(model, ref_grads, f"{name} rank {rank}")
+    return checked
+
+
+def test_mla_transformer_matches_one_process_at_tp_sp(world4):
+    config = _config()
+    out = world4.run(_layouts, *reference(config, *batch(5, B, S, config.vocab_size)))
+    # embedding, norms, q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+    # o_proj, MLP, head: every parameter checked at every layout
+    assert all(n == len(dict(Transformer(config).named_parameters())) for r in out for n in r.values()), out
+
+
+def _save_tp2_load_tp1(rank, size, path):
+    config = _config(q_lora_rank=None)
+    tokens, targets = batch(6, 4, S, config.vocab_size)  # 4 rows: one per data-parallel rank at dp4
+    st2 = build_parallel_state(tp=2, sp=2)
+    m2 = Transformer(config, tp_group=st2.tp_group, sp_group=st2.sp_group, ep_group=st2.ep_group, seed=3)
+    fcheckpoint.save(m2, path)
+    full2 = fcheckpoint.full_state(m2)
+    ids, tgt = local_batch(tokens, targets, st2)
+    with torch.no_grad():
+        loss2 = data_mean(m2.loss(m2(ids), tgt), st2)
+    st1 = build_parallel_state(dp=4)
+    m1 = Transformer(config, tp_group=st1.tp_group, sp_group=st1.sp_group, ep_group=st1.ep_group, seed=99)
+    fcheckpoint.load(m1, path)
+    full1 = fcheckpoint.full_state(m1)
+    assert full1.keys() == full2.keys()
+    for k in full2:
+        assert torch.equal(full1[k], full2[k]), f"{k} differs after loading the tp2 x sp2 checkpoint at tp1"
+    ids, tgt = local_batch(tokens, targets, st1)
+    with torch.no_grad():
+        loss1 = data_mean(m1.loss(m1(ids), tgt), st1)
+    assert_close(loss1, loss2, torch.float32, rtol=RTOL, msg="loss after loading at tp1")
+    return len(full2)
+
+
+def test_mla_checkpoint_saved_at_tp2_loads_at_tp1(world4):
+    path = tempfile.mkdtemp(prefix="fusedpar_mla_")
+    try:
+        out = world4.run(_save_tp2_load_tp1, os.path.join(path, "ckpt"))
+        assert out[0] == out[-1] > 8, out
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
