@@ -1,5 +1,5 @@
 """MLA (attention="mla") in a 4-rank gloo world: a Transformer of MLA blocks at tp2, sp2 (ring
-zigzag) and tp2 x sp2 (the rest of the world data parallel) gives the one-process model's loss
+zigzag, Ulysses) and tp2 x sp2 (the rest of the world data parallel) gives the one-process model's loss
 and, after fusedpar.parallel.sync_gradients with the model's gradient plan, every gradient (the
 replicated down projections and latent norms summed over tp and sp, the up projections split by
 heads); a checkpoint saved at tp2 x sp2 loads at tp1. One world for the module."""
@@ -26,7 +26,10 @@ B, S = 2, 8
 MLA = dict(attention="mla", q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "mscale": 1.0,
                          "mscale_all_dim": 0.8})
-LAYOUTS = {"tp2": dict(tp=2), "sp2 ring zigzag": dict(sp=2), "tp2 x sp2 ring zigzag": dict(tp=2, sp=2)}
+LAYOUTS = {  # name -> (build_parallel_state sizes, sp_mode)
+    "tp2": (dict(tp=2), "ring"), "sp2 ring zigzag": (dict(sp=2), "ring"), "sp2 ulysses": (dict(sp=2), "ulysses"),
+    "tp2 x sp2 ring zigzag": (dict(tp=2, sp=2), "ring"),
+}
 
 
 def _config(**kw):
@@ -34,15 +37,15 @@ def _config(**kw):
 
 
 def _layouts(rank, size, ref_loss, ref_grads):
-    config = _config()
-    tokens, targets = batch(5, B, S, config.vocab_size)
+    tokens, targets = batch(5, B, S, _config().vocab_size)
     checked = {}
-    for name, sizes in LAYOUTS.items():
+    for name, (sizes, sp_mode) in LAYOUTS.items():
+        config = _config(sp_mode=sp_mode)
         state = build_parallel_state(**sizes)
         model = Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group)
         attn = model.layers["0"].attn
-        assert isinstance(attn, MLAttention) and (attn.tp_size, attn.ring_size) == (state.tp, state.sp), name
-        ids, tgt = local_batch(tokens, targets, state, layout=config.layout)
+        assert isinstance(attn, MLAttention) and (attn.tp_size, attn.ring_size * attn.ulysses_size) == (state.tp, state.sp)
+        ids, tgt = local_batch(tokens, targets, state, layout="contiguous" if sp_mode == "ulysses" else config.layout)
         loss = model.loss(model(ids), tgt)
         loss.backward()
         sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
