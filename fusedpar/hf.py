@@ -1,8 +1,9 @@
 """Hugging Face models in and out of :class:`fusedpar.nn.Transformer`.
 
 * :func:`config_from_hf`: a ``transformers`` config (Llama 2/3/3.1, Mistral, Qwen2, Qwen3,
-  Mixtral, Qwen2-MoE, Qwen3-MoE) -> :class:`~fusedpar.nn.TransformerConfig`; any field value the
-  model does not implement raises ``ValueError`` naming it.
+  Mixtral, Qwen2-MoE, Qwen3-MoE; DeepSeek-V3 / Kimi K2 here only, not in route B) ->
+  :class:`~fusedpar.nn.TransformerConfig`; any field value the model does not implement raises
+  ``ValueError`` naming it.
 * :func:`from_hf`: a ``transformers`` model, or a checkpoint directory (``config.json`` +
   ``*.safetensors``, read file by file), -> a :class:`~fusedpar.nn.Transformer` at any tp / sp / ep
   layout. The model is built on the meta device and every rank materialises only its shards.
@@ -36,12 +37,16 @@ from fusedpar.hf_parallel import (
     sequence_parallel_loss,
     shard_batch,
 )
-from fusedpar.nn import Transformer, TransformerConfig
+from fusedpar.nn import Transformer, TransformerConfig, checkpoint_buffers
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "causal_lm_loss", "config_from_hf", "from_hf", "gather_sequence", "gradient_sync_plan",
            "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch", "to_hf_state_dict"]
 
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# route A reads these too (route B, parallelize, does not: MLA has no Hugging Face module to wrap)
+_ROUTE_A_TYPES = SUPPORTED_MODEL_TYPES + ("deepseek_v3",)
+_YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "attention_factor", "truncate")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,12 +69,18 @@ def _rope(cfg, model_type):
         params.setdefault("rope_theta", _get(cfg, "rope_theta", 10000.0))
     theta = float(params.pop("rope_theta", _get(cfg, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        _unsupported(model_type, "rope_type", rope_type, "fusedpar implements 'default' and 'llama3'")
+    if rope_type not in ("default", "llama3", "yarn"):
+        _unsupported(model_type, "rope_type", rope_type, "fusedpar implements 'default', 'llama3' and 'yarn'")
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         _unsupported(model_type, "partial_rotary_factor", params["partial_rotary_factor"], "full rotary only")
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn":
+        if params.get("factor") is None and params.get("original_max_position_embeddings"):
+            # transformers' rule: the context extension of max_position_embeddings over the original
+            params["factor"] = config_number(cfg, "max_position_embeddings", "config_from_hf") / float(
+                params["original_max_position_embeddings"])
+        return theta, {"rope_type": "yarn", **{k: params[k] for k in _YARN_FIELDS if params.get(k) is not None}}
     return theta, {k: params[k] for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
                                          "original_max_position_embeddings") if k in params}
 
@@ -80,7 +91,8 @@ def _check_unsupported(cfg, model_type):
         _unsupported(model_type, "hidden_act", act, "gated SiLU (SwiGLU) MLPs only")
     if float(_get(cfg, "attention_dropout", 0.0) or 0.0):
         _unsupported(model_type, "attention_dropout", _get(cfg, "attention_dropout"), "no attention dropout")
-    if model_type in ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe") and _get(cfg, "attention_bias", False):
+    if model_type in ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3") \
+            and _get(cfg, "attention_bias", False):
         _unsupported(model_type, "attention_bias", True, "no bias on the output projection")
     if _get(cfg, "mlp_bias", False):
         _unsupported(model_type, "mlp_bias", True, "bias-free MLPs only")
@@ -115,6 +127,31 @@ def _moe_fields(cfg, model_type):
     return fields
 
 
+def _deepseek_fields(cfg):
+    """DeepSeek-V3 / Kimi K2: MLA attention, then ``first_k_dense_replace`` dense blocks and MoE
+    blocks with the sigmoid, group-limited router and its ``e_score_correction_bias`` (no aux
+    loss: transformers trains none)."""
+    num = lambda name, **kw: config_number(cfg, name, "config_from_hf", **kw)  # noqa: E731
+    shared = num("n_shared_experts", default=0) or 0
+    if shared:
+        _unsupported("deepseek_v3", "n_shared_experts", shared, "shared experts without a gate are not "
+                     "implemented yet; only n_shared_experts=0 (or None)")
+    heads = num("num_attention_heads")
+    experts = num("n_routed_experts")
+    dense = min(num("first_k_dense_replace", default=0) or 0, num("num_hidden_layers"))
+    return dict(
+        attention="mla", q_lora_rank=_get(cfg, "q_lora_rank"), kv_lora_rank=num("kv_lora_rank"),
+        qk_nope_head_dim=num("qk_nope_head_dim"), qk_rope_head_dim=num("qk_rope_head_dim"),
+        v_head_dim=num("v_head_dim"), rope_interleave=bool(_get(cfg, "rope_interleave", True)),
+        head_dim=None, num_kv_heads=heads, qkv_bias=False, qk_norm=False,
+        num_experts=experts, top_k=num("num_experts_per_tok"), moe_ffn_hidden_size=num("moe_intermediate_size"),
+        dense_layers=tuple(range(dense)), score_func="sigmoid", score_correction_bias=True,
+        n_group=num("n_group", default=1) or 1, topk_group=_get(cfg, "topk_group"),
+        norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)),
+        routed_scaling_factor=num("routed_scaling_factor", kind=float, default=1.0),
+        aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
 def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     """The :class:`~fusedpar.nn.TransformerConfig` of a Hugging Face config (a ``PretrainedConfig``
     or its dict). ``overrides`` set layout fields (``sp_mode``, ``layout``, ``capacity_factor``...).
@@ -123,8 +160,8 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     4096) is kept as ``sliding_window``: the model runs sequences of at most that many tokens, where
     full causal attention is the same, and raises ``ValueError`` at forward time for longer ones."""
     model_type = _get(hf_config, "model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config_from_hf: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+    if model_type not in _ROUTE_A_TYPES:
+        raise ValueError(f"config_from_hf: model_type must be one of {_ROUTE_A_TYPES}, got {model_type!r}")
     _check_unsupported(hf_config, model_type)
     theta, scaling = _rope(hf_config, model_type)
     num = lambda name, **kw: config_number(hf_config, name, "config_from_hf", **kw)  # noqa: E731
@@ -140,6 +177,8 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
         sliding_window=_sliding_window(hf_config, model_type))
     if model_type in _MOE_TYPES:
         fields.update(_moe_fields(hf_config, model_type))
+    if model_type == "deepseek_v3":
+        fields.update(_deepseek_fields(hf_config))
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -162,6 +201,8 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
         raise ValueError(f"no Hugging Face name for parameter {name!r}")
     i, rest = parts[1], ".".join(parts[2:])
     a, m = _ATTN.format(i=i), f"model.layers.{i}.mlp."
+    if config.attention == "mla" and rest.startswith("attn."):  # MLAttention's modules carry HF's names
+        return [a + rest[len("attn."):]]
     table = {
         "norm1.weight": ["model.layers.{i}.input_layernorm.weight"],
         "norm2.weight": ["model.layers.{i}.post_attention_layernorm.weight"],
@@ -171,6 +212,7 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
         "attn.k_norm.weight": [a + "k_norm.weight"],
         "mlp.fc1.weight": [m + "gate_proj.weight", m + "up_proj.weight"], "mlp.fc2.weight": [m + "down_proj.weight"],
         "mlp.router.weight": [m + "gate.weight"], "mlp.w1": [m + "experts.gate_up_proj"],
+        "mlp.router.e_score_correction_bias": [m + "gate.e_score_correction_bias"],
         "mlp.w2": [m + "experts.down_proj"],
         "shared_expert.fc1.weight": [m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"],
         "shared_expert.fc2.weight": [m + "shared_expert.down_proj.weight"],
@@ -366,6 +408,13 @@ def _load_from_source(model: Transformer, source, device, dtype) -> None:
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"from_hf: {name} must be {tuple(p.shape)} on this rank, got {tuple(local.shape)}")
         _set_param(model, name, p, local, device, dtype)
+    for name, buf in checkpoint_buffers(model).items():  # replicated state (the router's score bias)
+        full = _full_param(source, name, model.config, 0)
+        if tuple(full.shape) != tuple(buf.shape):
+            raise ValueError(f"from_hf: {name} must be {tuple(buf.shape)}, got {tuple(full.shape)}")
+        mod_name, _, bname = name.rpartition(".")
+        target = buf.device if buf.device.type != "meta" else torch.device(device or "cpu")
+        model.get_submodule(mod_name).register_buffer(bname, full.to(device=target, dtype=buf.dtype).clone())
 
 
 def from_hf(hf_model_or_path, *, tp_group=None, sp_group=None, ep_group=None, ulysses_group=None,
@@ -420,6 +469,9 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         pl = placements[name]  # a fused parameter's sections are the Hugging Face tensors
         for src, piece in zip(sources, torch.split(t, pl.full_sections(t.shape[pl.dim], 1), dim=pl.dim)):
             out[src] = piece.clone()
+    for name, buf in checkpoint_buffers(model).items():  # replicated: every rank holds the whole buffer
+        (src,) = _param_sources(name, model.config)
+        out[src] = buf.detach().clone()
     if model.config.tie_word_embeddings and "embedding.weight" in full:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

@@ -52,6 +52,18 @@ def test_logits_gradients_aux_loss_and_export_match_transformers(family):
         assert torch.equal(a, b), n
 
 
+def test_yarn_rope_scaling_matches_transformers():
+    """YaRN on a grouped-query family: the frequencies and the attention factor on cos / sin
+    (here 0.1 ln 4 + 1, no mscale fields) give transformers' logits."""
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 4,
+            "beta_fast": 8, "beta_slow": 1}
+    hf = hf_model("llama", rope_parameters=yarn)
+    tokens, _ = tokens_targets(4, 2, 8)
+    model = from_hf(hf)
+    assert model.config.rope_scaling["rope_type"] == "yarn"
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "llama with YaRN")
+
+
 def test_from_checkpoint_directory_reads_safetensors(tmp_path):
     hf = hf_model("mixtral")
     hf.save_pretrained(tmp_path)
@@ -84,7 +96,7 @@ def test_config_from_hf_rejects_what_it_does_not_implement():
     assert config_from_hf(transformers.MistralConfig()).sliding_window == 4096  # stock Mistral: kept, see below
     assert config_from_hf(transformers.Qwen2Config(use_sliding_window=False)).sliding_window is None
     with pytest.raises(ValueError, match="rope_type"):
-        config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+        config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
                                                                  "factor": 2.0}))
     with pytest.raises(ValueError, match="attention_bias"):
         config_from_hf(transformers.LlamaConfig(attention_bias=True))

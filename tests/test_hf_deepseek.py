@@ -1,0 +1,100 @@
+"""fusedpar.hf route A for DeepSeek-V3 (model_type "deepseek_v3", also Kimi K2) against
+transformers' DeepseekV3ForCausalLM at world 1: MLA attention with YaRN, a dense first block
+(first_k_dense_replace) and a MoE block with the sigmoid, group-limited, biased router; logits,
+loss, every gradient, the state-dict round trip, a checkpoint directory, and the fields not
+implemented yet."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _hf import TOL, VOCAB, compare_grads, hf_reference, tokens_targets
+from fusedpar.hf import config_from_hf, from_hf, to_hf_state_dict
+from fusedpar.nn import MLAttention
+
+T = pytest.importorskip("transformers")
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def _config(**kw):
+    fields = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+                  num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                  q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+                  n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=0,
+                  routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=64,
+                  rope_parameters=dict(YARN), rope_interleave=True, tie_word_embeddings=False)
+    fields.update(kw)
+    config = T.DeepseekV3Config(**fields)
+    config._attn_implementation = "eager"
+    return config
+
+
+def _model(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = T.DeepseekV3ForCausalLM(_config(**kw)).float()
+    with torch.no_grad():  # norm scales, weights and the routers' score bias random (a misplaced one shows)
+        for name, p in model.named_parameters():
+            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    return model
+
+
+def _assert_close(actual, expected, msg):
+    scale = expected.abs().max().item() + 1e-12
+    err = (actual - expected).abs().max().item()
+    assert err <= TOL * scale, f"{msg}: off by {err:.3g} (scale {scale:.3g})"
+
+
+def test_deepseek_v3_logits_gradients_and_export_match_transformers(tmp_path):
+    hf = _model()
+    tokens, targets = tokens_targets(1, 2, 8)
+    ref_logits, ref_loss, ref_grads = hf_reference(hf, tokens, targets, aux=False)
+    model = from_hf(hf)
+    config = model.config
+    assert (config.attention, config.dense_layers, config.score_func, config.n_group) == ("mla", (0,), "sigmoid", 2)
+    assert isinstance(model.layers["0"].attn, MLAttention) and not model.layers["0"].is_moe and model.layers["1"].is_moe
+    logits = model(tokens)
+    _assert_close(logits.detach(), ref_logits, "logits")
+    loss = model.loss(logits, targets)
+    _assert_close(loss.detach(), ref_loss, "loss")
+    loss.backward()
+    compare_grads(model, ref_grads, "deepseek_v3")
+    # export: every tensor of the HF model but the empty shared experts of n_shared_experts=0
+    out = to_hf_state_dict(model)
+    ref = hf.state_dict()
+    assert set(ref) - set(out) == {k for k, v in ref.items() if ".shared_experts." in k and v.numel() == 0}
+    assert set(out) <= set(ref)
+    for k, v in out.items():
+        assert torch.equal(v, ref[k]), k
+    fresh = _model(seed=7)
+    missing, unexpected = fresh.load_state_dict(out, strict=False)
+    assert not unexpected and all(".shared_experts." in k for k in missing)
+    _assert_close(fresh(tokens).logits.detach(), ref_logits, "HF model loaded from the export")
+    # a checkpoint directory (safetensors) loads the same model
+    hf.save_pretrained(tmp_path)
+    _assert_close(from_hf(str(tmp_path))(tokens).detach(), ref_logits, "from a checkpoint directory")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("n_shared_experts", 1, "n_shared_experts=1 is not supported"),
+    ("attention_bias", True, "attention_bias=True is not supported"),
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}, "rope_type='longrope'"),
+])
+def test_deepseek_v3_fields_not_implemented_raise(field, value, match):
+    config = _config()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=match):
+        config_from_hf(config)
+
+
+def test_deepseek_v3_config_fields():
+    raw = _config(q_lora_rank=None, first_k_dense_replace=5).to_dict()  # a config.json's dict
+    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 16}
+    c = config_from_hf(raw)
+    assert c.q_lora_rank is None and c.dense_layers == (0, 1)  # every block dense
+    assert c.rope_scaling["factor"] == 4.0  # transformers' rule: max_position_embeddings / original
+    assert (c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (8, 4, 4, 6)
