@@ -17,6 +17,17 @@ from fusedpar.hf import from_hf
 TOL = 1e-4
 
 FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+# DeepSeek-V3 (route A only; its tests are tests/test_hf_deepseek.py and its cases in test_hf_world.py):
+# MLA (q latent, YaRN with mscale_all_dim, interleaved rope, v head dim 6 != 4 + 4), a dense block
+# then a MoE block (sigmoid router over 2 groups, 1 searched, score bias), no shared expert
+DEEPSEEK_V3 = dict(
+    vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
+    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=8,
+    qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+    topk_group=1, n_shared_experts=0, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+    max_position_embeddings=64, rope_interleave=True, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 VOCAB, HIDDEN, LAYERS = 32, 16, 2
 
@@ -43,6 +54,8 @@ def hf_model(family: str, seed: int = 0, **extra):
                                               shared_expert_intermediate_size=12, norm_topk_prob=False),
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**kw, **moe, num_experts=4, moe_intermediate_size=8,
                                               norm_topk_prob=True),
+        "deepseek_v3": lambda: T.DeepseekV3Config(**{k: dict(v) if isinstance(v, dict) else v
+                                                     for k, v in DEEPSEEK_V3.items()}),
     }
     config = configs[family]()
     for k, v in extra.items():
@@ -51,7 +64,8 @@ def hf_model(family: str, seed: int = 0, **extra):
     torch.manual_seed(seed)
     cls = {"llama": T.LlamaForCausalLM, "llama31": T.LlamaForCausalLM, "mistral": T.MistralForCausalLM,
            "qwen2": T.Qwen2ForCausalLM, "qwen3": T.Qwen3ForCausalLM, "mixtral": T.MixtralForCausalLM,
-           "qwen2_moe": T.Qwen2MoeForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM}[family]
+           "qwen2_moe": T.Qwen2MoeForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
+           "deepseek_v3": T.DeepseekV3ForCausalLM}[family]
     model = cls(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,6 +75,9 @@ def hf_model(family: str, seed: int = 0, **extra):
                 p.normal_(0, 0.5)
             else:
                 p.normal_(0, 0.3)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router score bias
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     return model
 
 

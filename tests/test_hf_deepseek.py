@@ -8,39 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf import TOL, VOCAB, compare_grads, hf_reference, tokens_targets
+from _hf import TOL, compare_grads, hf_model, hf_reference, tokens_targets
 from fusedpar.hf import config_from_hf, from_hf, to_hf_state_dict
 from fusedpar.nn import MLAttention
 
 T = pytest.importorskip("transformers")
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
-
-
 def _config(**kw):
-    fields = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
-                  num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-                  q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
-                  n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=0,
-                  routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=64,
-                  rope_parameters=dict(YARN), rope_interleave=True, tie_word_embeddings=False)
-    fields.update(kw)
-    config = T.DeepseekV3Config(**fields)
-    config._attn_implementation = "eager"
+    config = hf_model("deepseek_v3").config
+    for k, v in kw.items():
+        setattr(config, k, v)
     return config
-
-
-def _model(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = T.DeepseekV3ForCausalLM(_config(**kw)).float()
-    with torch.no_grad():  # norm scales, weights and the routers' score bias random (a misplaced one shows)
-        for name, p in model.named_parameters():
-            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
-    return model
 
 
 def _assert_close(actual, expected, msg):
@@ -50,7 +28,7 @@ def _assert_close(actual, expected, msg):
 
 
 def test_deepseek_v3_logits_gradients_and_export_match_transformers(tmp_path):
-    hf = _model()
+    hf = hf_model("deepseek_v3")
     tokens, targets = tokens_targets(1, 2, 8)
     ref_logits, ref_loss, ref_grads = hf_reference(hf, tokens, targets, aux=False)
     model = from_hf(hf)
@@ -70,7 +48,7 @@ def test_deepseek_v3_logits_gradients_and_export_match_transformers(tmp_path):
     assert set(out) <= set(ref)
     for k, v in out.items():
         assert torch.equal(v, ref[k]), k
-    fresh = _model(seed=7)
+    fresh = hf_model("deepseek_v3", seed=7)
     missing, unexpected = fresh.load_state_dict(out, strict=False)
     assert not unexpected and all(".shared_experts." in k for k in missing)
     _assert_close(fresh(tokens).logits.detach(), ref_logits, "HF model loaded from the export")

@@ -25,6 +25,9 @@ LAYOUTS = {  # name -> (build_parallel_state sizes, config overrides)
 # scaling under the zigzag ring, head splits under Ulysses); mistral shares llama31's code path
 CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe") for lay in LAYOUTS
          if not (lay == "sp2-ep2" and f in ("llama31", "qwen2", "qwen3"))]
+# DeepSeek-V3 (route A): MLA's heads split over tp (its latents gathered), and the zigzag ring with
+# the experts and the score-bias router over the sp ranks (MLA under sp is also in test_mla_world.py)
+CASES += [("deepseek_v3", "tp2"), ("deepseek_v3", "sp2-ep2")]
 # sp2-ep2 loads from a checkpoint directory: one tensor per expert (save_pretrained's format) or
 # transformers 5's stacked expert tensors; each rank must read only its own experts' bytes
 FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked"}
