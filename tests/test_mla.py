@@ -130,3 +130,15 @@ def test_mla_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"x must be \[batch, seq_local, 16\]"):
         MLAttention(16, 2, **kw)(torch.randn(1, 4, 15))
     assert math.isclose(MLAttention(16, 2, **kw).softmax_scale, 8 ** -0.5)
+
+
+def test_mla_packed_documents_equal_each_document_alone():
+    """cu_seqlens: attention stays inside each document and the rotary positions restart at 0."""
+    torch.manual_seed(1)
+    mod = MLAttention(16, 2, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4})
+    docs = [0, 3, 3, 8, 11]  # lengths 3, 0, 5, 3
+    x = torch.randn(1, 11, 16)
+    y = mod(x, cu_seqlens=torch.tensor(docs, dtype=torch.int32))
+    ref = torch.cat([mod(x[:, a:e]) for a, e in zip(docs, docs[1:]) if e > a], dim=1)
+    assert_close(y, ref.detach(), torch.float32, rtol=1e-5, msg="packed documents")
