@@ -167,10 +167,11 @@ class MLAttention(SequenceParallelAttention):
         q = torch.cat([q[..., :dn], self._rotate(q[..., dn:], cos, sin)], dim=-1)
         k = torch.cat([kv[..., :dn], k_rot], dim=-1)
         v = kv[..., dn:]
-        if dv != dn + dr and (self.ring_size > 1 or self.ulysses_size > 1):
-            # Temporary: the ring / Ulysses schedules on this branch move v in q's head dim, so v is
-            # zero-padded to it and the output sliced back; exact (the padded columns of the
-            # output are zeros and never read). Dropped once the sp ops take v's own head dim.
+        if dv != dn + dr and (self.ring_size > 1 or self.ulysses_size > 1 or torch.compiler.is_compiling()):
+            # Temporary: the ring / Ulysses schedules (and the sp ops' fake implementations, which
+            # torch.compile traces even at sp size 1) give v q's head dim, so v is zero-padded to it
+            # and the output sliced back; exact (the padded output columns are zeros, never read).
+            # Dropped once the sp ops take v's own head dim.
             v = F.pad(v, (0, dn + dr - dv))
         v = v.contiguous()
         kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
