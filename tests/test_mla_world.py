@@ -15,7 +15,7 @@ from _compose import RTOL, batch, compare_grads, data_mean, local_batch, referen
 from _utils import assert_close
 from _world import world_fixture
 from fusedpar import checkpoint as fcheckpoint
-from fusedpar.nn import MLAttention, Transformer
+from fusedpar.nn import MLAttention, Transformer, parameter_placements
 from fusedpar.parallel import build_parallel_state, sync_gradients
 
 world4 = world_fixture(4)
@@ -28,6 +28,9 @@ MLA = dict(attention="mla", q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, q
                          "mscale_all_dim": 0.8})
 # name -> (build_parallel_state sizes, sp_mode); tp2 alone and sp2 ring zigzag alone are compared with
 # transformers' DeepSeek-V3 in test_hf_world.py (deepseek_v3 at tp2 and sp2 x ep2)
+# the module alone: q through a plain q_proj, biases on the down projections and o_proj
+MODULE = dict(q_lora_rank=None, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6, bias=True,
+              rope_scaling=MLA["rope_scaling"])
 LAYOUTS = {"sp2 ulysses": (dict(sp=2), "ulysses"), "tp2 x sp2 ring zigzag": (dict(tp=2, sp=2), "ring")}
 
 
@@ -51,6 +54,39 @@ def _layouts(rank, size, ref_loss, ref_grads):
         assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, rtol=RTOL, msg=f"{name} loss")
         checked[name] = compare_grads(model, ref_grads, f"{name} rank {rank}")
     return checked
+
+
+def _module_tp2_sp2(rank, size, x, dy, ref_y, ref_dx, ref_grads):
+    """The module alone at tp2 x sp2 (ring zigzag): output, input gradient and, after
+    reduce_sequence_parallel_grads (replicated parameters over tp too), every gradient."""
+    state = build_parallel_state(tp=2, sp=2)
+    torch.manual_seed(4)
+    mod = MLAttention(16, 4, tp_group=state.tp_group, sp_group=state.sp_group, **MODULE)
+    pos = mod.local_positions(x.shape[1])
+    xl = mod.shard(x).requires_grad_()
+    y = mod(xl)
+    y.backward(dy.index_select(1, pos))
+    mod.reduce_sequence_parallel_grads()
+    assert_close(y, ref_y.index_select(1, pos), torch.float32, rtol=RTOL, msg=f"out rank {rank}")
+    assert_close(xl.grad, ref_dx.index_select(1, pos), torch.float32, rtol=RTOL, msg=f"dx rank {rank}")
+    placements = parameter_placements(mod)
+    for name, p in mod.named_parameters():
+        want = placements[name].local_from_full(ref_grads[name])
+        assert_close(p.grad, want, torch.float32, rtol=RTOL, msg=f"grad {name} rank {rank}")
+    return len(placements)
+
+
+def test_mla_module_at_tp2_sp2_matches_one_process(world4):
+    torch.manual_seed(4)
+    ref = MLAttention(16, 4, **MODULE)
+    g = torch.Generator().manual_seed(8)
+    x, dy = torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 16, generator=g)
+    xr = x.clone().requires_grad_()
+    y = ref(xr)
+    y.backward(dy)
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    out = world4.run(_module_tp2_sp2, x, dy, y.detach(), xr.grad, grads)
+    assert out == [len(grads)] * 4, out
 
 
 def test_mla_transformer_matches_one_process_at_tp_sp(world4):

@@ -283,7 +283,7 @@ class RowParallelLinear(_TPLinearBase):
     ``False``: ``x`` is replicated ``[batch, seq, in]`` and this rank keeps its slice.
     ``sequence_parallel=True``: output ``[batch, seq/tp, out]`` via the fused GEMM + reduce-scatter;
     ``False``: replicated ``[batch, seq, out]`` via the chunked GEMM + all-reduce. The bias is
-    replicated and added once; its gradient is the full one on every rank.
+    replicated and added once; its gradient is the full one (the group's tokens) on every rank.
     """
 
     gated = False
@@ -308,9 +308,10 @@ class RowParallelLinear(_TPLinearBase):
         return Placement.tp(self.group, 1)
 
     def bias_placement(self) -> Placement:
-        """Whole on every rank, added once after the reduction: each rank's gradient covers the
-        tokens its output holds (its sequence shard when sequence parallel)."""
-        return Placement.replicated(sequence_sharded=self.sequence_parallel)
+        """Whole on every rank, added once after the reduction. Its gradient is whole for the
+        group's tokens on every rank (kind "dense"): the all-reduce path sees every token, and the
+        reduce-scatter's backward all-gathers the output gradient and sums every chunk."""
+        return Placement.replicated(sequence_sharded=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, *, sequence_parallel: bool = False, **kwargs):

@@ -39,9 +39,10 @@ from fusedpar.kernels.checks import check_bool, check_int, check_positive_number
 from fusedpar.nn.attention import SequenceParallelAttention, apply_rotary, rope_inv_freq, rotary_cos_sin, yarn_mscale
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
-from fusedpar.nn.placement import Placement
+from fusedpar.nn.placement import Placement, parameter_placements
 from fusedpar.ops.sp_attention import hybrid_attention, ring_attention, ulysses_attention, ulysses_kv_heads
 from fusedpar.ops.tensor_parallel import all_gather_tokens
+from fusedpar.ops.transport import get_transport
 
 __all__ = ["MLAttention", "mla_softmax_scale"]
 
@@ -77,8 +78,8 @@ class MLAttention(SequenceParallelAttention):
     transformers, whatever the model's ``rms_norm_eps``). Submodules carry Hugging Face's names.
 
     Gradients: sum the replicated parameters' (the down projections, the latent norms; kind
-    ``"replicated"``) over tp and sp and the others over sp, e.g. with
-    :func:`fusedpar.parallel.sync_gradients` and :func:`~fusedpar.nn.gradient_sync_plan`.
+    ``"replicated"``) over tp and sp and the others over sp: :func:`fusedpar.parallel.sync_gradients`
+    with the model's gradient plan, or :meth:`reduce_sequence_parallel_grads` for the module alone.
     """
 
     def __init__(self, hidden_size, num_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
@@ -139,6 +140,19 @@ class MLAttention(SequenceParallelAttention):
             for pname, _ in proj.named_parameters():
                 out[f"{prefix}.{pname}"] = Placement.replicated(sequence_sharded=True)
         return out
+
+    def reduce_sequence_parallel_grads(self):
+        """Sum the parameter gradients over the sequence-parallel group(s), and those of the
+        replicated parameters (down projections, latent norms: each rank's covers its own tokens)
+        over the tensor-parallel group too, in place."""
+        super().reduce_sequence_parallel_grads()
+        if self.tp_size == 1:
+            return
+        tp = get_transport(None, self.tp_group)
+        placements = parameter_placements(self)
+        for name, p in self.named_parameters():
+            if p.grad is not None and placements[name].grad == "replicated":
+                tp.all_reduce(p.grad).wait()
 
     def _rotate(self, x, cos, sin):
         if self.rope_interleave:  # pairs (x0, x1), (x2, x3), ... -> evens then odds (rotate-half layout)
