@@ -133,12 +133,11 @@ class MLAttention(SequenceParallelAttention):
         """The down projections: whole on every rank, run on this rank's tokens only (their
         gradients are summed over tp and sp). The other parameters are declared by their modules."""
         out = {}
-        for proj in (self.q_a_proj, self.kv_a_proj_with_mqa):
-            if proj is None:
-                continue
-            prefix = "q_a_proj" if proj is self.q_a_proj else "kv_a_proj_with_mqa"
-            for pname, _ in proj.named_parameters():
-                out[f"{prefix}.{pname}"] = Placement.replicated(sequence_sharded=True)
+        for prefix in ("q_a_proj", "kv_a_proj_with_mqa"):
+            proj = getattr(self, prefix)
+            if proj is not None:
+                out.update({f"{prefix}.{n}": Placement.replicated(sequence_sharded=True)
+                            for n, _ in proj.named_parameters()})
         return out
 
     def reduce_sequence_parallel_grads(self):
