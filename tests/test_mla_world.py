@@ -1,5 +1,5 @@
-"""MLA (attention="mla") in a 4-rank gloo world: a Transformer of MLA blocks at sp2 Ulysses and
-tp2 x sp2 ring zigzag (the rest of the world data parallel) gives the one-process model's loss
+"""MLA (attention="mla") in a 4-rank gloo world: a Transformer of MLA blocks at sp2 Ulysses,
+tp2 x sp2 ring zigzag and sp4 hybrid (the rest of the world data parallel) gives the one-process model's loss
 and, after fusedpar.parallel.sync_gradients with the model's gradient plan, every gradient (the
 replicated down projections and latent norms summed over tp and sp, the up projections split by
 heads); a checkpoint saved at tp2 x sp2 loads at tp1. One world for the module."""
@@ -31,7 +31,8 @@ MLA = dict(attention="mla", q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, q
 # the module alone: q through a plain q_proj, biases on the down projections and o_proj
 MODULE = dict(q_lora_rank=None, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6, bias=True,
               rope_scaling=MLA["rope_scaling"])
-LAYOUTS = {"sp2 ulysses": (dict(sp=2), "ulysses"), "tp2 x sp2 ring zigzag": (dict(tp=2, sp=2), "ring")}
+LAYOUTS = {"sp2 ulysses": (dict(sp=2), "ulysses"), "tp2 x sp2 ring zigzag": (dict(tp=2, sp=2), "ring"),
+           "sp4 hybrid (ulysses2 x ring2 zigzag)": (dict(sp=4, sp_ulysses=2), "hybrid")}
 
 
 def _config(**kw):
@@ -44,7 +45,9 @@ def _layouts(rank, size, ref_loss, ref_grads):
     for name, (sizes, sp_mode) in LAYOUTS.items():
         config = _config(sp_mode=sp_mode)
         state = build_parallel_state(**sizes)
-        model = Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group)
+        groups = (dict(ulysses_group=state.ulysses_group, ring_group=state.ring_group) if sp_mode == "hybrid"
+                  else dict(sp_group=state.sp_group))
+        model = Transformer(config, tp_group=state.tp_group, ep_group=state.ep_group, **groups)
         attn = model.layers["0"].attn
         assert isinstance(attn, MLAttention) and (attn.tp_size, attn.ring_size * attn.ulysses_size) == (state.tp, state.sp)
         ids, tgt = local_batch(tokens, targets, state, layout="contiguous" if sp_mode == "ulysses" else config.layout)
