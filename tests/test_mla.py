@@ -142,3 +142,19 @@ def test_mla_packed_documents_equal_each_document_alone():
     y = mod(x, cu_seqlens=torch.tensor(docs, dtype=torch.int32))
     ref = torch.cat([mod(x[:, a:e]) for a, e in zip(docs, docs[1:]) if e > a], dim=1)
     assert_close(y, ref.detach(), torch.float32, rtol=1e-5, msg="packed documents")
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(attention="mla"), "kv_lora_rank must be set with attention='mla', got None"),
+    (dict(kv_lora_rank=8), "kv_lora_rank is for attention='mla', got 8 with attention='default'"),
+    (dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, head_dim=8),
+     "head_dim must be None with attention='mla'"),
+    (dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, qk_norm=True),
+     "qk_norm must be False with attention='mla'"),
+    (dict(attention="latent"), "attention must be one of"),
+])
+def test_config_rejects_bad_mla_fields(fields, match):
+    from fusedpar.nn import TransformerConfig
+
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8, **fields)
