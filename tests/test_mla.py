@@ -54,9 +54,11 @@ def test_yarn_rotary_matches_transformers(rope):
     pos = torch.tensor([0, 1, 5, 17, 300, 639])
     cos, sin = rotary_cos_sin(pos, 16, rope["rope_theta"], scaling=scaling)
     hcos, hsin = hf(torch.zeros(1, dtype=torch.float32), pos[None])
-    # fp32 positions * fp32 frequencies there (angle error ~ pos * 2^-24), fp64 here
-    assert_close(cos, hcos[0], torch.float32, rtol=0, atol=2e-5)
-    assert_close(sin, hsin[0], torch.float32, rtol=0, atol=2e-5)
+    # fp32 position * frequency there: the angle (up to 639 rad) rounded to half an ulp, <= 639 * 2^-24,
+    # plus the fp32 frequency's own rounding; fp64 here. A wrong frequency is off by O(1).
+    atol = 2 * 639 * 2.0 ** -24
+    assert_close(cos, hcos[0], torch.float32, rtol=0, atol=atol)
+    assert_close(sin, hsin[0], torch.float32, rtol=0, atol=atol)
 
 
 def test_softmax_scale_matches_transformers():
