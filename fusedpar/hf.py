@@ -43,7 +43,7 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "causal_lm_loss", "config_from
            "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch", "to_hf_state_dict"]
 
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# route A reads these too (route B, parallelize, does not: MLA has no Hugging Face module to wrap)
+# the model types route A reads: route B's and DeepSeek-V3 (parallelize does not wrap MLA yet)
 _ROUTE_A_TYPES = SUPPORTED_MODEL_TYPES + ("deepseek_v3",)
 _YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                 "attention_factor", "truncate")
