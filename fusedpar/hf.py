@@ -1,7 +1,7 @@
 """Hugging Face models in and out of :class:`fusedpar.nn.Transformer`.
 
 * :func:`config_from_hf`: a ``transformers`` config (Llama 2/3/3.1, Mistral, Qwen2, Qwen3,
-  Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 MoE ``glm4_moe``) ->
+  Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 MoE ``glm4_moe``; DeepSeek-V3 / Kimi K2 here only, not in route B) ->
   :class:`~fusedpar.nn.TransformerConfig`; any field value the model does not implement raises
   ``ValueError`` naming it.
 * :func:`from_hf`: a ``transformers`` model, or a checkpoint directory (``config.json`` +
@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from fusedpar.checkpoint import full_state, placements_of
-from fusedpar.nn.placement import checkpoint_buffers
 from fusedpar.hf_parallel import (
     SUPPORTED_MODEL_TYPES,
     HFMoEBlock,
@@ -38,12 +37,16 @@ from fusedpar.hf_parallel import (
     sequence_parallel_loss,
     shard_batch,
 )
-from fusedpar.nn import Transformer, TransformerConfig
+from fusedpar.nn import Transformer, TransformerConfig, checkpoint_buffers
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "causal_lm_loss", "config_from_hf", "from_hf", "gather_sequence", "gradient_sync_plan",
            "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch", "to_hf_state_dict"]
 
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+# the model types route A reads: route B's and DeepSeek-V3 (parallelize does not wrap MLA yet)
+_ROUTE_A_TYPES = SUPPORTED_MODEL_TYPES + ("deepseek_v3",)
+_YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "attention_factor", "truncate")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,13 +69,19 @@ def _rope(cfg, model_type):
         params.setdefault("rope_theta", _get(cfg, "rope_theta", 10000.0))
     theta = float(params.pop("rope_theta", _get(cfg, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        _unsupported(model_type, "rope_type", rope_type, "fusedpar implements 'default' and 'llama3'")
+    if rope_type not in ("default", "llama3", "yarn"):
+        _unsupported(model_type, "rope_type", rope_type, "fusedpar implements 'default', 'llama3' and 'yarn'")
     partial = float(params.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor", None) or 1.0))
     if partial != 1.0 and model_type != "glm4_moe":
         _unsupported(model_type, "partial_rotary_factor", partial, "full rotary except in glm4_moe")
     if rope_type == "default":
         return theta, None, partial
+    if rope_type == "yarn":
+        if params.get("factor") is None and params.get("original_max_position_embeddings"):
+            # transformers' rule: the context extension of max_position_embeddings over the original
+            params["factor"] = config_number(cfg, "max_position_embeddings", "config_from_hf") / float(
+                params["original_max_position_embeddings"])
+        return theta, {"rope_type": "yarn", **{k: params[k] for k in _YARN_FIELDS if params.get(k) is not None}}, partial
     return theta, {k: params[k] for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
                                          "original_max_position_embeddings") if k in params}, partial
 
@@ -83,7 +92,8 @@ def _check_unsupported(cfg, model_type):
         _unsupported(model_type, "hidden_act", act, "gated SiLU (SwiGLU) MLPs only")
     if float(_get(cfg, "attention_dropout", 0.0) or 0.0):
         _unsupported(model_type, "attention_dropout", _get(cfg, "attention_dropout"), "no attention dropout")
-    if model_type in ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe") and _get(cfg, "attention_bias", False):
+    if model_type in ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3") \
+            and _get(cfg, "attention_bias", False):
         _unsupported(model_type, "attention_bias", True, "no bias on the output projection")
     if _get(cfg, "mlp_bias", False):
         _unsupported(model_type, "mlp_bias", True, "bias-free MLPs only")
@@ -134,6 +144,29 @@ def _moe_fields(cfg, model_type):
     return fields
 
 
+def _deepseek_fields(cfg):
+    """DeepSeek-V3 / Kimi K2: MLA attention, then ``first_k_dense_replace`` dense blocks and MoE
+    blocks with the sigmoid, group-limited router and its ``e_score_correction_bias`` (no aux
+    loss: transformers trains none)."""
+    num = lambda name, **kw: config_number(cfg, name, "config_from_hf", **kw)  # noqa: E731
+    shared = num("n_shared_experts", default=0) or 0
+    heads = num("num_attention_heads")
+    experts = num("n_routed_experts")
+    dense = min(num("first_k_dense_replace", default=0) or 0, num("num_hidden_layers"))
+    return dict(
+        attention="mla", q_lora_rank=_get(cfg, "q_lora_rank"), kv_lora_rank=num("kv_lora_rank"),
+        qk_nope_head_dim=num("qk_nope_head_dim"), qk_rope_head_dim=num("qk_rope_head_dim"),
+        v_head_dim=num("v_head_dim"), rope_interleave=bool(_get(cfg, "rope_interleave", True)),
+        head_dim=None, num_kv_heads=heads, qkv_bias=False, qk_norm=False,
+        num_experts=experts, top_k=num("num_experts_per_tok"), moe_ffn_hidden_size=num("moe_intermediate_size"),
+        dense_layers=tuple(range(dense)), score_func="sigmoid", score_correction_bias=True,
+        shared_expert_ffn_hidden_size=num("moe_intermediate_size") * shared, shared_expert_gate=False,
+        n_group=num("n_group", default=1) or 1, topk_group=_get(cfg, "topk_group"),
+        norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)),
+        routed_scaling_factor=num("routed_scaling_factor", kind=float, default=1.0),
+        aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
 def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     """The :class:`~fusedpar.nn.TransformerConfig` of a Hugging Face config (a ``PretrainedConfig``
     or its dict). ``overrides`` set layout fields (``sp_mode``, ``layout``, ``capacity_factor``...).
@@ -141,8 +174,8 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     implement (e.g. another RoPE type, attention dropout). An active sliding window (stock Mistral:
     4096) is kept as ``sliding_window``, with HF's ``layer_types`` (which layers slide)."""
     model_type = _get(hf_config, "model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config_from_hf: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+    if model_type not in _ROUTE_A_TYPES:
+        raise ValueError(f"config_from_hf: model_type must be one of {_ROUTE_A_TYPES}, got {model_type!r}")
     _check_unsupported(hf_config, model_type)
     theta, scaling, partial = _rope(hf_config, model_type)
     num = lambda name, **kw: config_number(hf_config, name, "config_from_hf", **kw)  # noqa: E731
@@ -164,6 +197,8 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
                       qk_norm=bool(_get(hf_config, "use_qk_norm", False)))
     if model_type in _MOE_TYPES:
         fields.update(_moe_fields(hf_config, model_type))
+    if model_type == "deepseek_v3":
+        fields.update(_deepseek_fields(hf_config))
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -186,6 +221,8 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
         raise ValueError(f"no Hugging Face name for parameter {name!r}")
     i, rest = parts[1], ".".join(parts[2:])
     a, m = _ATTN.format(i=i), f"model.layers.{i}.mlp."
+    if config.attention == "mla" and rest.startswith("attn."):  # MLAttention's modules carry HF's names
+        return [a + rest[len("attn."):]]
     table = {
         "norm1.weight": ["model.layers.{i}.input_layernorm.weight"],
         "norm2.weight": ["model.layers.{i}.post_attention_layernorm.weight"],
@@ -195,11 +232,11 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
         "attn.k_norm.weight": [a + "k_norm.weight"], "attn.sinks": [a + "sinks"],
         "mlp.fc1.weight": [m + "gate_proj.weight", m + "up_proj.weight"], "mlp.fc2.weight": [m + "down_proj.weight"],
         "mlp.router.weight": [m + "gate.weight"], "mlp.w1": [m + "experts.gate_up_proj"],
+        "mlp.router.e_score_correction_bias": [m + "gate.e_score_correction_bias"],
         "mlp.w2": [m + "experts.down_proj"],
         "shared_expert.fc1.weight": [m + "{s}.gate_proj.weight", m + "{s}.up_proj.weight"],
         "shared_expert.fc2.weight": [m + "{s}.down_proj.weight"],
         "shared_expert_gate.weight": [m + "shared_expert_gate.weight"],
-        "mlp.router.e_score_correction_bias": [m + "gate.e_score_correction_bias"],
     }
     if rest not in table:
         raise ValueError(f"no Hugging Face name for parameter {name!r}")

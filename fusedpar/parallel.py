@@ -31,9 +31,10 @@ Gradient semantics (what :func:`sync_gradients` implements, and what DDP/FSDP2 r
   the mean of their losses;
 * ``"dense"`` parameters (tensor-parallel shards and anything whose gradient already covers the
   whole tp group's tokens) are summed over the data group and divided by its size;
-* ``"replicated"`` parameters (norm weights, router, embedding table: copies on every tp rank
-  that each see only that rank's sequence shard) are summed over data x tp (a row-parallel bias is
-  "dense": the reduce-scatter's backward gives every rank the tp group's whole gradient);
+* ``"replicated"`` parameters (norm weights, router, embedding table, MLA's down projections:
+  copies on every tp rank that each see only that rank's sequence shard) are summed over data x tp
+  (a row-parallel bias is "dense": the reduce-scatter's backward gives every rank the tp group's
+  whole gradient);
 * ``"expert"`` parameters are summed over the ``edp`` group.
 All three are then divided by the number of loss-holding ranks ``dp * sp``. A DDP/FSDP2 wrapper
 over ``dp`` only (sp > 1) leaves the sequence part of that rule: ``"dense"`` (and, with ep == tp,

@@ -18,6 +18,17 @@ TOL = 1e-4
 
 FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+# DeepSeek-V3 (route A only; its tests are tests/test_hf_deepseek.py and its cases in test_hf_world.py):
+# MLA (q latent, YaRN with mscale_all_dim, interleaved rope, v head dim 6 != 4 + 4), a dense block
+# then a MoE block (sigmoid router over 2 groups, 1 searched, score bias), an ungated shared expert
+DEEPSEEK_V3 = dict(
+    vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
+    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=8,
+    qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+    topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+    max_position_embeddings=64, rope_interleave=True, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})
 VOCAB, HIDDEN, LAYERS = 32, 16, 2
 
 
@@ -49,6 +60,8 @@ def hf_model(family: str, seed: int = 0, **extra):
                                             moe_intermediate_size=8, n_shared_experts=1, n_group=3, topk_group=2,
                                             routed_scaling_factor=1.5, first_k_dense_replace=1, norm_topk_prob=True,
                                             attention_bias=True, use_qk_norm=True),
+        "deepseek_v3": lambda: T.DeepseekV3Config(**{k: dict(v) if isinstance(v, dict) else v
+                                                     for k, v in DEEPSEEK_V3.items()}),
     }
     config = configs[family]()
     for k, v in extra.items():
@@ -58,7 +71,7 @@ def hf_model(family: str, seed: int = 0, **extra):
     cls = {"llama": T.LlamaForCausalLM, "llama31": T.LlamaForCausalLM, "mistral": T.MistralForCausalLM,
            "qwen2": T.Qwen2ForCausalLM, "qwen3": T.Qwen3ForCausalLM, "mixtral": T.MixtralForCausalLM,
            "qwen2_moe": T.Qwen2MoeForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
-           "glm4_moe": T.Glm4MoeForCausalLM}[family]
+           "glm4_moe": T.Glm4MoeForCausalLM, "deepseek_v3": T.DeepseekV3ForCausalLM}[family]
     model = cls(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -68,7 +81,7 @@ def hf_model(family: str, seed: int = 0, **extra):
                 p.normal_(0, 0.5)
             else:
                 p.normal_(0, 0.3)
-        for name, b in model.named_buffers():  # GLM-4.5's router correction bias steers the selection
+        for name, b in model.named_buffers():  # GLM-4.5's / DeepSeek-V3's router correction bias steers the selection
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3)
     return model

@@ -52,6 +52,18 @@ def test_logits_gradients_aux_loss_and_export_match_transformers(family):
         assert torch.equal(a, b), n
 
 
+def test_yarn_rope_scaling_matches_transformers():
+    """YaRN on a grouped-query family: the frequencies and the attention factor on cos / sin
+    (here 0.1 ln 4 + 1, no mscale fields) give transformers' logits."""
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 4,
+            "beta_fast": 8, "beta_slow": 1}
+    hf = hf_model("llama", rope_parameters=yarn)
+    tokens, _ = tokens_targets(4, 2, 8)
+    model = from_hf(hf)
+    assert model.config.rope_scaling["rope_type"] == "yarn"
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "llama with YaRN")
+
+
 @pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
 def test_from_checkpoint_directory_reads_safetensors(tmp_path, family):
     """save_pretrained's directory (one tensor per expert; GLM-4.5's correction-bias buffers) ->
@@ -92,7 +104,7 @@ def test_config_from_hf_rejects_what_it_does_not_implement():
     assert config_from_hf(transformers.MistralConfig()).sliding_window == 4096  # stock Mistral: kept, see below
     assert config_from_hf(transformers.Qwen2Config(use_sliding_window=False)).sliding_window is None
     with pytest.raises(ValueError, match="rope_type"):
-        config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+        config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
                                                                  "factor": 2.0}))
     with pytest.raises(ValueError, match="attention_bias"):
         config_from_hf(transformers.LlamaConfig(attention_bias=True))
@@ -240,7 +252,8 @@ def test_gather_logits_single_process_is_identity():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type must be one of"),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "rope_type must be one of"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "must have 'original_max_position_embeddings'"),
     ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "must have 'low_freq_factor'"),
     ("aux_loss_style", "mixtral", "aux_loss_style must be 'switch' or 'hf'"),
     ("shared_expert_ffn_hidden_size", -1, "shared_expert_ffn_hidden_size must be an int >= 0"),

@@ -28,6 +28,9 @@ CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe",
 # GLM-4.5 (partial rotary, q/k/v biases, qk-norm, dense first block, sigmoid group router with its
 # correction bias, ungated shared expert): tp2, and the zigzag ring with experts over the sp ranks
 CASES += [("glm4_moe", "tp2"), ("glm4_moe", "sp2-ep2")]
+# DeepSeek-V3 (route A): MLA's heads split over tp (its latents gathered), and the zigzag ring with
+# the experts and the score-bias router over the sp ranks (MLA under sp is also in test_mla_world.py)
+CASES += [("deepseek_v3", "tp2"), ("deepseek_v3", "sp2-ep2")]
 # sp2-ep2 loads from a checkpoint directory: one tensor per expert (save_pretrained's format) or
 # transformers 5's stacked expert tensors; each rank must read only its own experts' bytes
 FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked"}

@@ -1,8 +1,8 @@
 """``torch.compile(block, fullgraph=True)`` of whole transformer blocks, the torchtitan way, against
 the same blocks run eagerly (output, every parameter gradient and the input gradient):
 
-* one process: a dense block and a MoE block (the router losses attached to the backward), and a
-  block under activation checkpointing (``torch.utils.checkpoint`` inside the compiled region);
+* one process: a dense block, a MoE block (the router losses attached to the backward), an MLA
+  block (multi-head latent attention with YaRN), and a block under activation checkpointing (``torch.utils.checkpoint`` inside the compiled region);
 * two gloo processes: tensor parallelism (tp2, sequence parallel), sequence parallelism with ring
   attention and the experts over the same ranks (sp2 . ep2), Ulysses (sp2), and FSDP2 over the two
   ranks with every block of a Transformer compiled (``block.compile(fullgraph=True)``).
@@ -74,9 +74,13 @@ class Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "checkpointed"])
+MLA = dict(mla=dict(q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6),
+           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4})
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "checkpointed", "mla"])
 def test_block_compiles_fullgraph_world1(kind):
-    moe = dict(num_experts=4, top_k=2, aux_loss_scale=0.5) if kind == "moe" else {}
+    moe = dict(num_experts=4, top_k=2, aux_loss_scale=0.5) if kind == "moe" else MLA if kind == "mla" else {}
 
     def make():
         block = TransformerBlock(H, 4, 24, num_kv_heads=2, **moe).to(DEVICE)

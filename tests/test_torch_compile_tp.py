@@ -52,6 +52,7 @@ def _forward_cases(token, P, g):
                                  "geglu", 2, F32, True)),
         (OPS.gather_features, (_r(g, 2, 3, 3, grad=True), token)),
         (OPS.scatter_features, (_r(g, 3, 2 * P, grad=True), token)),
+        (OPS.all_gather_tokens, (_r(g, 2, 3, 5, grad=True), token, 1)),
     ]
 
 
@@ -69,6 +70,7 @@ def _backward_cases(token, P, g):
         (OPS.matmul_all_reduce_backward, (_r(g, 3, 4), _r(g, 3, K), _r(g, 4, K), True, True, True)),
         (OPS.copy_to_tp_matmul_backward, (_r(g, 2, 3, 3), x, _r(g, 6, K), _r(g, 6, 6), token, "geglu", 2, F32,
                                           True, True, True)),
+        (OPS.all_gather_tokens_backward, (_r(g, 2, 3 * P, 5), token, 1)),
     ]
 
 

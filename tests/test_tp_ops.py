@@ -16,7 +16,7 @@ from _world import rank_rng, straggle, world_fixture
 from fusedpar.ops import comm
 from fusedpar.kernels.runtime import activation_reference
 from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
-from fusedpar.ops.tensor_parallel import gather_features, scatter_features
+from fusedpar.ops.tensor_parallel import all_gather_tokens, gather_features, scatter_features
 from fusedpar.ops.transport import EmulatedTransport
 
 world2 = world_fixture(2)
@@ -465,6 +465,20 @@ def test_feature_gather_scatter_emulated():
     torch.testing.assert_close(z.grad, torch.cat([gs] * EMU_P, -1), rtol=0, atol=0)
     with pytest.raises(ValueError, match="must be divisible"):
         scatter_features(torch.randn(2, 5), transport=t)
+
+
+def test_all_gather_tokens_emulated():
+    """Mirror: all_gather_tokens concatenates P copies along the token dim; its backward
+    reduce-scatters, i.e. P times this rank's block of the gradient on mirrored peers."""
+    t = EmulatedTransport(EMU_P, 1)
+    x = torch.randn(2, 3, 5, requires_grad=True)
+    y = all_gather_tokens(x, dim=1, transport=t)
+    torch.testing.assert_close(y, torch.cat([x] * EMU_P, 1), rtol=0, atol=0)
+    g = torch.randn(2, 3 * EMU_P, 5)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, EMU_P * g[:, 3:6], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="dim must be a dim of t"):
+        all_gather_tokens(x, dim=3, transport=t)
 
 
 def test_transport_instance_excludes_group():

@@ -39,13 +39,73 @@ from fusedpar.ops.varlen import document_positions
 
 SP_MODES = ("ring", "ulysses", "hybrid")
 
-__all__ = ["AttentionReference", "ParallelAttention", "apply_rotary", "rope_inv_freq", "rotary_cos_sin"]
+__all__ = ["AttentionReference", "ParallelAttention", "SequenceParallelAttention", "apply_rotary",
+           "rope_attention_factor", "rope_inv_freq", "rotary_cos_sin", "yarn_mscale"]
 
 
 # ----------------------------------------------------------------------------------------------
 # rotary embedding
 # ----------------------------------------------------------------------------------------------
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
+def _scaling_value(scaling, key, rope_type, *, default=None):
+    if key in scaling and scaling[key] is not None:
+        return float(scaling[key])
+    if default is None:
+        raise ValueError(f"rope_scaling of rope_type {rope_type!r} must have {key!r}, got {scaling!r}")
+    return default
+
+
+def _rope_type(scaling):
+    rope_type = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
+    return rope_type
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor the rotary ``cos`` / ``sin`` are multiplied by (Hugging Face's
+    ``attention_scaling``): 1 except for ``"yarn"``, where it is ``attention_factor`` when given,
+    else ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)`` when both are set
+    (DeepSeek-V3), else ``yarn_mscale(factor)``."""
+    if _rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _scaling_value(scaling, "factor", "yarn")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(inv_freq, head_dim, theta, scaling):
+    """YaRN (NTK-by-parts): the frequencies that turn fewer than ``beta_slow`` times over
+    ``original_max_position_embeddings`` are divided by ``factor``, those that turn more than
+    ``beta_fast`` times are kept, with a linear ramp over the dimensions between (the range
+    rounded outwards unless ``truncate`` is False), as transformers' ``_compute_yarn_parameters``."""
+    factor = _scaling_value(scaling, "factor", "yarn")
+    old_len = _scaling_value(scaling, "original_max_position_embeddings", "yarn")
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations):
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
@@ -54,19 +114,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
     ``scaling`` follows Hugging Face's ``rope_scaling`` / ``rope_parameters``: ``None`` or
     ``rope_type`` ``"default"`` leave them; ``"llama3"`` (Llama 3.1) divides the low frequencies by
     ``factor`` and interpolates the middle band between ``low_freq_factor`` and
-    ``high_freq_factor`` of ``original_max_position_embeddings``. Any other type raises
-    ``ValueError``."""
+    ``high_freq_factor`` of ``original_max_position_embeddings``; ``"yarn"`` (DeepSeek-V3, Kimi
+    K2, gpt-oss, Qwen long context) takes ``factor``, ``original_max_position_embeddings`` and the
+    optional ``beta_fast`` (32), ``beta_slow`` (1), ``truncate`` (True), ``mscale``,
+    ``mscale_all_dim``, ``attention_factor`` (see :func:`rope_attention_factor`). Any other type
+    raises ``ValueError``."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
-    rope_type = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_scaling rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
+    rope_type = _rope_type(scaling)
     if rope_type == "default":
         return inv_freq
-    try:
-        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-    except KeyError as e:
-        raise ValueError(f"rope_scaling of rope_type 'llama3' must have {e.args[0]!r}, got {scaling!r}") from None
+    if rope_type == "yarn":
+        rope_attention_factor(scaling)  # validates its fields too
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    factor, low, high, old_len = (_scaling_value(scaling, k, "llama3") for k in (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
@@ -78,11 +139,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32, scaling=None):
     """``cos, sin`` of shape ``[len(positions), head_dim]`` (rotate-half convention, as in
     GPT-NeoX / Llama), computed in fp64 from integer global positions (``scaling``: see
-    :func:`rope_inv_freq`)."""
+    :func:`rope_inv_freq`; both are multiplied by :func:`rope_attention_factor`, as Hugging Face
+    does)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device)
     freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    factor = rope_attention_factor(scaling)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -247,9 +310,92 @@ def _check_attention_groups(name, tp_arg, ulysses_transport, ring_transport, *, 
 
 
 # ----------------------------------------------------------------------------------------------
+# the groups and the sequence layout every attention block shares
+# ----------------------------------------------------------------------------------------------
+class SequenceParallelAttention(nn.Module):
+    """Base of fusedpar's attention blocks (:class:`ParallelAttention`, :class:`~fusedpar.nn.MLAttention`):
+    the tensor-parallel group that splits the heads, the sequence-parallel group(s) and mode,
+    the sequence layout of the input tokens and the gradient reduction over the sequence-parallel
+    ranks. A subclass calls :meth:`init_layout` first in its constructor."""
+
+    def init_layout(self, head_counts: dict, *, tp_group, sp_group, sp_mode, layout, ulysses_group, ring_group,
+                    sp_transport, ulysses_transport, ring_transport) -> None:
+        """Check and keep the groups (see :class:`ParallelAttention` for their meaning):
+        ``head_counts`` (name -> count) must each split over the tensor-parallel group; sets
+        ``layout``, ``sp_mode``, ``tp_group`` / ``tp_size`` / ``tp_rank``, the transports and
+        ``ulysses_size`` / ``ulysses_rank`` / ``ring_size`` / ``ring_rank``."""
+        name = type(self).__name__
+        if sp_mode not in SP_MODES:
+            raise ValueError(f"{name}: sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
+        tp_arg = group_arg("tp_group", tp_group, omitted=tp_group is None)
+        tp_group = comm.resolve_group(tp_group)
+        for what, n in head_counts.items():
+            check_divides(name, what, n, tp_arg, "tensor-parallel")
+        self.layout, self.sp_mode = layout, sp_mode
+        self.tp_group, self.tp_size, self.tp_rank = tp_group, comm.group_size(tp_group), comm.group_rank(tp_group)
+        self.ulysses_transport, self.ring_transport = _sp_transports(
+            name, sp_mode, sp_group, sp_transport, ulysses_group, ulysses_transport, ring_group, ring_transport)
+        self.sp_transports = tuple(t for t in (self.ulysses_transport, self.ring_transport) if t is not None)
+        self.ulysses_size, self.ulysses_rank = _size_rank(self.ulysses_transport)
+        self.ring_size, self.ring_rank = _size_rank(self.ring_transport)
+        _check_attention_groups(name, tp_arg, self.ulysses_transport, self.ring_transport,
+                                sp_omitted=sp_group is None and sp_transport is None)
+
+    def _sp_positions(self, seq_len, device=None):
+        return shard_positions(seq_len, layout=self.layout if self.ring_size > 1 else "contiguous",
+                               ring_rank=self.ring_rank, ring_size=self.ring_size,
+                               ulysses_rank=self.ulysses_rank, ulysses_size=self.ulysses_size, device=device)
+
+    def local_positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions of the tokens this rank's ``x`` holds, for a full length ``seq_len``."""
+        pos = self._sp_positions(seq_len, device)
+        if pos.numel() % self.tp_size:
+            raise ValueError(f"the sequence-parallel shard of {pos.numel()} tokens must split over tp={self.tp_size}")
+        n = pos.numel() // self.tp_size
+        return pos[self.tp_rank * n:(self.tp_rank + 1) * n]
+
+    def shard(self, x_full: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's input tokens out of a full sequence ``x_full`` (along ``dim``)."""
+        return x_full.index_select(dim, self.local_positions(x_full.shape[dim], x_full.device))
+
+    def rotary_positions(self, seq_len: int, device=None, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
+        """Rotary positions of this rank's sequence-parallel shard of a full sequence of
+        ``seq_len`` tokens: the global positions, or ``position_ids`` (``[seq_len]``, of the full
+        packed row, the same on every rank) at them; with ``cu_seqlens`` and no
+        ``position_ids``, positions restart at 0 at every document."""
+        pos = self._sp_positions(seq_len, device)
+        if position_ids is None and cu_seqlens is not None:
+            position_ids = document_positions(cu_seqlens, seq_len)
+        if position_ids is None:
+            return pos
+        if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (seq_len,):
+            shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+            raise ValueError(f"{type(self).__name__}: position_ids must be [{seq_len}] (the full packed row), got {shape}")
+        return position_ids.to(pos.device).index_select(0, pos)
+
+    def reduce_sequence_parallel_grads(self):
+        """Sum the parameter gradients over the sequence-parallel group(s), in place (hybrid: over
+        the Ulysses group, then the ring group, i.e. over the whole 2-D grid), and the gradients of
+        the parameters declared "replicated" (q / k norm scales, MLA's down projections and latent
+        norms: each tp rank's covers its heads or its tokens) over the tp group too: the rule
+        :func:`fusedpar.parallel.sync_gradients` applies to the same placements."""
+        plan = gradient_sync_plan(self)
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            for t in self.sp_transports:
+                if t.size > 1:
+                    t.all_reduce(p.grad).wait()
+            if plan[name] == "replicated" and self.tp_size > 1:
+                comm.all_reduce(p.grad, self.tp_group).wait()
+
+
+# ----------------------------------------------------------------------------------------------
 # ParallelAttention
 # ----------------------------------------------------------------------------------------------
-class ParallelAttention(nn.Module):
+class ParallelAttention(SequenceParallelAttention):
     """Tensor- and sequence-parallel attention block (see the module docstring for the layout).
 
     Input ``x``: ``[batch, S / (sp * tp), hidden_size]``, this rank's tokens; output the same shape.
@@ -285,31 +431,18 @@ class ParallelAttention(nn.Module):
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
         self.rotary_dim = _rotary_dim(name, rotary_dim, head_dim)
         check_bool(f"{name}: causal", causal)
-        if sp_mode not in SP_MODES:
-            raise ValueError(f"{name}: sp_mode must be one of {SP_MODES}, got {sp_mode!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
         check_positive_number(f"{name}: rope_theta", rope_theta)
         self.v_head_dim, self.window, self.softcap, _, self.softmax_scale = _check_score_args(
             name, head_dim, v_head_dim, window, softcap, sinks, softmax_scale)
-        tp_arg = group_arg("tp_group", tp_group, omitted=tp_group is None)
-        tp_group = comm.resolve_group(tp_group)
-        tp = comm.group_size(tp_group)
-        for what, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            check_divides(name, what, n, tp_arg, "tensor-parallel")
+        self.init_layout({"num_heads": num_heads, "num_kv_heads": num_kv_heads}, tp_group=tp_group,
+                         sp_group=sp_group, sp_mode=sp_mode, layout=layout, ulysses_group=ulysses_group,
+                         ring_group=ring_group, sp_transport=sp_transport, ulysses_transport=ulysses_transport,
+                         ring_transport=ring_transport)
+        tp = self.tp_size
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.num_kv_heads = num_kv_heads
         self.heads_local, self.kv_heads_local = num_heads // tp, num_kv_heads // tp
-        self.causal, self.rope_theta, self.layout, self.sp_mode = bool(causal), float(rope_theta), layout, sp_mode
-        self.tp_group, self.tp_size, self.tp_rank = tp_group, tp, comm.group_rank(tp_group)
-
-        self.ulysses_transport, self.ring_transport = _sp_transports(
-            name, sp_mode, sp_group, sp_transport, ulysses_group, ulysses_transport, ring_group, ring_transport)
-        self.sp_transports = tuple(t for t in (self.ulysses_transport, self.ring_transport) if t is not None)
-        self.ulysses_size, self.ulysses_rank = _size_rank(self.ulysses_transport)
-        self.ring_size, self.ring_rank = _size_rank(self.ring_transport)
-        _check_attention_groups(name, tp_arg, self.ulysses_transport, self.ring_transport,
-                               sp_omitted=sp_group is None and sp_transport is None)
+        self.causal, self.rope_theta = bool(causal), float(rope_theta)
         if self.ulysses_size > 1:
             ulysses_kv_heads(self.heads_local, self.kv_heads_local, self.ulysses_size)
 
@@ -371,39 +504,6 @@ class ParallelAttention(nn.Module):
         declare their own)."""
         return {} if self.sinks is None else {"sinks": Placement.tp(self.tp_group, 0)}
 
-    # -- layout ------------------------------------------------------------------------------
-    def _sp_positions(self, seq_len, device=None):
-        return shard_positions(seq_len, layout=self.layout if self.ring_size > 1 else "contiguous",
-                               ring_rank=self.ring_rank, ring_size=self.ring_size,
-                               ulysses_rank=self.ulysses_rank, ulysses_size=self.ulysses_size, device=device)
-
-    def local_positions(self, seq_len: int, device=None) -> torch.Tensor:
-        """Global positions of the tokens this rank's ``x`` holds, for a full length ``seq_len``."""
-        pos = self._sp_positions(seq_len, device)
-        if pos.numel() % self.tp_size:
-            raise ValueError(f"the sequence-parallel shard of {pos.numel()} tokens must split over tp={self.tp_size}")
-        n = pos.numel() // self.tp_size
-        return pos[self.tp_rank * n:(self.tp_rank + 1) * n]
-
-    def shard(self, x_full: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's input tokens out of a full sequence ``x_full`` (along ``dim``)."""
-        return x_full.index_select(dim, self.local_positions(x_full.shape[dim], x_full.device))
-
-    def rotary_positions(self, seq_len: int, device=None, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
-        """Rotary positions of this rank's sequence-parallel shard of a full sequence of
-        ``seq_len`` tokens: the global positions, or ``position_ids`` (``[seq_len]``, of the full
-        packed row, the same on every rank) at them; with ``cu_seqlens`` and no
-        ``position_ids``, positions restart at 0 at every document."""
-        pos = self._sp_positions(seq_len, device)
-        if position_ids is None and cu_seqlens is not None:
-            position_ids = document_positions(cu_seqlens, seq_len)
-        if position_ids is None:
-            return pos
-        if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (seq_len,):
-            shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
-            raise ValueError(f"{type(self).__name__}: position_ids must be [{seq_len}] (the full packed row), got {shape}")
-        return position_ids.to(pos.device).index_select(0, pos)
-
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x, *, cu_seqlens=None, position_ids=None):
         """``cu_seqlens``: int32 document boundaries of the full packed row (batch 1; global
@@ -432,22 +532,6 @@ class ParallelAttention(nn.Module):
             o = hybrid_attention(q, k, v, ulysses_transport=self.ulysses_transport, ring_transport=self.ring_transport,
                                  causal=self.causal, layout=self.layout, **docs)
         return self.proj(o.reshape(b, s_sp, hl * dv))
-
-    def reduce_sequence_parallel_grads(self):
-        """Sum the parameter gradients over the sequence-parallel group(s), in place (hybrid: over
-        the Ulysses group, then the ring group, i.e. over the whole 2-D grid), and the gradients of
-        the parameters declared "replicated" (q / k norm scales, the output bias: each tp rank's
-        covers its heads or its tokens) over the tp group too: the rule
-        :func:`fusedpar.parallel.sync_gradients` applies to the same placements."""
-        plan = gradient_sync_plan(self)
-        for name, p in self.named_parameters():
-            if p.grad is None:
-                continue
-            for t in self.sp_transports:
-                if t.size > 1:
-                    t.all_reduce(p.grad).wait()
-            if plan[name] == "replicated" and self.tp_size > 1:
-                comm.all_reduce(p.grad, self.tp_group).wait()
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads} (local {self.heads_local}), "

@@ -10,6 +10,7 @@ from fusedpar.ops.loss import attach_aux_loss
 
 from .attention import ParallelAttention
 from .linear import ParallelMLP
+from .mla import MLAttention
 from .moe import MoE, SharedExpertGate
 from .norm import RMSNorm
 
@@ -22,7 +23,9 @@ class TransformerBlock(nn.Module):
 
     ``num_experts > 0`` replaces the dense :class:`ParallelMLP` with a :class:`MoE` over
     ``ep_group``; its router losses (``self.mlp.aux_loss``) are attached to the backward with
-    weight ``aux_loss_scale`` when that is non-zero.
+    weight ``aux_loss_scale`` when that is non-zero. ``mla`` (the sizes of
+    :meth:`TransformerConfig.mla_options`) replaces the :class:`ParallelAttention` with an
+    :class:`MLAttention`.
 
     ``sp_mode="hybrid"`` takes ``ulysses_group`` and ``ring_group`` (e.g. a
     :class:`~fusedpar.parallel.ParallelState`'s) instead of ``sp_group``. Omitted groups and the
@@ -42,17 +45,23 @@ class TransformerBlock(nn.Module):
                  qkv_bias: bool = False, qk_norm: bool = False, norm_topk_prob: bool | None = None,
                  shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = True,
                  router_options: dict | None = None, window=None, softcap: float | None = None, sinks: bool = False,
-                 v_head_dim: int | None = None, softmax_scale: float | None = None, rotary_dim: int | None = None):
+                 v_head_dim: int | None = None, softmax_scale: float | None = None, rotary_dim: int | None = None,
+                 mla: dict | None = None):
         super().__init__()
         self.hidden_size = hidden_size
         self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
-        self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
-                                      sp_mode=sp_mode, causal=causal, bias=False, layout=layout,
-                                      ulysses_group=ulysses_group, ring_group=ring_group, device=device, dtype=dtype,
-                                      rope_theta=rope_theta, rope_scaling=rope_scaling, head_dim=head_dim,
-                                      qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps, window=window,
-                                      softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
-                                      softmax_scale=softmax_scale, rotary_dim=rotary_dim)
+        if mla is not None:  # multi-head latent attention (its latent norms keep transformers' eps 1e-6)
+            self.attn = MLAttention(hidden_size, num_heads, tp_group=tp_group, sp_group=sp_group, sp_mode=sp_mode,
+                                    causal=causal, layout=layout, ulysses_group=ulysses_group, ring_group=ring_group,
+                                    device=device, dtype=dtype, rope_theta=rope_theta, rope_scaling=rope_scaling, **mla)
+        else:
+            self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
+                                          sp_mode=sp_mode, causal=causal, bias=False, layout=layout,
+                                          ulysses_group=ulysses_group, ring_group=ring_group, device=device,
+                                          dtype=dtype, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                                          head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps,
+                                          window=window, softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
+                                          softmax_scale=softmax_scale, rotary_dim=rotary_dim)
         self.norm2 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
         self.is_moe = num_experts > 0
         self.shared_expert = self.shared_expert_gate = None

@@ -51,7 +51,7 @@ class TransformerConfig:
     z_loss_coef: float = 1e-3
     # fields with Hugging Face's meaning (defaults keep the earlier behaviour)
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters: None, "default" or "llama3"
+    rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters: None, "default", "llama3" or "yarn"
     head_dim: int | None = None  # default hidden_size // num_heads
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections (not on the output one)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k before the rotary embedding
@@ -79,6 +79,13 @@ class TransformerConfig:
     first_k_dense_replace: int = 0  # HF first_k_dense_replace: blocks 0..k-1 stay dense
     shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3 / GLM-4.5)
     partial_rotary_factor: float = 1.0  # GLM-4.5: rotary on the first int(head_dim * factor) features of a head
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi K2): attention="mla" and its sizes (HF's names)
+    attention: str = "default"  # "default": ParallelAttention (q, k, v heads); "mla": MLAttention
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    rope_interleave: bool = True  # HF's rope_interleave: the rotary features are interleaved pairs
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -115,7 +122,7 @@ class TransformerConfig:
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
                     shared_expert_gate=self.shared_expert_gate, rotary_dim=self.rotary_dim(),
-                    router_options=self.router_options(), **self.attention_options(layer))
+                    router_options=self.router_options(), mla=self.mla_options(), **self.attention_options(layer))
 
     def attention_options(self, layer: int) -> dict:
         """The attention options of block ``layer`` (:class:`ParallelAttention` keywords) from
@@ -135,6 +142,14 @@ class TransformerConfig:
         if self.partial_rotary_factor == 1.0:
             return None
         return int((self.head_dim or self.hidden_size // self.num_heads) * self.partial_rotary_factor)
+
+    def mla_options(self) -> dict | None:
+        """The :class:`MLAttention` sizes with ``attention="mla"``, else None."""
+        if self.attention != "mla":
+            return None
+        return dict(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                    qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                    v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave)
 
     def router_options(self) -> dict:
         """The :class:`MoE` router keyword arguments of the routing fields."""
@@ -176,6 +191,7 @@ def check_config_values(cfg: "TransformerConfig") -> None:
             raise ValueError(f"TransformerConfig.{name} must be a number >= 0, got {v!r}")
     if cfg.capacity_factor is not None:
         check_positive_number("TransformerConfig.capacity_factor", cfg.capacity_factor)
+    check_mla_values(cfg)
     check_positive_number("TransformerConfig.norm_eps", cfg.norm_eps)
     f = cfg.partial_rotary_factor
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
@@ -203,6 +219,38 @@ def check_layer_types(cfg: "TransformerConfig") -> None:
     if "sliding_attention" in types and cfg.sliding_window is None:
         raise ValueError("TransformerConfig.layer_types has 'sliding_attention' layers but sliding_window is None")
     cfg.layer_types = list(types)
+
+
+def check_mla_values(cfg: "TransformerConfig") -> None:
+    """``attention`` is "default" or "mla"; "mla" needs its sizes and takes none of the fields
+    of the default attention's projections (qkv_bias, qk_norm, head_dim)."""
+    check_choice("TransformerConfig.attention", cfg.attention, ("default", "mla"))
+    check_bool("TransformerConfig.rope_interleave", cfg.rope_interleave)
+    sizes = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if cfg.attention != "mla":  # (v_head_dim is the default attention's too)
+        for name in sizes[:3] + ("q_lora_rank",):
+            if getattr(cfg, name) is not None:
+                raise ValueError(f"TransformerConfig.{name} is for attention='mla', got {getattr(cfg, name)!r} "
+                                 f"with attention={cfg.attention!r}")
+        return
+    for name in sizes:
+        if getattr(cfg, name) is None:
+            raise ValueError(f"TransformerConfig.{name} must be set with attention='mla', got None")
+        check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=0 if name == "qk_nope_head_dim" else 1)
+    if cfg.q_lora_rank is not None:
+        check_int("TransformerConfig.q_lora_rank", cfg.q_lora_rank, min_value=1)
+    for name in ("qkv_bias", "qk_norm"):
+        if getattr(cfg, name):
+            raise ValueError(f"TransformerConfig.{name} must be False with attention='mla' (MLA has its own "
+                             f"projections), got True")
+    for name, off in (("sliding_window", None), ("attn_logit_softcapping", None), ("attention_sinks", False),
+                      ("query_pre_attn_scalar", None), ("partial_rotary_factor", 1.0)):
+        if getattr(cfg, name) != off:
+            raise ValueError(f"TransformerConfig.{name} is not supported with attention='mla' (MLAttention has no "
+                             f"such option), got {getattr(cfg, name)!r}")
+    if cfg.head_dim is not None:
+        raise ValueError(f"TransformerConfig.head_dim must be None with attention='mla' (qk_nope_head_dim, "
+                         f"qk_rope_head_dim and v_head_dim size the heads), got {cfg.head_dim!r}")
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:

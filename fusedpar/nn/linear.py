@@ -283,7 +283,7 @@ class RowParallelLinear(_TPLinearBase):
     ``False``: ``x`` is replicated ``[batch, seq, in]`` and this rank keeps its slice.
     ``sequence_parallel=True``: output ``[batch, seq/tp, out]`` via the fused GEMM + reduce-scatter;
     ``False``: replicated ``[batch, seq, out]`` via the chunked GEMM + all-reduce. The bias is
-    replicated and added once; its gradient is the full one on every rank.
+    replicated and added once; its gradient is the full one (the group's tokens) on every rank.
     """
 
     gated = False

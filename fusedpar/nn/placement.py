@@ -10,8 +10,8 @@ A :class:`Placement` says, for one parameter:
 * its **gradient kind** for :func:`fusedpar.parallel.sync_gradients`: ``"dense"`` (each rank's
   gradient is whole for the tokens its tp group holds: tensor-parallel shards and copies that see
   all of those tokens), ``"replicated"`` (a copy whose gradient covers only this rank's sequence
-  shard of the tp group's tokens: norms, embedding, router, a sequence-parallel row-parallel
-  bias; summed over tp too) or ``"expert"`` (summed over the ranks holding the same experts).
+  shard of the tp group's tokens: norms, embedding, router, replicated weights run on the token
+  shard; summed over tp too) or ``"expert"`` (summed over the ranks holding the same experts).
 
 Every parallel module declares its parameters in a ``placements()`` method returning
 ``{name relative to the module: Placement}`` (its own parameters, or a child's that the module

@@ -326,8 +326,8 @@ class Transformer(nn.Module):
     def gradient_sync_plan(self) -> dict[str, str]:
         """Parameter name -> gradient kind for :func:`fusedpar.parallel.sync_gradients`, read from
         the placement every module declares (:mod:`fusedpar.nn.placement`): ``"replicated"`` for
-        copies that see only this rank's sequence shard (norms, embedding, router, a
-        sequence-parallel row-parallel bias), ``"expert"`` for expert weights, ``"dense"`` for
+        copies that see only this rank's sequence shard (norms, embedding, router, MLA's down
+        projections), ``"expert"`` for expert weights, ``"dense"`` for
         tensor-parallel shards. A parameter no module declares raises ``ValueError`` naming it: a
         guess would silently reduce its gradient over the wrong ranks."""
         return gradient_sync_plan(self)

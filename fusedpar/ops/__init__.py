@@ -16,6 +16,7 @@ from .symmetric import SymmetricTransport, resolve_transport
 from .tensor_parallel import (
     TPOptions,
     all_gather_matmul,
+    all_gather_tokens,
     copy_to_tp_matmul,
     gather_features,
     matmul_all_reduce,
@@ -68,7 +69,8 @@ from .fp8_library import fp8_linear_bwd, fp8_linear_fwd
 __all__ = [
     "EmulatedTransport", "PortableTransport", "SymmetricTransport", "Transport", "get_transport",
     "resolve_transport",
-    "TPOptions", "all_gather_matmul", "all_gather_matmul_bwd", "all_gather_matmul_fwd", "copy_to_tp_matmul",
+    "TPOptions", "all_gather_matmul", "all_gather_matmul_bwd", "all_gather_matmul_fwd", "all_gather_tokens",
+    "copy_to_tp_matmul",
     "copy_to_tp_matmul_bwd", "copy_to_tp_matmul_fwd", "gather_features", "matmul_all_reduce",
     "matmul_all_reduce_bwd", "matmul_all_reduce_fwd", "matmul_reduce_scatter", "matmul_reduce_scatter_bwd",
     "matmul_reduce_scatter_fwd", "scatter_features",

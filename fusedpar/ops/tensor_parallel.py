@@ -16,6 +16,9 @@ tensor-parallel layers:
   all-reduced like :func:`matmul_all_reduce`.
 * :func:`gather_features` / :func:`scatter_features` -- all-gather / keep this rank's slice of
   the last dim (``gather_output`` / ``input_is_parallel=False``; not on the hot path).
+* :func:`all_gather_tokens` -- all-gather a sequence-parallel activation along a token dim;
+  the backward reduce-scatters the gradient (for an activation every rank uses differently, e.g.
+  MLA's shared rotary key under split heads).
 
 Per op, the forward and the backward are named functions (``all_gather_matmul_fwd`` /
 ``all_gather_matmul_bwd``, ...; :mod:`fusedpar.ops.tensor_parallel_library`) that are the bodies
@@ -53,6 +56,7 @@ from fusedpar.ops.library import checked_api, transport_size, transport_token
 from fusedpar.ops.tensor_parallel_library import (
     TPOptions,
     all_gather_matmul_op,
+    all_gather_tokens_op,
     copy_to_tp_matmul_op,
     gather_features_op,
     matmul_all_reduce_op,
@@ -64,7 +68,7 @@ from fusedpar.ops.transport import Transport, check_transport_name
 
 __all__ = [
     "TPOptions", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "copy_to_tp_matmul",
-    "gather_features", "scatter_features",
+    "gather_features", "scatter_features", "all_gather_tokens",
 ]
 
 
@@ -287,3 +291,21 @@ def scatter_features(t: torch.Tensor, group=None, *, transport: Transport | str 
         return t
     check_divisible("scatter_features: t.shape[-1]", t.shape[-1], size)
     return scatter_features_op(t, token)
+
+
+@checked_api
+def all_gather_tokens(t: torch.Tensor, group=None, *, dim: int = 1,
+                      transport: Transport | str | None = None) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along the token dim ``dim``, in rank order: ``[b, n, ...]``
+    -> ``[b, P * n, ...]`` for ``dim=1``. Backward: the gradient reduce-scattered (summed over the
+    ranks in fp32, then this rank's block): each rank may use the gathered tensor differently.
+    Every rank's ``t`` must have the same shape. A group of one returns ``t``."""
+    with agreed_arguments("all_gather_tokens", transport, group, dict(t=t, dim=dim, transport=transport)):
+        check_tensor("all_gather_tokens: t", t)
+        check_int("all_gather_tokens: dim", dim)
+        if not -t.dim() <= dim < t.dim():
+            raise ValueError(f"all_gather_tokens: dim must be a dim of t (shape {tuple(t.shape)}), got {dim}")
+    token = _token(transport, group, names=("portable",))
+    if transport_size(transport, group) == 1:
+        return t
+    return all_gather_tokens_op(t, token, dim % t.dim())

@@ -21,6 +21,9 @@ implementations, tied together by ``register_autograd``:
   keep_preact) -> (out, preact)``.
 * ``fusedpar::gather_features(t, token)`` / ``fusedpar::scatter_features(t, token)``: each the
   other's backward.
+* ``fusedpar::all_gather_tokens(t, token, dim)``: every rank's ``t`` concatenated along the token
+  dim ``dim``; its backward ``fusedpar::all_gather_tokens_backward`` reduce-scatters the gradient
+  (summed in fp32), each rank's being its own (MLA's shared rotary key).
 
 Backward ops (``fusedpar::<op>_backward``) take the ``need_dx`` / ``need_dw`` / ``need_db`` flags
 of the registered backward (``ctx.needs_input_grad``) and return absent tensors for the rest.
@@ -54,6 +57,7 @@ __all__ = [
     "all_gather_matmul_op", "all_gather_matmul_backward_op", "matmul_reduce_scatter_op",
     "matmul_reduce_scatter_backward_op", "matmul_all_reduce_op", "matmul_all_reduce_backward_op",
     "copy_to_tp_matmul_op", "copy_to_tp_matmul_backward_op", "gather_features_op", "scatter_features_op",
+    "all_gather_tokens_op", "all_gather_tokens_backward_op",
 ]
 
 Tensor = torch.Tensor
@@ -543,3 +547,50 @@ def _scatter_backward(ctx, grad):
 
 gather_features_op.register_autograd(_gather_backward, setup_context=_token_setup)
 scatter_features_op.register_autograd(_scatter_backward, setup_context=_token_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# token-dim all-gather with a reduce-scatter backward (a rank's gradient differs per rank)
+# ----------------------------------------------------------------------------------------------
+@custom_op("all_gather_tokens")
+def all_gather_tokens_op(t: Tensor, token: str, dim: int) -> Tensor:
+    tr = token_transport(token)
+    src = t.movedim(dim, 0).contiguous()
+    out = src.new_empty((tr.size * src.shape[0],) + tuple(src.shape[1:]))
+    tr.all_gather_into(out, src).wait()
+    return out.movedim(0, dim).contiguous()
+
+
+@all_gather_tokens_op.register_fake
+def _(t, token, dim):
+    shape = list(t.shape)
+    shape[dim] = shape[dim] * token_size(token)
+    return t.new_empty(shape)
+
+
+@custom_op("all_gather_tokens_backward")
+def all_gather_tokens_backward_op(grad: Tensor, token: str, dim: int) -> Tensor:
+    tr = token_transport(token)
+    src = grad.movedim(dim, 0).to(torch.float32).contiguous()
+    out = src.new_empty((src.shape[0] // tr.size,) + tuple(src.shape[1:]))
+    tr.reduce_scatter_into(out, src).wait()
+    return out.to(grad.dtype).movedim(0, dim).contiguous()
+
+
+@all_gather_tokens_backward_op.register_fake
+def _(grad, token, dim):
+    shape = list(grad.shape)
+    shape[dim] = shape[dim] // token_size(token)
+    return grad.new_empty(shape)
+
+
+def _gather_tokens_setup(ctx, inputs, output):
+    ctx.token, ctx.dim = inputs[1], inputs[2]
+    ctx.transports = hold(inputs[1])
+
+
+def _gather_tokens_backward(ctx, grad):
+    return input_grads(all_gather_tokens_op, t=all_gather_tokens_backward_op(grad, ctx.token, ctx.dim))
+
+
+all_gather_tokens_op.register_autograd(_gather_tokens_backward, setup_context=_gather_tokens_setup)
