@@ -8,15 +8,14 @@ high-precision weight gradient, against
 * the unquantised float64 linear layer and its gradients, within the quantisation bound of every
   element (tests/test_fp8.py: e4m3 rounds within 2^-4 relative, 2^-10 of the scale for subnormals);
 
-and ``torch.compile`` (``opcheck`` of both custom ops, a compiled call equal to eager); the module
-``FP8Linear``.
+and the module ``FP8Linear``; ``torch.compile`` in tests/test_torch_compile_fp8.py.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from _utils import BACKWARD_OPCHECK, DEVICE, INTERPRETED
+from _utils import DEVICE, INTERPRETED
 from fusedpar.kernels import dequantize_e4m3
 from fusedpar.kernels.fp8 import quantize_e4m3_reference
 from fusedpar.nn import FP8Linear
@@ -101,32 +100,6 @@ def test_fp8_linear_bad_input():
         fp8_linear(x, w[:, :5])
     with pytest.raises(ValueError, match=r"bias must have shape \(3,\)"):
         fp8_linear(x, w, torch.randn(4, device=DEVICE))
-
-
-@pytest.mark.skipif(not INTERPRETED, reason="CPU-interpreter test (aot_eager)")
-def test_fp8_linear_under_torch_compile():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 3, 40, generator=g).requires_grad_()
-    w = torch.randn(6, 40, generator=g).requires_grad_()
-    b = torch.randn(6, generator=g).requires_grad_()
-    torch.library.opcheck(torch.ops.fusedpar.fp8_linear.default, (x, w, b, "blockwise", False),
-                          test_utils=BACKWARD_OPCHECK + ("test_aot_dispatch_dynamic",))
-    torch.library.opcheck(torch.ops.fusedpar.fp8_linear_backward.default,
-                          (torch.randn(2, 3, 6, generator=g), x.detach(), w.detach(), "rowwise", True, True, True),
-                          test_utils=BACKWARD_OPCHECK)
-
-    def fn(x, w, b):
-        return fp8_linear(torch.relu(x), w, b, recipe="rowwise").sum()
-
-    results = []
-    for f in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True)):
-        torch._dynamo.reset()
-        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
-        out = f(xs, ws, bs)
-        out.backward()
-        results.append((out.detach(), xs.grad, ws.grad, bs.grad))
-    for a, c in zip(*results):
-        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
 
 
 def test_fp8_linear_module():
