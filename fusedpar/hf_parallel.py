@@ -1,10 +1,12 @@
 """Route B: parallelise an unmodified Hugging Face decoder in place.
 
 :func:`parallelize` swaps, inside a ``transformers`` Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
-Qwen-MoE model,
+Qwen-MoE / OLMo 2 / Gemma / Gemma 2 / Gemma 3 (text) model,
 
 * the q / k / v / o and gate / up / down linears for fusedpar's tensor-parallel linears
-  (``tp_group``; activations replicated over it, as in the unmodified model),
+  (``tp_group``; activations replicated over it, as in the unmodified model), and OLMo 2's q / k
+  norms (over the whole projection) for a :class:`~fusedpar.nn.RMSNorm` over the tp-split
+  features,
 * the sparse MoE blocks for :class:`HFMoEBlock` (experts over ``ep_group``; HF's router kept, so
   ``output_router_logits=True`` and HF's aux loss work),
 * attention for fusedpar's ring / Ulysses / hybrid attention (``sp_group``, or ``ulysses_group`` +
@@ -28,6 +30,7 @@ from torch import nn
 
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.moe import MoE
+from fusedpar.nn.norm import RMSNorm
 from fusedpar.nn.placement import Placement
 from fusedpar.nn.placement import gradient_sync_plan as placement_gradient_sync_plan
 from fusedpar.ops import comm, global_loss, hybrid_attention, ring_attention, shard_positions, ulysses_attention
@@ -36,7 +39,8 @@ __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "Sequen
            "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
            "sequence_parallel_loss", "shard_batch"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo2", "gemma",
+                         "gemma2", "gemma3_text")
 ATTN_IMPLEMENTATION = "fusedpar_sequence_parallel"  # the name registered in transformers.AttentionInterface
 
 
@@ -137,6 +141,8 @@ def sequence_parallel_attention(module, query, key, value, attention_mask, scali
         raise ValueError("sequence-parallel attention takes no attention_mask (full causal attention only), got one")
     if dropout:
         raise ValueError(f"sequence-parallel attention has no attention dropout, got dropout={dropout}")
+    if kwargs.get("softcap") is not None:  # Gemma 2's attn_logit_softcapping
+        raise ValueError(f"sequence-parallel attention has no logit softcapping, got softcap={kwargs['softcap']}")
     check_sliding_window(sliding_window, query.shape[2] * sp.size)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = sp.attend(q, k, v, causal=bool(getattr(module, "is_causal", True)), softmax_scale=scaling)
@@ -267,6 +273,15 @@ def _tp_mlp(mlp: nn.Module, tp_group) -> None:
     mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=tp_group)
 
 
+def _tp_projection_norm(norm: nn.Module, tp_group) -> RMSNorm:
+    """OLMo 2's q / k norm (an RMSNorm over the whole projection) for a column-parallel
+    projection: this rank's slice of the scales, the statistics reduced over ``tp_group``."""
+    weight = norm.weight.detach()
+    out = RMSNorm(weight.shape[0], float(norm.variance_epsilon), feature_group=tp_group, device="meta")
+    out.weight = nn.Parameter(out.placements()["weight"].local_from_full(weight))
+    return out
+
+
 def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
     gate, experts = block.gate, block.experts
     E, k = gate.weight.shape[0], config_number(config, "num_experts_per_tok", "parallelize")
@@ -351,6 +366,8 @@ def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=N
             for name in ("q_proj", "k_proj", "v_proj"):
                 setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=tp_group))
             attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
+            if model_type == "olmo2":  # its q / k norms span the whole projection, now split over tp
+                attn.q_norm, attn.k_norm = (_tp_projection_norm(n, tp_group) for n in (attn.q_norm, attn.k_norm))
         if hasattr(layer.mlp, "experts") and ep_group is not None:
             layer.mlp = _moe_block(layer.mlp, config, tp_group, ep_group)
         elif tp_group is not None and not hasattr(layer.mlp, "experts"):  # (no ep_group: HF's MoE block stays)

@@ -339,3 +339,64 @@ def test_fusedpar_checkpoint_of_a_model_with_hugging_face_modules(tmp_path):
     checkpoint.load(hf, str(tmp_path / "ok"), default_placement=whole)
     for n, p in hf.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
+
+
+NEW_FAMILIES = ("olmo2", "gemma", "gemma2", "gemma3")
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_directory_round_trip_and_training_steps_match_transformers(family, tmp_path):
+    """OLMo 2 and the Gemma families: loaded from a safetensors directory, exported back (strict,
+    bit-equal), and 3 AdamW steps (the head fused into the loss: Gemma 2's final softcap inside
+    linear_cross_entropy) leave the same model as transformers' own steps."""
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path)
+    model = from_hf(str(tmp_path))
+    exported = to_hf_state_dict(model)
+    fresh = hf_model(family, seed=7)
+    fresh.load_state_dict(exported, strict=True)
+    for (n, a), b in zip(hf.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
+    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        tokens, targets = tokens_targets(10 + step, 2, 8)
+        opt_hf.zero_grad()
+        F.cross_entropy(hf(tokens).logits.reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        opt_hf.step()
+        opt.zero_grad()
+        model.loss(model(tokens, return_hidden=True), targets).backward()
+        opt.step()
+    tokens, _ = tokens_targets(20, 2, 8)
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), f"{family} logits after 3 AdamW steps")
+
+
+def test_new_family_fields_that_fusedpar_does_not_implement_are_named():
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
+        config_from_hf(transformers.Gemma2Config())  # stock Gemma 2 caps the attention logits
+    with pytest.raises(ValueError, match="hidden_activation='gelu'"):
+        config_from_hf(transformers.Gemma3TextConfig(hidden_activation="gelu"))
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        config_from_hf(transformers.Olmo2Config(attention_bias=True))
+    with pytest.raises(ValueError, match="rope_parameters\\['full_attention'\\]"):
+        config_from_hf(transformers.Gemma3TextConfig(rope_parameters={
+            "full_attention": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+    c = config_from_hf(transformers.Gemma3TextConfig(num_hidden_layers=7))  # stock: 5 sliding layers, then a global one
+    assert c.layer_rope_theta == (1e4,) * 5 + (1e6, 1e4) and c.sliding_window == 4096 and c.final_logit_softcap is None
+    assert c.softmax_scale == 256 ** -0.5 and c.embed_scale == 2304 ** 0.5 and c.activation == "geglu"
+    raw = {"model_type": "gemma3_text", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 4, "rms_norm_eps": 1e-6,
+           "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 4, "rope_theta": 5e5,
+           "rope_local_base_freq": 100.0, "layer_types": ["sliding_attention", "full_attention"],
+           "sliding_window": 8}  # a config.json of transformers 4: the local base as rope_local_base_freq
+    assert config_from_hf(raw).layer_rope_theta == (100.0, 5e5)
+    for field, value, match in (("norm_layout", "mid", "norm_layout must be one of"),
+                                ("norm_offset", 0.5, "norm_offset must be 0.0 or 1.0"),
+                                ("qk_norm_scope", "row", "qk_norm_scope must be one of"),
+                                ("layer_rope_theta", (1.0, 2.0), "layer_rope_theta must have num_layers=1 entries, got 2"),
+                                ("pad_token_id", 8, "pad_token_id must be")):
+        with pytest.raises(ValueError, match=match):
+            TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8,
+                              **{field: value})

@@ -115,6 +115,13 @@ def _check_shape_args(cls, hidden_size, num_heads, num_kv_heads, head_dim):
     return num_kv_heads, head_dim
 
 
+def _check_norm_args(cls, qk_norm_scope, softmax_scale):
+    if qk_norm_scope not in ("head", "projection"):
+        raise ValueError(f"{cls}: qk_norm_scope must be 'head' or 'projection', got {qk_norm_scope!r}")
+    if softmax_scale is not None:
+        check_positive_number(f"{cls}: softmax_scale", softmax_scale)
+
+
 class AttentionReference(nn.Module):
     """Plain single-process attention block: ``o_proj(attn(rope(q_proj x), rope(k_proj x),
     v_proj x))`` with ``nn.Linear`` projections drawn in the order q, k, v, o. The oracle of the
@@ -122,12 +129,15 @@ class AttentionReference(nn.Module):
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, causal=True, bias=False,
                  rope_theta=10000.0, head_dim=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6,
-                 rope_scaling=None, device=None, dtype=None):
+                 rope_scaling=None, qk_norm_scope="head", norm_offset=0.0, softmax_scale=None, device=None,
+                 dtype=None):
         super().__init__()
         num_kv_heads, head_dim = _check_shape_args(type(self).__name__, hidden_size, num_heads, num_kv_heads, head_dim)
         check_bool(f"{type(self).__name__}: causal", causal)
+        _check_norm_args(type(self).__name__, qk_norm_scope, softmax_scale)
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
-        self.num_kv_heads = num_kv_heads
+        self.num_kv_heads, self.qk_norm_scope = num_kv_heads, qk_norm_scope
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
         self.causal, self.rope_theta = bool(causal), float(rope_theta)
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
         rope_inv_freq(head_dim, self.rope_theta, self.rope_scaling)  # validates the scaling
@@ -137,21 +147,27 @@ class AttentionReference(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias, device=device, dtype=dtype)
         self.q_norm = self.k_norm = None
-        if qk_norm:  # Qwen3: RMSNorm over head_dim of every q / k head, before the rotary embedding
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, device=device, dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, device=device, dtype=dtype)
+        if qk_norm:  # RMSNorm of q and k before the rotary embedding: over head_dim of every head
+            # (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+            whole = qk_norm_scope == "projection"
+            self.q_norm, self.k_norm = (RMSNorm(n * head_dim if whole else head_dim, qk_norm_eps, offset=norm_offset,
+                                                device=device, dtype=dtype) for n in (num_heads, num_kv_heads))
 
     def forward(self, x, positions=None, *, compute_dtype=torch.float64):
         b, s, _ = x.shape
         d = self.head_dim
         positions = torch.arange(s, device=x.device) if positions is None else positions
         cos, sin = rotary_cos_sin(positions, d, self.rope_theta, scaling=self.rope_scaling)
-        q, k = self.q_proj(x).view(b, s, self.num_heads, d), self.k_proj(x).view(b, s, self.num_kv_heads, d)
-        if self.q_norm is not None:
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_norm is not None and self.qk_norm_scope == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, s, self.num_heads, d), k.view(b, s, self.num_kv_heads, d)
+        if self.q_norm is not None and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, d)
-        o, _ = attention_reference(q, k, v, causal=self.causal, compute_dtype=compute_dtype)
+        o, _ = attention_reference(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
+                                   compute_dtype=compute_dtype)
         return self.o_proj(o.to(x.dtype).reshape(b, s, self.num_heads * d))
 
 
@@ -232,7 +248,7 @@ class ParallelAttention(nn.Module):
                  sp_mode="ring", causal=True, bias=False, rope_theta=10000.0, head_dim=None, layout="zigzag",
                  ulysses_group=None, ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None,
                  device=None, dtype=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6, rope_scaling=None,
-                 _reference=None):
+                 qk_norm_scope="head", norm_offset=0.0, softmax_scale=None, _reference=None):
         super().__init__()
         name = type(self).__name__
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
@@ -268,8 +284,9 @@ class ParallelAttention(nn.Module):
         ref = _reference if _reference is not None else AttentionReference(
             hidden_size, num_heads, num_kv_heads, causal=causal, bias=bias, rope_theta=rope_theta, head_dim=head_dim,
             qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, rope_scaling=rope_scaling,
+            qk_norm_scope=qk_norm_scope, norm_offset=norm_offset, softmax_scale=softmax_scale,
             device="meta" if device is not None and torch.device(device).type == "meta" else None)
-        self.rope_scaling = ref.rope_scaling
+        self.rope_scaling, self.qk_norm_scope, self.softmax_scale = ref.rope_scaling, ref.qk_norm_scope, ref.softmax_scale
         self._shard_from(ref, device=device, dtype=dtype)
 
     @classmethod
@@ -281,7 +298,9 @@ class ParallelAttention(nn.Module):
         return cls(ref.hidden_size, ref.num_heads, ref.num_kv_heads, causal=ref.causal,
                    bias=ref.o_proj.bias is not None, qkv_bias=ref.q_proj.bias is not None, rope_theta=ref.rope_theta,
                    head_dim=ref.head_dim, qk_norm=ref.q_norm is not None, rope_scaling=ref.rope_scaling,
-                   qk_norm_eps=ref.q_norm.eps if ref.q_norm is not None else 1e-6, _reference=ref, **kwargs)
+                   qk_norm_eps=ref.q_norm.eps if ref.q_norm is not None else 1e-6, qk_norm_scope=ref.qk_norm_scope,
+                   norm_offset=ref.q_norm.offset if ref.q_norm is not None else 0.0, softmax_scale=ref.softmax_scale,
+                   _reference=ref, **kwargs)
 
     def _shard_from(self, ref, *, device, dtype):
         """One fused ``[q; k; v]`` projection, column-parallel with three sections, so that every
@@ -300,13 +319,23 @@ class ParallelAttention(nn.Module):
             self.proj = RowParallelLinear.from_linear(ref.o_proj, group=self.tp_group, sequence_parallel=True,
                                                       input_is_parallel=True)
             self.q_norm = self.k_norm = None
-            if ref.q_norm is not None:  # replicated [head_dim] scales, shared by all heads
+            if ref.q_norm is not None and self.qk_norm_scope == "head":  # replicated [head_dim] scales
                 self.q_norm, self.k_norm = copy.deepcopy(ref.q_norm), copy.deepcopy(ref.k_norm)
+            elif ref.q_norm is not None:  # over the whole projection: this rank's heads' slice of the scales
+                self.q_norm, self.k_norm = (self._sharded_norm(n) for n in (ref.q_norm, ref.k_norm))
             # own storage: no views into the full weights (nor into ref's parameters); new
             # Parameters rather than set_data, which cannot move a tensor to the meta device
             for mod in self.modules():
                 for pname, p in list(mod.named_parameters(recurse=False)):
                     setattr(mod, pname, nn.Parameter(p.detach().to(device=device, dtype=dtype).clone()))
+
+    def _sharded_norm(self, full: RMSNorm) -> RMSNorm:
+        """An RMSNorm over a whole q or k projection whose features (heads) are split over tp:
+        the statistics reduced over tp, the scales a block of the full ones (OLMo 2)."""
+        group = self.tp_group if self.tp_size > 1 else None
+        norm = RMSNorm(full.hidden_size, full.eps, offset=full.offset, feature_group=group, device="meta")
+        norm.weight = nn.Parameter(norm.placements()["weight"].local_from_full(full.weight.detach()))
+        return norm
 
     # -- layout ------------------------------------------------------------------------------
     def _sp_positions(self, seq_len, device=None):
@@ -357,10 +386,13 @@ class ParallelAttention(nn.Module):
         seq_len = s_sp * self.ring_size * self.ulysses_size
         pos = self.rotary_positions(seq_len, y.device, cu_seqlens=cu_seqlens, position_ids=position_ids)
         cos, sin = rotary_cos_sin(pos, d, self.rope_theta, scaling=self.rope_scaling)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_scope == "head":
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        elif self.q_norm is not None:  # over this rank's slice of the projection, statistics over tp
+            q = self.q_norm(q.reshape(b, s_sp, hl * d)).view(b, s_sp, hl, d)
+            k = self.k_norm(k.reshape(b, s_sp, kl * d)).view(b, s_sp, kl, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        docs = dict(cu_seqlens=cu_seqlens)
+        docs = dict(cu_seqlens=cu_seqlens, softmax_scale=self.softmax_scale)
         if self.sp_mode == "ring":
             o = ring_attention(q, k, v, transport=self.ring_transport, causal=self.causal, layout=self.layout, **docs)
         elif self.sp_mode == "ulysses":

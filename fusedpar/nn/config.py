@@ -19,7 +19,12 @@ from fusedpar.kernels.runtime import ACTIVATIONS
 
 from .attention import rope_inv_freq
 
-__all__ = ["TransformerConfig", "check_token_ids"]
+__all__ = ["NORM_LAYOUTS", "TransformerConfig", "check_token_ids"]
+
+#: where a block's norms sit: "pre" ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))`` (Llama);
+#: "post" ``h = x + post_attn_norm(attn(x)); y = h + post_mlp_norm(mlp(h))`` (OLMo 2);
+#: "sandwich" both, ``h = x + post_attn_norm(attn(norm1(x))); y = h + post_mlp_norm(mlp(norm2(h)))`` (Gemma 2/3)
+NORM_LAYOUTS = ("pre", "post", "sandwich")
 
 
 @dataclasses.dataclass
@@ -70,6 +75,15 @@ class TransformerConfig:
     bias_update_rate: float = 0.0  # aux-loss-free balancing: Transformer.update_router_bias after opt.step()
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (added to the aux loss)
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    # block layouts, norms, embedding and head of other families (defaults keep the Llama model)
+    norm_layout: str = "pre"  # "pre" | "post" (OLMo 2) | "sandwich" (Gemma 2/3), see NORM_LAYOUTS
+    norm_offset: float = 0.0  # 1.0: Gemma's RMSNorm, scale (1 + weight) with weights initialised to zeros
+    qk_norm_scope: str = "head"  # qk_norm over "head" (head_dim: Qwen3, Gemma 3) or "projection" (OLMo 2)
+    softmax_scale: float | None = None  # attention scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    embed_scale: float = 1.0  # embeddings times this, rounded to the model's dtype (Gemma: sqrt(hidden_size))
+    final_logit_softcap: float | None = None  # logits c * tanh(z / c) (Gemma 2/3 final_logit_softcapping)
+    layer_rope_theta: tuple | None = None  # a RoPE base per layer (Gemma 3's local base on sliding layers)
+    pad_token_id: int | None = None  # HF's padding_idx: that embedding row gets no gradient from the lookup
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -98,12 +112,15 @@ class TransformerConfig:
         """The :class:`TransformerBlock` keyword arguments of block ``layer`` (sizes and options)."""
         moe = self.is_moe(layer)
         hf_aux = self.aux_loss_style == "hf"  # pooled over layers by Transformer.aux_loss instead
+        theta = self.rope_theta if self.layer_rope_theta is None else self.layer_rope_theta[layer]
         return dict(num_kv_heads=self.num_kv_heads, sp_mode=self.sp_mode, layout=self.layout, causal=self.causal,
                     activation=self.activation, eps=self.norm_eps, num_experts=self.num_experts if moe else 0,
                     top_k=self.top_k, capacity_factor=self.capacity_factor,
                     aux_loss_coef=0.0 if hf_aux else self.aux_loss_coef, z_loss_coef=0.0 if hf_aux else self.z_loss_coef,
-                    rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
+                    rope_theta=float(theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
+                    norm_layout=self.norm_layout, norm_offset=self.norm_offset, qk_norm_scope=self.qk_norm_scope,
+                    softmax_scale=self.softmax_scale,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
                     router_options=self.router_options())
 
@@ -143,6 +160,29 @@ def check_config_values(cfg: "TransformerConfig") -> None:
     if cfg.capacity_factor is not None:
         check_positive_number("TransformerConfig.capacity_factor", cfg.capacity_factor)
     check_positive_number("TransformerConfig.norm_eps", cfg.norm_eps)
+    check_family_values(cfg)
+
+
+def check_family_values(cfg: "TransformerConfig") -> None:
+    """The fields of the block layouts, norms, embedding and head of other families."""
+    check_choice("TransformerConfig.norm_layout", cfg.norm_layout, NORM_LAYOUTS)
+    check_choice("TransformerConfig.qk_norm_scope", cfg.qk_norm_scope, ("head", "projection"))
+    if isinstance(cfg.norm_offset, bool) or cfg.norm_offset not in (0, 1):
+        raise ValueError(f"TransformerConfig.norm_offset must be 0.0 or 1.0 (Gemma), got {cfg.norm_offset!r}")
+    check_positive_number("TransformerConfig.embed_scale", cfg.embed_scale)
+    for name in ("softmax_scale", "final_logit_softcap"):
+        if getattr(cfg, name) is not None:
+            check_positive_number(f"TransformerConfig.{name}", getattr(cfg, name))
+    if cfg.layer_rope_theta is not None:
+        thetas = tuple(cfg.layer_rope_theta)
+        if len(thetas) != cfg.num_layers:
+            raise ValueError(f"TransformerConfig.layer_rope_theta must have num_layers={cfg.num_layers} entries, "
+                             f"got {len(thetas)}")
+        for theta in thetas:
+            check_positive_number("TransformerConfig.layer_rope_theta[i]", theta)
+        cfg.layer_rope_theta = tuple(float(t) for t in thetas)
+    if cfg.pad_token_id is not None:
+        check_int("TransformerConfig.pad_token_id", cfg.pad_token_id, min_value=0, max_value=cfg.vocab_size - 1)
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:

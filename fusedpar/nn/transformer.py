@@ -130,7 +130,7 @@ class Transformer(nn.Module):
         if embed:
             on_meta = device is not None and torch.device(device).type == "meta"
             with _seeded(seed - 1):  # drawn on the CPU like every fusedpar layer: same weights on any device
-                self.embedding = nn.Embedding(config.vocab_size, config.hidden_size,
+                self.embedding = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id,
                                               device="meta" if on_meta else None).to(device=device, dtype=dtype)
         if config.aux_loss_style == "hf" and aux_loss_scale:
             raise ValueError("aux_loss_scale must be 0 with config.aux_loss_style='hf' (the loss is pooled over "
@@ -150,7 +150,8 @@ class Transformer(nn.Module):
                     **config.block_kwargs(i))
         self.norm = self.head = None
         if head:
-            self.norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, dtype=dtype)
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps, offset=config.norm_offset, device=device,
+                                dtype=dtype)
             if not config.tie_word_embeddings:  # tied: the head multiplies by this rank's rows of the embedding
                 with _seeded(seed - 2):
                     self.head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False,
@@ -169,6 +170,8 @@ class Transformer(nn.Module):
         if self.embedding is not None:
             check_token_ids("input_ids", x, self.config.vocab_size)
             x = self.embedding(x)
+            if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the model's dtype as in HF
+                x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype).item()
         if self.config.sliding_window is not None:
             self._check_sliding_window(x.shape[1], cu_seqlens)
         docs = dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
@@ -181,6 +184,9 @@ class Transformer(nn.Module):
             x = self.norm(x)
             if not (self.return_hidden if return_hidden is None else return_hidden):
                 x = self.head(x) if self.head is not None else self._tied_head(x)
+                cap = self.config.final_logit_softcap
+                if cap is not None:  # Gemma 2/3: c * tanh(z / c), as HF computes it
+                    x = torch.tanh(x / cap) * cap
         return x
 
     def _check_sliding_window(self, local_len: int, cu_seqlens) -> None:
@@ -284,7 +290,8 @@ class Transformer(nn.Module):
         ``output``: the logits ``[batch, seq / sp, vocab / tp]`` of ``model(ids)``, or the hidden
         states ``[batch, seq / (sp*tp), hidden]`` of ``model(ids, return_hidden=True)``: then the
         head is fused into the loss (:func:`fusedpar.ops.linear_cross_entropy`, the logits never
-        exist; ``fused`` passes its ``label_smoothing``, ``z_loss``, ``softcap``, ``chunk_tokens``).
+        exist; ``fused`` passes its ``label_smoothing``, ``z_loss``, ``softcap``, ``chunk_tokens``;
+        ``config.final_logit_softcap`` is applied in both cases: the logits of ``model(ids)`` are capped).
         Which one is read from the shapes (hidden when both fit: ``tp == 1`` and ``hidden ==
         vocab``, and ``return_hidden`` was set at construction).
 
@@ -297,6 +304,11 @@ class Transformer(nn.Module):
         ``"none"``: per-token losses of this tp group's tokens."""
         groups = self.data_groups() if isinstance(data_group, str) and data_group == "sp" else data_group
         if self._is_hidden(output, targets):
+            if self.config.final_logit_softcap is not None:
+                if fused.get("softcap") not in (None, self.config.final_logit_softcap):
+                    raise ValueError(f"softcap must be config.final_logit_softcap={self.config.final_logit_softcap} "
+                                     f"(applied by the model) or omitted, got {fused['softcap']}")
+                fused["softcap"] = self.config.final_logit_softcap
             return linear_cross_entropy(output, self.head_weight(), targets, group=self.tp_group,
                                         sequence_parallel=True, ignore_index=ignore_index, reduction=reduction,
                                         data_group=groups, **fused)

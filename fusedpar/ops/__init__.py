@@ -59,7 +59,7 @@ from .sp_attention_schedules import (
     zigzag_shard,
     zigzag_unshard,
 )
-from .norm import rms_norm
+from .norm import rms_norm, sharded_rms_norm
 from .loss import attach_aux_loss, global_loss, vocab_parallel_cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
 
@@ -78,5 +78,5 @@ __all__ = [
     "ring_attention_bwd", "ring_attention_fwd", "sequence_shard", "shard_positions", "ulysses_attention",
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",
-    "rms_norm", "attach_aux_loss", "global_loss", "linear_cross_entropy", "vocab_parallel_cross_entropy",
+    "rms_norm", "sharded_rms_norm", "attach_aux_loss", "global_loss", "linear_cross_entropy", "vocab_parallel_cross_entropy",
 ]
