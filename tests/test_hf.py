@@ -400,3 +400,20 @@ def test_new_family_fields_that_fusedpar_does_not_implement_are_named():
         with pytest.raises(ValueError, match=match):
             TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8,
                               **{field: value})
+
+
+def test_softcaps_fusedpar_cannot_apply_are_refused():
+    """Route B's sequence-parallel attention refuses HF's attention softcap (Gemma 2) rather than
+    drop it; Transformer.loss refuses a fused softcap other than the model's final one."""
+    import types
+
+    from fusedpar.hf_parallel import SequenceParallel, sequence_parallel_attention
+
+    module = types.SimpleNamespace(fusedpar_sp=SequenceParallel("ring", "zigzag"))
+    q = torch.zeros(1, 2, 4, 4)
+    with pytest.raises(ValueError, match="no logit softcapping, got softcap=50.0"):
+        sequence_parallel_attention(module, q, q, q, None, softcap=50.0)
+    model = from_hf(hf_model("gemma2"))
+    tokens, targets = tokens_targets(1, 1, 8)
+    with pytest.raises(ValueError, match=r"softcap must be config.final_logit_softcap=3.0 .* got 5.0"):
+        model.loss(model(tokens, return_hidden=True), targets, softcap=5.0)

@@ -25,6 +25,11 @@ LAYOUTS = {  # name -> (build_parallel_state sizes, config overrides)
 # scaling under the zigzag ring, head splits under Ulysses); mistral shares llama31's code path
 CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe") for lay in LAYOUTS
          if not (lay == "sp2-ep2" and f in ("llama31", "qwen2", "qwen3"))]
+# OLMo 2 at every dense layout (its q / k norm statistics reduced over tp); Gemma 2's sandwich
+# norms, attention scale and capped head under tp and Ulysses, Gemma 3's per-layer RoPE bases and
+# (1 + w) q / k norms under the zigzag ring (Gemma shares Gemma 2's pieces but the post norms)
+CASES += [("olmo2", lay) for lay in ("tp2", "sp2-ring-zigzag", "sp2-ulysses")]
+CASES += [("gemma2", "tp2"), ("gemma2", "sp2-ulysses"), ("gemma3", "sp2-ring-zigzag")]
 # sp2-ep2 loads from a checkpoint directory: one tensor per expert (save_pretrained's format) or
 # transformers 5's stacked expert tensors; each rank must read only its own experts' bytes
 FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked"}
@@ -177,13 +182,16 @@ def test_moe_with_tokens_replicated_over_the_ep_ranks_counts_each_token_once(wor
     assert all(world2.run(_replicated_tokens_case, x, r, ref))
 
 
-def _expected_shard(name, full, rank, size, tp):
+def _expected_shard(name, full, rank, size, tp, projection_norms=False):
     """The piece of HF's full gradient ``full`` that parameter ``name`` of the parallelised model
-    holds (experts split over the 2 ranks; linears over tp)."""
+    holds (experts split over the 2 ranks; linears over tp; OLMo 2's q / k norms, which span the
+    whole projection, over tp)."""
     if ".mlp.moe." in name:
         n = full.shape[0] // size
         return full[rank * n:(rank + 1) * n]
     leaf = name.split(".")[-2]
+    if tp and projection_norms and leaf in ("q_norm", "k_norm"):
+        return full.chunk(size, dim=0)[rank]
     if tp and leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         return full.chunk(size, dim=0)[rank]
     if tp and leaf in ("o_proj", "down_proj") and name.endswith("weight"):
@@ -198,7 +206,7 @@ def _hf_name(name):
 def _compare_hf_grads(hf, ref_grads, rank, size, tp, msg):
     n = 0
     for name, p in hf.named_parameters():
-        expect = _expected_shard(name, ref_grads[_hf_name(name)], rank, size, tp)
+        expect = _expected_shard(name, ref_grads[_hf_name(name)], rank, size, tp, hf.config.model_type == "olmo2")
         err = (p.grad - expect).abs().max().item()
         assert err <= TOL * (expect.abs().max().item() + 1e-12), f"{msg}: grad of {name} off by {err:.3g}"
         n += 1
@@ -228,7 +236,7 @@ def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads
     return _compare_hf_grads(hf, ref_grads, rank, size, True, family)
 
 
-@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe", "olmo2", "gemma2"])
 def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
     tokens, targets = tokens_targets(6, B, S)
     logits, _, grads, extra = hf_named_reference(hf_model(family), tokens, targets, aux=True)
@@ -240,6 +248,7 @@ SP_CASES = {  # family -> (sp_mode, experts over the two sp ranks, HF's own shif
     "llama31": ("ring", False, True),
     "mistral": ("ulysses", False, False),  # sliding_window=8: accepted at 8 tokens, refused at 16
     "qwen2_moe": ("ring", True, False),
+    "gemma3": ("ulysses", False, True),  # sliding_window=8 on its sliding layers, query_pre_attn_scalar
 }
 
 

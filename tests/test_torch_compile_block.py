@@ -160,6 +160,20 @@ def test_rms_norm_ops_pass_opcheck(residual):
                           test_utils=BACKWARD_OPCHECK)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors under the interpreter")
+def test_sharded_rms_norm_ops_pass_opcheck():
+    """One process: the group of the token ``"@"`` has one rank (the all-reduces are skipped);
+    the reduction over ranks is checked against fp64 in test_tp_nn.py."""
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(3, 5, 12, generator=g, requires_grad=True)
+    w = torch.randn(12, generator=g, requires_grad=True)
+    torch.library.opcheck(torch.ops.fusedpar.sharded_rms_norm.default, (x, w, 1e-5, "@"))
+    torch.library.opcheck(torch.ops.fusedpar.sharded_rms_norm.default, (x, None, 1e-5, "@"))
+    torch.library.opcheck(torch.ops.fusedpar.sharded_rms_norm_backward.default,
+                          (torch.randn(3, 5, 12, generator=g), x.detach(), w.detach(),
+                           torch.rand(3, 5, generator=g) + 0.5, "@", True), test_utils=BACKWARD_OPCHECK)
+
+
 def test_every_registered_op_is_opchecked():
     """Each ``torch.ops.fusedpar`` op is named in an opcheck of these compile test modules."""
     import glob

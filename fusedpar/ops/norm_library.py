@@ -24,9 +24,11 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels import rmsnorm as launchers
-from fusedpar.ops.library import absent, custom_op, input_grads, present
+from fusedpar.ops.library import absent, custom_op, hold, input_grads, present
+from fusedpar.ops.transport import token_transport
 
-__all__ = ["rms_norm_backward_op", "rms_norm_bwd", "rms_norm_fwd", "rms_norm_op"]
+__all__ = ["rms_norm_backward_op", "rms_norm_bwd", "rms_norm_fwd", "rms_norm_op", "sharded_rms_norm_backward_op",
+           "sharded_rms_norm_bwd", "sharded_rms_norm_fwd", "sharded_rms_norm_op"]
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
