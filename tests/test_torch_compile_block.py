@@ -174,6 +174,19 @@ def test_sharded_rms_norm_ops_pass_opcheck():
                            torch.rand(3, 5, generator=g) + 0.5, "@", True), test_utils=BACKWARD_OPCHECK)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors under the interpreter")
+def test_replicated_rows_ops_pass_opcheck():
+    from fusedpar.ops import replicated_rows
+
+    g = torch.Generator().manual_seed(23)
+    w = torch.randn(6, 5, generator=g, requires_grad=True)
+    torch.library.opcheck(torch.ops.fusedpar.replicated_rows.default, (w, "@", 2, 1, 2))
+    torch.library.opcheck(torch.ops.fusedpar.replicated_rows_backward.default,
+                          (torch.randn(6, 5, generator=g), "@", 2, 1, 2), test_utils=BACKWARD_OPCHECK)
+    with pytest.raises(ValueError, match="block must be <= 1, got 2"):
+        replicated_rows(w, 2, 2, 2)
+
+
 def test_every_registered_op_is_opchecked():
     """Each ``torch.ops.fusedpar`` op is named in an opcheck of these compile test modules."""
     import glob

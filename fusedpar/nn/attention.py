@@ -27,12 +27,14 @@ from torch import nn
 
 from fusedpar.kernels.checks import check_bool, check_positive_number
 from fusedpar.kernels.flash_attention import attention_reference
-from fusedpar.nn.groups import check_divides, check_orthogonal, group_arg
+from fusedpar.nn.groups import check_divides, check_kv_heads, check_orthogonal, group_arg
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
 from fusedpar.ops import comm
+from fusedpar.ops.replicas import replicated_rows
 from fusedpar.ops.sp_attention import LAYOUTS, shard_positions, ulysses_kv_heads
 from fusedpar.ops.sp_attention import hybrid_attention, ring_attention, ulysses_attention
+from fusedpar.ops.tensor_parallel import all_gather_matmul
 from fusedpar.ops.transport import get_transport
 from fusedpar.ops.varlen import document_positions
 
@@ -261,11 +263,18 @@ class ParallelAttention(nn.Module):
         tp_arg = group_arg("tp_group", tp_group, omitted=tp_group is None)
         tp_group = comm.resolve_group(tp_group)
         tp = comm.group_size(tp_group)
-        for what, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            check_divides(name, what, n, tp_arg, "tensor-parallel")
+        check_divides(name, "num_heads", num_heads, tp_arg, "tensor-parallel")
+        check_kv_heads(name, "num_kv_heads", num_kv_heads, tp_arg)
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.num_kv_heads = num_kv_heads
-        self.heads_local, self.kv_heads_local = num_heads // tp, num_kv_heads // tp
+        # fewer kv heads than tp ranks: each rank keeps the kv head its q heads use, held alike by
+        # kv_replicas consecutive ranks (their k / v gradients summed over those ranks: forward)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        if self.kv_replicas > 1 and qk_norm and qk_norm_scope == "projection" and _reference is None:
+            raise ValueError(f"{name}: qk_norm_scope='projection' (a k norm over the whole k projection) needs "
+                             f"num_kv_heads={num_kv_heads} divisible by the tensor-parallel size {tp}, not kv heads "
+                             "replicated over tp")
+        self.heads_local, self.kv_heads_local = num_heads // tp, max(1, num_kv_heads // tp)
         self.causal, self.rope_theta, self.layout, self.sp_mode = bool(causal), float(rope_theta), layout, sp_mode
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp, comm.group_rank(tp_group)
 
@@ -313,9 +322,11 @@ class ParallelAttention(nn.Module):
             fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in projs]))
             if ref.q_proj.bias is not None:
                 fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in projs]))
+            f = self.kv_replicas
             self.qkv = ColumnParallelLinear.from_linear(
                 fused, group=self.tp_group, sequence_parallel=True,
-                sections=(self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d))
+                sections=(self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d),
+                replicas=(1, f, f) if f > 1 else None)
             self.proj = RowParallelLinear.from_linear(ref.o_proj, group=self.tp_group, sequence_parallel=True,
                                                       input_is_parallel=True)
             self.q_norm = self.k_norm = None
@@ -379,7 +390,15 @@ class ParallelAttention(nn.Module):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{type(self).__name__}: x must be [batch, seq_local, {self.hidden_size}], got {shape}")
         hl, kl, d = self.heads_local, self.kv_heads_local, self.head_dim
-        y = self.qkv(x)  # [b, s_sp, (hl + 2 kl) * d]: the sequence-parallel shard, this rank's heads
+        if self.kv_replicas > 1:  # the k / v rows' gradient summed over the ranks holding that kv head
+            rows = dict(start=hl * d, block=self.tp_rank // self.kv_replicas, blocks=self.num_kv_heads,
+                        group=self.tp_group)
+            bias = self.qkv.bias
+            y = all_gather_matmul(x, replicated_rows(self.qkv.weight, **rows), None if bias is None else
+                                  replicated_rows(bias, **rows), group=self.tp_group, gather_dim=1,
+                                  save_gathered_input=self.qkv.save_gathered_input)
+        else:
+            y = self.qkv(x)  # [b, s_sp, (hl + 2 kl) * d]: the sequence-parallel shard, this rank's heads
         b, s_sp, _ = y.shape
         y = y.view(b, s_sp, hl + 2 * kl, d)
         q, k, v = y[:, :, :hl], y[:, :, hl:hl + kl], y[:, :, hl + kl:]

@@ -47,7 +47,7 @@ from fusedpar.ops.tensor_parallel import all_gather_matmul
 
 from .block import TransformerBlock
 from .config import TransformerConfig, check_token_ids
-from .groups import check_divides, check_orthogonal, group_arg
+from .groups import check_divides, check_kv_heads, check_orthogonal, group_arg
 from .linear import ColumnParallelLinear
 from .moe import RouterLoad, hf_load_balancing_loss, sum_over_groups
 from .norm import RMSNorm
@@ -67,8 +67,7 @@ def _check_groups(config, tp_group, sp_group, ep_group, ulysses_group, ring_grou
     tp = group_arg("tp_group", tp_group, omitted=tp_group is None)
     check_divides("Transformer", "config.vocab_size", config.vocab_size, tp, "tensor-parallel")
     check_divides("Transformer", "config.num_heads", config.num_heads, tp, "tensor-parallel")
-    check_divides("Transformer", "config.num_kv_heads", config.num_kv_heads or config.num_heads, tp,
-                  "tensor-parallel")
+    check_kv_heads("Transformer", "config.num_kv_heads", config.num_kv_heads or config.num_heads, tp)
     if any(config.is_moe(i) for i in range(config.num_layers)):
         ep = group_arg("ep_group", ep_group, omitted=ep_group is None)
         check_divides("Transformer", "config.num_experts", config.num_experts, ep, "expert-parallel")

@@ -3,7 +3,7 @@ the transports and the schedules.
 
 Every differentiable op is importable from here. Each op family ``F`` (``tensor_parallel``,
 ``sp_attention``, ``flash``, ``moe``, ``norm``, ``loss``,
-``linear_cross_entropy``) keeps its functional API (argument
+``linear_cross_entropy``, ``replicas``) keeps its functional API (argument
 checks, then the custom-op object) in ``fusedpar/ops/F.py``, its ``torch.library`` custom ops
 (forward op, ``*_backward`` op, fakes, autograd registration) in ``fusedpar/ops/F_library.py``
 and the ops' named bodies (``<op>_fwd`` / ``<op>_bwd``) there or in helper modules
@@ -62,6 +62,7 @@ from .sp_attention_schedules import (
 from .norm import rms_norm, sharded_rms_norm
 from .loss import attach_aux_loss, global_loss, vocab_parallel_cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
+from .replicas import replicated_rows
 
 __all__ = [
     "EmulatedTransport", "PortableTransport", "SymmetricTransport", "Transport", "get_transport",
@@ -79,4 +80,5 @@ __all__ = [
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",
     "rms_norm", "sharded_rms_norm", "attach_aux_loss", "global_loss", "linear_cross_entropy", "vocab_parallel_cross_entropy",
+    "replicated_rows",
 ]
