@@ -348,7 +348,7 @@ NEW_FAMILIES = ("olmo2", "gemma", "gemma2", "gemma3")
 def test_directory_round_trip_and_training_steps_match_transformers(family, tmp_path):
     """OLMo 2 and the Gemma families: loaded from a safetensors directory, exported back (strict,
     bit-equal), and 3 AdamW steps (the head fused into the loss: Gemma 2's final softcap inside
-    linear_cross_entropy) leave the same model as transformers' own steps."""
+    linear_cross_entropy) leave every weight as transformers' own steps do."""
     hf = hf_model(family)
     hf.save_pretrained(tmp_path)
     model = from_hf(str(tmp_path))
@@ -367,8 +367,9 @@ def test_directory_round_trip_and_training_steps_match_transformers(family, tmp_
         opt.zero_grad()
         model.loss(model(tokens, return_hidden=True), targets).backward()
         opt.step()
-    tokens, _ = tokens_targets(20, 2, 8)
-    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), f"{family} logits after 3 AdamW steps")
+    trained = to_hf_state_dict(model)
+    for name, p in hf.state_dict().items():  # every weight after 3 steps (lr 1e-2: all moved by ~3e-2)
+        _assert_close(trained[name], p, f"{family} {name} after 3 AdamW steps")
 
 
 def test_new_family_fields_that_fusedpar_does_not_implement_are_named():

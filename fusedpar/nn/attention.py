@@ -126,8 +126,10 @@ def _check_norm_args(cls, qk_norm_scope, softmax_scale):
 
 class AttentionReference(nn.Module):
     """Plain single-process attention block: ``o_proj(attn(rope(q_proj x), rope(k_proj x),
-    v_proj x))`` with ``nn.Linear`` projections drawn in the order q, k, v, o. The oracle of the
-    tests, and the source of :class:`ParallelAttention`'s full weights."""
+    v_proj x))`` with ``nn.Linear`` projections drawn in the order q, k, v, o (with ``qk_norm``, q
+    and k normalised before the rotary embedding, per head or over the whole projection:
+    ``qk_norm_scope``; ``softmax_scale``: the attention scale). The oracle of the tests, and the
+    source of :class:`ParallelAttention`'s full weights."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, causal=True, bias=False,
                  rope_theta=10000.0, head_dim=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6,
@@ -244,6 +246,14 @@ class ParallelAttention(nn.Module):
     Parameters are replicated across the sequence-parallel ranks and each rank's gradients cover
     its own tokens only: sum them over the sequence-parallel group(s) (include those ranks in the
     data-parallel gradient reduction, or call :meth:`reduce_sequence_parallel_grads`).
+
+    With fewer kv heads than tp ranks (tp a multiple of ``num_kv_heads``) each rank keeps the kv
+    head its q heads use (``kv_replicas`` ranks hold each; declared as the projection's
+    ``Placement.replicas``) and the k / v rows' gradient is summed over those ranks in the backward
+    (:func:`fusedpar.ops.replicated_rows`). ``qk_norm_scope``: the q / k RMSNorm over ``head_dim``
+    of each head (``"head"``) or over the whole projection (``"projection"``, OLMo 2: its scales
+    split over tp with the heads, the statistics reduced over tp); ``norm_offset=1.0``: Gemma's
+    ``(1 + w)`` scales; ``softmax_scale``: the attention scale (default ``head_dim ** -0.5``).
     """
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, tp_group=None, sp_group=None,
