@@ -81,6 +81,8 @@ def _activation(cfg, model_type) -> str:
     """fusedpar's gated activation of HF's ``hidden_act`` (Gemma 2/3: ``hidden_activation``)."""
     field = "hidden_activation" if model_type in ("gemma2", "gemma3_text") else "hidden_act"
     act = _get(cfg, field, "silu")
+    if model_type == "gemma" and act == "gelu":  # Gemma 1's legacy value, meant as the tanh GELU (as HF reads it)
+        act = "gelu_pytorch_tanh"
     if act not in _GATED:
         _unsupported(model_type, field, act, f"gated MLPs with one of {sorted(_GATED)}")
     return _GATED[act]

@@ -393,6 +393,8 @@ def test_new_family_fields_that_fusedpar_does_not_implement_are_named():
            "rope_local_base_freq": 100.0, "layer_types": ["sliding_attention", "full_attention"],
            "sliding_window": 8}  # a config.json of transformers 4: the local base as rope_local_base_freq
     assert config_from_hf(raw).layer_rope_theta == (100.0, 5e5)
+    gemma_json = dict(raw, model_type="gemma", hidden_act="gelu")  # Gemma 1's config.json: the tanh GELU meant
+    assert config_from_hf(gemma_json).activation == "geglu"
     for field, value, match in (("norm_layout", "mid", "norm_layout must be one of"),
                                 ("norm_offset", 0.5, "norm_offset must be 0.0 or 1.0"),
                                 ("qk_norm_scope", "row", "qk_norm_scope must be one of"),
