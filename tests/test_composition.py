@@ -9,7 +9,8 @@ the one-process model (loss and every gradient):
 * activation checkpointing of every block, manual gradient sync;
 * torch.distributed.pipelining with TP inside each stage: GPipe, 1F1B, interleaved 1F1B;
 * DCP: save at tp2 (ep2), load at tp4 (ep4), same weights and same loss;
-* kv heads replicated over tp (tp4, 2 kv heads): loss and gradients, and DCP tp4 -> tp1 -> tp4.
+* kv heads replicated over tp (tp4, 2 kv heads): loss and gradients, and DCP tp4 -> tp1 -> tp4;
+  1 kv head at tp2 x sp2 Ulysses.
 """
 import os
 import re
@@ -319,6 +320,28 @@ def _kv_replicated(rank, size, ref_loss, ref_grads, path):
         assert torch.equal(p.detach(), q.detach()), f"{n} differs after tp1 -> tp4"
         assert torch.equal(opt4.state[p]["exp_avg_sq"], opt.state[q]["exp_avg_sq"]), f"moment of {n} after tp1 -> tp4"
     return checked
+
+
+def _kv_replicated_ulysses(rank, size, ref_loss, ref_grads):
+    """tp2 x sp2 Ulysses with 1 kv head: replicated over tp (this module) and again over the
+    Ulysses ranks (the all-to-all's own replication); loss and every gradient as one process."""
+    config = tiny_config(num_heads=4, num_kv_heads=1, num_layers=1, sp_mode="ulysses")
+    tokens, targets = batch(7, B, S, config.vocab_size)
+    state = build_parallel_state(tp=2, sp=2)
+    model = _tp_model(config, state)
+    assert model.layers["0"].attn.kv_replicas == 2
+    ids, tgt = local_batch(tokens, targets, state, layout="contiguous")
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="tp2 x sp2 Ulysses kv1 loss")
+    return compare_grads(model, ref_grads, "tp2 x sp2 Ulysses with 1 kv head")
+
+
+def test_kv_head_replicated_over_tp_under_ulysses_matches_one_process(world4):
+    config = tiny_config(num_heads=4, num_kv_heads=1, num_layers=1, sp_mode="ulysses")
+    out = world4.run(_kv_replicated_ulysses, *reference(config, *batch(7, B, S, config.vocab_size)))
+    assert all(n > 5 for n in out), out
 
 
 def test_kv_heads_replicated_over_tp4_match_one_process_and_reshard(world4):
