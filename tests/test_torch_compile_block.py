@@ -3,7 +3,8 @@ the same blocks run eagerly (output, every parameter gradient and the input grad
 
 * one process: a dense block and a MoE block (the router losses attached to the backward), and a
   block under activation checkpointing (``torch.utils.checkpoint`` inside the compiled region);
-* two gloo processes: tensor parallelism (tp2, sequence parallel), sequence parallelism with ring
+* two gloo processes: tensor parallelism (tp2, sequence parallel; Gemma sandwich norms, OLMo 2 q/k norms over the
+  tp-split projection), sequence parallelism with ring
   attention and the experts over the same ranks (sp2 . ep2), Ulysses (sp2), and FSDP2 over the two
   ranks with every block of a Transformer compiled (``block.compile(fullgraph=True)``).
 
@@ -94,7 +95,11 @@ def _parallel_blocks(rank, size):
     x = _x(10 + rank)  # each rank's shard
     counts = {}
     cases = {
-        "tp2": dict(tp_group=group, sp_group=alone),
+        # with the OLMo 2 / Gemma pieces: sandwich norms with (1 + w) scales, q / k norms over the
+        # whole projection (statistics all-reduced over tp inside the graph), an attention scale
+        "tp2 sandwich norms, q/k norm over the projection": dict(
+            tp_group=group, sp_group=alone, norm_layout="sandwich", norm_offset=1.0, qk_norm=True,
+            qk_norm_scope="projection", softmax_scale=0.3),
         "sp2 ring zigzag x ep2": dict(tp_group=alone, sp_group=group, ep_group=group, num_experts=4, top_k=2,
                                       aux_loss_scale=0.5),
         "sp2 ulysses": dict(tp_group=alone, sp_group=group, sp_mode="ulysses"),
