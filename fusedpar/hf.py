@@ -141,8 +141,8 @@ def _family_fields(cfg, model_type, num) -> dict:
         else:  # older configs: rope_theta (global) and rope_local_base_freq
             thetas = {"full_attention": float(_get(cfg, "rope_theta", 1e6)),
                       "sliding_attention": float(_get(cfg, "rope_local_base_freq", 1e4))}
-        fields["layer_rope_theta"] = tuple(thetas.get(t, thetas["full_attention"])
-                                           for t in (_get(cfg, "layer_types") or ["full_attention"] * num("num_hidden_layers")))
+        types = _get(cfg, "layer_types") or ["full_attention"] * num("num_hidden_layers")
+        fields["layer_rope_theta"] = tuple(thetas.get(t, thetas["full_attention"]) for t in types)
         fields["rope_theta"] = thetas["full_attention"]
     return fields
 
@@ -224,7 +224,8 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
     ln = "model.layers.{i}.{name}_layernorm.weight"
     table = {
         "norm1.weight": [ln.format(i=i, name="input")],
-        "norm2.weight": [ln.format(i=i, name="pre_feedforward" if config.norm_layout == "sandwich" else "post_attention")],
+        "norm2.weight": [ln.format(i=i, name="pre_feedforward" if config.norm_layout == "sandwich"
+                                   else "post_attention")],
         "post_attn_norm.weight": [ln.format(i=i, name="post_attention")],
         "post_mlp_norm.weight": [ln.format(i=i, name="post_feedforward")],
         "attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],

@@ -270,9 +270,6 @@ def test_dcp_save_at_tp2_load_at_tp4(world4):
 
 
 def _kv_replicated(rank, size, ref_loss, ref_grads, path):
-    from fusedpar.hf import to_hf_state_dict
-    from fusedpar.nn import merge_shards
-
     """tp4 with 2 kv heads (qkv bias included): ranks 0, 1 hold kv head 0, ranks 2, 3 kv head 1;
     loss and every gradient (the k / v rows summed over their two holders) equal the one-process
     model's; model and AdamW state saved at tp4 load at tp1 (dp4) and back at tp4."""
@@ -446,7 +443,8 @@ def test_placement_with_replicated_sections_round_trips():
     blocks = [pl.local_from_full(full, rank=r, size=4) for r in range(4)]
     for r, b in enumerate(blocks):
         j = r // 2
-        assert torch.equal(b, torch.cat([full[2 * r:2 * r + 2], full[8 + 2 * j:10 + 2 * j], full[12 + 2 * j:14 + 2 * j]]))
+        rows = [full[2 * r:2 * r + 2], full[8 + 2 * j:10 + 2 * j], full[12 + 2 * j:14 + 2 * j]]
+        assert torch.equal(b, torch.cat(rows))
     assert torch.equal(pl.full_from_locals(blocks), full)
     assert pl.local_sections(6, 4) == [2, 2, 2]
     assert Placement("tp", None, 0, (8, 4, 4), replicas=(1, 1, 1)).replicas is None

@@ -398,7 +398,7 @@ def test_new_family_fields_that_fusedpar_does_not_implement_are_named():
     for field, value, match in (("norm_layout", "mid", "norm_layout must be one of"),
                                 ("norm_offset", 0.5, "norm_offset must be 0.0 or 1.0"),
                                 ("qk_norm_scope", "row", "qk_norm_scope must be one of"),
-                                ("layer_rope_theta", (1.0, 2.0), "layer_rope_theta must have num_layers=1 entries, got 2"),
+                                ("layer_rope_theta", (1.0, 2.0), "must have num_layers=1 entries, got 2"),
                                 ("pad_token_id", 8, "pad_token_id must be")):
         with pytest.raises(ValueError, match=match):
             TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8,

@@ -305,7 +305,8 @@ class ParallelAttention(nn.Module):
             qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, rope_scaling=rope_scaling,
             qk_norm_scope=qk_norm_scope, norm_offset=norm_offset, softmax_scale=softmax_scale,
             device="meta" if device is not None and torch.device(device).type == "meta" else None)
-        self.rope_scaling, self.qk_norm_scope, self.softmax_scale = ref.rope_scaling, ref.qk_norm_scope, ref.softmax_scale
+        self.rope_scaling, self.qk_norm_scope = ref.rope_scaling, ref.qk_norm_scope
+        self.softmax_scale = ref.softmax_scale
         self._shard_from(ref, device=device, dtype=dtype)
 
     @classmethod

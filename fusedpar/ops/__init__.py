@@ -79,6 +79,7 @@ __all__ = [
     "ring_attention_bwd", "ring_attention_fwd", "sequence_shard", "shard_positions", "ulysses_attention",
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",
-    "rms_norm", "sharded_rms_norm", "attach_aux_loss", "global_loss", "linear_cross_entropy", "vocab_parallel_cross_entropy",
+    "rms_norm", "sharded_rms_norm", "attach_aux_loss", "global_loss", "linear_cross_entropy",
+    "vocab_parallel_cross_entropy",
     "replicated_rows",
 ]
