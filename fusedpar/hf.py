@@ -138,7 +138,10 @@ def _family_fields(cfg, model_type, num) -> dict:
                 if scaling is not None:
                     _unsupported(model_type, f"rope_parameters[{kind!r}]", params.get(kind),
                                  "one RoPE scaling for all layers: 'default' on the Gemma 3 layer types")
-        else:  # older configs: rope_theta (global) and rope_local_base_freq
+        else:  # older configs: rope_theta (global) and rope_local_base_freq; rope_scaling on global layers only
+            if _get(cfg, "rope_scaling"):
+                _unsupported(model_type, "rope_scaling", _get(cfg, "rope_scaling"),
+                             "one RoPE scaling for all layers: none on Gemma 3, whose local layers have none")
             thetas = {"full_attention": float(_get(cfg, "rope_theta", 1e6)),
                       "sliding_attention": float(_get(cfg, "rope_local_base_freq", 1e4))}
         types = _get(cfg, "layer_types") or ["full_attention"] * num("num_hidden_layers")

@@ -393,6 +393,9 @@ def test_new_family_fields_that_fusedpar_does_not_implement_are_named():
            "rope_local_base_freq": 100.0, "layer_types": ["sliding_attention", "full_attention"],
            "sliding_window": 8}  # a config.json of transformers 4: the local base as rope_local_base_freq
     assert config_from_hf(raw).layer_rope_theta == (100.0, 5e5)
+    with pytest.raises(ValueError, match="rope_scaling"):  # transformers 4 put Gemma 3's global scaling there
+        config_from_hf(dict(raw, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}))
     gemma_json = dict(raw, model_type="gemma", hidden_act="gelu")  # Gemma 1's config.json: the tanh GELU meant
     assert config_from_hf(gemma_json).activation == "geglu"
     for field, value, match in (("norm_layout", "mid", "norm_layout must be one of"),
