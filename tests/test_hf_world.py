@@ -25,11 +25,12 @@ LAYOUTS = {  # name -> (build_parallel_state sizes, config overrides)
 # scaling under the zigzag ring, head splits under Ulysses); mistral shares llama31's code path
 CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe") for lay in LAYOUTS
          if not (lay == "sp2-ep2" and f in ("llama31", "qwen2", "qwen3"))]
-# OLMo 2 at every dense layout (its q / k norm statistics reduced over tp); Gemma 2's sandwich
-# norms, attention scale and capped head under tp and Ulysses, Gemma 3's per-layer RoPE bases and
-# (1 + w) q / k norms under the zigzag ring (Gemma shares Gemma 2's pieces but the post norms)
-CASES += [("olmo2", lay) for lay in ("tp2", "sp2-ring-zigzag", "sp2-ulysses")]
-CASES += [("gemma2", "tp2"), ("gemma2", "sp2-ulysses"), ("gemma3", "sp2-ring-zigzag")]
+# OLMo 2 and Gemma at every dense layout (OLMo 2's q / k norm statistics reduced over tp; Gemma's
+# (1 + w) norms, scaled embedding, GeGLU, tied head); Gemma 2's sandwich norms, attention scale and
+# capped head under tp and Ulysses, Gemma 3's (1 + w) per-head q / k norms under tp and its per-layer
+# RoPE bases under the zigzag ring
+CASES += [(f, lay) for f in ("olmo2", "gemma") for lay in ("tp2", "sp2-ring-zigzag", "sp2-ulysses")]
+CASES += [("gemma2", "tp2"), ("gemma2", "sp2-ulysses"), ("gemma3", "tp2"), ("gemma3", "sp2-ring-zigzag")]
 # sp2-ep2 loads from a checkpoint directory: one tensor per expert (save_pretrained's format) or
 # transformers 5's stacked expert tensors; each rank must read only its own experts' bytes
 FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked"}
