@@ -250,6 +250,7 @@ SP_CASES = {  # family -> (sp_mode, experts over the two sp ranks, HF's own shif
     "mistral": ("ulysses", False, False),  # sliding_window=8: accepted at 8 tokens, refused at 16
     "qwen2_moe": ("ring", True, False),
     "gemma3": ("ulysses", False, True),  # sliding_window=8 on its sliding layers, query_pre_attn_scalar
+    "olmo2": ("ring", False, False),  # HF's own whole-projection q / k norms on each shard's tokens
 }
 
 
