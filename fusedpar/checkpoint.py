@@ -93,7 +93,7 @@ def dcp_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | None 
         if name not in placements:
             raise ValueError(f"tensors must be keyed by parameter names of the model, got {name!r}")
         placement, local = placements[name], local.detach()
-        pieces = placement.local_pieces(local)
+        pieces = placement.dcp_pieces(local)  # a block several ranks hold: each writes its share
         for c, piece in enumerate(pieces):
             key = name if len(pieces) == 1 else f"{name}.section{c}"
             if placement.sharded:
@@ -398,7 +398,23 @@ def load(model: nn.Module, path: str, extra: Mapping[str, torch.Tensor] | None =
         dcp.load(sd, checkpoint_id=path)
     except (Exception, dcp.api.CheckpointException) as e:
         raise CheckpointError(f"checkpoint {path}: loading failed: {_first_line(e)}") from e
+    _refill_replicas(model, optimizer, params, default_placement)
     return set(extra)
+
+
+def _refill_replicas(model, optimizer, params, default_placement) -> None:
+    """DCP filled each rank's share of a block several ranks hold (:meth:`Placement.dcp_pieces`):
+    rebuild those blocks, of the parameters and of the optimizer state shaped like them."""
+    placements = placements_of(model, default_placement)
+    for name, p in (dict(model.named_parameters()) if params is None else params).items():
+        placement = placements[name]
+        if placement.replicas is None or not placement.sharded:
+            continue
+        placement.refill_replicas(p.detach())
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
+                placement.refill_replicas(v)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Hugging Face models in and out of :class:`fusedpar.nn.Transformer`.
 
 * :func:`config_from_hf`: a ``transformers`` config (Llama 2/3/3.1, Mistral, Qwen2, Qwen3,
-  Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 MoE ``glm4_moe``; DeepSeek-V3 / Kimi K2 here only, not in route B) ->
+  Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 MoE ``glm4_moe``, OLMo 2, Gemma, Gemma 2, Gemma 3 text; DeepSeek-V3 /
+  Kimi K2 here only, not in route B) ->
   :class:`~fusedpar.nn.TransformerConfig`; any field value the model does not implement raises
   ``ValueError`` naming it.
 * :func:`from_hf`: a ``transformers`` model, or a checkpoint directory (``config.json`` +
@@ -47,6 +48,9 @@ _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 _ROUTE_A_TYPES = SUPPORTED_MODEL_TYPES + ("deepseek_v3",)
 _YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                 "attention_factor", "truncate")
+_GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+#: HF's MLP activation -> fusedpar's gated activation (gate_proj through it, times up_proj)
+_GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,10 +64,11 @@ def _unsupported(model_type, name, value, why):
     raise ValueError(f"config_from_hf: {model_type} field {name}={value!r} is not supported ({why})")
 
 
-def _rope(cfg, model_type):
+def _rope(cfg, model_type, params=None):
     """``(rope_theta, rope_scaling, partial_rotary_factor)`` from ``rope_parameters`` (transformers
-    5) or ``rope_theta`` + ``rope_scaling`` (earlier versions)."""
-    params = dict(_get(cfg, "rope_parameters") or {})
+    5) or ``rope_theta`` + ``rope_scaling`` (earlier versions); ``params``: one layer type's
+    ``rope_parameters``."""
+    params = dict(params or _get(cfg, "rope_parameters") or {})
     if not params:
         params = dict(_get(cfg, "rope_scaling") or {})
         params.setdefault("rope_theta", _get(cfg, "rope_theta", 10000.0))
@@ -86,15 +91,24 @@ def _rope(cfg, model_type):
                                          "original_max_position_embeddings") if k in params}, partial
 
 
+def _activation(cfg, model_type) -> str:
+    """fusedpar's gated activation of HF's ``hidden_act`` (Gemma 2/3: ``hidden_activation``)."""
+    field = "hidden_activation" if model_type in ("gemma2", "gemma3_text") else "hidden_act"
+    act = _get(cfg, field, "silu")
+    if model_type == "gemma" and act == "gelu":  # Gemma 1's legacy value, meant as the tanh GELU (as HF reads it)
+        act = "gelu_pytorch_tanh"
+    if act not in _GATED:
+        _unsupported(model_type, field, act, f"gated MLPs with one of {sorted(_GATED)}")
+    return _GATED[act]
+
+
 def _check_unsupported(cfg, model_type):
-    act = _get(cfg, "hidden_act", "silu")
-    if act != "silu":
-        _unsupported(model_type, "hidden_act", act, "gated SiLU (SwiGLU) MLPs only")
     if float(_get(cfg, "attention_dropout", 0.0) or 0.0):
         _unsupported(model_type, "attention_dropout", _get(cfg, "attention_dropout"), "no attention dropout")
-    if model_type in ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3") \
-            and _get(cfg, "attention_bias", False):
+    if model_type not in ("qwen2", "qwen2_moe", "glm4_moe") and _get(cfg, "attention_bias", False):
         _unsupported(model_type, "attention_bias", True, "no bias on the output projection")
+    if _get(cfg, "use_bidirectional_attention", False):
+        _unsupported(model_type, "use_bidirectional_attention", True, "causal attention only")
     if _get(cfg, "mlp_bias", False):
         _unsupported(model_type, "mlp_bias", True, "bias-free MLPs only")
     if float(_get(cfg, "router_jitter_noise", 0.0) or 0.0):
@@ -108,6 +122,8 @@ def _sliding_window(cfg, model_type):
     ``"sliding_attention"`` (all of them without ``layer_types``) attend through it."""
     window = _get(cfg, "sliding_window")
     uses_window = _get(cfg, "use_sliding_window", model_type in ("mistral", "mixtral"))
+    if model_type in ("gemma2", "gemma3_text"):  # windows on the sliding layers only (layer_types)
+        uses_window = "sliding_attention" in (_get(cfg, "layer_types") or ())
     return int(window) if window and uses_window else None
 
 
@@ -123,6 +139,49 @@ def _glm4_moe_fields(cfg):
                 score_correction_bias=True, first_k_dense_replace=num("first_k_dense_replace", default=0),
                 shared_expert_ffn_hidden_size=ffn * num("n_shared_experts", default=0), shared_expert_gate=False,
                 aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
+def _family_fields(cfg, model_type, num) -> dict:
+    """The TransformerConfig fields of OLMo 2 and the Gemma families (block layout, norms,
+    embedding scale, attention scale, logit softcap, per-layer RoPE bases)."""
+    if model_type == "olmo2":
+        return dict(norm_layout="post", qk_norm=True, qk_norm_scope="projection")
+    if model_type not in _GEMMA_TYPES:
+        return {}
+    fields = dict(norm_offset=1.0, embed_scale=float(num("hidden_size")) ** 0.5)
+    if model_type == "gemma":
+        return fields
+    fields.update(norm_layout="sandwich", softmax_scale=num("query_pre_attn_scalar", kind=float) ** -0.5,
+                  final_logit_softcap=num("final_logit_softcapping", kind=float, default=None),
+                  attn_logit_softcapping=num("attn_logit_softcapping", kind=float, default=None))
+    if model_type == "gemma3_text":
+        fields["qk_norm"] = True
+        params = _get(cfg, "rope_parameters") or {}
+        if "full_attention" in params:  # transformers 5: RoPE parameters per layer type
+            thetas = {}
+            for kind in ("full_attention", "sliding_attention"):
+                thetas[kind], scaling, _ = _rope(cfg, model_type, params.get(kind))
+                if scaling is not None:
+                    _unsupported(model_type, f"rope_parameters[{kind!r}]", params.get(kind),
+                                 "one RoPE scaling for all layers: 'default' on the Gemma 3 layer types")
+        else:  # older configs: rope_theta (global) and rope_local_base_freq; rope_scaling on global layers only
+            if _get(cfg, "rope_scaling"):
+                _unsupported(model_type, "rope_scaling", _get(cfg, "rope_scaling"),
+                             "one RoPE scaling for all layers: none on Gemma 3, whose local layers have none")
+            thetas = {"full_attention": float(_get(cfg, "rope_theta", 1e6)),
+                      "sliding_attention": float(_get(cfg, "rope_local_base_freq", 1e4))}
+        types = _get(cfg, "layer_types") or ["full_attention"] * num("num_hidden_layers")
+        fields["layer_rope_theta"] = tuple(thetas.get(t, thetas["full_attention"]) for t in types)
+        fields["rope_theta"] = thetas["full_attention"]
+    return fields
+
+
+def _pad_token(cfg, vocab: int):
+    """HF's ``padding_idx`` (``pad_token_id``; a negative one counts from the end, as torch's)."""
+    pad = _get(cfg, "pad_token_id", None)
+    if pad is None or isinstance(pad, bool) or not isinstance(pad, int):
+        return None
+    return pad + vocab if pad < 0 else pad
 
 
 def _moe_fields(cfg, model_type):
@@ -177,24 +236,27 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     if model_type not in _ROUTE_A_TYPES:
         raise ValueError(f"config_from_hf: model_type must be one of {_ROUTE_A_TYPES}, got {model_type!r}")
     _check_unsupported(hf_config, model_type)
-    theta, scaling, partial = _rope(hf_config, model_type)
+    params = _get(hf_config, "rope_parameters") or {}
+    theta, scaling, partial = _rope(hf_config, model_type,
+                                    params.get("full_attention") if "full_attention" in params else None)
     num = lambda name, **kw: config_number(hf_config, name, "config_from_hf", **kw)  # noqa: E731
     heads = num("num_attention_heads")
     fields = dict(
         vocab_size=num("vocab_size"), hidden_size=num("hidden_size"), num_layers=num("num_hidden_layers"),
         num_heads=heads, ffn_hidden_size=num("intermediate_size"),
-        num_kv_heads=num("num_key_value_heads", default=None) or heads, activation="swiglu",
+        num_kv_heads=num("num_key_value_heads", default=None) or heads, activation=_activation(hf_config, model_type),
         norm_eps=num("rms_norm_eps", kind=float), causal=True, rope_theta=theta, rope_scaling=scaling,
         head_dim=_get(hf_config, "head_dim", None), qkv_bias=model_type in ("qwen2", "qwen2_moe"),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         partial_rotary_factor=partial,
         tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
-        sliding_window=_sliding_window(hf_config, model_type))
+        sliding_window=_sliding_window(hf_config, model_type), pad_token_id=_pad_token(hf_config, num("vocab_size")))
     if fields["sliding_window"] is not None and _get(hf_config, "layer_types", None) is not None:
         fields["layer_types"] = list(_get(hf_config, "layer_types"))
     if model_type == "glm4_moe":
         fields.update(qkv_bias=bool(_get(hf_config, "attention_bias", False)),
                       qk_norm=bool(_get(hf_config, "use_qk_norm", False)))
+    fields.update(_family_fields(hf_config, model_type, num))
     if model_type in _MOE_TYPES:
         fields.update(_moe_fields(hf_config, model_type))
     if model_type == "deepseek_v3":
@@ -223,9 +285,13 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
     a, m = _ATTN.format(i=i), f"model.layers.{i}.mlp."
     if config.attention == "mla" and rest.startswith("attn."):  # MLAttention's modules carry HF's names
         return [a + rest[len("attn."):]]
+    ln = "model.layers.{i}.{name}_layernorm.weight"
     table = {
-        "norm1.weight": ["model.layers.{i}.input_layernorm.weight"],
-        "norm2.weight": ["model.layers.{i}.post_attention_layernorm.weight"],
+        "norm1.weight": [ln.format(i=i, name="input")],
+        "norm2.weight": [ln.format(i=i, name="pre_feedforward" if config.norm_layout == "sandwich"
+                                   else "post_attention")],
+        "post_attn_norm.weight": [ln.format(i=i, name="post_attention")],
+        "post_mlp_norm.weight": [ln.format(i=i, name="post_feedforward")],
         "attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
         "attn.qkv.bias": [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"],
         "attn.proj.weight": [a + "o_proj.weight"], "attn.q_norm.weight": [a + "q_norm.weight"],

@@ -1,10 +1,12 @@
 """Route B: parallelise an unmodified Hugging Face decoder in place.
 
 :func:`parallelize` swaps, inside a ``transformers`` Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
-Qwen-MoE / GLM-4.5 MoE model,
+Qwen-MoE / GLM-4.5 MoE / OLMo 2 / Gemma / Gemma 2 / Gemma 3 (text) model,
 
 * the q / k / v / o and gate / up / down linears for fusedpar's tensor-parallel linears
-  (``tp_group``; activations replicated over it, as in the unmodified model),
+  (``tp_group``; activations replicated over it, as in the unmodified model), and OLMo 2's q / k
+  norms (over the whole projection) for a :class:`~fusedpar.nn.RMSNorm` over the tp-split
+  features,
 * the sparse MoE blocks for :class:`HFMoEBlock` (experts over ``ep_group``; HF's router kept, so
   ``output_router_logits=True`` and HF's aux loss work),
 * attention for fusedpar's ring / Ulysses / hybrid attention (``sp_group``, or ``ulysses_group`` +
@@ -29,6 +31,7 @@ from torch import nn
 
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.moe import MoE
+from fusedpar.nn.norm import RMSNorm
 from fusedpar.nn.placement import Placement
 from fusedpar.nn.placement import gradient_sync_plan as placement_gradient_sync_plan
 from fusedpar.ops import comm, global_loss, hybrid_attention, ring_attention, shard_positions, ulysses_attention
@@ -37,7 +40,8 @@ __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "Sequen
            "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
            "sequence_parallel_loss", "shard_batch"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmo2",
+                         "gemma", "gemma2", "gemma3_text")
 ATTN_IMPLEMENTATION = "fusedpar_sequence_parallel"  # the name registered in transformers.AttentionInterface
 
 
@@ -104,8 +108,8 @@ class SequenceParallel:
         return shard_positions(local_len * rs * us, layout=self.layout if rs > 1 else "contiguous", ring_rank=rr,
                                ring_size=rs, ulysses_rank=ur, ulysses_size=us, device=device)
 
-    def attend(self, q, k, v, *, causal: bool, softmax_scale, window=None):
-        opts = dict(causal=causal, softmax_scale=softmax_scale, window=window)
+    def attend(self, q, k, v, *, causal: bool, softmax_scale, window=None, softcap=None):
+        opts = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap)
         if self.mode == "ring":
             return ring_attention(q, k, v, group=self.group, layout=self.layout, **opts)
         if self.mode == "ulysses":
@@ -128,10 +132,13 @@ def sequence_parallel_attention(module, query, key, value, attention_mask, scali
         raise ValueError("sequence-parallel attention takes no attention_mask (full causal attention only), got one")
     if dropout:
         raise ValueError(f"sequence-parallel attention has no attention dropout, got dropout={dropout}")
+    if kwargs.get("s_aux") is not None:  # gpt-oss's sinks: not a family parallelize wraps
+        raise ValueError("sequence-parallel attention through transformers takes no attention sinks (s_aux)")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     # HF's sliding window W: query i sees keys i - W < j <= i
     window = None if sliding_window is None else (int(sliding_window) - 1, 0)
-    out = sp.attend(q, k, v, causal=bool(getattr(module, "is_causal", True)), softmax_scale=scaling, window=window)
+    out = sp.attend(q, k, v, causal=bool(getattr(module, "is_causal", True)), softmax_scale=scaling, window=window,
+                    softcap=kwargs.get("softcap"))  # Gemma 2's attn_logit_softcapping
     return out, None
 
 
@@ -315,6 +322,15 @@ def _declare_head_norms(attn: nn.Module) -> None:
             norm.placements = _head_norm_placements
 
 
+def _tp_projection_norm(norm: nn.Module, tp_group) -> RMSNorm:
+    """OLMo 2's q / k norm (an RMSNorm over the whole projection) for a column-parallel
+    projection: this rank's slice of the scales, the statistics reduced over ``tp_group``."""
+    weight = norm.weight.detach()
+    out = RMSNorm(weight.shape[0], float(norm.variance_epsilon), feature_group=tp_group, device="meta")
+    out.weight = nn.Parameter(out.placements()["weight"].local_from_full(weight))
+    return out
+
+
 def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
     gate, experts = block.gate, block.experts
     E, k = gate.weight.shape[0], config_number(config, "num_experts_per_tok", "parallelize")
@@ -406,6 +422,8 @@ def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=N
                 setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=tp_group))
             attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
             _declare_head_norms(attn)
+            if model_type == "olmo2":  # its q / k norms span the whole projection, now split over tp
+                attn.q_norm, attn.k_norm = (_tp_projection_norm(n, tp_group) for n in (attn.q_norm, attn.k_norm))
         if hasattr(layer.mlp, "experts") and ep_group is not None:
             layer.mlp = _moe_block(layer.mlp, config, tp_group, ep_group)
         elif tp_group is not None and not hasattr(layer.mlp, "experts"):  # (no ep_group: HF's MoE block stays)

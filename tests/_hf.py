@@ -16,7 +16,8 @@ from fusedpar.hf import from_hf
 # or a double count by orders of magnitude.
 TOL = 1e-4
 
-FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmo2",
+            "gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 # DeepSeek-V3 (route A only; its tests are tests/test_hf_deepseek.py and its cases in test_hf_world.py):
 # MLA (q latent, YaRN with mscale_all_dim, interleaved rope, v head dim 6 != 4 + 4), a dense block
@@ -62,6 +63,20 @@ def hf_model(family: str, seed: int = 0, **extra):
                                             attention_bias=True, use_qk_norm=True),
         "deepseek_v3": lambda: T.DeepseekV3Config(**{k: dict(v) if isinstance(v, dict) else v
                                                      for k, v in DEEPSEEK_V3.items()}),
+        # post-norm blocks, q / k norms over the whole projection; pad_token_id=1: no embedding gradient there
+        "olmo2": lambda: T.Olmo2Config(**kw, pad_token_id=1),
+        # (1 + w) norms, sqrt(hidden) embedding scale, tanh GeGLU, tied head, pad_token_id=0
+        "gemma": lambda: T.GemmaConfig(**kw, hidden_act="gelu_pytorch_tanh"),
+        # + sandwich norms, query_pre_attn_scalar, final and attention logit softcaps, a sliding and a full layer
+        "gemma2": lambda: T.Gemma2Config(**kw, query_pre_attn_scalar=6, sliding_window=5, final_logit_softcapping=3.0,
+                                         attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]),
+        # + per-head (1 + w) q / k norms, a RoPE base per layer type (sliding layers: local base)
+        "gemma3": lambda: T.Gemma3TextConfig(**kw, query_pre_attn_scalar=6, sliding_window=5,
+                                             layer_types=["sliding_attention", "full_attention"],
+                                             rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 100.0},
+                                                              "full_attention": {"rope_type": "default",
+                                                                                 "rope_theta": 10000.0}}),
     }
     config = configs[family]()
     for k, v in extra.items():
@@ -71,7 +86,8 @@ def hf_model(family: str, seed: int = 0, **extra):
     cls = {"llama": T.LlamaForCausalLM, "llama31": T.LlamaForCausalLM, "mistral": T.MistralForCausalLM,
            "qwen2": T.Qwen2ForCausalLM, "qwen3": T.Qwen3ForCausalLM, "mixtral": T.MixtralForCausalLM,
            "qwen2_moe": T.Qwen2MoeForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
-           "glm4_moe": T.Glm4MoeForCausalLM, "deepseek_v3": T.DeepseekV3ForCausalLM}[family]
+           "glm4_moe": T.Glm4MoeForCausalLM, "deepseek_v3": T.DeepseekV3ForCausalLM, "olmo2": T.Olmo2ForCausalLM,
+           "gemma": T.GemmaForCausalLM, "gemma2": T.Gemma2ForCausalLM, "gemma3": T.Gemma3ForCausalLM}[family]
     model = cls(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():

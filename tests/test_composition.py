@@ -8,7 +8,9 @@ the one-process model (loss and every gradient):
 * DDP and FSDP2 over dp with ring attention inside (dp2 x sp2; the sp reduction by sync_gradients);
 * activation checkpointing of every block, manual gradient sync;
 * torch.distributed.pipelining with TP inside each stage: GPipe, 1F1B, interleaved 1F1B;
-* DCP: save at tp2 (ep2), load at tp4 (ep4), same weights and same loss.
+* DCP: save at tp2 (ep2), load at tp4 (ep4), same weights and same loss;
+* kv heads replicated over tp (tp4, 2 kv heads): loss and gradients, and DCP tp4 -> tp1 -> tp4;
+  1 kv head at tp2 x sp2 Ulysses.
 """
 import os
 import re
@@ -267,6 +269,89 @@ def test_dcp_save_at_tp2_load_at_tp4(world4):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _kv_replicated(rank, size, ref_loss, ref_grads, path):
+    """tp4 with 2 kv heads (qkv bias included): ranks 0, 1 hold kv head 0, ranks 2, 3 kv head 1;
+    loss and every gradient (the k / v rows summed over their two holders) equal the one-process
+    model's; model and AdamW state saved at tp4 load at tp1 (dp4) and back at tp4."""
+    from fusedpar.hf import to_hf_state_dict
+    from fusedpar.nn import merge_shards
+
+    config = tiny_config(num_heads=4, num_kv_heads=2, qkv_bias=True, num_layers=1)
+    tokens, targets = batch(6, B, S, config.vocab_size)
+    st4 = build_parallel_state(tp=4)
+    model = _tp_model(config, st4)
+    attn = model.layers["0"].attn
+    assert attn.kv_replicas == 2 and attn.kv_heads_local == 1
+    assert fcheckpoint.placements_of(model)["layers.0.attn.qkv.weight"].replicas \
+        == (1, 2, 2)
+    ids, tgt = local_batch(tokens, targets, st4)
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), st4, model.gradient_sync_plan())
+    assert_close(data_mean(loss, st4), ref_loss.reshape(1), torch.float32, msg="tp4 kv2 loss")
+    checked = compare_grads(model, ref_grads, "tp4 with 2 kv heads")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    full = fcheckpoint.full_state(model)
+    exported = to_hf_state_dict(model)  # one copy of each kv head, as HF holds it
+    assert torch.equal(exported["model.layers.0.self_attn.k_proj.weight"], full["layers.0.attn.qkv.weight"][16:24])
+    shards = [None] * size
+    torch.distributed.all_gather_object(shards, {k: v for k, v in attn.qkv.state_dict().items()})
+    assert torch.equal(merge_shards(shards)["weight"], full["layers.0.attn.qkv.weight"])
+    fcheckpoint.save(model, path, optimizer=opt)
+    st1 = build_parallel_state(dp=4)
+    one = _tp_model(config, st1, seed=5)
+    opt1 = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    fcheckpoint.load(one, path, optimizer=opt1)
+    for n, p in one.named_parameters():
+        assert torch.equal(p.detach(), full[n]), f"{n} differs after tp4 -> tp1"
+    placements = fcheckpoint.placements_of(model)
+    for n, p in model.named_parameters():  # the optimizer moments reshard with the rows
+        assert torch.equal(placements[n].full_from_local(opt.state[p]["exp_avg"]), opt1.state[dict(
+            one.named_parameters())[n]]["exp_avg"]), f"exp_avg of {n} differs after tp4 -> tp1"
+    fcheckpoint.save(one, path + "_tp1", optimizer=opt1)
+    back = _tp_model(config, st4, seed=6)
+    opt4 = torch.optim.AdamW(back.parameters(), lr=1e-2)
+    fcheckpoint.load(back, path + "_tp1", optimizer=opt4)  # every holder of a kv head gets all of its rows
+    for (n, p), q in zip(back.named_parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), f"{n} differs after tp1 -> tp4"
+        assert torch.equal(opt4.state[p]["exp_avg_sq"], opt.state[q]["exp_avg_sq"]), f"moment of {n} after tp1 -> tp4"
+    return checked
+
+
+def _kv_replicated_ulysses(rank, size, ref_loss, ref_grads):
+    """tp2 x sp2 Ulysses with 1 kv head: replicated over tp (this module) and again over the
+    Ulysses ranks (the all-to-all's own replication); loss and every gradient as one process."""
+    config = tiny_config(num_heads=4, num_kv_heads=1, num_layers=1, sp_mode="ulysses")
+    tokens, targets = batch(7, B, S, config.vocab_size)
+    state = build_parallel_state(tp=2, sp=2)
+    model = _tp_model(config, state)
+    assert model.layers["0"].attn.kv_replicas == 2
+    ids, tgt = local_batch(tokens, targets, state, layout="contiguous")
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan())
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="tp2 x sp2 Ulysses kv1 loss")
+    return compare_grads(model, ref_grads, "tp2 x sp2 Ulysses with 1 kv head")
+
+
+def test_kv_head_replicated_over_tp_under_ulysses_matches_one_process(world4):
+    config = tiny_config(num_heads=4, num_kv_heads=1, num_layers=1, sp_mode="ulysses")
+    out = world4.run(_kv_replicated_ulysses, *reference(config, *batch(7, B, S, config.vocab_size)))
+    assert all(n > 5 for n in out), out
+
+
+def test_kv_heads_replicated_over_tp4_match_one_process_and_reshard(world4):
+    config = tiny_config(num_heads=4, num_kv_heads=2, qkv_bias=True, num_layers=1)
+    path = tempfile.mkdtemp(prefix="fusedpar_kv_")
+    try:
+        out = world4.run(_kv_replicated, *reference(config, *batch(6, B, S, config.vocab_size)),
+                         os.path.join(path, "ckpt"))
+        assert all(n > 5 for n in out), out
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.gpu
 def test_bf16_autocast_on_gpu():
     """bf16 parameters and activations (compiled kernels) under ``torch.autocast``: the loss and
@@ -345,6 +430,28 @@ EXPECTED_PLAN = {
     "layers.0.mlp.fc1.weight": "dense", "layers.0.mlp.fc2.weight": "dense",
     "layers.1.mlp.w1": "expert", "layers.1.mlp.w2": "expert", "layers.1.mlp.router.weight": "replicated",
 }
+
+
+def test_placement_with_replicated_sections_round_trips():
+    """Sections [q; k; v] = [8; 4; 4] rows over 4 ranks, k and v blocks held by 2 ranks each: every
+    rank's block, the full tensor from the blocks (one copy of each replicated block), the DCP
+    pieces (each rank a distinct quarter of every section) and the checks of the arguments."""
+    from fusedpar.nn import Placement
+
+    full = torch.arange(16 * 3, dtype=torch.float32).view(16, 3)
+    pl = Placement("tp", None, 0, (8, 4, 4), replicas=(1, 2, 2))
+    blocks = [pl.local_from_full(full, rank=r, size=4) for r in range(4)]
+    for r, b in enumerate(blocks):
+        j = r // 2
+        rows = [full[2 * r:2 * r + 2], full[8 + 2 * j:10 + 2 * j], full[12 + 2 * j:14 + 2 * j]]
+        assert torch.equal(b, torch.cat(rows))
+    assert torch.equal(pl.full_from_locals(blocks), full)
+    assert pl.local_sections(6, 4) == [2, 2, 2]
+    assert Placement("tp", None, 0, (8, 4, 4), replicas=(1, 1, 1)).replicas is None
+    with pytest.raises(ValueError, match="replicas must be positive ints, one per section"):
+        Placement("tp", None, 0, (8, 4, 4), replicas=(1, 2))
+    with pytest.raises(ValueError, match="held by 2 ranks each"):
+        Placement("tp", None, 0, (8, 2, 2), replicas=(1, 2, 2)).local_from_full(full[:12], rank=0, size=4)
 
 
 def test_gradient_sync_plan_of_every_parameter():

@@ -413,3 +413,79 @@ def test_glm4_moe_config_fields_and_partial_rotary_checks():
         TransformerConfig(**base, partial_rotary_factor=0)
     with pytest.raises(ValueError, match="must give an even rotary dim >= 2"):
         TransformerConfig(**base, partial_rotary_factor=0.375)  # int(8 * 0.375) = 3: odd
+
+
+NEW_FAMILIES = ("olmo2", "gemma", "gemma2", "gemma3")
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_directory_round_trip_and_training_steps_match_transformers(family, tmp_path):
+    """OLMo 2 and the Gemma families: loaded from a safetensors directory, exported back (strict,
+    bit-equal), and 3 AdamW steps (the head fused into the loss: Gemma 2's final softcap inside
+    linear_cross_entropy) leave every weight as transformers' own steps do."""
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path)
+    model = from_hf(str(tmp_path))
+    exported = to_hf_state_dict(model)
+    fresh = hf_model(family, seed=7)
+    fresh.load_state_dict(exported, strict=True)
+    for (n, a), b in zip(hf.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
+    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        tokens, targets = tokens_targets(10 + step, 2, 8)
+        opt_hf.zero_grad()
+        F.cross_entropy(hf(tokens).logits.reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        opt_hf.step()
+        opt.zero_grad()
+        model.loss(model(tokens, return_hidden=True), targets).backward()
+        opt.step()
+    trained = to_hf_state_dict(model)
+    for name, p in hf.state_dict().items():  # every weight after 3 steps (lr 1e-2: all moved by ~3e-2)
+        _assert_close(trained[name], p, f"{family} {name} after 3 AdamW steps")
+
+
+def test_new_family_fields_that_fusedpar_does_not_implement_are_named():
+    stock = config_from_hf(transformers.Gemma2Config())  # stock Gemma 2 caps the attention logits at 50
+    assert (stock.attn_logit_softcapping, stock.final_logit_softcap, stock.sliding_window) == (50.0, 30.0, 4096)
+    assert stock.layer_types[:2] == ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match="hidden_activation='gelu'"):
+        config_from_hf(transformers.Gemma3TextConfig(hidden_activation="gelu"))
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        config_from_hf(transformers.Olmo2Config(attention_bias=True))
+    with pytest.raises(ValueError, match="rope_parameters\\['full_attention'\\]"):
+        config_from_hf(transformers.Gemma3TextConfig(rope_parameters={
+            "full_attention": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+    c = config_from_hf(transformers.Gemma3TextConfig(num_hidden_layers=7))  # stock: 5 sliding layers, then a global one
+    assert c.layer_rope_theta == (1e4,) * 5 + (1e6, 1e4) and c.sliding_window == 4096 and c.final_logit_softcap is None
+    assert c.softmax_scale == 256 ** -0.5 and c.embed_scale == 2304 ** 0.5 and c.activation == "geglu"
+    raw = {"model_type": "gemma3_text", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 4, "rms_norm_eps": 1e-6,
+           "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 4, "rope_theta": 5e5,
+           "rope_local_base_freq": 100.0, "layer_types": ["sliding_attention", "full_attention"],
+           "sliding_window": 8}  # a config.json of transformers 4: the local base as rope_local_base_freq
+    assert config_from_hf(raw).layer_rope_theta == (100.0, 5e5)
+    with pytest.raises(ValueError, match="rope_scaling"):  # transformers 4 put Gemma 3's global scaling there
+        config_from_hf(dict(raw, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}))
+    gemma_json = dict(raw, model_type="gemma", hidden_act="gelu")  # Gemma 1's config.json: the tanh GELU meant
+    assert config_from_hf(gemma_json).activation == "geglu"
+    for field, value, match in (("norm_layout", "mid", "norm_layout must be one of"),
+                                ("norm_offset", 0.5, "norm_offset must be 0.0 or 1.0"),
+                                ("qk_norm_scope", "row", "qk_norm_scope must be one of"),
+                                ("layer_rope_theta", (1.0, 2.0), "must have num_layers=1 entries, got 2"),
+                                ("pad_token_id", 8, "pad_token_id must be")):
+        with pytest.raises(ValueError, match=match):
+            TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8,
+                              **{field: value})
+
+
+def test_a_fused_softcap_other_than_the_model_s_is_refused():
+    """Transformer.loss refuses a fused softcap other than the model's final one."""
+    model = from_hf(hf_model("gemma2"))
+    tokens, targets = tokens_targets(1, 1, 8)
+    with pytest.raises(ValueError, match=r"softcap must be config.final_logit_softcap=3.0 .* got 5.0"):
+        model.loss(model(tokens, return_hidden=True), targets, softcap=5.0)

@@ -31,6 +31,12 @@ CASES += [("glm4_moe", "tp2"), ("glm4_moe", "sp2-ep2")]
 # DeepSeek-V3 (route A): MLA's heads split over tp (its latents gathered), and the zigzag ring with
 # the experts and the score-bias router over the sp ranks (MLA under sp is also in test_mla_world.py)
 CASES += [("deepseek_v3", "tp2"), ("deepseek_v3", "sp2-ep2")]
+# OLMo 2 and Gemma at every dense layout (OLMo 2's q / k norm statistics reduced over tp; Gemma's
+# (1 + w) norms, scaled embedding, GeGLU, tied head); Gemma 2's sandwich norms, attention scale and
+# capped head under tp and Ulysses, Gemma 3's (1 + w) per-head q / k norms under tp and its per-layer
+# RoPE bases under the zigzag ring
+CASES += [(f, lay) for f in ("olmo2", "gemma") for lay in ("tp2", "sp2-ring-zigzag", "sp2-ulysses")]
+CASES += [("gemma2", "tp2"), ("gemma2", "sp2-ulysses"), ("gemma3", "tp2"), ("gemma3", "sp2-ring-zigzag")]
 # sp2-ep2 loads from a checkpoint directory: one tensor per expert (save_pretrained's format) or
 # transformers 5's stacked expert tensors; each rank must read only its own experts' bytes
 FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked"}
@@ -183,13 +189,16 @@ def test_moe_with_tokens_replicated_over_the_ep_ranks_counts_each_token_once(wor
     assert all(world2.run(_replicated_tokens_case, x, r, ref))
 
 
-def _expected_shard(name, full, rank, size, tp):
+def _expected_shard(name, full, rank, size, tp, projection_norms=False):
     """The piece of HF's full gradient ``full`` that parameter ``name`` of the parallelised model
-    holds (experts split over the 2 ranks; linears over tp)."""
+    holds (experts split over the 2 ranks; linears over tp; OLMo 2's q / k norms, which span the
+    whole projection, over tp)."""
     if ".mlp.moe." in name:
         n = full.shape[0] // size
         return full[rank * n:(rank + 1) * n]
     leaf = name.split(".")[-2]
+    if tp and projection_norms and leaf in ("q_norm", "k_norm"):
+        return full.chunk(size, dim=0)[rank]
     if tp and leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         return full.chunk(size, dim=0)[rank]
     if tp and leaf in ("o_proj", "down_proj") and name.endswith("weight"):
@@ -206,7 +215,8 @@ def _hf_name(name, ref_grads):
 def _compare_hf_grads(hf, ref_grads, rank, size, tp, msg):
     n = 0
     for name, p in hf.named_parameters():
-        expect = _expected_shard(name, ref_grads[_hf_name(name, ref_grads)], rank, size, tp)
+        expect = _expected_shard(name, ref_grads[_hf_name(name, ref_grads)], rank, size, tp,
+                                 hf.config.model_type == "olmo2")
         err = (p.grad - expect).abs().max().item()
         assert err <= TOL * (expect.abs().max().item() + 1e-12), f"{msg}: grad of {name} off by {err:.3g}"
         n += 1
@@ -239,7 +249,7 @@ def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads
     return _compare_hf_grads(hf, ref_grads, rank, size, True, family)
 
 
-@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe", "glm4_moe", "olmo2", "gemma2"])
 def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
     tokens, targets = tokens_targets(6, B, S)
     logits, _, grads, extra = hf_named_reference(hf_model(family), tokens, targets, aux=True)
@@ -252,6 +262,8 @@ SP_CASES = {  # family -> (sp_mode, experts over the two sp ranks, HF's own shif
     "mistral": ("ulysses", False, False),  # sliding_window=5: shorter than the sequence
     "qwen2_moe": ("ring", True, False),
     "glm4_moe": ("ulysses", True, False),  # partial rotary on the shard's positions, GLM's router over ep2
+    "gemma3": ("ulysses", False, True),  # sliding_window=8 on its sliding layers, query_pre_attn_scalar
+    "olmo2": ("ring", False, False),  # HF's own whole-projection q / k norms on each shard's tokens
 }
 
 

@@ -528,8 +528,8 @@ def test_every_parameter_of_a_full_model_has_a_placement():
     config = TransformerConfig(vocab_size=16, hidden_size=8, num_layers=3, num_heads=2, num_kv_heads=1,
                                ffn_hidden_size=8, num_experts=2, top_k=1, moe_every=2, qkv_bias=True, qk_norm=True,
                                shared_expert_ffn_hidden_size=8)
-    for tied in (False, True):
-        config.tie_word_embeddings = tied
+    for tied, layout, scope in ((False, "pre", "head"), (True, "sandwich", "projection"), (False, "post", "head")):
+        config.tie_word_embeddings, config.norm_layout, config.qk_norm_scope = tied, layout, scope
         model = Transformer(config, device="meta")
         placements = parameter_placements(model)
         assert set(placements) == {n for n, _ in model.named_parameters()}

@@ -130,6 +130,29 @@ def test_module_matches_reference_and_repr():
     assert RMSNorm(8, elementwise_affine=False).weight is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_offset_scales_by_one_plus_weight(dtype):
+    """``offset=1.0``: zero-initialised weight, scale ``1 + w`` formed in fp32 (as Hugging Face's
+    Gemma norm), with the residual add fused; output and gradients of x, residual and weight vs
+    fp64 (the weight's gradient is that of the scale)."""
+    g = torch.Generator().manual_seed(10)
+    norm = RMSNorm(37, eps=1e-5, offset=1.0, device=DEVICE, dtype=dtype)
+    assert torch.equal(norm.weight, torch.zeros_like(norm.weight)) and "offset=1.0" in repr(norm)
+    with torch.no_grad():
+        norm.weight.copy_(randn(37, generator=g) * 0.5)
+    x, r = randn(3, 5, 37, generator=g, dtype=dtype), randn(3, 5, 37, generator=g, dtype=dtype)
+    dy, dh = randn(3, 5, 37, generator=g, dtype=dtype), randn(3, 5, 37, generator=g, dtype=dtype)
+    xg, rg = x.clone().requires_grad_(True), r.clone().requires_grad_(True)
+    y, h = norm(xg, residual=rg)
+    ((y.float() * dy.float()).sum() + (h.float() * dh.float()).sum()).backward()
+    (y64, h64), dx64, dscale64, dr64 = _ref_grads(x, 1 + norm.weight.detach().double(), r, dy, dh, 1e-5)
+    assert_close(y, y64, dtype, msg="output")
+    for got, want, what in ((xg.grad, dx64, "x"), (rg.grad, dr64, "residual"), (norm.weight.grad, dscale64, "weight")):
+        assert_close(got, want, dtype, rtol=GRAD_RTOL[dtype], msg=f"grad of {what}")
+    with pytest.raises(ValueError, match="offset must be 0.0"):
+        RMSNorm(8, offset=0.5)
+
+
 BAD_INPUTS = [
     ("weight-shape", lambda x: rms_norm(x, randn(7)), ValueError, r"weight must have shape \(8,\), got \(7,\)"),
     ("residual-shape", lambda x: rms_norm(x, randn(8), residual=randn(3, 9)), ValueError,

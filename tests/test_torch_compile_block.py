@@ -2,8 +2,10 @@
 the same blocks run eagerly (output, every parameter gradient and the input gradient):
 
 * one process: a dense block, a MoE block (the router losses attached to the backward), an MLA
-  block (multi-head latent attention with YaRN), and a block under activation checkpointing (``torch.utils.checkpoint`` inside the compiled region);
-* two gloo processes: tensor parallelism (tp2, sequence parallel), sequence parallelism with ring
+  block (multi-head latent attention with YaRN), and a block under activation checkpointing
+  (``torch.utils.checkpoint`` inside the compiled region);
+* two gloo processes: tensor parallelism (tp2, sequence parallel; Gemma sandwich norms, OLMo 2 q/k norms over the
+  tp-split projection), sequence parallelism with ring
   attention and the experts over the same ranks (sp2 . ep2), Ulysses (sp2), and FSDP2 over the two
   ranks with every block of a Transformer compiled (``block.compile(fullgraph=True)``).
 
@@ -98,7 +100,11 @@ def _parallel_blocks(rank, size):
     x = _x(10 + rank)  # each rank's shard
     counts = {}
     cases = {
-        "tp2": dict(tp_group=group, sp_group=alone),
+        # with the OLMo 2 / Gemma pieces: sandwich norms with (1 + w) scales, q / k norms over the
+        # whole projection (statistics all-reduced over tp inside the graph), an attention scale
+        "tp2 sandwich norms, q/k norm over the projection": dict(
+            tp_group=group, sp_group=alone, norm_layout="sandwich", norm_offset=1.0, qk_norm=True,
+            qk_norm_scope="projection", softmax_scale=0.3),
         "sp2 ring zigzag x ep2": dict(tp_group=alone, sp_group=group, ep_group=group, num_experts=4, top_k=2,
                                       aux_loss_scale=0.5),
         "sp2 ulysses": dict(tp_group=alone, sp_group=group, sp_mode="ulysses"),
@@ -162,6 +168,33 @@ def test_rms_norm_ops_pass_opcheck(residual):
     torch.library.opcheck(torch.ops.fusedpar.rms_norm_backward.default,
                           (torch.randn(3, 5, 37, generator=g), gh, h, w.detach(), rstd, True),
                           test_utils=BACKWARD_OPCHECK)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors under the interpreter")
+def test_sharded_rms_norm_ops_pass_opcheck():
+    """One process: the group of the token ``"@"`` has one rank (the all-reduces are skipped);
+    the reduction over ranks is checked against fp64 in test_tp_nn.py."""
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(3, 5, 12, generator=g, requires_grad=True)
+    w = torch.randn(12, generator=g, requires_grad=True)
+    torch.library.opcheck(torch.ops.fusedpar.sharded_rms_norm.default, (x, w, 1e-5, "@"))
+    torch.library.opcheck(torch.ops.fusedpar.sharded_rms_norm.default, (x, None, 1e-5, "@"))
+    torch.library.opcheck(torch.ops.fusedpar.sharded_rms_norm_backward.default,
+                          (torch.randn(3, 5, 12, generator=g), x.detach(), w.detach(),
+                           torch.rand(3, 5, generator=g) + 0.5, "@", True), test_utils=BACKWARD_OPCHECK)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors under the interpreter")
+def test_replicated_rows_ops_pass_opcheck():
+    from fusedpar.ops import replicated_rows
+
+    g = torch.Generator().manual_seed(23)
+    w = torch.randn(6, 5, generator=g, requires_grad=True)
+    torch.library.opcheck(torch.ops.fusedpar.replicated_rows.default, (w, "@", 2, 1, 2))
+    torch.library.opcheck(torch.ops.fusedpar.replicated_rows_backward.default,
+                          (torch.randn(6, 5, generator=g), "@", 2, 1, 2), test_utils=BACKWARD_OPCHECK)
+    with pytest.raises(ValueError, match="block must be <= 1, got 2"):
+        replicated_rows(w, 2, 2, 2)
 
 
 def test_every_registered_op_is_opchecked():

@@ -273,3 +273,43 @@ def test_modules_without_process_group():
     assert_close(x.grad, dX, torch.float32)
     assert_close(mlp.fc1.weight.grad, dP["fc1.weight"], torch.float32)
     assert_close(mlp.fc2.weight.grad, dP["fc2.weight"], torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm over features split across the ranks (OLMo 2's q / k norm under tp)
+# ----------------------------------------------------------------------------------------------
+def _sharded_norm_case(rank, size, x, w, dy, dtype, offset):
+    from fusedpar.nn import RMSNorm
+
+    H = x.shape[-1]
+    n = H // size
+    norm = RMSNorm(H, 1e-5, offset=offset, feature_group=dist.group.WORLD, dtype=dtype)
+    assert norm.placements()["weight"].role == "tp" and norm.weight.shape == (n,)
+    with torch.no_grad():
+        norm.weight.copy_(w[rank * n:(rank + 1) * n])
+    xl = x[..., rank * n:(rank + 1) * n].to(dtype).requires_grad_(True)
+    y = norm(xl)
+    y.backward(dy[..., rank * n:(rank + 1) * n].to(dtype))
+    with pytest.raises(ValueError, match="takes no residual"):
+        norm(xl, residual=xl)
+    return y.detach(), xl.grad, norm.weight.grad
+
+
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, 0.0), (torch.bfloat16, 1.0)])
+def test_rms_norm_over_features_split_across_ranks(world2, dtype, offset):
+    """Every rank holds half of each row's 2 x 10 features (odd rows, 3 x 7 tokens): the output,
+    the input gradient and this rank's slice of the weight gradient equal the fp64 norm of the
+    whole rows (the statistics are reduced over the ranks). bf16 inputs: the kernels' fp32 math
+    rounded once to bf16 (tests/_utils.py tolerances)."""
+    g = torch.Generator().manual_seed(31)
+    x, dy = torch.randn(3, 7, 20, generator=g), torch.randn(3, 7, 20, generator=g)
+    w = torch.randn(20, generator=g)
+    x, dy, w = (t.to(dtype).float() for t in (x, dy, w))  # values the dtype holds exactly
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    y64 = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5) * (w64 + offset)
+    y64.backward(dy.double())
+    for rank, (y, dx, dw) in enumerate(world2.run(_sharded_norm_case, x, w, dy, dtype, offset)):
+        cols = slice(rank * 10, (rank + 1) * 10)
+        assert_close(y, y64.detach()[..., cols], dtype, msg=f"rank {rank} output")
+        assert_close(dx, x64.grad[..., cols], dtype, msg=f"rank {rank} input grad")
+        assert_close(dw, w64.grad[cols], dtype, msg=f"rank {rank} weight grad")

@@ -27,13 +27,15 @@ from torch import nn
 
 from fusedpar.kernels.checks import check_bool, check_positive_number, check_softcap
 from fusedpar.kernels.flash_attention import attention_reference, check_window, resolve_softmax_scale
-from fusedpar.nn.groups import check_divides, check_orthogonal, group_arg
+from fusedpar.nn.groups import check_divides, check_kv_heads, check_orthogonal, group_arg
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
 from fusedpar.nn.placement import Placement, gradient_sync_plan
 from fusedpar.ops import comm
+from fusedpar.ops.replicas import replicated_rows
 from fusedpar.ops.sp_attention import LAYOUTS, shard_positions, ulysses_kv_heads
 from fusedpar.ops.sp_attention import hybrid_attention, ring_attention, ulysses_attention
+from fusedpar.ops.tensor_parallel import all_gather_matmul
 from fusedpar.ops.transport import get_transport
 from fusedpar.ops.varlen import document_positions
 
@@ -196,6 +198,12 @@ def _check_score_args(cls, head_dim, v_head_dim, window, softcap, sinks, softmax
             None if softmax_scale is None else float(softmax_scale))
 
 
+def _check_qk_norm_scope(cls, qk_norm_scope):
+    if qk_norm_scope not in ("head", "projection"):
+        raise ValueError(f"{cls}: qk_norm_scope must be 'head' or 'projection', got {qk_norm_scope!r}")
+    return qk_norm_scope
+
+
 def _rotary_dim(cls, rotary_dim, head_dim):
     """The rotated features per head: ``head_dim`` by default, else an even int in ``[2, head_dim]``."""
     if rotary_dim is None:
@@ -216,12 +224,14 @@ class AttentionReference(nn.Module):
     softcapping), ``sinks=True`` (a learnable fp32 logit per head in the softmax denominator,
     gpt-oss; the parameter ``sinks`` ``[num_heads]``, initialised to 0), ``v_head_dim`` (the
     head dim of v and of the attention output, default ``head_dim``) and ``softmax_scale``
-    (default ``head_dim ** -0.5``; Gemma's ``query_pre_attn_scalar ** -0.5``)."""
+    (default ``head_dim ** -0.5``; Gemma's ``query_pre_attn_scalar ** -0.5``). With ``qk_norm``, q
+    and k are normalised before the rotary embedding, per head or over the whole projection
+    (``qk_norm_scope``), with Gemma's ``(1 + w)`` scales under ``norm_offset=1.0``."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, causal=True, bias=False,
                  rope_theta=10000.0, head_dim=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6,
                  rope_scaling=None, window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None,
-                 device=None, dtype=None, rotary_dim=None):
+                 device=None, dtype=None, rotary_dim=None, qk_norm_scope="head", norm_offset=0.0):
         super().__init__()
         name = type(self).__name__
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
@@ -230,7 +240,7 @@ class AttentionReference(nn.Module):
         dv, self.window, self.softcap, _, self.softmax_scale = _check_score_args(
             name, head_dim, v_head_dim, window, softcap, sinks, softmax_scale)
         self.hidden_size, self.num_heads, self.head_dim, self.v_head_dim = hidden_size, num_heads, head_dim, dv
-        self.num_kv_heads = num_kv_heads
+        self.num_kv_heads, self.qk_norm_scope = num_kv_heads, _check_qk_norm_scope(name, qk_norm_scope)
         self.causal, self.rope_theta = bool(causal), float(rope_theta)
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
         rope_inv_freq(head_dim, self.rope_theta, self.rope_scaling)  # validates the scaling
@@ -241,17 +251,22 @@ class AttentionReference(nn.Module):
         self.o_proj = nn.Linear(num_heads * dv, hidden_size, bias=bias, device=device, dtype=dtype)
         self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=torch.float32)) if sinks else None
         self.q_norm = self.k_norm = None
-        if qk_norm:  # Qwen3: RMSNorm over head_dim of every q / k head, before the rotary embedding
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, device=device, dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, device=device, dtype=dtype)
+        if qk_norm:  # RMSNorm of q and k before the rotary embedding: over head_dim of every head
+            # (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+            whole = qk_norm_scope == "projection"
+            self.q_norm, self.k_norm = (RMSNorm(n * head_dim if whole else head_dim, qk_norm_eps, offset=norm_offset,
+                                                device=device, dtype=dtype) for n in (num_heads, num_kv_heads))
 
     def forward(self, x, positions=None, *, compute_dtype=torch.float64):
         b, s, _ = x.shape
         d = self.head_dim
         positions = torch.arange(s, device=x.device) if positions is None else positions
         cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rope_theta, scaling=self.rope_scaling)
-        q, k = self.q_proj(x).view(b, s, self.num_heads, d), self.k_proj(x).view(b, s, self.num_kv_heads, d)
-        if self.q_norm is not None:
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_norm is not None and self.qk_norm_scope == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, s, self.num_heads, d), k.view(b, s, self.num_kv_heads, d)
+        if self.q_norm is not None and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.v_head_dim)
@@ -418,6 +433,14 @@ class ParallelAttention(SequenceParallelAttention):
     Parameters are replicated across the sequence-parallel ranks and each rank's gradients cover
     its own tokens only: sum them over the sequence-parallel group(s) (include those ranks in the
     data-parallel gradient reduction, or call :meth:`reduce_sequence_parallel_grads`).
+
+    With fewer kv heads than tp ranks (tp a multiple of ``num_kv_heads``) each rank keeps the kv
+    head its q heads use (``kv_replicas`` ranks hold each; declared as the projection's
+    ``Placement.replicas``) and the k / v rows' gradient is summed over those ranks in the backward
+    (:func:`fusedpar.ops.replicated_rows`). ``qk_norm_scope``: the q / k RMSNorm over ``head_dim``
+    of each head (``"head"``) or over the whole projection (``"projection"``, OLMo 2: its scales
+    split over tp with the heads, the statistics reduced over tp); ``norm_offset=1.0``: Gemma's
+    ``(1 + w)`` scales.
     """
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, tp_group=None, sp_group=None,
@@ -425,7 +448,7 @@ class ParallelAttention(SequenceParallelAttention):
                  ulysses_group=None, ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None,
                  device=None, dtype=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6, rope_scaling=None,
                  window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None, rotary_dim=None,
-                 _reference=None):
+                 qk_norm_scope="head", norm_offset=0.0, _reference=None):
         super().__init__()
         name = type(self).__name__
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
@@ -434,14 +457,23 @@ class ParallelAttention(SequenceParallelAttention):
         check_positive_number(f"{name}: rope_theta", rope_theta)
         self.v_head_dim, self.window, self.softcap, _, self.softmax_scale = _check_score_args(
             name, head_dim, v_head_dim, window, softcap, sinks, softmax_scale)
-        self.init_layout({"num_heads": num_heads, "num_kv_heads": num_kv_heads}, tp_group=tp_group,
+        qk_norm_scope = _check_qk_norm_scope(name, qk_norm_scope)
+        check_kv_heads(name, "num_kv_heads", num_kv_heads, group_arg("tp_group", tp_group, omitted=tp_group is None))
+        self.init_layout({"num_heads": num_heads}, tp_group=tp_group,
                          sp_group=sp_group, sp_mode=sp_mode, layout=layout, ulysses_group=ulysses_group,
                          ring_group=ring_group, sp_transport=sp_transport, ulysses_transport=ulysses_transport,
                          ring_transport=ring_transport)
         tp = self.tp_size
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.num_kv_heads = num_kv_heads
-        self.heads_local, self.kv_heads_local = num_heads // tp, num_kv_heads // tp
+        # fewer kv heads than tp ranks: each rank keeps the kv head its q heads use, held alike by
+        # kv_replicas consecutive ranks (their k / v gradients summed over those ranks: forward)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        if self.kv_replicas > 1 and qk_norm and qk_norm_scope == "projection" and _reference is None:
+            raise ValueError(f"{name}: qk_norm_scope='projection' (a k norm over the whole k projection) needs "
+                             f"num_kv_heads={num_kv_heads} divisible by the tensor-parallel size {tp}, not kv heads "
+                             "replicated over tp")
+        self.heads_local, self.kv_heads_local = num_heads // tp, max(1, num_kv_heads // tp)
         self.causal, self.rope_theta = bool(causal), float(rope_theta)
         if self.ulysses_size > 1:
             ulysses_kv_heads(self.heads_local, self.kv_heads_local, self.ulysses_size)
@@ -452,8 +484,9 @@ class ParallelAttention(SequenceParallelAttention):
             hidden_size, num_heads, num_kv_heads, causal=causal, bias=bias, rope_theta=rope_theta, head_dim=head_dim,
             qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, rope_scaling=rope_scaling, window=window,
             softcap=softcap, sinks=sinks, v_head_dim=v_head_dim, softmax_scale=softmax_scale, rotary_dim=rotary_dim,
+            qk_norm_scope=qk_norm_scope, norm_offset=norm_offset,
             device="meta" if device is not None and torch.device(device).type == "meta" else None)
-        self.rope_scaling = ref.rope_scaling
+        self.rope_scaling, self.qk_norm_scope = ref.rope_scaling, ref.qk_norm_scope
         self._shard_from(ref, device=device, dtype=dtype)
 
     @classmethod
@@ -467,7 +500,8 @@ class ParallelAttention(SequenceParallelAttention):
                    head_dim=ref.head_dim, qk_norm=ref.q_norm is not None, rope_scaling=ref.rope_scaling,
                    qk_norm_eps=ref.q_norm.eps if ref.q_norm is not None else 1e-6, window=ref.window,
                    softcap=ref.softcap, sinks=ref.sinks is not None, v_head_dim=ref.v_head_dim,
-                   softmax_scale=ref.softmax_scale, rotary_dim=ref.rotary_dim, _reference=ref, **kwargs)
+                   softmax_scale=ref.softmax_scale, rotary_dim=ref.rotary_dim, qk_norm_scope=ref.qk_norm_scope,
+                   norm_offset=ref.q_norm.offset if ref.q_norm is not None else 0.0, _reference=ref, **kwargs)
 
     def _shard_from(self, ref, *, device, dtype):
         """One fused ``[q; k; v]`` projection, column-parallel with three sections, so that every
@@ -481,14 +515,18 @@ class ParallelAttention(SequenceParallelAttention):
             fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in projs]))
             if ref.q_proj.bias is not None:
                 fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in projs]))
+            f = self.kv_replicas
             self.qkv = ColumnParallelLinear.from_linear(
                 fused, group=self.tp_group, sequence_parallel=True,
-                sections=(self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * dv))
+                sections=(self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * dv),
+                replicas=(1, f, f) if f > 1 else None)
             self.proj = RowParallelLinear.from_linear(ref.o_proj, group=self.tp_group, sequence_parallel=True,
                                                       input_is_parallel=True)
             self.q_norm = self.k_norm = None
-            if ref.q_norm is not None:  # replicated [head_dim] scales, shared by all heads
+            if ref.q_norm is not None and self.qk_norm_scope == "head":  # replicated [head_dim] scales
                 self.q_norm, self.k_norm = copy.deepcopy(ref.q_norm), copy.deepcopy(ref.k_norm)
+            elif ref.q_norm is not None:  # over the whole projection: this rank's heads' slice of the scales
+                self.q_norm, self.k_norm = (self._sharded_norm(n) for n in (ref.q_norm, ref.k_norm))
             self.sinks = None if ref.sinks is None else nn.Parameter(Placement.tp(self.tp_group, 0).local_from_full(
                 ref.sinks.detach()))
             # own storage: no views into the full weights (nor into ref's parameters); new
@@ -498,6 +536,14 @@ class ParallelAttention(SequenceParallelAttention):
                     fp32 = mod is self and pname == "sinks"  # the sink logits stay fp32
                     t = p.detach().to(device=device, dtype=torch.float32 if fp32 else dtype)
                     setattr(mod, pname, nn.Parameter(t.clone()))
+
+    def _sharded_norm(self, full: RMSNorm) -> RMSNorm:
+        """An RMSNorm over a whole q or k projection whose features (heads) are split over tp:
+        the statistics reduced over tp, the scales a block of the full ones (OLMo 2)."""
+        group = self.tp_group if self.tp_size > 1 else None
+        norm = RMSNorm(full.hidden_size, full.eps, offset=full.offset, feature_group=group, device="meta")
+        norm.weight = nn.Parameter(norm.placements()["weight"].local_from_full(full.weight.detach()))
+        return norm
 
     def placements(self) -> dict[str, Placement]:
         """``sinks``: one logit per head, split over tp like the heads (the projections and norms
@@ -513,14 +559,25 @@ class ParallelAttention(SequenceParallelAttention):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{type(self).__name__}: x must be [batch, seq_local, {self.hidden_size}], got {shape}")
         hl, kl, d, dv = self.heads_local, self.kv_heads_local, self.head_dim, self.v_head_dim
-        y = self.qkv(x)  # [b, s_sp, (hl + kl) * d + kl * dv]: the sequence-parallel shard, this rank's heads
+        if self.kv_replicas > 1:  # the k / v rows' gradient summed over the ranks holding that kv head
+            rows = dict(start=hl * d, block=self.tp_rank // self.kv_replicas, blocks=self.num_kv_heads,
+                        group=self.tp_group)
+            bias = self.qkv.bias
+            y = all_gather_matmul(x, replicated_rows(self.qkv.weight, **rows), None if bias is None else
+                                  replicated_rows(bias, **rows), group=self.tp_group, gather_dim=1,
+                                  save_gathered_input=self.qkv.save_gathered_input)
+        else:
+            y = self.qkv(x)  # [b, s_sp, (hl + kl) * d + kl * dv]: the sequence-parallel shard, this rank's heads
         b, s_sp, _ = y.shape
         q, k, v = (t.unflatten(2, (n, -1)) for t, n in zip(y.split((hl * d, kl * d, kl * dv), dim=2), (hl, kl, kl)))
         seq_len = s_sp * self.ring_size * self.ulysses_size
         pos = self.rotary_positions(seq_len, y.device, cu_seqlens=cu_seqlens, position_ids=position_ids)
         cos, sin = rotary_cos_sin(pos, self.rotary_dim, self.rope_theta, scaling=self.rope_scaling)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_scope == "head":
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        elif self.q_norm is not None:  # over this rank's slice of the projection, statistics over tp
+            q = self.q_norm(q.reshape(b, s_sp, hl * d)).view(b, s_sp, hl, d)
+            k = self.k_norm(k.reshape(b, s_sp, kl * d)).view(b, s_sp, kl, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         docs = dict(cu_seqlens=cu_seqlens, window=self.window, softcap=self.softcap, sinks=self.sinks,
                     softmax_scale=self.softmax_scale)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusedpar.kernels.checks import check_bool
+from fusedpar.kernels.checks import check_bool, check_choice
 from fusedpar.ops.loss import attach_aux_loss
 
 from .attention import ParallelAttention
+from .config import NORM_LAYOUTS
 from .linear import ParallelMLP
 from .mla import MLAttention
 from .moe import MoE, SharedExpertGate
@@ -20,6 +21,11 @@ __all__ = ["TransformerBlock"]
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm1(x))``; ``y = h + mlp(norm2(h))`` (the second norm is
     fused with the residual add). ``x`` and ``y`` are ``[batch, seq / (sp*tp), hidden]``.
+
+    ``norm_layout="post"`` (OLMo 2): ``h = x + post_attn_norm(attn(x))``; ``y = h +
+    post_mlp_norm(mlp(h))`` (no norm1 / norm2). ``"sandwich"`` (Gemma 2/3): ``h = x +
+    post_attn_norm(attn(norm1(x)))``; ``y = h + post_mlp_norm(mlp(norm2(h)))`` (norm2 fused with
+    the residual add). ``norm_offset=1.0``: every norm scales by ``1 + weight`` (Gemma).
 
     ``num_experts > 0`` replaces the dense :class:`ParallelMLP` with a :class:`MoE` over
     ``ep_group``; its router losses (``self.mlp.aux_loss``) are attached to the backward with
@@ -46,10 +52,14 @@ class TransformerBlock(nn.Module):
                  shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = True,
                  router_options: dict | None = None, window=None, softcap: float | None = None, sinks: bool = False,
                  v_head_dim: int | None = None, softmax_scale: float | None = None, rotary_dim: int | None = None,
-                 mla: dict | None = None):
+                 mla: dict | None = None, norm_layout: str = "pre", norm_offset: float = 0.0,
+                 qk_norm_scope: str = "head"):
         super().__init__()
-        self.hidden_size = hidden_size
-        self.norm1 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
+        check_choice("TransformerBlock: norm_layout", norm_layout, NORM_LAYOUTS)
+        self.hidden_size, self.norm_layout = hidden_size, norm_layout
+        norm = lambda: RMSNorm(hidden_size, eps, offset=norm_offset, device=device, dtype=dtype)  # noqa: E731
+        pre, post = norm_layout in ("pre", "sandwich"), norm_layout in ("post", "sandwich")
+        self.norm1 = norm() if pre else None
         if mla is not None:  # multi-head latent attention (its latent norms keep transformers' eps 1e-6)
             self.attn = MLAttention(hidden_size, num_heads, tp_group=tp_group, sp_group=sp_group, sp_mode=sp_mode,
                                     causal=causal, layout=layout, ulysses_group=ulysses_group, ring_group=ring_group,
@@ -61,8 +71,10 @@ class TransformerBlock(nn.Module):
                                           dtype=dtype, rope_theta=rope_theta, rope_scaling=rope_scaling,
                                           head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps,
                                           window=window, softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
-                                          softmax_scale=softmax_scale, rotary_dim=rotary_dim)
-        self.norm2 = RMSNorm(hidden_size, eps, device=device, dtype=dtype)
+                                          softmax_scale=softmax_scale, rotary_dim=rotary_dim,
+                                          qk_norm_scope=qk_norm_scope, norm_offset=norm_offset)
+        self.post_attn_norm = norm() if post else None
+        self.norm2 = norm() if pre else None
         self.is_moe = num_experts > 0
         self.shared_expert = self.shared_expert_gate = None
         if self.is_moe:
@@ -79,13 +91,21 @@ class TransformerBlock(nn.Module):
         else:
             self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, group=tp_group,
                                    sequence_parallel=True, bias=False, device=device, dtype=dtype)
+        self.post_mlp_norm = norm() if post else None
         self.aux_loss_scale = float(aux_loss_scale)
 
     def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
         """``cu_seqlens`` / ``position_ids``: packed documents, see :meth:`ParallelAttention.forward`."""
-        a = self.attn(self.norm1(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
-        n2, h = self.norm2(a, residual=x)
+        a = self.attn(self.norm1(x) if self.norm1 is not None else x, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
+        if self.norm2 is not None:
+            n2, h = self.norm2(a, residual=x)
+        else:
+            n2 = h = x + a
         m = self.feed_forward(n2)
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
         if self.is_moe and self.aux_loss_scale and torch.is_grad_enabled():
             # the router losses ride on the residual add (no extra pass over the activations)
             return attach_aux_loss(m, self.mlp.aux_loss, self.aux_loss_scale, residual=h)

@@ -19,7 +19,12 @@ from fusedpar.kernels.runtime import ACTIVATIONS
 
 from .attention import rope_inv_freq
 
-__all__ = ["TransformerConfig", "check_token_ids"]
+__all__ = ["NORM_LAYOUTS", "TransformerConfig", "check_token_ids"]
+
+#: where a block's norms sit: "pre" ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))`` (Llama);
+#: "post" ``h = x + post_attn_norm(attn(x)); y = h + post_mlp_norm(mlp(h))`` (OLMo 2);
+#: "sandwich" both, ``h = x + post_attn_norm(attn(norm1(x))); y = h + post_mlp_norm(mlp(norm2(h)))`` (Gemma 2/3)
+NORM_LAYOUTS = ("pre", "post", "sandwich")
 
 
 @dataclasses.dataclass
@@ -65,7 +70,6 @@ class TransformerConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores c * tanh(s / c)
     attention_sinks: bool = False  # gpt-oss: a learnable logit per head in the softmax denominator
     v_head_dim: int | None = None  # the head dim of v and the attention output (default head_dim)
-    query_pre_attn_scalar: float | None = None  # Gemma: softmax scale query_pre_attn_scalar ** -0.5
     # MoE routing (DeepSeek-V3, Kimi K2, GLM-4.5, gpt-oss; defaults keep softmax top-k)
     score_func: str = "softmax"  # "softmax", "sigmoid" or "softmax_topk" (gpt-oss: softmax over the chosen logits)
     routed_scaling_factor: float = 1.0  # multiplies the combine weights
@@ -86,6 +90,15 @@ class TransformerConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     rope_interleave: bool = True  # HF's rope_interleave: the rotary features are interleaved pairs
+    # block layouts, norms, embedding and head of other families (defaults keep the Llama model)
+    norm_layout: str = "pre"  # "pre" | "post" (OLMo 2) | "sandwich" (Gemma 2/3), see NORM_LAYOUTS
+    norm_offset: float = 0.0  # 1.0: Gemma's RMSNorm, scale (1 + weight) with weights initialised to zeros
+    qk_norm_scope: str = "head"  # qk_norm over "head" (head_dim: Qwen3, Gemma 3) or "projection" (OLMo 2)
+    softmax_scale: float | None = None  # attention scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    embed_scale: float = 1.0  # embeddings times this, rounded to the model's dtype (Gemma: sqrt(hidden_size))
+    final_logit_softcap: float | None = None  # logits c * tanh(z / c) (Gemma 2/3 final_logit_softcapping)
+    layer_rope_theta: tuple | None = None  # a RoPE base per layer (Gemma 3's local base on sliding layers)
+    pad_token_id: int | None = None  # HF's padding_idx: that embedding row gets no gradient from the lookup
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -114,12 +127,14 @@ class TransformerConfig:
         """The :class:`TransformerBlock` keyword arguments of block ``layer`` (sizes and options)."""
         moe = self.is_moe(layer)
         hf_aux = self.aux_loss_style == "hf"  # pooled over layers by Transformer.aux_loss instead
+        theta = self.rope_theta if self.layer_rope_theta is None else self.layer_rope_theta[layer]
         return dict(num_kv_heads=self.num_kv_heads, sp_mode=self.sp_mode, layout=self.layout, causal=self.causal,
                     activation=self.activation, eps=self.norm_eps, num_experts=self.num_experts if moe else 0,
                     top_k=self.top_k, capacity_factor=self.capacity_factor,
                     aux_loss_coef=0.0 if hf_aux else self.aux_loss_coef, z_loss_coef=0.0 if hf_aux else self.z_loss_coef,
-                    rope_theta=float(self.rope_theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
+                    rope_theta=float(theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
                     qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
+                    norm_layout=self.norm_layout, norm_offset=self.norm_offset, qk_norm_scope=self.qk_norm_scope,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
                     shared_expert_gate=self.shared_expert_gate, rotary_dim=self.rotary_dim(),
                     router_options=self.router_options(), mla=self.mla_options(), **self.attention_options(layer))
@@ -129,13 +144,11 @@ class TransformerConfig:
         the Hugging Face fields: a sliding window of ``sliding_window`` ``W`` (query ``i`` sees keys
         ``i - W < j <= i``, so ``window=(W - 1, 0)``) where ``layer_types`` says
         ``"sliding_attention"`` (every layer when ``layer_types`` is None), the softcap, the
-        sinks, ``v_head_dim`` and the softmax scale ``query_pre_attn_scalar ** -0.5``."""
+        sinks, ``v_head_dim`` and ``softmax_scale`` (Gemma: ``query_pre_attn_scalar ** -0.5``)."""
         slides = self.sliding_window is not None and (
             self.layer_types is None or self.layer_types[layer] == "sliding_attention")
-        scalar = self.query_pre_attn_scalar
         return dict(window=(self.sliding_window - 1, 0) if slides else None, softcap=self.attn_logit_softcapping,
-                    sinks=self.attention_sinks, v_head_dim=self.v_head_dim,
-                    softmax_scale=None if scalar is None else float(scalar) ** -0.5)
+                    sinks=self.attention_sinks, v_head_dim=self.v_head_dim, softmax_scale=self.softmax_scale)
 
     def rotary_dim(self) -> int | None:
         """The rotated features per head (HF: ``int(head_dim * partial_rotary_factor)``); None: all."""
@@ -171,9 +184,8 @@ def check_config_values(cfg: "TransformerConfig") -> None:
     for name in ("num_kv_heads", "moe_ffn_hidden_size", "head_dim", "sliding_window", "v_head_dim"):
         if getattr(cfg, name) is not None:
             check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=1)
-    for name in ("attn_logit_softcapping", "query_pre_attn_scalar"):
-        if getattr(cfg, name) is not None:
-            check_positive_number(f"TransformerConfig.{name}", getattr(cfg, name))
+    if cfg.attn_logit_softcapping is not None:
+        check_positive_number("TransformerConfig.attn_logit_softcapping", cfg.attn_logit_softcapping)
     check_layer_types(cfg)
     if cfg.num_experts:
         check_int("TransformerConfig.top_k", cfg.top_k, min_value=1, max_value=cfg.num_experts)
@@ -200,6 +212,8 @@ def check_config_values(cfg: "TransformerConfig") -> None:
     if r is not None and (r < 2 or r % 2):
         raise ValueError(f"TransformerConfig.partial_rotary_factor={f} must give an even rotary dim >= 2 "
                          f"(int(head_dim * factor)), got {r}")
+
+    check_family_values(cfg)
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -244,13 +258,36 @@ def check_mla_values(cfg: "TransformerConfig") -> None:
             raise ValueError(f"TransformerConfig.{name} must be False with attention='mla' (MLA has its own "
                              f"projections), got True")
     for name, off in (("sliding_window", None), ("attn_logit_softcapping", None), ("attention_sinks", False),
-                      ("query_pre_attn_scalar", None), ("partial_rotary_factor", 1.0)):
+                      ("softmax_scale", None), ("partial_rotary_factor", 1.0), ("norm_layout", "pre"),
+                      ("norm_offset", 0.0), ("qk_norm_scope", "head")):
         if getattr(cfg, name) != off:
             raise ValueError(f"TransformerConfig.{name} is not supported with attention='mla' (MLAttention has no "
                              f"such option), got {getattr(cfg, name)!r}")
     if cfg.head_dim is not None:
         raise ValueError(f"TransformerConfig.head_dim must be None with attention='mla' (qk_nope_head_dim, "
                          f"qk_rope_head_dim and v_head_dim size the heads), got {cfg.head_dim!r}")
+
+
+def check_family_values(cfg: "TransformerConfig") -> None:
+    """The fields of the block layouts, norms, embedding and head of other families."""
+    check_choice("TransformerConfig.norm_layout", cfg.norm_layout, NORM_LAYOUTS)
+    check_choice("TransformerConfig.qk_norm_scope", cfg.qk_norm_scope, ("head", "projection"))
+    if isinstance(cfg.norm_offset, bool) or cfg.norm_offset not in (0, 1):
+        raise ValueError(f"TransformerConfig.norm_offset must be 0.0 or 1.0 (Gemma), got {cfg.norm_offset!r}")
+    check_positive_number("TransformerConfig.embed_scale", cfg.embed_scale)
+    for name in ("softmax_scale", "final_logit_softcap"):
+        if getattr(cfg, name) is not None:
+            check_positive_number(f"TransformerConfig.{name}", getattr(cfg, name))
+    if cfg.layer_rope_theta is not None:
+        thetas = tuple(cfg.layer_rope_theta)
+        if len(thetas) != cfg.num_layers:
+            raise ValueError(f"TransformerConfig.layer_rope_theta must have num_layers={cfg.num_layers} entries, "
+                             f"got {len(thetas)}")
+        for theta in thetas:
+            check_positive_number("TransformerConfig.layer_rope_theta[i]", theta)
+        cfg.layer_rope_theta = tuple(float(t) for t in thetas)
+    if cfg.pad_token_id is not None:
+        check_int("TransformerConfig.pad_token_id", cfg.pad_token_id, min_value=0, max_value=cfg.vocab_size - 1)
 
 
 def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:

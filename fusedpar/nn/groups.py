@@ -79,3 +79,11 @@ def check_divides(owner: str, what: str, value: int, g: GroupArg, kind: str) -> 
     if value % g.size:
         raise ValueError(f"{owner}: {what}={value} must be divisible by the {kind} group size ({g.size}), "
                          f"got {describe_group(g)}")
+
+
+def check_kv_heads(owner: str, what: str, value: int, g: GroupArg) -> None:
+    """kv heads split evenly over the tensor-parallel group ``g``, or, fewer of them than ranks,
+    divide its size (each kv head replicated on ``size / value`` ranks)."""
+    if value % g.size and g.size % value:
+        raise ValueError(f"{owner}: {what}={value} must be divisible by the tensor-parallel group size ({g.size}) "
+                         f"or divide it (kv heads replicated over tp), got {describe_group(g)}")

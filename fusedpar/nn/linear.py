@@ -72,6 +72,18 @@ def _check_sections(cls, sections, out_features, size, gated):
     return tuple(sections)
 
 
+def _check_replicas(cls, replicas, sections, size):
+    """``replicas`` of the ``sections`` (None: none), one positive int per section dividing ``size``
+    (1 everywhere, or a group of one rank: None)."""
+    if replicas is None:
+        return None
+    if isinstance(sections, int) or not isinstance(replicas, (tuple, list)) or len(replicas) != len(sections) or any(
+            isinstance(f, bool) or not isinstance(f, int) or f <= 0 or size % f for f in replicas):
+        raise ValueError(f"{cls}: replicas must be one positive int per section dividing the tensor-parallel group "
+                         f"size {size}, got replicas={replicas!r} for sections={sections!r}")
+    return tuple(replicas) if size > 1 and max(replicas) > 1 else None
+
+
 def _full_linear_init(out_features, in_features, bias, device=None):
     """The draws of ``nn.Linear.reset_parameters`` for the full layer (fp32, CPU, global RNG).
     On the meta device nothing is drawn (no values exist there)."""
@@ -100,6 +112,7 @@ class _TPLinearBase(nn.Module):
             "full_shape": [rows, self.in_features], "gated": self.gated,
             "sections": w.full_sections((rows, self.in_features)[w.dim], self.tp_size),
             "bias_split": self.bias_placement().role is not None,
+            "replicas": list(w.replicas) if w.replicas is not None else None,
         }
 
     def get_extra_state(self):
@@ -133,13 +146,16 @@ class _TPLinearBase(nn.Module):
 
 
 def encode_shard_meta(meta: dict) -> torch.Tensor:
-    """``{tp_rank, tp_size, partition_dim, full_shape, gated, bias_split, sections}`` as an int64
-    tensor: the first four fields (5 values), ``gated + 2 * bias_split``, then the full sizes of the
-    sections along ``partition_dim``."""
+    """``{tp_rank, tp_size, partition_dim, full_shape, gated, bias_split, sections, replicas}`` as
+    an int64 tensor: the first four fields (5 values), ``gated + 2 * bias_split + 4 * (replicas
+    given)``, then the full sizes of the sections along ``partition_dim``, then (when given) the
+    replicas of each section (:class:`~fusedpar.nn.Placement`)."""
     rows, cols = meta["full_shape"]
-    flags = int(meta["gated"]) + 2 * int(meta["bias_split"])
+    replicas = meta.get("replicas")
+    flags = int(meta["gated"]) + 2 * int(meta["bias_split"]) + 4 * int(replicas is not None)
     head = [meta["tp_rank"], meta["tp_size"], meta["partition_dim"], rows, cols, flags]
-    return torch.tensor(head + [int(s) for s in meta["sections"]], dtype=torch.int64)
+    tail = [int(f) for f in replicas] if replicas is not None else []
+    return torch.tensor(head + [int(s) for s in meta["sections"]] + tail, dtype=torch.int64)
 
 
 def shard_meta(state) -> dict:
@@ -153,13 +169,16 @@ def shard_meta(state) -> dict:
         meta = {"tp_rank": v[0], "tp_size": v[1], "partition_dim": v[2], "full_shape": [v[3], v[4]],
                 "gated": bool(v[5] & 1)}
         if len(v) > 6:
-            meta["sections"], meta["bias_split"] = v[6:], bool(v[5] & 2)
+            n = (len(v) - 6) // 2 if v[5] & 4 else len(v) - 6
+            meta["sections"], meta["bias_split"] = v[6:6 + n], bool(v[5] & 2)
+            meta["replicas"] = v[6 + n:] if v[5] & 4 else None
     else:
         raise ValueError(f"_extra_state must be an int64 tensor of at least 6 values or a dict, got {state!r}")
     if "sections" not in meta:
         n = meta["full_shape"][meta["partition_dim"]]
         meta["sections"] = [n // 2] * 2 if meta["gated"] and meta["partition_dim"] == 0 else [n]
     meta.setdefault("bias_split", meta["partition_dim"] == 0)
+    meta.setdefault("replicas", None)
     return meta
 
 
@@ -177,7 +196,7 @@ def merge_shards(state_dicts, prefix=""):
                          f"{sorted(m['tp_rank'] for m in metas)}")
     order = sorted(range(len(metas)), key=lambda i: metas[i]["tp_rank"])
     dim = metas[0]["partition_dim"]
-    placement = Placement("tp", None, dim, tuple(metas[0]["sections"]))
+    placement = Placement("tp", None, dim, tuple(metas[0]["sections"]), replicas=metas[0]["replicas"])
     weight = placement.full_from_locals([state_dicts[i][prefix + "weight"] for i in order])
     bs = [state_dicts[i].get(prefix + "bias") for i in order]
     bias = None
@@ -206,7 +225,7 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def __init__(self, in_features, out_features, bias=True, *, group=None, sequence_parallel=True,
                  gather_output=False, device=None, dtype=None, activation="none", sequence_dim=1,
-                 save_gathered_input=True, sections=None):
+                 save_gathered_input=True, sections=None, replicas=None):
         super().__init__()
         name = type(self).__name__
         check_choice(f"{name}: activation", activation, ACTIVATIONS)
@@ -217,8 +236,10 @@ class ColumnParallelLinear(_TPLinearBase):
         self.activation = activation
         self.gated = ACTIVATIONS[activation][1]
         self.sections = _check_sections(name, sections, out_features, self.tp_size, self.gated)
+        self.replicas = _check_replicas(name, replicas, self.sections, self.tp_size)
         self.out_features = out_features  # the full layer's, as nn.Linear reports it
-        self.out_features_local = out_features // self.tp_size
+        self.out_features_local = out_features // self.tp_size if self.replicas is None else \
+            sum(sec * f // self.tp_size for sec, f in zip(self.sections, self.replicas))
         self.sequence_parallel, self.gather_output = bool(sequence_parallel), bool(gather_output)
         self.sequence_dim, self.save_gathered_input = sequence_dim, bool(save_gathered_input)
         rows = 2 * out_features if self.gated else out_features
@@ -227,8 +248,9 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def weight_placement(self) -> Placement:
         """Rows over the group, section by section: ``[gate; up]`` when gated, the given
-        ``sections`` (e.g. ``[q; k; v]``), else one."""
-        return Placement.tp(self.group, 0, 2 if self.gated else self.sections)
+        ``sections`` (e.g. ``[q; k; v]``), else one; ``replicas``: per section, how many
+        consecutive ranks hold the same block (kv heads replicated over tp)."""
+        return Placement.tp(self.group, 0, 2 if self.gated else self.sections, self.replicas)
 
     def bias_placement(self) -> Placement:
         """Split like the rows."""

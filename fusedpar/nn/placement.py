@@ -7,6 +7,13 @@ A :class:`Placement` says, for one parameter:
 * the split dimension ``dim`` and its **sections**: the full tensor's ``dim`` is a concatenation
   of sections (``[gate; up]`` rows of a gated weight, ``[q; k; v]`` rows of a fused attention
   projection; one section otherwise) and rank ``r`` holds block ``r`` of every section, in order;
+* optional **replicas** per section (tensor parallelism only): ``replicas[c] = f`` means section
+  ``c`` is split into ``P / f`` blocks and ``f`` consecutive ranks hold the same block (rank ``r``
+  holds block ``r // f``): the k / v rows of an attention projection with fewer kv heads than tp
+  ranks, each rank keeping the kv head its q heads use (Megatron / vLLM's kv replication). The
+  full tensor has one copy (checkpoints, export); a module that holds replicated rows makes
+  their gradient whole before it reaches ``p.grad`` (``ParallelAttention``), so the gradient kind
+  stays "dense";
 * its **gradient kind** for :func:`fusedpar.parallel.sync_gradients`: ``"dense"`` (each rank's
   gradient is whole for the tokens its tp group holds: tensor-parallel shards and copies that see
   all of those tokens), ``"replicated"`` (a copy whose gradient covers only this rank's sequence
@@ -56,6 +63,7 @@ class Placement:
     dim: int = 0
     sections: tuple[int, ...] | int = 1
     grad: str = "dense"
+    replicas: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -67,12 +75,22 @@ class Placement:
                              f"grad={self.grad!r}")
         if not isinstance(self.sections, int):
             object.__setattr__(self, "sections", tuple(int(s) for s in self.sections))
+        if self.replicas is not None:
+            reps = tuple(int(f) for f in self.replicas)
+            if self.role != "tp" or self.dim != 0 or isinstance(self.sections, int) or len(reps) != len(self.sections) \
+                    or min(reps) < 1:
+                raise ValueError(f"Placement.replicas must be positive ints, one per section of a 'tp' placement of "
+                                 f"dim 0 with explicit sections, got replicas={self.replicas!r}, "
+                                 f"sections={self.sections!r}, role={self.role!r}, dim={self.dim}")
+            object.__setattr__(self, "replicas", None if set(reps) == {1} else reps)
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
-    def tp(cls, group, dim: int, sections: tuple[int, ...] | int = 1) -> "Placement":
-        """A block of ``dim`` over the tensor-parallel ``group`` (gradient "dense")."""
-        return cls("tp", comm.resolve_group(group), dim, sections, "dense")
+    def tp(cls, group, dim: int, sections: tuple[int, ...] | int = 1,
+           replicas: tuple[int, ...] | None = None) -> "Placement":
+        """A block of ``dim`` over the tensor-parallel ``group`` (gradient "dense"); ``replicas``:
+        per section, how many consecutive ranks hold the same block (see the module docstring)."""
+        return cls("tp", comm.resolve_group(group), dim, sections, "dense", replicas)
 
     @classmethod
     def ep(cls, group, dim: int = 0) -> "Placement":
@@ -110,20 +128,33 @@ class Placement:
             secs = list(self.sections)
             if sum(secs) != n_full:
                 raise ValueError(f"sections {secs} do not add up to dim {self.dim} of size {n_full}")
-        for sec in secs:
-            if sec % size:
-                raise ValueError(f"section of size {sec} along dim {self.dim} does not split over {size} ranks")
+        for sec, f in zip(secs, self.section_replicas(len(secs), size)):
+            # a replicated section still splits into `size` pieces: a checkpoint writes one per rank
+            if size % f or sec % size:
+                raise ValueError(f"section of size {sec} along dim {self.dim} does not split over {size} ranks"
+                                 + (f" (its {size // f} blocks held by {f} ranks each)" if f > 1 else ""))
         return secs
+
+    def section_replicas(self, n_sections: int, size: int | None = None) -> list[int]:
+        """How many ranks hold each section's block (1 each without ``replicas``; a group of one
+        rank holds every section whole)."""
+        size = self.size if size is None else size
+        if self.replicas is None or size == 1:
+            return [1] * n_sections
+        return list(self.replicas)
 
     def local_sections(self, n_local: int, size: int | None = None) -> list[int]:
         """The local sizes of the sections of a local ``dim`` of size ``n_local``."""
         size = self.size if size is None else size
+        if self.replicas is not None and size > 1:  # explicit full sizes: each block is sec * f / P
+            return [sec * f // size for sec, f in zip(self.full_sections(sum(self.sections), size), self.replicas)]
         return [sec // size for sec in self.full_sections(n_local * size, size)]
 
     def full_shape(self, local_shape) -> tuple[int, ...]:
         shape = list(local_shape)
         if self.dim < len(shape):
-            shape[self.dim] *= self.size
+            shape[self.dim] = sum(self.sections) if self.replicas is not None and self.size > 1 else \
+                shape[self.dim] * self.size
         return tuple(shape)
 
     def local_from_full(self, full: torch.Tensor, rank: int | None = None, size: int | None = None) -> torch.Tensor:
@@ -131,18 +162,47 @@ class Placement:
         rank, P = self.rank if rank is None else rank, self.size if size is None else size
         if P == 1:
             return full.detach().clone()
-        parts = full.split(self.full_sections(full.shape[self.dim], P), dim=self.dim)
-        return torch.cat([p.chunk(P, dim=self.dim)[rank] for p in parts], dim=self.dim).clone()
+        secs = self.full_sections(full.shape[self.dim], P)
+        parts = full.split(secs, dim=self.dim)
+        reps = self.section_replicas(len(secs), P)
+        return torch.cat([p.chunk(P // f, dim=self.dim)[rank // f] for p, f in zip(parts, reps)], dim=self.dim).clone()
 
     def full_from_locals(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's block, in rank order (no communication: the number
-        of blocks is the number of ranks)."""
+        of blocks is the number of ranks); a replicated block is read from its first holder."""
         P = len(blocks)
         if P == 1:
             return blocks[0].detach().clone()
         secs = self.local_sections(blocks[0].shape[self.dim], P)
         parts = [t.split(secs, dim=self.dim) for t in blocks]  # parts[r][c]
-        return torch.cat([parts[r][c] for c in range(len(secs)) for r in range(P)], dim=self.dim)
+        reps = self.section_replicas(len(secs), P)
+        return torch.cat([parts[r][c] for c in range(len(secs)) for r in range(0, P, reps[c])], dim=self.dim)
+
+    def dcp_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``local``, one per section, each this rank's block of a ``P``-way split of the
+        full section (what a checkpoint writes as a ``Shard(dim)`` DTensor): a section whose
+        block ``f`` ranks hold contributes its ``rank % f``-th ``1 / f`` of the block, so every
+        row is written once and the format does not depend on the replication."""
+        pieces = self.local_pieces(local)
+        reps = self.section_replicas(len(pieces))
+        return [p if f == 1 else p.chunk(f, dim=self.dim)[self.rank % f] for p, f in zip(pieces, reps)]
+
+    @torch.no_grad()
+    def refill_replicas(self, local: torch.Tensor) -> None:
+        """After a checkpoint filled only :meth:`dcp_pieces` of ``local`` in place: rebuild every
+        replicated block from its holders' pieces (an all-gather over ``group``; a no-op without
+        replicas)."""
+        reps = self.section_replicas(len(self.local_pieces(local)))
+        if max(reps) == 1:
+            return
+        P = self.size
+        for piece, f, dcp in zip(self.local_pieces(local), reps, self.dcp_pieces(local)):
+            if f == 1:
+                continue
+            buf = torch.empty((P,) + tuple(dcp.shape), dtype=dcp.dtype, device=dcp.device)
+            comm.all_gather_into(buf.view(P * dcp.shape[0], *dcp.shape[1:]), dcp.contiguous(), self.group).wait()
+            first = (self.rank // f) * f
+            piece.copy_(torch.cat([buf[first + i] for i in range(f)], dim=self.dim))
 
     def full_from_local(self, local: torch.Tensor) -> torch.Tensor:
         """All-gather every rank's block over ``group`` and reassemble the full tensor (a

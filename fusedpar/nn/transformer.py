@@ -47,7 +47,7 @@ from fusedpar.ops.tensor_parallel import all_gather_matmul
 
 from .block import TransformerBlock
 from .config import TransformerConfig, check_token_ids
-from .groups import check_divides, check_orthogonal, group_arg
+from .groups import check_divides, check_kv_heads, check_orthogonal, group_arg
 from .linear import ColumnParallelLinear
 from .moe import RouterLoad, hf_load_balancing_loss, recomputation_contexts, sum_over_groups
 from .norm import RMSNorm
@@ -67,8 +67,7 @@ def _check_groups(config, tp_group, sp_group, ep_group, ulysses_group, ring_grou
     tp = group_arg("tp_group", tp_group, omitted=tp_group is None)
     check_divides("Transformer", "config.vocab_size", config.vocab_size, tp, "tensor-parallel")
     check_divides("Transformer", "config.num_heads", config.num_heads, tp, "tensor-parallel")
-    check_divides("Transformer", "config.num_kv_heads", config.num_kv_heads or config.num_heads, tp,
-                  "tensor-parallel")
+    check_kv_heads("Transformer", "config.num_kv_heads", config.num_kv_heads or config.num_heads, tp)
     if any(config.is_moe(i) for i in range(config.num_layers)):
         ep = group_arg("ep_group", ep_group, omitted=ep_group is None)
         check_divides("Transformer", "config.num_experts", config.num_experts, ep, "expert-parallel")
@@ -130,7 +129,7 @@ class Transformer(nn.Module):
         if embed:
             on_meta = device is not None and torch.device(device).type == "meta"
             with _seeded(seed - 1):  # drawn on the CPU like every fusedpar layer: same weights on any device
-                self.embedding = nn.Embedding(config.vocab_size, config.hidden_size,
+                self.embedding = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id,
                                               device="meta" if on_meta else None).to(device=device, dtype=dtype)
         if config.aux_loss_style == "hf" and aux_loss_scale:
             raise ValueError("aux_loss_scale must be 0 with config.aux_loss_style='hf' (the loss is pooled over "
@@ -150,7 +149,8 @@ class Transformer(nn.Module):
                     **config.block_kwargs(i))
         self.norm = self.head = None
         if head:
-            self.norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, dtype=dtype)
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps, offset=config.norm_offset, device=device,
+                                dtype=dtype)
             if not config.tie_word_embeddings:  # tied: the head multiplies by this rank's rows of the embedding
                 with _seeded(seed - 2):
                     self.head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False,
@@ -169,6 +169,8 @@ class Transformer(nn.Module):
         if self.embedding is not None:
             check_token_ids("input_ids", x, self.config.vocab_size)
             x = self.embedding(x)
+            if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the model's dtype as in HF
+                x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype).item()
         docs = dict(cu_seqlens=cu_seqlens, position_ids=position_ids)
         for block in self.layers.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -179,6 +181,9 @@ class Transformer(nn.Module):
             x = self.norm(x)
             if not (self.return_hidden if return_hidden is None else return_hidden):
                 x = self.head(x) if self.head is not None else self._tied_head(x)
+                cap = self.config.final_logit_softcap
+                if cap is not None:  # Gemma 2/3: c * tanh(z / c), as HF computes it
+                    x = torch.tanh(x / cap) * cap
         return x
 
     def pipeline_args(self, microbatch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,7 +268,8 @@ class Transformer(nn.Module):
         ``output``: the logits ``[batch, seq / sp, vocab / tp]`` of ``model(ids)``, or the hidden
         states ``[batch, seq / (sp*tp), hidden]`` of ``model(ids, return_hidden=True)``: then the
         head is fused into the loss (:func:`fusedpar.ops.linear_cross_entropy`, the logits never
-        exist; ``fused`` passes its ``label_smoothing``, ``z_loss``, ``softcap``, ``chunk_tokens``).
+        exist; ``fused`` passes its ``label_smoothing``, ``z_loss``, ``softcap``, ``chunk_tokens``;
+        ``config.final_logit_softcap`` is applied in both cases: the logits of ``model(ids)`` are capped).
         Which one is read from the shapes (hidden when both fit: ``tp == 1`` and ``hidden ==
         vocab``, and ``return_hidden`` was set at construction).
 
@@ -276,6 +282,11 @@ class Transformer(nn.Module):
         ``"none"``: per-token losses of this tp group's tokens."""
         groups = self.data_groups() if isinstance(data_group, str) and data_group == "sp" else data_group
         if self._is_hidden(output, targets):
+            if self.config.final_logit_softcap is not None:
+                if fused.get("softcap") not in (None, self.config.final_logit_softcap):
+                    raise ValueError(f"softcap must be config.final_logit_softcap={self.config.final_logit_softcap} "
+                                     f"(applied by the model) or omitted, got {fused['softcap']}")
+                fused["softcap"] = self.config.final_logit_softcap
             return linear_cross_entropy(output, self.head_weight(), targets, group=self.tp_group,
                                         sequence_parallel=True, ignore_index=ignore_index, reduction=reduction,
                                         data_group=groups, **fused)

@@ -3,7 +3,7 @@ the transports and the schedules.
 
 Every differentiable op is importable from here. Each op family ``F`` (``tensor_parallel``,
 ``sp_attention``, ``flash``, ``moe``, ``norm``, ``loss``,
-``linear_cross_entropy``, ``fp8``) keeps its functional API (argument
+``linear_cross_entropy``, ``fp8``, ``replicas``) keeps its functional API (argument
 checks, then the custom-op object) in ``fusedpar/ops/F.py``, its ``torch.library`` custom ops
 (forward op, ``*_backward`` op, fakes, autograd registration) in ``fusedpar/ops/F_library.py``
 and the ops' named bodies (``<op>_fwd`` / ``<op>_bwd``) there or in helper modules
@@ -60,11 +60,12 @@ from .sp_attention_schedules import (
     zigzag_shard,
     zigzag_unshard,
 )
-from .norm import rms_norm
+from .norm import rms_norm, sharded_rms_norm
 from .loss import attach_aux_loss, global_loss, vocab_parallel_cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
 from .fp8 import fp8_linear
 from .fp8_library import fp8_linear_bwd, fp8_linear_fwd
+from .replicas import replicated_rows
 
 __all__ = [
     "EmulatedTransport", "PortableTransport", "SymmetricTransport", "Transport", "get_transport",
@@ -82,6 +83,8 @@ __all__ = [
     "ring_attention_bwd", "ring_attention_fwd", "sequence_shard", "shard_positions", "ulysses_attention",
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",
-    "rms_norm", "attach_aux_loss", "global_loss", "linear_cross_entropy", "vocab_parallel_cross_entropy",
+    "rms_norm", "sharded_rms_norm", "attach_aux_loss", "global_loss", "linear_cross_entropy",
+    "vocab_parallel_cross_entropy",
     "fp8_linear", "fp8_linear_bwd", "fp8_linear_fwd",
+    "replicated_rows",
 ]

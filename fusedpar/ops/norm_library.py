@@ -8,15 +8,27 @@
   of the residual alike; ``dw`` absent unless asked for.
 
 The bodies call the launchers of :mod:`fusedpar.kernels.rmsnorm`.
+
+* ``fusedpar::sharded_rms_norm(x, weight, eps, token) -> (y, rstd)``
+  (:data:`sharded_rms_norm_op`, body :func:`sharded_rms_norm_fwd`) and its backward
+  ``fusedpar::sharded_rms_norm_backward``: RMSNorm of rows whose features are split over the
+  group the transport ``token`` names (OLMo 2's q / k norm over a whole projection under tensor
+  parallelism). Each rank holds ``H / P`` features and the same slice of the weight; the row's
+  sum of squares (forward) and ``sum(dn * n)`` (backward) are all-reduced over the group, one
+  fp32 value per row each. The bodies are torch ops in fp32 (a ``[tokens, H / P]`` operand, the
+  size of a q or k projection shard): the fused kernels above hold the row statistics inside one
+  program and have no place for a reduction across ranks.
 """
 from __future__ import annotations
 
 import torch
 
 from fusedpar.kernels import rmsnorm as launchers
-from fusedpar.ops.library import absent, custom_op, input_grads, present
+from fusedpar.ops.library import absent, custom_op, hold, input_grads, present
+from fusedpar.ops.transport import token_transport
 
-__all__ = ["rms_norm_backward_op", "rms_norm_bwd", "rms_norm_fwd", "rms_norm_op"]
+__all__ = ["rms_norm_backward_op", "rms_norm_bwd", "rms_norm_fwd", "rms_norm_op", "sharded_rms_norm_backward_op",
+           "sharded_rms_norm_bwd", "sharded_rms_norm_fwd", "sharded_rms_norm_op"]
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
@@ -75,3 +87,77 @@ def _backward(ctx, grad_y, grad_h, grad_rstd):
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# features split over a group
+# ----------------------------------------------------------------------------------------------
+def _row_sum_over_group(t: torch.Tensor, token: str) -> torch.Tensor:
+    """``t`` (fp32 per-row partial sums) summed over the group of ``token``, in place."""
+    transport = token_transport(token)
+    if transport.size > 1:
+        transport.all_reduce(t).wait()
+    return t
+
+
+def sharded_rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                         token: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)``: ``y = x * rstd * weight`` in ``x.dtype`` with ``rstd = 1 / sqrt(mean(x^2) +
+    eps)`` over the full row, whose ``H / P`` local features ``x`` ``[..., H / P]`` holds (one
+    all-reduce of the fp32 row sums of squares over the group of ``token``)."""
+    xf = x.float()
+    sumsq = _row_sum_over_group(xf.square().sum(-1), token)
+    rstd = torch.rsqrt(sumsq / (x.shape[-1] * token_transport(token).size) + eps)
+    y = xf * rstd.unsqueeze(-1)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype), rstd
+
+
+sharded_rms_norm_op = custom_op("sharded_rms_norm")(sharded_rms_norm_fwd)
+
+
+@sharded_rms_norm_op.register_fake
+def _(x, weight, eps, token):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def sharded_rms_norm_bwd(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+                         token: str, need_weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dw)``: ``dx = rstd * (dn - n * mean(dn * n))`` with ``n = x * rstd``, ``dn = dy *
+    weight`` and the mean over the full row (one all-reduce of its fp32 row sums); ``dw`` (this
+    rank's slice, absent unless ``need_weight_grad``) sums ``dy * n`` over the local rows."""
+    n = x.float() * rstd.unsqueeze(-1)
+    dy = grad_y.float()
+    dn = dy * weight.float() if weight is not None else dy
+    full = x.shape[-1] * token_transport(token).size
+    c = _row_sum_over_group((dn * n).sum(-1), token) / full
+    dx = (rstd.unsqueeze(-1) * (dn - n * c.unsqueeze(-1))).to(x.dtype)
+    if weight is None or not need_weight_grad:
+        return dx, absent(x)
+    return dx, (dy * n).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+
+
+sharded_rms_norm_backward_op = custom_op("sharded_rms_norm_backward")(sharded_rms_norm_bwd)
+
+
+@sharded_rms_norm_backward_op.register_fake
+def _(grad_y, x, weight, rstd, token, need_weight_grad):
+    dw = torch.empty_like(weight) if weight is not None and need_weight_grad else x.new_empty((0,))
+    return x.new_empty(x.shape), dw
+
+
+def _sharded_setup(ctx, inputs, output):
+    x, weight, _, ctx.token = inputs
+    ctx.transports = hold(ctx.token)
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _sharded_backward(ctx, grad_y, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    need_dw = weight is not None and ctx.needs_input_grad[1]
+    dx, dw = sharded_rms_norm_backward_op(grad_y, x, weight, rstd, ctx.token, need_dw)
+    return input_grads(sharded_rms_norm_op, x=dx, weight=present(dw))
+
+
+sharded_rms_norm_op.register_autograd(_sharded_backward, setup_context=_sharded_setup)
