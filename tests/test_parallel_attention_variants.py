@@ -122,11 +122,11 @@ def test_sinks_checkpoint_tp2_to_tp1(world4, tmp_path):
 
 def test_transformer_config_passes_per_layer_attention_options():
     # Hugging Face's fields -> each block's ParallelAttention: HF's window W is window=(W - 1, 0)
-    # on the "sliding_attention" layers only; Gemma's query_pre_attn_scalar is the softmax scale
+    # on the "sliding_attention" layers only; softmax_scale (Gemma: query_pre_attn_scalar ** -0.5)
     config = TransformerConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, ffn_hidden_size=16,
                                head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                attn_logit_softcapping=30.0, attention_sinks=True, v_head_dim=6,
-                               query_pre_attn_scalar=16.0)
+                               softmax_scale=0.25)
     model = Transformer(config, seed=1)
     attns = [model.layers[str(i)].attn for i in range(2)]
     assert [a.window for a in attns] == [(3, 0), None]
