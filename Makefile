@@ -80,6 +80,7 @@ gpu-test: gpu-setup
 gpu-bench-kernels: gpu-setup
 	for e in none bias gelu swiglu; do $(GPU_BENCH) matmul --epilogue $$e --json $(GPU_RESULTS)/$(GPU_TAG)-matmul-$$e.json || exit 1; done
 	$(GPU_BENCH) attention --json $(GPU_RESULTS)/$(GPU_TAG)-attention.json
+	$(GPU_BENCH) attention_variants --json $(GPU_RESULTS)/$(GPU_TAG)-attention_variants.json
 	$(GPU_BENCH) varlen_attention --json $(GPU_RESULTS)/$(GPU_TAG)-varlen_attention.json
 
 gpu-bench-comm: gpu-setup

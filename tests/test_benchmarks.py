@@ -127,6 +127,19 @@ def _run_file(path, mode, date, rows, **extra_env):
     path.write_text(json.dumps({"env": env, "results": rows}))
 
 
+def test_attention_variants_cli_smoke(bench_main, tmp_path):
+    """Each variant row (window, sinks, MLA 24/16 on CPU, softcap) is checked against its baseline's
+    result (SDPA with the equivalent mask, or the float64 reference for softcap) before timing."""
+    out = tmp_path / "v.json"
+    assert bench_main(["attention_variants", "--seq", "24", "--window", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["attention_variants"]
+    assert [r["variant"] for r in rows] == ["window", "sinks", "mla", "softcap"]
+    assert all(r["max_rel_err"] < 1e-5 and r["fwd_ms"] > 0 and r["baseline_bwd_ms"] > 0 for r in rows)
+    assert rows[2]["qk_head_dim"] != rows[2]["v_head_dim"] and rows[0]["window"] == 5
+    with pytest.raises(ValueError, match="--variants must be a comma-separated subset"):
+        bench_main(["attention_variants", "--variants", "window,alibi"])
+
+
 def test_report_from_gpu_runs_only(bench_main, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
