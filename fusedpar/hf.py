@@ -41,7 +41,8 @@ from fusedpar.hf_parallel import (
 from fusedpar.nn import Transformer, TransformerConfig, checkpoint_buffers
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "causal_lm_loss", "config_from_hf", "from_hf", "gather_sequence",
-           "gradient_sync_plan", "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch", "to_hf_state_dict"]
+           "gradient_sync_plan", "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch",
+           "to_hf_state_dict"]
 
 
 # ----------------------------------------------------------------------------------------------
