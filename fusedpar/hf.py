@@ -38,7 +38,7 @@ from fusedpar.hf_parallel import (
     sequence_parallel_loss,
     shard_batch,
 )
-from fusedpar.nn import Transformer, TransformerConfig, checkpoint_buffers
+from fusedpar.nn import ParallelAttention, Transformer, TransformerConfig, checkpoint_buffers
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFMoEBlock", "causal_lm_loss", "config_from_hf", "from_hf", "gather_sequence",
            "gradient_sync_plan", "load_full_state_dict", "parallelize", "sequence_parallel_loss", "shard_batch",
@@ -150,11 +150,15 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 
 
 def _set_param(model: nn.Module, name: str, p: torch.Tensor, local: torch.Tensor, device, dtype) -> None:
-    """Replace parameter ``name`` (currently ``p``, maybe on the meta device) by ``local``."""
+    """Replace parameter ``name`` (currently ``p``, maybe on the meta device) by ``local``, in
+    ``dtype`` (default: ``p``'s, or ``local``'s for a meta ``p``); attention sinks stay fp32 (the
+    attention ops take fp32 sink logits; gpt-oss checkpoints store them in bf16)."""
     target = p.device if p.device.type != "meta" else torch.device(device or "cpu")
-    new = local.to(device=target, dtype=dtype or (p.dtype if p.device.type != "meta" else local.dtype)).clone()
     mod_name, _, pname = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
+    if isinstance(mod, ParallelAttention) and pname == "sinks":
+        dtype = torch.float32
+    new = local.to(device=target, dtype=dtype or (p.dtype if p.device.type != "meta" else local.dtype)).clone()
     setattr(mod, pname, nn.Parameter(new, requires_grad=p.requires_grad))
 
 

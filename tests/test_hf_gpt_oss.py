@@ -91,3 +91,24 @@ def test_gpt_oss_fields_not_implemented_raise(field, value, match):
 def test_gpt_oss_is_route_a_only():
     with pytest.raises(ValueError, match="parallelize: model_type must be one of .* got 'gpt_oss'"):
         parallelize(hf_model("gpt_oss"))
+
+
+def test_gpt_oss_bf16_checkpoint_keeps_the_sinks_fp32(tmp_path):
+    """gpt-oss checkpoints store the sinks in bf16 like the other weights: from_hf keeps the
+    checkpoint's dtype but for the sinks, which the attention takes in fp32. Reference: the fp32
+    HF model holding the bf16 checkpoint's values (an HF model cast to bf16 also rounds its RoPE
+    frequencies). Tolerance 5e-2 of scale: bf16 activations on a residual stream of size ~40, whose
+    bf16 spacing is 0.25 (transformers' own bf16 model is 1.4e-2 off); a wrong or missing weight is
+    off by the scale itself."""
+    hf = hf_model("gpt_oss").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    model = from_hf(str(tmp_path))
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {n for n, d in dtypes.items() if d != torch.bfloat16} == {"layers.0.attn.sinks", "layers.1.attn.sinks"}
+    assert all(dtypes[f"layers.{i}.attn.sinks"] == torch.float32 for i in range(2))
+    reference = hf_model("gpt_oss", seed=7)
+    reference.load_state_dict(hf.state_dict())
+    tokens, _ = tokens_targets(3, 1, 8)
+    ref = reference(tokens).logits.detach()
+    err = (model(tokens).float() - ref).abs().max().item()
+    assert err <= 5e-2 * ref.abs().max().item(), f"bf16 logits off by {err:.3g}"
