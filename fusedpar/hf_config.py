@@ -93,6 +93,11 @@ def _check_unsupported(cfg, model_type):
         _unsupported(model_type, "router_jitter_noise", _get(cfg, "router_jitter_noise"), "no router jitter")
     if int(_get(cfg, "pretraining_tp", 1) or 1) != 1:
         _unsupported(model_type, "pretraining_tp", _get(cfg, "pretraining_tp"), "must be 1")
+    quant = _get(cfg, "quantization_config")
+    if quant:  # e.g. gpt-oss's released MXFP4 experts, DeepSeek-V3's fp8 blocks
+        _unsupported(model_type, "quantization_config.quant_method", _get(quant, "quant_method", quant),
+                     "unquantized weights only: load the model dequantized (gpt-oss: transformers' "
+                     "Mxfp4Config(dequantize=True)) and pass it or its save_pretrained directory")
 
 
 def _sliding_window(cfg, model_type):

@@ -80,6 +80,7 @@ def test_gpt_oss_config_fields():
     ("swiglu_alpha", 1.5, "swiglu_alpha=1.5 is not supported"),
     ("attention_dropout", 0.1, "attention_dropout=0.1 is not supported"),
     ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "rope_type='dynamic'"),
+    ("quantization_config", {"quant_method": "mxfp4"}, r"quantization_config.quant_method='mxfp4' .*dequantize"),
 ])
 def test_gpt_oss_fields_not_implemented_raise(field, value, match):
     raw = hf_model("gpt_oss").config.to_dict()
