@@ -17,8 +17,8 @@ from fusedpar.hf import from_hf
 TOL = 1e-4
 
 FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmo2",
-            "gemma", "gemma2", "gemma3")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+            "gemma", "gemma2", "gemma3", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss")
 # DeepSeek-V3 (route A only; its tests are tests/test_hf_deepseek.py and its cases in test_hf_world.py):
 # MLA (q latent, YaRN with mscale_all_dim, interleaved rope, v head dim 6 != 4 + 4), a dense block
 # then a MoE block (sigmoid router over 2 groups, 1 searched, score bias), an ungated shared expert
@@ -30,6 +30,8 @@ DEEPSEEK_V3 = dict(
     max_position_embeddings=64, rope_interleave=True, tie_word_embeddings=False,
     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 VOCAB, HIDDEN, LAYERS = 32, 16, 2
 
 
@@ -77,6 +79,12 @@ def hf_model(family: str, seed: int = 0, **extra):
                                                                                     "rope_theta": 100.0},
                                                               "full_attention": {"rope_type": "default",
                                                                                  "rope_theta": 10000.0}}),
+        # gpt-oss: sinks, q / k / v and o_proj biases, a sliding layer (window 5) then a full one, YaRN
+        # (untruncated), every block a MoE: biased router, softmax over the top-k logits, experts
+        # with biases and the clamped SwiGLU (HF's gate / up columns interleaved)
+        "gpt_oss": lambda: T.GptOssConfig(**dict(kw, head_dim=8), **moe, num_local_experts=4, sliding_window=5,
+                                          layer_types=["sliding_attention", "full_attention"],
+                                          max_position_embeddings=16, rope_parameters=GPT_OSS_YARN),
     }
     config = configs[family]()
     for k, v in extra.items():
@@ -87,12 +95,17 @@ def hf_model(family: str, seed: int = 0, **extra):
            "qwen2": T.Qwen2ForCausalLM, "qwen3": T.Qwen3ForCausalLM, "mixtral": T.MixtralForCausalLM,
            "qwen2_moe": T.Qwen2MoeForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
            "glm4_moe": T.Glm4MoeForCausalLM, "deepseek_v3": T.DeepseekV3ForCausalLM, "olmo2": T.Olmo2ForCausalLM,
-           "gemma": T.GemmaForCausalLM, "gemma2": T.Gemma2ForCausalLM, "gemma3": T.Gemma3ForCausalLM}[family]
+           "gemma": T.GemmaForCausalLM, "gemma2": T.Gemma2ForCausalLM, "gemma3": T.Gemma3ForCausalLM,
+           "gpt_oss": T.GptOssForCausalLM}[family]
     model = cls(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):  # gpt-oss's sink logits: of the scores' size
+                p.normal_(0, 1.0)
+            elif name.endswith("experts.gate_up_proj") and family == "gpt_oss":  # pre-activations of std ~4:
+                p.normal_(0, 1.0)  # the SwiGLU's clamps at +-7 are hit
             elif name.endswith("bias"):
                 p.normal_(0, 0.5)
             else:

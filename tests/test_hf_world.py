@@ -37,9 +37,13 @@ CASES += [("deepseek_v3", "tp2"), ("deepseek_v3", "sp2-ep2")]
 # RoPE bases under the zigzag ring
 CASES += [(f, lay) for f in ("olmo2", "gemma") for lay in ("tp2", "sp2-ring-zigzag", "sp2-ulysses")]
 CASES += [("gemma2", "tp2"), ("gemma2", "sp2-ulysses"), ("gemma3", "tp2"), ("gemma3", "sp2-ring-zigzag")]
+# gpt-oss (route A): sinks split with the heads, the o_proj bias, q / k / v biases under tp; the sliding
+# layer, YaRN and the sinks under the zigzag ring with the biased experts and router over the sp ranks
+CASES += [("gpt_oss", "tp2"), ("gpt_oss", "sp2-ep2")]
 # sp2-ep2 loads from a checkpoint directory: one tensor per expert (save_pretrained's format) or
-# transformers 5's stacked expert tensors; each rank must read only its own experts' bytes
-FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked"}
+# transformers 5's stacked expert tensors (gpt-oss: its biases too, in HF's transposed, interleaved
+# layout, rearranged after the rows are read); each rank must read only its own experts' bytes
+FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked", "gpt_oss": "stacked"}
 B, S = 2, 8
 
 

@@ -41,8 +41,8 @@ MAX_FUNCTION_LINES = 60
 FUNCTION_LINES_ALLOWED: dict[tuple[str, str], str] = {}
 MODULE_LINES_ALLOWED: dict[str, str] = {}
 
-MODEL_LAYER = ("fusedpar.parallel", "fusedpar.checkpoint", "fusedpar.data", "fusedpar.hf", "fusedpar.hf_parallel",
-               "fusedpar.demo")
+MODEL_LAYER = ("fusedpar.parallel", "fusedpar.checkpoint", "fusedpar.data", "fusedpar.hf", "fusedpar.hf_config",
+               "fusedpar.hf_parallel", "fusedpar.demo")
 FORBIDDEN_IMPORTS = {
     # layer (a source dir, relative) -> module prefixes it must not import
     "kernels": ("fusedpar.ops", "fusedpar.nn") + MODEL_LAYER + ("torch.distributed", "benchmarks"),

@@ -38,7 +38,8 @@ class TransformerBlock(nn.Module):
     construction-time layout checks: as in :class:`Transformer` (an omitted group is the world; a
     layout that does not fit raises one ``ValueError`` naming the groups and their ranks).
     ``window``, ``softcap``, ``sinks``, ``v_head_dim``, ``softmax_scale``: the attention options
-    of :class:`ParallelAttention`.
+    of :class:`ParallelAttention`; ``attention_out_bias``: a bias on its output projection
+    (gpt-oss). ``expert_bias``: the MoE experts' biases (:class:`MoE`).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
@@ -48,7 +49,8 @@ class TransformerBlock(nn.Module):
                  top_k: int = 2, capacity_factor: float | None = None, aux_loss_coef: float = 1e-2,
                  z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None,
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, head_dim: int | None = None,
-                 qkv_bias: bool = False, qk_norm: bool = False, norm_topk_prob: bool | None = None,
+                 qkv_bias: bool = False, attention_out_bias: bool = False, qk_norm: bool = False,
+                 norm_topk_prob: bool | None = None, expert_bias: bool = False,
                  shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = True,
                  router_options: dict | None = None, window=None, softcap: float | None = None, sinks: bool = False,
                  v_head_dim: int | None = None, softmax_scale: float | None = None, rotary_dim: int | None = None,
@@ -66,7 +68,7 @@ class TransformerBlock(nn.Module):
                                     device=device, dtype=dtype, rope_theta=rope_theta, rope_scaling=rope_scaling, **mla)
         else:
             self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
-                                          sp_mode=sp_mode, causal=causal, bias=False, layout=layout,
+                                          sp_mode=sp_mode, causal=causal, bias=attention_out_bias, layout=layout,
                                           ulysses_group=ulysses_group, ring_group=ring_group, device=device,
                                           dtype=dtype, rope_theta=rope_theta, rope_scaling=rope_scaling,
                                           head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps,
@@ -80,8 +82,8 @@ class TransformerBlock(nn.Module):
         if self.is_moe:
             self.mlp = MoE(hidden_size, ffn_hidden_size, num_experts, top_k, ep_group=ep_group,
                            capacity_factor=capacity_factor, activation=activation, aux_loss_coef=aux_loss_coef,
-                           z_loss_coef=z_loss_coef, normalize=norm_topk_prob, device=device, dtype=dtype,
-                           **(router_options or {}))
+                           z_loss_coef=z_loss_coef, normalize=norm_topk_prob, expert_bias=expert_bias,
+                           device=device, dtype=dtype, **(router_options or {}))
             if shared_expert_ffn_hidden_size:  # Qwen2-MoE: y = moe(x) + sigmoid(gate x) * mlp(x)
                 self.shared_expert = ParallelMLP(hidden_size, shared_expert_ffn_hidden_size, activation=activation,
                                                  group=tp_group, sequence_parallel=True, bias=False, device=device,

@@ -59,6 +59,7 @@ class TransformerConfig:
     rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters: None, "default", "llama3" or "yarn"
     head_dim: int | None = None  # default hidden_size // num_heads
     qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections (not on the output one)
+    attention_out_bias: bool = False  # gpt-oss: a bias on the attention's output projection (o_proj)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k before the rotary embedding
     tie_word_embeddings: bool = False  # the head is the embedding table (one parameter)
     norm_topk_prob: bool | None = None  # renormalise the top-k router weights (None: TopKRouter's default)
@@ -79,6 +80,7 @@ class TransformerConfig:
     bias_update_rate: float = 0.0  # aux-loss-free balancing: Transformer.update_router_bias after opt.step()
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (added to the aux loss)
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    expert_bias: bool = False  # gpt-oss: each expert's two projections have biases (MoE's b1, b2)
     # DeepSeek-V3 / GLM-4.5 MoE layout (defaults keep the earlier behaviour)
     first_k_dense_replace: int = 0  # HF first_k_dense_replace: blocks 0..k-1 stay dense
     shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3 / GLM-4.5)
@@ -133,7 +135,8 @@ class TransformerConfig:
                     top_k=self.top_k, capacity_factor=self.capacity_factor,
                     aux_loss_coef=0.0 if hf_aux else self.aux_loss_coef, z_loss_coef=0.0 if hf_aux else self.z_loss_coef,
                     rope_theta=float(theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
-                    qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_topk_prob=self.norm_topk_prob,
+                    qkv_bias=self.qkv_bias, attention_out_bias=self.attention_out_bias, qk_norm=self.qk_norm,
+                    norm_topk_prob=self.norm_topk_prob, expert_bias=self.expert_bias,
                     norm_layout=self.norm_layout, norm_offset=self.norm_offset, qk_norm_scope=self.qk_norm_scope,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
                     shared_expert_gate=self.shared_expert_gate, rotary_dim=self.rotary_dim(),
@@ -175,7 +178,8 @@ class TransformerConfig:
 def check_config_values(cfg: "TransformerConfig") -> None:
     """The fields the size checks above do not cover: booleans are bools, modes from their set,
     optional sizes positive (a 0 is an error, never a silent fall-back to the default)."""
-    for name in ("causal", "qkv_bias", "qk_norm", "tie_word_embeddings", "attention_sinks"):
+    for name in ("causal", "qkv_bias", "attention_out_bias", "qk_norm", "tie_word_embeddings", "attention_sinks",
+                 "expert_bias"):
         check_bool(f"TransformerConfig.{name}", getattr(cfg, name))
     if cfg.norm_topk_prob is not None:
         check_bool("TransformerConfig.norm_topk_prob", cfg.norm_topk_prob)
@@ -189,6 +193,8 @@ def check_config_values(cfg: "TransformerConfig") -> None:
     check_layer_types(cfg)
     if cfg.num_experts:
         check_int("TransformerConfig.top_k", cfg.top_k, min_value=1, max_value=cfg.num_experts)
+    elif cfg.expert_bias:
+        raise ValueError("TransformerConfig.expert_bias=True needs experts (num_experts > 0), got num_experts=0")
     check_choice("TransformerConfig.score_func", cfg.score_func, tuple(SCORE_FUNCS))
     if cfg.num_experts:
         check_routing_config(cfg.num_experts, cfg.top_k, score=cfg.score_func, n_group=cfg.n_group,
@@ -253,7 +259,7 @@ def check_mla_values(cfg: "TransformerConfig") -> None:
         check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=0 if name == "qk_nope_head_dim" else 1)
     if cfg.q_lora_rank is not None:
         check_int("TransformerConfig.q_lora_rank", cfg.q_lora_rank, min_value=1)
-    for name in ("qkv_bias", "qk_norm"):
+    for name in ("qkv_bias", "qk_norm", "attention_out_bias"):
         if getattr(cfg, name):
             raise ValueError(f"TransformerConfig.{name} must be False with attention='mla' (MLA has its own "
                              f"projections), got True")
