@@ -6,7 +6,8 @@ moe_intermediate_size``) and ``first_k_dense_replace`` dense blocks first.
   (output and every gradient);
 * world 4: a tiny one-block model with that layer trained 2 SGD steps at dp4 x ep1, dp4 x ep2 (two copies
   of each expert) and dp4 x ep4, each step's loss, every gradient and the auxiliary-loss-free
-  bias after each update equal to the one-process model trained on the whole batch.
+  bias after each update equal to the one-process model trained on the whole batch; the same for
+  gpt-oss's layer (softmax over the chosen logits, router bias, expert biases, clamped SwiGLU).
 """
 import pytest
 import torch
@@ -84,18 +85,24 @@ def test_feed_forward_equals_transformers_deepseek_v3_moe():
 # trained end to end at ep1, ep2 and ep4 over dp4
 # ----------------------------------------------------------------------------------------------
 B, S, STEPS, LR = 4, 8, 2, 0.5
-# one block, the MoE one (the dense first block is checked above and in the GLM-4.5 family tests)
-TRAIN = dict(DEEPSEEK, num_layers=1, first_k_dense_replace=0, bias_update_rate=0.02, seq_aux_loss_coef=0.1)
+# one block, the MoE one (the dense first block is checked above and in the GLM-4.5 family tests);
+# and gpt-oss's layer: softmax over the chosen logits, a router bias, expert biases, clamped SwiGLU
+STYLES = {
+    "deepseek_v3": dict(DEEPSEEK, num_layers=1, first_k_dense_replace=0, bias_update_rate=0.02, seq_aux_loss_coef=0.1),
+    "gpt_oss": dict(num_layers=1, num_experts=E, top_k=K, moe_ffn_hidden_size=FFN_E, score_func="softmax_topk",
+                    router_bias=True, expert_bias=True, activation="swiglu_oai"),
+}
 
 
 def _biases(model):
-    return {i: b.mlp.router.e_score_correction_bias.clone() for i, b in model.layers.items() if b.is_moe}
+    return {i: b.mlp.router.e_score_correction_bias.clone() for i, b in model.layers.items()
+            if b.is_moe and b.mlp.router.e_score_correction_bias is not None}
 
 
-def _one_process():
+def _one_process(train):
     """Per step: the loss (cross entropy + sequence-wise balance loss, whole batch), the full
     gradients, and the correction biases after the update."""
-    config = tiny_config(**TRAIN)
+    config = tiny_config(**train)
     model = Transformer(config, seed=1)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
@@ -111,10 +118,10 @@ def _one_process():
     return out
 
 
-def _train(rank, size, ref):
+def _train(rank, size, ref, train):
     from fusedpar.parallel import build_parallel_state, sync_gradients
 
-    config = tiny_config(**TRAIN)
+    config = tiny_config(**train)
     checked = {}
     for ep in (1, 2, 4):
         state = build_parallel_state(dp=size, ep=ep)
@@ -134,16 +141,19 @@ def _train(rank, size, ref):
             opt.step()
             opt.zero_grad()
             loads = model.update_router_bias(state.data_tp_group)
+            assert all(torch.equal(loads[name].counts, counts) for name, counts in ref_counts.items()), tag
             for i, bias in _biases(model).items():
-                assert torch.equal(loads[f"layers.{i}"].counts, ref_counts[f"layers.{i}"]), tag
                 assert torch.equal(bias, ref_bias[i]), f"correction bias of layer {i}, {tag}"
         checked[ep] = n
     return checked
 
 
-def test_trained_at_ep1_ep2_ep4_over_dp4(world4):
-    ref = _one_process()
-    assert any(c.any() for c in ref[0][2].values())  # the bias moved before the second step
-    out = world4.run(_train, ref)
-    n_params = len(list(Transformer(tiny_config(**TRAIN)).parameters()))
+@pytest.mark.parametrize("style", list(STYLES))
+def test_trained_at_ep1_ep2_ep4_over_dp4(world4, style):
+    train = STYLES[style]
+    ref = _one_process(train)
+    if style == "deepseek_v3":
+        assert any(c.any() for c in ref[0][2].values())  # the bias moved before the second step
+    out = world4.run(_train, ref, train)
+    n_params = len(list(Transformer(tiny_config(**train)).parameters()))
     assert all(c == {ep: STEPS * n_params for ep in (1, 2, 4)} for c in out), out
