@@ -11,7 +11,7 @@ import torch
 from _utils import assert_close
 from fusedpar.hf import load_full_state_dict
 from fusedpar.nn import MLAttention
-from fusedpar.nn.attention import rope_attention_factor, rope_inv_freq, rotary_cos_sin
+from fusedpar.nn.rotary import rope_attention_factor, rope_inv_freq, rotary_cos_sin
 from fusedpar.nn.mla import mla_softmax_scale
 
 T = pytest.importorskip("transformers")

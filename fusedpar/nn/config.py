@@ -17,7 +17,7 @@ from fusedpar.kernels.checks import (
 from fusedpar.kernels.moe_topk import SCORE_FUNCS, check_routing_config
 from fusedpar.kernels.runtime import ACTIVATIONS
 
-from .attention import rope_inv_freq
+from .rotary import rope_inv_freq
 
 __all__ = ["NORM_LAYOUTS", "TransformerConfig", "check_token_ids"]
 

@@ -35,11 +35,12 @@ import torch
 from torch import nn
 
 from fusedpar.kernels.checks import check_bool, check_int, check_positive_number
-from fusedpar.nn.attention import SequenceParallelAttention, apply_rotary, rope_inv_freq, rotary_cos_sin, yarn_mscale
+from fusedpar.nn.attention import SequenceParallelAttention
+from fusedpar.nn.rotary import apply_rotary, rope_inv_freq, rotary_cos_sin, yarn_mscale
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
 from fusedpar.nn.placement import Placement
-from fusedpar.ops.sp_attention import hybrid_attention, ring_attention, ulysses_attention, ulysses_kv_heads
+from fusedpar.ops.sp_attention import ulysses_kv_heads
 from fusedpar.ops.tensor_parallel import all_gather_tokens
 
 __all__ = ["MLAttention", "mla_softmax_scale"]
@@ -165,14 +166,7 @@ class MLAttention(SequenceParallelAttention):
         q = torch.cat([q[..., :dn], self._rotate(q[..., dn:], cos, sin)], dim=-1)
         k = torch.cat([kv[..., :dn], k_rot], dim=-1)
         v = kv[..., dn:].contiguous()  # its own head dim: the sp ops take v of any head dim
-        kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
-        if self.sp_mode == "ring":
-            o = ring_attention(q, k, v, transport=self.ring_transport, layout=self.layout, **kw)
-        elif self.sp_mode == "ulysses":
-            o = ulysses_attention(q, k, v, transport=self.ulysses_transport, **kw)
-        else:
-            o = hybrid_attention(q, k, v, ulysses_transport=self.ulysses_transport, ring_transport=self.ring_transport,
-                                 layout=self.layout, **kw)
+        o = self.attend(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
         return self.o_proj(o.reshape(b, s_sp, hl * dv))
 
     def extra_repr(self):
