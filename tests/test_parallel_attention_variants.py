@@ -160,3 +160,17 @@ def test_sinks_export_under_their_hugging_face_name():
         model.layers["0"].attn.sinks.copy_(torch.tensor([0.25, -2.0]))
     sd = to_hf_state_dict(model)
     assert torch.equal(sd["model.layers.0.self_attn.sinks"], torch.tensor([0.25, -2.0]))
+
+
+def test_sinks_stay_fp32_when_the_model_is_cast():
+    """``model.to(torch.bfloat16)`` casts every weight but keeps the sink logits fp32, so the
+    forward (which takes fp32 sinks) still runs; their gradient is fp32 too."""
+    config = TransformerConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=16,
+                               head_dim=8, attention_sinks=True)
+    model = Transformer(config, seed=1).to(torch.bfloat16)
+    attn = model.layers["0"].attn
+    assert attn.qkv.weight.dtype == torch.bfloat16 and attn.sinks.dtype == torch.float32
+    ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(3))
+    model.loss(model(ids), ids).backward()
+    assert attn.sinks.grad.dtype == torch.float32 and torch.isfinite(attn.sinks.grad).all()
+

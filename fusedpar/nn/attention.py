@@ -435,6 +435,14 @@ class ParallelAttention(SequenceParallelAttention):
         norm.weight = nn.Parameter(norm.placements()["weight"].local_from_full(full.weight.detach()))
         return norm
 
+    def _apply(self, fn, recurse=True):
+        """``module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` keep the sink logits fp32 (the
+        attention ops take fp32 sinks; a bf16 logit would also lose the precision they train in)."""
+        super()._apply(fn, recurse)
+        if self.sinks is not None and self.sinks.dtype != torch.float32:
+            self.sinks.data = self.sinks.data.to(torch.float32)
+        return self
+
     def placements(self) -> dict[str, Placement]:
         """``sinks``: one logit per head, split over tp like the heads (the projections and norms
         declare their own)."""
