@@ -1,7 +1,7 @@
-"""Attention variants under sequence parallelism on a real gloo world of 4: sliding windows (in
+"""Attention variants under sequence parallelism on real gloo worlds (4; ring also 2 and 3): sliding windows (in
 global positions, crossing shard boundaries, smaller than a zigzag chunk, both sides),
 softcapping, attention sinks and a v head dim other than q/k's, through ring attention (zigzag
-and contiguous over 4), Ulysses over 4 (kv heads split and replicated) and the 2 x 2 hybrid,
+and contiguous over 4, a few cases over 2 and 3), Ulysses over 4 (kv heads split and replicated) and the 2 x 2 hybrid,
 dense and on packed documents. Each rank's output and q/k/v gradients equal the fp64
 one-process reference at its positions; the sinks' gradient summed over the group equals the
 reference's."""
@@ -16,6 +16,8 @@ from fusedpar.ops import comm, hybrid_attention, ring_attention, shard_positions
 from fusedpar.ops.sp_attention_schedules import ring_step_plan, shard_chunks
 from fusedpar.ops.transport import EmulatedTransport
 
+world2 = world_fixture(2)
+world3 = world_fixture(3)
 world4 = world_fixture(4)
 
 # fp32 against the fp64 reference, relative to the reference's RMS: the ring merges 4 partial
@@ -75,11 +77,12 @@ RING_CASES = [
 ]
 
 
-def _ring_cases(rank, size, seed, s_local):
+def _ring_cases(rank, size, seed, s_local, cases=tuple(range(len(RING_CASES)))):
     straggle(0.01, seed)
     S = s_local * size
     try:
-        for i, (layout, causal, window, softcap, sinks, hq, hk, d, dv, docs) in enumerate(RING_CASES):
+        for i in cases:
+            layout, causal, window, softcap, sinks, hq, hk, d, dv, docs = RING_CASES[i]
             full = _inputs(seed + i, S, hq, hk, d, dv, sinks)
             cu = _documents(S) if docs else None
             pos = shard_positions(S, layout=layout, ring_rank=rank, ring_size=size)
@@ -93,6 +96,16 @@ def _ring_cases(rank, size, seed, s_local):
 
 def test_ring_variants(world4):
     assert all(world4.run(_ring_cases, seed=1, s_local=6))
+
+
+def test_ring_variants_world2(world2):
+    # two ranks: the window over several chunks with softcap, and the two-sided non-causal window
+    assert all(world2.run(_ring_cases, seed=4, s_local=6, cases=(1, 2)))
+
+
+def test_ring_variants_world3(world3):
+    # an odd ring: the window smaller than a chunk, and documents with a window, softcap and sinks
+    assert all(world3.run(_ring_cases, seed=5, s_local=6, cases=(0, 4)))
 
 
 # (causal, window, softcap, sinks, hq, hk, d, dv, documents): kv heads split, replicated
