@@ -100,13 +100,27 @@ def _check_unsupported(cfg, model_type):
                      "Mxfp4Config(dequantize=True)) and pass it or its save_pretrained directory")
 
 
+def _layer_types(cfg, model_type):
+    """HF's ``layer_types``, or the default transformers fills in when a config (e.g. an older
+    ``config.json`` read as a dict) has none: Gemma 2 and gpt-oss alternate, sliding first; Gemma 3
+    makes every ``sliding_window_pattern``-th layer (default 6) global. None for the other families
+    (a window there covers every layer)."""
+    types = _get(cfg, "layer_types")
+    if types is not None or model_type not in ("gemma2", "gemma3_text", "gpt_oss"):
+        return None if types is None else list(types)
+    layers = config_number(cfg, "num_hidden_layers", "config_from_hf")
+    every = config_number(cfg, "sliding_window_pattern", "config_from_hf", default=6) \
+        if model_type == "gemma3_text" else 2
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+
+
 def _sliding_window(cfg, model_type):
     """HF's active sliding window (None when off): the layers that ``layer_types`` marks
     ``"sliding_attention"`` (all of them without ``layer_types``) attend through it."""
     window = _get(cfg, "sliding_window")
     uses_window = _get(cfg, "use_sliding_window", model_type in ("mistral", "mixtral"))
     if model_type in ("gemma2", "gemma3_text"):  # windows on the sliding layers only (layer_types)
-        uses_window = "sliding_attention" in (_get(cfg, "layer_types") or ())
+        uses_window = "sliding_attention" in _layer_types(cfg, model_type)
     return int(window) if window and uses_window else None
 
 
@@ -153,7 +167,7 @@ def _family_fields(cfg, model_type, num) -> dict:
                              "one RoPE scaling for all layers: none on Gemma 3, whose local layers have none")
             thetas = {"full_attention": float(_get(cfg, "rope_theta", 1e6)),
                       "sliding_attention": float(_get(cfg, "rope_local_base_freq", 1e4))}
-        types = _get(cfg, "layer_types") or ["full_attention"] * num("num_hidden_layers")
+        types = _layer_types(cfg, model_type)
         fields["layer_rope_theta"] = tuple(thetas.get(t, thetas["full_attention"]) for t in types)
         fields["rope_theta"] = thetas["full_attention"]
     return fields
@@ -194,14 +208,14 @@ def _deepseek_fields(cfg):
     shared = num("n_shared_experts", default=0) or 0
     heads = num("num_attention_heads")
     experts = num("n_routed_experts")
-    dense = min(num("first_k_dense_replace", default=0) or 0, num("num_hidden_layers"))
+    dense = num("first_k_dense_replace", default=0) or 0
     return dict(
         attention="mla", q_lora_rank=_get(cfg, "q_lora_rank"), kv_lora_rank=num("kv_lora_rank"),
         qk_nope_head_dim=num("qk_nope_head_dim"), qk_rope_head_dim=num("qk_rope_head_dim"),
         v_head_dim=num("v_head_dim"), rope_interleave=bool(_get(cfg, "rope_interleave", True)),
         head_dim=None, num_kv_heads=heads, qkv_bias=False, qk_norm=False,
         num_experts=experts, top_k=num("num_experts_per_tok"), moe_ffn_hidden_size=num("moe_intermediate_size"),
-        dense_layers=tuple(range(dense)), score_func="sigmoid", score_correction_bias=True,
+        first_k_dense_replace=dense, score_func="sigmoid", score_correction_bias=True,
         shared_expert_ffn_hidden_size=num("moe_intermediate_size") * shared, shared_expert_gate=False,
         n_group=num("n_group", default=1) or 1, topk_group=_get(cfg, "topk_group"),
         norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)),
@@ -224,9 +238,7 @@ def _gpt_oss_fields(cfg):
                   sliding_window=None, layer_types=None)
     window = num("sliding_window", default=None)
     if window:
-        types = _get(cfg, "layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                             for i in range(num("num_hidden_layers"))]
-        fields.update(sliding_window=window, layer_types=list(types))
+        fields.update(sliding_window=window, layer_types=_layer_types(cfg, "gpt_oss"))
     return fields
 
 
@@ -255,8 +267,8 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
         partial_rotary_factor=partial,
         tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
         sliding_window=_sliding_window(hf_config, model_type), pad_token_id=_pad_token(hf_config, num("vocab_size")))
-    if fields["sliding_window"] is not None and _get(hf_config, "layer_types", None) is not None:
-        fields["layer_types"] = list(_get(hf_config, "layer_types"))
+    if fields["sliding_window"] is not None and _layer_types(hf_config, model_type) is not None:
+        fields["layer_types"] = _layer_types(hf_config, model_type)
     if model_type == "glm4_moe":
         fields.update(qkv_bias=bool(_get(hf_config, "attention_bias", False)),
                       qk_norm=bool(_get(hf_config, "use_qk_norm", False)))

@@ -446,6 +446,23 @@ def test_directory_round_trip_and_training_steps_match_transformers(family, tmp_
         _assert_close(trained[name], p, f"{family} {name} after 3 AdamW steps")
 
 
+def test_layer_types_default_when_a_config_dict_has_none():
+    """An older config.json read as a dict has no ``layer_types``: transformers' default pattern
+    applies (Gemma 2 alternates, sliding first; Gemma 3 makes every ``sliding_window_pattern``-th
+    layer global) so the windows and Gemma 3's local RoPE base are kept, as from the config object."""
+    for cls, extra in ((transformers.Gemma2Config, {}), (transformers.Gemma3TextConfig, {"sliding_window_pattern": 3})):
+        hf_config = cls(num_hidden_layers=6, sliding_window=16, **extra)
+        raw = hf_config.to_dict()
+        raw.pop("layer_types")
+        if "sliding_window_pattern" in extra:
+            raw["sliding_window_pattern"] = 3
+        a, b = config_from_hf(hf_config), config_from_hf(raw)
+        windows = [b.attention_options(i)["window"] for i in range(6)]
+        assert windows == [a.attention_options(i)["window"] for i in range(6)], cls.__name__
+        assert windows.count(None) == (3 if cls is transformers.Gemma2Config else 2) and (15, 0) in windows
+        assert a.layer_rope_theta == b.layer_rope_theta, cls.__name__
+
+
 def test_new_family_fields_that_fusedpar_does_not_implement_are_named():
     stock = config_from_hf(transformers.Gemma2Config())  # stock Gemma 2 caps the attention logits at 50
     assert (stock.attn_logit_softcapping, stock.final_logit_softcap, stock.sliding_window) == (50.0, 30.0, 4096)

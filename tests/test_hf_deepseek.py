@@ -33,7 +33,7 @@ def test_deepseek_v3_logits_gradients_and_export_match_transformers(tmp_path):
     ref_logits, ref_loss, ref_grads = hf_reference(hf, tokens, targets, aux=False)
     model = from_hf(hf)
     config = model.config
-    assert (config.attention, config.dense_layers, config.score_func, config.n_group) == ("mla", (0,), "sigmoid", 2)
+    assert (config.attention, config.first_k_dense_replace, config.score_func, config.n_group) == ("mla", 1, "sigmoid", 2)
     assert isinstance(model.layers["0"].attn, MLAttention) and not model.layers["0"].is_moe and model.layers["1"].is_moe
     logits = model(tokens)
     _assert_close(logits.detach(), ref_logits, "logits")
@@ -70,6 +70,6 @@ def test_deepseek_v3_config_fields():
     raw = _config(q_lora_rank=None, first_k_dense_replace=5).to_dict()  # a config.json's dict
     raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 16}
     c = config_from_hf(raw)
-    assert c.q_lora_rank is None and c.dense_layers == (0, 1)  # every block dense
+    assert c.q_lora_rank is None and not any(c.is_moe(i) for i in range(c.num_layers))  # every block dense
     assert c.rope_scaling["factor"] == 4.0  # transformers' rule: max_position_embeddings / original
     assert (c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (8, 4, 4, 6)

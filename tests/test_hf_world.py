@@ -263,7 +263,7 @@ def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
 
 SP_CASES = {  # family -> (sp_mode, experts over the two sp ranks, HF's own shifted labels loss)
     "llama31": ("ring", False, True),
-    "mistral": ("ulysses", False, False),  # sliding_window=5: shorter than the sequence
+    "mistral": ("ulysses", False, False),  # sliding_window=5 over 8 tokens: an active window
     "qwen2_moe": ("ring", True, False),
     "glm4_moe": ("ulysses", True, False),  # partial rotary on the shard's positions, GLM's router over ep2
     "gemma3": ("ulysses", False, True),  # sliding_window=8 on its sliding layers, query_pre_attn_scalar
