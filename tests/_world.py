@@ -179,6 +179,16 @@ def rank_rng(seed: int, rank: int | None = None) -> torch.Generator:
     return g
 
 
+def grid_2x2(rank: int):
+    """This rank's groups in a 2 x 2 world: its row ``{0, 1}`` / ``{2, 3}`` (rank in it: ``rank % 2``),
+    its column ``{0, 2}`` / ``{1, 3}`` (rank in it: ``rank // 2``), which are orthogonal, and a
+    group of itself alone. Every rank creates every group, in the same order."""
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    singles = [dist.new_group([r]) for r in range(4)]
+    return rows[rank // 2], cols[rank % 2], singles[rank]
+
+
 def straggle(max_delay_s: float, seed: int):
     """Turn on random per-rank delays before every fusedpar transfer (see fusedpar.ops.comm)."""
     from fusedpar.ops import comm

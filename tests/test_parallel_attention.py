@@ -3,10 +3,9 @@
 single-process AttentionReference with the same seed."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from _utils import DEVICE, assert_close
-from _world import rank_rng, straggle, world_fixture
+from _world import grid_2x2, rank_rng, straggle, world_fixture
 from fusedpar.ops import comm
 from fusedpar.nn import AttentionReference, ParallelAttention
 from fusedpar.ops.transport import EmulatedTransport
@@ -18,34 +17,34 @@ world4 = world_fixture(4)
 TOL = 5e-5
 
 
-def _groups(rank):
-    """Orthogonal 2 x 2 groups (every rank creates every group, in the same order)."""
-    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    singles = [dist.new_group([r]) for r in range(4)]
-    return rows[rank // 2], cols[rank % 2], singles[rank]
+def reference_shard_grads(ref, mod):
+    """The reference's gradients cut into the shards ParallelAttention ``mod`` holds on its tp
+    rank: this rank's q / k / v heads (v of its own head dim) and o_proj input columns, the
+    biases, the replicated q / k norm scales (every head's share summed) and the sinks' heads."""
+    t, hl, kl, d, dv = mod.tp_rank, mod.heads_local, mod.kv_heads_local, mod.head_dim, mod.v_head_dim
 
+    def heads(g, n, width):  # this rank's n heads of the given width
+        return g[t * n * width:(t + 1) * n * width]
 
-def _reference_grads(ref, tp_rank, tp_size, hl, kl, d):
-    """The reference gradients rearranged into this tensor-parallel rank's shards."""
-    gq, gk, gv = (p.weight.grad for p in (ref.q_proj, ref.k_proj, ref.v_proj))
-    qkv_w = torch.cat([gq[tp_rank * hl * d:(tp_rank + 1) * hl * d], gk[tp_rank * kl * d:(tp_rank + 1) * kl * d],
-                       gv[tp_rank * kl * d:(tp_rank + 1) * kl * d]])
-    n = ref.o_proj.in_features // tp_size
-    out = {"qkv.weight": qkv_w, "proj.weight": ref.o_proj.weight.grad[:, tp_rank * n:(tp_rank + 1) * n]}
-    if ref.q_norm is not None:  # replicated [head_dim] scales: every head's (every tp rank's) share summed
-        out["q_norm.weight"], out["k_norm.weight"] = ref.q_norm.weight.grad, ref.k_norm.weight.grad
+    def qkv(q, k, v):
+        return torch.cat([heads(q, hl, d), heads(k, kl, d), heads(v, kl, dv)])
+
+    projs = (ref.q_proj, ref.k_proj, ref.v_proj)
+    out = {"qkv.weight": qkv(*(p.weight.grad for p in projs)),
+           "proj.weight": ref.o_proj.weight.grad[:, t * hl * dv:(t + 1) * hl * dv]}
     if ref.q_proj.bias is not None:
-        bq, bk, bv = (p.bias.grad for p in (ref.q_proj, ref.k_proj, ref.v_proj))
-        out["qkv.bias"] = torch.cat([bq[tp_rank * hl * d:(tp_rank + 1) * hl * d],
-                                     bk[tp_rank * kl * d:(tp_rank + 1) * kl * d],
-                                     bv[tp_rank * kl * d:(tp_rank + 1) * kl * d]])
+        out["qkv.bias"] = qkv(*(p.bias.grad for p in projs))
+    if ref.o_proj.bias is not None:
         out["proj.bias"] = ref.o_proj.bias.grad
+    if ref.q_norm is not None:
+        out["q_norm.weight"], out["k_norm.weight"] = ref.q_norm.weight.grad, ref.k_norm.weight.grad
+    if ref.sinks is not None:
+        out["sinks"] = heads(ref.sinks.grad, hl, 1)
     return out
 
 
 def _cases(rank, size, seed):
-    row, col, single = _groups(rank)
+    row, col, single = grid_2x2(rank)
     straggle(0.01, seed)
     try:
         docs = [0, 1, 6, 6, 15, 16]  # packed documents crossing shards: lengths 1, 5, 0, 9, 1
@@ -98,7 +97,7 @@ def _cases(rank, size, seed):
             gx = xr.grad.index_select(1, pos)
             assert_close(xl.grad, gx, torch.float32, rtol=TOL, atol=TOL * gx.pow(2).mean().sqrt().item(),
                          msg=f"dx {msg}")
-            expect = _reference_grads(ref, mod.tp_rank, mod.tp_size, mod.heads_local, mod.kv_heads_local, d)
+            expect = reference_shard_grads(ref, mod)
             params = dict(mod.named_parameters())
             assert set(params) == set(expect), (sorted(params), sorted(expect))
             for pname, g in expect.items():

@@ -6,15 +6,15 @@ TransformerConfig fields in Hugging Face's terms reach every block's attention."
 import os
 
 import torch
-import torch.distributed as dist
 
 from _utils import assert_close
-from _world import rank_rng, straggle, world_fixture
+from _world import grid_2x2, rank_rng, straggle, world_fixture
 from fusedpar import checkpoint as fck
 from fusedpar.hf import to_hf_state_dict
 from fusedpar.nn import AttentionReference, ParallelAttention, Transformer, TransformerConfig
 from fusedpar.nn.placement import gradient_sync_plan
 from fusedpar.ops import comm
+from test_parallel_attention import reference_shard_grads
 
 world4 = world_fixture(4)
 
@@ -22,28 +22,8 @@ world4 = world_fixture(4)
 TOL = 5e-5
 
 
-def _groups(rank):
-    """Orthogonal 2 x 2 groups (every rank creates every group, in the same order)."""
-    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    singles = [dist.new_group([r]) for r in range(4)]
-    return rows[rank // 2], cols[rank % 2], singles[rank]
-
-
-def _reference_grads(ref, mod):
-    """The reference gradients rearranged into this tensor-parallel rank's shards."""
-    t, hl, kl, d, dv = mod.tp_rank, mod.heads_local, mod.kv_heads_local, mod.head_dim, mod.v_head_dim
-    gq, gk, gv = (p.weight.grad for p in (ref.q_proj, ref.k_proj, ref.v_proj))
-    out = {"qkv.weight": torch.cat([gq[t * hl * d:(t + 1) * hl * d], gk[t * kl * d:(t + 1) * kl * d],
-                                    gv[t * kl * dv:(t + 1) * kl * dv]]),
-           "proj.weight": ref.o_proj.weight.grad[:, t * hl * dv:(t + 1) * hl * dv]}
-    if ref.sinks is not None:
-        out["sinks"] = ref.sinks.grad[t * hl:(t + 1) * hl]
-    return out
-
-
 def _cases(rank, size, seed):
-    row, col, single = _groups(rank)
+    row, col, single = grid_2x2(rank)
     straggle(0.01, seed)
     hidden, d, S = 32, 8, 16
     try:
@@ -79,7 +59,7 @@ def _cases(rank, size, seed):
             gx = xr.grad.index_select(1, pos)
             assert_close(xl.grad, gx, torch.float32, rtol=TOL, atol=TOL * gx.pow(2).mean().sqrt().item(),
                          msg=f"dx {msg}")
-            expect = _reference_grads(ref, mod)
+            expect = reference_shard_grads(ref, mod)
             params = dict(mod.named_parameters())
             assert set(params) == set(expect), (sorted(params), sorted(expect))
             for pname, g in expect.items():
@@ -97,7 +77,7 @@ def test_parallel_attention_options_match_reference(world4):
 
 
 def _checkpoint(rank, size, root):
-    row, _, single = _groups(rank)
+    row, _, single = grid_2x2(rank)
     torch.manual_seed(5)
     ref = AttentionReference(32, 4, 2, head_dim=8, sinks=True, v_head_dim=4, window=(3, 0))
     with torch.no_grad():

@@ -3,10 +3,9 @@ output shard and dq/dk/dv shards equal single-process attention over the full se
 ring schedule also runs in one process on an EmulatedTransport (fast CPU tests, no spawn)."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from _utils import DEVICE, assert_close, randn
-from _world import rank_rng, straggle, world_fixture
+from _world import grid_2x2, rank_rng, straggle, world_fixture
 from fusedpar.kernels import attention_reference, varlen_attention_reference
 from fusedpar.ops import (
     comm,
@@ -175,9 +174,7 @@ def test_ulysses_world4(world4):
 
 def _hybrid_cases(rank, size, seed):
     # 2 x 2: ulysses groups {0,1} {2,3}, ring groups {0,2} {1,3}
-    uly = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    ring = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    u_group, r_group = uly[rank // 2], ring[rank % 2]
+    u_group, r_group, _ = grid_2x2(rank)
     u_rank, r_rank = rank % 2, rank // 2
     straggle(0.01, seed)
     try:

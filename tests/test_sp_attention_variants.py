@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from _utils import assert_close, randn
-from _world import rank_rng, straggle, world_fixture
+from _world import grid_2x2, rank_rng, straggle, world_fixture
 from fusedpar.kernels import attention_reference, varlen_attention_reference
 from fusedpar.ops import comm, hybrid_attention, ring_attention, shard_positions, ulysses_attention
 from fusedpar.ops.sp_attention_schedules import ring_step_plan, shard_chunks
@@ -138,9 +138,7 @@ def test_ulysses_variants(world4):
 
 def _hybrid_cases(rank, size, seed):
     # 2 x 2: ulysses groups {0,1} {2,3}, ring groups {0,2} {1,3}
-    uly = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    ring = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    u_group, r_group = uly[rank // 2], ring[rank % 2]
+    u_group, r_group, _ = grid_2x2(rank)
     u_rank, r_rank = rank % 2, rank // 2
     straggle(0.01, seed)
     S = 24
