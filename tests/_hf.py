@@ -183,3 +183,26 @@ def compare_grads(model, ref_grads, msg, tol=TOL):
         err = (p.grad - expect).abs().max().item()
         assert err <= tol * scale, f"{msg}: grad of {name} off by {err:.3g} (scale {scale:.3g})"
     return len(placements)
+
+
+def train_like_transformers(hf, model, steps: int = 3):
+    """``steps`` AdamW steps (lr 1e-2) on the same batches: the HF model on the mean cross entropy
+    of its logits plus ``router_aux_loss_coef`` times its aux loss where it returns one, ``model``
+    on the fused loss (``model(ids, return_hidden=True)`` into ``model.loss``: the logits never
+    exist) plus ``model.aux_loss()`` where it has one."""
+    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        tokens, targets = tokens_targets(10 + step, 2, 8)
+        opt_hf.zero_grad()
+        out = hf(tokens)
+        loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss + hf.config.router_aux_loss_coef * out.aux_loss
+        loss.backward()
+        opt_hf.step()
+        opt.zero_grad()
+        loss, aux = model.loss(model(tokens, return_hidden=True), targets), model.aux_loss()
+        (loss if aux is None else loss + aux).backward()
+        opt.step()
+

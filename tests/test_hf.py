@@ -11,7 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _hf import FAMILIES, MOE_FAMILIES, TOL, VOCAB, compare_grads, hf_model, hf_reference, tokens_targets
+from _hf import (
+    FAMILIES,
+    MOE_FAMILIES,
+    TOL,
+    VOCAB,
+    compare_grads,
+    hf_model,
+    hf_reference,
+    tokens_targets,
+    train_like_transformers,
+)
 from fusedpar.hf import config_from_hf, from_hf, load_full_state_dict, to_hf_state_dict
 from fusedpar.nn import Transformer, TransformerConfig
 from fusedpar.nn.transformer import shard_tokens
@@ -83,19 +93,7 @@ def test_from_checkpoint_directory_reads_safetensors(tmp_path, family):
 def test_training_steps_match_transformers(family):
     hf = hf_model(family)
     model = from_hf(hf)
-    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(3):
-        tokens, targets = tokens_targets(10 + step, 2, 8)
-        opt_hf.zero_grad()
-        out = hf(tokens)
-        aux = 0.0 if out.aux_loss is None else hf.config.router_aux_loss_coef * out.aux_loss  # GLM-4.5: none
-        (F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1)) + aux).backward()
-        opt_hf.step()
-        opt.zero_grad()
-        # training fuses the head into the loss (the logits never exist)
-        (model.loss(model(tokens, return_hidden=True), targets) + model.aux_loss()).backward()
-        opt.step()
+    train_like_transformers(hf, model)
     tokens, _ = tokens_targets(20, 2, 8)
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), f"{family} logits after 3 AdamW steps")
 
@@ -415,32 +413,27 @@ def test_glm4_moe_config_fields_and_partial_rotary_checks():
         TransformerConfig(**base, partial_rotary_factor=0.375)  # int(8 * 0.375) = 3: odd
 
 
-NEW_FAMILIES = ("olmo2", "gemma", "gemma2", "gemma3")
+NEW_FAMILIES = ("olmo2", "gemma", "gemma2", "gemma3", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_directory_round_trip_and_training_steps_match_transformers(family, tmp_path):
-    """OLMo 2 and the Gemma families: loaded from a safetensors directory, exported back (strict,
-    bit-equal), and 3 AdamW steps (the head fused into the loss: Gemma 2's final softcap inside
-    linear_cross_entropy) leave every weight as transformers' own steps do."""
+    """OLMo 2, the Gemma families and gpt-oss (stacked expert tensors, gate / up interleaved):
+    loaded from a safetensors directory with HF's logits, exported back (strict, bit-equal), and 3
+    AdamW steps (the head fused into the loss: Gemma 2's final softcap inside
+    linear_cross_entropy; gpt-oss with HF's aux loss) leave every weight as transformers' own
+    steps do."""
     hf = hf_model(family)
     hf.save_pretrained(tmp_path)
     model = from_hf(str(tmp_path))
+    tokens, _ = tokens_targets(2, 2, 8)
+    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), f"{family} logits from a directory")
     exported = to_hf_state_dict(model)
     fresh = hf_model(family, seed=7)
     fresh.load_state_dict(exported, strict=True)
     for (n, a), b in zip(hf.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), n
-    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(3):
-        tokens, targets = tokens_targets(10 + step, 2, 8)
-        opt_hf.zero_grad()
-        F.cross_entropy(hf(tokens).logits.reshape(-1, VOCAB), targets.reshape(-1)).backward()
-        opt_hf.step()
-        opt.zero_grad()
-        model.loss(model(tokens, return_hidden=True), targets).backward()
-        opt.step()
+    train_like_transformers(hf, model)
     trained = to_hf_state_dict(model)
     for name, p in hf.state_dict().items():  # every weight after 3 steps (lr 1e-2: all moved by ~3e-2)
         _assert_close(trained[name], p, f"{family} {name} after 3 AdamW steps")

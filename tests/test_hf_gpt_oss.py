@@ -1,57 +1,17 @@
 """fusedpar.hf route A for gpt-oss (model_type "gpt_oss") against transformers'
-GptOssForCausalLM at world 1, beyond the families' shared test in test_hf.py (logits, loss with
-HF's aux loss, every gradient, the strict state-dict round trip): a safetensors directory read
-and written back, 3 AdamW steps with the aux loss, the config fields of a stock gpt-oss, and the
+GptOssForCausalLM at world 1, beyond the families' shared tests in test_hf.py (logits, loss with
+HF's aux loss, every gradient, the strict state-dict round trip; a safetensors directory read and
+written back, 3 AdamW steps with the aux loss): the config fields of a stock gpt-oss, and the
 fields fusedpar does not implement."""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _hf import TOL, VOCAB, hf_model, tokens_targets
-from fusedpar.hf import config_from_hf, from_hf, parallelize, to_hf_state_dict
+from _hf import hf_model, tokens_targets
+from fusedpar.hf import config_from_hf, from_hf, parallelize
 
 T = pytest.importorskip("transformers")
-
-
-def _assert_close(actual, expected, msg):
-    scale = expected.abs().max().item() + 1e-12
-    err = (actual - expected).abs().max().item()
-    assert err <= TOL * scale, f"{msg}: off by {err:.3g} (scale {scale:.3g})"
-
-
-def test_gpt_oss_directory_round_trip_and_training_steps_match_transformers(tmp_path):
-    """save_pretrained's directory (stacked expert tensors, gate / up interleaved) -> from_hf ->
-    HF's logits; to_hf_state_dict gives every tensor back bit-equal (strict load); 3 AdamW steps
-    on the loss with HF's aux loss (the head fused into the loss) move every weight as HF's do."""
-    hf = hf_model("gpt_oss")
-    hf.save_pretrained(tmp_path)
-    model = from_hf(str(tmp_path))
-    tokens, _ = tokens_targets(2, 2, 8)
-    _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "logits from a directory")
-    exported = to_hf_state_dict(model)
-    assert set(exported) == set(hf.state_dict())
-    fresh = hf_model("gpt_oss", seed=7)
-    fresh.load_state_dict(exported, strict=True)
-    for (n, a), b in zip(hf.state_dict().items(), fresh.state_dict().values()):
-        assert torch.equal(a, b), n
-    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(3):
-        tokens, targets = tokens_targets(10 + step, 2, 8)
-        opt_hf.zero_grad()
-        out = hf(tokens)
-        (F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
-         + hf.config.router_aux_loss_coef * out.aux_loss).backward()
-        opt_hf.step()
-        opt.zero_grad()
-        loss = model.loss(model(tokens, return_hidden=True), targets)
-        (loss + model.aux_loss()).backward()
-        opt.step()
-    trained = to_hf_state_dict(model)
-    for name, p in hf.state_dict().items():  # lr 1e-2: every weight moved by ~3e-2
-        _assert_close(trained[name], p, f"{name} after 3 AdamW steps")
 
 
 def test_gpt_oss_config_fields():
