@@ -267,8 +267,9 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
         partial_rotary_factor=partial,
         tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
         sliding_window=_sliding_window(hf_config, model_type), pad_token_id=_pad_token(hf_config, num("vocab_size")))
-    if fields["sliding_window"] is not None and _layer_types(hf_config, model_type) is not None:
-        fields["layer_types"] = _layer_types(hf_config, model_type)
+    types = _layer_types(hf_config, model_type)
+    if fields["sliding_window"] is not None and types is not None:
+        fields["layer_types"] = types
     if model_type == "glm4_moe":
         fields.update(qkv_bias=bool(_get(hf_config, "attention_bias", False)),
                       qk_norm=bool(_get(hf_config, "use_qk_norm", False)))
