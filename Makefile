@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 DEMO_NPROC ?= 4
 DEMO_ARGS ?=
 
-.PHONY: test demo bench clean gpu-check gpu-setup gpu-env gpu-test gpu-bench-kernels gpu-bench-comm gpu-bench-moe gpu-train gpu-report
+.PHONY: test demo bench clean gpu-check gpu-setup gpu-env gpu-test gpu-bench-kernels gpu-bench-comm gpu-bench-moe gpu-train gpu-report gpu-round
 
 $(STAMP): pyproject.toml
 	@set -e; \
@@ -82,6 +82,8 @@ gpu-bench-kernels: gpu-setup
 	$(GPU_BENCH) attention --json $(GPU_RESULTS)/$(GPU_TAG)-attention.json
 	$(GPU_BENCH) attention_variants --json $(GPU_RESULTS)/$(GPU_TAG)-attention_variants.json
 	$(GPU_BENCH) varlen_attention --json $(GPU_RESULTS)/$(GPU_TAG)-varlen_attention.json
+	$(GPU_BENCH) fp8_matmul --json $(GPU_RESULTS)/$(GPU_TAG)-fp8_matmul.json
+	$(GPU_BENCH) linear_ce --json $(GPU_RESULTS)/$(GPU_TAG)-linear_ce.json
 
 gpu-bench-comm: gpu-setup
 	for op in ag_matmul matmul_rs persistent_ag persistent_rs ring_attention; do $(GPU_BENCH) $$op --json $(GPU_RESULTS)/$(GPU_TAG)-$$op.json || exit 1; done
@@ -94,3 +96,15 @@ gpu-train: gpu-setup
 
 gpu-report:
 	$(GPU_PY) -m benchmarks report
+
+# a lease of a few minutes: the compiled tests for GPU_ROUND_TEST_S seconds, then the benchmarks of
+# GPU_ROUND_BENCH in order (NAME[@SUFFIX][:ARGS], "+" for spaces), each stopped at what is left of
+# GPU_ROUND_BUDGET seconds; logs and a tarball of the JSON in GPU_ROUND_OUT (benchmarks/gpu_round.sh)
+GPU_ROUND_OUT ?= gpu-round
+GPU_ROUND_BUDGET ?= 540
+GPU_ROUND_TEST_S ?= 180
+GPU_ROUND_BENCH ?= matmul@none:--epilogue+none attention moe ag_matmul matmul_rs train:--variant+dense linear_ce \
+  fp8_matmul ring_attention persistent_ag persistent_rs attention_variants varlen_attention \
+  matmul@swiglu:--epilogue+swiglu matmul@gelu:--epilogue+gelu matmul@bias:--epilogue+bias train@moe:--variant+moe
+gpu-round: gpu-setup
+	GPU_PY=$(GPU_PY) bash benchmarks/gpu_round.sh $(GPU_ROUND_OUT) $(GPU_ROUND_BUDGET) $(GPU_ROUND_TEST_S) $(GPU_ROUND_BENCH)

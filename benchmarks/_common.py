@@ -125,6 +125,15 @@ def parse_dtype(name: str):
     return table[name]
 
 
+def parse_shape(text: str) -> tuple:
+    """``"MxNxK"`` -> ``(M, N, K)`` (the ``--shapes`` argument of the GEMM benchmarks)."""
+    try:
+        m, n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must look like MxNxK, got {text!r}") from None
+    return m, n, k
+
+
 def env_info(ctx: Context) -> dict:
     import torch
     import triton

@@ -53,6 +53,9 @@ TARGETS = [
     Target("matmul_rs", "speedup_vs_sequential", 1.25),
     Target("persistent_ag", "speedup_vs_per_chunk", 1.0),
     Target("ring_attention", "efficiency_vs_plain", 0.92),
+    Target("fp8_matmul", "ratio_vs_scaled_mm", 0.95, when=(("scaling", "rowwise"),)),
+    Target("fp8_matmul", "speedup_vs_bf16", 1.6, when=(("M", 8192), ("N", 8192), ("K", 8192))),
+    Target("train", "mfu", 0.45, when=(("variant", "dense"),)),
 ]
 RATIO_WORDS = ("ratio", "speedup", "efficiency", "_vs_", "mfu")
 
