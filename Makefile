@@ -78,6 +78,7 @@ gpu-test: gpu-setup
 	  $$($(GPU_PY) -c "import xdist" >/dev/null 2>&1 && echo "-n $(GPU_TEST_WORKERS) --dist loadgroup") $(PYTEST_ARGS)
 
 gpu-bench-kernels: gpu-setup
+	$(GPU_BENCH) ceilings --json $(GPU_RESULTS)/$(GPU_TAG)-ceilings.json
 	for e in none bias gelu swiglu; do $(GPU_BENCH) matmul --epilogue $$e --json $(GPU_RESULTS)/$(GPU_TAG)-matmul-$$e.json || exit 1; done
 	$(GPU_BENCH) attention --json $(GPU_RESULTS)/$(GPU_TAG)-attention.json
 	$(GPU_BENCH) attention_variants --json $(GPU_RESULTS)/$(GPU_TAG)-attention_variants.json
@@ -103,7 +104,7 @@ gpu-report:
 GPU_ROUND_OUT ?= gpu-round
 GPU_ROUND_BUDGET ?= 540
 GPU_ROUND_TEST_S ?= 180
-GPU_ROUND_BENCH ?= matmul@none:--epilogue+none attention moe ag_matmul matmul_rs train:--variant+dense linear_ce \
+GPU_ROUND_BENCH ?= ceilings matmul@none:--epilogue+none attention moe ag_matmul matmul_rs train:--variant+dense linear_ce \
   fp8_matmul ring_attention persistent_ag persistent_rs attention_variants varlen_attention \
   matmul@swiglu:--epilogue+swiglu matmul@gelu:--epilogue+gelu matmul@bias:--epilogue+bias train@moe:--variant+moe
 gpu-round: gpu-setup
