@@ -21,8 +21,8 @@ import triton.language as tl
 from .checks import check_choice, check_int
 from .runtime import interpreting
 
-__all__ = ["MAX_SPIN_GPU", "MAX_SPIN_INTERPRETED", "WAIT_CHECK", "WAIT_CHECKS", "WaitTimeout", "check_wait_timeouts",
-           "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
+__all__ = ["MAX_SPIN_GPU", "MAX_SPIN_INTERPRETED", "WAIT_CHECK", "WAIT_CHECKS", "WaitTimeout", "canonical_device",
+           "check_wait_timeouts", "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
 
 # Bound of a flag spin (reads): ~2^27 system-scope loads is about a minute on a GPU; an interpreted
 # read takes ~0.3 ms (the flag can only change there when another process writes it).
@@ -61,10 +61,23 @@ class _Status:
 _statuses: dict = {}
 
 
-def _status(device) -> _Status:
+def canonical_device(device) -> torch.device:
+    """``device`` spelled as the tensors allocated there report it: the key of every per-device
+    cache (status words here; flags, side streams and workspaces in :mod:`fusedpar.ops.symmetric`).
+    ``"cuda"`` names the current CUDA device, whose tensors report ``cuda:<index>``; CPU tensors
+    report ``cpu`` without an index, so ``"cpu:0"`` becomes ``cpu``. Without it a caller that
+    names the device ``"cuda"`` and an op keyed by its tensor's ``cuda:0`` reach two different
+    entries (a flag array whose epoch never moves, a fresh empty workspace)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu" and device.index is not None:
+        return torch.device("cpu")
+    return device
+
+
+def _status(device) -> _Status:
+    device = canonical_device(device)
     st = _statuses.get(device)
     if st is None:
         st = _statuses[device] = _Status(device)

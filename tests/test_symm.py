@@ -8,6 +8,7 @@ after another), so these tests check the wiring: chunk order, flags and epochs, 
 layouts. The overlap itself (spinning programs, copy engines, a producer made late on purpose)
 is tested by the ``gpu``-marked tests below.
 """
+import contextlib
 import gc
 import os
 import random
@@ -24,6 +25,7 @@ from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, randn
 from _world import rank_rng, world_fixture
 from fusedpar.kernels import WaitTimeout, wait_timeouts
 from fusedpar.kernels import persistent_matmul_reference as ref_mm
+from fusedpar.kernels.waits import canonical_device, status_word
 from fusedpar.ops import symmetric
 from fusedpar.ops.symmetric import (
     ChunkFlags,
@@ -93,8 +95,41 @@ def test_emulated_matmul_reduce_scatter(device, dtype, rank):
         matmul_reduce_scatter_symmetric(x, w, bias, transport=t, out=out)
         # fp32 partials summed in fp32: only the input and output roundings of dtype remain
         assert_close(out, expect, dtype, msg=f"call {call}")
-    ws = t.symmetric_workspace("reduce_scatter", device, 0)
+    # the workspace of the device the op ran on, named as its tensors name it (x.device is "cuda:0"
+    # where DEVICE reads "cuda")
+    ws = t.symmetric_workspace("reduce_scatter", x.device, 0)
     assert ws.typed(0, (P,), torch.int32).tolist() == [ws.counter_base] * P and ws.counter_base > 0
+    # and by its other spelling ("cuda" for cuda:0, "cpu:0" for cpu): one workspace
+    assert t.symmetric_workspace("reduce_scatter", _two_spellings(x.device)[1], 0) is ws
+
+
+def _two_spellings(device):
+    """One device named as its tensors report it (``cuda:0``, ``cpu``) and named otherwise
+    (``cuda``, ``cpu:0``)."""
+    named = torch.empty(0, device=device).device
+    return named, torch.device(named.type) if named.index is not None else torch.device(named.type, 0)
+
+
+def test_per_device_state_is_shared_by_every_spelling_of_the_device(device):
+    """The ready flags and the timeout word are cached per device: the op keys them by its
+    tensors' device (``cuda:0``), a caller may name it ``cuda`` (the tests' DEVICE). Both must reach
+    one entry; on the H100 they did not, and the flags read back had an epoch that never moved."""
+    x, w = randn(2, 3, 8), randn(6, 8)
+    named, other = _two_spellings(x.device)
+    assert named == x.device and canonical_device(other) == named
+    assert chunk_flags(other, 3) is chunk_flags(named, 3)
+    assert status_word(other) is status_word(named)
+    epoch0 = chunk_flags(other, 3).epoch
+    all_gather_matmul_symmetric(x, w, transport=_emulated(3, 1))
+    assert chunk_flags(other, 3).epoch == epoch0 + 1
+
+
+def test_canonical_device_names_the_current_cuda_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # no CUDA needed
+    assert canonical_device("cuda") == torch.device("cuda", 3)
+    assert canonical_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert canonical_device("cpu:0") == torch.device("cpu") == canonical_device("cpu")
+    assert canonical_device("meta") == torch.device("meta")
 
 
 def test_emulated_reduce_scatter_chunked_input(device):
@@ -290,6 +325,7 @@ def _symmetric_over_shared_files(rank, size, tmpdir, seed):
             assert_close(out, total[:, 2 * rank:2 * rank + 2], torch.float32, msg=f"RS call {call}")
         ws = SymmetricTransport().symmetric_workspace("reduce_scatter", "cpu", 0)  # cached per group
         assert ws.typed(0, (size,), torch.int32).tolist() == [ws.counter_base] * size and ws.counter_base > 0
+        assert SymmetricTransport().symmetric_workspace("reduce_scatter", "cpu:0", 0) is ws  # per device, any name
         _fresh_groups_get_fresh_workspaces(size, calls)
     finally:
         set_workspace_factory(saved)
@@ -457,7 +493,10 @@ def test_gpu_reduce_waits_for_counters():
     torch.cuda.synchronize()
     assert_close(out, expect, torch.bfloat16, msg="waiting reduce")
     assert wait_timeouts("cuda") == 0
-    matmul_reduce_scatter_symmetric(nan, w, transport=t)
+    # the NaN refill also compiles the kernels the timed call runs (chunk_reduce without waits): the
+    # delay counts from its enqueue, and a reduce compiled by the timed call itself was launched on
+    # the H100 after the delay and the GEMM were over, so it read complete partials
+    matmul_reduce_scatter_symmetric(nan, w, transport=t, wait=False)
     out = matmul_reduce_scatter_symmetric(x, w, transport=t, wait=False, producer_delay_cycles=_delay_cycles(20))
     torch.cuda.synchronize()
     assert torch.isnan(out).all(), "no wait, yet a partial was complete when read?"
@@ -472,13 +511,17 @@ def test_gpu_wait_that_gives_up_raises(op):
     P, s, K, N = 4, 256, 256, 256
     x, w = randn(1, s, K, dtype=torch.float16, generator=g), randn(N, K, dtype=torch.float16, generator=g)
     t = _emulated(P, 1)
+    fn = all_gather_matmul_symmetric if op == "all_gather" else matmul_reduce_scatter_symmetric
+    # Compile first: max_spin is a constexpr, so the first call with it compiles the waiting kernel
+    # on the host, for longer than the 100 ms delay, which counts from its enqueue; on the H100 the
+    # producer had finished before that kernel started (DID NOT RAISE). Without a delay this warm-up
+    # may or may not run out of its 1000 reads: what it reports is discarded.
+    with contextlib.suppress(WaitTimeout):
+        fn(x, w, transport=t, max_spin=1000)
+    torch.cuda.synchronize()
     wait_timeouts("cuda")
     with pytest.raises(WaitTimeout, match="gave up"):
-        if op == "all_gather":
-            all_gather_matmul_symmetric(x, w, transport=t, producer_delay_cycles=_delay_cycles(100), max_spin=1000)
-        else:
-            matmul_reduce_scatter_symmetric(x, w, transport=t, producer_delay_cycles=_delay_cycles(100),
-                                            max_spin=1000)
+        fn(x, w, transport=t, producer_delay_cycles=_delay_cycles(100), max_spin=1000)
     torch.cuda.synchronize()
     assert wait_timeouts("cuda") == 0  # reported once
 

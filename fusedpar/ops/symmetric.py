@@ -61,7 +61,7 @@ from fusedpar.kernels.persistent_gemm import (
     tiles_per_chunk,
 )
 from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES
-from fusedpar.kernels.waits import check_wait_timeouts
+from fusedpar.kernels.waits import canonical_device, check_wait_timeouts
 from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.tensor_parallel_schedules import check_linear_args
@@ -259,7 +259,7 @@ class SymmetricTransport(PortableTransport, SymmetricBuffers):
                              "(torch.distributed is not initialised)")
 
     def symmetric_workspace(self, purpose, device, nbytes):
-        device = torch.device(device)
+        device = canonical_device(device)  # "cuda" and the tensors' "cuda:0" are one workspace
 
         def create(size):
             tensor, handle = _factory[0](self.group, device, size)
@@ -333,8 +333,9 @@ _int_tensors: dict = {}
 
 
 def chunk_flags(device: torch.device, chunks: int) -> ChunkFlags:
-    """The ready flags of ``device`` (at least ``chunks`` of them), shared by every call there."""
-    device = torch.device(device)
+    """The ready flags of ``device`` (at least ``chunks`` of them), shared by every call there.
+    Every spelling of one device (``"cuda"``, ``"cuda:0"``) names the same flags."""
+    device = canonical_device(device)
     f = _flags.get(device)
     if f is None or f.u32.numel() < chunks:
         f = _flags[device] = ChunkFlags(max(chunks, 64), device)
@@ -346,6 +347,7 @@ def _fork(device):
     stream (None on CPU, where everything runs in program order)."""
     if device.type != "cuda":
         return None
+    device = canonical_device(device)
     if device not in _side_streams:
         _side_streams[device] = torch.cuda.Stream(device=device, priority=-1)
     side = _side_streams[device]
@@ -387,6 +389,7 @@ def pull_chunks(gathered: torch.Tensor, sources, order, flags: ChunkFlags, *, co
 def _device_ints(values, device) -> torch.Tensor:
     """A cached int64 device tensor of ``values``: made once (a synchronous host-to-device copy),
     then reused, so that no call blocks the host on a stream that waits for peers."""
+    device = canonical_device(device)
     key = (device, tuple(values))
     t = _int_tensors.get(key)
     if t is None:
@@ -449,10 +452,13 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     gathered_out: optional ``[P, *x.shape]`` tensor receiving a copy of the gathered input (the
                   symmetric buffer is reused by the next call), for the weight gradient.
     Test knobs: ``wait=False`` launches the GEMM without waiting on the flags (a missing wait
-    must show as wrong data), ``producer_delay_cycles`` makes the pulls start late on purpose,
-    ``num_programs`` / ``max_spin`` / ``config`` as in ``persistent_matmul``. ``agree``: check that
-    the ranks agree on the arguments first (:mod:`fusedpar.ops.agreement`; the tensor-parallel ops
-    pass False, they checked their own).
+    must show as wrong data), ``producer_delay_cycles`` makes the pulls start late on purpose
+    (a sleep enqueued on the pull stream before the GEMM is launched: it counts from the enqueue,
+    so a GEMM specialisation launched for the first time, which compiles on the host meanwhile,
+    can start after the delay is over; warm it up first), ``num_programs`` / ``max_spin`` /
+    ``config`` as in ``persistent_matmul``. ``agree``: check that the ranks agree on the
+    arguments first (:mod:`fusedpar.ops.agreement`; the tensor-parallel ops pass False, they
+    checked their own).
     """
     t = _check_symmetric(transport, "all_gather_matmul")
     P, r = t.size, t.rank
@@ -479,9 +485,11 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
         wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.epoch,
         preact_out=preact_out, config=config, num_programs=num_programs, max_spin=max_spin, check_waits=False,
     )
+    # the copy reads every slot: join the pulls first instead of relying on the GEMM's waits
+    # (wait=False, or a wait that gave up, would let it read a slot still being written)
+    _join(x.device, side)
     if gathered_out is not None:
         gathered_out.copy_(gathered)
-    _join(x.device, side)
     check_wait_timeouts(x.device, "all_gather_matmul (symmetric)")
     return out
 
@@ -536,7 +544,9 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     chunk of ``sum over ranks (x @ W^T) + bias``. ``chunked=True``: ``x`` is already a chunked
     view ``[P, *chunk rows, in_shard]`` (chunk ``c`` goes to rank ``c``). ``reduce_sms``: SMs of
     the reduction (the GEMM leaves them free). Test knobs: ``wait=False`` reads the partials
-    without waiting on the counters, ``producer_delay_cycles`` starts the GEMM late on purpose.
+    without waiting on the counters, ``producer_delay_cycles`` starts the GEMM late on purpose
+    (counted from its enqueue, before the reduction is launched: a ``chunk_reduce``
+    specialisation compiled by this call starts late itself; warm it up first).
     ``agree``: as in :func:`all_gather_matmul_symmetric`."""
     t = _check_symmetric(transport, "matmul_reduce_scatter")
     P, r = t.size, t.rank

@@ -41,6 +41,7 @@ from typing import Sequence
 import torch
 
 from fusedpar.kernels.checks import check_bool, check_int
+from fusedpar.kernels.waits import canonical_device
 from fusedpar.ops import comm
 from fusedpar.ops.library import register_transport, resolve_token
 
@@ -230,7 +231,7 @@ class EmulatedTransport(Transport, SymmetricBuffers):
 
     # --- symmetric buffers: this rank's own, read by the mirror rule ------------------------
     def symmetric_workspace(self, purpose, device, nbytes):
-        device = torch.device(device)
+        device = canonical_device(device)
         return cached_workspace(self._workspaces, (purpose, device), nbytes,
                                 lambda size: SymmetricWorkspace(torch.zeros(size, dtype=torch.uint8, device=device), size))
 
@@ -256,6 +257,7 @@ class EmulatedTransport(Transport, SymmetricBuffers):
     def _side(self, device: torch.device):
         if device.type != "cuda":
             return None
+        device = canonical_device(device)
         s = self._streams.get(device)
         if s is None:
             s = self._streams[device] = torch.cuda.Stream(device=device)
