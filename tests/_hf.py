@@ -7,6 +7,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from _utils import DEVICE
 from fusedpar.nn import parameter_placements
 from fusedpar.hf import from_hf
 
@@ -35,9 +36,11 @@ GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "ori
 VOCAB, HIDDEN, LAYERS = 32, 16, 2
 
 
-def hf_model(family: str, seed: int = 0, **extra):
+def hf_model(family: str, seed: int = 0, *, device=DEVICE, **extra):
     """A 2-layer fp32 model of ``family`` with random weights (norm scales and biases randomised
-    too, so a missing or misplaced one shows), eager attention, router logits returned."""
+    too, so a missing or misplaced one shows), eager attention, router logits returned; drawn on
+    the CPU (the same weights on any device), then moved to ``device`` (the tests' device: the
+    reference runs where fusedpar's model does)."""
     import transformers as T
 
     kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=24, num_hidden_layers=LAYERS,
@@ -113,12 +116,15 @@ def hf_model(family: str, seed: int = 0, **extra):
         for name, b in model.named_buffers():  # GLM-4.5's / DeepSeek-V3's router correction bias steers the selection
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3)
-    return model
+    return model.to(device)
 
 
-def tokens_targets(seed: int, batch: int, seq: int):
+def tokens_targets(seed: int, batch: int, seq: int, device=DEVICE):
+    """Token ids and targets drawn on the CPU, on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g)
+    tokens = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    targets = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    return tokens.to(device), targets.to(device)
 
 
 def hf_reference(model, tokens, targets, *, aux: bool):
@@ -159,7 +165,7 @@ def _detach(v):
 
 def fusedpar_grads(model) -> dict:
     """HF gradients under fusedpar's names and layout: a copy of the model holding the gradients
-    as its weights, read by :func:`fusedpar.hf.from_hf` at world 1."""
+    as its weights, read by :func:`fusedpar.hf.from_hf` at world 1 (on the model's device)."""
     holder = copy.deepcopy(model)
     with torch.no_grad():
         grads = {n: p.grad for n, p in model.named_parameters()}
@@ -168,7 +174,7 @@ def fusedpar_grads(model) -> dict:
     import torch.distributed as dist
 
     group = dist.new_group([dist.get_rank()]) if dist.is_initialized() else None
-    full = from_hf(holder, tp_group=group, sp_group=group, ep_group=group)
+    full = from_hf(holder, tp_group=group, sp_group=group, ep_group=group, device=next(model.parameters()).device)
     return {n: p.detach() for n, p in full.named_parameters()}
 
 
@@ -178,7 +184,7 @@ def compare_grads(model, ref_grads, msg, tol=TOL):
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{msg}: {name} has no gradient"
         full = ref_grads[name]
-        expect = placements[name].local_from_full(full)
+        expect = placements[name].local_from_full(full).to(p.grad.device)
         scale = full.abs().max().item() + 1e-12
         err = (p.grad - expect).abs().max().item()
         assert err <= tol * scale, f"{msg}: grad of {name} off by {err:.3g} (scale {scale:.3g})"
@@ -193,7 +199,7 @@ def train_like_transformers(hf, model, steps: int = 3):
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
-        tokens, targets = tokens_targets(10 + step, 2, 8)
+        tokens, targets = tokens_targets(10 + step, 2, 8, device=next(model.parameters()).device)
         opt_hf.zero_grad()
         out = hf(tokens)
         loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _utils import DEVICE
 from _world import rank_rng, world_fixture
 from fusedpar.kernels.moe_routing import moe_mlp_reference
 from fusedpar.ops import (
@@ -295,7 +296,7 @@ def test_emulated_and_single_rank_transports_exchange_nothing():
     try:
         t = _Counting(2)
         check_agreement(t, "op", {"x": torch.zeros(2)})
-        y = all_gather_matmul(_r(2, 2, 8), _r(6, 8), transport=t)
+        y = all_gather_matmul(_r(2, 2, 8).to(DEVICE), _r(6, 8).to(DEVICE), transport=t)  # in this process
         assert y.shape == (2, 4, 6)
         assert _Counting.gathers == 0  # the ring gather shifts; the check sends nothing
         check_agreement(PortableTransport(), "op", {"x": torch.zeros(2)})  # one rank, no process group

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _utils import DEVICE
 from _hf import (
     FAMILIES,
     MOE_FAMILIES,
@@ -42,8 +43,8 @@ def test_logits_gradients_aux_loss_and_export_match_transformers(family):
     hf = hf_model(family)
     tokens, targets = tokens_targets(1, 2, 8)
     ref_logits, ref_loss, ref_grads = hf_reference(hf, tokens, targets, aux=True)
-    model = from_hf(hf)
-    assert all(p.device.type == "cpu" for p in model.parameters())
+    model = from_hf(hf, device=DEVICE)
+    assert all(p.device.type == DEVICE.type for p in model.parameters())
     logits = model(tokens)
     _assert_close(logits.detach(), ref_logits, f"{family} logits")
     loss = model.loss(logits, targets)
@@ -69,7 +70,7 @@ def test_yarn_rope_scaling_matches_transformers():
             "beta_fast": 8, "beta_slow": 1}
     hf = hf_model("llama", rope_parameters=yarn)
     tokens, _ = tokens_targets(4, 2, 8)
-    model = from_hf(hf)
+    model = from_hf(hf, device=DEVICE)
     assert model.config.rope_scaling["rope_type"] == "yarn"
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "llama with YaRN")
 
@@ -81,7 +82,8 @@ def test_from_checkpoint_directory_reads_safetensors(tmp_path, family):
     hf = hf_model(family)
     hf.save_pretrained(tmp_path)
     tokens, _ = tokens_targets(2, 1, 8)
-    model = from_hf(str(tmp_path))
+    assert all(p.device.type == "cpu" for p in from_hf(str(tmp_path)).parameters())  # the default device
+    model = from_hf(str(tmp_path), device=DEVICE)
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), f"{family} from a directory")
     fresh = hf_model(family, seed=7)
     fresh.load_state_dict(to_hf_state_dict(model), strict=True)
@@ -92,7 +94,7 @@ def test_from_checkpoint_directory_reads_safetensors(tmp_path, family):
 @pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
 def test_training_steps_match_transformers(family):
     hf = hf_model(family)
-    model = from_hf(hf)
+    model = from_hf(hf, device=DEVICE)
     train_like_transformers(hf, model)
     tokens, _ = tokens_targets(20, 2, 8)
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), f"{family} logits after 3 AdamW steps")
@@ -119,13 +121,13 @@ def test_sliding_windows_match_transformers():
     sequences several windows long: every layer of the mistral family (W = 5), and the layers that
     ``layer_types`` marks in a Qwen2 model whose first layer stays full."""
     hf = hf_model("mistral")
-    model = from_hf(hf)
+    model = from_hf(hf, device=DEVICE)
     assert model.config.sliding_window == 5 and model.config.attention_options(0)["window"] == (4, 0)
     tokens, _ = tokens_targets(8, 2, 16)
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "mistral logits, 16 tokens, window 5")
     hf = hf_model("qwen2", use_sliding_window=True, sliding_window=3,
                   layer_types=["full_attention", "sliding_attention"])
-    model = from_hf(hf)
+    model = from_hf(hf, device=DEVICE)
     assert [model.config.attention_options(i)["window"] for i in range(2)] == [None, (2, 0)]
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "qwen2 logits, one sliding layer")
     with pytest.raises(ValueError, match="sliding_window must be"):
@@ -154,8 +156,8 @@ def test_kernels_directory_does_not_break_transformers_probe():
 
 def test_ignore_index_and_out_of_range_targets():
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 6, VOCAB, generator=g, requires_grad=True)
-    targets = torch.randint(0, VOCAB, (2, 6), generator=g)
+    logits = torch.randn(2, 6, VOCAB, generator=g).to(DEVICE).requires_grad_()
+    targets = torch.randint(0, VOCAB, (2, 6), generator=g).to(DEVICE)
     targets[0, :3] = -100
     loss = vocab_parallel_cross_entropy(logits, targets)
     ref_logits = logits.detach().clone().requires_grad_()
@@ -202,26 +204,42 @@ def test_causal_lm_loss_equals_the_model_s_own_loss_without_logits(family):
 
 def test_router_renormalisation_is_a_config_field():
     base = dict(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=8, num_experts=4, top_k=2)
-    x = torch.randint(0, 32, (1, 8))
+    x = torch.randint(0, 32, (1, 8)).to(DEVICE)
     for norm in (True, False):
-        model = Transformer(TransformerConfig(**base, norm_topk_prob=norm))
+        model = Transformer(TransformerConfig(**base, norm_topk_prob=norm), device=DEVICE)
         model(x)
         w = model.layers["0"].mlp.router_output.weights
-        assert torch.allclose(w.sum(-1), torch.ones(8)) == norm
+        assert torch.allclose(w.sum(-1), torch.ones(8, device=DEVICE)) == norm
 
 
 def test_meta_build_then_load_full_state_dict():
+    """A meta-device build materialised on the tests' device from full CPU tensors: the parameters
+    and the router's score-correction bias (a checkpoint buffer, which steers the selection)."""
+    from fusedpar.nn import checkpoint_buffers
+
     config = TransformerConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=4, ffn_hidden_size=8,
                                num_kv_heads=2, qk_norm=True, qkv_bias=True, num_experts=4,
-                               shared_expert_ffn_hidden_size=8)
-    ref = Transformer(config)
+                               shared_expert_ffn_hidden_size=8, score_func="sigmoid", score_correction_bias=True)
+    ref = Transformer(config, device=DEVICE)
+    with torch.no_grad():
+        ref.layers["0"].mlp.router.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.4]))
+    params = {n: p.detach().cpu() for n, p in ref.named_parameters()}
+    full = {**params, **{n: b.cpu() for n, b in checkpoint_buffers(ref).items()}}
     meta = Transformer(config, device="meta")
-    assert all(p.device.type == "meta" for p in meta.parameters())
-    load_full_state_dict(meta, {n: p.detach() for n, p in ref.named_parameters()})
-    x = torch.randint(0, 32, (1, 8))
+    assert all(t.device.type == "meta" for t in (*meta.parameters(), *meta.buffers()))
+    load_full_state_dict(meta, full, device=DEVICE)
+    assert all(t.device.type == DEVICE.type for t in (*meta.parameters(), *meta.buffers()))
+    x = torch.randint(0, 32, (1, 8)).to(DEVICE)
     torch.testing.assert_close(meta(x), ref(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="no tensor for parameter 'embedding.weight'"):
         load_full_state_dict(Transformer(config, device="meta"), {})
+    bias = "layers.0.mlp.router.e_score_correction_bias"
+    with pytest.raises(ValueError, match=f"no tensor for buffer '{bias}' \\(on the meta device"):
+        load_full_state_dict(Transformer(config, device="meta"), params, strict=False)
+    with pytest.raises(ValueError, match=f"no tensor for buffer '{bias}'$"):
+        load_full_state_dict(Transformer(config, device=DEVICE), params)  # strict: buffers too
+    with pytest.raises(ValueError, match=rf"{bias} must be \(4,\), got \(3,\)"):
+        load_full_state_dict(Transformer(config, device="meta"), {**full, bias: torch.zeros(3)})
 
 
 def test_from_linear_keeps_the_replicated_layout_and_save_pretrained_works(tmp_path):
@@ -242,7 +260,7 @@ def test_from_linear_keeps_the_replicated_layout_and_save_pretrained_works(tmp_p
 
 def test_gather_logits_single_process_is_identity():
     config = config_from_hf(hf_model("llama").config)
-    model = Transformer(config)
+    model = Transformer(config, device=DEVICE)
     tokens, targets = tokens_targets(4, 2, 8)
     ids, _ = shard_tokens(tokens, targets, sp_size=1, sp_rank=0, tp_size=1, tp_rank=0)
     logits = model(ids)
@@ -425,7 +443,7 @@ def test_directory_round_trip_and_training_steps_match_transformers(family, tmp_
     steps do."""
     hf = hf_model(family)
     hf.save_pretrained(tmp_path)
-    model = from_hf(str(tmp_path))
+    model = from_hf(str(tmp_path), device=DEVICE)
     tokens, _ = tokens_targets(2, 2, 8)
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), f"{family} logits from a directory")
     exported = to_hf_state_dict(model)
@@ -495,7 +513,7 @@ def test_new_family_fields_that_fusedpar_does_not_implement_are_named():
 
 def test_a_fused_softcap_other_than_the_model_s_is_refused():
     """Transformer.loss refuses a fused softcap other than the model's final one."""
-    model = from_hf(hf_model("gemma2"))
+    model = from_hf(hf_model("gemma2"), device=DEVICE)
     tokens, targets = tokens_targets(1, 1, 8)
     with pytest.raises(ValueError, match=r"softcap must be config.final_logit_softcap=3.0 .* got 5.0"):
         model.loss(model(tokens, return_hidden=True), targets, softcap=5.0)

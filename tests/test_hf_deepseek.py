@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _utils import DEVICE
 from _hf import TOL, compare_grads, hf_model, hf_reference, tokens_targets
 from fusedpar.hf import config_from_hf, from_hf, to_hf_state_dict
 from fusedpar.nn import MLAttention
@@ -31,7 +32,7 @@ def test_deepseek_v3_logits_gradients_and_export_match_transformers(tmp_path):
     hf = hf_model("deepseek_v3")
     tokens, targets = tokens_targets(1, 2, 8)
     ref_logits, ref_loss, ref_grads = hf_reference(hf, tokens, targets, aux=False)
-    model = from_hf(hf)
+    model = from_hf(hf, device=DEVICE)
     config = model.config
     assert (config.attention, config.first_k_dense_replace, config.score_func, config.n_group) == ("mla", 1, "sigmoid", 2)
     assert isinstance(model.layers["0"].attn, MLAttention) and not model.layers["0"].is_moe and model.layers["1"].is_moe
@@ -52,7 +53,7 @@ def test_deepseek_v3_logits_gradients_and_export_match_transformers(tmp_path):
     _assert_close(fresh(tokens).logits.detach(), ref_logits, "HF model loaded from the export")
     # a checkpoint directory (safetensors) loads the same model
     hf.save_pretrained(tmp_path)
-    _assert_close(from_hf(str(tmp_path))(tokens).detach(), ref_logits, "from a checkpoint directory")
+    _assert_close(from_hf(str(tmp_path), device=DEVICE)(tokens).detach(), ref_logits, "from a checkpoint directory")
 
 
 @pytest.mark.parametrize("field,value,match", [

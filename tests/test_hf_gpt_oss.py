@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _utils import DEVICE
 from _hf import hf_model, tokens_targets
 from fusedpar.hf import config_from_hf, from_hf, parallelize
 
@@ -63,7 +64,7 @@ def test_gpt_oss_bf16_checkpoint_keeps_the_sinks_fp32(tmp_path):
     off by the scale itself."""
     hf = hf_model("gpt_oss").to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
-    model = from_hf(str(tmp_path))
+    model = from_hf(str(tmp_path), device=DEVICE)
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert {n for n, d in dtypes.items() if d != torch.bfloat16} == {"layers.0.attn.sinks", "layers.1.attn.sinks"}
     assert all(dtypes[f"layers.{i}.attn.sinks"] == torch.float32 for i in range(2))

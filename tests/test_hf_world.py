@@ -45,6 +45,9 @@ CASES += [("gpt_oss", "tp2"), ("gpt_oss", "sp2-ep2")]
 # layout, rearranged after the rows are read); each rank must read only its own experts' bytes
 FROM_DIRECTORY = {"mixtral": "per-expert", "qwen2_moe": "stacked", "gpt_oss": "stacked"}
 B, S = 2, 8
+# the references are computed here and sent to the world's workers: on the CPU, where a gloo world
+# runs (a worker moves them to its device where it compares)
+CPU = torch.device("cpu")
 
 
 def _recording_safe_open(reads: list):
@@ -149,8 +152,8 @@ def _save(hf, path, fmt):
 
 @pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}-{lay}" for f, lay in CASES])
 def test_layout_matches_transformers(world2, family, layout, tmp_path):
-    tokens, targets = tokens_targets(5, B, S)
-    hf = hf_model(family)
+    tokens, targets = tokens_targets(5, B, S, device=CPU)
+    hf = hf_model(family, device=CPU)
     from_dir = layout == "sp2-ep2" and family in FROM_DIRECTORY
     directory = _save(hf, tmp_path, FROM_DIRECTORY[family]) if from_dir else None
     ref_logits, _, ref_grads = hf_reference(hf, tokens, targets, aux=False)
@@ -255,8 +258,8 @@ def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads
 
 @pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe", "glm4_moe", "olmo2", "gemma2"])
 def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
-    tokens, targets = tokens_targets(6, B, S)
-    logits, _, grads, extra = hf_named_reference(hf_model(family), tokens, targets, aux=True)
+    tokens, targets = tokens_targets(6, B, S, device=CPU)
+    logits, _, grads, extra = hf_named_reference(hf_model(family, device=CPU), tokens, targets, aux=True)
     res = world2.run(_parallelize_case, family, tokens, targets, logits, grads, extra)
     assert all(r > 10 for r in res), res
 
@@ -312,8 +315,9 @@ def _parallelize_sp_case(rank, size, family, tokens, targets, ref_logits, ref_gr
 def test_parallelize_sequence_parallel_matches_transformers(world2, family):
     """Route B at sp2: ring zigzag / Ulysses through transformers' attention interface; gathered
     logits and every gradient (after sync_gradients with gradient_sync_plan) equal HF's."""
-    tokens, targets = tokens_targets(7, B, S)
+    tokens, targets = tokens_targets(7, B, S, device=CPU)
     labels = SP_CASES[family][2]
-    logits, _, grads, _ = hf_named_reference(hf_model(family), tokens, None if labels else targets, aux=False)
+    logits, _, grads, _ = hf_named_reference(hf_model(family, device=CPU), tokens, None if labels else targets,
+                                             aux=False)
     res = world2.run(_parallelize_sp_case, family, tokens, targets, logits, grads)
     assert all(r > 10 for r in res), res

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from _utils import assert_close
+from _utils import DEVICE, assert_close
 from fusedpar.hf import load_full_state_dict
 from fusedpar.nn import MLAttention
 from fusedpar.nn.rotary import rope_attention_factor, rope_inv_freq, rotary_cos_sin
@@ -78,7 +78,7 @@ def _mla_from_hf(attn, config, rope):
                       qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
                       bias=config.attention_bias, rope_theta=rope["rope_theta"], rope_scaling=scaling,
                       rope_interleave=config.rope_interleave, device="meta")
-    load_full_state_dict(mod, {k: v.detach() for k, v in attn.named_parameters()})
+    load_full_state_dict(mod, {k: v.detach() for k, v in attn.named_parameters()}, device=DEVICE)
     return mod
 
 
@@ -96,17 +96,19 @@ def test_mla_matches_transformers(case):
     config = _ds_config(rope, **kw)
     torch.manual_seed(0)
     attn = DeepseekV3Attention(config, 0).float()
-    with torch.no_grad():
+    with torch.no_grad():  # drawn on the CPU, then both modules on the tests' device
         for name, p in attn.named_parameters():
             p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.3)
+    attn.to(DEVICE)
     mod = _mla_from_hf(attn, config, rope)
+    assert all(p.device.type == DEVICE.type for p in mod.parameters())
     b, s = 2, 11
-    x = torch.randn(b, s, config.hidden_size)
-    dy = torch.randn(b, s, config.hidden_size)
-    mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
-    pos = torch.arange(s)[None].expand(b, s)
+    x = torch.randn(b, s, config.hidden_size).to(DEVICE)
+    dy = torch.randn(b, s, config.hidden_size).to(DEVICE)
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None].to(DEVICE)
+    pos = torch.arange(s, device=DEVICE)[None].expand(b, s)
     xr = x.clone().requires_grad_()
-    yr, _ = attn(xr, DeepseekV3RotaryEmbedding(config)(xr, pos), mask)
+    yr, _ = attn(xr, DeepseekV3RotaryEmbedding(config).to(DEVICE)(xr, pos), mask)
     yr.backward(dy)
     xl = x.clone().requires_grad_()
     y = mod(xl)
@@ -138,10 +140,11 @@ def test_mla_packed_documents_equal_each_document_alone():
     """cu_seqlens: attention stays inside each document and the rotary positions restart at 0."""
     torch.manual_seed(1)
     mod = MLAttention(16, 2, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
-                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4})
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4},
+                      device=DEVICE)
     docs = [0, 3, 3, 8, 11]  # lengths 3, 0, 5, 3
-    x = torch.randn(1, 11, 16)
-    y = mod(x, cu_seqlens=torch.tensor(docs, dtype=torch.int32))
+    x = torch.randn(1, 11, 16).to(DEVICE)
+    y = mod(x, cu_seqlens=torch.tensor(docs, dtype=torch.int32, device=DEVICE))
     ref = torch.cat([mod(x[:, a:e]) for a, e in zip(docs, docs[1:]) if e > a], dim=1)
     assert_close(y, ref.detach(), torch.float32, rtol=1e-5, msg="packed documents")
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from _utils import assert_close
+from _utils import DEVICE, assert_close
 from _world import grid_2x2, rank_rng, straggle, world_fixture
 from fusedpar import checkpoint as fck
 from fusedpar.hf import to_hf_state_dict
@@ -107,7 +107,7 @@ def test_transformer_config_passes_per_layer_attention_options():
                                head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                attn_logit_softcapping=30.0, attention_sinks=True, v_head_dim=6,
                                softmax_scale=0.25)
-    model = Transformer(config, seed=1)
+    model = Transformer(config, seed=1, device=DEVICE)
     attns = [model.layers[str(i)].attn for i in range(2)]
     assert [a.window for a in attns] == [(3, 0), None]
     assert all(a.softcap == 30.0 and a.v_head_dim == 6 and a.softmax_scale == 0.25 for a in attns)
@@ -115,10 +115,10 @@ def test_transformer_config_passes_per_layer_attention_options():
     assert model.gradient_sync_plan()["layers.0.attn.sinks"] == "dense"
     # each block equals its AttentionReference with the same options and weights (12 tokens: the
     # window of 4 cuts), the sinks' gradient included
-    x = torch.randn(1, 12, 16, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(1, 12, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     for attn in attns:
         ref = AttentionReference(16, 2, head_dim=8, window=attn.window, softcap=30.0, sinks=True, v_head_dim=6,
-                                 softmax_scale=0.25)
+                                 softmax_scale=0.25, device=DEVICE)
         with torch.no_grad():
             ref.sinks.copy_(torch.tensor([0.5, -1.0]))
             attn.sinks.copy_(ref.sinks)
@@ -147,10 +147,10 @@ def test_sinks_stay_fp32_when_the_model_is_cast():
     forward (which takes fp32 sinks) still runs; their gradient is fp32 too."""
     config = TransformerConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=16,
                                head_dim=8, attention_sinks=True)
-    model = Transformer(config, seed=1).to(torch.bfloat16)
+    model = Transformer(config, seed=1, device=DEVICE).to(torch.bfloat16)
     attn = model.layers["0"].attn
     assert attn.qkv.weight.dtype == torch.bfloat16 and attn.sinks.dtype == torch.float32
-    ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     model.loss(model(ids), ids).backward()
     assert attn.sinks.grad.dtype == torch.float32 and torch.isfinite(attn.sinks.grad).all()
 

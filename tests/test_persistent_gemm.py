@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from _utils import DTYPES, INTERPRETED, assert_close, poison, randn
+from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
 from fusedpar.kernels import WaitTimeout, check_wait_timeouts, wait_timeouts
 from fusedpar.kernels import persistent_gemm as pg
 from fusedpar.kernels.persistent_gemm import (
@@ -377,8 +377,9 @@ def test_config_is_validated_with_the_gemm_prune_rule(monkeypatch):
 
     monkeypatch.setattr(pg, "shared_memory_limit", lambda index=0: 232448)
     monkeypatch.setattr(gemm, "device_capability", lambda index=0: (9, 0))
-    def operands(dtype, activation):
-        x, w = torch.empty(64, 64, dtype=dtype), torch.empty(128 if activation == "swiglu" else 64, 64, dtype=dtype)
+    def operands(dtype, activation):  # kernel operands: on the tests' device (linear_operands checks it)
+        x = torch.empty(64, 64, dtype=dtype, device=DEVICE)
+        w = torch.empty(128 if activation == "swiglu" else 64, 64, dtype=dtype, device=DEVICE)
         return linear_operands(x, w, activation=activation)
 
     a = torch.empty(4, 64, 4096, dtype=torch.bfloat16, device="meta")  # CPU tensors skip the GPU checks
