@@ -278,25 +278,29 @@ def _config(H: int, M: int):
 
 
 def _check_operand(name: str, t, x: torch.Tensor | None = None, shape=None) -> None:
-    """A kernel operand: a tensor of a supported dtype on a kernel device (``x``'s, when given),
-    of ``shape`` (when given)."""
+    """A kernel operand: a tensor of a supported dtype, of ``shape`` (when given), on a kernel
+    device (``x``'s, when given). What the tensor is (type, dtype, shape) is checked before where
+    it lives, as :func:`~.checks.check_tensor` does: a bad shape gets the same error on a GPU
+    machine as under the interpreter, whatever device the tensor is on."""
     check_tensor(name, t)
     check_supported_dtype(name, t)
+    if shape is not None:
+        check_shape(name, t, shape)
     check_device_usable(name, t)
     if x is not None:
         check_same(name, t, "x", x, dtype=False)
-    if shape is not None:
-        check_shape(name, t, shape)
 
 
 def check_rms_norm_inputs(x, weight, eps, residual) -> int:
     """Validate the forward's inputs (metadata only: traceable by torch.compile); returns the hidden size."""
-    _check_operand("x", x)
+    check_tensor("x", x)
+    check_supported_dtype("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden features), got a scalar")
     H = x.shape[-1]
     if H == 0:
         raise ValueError(f"x must have a non-empty hidden (last) dimension, got shape {tuple(x.shape)}")
+    check_device_usable("x", x)  # after the shape, as _check_operand orders its checks
     if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     if weight is not None:

@@ -157,17 +157,17 @@ BAD_INPUTS = [
     ("weight-shape", lambda x: rms_norm(x, randn(7)), ValueError, r"weight must have shape \(8,\), got \(7,\)"),
     ("residual-shape", lambda x: rms_norm(x, randn(8), residual=randn(3, 9)), ValueError,
      r"residual must have shape \(3, 8\), got \(3, 9\)"),
-    ("int-dtype", lambda x: rms_norm(torch.ones(3, 8, dtype=torch.int64)), TypeError,
+    ("int-dtype", lambda x: rms_norm(torch.ones(3, 8, dtype=torch.int64, device=DEVICE)), TypeError,
      "x must have one of the dtypes .* got torch.int64"),
     ("negative-eps", lambda x: rms_norm(x, None, -1.0), ValueError, "eps must be a non-negative number"),
-    ("empty-hidden", lambda x: rms_norm(torch.ones(3, 0)), ValueError, "non-empty hidden"),
-    ("module-features", lambda x: RMSNorm(8)(randn(3, 9)), ValueError,
+    ("empty-hidden", lambda x: rms_norm(torch.ones(3, 0, device=DEVICE)), ValueError, "non-empty hidden"),
+    ("module-features", lambda x: RMSNorm(8, device=DEVICE)(randn(3, 9)), ValueError,
      r"x must have 8 features in its last dim, got shape \(3, 9\)"),
     ("module-size", lambda x: RMSNorm(0), ValueError, "hidden_size must be a positive int"),
     ("not-a-tensor", lambda x: rms_norm([1.0, 2.0]), TypeError, "x must be a torch.Tensor, got list"),
-    ("rstd-dtype", lambda x: rms_norm_bwd(x, x, None, torch.ones(3, dtype=torch.float64)), TypeError,
+    ("rstd-dtype", lambda x: rms_norm_bwd(x, x, None, torch.ones(3, dtype=torch.float64, device=DEVICE)), TypeError,
      "rstd must have dtype torch.float32, got torch.float64"),
-    ("rstd-shape", lambda x: rms_norm_bwd(x, x, None, torch.ones(4)), ValueError,
+    ("rstd-shape", lambda x: rms_norm_bwd(x, x, None, torch.ones(4, device=DEVICE)), ValueError,
      r"rstd must have shape \(3,\), got \(4,\)"),
     ("residual-out-without-residual", lambda x: rms_norm_fwd(x, None, residual_out=torch.empty_like(x)), ValueError,
      "residual_out must be None without a residual"),
@@ -178,6 +178,20 @@ BAD_INPUTS = [
 def test_bad_input_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call(randn(3, 8))
+
+
+def test_shape_errors_come_before_the_device_error():
+    """What a tensor is (shape) is checked before where it lives: an empty hidden dim or a bad
+    weight shape gives the same error whatever the device (a meta tensor here, refused by the
+    device check on every machine; a CPU tensor on a GPU machine alike), then the device error."""
+    with pytest.raises(ValueError, match="non-empty hidden"):
+        rms_norm(torch.ones(3, 0, device="meta"))
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\), got \(7,\)"):
+        rms_norm(randn(3, 8), torch.ones(7, device="meta"))
+    with pytest.raises(ValueError, match="x must be a CUDA tensor .* got a tensor on meta"):
+        rms_norm(torch.ones(3, 8, device="meta"))
+    with pytest.raises(ValueError, match="weight must be a CUDA tensor .* got a tensor on meta"):
+        rms_norm(randn(3, 8), torch.ones(8, device="meta"))
 
 
 def test_four_dim_input_and_unviewable_output():
