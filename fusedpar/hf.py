@@ -128,9 +128,13 @@ def _to_hf_layout(name: str, config: TransformerConfig, t: torch.Tensor) -> torc
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
                          *, device=None, dtype=None, strict: bool = True) -> None:
     """Load full (unsharded) tensors, keyed by ``model``'s parameter names, into a model of any
-    parallel layout: each rank keeps its shard (by the placements its modules declare). A model
-    built on the meta device is materialised (on ``device``, default CPU). ``state_dict`` may be a
-    callable ``name -> full tensor`` (read on demand). ``strict``: every parameter must be given."""
+    parallel layout: each rank keeps its shard (by the placements its modules declare); the
+    buffers its modules declare in ``checkpoint_buffers()`` (replicated state: the routers'
+    ``e_score_correction_bias``) are loaded whole, under their names, as :func:`from_hf` loads them.
+    A model built on the meta device is materialised (on ``device``, default CPU). ``state_dict``
+    may be a callable ``name -> full tensor`` (read on demand). ``strict``: every parameter and
+    every such buffer must be given (a buffer on the meta device must be given in any case: it
+    holds no value to keep)."""
     placements = placements_of(model)
     for name, p in list(model.named_parameters()):
         if callable(state_dict):
@@ -147,6 +151,18 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             raise ValueError(f"load_full_state_dict: {name} must be {placement.full_shape(p.shape)} in full, "
                              f"got {tuple(full.shape)}")
         _set_param(model, name, p, local, device, dtype)
+    for name, buf in checkpoint_buffers(model).items():
+        if callable(state_dict):
+            full = state_dict(name)
+        elif name in state_dict:
+            full = state_dict[name]
+        elif strict or buf.device.type == "meta":
+            raise ValueError(f"load_full_state_dict: state_dict has no tensor for buffer {name!r}"
+                             + (" (on the meta device: it holds no value to keep)" if buf.device.type == "meta"
+                                else ""))
+        else:
+            continue
+        _set_buffer(model, name, buf, full, device, "load_full_state_dict")
 
 
 def _set_param(model: nn.Module, name: str, p: torch.Tensor, local: torch.Tensor, device, dtype) -> None:
@@ -160,6 +176,18 @@ def _set_param(model: nn.Module, name: str, p: torch.Tensor, local: torch.Tensor
         dtype = torch.float32
     new = local.to(device=target, dtype=dtype or (p.dtype if p.device.type != "meta" else local.dtype)).clone()
     setattr(mod, pname, nn.Parameter(new, requires_grad=p.requires_grad))
+
+
+def _set_buffer(model: nn.Module, name: str, buf: torch.Tensor, full: torch.Tensor, device, owner: str) -> None:
+    """Replace the replicated buffer ``name`` (currently ``buf``, maybe on the meta device) by a
+    copy of ``full`` in ``buf``'s dtype, on ``buf``'s device (``device``, default CPU, for a meta
+    ``buf``)."""
+    if tuple(full.shape) != tuple(buf.shape):
+        raise ValueError(f"{owner}: {name} must be {tuple(buf.shape)}, got {tuple(full.shape)}")
+    mod_name, _, bname = name.rpartition(".")
+    target = buf.device if buf.device.type != "meta" else torch.device(device or "cpu")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    mod.register_buffer(bname, full.to(device=target, dtype=buf.dtype).clone())
 
 
 class _SafetensorsDir:
@@ -316,9 +344,7 @@ def _load_from_source(model: Transformer, source, device, dtype) -> None:
         full = _hf_tensor(source, src)
         if tuple(full.shape) != tuple(buf.shape):
             raise ValueError(f"from_hf: {src} must be {tuple(buf.shape)}, got {tuple(full.shape)}")
-        mod_name, _, bname = name.rpartition(".")
-        target = buf.device if buf.device.type != "meta" else torch.device(device or "cpu")
-        model.get_submodule(mod_name).register_buffer(bname, full.to(device=target, dtype=buf.dtype).clone())
+        _set_buffer(model, name, buf, full, device, "from_hf")
 
 
 def from_hf(hf_model_or_path, *, tp_group=None, sp_group=None, ep_group=None, ulysses_group=None,
