@@ -107,11 +107,15 @@ def _fp8_gemm_kernel(
 # Configurations: a fixed small one under the interpreter, an autotuned pruned list on GPU
 # --------------------------------------------------------------------------------------------
 FP8_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, GROUP_M=4)
-#: Hopper's fp8 wgmma accumulates in less than fp32 (DeepSeek-V3 measured about 14 bits), and
-#: Triton's default on sm_90 lets a dot accumulate its whole K that way. Both recipes promote to
-#: the fp32 accumulator every 128 K elements (DeepSeek-V3's interval): blockwise by its fresh dot
-#: per K step, rowwise by ``max_num_imprecise_acc=PROMOTE_K`` (a partial fp32 tile added to the
-#: accumulator after each step: a second accumulator tile, counted by the prune rule)
+#: Hopper's fp8 wgmma accumulates in less than fp32: each 32-deep instruction aligns its products
+#: and the running sum to their largest exponent and truncates below 2^-13 of it (the model that
+#: reproduces the first H100 run's errors, tests/test_fp8.py ``mma_error_bound``; DeepSeek-V3
+#: reported about 14 bits), and Triton's default on sm_90 lets a dot accumulate its whole K that
+#: way. Both recipes promote to the fp32 accumulator every 128 K elements (DeepSeek-V3's interval):
+#: blockwise by its fresh dot per K step, rowwise by ``max_num_imprecise_acc=PROMOTE_K`` (a partial
+#: fp32 tile added to the accumulator after each step: a second accumulator tile, counted by the
+#: prune rule). So each 128-deep step errs by up to about 2^-13 of its largest partial sum, not of
+#: the fp32 total (tests/test_fp8.py ``test_fp8_matmul_promotes_to_fp32_every_128``)
 FP8_PROMOTE_K = 128
 
 
