@@ -236,7 +236,9 @@ def _expand(scale: torch.Tensor, rows: int, cols: int, granularity: str) -> torc
 
 def quantize_e4m3_reference(x: torch.Tensor, granularity: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
     """What :func:`quantize_e4m3` computes, in plain torch (fp32 amax, scale and division, torch's
-    e4m3 cast of the values clamped to +-448): the tests' bit-exact oracle."""
+    e4m3 cast of the values clamped to +-448): the tests' bit-exact oracle, on any device. Every
+    division is tensor by tensor: torch's CUDA division by a Python number multiplies by the
+    number's rounded reciprocal, which is not ``amax / 448`` to the last bit."""
     check_choice("granularity", granularity, GRANULARITIES)
     xf = x.float()
     R, C = xf.shape
@@ -250,7 +252,7 @@ def quantize_e4m3_reference(x: torch.Tensor, granularity: str = "row") -> tuple[
             amax = padded.view(R, nb, FP8_BLOCK).amax(dim=2)
         else:
             amax = padded.view(-1, FP8_BLOCK, nb, FP8_BLOCK).amax(dim=(1, 3))
-    scale = torch.clamp(amax / E4M3_MAX, min=SCALE_FLOOR)
+    scale = torch.clamp(amax / amax.new_tensor(E4M3_MAX), min=SCALE_FLOOR)
     q = (xf / _expand(scale, R, C, granularity)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
