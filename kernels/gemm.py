@@ -287,10 +287,16 @@ def _prune_configs(configs, named_args, **kwargs):
                               **tile_rule(named_args, **kwargs))
 
 
+#: the autotuner's key: the problem size and every flag :func:`tile_rule` reads, so that the
+#: config tuned for one launch is never reused by a launch whose rule would prune it (a tf32 tile
+#: run as "ieee" FMA dots, a plain epilogue's 128-accumulator tile with a fused epilogue)
+TUNING_KEY = ["M", "N", "K", "GLU", "A_K_SPLIT", "HAS_RES", "R_M_SPLIT", "ACT", "STORE_AUX", "INPUT_PRECISION"]
+
+
 @functools.lru_cache(maxsize=None)
 def _tuned_kernel():
     return autotuned(
-        _gemm_kernel, configs=gpu_configs(), key=["M", "N", "K", "GLU", "A_K_SPLIT", "HAS_RES"],
+        _gemm_kernel, configs=gpu_configs(), key=TUNING_KEY,
         prune=_prune_configs,
         restore_value=["c_ptr"],  # accumulate mode reads C: tuning runs must not compound it
     )
@@ -440,8 +446,9 @@ def matmul(
     preact_out: optional ``[M, N]`` (``[M, 2F]`` gated) tensor that receives the pre-activation
               values, which the backward of a fused activation needs.
 
-    fp32 operands run ``tl.dot`` in TF32 on a GPU when ``torch.backends.cuda.matmul.allow_tf32``
-    is set, as ``torch.matmul`` does (:func:`~fusedpar.kernels.runtime.input_precision`).
+    fp32 operands run ``tl.dot`` in TF32 on a GPU when torch.matmul would
+    (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, which ``allow_tf32 = True`` sets too;
+    :func:`~fusedpar.kernels.runtime.input_precision`).
     """
     ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)
     out, residual = _matmul_buffers(a, ops, out=out, accumulate=accumulate, residual=residual,

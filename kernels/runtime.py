@@ -34,13 +34,28 @@ SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
+@triton.jit
+def _decoration_probe():
+    """Never launched: its type records how ``triton.jit`` decorated this package's kernels."""
+    pass
 
-    The variable must be set before ``triton`` is imported; tests/conftest.py does that when no
-    GPU is present.
+
+#: Triton's choice for every kernel of this package, made when ``triton.jit`` decorated them (at
+#: import): an interpreted function when ``TRITON_INTERPRET`` was set then, a compiled
+#: ``JITFunction`` otherwise. The variable read later says nothing about the kernels: a process
+#: that sets it after the import (an in-process ``fusedpar.demo --device cpu`` run on a GPU
+#: machine) would otherwise send compiled kernels down the interpreter's path (fixed tile configs,
+#: no autotuning, ``"ieee"`` dots, CPU tensors accepted and then refused by the launch).
+_INTERPRETED = not isinstance(_decoration_probe, triton.runtime.JITFunction)
+
+
+def interpreting() -> bool:
+    """True when this package's kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``
+    was set when ``fusedpar.kernels`` was imported; tests/conftest.py sets it when no GPU is
+    present). Fixed at import (see :data:`_INTERPRETED`): later changes of the variable do not
+    switch the launchers' path.
     """
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETED
 
 
 def release(version: str) -> tuple:
@@ -309,10 +324,24 @@ def clear_tuning_caches() -> None:
     _KEPT.clear()
 
 
+def _cuda_matmul_tf32() -> bool:
+    """Whether torch.matmul runs fp32 on TF32 on CUDA: the cuBLAS matmul precision of torch's TF32
+    API, ``torch.backends.cuda.matmul.fp32_precision == "tf32"``, which the legacy
+    ``torch.backends.cuda.matmul.allow_tf32 = True``, ``torch.backends.fp32_precision = "tf32"``
+    and ``torch.set_float32_matmul_precision("high")`` all set. (The legacy flag is not read: once
+    a program has set TF32 through the new API, reading ``allow_tf32`` raises "mix of the legacy
+    and new APIs".)"""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:  # a torch without the new API
+        return bool(matmul.allow_tf32)
+    return precision == "tf32"
+
+
 def input_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: "tf32" for fp32 operands on a GPU when
-    ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch.matmul does), else "ieee"."""
-    if dtype == torch.float32 and not interpreting() and torch.backends.cuda.matmul.allow_tf32:
+    """``tl.dot`` input precision: "tf32" for fp32 operands on a GPU when torch.matmul would use
+    TF32 (:func:`_cuda_matmul_tf32`), else "ieee"."""
+    if dtype == torch.float32 and not interpreting() and _cuda_matmul_tf32():
         return "tf32"
     return "ieee"
 

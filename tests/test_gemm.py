@@ -3,7 +3,7 @@ import pytest
 import torch
 import triton
 
-from _utils import DEVICE, DTYPES, assert_close, poison, randn
+from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
 from fusedpar.kernels import ACTIVATIONS, gemm, matmul, matmul_reference, matmul_tn, runtime
 from fusedpar.kernels.gemm import gpu_configs
 from fusedpar.kernels.runtime import prune_tile_configs
@@ -176,6 +176,54 @@ def test_input_precision_follows_the_tf32_flag_when_compiled(monkeypatch, set_tf
     assert runtime.input_precision(torch.bfloat16) == "ieee"
     monkeypatch.setattr(runtime, "interpreting", lambda: True)
     assert runtime.input_precision(torch.float32) == "ieee"
+
+
+def test_input_precision_follows_torch_s_new_tf32_api(monkeypatch):
+    """TF32 set through torch's new API (torch.backends.cuda.matmul.fp32_precision, or the global
+    torch.backends.fp32_precision) reaches the kernels, and the rule does not read the legacy
+    allow_tf32, which then raises ("mix of the legacy and new APIs")."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision, torch.backends.fp32_precision
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    try:
+        for setting, expected in (("tf32", "tf32"), ("ieee", "ieee")):
+            matmul.fp32_precision = setting
+            assert runtime.input_precision(torch.float32) == expected
+        matmul.fp32_precision = "none"  # follow the global setting
+        torch.backends.fp32_precision = "tf32"
+        assert runtime.input_precision(torch.float32) == "tf32"
+    finally:
+        matmul.fp32_precision, torch.backends.fp32_precision = saved
+
+
+def test_tuning_key_holds_every_flag_the_prune_rule_reads(monkeypatch):
+    """A tuned config is reused for every launch with the same key: the key must hold whatever the
+    prune rule decides on, or a tile kept for tf32 runs as "ieee" FMA dots (they spill) after a
+    launch with the other torch.backends.cuda.matmul.allow_tf32, a plain epilogue's tile with a
+    fused one. The flags tile_rule reads are recorded (it reads each through named_args.get)."""
+    class Recording(dict):
+        def get(self, k, default=None):
+            read.add(k)
+            return super().get(k, default)
+
+    read = set()
+    monkeypatch.setattr(gemm, "device_capability", lambda index: (9, 0))
+    for has_res in (False, True):  # a residual makes the rule read R_M_SPLIT too
+        gemm.tile_rule(Recording(a_ptr=torch.empty(1, dtype=torch.bfloat16), M=64, N=64, K=64, HAS_RES=has_res))
+    flags = {k for k in read if k.isupper()}
+    assert {"INPUT_PRECISION", "ACT", "R_M_SPLIT"} <= flags, flags
+    assert flags <= set(gemm.TUNING_KEY), flags - set(gemm.TUNING_KEY)
+
+
+def test_interpreter_choice_is_fixed_at_import(monkeypatch):
+    """The launchers' path follows how triton.jit decorated the kernels at import, not a later
+    TRITON_INTERPRET: on a GPU an in-process run that set it (fusedpar.demo --device cpu) sent the
+    compiled kernels down the interpreter's path (no autotuning, "ieee" dots), and under the
+    interpreter unsetting it must not select the compiled path either."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if INTERPRETED else "1")
+    assert runtime.interpreting() == INTERPRETED
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert runtime.interpreting() == INTERPRETED
 
 
 @pytest.mark.parametrize("allow_tf32", [True, False])
