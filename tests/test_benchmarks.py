@@ -3,6 +3,18 @@ import json
 
 import pytest
 
+from _utils import INTERPRETED
+
+
+def _err_bound(row, fp32_bound, common):
+    """The bound on a row's ``max_rel_err``: ``fp32_bound`` for an fp32 row (the CPU smoke runs,
+    and GPU runs asked for fp32); a bf16 / fp16 row (the GPU default, kept where fp32 does not fit:
+    the attention variants' score-option tiles are built for 16-bit operands, their fp32 ones
+    spill) rounds inputs, probabilities and outputs to an 8 / 11-bit mantissa, so it gets the
+    benchmark's own per-dtype tolerance (``_common.TOLERANCES``: bf16 5e-2, fp16 1e-2), which
+    ``check_close`` enforced before timing."""
+    return fp32_bound if row["dtype"] == "float32" else common.TOLERANCES[row["dtype"]]
+
 
 @pytest.fixture
 def bench_main(monkeypatch):
@@ -17,10 +29,12 @@ def bench_main(monkeypatch):
 
 def test_matmul_cli_json(bench_main, tmp_path, capsys):
     out = tmp_path / "m.json"
-    assert bench_main(["matmul", "--shapes", "17x9x33", "--epilogue", "swiglu", "--json", str(out)]) == 0
+    # fp32 on every device (the GPU default, bf16, rounds to 8 bits: ~3e-3 here, not within 1e-4)
+    assert bench_main(["matmul", "--shapes", "17x9x33", "--epilogue", "swiglu", "--dtype", "fp32",
+                       "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     row = data["results"]["matmul"][0]
-    assert (row["M"], row["N"], row["K"]) == (17, 9, 33)
+    assert (row["M"], row["N"], row["K"], row["dtype"]) == (17, 9, 33, "float32")
     assert row["max_rel_err"] < 1e-4 and row["fusedpar_ms"] > 0 and row["torch_ms"] > 0
     assert "torch" in data["env"] and "triton" in data["env"]
     text = capsys.readouterr().out
@@ -113,13 +127,18 @@ def test_train_cli_smoke(bench_main, tmp_path):
 
 
 def test_linear_ce_cli_smoke(bench_main, tmp_path):
-    """The fused linear cross entropy against the materialised logits + loss, shrunk heads."""
+    """The fused linear cross entropy against the materialised logits + loss, the shrunk head on
+    every device (a GPU's default is the two Llama-3 heads, in bf16)."""
     out = tmp_path / "l.json"
-    assert bench_main(["linear_ce", "--tp", "2", "--json", str(out)]) == 0
+    assert bench_main(["linear_ce", "--tp", "2", "--heads", "smoke", "--chunk-tokens", "16", "--dtype", "fp32",
+                       "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]["linear_ce"]
     assert (row["tokens"], row["vocab"], row["tp"], row["chunk_tokens"]) == (48, 250, 2, 16)
     assert row["fused_ms"] > 0 and row["materialised_ms"] > 0 and row["max_rel_err"] < 1e-4
-    assert row["fused_peak_MiB"] is None  # measured on a GPU only
+    if INTERPRETED:
+        assert row["fused_peak_MiB"] is None and row["materialised_peak_MiB"] is None  # measured on a GPU only
+    else:
+        assert row["fused_peak_MiB"] > 0 and row["materialised_peak_MiB"] > 0
 
 
 def _run_file(path, mode, date, rows, **extra_env):
@@ -127,14 +146,15 @@ def _run_file(path, mode, date, rows, **extra_env):
     path.write_text(json.dumps({"env": env, "results": rows}))
 
 
-def test_attention_variants_cli_smoke(bench_main, tmp_path):
+def test_attention_variants_cli_smoke(bench_main, common, tmp_path):
     """Each variant row (window, sinks, MLA 24/16 on CPU, softcap) is checked against its baseline's
     result (SDPA with the equivalent mask, or the float64 reference for softcap) before timing."""
     out = tmp_path / "v.json"
     assert bench_main(["attention_variants", "--seq", "24", "--window", "5", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["attention_variants"]
     assert [r["variant"] for r in rows] == ["window", "sinks", "mla", "softcap"]
-    assert all(r["max_rel_err"] < 1e-5 and r["fwd_ms"] > 0 and r["baseline_bwd_ms"] > 0 for r in rows)
+    assert all(r["max_rel_err"] < _err_bound(r, 1e-5, common) and r["fwd_ms"] > 0 and r["baseline_bwd_ms"] > 0
+               for r in rows), rows
     assert rows[2]["qk_head_dim"] != rows[2]["v_head_dim"] and rows[0]["window"] == 5
     with pytest.raises(ValueError, match="--variants must be a comma-separated subset"):
         bench_main(["attention_variants", "--variants", "window,alibi"])

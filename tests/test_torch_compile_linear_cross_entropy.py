@@ -8,23 +8,22 @@ gradients) with every option on.
 Tolerance: eager and compiled run the same op bodies (aot_eager keeps fusedpar ops opaque): 1e-5."""
 import pytest
 import torch
-from _utils import BACKWARD_OPCHECK, INTERPRETED
+from _utils import BACKWARD_OPCHECK, DEVICE
 
 from fusedpar.ops import global_loss, linear_cross_entropy
 from fusedpar.ops.transport import EmulatedTransport
-
-pytestmark = pytest.mark.skipif(not INTERPRETED, reason="CPU-interpreter test")
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 OPCHECK_TESTS = BACKWARD_OPCHECK + ("test_aot_dispatch_dynamic",)
 
 
 def _args(g, T=7, H=6, V=5, P=1):
-    h = torch.randn(T, H, generator=g).requires_grad_()
-    w = (torch.randn(V, H, generator=g) * 0.5).requires_grad_()
+    """fp32 hidden states, weight and targets on the test device (drawn on the host)."""
+    h = torch.randn(T, H, generator=g).to(DEVICE).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * 0.5).to(DEVICE).requires_grad_()
     t = torch.randint(0, V * P, (T,), generator=g)
     t[2] = -100
-    return h, w, t
+    return h, w, t.to(DEVICE)
 
 
 def test_opcheck_linear_cross_entropy_ops():

@@ -82,7 +82,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
              global batch) every data rank's (:func:`fusedpar.ops.loss.reduce_token_losses`).
     label_smoothing: as ``torch.nn.functional.cross_entropy``; ``z_loss``: adds ``z_loss * lse^2``
              per token (PaLM); ``softcap``: logits ``c * tanh(z / c)`` first (Gemma 2).
-    chunk_tokens: tokens per chunk (default: a 256 MiB fp32 logits buffer); the peak extra memory is
+    chunk_tokens: tokens per chunk (default: a 256 MiB fp32 logits buffer, a multiple of 128 tokens
+             when it holds more: 512 for a 128k vocabulary on one rank); the peak extra memory is
              ``chunk_tokens * V / tp`` fp32 elements (plus one more in the backward, and the gathered
              tokens ``[b, s, H]`` with ``sequence_parallel``).
     """

@@ -45,12 +45,22 @@ __all__ = ["LCEOptions", "default_chunk_tokens", "linear_cross_entropy_backward_
 
 #: default chunk buffer: ``chunk_tokens * V/tp`` fp32 elements of at most this many bytes
 CHUNK_BYTES = 256 * 2 ** 20
+#: a default chunk that holds more tokens than this holds a multiple of it: the chunk's tokens are
+#: the rows of the logits and d_hidden GEMMs (whole 128-row tiles) and the contraction of the
+#: weight-gradient GEMM ``dz^T h``, whose tile configs need K a multiple of 64 to load full,
+#: vectorised, pipelined 64-deep K blocks (a 128k vocabulary fits 523 tokens in the buffer: K = 523
+#: left that GEMM, the largest output of the op, four 32-deep tiles with masked, unpipelined loads)
+CHUNK_ALIGN = 128
 
 
 def default_chunk_tokens(tokens: int, local_vocab: int) -> int:
     """Tokens per chunk when the caller gives none: a fp32 logits buffer of at most
-    :data:`CHUNK_BYTES` (about 500 tokens for a 128k vocabulary on one rank), at least 1."""
-    return max(1, min(tokens, CHUNK_BYTES // (4 * max(local_vocab, 1))))
+    :data:`CHUNK_BYTES` (512 tokens for a 128k vocabulary on one rank), rounded down to a multiple
+    of :data:`CHUNK_ALIGN` tokens when it holds more; at least 1, at most ``tokens``."""
+    fit = max(1, CHUNK_BYTES // (4 * max(local_vocab, 1)))
+    if fit > CHUNK_ALIGN:
+        fit -= fit % CHUNK_ALIGN
+    return max(1, min(tokens, fit))
 
 
 @dataclass
@@ -178,6 +188,7 @@ def linear_cross_entropy_bwd(grad_loss, hidden, weight, targets, lse, gathered, 
     buf = torch.empty((min(opts.chunk, max(T, 1)), weight.shape[0]), dtype=torch.float32, device=hidden.device)
     dx32 = torch.empty((T, H), dtype=torch.float32, device=hidden.device) if need_dx else None
     dw32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
+    z = dz = None
     for lo, hi in _chunks(T, opts.chunk):
         h = rows[lo:hi]
         z = _logits(h, weight, buf, opts.softcap)
@@ -187,15 +198,19 @@ def linear_cross_entropy_bwd(grad_loss, hidden, weight, targets, lse, gathered, 
             matmul(dz, weight, weight_layout="kn", out=dx32[lo:hi])
         if need_dw:
             matmul_tn(dz, h, out=dw32, accumulate=True)
+    # the chunk buffers and the fp32 d_hidden are dead before the fp32 -> weight dtype copy of
+    # d_weight, the backward's peak (accumulator and copy together): free them first
+    del buf, z, dz
     dx = None
     if need_dx:
         if t.size > 1 and sequence_parallel:
             out = torch.empty(hidden.numel(), dtype=torch.float32, device=hidden.device)
             t.reduce_scatter_into(out, dx32.view(-1)).wait()
-            dx32 = out
+            dx32, out = out, None
         elif t.size > 1:
             t.all_reduce(dx32).wait()
         dx = dx32.view(hidden.shape).to(hidden.dtype)
+    del dx32
     return dx, (dw32.to(weight.dtype) if need_dw else None)
 
 
