@@ -50,6 +50,7 @@ def _reference(q, k, v, do, causal, cu=None):
 
 def _compare(fn, full, pos, causal, dtype, msg, cu=None):
     q, k, v, do = full
+    pos = pos.to(q.device)  # positions are built on the host (shard_positions, arange)
     shards = [t.index_select(1, pos).requires_grad_() for t in (q, k, v)]
     out = fn(*shards)
     grads = torch.autograd.grad(out, shards, do.index_select(1, pos))
@@ -156,9 +157,10 @@ def _ulysses_cases(rank, size, seed, s_local):
             _compare(lambda q, k, v: ulysses_attention(q, k, v, causal=causal), full, pos, causal, torch.float32,
                      msg=f"ulysses causal={causal} h={hq}/{hk} P={size} rank {rank}")
         # heads that cannot be split: a clear error before any communication
-        q = torch.randn(1, s_local, 6, 16)
+        q = torch.randn(1, s_local, 6, 16, device=DEVICE)
+        kv = torch.randn(1, s_local, 3, 16, device=DEVICE)
         with pytest.raises(ValueError, match=r"sizes that work: \[1, 3, 6\]"):
-            ulysses_attention(q, torch.randn(1, s_local, 3, 16), torch.randn(1, s_local, 3, 16))
+            ulysses_attention(q, kv, kv)
     finally:
         comm.set_straggler(0)
     return True

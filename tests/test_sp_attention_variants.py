@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _utils import assert_close, randn
+from _utils import DEVICE, assert_close, randn
 from _world import grid_2x2, rank_rng, straggle, world_fixture
 from fusedpar.kernels import attention_reference, varlen_attention_reference
 from fusedpar.ops import comm, hybrid_attention, ring_attention, shard_positions, ulysses_attention
@@ -47,6 +47,7 @@ def _reference(q, k, v, do, sinks, opts, cu):
 
 def _compare(fn, full, pos, opts, msg, cu=None, group=None):
     q, k, v, do, sinks = full
+    pos = pos.to(q.device)  # positions are built on the host (shard_positions, arange)
     shards = [t.index_select(1, pos).requires_grad_() for t in (q, k, v)]
     s = None if sinks is None else sinks.clone().requires_grad_()
     out = fn(*shards, s)
@@ -164,7 +165,7 @@ def test_hybrid_variants(world4):
 
 def _disagreeing_window(rank, size):
     # one rank asks for another window: every rank raises the same error before any transfer
-    q = torch.randn(1, 4, 2, 16)
+    q = torch.randn(1, 4, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="window"):
         ring_attention(q, q, q, causal=True, window=(2, 0) if rank else (3, 0))
     return True
@@ -207,20 +208,22 @@ def test_windowed_ring_plan_covers_the_window_once(layout, causal, window):
 _Q = (1, 8, 2, 16)
 
 
-# (id, exception, message pattern, keyword arguments)
+# (id, exception, message pattern, keyword arguments (built at test time, on the test device))
 BAD_OPTIONS = [
-    ("window shape", TypeError, "window must be None or a", dict(window=3)),
-    ("window value", ValueError, r"window\[0\] \(left\)", dict(window=(-2, 0))),
-    ("softcap", ValueError, "softcap", dict(softcap=-1.0)),
-    ("sinks shape", ValueError, r"sinks must have shape \(2,\)", dict(sinks=torch.zeros(3))),
-    ("sinks dtype", TypeError, "sinks", dict(sinks=torch.zeros(2, dtype=torch.float64))),
+    ("window shape", TypeError, "window must be None or a", lambda: dict(window=3)),
+    ("window value", ValueError, r"window\[0\] \(left\)", lambda: dict(window=(-2, 0))),
+    ("softcap", ValueError, "softcap", lambda: dict(softcap=-1.0)),
+    ("sinks shape", ValueError, r"sinks must have shape \(2,\)", lambda: dict(sinks=torch.zeros(3, device=DEVICE))),
+    ("sinks dtype", TypeError, "sinks", lambda: dict(sinks=torch.zeros(2, dtype=torch.float64, device=DEVICE))),
 ]
 
 
-@pytest.mark.parametrize("exc, pattern, kwargs", [c[1:] for c in BAD_OPTIONS], ids=[c[0] for c in BAD_OPTIONS])
+@pytest.mark.parametrize("exc, pattern, make_kwargs", [c[1:] for c in BAD_OPTIONS],
+                         ids=[c[0] for c in BAD_OPTIONS])
 @pytest.mark.parametrize("op", ["ring", "ulysses", "hybrid"])
-def test_bad_options(op, exc, pattern, kwargs):
-    q = torch.randn(*_Q)
+def test_bad_options(op, exc, pattern, make_kwargs):
+    # q on the test device: a CPU q on a GPU run fails the device check before the option checks
+    q, kwargs = torch.randn(*_Q, device=DEVICE), make_kwargs()
     t = EmulatedTransport(2)
     call = {"ring": lambda: ring_attention(q, q, q, transport=t, **kwargs),
             "ulysses": lambda: ulysses_attention(q, q, q, transport=t, **kwargs),
