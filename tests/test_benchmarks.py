@@ -198,3 +198,32 @@ def test_env_line_names_limited_autotuners(common, monkeypatch):
     assert "tune_configs" not in common.env_info(ctx)
     monkeypatch.setenv("FUSEDPAR_TUNE_CONFIGS", "1")
     assert common.env_info(ctx)["tune_configs"] == "1"
+
+
+def test_fp8_matmul_cli_smoke(bench_main, tmp_path):
+    """Rowwise and blockwise rows, each checked before timing against ``torch._scaled_mm`` (GPU,
+    rowwise) or the float64 product of the dequantised operands; a ragged K (not a multiple of the
+    128-wide scale blocks) on every device."""
+    out = tmp_path / "f.json"
+    assert bench_main(["fp8_matmul", "--shapes", "40x24x48", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["fp8_matmul"]
+    assert [r["scaling"] for r in rows] == ["rowwise", "blockwise"]
+    for r in rows:
+        assert (r["M"], r["N"], r["K"]) == (40, 24, 48)
+        assert r["fusedpar_ms"] > 0 and r["bf16_ms"] > 0 and r["max_rel_err"] < 2 ** -7
+    assert ("ratio_vs_scaled_mm" in rows[0]) == (not INTERPRETED)
+    with pytest.raises(SystemExit, match="--scalings"):
+        bench_main(["fp8_matmul", "--scalings", "rowwise,tensorwise"])
+
+
+def test_ceilings_and_launch_cli_smoke(bench_main, tmp_path):
+    """The floors' denominators and the host cost per call run and report positive figures."""
+    out = tmp_path / "c.json"
+    assert bench_main(["ceilings", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["ceilings"]
+    assert [r["ceiling"] for r in rows] == ["copy", "matmul"]
+    assert rows[0]["GB_per_s"] > 0 and rows[1]["TFLOPs"] > 0
+    out = tmp_path / "h.json"
+    assert bench_main(["launch", "--calls", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["launch"]
+    assert len(rows) == 5 and all(r["host_us_per_call"] > 0 for r in rows)
