@@ -11,14 +11,20 @@ counting sort, so that each group's slots are contiguous and in token order:
 * ``sorted_slot [T*k]`` the inverse: the slot at each position, ``-1`` for the unused tail rows
   (positions ``offsets[G] ..``) left by dropped slots.
 
-Everything is computed on the device from device tensors: no host synchronisation. A group id
-of ``-1`` means "not routed" (a slot dropped before the sort). Any other id outside ``[0, G)`` is
-an error, found by the counting kernel without a host sync: the slot is dropped (it writes
-nothing) and counted in a device flag. On CPU tensors (the interpreter) the flag is read at once
-and :func:`routing_metadata` raises; on a GPU it is copied to the host behind the kernels and
-reported later, by the next :func:`routing_metadata` call that finds the copy landed or by
-:func:`check_routing_ids` (which waits for it). The MoE ops range-check expert ids themselves and
-pass ``check_ids=False``.
+Everything is computed on the device from device tensors. A group id of ``-1`` means "not
+routed" (a slot dropped before the sort). Any other id outside ``[0, G)`` is an error: the
+counting kernel drops the slot (nothing is written out of bounds) and counts it in a device flag.
+With ``check_ids=True`` (the default) :func:`routing_metadata` reads that flag before it returns
+and raises ``ValueError``: on a GPU the flag is copied to pinned host memory right behind the
+counting kernel and the host waits for it only after the scatter kernel is queued (one host
+synchronisation per call, the GPU does not idle), so a call never returns metadata that silently
+dropped ids, and an error always belongs to the call that made it. (An earlier design reported
+the flag from a *later* call without waiting: the first results were used as if valid and the
+error surfaced in unrelated code.) Nothing can be read on the host while a CUDA graph is being
+captured: there ``check_ids=True`` is refused. ``check_ids=False`` reads nothing: out-of-range ids
+are dropped, as documented, for callers whose ids are valid by construction or checked elsewhere
+(the MoE ops range-check the expert ids themselves, with one wait per layer, and pass
+``check_ids=False``).
 
 Layers: ``@triton.jit`` kernels -> :func:`routing_metadata` (validate, allocate, launch) ->
 references (plain Python / torch loops, the tests' oracle): :func:`routing_metadata_reference`,
@@ -26,7 +32,6 @@ the grouped GEMM's :func:`grouped_matmul_reference` and the whole routed MLP, :f
 """
 from __future__ import annotations
 
-import collections
 from typing import Sequence
 
 import torch
@@ -105,64 +110,57 @@ def _check_routing_args(group_ids, num_groups, capacity, check_ids):
         raise ValueError(f"group_ids must have at most {MAX_ROWS} slots (int32 positions), got {group_ids.numel()}")
 
 
-class _IdReports:
-    """Out-of-range id counts of GPU launches on their way to the host: ``(event, pinned count,
-    num_groups)``, oldest first."""
+def _raise_for(bad: int, num_groups: int) -> None:
+    if bad:
+        raise ValueError(f"group_ids must lie in [0, {num_groups}) (or be -1: not routed), got {bad} id(s) "
+                         "outside it (those slots were dropped)")
 
-    def __init__(self):
-        self.pending = collections.deque()
 
-    def add(self, bad: torch.Tensor, num_groups: int) -> None:
+class _IdCheck:
+    """The out-of-range flag of one :func:`routing_metadata` call on its way to the host: a CPU
+    flag is read at once; a CUDA flag is copied to pinned memory behind the counting kernel and
+    :meth:`wait` (called once the scatter kernel is queued) waits for that copy only."""
+
+    def __init__(self, bad: torch.Tensor, num_groups: int):
+        self.num_groups = num_groups
+        self._host = self._event = None
         if bad.device.type == "meta":
             return  # a shape-only launch (the compile check): there are no ids to check
         if bad.device.type != "cuda":
-            self.raise_for(int(bad.item()), num_groups)
+            _raise_for(int(bad.item()), num_groups)
             return
-        if torch.cuda.is_current_stream_capturing():
-            return  # nothing can be read on the host while a graph is captured
-        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        host.copy_(bad, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.pending.append((event, host, num_groups))
+        self._host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        self._host.copy_(bad, non_blocking=True)  # on the current stream of bad's device
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(bad.device))
 
-    def report(self, wait: bool) -> None:
-        while self.pending and (wait or self.pending[0][0].query()):
-            event, host, num_groups = self.pending.popleft()
-            event.synchronize()
-            self.raise_for(int(host.item()), num_groups, " by an earlier routing_metadata call on a GPU")
-
-    @staticmethod
-    def raise_for(bad: int, num_groups: int, where: str = "") -> None:
-        if bad:
-            raise ValueError(f"group_ids must lie in [0, {num_groups}) (or be -1: not routed), got {bad} id(s) "
-                             f"outside it{where} (those slots were dropped)")
-
-
-_id_reports = _IdReports()
-
-
-def check_routing_ids() -> None:
-    """Raise the ``ValueError`` of any earlier GPU :func:`routing_metadata` call that met group ids
-    out of range, waiting for their flags (a host synchronisation; on CPU the call itself raises)."""
-    _id_reports.report(wait=True)
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+            _raise_for(int(self._host.item()), self.num_groups)
 
 
 def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int | None = None,
                      check_ids: bool = True):
-    """Stable counting sort of slots by group, on the device (no host sync).
+    """Stable counting sort of slots by group, on the device (no host sync unless ``check_ids``
+    on a GPU: one wait for the out-of-range flag).
 
     group_ids: ``[T, k]`` (or any shape; flattened in slot order) int32/int64 group of each slot;
     ``-1`` means "not routed" (dropped before the sort). capacity: keep at most this many slots
     per group, the first ones in slot (= token) order; the rest are dropped. check_ids: ids
-    outside ``[0, num_groups)`` other than ``-1`` are an error (see the module docstring: raised
-    here on CPU, reported without a host sync on a GPU); ``False``: they are dropped silently.
+    outside ``[0, num_groups)`` other than ``-1`` raise ``ValueError`` from this call (on a GPU
+    one host wait for a 4-byte flag, after both kernels are queued; refused while a CUDA graph is
+    captured); ``False``: no host read, they are dropped silently (see the module docstring).
 
     Returns ``(counts [G] int32, offsets [G+1] int32, slot_pos [n] int32, sorted_slot [n] int32)``
     with ``n = group_ids.numel()`` (see the module docstring).
     """
     _check_routing_args(group_ids, num_groups, capacity, check_ids)
-    _id_reports.report(wait=False)
+    if check_ids and group_ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError("routing_metadata: check_ids=True reads an out-of-range flag on the host, which cannot "
+                         "happen while a CUDA graph is captured; pass check_ids=False (ids outside [0, num_groups) "
+                         "other than -1 are then dropped) for ids that are valid by construction")
     n = group_ids.numel()
     dev = group_ids.device
     ids = group_ids.reshape(-1).contiguous()
@@ -178,8 +176,7 @@ def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int 
         return counts, torch.zeros((G + 1,), device=dev, dtype=torch.int32), slot_pos, sorted_slot
     bad = torch.zeros((1,), device=dev, dtype=torch.int32)
     _route_count_kernel[(nb,)](ids, n, block_counts, G, bad, BLOCK=BLOCK, G_PAD=G_PAD)
-    if check_ids:
-        _id_reports.add(bad, G)
+    id_check = _IdCheck(bad, G) if check_ids else None
     # the scan over blocks is a device cumsum (no sync): slots of each group in earlier blocks
     incl = torch.cumsum(block_counts, dim=0, dtype=torch.int32)
     prefix = incl - block_counts
@@ -190,6 +187,8 @@ def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int 
     offsets = torch.zeros((G + 1,), device=dev, dtype=torch.int32)
     torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
     _route_scatter_kernel[(nb,)](ids, n, prefix, offsets, G, cap, slot_pos, sorted_slot, BLOCK=BLOCK, G_PAD=G_PAD)
+    if id_check is not None:
+        id_check.wait()  # the host waits here, with every kernel of the call queued
     return counts.to(torch.int32), offsets, slot_pos, sorted_slot
 
 

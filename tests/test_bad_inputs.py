@@ -12,7 +12,6 @@ import torch
 from _utils import DEVICE
 from fusedpar.kernels import grouped_matmul, grouped_wgrad, matmul, matmul_tn, routing_metadata, routing_metadata_reference
 from fusedpar.kernels.flash_attention import flash_attention_forward
-from fusedpar.kernels.moe_routing import check_routing_ids
 from fusedpar.nn import Transformer, TransformerConfig, shard_tokens
 from fusedpar.nn.attention import AttentionReference, ParallelAttention
 from fusedpar.ops import (
@@ -249,7 +248,19 @@ def test_routing_keeps_every_in_range_id_and_drops_only_the_sentinel():
     for g, w in zip(got, want):
         assert g.cpu().tolist() == w.tolist()
     assert int(got[0].sum()) == 7 and int(got[2][3]) == -1
-    check_routing_ids()  # nothing pending on CPU: the call itself raised or passed
+
+
+def test_routing_error_belongs_to_the_call_that_made_it():
+    """An out-of-range id raises from its own routing_metadata call, on every device (on a GPU the
+    call waits for the kernel's flag), and leaves nothing behind: the next valid call returns
+    correct metadata and raises nothing. (The first GPU run reported the flag from a later call
+    without waiting: an unrelated MoE test failed with another test's bad ids.)"""
+    with pytest.raises(ValueError, match=r"group_ids must lie in \[0, 3\) \(or be -1: not routed\), got 2 id\(s\)"):
+        routing_metadata(_ids([0, 3], [-7, 1]), 3)
+    ids = _ids([2, 0], [1, -1])
+    got = routing_metadata(ids, 3)
+    for g, w in zip(got, routing_metadata_reference(ids.cpu(), 3)):
+        assert g.device == ids.device and g.cpu().tolist() == w.tolist()
 
 
 def test_routing_without_checks_drops_out_of_range_ids_as_documented():
@@ -268,15 +279,15 @@ def test_valid_edge_inputs_still_pass():
 
 
 @pytest.mark.gpu
-def test_routing_ids_out_of_range_on_gpu_are_reported_later_without_a_sync():
-    """On a GPU the launch does not read the flag (no host sync); the error comes from the next
-    routing call that finds the flag landed, or from check_routing_ids(), which waits for it."""
-    ids = torch.tensor([[0, 1], [2, 8]], device="cuda")
-    counts, *_ = routing_metadata(ids, 8)  # returns: nothing was read on the host
-    with pytest.raises(ValueError, match=r"group_ids must lie in \[0, 8\) .* got 1 id\(s\)"):
-        check_routing_ids()
-    check_routing_ids()  # reported once
-    assert int(counts.sum()) == 3  # the bad slot was dropped, not written out of bounds
+def test_routing_check_ids_is_refused_while_a_cuda_graph_is_captured():
+    """The flag cannot be read on the host during a capture: check_ids=True is refused there
+    (replays would drop bad ids silently), check_ids=False is the documented way in."""
+    ids = torch.tensor([[0, 1], [2, 3]], device="cuda")
+    routing_metadata(ids, 4, check_ids=False)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match=r"check_ids=True .* CUDA graph is captured; pass check_ids=False"):
+        with torch.cuda.graph(graph):
+            routing_metadata(ids, 4)
 
 
 @pytest.mark.parametrize("triton_version,numpy_version,bad", [

@@ -177,9 +177,9 @@ class _PendingIdCheck:
         rng = _id_range(expert_ids)
         if rng.device.type == "cuda":
             self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-            self._host.copy_(rng, non_blocking=True)
+            self._host.copy_(rng, non_blocking=True)  # on the current stream of the ids' device
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(rng.device))
         else:
             self._host = rng
             self.wait()
