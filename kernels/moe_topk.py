@@ -13,6 +13,12 @@ From the fp32 router logits ``[T, E]`` one kernel computes, per token:
   1 (``normalize``: ``w / (sum w + 1e-20)``, as DeepSeek-V3) and multiplied by ``scale``
   (``routed_scaling_factor``).
 
+Divisions are IEEE round-to-nearest (``tl.math.div_rn``): Triton compiles a plain fp32 ``/`` to
+``div.full.f32`` on NVIDIA GPUs (up to 2 ulp off; the interpreter divides exactly), under which a
+renormalised top-1 weight ``p / p`` is not exactly 1 and its gradient, exactly 0 in math, leaks
+``~1e-7 * |dL/dw|`` into the router's gradient (the first GPU run: router gradient off by 7e-3
+relative where the rest of that gradient is small). ``tl.exp`` stays the GPU's fast exponential.
+
 One program holds the scores of ``BLOCK_T`` tokens as a ``[BLOCK_T, G_PAD, EPG_PAD]`` tile (group,
 expert within group; padding masked), so the group ranking and the selection are ``topk_group``
 and ``k`` rounds of tile reductions: no loop over experts, no sort. The backward recomputes the
@@ -65,9 +71,9 @@ def _scores(logits, valid, SCORE: tl.constexpr):
         e = tl.where(valid, tl.exp(logits - m[:, None, None]), 0.0)
         s = tl.sum(tl.sum(e, axis=2), axis=1)
         s = tl.where(s > 0, s, 1.0)
-        out = e / s[:, None, None]
+        out = tl.math.div_rn(e, s[:, None, None])
     elif SCORE == 1:
-        out = tl.where(valid, 1.0 / (1.0 + tl.exp(-logits)), 0.0)
+        out = tl.where(valid, tl.math.div_rn(tl.full(logits.shape, 1.0, tl.float32), 1.0 + tl.exp(-logits)), 0.0)
     else:
         out = tl.where(valid, logits, 0.0)
     return out
@@ -118,9 +124,9 @@ def _topk_route_kernel(logits_ptr, stride_t, bias_ptr, weights_ptr, ids_ptr, T, 
     if SCORE == 2:  # softmax over the selected logits
         m = tl.max(tl.where(in_k, sel_w, neg), axis=1)
         ex = tl.where(in_k, tl.exp(sel_w - m[:, None]), 0.0)
-        sel_w = ex / tl.sum(ex, axis=1)[:, None]
+        sel_w = tl.math.div_rn(ex, tl.sum(ex, axis=1)[:, None])
     elif NORMALIZE:
-        sel_w = sel_w / (tl.sum(tl.where(in_k, sel_w, 0.0), axis=1)[:, None] + 1e-20)
+        sel_w = tl.math.div_rn(sel_w, tl.sum(tl.where(in_k, sel_w, 0.0), axis=1)[:, None] + 1e-20)
     sel_w = sel_w * scale
     out = rows.to(tl.int64)[:, None] * TOP_K + kk[None, :]
     mask = (rows[:, None] < T) & in_k
@@ -154,13 +160,13 @@ def _topk_route_bwd_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, grad_ptr,
         dot += gj * wj
     out = rows.to(tl.int64)[:, None, None] * stride_t + eid
     if SCORE == 2:
-        dl = tl.where(sel, wt * (gt - dot[:, None, None] / scale), 0.0)
+        dl = tl.where(sel, wt * (gt - tl.math.div_rn(dot[:, None, None], scale)), 0.0)
     else:
         logits = tl.load(logits_ptr + out, mask=valid, other=float("-inf"))
         p = _scores(logits, valid, SCORE)
         if NORMALIZE:
             n = tl.sum(tl.sum(tl.where(sel, p, 0.0), axis=2), axis=1) + 1e-20
-            dp = tl.where(sel, (scale * gt - dot[:, None, None]) / n[:, None, None], 0.0)
+            dp = tl.where(sel, tl.math.div_rn(scale * gt - dot[:, None, None], n[:, None, None]), 0.0)
         else:
             dp = tl.where(sel, scale * gt, 0.0)
         if SCORE == 0:
