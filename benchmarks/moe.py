@@ -15,12 +15,32 @@ Rows (each with a correctness check against its baseline before timing):
 * ``deepseek_v3_layer_fwd_bwd``: DeepSeek-V3's routed layer, router included (``fusedpar.nn.MoE``:
   sigmoid scores, the selection-only correction bias, 8 groups of which the top 4 are searched,
   top-8 of 256 experts, renormalised weights times 2.5; hidden 7168, expert ffn 2048, ``--tokens``
-  default 4096) forward + backward against the same router in plain torch (transformers'
-  ``DeepseekV3TopkRouter`` formulas) and the per-expert loop. Its own shape (``--hidden``,
-  ``--ffn``, ``--experts``, ``--top-k`` do not apply); off GPU 16 experts, top-4, hidden 32.
+  default 4096) forward + backward, as **one rank of ``--deepseek-ep`` (default 8) expert-parallel
+  ranks** emulated on this device (``EmulatedTransport``: its 32 experts' weights, 2.8 GB in bf16
+  instead of the layer's 22.5 GB, which with their gradients and the baseline's copies do not fit
+  one 80 GB GPU). The emulation's mirror rule sends this rank every routed row (global expert
+  ``e`` served by local expert ``e % 32``), so its grouped GEMMs do the whole layer's work in
+  the layer's 256 groups. Baseline: the same router in plain torch (transformers'
+  ``DeepseekV3TopkRouter`` formulas) and a per-expert loop over the 256 experts with those
+  weights. Its own shape (``--hidden``, ``--ffn``, ``--experts``, ``--top-k`` do not apply):
+  ``--deepseek-shape full`` (GPU default) or ``smoke`` (CPU default: 16 experts, top-4, hidden
+  32, 2 emulated ranks; the tests pass it on a GPU too).
 
-Default GPU shape: hidden 4096, 64 experts, top-8, 8192 tokens, ffn 1024 (bf16). Off GPU a tiny
-smoke shape runs under the interpreter (its numbers are not performance).
+Default GPU shape of the other rows: hidden 4096, 64 experts, top-8, 8192 tokens, ffn 1024 (bf16).
+Off GPU a tiny smoke shape runs under the interpreter (its numbers are not performance). Every
+input is drawn on the device, from a seeded device generator.
+
+Cost of the GPU default on one H100 (counted for sm_90 with ``benchmarks._capture``, no GPU): 100
+kernel variants to compile (76 grouped GEMM: 38 per group-count bucket, the 64-group rows' and
+the DeepSeek-V3 row's 256 groups, ``G_PAD`` being a constexpr; 10 weight-gradient; 14 routing,
+permute, combine and top-k) and 118 autotuner benchmarks over 15 tuning keys. At the ~0.3 s per
+compile and ~0.15 s per tuning benchmark the 2026-11-27 matmul round implies (16 compiles, 64
+tuning benchmarks and 8 timings in 19 s), about 50 s, plus ~10 s of start-up and timed runs (the
+per-expert loops: 64 and 256 iterations): ~60 s, an estimate (not yet measured on the GPU).
+``--experts 256`` puts every row in one bucket (58 variants). The former default compiled and
+tuned as much, but its DeepSeek-V3 row (one rank, all 256 experts) drew ~1.1e10 weights twice
+on the CPU, serially (minutes: the round stopped the op at 254 s), and needed about 90 GB of GPU
+memory (weights, the baseline's copies, both gradients); its other rows drew ~9e8 on the CPU.
 """
 from __future__ import annotations
 
@@ -38,7 +58,12 @@ def _add_args(p):
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--ep", type=int, default=None,
                    help="emulated expert-parallel ranks of the ep row (default: the smallest divisor > 1 of --experts)")
-    p.add_argument("--chunks", type=int, default=2, help="dispatch chunks of the expert-parallel pipeline")
+    p.add_argument("--chunks", type=int, default=2,
+                   help="dispatch chunks of the expert-parallel pipeline (the ep and DeepSeek-V3 rows)")
+    p.add_argument("--deepseek-shape", choices=["full", "smoke"], default=None,
+                   help="the DeepSeek-V3 row: its real shape (GPU default) or the tiny smoke one (CPU default)")
+    p.add_argument("--deepseek-ep", type=int, default=None,
+                   help="emulated expert-parallel ranks of the DeepSeek-V3 row (default 8; smoke shape 2)")
 
 
 def _torch_grouped_mm():
@@ -48,21 +73,24 @@ def _torch_grouped_mm():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def _loop_mlp(x, ids, weights, w1, w2):
-    """The baseline a user writes without grouped kernels: one gather + two matmuls per expert."""
+def _loop_mlp(x, ids, weights, w1, w2, num_experts=None):
+    """The baseline a user writes without grouped kernels: one gather + two matmuls per expert.
+    ``num_experts`` (default: the weights' count) global experts, expert ``e`` computed with
+    ``w1[e % len(w1)]`` (the weights one emulated expert-parallel rank holds)."""
     import torch
     import torch.nn.functional as F
 
     out = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
     flat = ids.reshape(-1)
-    for e in range(w1.shape[0]):
+    for e in range(num_experts or w1.shape[0]):
         slots = (flat == e).nonzero(as_tuple=True)[0]
         if slots.numel() == 0:
             continue
         tok = slots // ids.shape[1]
-        pre = x[tok] @ w1[e].t()
+        local = e % w1.shape[0]
+        pre = x[tok] @ w1[local].t()
         gate, up = pre.chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2[e].t()
+        y = (F.silu(gate) * up) @ w2[local].t()
         out.index_add_(0, tok, y.float() * weights.reshape(-1)[slots, None].float())
     return out.to(x.dtype)
 
@@ -81,15 +109,15 @@ def _inputs(args, ctx):
     if not 1 <= k <= E:
         raise SystemExit(f"--top-k must be in [1, --experts={E}], got {k}")
     dev = ctx.device
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = (torch.randn(T, H, generator=g)).to(dev, dtype)
-    probs, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, dim=-1)
-    w1 = (torch.randn(E, 2 * Fd, H, generator=g) * H ** -0.5).to(dev, dtype)
-    w2 = (torch.randn(E, H, Fd, generator=g) * Fd ** -0.5).to(dev, dtype)
-    go = torch.randn(T, H, generator=g).to(dev, dtype)
+    g = torch.Generator(device=dev).manual_seed(0)  # drawn on the device: no host-side RNG over the weights
+    x = torch.randn(T, H, generator=g, device=dev, dtype=dtype)
+    probs, ids = torch.softmax(torch.randn(T, E, generator=g, device=dev), -1).topk(k, dim=-1)
+    w1 = torch.empty(E, 2 * Fd, H, device=dev, dtype=dtype).normal_(0.0, H ** -0.5, generator=g)
+    w2 = torch.empty(E, H, Fd, device=dev, dtype=dtype).normal_(0.0, Fd ** -0.5, generator=g)
+    go = torch.randn(T, H, generator=g, device=dev, dtype=dtype)
     shape = {"tokens": T, "hidden": H, "ffn": Fd, "experts": E, "top_k": k, "dtype": str(dtype).replace("torch.", "")}
-    return SimpleNamespace(T=T, H=H, Fd=Fd, E=E, k=k, dtype=dtype, x=x, ids=ids.to(dev), weights=probs.to(dev),
-                           w1=w1, w2=w2, go=go, shape=shape)
+    return SimpleNamespace(T=T, H=H, Fd=Fd, E=E, k=k, dtype=dtype, x=x, ids=ids, weights=probs, w1=w1, w2=w2, go=go,
+                           shape=shape)
 
 
 def _grouped_gemm_row(ctx, d, xp, offsets):
@@ -178,8 +206,8 @@ def _layer_row(ctx, d):
             "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err}
 
 
-DEEPSEEK_V3 = dict(hidden=7168, ffn=2048, experts=256, top_k=8, n_group=8, topk_group=4, scale=2.5)
-DEEPSEEK_V3_SMOKE = dict(DEEPSEEK_V3, hidden=32, ffn=16, experts=16, top_k=4)
+DEEPSEEK_V3 = dict(hidden=7168, ffn=2048, experts=256, top_k=8, n_group=8, topk_group=4, scale=2.5, ep=8, tokens=4096)
+DEEPSEEK_V3_SMOKE = dict(DEEPSEEK_V3, hidden=32, ffn=16, experts=16, top_k=4, ep=2, tokens=24)
 
 
 def _torch_deepseek_router(x, weight, bias, c):
@@ -200,33 +228,41 @@ def _torch_deepseek_router(x, weight, bias, c):
 
 
 def _deepseek_v3_row(ctx, args):
-    """The DeepSeek-V3 routed layer (router + experts) forward + backward vs plain torch. The two
-    routers may order near-ties differently in the last bit: outputs are compared on the tokens
-    whose chosen experts agree (all but a few; fewer than 99% raises)."""
+    """The DeepSeek-V3 routed layer (router + experts) forward + backward as one rank of ``ep``
+    emulated expert-parallel ranks (module docstring) vs plain torch. The two routers may order
+    near-ties differently in the last bit: outputs are compared on the tokens whose chosen experts
+    agree (all but a few; fewer than 99% raises)."""
     import torch
 
     from fusedpar.nn import MoE
+    from fusedpar.ops.transport import EmulatedTransport
 
-    c = DEEPSEEK_V3 if ctx.gpu else DEEPSEEK_V3_SMOKE
+    c = DEEPSEEK_V3 if (args.deepseek_shape or ("full" if ctx.gpu else "smoke")) == "full" else DEEPSEEK_V3_SMOKE
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
-    T = args.tokens or (4096 if ctx.gpu else 24)
+    T = args.tokens or c["tokens"]
     H, Fd, E, k = c["hidden"], c["ffn"], c["experts"], c["top_k"]
-    g = torch.Generator(device="cpu").manual_seed(1)
+    ep = args.deepseek_ep or c["ep"]
+    if ep < 1 or E % ep:
+        raise SystemExit(f"--deepseek-ep must be a positive divisor of {E} (DeepSeek-V3's experts), got {ep}")
+    dev = ctx.device
+    # built on meta (nothing drawn), then every value drawn on the device
     moe = MoE(H, Fd, E, k, score="sigmoid", normalize=True, n_group=c["n_group"], topk_group=c["topk_group"],
               routed_scaling_factor=c["scale"], score_bias=True, aux_loss_coef=0.0, z_loss_coef=0.0,
-              device=ctx.device, dtype=dtype)
+              transport=EmulatedTransport(ep, 0) if ep > 1 else None, num_chunks=args.chunks, device="meta",
+              dtype=dtype).to_empty(device=dev)
+    g = torch.Generator(device=dev).manual_seed(1)
     with torch.no_grad():
         for p, std in ((moe.router.weight, H ** -0.5), (moe.w1, H ** -0.5), (moe.w2, Fd ** -0.5)):
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-        moe.router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.05)
-    x = torch.randn(T, H, generator=g).to(ctx.device, dtype).requires_grad_()
-    go = torch.randn(T, H, generator=g).to(ctx.device, dtype)
+            p.normal_(0.0, std, generator=g)
+        moe.router.e_score_correction_bias.normal_(0.0, 0.05, generator=g)
+    x = torch.randn(T, H, generator=g, device=dev, dtype=dtype).requires_grad_()
+    go = torch.randn(T, H, generator=g, device=dev, dtype=dtype)
     bias = moe.router.e_score_correction_bias
     base = [t_.detach().clone().requires_grad_() for t_ in (x, moe.router.weight, moe.w1, moe.w2)]
 
-    def baseline(xb, wr, w1, w2):
+    def baseline(xb, wr, w1, w2):  # global expert e with local weights e % (E / ep), as the emulated rank
         w, ids = _torch_deepseek_router(xb, wr, bias, c)
-        return _loop_mlp(xb, ids, w, w1, w2), ids
+        return _loop_mlp(xb, ids, w, w1, w2, num_experts=E), ids
 
     leaves = [x, *moe.parameters()]
     fused = _fwd_bwd(leaves, go, lambda xx, *_: moe(xx))  # the parameters are the module's
@@ -240,7 +276,8 @@ def _deepseek_v3_row(ctx, args):
     t_ours, t_base = ctx.time_ms(fused), ctx.time_ms(loop)
     flops = 3 * 2.0 * T * k * (H * 2 * Fd + Fd * H) + 3 * 2.0 * T * H * E
     shape = {"tokens": T, "hidden": H, "ffn": Fd, "experts": E, "top_k": k, "dtype": str(dtype).replace("torch.", ""),
-             "groups": f"{c['topk_group']}/{c['n_group']}"}
+             "groups": f"{c['topk_group']}/{c['n_group']}", "ep": ep, "experts_per_rank": E // ep,
+             "chunks": args.chunks if ep > 1 else 1}
     return {"bench": "deepseek_v3_layer_fwd_bwd", **shape, "fusedpar_ms": t_ours, "baseline_ms": t_base,
             "baseline": "torch router + per-expert loop", "fusedpar_TFLOPs": tflops(flops, t_ours),
             "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err,

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _utils import assert_close, randn
+from _utils import DEVICE, assert_close, randn
 from _world import rank_rng, straggle, world_fixture
 from fusedpar.kernels.moe_routing import moe_mlp_reference
 from fusedpar.nn import MoE
@@ -204,13 +204,14 @@ class SpyTransport(Transport):
 def pipeline_order(rank, size, seed, inner=None):
     """The dispatch is pipelined: every chunk's all-to-all starts before the first is waited on,
     and chunk 0's results are sent back before chunk 1 is waited on (so chunk 1 travels while
-    chunk 0 computes); the backward mirrors it. Every transfer goes through the transport."""
+    chunk 0 computes); the backward mirrors it. Every transfer goes through the transport. On
+    ``DEVICE`` (a gloo world's workers: the CPU)."""
     spy = SpyTransport(inner or PortableTransport())
-    x = torch.randn(7, H, generator=rank_rng(seed, rank)).requires_grad_()
-    ids = torch.tensor([[0, E - 1]] * 7)
-    w1 = torch.randn(E // size, 2 * FFN, H, generator=rank_rng(seed + 1, rank)).requires_grad_()
-    w2 = torch.randn(E // size, H, FFN, generator=rank_rng(seed + 2, rank)).requires_grad_()
-    y = moe_mlp(x, ids, torch.ones(7, 2), w1, w2, num_experts=E, num_chunks=2, transport=spy)
+    x = torch.randn(7, H, generator=rank_rng(seed, rank)).to(DEVICE).requires_grad_()
+    ids = torch.tensor([[0, E - 1]] * 7, device=DEVICE)
+    w1 = torch.randn(E // size, 2 * FFN, H, generator=rank_rng(seed + 1, rank)).to(DEVICE).requires_grad_()
+    w2 = torch.randn(E // size, H, FFN, generator=rank_rng(seed + 2, rank)).to(DEVICE).requires_grad_()
+    y = moe_mlp(x, ids, torch.ones(7, 2, device=DEVICE), w1, w2, num_experts=E, num_chunks=2, transport=spy)
     y.sum().backward()
     s, w = (lambda i: ("start", i)), (lambda i: ("wait", i))
     expected = [s(0), w(0),  # counts
@@ -364,7 +365,7 @@ def test_emulated_ep_matches_reference(ep, rank, top_k, capacity, num_chunks, dt
     (y.float() * go.float()).sum().backward()
     ref = [_f64(t) for t in (x, wts, w1, w2)]
     yr = moe_mlp_reference(ref[0], ids, ref[1], ref[2].repeat(ep, 1, 1), ref[3].repeat(ep, 1, 1), capacity=capacity)
-    (yr * go.double()).sum().backward()
+    (yr * go.double().cpu()).sum().backward()  # the reference loop runs on the CPU
     assert y.dtype == dtype and y.shape == x.shape, tag
     tol = _tolerance(dtype)
     assert_close(y, yr, dtype, msg=f"output {tag}", **tol)

@@ -139,7 +139,7 @@ def test_router_ties_and_losses():
     # small integers times powers of two: every logit is exact whatever the GEMM's summation
     # order, so equal weight rows give bit-identical scores (a real tie)
     x = torch.randint(-3, 4, (9, 12), generator=g).float().to(DEVICE)
-    row = torch.randint(-3, 4, (1, 12), generator=g).float() * 0.25
+    row = (torch.randint(-3, 4, (1, 12), generator=g).float() * 0.25).to(DEVICE)
     with torch.no_grad():
         r.weight.copy_(row.expand(6, 12))  # all experts score the same
     out = r(x)
@@ -199,7 +199,7 @@ def test_stages_compose_to_the_layer():
     for e in range(E):
         a, b = offs[e], offs[e + 1]
         out[a:b] = activation_reference(refs[0][a:b] @ refs[1][e].t(), "swiglu") @ refs[2][e].t()
-    (out * go.double()).sum().backward()
+    (out * go.double().cpu()).sum().backward()
     for name, ours, ref in zip(("x", "w1", "w2"), (xs, w1s, w2s), refs):
         assert_close(ours.grad, ref.grad, torch.float32, msg=f"grouped_mlp grad {name}")
 
@@ -239,13 +239,14 @@ def test_bad_input():
     ids = torch.zeros(6, 2, dtype=torch.int64, device=DEVICE)
     wts = torch.ones(6, 2, device=DEVICE)
     with pytest.raises(ValueError, match="top_k must be in \\[1, num_experts=4\\], got 5"):
-        moe_mlp(x, torch.zeros(6, 5, dtype=torch.int64), torch.ones(6, 5), w1, w2, num_experts=4)
+        moe_mlp(x, torch.zeros(6, 5, dtype=torch.int64, device=DEVICE), torch.ones(6, 5, device=DEVICE), w1, w2,
+                num_experts=4)
     with pytest.raises(ValueError, match="expert_ids has 5 tokens but x has 6"):
         moe_mlp(x, ids[:5], wts[:5], w1, w2, num_experts=4)
     with pytest.raises(ValueError, match=r"weights must have shape \(6, 2\)"):
         moe_mlp(x, ids, wts[:, :1], w1, w2, num_experts=4)
     with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\), got values in \[0, 4\]"):
-        moe_mlp(x, ids + torch.tensor([[0, 4]]), wts, w1, w2, num_experts=4)
+        moe_mlp(x, ids + torch.tensor([[0, 4]], device=DEVICE), wts, w1, w2, num_experts=4)
     with pytest.raises(TypeError, match="expert_ids must have dtype torch.int32 or torch.int64"):
         moe_mlp(x, ids.float(), wts, w1, w2, num_experts=4)
     with pytest.raises(ValueError, match=r"w2 must have shape \(4, 16, 24\)"):
@@ -340,15 +341,19 @@ def test_benchmark_cli_smoke(tmp_path):
     finally:
         sys.path.remove(root)
     out = tmp_path / "moe.json"
-    assert main(["moe", "--tokens", "9", "--experts", "3", "--top-k", "2", "--json", str(out)]) == 0
+    # every shape explicit and small, fp32 (the 1e-3 bound below is fp32's): on a GPU the defaults
+    # are the benchmark's real shapes (the DeepSeek-V3 row alone is GBs), not a test's
+    assert main(["moe", "--tokens", "9", "--hidden", "32", "--ffn", "24", "--experts", "3", "--top-k", "2",
+                 "--dtype", "fp32", "--deepseek-shape", "smoke", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["moe"]
     kinds = {r["bench"] for r in rows}
     assert kinds == {"grouped_gemm", "permute", "unpermute", "layer_fwd_bwd", "ep_layer_fwd_bwd",
                      "deepseek_v3_layer_fwd_bwd"}
-    assert all(r["max_rel_err"] < 1e-3 and r["tokens"] == 9 for r in rows)
+    assert all(r["max_rel_err"] < 1e-3 and r["tokens"] == 9 and r["dtype"] == "float32" for r in rows)
     (ds,) = [r for r in rows if r["bench"] == "deepseek_v3_layer_fwd_bwd"]  # its own (smoke) shape
     assert (ds["experts"], ds["top_k"], ds["groups"], ds["routing_agreement"]) == (16, 4, "4/8", 1.0)
-    assert all(r["experts"] == 3 for r in rows if r is not ds)
+    assert (ds["ep"], ds["experts_per_rank"]) == (2, 8)  # one rank of 2 emulated expert-parallel ranks
+    assert all(r["experts"] == 3 and r["hidden"] == 32 for r in rows if r is not ds)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from _utils import DEVICE
 from fusedpar.kernels.moe_topk import topk_route, topk_route_backward, topk_route_reference
 from fusedpar.nn import MoE, TopKRouter, Transformer, TransformerConfig
-from fusedpar.nn.moe import max_violation
+from fusedpar.nn.moe import SharedExpertGate, max_violation
 from fusedpar.ops import moe_route
 
 # (T, E, k, score, n_group, topk_group, normalize, scale, bias): awkward sizes (E not a power of
@@ -45,6 +45,22 @@ def test_kernel_matches_float64_reference(case):
     w2, ids2 = moe_route(leaf, k, bias=bias, **kw)
     (w2 * gw).sum().backward()
     assert torch.equal(ids2, ids) and torch.equal(w2.detach(), w) and torch.equal(leaf.grad, dl)
+
+
+def test_renormalised_top1_weight_is_exactly_the_scale_and_has_no_gradient():
+    """Top-1 renormalised: ``w = p / (p + 1e-20) * scale`` is exactly ``scale`` and ``d logits``
+    exactly 0, as in exact arithmetic. The kernels divide with IEEE rounding (tl.math.div_rn):
+    Triton's fp32 ``/`` is div.full.f32 on a GPU (up to 2 ulp off), and on the first GPU run the
+    ulp left in ``p / p`` leaked into the router gradient (test_moe_layer.py::
+    test_sigmoid_correction_bias_edges[all-to-expert-2], 7e-3 relative off)."""
+    g = torch.Generator().manual_seed(21)
+    logits = (torch.randn(37, 12, generator=g) * 3).to(DEVICE)
+    gw = torch.randn(37, 1, generator=g).to(DEVICE)
+    for score, scale, groups in (("sigmoid", 1.0, {}), ("softmax", 2.5, {}), ("sigmoid", 2.5, dict(n_group=4))):
+        w, ids = topk_route(logits, 1, score=score, normalize=True, scale=scale, **groups)
+        assert torch.equal(w, torch.full_like(w, scale)), (score, scale, groups)
+        dl = topk_route_backward(gw, logits, w, ids, score=score, normalize=True, scale=scale, **groups)
+        assert torch.equal(dl, torch.zeros_like(dl)), (score, scale, groups)
 
 
 def test_ties_go_to_the_lower_expert_and_group():
@@ -91,31 +107,35 @@ def test_router_equals_transformers(family):
     torch.manual_seed(11)
     hf, kw = _hf_router(family)
     E, k = hf.num_experts, hf.top_k
-    ours = TopKRouter(16, E, k, aux_loss_coef=0.0, z_loss_coef=0.0, **kw)
+    ours = TopKRouter(16, E, k, aux_loss_coef=0.0, z_loss_coef=0.0, device=DEVICE, **kw)
     with torch.no_grad():
         hf.weight.copy_(torch.randn(E, 16) * 0.5)
-        ours.weight.copy_(hf.weight)
         if family == "gpt_oss":
             hf.bias.copy_(torch.randn(E) * 0.3)
-            ours.bias.copy_(hf.bias)
         else:
             hf.e_score_correction_bias.copy_(torch.randn(E) * 0.1)
+    hf.to(DEVICE)  # op for op on the same device as ours
+    with torch.no_grad():
+        ours.weight.copy_(hf.weight)
+        if family == "gpt_oss":
+            ours.bias.copy_(hf.bias)
+        else:
             ours.e_score_correction_bias.copy_(hf.e_score_correction_bias)
-    x = torch.randn(2, 9, 16)
+    x = torch.randn(2, 9, 16).to(DEVICE)
     out = hf(x.reshape(-1, 16))  # gpt-oss's router takes [tokens, hidden]
-    hw, hids = out[1], out[2]
-    r = ours(x.to(DEVICE))
+    hw, hids = out[1], out[2].cpu()
+    r = ours(x)
     # HF's topk(sorted=False) may list the chosen experts in another order: compare by expert id
     order, hf_order = r.expert_ids.cpu().argsort(-1), hids.argsort(-1)
     assert torch.equal(r.expert_ids.cpu().gather(1, order), hids.gather(1, hf_order))
-    w, hw = r.weights.cpu().gather(1, order), hw.gather(1, hf_order)
-    torch.testing.assert_close(w, hw, rtol=1e-5, atol=1e-6)
-    gw = torch.randn(w.shape)
+    w, hw = r.weights.gather(1, order.to(DEVICE)), hw.gather(1, hf_order.to(DEVICE))
+    torch.testing.assert_close(w.cpu(), hw.cpu(), rtol=1e-5, atol=1e-6)
+    gw = torch.randn(w.shape).to(DEVICE)
     (hw * gw).sum().backward()
     (w * gw).sum().backward()
-    torch.testing.assert_close(ours.weight.grad.cpu(), hf.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.weight.grad.cpu(), hf.weight.grad.cpu(), rtol=1e-5, atol=1e-6)
     if family == "gpt_oss":
-        torch.testing.assert_close(ours.bias.grad.cpu(), hf.bias.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.bias.grad.cpu(), hf.bias.grad.cpu(), rtol=1e-5, atol=1e-6)
 
 
 def test_moe_equals_deepseek_v3_routed_experts():
@@ -130,21 +150,22 @@ def test_moe_equals_deepseek_v3_routed_experts():
                            n_shared_experts=1)
     hf = DeepseekV3MoE(cfg)
     moe = MoE(16, 8, 8, 2, score="sigmoid", normalize=True, n_group=4, topk_group=2, routed_scaling_factor=1.5,
-              score_bias=True, aux_loss_coef=0.0, z_loss_coef=0.0)
+              score_bias=True, aux_loss_coef=0.0, z_loss_coef=0.0, device=DEVICE)
     with torch.no_grad():
         for p in (hf.gate.weight, hf.experts.gate_up_proj, hf.experts.down_proj):
             p.copy_(torch.randn(p.shape) * 0.4)
         hf.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1)
+        hf.to(DEVICE)  # op for op on the same device as ours
         moe.router.weight.copy_(hf.gate.weight)
         moe.router.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
         moe.w1.copy_(hf.experts.gate_up_proj)
         moe.w2.copy_(hf.experts.down_proj)
-    x = torch.randn(2, 5, 16)
+    x = torch.randn(2, 5, 16).to(DEVICE)
     xh, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
     yh = hf(xh) - hf.shared_experts(xh)
     yo = moe(xo)
     torch.testing.assert_close(yo, yh, rtol=1e-5, atol=1e-5)
-    go = torch.randn(yh.shape)
+    go = torch.randn(yh.shape).to(DEVICE)
     (yh * go).sum().backward()
     (yo * go).sum().backward()
     torch.testing.assert_close(xo.grad, xh.grad, rtol=1e-5, atol=1e-5)
@@ -157,15 +178,16 @@ def test_moe_equals_deepseek_v3_routed_experts():
 def test_sequence_wise_balance_loss():
     torch.manual_seed(13)
     B, S, E, k = 3, 5, 6, 2
-    r = TopKRouter(8, E, k, score="sigmoid", aux_loss_coef=0.0, z_loss_coef=0.0, seq_aux_loss_coef=0.5)
+    r = TopKRouter(8, E, k, score="sigmoid", aux_loss_coef=0.0, z_loss_coef=0.0, seq_aux_loss_coef=0.5,
+                   device=DEVICE)
     x = torch.randn(B, S, 8)
-    out = r(x)
-    s = torch.sigmoid(x.reshape(-1, 8).double() @ r.weight.double().t()).view(B, S, E)
+    out = r(x.to(DEVICE))
+    s = torch.sigmoid(x.reshape(-1, 8).double() @ r.weight.detach().cpu().double().t()).view(B, S, E)
     p = (s / s.sum(-1, keepdim=True)).mean(1)  # [B, E]
-    ids = out.expert_ids.view(B, S * k)
+    ids = out.expert_ids.cpu().view(B, S * k)
     f = torch.stack([torch.bincount(ids[b], minlength=E) for b in range(B)]).double() * E / (k * S)
     expected = 0.5 * (f * p).sum(-1).mean()
-    torch.testing.assert_close(out.aux_loss.double(), expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out.aux_loss.detach().cpu().double(), expected, rtol=1e-5, atol=1e-7)
 
 
 def test_bias_update_balances_a_skewed_router():
@@ -174,21 +196,22 @@ def test_bias_update_balances_a_skewed_router():
     weights keep the unbiased scores."""
     torch.manual_seed(14)
     E, k, rate = 8, 2, 0.02
-    r = TopKRouter(16, E, k, score="sigmoid", bias_update_rate=rate, aux_loss_coef=0.0, z_loss_coef=0.0)
+    r = TopKRouter(16, E, k, score="sigmoid", bias_update_rate=rate, aux_loss_coef=0.0, z_loss_coef=0.0,
+                   device=DEVICE)
     with torch.no_grad():
-        r.weight.normal_()
+        r.weight.copy_(torch.randn(E, 16))
         r.weight[:2] += 1.0  # experts 0 and 1 are preferred
-    x = torch.randn(64, 16).abs()
+    x = torch.randn(64, 16).abs().to(DEVICE)
     violations = []
     for step in range(12):
         r(x)
-        before = r.e_score_correction_bias.clone()
+        before = r.e_score_correction_bias.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
         load = r.update_bias()
         violations.append(load.max_violation)
         assert load.counts.sum() == 64 * k
         mean = load.counts.double().mean()
         expected = before + rate * torch.sign(mean - load.counts.double()).float()
-        assert torch.equal(r.e_score_correction_bias, expected), step
+        assert torch.equal(r.e_score_correction_bias.cpu(), expected), step
         assert max_violation(load.counts) == load.max_violation
     assert r.step_counts().sum() == 0  # reset by the update
     assert violations[-1] < 0.5 * violations[0], violations
@@ -218,6 +241,55 @@ def test_activation_checkpointing_counts_each_token_once():
         assert torch.equal(loads[1][name], counts), name
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
+
+
+def test_initial_weights_come_from_the_cpu_generator_on_every_device(monkeypatch):
+    """Router, shared-expert gate and expert weights are drawn from torch's global CPU generator
+    whatever the device, so a seed gives the same module everywhere: a parameter's own uniform_
+    on a GPU draws from the GPU's generator, which Transformer(seed=...) leaves alone (on the first
+    GPU run two identically seeded models routed differently:
+    test_activation_checkpointing_counts_each_token_once). Every random draw is recorded with the
+    device of the tensor it fills: only CPU tensors, and none at all for a ``meta`` build (no
+    values exist there; a DeepSeek-V3 layer would be 1.1e10 draws)."""
+    draws = []
+    for name in ("uniform_", "normal_"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(t, *a, _original=original, **k):
+            draws.append(t.device.type)
+            return _original(t, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+
+    def build(device):
+        torch.random.default_generator.manual_seed(7)
+        draws.clear()
+        mods = (MoE(8, 6, 4, 2, score="sigmoid", router_bias=True, device=device), SharedExpertGate(8, device=device))
+        return mods, list(draws)
+
+    ref, ref_draws = build("cpu")
+    assert ref_draws and set(ref_draws) == {"cpu"}
+    _, meta_draws = build("meta")
+    assert meta_draws == [], f"a meta build drew values: {meta_draws}"
+    if DEVICE.type != "cpu":
+        torch.randn(64, device=DEVICE)  # move the device generator: it must not matter
+    ours, our_draws = build(DEVICE)
+    assert our_draws == ref_draws
+    for a, b in zip(ours, ref):
+        for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+            assert p.device.type == DEVICE.type and torch.equal(p.detach().cpu(), q.detach()), name
+
+
+def test_identically_seeded_models_are_identical():
+    """Two Transformers built with one seed hold the same parameters on DEVICE, whatever was drawn
+    from the device's generator in between."""
+    config = TransformerConfig(vocab_size=16, hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=8,
+                               num_experts=4, top_k=2, score_func="sigmoid", score_correction_bias=True)
+    a = Transformer(config, seed=3, device=DEVICE)
+    torch.rand(16, device=DEVICE)
+    b = Transformer(config, seed=3, device=DEVICE)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_configuration_errors_name_the_field():

@@ -69,6 +69,13 @@ def _number(name: str, v, *, positive: bool = False) -> float:
     return float(v)
 
 
+def _cpu_uniform(shape, bound: float) -> torch.Tensor:
+    """``U(-bound, bound)`` fp32 values drawn from torch's global CPU generator (the initial
+    weights must not depend on the device: a parameter's own ``uniform_`` on a GPU would draw from
+    the GPU's generator, which ``Transformer(seed=...)`` does not seed)."""
+    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound)
+
+
 def max_violation(counts: torch.Tensor) -> float:
     """``max_e counts_e / mean_e counts_e - 1`` (DeepSeek-V3's MaxVio; 0 when nothing was routed)."""
     total = int(counts.sum())
@@ -157,11 +164,16 @@ class TopKRouter(nn.Module):
         """Buffers that checkpoints save and restore (replicated: identical on every rank)."""
         return ("e_score_correction_bias",) if self.e_score_correction_bias is not None else ()
 
+    @torch.no_grad()
     def reset_parameters(self):
-        bound = 1.0 / math.sqrt(self.hidden_size)
-        nn.init.uniform_(self.weight, -bound, bound)
+        """``weight ~ U(-1/sqrt(H), 1/sqrt(H))`` drawn from torch's global *CPU* generator whatever
+        the device, then copied (as every fusedpar layer): the same seed gives the same router on
+        CPU and on a GPU, whose generator a seeded model build leaves alone. On ``meta`` nothing
+        is drawn (no values exist there)."""
+        if self.weight.device.type != "meta":
+            self.weight.copy_(_cpu_uniform(self.weight.shape, 1.0 / math.sqrt(self.hidden_size)))
         if self.bias is not None:
-            nn.init.zeros_(self.bias)
+            self.bias.zero_()
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -279,7 +291,9 @@ class SharedExpertGate(nn.Module):
         super().__init__()
         check_int("hidden_size", hidden_size, min_value=1)
         self.weight = nn.Parameter(torch.empty(1, hidden_size, device=device, dtype=dtype))
-        nn.init.uniform_(self.weight, -1.0 / math.sqrt(hidden_size), 1.0 / math.sqrt(hidden_size))
+        if self.weight.device.type != "meta":  # drawn on the CPU generator, as TopKRouter.reset_parameters
+            with torch.no_grad():
+                self.weight.copy_(_cpu_uniform(self.weight.shape, 1.0 / math.sqrt(hidden_size)))
 
     def placements(self) -> dict[str, Placement]:
         """Replicated; it gates the block's sequence-sharded tokens, so its gradient is partial."""
@@ -391,8 +405,14 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, router: bool = True):
+        """Expert ``e``'s ``w1`` / ``w2`` from CPU generators seeded with a base seed (one draw of
+        torch's global CPU generator) and ``e``; biases zero. On ``meta`` nothing is drawn: a
+        DeepSeek-V3 layer is 1.1e10 values, minutes of CPU time for a module whose weights are
+        loaded afterwards (Hugging Face import, ``to_empty``)."""
         if router:
             self.router.reset_parameters()
+        if self.w1.device.type == "meta":
+            return
         base = int(torch.randint(0, 2**62, (1,)).item())
         for i in range(self.experts_per_rank):
             g = torch.Generator().manual_seed(base + 2 * (self.first_expert + i))
