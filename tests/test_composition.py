@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _compose import batch, compare_grads, data_mean, local_batch, reference, tiny_config
-from _utils import assert_close
+from _utils import DEVICE, assert_close
 from _world import straggle, world_fixture
 from fusedpar import checkpoint as fcheckpoint
 from fusedpar.ops import comm
@@ -350,6 +350,31 @@ def test_kv_heads_replicated_over_tp4_match_one_process_and_reshard(world4):
         assert all(n > 5 for n in out), out
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_autocast_leaves_an_fp32_model_unchanged():
+    """Under ``torch.autocast`` (bf16) an fp32 MoE model computes what it computes without it: the
+    fusedpar ops run in their operands' dtype, and the router's logits, fp32 by design, are not
+    cast down by autocast (their matmul runs with autocast off; a bf16 matmul there was refused by
+    moe_route). CPU autocast covers matmul as CUDA's does, so the interpreter checks it too."""
+    import copy
+
+    config = tiny_config(num_experts=4, top_k=2, moe_every=2)
+    tokens, targets = (t.to(DEVICE) for t in batch(6, B, S, config.vocab_size))
+    model = Transformer(config, device=DEVICE)
+    auto = copy.deepcopy(model)
+    loss = model.loss(model(tokens), targets)
+    loss.backward()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        logits = auto(tokens)
+        auto_loss = auto.loss(logits, targets)
+    auto_loss.backward()
+    assert logits.dtype == torch.float32 and auto_loss.dtype == torch.float32
+    # the same fp32 ops on the same operands: equal up to fp32 rounding (not bf16's 2^-8)
+    assert_close(auto_loss.detach().reshape(1), loss.detach().reshape(1), torch.float32, msg="loss under autocast")
+    grads = dict(model.named_parameters())
+    for name, p in auto.named_parameters():
+        assert_close(p.grad, grads[name].grad, torch.float32, msg=f"grad of {name} under autocast")
 
 
 @pytest.mark.gpu

@@ -184,7 +184,8 @@ class TopKRouter(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., hidden_size={self.hidden_size}], got {getattr(x, 'shape', x)}")
         x2d = x.reshape(-1, self.hidden_size)
-        logits = x2d.float() @ self.weight.float().t()
+        with torch.autocast(x2d.device.type, enabled=False):  # fp32 logits under autocast too
+            logits = x2d.float() @ self.weight.float().t()
         if self.bias is not None:
             logits = logits + self.bias.float()
         weights, ids = moe_route(logits, self.top_k, score=self.score, bias=self.e_score_correction_bias,
