@@ -350,15 +350,21 @@ def _prune_wgrad(configs, named_args, **kwargs):
                                                                      precision=r["precision"]), **r)
 
 
+#: the autotuners' keys: the problem size and every flag the prune rules (:func:`tile_rule`,
+#: :func:`wgrad_tile_rule`) read, so that a config tuned for one launch is never reused by a launch
+#: whose rule would prune it (a tf32 tile run as "ieee" FMA dots, a plain tile with a fused epilogue)
+TUNING_KEY = ["N", "K", "G", "ACT", "GLU", "DACT", "HAS_BIAS", "STORE_AUX", "INPUT_PRECISION"]
+WGRAD_TUNING_KEY = ["N", "K", "G", "ACCUMULATE", "INPUT_PRECISION"]
+
+
 @functools.lru_cache(maxsize=None)
 def _tuned_gemm():
-    return autotuned(_grouped_gemm_kernel, configs=_gemm_gpu_configs(), key=["N", "K", "G", "ACT", "GLU", "DACT", "HAS_BIAS"],
-                     prune=_prune)
+    return autotuned(_grouped_gemm_kernel, configs=_gemm_gpu_configs(), key=TUNING_KEY, prune=_prune)
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned_wgrad():
-    return autotuned(_grouped_wgrad_kernel, configs=_wgrad_gpu_configs(), key=["N", "K", "G", "ACCUMULATE"],
+    return autotuned(_grouped_wgrad_kernel, configs=_wgrad_gpu_configs(), key=WGRAD_TUNING_KEY,
                      prune=_prune_wgrad, restore_value=["dw_ptr"])
 
 

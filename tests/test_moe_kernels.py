@@ -480,3 +480,26 @@ def test_row_counts_past_int32_positions_are_refused():
     with pytest.raises(ValueError, match=msg):
         grouped_wgrad(torch.zeros(1, 8, device=DEVICE).expand(n, 8), x.expand(n, 16), [0, 0, 0], 2,
                       check_offsets=False)
+
+
+def test_tuning_keys_hold_every_flag_the_prune_rules_read(monkeypatch):
+    """As for the dense GEMM (tests/test_gemm.py): a tuned config is reused for every launch with the
+    same key, so each grouped autotuner's key holds every flag its prune rule reads (a tile kept
+    for tf32 must not run as "ieee" FMA dots, a plain epilogue's tile with a fused one)."""
+    from fusedpar.kernels import grouped_gemm as gg
+
+    class Recording(dict):
+        def get(self, k, default=None):
+            read.add(k)
+            return super().get(k, default)
+
+    monkeypatch.setattr(gg, "device_capability", lambda index: (9, 0))
+    read = set()
+    gg.tile_rule(Recording(x_ptr=torch.empty(1, dtype=torch.bfloat16), N=64, K=64))
+    flags = {k for k in read if k.isupper()}
+    assert {"INPUT_PRECISION", "STORE_AUX", "ACT", "GLU", "DACT"} <= flags, flags
+    assert flags <= set(gg.TUNING_KEY), flags - set(gg.TUNING_KEY)
+    read = set()
+    gg.wgrad_tile_rule(Recording(dy_ptr=torch.empty(1, dtype=torch.bfloat16), N=64, K=64))
+    flags = {k for k in read if k.isupper()}
+    assert "INPUT_PRECISION" in flags and flags <= set(gg.WGRAD_TUNING_KEY), flags
