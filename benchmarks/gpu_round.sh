@@ -12,7 +12,7 @@
 # ("attention:--seqs+4096,16384"); with several runs of one op, NAME@SUFFIX names the JSON file.
 # Measured on one H100 (2026-11-27): set-up 10 s, the whole compiled suite 173 s (14 workers),
 # matmul 30 s, attention (8 rows) 70 s, ag_matmul + matmul_rs 60 s, linear_ce 60 s, train > 70 s,
-# moe (the former default) > 250 s.
+# moe (the former default, with the full DeepSeek-V3 row) > 250 s; its new default is estimated at 60 s.
 set -u
 OUT_DIR=${1:?usage: gpu_round.sh OUT_DIR BUDGET_S TEST_S [NAME[:ARGS] ...]}
 BUDGET_S=${2:?BUDGET_S}
