@@ -2,7 +2,7 @@
 
 * :func:`config_from_hf` (from :mod:`fusedpar.hf_config`): a ``transformers`` config (Llama
   2/3/3.1, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 MoE ``glm4_moe``, OLMo 2,
-  Gemma, Gemma 2, Gemma 3 text; DeepSeek-V3 / Kimi K2 and gpt-oss here only, not in route B) ->
+  Gemma, Gemma 2, Gemma 3 text, DeepSeek-V3 / Kimi K2, gpt-oss) ->
   :class:`~fusedpar.nn.TransformerConfig`; any field value the model does not implement raises
   ``ValueError`` naming it.
 * :func:`from_hf`: a ``transformers`` model, or a checkpoint directory (``config.json`` +
@@ -33,6 +33,8 @@ from fusedpar.hf_parallel import (
     HFMoEBlock,
     causal_lm_loss,
     gather_sequence,
+    gpt_oss_experts_from_hf,
+    gpt_oss_experts_to_hf,
     gradient_sync_plan,
     parallelize,
     sequence_parallel_loss,
@@ -93,7 +95,14 @@ def _param_sources(name: str, config: TransformerConfig) -> list[str]:
     return [s.format(i=i, s=shared) for s in table[rest]]
 
 
-_GPT_OSS_EXPERTS = (".mlp.w1", ".mlp.b1", ".mlp.w2")
+_GPT_OSS_EXPERTS = {".mlp.w1": "gate_up_proj", ".mlp.b1": "gate_up_proj_bias", ".mlp.w2": "down_proj"}
+
+
+def _gpt_oss_expert(name: str, config: TransformerConfig) -> str | None:
+    """HF's leaf name of gpt-oss expert parameter ``name`` whose layout differs from fusedpar's."""
+    if not config.expert_bias:
+        return None
+    return next((hf for suffix, hf in _GPT_OSS_EXPERTS.items() if name.endswith(suffix)), None)
 
 
 def _from_hf_layout(name: str, config: TransformerConfig, t: torch.Tensor) -> torch.Tensor:
@@ -101,24 +110,15 @@ def _from_hf_layout(name: str, config: TransformerConfig, t: torch.Tensor) -> to
     with expert biases, ``config.expert_bias``) stores ``gate_up_proj [E, H, 2F]`` with the gate and
     up columns interleaved (and its bias ``[E, 2F]`` so), ``down_proj [E, F, H]``; fusedpar's ``w1``
     is ``[E, 2F, H]`` with the gate rows first, ``b1`` ``[E, 2F]`` alike, ``w2`` ``[E, H, F]``. Any
-    other parameter or family: ``t`` as it is."""
-    if not (config.expert_bias and name.endswith(_GPT_OSS_EXPERTS)):
-        return t
-    if not name.endswith(".w2"):
-        t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
-    return (t if name.endswith(".b1") else t.transpose(1, 2)).contiguous()
+    other parameter or family: ``t`` as it is (:func:`fusedpar.hf_parallel.gpt_oss_experts_from_hf`)."""
+    hf_name = _gpt_oss_expert(name, config)
+    return t if hf_name is None else gpt_oss_experts_from_hf(hf_name, t)
 
 
 def _to_hf_layout(name: str, config: TransformerConfig, t: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`_from_hf_layout`: fusedpar's full ``t`` in HF's layout."""
-    if not (config.expert_bias and name.endswith(_GPT_OSS_EXPERTS)):
-        return t
-    if not name.endswith(".b1"):
-        t = t.transpose(1, 2)
-    if not name.endswith(".w2"):
-        gate, up = t.chunk(2, dim=-1)
-        t = torch.stack([gate, up], dim=-1).flatten(-2)
-    return t.contiguous()
+    hf_name = _gpt_oss_expert(name, config)
+    return t if hf_name is None else gpt_oss_experts_to_hf(hf_name, t)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,9 +13,8 @@ from fusedpar.nn import TransformerConfig
 __all__ = ["ROUTE_A_TYPES", "config_from_hf"]
 
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
-# the model types route A reads: route B's, DeepSeek-V3 (parallelize does not wrap MLA yet) and
-# gpt-oss (nor HF's GptOssExperts, whose weights are stored transposed with gate / up interleaved)
-ROUTE_A_TYPES = SUPPORTED_MODEL_TYPES + ("deepseek_v3", "gpt_oss")
+# the model types route A reads: the same families route B wraps
+ROUTE_A_TYPES = SUPPORTED_MODEL_TYPES
 _YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                 "attention_factor", "truncate")
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")

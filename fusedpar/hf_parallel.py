@@ -1,14 +1,18 @@
 """Route B: parallelise an unmodified Hugging Face decoder in place.
 
 :func:`parallelize` swaps, inside a ``transformers`` Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
-Qwen-MoE / GLM-4.5 MoE / OLMo 2 / Gemma / Gemma 2 / Gemma 3 (text) model,
+Qwen-MoE / GLM-4.5 MoE / DeepSeek-V3 / gpt-oss / OLMo 2 / Gemma / Gemma 2 / Gemma 3 (text) model,
 
 * the q / k / v / o and gate / up / down linears for fusedpar's tensor-parallel linears
-  (``tp_group``; activations replicated over it, as in the unmodified model), and OLMo 2's q / k
+  (``tp_group``; activations replicated over it, as in the unmodified model), OLMo 2's q / k
   norms (over the whole projection) for a :class:`~fusedpar.nn.RMSNorm` over the tp-split
-  features,
+  features, gpt-oss's sinks for those of this rank's heads and, in DeepSeek-V3's multi-head
+  latent attention, the up projections (``q_b_proj`` / ``q_proj``, ``kv_b_proj``) for column-parallel
+  ones over the heads (the down projections and latent norms stay whole; the rotary key that
+  every head shares gets its gradient summed over tp: :class:`SharedRotaryKeyProjection`),
 * the sparse MoE blocks for :class:`HFMoEBlock` (experts over ``ep_group``; HF's router kept, so
-  ``output_router_logits=True`` and HF's aux loss work),
+  ``output_router_logits=True`` and HF's aux loss work; gpt-oss's transposed, interleaved experts
+  rearranged into fusedpar's layout),
 * attention for fusedpar's ring / Ulysses / hybrid attention (``sp_group``, or ``ulysses_group`` +
   ``ring_group``) through transformers' attention interface: the function registered as
   :data:`ATTN_IMPLEMENTATION` and set as the model's ``config._attn_implementation``.
@@ -29,19 +33,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fusedpar.kernels.runtime import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.moe import MoE
 from fusedpar.nn.norm import RMSNorm
 from fusedpar.nn.placement import Placement
 from fusedpar.nn.placement import gradient_sync_plan as placement_gradient_sync_plan
 from fusedpar.ops import comm, global_loss, hybrid_attention, ring_attention, shard_positions, ulysses_attention
+from fusedpar.ops.replicas import replicated_rows
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "SequenceParallel", "causal_lm_loss",
-           "gather_sequence", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "SequenceParallel",
+           "SharedRotaryKeyProjection", "causal_lm_loss", "gather_sequence", "gpt_oss_experts_from_hf",
+           "gpt_oss_experts_to_hf", "gradient_sync_plan", "parallelize", "sequence_parallel_attention",
            "sequence_parallel_loss", "shard_batch"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmo2",
-                         "gemma", "gemma2", "gemma3_text")
+                         "gemma", "gemma2", "gemma3_text", "deepseek_v3", "gpt_oss")
 ATTN_IMPLEMENTATION = "fusedpar_sequence_parallel"  # the name registered in transformers.AttentionInterface
 
 
@@ -108,8 +115,8 @@ class SequenceParallel:
         return shard_positions(local_len * rs * us, layout=self.layout if rs > 1 else "contiguous", ring_rank=rr,
                                ring_size=rs, ulysses_rank=ur, ulysses_size=us, device=device)
 
-    def attend(self, q, k, v, *, causal: bool, softmax_scale, window=None, softcap=None):
-        opts = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap)
+    def attend(self, q, k, v, *, causal: bool, softmax_scale, window=None, softcap=None, sinks=None):
+        opts = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, sinks=sinks)
         if self.mode == "ring":
             return ring_attention(q, k, v, group=self.group, layout=self.layout, **opts)
         if self.mode == "ulysses":
@@ -132,13 +139,13 @@ def sequence_parallel_attention(module, query, key, value, attention_mask, scali
         raise ValueError("sequence-parallel attention takes no attention_mask (full causal attention only), got one")
     if dropout:
         raise ValueError(f"sequence-parallel attention has no attention dropout, got dropout={dropout}")
-    if kwargs.get("s_aux") is not None:  # gpt-oss's sinks: not a family parallelize wraps
-        raise ValueError("sequence-parallel attention through transformers takes no attention sinks (s_aux)")
+    sinks = kwargs.get("s_aux")  # gpt-oss's sinks: this rank's heads (split with them under tp), fp32 in the ops
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     # HF's sliding window W: query i sees keys i - W < j <= i
     window = None if sliding_window is None else (int(sliding_window) - 1, 0)
     out = sp.attend(q, k, v, causal=bool(getattr(module, "is_causal", True)), softmax_scale=scaling, window=window,
-                    softcap=kwargs.get("softcap"))  # Gemma 2's attn_logit_softcapping
+                    softcap=kwargs.get("softcap"),  # Gemma 2's attn_logit_softcapping
+                    sinks=None if sinks is None else sinks.float())
     return out, None
 
 
@@ -154,8 +161,8 @@ def _sp_pre_hook(base_model, args, kwargs):
     if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
         raise ValueError("sequence parallelism: attention_mask must be None or all ones (no padding, no custom "
                          f"masks), got a {mask.dim()}-d mask with zeros")
-    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
-        raise ValueError("sequence parallelism: no KV cache (past_key_values / use_cache=True)")
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or kwargs.get("use_cache"):
+        raise ValueError("sequence parallelism: no KV cache (past_key_values / cache / use_cache=True)")
     kwargs["use_cache"] = False
     expect = sp.positions(x.shape[1], device=x.device)
     pos = kwargs.get("position_ids")
@@ -220,7 +227,8 @@ def causal_lm_loss(hf_model, input_ids: torch.Tensor, targets: torch.Tensor, *, 
     sequence (all sequence-parallel ranks when the model is sequence-parallel), the family's
     ``final_logit_softcapping`` applied; with ``config.output_router_logits`` it adds
     ``router_aux_loss_coef`` times the family's load-balancing loss of this rank's tokens, as the
-    model's own forward with ``labels=`` does."""
+    model's own forward with ``labels=`` does (families without one, GLM-4.5 and DeepSeek-V3, add
+    nothing)."""
     from fusedpar.ops import linear_cross_entropy
     from fusedpar.ops.transport import EmulatedTransport
 
@@ -230,7 +238,9 @@ def causal_lm_loss(hf_model, input_ids: torch.Tensor, targets: torch.Tensor, *, 
         raise ValueError("causal_lm_loss: the output head must have no bias, got lm_head.bias")
     if targets.shape != input_ids.shape:
         raise ValueError(f"targets must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(targets.shape)}")
-    router = bool(getattr(config, "output_router_logits", False))
+    family = sys.modules[type(hf_model).__module__]
+    # the families whose CausalLM forward adds an aux loss (not GLM-4.5 / DeepSeek-V3, which have none)
+    router = bool(getattr(config, "output_router_logits", False)) and hasattr(family, "load_balancing_loss_func")
     kwargs = dict(output_router_logits=True) if router else {}
     out = hf_model.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
     sp = getattr(hf_model.model, "fusedpar_sp", None)
@@ -239,7 +249,6 @@ def causal_lm_loss(hf_model, input_ids: torch.Tensor, targets: torch.Tensor, *, 
                                  softcap=getattr(config, "final_logit_softcapping", None))
     loss = global_loss(total, (targets != ignore_index).sum(), tuple(sp.groups()) if sp is not None else ())
     if router:
-        family = sys.modules[type(hf_model).__module__]
         aux = family.load_balancing_loss_func(out.router_logits, hf_model.num_experts, hf_model.num_experts_per_tok,
                                               None)
         loss = loss + hf_model.router_aux_loss_coef * aux
@@ -270,35 +279,110 @@ def gather_sequence(hf_model, local: torch.Tensor) -> torch.Tensor:
 # tensor and expert parallelism
 # ----------------------------------------------------------------------------------------------
 class HFMoEBlock(nn.Module):
-    """Drop-in for a Mixtral / Qwen-MoE / GLM-4.5 sparse MoE block: a fusedpar
-    :class:`~fusedpar.nn.MoE` (experts over ``ep_group``, tokens replicated over ``tp_group``:
-    ``replicated_group``; GLM-4.5's sigmoid group-limited router sharing HF's
-    ``e_score_correction_bias``) plus the shared expert (its linears tensor-parallel) with, for
-    Qwen2-MoE, its sigmoid gate (GLM-4.5's shared experts are ungated).
-    ``[batch, seq, hidden]`` in and out, as the block it replaces.
+    """Drop-in for a Mixtral / Qwen-MoE / GLM-4.5 / DeepSeek-V3 / gpt-oss sparse MoE block: a
+    fusedpar :class:`~fusedpar.nn.MoE` (experts over ``ep_group``, tokens replicated over
+    ``tp_group``: ``replicated_group``; GLM-4.5's and DeepSeek-V3's sigmoid group-limited router
+    sharing HF's ``e_score_correction_bias``; gpt-oss's biased router, biased experts and clamped
+    SwiGLU) plus the shared expert (its linears tensor-parallel) with, for Qwen2-MoE, its sigmoid
+    gate (GLM-4.5's and DeepSeek-V3's shared experts are ungated). ``[batch, seq, hidden]`` in and
+    out, as the block it replaces; with ``returns_scores`` (gpt-oss, whose decoder layer unpacks
+    ``hidden, router_scores``) ``(out, the routing weights [tokens, top_k])``.
 
-    ``gate`` is HF's own router module, whose weight *is* the fusedpar router's (one parameter,
-    named ``...mlp.gate.weight`` as in HF). It runs only when transformers has hooked it to record
-    ``router_logits`` (``output_router_logits=True``), so HF's aux loss sees the same logits."""
+    ``gate`` is HF's own router module, kept under its HF attribute name ``router_name``
+    (``"gate"``; gpt-oss: ``"router"``); its weight (and bias) *is* the fusedpar router's (one
+    parameter, named ``...mlp.gate.weight`` / ``...mlp.router.weight`` as in HF). It runs only when
+    transformers has hooked it to record ``router_logits`` (``output_router_logits=True``), so HF's
+    aux loss sees the same logits."""
 
     def __init__(self, moe: MoE, gate: nn.Module, shared_expert: nn.Module | None = None,
-                 shared_expert_gate: nn.Module | None = None):
+                 shared_expert_gate: nn.Module | None = None, *, router_name: str = "gate",
+                 returns_scores: bool = False):
         super().__init__()
-        self.gate = gate
+        if router_name not in ("gate", "router"):
+            raise ValueError(f"HFMoEBlock: router_name must be 'gate' or 'router', got {router_name!r}")
+        self.router_name, self.returns_scores = router_name, bool(returns_scores)
+        setattr(self, router_name, gate)  # registered first: the shared parameters keep HF's names
         self.moe, self.shared_expert, self.shared_expert_gate = moe, shared_expert, shared_expert_gate
         moe.router.weight = gate.weight
-        if moe.router.e_score_correction_bias is not None:  # GLM-4.5: HF's buffer, one tensor
+        if moe.router.bias is not None:  # gpt-oss: the router's bias, one parameter
+            moe.router.bias = gate.bias
+        if moe.router.e_score_correction_bias is not None:  # GLM-4.5 / DeepSeek-V3: HF's buffer, one tensor
             moe.router.e_score_correction_bias = gate.e_score_correction_bias
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.gate._forward_hooks:  # transformers records the router logits through a forward hook
-            self.gate(hidden_states.reshape(-1, hidden_states.shape[-1]))
+    def forward(self, hidden_states: torch.Tensor):
+        gate = getattr(self, self.router_name)
+        if gate._forward_hooks:  # transformers records the router logits through a forward hook
+            gate(hidden_states.reshape(-1, hidden_states.shape[-1]))
         y = self.moe(hidden_states)
-        if self.shared_expert is not None and self.shared_expert_gate is None:  # GLM-4.5: ungated
+        if self.shared_expert is not None and self.shared_expert_gate is None:  # GLM-4.5 / DeepSeek-V3: ungated
             y = y + self.shared_expert(hidden_states)
         elif self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
-        return y
+        return (y, self.moe.router_output.weights) if self.returns_scores else y
+
+
+class SharedRotaryKeyProjection(nn.Module):
+    """DeepSeek-V3's ``kv_a_proj_with_mqa`` (hidden -> ``[kv latent; rotary key]``) under tensor
+    parallelism, holding the ``nn.Linear``'s own weight and bias (same names). The latent goes
+    through the column-parallel ``kv_b_proj``, whose backward sums its input gradient over tp; the
+    rotary key is shared by every head, and each rank's attention covers only its own heads, so
+    its gradient is summed over ``tp_group`` here (:func:`fusedpar.ops.replicas.replicated_rows`
+    over the output's feature rows ``kv_lora_rank:``). The projection's weight, its input
+    gradient and everything before it are then whole on every rank, as in the unsplit model."""
+
+    def __init__(self, linear: nn.Linear, kv_lora_rank: int, tp_group):
+        super().__init__()
+        if not 0 < kv_lora_rank < linear.out_features:
+            raise ValueError(f"SharedRotaryKeyProjection: kv_lora_rank must be in (0, {linear.out_features}), "
+                             f"got {kv_lora_rank}")
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features, self.kv_lora_rank = linear.in_features, linear.out_features, kv_lora_rank
+        self.group = tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias).movedim(-1, 0)  # feature rows first
+        return replicated_rows(y, self.kv_lora_rank, 0, 1, group=self.group).movedim(0, -1)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"rotary key rows {self.kv_lora_rank}: summed over tp")
+
+
+class _LatentColumnParallelLinear(ColumnParallelLinear):
+    """:class:`~fusedpar.nn.ColumnParallelLinear` (not sequence-parallel) over an input of any
+    rank: DeepSeek-V3's ``kv_b_proj`` takes the latent viewed as one head, ``[batch, 1, seq,
+    kv_lora_rank]``; the leading dims are flattened around the 2-D GEMM."""
+
+    def forward(self, x):
+        return super().forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
+def gpt_oss_experts_from_hf(name: str, t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's expert tensor ``t`` (HF's ``gate_up_proj [E, H, 2F]`` with the gate and up columns
+    interleaved, ``gate_up_proj_bias [E, 2F]`` so, ``down_proj [E, F, H]``, ``down_proj_bias``) in
+    fusedpar's :class:`~fusedpar.nn.MoE` layout (``w1 [E, 2F, H]`` gate rows first, ``b1``,
+    ``w2 [E, H, F]``, ``b2``); ``name`` is HF's leaf name."""
+    if name in ("gate_up_proj", "gate_up_proj_bias"):
+        t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+    if name in ("gate_up_proj", "down_proj"):
+        t = t.transpose(1, 2)
+    elif name not in ("gate_up_proj_bias", "down_proj_bias"):
+        raise ValueError(f"gpt_oss_experts_from_hf: name must be one of gate_up_proj, gate_up_proj_bias, down_proj, "
+                         f"down_proj_bias, got {name!r}")
+    return t.contiguous()
+
+
+def gpt_oss_experts_to_hf(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`gpt_oss_experts_from_hf`: fusedpar's tensor in HF's layout of ``name``."""
+    if name in ("gate_up_proj", "down_proj"):
+        t = t.transpose(1, 2)
+    elif name not in ("gate_up_proj_bias", "down_proj_bias"):
+        raise ValueError(f"gpt_oss_experts_to_hf: name must be one of gate_up_proj, gate_up_proj_bias, down_proj, "
+                         f"down_proj_bias, got {name!r}")
+    if name in ("gate_up_proj", "gate_up_proj_bias"):
+        gate, up = t.chunk(2, dim=-1)
+        t = torch.stack([gate, up], dim=-1).flatten(-2)
+    return t.contiguous()
 
 
 def _tp_mlp(mlp: nn.Module, tp_group) -> None:
@@ -332,26 +416,69 @@ def _tp_projection_norm(norm: nn.Module, tp_group) -> RMSNorm:
 
 
 def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
-    gate, experts = block.gate, block.experts
+    model_type = _get(config, "model_type")
+    gpt_oss = model_type == "gpt_oss"
+    gate, experts = (block.router if gpt_oss else block.gate), block.experts
     E, k = gate.weight.shape[0], config_number(config, "num_experts_per_tok", "parallelize")
-    H, F_ = experts.down_proj.shape[1], experts.down_proj.shape[2]
-    norm = True if _get(config, "model_type") == "mixtral" else bool(_get(config, "norm_topk_prob", False))
+    # HF's down_proj: [E, H, F] (gpt-oss: [E, F, H], stored transposed)
+    H, F_ = experts.down_proj.shape[2 if gpt_oss else 1], experts.down_proj.shape[1 if gpt_oss else 2]
+    norm = True if model_type == "mixtral" else bool(_get(config, "norm_topk_prob", False))
     router = {}
-    if _get(config, "model_type") == "glm4_moe":  # sigmoid group-limited routing with the correction bias
+    if model_type in ("glm4_moe", "deepseek_v3"):  # sigmoid group-limited routing with the correction bias
         router = dict(score="sigmoid", n_group=config_number(config, "n_group", "parallelize", default=1),
                       topk_group=config_number(config, "topk_group", "parallelize", default=None), score_bias=True,
                       routed_scaling_factor=config_number(config, "routed_scaling_factor", "parallelize", kind=float,
                                                           default=1.0))
+    if gpt_oss:  # biased router, softmax over the top-k logits; biased experts with the clamped SwiGLU
+        norm = False
+        router = dict(score="softmax_topk", router_bias=True, expert_bias=True, activation="swiglu_oai")
     moe = MoE(H, F_, E, k, ep_group=ep_group, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0,
               replicated_group=tp_group, device="meta", **router)
     placements = moe.placements()  # this rank's experts
+    hf_names = {"w1": "gate_up_proj", "w2": "down_proj"}
+    if gpt_oss:
+        hf_names.update(b1="gate_up_proj_bias", b2="down_proj_bias")
     with torch.no_grad():
-        for name, t in (("w1", experts.gate_up_proj), ("w2", experts.down_proj)):
-            setattr(moe, name, nn.Parameter(placements[name].local_from_full(t.detach())))
-    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)  # Qwen2-MoE / GLM
+        for name, hf_name in hf_names.items():
+            t = getattr(experts, hf_name).detach()
+            t = gpt_oss_experts_from_hf(hf_name, t) if gpt_oss else t
+            setattr(moe, name, nn.Parameter(placements[name].local_from_full(t).clone()))
+    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)  # Qwen2-MoE / GLM, DSv3
     if shared is not None and tp_group is not None:
         _tp_mlp(shared, tp_group)
-    return HFMoEBlock(moe, gate, shared, getattr(block, "shared_expert_gate", None))
+    return HFMoEBlock(moe, gate, shared, getattr(block, "shared_expert_gate", None),
+                      router_name="router" if gpt_oss else "gate", returns_scores=gpt_oss)
+
+
+def _tp_mla(attn: nn.Module, config, tp_group) -> None:
+    """DeepSeek-V3's multi-head latent attention over tp, in place: the up projections
+    (``q_b_proj``, or ``q_proj`` without a query latent, and ``kv_b_proj``) column-parallel over
+    the heads (HF reshapes with ``-1`` heads), ``o_proj`` row-parallel; the down projections and
+    the latent norms stay whole (their inputs and outputs are replicated), ``kv_a_proj_with_mqa``
+    summing the shared rotary key's gradient over tp (:class:`SharedRotaryKeyProjection`)."""
+    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        lin = getattr(attn, name, None)
+        if lin is not None:
+            setattr(attn, name, _LatentColumnParallelLinear.from_linear(lin, group=tp_group))
+    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
+    attn.kv_a_proj_with_mqa = SharedRotaryKeyProjection(
+        attn.kv_a_proj_with_mqa, config_number(config, "kv_lora_rank", "parallelize"), tp_group)
+
+
+def _tp_sinks(attn: nn.Module, tp_group) -> None:
+    """gpt-oss's sinks (one logit per head) for this rank's heads, declared a tp block."""
+    placement = Placement.tp(tp_group, 0)
+    attn.sinks = nn.Parameter(placement.local_from_full(attn.sinks.detach()).clone())
+    attn.placements = lambda: {"sinks": placement}
+
+
+def _check_swiglu(config) -> None:
+    """gpt-oss's clamped SwiGLU must have fusedpar's constants (those of the ``swiglu_oai`` kernels)."""
+    for field, value in (("swiglu_alpha", SWIGLU_OAI_ALPHA), ("swiglu_limit", SWIGLU_OAI_LIMIT)):
+        got = _get(config, field, value)
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or float(got) != value:
+            raise ValueError(f"parallelize: gpt_oss field {field} must be {value} (the clamped SwiGLU of fusedpar's "
+                             f"kernels), got {got!r}")
 
 
 def _sequence_parallel(sp_group, sp_mode, layout, ulysses_group, ring_group) -> SequenceParallel | None:
@@ -389,7 +516,10 @@ def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=N
 
     * ``tp_group``: q / k / v and gate / up projections become
       :class:`~fusedpar.nn.ColumnParallelLinear`, o / down projections
-      :class:`~fusedpar.nn.RowParallelLinear` (activations replicated over ``tp_group``).
+      :class:`~fusedpar.nn.RowParallelLinear` (activations replicated over ``tp_group``);
+      gpt-oss's sinks keep this rank's heads; DeepSeek-V3's MLA splits its up projections
+      (``q_b_proj`` / ``q_proj``, ``kv_b_proj``) over the heads and keeps its down projections and
+      latent norms whole.
     * ``ep_group``: sparse MoE blocks become :class:`HFMoEBlock` with the experts split over
       ``ep_group`` (which may span the tp ranks: tokens replicated over ``tp_group`` reach each
       expert once). HF's router is kept: ``output_router_logits`` and the aux loss work.
@@ -414,16 +544,22 @@ def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=N
     for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv or heads)):
         if n % tp:
             raise ValueError(f"parallelize: {what}={n} must be divisible by the tensor-parallel group size ({tp})")
+    if model_type == "gpt_oss":
+        _check_swiglu(config)
     tp_group = tp_group if tp > 1 else None
     for layer in hf_model.model.layers:
         attn = layer.self_attn
-        if tp_group is not None:
+        if tp_group is not None and model_type == "deepseek_v3":
+            _tp_mla(attn, config, tp_group)
+        elif tp_group is not None:
             for name in ("q_proj", "k_proj", "v_proj"):
                 setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=tp_group))
             attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=tp_group)
             _declare_head_norms(attn)
             if model_type == "olmo2":  # its q / k norms span the whole projection, now split over tp
                 attn.q_norm, attn.k_norm = (_tp_projection_norm(n, tp_group) for n in (attn.q_norm, attn.k_norm))
+            if isinstance(getattr(attn, "sinks", None), nn.Parameter):  # gpt-oss: one sink logit per head
+                _tp_sinks(attn, tp_group)
         if hasattr(layer.mlp, "experts") and ep_group is not None:
             layer.mlp = _moe_block(layer.mlp, config, tp_group, ep_group)
         elif tp_group is not None and not hasattr(layer.mlp, "experts"):  # (no ep_group: HF's MoE block stays)

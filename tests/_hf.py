@@ -20,7 +20,7 @@ TOL = 1e-4
 FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmo2",
             "gemma", "gemma2", "gemma3", "gpt_oss")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss")
-# DeepSeek-V3 (route A only; its tests are tests/test_hf_deepseek.py and its cases in test_hf_world.py):
+# DeepSeek-V3 (its tests are tests/test_hf_deepseek.py and its cases in test_hf_world.py, route B's too):
 # MLA (q latent, YaRN with mscale_all_dim, interleaved rope, v head dim 6 != 4 + 4), a dense block
 # then a MoE block (sigmoid router over 2 groups, 1 searched, score bias), an ungated shared expert
 DEEPSEEK_V3 = dict(

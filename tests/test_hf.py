@@ -177,18 +177,19 @@ def test_ignore_index_and_out_of_range_targets():
     assert none.shape == (2, 6) and bool((none[targets.clamp(min=0) == 3] == 0).all())
 
 
-@pytest.mark.parametrize("family", ["llama31", "mixtral"])
+@pytest.mark.parametrize("family", ["llama31", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_causal_lm_loss_equals_the_model_s_own_loss_without_logits(family):
     """Route B's fused loss (fusedpar.hf.causal_lm_loss: decoder hidden states -> the chunked
     linear cross entropy with lm_head's weight) equals the HF model's ``labels=`` loss, the
-    aux loss included where the family has one, and every gradient; a tied head (llama31) too.
+    aux loss included where the family has one (gpt-oss's too; DeepSeek-V3 has none even with
+    output_router_logits), and every gradient; a tied head (llama31) too.
     No [tokens, vocab] tensor is created (the op's memory test covers the chunking)."""
     from _hf import hf_named_reference
     from fusedpar.hf import causal_lm_loss
 
     tokens, _ = tokens_targets(3, 2, 8)
     tokens[1, 2:5] = tokens[0, :3]
-    model = hf_model(family)
+    model = hf_model(family, **({"output_router_logits": True} if family == "deepseek_v3" else {}))
     _, ref_loss, ref_grads, _ = hf_named_reference(model, tokens, aux=True)
     model.zero_grad()
     targets = torch.full_like(tokens, -100)

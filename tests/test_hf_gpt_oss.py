@@ -2,7 +2,7 @@
 GptOssForCausalLM at world 1, beyond the families' shared tests in test_hf.py (logits, loss with
 HF's aux loss, every gradient, the strict state-dict round trip; a safetensors directory read and
 written back, 3 AdamW steps with the aux loss): the config fields of a stock gpt-oss, and the
-fields fusedpar does not implement."""
+fields fusedpar does not implement (route A and route B's parallelize)."""
 from __future__ import annotations
 
 import pytest
@@ -50,9 +50,14 @@ def test_gpt_oss_fields_not_implemented_raise(field, value, match):
         config_from_hf(raw)
 
 
-def test_gpt_oss_is_route_a_only():
-    with pytest.raises(ValueError, match="parallelize: model_type must be one of .* got 'gpt_oss'"):
-        parallelize(hf_model("gpt_oss"))
+@pytest.mark.parametrize("field,value", [("swiglu_limit", 5.0), ("swiglu_alpha", 1.5)])
+def test_parallelize_refuses_a_clamped_swiglu_other_than_the_kernels(field, value):
+    """Route B wraps gpt-oss (tests/test_hf_world.py), its experts running fusedpar's clamped
+    SwiGLU, whose constants are fixed: other values raise naming the field, before any change."""
+    hf = hf_model("gpt_oss", **{field: value})
+    with pytest.raises(ValueError, match=f"parallelize: gpt_oss field {field} must be .*, got {value}"):
+        parallelize(hf)
+    assert type(hf.model.layers[0].mlp).__name__ == "GptOssMLP"
 
 
 def test_gpt_oss_bf16_checkpoint_keeps_the_sinks_fp32(tmp_path):

@@ -1,7 +1,9 @@
 """fusedpar.hf in a gloo world of 2 against transformers' fp32 model in one process: every rank
 loads only its shards from the HF model, and the gathered logits and every local gradient (after
 fusedpar.parallel.sync_gradients) equal HF's, at tp2, sp2 (ring zigzag), sp2 (Ulysses) and
-sp2 x ep2 (experts over the two sequence-parallel ranks; MoE families). One world for the module."""
+sp2 (ring zigzag or Ulysses) x ep2 (experts over the two sequence-parallel ranks; MoE families).
+Route B (``parallelize``, the HF model kept) at tp2 = ep2, at sp2 (ring or Ulysses, MoE families with
+ep2) and, for DeepSeek-V3 and gpt-oss, at world 1 (one-rank groups). One world for the module."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from _hf import TOL, compare_grads, hf_model, hf_named_reference, hf_reference, tokens_targets
 from _world import world_fixture
+from fusedpar.hf import HFMoEBlock
 
 pytest.importorskip("transformers")
 
@@ -19,11 +22,13 @@ LAYOUTS = {  # name -> (build_parallel_state sizes, config overrides)
     "sp2-ring-zigzag": (dict(sp=2), dict(sp_mode="ring", layout="zigzag")),
     "sp2-ulysses": (dict(sp=2), dict(sp_mode="ulysses")),
     "sp2-ep2": (dict(sp=2, ep=2), dict(sp_mode="ring", layout="zigzag")),
+    "sp2-ulysses-ep2": (dict(sp=2, ep=2), dict(sp_mode="ulysses")),
 }
 # every family at every layout (the MoE families also with experts over the sp ranks): each family's
 # own feature meets each layout (tied head / qkv bias / QK-norm / shared expert under tp, rotary
 # scaling under the zigzag ring, head splits under Ulysses); mistral shares llama31's code path
-CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe") for lay in LAYOUTS
+CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+         for lay in ("tp2", "sp2-ring-zigzag", "sp2-ulysses", "sp2-ep2")
          if not (lay == "sp2-ep2" and f in ("llama31", "qwen2", "qwen3"))]
 # GLM-4.5 (partial rotary, q/k/v biases, qk-norm, dense first block, sigmoid group router with its
 # correction bias, ungated shared expert): tp2, and the zigzag ring with experts over the sp ranks
@@ -40,6 +45,11 @@ CASES += [("gemma2", "tp2"), ("gemma2", "sp2-ulysses"), ("gemma3", "tp2"), ("gem
 # gpt-oss (route A): sinks split with the heads, the o_proj bias, q / k / v biases under tp; the sliding
 # layer, YaRN and the sinks under the zigzag ring with the biased experts and router over the sp ranks
 CASES += [("gpt_oss", "tp2"), ("gpt_oss", "sp2-ep2")]
+# Ulysses for the families tested above without it: Mistral's window (5 of 8 tokens) and Gemma 3's
+# sliding layer over the gathered sequence; GLM-4.5's partial rotary, DeepSeek-V3's MLA heads (v head
+# dim 6) and gpt-oss's sinks of each rank's heads after the all-to-all, with the experts over the sp ranks
+CASES += [("mistral", "sp2-ulysses"), ("gemma3", "sp2-ulysses")]
+CASES += [(f, "sp2-ulysses-ep2") for f in ("glm4_moe", "deepseek_v3", "gpt_oss")]
 # sp2-ep2 loads from a checkpoint directory: one tensor per expert (save_pretrained's format) or
 # transformers 5's stacked expert tensors (gpt-oss: its biases too, in HF's transposed, interleaved
 # layout, rearranged after the rows are read); each rank must read only its own experts' bytes
@@ -196,50 +206,77 @@ def test_moe_with_tokens_replicated_over_the_ep_ranks_counts_each_token_once(wor
     assert all(world2.run(_replicated_tokens_case, x, r, ref))
 
 
-def _expected_shard(name, full, rank, size, tp, projection_norms=False):
+def _expected_shard(name, full, rank, size, tp, projection_norms=False, ep=None):
     """The piece of HF's full gradient ``full`` that parameter ``name`` of the parallelised model
-    holds (experts split over the 2 ranks; linears over tp; OLMo 2's q / k norms, which span the
-    whole projection, over tp)."""
+    holds (experts split over ``ep`` ranks, default all; linears over tp, MLA's up projections
+    q_b_proj / kv_b_proj included; gpt-oss's sinks with the heads; OLMo 2's q / k norms, which span
+    the whole projection, over tp)."""
     if ".mlp.moe." in name:
-        n = full.shape[0] // size
-        return full[rank * n:(rank + 1) * n]
+        n = full.shape[0] // (ep or size)
+        r = rank % (ep or size)
+        return full[r * n:(r + 1) * n]
     leaf = name.split(".")[-2]
+    if tp and name.endswith("self_attn.sinks"):
+        return full.chunk(size, dim=0)[rank]
     if tp and projection_norms and leaf in ("q_norm", "k_norm"):
         return full.chunk(size, dim=0)[rank]
-    if tp and leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+    if tp and leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj"):
         return full.chunk(size, dim=0)[rank]
     if tp and leaf in ("o_proj", "down_proj") and name.endswith("weight"):
         return full.chunk(size, dim=1)[rank]
     return full
 
 
-def _hf_name(name, ref_grads):
-    name = name.replace(".mlp.moe.w1", ".mlp.experts.gate_up_proj").replace(".mlp.moe.w2", ".mlp.experts.down_proj")
-    glm = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")  # GLM-4.5's name of the shared expert
-    return name if name in ref_grads else glm
+# HFMoEBlock's expert parameters -> HF's (gpt-oss's biases too)
+_EXPERTS = {".mlp.moe.w1": ".mlp.experts.gate_up_proj", ".mlp.moe.w2": ".mlp.experts.down_proj",
+            ".mlp.moe.b1": ".mlp.experts.gate_up_proj_bias", ".mlp.moe.b2": ".mlp.experts.down_proj_bias"}
 
 
-def _compare_hf_grads(hf, ref_grads, rank, size, tp, msg):
+def _hf_full_grad(name, ref_grads):
+    """HF's full gradient of the parallelised model's parameter ``name``, in its layout (gpt-oss's
+    experts: transposed back, the gate / up columns de-interleaved)."""
+    from fusedpar.hf_parallel import gpt_oss_experts_from_hf
+
+    for ours, theirs in _EXPERTS.items():
+        if name.endswith(ours):
+            hf = name[:-len(ours)] + theirs
+            grad = ref_grads[hf]
+            gpt_oss = name[:-len(ours)] + ".mlp.experts.down_proj_bias" in ref_grads  # biased experts
+            return gpt_oss_experts_from_hf(hf.rsplit(".", 1)[1], grad) if gpt_oss else grad
+    if name in ref_grads:
+        return ref_grads[name]
+    return ref_grads[name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")]  # GLM-4.5 / DeepSeek-V3's name
+
+
+def _compare_hf_grads(hf, ref_grads, rank, size, tp, msg, ep=None):
     n = 0
     for name, p in hf.named_parameters():
-        expect = _expected_shard(name, ref_grads[_hf_name(name, ref_grads)], rank, size, tp,
-                                 hf.config.model_type == "olmo2")
+        expect = _expected_shard(name, _hf_full_grad(name, ref_grads), rank, size, tp,
+                                 hf.config.model_type == "olmo2", ep)
+        assert p.grad is not None, f"{msg}: {name} has no gradient"
         err = (p.grad - expect).abs().max().item()
         assert err <= TOL * (expect.abs().max().item() + 1e-12), f"{msg}: grad of {name} off by {err:.3g}"
         n += 1
+    assert n == len(ref_grads), f"{msg}: {n} parameters, HF has {len(ref_grads)}"
     return n
 
 
-def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads, ref_extra):
+def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads, ref_extra, world=2):
     """Route B at tp2 = ep2: logits, HF's router logits and aux loss (every rank routes all tokens:
-    exact), and every gradient of the loss with the aux loss included."""
+    exact), and every gradient of the loss with the aux loss included. ``world=1``: each rank
+    alone (one-rank tp and ep groups: tp off, the MoE blocks fusedpar's with every expert)."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from fusedpar.hf import gradient_sync_plan, parallelize
     from fusedpar.parallel import build_parallel_state, sync_gradients
 
-    hf = parallelize(hf_model(family), tp_group=dist.group.WORLD, ep_group=dist.group.WORLD)
+    if world == 1:
+        alone = [dist.new_group([r]) for r in range(size)][rank]  # new_group: a collective of every rank
+        hf = parallelize(hf_model(family), tp_group=alone, ep_group=alone)
+        assert sum(isinstance(m, HFMoEBlock) for m in hf.modules()) == {"deepseek_v3": 1, "gpt_oss": 2}[family]
+    else:
+        hf = parallelize(hf_model(family), tp_group=dist.group.WORLD, ep_group=dist.group.WORLD)
     out = hf(tokens)
     err = (out.logits - ref_logits).abs().max().item()
     assert err <= TOL * ref_logits.abs().max().item(), f"{family}: logits off by {err:.3g}"
@@ -251,16 +288,36 @@ def _parallelize_case(rank, size, family, tokens, targets, ref_logits, ref_grads
         assert abs(out.aux_loss.item() - ref_extra["aux_loss"].item()) <= TOL * ref_extra["aux_loss"].item()
         loss = loss + hf.config.router_aux_loss_coef * out.aux_loss
     loss.backward()
+    if world == 1:
+        return _compare_hf_grads(hf, ref_grads, rank, size, False, f"{family} world 1", ep=1)
     # a no-op but for the qk-norm scales (GLM-4.5), whose gradients cover this rank's heads: summed over tp
     sync_gradients(hf.named_parameters(), build_parallel_state(tp=2, ep=2), gradient_sync_plan(hf))
     return _compare_hf_grads(hf, ref_grads, rank, size, True, family)
 
 
-@pytest.mark.parametrize("family", ["llama31", "qwen2", "mixtral", "qwen2_moe", "glm4_moe", "olmo2", "gemma2"])
+# DeepSeek-V3: MLA's up projections split over the heads (the shared rotary key's gradient summed
+# over tp), the sigmoid group router with its correction bias, an ungated shared expert, a dense
+# first block; gpt-oss: sinks split with the heads, q / k / v / o biases, a sliding layer, the
+# biased router and experts (HF's transposed, interleaved layout rearranged), the clamped SwiGLU
+PARALLELIZE_TP = ["llama31", "qwen2", "mixtral", "qwen2_moe", "glm4_moe", "olmo2", "gemma2", "deepseek_v3", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", PARALLELIZE_TP)
 def test_parallelize_hf_model_in_place_tp2_ep2(world2, family):
     tokens, targets = tokens_targets(6, B, S, device=CPU)
     logits, _, grads, extra = hf_named_reference(hf_model(family, device=CPU), tokens, targets, aux=True)
     res = world2.run(_parallelize_case, family, tokens, targets, logits, grads, extra)
+    assert all(r > 10 for r in res), res
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_parallelize_at_world_1_matches_transformers(world2, family):
+    """Route B in one process (each rank alone, one-rank groups): HF's MoE blocks become
+    HFMoEBlocks holding every expert (DeepSeek-V3's group router; gpt-oss's experts rearranged
+    from HF's layout), the rest HF's own; logits, router logits, HF's aux loss and every gradient."""
+    tokens, targets = tokens_targets(8, B, S, device=CPU)
+    logits, _, grads, extra = hf_named_reference(hf_model(family, device=CPU), tokens, targets, aux=True)
+    res = world2.run(_parallelize_case, family, tokens, targets, logits, grads, extra, world=1)
     assert all(r > 10 for r in res), res
 
 
@@ -271,6 +328,12 @@ SP_CASES = {  # family -> (sp_mode, experts over the two sp ranks, HF's own shif
     "glm4_moe": ("ulysses", True, False),  # partial rotary on the shard's positions, GLM's router over ep2
     "gemma3": ("ulysses", False, True),  # sliding_window=8 on its sliding layers, query_pre_attn_scalar
     "olmo2": ("ring", False, False),  # HF's own whole-projection q / k norms on each shard's tokens
+    # MLA (v head dim 6 != q / k 8, interleaved YaRN rope on the zigzag positions) through the ring,
+    # the group router and the shared expert with the experts over the sp ranks
+    "deepseek_v3": ("ring", True, False),
+    # the sinks of each rank's heads after the all-to-all, the sliding layer (window 5 over 8), HF's
+    # biased router and experts over the sp ranks
+    "gpt_oss": ("ulysses", True, False),
 }
 
 
@@ -300,7 +363,7 @@ def _parallelize_sp_case(rank, size, family, tokens, targets, ref_logits, ref_gr
     full = gather_sequence(hf, out.logits)
     err = (full - ref_logits).abs().max().item()
     assert err <= TOL * ref_logits.abs().max().item(), f"{family} sp2 {mode}: logits off by {err:.3g}"
-    if ep:  # the reference has no aux loss, which causal_lm_loss adds (output_router_logits=True)
+    if ep and hf.config.output_router_logits:  # the reference has no aux loss, which causal_lm_loss would add
         sequence_parallel_loss(hf, out.logits, tgt).backward()
     else:  # the fused loss: decoder hidden states -> chunked linear cross entropy, no logits
         loss = causal_lm_loss(hf, ids, tgt, position_ids=pos, chunk_tokens=3)
