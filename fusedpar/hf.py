@@ -362,7 +362,8 @@ def from_hf(hf_model_or_path, *, tp_group=None, sp_group=None, ep_group=None, ul
         raw = read_json(os.path.join(path, "config.json"), "from_hf")
         try:
             from transformers import AutoConfig  # normalises older config formats when installed
-            hf_config = AutoConfig.from_pretrained(path)
+            # never the directory's own Python (a Kimi K2 directory ships configuration_deepseek.py)
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         except ImportError:
             hf_config = raw
         except (ValueError, KeyError):  # a model type transformers does not know: config_from_hf names it

@@ -13,8 +13,12 @@ from fusedpar.nn import TransformerConfig
 __all__ = ["ROUTE_A_TYPES", "config_from_hf"]
 
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
-# the model types route A reads: the same families route B wraps
-ROUTE_A_TYPES = SUPPORTED_MODEL_TYPES
+# model types whose config.json holds another family's fields for its layout: Kimi K2 (moonshotai/Kimi-K2-*)
+# is DeepSeek-V3's DeepseekV3ForCausalLM (remote code) under its own model_type, read as transformers reads
+# Kimi-K2.5's "kimi_k2" text config: as "deepseek_v3"
+_ALIASES = {"kimi_k2": "deepseek_v3"}
+# the model types route A reads: the families route B wraps, and their aliases
+ROUTE_A_TYPES = SUPPORTED_MODEL_TYPES + tuple(_ALIASES)
 _YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                 "attention_factor", "truncate")
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -246,10 +250,12 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     or its dict). ``overrides`` set layout fields (``sp_mode``, ``layout``, ``capacity_factor``...).
     Raises ``ValueError`` naming the field for a model type or field value fusedpar does not
     implement (e.g. another RoPE type, attention dropout). An active sliding window (stock Mistral:
-    4096) is kept as ``sliding_window``, with HF's ``layer_types`` (which layers slide)."""
+    4096) is kept as ``sliding_window``, with HF's ``layer_types`` (which layers slide). Kimi K2's
+    ``model_type`` ``"kimi_k2"`` reads as ``"deepseek_v3"`` (the same fields and layout)."""
     model_type = _get(hf_config, "model_type")
     if model_type not in ROUTE_A_TYPES:
         raise ValueError(f"config_from_hf: model_type must be one of {ROUTE_A_TYPES}, got {model_type!r}")
+    model_type = _ALIASES.get(model_type, model_type)
     _check_unsupported(hf_config, model_type)
     params = _get(hf_config, "rope_parameters") or {}
     theta, scaling, partial = _rope(hf_config, model_type,

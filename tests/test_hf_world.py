@@ -38,10 +38,12 @@ CASES += [("glm4_moe", "tp2"), ("glm4_moe", "sp2-ep2")]
 CASES += [("deepseek_v3", "tp2"), ("deepseek_v3", "sp2-ep2")]
 # OLMo 2 and Gemma at every dense layout (OLMo 2's q / k norm statistics reduced over tp; Gemma's
 # (1 + w) norms, scaled embedding, GeGLU, tied head); Gemma 2's sandwich norms, attention scale and
-# capped head under tp and Ulysses, Gemma 3's (1 + w) per-head q / k norms under tp and its per-layer
-# RoPE bases under the zigzag ring
+# capped head under tp, Ulysses and the zigzag ring (its attention logit softcap and sliding layer, window 5
+# of 8 tokens, on each ring step's block of scores), Gemma 3's (1 + w) per-head q / k norms under tp and its
+# per-layer RoPE bases under the zigzag ring
 CASES += [(f, lay) for f in ("olmo2", "gemma") for lay in ("tp2", "sp2-ring-zigzag", "sp2-ulysses")]
-CASES += [("gemma2", "tp2"), ("gemma2", "sp2-ulysses"), ("gemma3", "tp2"), ("gemma3", "sp2-ring-zigzag")]
+CASES += [("gemma2", "tp2"), ("gemma2", "sp2-ring-zigzag"), ("gemma2", "sp2-ulysses"), ("gemma3", "tp2"),
+          ("gemma3", "sp2-ring-zigzag")]
 # gpt-oss (route A): sinks split with the heads, the o_proj bias, q / k / v biases under tp; the sliding
 # layer, YaRN and the sinks under the zigzag ring with the biased experts and router over the sp ranks
 CASES += [("gpt_oss", "tp2"), ("gpt_oss", "sp2-ep2")]
