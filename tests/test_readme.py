@@ -290,9 +290,9 @@ def test_readme_commands_name_existing_ops_and_options(monkeypatch):
 
     _load_ops()
     text = _readme()
-    ops = set(re.findall(r"python -m\s+benchmarks ([a-z_]+)", text))
+    ops = set(re.findall(r"python -m\s+benchmarks ([a-z0-9_]+)", text))
     assert ops and ops <= set(REGISTRY) | {"all", "compile", "report"}, ops - set(REGISTRY)
-    listed = set(re.findall(r"`([a-z_]+)`", _section("Benchmarks").split("Ops:", 1)[1].split("\n\n")[0]))
+    listed = set(re.findall(r"`([a-z0-9_]+)`", _section("Benchmarks").split("Ops:", 1)[1].split("\n\n")[0]))
     assert listed - {"all"} == set(REGISTRY), (listed, set(REGISTRY))
     demo = [s for s in _bash_lines(_section("Demo")) if "fusedpar.demo" in s or "DEMO_ARGS" in s]
     assert len(demo) >= 9, demo
