@@ -38,10 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_choice, check_float_tensor
+from .checks import check_choice, check_float_tensor, check_shape, check_tensor
 from .runtime import device_capability, interpreting
 
-__all__ = ["E4M3_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", "GRANULARITIES", "SCALE_FLOOR", "FP8UnsupportedError",
+__all__ = ["DEFAULT_FP8_OPTION", "E4M3_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", "GRANULARITIES", "SCALE_FLOOR", "FP8UnsupportedError",
            "check_fp8_device", "dequantize_e4m3", "fp8_support_problem", "quantize_e4m3", "quantize_e4m3_reference",
            "round_to_bf16", "scale_shape", "to_e4m3", "to_fp32"]
 
@@ -60,22 +60,29 @@ class FP8UnsupportedError(RuntimeError):
     """An fp8 kernel launched on a GPU without fp8 tensor cores (compute capability < 8.9)."""
 
 
-def fp8_support_problem(capability, device_name: str) -> str | None:
-    """Why a GPU of ``capability`` cannot run the fp8 kernels, or None."""
+#: what an fp8 error names when the caller does not say which option asked for fp8
+DEFAULT_FP8_OPTION = "the fp8 option (fp8_linear / recipe=...)"
+
+
+def fp8_support_problem(capability, device_name: str, option: str = DEFAULT_FP8_OPTION) -> str | None:
+    """Why a GPU of ``capability`` cannot run the fp8 kernels (naming the device and ``option``,
+    the setting that asked for fp8, e.g. ``"TransformerConfig.fp8='rowwise'"``), or None."""
     if tuple(capability) >= FP8_MIN_CAPABILITY:
         return None
     return (f"fp8 (e4m3) kernels need fp8 tensor cores (compute capability >= 8.9: Ada, Hopper or later); "
-            f"{device_name} has compute capability {capability[0]}.{capability[1]}: leave the fp8 option off "
-            f"(fp8_linear / recipe=...) on this GPU")
+            f"{device_name} has compute capability {capability[0]}.{capability[1]}: leave {option} off "
+            f"on this GPU")
 
 
-def check_fp8_device(t: torch.Tensor) -> None:
-    """Raise :class:`FP8UnsupportedError` when ``t`` lives on a GPU without fp8 tensor cores (CPU
-    tensors run under the interpreter, which has no such limit)."""
-    if t.device.type == "cpu":
+def check_fp8_device(t: torch.Tensor, option: str = DEFAULT_FP8_OPTION) -> None:
+    """Raise :class:`FP8UnsupportedError` naming the device and ``option`` when ``t`` lives on a
+    GPU without fp8 tensor cores (CPU tensors run under the interpreter, which has no such limit).
+    While Dynamo traces (a functional API or a module called in a compiled region) it checks
+    nothing, since the device query is no graph op: the launchers inside the ops check when they run."""
+    if t.device.type == "cpu" or torch.compiler.is_compiling():
         return
     index = t.device.index or 0
-    problem = fp8_support_problem(device_capability(index), torch.cuda.get_device_name(index))
+    problem = fp8_support_problem(device_capability(index), torch.cuda.get_device_name(index), option)
     if problem:
         raise FP8UnsupportedError(problem)
 
@@ -185,25 +192,27 @@ def scale_shape(rows: int, cols: int, granularity: str) -> tuple:
     return {"row": (rows,), "tile": (rows, nb), "block": (triton.cdiv(rows, FP8_BLOCK), nb)}[granularity]
 
 
-#: fixed launch shapes (memory-bound passes, no tuning), by mode: "interpreted", "rows" (a row-major
+#: fixed launch shapes (memory-bound passes, no tuning), by mode: "interpreted" (few programs: the
+#: interpreter's cost is per program and per nested call), "rows" (a row-major
 #: input: the loads run along the rows) and "columns" (a transposed view, ``x.t()`` of a row-major
 #: tensor: consecutive rows are adjacent in memory, so a program takes 64 of them to read 128 bytes
 #: of bf16 at a time); the row kernel's (rows, column chunk, warps), the tile kernel's rows
-_ROW_BLOCKS = {"interpreted": (16, 128, 4), "rows": (8, 512, 4), "columns": (64, 64, 4)}
-_TILE_ROWS = {"interpreted": 16, "rows": 32, "columns": 64}
+_ROW_BLOCKS = {"interpreted": (64, 128, 4), "rows": (8, 512, 4), "columns": (64, 64, 4)}
+_TILE_ROWS = {"interpreted": 64, "rows": 32, "columns": 64}
 
 
-def quantize_e4m3(x: torch.Tensor, granularity: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_e4m3(x: torch.Tensor, granularity: str = "row", *,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: the rows of the 2-D tensor ``x`` (any strides; fp32, fp16 or bf16)
     quantised to a contiguous ``float8_e4m3fn`` tensor of ``x``'s shape with fp32 scales per
     ``granularity`` ("row", "tile": 1x128, "block": 128x128; see the module docstring), such that
-    ``x ~ q * scale`` (:func:`dequantize_e4m3`)."""
+    ``x ~ q * scale`` (:func:`dequantize_e4m3`). ``out=(q, scale)``: contiguous buffers of those
+    shapes and dtypes written in place (e.g. views of a packed transfer buffer)."""
     check_float_tensor("x", x, dims=(2,))
     check_choice("granularity", granularity, GRANULARITIES)
     check_fp8_device(x)
     R, C = x.shape
-    q = torch.empty((R, C), device=x.device, dtype=torch.float8_e4m3fn)
-    scale = torch.empty(scale_shape(R, C, granularity), device=x.device, dtype=torch.float32)
+    q, scale = _quantize_buffers(out, (R, C), scale_shape(R, C, granularity), x.device)
     if R == 0 or C == 0:
         return q, scale.fill_(1.0)
     emulate = interpreting()
@@ -222,6 +231,23 @@ def quantize_e4m3(x: torch.Tensor, granularity: str = "row") -> tuple[torch.Tens
                                        EMULATE=emulate, BLOCK_R=block_r, BLOCK_C=FP8_BLOCK,
                                        num_warps=4 if one_row else 8)
     return q, scale
+
+
+def _quantize_buffers(out, q_shape, s_shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` checked (contiguous ``(q, scale)`` of the shapes on ``device``), or new buffers."""
+    if out is None:
+        return (torch.empty(q_shape, device=device, dtype=torch.float8_e4m3fn),
+                torch.empty(s_shape, device=device, dtype=torch.float32))
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out must be a (q, scale) pair of tensors, got {type(out).__name__}")
+    for name, t, shape, dtype in (("out[0] (q)", out[0], q_shape, torch.float8_e4m3fn),
+                                  ("out[1] (scale)", out[1], s_shape, torch.float32)):
+        check_tensor(name, t, dtypes=(dtype,))
+        check_shape(name, t, tuple(shape))
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous tensor on {device}, got strides {t.stride()} on "
+                             f"{t.device}")
+    return out[0], out[1]
 
 
 def _expand(scale: torch.Tensor, rows: int, cols: int, granularity: str) -> torch.Tensor:

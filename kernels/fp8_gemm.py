@@ -21,31 +21,37 @@ of the dequantised operands, the tests' oracle). Needs fp8 tensor cores (compute
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .checks import (check_choice, check_out_dtype, check_same, check_shape, check_supported_dtype, check_tensor,
-                     output_buffer)
+from .checks import (check_buffer, check_choice, check_out_dtype, check_same, check_shape, check_supported_dtype,
+                     check_tensor, output_buffer)
 from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, round_to_bf16, to_fp32
 from .gemm import EPILOGUE_ACC_BUDGET
-from .runtime import (autotuned, device_capability, interpreting, pipelined, prune_tile_configs, shared_memory_limit,
-                      tile_smem_bytes)
+from .runtime import (RowView, autotuned, device_capability, interpreting, pipelined, prune_tile_configs,
+                      shared_memory_limit, tile_smem_bytes)
 
-__all__ = ["FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "SCALINGS", "fp8_gpu_configs", "fp8_matmul",
+__all__ = ["FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "FP8_RECIPES", "SCALINGS", "fp8_gpu_configs", "fp8_matmul",
            "fp8_matmul_reference", "fp8_smem_estimate"]
 
 SCALINGS = ("rowwise", "blockwise")
+#: the training recipes: scaling -> (granularity of activations and gradients, of weights) of
+#: :func:`~fusedpar.kernels.fp8.quantize_e4m3` (a weight gradient's operands both take the first)
+FP8_RECIPES = {"rowwise": ("row", "row"), "blockwise": ("tile", "block")}
 
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, r_ptr,
     M, N, K,
-    s_am, s_ak, s_bn, s_bk, s_cm, s_cn, s_sam, s_sak, s_sbn, s_sbk,
-    BLOCKWISE: tl.constexpr, B_SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr,
+    a_inner, a_so, s_am, s_ak, s_bn, s_bk, c_inner, c_so, s_cm, s_cn, sa_inner, sa_so, s_sam, s_sak, s_sbn, s_sbk,
+    r_inner, r_so, s_rm, s_rn,
+    BLOCKWISE: tl.constexpr, B_SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    EVEN_K: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr, A_SPLIT: tl.constexpr,
+    SA_SPLIT: tl.constexpr, C_SPLIT: tl.constexpr, R_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K >= 32, "an fp8 dot needs BLOCK_K >= 32")
@@ -68,11 +74,20 @@ def _fp8_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
-    rm64 = rm.to(tl.int64)
     rn64 = rn.to(tl.int64)
-    a_rows = a_ptr + rm64[:, None] * s_am
+    # A's rows, its scales' rows, the output's and the residual's: two-level row views (a strided
+    # [batch, seq-chunk] view of a larger tensor is read and written in place; runtime.row_offsets
+    # written out, since a nested jit call costs milliseconds under the interpreter)
+    rm64 = rm.to(tl.int64)
+    if A_SPLIT:
+        a_rows = a_ptr + ((rm64 // a_inner) * a_so + (rm64 % a_inner) * s_am)[:, None]
+    else:
+        a_rows = a_ptr + (rm64 * s_am)[:, None]
+    if SA_SPLIT:
+        sa_rows = sa_ptr + (rm64 // sa_inner) * sa_so + (rm64 % sa_inner) * s_sam
+    else:
+        sa_rows = sa_ptr + rm64 * s_sam
     b_cols = b_ptr + rn64[None, :] * s_bn
-    sa_rows = sa_ptr + rm64 * s_sam
     sb_rows = sb_ptr + (rn // B_SCALE_ROWS).to(tl.int64) * s_sbn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -97,10 +112,22 @@ def _fp8_gemm_kernel(
         acc = acc * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc += to_fp32(tl.load(bias_ptr + rn, mask=n_mask, other=0.0), EMULATE)[None, :]
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_RESIDUAL:  # added in fp32 (a partial sum received from a peer, an accumulated gradient)
+        if R_SPLIT:
+            r_rows = (rm64 // r_inner) * r_so + (rm64 % r_inner) * s_rm
+        else:
+            r_rows = rm64 * s_rm
+        r_off = r_rows[:, None] + rn64[None, :] * s_rn
+        acc += to_fp32(tl.load(r_ptr + r_off, mask=mn_mask, other=0.0), EMULATE)
     if EMULATE and c_ptr.dtype.element_ty == tl.bfloat16:
         acc = round_to_bf16(acc)  # the interpreter's bf16 cast truncates (kernels/fp8.py)
-    c_off = rm64[:, None] * s_cm + rn64[None, :] * s_cn
-    tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if C_SPLIT:
+        c_rows = (rm64 // c_inner) * c_so + (rm64 % c_inner) * s_cm
+    else:
+        c_rows = rm64 * s_cm
+    c_off = c_rows[:, None] + rn64[None, :] * s_cn
+    tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mn_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +172,7 @@ def _rule(named_args: dict, **kwargs) -> dict:
     a = named_args["a_ptr"]
     blockwise = bool(kwargs.get("BLOCKWISE", named_args.get("BLOCKWISE", False)))
     tiled_b = blockwise and kwargs.get("B_SCALE_ROWS", named_args.get("B_SCALE_ROWS", 1)) == 1
-    extents = [e for e in (named_args["K"], named_args["s_am"], named_args["s_bn"]) if e != 1]
+    extents = [e for e in (named_args["K"], named_args["s_am"], named_args["a_so"], named_args["s_bn"]) if e != 1]
     budget = TILED_B_ACC_BUDGET if tiled_b else EPILOGUE_ACC_BUDGET["plain"]
     return dict(elem_size=1, b_tiles=1, acc_tiles=2, acc_budget=budget, sync_acc_budget=budget,
                 capability=device_capability(a.device.index or 0), precision="ieee",
@@ -178,8 +205,8 @@ def _tuned_kernel():
 # --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
-def _check_operand(name: str, t) -> None:
-    check_tensor(name, t, dims=(2,), dtypes=(torch.float8_e4m3fn,), kernel_device=True)
+def _check_operand(name: str, t, dims=(2, 3)) -> None:
+    check_tensor(name, t, dims=dims, dtypes=(torch.float8_e4m3fn,), kernel_device=True)
 
 
 def _b_scale_rows(b_scale: torch.Tensor, N: int, kb: int) -> int:
@@ -193,19 +220,40 @@ def _b_scale_rows(b_scale: torch.Tensor, N: int, kb: int) -> int:
                      f"(1x128 tiles) for blockwise scaling of b {(N, kb * FP8_BLOCK)}, got {tuple(b_scale.shape)}")
 
 
-def _check_scales(a_scale, b_scale, *, M: int, N: int, K: int, scaling: str, device) -> int:
-    """Check the scales; returns the rows of B one scale covers (rowwise: 1)."""
+def _check_scales(a_scale, b_scale, *, lead: tuple, N: int, K: int, scaling: str, device) -> int:
+    """Check the scales (``lead``: a's leading dims); returns the rows of B one scale covers
+    (rowwise: 1)."""
     for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
-        check_tensor(name, s, dims=(1, 2), dtypes=(torch.float32,))
+        check_tensor(name, s, dims=(1, 2, 3), dtypes=(torch.float32,))
         if s.device != device:
             raise ValueError(f"{name} must be on the same device as a ({device}), got {s.device}")
     if scaling == "rowwise":
-        check_shape("a_scale", a_scale, (M,))
+        check_shape("a_scale", a_scale, lead)
         check_shape("b_scale", b_scale, (N,))
         return 1
     kb = triton.cdiv(K, FP8_BLOCK)
-    check_shape("a_scale", a_scale, (M, kb))
+    check_shape("a_scale", a_scale, lead + (kb,))
+    check_tensor("b_scale", b_scale, dims=(2,))
     return _b_scale_rows(b_scale, N, kb)
+
+
+def _rows(t: torch.Tensor) -> RowView:
+    """The two-level row view of the leading dims of ``t`` (``[M, X]`` or ``[b, s, X]``)."""
+    return RowView.rows(t)
+
+
+def _operand_args(a, a_scale, b, b_scale, out, residual, scaling):
+    """The kernel's pointer and stride arguments after ``M, N, K`` and the row-view flags."""
+    av, cv = _rows(a), _rows(out)
+    # a rowwise scale has a's leading dims only: one column more makes it a row view of them
+    sv = _rows(a_scale if scaling == "blockwise" else a_scale.unsqueeze(-1))
+    rv = _rows(residual) if residual is not None else cv
+    strides = (av.inner, av.s_outer, av.s_inner, a.stride(-1), b.stride(0), b.stride(1),
+               cv.inner, cv.s_outer, cv.s_inner, out.stride(-1), sv.inner, sv.s_outer, sv.s_inner,
+               a_scale.stride(-1) if scaling == "blockwise" else 1, b_scale.stride(0), b_scale.stride(-1),
+               rv.inner, rv.s_outer, rv.s_inner, residual.stride(-1) if residual is not None else 1)
+    flags = dict(A_SPLIT=av.split, SA_SPLIT=sv.split, C_SPLIT=cv.split, R_SPLIT=rv.split)
+    return strides, flags
 
 
 def fp8_matmul(
@@ -218,54 +266,67 @@ def fp8_matmul(
     scaling: str = "rowwise",
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[M, N] = (a * a_scale) @ (b * b_scale)^T (+ bias)`` with fp32 accumulation.
+    """``out[..., N] = (a * a_scale) @ (b * b_scale)^T (+ bias) (+ residual)`` with fp32 accumulation.
 
-    a:       ``[M, K]`` ``float8_e4m3fn`` (any strides; contiguous along K is what tensor cores want).
+    a:       ``[M, K]`` or ``[batch, seq, K]`` ``float8_e4m3fn`` (any strides: a strided
+             ``[batch, seq-chunk]`` view is read in place; contiguous along K is what tensor cores want).
     b:       ``[N, K]`` ``float8_e4m3fn`` (the ``nn.Linear`` layout).
-    a_scale, b_scale: fp32; ``scaling="rowwise"``: ``[M]`` and ``[N]``; ``"blockwise"``:
-             ``[M, ceil(K/128)]`` and ``[ceil(N/128), ceil(K/128)]`` (128x128 blocks) or
-             ``[N, ceil(K/128)]`` (1x128 tiles) (module docstring).
+    a_scale, b_scale: fp32; ``scaling="rowwise"``: ``a.shape[:-1]`` and ``[N]``; ``"blockwise"``:
+             ``a.shape[:-1] + (ceil(K/128),)`` and ``[ceil(N/128), ceil(K/128)]`` (128x128 blocks)
+             or ``[N, ceil(K/128)]`` (1x128 tiles) (module docstring).
     bias:    ``[N]``, added in fp32 after the scales.
-    out:     ``[M, N]`` written in place if given (any strides, its dtype wins), else allocated
-             with ``out_dtype`` (bf16, fp16 or fp32).
+    residual: ``a.shape[:-1] + (N,)`` in any supported dtype and strides, added in fp32 before the
+             store (a partial sum from a peer; ``residual=out`` accumulates into ``out``).
+    out:     ``a.shape[:-1] + (N,)`` written in place if given (any strides, its dtype wins), else
+             allocated with ``out_dtype`` (bf16, fp16 or fp32).
     """
     _check_operand("a", a)
-    _check_operand("b", b)
+    _check_operand("b", b, dims=(2,))
     check_same("b", b, "a", a)
     check_choice("scaling", scaling, SCALINGS)
-    (M, K), (N, K_b) = a.shape, b.shape
+    lead, K = tuple(a.shape[:-1]), a.shape[-1]
+    (N, K_b), M = b.shape, math.prod(lead)
     if K_b != K:
         raise ValueError(f"inner dimensions differ: a has K={K} (shape {tuple(a.shape)}) but b has K={K_b} "
                          f"(shape {tuple(b.shape)})")
-    b_rows = _check_scales(a_scale, b_scale, M=M, N=N, K=K, scaling=scaling, device=a.device)
+    b_rows = _check_scales(a_scale, b_scale, lead=lead, N=N, K=K, scaling=scaling, device=a.device)
     if bias is not None:
         check_tensor("bias", bias, dims=(1,))
         check_shape("bias", bias, (N,))
         check_same("bias", bias, "a", a, dtype=False)
         check_supported_dtype("bias", bias)
         bias = bias.contiguous()
+    if residual is not None:
+        check_buffer("residual", residual, lead + (N,), a.device)
     check_out_dtype("out_dtype", out_dtype)
-    out = output_buffer("out", out, (M, N), a.device, out_dtype)
+    out = output_buffer("out", out, lead + (N,), a.device, out_dtype)
     check_fp8_device(a)
     if M == 0 or N == 0:
         return out
     if K == 0:  # empty contraction: the product is zero
-        return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros((M, N), device=a.device))
-    args = (a, b, out, a_scale, b_scale, bias if bias is not None else out, M, N, K,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            a_scale.stride(0), a_scale.stride(-1), b_scale.stride(0), b_scale.stride(-1))
+        zero = torch.zeros(lead + (N,), device=a.device)
+        return out.copy_(zero + (bias.float() if bias is not None else 0) + (residual if residual is not None else 0))
+    strides, views = _operand_args(a, a_scale, b, b_scale, out, residual, scaling)
+    args = (a, b, out, a_scale, b_scale, bias if bias is not None else out, residual if residual is not None else out,
+            M, N, K, *strides)
     flags = dict(BLOCKWISE=scaling == "blockwise", B_SCALE_ROWS=b_rows, HAS_BIAS=bias is not None,
-                 EVEN_K=K % 128 == 0, EMULATE=interpreting(), PROMOTE_K=FP8_PROMOTE_K)
+                 HAS_RESIDUAL=residual is not None, EVEN_K=K % 128 == 0, EMULATE=interpreting(),
+                 PROMOTE_K=FP8_PROMOTE_K, **views)
+    _launch(args, flags, M, N, a.device)
+    return out
+
+
+def _launch(args, flags, M: int, N: int, device) -> None:
     if interpreting():
         cfg = FP8_INTERPRETER_CONFIG
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
         _fp8_gemm_kernel[grid](*args, **flags, **cfg)
     else:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        with torch.cuda.device(a.device):
+        with torch.cuda.device(device):
             _tuned_kernel()[grid](*args, **flags)
-    return out
 
 
 def fp8_matmul_reference(a, a_scale, b, b_scale, bias=None, *, scaling="rowwise", compute_dtype=torch.float64):

@@ -301,3 +301,60 @@ def test_device_without_fp8_tensor_cores_is_named():
     msg = fp8_support_problem((8, 0), "NVIDIA A100-SXM4-80GB")
     assert "NVIDIA A100-SXM4-80GB" in msg and "8.0" in msg and "8.9" in msg and "recipe" in msg
     assert fp8_support_problem((8, 9), "NVIDIA L4") is None and fp8_support_problem((9, 0), "NVIDIA H100") is None
+
+
+@pytest.mark.parametrize("scaling,ga,gb", CASES[:2])
+def test_fp8_matmul_row_views_and_residual(scaling, ga, gb):
+    """A ``[batch, seq-chunk, K]`` view of a larger quantised activation (and the matching view of
+    its scales) read in place, the output written into a strided chunk of a NaN-poisoned buffer,
+    a residual added in fp32 (fp32 and fp16, itself a strided chunk view), and ``residual=out``
+    accumulating in place: against the float64 product of the dequantised operands."""
+    g = torch.Generator().manual_seed(7)
+    b, S, K, N, lo, n = 2, 9, 200, 37, 3, 4
+    x = torch.randn(b, S, K, generator=g).to(DEVICE)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEVICE)
+    xq, xs = quantize_e4m3(x.reshape(-1, K), ga)
+    wq, ws = quantize_e4m3(w, gb)
+    a, a_scale = xq.view(b, S, K)[:, lo:lo + n], xs.view(b, S, *xs.shape[1:])[:, lo:lo + n]
+    ref = fp8_matmul_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), scaling=scaling).view(b, S, N)[:, lo:lo + n]
+    mma = mma_error_bound(xq.cpu().double(), dequantize_e4m3(torch.ones_like(xq.cpu()), xs.cpu(), ga),
+                          wq.cpu().double(), dequantize_e4m3(torch.ones_like(wq.cpu()), ws.cpu(), gb))
+    mma = mma.view(b, S, N)[:, lo:lo + n]
+    for res_dtype in (torch.float32, torch.float16):
+        big = poison((b, S + 2, N), torch.float32)
+        out = big[:, 1:1 + n]
+        residual = torch.randn(b, 2 * n, N, generator=g).to(DEVICE, res_dtype)[:, ::2]
+        fp8_matmul(a, a_scale, wq, ws, scaling=scaling, out=out, residual=residual)
+        want = ref + residual.cpu().double()
+        scale = want.pow(2).mean().sqrt().item()
+        assert_within(out, want, ACC_RTOL * (want.abs() + scale) + mma, f"row views, {res_dtype} residual")
+        assert torch.isnan(big[:, 0]).all() and torch.isnan(big[:, 1 + n:]).all()  # nothing outside the view
+        fp8_matmul(a, a_scale, wq, ws, scaling=scaling, out=out, residual=out)  # accumulate in place
+        assert_within(out, want + ref, ACC_RTOL * (want.abs() + ref.abs() + scale) + 2 * mma, "residual=out")
+    with pytest.raises(ValueError, match=r"residual must have shape \(2, 4, 37\)"):
+        fp8_matmul(a, a_scale, wq, ws, scaling=scaling, residual=torch.zeros(8, N, device=DEVICE))
+    with pytest.raises(ValueError, match=r"a_scale must have shape"):
+        fp8_matmul(a, xs[:b * n], wq, ws, scaling=scaling)
+
+
+def test_quantize_into_given_buffers():
+    """``out=(q, scale)``: written in place, bit for bit what the kernel allocates; a buffer of
+    another shape, dtype or layout is refused by name."""
+    x = torch.randn(37, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for granularity in ("row", "tile"):
+        q0, s0 = quantize_e4m3(x, granularity)
+        byte_buf = torch.zeros(q0.numel() + s0.numel() * 4, dtype=torch.uint8, device=DEVICE)
+        s = byte_buf[:s0.numel() * 4].view(torch.float32).view(s0.shape)
+        q = byte_buf[s0.numel() * 4:].view(torch.float8_e4m3fn).view(q0.shape)
+        got = quantize_e4m3(x, granularity, out=(q, s))
+        assert got[0].data_ptr() == q.data_ptr() and got[1].data_ptr() == s.data_ptr()
+        assert torch.equal(bits(q), bits(q0)) and torch.equal(s.cpu(), s0.cpu())
+    q, s = quantize_e4m3(x, "row")
+    with pytest.raises(ValueError, match=r"out\[1\] \(scale\) must have shape \(37,\), got \(36,\)"):
+        quantize_e4m3(x, "row", out=(q, s[:36]))
+    with pytest.raises(TypeError, match=r"out\[0\] \(q\) must have dtype torch.float8_e4m3fn"):
+        quantize_e4m3(x, "row", out=(x, s))
+    with pytest.raises(ValueError, match=r"out\[0\] \(q\) must be a contiguous tensor"):
+        quantize_e4m3(x.t().contiguous(), "row", out=(q.t(), torch.empty(300, device=DEVICE)))
+    with pytest.raises(TypeError, match=r"out must be a \(q, scale\) pair"):
+        quantize_e4m3(x, "row", out=q)
