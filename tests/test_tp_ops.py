@@ -14,9 +14,12 @@ import torch
 from _utils import DEVICE, assert_close
 from _world import rank_rng, straggle, world_fixture
 from fusedpar.ops import comm
+from fusedpar.kernels.fp8 import scale_shape
 from fusedpar.kernels.runtime import activation_reference
-from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
+from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, fp8_linear, matmul_all_reduce, matmul_reduce_scatter
+from fusedpar.ops.fp8_library import fp8_linear_bwd, fp8_linear_fwd
 from fusedpar.ops.tensor_parallel import all_gather_tokens, gather_features, scatter_features
+from fusedpar.ops.tensor_parallel_schedules import activation_backward
 from fusedpar.ops.transport import EmulatedTransport
 
 world2 = world_fixture(2)
@@ -289,6 +292,12 @@ def _bad_inputs(rank, size):
                                                                            partial_dtype=torch.float64)),
         (ValueError, "num_chunks must be >= 1, got 0", lambda: matmul_all_reduce(x, w, num_chunks=0)),
         (TypeError, "x must be a torch.Tensor", lambda: all_gather_matmul([1.0], w)),
+        (ValueError, r"all_gather_matmul: fp8 must be one of \(None, 'rowwise', 'blockwise'\), got 'e5m2'",
+         lambda: all_gather_matmul(x, w, fp8="e5m2")),
+        (TypeError, "matmul_all_reduce: fp8_grad_high_precision must be a bool, got int",
+         lambda: matmul_all_reduce(x, w, fp8="rowwise", fp8_grad_high_precision=1)),
+        (ValueError, "all_gather_matmul: return_gathered must be False with fp8='blockwise'",
+         lambda: all_gather_matmul(x, w, fp8="blockwise", return_gathered=True)),
     ]
     for exc, pattern, fn in checks:
         with pytest.raises(exc, match=pattern):
@@ -302,7 +311,7 @@ def _bad_inputs(rank, size):
 
 
 def test_tp_ops_bad_input_every_rank(world2):
-    assert world2.run(_bad_inputs) == [15, 15]
+    assert world2.run(_bad_inputs) == [18, 18]
 
 
 def _group_of_one(rank, size):
@@ -484,3 +493,303 @@ def test_all_gather_tokens_emulated():
 def test_transport_instance_excludes_group():
     with pytest.raises(ValueError, match="group"):
         all_gather_matmul(torch.randn(2, 3, 8), torch.randn(4, 8), transport=EmulatedTransport(2), group=object())
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 (``fp8="rowwise"`` / ``"blockwise"``) against one process with the same quantisation: the
+# references are fp8_linear's own bodies (tested against float64 in tests/test_fp8_linear.py) run
+# on the quantisation groups the ops use: per token along this rank's features (activations and
+# gradients), per output row / 128x128 blocks of this rank's weight, and a weight gradient summed
+# over the gathered chunks, each quantised along its own tokens. Every chunk GEMM of a reference
+# has the op's operands and shape, so the pre-activations (and the quantised gradients that follow
+# from them) agree to the bit; what differs is the order of the fp32 sums over ranks (fp32
+# tolerances of tests/_utils.py; fp16 outputs and fp16 partials one rounding).
+# ----------------------------------------------------------------------------------------------
+def _fp8_pre(x, w, b, recipe):
+    """One process's fp8 GEMM of one chunk (the pre-activation)."""
+    return fp8_linear_fwd(x.contiguous(), w, b, recipe, False)
+
+
+def _fp8_dpre(pre, g, activation):
+    """The gradient of the pre-activation, by the closed form the ops use."""
+    return g.contiguous() if activation == "none" else activation_backward(pre, g.contiguous(), activation)
+
+
+def _fp8_dx(g, x, w, recipe):
+    return fp8_linear_bwd(g.contiguous(), x.contiguous(), w, recipe, False, True, False)[0].double()
+
+
+def _fp8_dw(g, x, w, recipe, hp):
+    return fp8_linear_bwd(g.contiguous(), x.contiguous(), w, recipe, hp, False, True)[1].double()
+
+
+def _tokens_sum(t):
+    return t.double().sum(dim=tuple(range(t.dim() - 1)))
+
+
+def _fp8_ag_case(rank, size, *, recipe, gather_dim, activation, keep, hp, seed, dtype=torch.float32, bias=True,
+                 x_grad=True, transport=None):
+    """all_gather_matmul(fp8=recipe) against: each rank q's pre-activation of chunk c is
+    fp8_linear(X_c, W_q, b_q); dx of chunk r is the sum over q of fp8 dgrads of its dpre_{q,r};
+    dW_r sums the chunks' fp8 wgrads."""
+    g, P, K, f_loc = rank_rng(seed), size, 40, 4
+    rows = 2 * f_loc if activation in ("swiglu", "geglu") else f_loc
+    B, S = (2 * P, 3) if gather_dim == 0 else (2, 2 * P)
+    X = _rand(g, B, S, K, dtype=dtype)
+    Ws = [_rand(g, rows, K, dtype=dtype, scale=K ** -0.5) for _ in range(P)]
+    bs = [_rand(g, rows, dtype=dtype) if bias else None for _ in range(P)]
+    Gs = [_rand(g, B, S, f_loc, dtype=dtype) for _ in range(P)]
+    xs = [_chunk(X, gather_dim, c, P) for c in range(P)]
+    # rank q's pre-activation and its gradient, for chunk c: needed for q = rank (y, dW) or c = rank (dx)
+    pre = {(q, c): _fp8_pre(xs[c], Ws[q], bs[q], recipe) for q in range(P) for c in range(P) if rank in (q, c)}
+    dpre = {k: _fp8_dpre(p, _chunk(Gs[k[0]], gather_dim, k[1], P), activation) for k, p in pre.items()}
+    x = xs[rank].clone().requires_grad_(x_grad)
+    w = Ws[rank].clone().requires_grad_(True)
+    b = bs[rank].clone().requires_grad_(True) if bias else None
+    y = all_gather_matmul(x, w, b, gather_dim=gather_dim, activation=activation, save_gathered_input=keep,
+                          fp8=recipe, fp8_grad_high_precision=hp, transport=transport)
+    y.backward(Gs[rank])
+    tag = f"AG fp8 {recipe} {dtype} dim{gather_dim} {activation} keep={keep} hp={hp} tp{size}"
+    y_ref = torch.cat([activation_reference(pre[rank, c].double(), activation) for c in range(P)], gather_dim)
+    _check(f"{tag} y", y, y_ref, dtype)
+    if x_grad:
+        _check(f"{tag} dx", x.grad, sum(_fp8_dx(dpre[q, rank], xs[rank], Ws[q], recipe) for q in range(P)), dtype)
+    else:
+        assert x.grad is None
+    _check(f"{tag} dW", w.grad, sum(_fp8_dw(dpre[rank, c], xs[c], Ws[rank], recipe, hp) for c in range(P)), dtype)
+    if bias:
+        _check(f"{tag} db", b.grad, sum(_tokens_sum(dpre[rank, c]) for c in range(P)), dtype)
+    return y.detach(), x.grad, w.grad
+
+
+def _fp8_rs_case(rank, size, *, recipe, scatter_dim, hp, seed, dtype=torch.float32, partial_dtype=torch.float32,
+                 transport=None):
+    """matmul_reduce_scatter(fp8=recipe) against: chunk r of the output is the sum over ranks q of
+    fp8_linear(X_q[chunk r], W_q) plus the bias; rank r's dx of chunk c is the fp8 dgrad of the
+    output gradient G_c, its dW the sum over c of the fp8 wgrads of (G_c, X_r[chunk c])."""
+    g, P, K, N = rank_rng(seed), size, 40, 6
+    B, S = (2 * P, 3) if scatter_dim == 0 else (2, 2 * P)
+    Xs = [_rand(g, B, S, K, dtype=dtype) for _ in range(P)]
+    Ws = [_rand(g, N, K, dtype=dtype, scale=K ** -0.5) for _ in range(P)]
+    bvec = _rand(g, N, dtype=dtype)
+    Gs = [_rand(g, *_chunk(Xs[0], scatter_dim, 0, P).shape[:-1], N, dtype=dtype) for _ in range(P)]
+
+    def xc(q, c):
+        return _chunk(Xs[q], scatter_dim, c, P)
+
+    x = Xs[rank].clone().requires_grad_(True)
+    w = Ws[rank].clone().requires_grad_(True)
+    b = bvec.clone().requires_grad_(True)
+    y = matmul_reduce_scatter(x, w, b, scatter_dim=scatter_dim, partial_dtype=partial_dtype, fp8=recipe,
+                              fp8_grad_high_precision=hp, transport=transport)
+    y.backward(Gs[rank])
+    tag = f"RS fp8 {recipe} {dtype} dim{scatter_dim} hp={hp} partial={partial_dtype} tp{size}"
+    _check(f"{tag} y", y, sum(_fp8_pre(xc(q, rank), Ws[q], None, recipe).double() for q in range(P)) + bvec.double(),
+           dtype)
+    _check(f"{tag} dx", x.grad, torch.cat([_fp8_dx(Gs[c], xc(rank, c), w, recipe) for c in range(P)], scatter_dim),
+           dtype)
+    _check(f"{tag} dW", w.grad, sum(_fp8_dw(Gs[c], xc(rank, c), Ws[rank], recipe, hp) for c in range(P)), dtype)
+    _check(f"{tag} db", b.grad, sum(_tokens_sum(G) for G in Gs), dtype)
+    return y.detach(), x.grad, w.grad
+
+
+def _fp8_ar_case(rank, size, *, recipe, hp, seed, num_chunks=3):
+    """matmul_all_reduce(fp8=recipe): the sum over q of fp8_linear(X_q, W_q) plus the bias; the
+    backward fp8_linear's on this rank's shard."""
+    g, P, K, N = rank_rng(seed), size, 40, 6
+    Xs = [_rand(g, 2, 5, K, dtype=torch.float32) for _ in range(P)]
+    Ws = [_rand(g, N, K, dtype=torch.float32, scale=K ** -0.5) for _ in range(P)]
+    bvec, G = _rand(g, N, dtype=torch.float32), _rand(g, 2, 5, N, dtype=torch.float32)
+    x, w, b = (t.clone().requires_grad_(True) for t in (Xs[rank], Ws[rank], bvec))
+    y = matmul_all_reduce(x, w, b, num_chunks=num_chunks, fp8=recipe, fp8_grad_high_precision=hp)
+    y.backward(G)
+    tag = f"AR fp8 {recipe} hp={hp} tp{size}"
+    _check(f"{tag} y", y, sum(_fp8_pre(Xs[q], Ws[q], None, recipe).double() for q in range(P)) + bvec.double(),
+           torch.float32)
+    _check(f"{tag} dx", x.grad, _fp8_dx(G, Xs[rank], Ws[rank], recipe), torch.float32)
+    _check(f"{tag} dW", w.grad, _fp8_dw(G, Xs[rank], Ws[rank], recipe, hp), torch.float32)
+    _check(f"{tag} db", b.grad, _tokens_sum(G), torch.float32)
+
+
+def _fp8_copy_case(rank, size, *, recipe, activation, hp, seed):
+    """copy_to_tp_matmul(fp8=recipe): rank q's act(fp8_linear(X, W_q, b_q)); dx the sum over q
+    of the fp8 dgrads of dpre_q (all-reduced), dW the local fp8 wgrad."""
+    g, P, K, f_loc = rank_rng(seed), size, 40, 4
+    rows = 2 * f_loc if activation in ("swiglu", "geglu") else f_loc
+    X = _rand(g, 2, 5, K, dtype=torch.float32)
+    Ws = [_rand(g, rows, K, dtype=torch.float32, scale=K ** -0.5) for _ in range(P)]
+    bs = [_rand(g, rows, dtype=torch.float32) for _ in range(P)]
+    Gs = [_rand(g, 2, 5, f_loc, dtype=torch.float32) for _ in range(P)]
+    pre = [_fp8_pre(X, Ws[q], bs[q], recipe) for q in range(P)]
+    dpre = [_fp8_dpre(pre[q], Gs[q], activation) for q in range(P)]
+    x, w, b = (t.clone().requires_grad_(True) for t in (X, Ws[rank], bs[rank]))
+    y = copy_to_tp_matmul(x, w, b, activation=activation, num_chunks=2, fp8=recipe, fp8_grad_high_precision=hp)
+    y.backward(Gs[rank])
+    tag = f"copy fp8 {recipe} {activation} hp={hp} tp{size}"
+    _check(f"{tag} y", y, activation_reference(pre[rank].double(), activation), torch.float32)
+    _check(f"{tag} dx", x.grad, sum(_fp8_dx(dpre[q], X, Ws[q], recipe) for q in range(P)), torch.float32)
+    _check(f"{tag} dW", w.grad, _fp8_dw(dpre[rank], X, Ws[rank], recipe, hp), torch.float32)
+    _check(f"{tag} db", b.grad, _tokens_sum(dpre[rank]), torch.float32)
+
+
+def _fp8_cases(rank, size, seed, variant):
+    """The fp8 cases of one world: every op, both recipes, both gather / scatter dims, kept and
+    re-gathered inputs, fp8 and high-precision weight gradients, fp16 with fp16 partials."""
+    s = seed
+    if variant == 2:
+        _fp8_ag_case(rank, size, recipe="rowwise", gather_dim=1, activation="swiglu", keep=True, hp=False, seed=s)
+        _fp8_ag_case(rank, size, recipe="blockwise", gather_dim=0, activation="none", keep=False, hp=True,
+                     seed=s + 1, dtype=torch.float16)
+        _fp8_rs_case(rank, size, recipe="rowwise", scatter_dim=1, hp=False, seed=s + 2)
+        _fp8_rs_case(rank, size, recipe="blockwise", scatter_dim=0, hp=True, seed=s + 3, dtype=torch.float16,
+                     partial_dtype=torch.float16)
+        _fp8_ar_case(rank, size, recipe="rowwise", hp=False, seed=s + 4)
+        _fp8_copy_case(rank, size, recipe="blockwise", activation="swiglu", hp=False, seed=s + 5)
+        return 6
+    if variant == 3:  # the rings on a SymmetricTransport (fp8 runs them over its portable transfers)
+        from fusedpar.ops.symmetric import SymmetricTransport
+
+        _fp8_ag_case(rank, size, recipe="blockwise", gather_dim=1, activation="gelu", keep=True, hp=False, seed=s,
+                     transport=SymmetricTransport())
+        _fp8_rs_case(rank, size, recipe="rowwise", scatter_dim=1, hp=True, seed=s + 1, transport=SymmetricTransport())
+        _fp8_ar_case(rank, size, recipe="blockwise", hp=False, seed=s + 2)
+        _fp8_copy_case(rank, size, recipe="rowwise", activation="gelu", hp=True, seed=s + 3)
+        return 4
+    # the weight gradient alone (x needs none): the re-gather ring runs without the dgrad ring
+    _fp8_ag_case(rank, size, recipe="rowwise", gather_dim=1, activation="swiglu", keep=False, hp=True, seed=s,
+                 x_grad=False)
+    _fp8_rs_case(rank, size, recipe="blockwise", scatter_dim=0, hp=False, seed=s + 1)
+    _fp8_ar_case(rank, size, recipe="blockwise", hp=True, seed=s + 2)
+    _fp8_copy_case(rank, size, recipe="rowwise", activation="none", hp=False, seed=s + 3)
+    return 4
+
+
+def test_tp_ops_fp8_world2(world2):
+    assert world2.run(_fp8_cases, seed=81, variant=2) == [6, 6]
+
+
+def test_tp_ops_fp8_world3(world3):
+    assert world3.run(_fp8_cases, seed=83, variant=3) == [4] * 3
+
+
+def test_tp_ops_fp8_world4(world4):
+    assert world4.run(_fp8_cases, seed=85, variant=4) == [4] * 4
+
+
+@pytest.mark.parametrize("op,waits,recipe", [("ag", False, "rowwise"), ("ag", True, "blockwise"),
+                                             ("rs", False, "blockwise"), ("rs", True, "rowwise"),
+                                             ("ar", False, "blockwise"), ("copy", False, "rowwise")])
+def test_fp8_ops_emulated(op, waits, recipe):
+    """One rank of EMU_P on EmulatedTransport (a transport with in-kernel waits runs fp8's rings
+    over its transfers), against the mirror rule with fp8_linear's bodies: every chunk is this
+    rank's (AG: y = cat(act(pre)), dx and dW sum over the chunks' dpre; RS: y = sum over chunks
+    c of the chunk GEMMs, backward from EMU_P copies of the output gradient; AR: EMU_P times the
+    local product, the bias on rank 0; copy: dx EMU_P times the local one)."""
+    P, g, K = EMU_P, rank_rng(90 + (op == "rs")), 40
+    t = EmulatedTransport(P, 1 if op != "ar" else 0, in_kernel_waits=waits)
+    act = "swiglu" if op in ("ag", "copy") else "none"
+    rows = 8 if act == "swiglu" else 5
+    hp = op == "rs"
+    shape = (2, 2 * P, K) if op == "rs" else (2, 3, K)
+    x, w, b = _emu_leaves(g, [(shape, 1.0), ((rows, K), K ** -0.5), ((rows,), 1.0)], torch.float32)
+    kw = dict(transport=t, fp8=recipe, fp8_grad_high_precision=hp)
+    if op == "ag":
+        y = all_gather_matmul(x, w, b, activation=act, save_gathered_input=not waits, **kw)
+    elif op == "rs":
+        y = matmul_reduce_scatter(x, w, b, **kw)
+    elif op == "ar":
+        y = matmul_all_reduce(x, w, b, num_chunks=2, **kw)
+    else:
+        y = copy_to_tp_matmul(x, w, b, activation=act, num_chunks=2, **kw)
+    G = _rand(g, *y.shape, dtype=torch.float32)
+    y.backward(G)
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+    if op == "rs":
+        xs = [xd[:, 2 * c:2 * c + 2] for c in range(P)]
+        want = (sum(_fp8_pre(c, wd, None, recipe).double() for c in xs) + bd.double(),
+                torch.cat([_fp8_dx(G, c, wd, recipe) for c in xs], 1),
+                sum(_fp8_dw(G, c, wd, recipe, hp) for c in xs), P * _tokens_sum(G))
+    else:
+        pre = _fp8_pre(xd, wd, bd, recipe)
+        y_loc = activation_reference(pre.double(), act)
+        if op == "ag":
+            dpre = [_fp8_dpre(pre, G[:, 3 * c:3 * c + 3], act) for c in range(P)]
+            want = (torch.cat([y_loc] * P, 1), sum(_fp8_dx(d, xd, wd, recipe) for d in dpre),
+                    sum(_fp8_dw(d, xd, wd, recipe, hp) for d in dpre), sum(_tokens_sum(d) for d in dpre))
+        else:
+            dpre = _fp8_dpre(pre, G, act)
+            scale = P if op == "copy" else 1
+            want = (y_loc if op == "copy" else P * y_loc, scale * _fp8_dx(dpre, xd, wd, recipe),
+                    _fp8_dw(dpre, xd, wd, recipe, hp), _tokens_sum(dpre))
+    _emu_check(f"{op} fp8 {recipe} emulated waits={waits}", (y, x.grad, w.grad, b.grad), want, torch.float32)
+
+
+def test_fp8_ops_without_process_group_are_fp8_linear():
+    """At one rank every op with ``fp8=`` is fp8_linear, bit for bit (output, dx, dW); the weight
+    gradient alone (input not requiring grad) runs the weight-gradient steps without the ring."""
+    g = rank_rng(95)
+    for recipe in ("rowwise", "blockwise"):
+        X, W, B = _rand(g, 2, 5, 40, dtype=torch.float32), _rand(g, 6, 40, dtype=torch.float32), \
+            _rand(g, 6, dtype=torch.float32)
+        G = _rand(g, 2, 5, 6, dtype=torch.float32)
+        ref = [t.clone().requires_grad_(True) for t in (X, W, B)]
+        ref_y = fp8_linear(*ref, recipe=recipe)
+        ref_y.backward(G)
+        ref_y = ref_y.detach()
+        for op, x_grad in ((all_gather_matmul, True), (all_gather_matmul, False), (matmul_reduce_scatter, True),
+                           (matmul_all_reduce, True), (copy_to_tp_matmul, True)):
+            x, w, b = X.clone().requires_grad_(x_grad), W.clone().requires_grad_(True), B.clone().requires_grad_(True)
+            y = op(x, w, b, fp8=recipe)
+            y.backward(G)
+            tag = f"{op.__name__} fp8={recipe} x_grad={x_grad}"
+            torch.testing.assert_close(y, ref_y, rtol=0, atol=0, msg=tag)
+            torch.testing.assert_close(w.grad, ref[1].grad, rtol=0, atol=0, msg=tag)
+            assert_close(b.grad, ref[2].grad, torch.float32, msg=tag)
+            if x_grad:
+                torch.testing.assert_close(x.grad, ref[0].grad, rtol=0, atol=0, msg=tag)
+            else:
+                assert x.grad is None
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu", "swiglu", "geglu", "swiglu_oai"])
+def test_activation_forward_is_the_fused_epilogues(activation):
+    """The fp8 ops' unfused activation (``activation_forward``, fp32) against the float64
+    reference of the fused epilogues, values across the clamps of swiglu_oai included."""
+    from fusedpar.ops.tensor_parallel_schedules import activation_forward
+
+    pre = torch.randn(3, 5, 16, generator=rank_rng(97)) * 6
+    out = activation_forward(pre, activation, torch.empty(3, 5, 8 if activation.endswith(("glu", "oai")) else 16))
+    assert_close(out, activation_reference(pre.double(), activation), torch.float32, msg=activation)
+
+
+class _CountingTransport(EmulatedTransport):
+    """An EmulatedTransport that records what each transfer sends: (dtype, bytes)."""
+
+    def __init__(self, size, rank):
+        super().__init__(size, rank)
+        self.sent = []
+
+    def send_recv(self, send, dst, recv, src):
+        if send is not None:
+            self.sent.append((send.dtype, send.numel() * send.element_size()))
+        return super().send_recv(send, dst, recv, src)
+
+
+@pytest.mark.parametrize("recipe,scale_bytes", [("rowwise", 4), ("blockwise", 8)])
+def test_fp8_all_gather_moves_e4m3_and_scales(recipe, scale_bytes):
+    """What travels: the forward ring of ``all_gather_matmul(fp8=...)`` sends each fp16 shard once
+    per step as e4m3 + fp32 scales (1 byte per element and 4 per scale, padded to 16 bytes: about
+    half of the fp16 shard); the kept weight-gradient operand is a second pack of the same size."""
+    P, K, tokens = EMU_P, 256, 6
+    x = torch.randn(2, 3, K, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    w = (torch.randn(8, K) / 16).to(DEVICE, torch.float16)
+    pack = -(-(tokens * scale_bytes) // 16) * 16 + tokens * K
+    for keep, sends in ((False, 1), (True, 2)):
+        t = _CountingTransport(P, 1)
+        with torch.no_grad() if not keep else torch.enable_grad():
+            all_gather_matmul(x, w.requires_grad_(keep), transport=t, fp8=recipe)
+        n_scales = torch.Size(scale_shape(K, tokens, "row" if recipe == "rowwise" else "tile")).numel()
+        kept = -(-(n_scales * 4) // 16) * 16 + K * tokens  # x^T scaled along the tokens
+        want = [(torch.uint8, pack)] + ([(torch.uint8, kept)] if keep else [])
+        assert sorted(t.sent) == sorted(want * (P - 1)), t.sent
+        assert pack < 0.52 * x.numel() * x.element_size()  # 1568 of 3072 bytes (blockwise: 1584)

@@ -49,9 +49,17 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar.kernels.checks import check_bool, check_divisible, check_dtype, check_int, check_tensor
+from fusedpar.kernels.checks import check_bool, check_choice, check_divisible, check_dtype, check_int, check_tensor
+from fusedpar.kernels.fp8 import check_fp8_device
+from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.ops import symmetric
 from fusedpar.ops.agreement import agreed_arguments
+from fusedpar.ops.fp8_library import (
+    all_gather_matmul_fp8_op,
+    copy_to_tp_matmul_fp8_op,
+    matmul_all_reduce_fp8_op,
+    matmul_reduce_scatter_fp8_op,
+)
 from fusedpar.ops.library import checked_api, transport_size, transport_token
 from fusedpar.ops.tensor_parallel_library import (
     TPOptions,
@@ -99,6 +107,15 @@ def _token(transport, group, names=symmetric.TRANSPORTS):
     return transport_token(transport, group)
 
 
+def _fp8_options(op, fp8, fp8_grad_high_precision, x):
+    """The fp8 options: ``fp8`` None or a recipe of :data:`FP8_RECIPES`; a GPU without fp8
+    tensor cores raises ``FP8UnsupportedError`` naming the device and the option."""
+    check_bool(f"{op}: fp8_grad_high_precision", fp8_grad_high_precision)
+    check_choice(f"{op}: fp8", fp8, (None,) + tuple(FP8_RECIPES))
+    if fp8 is not None:
+        check_fp8_device(x, option=f"{op}'s fp8={fp8!r}")
+
+
 def _grad_needed(*tensors):
     """Whether a backward can follow (nothing is kept for one that cannot: inference, no_grad)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -120,6 +137,8 @@ def all_gather_matmul(
     return_gathered: bool = False,
     partial_dtype: torch.dtype | None = torch.float32,
     transport: Transport | str | None = None,
+    fp8: str | None = None,
+    fp8_grad_high_precision: bool = False,
 ):
     """``act(all_gather(x, gather_dim) @ weight.T + bias)`` with the gather overlapped with the GEMM.
 
@@ -143,19 +162,35 @@ def all_gather_matmul(
               NVLink domain, NCCL), ``"auto"`` (symmetric where it can run, the same choice on
               every rank), or ``None`` (the default of :mod:`fusedpar.ops.symmetric`). All give
               the same numbers.
+    fp8:      ``None`` (GEMMs in ``x``'s dtype) or a recipe, ``"rowwise"`` / ``"blockwise"``
+              (:func:`fusedpar.ops.fp8_linear`): this rank's shard is quantised once and travels as
+              e4m3 + scales (about half of bf16's bytes), each chunk's GEMM is an fp8 GEMM, and the
+              backward's too (``fp8_grad_high_precision``: the weight gradient in ``x``'s dtype).
+              With fp8 the activation is an elementwise pass after the GEMM, a symmetric transport
+              runs the ring over its transfers, and ``return_gathered`` is not available.
     Returns ``[batch, seq, out_shard]`` (gather_dim 1), i.e. the gather dim grows ``tp`` times.
     """
     op = "all_gather_matmul"
     with agreed_arguments(op, transport, group, dict(
             x=x, weight=weight, bias=bias, gather_dim=gather_dim, activation=activation, partial_dtype=partial_dtype,
-            save_gathered_input=save_gathered_input, return_gathered=return_gathered, transport=transport)):
+            save_gathered_input=save_gathered_input, return_gathered=return_gathered, transport=transport, fp8=fp8,
+            fp8_grad_high_precision=fp8_grad_high_precision)):
         check_linear_args(op, x, weight, bias, activation)
         dim = _token_dim(op, "gather_dim", gather_dim, x)
         partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
         check_bool(f"{op}: save_gathered_input", save_gathered_input)
         check_bool(f"{op}: return_gathered", return_gathered)
+        _fp8_options(op, fp8, fp8_grad_high_precision, x)
+        if fp8 is not None and return_gathered:
+            raise ValueError(f"{op}: return_gathered must be False with fp8={fp8!r} (the input travels in fp8), "
+                             "got True")
     token = _token(transport, group)
     need_dw = _grad_needed(weight)
+    if fp8 is not None:
+        out, _, _ = all_gather_matmul_fp8_op(x, weight, bias, token, dim, activation, partial_dtype, fp8,
+                                             fp8_grad_high_precision, _grad_needed(x, weight, bias),
+                                             save_gathered_input and need_dw)
+        return out
     keep = return_gathered or (save_gathered_input and need_dw)
     out, _, gathered = all_gather_matmul_op(x, weight, bias, token, dim, activation, partial_dtype,
                                             _grad_needed(x, weight, bias), keep, keep and need_dw)
@@ -178,6 +213,8 @@ def matmul_reduce_scatter(
     scatter_dim: int = 1,
     partial_dtype: torch.dtype | None = torch.float32,
     transport: Transport | str | None = None,
+    fp8: str | None = None,
+    fp8_grad_high_precision: bool = False,
 ):
     """``reduce_scatter(x @ weight.T, scatter_dim) + bias`` with the reduction fused into the GEMMs.
 
@@ -190,30 +227,39 @@ def matmul_reduce_scatter(
     transport: as in :func:`all_gather_matmul`; ``"symmetric"`` runs one persistent GEMM that
             releases per-chunk counters while a small reduction kernel pulls the peers' partials
             (of ``partial_dtype``) over NVLink and sums them in fp32.
+    fp8:    ``None`` or a recipe (as in :func:`all_gather_matmul`): the partial GEMMs take ``x``
+            quantised per token (along this rank's in-features) and the weight once; the partials
+            still travel in ``partial_dtype``. Backward: each rank's output gradient travels once,
+            packed as e4m3 + scales (plus its weight-gradient operand and its bias-gradient sum).
     Returns ``[batch, seq/tp, out]``. The bias gradient is the full one on every rank.
     """
     op = "matmul_reduce_scatter"
     with agreed_arguments(op, transport, group, dict(x=x, weight=weight, bias=bias, scatter_dim=scatter_dim,
-                                                     partial_dtype=partial_dtype, transport=transport)):
+                                                     partial_dtype=partial_dtype, transport=transport, fp8=fp8,
+                                                     fp8_grad_high_precision=fp8_grad_high_precision)):
         check_linear_args(op, x, weight, bias)
         dim = _token_dim(op, "scatter_dim", scatter_dim, x)
         partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
+        _fp8_options(op, fp8, fp8_grad_high_precision, x)
     token = _token(transport, group)
     check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], transport_size(transport, group))
+    if fp8 is not None:
+        return matmul_reduce_scatter_fp8_op(x, weight, bias, token, dim, partial_dtype, fp8, fp8_grad_high_precision)
     return matmul_reduce_scatter_op(x, weight, bias, token, dim, partial_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
 # matmul_all_reduce and its mirror for replicated inputs (Megatron "copy to TP region")
 # ----------------------------------------------------------------------------------------------
-def _reduce_options(op, x, weight, bias, activation, num_chunks, reduce_dtype, transport, group):
+def _reduce_options(op, x, weight, bias, activation, num_chunks, reduce_dtype, transport, group, fp8, fp8_hp):
     """Checks of the two all-reduce ops; returns ``(token, reduce_dtype)``."""
     with agreed_arguments(op, transport, group, dict(x=x, weight=weight, bias=bias, activation=activation,
                                                      num_chunks=num_chunks, reduce_dtype=reduce_dtype,
-                                                     transport=transport)):
+                                                     transport=transport, fp8=fp8, fp8_grad_high_precision=fp8_hp)):
         check_linear_args(op, x, weight, bias, activation)
         check_int(f"{op}: num_chunks", num_chunks, min_value=1)
         reduce_dtype = _partial_dtype(op, "reduce_dtype", reduce_dtype, x)
+        _fp8_options(op, fp8, fp8_hp, x)
     return _token(transport, group), reduce_dtype
 
 
@@ -227,6 +273,8 @@ def matmul_all_reduce(
     num_chunks: int = 4,
     reduce_dtype: torch.dtype | None = torch.float32,
     transport: Transport | str | None = None,
+    fp8: str | None = None,
+    fp8_grad_high_precision: bool = False,
 ):
     """``all_reduce(x @ weight.T) + bias`` (row parallel without sequence parallelism).
 
@@ -235,10 +283,14 @@ def matmul_all_reduce(
     all-reduced asynchronously while chunk ``i + 1`` is computed. ``reduce_dtype``: dtype of the
     reduction (fp32 default; ``None`` reduces in ``x.dtype``). ``transport``/``group``: as in
     :func:`all_gather_matmul` (the all-reduce uses the transport's ``all_reduce``). Backward: no
-    communication (the replicated output's gradient is the full one on every rank).
+    communication (the replicated output's gradient is the full one on every rank). ``fp8``: the
+    chunks' GEMMs in fp8, the partials reduced in ``reduce_dtype``; the backward is
+    :func:`fusedpar.ops.fp8_linear`'s (as in :func:`all_gather_matmul`).
     """
     token, reduce_dtype = _reduce_options("matmul_all_reduce", x, weight, bias, "none", num_chunks, reduce_dtype,
-                                          transport, group)
+                                          transport, group, fp8, fp8_grad_high_precision)
+    if fp8 is not None:
+        return matmul_all_reduce_fp8_op(x, weight, bias, token, num_chunks, reduce_dtype, fp8, fp8_grad_high_precision)
     return matmul_all_reduce_op(x, weight, bias, token, num_chunks, reduce_dtype)
 
 
@@ -253,12 +305,20 @@ def copy_to_tp_matmul(
     num_chunks: int = 4,
     reduce_dtype: torch.dtype | None = torch.float32,
     transport: Transport | str | None = None,
+    fp8: str | None = None,
+    fp8_grad_high_precision: bool = False,
 ):
     """Column-parallel GEMM on a replicated input: ``act(x @ weight.T + bias)`` locally; in the
     backward the input gradient (a partial sum per rank) is all-reduced, chunked and overlapped
-    like :func:`matmul_all_reduce` (Megatron's "copy to tensor-parallel region")."""
+    like :func:`matmul_all_reduce` (Megatron's "copy to tensor-parallel region"). ``fp8``: every
+    GEMM in fp8 (as in :func:`all_gather_matmul`), the input-gradient partials reduced in
+    ``reduce_dtype``."""
     token, reduce_dtype = _reduce_options("copy_to_tp_matmul", x, weight, bias, activation, num_chunks, reduce_dtype,
-                                          transport, group)
+                                          transport, group, fp8, fp8_grad_high_precision)
+    if fp8 is not None:
+        out, _ = copy_to_tp_matmul_fp8_op(x, weight, bias, token, activation, num_chunks, reduce_dtype, fp8,
+                                          fp8_grad_high_precision, _grad_needed(x, weight, bias))
+        return out
     out, _ = copy_to_tp_matmul_op(x, weight, bias, token, activation, num_chunks, reduce_dtype,
                                   _grad_needed(x, weight, bias))
     return out

@@ -7,6 +7,12 @@
 * :func:`chunked_matmul_all_reduce` -- rows in chunks, chunk ``i`` all-reduced while chunk
   ``i + 1`` is multiplied.
 
+The GEMM of a chunk is ``matmul`` with the weight in its layout, or, for a weight that carries its
+own GEMM (an object with a ``gemm(a, out, bias, residual)`` method: :class:`Fp8Weight`, whose
+chunks are :class:`Fp8Rows`, quantised activations sliced like tensors), that GEMM: the same
+schedules run the fp8 ops of :mod:`fusedpar.ops.fp8_library` (:func:`chunk_gemm`). The fp8
+operands and the packed bytes an fp8 chunk travels as (:class:`Fp8Pack`) are defined at the end.
+
 Every transfer is a method of the transport (``ring_shift``, ``all_reduce``); rank and size come
 from it, so the same code runs over torch.distributed, symmetric memory (for the ring
 re-gathers) and the single-process emulation. A handle is waited on right before the chunk it
@@ -20,16 +26,21 @@ product (the bias counted on rank 0 only).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from fusedpar.kernels import matmul, matmul_tn
+from fusedpar.kernels import fp8_matmul, matmul, matmul_tn, quantize_e4m3
+from fusedpar.kernels.fp8 import scale_shape
+from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
 from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from fusedpar.ops.transport import Transport
 
 __all__ = [
-    "ring_gather", "ring_reduce_scatter", "chunked_matmul_all_reduce", "activation_backward", "sum_tokens",
-    "WeightGrad", "check_linear_args",
+    "ring_gather", "ring_reduce_scatter", "chunked_matmul_all_reduce", "activation_backward", "activation_forward",
+    "chunk_gemm", "sum_tokens", "WeightGrad", "check_linear_args", "Fp8Rows", "Fp8Weight", "Fp8WeightGrad", "Fp8Pack",
+    "token_scaled",
 ]
 
 
@@ -45,7 +56,8 @@ def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None
     P, r = transport.size, transport.rank
     if into is not None:
         cur = into[r]
-        cur.copy_(x)
+        if (cur.data_ptr(), cur.stride()) != (x.data_ptr(), x.stride()):  # (a caller may have written its slot)
+            cur.copy_(x)
     else:
         cur = x.contiguous()
     if P == 1:
@@ -61,6 +73,19 @@ def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None
         if handle is not None:
             handle.wait()  # the chunk the caller is about to use next
             cur = nxt
+
+
+def chunk_gemm(weight, weight_layout: str = "nk"):
+    """``gemm(a, out, bias=None, residual=None)``: ``out = a @ W (+ bias) (+ residual)`` with
+    ``matmul`` and ``weight`` in ``weight_layout``, or ``weight``'s own ``gemm`` (a quantised fp8
+    weight, whose layout it knows)."""
+    if hasattr(weight, "gemm"):
+        return weight.gemm
+
+    def gemm(a, out, bias=None, residual=None):
+        return matmul(a, weight, bias, weight_layout=weight_layout, out=out, residual=residual)
+
+    return gemm
 
 
 def _split_dim(t):
@@ -88,8 +113,9 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
     transfers, e.g. a weight gradient).
     """
     P, r = transport.size, transport.rank
+    gemm = chunk_gemm(weight, weight_layout)
     if P == 1:
-        matmul(a_chunk(r), weight, bias, weight_layout=weight_layout, out=out)
+        gemm(a_chunk(r), out, bias)
         if between is not None:
             between(0)
         return out
@@ -109,11 +135,10 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
                 residual = recv[(j - 1) % 2][h]
             if j < P - 1:
                 dst = send[j % 2][h]
-                matmul(a_h, weight, weight_layout=weight_layout, out=dst, residual=residual)
+                gemm(a_h, dst, None, residual)
                 handles[h] = transport.ring_shift(dst, recv[j % 2][h])
             else:
-                matmul(a_h, weight, bias, weight_layout=weight_layout, out=out.narrow(sd, lo, hi - lo),
-                       residual=residual)
+                gemm(a_h, out.narrow(sd, lo, hi - lo), bias, residual)
         if between is not None:
             between(j)
     return out
@@ -127,18 +152,19 @@ def chunked_matmul_all_reduce(x, weight, weight_layout, bias, transport: Transpo
     reduced in ``reduce_dtype`` and rounded to ``x.dtype`` at the end.
     """
     P, r = transport.size, transport.rank
+    gemm = chunk_gemm(weight, weight_layout)
     n_out = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
     lead = tuple(x.shape[:-1])
     M = int(torch.Size(lead).numel())
     x2 = x.reshape(M, x.shape[-1])
     if P == 1:
-        return matmul(x2, weight, bias, weight_layout=weight_layout).view(lead + (n_out,))
+        return gemm(x2, torch.empty((M, n_out), dtype=x.dtype, device=x.device), bias).view(lead + (n_out,))
     y = torch.empty((M, n_out), dtype=reduce_dtype, device=x.device)
     step = -(-M // num_chunks) if M else 1
     handles = []
     for lo in range(0, M, step):
         hi = min(lo + step, M)
-        matmul(x2[lo:hi], weight, bias if r == 0 else None, weight_layout=weight_layout, out=y[lo:hi])
+        gemm(x2[lo:hi], y[lo:hi], bias if r == 0 else None)
         handles.append(transport.all_reduce(y[lo:hi]))
     for h in handles:
         h.wait()
@@ -176,6 +202,20 @@ def activation_backward(preact: torch.Tensor, grad: torch.Tensor, activation: st
         a = torch.where(up.abs() <= SWIGLU_OAI_LIMIT, a, 0.0)
         up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1
     return torch.cat([g * up * da, g * a], dim=-1).to(grad.dtype)
+
+
+def activation_forward(preact: torch.Tensor, activation: str, out: torch.Tensor) -> torch.Tensor:
+    """``out = act(preact)`` computed in fp32 (``preact`` is ``[..., 2F]`` gate|up when gated),
+    stored in ``out``'s dtype: the activation of a GEMM whose epilogue does not fuse it (fp8)."""
+    code, glu = ACTIVATIONS[activation]
+    p = preact.float()
+    if not glu:
+        return out.copy_(_act_and_grad(p, code)[0])
+    gate, up = p.chunk(2, dim=-1)
+    a = _act_and_grad(gate, code)[0]
+    if code == 4:  # swiglu_oai: the up factor clamp(up, -L, L) + 1
+        up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1
+    return out.copy_(a * up)
 
 
 def sum_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -219,3 +259,163 @@ def check_linear_args(op, x, weight, bias, activation="none"):
         check_tensor(f"{op}: bias", bias)
         check_shape(f"{op}: bias", bias, (weight.shape[0],))
         check_same(f"{op}: bias", bias, "x", x)
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 operands of the tensor-parallel schedules
+# ----------------------------------------------------------------------------------------------
+def _quantised_shapes(lead: tuple, K: int, granularity: str) -> tuple[tuple, tuple]:
+    """``(q shape, scale shape)`` of a ``[*lead, K]`` activation quantised per token."""
+    rows = math.prod(lead)
+    return lead + (K,), lead + scale_shape(rows, K, granularity)[1:]
+
+
+class Fp8Rows:
+    """An activation quantised per token (``q``: ``[*lead, K]`` e4m3, ``scale``: ``lead`` for
+    rowwise, ``[*lead, ceil(K/128)]`` for blockwise): a chunk operand of the schedules of
+    :mod:`fusedpar.ops.tensor_parallel_schedules`, which slice it along its token dims like a
+    tensor. ``dtype``: the high-precision dtype of the products it feeds."""
+
+    __slots__ = ("q", "scale", "dtype")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self.q, self.scale, self.dtype = q, scale, dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor, recipe: str, out=None) -> "Fp8Rows":
+        """``x`` (``[..., K]``) quantised per token, once (``out``: buffers of :func:`quantize_e4m3`)."""
+        K = x.shape[-1]
+        q, s = quantize_e4m3(x.reshape(-1, K), FP8_RECIPES[recipe][0], out=out)
+        q_shape, s_shape = _quantised_shapes(tuple(x.shape[:-1]), K, FP8_RECIPES[recipe][0])
+        return cls(q.view(q_shape), s.view(s_shape), x.dtype)
+
+    shape = property(lambda self: self.q.shape)
+    device = property(lambda self: self.q.device)
+
+    def dim(self) -> int:
+        return self.q.dim()
+
+    def narrow(self, dim: int, start: int, length: int) -> "Fp8Rows":
+        """The tokens ``start:start + length`` of the token dim ``dim`` (a view)."""
+        return Fp8Rows(self.q.narrow(dim, start, length), self.scale.narrow(dim, start, length), self.dtype)
+
+    def reshape(self, *shape) -> "Fp8Rows":
+        """The tokens as ``shape[:-1]`` (views of a contiguous quantisation)."""
+        lead = tuple(shape[:-1])
+        return Fp8Rows(self.q.reshape(*shape), self.scale.reshape(lead + tuple(self.scale.shape[self.q.dim() - 1:])),
+                       self.dtype)
+
+    def __getitem__(self, index) -> "Fp8Rows":
+        """Rows ``index`` (a slice or an int) of the first dim."""
+        return Fp8Rows(self.q[index], self.scale[index], self.dtype)
+
+
+class Fp8Weight:
+    """A weight quantised once for the GEMMs of one op (per output row / 128x128 blocks), as the
+    ``B [N, K]`` of :func:`fp8_matmul`: ``W`` itself (``layout="nk"``: the forward) or ``W^T``
+    (``"kn"``: the data gradient, scaled along ``W``'s rows, its contraction, read from the
+    transposed view in place). :meth:`gemm` is the chunk GEMM of the schedules."""
+
+    def __init__(self, weight: torch.Tensor, recipe: str, layout: str = "nk"):
+        self.recipe = recipe
+        self.q, self.scale = quantize_e4m3(weight if layout == "nk" else weight.t(), FP8_RECIPES[recipe][1])
+
+    shape = property(lambda self: self.q.shape)
+
+    def gemm(self, a: Fp8Rows, out: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
+        return fp8_matmul(a.q, a.scale, self.q, self.scale, bias, scaling=self.recipe, out=out, residual=residual)
+
+
+class Fp8WeightGrad:
+    """``dW = sum over chunks c of dY_c^T x_c`` accumulated in fp32: each chunk's product an fp8
+    GEMM of ``dY_c^T`` and ``x_c^T`` quantised along the chunk's tokens (per feature, or 1x128
+    tiles of tokens), or with ``grad_high_precision`` ``matmul_tn`` in the operands' dtype."""
+
+    def __init__(self, weight: torch.Tensor, recipe: str, grad_high_precision: bool):
+        self.recipe, self.hp, self.dtype = recipe, grad_high_precision, weight.dtype
+        self.acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        self.first = True
+
+    def add(self, grad_t, x_t) -> None:
+        """``grad_t`` / ``x_t``: the chunk's ``(q, scale)`` of ``dY_c^T`` / ``x_c^T`` (see
+        :func:`token_scaled`); with ``grad_high_precision`` the chunks ``dY_c`` / ``x_c`` themselves."""
+        if self.hp:
+            matmul_tn(grad_t, x_t, out=self.acc, accumulate=not self.first)
+        else:
+            fp8_matmul(*grad_t, *x_t, scaling=self.recipe, out=self.acc, residual=None if self.first else self.acc)
+        self.first = False
+
+    def result(self) -> torch.Tensor:
+        return self.acc.to(self.dtype)
+
+
+def token_scaled(t: torch.Tensor, recipe: str, out=None):
+    """``(q, scale)`` of ``t^T`` (``t``: ``[..., F]``, its tokens flattened): scaled along the
+    tokens, the contraction of a weight gradient (a strided chunk is copied first)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return quantize_e4m3(t2.t(), FP8_RECIPES[recipe][0], out=out)
+
+
+class Fp8Pack:
+    """The bytes one rank's chunk travels as: named segments in one uint8 buffer (each 16-byte
+    aligned, fp32 first), so that a ring moves one buffer per step. Segments of a ``[*lead, F]``
+    activation (:meth:`activation`): ``"a"`` its per-token quantisation (``q`` and ``scale``, the
+    GEMM operand), ``"t"`` the weight-gradient operand (``q``/``scale`` of its transpose scaled
+    along the tokens, or the tensor itself in its dtype with ``grad_high_precision``), ``"db"`` an
+    fp32 vector (a partial bias gradient)."""
+
+    def __init__(self, segments):
+        self.layout, self.pads, off = {}, [], 0
+        for name, shape, dtype in sorted(segments, key=lambda s: -s[2].itemsize):
+            self.layout[name] = (off, tuple(shape), dtype)
+            end = off + math.prod(shape) * dtype.itemsize
+            off = max(-(-end // 16) * 16, 16)
+            self.pads.append((end, off))  # the alignment padding: zeroed, so that the bytes are defined
+        self.nbytes = max(off, 16)
+
+    @classmethod
+    def activation(cls, lead: tuple, F: int, dtype, recipe: str, *, rows: bool, wgrad: str | None,
+                   bias_grad: bool = False) -> "Fp8Pack":
+        """The segments of a ``[*lead, F]`` activation: ``rows`` the GEMM operand, ``wgrad``
+        (``"fp8"``, ``"hp"`` or None) the weight-gradient operand, ``bias_grad`` an ``[F]`` sum."""
+        act, tokens = FP8_RECIPES[recipe][0], math.prod(lead)
+        seg = []
+        if rows:
+            q_shape, s_shape = _quantised_shapes(lead, F, act)
+            seg += [("aq", q_shape, torch.float8_e4m3fn), ("as", s_shape, torch.float32)]
+        if wgrad == "fp8":
+            seg += [("tq", (F, tokens), torch.float8_e4m3fn), ("ts", scale_shape(F, tokens, act), torch.float32)]
+        elif wgrad == "hp":
+            seg += [("th", lead + (F,), dtype)]
+        if bias_grad:
+            seg += [("db", (F,), torch.float32)]
+        pack = cls(seg)
+        pack.dtype, pack.recipe = dtype, recipe
+        return pack
+
+    def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        off, shape, dtype = self.layout[name]
+        return buf[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def fill(self, buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Write ``t``'s segments into ``buf`` (quantising in place); returns ``buf``."""
+        for lo, hi in self.pads:
+            if hi > lo:
+                buf[lo:hi].zero_()
+        if "aq" in self.layout:
+            Fp8Rows.of(t, self.recipe, out=(self.view(buf, "aq").view(-1, t.shape[-1]),
+                                            self.view(buf, "as").view(-1, *self.layout["as"][1][t.dim() - 1:])))
+        if "tq" in self.layout:
+            token_scaled(t, self.recipe, out=(self.view(buf, "tq"), self.view(buf, "ts")))
+        if "th" in self.layout:
+            self.view(buf, "th").copy_(t)
+        if "db" in self.layout:
+            self.view(buf, "db").copy_(sum_tokens(t))
+        return buf
+
+    def rows(self, buf: torch.Tensor) -> Fp8Rows:
+        return Fp8Rows(self.view(buf, "aq"), self.view(buf, "as"), self.dtype)
+
+    def wgrad(self, buf: torch.Tensor):
+        """The weight-gradient operand: ``(q, scale)`` of the transpose, or the tensor (``"hp"``)."""
+        return self.view(buf, "th") if "th" in self.layout else (self.view(buf, "tq"), self.view(buf, "ts"))
