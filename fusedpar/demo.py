@@ -105,6 +105,10 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: bf16 parameters and activations, fp32 master weights, gradient reductions and "
                         "optimizer")
+    p.add_argument("--fp8", choices=["rowwise", "blockwise"], default=None,
+                   help="the blocks' tensor-parallel projections in fp8 (e4m3) forward and backward, with this "
+                        "scaling recipe (a compute format: --dtype still sets parameters and activations); needs "
+                        "fp8 tensor cores on a GPU (compute capability >= 8.9)")
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here; resume from the newest complete one")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end); 0: only at "
                    "the end (with --ckpt-dir)")
@@ -203,6 +207,7 @@ def build(args, use_cuda: bool, vocab: int):
     """The parallel layout, the model (this rank's pipeline stage of it) and its config."""
     import torch
 
+    from fusedpar.kernels.fp8 import FP8UnsupportedError, check_fp8_device
     from fusedpar.nn import Transformer, TransformerConfig
     from fusedpar.parallel import init_parallel
 
@@ -214,12 +219,17 @@ def build(args, use_cuda: bool, vocab: int):
     ep = args.ep if args.ep is not None else sp * tp
     check_layout(args, world, tp, sp, ep)
     state = init_parallel(pp=args.pp, tp=tp, sp=sp, ep=ep, backend="nccl" if use_cuda else "gloo")
+    if args.fp8 is not None:  # an old GPU is the user's mistake: one line naming the device and --fp8
+        try:
+            check_fp8_device(torch.empty(0, device=state.device), option=f"--fp8 {args.fp8}")
+        except FP8UnsupportedError as e:
+            raise UsageError(str(e)) from e
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     config = TransformerConfig(
         vocab_size=vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
         num_kv_heads=args.heads, ffn_hidden_size=2 * args.hidden, num_experts=args.experts, top_k=args.top_k,
         moe_every=2, sp_mode="ring", layout="zigzag", causal=True, score_func=args.router_score,
-        bias_update_rate=args.bias_update_rate, seq_aux_loss_coef=args.seq_aux_coef,
+        bias_update_rate=args.bias_update_rate, seq_aux_loss_coef=args.seq_aux_coef, fp8=args.fp8,
     )
     per_stage = args.layers // args.pp
     layers = range(state.pp_rank * per_stage, (state.pp_rank + 1) * per_stage)
@@ -460,7 +470,8 @@ def describe(run) -> str:
     s, c, a = run.state, run.config, run.args
     on_gpu = s.device.type == "cuda"
     return (f"fusedpar demo: world {s.world_size} = dp {s.dp} x pp {s.pp} x sp {s.sp} x tp {s.tp} (ep {s.ep}); "
-            f"{'NCCL on CUDA' if on_gpu else 'gloo on CPU, Triton interpreter'}; {run.dtype}; {c.num_layers} blocks "
+            f"{'NCCL on CUDA' if on_gpu else 'gloo on CPU, Triton interpreter'}; {run.dtype}"
+            f"{'' if c.fp8 is None else f', fp8 {c.fp8} projections'}; {c.num_layers} blocks "
             f"(MoE every 2nd: {c.num_experts} experts, top-{c.top_k}), hidden {c.hidden_size}, vocab {c.vocab_size}, "
             f"seq {a.seq}, {a.batch * s.dp} sequences/step\n"
             f"data: {run.tokens.source}: {len(run.train.ids)} training / {len(run.val.ids)} validation tokens; "

@@ -313,3 +313,140 @@ def test_rms_norm_over_features_split_across_ranks(world2, dtype, offset):
         assert_close(y, y64.detach()[..., cols], dtype, msg=f"rank {rank} output")
         assert_close(dx, x64.grad[..., cols], dtype, msg=f"rank {rank} input grad")
         assert_close(dw, w64.grad[cols], dtype, msg=f"rank {rank} weight grad")
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8: the layers' option, enable_fp8, the model switch (the ops are tested in test_tp_ops.py)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fp8_mlp_is_fp8_linear_at_one_rank(recipe):
+    """``ParallelMLP(fp8=...)`` without a process group is ``fc2(act(fc1(x)))`` with fp8_linear
+    for both layers: output and every gradient (the ops' own equality at one rank is bit for bit,
+    test_tp_ops.py; the activation's formula differs from the reference's by rounding)."""
+    from fusedpar.kernels.runtime import activation_reference
+    from fusedpar.ops import fp8_linear
+
+    torch.manual_seed(0)
+    mlp = ParallelMLP(40, 24, activation="swiglu", bias=True, fp8=recipe, fp8_grad_high_precision=True)
+    x = torch.randn(2, 3, 40, device=DEVICE, requires_grad=True)
+    G = torch.randn(2, 3, 40, device=DEVICE)
+    params = [p.detach().clone().requires_grad_(True) for p in mlp.parameters()]
+    xr = x.detach().clone().requires_grad_(True)
+    h = activation_reference(fp8_linear(xr, params[0], params[1], recipe=recipe, grad_high_precision=True), "swiglu")
+    y_ref = fp8_linear(h, params[2], params[3], recipe=recipe, grad_high_precision=True)
+    y_ref.backward(G)
+    y = mlp(x)
+    y.backward(G)
+    assert_close(y, y_ref, torch.float32, msg="y")
+    assert_close(x.grad, xr.grad, torch.float32, msg="dx")
+    for p, r in zip(mlp.parameters(), params):
+        assert_close(p.grad, r.grad, torch.float32, msg="parameter gradient")
+    assert f"fp8={recipe!r}, fp8_grad_high_precision=True" in repr(mlp.fc1) and "fp8=" in repr(mlp.fc2)
+
+
+def test_fp8_is_a_compute_format_only():
+    """``TransformerConfig(fp8=...)``: the blocks' tensor-parallel projections run fp8 (the head
+    does not), while the parameters, their placements, ``state_dict`` (extra state included) and
+    the gradient sync plan are those of the high-precision model; enable_fp8 switches a module
+    tree on and off; bad values are refused by name."""
+    from fusedpar.nn import Transformer, TransformerConfig
+    from fusedpar.nn.linear import enable_fp8
+
+    kw = dict(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, ffn_hidden_size=16, num_experts=2, top_k=1,
+              moe_every=2, shared_expert_ffn_hidden_size=8)
+    plain, fp8 = (Transformer(TransformerConfig(**kw, fp8=r), seed=3) for r in (None, "blockwise"))
+    linears = {n: m.fp8 for n, m in fp8.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    assert linears == {"layers.0.attn.qkv": "blockwise", "layers.0.attn.proj": "blockwise",
+                       "layers.0.mlp.fc1": "blockwise", "layers.0.mlp.fc2": "blockwise",
+                       "layers.1.attn.qkv": "blockwise", "layers.1.attn.proj": "blockwise",
+                       "layers.1.shared_expert.fc1": "blockwise", "layers.1.shared_expert.fc2": "blockwise",
+                       "head": None}
+    a, b = plain.state_dict(), fp8.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert plain.placements() == fp8.placements() and plain.gradient_sync_plan() == fp8.gradient_sync_plan()
+    enable_fp8(plain, "rowwise", grad_high_precision=True)
+    assert plain.layers["0"].mlp.fc2.fp8 == "rowwise" and plain.layers["0"].mlp.fc2.fp8_grad_high_precision
+    enable_fp8(plain, None)
+    assert all(m.fp8 is None for m in plain.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+    with pytest.raises(ValueError, match=r"TransformerConfig.fp8 must be one of \(None, 'rowwise', 'blockwise'\), "
+                                         r"got 'tensorwise'"):
+        TransformerConfig(**kw, fp8="tensorwise")
+    with pytest.raises(TypeError, match="TransformerConfig.fp8_grad_high_precision must be a bool, got int"):
+        TransformerConfig(**kw, fp8_grad_high_precision=1)
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear: fp8 must be one of \(None, 'rowwise', 'blockwise'\), "
+                                         r"got 'e5m2'"):
+        ColumnParallelLinear(8, 8, fp8="e5m2")
+    with pytest.raises(ValueError, match=r"enable_fp8: recipe must be one of"):
+        enable_fp8(plain, "row")
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_names_device_and_option(monkeypatch):
+    """A layer with fp8 on meets a tensor on a GPU of compute capability 8.0 (simulated: the
+    capability and the name are what the check reads): ``FP8UnsupportedError`` naming the device,
+    its capability, the recipe and the option (the model's switch and the layers' argument)."""
+    from types import SimpleNamespace
+
+    import fusedpar.kernels.fp8 as fp8_kernels
+    from fusedpar.kernels.fp8 import FP8UnsupportedError
+    from fusedpar.nn import Transformer, TransformerConfig
+
+    monkeypatch.setattr(fp8_kernels, "device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
+    model = Transformer(TransformerConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2,
+                                          ffn_hidden_size=16, fp8="rowwise"))
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.raises(FP8UnsupportedError) as e:
+        model.layers["0"].mlp.fc1.check_fp8_device(on_gpu)
+    for words in ("NVIDIA A100-SXM4-80GB has compute capability 8.0", ">= 8.9",
+                  "leave fp8='rowwise' (TransformerConfig.fp8 or the fp8= of the fusedpar.nn linear layers) off"):
+        assert words in str(e.value), str(e.value)
+    model.head.check_fp8_device(on_gpu)  # the head stays in high precision: nothing to refuse
+
+
+def test_fp8_with_kv_heads_replicated_over_tp_is_refused(world2):
+    assert world2.run(_fp8_replicated_kv_heads) == [True, True]
+
+
+def _fp8_replicated_kv_heads(rank, size):
+    from fusedpar.nn import TransformerBlock
+
+    solo = [dist.new_group([r]) for r in range(size)][rank]  # sequence parallelism off: tp over the world
+    with pytest.raises(ValueError, match=r"fp8='rowwise' \(TransformerConfig.fp8\) needs num_kv_heads divisible "
+                                         r"by the tensor-parallel size .* got 1 kv heads at tp 2"):
+        TransformerBlock(16, 2, 16, num_kv_heads=1, fp8="rowwise", sp_group=solo)
+    return True
+
+
+def _fp8_fsdp2(rank, size, config, tokens, targets, ref_loss, ref_grads):
+    from torch.distributed.fsdp import fully_shard
+
+    from _compose import compare_grads, data_mean, local_batch
+    from fusedpar.nn import Transformer
+    from fusedpar.parallel import build_parallel_state, sync_gradients
+
+    state = build_parallel_state(dp=size)
+    ids, tgt = local_batch(tokens, targets, state)
+    model = Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group)
+    for block in model.layers.values():
+        fully_shard(block, mesh=state.mesh["dp"])
+    fully_shard(model, mesh=state.mesh["dp"])
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done=True)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # gather the dp shards
+    model.unshard()
+    assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="FSDP2 fp8 loss")
+    return compare_grads(model, ref_grads, "FSDP2 fp8", grads=grads)
+
+
+def test_fp8_model_under_fsdp2_matches_one_process(world2):
+    """fp8 is a compute format: FSDP2 (``fully_shard`` over dp2, each block and the root) over a
+    model with ``fp8="rowwise"`` matches the one-process fp8 model on the whole batch, loss and
+    every gradient (with the high-precision weight gradient every quantisation group is one token,
+    the same whatever the data split; the rest is the order of fp32 sums)."""
+    from _compose import batch, reference, tiny_config
+
+    config = tiny_config(num_layers=1, fp8="rowwise", fp8_grad_high_precision=True)
+    tokens, targets = batch(5, 4, 8, config.vocab_size)
+    out = world2.run(_fp8_fsdp2, config, tokens, targets, *reference(config, tokens, targets))
+    assert out[0] == out[1] > 5, out

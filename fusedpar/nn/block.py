@@ -10,7 +10,7 @@ from fusedpar.ops.loss import attach_aux_loss
 
 from .attention import ParallelAttention
 from .config import NORM_LAYOUTS
-from .linear import ParallelMLP
+from .linear import ParallelMLP, enable_fp8
 from .mla import MLAttention
 from .moe import MoE, SharedExpertGate
 from .norm import RMSNorm
@@ -39,7 +39,10 @@ class TransformerBlock(nn.Module):
     layout that does not fit raises one ``ValueError`` naming the groups and their ranks).
     ``window``, ``softcap``, ``sinks``, ``v_head_dim``, ``softmax_scale``: the attention options
     of :class:`ParallelAttention`; ``attention_out_bias``: a bias on its output projection
-    (gpt-oss). ``expert_bias``: the MoE experts' biases (:class:`MoE`).
+    (gpt-oss). ``expert_bias``: the MoE experts' biases (:class:`MoE`). ``fp8``,
+    ``fp8_grad_high_precision``: the tensor-parallel projections of the attention, the dense MLP
+    and the shared expert in fp8 (:func:`~fusedpar.nn.linear.enable_fp8`; the experts and the
+    router stay in the model's dtype).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
@@ -55,7 +58,7 @@ class TransformerBlock(nn.Module):
                  router_options: dict | None = None, window=None, softcap: float | None = None, sinks: bool = False,
                  v_head_dim: int | None = None, softmax_scale: float | None = None, rotary_dim: int | None = None,
                  mla: dict | None = None, norm_layout: str = "pre", norm_offset: float = 0.0,
-                 qk_norm_scope: str = "head"):
+                 qk_norm_scope: str = "head", fp8: str | None = None, fp8_grad_high_precision: bool = False):
         super().__init__()
         check_choice("TransformerBlock: norm_layout", norm_layout, NORM_LAYOUTS)
         self.hidden_size, self.norm_layout = hidden_size, norm_layout
@@ -95,6 +98,16 @@ class TransformerBlock(nn.Module):
                                    sequence_parallel=True, bias=False, device=device, dtype=dtype)
         self.post_mlp_norm = norm() if post else None
         self.aux_loss_scale = float(aux_loss_scale)
+        self._enable_fp8(fp8, fp8_grad_high_precision)
+
+    def _enable_fp8(self, fp8, grad_high_precision) -> None:
+        if fp8 is not None and getattr(self.attn, "kv_replicas", 1) > 1:  # its projection bypasses qkv's forward
+            raise ValueError(f"fp8={fp8!r} (TransformerConfig.fp8) needs num_kv_heads divisible by the tensor-parallel "
+                             f"size (kv heads replicated over tp are not fp8 yet), got {self.attn.num_kv_heads} kv "
+                             f"heads at tp {self.attn.tp_size}")
+        for part in (self.attn, None if self.is_moe else self.mlp, self.shared_expert):
+            if part is not None:
+                enable_fp8(part, fp8, grad_high_precision=grad_high_precision)
 
     def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
         """``cu_seqlens`` / ``position_ids``: packed documents, see :meth:`ParallelAttention.forward`."""

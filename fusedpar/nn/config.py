@@ -14,6 +14,7 @@ from fusedpar.kernels.checks import (
     check_positive_number,
     check_tensor,
 )
+from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.kernels.moe_topk import SCORE_FUNCS, check_routing_config
 from fusedpar.kernels.runtime import ACTIVATIONS
 
@@ -34,6 +35,11 @@ class TransformerConfig:
     ``num_experts = 0`` gives dense MLPs; otherwise every ``moe_every``-th block (the last of each
     group of ``moe_every``) holds a :class:`MoE` with ``moe_ffn_hidden_size`` (default
     ``ffn_hidden_size``) per expert.
+
+    ``fp8="rowwise"`` / ``"blockwise"`` runs every tensor-parallel projection of the blocks
+    (attention q/k/v and output, MLA's head projections, the dense and shared-expert MLPs) with fp8
+    GEMMs forward and backward (:func:`fusedpar.nn.linear.enable_fp8`); the embedding, the head,
+    the routers, the experts and MLA's replicated down projections stay in the model's dtype.
     """
 
     vocab_size: int
@@ -101,6 +107,9 @@ class TransformerConfig:
     final_logit_softcap: float | None = None  # logits c * tanh(z / c) (Gemma 2/3 final_logit_softcapping)
     layer_rope_theta: tuple | None = None  # a RoPE base per layer (Gemma 3's local base on sliding layers)
     pad_token_id: int | None = None  # HF's padding_idx: that embedding row gets no gradient from the lookup
+    # fp8 training (a compute format: master weights, optimizer state and checkpoints are unchanged)
+    fp8: str | None = None  # None | "rowwise" | "blockwise": the blocks' tensor-parallel projections in fp8
+    fp8_grad_high_precision: bool = False  # their weight gradients in the activations' dtype
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "moe_every"):
@@ -140,7 +149,8 @@ class TransformerConfig:
                     norm_layout=self.norm_layout, norm_offset=self.norm_offset, qk_norm_scope=self.qk_norm_scope,
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
                     shared_expert_gate=self.shared_expert_gate, rotary_dim=self.rotary_dim(),
-                    router_options=self.router_options(), mla=self.mla_options(), **self.attention_options(layer))
+                    router_options=self.router_options(), mla=self.mla_options(), fp8=self.fp8,
+                    fp8_grad_high_precision=self.fp8_grad_high_precision, **self.attention_options(layer))
 
     def attention_options(self, layer: int) -> dict:
         """The attention options of block ``layer`` (:class:`ParallelAttention` keywords) from
@@ -210,6 +220,8 @@ def check_config_values(cfg: "TransformerConfig") -> None:
     if cfg.capacity_factor is not None:
         check_positive_number("TransformerConfig.capacity_factor", cfg.capacity_factor)
     check_mla_values(cfg)
+    check_choice("TransformerConfig.fp8", cfg.fp8, (None,) + tuple(FP8_RECIPES))
+    check_bool("TransformerConfig.fp8_grad_high_precision", cfg.fp8_grad_high_precision)
     check_positive_number("TransformerConfig.norm_eps", cfg.norm_eps)
     f = cfg.partial_rotary_factor
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:

@@ -10,6 +10,11 @@
 * :class:`ParallelMLP`: column-parallel up projection with the activation (gated or not) fused in
   its GEMM epilogue, row-parallel down projection.
 
+``fp8="rowwise"`` / ``"blockwise"`` (constructor, or :func:`enable_fp8` on a module tree) runs a
+layer's GEMMs, forward and backward, in fp8 through the same ops (``fp8=`` of
+:mod:`fusedpar.ops.tensor_parallel`): a compute format only, the parameters, their placements,
+``state_dict`` and checkpoints are those of the high-precision layer.
+
 The full weight is initialised like ``nn.Linear`` (same RNG draws, then sliced), so a given torch
 seed gives the same full model at every tensor-parallel degree. How each parameter is split is
 declared once, in :meth:`placements` (:mod:`fusedpar.nn.placement`); the constructor, ``from_linear``,
@@ -24,7 +29,9 @@ import math
 import torch
 from torch import nn
 
-from fusedpar.kernels.checks import check_choice, check_divisible, check_int
+from fusedpar.kernels.checks import check_bool, check_choice, check_divisible, check_int
+from fusedpar.kernels.fp8 import check_fp8_device
+from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import comm
 from fusedpar.nn.placement import Placement
@@ -37,7 +44,10 @@ from fusedpar.ops.tensor_parallel import (
     scatter_features,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "encode_shard_meta", "shard_meta"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "enable_fp8", "encode_shard_meta", "shard_meta"]
+
+#: where a model's fp8 switch lives, as an fp8 error names it
+FP8_OPTION = "TransformerConfig.fp8 or the fp8= of the fusedpar.nn linear layers"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,7 +109,44 @@ def _full_linear_init(out_features, in_features, bias, device=None):
     return w, b
 
 
+def enable_fp8(module: nn.Module, recipe: str | None, *, grad_high_precision: bool = False,
+               option: str = FP8_OPTION) -> nn.Module:
+    """Run every :class:`ColumnParallelLinear` / :class:`RowParallelLinear` in ``module`` (itself
+    included) with fp8 GEMMs, ``recipe`` ``"rowwise"`` or ``"blockwise"``, or in high precision
+    again with ``None``. ``option`` names the setting in errors (e.g. a GPU without fp8 tensor
+    cores, checked here for parameters on a GPU and again in every forward). Returns ``module``."""
+    check_choice("enable_fp8: recipe", recipe, (None,) + tuple(FP8_RECIPES))
+    check_bool("enable_fp8: grad_high_precision", grad_high_precision)
+    for m in module.modules():
+        if isinstance(m, _TPLinearBase):
+            m.fp8, m.fp8_grad_high_precision, m.fp8_option = recipe, grad_high_precision, option
+            m.check_fp8_device(m.weight)
+    return module
+
+
 class _TPLinearBase(nn.Module):
+    fp8, fp8_grad_high_precision, fp8_option = None, False, FP8_OPTION
+
+    def _set_fp8(self, fp8, fp8_grad_high_precision):
+        name = type(self).__name__
+        check_choice(f"{name}: fp8", fp8, (None,) + tuple(FP8_RECIPES))
+        self.fp8, self.fp8_grad_high_precision = fp8, check_bool(f"{name}: fp8_grad_high_precision",
+                                                                 fp8_grad_high_precision)
+        self.check_fp8_device(self.weight)
+
+    def check_fp8_device(self, t: torch.Tensor) -> None:
+        """With fp8 on, ``FP8UnsupportedError`` naming the device and the option when ``t`` is on
+        a GPU without fp8 tensor cores (CPU tensors run interpreted, meta ones hold no data)."""
+        if self.fp8 is not None and t.device.type == "cuda":
+            check_fp8_device(t, option=f"fp8={self.fp8!r} ({self.fp8_option})")
+
+    def _fp8_kwargs(self, x) -> dict:
+        self.check_fp8_device(x)
+        return dict(fp8=self.fp8, fp8_grad_high_precision=self.fp8_grad_high_precision)
+
+    def _fp8_repr(self) -> str:
+        return "" if self.fp8 is None else f", fp8={self.fp8!r}, fp8_grad_high_precision={self.fp8_grad_high_precision}"
+
     def placements(self) -> dict[str, Placement]:
         """``weight`` by :meth:`weight_placement`, ``bias`` by :meth:`bias_placement`."""
         return {"weight": self.weight_placement(), **({"bias": self.bias_placement()} if self.bias is not None else {})}
@@ -220,12 +267,14 @@ class ColumnParallelLinear(_TPLinearBase):
     replicated; its gradient is all-reduced in the backward. Output ``[batch, seq, out/tp]``, or
     ``[batch, seq, out]`` with ``gather_output=True``. ``activation`` (a keyword extension) is fused
     into the GEMM epilogue; gated ones (``swiglu``/``geglu``) hold ``[gate shard; up shard]`` rows
-    and produce ``out_features`` (= F) features.
+    and produce ``out_features`` (= F) features. ``fp8``: ``None``, ``"rowwise"`` or
+    ``"blockwise"``, the GEMMs in fp8 (``fp8_grad_high_precision``: the weight gradient in the
+    input's dtype), see the module docstring.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, group=None, sequence_parallel=True,
                  gather_output=False, device=None, dtype=None, activation="none", sequence_dim=1,
-                 save_gathered_input=True, sections=None, replicas=None):
+                 save_gathered_input=True, sections=None, replicas=None, fp8=None, fp8_grad_high_precision=False):
         super().__init__()
         name = type(self).__name__
         check_choice(f"{name}: activation", activation, ACTIVATIONS)
@@ -245,6 +294,7 @@ class ColumnParallelLinear(_TPLinearBase):
         rows = 2 * out_features if self.gated else out_features
         w, b = _full_linear_init(rows, in_features, bias, device)
         self._set_params(*self._shard(w, b), device, dtype)
+        self._set_fp8(fp8, fp8_grad_high_precision)
 
     def weight_placement(self) -> Placement:
         """Rows over the group, section by section: ``[gate; up]`` when gated, the given
@@ -279,11 +329,12 @@ class ColumnParallelLinear(_TPLinearBase):
         return mod
 
     def forward(self, x):
+        fp8 = self._fp8_kwargs(x)
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight, self.bias, group=self.group, gather_dim=self.sequence_dim,
-                                  activation=self.activation, save_gathered_input=self.save_gathered_input)
+                                  activation=self.activation, save_gathered_input=self.save_gathered_input, **fp8)
         else:
-            y = copy_to_tp_matmul(x, self.weight, self.bias, group=self.group, activation=self.activation)
+            y = copy_to_tp_matmul(x, self.weight, self.bias, group=self.group, activation=self.activation, **fp8)
         if self.gather_output:
             y = gather_features(y, self.group)
         return y
@@ -292,7 +343,7 @@ class ColumnParallelLinear(_TPLinearBase):
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(local {self.out_features_local}), bias={self.bias is not None}, activation={self.activation!r}, "
                 f"tp={self.tp_rank}/{self.tp_size}, sequence_parallel={self.sequence_parallel}, "
-                f"gather_output={self.gather_output}")
+                f"gather_output={self.gather_output}{self._fp8_repr()}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,12 +357,14 @@ class RowParallelLinear(_TPLinearBase):
     ``sequence_parallel=True``: output ``[batch, seq/tp, out]`` via the fused GEMM + reduce-scatter;
     ``False``: replicated ``[batch, seq, out]`` via the chunked GEMM + all-reduce. The bias is
     replicated and added once; its gradient is the full one (the group's tokens) on every rank.
+    ``fp8``, ``fp8_grad_high_precision``: as in :class:`ColumnParallelLinear`.
     """
 
     gated = False
 
     def __init__(self, in_features, out_features, bias=True, *, group=None, sequence_parallel=True,
-                 input_is_parallel=True, device=None, dtype=None, sequence_dim=1):
+                 input_is_parallel=True, device=None, dtype=None, sequence_dim=1, fp8=None,
+                 fp8_grad_high_precision=False):
         super().__init__()
         name = type(self).__name__
         self.group, self.tp_size, self.tp_rank = _tp(group)
@@ -324,6 +377,7 @@ class RowParallelLinear(_TPLinearBase):
         self.sequence_dim = sequence_dim
         w, b = _full_linear_init(out_features, in_features, bias, device)
         self._set_params(self.weight_placement().local_from_full(w), b, device, dtype)
+        self._set_fp8(fp8, fp8_grad_high_precision)
 
     def weight_placement(self) -> Placement:
         """Columns (input features) over the group."""
@@ -356,14 +410,17 @@ class RowParallelLinear(_TPLinearBase):
                 raise ValueError(f"{type(self).__name__}: with input_is_parallel=False x must have "
                                  f"{self.in_features} features in its last dim, got {shape}")
             x = scatter_features(x, self.group)
+        fp8 = self._fp8_kwargs(x)
         if self.sequence_parallel:
-            return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, scatter_dim=self.sequence_dim)
-        return matmul_all_reduce(x, self.weight, self.bias, group=self.group)
+            return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, scatter_dim=self.sequence_dim,
+                                         **fp8)
+        return matmul_all_reduce(x, self.weight, self.bias, group=self.group, **fp8)
 
     def extra_repr(self):
         return (f"in_features={self.in_features} (local {self.in_features_local}), out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}, "
-                f"sequence_parallel={self.sequence_parallel}, input_is_parallel={self.input_is_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, input_is_parallel={self.input_is_parallel}"
+                f"{self._fp8_repr()}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,17 +430,20 @@ class ParallelMLP(nn.Module):
     """``down(act(up(x)))``: ``fc1`` a :class:`ColumnParallelLinear` with the activation in its GEMM
     epilogue (gated: one GEMM over ``[gate shard; up shard]`` rows), ``fc2`` a
     :class:`RowParallelLinear`. Sequence parallel: ``[batch, seq/tp, hidden]`` in and out;
-    otherwise replicated ``[batch, seq, hidden]`` in and out."""
+    otherwise replicated ``[batch, seq, hidden]`` in and out. ``fp8``, ``fp8_grad_high_precision``:
+    both layers' (:class:`ColumnParallelLinear`)."""
 
     def __init__(self, hidden_size, ffn_hidden_size, *, activation="swiglu", group=None, sequence_parallel=True,
-                 bias=False, device=None, dtype=None, save_gathered_input=True):
+                 bias=False, device=None, dtype=None, save_gathered_input=True, fp8=None,
+                 fp8_grad_high_precision=False):
         super().__init__()
+        fp8 = dict(fp8=fp8, fp8_grad_high_precision=fp8_grad_high_precision)
         self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, group=group,
                                         sequence_parallel=sequence_parallel, device=device, dtype=dtype,
-                                        activation=activation, save_gathered_input=save_gathered_input)
+                                        activation=activation, save_gathered_input=save_gathered_input, **fp8)
         self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, group=group,
                                      sequence_parallel=sequence_parallel, input_is_parallel=True,
-                                     device=device, dtype=dtype)
+                                     device=device, dtype=dtype, **fp8)
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
 
     def forward(self, x):
