@@ -1,4 +1,6 @@
-"""``python -m benchmarks attention``: the flash kernel against torch SDPA (forward, backward).
+"""``python -m benchmarks attention``: the flash kernel against torch SDPA (forward, backward in
+both dq modes: ``bwd_ms`` the deterministic two-kernel backward, ``bwd_atomic_ms`` the one-pass
+backward with dQ by fp32 atomics, ``dq_mode="atomic"``).
 ``python -m benchmarks ring_attention``: the shipped ring attention (forward and backward) of one
 rank of ``P`` on one GPU through :class:`fusedpar.ops.transport.EmulatedTransport`: the K/V
 (and dK/dV) transfers are device-to-device copies of the same bytes on a second stream.
@@ -69,9 +71,13 @@ def run(args, ctx):
                     ref.backward(do.transpose(1, 2), retain_graph=True)
                 err_b = max(check_close(dq, qt.grad.transpose(1, 2)), check_close(dk, kt.grad.transpose(1, 2)),
                             check_close(dv, vt.grad.transpose(1, 2)))
+                grads = flash_attention_backward(do, q, k, v, out, lse, causal=causal, dq_mode="atomic")
+                err_b = max(err_b, *(check_close(g, r.grad.transpose(1, 2)) for g, r in zip(grads, (qt, kt, vt))))
 
                 t_fwd = ctx.time_ms(lambda: flash_attention_forward(q, k, v, causal=causal))
                 t_bwd = ctx.time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal))
+                t_bwd_a = ctx.time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                                       dq_mode="atomic"))
 
                 def sdpa_fwd():
                     with torch.no_grad(), sdpa_ctx():
@@ -89,13 +95,19 @@ def run(args, ctx):
                     "dtype": str(dtype).replace("torch.", ""),
                     "fwd_ms": t_fwd, "sdpa_fwd_ms": s_fwd, "fwd_ratio_vs_sdpa": s_fwd / t_fwd,
                     "bwd_ms": t_bwd, "sdpa_bwd_ms": s_bwd, "bwd_ratio_vs_sdpa": s_bwd / t_bwd,
+                    "bwd_atomic_ms": t_bwd_a, "bwd_atomic_ratio_vs_sdpa": s_bwd / t_bwd_a,
+                    "bwd_atomic_speedup": t_bwd / t_bwd_a,
                     "fwd_TFLOPs": tflops(flops, t_fwd), "bwd_TFLOPs": tflops(2.5 * flops, t_bwd),
+                    "bwd_atomic_TFLOPs": tflops(2.5 * flops, t_bwd_a),
                     "max_rel_err": max(err_f, err_b),
                 })
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     else:
-        ctx.notes.append("SDPA baseline pinned to the flash backend; bwd FLOPs counted as 2.5x fwd.")
+        ctx.notes.append("SDPA baseline pinned to the flash backend; bwd FLOPs counted as 2.5x fwd. bwd_ms: "
+                         "dq_mode='separate' (dQ kernel + dK/dV kernel, deterministic); bwd_atomic_ms: "
+                         "dq_mode='atomic' (one pass, dQ by fp32 atomics, fp32 scratch cast to bf16 included); "
+                         "bwd_atomic_speedup = bwd_ms / bwd_atomic_ms.")
     return rows
 
 

@@ -3,9 +3,16 @@ kernels and their launcher (conventions as in :mod:`.flash_attention`: global of
 causal mask, rows that see no key contribute nothing, grouped-query heads read in place, any
 strides, fp32 accumulate mode for ring attention).
 
-Layers: ``_attn_bwd_dq_kernel`` / ``_attn_bwd_dkdv_kernel`` (jit) ->
-:func:`flash_attention_backward` (validate, allocate, launch); :func:`attention_delta` is the
-row term both kernels read.
+Two ways to get dQ (``dq_mode``, :data:`DQ_MODES`): "separate" (default) runs the dQ kernel over
+query blocks beside the dK/dV kernel over key blocks, each recomputing ``QK^T`` and ``dO V^T``
+(7 matrix products of ``s^2 d`` per head): deterministic. "atomic" is the one-pass backward of
+flash-attention 2: the same dK/dV kernel with ``DQ_ATOMIC`` also forms each (query block, key
+block) part ``dS^T K`` of dQ and adds it with fp32 atomics (5 products); the order of those
+additions, and so dq's bits, vary between runs on a GPU.
+
+Layers: ``_attn_bwd_dq_kernel`` / ``_attn_bwd_dkdv_kernel`` (jit; the inner loops
+``_dq_inner`` / ``_dkdv_inner`` are shared by every variant) -> :func:`flash_attention_backward`
+(validate, allocate, launch); :func:`attention_delta` is the row term both kernels read.
 """
 from __future__ import annotations
 
@@ -28,7 +35,23 @@ from .flash_attention import (
     window_keys,
 )
 
-__all__ = ["attention_delta", "flash_attention_backward", "sink_grad"]
+__all__ = ["DEFAULT_DQ_MODE", "DQ_MODES", "attention_delta", "check_dq_mode", "flash_attention_backward", "sink_grad"]
+
+#: how the backward computes dQ (:func:`flash_attention_backward`): "separate", its own kernel
+#: (deterministic), or "atomic", the one-pass backward (fp32 atomics; the bits vary between runs)
+DQ_MODES = ("separate", "atomic")
+#: the default until a GPU round has timed both (``python -m benchmarks attention``: ``bwd_ms``
+#: against ``bwd_atomic_ms``)
+DEFAULT_DQ_MODE = "separate"
+
+
+def check_dq_mode(dq_mode) -> str:
+    """``dq_mode`` is one of :data:`DQ_MODES`."""
+    if not isinstance(dq_mode, str):
+        raise TypeError(f"dq_mode must be one of {DQ_MODES}, got {type(dq_mode).__name__}")
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
+    return dq_mode
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,13 +187,17 @@ def _attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os, s_od, s_ls, rd, rdv, k_lo, k_hi,
-                lo, hi, SQ, q_offset, qk_scale, cap_scale, cap2, MASKED: tl.constexpr, RIGHT: tl.constexpr,
-                LEFT: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
-                HEAD_DIM_V: tl.constexpr, PAD_DV: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd, s_os, s_od, s_ls, s_gs, s_gd, rd,
+                rdv, n_ok, k_lo, k_hi, lo, hi, SQ, q_offset, qk_scale, sm_scale, cap_scale, cap2, MASKED: tl.constexpr,
+                RIGHT: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                PAD_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, PAD_DV: tl.constexpr, UPCAST: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr):
     """dK/dV over query blocks ``[lo, hi)``: key ``j`` is visible to query row ``i`` iff
-    ``k_lo[j] <= q_offset + i <= k_hi[j]`` (``k_lo = k_pos - right``, ``k_hi = k_pos + left``)."""
+    ``k_lo[j] <= q_offset + i <= k_hi[j]`` (``k_lo = k_pos - right``, ``k_hi = k_pos + left``).
+    ``DQ_ATOMIC`` (the one-pass backward): also add this key block's part of dQ, ``dS^T K *
+    scale``, to the fp32 rows at ``dq_base`` with atomics; ``n_ok`` (keys inside the launch) then
+    masks the tail keys' scores too (their K rows are 0, but an overflowing ``P`` would give
+    ``inf * 0``)."""
     rm = tl.arange(0, BLOCK_M)
     d_ok = rd < HEAD_DIM
     dv_ok = rdv < HEAD_DIM_V
@@ -212,6 +239,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os,
         pt = tl.exp2(st - lse2[None, :])
         if MASKED:
             visible = m_mask[None, :]
+            if DQ_ATOMIC:
+                visible = visible & n_ok[:, None]
             if RIGHT:
                 visible = visible & (k_lo[:, None] <= (q_offset + rows_i)[None, :])
             if LEFT:
@@ -228,28 +257,42 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os,
         if UPCAST:
             dk = tl.dot(dst, tl.trans(qt), dk, input_precision=INPUT_PRECISION)
         else:
-            dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=INPUT_PRECISION)
+            dst = dst.to(qt.dtype)
+            dk = tl.dot(dst, tl.trans(qt), dk, input_precision=INPUT_PRECISION)
+        if DQ_ATOMIC:  # [BLOCK_M, BLOCK_D]: fp32 adds whose order (and so rounding) varies on a GPU
+            dq = tl.dot(tl.trans(dst), k, input_precision=INPUT_PRECISION) * sm_scale
+            dq_ptrs = dq_base + rows[:, None] * s_gs + rd[None, :] * s_gd
+            if MASKED:
+                tl.atomic_add(dq_ptrs, dq, mask=m_mask[:, None] & d_ok[None, :], sem="relaxed")
+            else:
+                if PAD_D:
+                    tl.atomic_add(dq_ptrs, dq, mask=d_ok[None, :], sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seg_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, seg_ptr,
     s_qb, s_qs, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,
     s_vb, s_vs, s_vh, s_vd,
     s_ob, s_os, s_oh, s_od,
     s_dkb, s_dks, s_dkh, s_dkd,
     s_dvb, s_dvs, s_dvh, s_dvd,
+    s_gb, s_gs, s_gh, s_gd,
     s_lb, s_lh, s_ls,
     HK, GROUP, SQ, SK, q_offset, k_offset, qk_scale, sm_scale, win_left, win_right, cap_scale, cap2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, PAD_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr, ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEGMENTED: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV for one block of keys of one kv head: loop over the group's query heads and the
-    query blocks that see the keys (sums over the GQA group without atomics)."""
+    query blocks that see the keys (sums over the GQA group without atomics). ``DQ_ATOMIC``: the
+    one-pass backward, which also adds each (query block, key block) part of dQ to the fp32
+    buffer ``dq_ptr`` with atomics (``dq_mode="atomic"``); otherwise ``dq_ptr`` is not read."""
     tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
     tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
     tl.static_assert(PAD_DV == (BLOCK_DV != HEAD_DIM_V), "PAD_DV says whether BLOCK_DV pads HEAD_DIM_V")
@@ -300,15 +343,19 @@ def _attn_bwd_dkdv_kernel(
         do_base = do_ptr + b * s_ob + h * s_oh + q_row0 * s_os
         l_base = lse_ptr + b * s_lb + h * s_lh + q_row0 * s_ls
         d_base = delta_ptr + b * s_lb + h * s_lh + q_row0 * s_ls
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os, s_od, s_ls, rd, rdv,
-                             k_lo, k_hi, lo, full_lo, SQ, q_offset, qk_scale, cap_scale, cap2, True, RIGHT, LEFT,
-                             SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, BLOCK_M)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os, s_od, s_ls, rd, rdv,
-                             k_lo, k_hi, full_lo, full_hi, SQ, q_offset, qk_scale, cap_scale, cap2, False, RIGHT,
-                             LEFT, SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, BLOCK_M)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, s_qs, s_qd, s_os, s_od, s_ls, rd, rdv,
-                             k_lo, k_hi, full_hi, hi, SQ, q_offset, qk_scale, cap_scale, cap2, True, RIGHT, LEFT,
-                             SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, BLOCK_M)
+        dq_base = dq_ptr + b * s_gb + h * s_gh + q_row0 * s_gs
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd, s_os, s_od, s_ls,
+                             s_gs, s_gd, rd, rdv, n_mask, k_lo, k_hi, lo, full_lo, SQ, q_offset, qk_scale, sm_scale,
+                             cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV, UPCAST,
+                             INPUT_PRECISION, DQ_ATOMIC, BLOCK_M)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd, s_os, s_od, s_ls,
+                             s_gs, s_gd, rd, rdv, n_mask, k_lo, k_hi, full_lo, full_hi, SQ, q_offset, qk_scale,
+                             sm_scale, cap_scale, cap2, False, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V,
+                             PAD_DV, UPCAST, INPUT_PRECISION, DQ_ATOMIC, BLOCK_M)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd, s_os, s_od, s_ls,
+                             s_gs, s_gd, rd, rdv, n_mask, k_lo, k_hi, full_hi, hi, SQ, q_offset, qk_scale, sm_scale,
+                             cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV, UPCAST,
+                             INPUT_PRECISION, DQ_ATOMIC, BLOCK_M)
     dk = dk * sm_scale
     dk_off = dk_ptr + b * s_dkb + hk * s_dkh + cols[:, None] * s_dks + rd[None, :] * s_dkd
     dv_off = dv_ptr + b * s_dvb + hk * s_dvh + cols[:, None] * s_dvs + rdv[None, :] * s_dvd
@@ -370,7 +417,7 @@ def _grad_buffers(q, k, v, dq, dk, dv, accumulate):
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=False, softmax_scale=None,
                              q_offset=0, k_offset=0, dq=None, dk=None, dv=None, accumulate=False, segments=None,
-                             window=None, softcap=None, sinks=None):
+                             window=None, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     """Gradients of one attention block: returns ``(dq, dk, dv)``, and with ``sinks=`` also
     ``d_sinks`` (fp32 ``[heads]``, :func:`sink_grad`): ``(dq, dk, dv, dsinks)``.
 
@@ -382,9 +429,20 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
     (the skipped entries are returned as given). ``segments``, ``window``, ``softcap``: as in
     the forward (the rows and keys outside every segment are not written); the sinks enter the
     kernels through ``lse`` only.
+
+    ``dq_mode`` (:data:`DQ_MODES`): ``"separate"`` (the default) computes dQ in a kernel of its
+    own over query blocks, which recomputes ``QK^T`` and ``dO V^T`` (7 matrix products of
+    ``s^2 d`` per head in all): deterministic, the same bits on every run. ``"atomic"`` is the
+    one-pass backward (as flash-attention 2): the dK/dV kernel also adds each key block's part
+    of dQ with fp32 atomics (5 products), into ``dq`` itself when it is an fp32 buffer, else
+    into an fp32 scratch that is then cast into ``dq``. The order of those fp32 additions varies
+    between runs on a GPU, so **dq's bits change from run to run** (dk, dv and d_sinks do not);
+    without ``accumulate``, ``dq`` is then written whole (rows outside every segment get 0).
+    With ``dq=False`` or ``dk=False`` the modes are the same.
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
+    check_dq_mode(dq_mode)
     if segments is not None:
         check_segments(segments, q, k, q_offset, k_offset)
     opts = score_options(q, k, causal=causal, window=window, softcap=softcap, sinks=sinks, q_offset=q_offset,
@@ -408,12 +466,28 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
         rows_q, rows_k, n_b, table = segments.max_q, segments.max_k, segments.table.shape[0], segments.table
     flags = option_flags(q, v, opts, accumulate, segments is not None)
     scalars = (hq // hk, rows_q, rows_k, q_offset, k_offset, scale * LOG2E, scale, *score_args(opts, scale))
-    if want_dq and n_b * rows_q:
+    one_pass = dq_mode == "atomic" and want_dq and want_dkv
+    if want_dq and not one_pass and n_b * rows_q:
         args = (q, k, v, dout, lse, delta, dq, table, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
                 *dq.stride(), *lse.stride(), hq, *scalars)
         launch_attention_kernel(_attn_bwd_dq_kernel, "dq", rows_q, n_b * hq, args, flags)
+    dq_acc = _atomic_dq_buffer(dq, accumulate) if one_pass else dk  # dk: a placeholder the kernel does not read
     if want_dkv and n_b * rows_k:
-        args = (q, k, v, dout, lse, delta, dk, dv, table, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-                *dk.stride(), *dv.stride(), *lse.stride(), hk, *scalars)
-        launch_attention_kernel(_attn_bwd_dkdv_kernel, "dkdv", rows_k, n_b * hk, args, flags)
+        args = (q, k, v, dout, lse, delta, dk, dv, dq_acc, table, *q.stride(), *k.stride(), *v.stride(),
+                *dout.stride(), *dk.stride(), *dv.stride(), *dq_acc.stride(), *lse.stride(), hk, *scalars)
+        launch_attention_kernel(_attn_bwd_dkdv_kernel, "bwd" if one_pass else "dkdv", rows_k, n_b * hk, args,
+                                dict(flags, DQ_ATOMIC=one_pass))
+    if one_pass and dq_acc is not dq:  # the fp32 sums into dq's dtype (accumulate: added in fp32)
+        if accumulate:
+            dq.add_(dq_acc)
+        else:
+            dq.copy_(dq_acc)
     return tail
+
+
+def _atomic_dq_buffer(dq, accumulate):
+    """The fp32 buffer the one-pass backward adds dQ into: ``dq`` itself when it is fp32 (zeroed
+    first unless ``accumulate``), else a zeroed fp32 scratch of its shape."""
+    if dq.dtype == torch.float32:
+        return dq if accumulate else dq.zero_()
+    return torch.zeros(dq.shape, device=dq.device, dtype=torch.float32)

@@ -28,7 +28,7 @@ import torch
 
 from .checks import check_float_tensor, check_int, check_same, check_tensor
 from .flash_attention import Segments, attention_reference, check_qkv, flash_attention_forward
-from .flash_attention_bwd import flash_attention_backward
+from .flash_attention_bwd import DEFAULT_DQ_MODE, flash_attention_backward
 
 __all__ = [
     "check_cu_seqlens", "check_cu_seqlens_values", "check_varlen_inputs", "flash_attention_varlen", "flash_attention_varlen_backward",
@@ -111,15 +111,17 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, *, causal=False, softmax_scale=None, window=None, softcap=None,
-                                    sinks=None):
+                                    sinks=None, dq_mode=DEFAULT_DQ_MODE):
     """Gradients ``(dq, dk, dv)`` of :func:`flash_attention_varlen` from its ``out`` / ``lse``;
-    with ``sinks=`` also ``dsinks`` (fp32 ``[heads]``): ``(dq, dk, dv, dsinks)``."""
+    with ``sinks=`` also ``dsinks`` (fp32 ``[heads]``): ``(dq, dk, dv, dsinks)``. ``dq_mode``:
+    "separate" (deterministic) or "atomic" (one pass, dQ by fp32 atomics: its bits vary between
+    GPU runs), see :func:`~.flash_attention_bwd.flash_attention_backward`."""
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_tensor("lse", lse, dims=(2,))
     grads = flash_attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal,
                                      softmax_scale=softmax_scale, segments=seg, window=window, softcap=softcap,
-                                     sinks=sinks)
+                                     sinks=sinks, dq_mode=dq_mode)
     return (*(g[0] for g in grads[:3]), *grads[3:])
 
 

@@ -1,9 +1,15 @@
-"""Flash attention kernel: forward and backward against a float64 reference and torch SDPA."""
+"""Flash attention kernel: forward and backward against a float64 reference and torch SDPA.
+
+The backward runs in both dq modes where a case exercises something of its own ("separate":
+the dQ kernel; "atomic": the one-pass dK/dV kernel adding dQ with fp32 atomics): the fp64
+reference cases, the strided / poisoned, accumulate, fully masked and window-skipping cases, the
+tuned head dims, and one case each of softcap and a v head dim with sinks (GQA is in the
+reference cases); ``test_dq_modes_agree`` compares the two modes directly."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
+from _utils import ATOL_SCALE, DEVICE, DTYPES, INTERPRETED, RTOL, assert_close, poison, randn
 from fusedpar.kernels import attention_reference, flash_attention_backward, flash_attention_forward
 from fusedpar.ops import flash_attention
 
@@ -34,10 +40,11 @@ def _inputs(b, sq, sk, hq, hk, d, dtype, seed):
     return q, k, v, do
 
 
-def _check(q, k, v, do, *, causal, q_offset=0, k_offset=0, scale=None, msg=""):
+def _check(q, k, v, do, *, causal, q_offset=0, k_offset=0, scale=None, msg="", dq_mode="separate"):
     dtype = q.dtype
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = flash_attention(qg, kg, vg, causal=causal, q_offset=q_offset, k_offset=k_offset, softmax_scale=scale)
+    out, lse = flash_attention(qg, kg, vg, causal=causal, q_offset=q_offset, k_offset=k_offset, softmax_scale=scale,
+                               dq_mode=dq_mode)
     dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), do)
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     ro, rl = attention_reference(qr, kr, vr, causal=causal, q_offset=q_offset, k_offset=k_offset, softmax_scale=scale)
@@ -73,11 +80,17 @@ def _case_id(c):
     return "b{}_q{}_k{}_h{}/{}_d{}_{}_off{}-{}".format(*c[:6], "causal" if c[6] else "full", *c[7:])
 
 
+DQ_MODES = ["separate", "atomic"]
+
+
+@pytest.mark.parametrize("dq_mode", DQ_MODES)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_against_fp64_reference(case):
+def test_against_fp64_reference(case, dq_mode):
     b, sq, sk, hq, hk, d, causal, qo, ko = case
     q, k, v, do = _inputs(b, sq, sk, hq, hk, d, torch.float32, seed=sum(case[:6]))
-    out, lse = _check(q, k, v, do, causal=causal, q_offset=qo, k_offset=ko, msg=str(case))
+    out, lse = _check(q, k, v, do, causal=causal, q_offset=qo, k_offset=ko, msg=f"{case} {dq_mode}", dq_mode=dq_mode)
+    if dq_mode != "separate":
+        return  # the forward below does not depend on the backward's mode
     # the launcher writing into NaN-poisoned buffers gives the same result bit for bit
     out_p, lse_p = flash_attention_forward(q, k, v, causal=causal, q_offset=qo, k_offset=ko,
                                            out=poison(q.shape, q.dtype), lse=poison((b, hq, sq), torch.float32))
@@ -92,12 +105,14 @@ def test_bf16_upcast_path():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("d", [16, 32, 64, 128])
-def test_head_dims_and_dtypes(dtype, d):
+@pytest.mark.parametrize("d, dq_mode", [(16, "separate"), (32, "separate"), (64, "separate"), (128, "separate"),
+                                        (64, "atomic"), (128, "atomic")])  # atomic: the tuned head dims
+def test_head_dims_and_dtypes(dtype, d, dq_mode):
     # fewer rows for wide heads: the interpreter's cost grows with BLOCK_D
     s = 23 if d <= 32 else 9
     q, k, v, do = _inputs(1, s, s + 2, 2, 1, d, dtype, seed=d)
-    _check(q, k, v, do, causal=True, k_offset=0, q_offset=2, scale=0.3, msg=f"d={d} {dtype}")
+    _check(q, k, v, do, causal=True, k_offset=0, q_offset=2, scale=0.3, msg=f"d={d} {dtype} {dq_mode}",
+           dq_mode=dq_mode)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -115,9 +130,11 @@ def test_against_sdpa(causal):
         assert_close(got, r.transpose(1, 2), torch.float32, rtol=GRAD_TOL[torch.float32], atol=GRAD_TOL[torch.float32])
 
 
-def test_strided_views_and_poisoned_outputs():
+@pytest.mark.parametrize("dq_mode", DQ_MODES)
+def test_strided_views_and_poisoned_outputs(dq_mode):
     # q, k, v are head slices of one packed [b, s, 3h, d] projection (read in place); the out /
-    # lse / gradient buffers are NaN-poisoned strided views that every element must overwrite.
+    # lse / gradient buffers are NaN-poisoned strided views that every element must overwrite
+    # (atomic: the fp32 dq view is zeroed, then the atomics add into it in place).
     g = torch.Generator().manual_seed(3)
     b, s, h, d = 2, 21, 2, 16
     qkv = randn(b, s, 3 * h + 1, d, generator=g)
@@ -131,16 +148,20 @@ def test_strided_views_and_poisoned_outputs():
     assert torch.isnan(out_buf[:, :, 0]).all(), "the kernel wrote outside its out view"
     do = randn(b, s, h, d, generator=g)
     grads = [poison((b, s, h + 2, d), torch.float32)[:, :, 1:h + 1] for _ in range(3)]
-    dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, causal=True, dq=grads[0], dk=grads[1], dv=grads[2])
+    dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, causal=True, dq=grads[0], dk=grads[1], dv=grads[2],
+                                          dq_mode=dq_mode)
+    assert dq.data_ptr() == grads[0].data_ptr()
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     rgrads = torch.autograd.grad(attention_reference(qr, kr, vr, causal=True)[0], (qr, kr, vr), do.double())
     for got, r in zip((dq, dk, dv), rgrads):
         assert_close(got, r, torch.float32, rtol=GRAD_TOL[torch.float32], atol=GRAD_TOL[torch.float32])
 
 
-def test_accumulate_merges_key_blocks():
+@pytest.mark.parametrize("dq_mode", DQ_MODES)
+def test_accumulate_merges_key_blocks(dq_mode):
     # the ring's use: attention over keys [0, 40) as two blocks at their global offsets, merged
-    # in fp32 by the kernel, with gradients accumulated into fp32 buffers.
+    # in fp32 by the kernel, with gradients accumulated into fp32 buffers (atomic: dq's atomics
+    # add straight into the fp32 buffer).
     g = torch.Generator().manual_seed(11)
     b, sq, hq, hk, d = 1, 18, 4, 2, 16
     q = randn(b, sq, hq, d, generator=g, dtype=torch.float16)
@@ -160,7 +181,8 @@ def test_accumulate_merges_key_blocks():
     dk, dv = torch.zeros(b, 40, hk, d, device=DEVICE), torch.zeros(b, 40, hk, d, device=DEVICE)
     for lo, hi in ((0, 23), (23, 40)):
         flash_attention_backward(do, q, k[:, lo:hi], v[:, lo:hi], out.half(), lse, causal=True, q_offset=q_off,
-                                 k_offset=lo, dq=dq, dk=dk[:, lo:hi], dv=dv[:, lo:hi], accumulate=True)
+                                 k_offset=lo, dq=dq, dk=dk[:, lo:hi], dv=dv[:, lo:hi], accumulate=True,
+                                 dq_mode=dq_mode)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref_out = attention_reference(qr, kr, vr, causal=True, q_offset=q_off)[0]
     rgrads = torch.autograd.grad(ref_out, (qr, kr, vr), do.double())
@@ -169,26 +191,70 @@ def test_accumulate_merges_key_blocks():
         assert_close(got, r, torch.float16, rtol=tol, atol=tol * r.abs().max().item())
 
 
-def test_fully_masked_rows():
+@pytest.mark.parametrize("dq_mode", DQ_MODES)
+def test_fully_masked_rows(dq_mode):
     # keys all after the queries: every row sees nothing -> out 0, lse -inf, zero gradients
     q, k, v, do = _inputs(1, 9, 5, 2, 1, 16, torch.float32, seed=5)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = flash_attention(qg, kg, vg, causal=True, q_offset=0, k_offset=9)
+    out, lse = flash_attention(qg, kg, vg, causal=True, q_offset=0, k_offset=9, dq_mode=dq_mode)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.isneginf(lse).all()
     for gr in torch.autograd.grad(out, (qg, kg, vg), do):
         assert torch.equal(gr, torch.zeros_like(gr))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_dq_modes_agree(dtype):
+    # one problem of odd shapes (GQA 2, causal at offsets, tails in both lengths, head_dim 24
+    # padded, sinks) through both modes, fresh buffers and accumulate mode. Both sum the same
+    # products in fp32, in another order: "separate" over key blocks inside one dQ program,
+    # "atomic" per (query block, key block) program with fp32 atomic adds (the scale applied to
+    # each part). fp32: RTOL / ATOL_SCALE (1e-5 of the RMS; a few ulps per key block). fp16: both
+    # round P and dS to fp16 before their products, from scores summed in another order (QK^T
+    # against KQ^T), so a dS entry may round one fp16 ulp (2^-11) apart, and dq is rounded to
+    # fp16 at the end: RTOL[fp16] = 2e-3 of the RMS. dk, dv and d_sink come from the same code
+    # in both modes: bit for bit under the interpreter (both 16x16 tiles); on a GPU the tuned
+    # tiles differ, so they agree to the same tolerance. On a GPU, "separate" is bit-reproducible
+    # (under the interpreter every launch is: its programs run one after another).
+    g = torch.Generator().manual_seed(17)
+    b, sq, sk, hq, hk, d = 1, 21, 19, 4, 2, 24
+    q, k = randn(b, sq, hq, d, dtype=dtype, generator=g), randn(b, sk, hk, d, dtype=dtype, generator=g)
+    v, do = randn(b, sk, hk, d, dtype=dtype, generator=g), randn(b, sq, hq, d, dtype=dtype, generator=g)
+    sinks = randn(hq, generator=g)
+    opts = dict(causal=True, q_offset=5, k_offset=3, sinks=sinks)
+    out, lse = flash_attention_forward(q, k, v, **opts)
+    runs = {m: flash_attention_backward(do, q, k, v, out, lse, dq_mode=m, **opts) for m in DQ_MODES}
+    if not INTERPRETED:
+        again = flash_attention_backward(do, q, k, v, out, lse, dq_mode="separate", **opts)
+        assert all(torch.equal(x, y) for x, y in zip(again, runs["separate"])), "separate mode is not reproducible"
+    sep, atom = runs["separate"], runs["atomic"]
+    assert torch.equal(sep[3], atom[3]), "d_sink"
+    dq0 = randn(b, sq, hq, d, dtype=dtype, generator=g)  # accumulate: dq in q's dtype, added to in fp32
+    acc = {}
+    for m in DQ_MODES:
+        bufs = (dq0.clone(), torch.zeros(k.shape, device=DEVICE), torch.zeros(v.shape, device=DEVICE))
+        acc[m] = flash_attention_backward(do, q, k, v, out, lse, dq=bufs[0], dk=bufs[1], dv=bufs[2], accumulate=True,
+                                          dq_mode=m, **opts)
+    pairs = [("dq", sep[0], atom[0]), ("dk", sep[1], atom[1]), ("dv", sep[2], atom[2]),
+             ("accumulated dq", acc["separate"][0], acc["atomic"][0])]
+    for name, want, got in pairs:
+        assert got.dtype == want.dtype and not torch.isnan(got).any(), name
+        if INTERPRETED and name in ("dk", "dv"):
+            assert torch.equal(got, want), name
+        rms = want.double().pow(2).mean().sqrt().item()
+        assert_close(got, want, dtype, rtol=RTOL[dtype], atol=ATOL_SCALE[dtype] * rms, msg=name)
+    assert not torch.equal(acc["atomic"][0], dq0)
+
+
 # ----------------------------------------------------------------------------------------------
 # window, softcap, sinks, a v head dim of its own
 # ----------------------------------------------------------------------------------------------
-def _check_options(q, k, v, do, *, sinks=None, msg="", **opts):
+def _check_options(q, k, v, do, *, sinks=None, msg="", dq_mode="separate", **opts):
     """The op (forward, lse, dq, dk, dv, d_sink) against the float64 oracle, and the launcher
     writing into NaN-poisoned buffers bit for bit like the op."""
     ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     ins += [] if sinks is None else [sinks.clone().requires_grad_()]
-    out, lse = flash_attention(*ins[:3], sinks=None if sinks is None else ins[3], **opts)
+    out, lse = flash_attention(*ins[:3], sinks=None if sinks is None else ins[3], dq_mode=dq_mode, **opts)
     grads = torch.autograd.grad(out, ins, do)
     refs = [t.detach().double().requires_grad_() for t in ins]
     ro, rl = attention_reference(*refs[:3], sinks=None if sinks is None else refs[3], **opts)
@@ -227,15 +293,21 @@ OPTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
-def test_window_softcap_sinks_head_dims(case):
+#: the one-pass backward on one case of softcap and one of a v head dim with sinks (both windowed)
+ATOMIC_OPTION_CASES = ("softcap-saturated", "qk24-v16-window-sinks")
+
+
+@pytest.mark.parametrize("case, dq_mode", [pytest.param(c, "separate", id=c[0]) for c in OPTION_CASES]
+                         + [pytest.param(c, "atomic", id=f"{c[0]}-atomic") for c in OPTION_CASES
+                            if c[0] in ATOMIC_OPTION_CASES])
+def test_window_softcap_sinks_head_dims(case, dq_mode):
     name, b, sq, sk, hq, hk, d, dv, opts, with_sinks, q_scale = case
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     q = randn(b, sq, hq, d, generator=g, scale=q_scale)
     k = randn(b, sk, hk, d, generator=g)
     v, do = randn(b, sk, hk, dv, generator=g), randn(b, sq, hq, dv, generator=g)
     sinks = randn(hq, generator=g) if with_sinks else None
-    out, lse = _check_options(q, k, v, do, sinks=sinks, msg=name, **opts)
+    out, lse = _check_options(q, k, v, do, sinks=sinks, msg=f"{name} {dq_mode}", dq_mode=dq_mode, **opts)
     if name == "window-empty-rows-sinks":  # rows 0-2 see no key: out 0, lse = the sink (the sink's mass only)
         assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3]))
         assert torch.equal(lse[:, :, :3], sinks[None, :, None].expand(b, hq, 3))
@@ -258,8 +330,9 @@ def test_window_against_sdpa_mask():
         assert_close(got, r.transpose(1, 2), torch.float32, rtol=GRAD_TOL[torch.float32], atol=GRAD_TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dq_mode", DQ_MODES)
 @pytest.mark.parametrize("q_offset", [0, 48], ids=["right-edge", "left-edge"])
-def test_window_skips_key_blocks(q_offset):
+def test_window_skips_key_blocks(q_offset, dq_mode):
     # cost follows the window: 16 queries at positions q_offset.. with window (3, 3) see keys
     # [q_offset - 3, q_offset + 18] of 64, i.e. two of the four key blocks (16 keys each under the
     # interpreter, the smallest GPU block too). The other two hold NaN: a kernel that loaded them
@@ -272,7 +345,7 @@ def test_window_skips_key_blocks(q_offset):
     far = slice(32, 64) if q_offset == 0 else slice(0, 32)
     k[:, far], v[:, far] = float("nan"), float("nan")
     out, lse = flash_attention_forward(q, k, v, window=(3, 3), q_offset=q_offset)
-    dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, window=(3, 3), q_offset=q_offset)
+    dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, window=(3, 3), q_offset=q_offset, dq_mode=dq_mode)
     near = slice(0, 32) if q_offset == 0 else slice(32, 64)
     ro, _ = attention_reference(q, k[:, near], v[:, near], window=(3, 3), q_offset=q_offset, k_offset=near.start)
     assert_close(out, ro, torch.float32, msg="out")
@@ -335,6 +408,11 @@ BAD_INPUTS = [
                                       torch.zeros(1, 4, 4, device=DEVICE), sinks=_bad((1, 4)))),
     ("v head_dim 300", ValueError, "v head_dim must be between 1 and 256",
      lambda: flash_attention(_bad(_Q), _bad(_K), _bad((1, 4, 2, 300)))),
+    ("dq_mode value", ValueError, r"dq_mode must be one of \('separate', 'atomic'\), got 'fast'",
+     lambda: flash_attention(_bad(_Q), _bad(_K), _bad(_K), dq_mode="fast")),
+    ("dq_mode type", TypeError, r"dq_mode must be one of \('separate', 'atomic'\), got NoneType",
+     lambda: flash_attention_backward(_bad(_Q), _bad(_Q), _bad(_K), _bad(_K), _bad(_Q),
+                                      torch.zeros(1, 4, 4, device=DEVICE), dq_mode=None)),
     ("dout shape", ValueError, r"dout must have shape \(1, 4, 4, 16\)",
      lambda: flash_attention_backward(_bad((1, 3, 4, 16)), _bad(_Q), _bad(_K), _bad(_K), _bad(_Q),
                                       torch.zeros(1, 4, 4, device=DEVICE))),
@@ -370,6 +448,9 @@ def test_benchmark_cli_smoke(bench_main, tmp_path):
     # rounds inputs, probabilities and outputs to 8 bits: the benchmark's bf16 tolerance (5e-2)
     bound = 1e-4 if row["dtype"] == "float32" else TOLERANCES[row["dtype"]]
     assert row["max_rel_err"] < bound and row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["sdpa_fwd_ms"] > 0
+    # both backward modes timed (the one-pass "atomic" one in its own columns), its error in max_rel_err
+    assert row["bwd_atomic_ms"] > 0 and row["bwd_atomic_speedup"] == row["bwd_ms"] / row["bwd_atomic_ms"]
+    assert row["bwd_atomic_ratio_vs_sdpa"] == row["sdpa_bwd_ms"] / row["bwd_atomic_ms"]
 
 
 @pytest.mark.parametrize("ranks, tokens, rank", [(2, 2, 1), (3, 4, 0)], ids=["P2_s2_rank1", "P3_s4_rank0"])

@@ -8,7 +8,8 @@ tails in every tile dim; K both "unaligned", which keeps only 32-deep tiles, and
 64, which keeps the 64-deep ones) against a float64 reference, in bf16: the GEMM plain, with a
 fused bias + GELU epilogue and gated SwiGLU + residual; the grouped GEMM (plain and gated, empty
 and one-row groups) and its weight gradient; flash attention forward and backward (causal and
-not, d 64 and 128, GQA). Not swept: fp16 / fp32 / TF32 launches (other prune outcomes) and
+not, d 64 and 128, GQA; the backward in both dq modes, so the one-pass "atomic" configs of the
+dK/dV kernel's autotuner are swept too). Not swept: fp16 / fp32 / TF32 launches (other prune outcomes) and
 configs only LLM-sized shapes keep (the benchmarks check those results before timing them).
 The parsing and selection rules run on CPU too.
 """
@@ -151,8 +152,10 @@ def test_every_flash_config(monkeypatch, head_dim, causal):
     def check():
         out, lse = flash_attention_forward(q, k, v, causal=causal)
         assert_close(out, ro.detach(), dt, rtol=OUT_TOL, msg="flash out")
-        for name, got, ref in zip("dq dk dv".split(), flash_attention_backward(do, q, k, v, out, lse, causal=causal),
-                                  (q64.grad, k64.grad, v64.grad)):
+        grads = [(f"{name} {mode}", got, ref) for mode in ("separate", "atomic") for name, got, ref in zip(
+            "dq dk dv".split(), flash_attention_backward(do, q, k, v, out, lse, causal=causal, dq_mode=mode),
+            (q64.grad, k64.grad, v64.grad))]
+        for name, got, ref in grads:
             # absolute error scales with |dout| as well (as in test_flash_attention): the backward's
             # delta = rowsum(dout * out) reads the bf16 output (rounded once there, and its
             # probabilities once before the PV product), an error of ~2^-8 * |dout| |out| sqrt(d)

@@ -20,6 +20,7 @@ from fusedpar.kernels.flash_attention import (
     check_window,
     resolve_softmax_scale,
 )
+from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE, check_dq_mode
 from fusedpar.kernels.flash_varlen import check_varlen_inputs
 from fusedpar.ops.flash_library import flash_attention_op, flash_attention_varlen_op
 from fusedpar.ops.library import checked_api
@@ -39,7 +40,7 @@ def _score_arguments(q, causal, softmax_scale, head_dim, window, softcap, sinks)
 
 @checked_api
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0, window=None, softcap=None,
-                    sinks=None):
+                    sinks=None, dq_mode=DEFAULT_DQ_MODE):
     """Scaled dot-product attention with a flash kernel; returns ``(out, lse)``.
 
     q ``[batch, seq_q, heads, head_dim]``, k ``[batch, seq_k, kv_heads, head_dim]``, v
@@ -54,18 +55,23 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_
     head added to the softmax denominator (gpt-oss); it takes probability mass but carries no
     value. Rows that see no key give ``out = 0`` and ``lse = -inf`` (with sinks ``lse = sink``).
     ``lse`` (``[batch, heads, seq_q]``, fp32, natural log, including the sink) is not
-    differentiable (it is marked so; gradients flow through ``out``).
+    differentiable (it is marked so; gradients flow through ``out``). ``dq_mode`` picks the
+    backward: ``"separate"`` (default; deterministic, the same bits every run) or ``"atomic"``
+    (one pass, dQ added with fp32 atomics: fewer matrix products, but dq's bits change between
+    GPU runs with the order of the additions); see
+    :func:`fusedpar.kernels.flash_attention_backward`.
     The custom op ``fusedpar::flash_attention``: traceable by ``torch.compile``.
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
     scale, left, right, cap = _score_arguments(q, causal, softmax_scale, q.shape[3], window, softcap, sinks)
-    return flash_attention_op(q, k, v, causal, scale, q_offset, k_offset, left, right, cap, sinks)
+    check_dq_mode(dq_mode)
+    return flash_attention_op(q, k, v, causal, scale, q_offset, k_offset, left, right, cap, sinks, dq_mode)
 
 
 @checked_api
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           softmax_scale=None, window=None, softcap=None, sinks=None):
+                           softmax_scale=None, window=None, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     """Differentiable attention over packed documents (flash-attn's ``flash_attn_varlen_func``
     convention); returns ``(out, lse)``.
 
@@ -75,12 +81,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Document ``i``'s queries attend to its own keys only; ``causal=True`` is bottom-right aligned
     per document (query ``i`` sees key ``j`` iff ``j <= i + len_k - len_q``), and so is
     ``window=(left, right)`` (``i + shift - left <= j <= i + shift + right``, ``shift = len_k -
-    len_q``). ``softcap`` and ``sinks`` as in :func:`flash_attention`. ``lse`` ``[heads, total_q]``
-    fp32 is not differentiable. The kernels-level :func:`fusedpar.kernels.flash_attention_varlen`
-    is the same forward without autograd. The custom op ``fusedpar::flash_attention_varlen``:
+    len_q``). ``softcap``, ``sinks`` and ``dq_mode`` as in :func:`flash_attention`. ``lse``
+    ``[heads, total_q]`` fp32 is not differentiable. The kernels-level
+    :func:`fusedpar.kernels.flash_attention_varlen` is the same forward without autograd. The custom op ``fusedpar::flash_attention_varlen``:
     traceable by ``torch.compile``.
     """
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, values=False)
     scale, left, right, cap = _score_arguments(q, causal, softmax_scale, q.shape[2], window, softcap, sinks)
+    check_dq_mode(dq_mode)
     return flash_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                     left, right, cap, sinks)
+                                     left, right, cap, sinks, dq_mode)

@@ -2,18 +2,21 @@
 :func:`fusedpar.ops.flash.flash_attention_varlen` (see :mod:`fusedpar.ops.library`).
 
 * ``fusedpar::flash_attention(q, k, v, causal, softmax_scale, q_offset, k_offset, window_left=-1,
-  window_right=-1, softcap=None, sinks=None) -> (out, lse)`` (:data:`flash_attention_op`, body
+  window_right=-1, softcap=None, sinks=None, dq_mode="separate") -> (out, lse)`` (:data:`flash_attention_op`, body
   :func:`flash_attention_fwd`) and ``fusedpar::flash_attention_backward``
   (:data:`flash_attention_backward_op`, body :func:`flash_attention_bwd`, returning
   ``(dq, dk, dv, dsinks)``, ``dsinks`` an :func:`~fusedpar.ops.library.absent` placeholder
   without sinks).
 * ``fusedpar::flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-  max_seqlen_k, causal, softmax_scale, window_left=-1, window_right=-1, softcap=None, sinks=None)
-  -> (out, lse)`` (:data:`flash_attention_varlen_op`, body :func:`flash_attention_varlen_fwd`)
+  max_seqlen_k, causal, softmax_scale, window_left=-1, window_right=-1, softcap=None, sinks=None,
+  dq_mode="separate") -> (out, lse)`` (:data:`flash_attention_varlen_op`, body :func:`flash_attention_varlen_fwd`)
   and ``fusedpar::flash_attention_varlen_backward`` (:data:`flash_attention_varlen_backward_op`,
   body :func:`flash_attention_varlen_bwd`).
 
-``lse`` is not differentiable; ``sinks`` is (its gradient comes from the backward op). The
+``lse`` is not differentiable; ``sinks`` is (its gradient comes from the backward op).
+``dq_mode`` is read by the backward only ("separate": deterministic; "atomic": the one-pass
+backward, whose dq bits vary between GPU runs; see
+:func:`~fusedpar.kernels.flash_attention_bwd.flash_attention_backward`). The
 bodies call the launchers of :mod:`fusedpar.kernels.flash_attention`,
 :mod:`fusedpar.kernels.flash_attention_bwd` and :mod:`fusedpar.kernels.flash_varlen`; the values
 of ``cu_seqlens`` are checked there (on CPU tensors), where they are read.
@@ -24,7 +27,7 @@ import torch
 
 from fusedpar.kernels import flash_varlen
 from fusedpar.kernels.flash_attention import flash_attention_forward
-from fusedpar.kernels.flash_attention_bwd import flash_attention_backward
+from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE, flash_attention_backward
 from fusedpar.ops.library import absent, custom_op, input_grads, present
 
 __all__ = [
@@ -54,8 +57,8 @@ def _backward_fake(q, k, v):
 # ----------------------------------------------------------------------------------------------
 def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None, q_offset: int,
                         k_offset: int, window_left: int = -1, window_right: int = -1, softcap: float | None = None,
-                        sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of the flash forward kernel."""
+                        sinks: Tensor | None = None, dq_mode: str = DEFAULT_DQ_MODE) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of the flash forward kernel (``dq_mode``: for the backward)."""
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset,
                                    k_offset=k_offset, window=_window(window_left, window_right), softcap=softcap,
                                    sinks=sinks)
@@ -65,19 +68,20 @@ flash_attention_op = custom_op("flash_attention")(flash_attention_fwd)
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, q_offset, k_offset, window_left=-1, window_right=-1, softcap=None, sinks=None):
+def _(q, k, v, causal, softmax_scale, q_offset, k_offset, window_left=-1, window_right=-1, softcap=None, sinks=None,
+      dq_mode=DEFAULT_DQ_MODE):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 def flash_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                         softmax_scale: float | None, q_offset: int, k_offset: int, window_left: int = -1,
-                        window_right: int = -1, softcap: float | None = None,
-                        sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        window_right: int = -1, softcap: float | None = None, sinks: Tensor | None = None,
+                        dq_mode: str = DEFAULT_DQ_MODE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dsinks)`` of the flash backward kernels (``dsinks`` absent without sinks)."""
     return _with_dsinks(flash_attention_backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset, k_offset=k_offset,
-        window=_window(window_left, window_right), softcap=softcap, sinks=sinks), q)
+        window=_window(window_left, window_right), softcap=softcap, sinks=sinks, dq_mode=dq_mode), q)
 
 
 flash_attention_backward_op = custom_op("flash_attention_backward")(flash_attention_bwd)
@@ -85,23 +89,25 @@ flash_attention_backward_op = custom_op("flash_attention_backward")(flash_attent
 
 @flash_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, causal, softmax_scale, q_offset, k_offset, window_left=-1, window_right=-1,
-      softcap=None, sinks=None):
+      softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     return _backward_fake(q, k, v) if sinks is None else (*_backward_fake(q, k, v)[:3], sinks.new_empty(sinks.shape))
 
 
 def _flash_setup(ctx, inputs, output):
-    q, k, v, *args, sinks = inputs
+    q, k, v, *args, sinks, dq_mode = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.args = tuple(args)  # causal, softmax_scale, q_offset, k_offset, window_left, window_right, softcap
+    ctx.dq_mode = dq_mode
 
 
 def _flash_backward(ctx, dout, dlse):
     q, k, v, out, lse, sinks = ctx.saved_tensors
     if dout is None:
         return input_grads(flash_attention_op)
-    dq, dk, dv, dsinks = flash_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args, sinks)
+    dq, dk, dv, dsinks = flash_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args, sinks,
+                                                     ctx.dq_mode)
     return input_grads(flash_attention_op, q=dq, k=dk, v=dv, sinks=present(dsinks))
 
 
@@ -114,8 +120,9 @@ flash_attention_op.register_autograd(_flash_backward, setup_context=_flash_setup
 def flash_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                                max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float | None,
                                window_left: int = -1, window_right: int = -1, softcap: float | None = None,
-                               sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of the varlen launcher (which checks the ``cu_seqlens`` values)."""
+                               sinks: Tensor | None = None, dq_mode: str = DEFAULT_DQ_MODE) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of the varlen launcher (which checks the ``cu_seqlens`` values; ``dq_mode``:
+    for the backward)."""
     return flash_varlen.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                causal=causal, softmax_scale=softmax_scale,
                                                window=_window(window_left, window_right), softcap=softcap,
@@ -127,19 +134,20 @@ flash_attention_varlen_op = custom_op("flash_attention_varlen")(flash_attention_
 
 @flash_attention_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left=-1,
-      window_right=-1, softcap=None, sinks=None):
+      window_right=-1, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     return q.new_empty((*q.shape[:2], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def flash_attention_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                causal: bool, softmax_scale: float | None, window_left: int = -1,
-                               window_right: int = -1, softcap: float | None = None,
-                               sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                               window_right: int = -1, softcap: float | None = None, sinks: Tensor | None = None,
+                               dq_mode: str = DEFAULT_DQ_MODE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dsinks)`` of the varlen backward launcher (``dsinks`` absent without sinks)."""
     return _with_dsinks(flash_varlen.flash_attention_varlen_backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-        softmax_scale=softmax_scale, window=_window(window_left, window_right), softcap=softcap, sinks=sinks), q)
+        softmax_scale=softmax_scale, window=_window(window_left, window_right), softcap=softcap, sinks=sinks,
+        dq_mode=dq_mode), q)
 
 
 flash_attention_varlen_backward_op = custom_op("flash_attention_varlen_backward")(flash_attention_varlen_bwd)
@@ -147,16 +155,17 @@ flash_attention_varlen_backward_op = custom_op("flash_attention_varlen_backward"
 
 @flash_attention_varlen_backward_op.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      window_left=-1, window_right=-1, softcap=None, sinks=None):
+      window_left=-1, window_right=-1, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     return _backward_fake(q, k, v) if sinks is None else (*_backward_fake(q, k, v)[:3], sinks.new_empty(sinks.shape))
 
 
 def _varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *args, sinks = inputs
+    q, k, v, cu_q, cu_k, *args, sinks, dq_mode = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
     ctx.args = tuple(args)  # max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap
+    ctx.dq_mode = dq_mode
 
 
 def _varlen_backward(ctx, dout, dlse):
@@ -164,7 +173,7 @@ def _varlen_backward(ctx, dout, dlse):
     if dout is None:
         return input_grads(flash_attention_varlen_op)
     dq, dk, dv, dsinks = flash_attention_varlen_backward_op(dout.to(q.dtype), q, k, v, out, lse, cu_q, cu_k,
-                                                            *ctx.args, sinks)
+                                                            *ctx.args, sinks, ctx.dq_mode)
     return input_grads(flash_attention_varlen_op, q=dq, k=dk, v=dv, sinks=present(dsinks))
 
 
