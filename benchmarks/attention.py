@@ -41,66 +41,18 @@ def _attn_flops(b, h, sq, sk, d, causal):
 @register("attention", "flash attention fwd/bwd vs torch SDPA", add_args=_add_args)
 def run(args, ctx):
     import torch
-    import torch.nn.functional as F
-
-    from fusedpar.kernels import flash_attention_backward, flash_attention_forward
 
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
     seqs = args.seqs or (GPU_SEQS if ctx.gpu else [33])
     dims = args.head_dims or (GPU_HEAD_DIMS if ctx.gpu else [16])
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    sdpa_ctx = _sdpa_flash_context(ctx)
     rows = []
     for d in dims:
         for s in seqs:
             b = max(1, TOKENS // s) if ctx.gpu else 1
             h = max(1, HIDDEN // d) if ctx.gpu else 2
             for causal in causals:
-                def make():
-                    q, k, v, do = (torch.randn(b, s, h, d, device=ctx.device, dtype=dtype) for _ in range(4))
-                    return q, k, v, do
-
-                q, k, v, do = make()
-                out, lse = flash_attention_forward(q, k, v, causal=causal)
-                qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-                with sdpa_ctx():
-                    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                err_f = check_close(out, ref.transpose(1, 2))
-                dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, causal=causal)
-                with sdpa_ctx():
-                    ref.backward(do.transpose(1, 2), retain_graph=True)
-                err_b = max(check_close(dq, qt.grad.transpose(1, 2)), check_close(dk, kt.grad.transpose(1, 2)),
-                            check_close(dv, vt.grad.transpose(1, 2)))
-                grads = flash_attention_backward(do, q, k, v, out, lse, causal=causal, dq_mode="atomic")
-                err_b = max(err_b, *(check_close(g, r.grad.transpose(1, 2)) for g, r in zip(grads, (qt, kt, vt))))
-
-                t_fwd = ctx.time_ms(lambda: flash_attention_forward(q, k, v, causal=causal))
-                t_bwd = ctx.time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal))
-                t_bwd_a = ctx.time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal,
-                                                                       dq_mode="atomic"))
-
-                def sdpa_fwd():
-                    with torch.no_grad(), sdpa_ctx():
-                        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-                def sdpa_bwd():
-                    with sdpa_ctx():
-                        torch.autograd.grad(ref, (qt, kt, vt), do.transpose(1, 2), retain_graph=True)
-
-                s_fwd = ctx.time_ms(sdpa_fwd)
-                s_bwd = ctx.time_ms(sdpa_bwd)
-                flops = _attn_flops(b, h, s, s, d, causal)
-                rows.append({
-                    "batch": b, "seq": s, "heads": h, "head_dim": d, "causal": causal,
-                    "dtype": str(dtype).replace("torch.", ""),
-                    "fwd_ms": t_fwd, "sdpa_fwd_ms": s_fwd, "fwd_ratio_vs_sdpa": s_fwd / t_fwd,
-                    "bwd_ms": t_bwd, "sdpa_bwd_ms": s_bwd, "bwd_ratio_vs_sdpa": s_bwd / t_bwd,
-                    "bwd_atomic_ms": t_bwd_a, "bwd_atomic_ratio_vs_sdpa": s_bwd / t_bwd_a,
-                    "bwd_atomic_speedup": t_bwd / t_bwd_a,
-                    "fwd_TFLOPs": tflops(flops, t_fwd), "bwd_TFLOPs": tflops(2.5 * flops, t_bwd),
-                    "bwd_atomic_TFLOPs": tflops(2.5 * flops, t_bwd_a),
-                    "max_rel_err": max(err_f, err_b),
-                })
+                rows.append(_attention_row(ctx, b, s, h, d, causal, dtype))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     else:
@@ -109,6 +61,56 @@ def run(args, ctx):
                          "dq_mode='atomic' (one pass, dQ by fp32 atomics, fp32 scratch cast to bf16 included); "
                          "bwd_atomic_speedup = bwd_ms / bwd_atomic_ms.")
     return rows
+
+
+def _attention_row(ctx, b, s, h, d, causal, dtype):
+    """One shape: both kernels (forward, both backward modes) checked against SDPA, then timed."""
+    import torch
+    import torch.nn.functional as F
+
+    from fusedpar.kernels import flash_attention_backward, flash_attention_forward
+
+    sdpa_ctx = _sdpa_flash_context(ctx)
+    q, k, v, do = (torch.randn(b, s, h, d, device=ctx.device, dtype=dtype) for _ in range(4))
+    out, lse = flash_attention_forward(q, k, v, causal=causal)
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    with sdpa_ctx():
+        ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    err_f = check_close(out, ref.transpose(1, 2))
+    dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, causal=causal)
+    with sdpa_ctx():
+        ref.backward(do.transpose(1, 2), retain_graph=True)
+    err_b = max(check_close(dq, qt.grad.transpose(1, 2)), check_close(dk, kt.grad.transpose(1, 2)),
+                check_close(dv, vt.grad.transpose(1, 2)))
+    grads = flash_attention_backward(do, q, k, v, out, lse, causal=causal, dq_mode="atomic")
+    err_b = max(err_b, *(check_close(g, r.grad.transpose(1, 2)) for g, r in zip(grads, (qt, kt, vt))))
+
+    t_fwd = ctx.time_ms(lambda: flash_attention_forward(q, k, v, causal=causal))
+    t_bwd = ctx.time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal))
+    t_bwd_a = ctx.time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal, dq_mode="atomic"))
+
+    def sdpa_fwd():
+        with torch.no_grad(), sdpa_ctx():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def sdpa_bwd():
+        with sdpa_ctx():
+            torch.autograd.grad(ref, (qt, kt, vt), do.transpose(1, 2), retain_graph=True)
+
+    s_fwd = ctx.time_ms(sdpa_fwd)
+    s_bwd = ctx.time_ms(sdpa_bwd)
+    flops = _attn_flops(b, h, s, s, d, causal)
+    return {
+        "batch": b, "seq": s, "heads": h, "head_dim": d, "causal": causal,
+        "dtype": str(dtype).replace("torch.", ""),
+        "fwd_ms": t_fwd, "sdpa_fwd_ms": s_fwd, "fwd_ratio_vs_sdpa": s_fwd / t_fwd,
+        "bwd_ms": t_bwd, "sdpa_bwd_ms": s_bwd, "bwd_ratio_vs_sdpa": s_bwd / t_bwd,
+        "bwd_atomic_ms": t_bwd_a, "bwd_atomic_ratio_vs_sdpa": s_bwd / t_bwd_a,
+        "bwd_atomic_speedup": t_bwd / t_bwd_a,
+        "fwd_TFLOPs": tflops(flops, t_fwd), "bwd_TFLOPs": tflops(2.5 * flops, t_bwd),
+        "bwd_atomic_TFLOPs": tflops(2.5 * flops, t_bwd_a),
+        "max_rel_err": max(err_f, err_b),
+    }
 
 
 def _sdpa_flash_context(ctx):

@@ -44,6 +44,7 @@ TARGETS = [
     Target("matmul", "ratio_vs_torch", 1.0, when=(("epilogue", "swiglu"),)),
     Target("attention", "fwd_ratio_vs_sdpa", 1.0),
     Target("attention", "bwd_ratio_vs_sdpa", 0.9),
+    Target("attention", "bwd_atomic_ratio_vs_sdpa", 0.9),
     Target("moe", "ratio_vs_baseline", 0.95, when=(("bench", "grouped_gemm"),)),
     Target("moe", "ratio_vs_baseline", 0.8, when=(("bench", "permute"),)),
     Target("moe", "ratio_vs_baseline", 0.8, when=(("bench", "unpermute"),)),
