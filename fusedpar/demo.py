@@ -45,8 +45,10 @@ def _use_cuda(device: str) -> bool:
 
 
 def _setup_env(use_cuda: bool):
-    # the interpreter must be chosen before triton is imported (fusedpar.kernels imports it)
-    if not use_cuda:
+    # the interpreter must be chosen before triton is imported (fusedpar.kernels imports it); once
+    # triton is imported (main() called in a process that already uses it, e.g. a GPU test worker)
+    # the choice is made, and setting the variable would only leak into later child processes
+    if not use_cuda and "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
