@@ -20,6 +20,7 @@ else:
 
     check_interpreter()
     from .gemm import matmul, matmul_reference, matmul_tn
+    from .linear_ce import linear_ce_dlogits, linear_ce_dlogits_reference, linear_ce_stats, linear_ce_stats_reference
     from .grouped_bias import grouped_bias_grad
     from .fp8 import dequantize_e4m3, quantize_e4m3
     from .fp8_gemm import fp8_matmul
@@ -40,6 +41,7 @@ else:
 
     __all__ = [
         "ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn",
+        "linear_ce_dlogits", "linear_ce_dlogits_reference", "linear_ce_stats", "linear_ce_stats_reference",
         "dequantize_e4m3", "fp8_matmul", "quantize_e4m3",
         "as_group_offsets", "combine", "combine_backward", "grouped_bias_grad", "grouped_matmul", "grouped_matmul_dact",
         "grouped_matmul_reference", "grouped_wgrad", "moe_mlp_reference", "permute", "routing_metadata",

@@ -41,6 +41,7 @@ from .runtime import (
     row_offsets,
     shared_memory_limit,
     tile_smem_bytes,
+    uses_wgmma,
 )
 
 __all__ = [
@@ -239,7 +240,9 @@ def gpu_configs():
 #: fp32 accumulator elements per thread the GEMM epilogues can hold without spilling (sm_90 and
 #: sm_80, ``python -m benchmarks compile``): 128 with a plain epilogue (bias, residual, accumulate);
 #: 64 with a fused one (activation, gated pair, pre-activation store, residual on split rows),
-#: whose activation terms and int64 pointer tiles are live next to the accumulators.
+#: whose activation terms and int64 pointer tiles are live next to the accumulators, and with a
+#: residual / accumulate tile wider than the operands (an fp32 ``out`` accumulated from bf16/fp16
+#: products: 128 spilled 48-180 B on sm_90, 116-252 B on sm_80).
 EPILOGUE_ACC_BUDGET = {"plain": 128, "fused": 64}
 #: the same for dots lowered to mma.sync (sm_80, and tiles under 64 rows on sm_90), whose operand
 #: fragments are held in registers next to the accumulators: an activation followed by a residual
@@ -263,7 +266,9 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     # a masked contiguous dim counts too: A contiguous along M (matmul_tn), B along N ("kn")
     extents += [named_args[d] for d, s in (("M", "s_am1"), ("N", "s_bn")) if d in named_args and named_args.get(s) == 1]
     unaligned = named_args.get("K", 64) % 64 != 0 or not aligned(a.element_size(), *extents)
-    budget = EPILOGUE_ACC_BUDGET["fused" if fused else "plain"]
+    res = named_args.get("r_ptr")
+    wide_res = bool(get("HAS_RES")) and isinstance(res, torch.Tensor) and res.element_size() > a.element_size()
+    budget = EPILOGUE_ACC_BUDGET["fused" if fused or wide_res else "plain"]
     sync = SYNC_TIGHT_ACC_BUDGET if fused and (unaligned or (act and get("HAS_RES"))) else budget
     cap = dict(elem_size=a.element_size(), precision=precision, acc_tiles=2 if glu else 1,
                reads_out_tile=bool(get("HAS_RES")))
@@ -274,10 +279,20 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
 
 
 def smem_estimate(cfg, named_args, **kwargs) -> int:
-    """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``."""
+    """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``: the main
+    loop's buffers or, for a wgmma tile whose output is wider than its operands (fp32 ``out`` from
+    bf16/fp16: the linear cross entropy's ``d_hidden``), the output tile Triton stages through
+    shared memory to convert the accumulator's layout for the store, whichever is larger
+    (measured: a 128 x 256 x 32 tile of 4 stages needs 131072 B, not the 98304 B of its buffers)."""
     r = tile_rule(named_args, **kwargs)
-    return tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
+    smem = tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
                            precision=r["precision"], pipelined=r["pipelined"])
+    c = named_args.get("c_ptr")
+    kw = cfg.kwargs if hasattr(cfg, "kwargs") else cfg
+    if (isinstance(c, torch.Tensor) and c.element_size() > r["elem_size"]
+            and uses_wgmma(r["capability"], kw["BLOCK_M"], r["elem_size"], r["precision"])):
+        smem = max(smem, kw["BLOCK_M"] * kw["BLOCK_N"] * c.element_size())
+    return smem
 
 
 def _prune_configs(configs, named_args, **kwargs):

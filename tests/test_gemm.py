@@ -331,3 +331,22 @@ def test_prune_rule_follows_the_mma_kind_and_the_load_pipelining():
     small = triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_stages=4, num_warps=4)
     assert tile_smem_bytes(small, elem_size=2, b_tiles=2, capability=(8, 0)) == 36864
     assert tile_smem_bytes(small, elem_size=2, b_tiles=2, capability=(8, 0), pipelined=False) == 8192
+
+
+def test_prune_rule_for_an_fp32_output_over_16_bit_operands(monkeypatch):
+    """The linear cross entropy's ``d_hidden += dz_b W_b`` (bf16 operands, fp32 ``out``), figures
+    of the compile check: accumulating into the fp32 tile spills at 128 accumulator elements per
+    thread (48-180 B on sm_90, 116-252 B on sm_80), so it takes the fused-epilogue budget (a bf16
+    ``out`` keeps the plain one); a wgmma tile storing fp32 stages its output tile in shared
+    memory (128 x 256 x 32, 4 stages: 131072 B, not the main loop's 98304)."""
+    monkeypatch.setattr(gemm, "device_capability", lambda index: (9, 0))
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
+    args = dict(a_ptr=meta(1), M=8192, N=4096, K=14336, s_am1=14336, s_ak1=1, s_bk1=4096, s_bn=1)
+    wide = gemm.tile_rule(dict(args, r_ptr=meta(1, dt=torch.float32), c_ptr=meta(1, dt=torch.float32)), HAS_RES=True)
+    same = gemm.tile_rule(dict(args, r_ptr=meta(1), c_ptr=meta(1)), HAS_RES=True)
+    assert wide["acc_budget"] == gemm.EPILOGUE_ACC_BUDGET["fused"] and same["acc_budget"] == 128
+    cfg = triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32), num_stages=4, num_warps=8)
+    assert gemm.smem_estimate(cfg, dict(args, c_ptr=meta(1, dt=torch.float32))) == 131072
+    assert gemm.smem_estimate(cfg, dict(args, c_ptr=meta(1))) == 98304
+    monkeypatch.setattr(gemm, "device_capability", lambda index: (8, 0))  # mma.sync stores from registers
+    assert gemm.smem_estimate(cfg, dict(args, c_ptr=meta(1, dt=torch.float32))) == 73728
