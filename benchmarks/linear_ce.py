@@ -1,7 +1,10 @@
 """``python -m benchmarks linear_ce``: the fused linear + vocabulary-parallel cross entropy
 (:func:`fusedpar.ops.linear_cross_entropy`) against the materialised path (the head GEMM, then
 :func:`fusedpar.ops.vocab_parallel_cross_entropy` of the logits): time of forward + backward and
-peak memory above the inputs (``torch.cuda.max_memory_allocated``), for the Llama-3 heads.
+peak memory above the inputs (``torch.cuda.max_memory_allocated``), for the Llama-3 heads. Each
+row also gives the matrix FLOPs of both (the fused path: the forward's logits GEMM and the
+backward's three, ``8 T V H``; the materialised one: three, ``6 T V H``), their rates, and the
+backward's vocabulary block (``Vb`` rows of the shard per block).
 
 One GPU: ``--tp`` runs one rank's vocabulary shard (``V / tp`` rows) without the (small)
 collectives. The baseline's GEMM is ``torch.nn.functional.linear`` (cuBLAS, differentiable)."""
@@ -29,7 +32,8 @@ def _add_args(p):
     p.add_argument("--dtype", type=parse_dtype, default=None, help="bf16 (GPU default), fp32 (CPU default)")
     p.add_argument("--tp", type=int, default=1, help="vocabulary shards: time one rank's V/tp rows")
     p.add_argument("--chunk-tokens", type=int, default=None,
-                   help="tokens per chunk (default: the op's, a 256 MiB fp32 logits buffer; 16 in smoke mode)")
+                   help="the op's working memory in rows of fp32 logits: the backward's [T, Vb] gradient block "
+                        "takes at most their bytes (default: the op's, 256 MiB; 16 in smoke mode)")
     p.add_argument("--heads", type=_heads, default=None, metavar="NAMES",
                    help=f"comma-separated heads of {sorted(HEADS)} (default: the Llama-3 heads on a GPU, "
                         "smoke off it; 'smoke' runs the tiny head on a GPU too)")
@@ -60,6 +64,7 @@ def _row(ctx, name, T, H, V, dtype, tp, chunk):
     import torch.nn.functional as F
 
     from fusedpar.ops import linear_cross_entropy, vocab_parallel_cross_entropy
+    from fusedpar.ops.linear_cross_entropy_library import default_chunk_tokens, vocab_block
 
     g = torch.Generator(device="cpu").manual_seed(0)
     v = V // tp
@@ -86,9 +91,13 @@ def _row(ctx, name, T, H, V, dtype, tp, chunk):
     (l0, dh0, dw0), peak_mat = _peak(ctx, materialised, reset)
     err = max(check_close(l1, l0), check_close(dh1, dh0), check_close(dw1, dw0))
     t_fused, t_mat = ctx.time_ms(fused), ctx.time_ms(materialised)
+    gemm = 2.0 * T * v * H  # one logits-sized GEMM
     return {
         "head": name, "tokens": T, "hidden": H, "vocab": V, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
-        "chunk_tokens": chunk or "default", "fused_ms": t_fused, "materialised_ms": t_mat,
+        "chunk_tokens": chunk or "default",
+        "vocab_block": vocab_block(T, v, chunk or default_chunk_tokens(T, v), h.element_size()),
+        "fused_ms": t_fused, "materialised_ms": t_mat, "fused_flops": 4 * gemm, "materialised_flops": 3 * gemm,
+        "fused_TFLOPs": 4 * gemm / t_fused / 1e9, "materialised_TFLOPs": 3 * gemm / t_mat / 1e9,
         "ratio_vs_materialised": t_mat / t_fused, "fused_peak_MiB": peak_fused, "materialised_peak_MiB": peak_mat,
         "logits_MiB": T * v * torch.finfo(dtype).bits / 8 / 2 ** 20, "max_rel_err": err,
     }

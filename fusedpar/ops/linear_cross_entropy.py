@@ -2,12 +2,15 @@
 
 ``linear_cross_entropy(hidden, weight, targets, group=...)`` is
 ``vocab_parallel_cross_entropy(hidden @ weight.T, targets, group)`` (with the options below)
-computed ``chunk_tokens`` tokens at a time: a chunk's logits over this rank's vocabulary shard
-(``[chunk_tokens, V/tp]``, fp32) are the only vocabulary-sized memory, forward and backward; the
-backward recomputes them and produces ``d_hidden`` and ``d_weight`` (fp32 accumulation) in one pass.
+computed in GEMM epilogues (:mod:`fusedpar.kernels.linear_ce`): the forward's logits GEMM leaves
+per-row softmax statistics of each logits tile (no ``[T, V/tp]`` tensor); the backward runs over
+blocks of the vocabulary shard, recomputing each block's logits with an epilogue that writes their
+gradient ``[T, Vb]`` (the only vocabulary-sized memory, at most ``chunk_tokens`` rows of fp32
+logits' bytes), then ``d_weight`` of the block (one GEMM over all tokens) and ``d_hidden`` (fp32
+accumulation over the blocks).
 
 Layers: :func:`~fusedpar.ops.linear_cross_entropy_library.linear_cross_entropy_fwd` /
-:func:`~fusedpar.ops.linear_cross_entropy_library.linear_cross_entropy_bwd` (the chunk loop and the
+:func:`~fusedpar.ops.linear_cross_entropy_library.linear_cross_entropy_bwd` (the block loops and the
 collectives) -> the custom ops ``fusedpar::linear_cross_entropy`` / ``..._backward`` of
 :mod:`fusedpar.ops.linear_cross_entropy_library` -> :func:`linear_cross_entropy` (checks, token
 order, reduction through :func:`fusedpar.ops.loss.reduce_token_losses`).
@@ -82,10 +85,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
              global batch) every data rank's (:func:`fusedpar.ops.loss.reduce_token_losses`).
     label_smoothing: as ``torch.nn.functional.cross_entropy``; ``z_loss``: adds ``z_loss * lse^2``
              per token (PaLM); ``softcap``: logits ``c * tanh(z / c)`` first (Gemma 2).
-    chunk_tokens: tokens per chunk (default: a 256 MiB fp32 logits buffer, a multiple of 128 tokens
-             when it holds more: 512 for a 128k vocabulary on one rank); the peak extra memory is
-             ``chunk_tokens * V / tp`` fp32 elements (plus one more in the backward, and the gathered
-             tokens ``[b, s, H]`` with ``sequence_parallel``).
+    chunk_tokens: the backward's working memory, in rows of fp32 logits: its vocabulary block's
+             gradient ``[T, Vb]`` (in hidden's dtype) takes at most the bytes of ``chunk_tokens x
+             V / tp`` fp32 elements (default: 256 MiB, 512 rows for a 128k vocabulary on one rank).
+             Besides it: an fp32 ``[T, H]`` d_hidden accumulator, per-tile row statistics in the
+             forward (``V / tp / 128`` fp32 numbers per token and statistic on a GPU), ``d_weight``
+             itself, and the gathered tokens ``[b, s, H]`` with ``sequence_parallel``.
     """
     P = transport_size(transport, group)
     fields = dict(hidden=hidden, weight=weight, targets=targets, sequence_parallel=sequence_parallel,

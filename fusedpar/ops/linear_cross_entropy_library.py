@@ -7,20 +7,26 @@
   ``fusedpar::linear_cross_entropy_backward`` (:data:`linear_cross_entropy_backward_op`, body
   :func:`linear_cross_entropy_bwd`).
 
-Tokens are processed ``chunk_tokens`` at a time; a chunk's logits ``[chunk, V/tp]`` live in one
-fp32 buffer reused by every chunk, written by fusedpar's GEMM
-(:func:`fusedpar.kernels.gemm.matmul`); each chunk leaves three fp32 numbers per token: this
-shard's log-sum-exp, the target logit (from the shard that owns the target, zero elsewhere) and the
-sum of logits (label smoothing). One all-gather of those ``3 * T`` floats over the tp group after
-the chunks combines the shards (log-sum-exp of the log-sum-exps): every rank visits the chunks in
-its own order under sequence parallelism (its own block first), so a per-chunk exchange would pair
-different tokens; one exchange at the end also never stalls the chunk loop. The backward recomputes each chunk's logits, forms
-``dlogits`` in the same buffer and, in the same pass, writes the chunk's rows of ``d_hidden``
-(``dlogits @ W``) and accumulates ``d_weight += dlogits^T @ h`` in fp32 (:func:`matmul_tn`).
+The per-element work lives in GEMM epilogues (:mod:`fusedpar.kernels.linear_ce`). Forward: one
+launch of the logits GEMM per token block (all tokens; with sequence parallelism one block per
+source rank) whose epilogue leaves per-row statistics of each ``[BLOCK_M, 128]`` logits tile (max,
+sum of exponentials, target logit, sum of logits); a torch reduction over the tiles gives this
+shard's log-sum-exp, so each token leaves three fp32 numbers. One all-gather of those ``3 * T``
+floats over the tp group after the blocks combines the shards (log-sum-exp of the log-sum-exps):
+every rank visits the blocks in its own order under sequence parallelism (its own block first), so
+a per-block exchange would pair different tokens; one exchange at the end also never stalls.
+
+Backward, vocabulary blocks outer: for each block of ``Vb`` rows of the shard the logits GEMM is
+recomputed with an epilogue that writes ``dz_b`` ``[T, Vb]`` in the model's dtype
+(:func:`~fusedpar.kernels.linear_ce.linear_ce_dlogits`); ``d_weight[b] = dz_b^T h`` is one GEMM
+over all tokens (fp32 accumulation inside, written once in the weight's dtype) and ``d_hidden +=
+dz_b W_b`` accumulates in an fp32 ``[T, H]`` (the GEMM's accumulate mode). ``chunk_tokens`` sets
+the block: ``dz_b`` holds at most the bytes of ``chunk_tokens`` rows of fp32 logits
+(:func:`vocab_block`). Nothing ``[T, V/tp]``-sized exists.
 
 With ``sequence_parallel`` ``hidden`` is this rank's ``[b, s/tp, H]``; the tokens of the group are
 gathered by the ring of :func:`~fusedpar.ops.tensor_parallel_schedules.ring_gather` (the next
-rank's block in flight while the current one's chunks run) into ``gathered`` ``[tp, b, s/tp, H]``,
+rank's block in flight while the current one's GEMM runs) into ``gathered`` ``[tp, b, s/tp, H]``,
 kept for the backward, which reduce-scatters ``d_hidden`` (fp32). Tokens are then in
 *block order* (source rank, batch, position); the functional API permutes the targets and the
 per-token losses (``T`` elements, no vocabulary dimension). Without it the tokens of ``hidden`` are
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedpar.kernels import matmul, matmul_tn
+from fusedpar.kernels import linear_ce_dlogits, linear_ce_stats, matmul, matmul_tn
 from fusedpar.ops.library import absent, custom_op, hold, input_grads, present, token_size
 from fusedpar.ops.loss_library import check_target_range
 from fusedpar.ops.tensor_parallel_schedules import ring_gather
@@ -41,31 +47,49 @@ from fusedpar.ops.transport import Transport, token_transport
 Tensor = torch.Tensor
 
 __all__ = ["LCEOptions", "default_chunk_tokens", "linear_cross_entropy_backward_op", "linear_cross_entropy_bwd",
-           "linear_cross_entropy_fwd", "linear_cross_entropy_op"]
+           "linear_cross_entropy_fwd", "linear_cross_entropy_op", "vocab_block"]
 
-#: default chunk buffer: ``chunk_tokens * V/tp`` fp32 elements of at most this many bytes
+#: the default working memory of the backward: the bytes of ``chunk_tokens`` rows of fp32 logits,
+#: at most this many
 CHUNK_BYTES = 256 * 2 ** 20
-#: a default chunk that holds more tokens than this holds a multiple of it: the chunk's tokens are
-#: the rows of the logits and d_hidden GEMMs (whole 128-row tiles) and the contraction of the
-#: weight-gradient GEMM ``dz^T h``, whose tile configs need K a multiple of 64 to load full,
-#: vectorised, pipelined 64-deep K blocks (a 128k vocabulary fits 523 tokens in the buffer: K = 523
-#: left that GEMM, the largest output of the op, four 32-deep tiles with masked, unpipelined loads)
+#: a default chunk that holds more tokens than this holds a multiple of it (kept from the
+#: token-chunked version, whose chunks were GEMM rows: the default budget is unchanged)
 CHUNK_ALIGN = 128
+#: a vocabulary block wider than this is a multiple of it: whole 256-column tiles for the dz GEMM,
+#: 64-deep K blocks (vectorised, pipelined loads) for the d_hidden GEMM that contracts over it
+VOCAB_ALIGN = 256
 
 
 def default_chunk_tokens(tokens: int, local_vocab: int) -> int:
-    """Tokens per chunk when the caller gives none: a fp32 logits buffer of at most
-    :data:`CHUNK_BYTES` (512 tokens for a 128k vocabulary on one rank), rounded down to a multiple
-    of :data:`CHUNK_ALIGN` tokens when it holds more; at least 1, at most ``tokens``."""
+    """``chunk_tokens`` when the caller gives none: the tokens whose fp32 logits fill at most
+    :data:`CHUNK_BYTES` (512 for a 128k vocabulary on one rank), rounded down to a multiple of
+    :data:`CHUNK_ALIGN` tokens when more; at least 1, at most ``tokens``."""
     fit = max(1, CHUNK_BYTES // (4 * max(local_vocab, 1)))
     if fit > CHUNK_ALIGN:
         fit -= fit % CHUNK_ALIGN
     return max(1, min(tokens, fit))
 
 
+def vocab_block(tokens: int, local_vocab: int, chunk_tokens: int, elem_size: int) -> int:
+    """Rows of the shard per backward block: ``dz_b`` (``tokens x Vb`` elements of ``elem_size``
+    bytes) within the bytes of ``chunk_tokens`` rows of fp32 logits (``4 chunk_tokens
+    local_vocab``); a multiple of :data:`VOCAB_ALIGN` when wider, the blocks as even as that
+    allows; at least 1, at most ``local_vocab``."""
+    if tokens <= 0 or local_vocab <= 0:
+        return max(local_vocab, 1)
+    cap = max(1, min(local_vocab, (4 * chunk_tokens * local_vocab) // (elem_size * tokens)))
+    if cap >= local_vocab:
+        return local_vocab
+    align = VOCAB_ALIGN if cap >= VOCAB_ALIGN else 1
+    cap -= cap % align
+    n_blocks = -(-local_vocab // cap)
+    even = -(-local_vocab // n_blocks)
+    return -(-even // align) * align  # <= cap: cap is a multiple of align and even <= cap
+
+
 @dataclass
 class LCEOptions:
-    """What every chunk needs: the transport, the loss options, the chunk size and the full vocabulary."""
+    """What every block needs: the transport, the loss options, the chunk size and the full vocabulary."""
 
     transport: Transport
     ignore_index: int
@@ -81,32 +105,12 @@ def _options(token, weight, ignore_index, label_smoothing, z_loss, softcap, chun
     return LCEOptions(t, ignore_index, label_smoothing, z_loss, softcap, chunk_tokens, weight.shape[0] * t.size)
 
 
-def _targets(targets, opts: LCEOptions, rank: int, n_local: int):
-    """``(valid, idx, inside)``: counted tokens, the target's column in this shard, whether it owns it."""
+def _target_columns(targets, opts: LCEOptions, n_local: int):
+    """``(valid, idx)``: counted tokens, the target's column in this shard (-1: another shard's or ignored)."""
     valid = targets != opts.ignore_index
-    lo = rank * n_local
+    lo = opts.transport.rank * n_local
     inside = valid & (targets >= lo) & (targets < lo + n_local)
-    idx = torch.where(inside, targets - lo, torch.zeros_like(targets))
-    return valid, idx, inside
-
-
-def _logits(h, weight, buf, softcap):
-    """The chunk's (soft-capped) fp32 logits, written into ``buf`` (``[rows, V/tp]``)."""
-    z = matmul(h, weight, out=buf[: h.shape[0]])
-    if softcap:
-        z.div_(softcap).tanh_().mul_(softcap)
-    return z
-
-
-def _chunk_stats(h, tgt, weight, buf, opts: LCEOptions, out):
-    """This shard's ``(log-sum-exp, target logit or 0, sum of logits)`` of one chunk of rows, into
-    ``out`` ``[3, rows]`` (fp32)."""
-    z = _logits(h, weight, buf, opts.softcap)
-    _, idx, inside = _targets(tgt, opts, opts.transport.rank, weight.shape[0])
-    torch.logsumexp(z, dim=-1, out=out[0])
-    torch.mul(z.gather(1, idx[:, None]).squeeze(1), inside, out=out[1])
-    if opts.label_smoothing:
-        torch.sum(z, dim=-1, out=out[2])
+    return valid, torch.where(inside, targets - lo, torch.full_like(targets, -1))
 
 
 def _combine(stats, targets, opts: LCEOptions):
@@ -129,10 +133,6 @@ def _combine(stats, targets, opts: LCEOptions):
     return torch.where(valid, loss, torch.zeros_like(loss)), lse
 
 
-def _chunks(n: int, chunk: int):
-    return ((lo, min(lo + chunk, n)) for lo in range(0, n, chunk))
-
-
 def linear_cross_entropy_fwd(hidden, weight, targets, opts: LCEOptions, sequence_parallel: bool):
     """Forward of :func:`~fusedpar.ops.linear_cross_entropy.linear_cross_entropy`: ``(loss, lse,
     gathered)``, the per-token fp32 loss and log-sum-exp ``[T]`` (block order with
@@ -140,78 +140,76 @@ def linear_cross_entropy_fwd(hidden, weight, targets, opts: LCEOptions, sequence
     (None without ``sequence_parallel``). ``targets``: flat int64 ids ``[T]`` of every token."""
     t, H = opts.transport, hidden.shape[-1]
     T = targets.shape[0]
-    stats = torch.zeros((3, T), dtype=torch.float32, device=hidden.device)
-    buf = torch.empty((min(opts.chunk, max(T, 1)), weight.shape[0]), dtype=torch.float32, device=hidden.device)
+    stats = torch.empty((3, T), dtype=torch.float32, device=hidden.device)
+    _, idx = _target_columns(targets, opts, weight.shape[0])
     gathered = None
     if sequence_parallel:
         gathered = torch.empty((t.size,) + tuple(hidden.shape), dtype=hidden.dtype, device=hidden.device)
-        blocks = ring_gather(hidden, t, into=gathered)  # the next block in flight while this one's chunks run
+        blocks = ring_gather(hidden, t, into=gathered)  # the next block in flight while this one's GEMM runs
     else:
         blocks = iter([(0, hidden)])
     for src, block in blocks:
         rows = block.reshape(-1, H)
-        base = src * rows.shape[0]
-        for lo, hi in _chunks(rows.shape[0], opts.chunk):
-            _chunk_stats(rows[lo:hi], targets[base + lo:base + hi], weight, buf, opts, stats[:, base + lo:base + hi])
+        lo, hi = src * rows.shape[0], (src + 1) * rows.shape[0]
+        linear_ce_stats(rows, weight, idx[lo:hi], softcap=opts.softcap, smoothing=bool(opts.label_smoothing),
+                        out=stats[:, lo:hi])
     loss, lse = _combine(stats, targets, opts)
     return loss, lse, gathered
 
 
-def _chunk_dlogits(z, tgt, g, lse, opts: LCEOptions, n_local: int, rank: int):
-    """``dloss/dlogits`` of one chunk, in place of its recomputed (capped) logits ``z``: ``g *
-    (softmax * (1 + 2 z_loss lse) - (1 - eps) onehot - eps / V)``, times ``1 - tanh^2`` under a
-    soft cap."""
-    valid, idx, inside = _targets(tgt, opts, rank, n_local)
-    g = torch.where(valid, g, torch.zeros_like(g))
-    deriv = None
-    if opts.softcap:
-        deriv = torch.square(z / opts.softcap).neg_().add_(1)  # 1 - tanh^2(raw / c)
-    z.sub_(lse[:, None]).exp_().mul_((g * (1 + 2 * opts.z_loss * lse))[:, None])
+def _row_terms(grad_loss, lse, valid, opts: LCEOptions):
+    """The per-token factors of ``dloss/dz = scale softmax - shift - target_coef onehot``:
+    ``scale = g (1 + 2 z_loss lse)``, ``target_coef = (1 - eps) g``, ``shift = eps g / V``
+    (``g`` the loss gradient, 0 for ignored tokens); fp32 ``[T]`` each."""
+    g = torch.where(valid, grad_loss.float(), torch.zeros((), dtype=torch.float32, device=lse.device))
+    scale = g * (1 + 2 * opts.z_loss * lse) if opts.z_loss else g
     eps = opts.label_smoothing
-    if eps:
-        z.sub_((g * (eps / opts.vocab))[:, None])
-    z.scatter_add_(1, idx[:, None], (-(1 - eps) * g * inside)[:, None])
-    if deriv is not None:
-        z.mul_(deriv)
-    return z
+    return scale.contiguous(), (g * (1 - eps)).contiguous(), (g * (eps / opts.vocab)).contiguous()
+
+
+def _reduce_d_hidden(dx32, hidden, t, sequence_parallel):
+    """The fp32 ``d_hidden`` of every token summed over the group (reduce-scattered to this rank's
+    block with ``sequence_parallel``, all-reduced otherwise), in hidden's dtype."""
+    if t.size > 1 and sequence_parallel:
+        out = torch.empty(hidden.numel(), dtype=torch.float32, device=hidden.device)
+        t.reduce_scatter_into(out, dx32.view(-1)).wait()
+        dx32 = out
+    elif t.size > 1:
+        t.all_reduce(dx32).wait()
+    return dx32.view(hidden.shape).to(hidden.dtype)
 
 
 def linear_cross_entropy_bwd(grad_loss, hidden, weight, targets, lse, gathered, opts: LCEOptions,
                              sequence_parallel: bool, *, need_dx=True, need_dw=True):
     """Backward of :func:`linear_cross_entropy_fwd`: ``(d_hidden, d_weight)`` (None where not
-    needed) in one pass over the chunks, recomputing each chunk's logits; ``d_weight`` accumulated
-    in fp32, ``d_hidden`` summed over the group in fp32 (reduce-scattered with
-    ``sequence_parallel``, all-reduced otherwise)."""
-    t, H = opts.transport, hidden.shape[-1]
+    needed), vocabulary blocks outer: per block the recomputed logits' gradient ``dz_b`` (one GEMM
+    with the gradient epilogue), ``d_weight[b] = dz_b^T h`` (one GEMM over all tokens, written once
+    in the weight's dtype) and ``d_hidden += dz_b W_b`` (fp32); ``d_hidden`` summed over the group
+    in fp32 (reduce-scattered with ``sequence_parallel``, all-reduced otherwise)."""
+    t, H, V = opts.transport, hidden.shape[-1], weight.shape[0]
     rows = (gathered if sequence_parallel else hidden).reshape(-1, H)
     T = rows.shape[0]
-    buf = torch.empty((min(opts.chunk, max(T, 1)), weight.shape[0]), dtype=torch.float32, device=hidden.device)
+    valid, idx = _target_columns(targets, opts, V)
+    lse = lse.contiguous()
+    scale, target_coef, shift = _row_terms(grad_loss, lse, valid, opts)
+    vb = vocab_block(T, V, opts.chunk, weight.element_size())
+    dz = torch.empty((T, vb), dtype=weight.dtype, device=weight.device)
     dx32 = torch.empty((T, H), dtype=torch.float32, device=hidden.device) if need_dx else None
-    dw32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-    z = dz = None
-    for lo, hi in _chunks(T, opts.chunk):
-        h = rows[lo:hi]
-        z = _logits(h, weight, buf, opts.softcap)
-        dz = _chunk_dlogits(z, targets[lo:hi], grad_loss[lo:hi].float(), lse[lo:hi], opts, weight.shape[0], t.rank)
-        dz = dz if dz.dtype == weight.dtype else dz.to(weight.dtype)  # a chunk-sized copy for bf16 / fp16 GEMMs
-        if need_dx:
-            matmul(dz, weight, weight_layout="kn", out=dx32[lo:hi])
+    if need_dx and V == 0:
+        dx32.zero_()
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_dw else None
+    for lo in range(0, V, vb):
+        hi = min(lo + vb, V)
+        w_b, dz_b = weight[lo:hi], dz[:, :hi - lo]
+        linear_ce_dlogits(rows, w_b, idx, lse, scale, target_coef, shift, softcap=opts.softcap, col_offset=lo,
+                          out=dz_b)
         if need_dw:
-            matmul_tn(dz, h, out=dw32, accumulate=True)
-    # the chunk buffers and the fp32 d_hidden are dead before the fp32 -> weight dtype copy of
-    # d_weight, the backward's peak (accumulator and copy together): free them first
-    del buf, z, dz
-    dx = None
-    if need_dx:
-        if t.size > 1 and sequence_parallel:
-            out = torch.empty(hidden.numel(), dtype=torch.float32, device=hidden.device)
-            t.reduce_scatter_into(out, dx32.view(-1)).wait()
-            dx32, out = out, None
-        elif t.size > 1:
-            t.all_reduce(dx32).wait()
-        dx = dx32.view(hidden.shape).to(hidden.dtype)
-    del dx32
-    return dx, (dw32.to(weight.dtype) if need_dw else None)
+            matmul_tn(dz_b, rows, out=dw[lo:hi])  # fp32 accumulation over all tokens, one rounding
+        if need_dx:
+            matmul(dz_b, w_b, weight_layout="kn", out=dx32, accumulate=lo > 0)  # fp32 sum over the blocks
+    del dz
+    dx = _reduce_d_hidden(dx32, hidden, t, sequence_parallel) if need_dx else None
+    return dx, dw
 
 
 @custom_op("linear_cross_entropy")
