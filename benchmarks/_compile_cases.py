@@ -22,11 +22,13 @@ from fusedpar.kernels import (
 from fusedpar.kernels.flash_attention import flash_attention_forward
 from fusedpar.kernels.fp8 import quantize_e4m3
 from fusedpar.kernels.fp8_gemm import fp8_matmul
+from fusedpar.kernels.linear_ce import linear_ce_dlogits, linear_ce_stats
 from fusedpar.kernels.flash_attention_bwd import flash_attention_backward
 from fusedpar.kernels.moe_routing import routing_metadata
 from fusedpar.kernels.moe_topk import topk_route, topk_route_backward
 from fusedpar.kernels.persistent_gemm import chunk_reduce, chunk_view, persistent_matmul
 from fusedpar.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+from fusedpar.ops.linear_cross_entropy_library import default_chunk_tokens, vocab_block
 
 #: dense transformer layers: hidden, ffn, query heads, kv heads, head dim, tokens per batch
 LLAMA = {
@@ -237,17 +239,22 @@ def _norm_cases():
     ]
 
 
-def _flash(dt, b, s, hq, hk, d, causal, dv=None, **options):
+def _flash(dt, b, s, hq, hk, d, causal, dv=None, dq_mode=None, **options):
     """Forward and backward launches; ``dv``: v's head dim (default d); ``options``: window,
     softcap, sinks=True (an fp32 [hq] tensor). Cases with options or ``dv`` launch nothing in
-    fp32 (and TF32)."""
+    fp32 (and TF32). ``dq_mode="atomic"``: the one-pass backward alone (the forward's out / lse
+    as meta tensors, so the forward's variants keep their cases)."""
     dv = d if dv is None else dv
     if dt == torch.float32 and (options or dv != d):
         return  # the score-option cases run 16-bit only: their fp32 / TF32 tiles spill (DESIGN §4.6)
     q, k, v = meta(b, s, hq, d, dtype=dt), meta(b, s, hk, d, dtype=dt), meta(b, s, hk, dv, dtype=dt)
     if options.get("sinks"):
         options["sinks"] = meta(hq, dtype=torch.float32)
-    out, lse = flash_attention_forward(q, k, v, causal=causal, **options)
+    if dq_mode is None:
+        out, lse = flash_attention_forward(q, k, v, causal=causal, **options)
+    else:
+        out, lse = meta(b, s, hq, dv, dtype=dt), meta(b, hq, s, dtype=torch.float32)
+        options["dq_mode"] = dq_mode
     flash_attention_backward(meta(b, s, hq, dv, dtype=dt), q, k, v, out, lse, causal=causal, **options)
 
 
@@ -265,6 +272,20 @@ def _flash_cases():
     cases.append(Case("flash", "softcap 50 window 4096 d128", False, lambda dt: _flash(
         dt, 1, 8192, 16, 8, 128, True, window=(4095, 0), softcap=50.0)))
     cases.append(Case("flash", "mla 192/128 causal", True, lambda dt: _flash(dt, 1, 4096, 128, 128, 192, True, dv=128)))
+    # the one-pass backward (dq_mode="atomic": dK/dV with DQ_ATOMIC) at d 128 and 64, with the options;
+    # none in the fast subset (CI time), --against pins them to the committed tables
+    c = LLAMA["llama3-8b"]
+    cases += [
+        Case("flash", "llama3-8b causal dq atomic", False, lambda dt: _flash(
+            dt, c["batch"], c["seq"], c["heads"], c["kv"], c["d"], True, dq_mode="atomic")),
+        Case("flash", "d64 causal dq atomic", False, lambda dt: _flash(dt, 4, 2048, 32, 8, 64, True, dq_mode="atomic")),
+        Case("flash", "gpt-oss window 128 sinks dq atomic", False, lambda dt: _flash(
+            dt, 1, 8192, 64, 8, 64, True, window=(127, 0), sinks=True, dq_mode="atomic")),
+        Case("flash", "softcap 50 window 4096 d128 dq atomic", False, lambda dt: _flash(
+            dt, 1, 8192, 16, 8, 128, True, window=(4095, 0), softcap=50.0, dq_mode="atomic")),
+        Case("flash", "mla 192/128 causal dq atomic", False, lambda dt: _flash(
+            dt, 1, 4096, 128, 128, 192, True, dv=128, dq_mode="atomic")),
+    ]
     return cases
 
 
@@ -319,5 +340,55 @@ def _fp8_cases():
     return cases
 
 
+# --------------------------------------------------------------------------------------------
+# fused linear + cross entropy: the logits GEMM with its statistics / gradient epilogues (the
+# block's d_weight GEMM, matmul_tn of [T, Vb] x [T, H] into the weight's dtype, is the gemm
+# family's "wgrad" variant; its d_hidden GEMM, fp32 accumulate, is a case here)
+# --------------------------------------------------------------------------------------------
+#: Llama-3 heads: tokens, hidden, vocabulary (one rank)
+HEADS = {"llama3-8b": (8192, 4096, 128256), "llama3-70b": (8192, 8192, 128256)}
+
+
+def _ce_stats(dt, T, H, V, softcap, smoothing):
+    linear_ce_stats(meta(T, H, dtype=dt), meta(V, H, dtype=dt), meta(T, dtype=torch.int64), softcap=softcap,
+                    smoothing=smoothing)
+
+
+def _ce_block(dt, T, H, V, softcap, d_hidden=None):
+    """The backward's first vocabulary block at the default chunk: its gradient (the dlogits
+    kernel) or, ``d_hidden`` "first" / "accumulate", the fp32 ``d_hidden (+)= dz_b W_b`` GEMM."""
+    vb = vocab_block(T, V, default_chunk_tokens(T, V), torch.empty((), dtype=dt).element_size())
+    h, w_b, dz = meta(T, H, dtype=dt), meta(V, H, dtype=dt)[:vb], meta(T, vb, dtype=dt)
+    if d_hidden:
+        matmul(dz, w_b, weight_layout="kn", out=meta(T, H, dtype=torch.float32), accumulate=d_hidden == "accumulate")
+        return
+    rows = meta(T, dtype=torch.float32)
+    linear_ce_dlogits(h, w_b, meta(T, dtype=torch.int64), rows, rows, rows, rows, softcap=softcap, out=dz)
+
+
+def _linear_ce_cases():
+    cases = []
+    for model, (T, H, V) in HEADS.items():
+        fast = model == "llama3-8b"
+        cases += [
+            Case("linear_ce", f"{model} stats", False, lambda dt, s=(T, H, V): _ce_stats(dt, *s, 0.0, False)),
+            Case("linear_ce", f"{model} stats softcap+smoothing", fast,
+                 lambda dt, s=(T, H, V): _ce_stats(dt, *s, 30.0, True)),
+            Case("linear_ce", f"{model} dlogits", False, lambda dt, s=(T, H, V): _ce_block(dt, *s, 0.0)),
+            Case("linear_ce", f"{model} dlogits softcap", fast, lambda dt, s=(T, H, V): _ce_block(dt, *s, 30.0)),
+            Case("linear_ce", f"{model} d_hidden first block", False,
+                 lambda dt, s=(T, H, V): _ce_block(dt, *s, 0.0, d_hidden="first")),
+            Case("linear_ce", f"{model} d_hidden block accumulate", False,
+                 lambda dt, s=(T, H, V): _ce_block(dt, *s, 0.0, d_hidden="accumulate")),
+        ]
+    cases += [  # the test suite's shapes: ragged, K not a multiple of 64
+        Case("linear_ce", "tests 37x101x40 stats softcap+smoothing", False,
+             lambda dt: _ce_stats(dt, 37, 40, 101, 2.5, True)),
+        Case("linear_ce", "tests 40x51x8 dlogits softcap", False, lambda dt: _ce_block(dt, 40, 8, 51, 4.0)),
+    ]
+    return cases
+
+
 def all_cases():
-    return _gemm_cases() + _persistent_cases() + _moe_cases() + _norm_cases() + _flash_cases() + _fp8_cases()
+    return (_gemm_cases() + _persistent_cases() + _moe_cases() + _norm_cases() + _flash_cases() + _fp8_cases()
+            + _linear_ce_cases())

@@ -21,11 +21,11 @@ import os
 import sys
 import time
 
-FAMILIES = ("gemm", "persistent", "grouped", "moe", "rmsnorm", "flash", "fp8")
+FAMILIES = ("gemm", "persistent", "grouped", "moe", "rmsnorm", "flash", "fp8", "linear_ce")
 DTYPES = {"fast": ("bfloat16",), "full": ("bfloat16", "float16", "float32")}
 #: the families whose kernels run ``tl.dot``: their fp32 launches are captured a second time with
 #: ``torch.backends.cuda.matmul.allow_tf32`` set (dtype "tf32": INPUT_PRECISION "tf32")
-TF32_FAMILIES = ("gemm", "persistent", "grouped", "flash")
+TF32_FAMILIES = ("gemm", "persistent", "grouped", "flash", "linear_ce")
 
 
 def _estimates():
@@ -35,6 +35,8 @@ def _estimates():
     return {
         "_fp8_gemm_kernel": fp8_gemm.fp8_smem_estimate,
         "_gemm_kernel": gemm.smem_estimate,
+        "_ce_stats_kernel": gemm.smem_estimate,  # the GEMM's main loop: the same shared memory
+        "_ce_dlogits_kernel": gemm.smem_estimate,
         "persistent_gemm_kernel": gemm.smem_estimate,
         "_grouped_gemm_kernel": grouped_gemm.smem_estimate,
         "_grouped_wgrad_kernel": grouped_gemm.wgrad_smem_estimate,
