@@ -54,6 +54,19 @@ __all__ = [
 # Triton kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid`` over a ``[M, N]`` output in grouped order (tutorial 03):
+    ``GROUP_M`` row blocks side by side walk the column blocks together, so neighbouring programs
+    share B's column blocks in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + ((pid % num_in_group) % group_size), (pid % num_in_group) // group_size
+
+
+@triton.jit
 def gemm_mainloop(
     a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
     a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1,
@@ -167,16 +180,7 @@ def _gemm_kernel(
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(ACT >= 0 and ACT <= 4, "unknown activation code")
 
-    # Grouped ordering of programs (tutorial 03): neighbouring programs share B column blocks.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_in_group
-    first_m = group_id * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_size)
-    pid_n = (pid % num_in_group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

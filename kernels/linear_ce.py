@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .checks import (check_float_tensor, check_index_tensor, check_out_dtype, check_same, check_shape, check_tensor,
                      output_buffer)
-from .gemm import INTERPRETER_CONFIG, gemm_mainloop, gpu_configs, tile_rule
+from .gemm import INTERPRETER_CONFIG, gemm_mainloop, gpu_configs, grouped_tile, tile_rule
 from .runtime import autotuned, input_precision, interpreting, needs_upcast, prune_tile_configs, shared_memory_limit
 
 __all__ = ["STATS_BLOCK_N", "linear_ce_dlogits", "linear_ce_dlogits_reference", "linear_ce_stats",
@@ -40,6 +40,31 @@ __all__ = ["STATS_BLOCK_N", "linear_ce_dlogits", "linear_ce_dlogits_reference", 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(t):
+    """``tanh(t) = sign(t) (1 - e) / (1 + e)`` with ``e = exp(-2|t|) <= 1`` (no overflow)."""
+    e = tl.exp2(tl.abs(t) * -2.8853900817779268)  # exp(-2|t|)
+    return tl.where(t < 0, e - 1.0, 1.0 - e) / (1.0 + e)
+
+
+@triton.jit
+def _logits_tile(a_ptr, b_ptr, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's ``[BLOCK_M, BLOCK_N]`` tile of ``a @ b^T`` (fp32), its row and column
+    indices and its column-block index."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_cols = rn.to(tl.int64) * s_bn
+    acc, _ = gemm_mainloop(
+        a_ptr, b_ptr, rm.to(tl.int64) * s_am1, b_cols, b_cols, rm < M, rn < N, K,
+        1, 0, s_ak1, 1, 0, s_bk1,
+        False, False, False, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+    return acc, rm, rn, pid_n
+
+
 @triton.jit
 def _ce_stats_kernel(
     a_ptr, b_ptr, idx_ptr, max_ptr, sum_ptr, zsum_ptr, picked_ptr,
@@ -51,30 +76,13 @@ def _ce_stats_kernel(
     """One ``[BLOCK_M, BLOCK_N]`` logits tile -> per row: max, sum of exp(z - max), (sum of z), and
     the target's logit where ``idx`` (the target's column, -1: none) falls in the tile. The
     statistics of tile column ``n`` go to row ``n`` of the ``[cdiv(N, BLOCK_N), M]`` buffers."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_size)
-    pid_n = (pid % num_in_group) // group_size
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc, rm, rn, pid_n = _logits_tile(a_ptr, b_ptr, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST, EVEN_K,
+                                      INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
-    b_cols = rn.to(tl.int64) * s_bn
-    acc, _ = gemm_mainloop(
-        a_ptr, b_ptr, rm.to(tl.int64) * s_am1, b_cols, b_cols, m_mask, n_mask, K,
-        1, 0, s_ak1, 1, 0, s_bk1,
-        False, False, False, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
     z = acc
-    if SOFTCAP:  # c * tanh(z / c), tanh(t) = sign(t) (1 - e) / (1 + e) with e = exp(-2|t|) <= 1
-        t = acc * inv_cap
-        e = tl.exp2(tl.abs(t) * -2.8853900817779268)  # exp(-2|t|)
-        z = tl.where(t < 0, e - 1.0, 1.0 - e) / (1.0 + e) * cap
+    if SOFTCAP:  # c * tanh(z / c)
+        z = _tanh(acc * inv_cap) * cap
     z = tl.where(n_mask[None, :], z, float("-inf"))
     row_max = tl.max(z, 1)
     row_sum = tl.sum(tl.exp2((z - row_max[:, None]) * 1.4426950408889634), 1)
@@ -99,30 +107,13 @@ def _ce_dlogits_kernel(
     """One tile of ``dz = (scale * exp(z - lse) - shift - tcoef * [col_offset + j == idx]) *
     (1 - tanh^2)`` (the last factor with a soft cap) from the recomputed logits, stored in
     ``c``'s dtype."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_size)
-    pid_n = (pid % num_in_group) // group_size
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc, rm, rn, pid_n = _logits_tile(a_ptr, b_ptr, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST, EVEN_K,
+                                      INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
-    b_cols = rn.to(tl.int64) * s_bn
-    acc, _ = gemm_mainloop(
-        a_ptr, b_ptr, rm.to(tl.int64) * s_am1, b_cols, b_cols, m_mask, n_mask, K,
-        1, 0, s_ak1, 1, 0, s_bk1,
-        False, False, False, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
     z = acc
     if SOFTCAP:
-        t = acc * inv_cap
-        e = tl.exp2(tl.abs(t) * -2.8853900817779268)  # exp(-2|t|)
-        th = tl.where(t < 0, e - 1.0, 1.0 - e) / (1.0 + e)
+        th = _tanh(acc * inv_cap)
         z = th * cap
     lse = tl.load(lse_ptr + rm, mask=m_mask, other=0.0)
     scale = tl.load(scale_ptr + rm, mask=m_mask, other=0.0)
