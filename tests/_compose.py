@@ -58,6 +58,24 @@ def data_mean(loss, state):
     return t / state.data_size
 
 
+def fsdp2_step(model, state, ids, tgt, data_parallel_done=True):
+    """FSDP2 over the dp mesh dimension (each block, then the root), one forward + backward, the
+    gradients synced by the model's plan and gathered whole: ``(loss, {name: full gradient})``."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fusedpar.parallel import sync_gradients
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=state.mesh["dp"])
+    fully_shard(model, mesh=state.mesh["dp"])
+    loss = model.loss(model(ids), tgt)
+    loss.backward()
+    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done=data_parallel_done)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # gather the dp shards
+    model.unshard()
+    return loss, grads
+
+
 def compare_grads(model, ref_grads, msg, grads=None):
     """Every local gradient equals the matching shard of the reference's full gradient."""
     placements = parameter_placements(model)

@@ -20,7 +20,7 @@ import tempfile
 import pytest
 import torch
 
-from _compose import batch, compare_grads, data_mean, local_batch, reference, tiny_config
+from _compose import batch, compare_grads, data_mean, fsdp2_step, local_batch, reference, tiny_config
 from _utils import DEVICE, assert_close
 from _world import straggle, world_fixture
 from fusedpar import checkpoint as fcheckpoint
@@ -70,7 +70,6 @@ def test_tensor_sequence_expert_parallel_match_one_process(world4):
 
 
 def _ddp_fsdp_checkpointing(rank, size, ref_loss, ref_grads):
-    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     config = tiny_config(num_layers=1)
@@ -90,14 +89,7 @@ def _ddp_fsdp_checkpointing(rank, size, ref_loss, ref_grads):
 
     # FSDP2: each block and the root sharded over the dp mesh dimension
     model = _tp_model(config, state)
-    for block in model.layers.values():
-        fully_shard(block, mesh=state.mesh["dp"])
-    fully_shard(model, mesh=state.mesh["dp"])
-    loss = model.loss(model(ids), tgt)
-    loss.backward()
-    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done=True)
-    full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # gather the dp shards
-    model.unshard()
+    loss, full = fsdp2_step(model, state, ids, tgt)
     assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="FSDP2 loss")
     checked["fsdp2"] = compare_grads(model, ref_grads, "FSDP2", grads=full)
 
@@ -123,7 +115,6 @@ def _sequence_parallel_compositions(rank, size, ref_loss, ref_grads):
     with ring attention over sp inside (dp2 x sp2)."""
     import dataclasses
 
-    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     config = tiny_config(num_layers=1)
@@ -162,14 +153,7 @@ def _sequence_parallel_compositions(rank, size, ref_loss, ref_grads):
     checked["ddp"] = compare_grads(model, ref_grads, "DDP dp2 x sp2")
 
     model = _tp_model(config, state)
-    for block in model.layers.values():
-        fully_shard(block, mesh=state.mesh["dp"])
-    fully_shard(model, mesh=state.mesh["dp"])
-    loss = model.loss(model(ids), tgt)
-    loss.backward()
-    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done="dp")
-    full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # gather the dp shards
-    model.unshard()
+    loss, full = fsdp2_step(model, state, ids, tgt, data_parallel_done="dp")
     assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="FSDP2 dp2 x sp2 loss")
     checked["fsdp2"] = compare_grads(model, ref_grads, "FSDP2 dp2 x sp2", grads=full)
     return checked

@@ -418,23 +418,14 @@ def _fp8_replicated_kv_heads(rank, size):
 
 
 def _fp8_fsdp2(rank, size, config, tokens, targets, ref_loss, ref_grads):
-    from torch.distributed.fsdp import fully_shard
-
-    from _compose import compare_grads, data_mean, local_batch
+    from _compose import compare_grads, data_mean, fsdp2_step, local_batch
     from fusedpar.nn import Transformer
-    from fusedpar.parallel import build_parallel_state, sync_gradients
+    from fusedpar.parallel import build_parallel_state
 
     state = build_parallel_state(dp=size)
     ids, tgt = local_batch(tokens, targets, state)
     model = Transformer(config, tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group)
-    for block in model.layers.values():
-        fully_shard(block, mesh=state.mesh["dp"])
-    fully_shard(model, mesh=state.mesh["dp"])
-    loss = model.loss(model(ids), tgt)
-    loss.backward()
-    sync_gradients(model.named_parameters(), state, model.gradient_sync_plan(), data_parallel_done=True)
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # gather the dp shards
-    model.unshard()
+    loss, grads = fsdp2_step(model, state, ids, tgt)
     assert_close(data_mean(loss, state), ref_loss.reshape(1), torch.float32, msg="FSDP2 fp8 loss")
     return compare_grads(model, ref_grads, "FSDP2 fp8", grads=grads)
 
