@@ -337,6 +337,70 @@ def _fp8_cases():
     for granularity in ("row", "tile"):
         cases.append(Case("fp8", f"llama3-8b quantize {granularity} transposed", False,
                           lambda dt, g=granularity: _fp8_quantize(dt, H, T, g, transposed=True)))
+    return cases + _fp8_grouped_cases()
+
+
+def _fp8_grouped(dt, kind, scaling, H, F, E, M):
+    """One launch of an fp8 MoE layer (fusedpar/ops/moe_layout.py) at ``M`` routed rows: the expert
+    GEMMs on the operands the layer gives them (the dispatched tokens and output gradients as
+    e4m3 + scale byte rows, a TokenPack; the hidden activation and the pre-activation gradient
+    quantised per row; the weights per expert, transposed for the data gradients; the weight
+    gradient's operands quantised along the rows per group) and those quantisations."""
+    from fusedpar.kernels.fp8 import group_columns, group_tiles, quantize_e4m3_groups
+    from fusedpar.ops.moe_layout import TokenPack
+
+    if dt != torch.bfloat16:
+        return
+    f8, f32, off, gran = torch.float8_e4m3fn, torch.float32, _offsets(M, E), ("row" if scaling == "rowwise" else "tile")
+    pack = TokenPack(H, scaling)
+    buf = meta(M, pack.row_bytes, dtype=torch.uint8)
+    rows = (lambda k: meta(M, dtype=f32)) if gran == "row" else (lambda k: meta(M, -(-k // 128), dtype=f32))
+    blocks = (lambda n, k: meta(E, n, dtype=f32)) if gran == "row" else \
+        (lambda n, k: meta(E, -(-n // 128), -(-k // 128), dtype=f32))
+    kw = dict(scaling=scaling, check_offsets=False)
+    if kind == "up swiglu+bias+preact":
+        grouped_matmul(pack.q(buf), meta(E, 2 * F, H, dtype=f8), off, activation="swiglu", bias=meta(E, 2 * F, dtype=dt),
+                       preact_out=meta(M, 2 * F, dtype=dt), x_scale=pack.scale(buf), weight_scale=blocks(2 * F, H),
+                       out_dtype=dt, **kw)
+    elif kind == "down":
+        grouped_matmul(meta(M, F, dtype=f8), meta(E, H, F, dtype=f8), off, x_scale=rows(F), weight_scale=blocks(H, F),
+                       out_dtype=dt, **kw)
+    elif kind == "dgrad swiglu":
+        grouped_matmul_dact(pack.q(buf), meta(E, F, H, dtype=f8), off, meta(M, 2 * F, dtype=dt), weight_layout="nk",
+                            grad_scale=pack.scale(buf), weight_scale=blocks(F, H), **kw)
+    elif kind == "dgrad x":
+        grouped_matmul(meta(M, 2 * F, dtype=f8), meta(E, H, 2 * F, dtype=f8), off, x_scale=rows(2 * F),
+                       weight_scale=blocks(H, 2 * F), out_dtype=dt, **kw)
+    elif kind == "wgrad up accumulate":  # the operands' rows padded per group (kernels/fp8.py group_columns)
+        P = group_columns(M, E)
+        T = group_tiles(P, E)
+        grouped_wgrad(meta(2 * F, P, dtype=f8).t(), meta(H, P, dtype=f8).t(), off, E, out=meta(E, 2 * F, H, dtype=f32),
+                      accumulate=True, grad_scale=meta(2 * F, T, dtype=f32), x_scale=meta(H, T, dtype=f32),
+                      check_offsets=False)
+    elif kind == "quantize groups":  # the wgrad operands: from the dispatched byte rows, and from the hidden activation
+        quantize_e4m3_groups(pack.q(buf), off, gran, x_scale=pack.scale(buf), check_offsets=False)
+        quantize_e4m3_groups(meta(M, F, dtype=dt), off, gran, check_offsets=False)
+    else:  # "quantize experts": the weights per expert, and transposed (the data gradients')
+        quantize_e4m3(meta(E, 2 * F, H, dtype=dt), "row" if gran == "row" else "block")
+        quantize_e4m3(meta(E, H, F, dtype=dt).transpose(1, 2), "row" if gran == "row" else "block")
+
+
+def _fp8_grouped_cases():
+    """The fp8 MoE layer's launches at Mixtral's shape (every one) and DeepSeek-MoE's (64 experts,
+    ffn 1408: the up projection and its data gradient), and at a test shape whose K (200) does not
+    vectorise."""
+    c, d = MOE["mixtral"], MOE["deepseek-moe"]
+    cases = []
+    for scaling in ("rowwise", "blockwise"):
+        for kind in ("up swiglu+bias+preact", "down", "dgrad swiglu", "dgrad x", "wgrad up accumulate",
+                     "quantize groups", "quantize experts"):
+            cases.append(Case("fp8", f"mixtral grouped {kind} {scaling}", False, lambda dt, k=kind, s=scaling: _fp8_grouped(
+                dt, k, s, c["hidden"], c["ffn"], c["experts"], c["tokens"] * c["top_k"])))
+        for kind in ("up swiglu+bias+preact", "dgrad swiglu"):
+            cases.append(Case("fp8", f"deepseek-moe grouped {kind} {scaling}", False, lambda dt, k=kind, s=scaling:
+                              _fp8_grouped(dt, k, s, d["hidden"], d["ffn"], d["experts"], d["tokens"] * d["top_k"])))
+        cases.append(Case("fp8", f"tests 5 groups 61x24x200 grouped up swiglu {scaling}", False,
+                          lambda dt, s=scaling: _fp8_grouped(dt, "up swiglu+bias+preact", s, 200, 24, 5, 61)))
     return cases
 
 

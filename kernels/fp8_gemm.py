@@ -29,13 +29,15 @@ import triton.language as tl
 
 from .checks import (check_buffer, check_choice, check_out_dtype, check_same, check_shape, check_supported_dtype,
                      check_tensor, output_buffer)
-from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, round_to_bf16, to_fp32
+from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, group_tiles, round_to_bf16, to_fp32
 from .gemm import EPILOGUE_ACC_BUDGET
 from .runtime import (RowView, autotuned, device_capability, interpreting, pipelined, prune_tile_configs,
                       shared_memory_limit, tile_smem_bytes)
 
-__all__ = ["FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "FP8_RECIPES", "SCALINGS", "fp8_gpu_configs", "fp8_matmul",
-           "fp8_matmul_reference", "fp8_smem_estimate"]
+__all__ = ["FP8_GROUPED_INTERPRETER_CONFIGS", "FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "FP8_RECIPES",
+           "GROUPED_FP8_ACC_BUDGET", "SCALINGS", "UNALIGNED_FP8_GROUPED_TILE", "UNALIGNED_FP8_TILE", "fp8_configs_of_kind", "fp8_gpu_configs",
+           "fp8_grouped_configs", "fp8_matmul", "fp8_matmul_reference", "fp8_smem_estimate", "grouped_fp8_flags",
+           "grouped_fp8_scales"]
 
 SCALINGS = ("rowwise", "blockwise")
 #: the training recipes: scaling -> (granularity of activations and gradients, of weights) of
@@ -153,6 +155,94 @@ def fp8_gpu_configs():
             for bm, bn, stages, warps in [(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 4, 8), (128, 128, 4, 4),
                                           (64, 128, 4, 8), (128, 64, 4, 8), (64, 128, 4, 4), (128, 64, 4, 4),
                                           (64, 64, 4, 4)]]
+
+
+def fp8_grouped_configs(wgrad: bool = False):
+    """Candidate tiles of the grouped GEMMs' fp8 launches (``kernels/grouped_gemm.py``), each
+    marked ``cfg.fp8 = True`` (the grouped autotuners hold both lists; their prune rules keep the
+    fp8 tiles for fp8 launches only): 128-deep contraction steps (one scale block), at least 64
+    rows per dot (fp8 wgmma). Forward / data gradient ``BLOCK_K = 128``; weight gradient
+    ``BLOCK_M = 128`` (its contraction, the rows)."""
+    tiles = ([(128, 128, 64, 4, 8), (128, 64, 128, 4, 8), (128, 64, 64, 4, 8), (128, 64, 64, 4, 4)] if wgrad else
+             [(128, 128, 128, 4, 8), (128, 64, 128, 4, 4), (128, 64, 128, 4, 8), (64, 128, 128, 4, 4),
+              (64, 128, 128, 4, 8), (64, 64, 128, 4, 4), (64, 32, 128, 4, 8)])
+    out = []
+    for bm, bn, bk, stages, warps in tiles:
+        cfg = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps)
+        cfg.fp8 = True
+        out.append(cfg)
+    return out
+
+
+#: the grouped GEMMs' interpreted fp8 tiles (forward / data gradient, weight gradient): 128-deep steps
+FP8_GROUPED_INTERPRETER_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128), dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32))
+#: output tile elements of a grouped fp8 launch whose loads do not vectorise (K or a row stride not a
+#: multiple of 16 bytes): 64x32 over 8 warps compiles without spills on sm_90 with the gated
+#: epilogue's two B tiles (64x64 spills 128-280 B, 64x32 over 4 warps 60 B; test shape 61x24x200)
+UNALIGNED_FP8_GROUPED_TILE = 64 * 32
+#: fp32 accumulator elements per thread of the grouped GEMMs' fp8 launches, all tiles together (each
+#: accumulator counts twice: the step's dot and the running fp32 sum), by epilogue (``python -m
+#: benchmarks compile``, sm_90: no spills; the weight gradient's 128x128x128 over 8 warps, 128,
+#: spills 56 B)
+GROUPED_FP8_ACC_BUDGET = {"plain": 128, "fused": 128, "dact": 64, "wgrad": 64}
+
+
+def grouped_fp8_scales(a_name: str, a, a_scale, b_scale, scaling: str, *, n_experts: int = 0, n_w: int = 0,
+                       K: int = 0, wgrad_of: tuple | None = None):
+    """The scales of a grouped GEMM launch (``kernels/grouped_gemm.py``) on operand ``a`` (named
+    ``a_name``): None for 16/32-bit operands (no scale may be given); for e4m3 ones ``(scale
+    pointers, their strides, blockwise)`` once ``scaling`` and the scales are checked (fp32, on
+    ``a``'s device, of the shapes below; a ``ValueError`` names the one that is not).
+
+    Forward / data gradient (``a [M, K]``, a weight of ``n_w`` rows per expert, the second scale
+    ``weight_scale``): "rowwise" ``[M]`` per row and ``[E, n_w]`` per expert and weight row;
+    "blockwise" ``[M, ceil(K/128)]`` (1x128 tiles) and ``[E, ceil(n_w/128), ceil(K/128)]``
+    (128x128 blocks per expert). Weight gradient (``wgrad_of=(G, N, K)``, ``a`` the gradient
+    ``[M, N]``, the second scale ``x_scale`` of ``x [M, K]``), both quantised along the rows per
+    group (:func:`~fusedpar.kernels.fp8.quantize_e4m3_groups`): ``[N, T]`` and ``[K, T]``,
+    ``T =`` :func:`~fusedpar.kernels.fp8.group_tiles` ``(M, G)`` (either recipe)."""
+    if wgrad_of is None:
+        M, kb = a.shape[0], triton.cdiv(K, FP8_BLOCK)
+        scales = {f"{a_name}_scale": (a_scale, (M,), (M, kb)),
+                  "weight_scale": (b_scale, (n_experts, n_w), (n_experts, triton.cdiv(n_w, FP8_BLOCK), kb))}
+    else:
+        (G, N, K), T = wgrad_of, group_tiles(a.shape[0], wgrad_of[0])
+        scales = {f"{a_name}_scale": (a_scale, (N, T), (N, T)), "x_scale": (b_scale, (K, T), (K, T))}
+    if a.dtype != torch.float8_e4m3fn:
+        given = [name for name, (t, _, _) in scales.items() if t is not None]
+        if given:
+            raise ValueError(f"{given[0]} is for float8_e4m3fn operands, got {a_name} of dtype {a.dtype}")
+        return None
+    check_choice("scaling", scaling, SCALINGS)
+    check_fp8_device(a)
+    blockwise = scaling == "blockwise"
+    for name, (t, row_shape, block_shape) in scales.items():
+        check_tensor(name, t, dtypes=(torch.float32,))
+        check_shape(name, t, block_shape if blockwise else row_shape)
+        check_same(name, t, a_name, a, dtype=False)
+    sa, sb = a_scale, b_scale
+    return (sa, sb, sa.stride(0), sa.stride(1) if sa.dim() > 1 else 0, sb.stride(0), sb.stride(1),
+            sb.stride(2) if sb.dim() > 2 else 0, blockwise)
+
+
+def grouped_fp8_flags(fp8, *outputs) -> dict:
+    """The fp8 constexprs of a grouped GEMM launch (``fp8``: :func:`grouped_fp8_scales`'s result;
+    ``EMULATE``, the interpreter's bf16 rounding, only when one of ``outputs`` is bf16)."""
+    bf16 = any(t is not None and t.dtype == torch.bfloat16 for t in outputs)
+    return dict(FP8=fp8 is not None, BLOCKWISE=bool(fp8 and fp8[-1]), EMULATE=interpreting() and bf16 and fp8 is not None,
+                PROMOTE_K=FP8_PROMOTE_K if fp8 is not None else None)
+
+
+def fp8_configs_of_kind(configs, named_args, kwargs, fp8_tile_ok=True):
+    """The configs of a grouped launch's kind (the prune rules' first step): the
+    :func:`fp8_grouped_configs` tiles for fp8 launches (loads that do not vectorise: those within
+    :data:`UNALIGNED_FP8_GROUPED_TILE` over 8 warps), the others for the rest."""
+    fp8 = bool(kwargs.get("FP8", named_args.get("FP8", False)))
+    kind = [c for c in configs if getattr(c, "fp8", False) == fp8]
+    if fp8 and not fp8_tile_ok:  # every element its own address: small tiles over 8 warps
+        kind = [c for c in kind if c.num_warps == 8 and c.kwargs["BLOCK_N"] * c.kwargs[
+            "BLOCK_K" if "dy_ptr" in named_args else "BLOCK_M"] <= UNALIGNED_FP8_GROUPED_TILE] or kind
+    return kind
 
 
 #: fp32 accumulator elements per thread (both tiles) of a blockwise GEMM whose B scales are per row

@@ -16,8 +16,13 @@ The kernels read the offsets unchecked: offsets that do not start at 0, decrease
 correct by construction (those of :func:`fusedpar.kernels.moe_routing.routing_metadata` and of
 an MoE plan).
 
-Layers: ``@triton.jit`` kernels -> launchers (validate, allocate, launch) -> references (plain
-fp64 torch, the tests' oracle) at the end of the file.
+fp8 (``float8_e4m3fn`` operands with fp32 scales, the constexpr ``FP8``): the forward and the
+data gradient take x per row / 1x128 tile and the weights per expert row / 128x128 block, the
+weight gradient operands quantised along the rows per group (``kernels/fp8.py``); the scales and
+tiles of fp8 launches are checked and chosen in ``kernels/fp8_gemm.py``.
+
+Layers: ``@triton.jit`` kernels -> tile rules -> launchers (validate, allocate, launch); the
+float64 references are in :mod:`fusedpar.kernels.moe_routing`.
 """
 from __future__ import annotations
 
@@ -27,25 +32,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (INDEX_DTYPES, check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same,
-                     output_buffer)
+from .checks import (check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same,
+                     check_tensor, output_buffer)
+from .fp8 import rne_for_store
+from .fp8_gemm import (FP8_GROUPED_INTERPRETER_CONFIGS, GROUPED_FP8_ACC_BUDGET, fp8_configs_of_kind,
+                       fp8_grouped_configs, grouped_fp8_flags, grouped_fp8_scales)
+from .moe_permute import as_group_offsets  # noqa: F401 (the grouped GEMMs' offsets, also exported here)
 from .moe_routing import MAX_ROWS
-from .runtime import (
-    ACTIVATIONS,
-    acc_budget_for,
-    aligned,
-    autotuned,
-    device_capability,
-    input_precision,
-    interpreting,
-    needs_upcast,
-    pipelined,
-    prune_tile_configs,
-    shared_memory_limit,
-    tile_smem_bytes,
-)
+from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, acc_budget_for, aligned, autotuned, device_capability,
+                      input_precision, interpreting, needs_upcast, pipelined, prune_tile_configs, shared_memory_limit,
+                      tile_smem_bytes)
 
 _LAYOUTS = ("nk", "kn")
+OPERAND_DTYPES = SUPPORTED_DTYPES + (torch.float8_e4m3fn,)
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,21 +52,24 @@ _LAYOUTS = ("nk", "kn")
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _grouped_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, aux_ptr, offsets_ptr, bias_ptr,
+    x_ptr, w_ptr, out_ptr, aux_ptr, offsets_ptr, bias_ptr, xs_ptr, ws_ptr,
     G, E_w, M, N, K,
-    s_xm, s_xk, s_we, s_wn, s_wk, s_om, s_on, s_am, s_an, glu_offset, s_be,
+    s_xm, s_xk, s_we, s_wn, s_wk, s_om, s_on, s_am, s_an, glu_offset, s_be, s_xsm, s_xsk, s_wse, s_wsn, s_wsk,
     ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, DACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, G_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, G_PAD: tl.constexpr, FP8: tl.constexpr,
+    BLOCKWISE: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Rows of group g times weight[g % E_w] ([N, K] through strides, so a transposed view of the
     same tensor needs no copy). Epilogues: forward ``act`` (gated: act(gate) * up, pre-activation
     to ``aux``; ``HAS_BIAS``: ``bias[g % E_w]`` added first, gate and up halves), or backward
     ``DACT``: the product is the gradient of the activation output and ``aux`` holds the
-    pre-activation; writes the gradient of the pre-activation."""
+    pre-activation; writes the gradient of the pre-activation. ``FP8``: scaled e4m3 operands (module
+    docstring; ``BLOCKWISE``: a fresh dot per 128-deep step); ``EMULATE``: interpreted bf16 stores."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not (DACT and STORE_AUX), "the backward epilogue reads aux, it does not store it")
     tl.static_assert(not (DACT and HAS_BIAS), "the bias is a forward epilogue")
+    tl.static_assert(not (FP8 and BLOCKWISE) or BLOCK_K == 128, "blockwise scaling steps K one 128-block at a time")
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # This program's (group, row block) from the offsets: tiles_g = cdiv(count_g, BLOCK_M); the
@@ -101,6 +103,10 @@ def _grouped_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if GLU:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FP8:  # the scales of x's rows and of the weight's rows (gate; up for a gated forward)
+            xs_rows = xs_ptr + rm64 * s_xsm
+            ws_rows = ws_ptr + expert * s_wse + (rn // (128 if BLOCKWISE else 1)).to(tl.int64) * s_wsn
+            ws_up = ws_ptr + expert * s_wse + ((rn + glu_offset) // (128 if BLOCKWISE else 1)).to(tl.int64) * s_wsn
         for k0 in range(0, (K + BLOCK_K - 1) // BLOCK_K):
             kk = k0 * BLOCK_K + rk
             k_mask = kk < K
@@ -112,13 +118,26 @@ def _grouped_gemm_kernel(
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if FP8 and BLOCKWISE:  # a fresh dot per 128-deep step, times the step's scales
+                k64 = tl.cast(k0, tl.int64)
+                sa = tl.load(xs_rows + k64 * s_xsk, mask=m_mask, other=0.0)[:, None]
+                acc += tl.dot(a, b) * sa * tl.load(ws_rows + k64 * s_wsk, mask=n_mask, other=0.0)[None, :]
+            else:  # (rowwise fp8: promoted to fp32 every PROMOTE_K; None otherwise)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, max_num_imprecise_acc=PROMOTE_K)
             if GLU and not DACT:
                 bu = tl.load(w_base + kk64[:, None] * s_wk + (rn64 + glu_offset)[None, :] * s_wn,
                              mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 if UPCAST:
                     bu = bu.to(tl.float32)
-                acc_up = tl.dot(a, bu, acc_up, input_precision=INPUT_PRECISION)
+                if FP8 and BLOCKWISE:
+                    acc_up += tl.dot(a, bu) * sa * tl.load(ws_up + k64 * s_wsk, mask=n_mask, other=0.0)[None, :]
+                else:
+                    acc_up = tl.dot(a, bu, acc_up, input_precision=INPUT_PRECISION, max_num_imprecise_acc=PROMOTE_K)
+        if FP8 and not BLOCKWISE:  # rowwise: the fp32 accumulator times x's row and the weight row scales
+            sa = tl.load(xs_rows, mask=m_mask, other=0.0)[:, None]
+            acc = acc * sa * tl.load(ws_rows, mask=n_mask, other=0.0)[None, :]
+            if GLU and not DACT:
+                acc_up = acc_up * sa * tl.load(ws_up, mask=n_mask, other=0.0)[None, :]
         out_mask = m_mask[:, None] & n_mask[None, :]
         o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
         if DACT:
@@ -151,11 +170,14 @@ def _grouped_gemm_kernel(
                     # up's factor clamp(up, -7, 7) + 1, whose gradient is zero outside the range
                     a_val = tl.where((up >= -7.0) & (up <= 7.0), a_val, 0.0)
                     up = tl.minimum(tl.maximum(up, -7.0), 7.0) + 1.0
-                tl.store(out_ptr + o_off, (acc * up * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.store(out_ptr + o_off + glu_on, (acc * a_val).to(out_ptr.dtype.element_ty),
-                         mask=out_mask)
+                d_gate, d_up = acc * up * d_val, acc * a_val
+                if EMULATE:
+                    d_gate, d_up = rne_for_store(d_gate, out_ptr), rne_for_store(d_up, out_ptr)
+                tl.store(out_ptr + o_off, d_gate.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(out_ptr + o_off + glu_on, d_up.to(out_ptr.dtype.element_ty), mask=out_mask)
             else:
-                tl.store(out_ptr + o_off, (acc * d_val).to(out_ptr.dtype.element_ty), mask=out_mask)
+                d_pre = rne_for_store(acc * d_val, out_ptr) if EMULATE else acc * d_val
+                tl.store(out_ptr + o_off, d_pre.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
             if HAS_BIAS:
                 b_base = bias_ptr + expert * s_be
@@ -164,9 +186,11 @@ def _grouped_gemm_kernel(
                     acc_up += tl.load(b_base + rn64 + glu_offset, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if STORE_AUX:
                 a_off = rm64[:, None] * s_am + rn64[None, :] * s_an
-                tl.store(aux_ptr + a_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                pre = rne_for_store(acc, aux_ptr) if EMULATE else acc  # (interpreter: round as a GPU)
+                tl.store(aux_ptr + a_off, pre.to(aux_ptr.dtype.element_ty), mask=out_mask)
                 if GLU:
-                    tl.store(aux_ptr + a_off + glu_an, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
+                    pre = rne_for_store(acc_up, aux_ptr) if EMULATE else acc_up
+                    tl.store(aux_ptr + a_off + glu_an, pre.to(aux_ptr.dtype.element_ty), mask=out_mask)
             if ACT == 1:
                 res = tl.maximum(acc, 0.0)
             elif ACT == 2:
@@ -183,6 +207,7 @@ def _grouped_gemm_kernel(
                     res = res * (tl.minimum(tl.maximum(acc_up, -7.0), 7.0) + 1.0)
                 else:
                     res = res * acc_up
+            res = rne_for_store(res, out_ptr) if EMULATE else res
             tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Tail rows after the last group get zeros, so nothing downstream reads unwritten memory.
@@ -209,14 +234,17 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    dy_ptr, x_ptr, dw_ptr, offsets_ptr,
+    dy_ptr, x_ptr, dw_ptr, offsets_ptr, ds_ptr, xs_ptr,
     G, E_w, N, K,
-    s_dm, s_dn, s_xm, s_xk, s_we, s_wn, s_wk,
-    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    s_dm, s_dn, s_xm, s_xk, s_we, s_wn, s_wk, s_dsn, s_dst, s_xsk, s_xst,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dw[e] (+)= sum over groups g with g % E_w == e of dy[rows_g]^T @ x[rows_g]; empty: zeros."""
+    """dw[e] (+)= sum over groups g with g % E_w == e of dy[rows_g]^T @ x[rows_g]; empty: zeros.
+    ``FP8``: e4m3 operands quantised along the rows per group (``kernels/fp8.py``
+    ``quantize_e4m3_groups``): a fresh dot per 128-row tile of a group, times the tile's scales."""
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs a contraction block >= 16")
+    tl.static_assert(not FP8 or BLOCK_M == 128, "the fp8 scales cover 128-row tiles")
     e = tl.program_id(0)
     pid = tl.program_id(1)
     n_tiles_k = (K + BLOCK_K - 1) // BLOCK_K
@@ -235,6 +263,10 @@ def _grouped_wgrad_kernel(
         for m0 in range(start, end, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
             m_mask = rm < end
+            if FP8:  # row r of group g at column c0 + r - start, zeros from its end to a multiple of 16
+                c0 = 16 * (start // 16 + g)  # (kernels/fp8.py group_columns): 16-byte aligned, vectorised loads
+                rm = tl.multiple_of(c0 + (m0 - start), 16) + tl.arange(0, BLOCK_M)
+                m_mask = rm < tl.multiple_of(c0 + (end - start + 15) // 16 * 16, 16)
             rm64 = rm.to(tl.int64)
             dyt = tl.load(dy_ptr + rm64[None, :] * s_dm + rn64[:, None] * s_dn, mask=n_mask[:, None] & m_mask[None, :],
                           other=0.0)
@@ -243,45 +275,48 @@ def _grouped_wgrad_kernel(
             if UPCAST:
                 dyt = dyt.to(tl.float32)
                 xv = xv.to(tl.float32)
-            acc = tl.dot(dyt, xv, acc, input_precision=INPUT_PRECISION)
+            if FP8:  # the scale column of this 128-row tile (kernels/fp8.py group_tiles)
+                t = tl.cast(start // 128 + g + (m0 - start) // 128, tl.int64)
+                sd = tl.load(ds_ptr + rn64 * s_dsn + t * s_dst, mask=n_mask, other=0.0)
+                acc += tl.dot(dyt, xv) * sd[:, None] * tl.load(xs_ptr + rk64 * s_xsk + t * s_xst, mask=k_mask,
+                                                               other=0.0)[None, :]
+            else:
+                acc = tl.dot(dyt, xv, acc, input_precision=INPUT_PRECISION)
     out_mask = n_mask[:, None] & k_mask[None, :]
     w_off = e.to(tl.int64) * s_we + rn64[:, None] * s_wn + rk64[None, :] * s_wk
     if ACCUMULATE:
         acc += tl.load(dw_ptr + w_off, mask=out_mask, other=0.0).to(tl.float32)
+    acc = rne_for_store(acc, dw_ptr) if EMULATE else acc
     tl.store(dw_ptr + w_off, acc.to(dw_ptr.dtype.element_ty), mask=out_mask)
 
 
 # --------------------------------------------------------------------------------------------
 # configurations
 # --------------------------------------------------------------------------------------------
-INTERPRETER_GEMM_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
-INTERPRETER_WGRAD_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+INTERPRETER_GEMM_CONFIG = INTERPRETER_WGRAD_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
 
 
-def _gemm_gpu_configs():
-    out = []
-    for bm, bn, bk, stages, warps in [
-        (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-        (128, 64, 64, 4, 8), (64, 128, 64, 4, 8), (64, 64, 32, 4, 4), (32, 64, 32, 4, 4),
-        (64, 64, 64, 4, 4), (64, 256, 32, 4, 4), (32, 64, 64, 5, 2), (16, 64, 64, 4, 4),
-    ]:
-        out.append(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps))
-    return out
+def _configs(tiles) -> list:
+    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps)
+            for bm, bn, bk, stages, warps in tiles]
+
+
+def _gemm_gpu_configs():  # the 16/32-bit tiles, then the fp8 ones (each launch's prune rule keeps its kind)
+    return _configs([(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                     (128, 64, 64, 4, 8), (64, 128, 64, 4, 8), (64, 64, 32, 4, 4), (32, 64, 32, 4, 4),
+                     (64, 64, 64, 4, 4), (64, 256, 32, 4, 4), (32, 64, 64, 5, 2), (16, 64, 64, 4, 4)]) + \
+        fp8_grouped_configs()
 
 
 def _wgrad_gpu_configs():
-    out = []
-    for bm, bn, bk, stages, warps in [
-        (64, 128, 128, 3, 8), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 4),
-    ]:
-        out.append(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps))
-    return out
+    return _configs([(64, 128, 128, 3, 8), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (32, 64, 64, 4, 4),
+                     (64, 64, 64, 4, 4)]) + fp8_grouped_configs(wgrad=True)
 
 
 #: fp32 accumulator elements per thread without spills (``python -m benchmarks compile``, sm_90
 #: and sm_80): plain epilogue 128; forward activation / gated pair / pre-activation store 64; the
 #: fused activation backward (``DACT``: loads the gate and up pre-activations, forms act and act')
-#: 32.
+#: 32 (fp8 launches: :data:`~fusedpar.kernels.fp8_gemm.GROUPED_FP8_ACC_BUDGET`).
 GROUPED_ACC_BUDGET = {"plain": 128, "fused": 64, "dact": 32}
 #: the same for dots lowered to mma.sync (sm_80, tiles under 64 rows), whose operand fragments are
 #: held in registers too: a plain 128 spills 4-8 B on sm_80 (the group lookup is live as well); a
@@ -295,18 +330,20 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     def get(k, default=False):
         return kwargs.get(k, named_args.get(k, default))
 
-    x, dact = named_args["x_ptr"], bool(get("DACT"))
+    x, dact, fp8 = named_args["x_ptr"], bool(get("DACT")), bool(get("FP8"))
     glu = bool(get("GLU")) and not dact  # the backward reads the up half from aux, one B tile
     kind = "dact" if dact else "fused" if glu or get("ACT", 0) != 0 or get("STORE_AUX") else "plain"
     precision = get("INPUT_PRECISION", "ieee")
     extents = [e for e in (named_args.get(k, 16) for k in ("K", "s_xm", "s_xk", "s_wn", "s_wk")) if e != 1]
     if named_args.get("s_wn") == 1:  # "kn" weights: the masked N is the contiguous dim
         extents.append(named_args["N"])
-    unaligned = named_args["K"] % 64 != 0 or not aligned(x.element_size(), *extents)
+    unaligned = not fp8 and (named_args["K"] % 64 != 0 or not aligned(x.element_size(), *extents))
     sync = GROUPED_SYNC_ACC_BUDGET["fused unaligned" if kind == "fused" and unaligned else kind]
-    cap = dict(elem_size=x.element_size(), precision=precision, acc_tiles=2 if glu else 1)
-    return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1,
-                acc_budget=acc_budget_for(GROUPED_ACC_BUDGET[kind], **cap), sync_acc_budget=acc_budget_for(sync, **cap, sync=True),
+    acc_tiles = (2 if glu else 1) * (2 if fp8 else 1)
+    cap = dict(elem_size=x.element_size(), precision=precision, acc_tiles=acc_tiles)
+    budget = (GROUPED_FP8_ACC_BUDGET if fp8 else GROUPED_ACC_BUDGET)[kind]
+    return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=acc_tiles,
+                acc_budget=acc_budget_for(budget, **cap), sync_acc_budget=acc_budget_for(sync, **cap, sync=True),
                 capability=device_capability(x.device.index or 0), precision=precision, unaligned=unaligned,
                 pipelined=pipelined(x.element_size(), *extents))
 
@@ -314,7 +351,7 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
 def wgrad_tile_rule(named_args: dict, **kwargs) -> dict:
     """The prune rule's parameters of a grouped weight-gradient launch: its dot is
     ``dy^T [BLOCK_N, BLOCK_M] @ x [BLOCK_M, BLOCK_K]`` (the rows block is the contraction); the
-    loads are masked along N and K, their contiguous dims."""
+    loads are masked along N and K, their contiguous dims (fp8: along the rows)."""
     dy = named_args["dy_ptr"]
     extents = [e for e in (named_args.get(k, 16) for k in ("N", "K", "s_dm", "s_dn", "s_xm", "s_xk")) if e != 1]
     return dict(elem_size=dy.element_size(), b_tiles=1, capability=device_capability(dy.device.index or 0),
@@ -335,26 +372,29 @@ def wgrad_smem_estimate(cfg, named_args, **kwargs) -> int:
 
 
 def _prune(configs, named_args, **kwargs):
-    x = named_args["x_ptr"]
-    return prune_tile_configs(configs, smem_limit=shared_memory_limit(x.device.index or 0),
-                              dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]},
-                              **tile_rule(named_args, **kwargs))
+    x, rule = named_args["x_ptr"], tile_rule(named_args, **kwargs)
+    return prune_tile_configs(fp8_configs_of_kind(configs, named_args, kwargs, rule["pipelined"]),
+                              smem_limit=shared_memory_limit(x.device.index or 0),
+                              dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]}, **rule)
 
 
 def _prune_wgrad(configs, named_args, **kwargs):
     r = wgrad_tile_rule(named_args, **kwargs)
+    fp8 = bool(kwargs.get("FP8", named_args.get("FP8", False)))
+    configs = fp8_configs_of_kind(configs, named_args, kwargs, r["pipelined"])
     r["tile_dims"] = r.pop("dims")
+    budget = acc_budget_for(GROUPED_FP8_ACC_BUDGET["wgrad"] if fp8 else GROUPED_ACC_BUDGET["plain"],
+                            elem_size=r["elem_size"], precision=r["precision"])
     return prune_tile_configs(configs, smem_limit=shared_memory_limit(named_args["dy_ptr"].device.index or 0),
                               dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]},
-                              acc_tiles=1, acc_budget=acc_budget_for(GROUPED_ACC_BUDGET["plain"], elem_size=r["elem_size"],
-                                                                     precision=r["precision"]), **r)
+                              acc_tiles=2 if fp8 else 1, acc_budget=budget, **r)
 
 
 #: the autotuners' keys: the problem size and every flag the prune rules (:func:`tile_rule`,
 #: :func:`wgrad_tile_rule`) read, so that a config tuned for one launch is never reused by a launch
-#: whose rule would prune it (a tf32 tile run as "ieee" FMA dots, a plain tile with a fused epilogue)
-TUNING_KEY = ["N", "K", "G", "ACT", "GLU", "DACT", "HAS_BIAS", "STORE_AUX", "INPUT_PRECISION"]
-WGRAD_TUNING_KEY = ["N", "K", "G", "ACCUMULATE", "INPUT_PRECISION"]
+#: whose rule would prune it (a tf32 tile run as "ieee" FMA dots, a plain tile with a fused one, fp8)
+TUNING_KEY = ["N", "K", "G", "ACT", "GLU", "DACT", "HAS_BIAS", "STORE_AUX", "INPUT_PRECISION", "FP8", "BLOCKWISE"]
+WGRAD_TUNING_KEY = ["N", "K", "G", "ACCUMULATE", "INPUT_PRECISION", "FP8"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,28 +411,6 @@ def _tuned_wgrad():
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
-def as_group_offsets(offsets, rows: int, device: torch.device, *, check: bool = True) -> torch.Tensor:
-    """Group offsets (an int32/int64 tensor on any device, or a sequence of ints) as a contiguous
-    int tensor on ``device``. ``check=True`` (on every device): 1-D with ``G + 1 >= 2`` entries,
-    ``offsets[0] == 0``, non-decreasing, ``offsets[-1] <= rows`` (rows past it are the zero
-    tail). Checking a device tensor reads it on the host (one sync); ``check=False`` skips the
-    value checks for offsets that are correct by construction."""
-    if not isinstance(offsets, torch.Tensor):
-        try:
-            offsets = torch.tensor([int(v) for v in offsets], dtype=torch.int32)
-        except (TypeError, ValueError):
-            raise TypeError(f"offsets must be an int tensor or a sequence of ints, got {offsets!r}") from None
-    if offsets.dtype not in INDEX_DTYPES:
-        raise TypeError(f"offsets must have dtype torch.int32 or torch.int64, got {offsets.dtype}")
-    if offsets.dim() != 1 or offsets.numel() < 2:
-        raise ValueError(f"offsets must be 1-D with G + 1 >= 2 entries, got shape {tuple(offsets.shape)}")
-    if check:
-        o = offsets.tolist()
-        if o[0] != 0 or any(b < a for a, b in zip(o, o[1:])) or o[-1] > rows:
-            raise ValueError(f"offsets must start at 0, be non-decreasing and end at most at M={rows}, got {o}")
-    return offsets.to(device=device).contiguous()
-
-
 def _weight_strides(weight, layout):
     """(N, K, s_we, s_wn, s_wk) of a ``[E, N, K]`` ("nk") or ``[E, K, N]`` ("kn") weight."""
     check_choice("weight_layout", layout, _LAYOUTS)
@@ -403,8 +421,8 @@ def _weight_strides(weight, layout):
 
 def _gemm_operands(a_name, a, weight, layout, activation):
     """Common checks of the grouped GEMMs; returns (act code, gated, N, K, weight strides)."""
-    check_float_tensor(a_name, a, dims=(2,))
-    check_float_tensor("weight", weight, dims=(3,))
+    for name, t, dims in ((a_name, a, (2,)), ("weight", weight, (3,))):  # 16/32-bit, or e4m3 with scales
+        check_tensor(name, t, dims=dims, dtypes=OPERAND_DTYPES, kernel_device=True)
     check_same("weight", weight, a_name, a)
     check_choice("activation", activation, ACTIVATIONS)
     act, glu = ACTIVATIONS[activation]
@@ -421,7 +439,8 @@ def _gemm_operands(a_name, a, weight, layout, activation):
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_layout: str = "nk",
                    activation: str = "none", preact_out: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                   check_offsets: bool = True, bias: torch.Tensor | None = None) -> torch.Tensor:
+                   check_offsets: bool = True, bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                   weight_scale: torch.Tensor | None = None, scaling: str = "rowwise") -> torch.Tensor:
     """Grouped GEMM: ``out[rows_g] = act(x[rows_g] @ W_g + b_g)`` with ``rows_g = offsets[g] .. offsets[g+1]``
     and ``W_g = weight[g % E]`` (so groups laid out ``[source rank][expert]`` reuse the expert
     weights without a regrouping copy). fp32 accumulation; groups of any size, zero included;
@@ -435,15 +454,20 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_lay
     ``bias``: ``[E, N_w]`` (``b_g = bias[g % E]``, gate then up for gated activations), added
     before the activation (its gradient: :func:`~fusedpar.kernels.grouped_bias.grouped_bias_grad` of the
     pre-activation's).
+    fp8: ``x``, ``weight`` e4m3 (K-contiguous on a GPU) with the fp32 scales of ``scaling``:
+    "rowwise" ``x_scale [M]``, ``weight_scale [E, N_w]``; "blockwise" ``[M, ceil(K/128)]``,
+    ``[E, ceil(N_w/128), ceil(K/128)]`` (:func:`~fusedpar.kernels.fp8_gemm.grouped_fp8_scales`);
+    fp32 accumulation promoted every 128 K; ``out_dtype`` defaults to bf16.
     """
     act, glu, n_w, K, w_strides = _gemm_operands("x", x, weight, weight_layout, activation)
+    fp8 = grouped_fp8_scales("x", x, x_scale, weight_scale, scaling, n_experts=weight.shape[0], n_w=n_w, K=K)
     check_out_dtype("out_dtype", out_dtype)
     if glu and n_w % 2:
         raise ValueError(f"activation {activation!r} needs an even number of weight output features, got {n_w}")
     M = x.shape[0]
     offsets = as_group_offsets(offsets, M, x.device, check=check_offsets)
     N = n_w // 2 if glu else n_w
-    out = output_buffer("out", out, (M, N), x.device, out_dtype or x.dtype)
+    out = output_buffer("out", out, (M, N), x.device, out_dtype or (torch.bfloat16 if fp8 else x.dtype))
     if preact_out is not None:
         check_buffer("preact_out", preact_out, (M, n_w), x.device)
     if bias is not None:
@@ -455,19 +479,22 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets, *, weight_lay
         if bias.stride(1) != 1:
             bias = bias.contiguous()
     _launch_gemm(x, weight, out, preact_out, offsets, M=M, N=N, K=K, w_strides=w_strides, act=act, glu=glu,
-                 dact=False, bias=bias)
+                 dact=False, bias=bias, fp8=fp8)
     return out
 
 
 def grouped_matmul_dact(grad: torch.Tensor, weight: torch.Tensor, offsets, preact: torch.Tensor, *,
-                        weight_layout: str = "kn", activation: str = "swiglu",
-                        check_offsets: bool = True) -> torch.Tensor:
+                        weight_layout: str = "kn", activation: str = "swiglu", check_offsets: bool = True,
+                        grad_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+                        scaling: str = "rowwise") -> torch.Tensor:
     """Backward of ``act`` fused into a grouped GEMM: ``g = grad[rows_g] @ W_g`` is the gradient
     of the activation *output* (``[M, F]``); returns the gradient of the pre-activation
     (``[M, 2F]`` gated: ``(g * up * act'(gate), g * act(gate))``, else ``[M, F]``: ``g * act'(pre)``).
     With the default ``"kn"`` layout, ``weight`` is the forward ``[E, H, F]`` down-projection
-    read transposed in place."""
+    read transposed in place. fp8: e4m3 ``grad``, ``weight`` with ``grad_scale``, ``weight_scale`` as
+    :func:`grouped_matmul`'s (weight rows: the ``F`` outputs); the result in ``preact``'s dtype."""
     act, glu, N, K, w_strides = _gemm_operands("grad", grad, weight, weight_layout, activation)
+    fp8 = grouped_fp8_scales("grad", grad, grad_scale, weight_scale, scaling, n_experts=weight.shape[0], n_w=N, K=K)
     check_float_tensor("preact", preact, dims=(2,))
     check_same("preact", preact, "grad", grad, dtype=False)
     M = grad.shape[0]
@@ -475,9 +502,9 @@ def grouped_matmul_dact(grad: torch.Tensor, weight: torch.Tensor, offsets, preac
     if tuple(preact.shape) != (M, n_pre):
         raise ValueError(f"preact must have shape {(M, n_pre)}, got {tuple(preact.shape)}")
     offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)
-    out = torch.empty((M, n_pre), device=grad.device, dtype=grad.dtype)
+    out = torch.empty((M, n_pre), device=grad.device, dtype=preact.dtype if fp8 else grad.dtype)
     _launch_gemm(grad, weight, out, preact, offsets, M=M, N=N, K=K, w_strides=w_strides, act=act, glu=glu,
-                 dact=True)
+                 dact=True, fp8=fp8)
     return out
 
 
@@ -488,7 +515,7 @@ def _row_tiles(M, G, block_m):
     return M // block_m + min(G, M) + 1
 
 
-def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, dact, bias=None):
+def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, dact, bias=None, fp8=None):
     if M == 0 or N == 0:
         return
     G = offsets.numel() - 1
@@ -499,26 +526,30 @@ def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, 
             aux.zero_()
         return
     has_aux = aux is not None
-    args = (x, weight, out, aux if has_aux else out, offsets, out if bias is None else bias, G, E_w, M, N, K,
-            x.stride(0), x.stride(1), *w_strides, out.stride(0), out.stride(1),
+    scales = fp8[:7] if fp8 else (out, out, 0, 0, 0, 0, 0)
+    args = (x, weight, out, aux if has_aux else out, offsets, out if bias is None else bias, *scales[:2], G, E_w, M,
+            N, K, x.stride(0), x.stride(1), *w_strides, out.stride(0), out.stride(1),
             aux.stride(0) if has_aux else 0, aux.stride(1) if has_aux else 0, N if glu else 0,
-            0 if bias is None else bias.stride(0))
+            0 if bias is None else bias.stride(0), *scales[2:])
     flags = dict(ACT=act, GLU=glu, STORE_AUX=has_aux and not dact, DACT=dact, HAS_BIAS=bias is not None,
-                 UPCAST=needs_upcast(x.dtype),
-                 INPUT_PRECISION=input_precision(x.dtype), G_PAD=max(2, triton.next_power_of_2(G)))
+                 UPCAST=needs_upcast(x.dtype), INPUT_PRECISION=input_precision(x.dtype),
+                 G_PAD=max(2, triton.next_power_of_2(G)), **grouped_fp8_flags(fp8, out, aux))
+    _launch(_grouped_gemm_kernel, _tuned_gemm, FP8_GROUPED_INTERPRETER_CONFIGS[0] if fp8 else INTERPRETER_GEMM_CONFIG,
+            lambda meta: (_row_tiles(M, G, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"])), args, flags, x.device)
+
+
+def _launch(kernel, tuned, interpreter_config, grid, args, flags, device) -> None:
+    """One fixed small tile under the interpreter, the autotuned kernel on a GPU."""
     if interpreting():
-        cfg = INTERPRETER_GEMM_CONFIG
-        grid = (_row_tiles(M, G, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
-        _grouped_gemm_kernel[grid](*args, **flags, **cfg)
+        kernel[grid(interpreter_config)](*args, **flags, **interpreter_config)
     else:
-        grid = lambda meta: (_row_tiles(M, G, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-        with torch.cuda.device(x.device):
-            _tuned_gemm()[grid](*args, **flags)
+        with torch.cuda.device(device):
+            tuned()[grid](*args, **flags)
 
 
 def _wgrad_operands(grad, x, num_experts, out, accumulate):
-    check_float_tensor("grad", grad, dims=(2,))
-    check_float_tensor("x", x, dims=(2,))
+    for name, t in (("grad", grad), ("x", x)):
+        check_tensor(name, t, dims=(2,), dtypes=OPERAND_DTYPES, kernel_device=True)
     check_same("x", x, "grad", grad)
     if x.shape[0] != grad.shape[0]:
         raise ValueError(f"grad and x must have the same rows, got {tuple(grad.shape)} and {tuple(x.shape)}")
@@ -530,10 +561,15 @@ def _wgrad_operands(grad, x, num_experts, out, accumulate):
 
 def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int, *,
                   out: torch.Tensor | None = None, accumulate: bool = False,
-                  out_dtype: torch.dtype | None = None, check_offsets: bool = True) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, check_offsets: bool = True,
+                  grad_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Per-expert weight gradient ``out[e] (+)= sum_{g % E == e} grad[rows_g]^T @ x[rows_g]``:
     ``[E, N, K]`` in the ``"nk"`` layout (zeros for experts without rows). grad ``[M, N]``,
-    x ``[M, K]``, any strides. ``accumulate=True`` adds into ``out`` (sum in fp32)."""
+    x ``[M, K]``, any strides. ``accumulate=True`` adds into ``out`` (sum in fp32).
+    fp8: e4m3 ``grad``, ``x`` quantised along the rows per group of these offsets, in the layout of
+    :func:`~fusedpar.kernels.fp8.quantize_e4m3_groups` (``q.t()``: each group from a 16-aligned row,
+    zero to the next multiple of 16), with its ``grad_scale [N, T]``, ``x_scale [K, T]`` (128-row
+    tiles); a fresh fp32-scaled dot per tile; ``out_dtype`` defaults to bf16."""
     _wgrad_operands(grad, x, num_experts, out, accumulate)
     check_out_dtype("out_dtype", out_dtype)
     M, N = grad.shape
@@ -542,25 +578,17 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
         raise ValueError(f"grad must have at most {MAX_ROWS} rows, got {M}")
     offsets = as_group_offsets(offsets, M, grad.device, check=check_offsets)
     G = offsets.numel() - 1
-    out = output_buffer("out", out, (num_experts, N, K), grad.device, out_dtype or grad.dtype)
+    fp8 = grouped_fp8_scales("grad", grad, grad_scale, x_scale, "blockwise", wgrad_of=(G, N, K))
+    out = output_buffer("out", out, (num_experts, N, K), grad.device,
+                        out_dtype or (torch.bfloat16 if fp8 else grad.dtype))
     if N == 0 or K == 0:
         return out
-    args = (grad, x, out, offsets, G, num_experts, N, K, grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),
-            out.stride(0), out.stride(1), out.stride(2))
-    flags = dict(ACCUMULATE=accumulate, UPCAST=needs_upcast(grad.dtype), INPUT_PRECISION=input_precision(grad.dtype))
-    if interpreting():
-        cfg = INTERPRETER_WGRAD_CONFIG
-        grid = (num_experts, triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(K, cfg["BLOCK_K"]))
-        _grouped_wgrad_kernel[grid](*args, **flags, **cfg)
-    else:
-        def grid(meta):
-            return (num_experts, triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]))
-
-        with torch.cuda.device(grad.device):
-            _tuned_wgrad()[grid](*args, **flags)
+    scales = fp8[:6] if fp8 else (out, out, 0, 0, 0, 0)  # grad's [N, T], x's [K, T]
+    args = (grad, x, out, offsets, *scales[:2], G, num_experts, N, K, grad.stride(0), grad.stride(1), x.stride(0),
+            x.stride(1), out.stride(0), out.stride(1), out.stride(2), *scales[2:])
+    flags = dict(ACCUMULATE=accumulate, UPCAST=needs_upcast(grad.dtype), INPUT_PRECISION=input_precision(grad.dtype),
+                 FP8=fp8 is not None, EMULATE=interpreting() and fp8 is not None and out.dtype == torch.bfloat16)
+    _launch(_grouped_wgrad_kernel, _tuned_wgrad, FP8_GROUPED_INTERPRETER_CONFIGS[1] if fp8 else INTERPRETER_WGRAD_CONFIG,
+            lambda meta: (num_experts, triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"])), args, flags,
+            grad.device)
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# reference (plain torch; the tests' oracle)
-# --------------------------------------------------------------------------------------------

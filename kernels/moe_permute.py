@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float_tensor, check_index_tensor, check_same, output_buffer
+from .checks import INDEX_DTYPES, check_float_tensor, check_index_tensor, check_same, check_tensor, output_buffer
 from .moe_routing import MAX_ROWS
-from .runtime import interpreting
+from .runtime import SUPPORTED_DTYPES, interpreting
 
 
 # --------------------------------------------------------------------------------------------
@@ -35,7 +35,7 @@ def _permute_kernel(x_ptr, out_ptr, sorted_slot_ptr, n_rows, H, k, s_xt, s_xh, s
     slot = tl.load(sorted_slot_ptr + rows, mask=r_mask, other=-1).to(tl.int64)
     tok = tl.where(slot >= 0, slot // k, 0)
     src = x_ptr + tok[:, None] * s_xt + cols.to(tl.int64)[None, :] * s_xh
-    vals = tl.load(src, mask=(slot >= 0)[:, None] & h_mask[None, :], other=0.0)
+    vals = tl.load(src, mask=(slot >= 0)[:, None] & h_mask[None, :], other=0)
     dst = out_ptr + rows.to(tl.int64)[:, None] * s_or + cols.to(tl.int64)[None, :] * s_oh
     tl.store(dst, vals.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & h_mask[None, :])
 
@@ -97,6 +97,28 @@ def _combine_bwd_kernel(go_ptr, y_ptr, w_ptr, sorted_slot_ptr, gy_ptr, gw_ptr, n
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
+def as_group_offsets(offsets, rows: int, device: torch.device, *, check: bool = True) -> torch.Tensor:
+    """Group offsets (an int32/int64 tensor on any device, or a sequence of ints) as a contiguous
+    int tensor on ``device``. ``check=True`` (on every device): 1-D with ``G + 1 >= 2`` entries,
+    ``offsets[0] == 0``, non-decreasing, ``offsets[-1] <= rows`` (rows past it are the zero
+    tail). Checking a device tensor reads it on the host (one sync); ``check=False`` skips the
+    value checks for offsets that are correct by construction."""
+    if not isinstance(offsets, torch.Tensor):
+        try:
+            offsets = torch.tensor([int(v) for v in offsets], dtype=torch.int32)
+        except (TypeError, ValueError):
+            raise TypeError(f"offsets must be an int tensor or a sequence of ints, got {offsets!r}") from None
+    if offsets.dtype not in INDEX_DTYPES:
+        raise TypeError(f"offsets must have dtype torch.int32 or torch.int64, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 2:
+        raise ValueError(f"offsets must be 1-D with G + 1 >= 2 entries, got shape {tuple(offsets.shape)}")
+    if check:
+        o = offsets.tolist()
+        if o[0] != 0 or any(b < a for a, b in zip(o, o[1:])) or o[-1] > rows:
+            raise ValueError(f"offsets must start at 0, be non-decreasing and end at most at M={rows}, got {o}")
+    return offsets.to(device=device).contiguous()
+
+
 def _check_rows(name, n):
     if n > MAX_ROWS:
         raise ValueError(f"{name} must have at most {MAX_ROWS} rows (int32 positions), got {n}")
@@ -129,8 +151,9 @@ def _weights_operand(weights, T, top_k, y):
 def permute(x: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, *, out: torch.Tensor | None = None):
     """``out[p] = x[sorted_slot[p] // top_k]``: every token repeated once per routed slot, in
     group-contiguous order; rows with ``sorted_slot < 0`` (dropped tail) are zero.
-    x: ``[T, H]``; sorted_slot: ``[T * top_k]``; returns ``[T * top_k, H]``."""
-    check_float_tensor("x", x, dims=(2,))
+    x: ``[T, H]`` (a float dtype, or uint8: rows of packed bytes such as e4m3 values with their
+    scales, copied as they are); sorted_slot: ``[T * top_k]``; returns ``[T * top_k, H]``."""
+    check_tensor("x", x, dims=(2,), dtypes=SUPPORTED_DTYPES + (torch.uint8,), kernel_device=True)
     _check_top_k(top_k)
     T, H = x.shape
     n = T * top_k

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from _utils import DEVICE, INTERPRETED, poison
 from fusedpar.kernels import dequantize_e4m3, fp8_matmul, quantize_e4m3
-from fusedpar.kernels.fp8 import E4M3_MAX, SCALE_FLOOR, fp8_support_problem, quantize_e4m3_reference, to_e4m3
+from fusedpar.kernels.fp8 import (E4M3_MAX, SCALE_FLOOR, fp8_support_problem, group_columns, group_tiles,
+                                  quantize_e4m3_groups, quantize_e4m3_groups_reference, quantize_e4m3_reference, to_e4m3)
 from fusedpar.kernels.fp8_gemm import FP8_PROMOTE_K, fp8_matmul_reference
 
 pytestmark = pytest.mark.skipif(not INTERPRETED and torch.cuda.get_device_capability() < (8, 9),
@@ -151,8 +152,8 @@ def test_quantize_empty_and_bad_input():
     assert q.shape == (0, 5) and s.shape == (0,)
     with pytest.raises(ValueError, match="granularity must be one of"):
         quantize_e4m3(torch.randn(2, 3, device=DEVICE), "column")
-    with pytest.raises(ValueError, match="x must be 2-D"):
-        quantize_e4m3(torch.randn(2, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="x must be 2-D or 3-D"):
+        quantize_e4m3(torch.randn(2, 3, 4, 5, device=DEVICE))
 
 
 def quantisation_bound(x, sx, w, sw):
@@ -354,7 +355,68 @@ def test_quantize_into_given_buffers():
         quantize_e4m3(x, "row", out=(q, s[:36]))
     with pytest.raises(TypeError, match=r"out\[0\] \(q\) must have dtype torch.float8_e4m3fn"):
         quantize_e4m3(x, "row", out=(x, s))
-    with pytest.raises(ValueError, match=r"out\[0\] \(q\) must be a contiguous tensor"):
+    with pytest.raises(ValueError, match=r"out\[0\] \(q\) must be a tensor on .* with contiguous rows"):
         quantize_e4m3(x.t().contiguous(), "row", out=(q.t(), torch.empty(300, device=DEVICE)))
     with pytest.raises(TypeError, match=r"out must be a \(q, scale\) pair"):
         quantize_e4m3(x, "row", out=q)
+
+
+def test_quantize_batches_and_packed_rows():
+    """A 3-D ``[B, R, C]`` tensor (expert weights; a transposed view per matrix too) quantises each
+    matrix on its own, bit for bit the reference of each; ``out=`` row views of one byte buffer
+    (e4m3 values and their fp32 scales packed per row, an fp8 dispatch's layout) are written in
+    place and nothing else of the buffer is touched."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(3, 130, 200, generator=g) * 0.1).to(DEVICE)
+    for granularity in ("row", "tile", "block"):
+        for view in (w, w.transpose(1, 2)):
+            q, s = quantize_e4m3(view, granularity)
+            assert q.shape == view.shape and s.shape == (3,) + quantize_e4m3(view[0], granularity)[1].shape
+            for b in range(3):
+                q_ref, s_ref = quantize_e4m3_reference(view[b].cpu(), granularity)
+                assert torch.equal(bits(q[b]), bits(q_ref)) and torch.equal(s[b].cpu(), s_ref), (granularity, b)
+    x = torch.randn(37, 300, generator=g).to(DEVICE)
+    for granularity, n_scales in (("row", 1), ("tile", 3)):
+        buf = torch.full((37, 304 + 16), 0xAB, dtype=torch.uint8, device=DEVICE)
+        q = buf[:, :300].view(torch.float8_e4m3fn)
+        s = buf[:, 304:304 + 4 * n_scales].view(torch.float32)
+        quantize_e4m3(x, granularity, out=(q, s[:, 0] if granularity == "row" else s))
+        q_ref, s_ref = quantize_e4m3_reference(x.cpu(), granularity)
+        assert torch.equal(bits(q), bits(q_ref)) and torch.equal(s.cpu().reshape(s_ref.shape), s_ref)
+        assert (buf[:, 300:304] == 0xAB).all() and (buf[:, 304 + 4 * n_scales:] == 0xAB).all()
+
+
+# groups of 0, 1, 130 (two tiles, the second ragged), 0, 140 and 9 rows, then 5 rows in no group
+GROUP_OFFSETS = [0, 0, 1, 131, 131, 271, 280]
+
+
+@pytest.mark.parametrize("granularity", ["row", "tile"])
+def test_quantize_groups_equals_torch_bit_exactly(granularity):
+    """The weight-gradient operands: the columns quantised along the rows within each group (one
+    scale per group, or per 128-row tile from the group's start, stored per tile), from a
+    high-precision tensor or from e4m3 rows dequantised with their per-row / 1x128 scales."""
+    g = torch.Generator().manual_seed(4)
+    M, F = 285, 70
+    x = (torch.randn(M, F, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    x[200:210] = 0.0  # zero rows inside a group's tile
+    offsets = torch.tensor(GROUP_OFFSETS, dtype=torch.int32, device=DEVICE)
+    P = group_columns(M, 6)  # each group from column 16 (offsets[g] // 16 + g): 16-byte aligned
+    xq, xs = quantize_e4m3(torch.randn(M, 200, generator=g).to(DEVICE), "tile")
+    for src, src_scale in ((x, None), (xq, xs), (xq[:, :128], quantize_e4m3(xq[:, :128].float(), "row")[1])):
+        q, s = quantize_e4m3_groups(src, offsets, granularity, x_scale=src_scale)
+        q_ref, s_ref = quantize_e4m3_groups_reference(src.cpu(), GROUP_OFFSETS, granularity,
+                                                      None if src_scale is None else src_scale.cpu())
+        assert q.shape == (src.shape[1], P) and s.shape == (src.shape[1], group_tiles(P, 6))
+        assert torch.equal(bits(q), bits(q_ref)), granularity  # the padding columns zero
+        assert torch.equal(s.cpu(), s_ref), granularity
+    # group g's tiles from column offsets[g] // 128 + g: group 2 (130 rows) at columns 2 and 3, which
+    # "row" gives one scale; column 4 (the empty group 3) stays unused
+    assert torch.equal(s[:, 2], s[:, 3]) == (granularity == "row") and (s[:, 4] == 1).all()
+    with pytest.raises(ValueError, match="x_scale must have shape"):
+        quantize_e4m3_groups(xq, offsets, granularity, x_scale=xs[:-1])
+    with pytest.raises(TypeError, match="x_scale is for an e4m3 x"):
+        quantize_e4m3_groups(x, offsets, granularity, x_scale=xs)
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        quantize_e4m3_groups(x, [1, 4], granularity)
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        quantize_e4m3_groups(x, offsets, "block")

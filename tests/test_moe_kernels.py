@@ -1,4 +1,5 @@
-"""MoE kernels: routing metadata, permute / combine (+ backward), grouped GEMM fwd / dgrad / wgrad.
+"""MoE kernels: routing metadata, permute / combine (+ backward), grouped GEMM fwd / dgrad / wgrad
+(16-bit operands, and e4m3 with their scales).
 
 References: Python loops (routing), fp64 torch (GEMMs), torch autograd in fp64 (backward
 epilogues) and torch's own grouped GEMM (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``).
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _utils import DEVICE, DTYPES, assert_close, poison, randn
+from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
 from fusedpar.kernels.grouped_gemm import (
     as_group_offsets,
     grouped_matmul,
@@ -257,6 +258,205 @@ def test_grouped_wgrad_accumulate(dtype):
 
 
 # ----------------------------------------------------------------------------------------------
+# fp8 grouped GEMMs (e4m3 operands, fp32 scales): against the float64 product of the dequantised
+# operands (fp32 accumulation; on a GPU plus the fp8 tensor cores' in-step error,
+# tests/test_fp8.py mma_error_bound) and within the quantisation bound of the unquantised one
+# ----------------------------------------------------------------------------------------------
+fp8_device = pytest.mark.skipif(not INTERPRETED and torch.cuda.get_device_capability() < (8, 9),
+                                reason="fp8 needs compute capability >= 8.9")
+FP8_SCALINGS = {"rowwise": ("row", "row"), "blockwise": ("tile", "block")}  # (rows of x, weights)
+
+
+def _deq(q, s, granularity):
+    """Dequantised values and each element's scale (float64, CPU); ``q`` 2-D, or 3-D per expert."""
+    from fusedpar.kernels import dequantize_e4m3
+    if q.dim() == 3:
+        pairs = [_deq(q[e], s[e], granularity) for e in range(q.shape[0])]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    q, s = q.cpu(), s.cpu()
+    return dequantize_e4m3(q, s, granularity), dequantize_e4m3(torch.ones_like(q), s, granularity)
+
+
+def _grouped_ref(xd, sx, wd, sw, offs, xq=None, wq=None):
+    """Per group ``g`` (expert ``g % E``): ``(xd @ wd_e^T, the quantisation bound of it against the
+    unquantised product of (xd, wd) as the unquantised values, the fp8 MMA bound)``, float64."""
+    from test_fp8 import REL_BOUND, SUBNORMAL_BOUND, mma_error_bound
+    M, N = xd.shape[0], wd.shape[1]
+    ref, bound, mma = (torch.zeros(M, N, dtype=torch.float64) for _ in range(3))
+    for g in range(len(offs) - 1):
+        a, b, e = offs[g], offs[g + 1], g % wd.shape[0]
+        ref[a:b] = xd[a:b] @ wd[e].t()
+        dx = REL_BOUND * xd[a:b].abs() + SUBNORMAL_BOUND * sx[a:b]
+        dw = REL_BOUND * wd[e].abs() + SUBNORMAL_BOUND * sw[e]
+        bound[a:b] = dx @ wd[e].abs().t() + xd[a:b].abs() @ dw.t() + dx @ dw.t()
+        if xq is not None:
+            mma[a:b] = mma_error_bound(xq[a:b].cpu().double(), sx[a:b], wq[e].cpu().double(), sw[e])
+    return ref, bound, mma
+
+
+@fp8_device
+@pytest.mark.parametrize("scaling", list(FP8_SCALINGS))
+def test_fp8_grouped_matmul(scaling):
+    """The MoE up projection (SwiGLU with expert biases, the pre-activation stored) and the down
+    projection (plain; the "kn" layout of the same weights too) on e4m3 operands: groups of 0, 1,
+    17, 0, 33 rows over 3 experts, a 7-row zero tail, K = 160 (a ragged last 128-block)."""
+    from test_fp8 import ACC_RTOL, assert_within
+    from fusedpar.kernels import quantize_e4m3
+    ga, gw = FP8_SCALINGS[scaling]
+    g = torch.Generator().manual_seed(21)
+    E, H, Fd, offs = 3, 160, 24, _offsets([0, 1, 17, 0, 33])
+    M = offs[-1] + 7
+    x = randn(M, H, generator=g)
+    w1 = randn(E, 2 * Fd, H, generator=g, scale=H ** -0.5)
+    w1[1, 5] = 0.0  # a zero weight row
+    b1 = randn(E, 2 * Fd, generator=g)
+    (xq, xs), (wq, ws) = quantize_e4m3(x, ga), quantize_e4m3(w1, gw)
+    xd, sx = _deq(xq, xs, ga)
+    wd, sw = _deq(wq, ws, gw)
+    ref, _, mma = _grouped_ref(xd, sx, wd, sw, offs, xq, wq)
+    bias = torch.zeros(M, 2 * Fd, dtype=torch.float64)
+    for i in range(len(offs) - 1):
+        bias[offs[i]:offs[i + 1]] = b1[i % E].double().cpu()
+    ref = ref + bias
+    scale = ref.pow(2).mean().sqrt().item()
+    tol = ACC_RTOL * (ref.abs() + scale) + mma
+    kw = dict(activation="swiglu", bias=b1, x_scale=xs, weight_scale=ws, scaling=scaling)
+    pre, out = poison((M, 2 * Fd), torch.float32), poison((M, Fd), torch.float32)
+    grouped_matmul(xq, wq, offs, preact_out=pre, out=out, **kw)
+    assert_within(pre, ref, tol, f"{scaling} pre-activation")
+    # the epilogue on the fp32 accumulator: SwiGLU of the stored pre-activation; zeros on the tail
+    act = activation_reference(pre.cpu().double(), "swiglu")
+    act_tol = ACC_RTOL * (act.abs() + act.pow(2).mean().sqrt())
+    assert_within(out, act, act_tol, f"{scaling} swiglu")
+    assert (out[offs[-1]:] == 0).all() and (pre[offs[-1]:] == 0).all()
+    # bf16 outputs (the default): one bf16 rounding of each (the interpreter's made to round to nearest even)
+    pre16 = poison((M, 2 * Fd), torch.bfloat16)
+    out16 = grouped_matmul(xq, wq, offs, preact_out=pre16, **kw)
+    assert out16.dtype == torch.bfloat16
+    assert_within(pre16, ref, 2.0 ** -8 * ref.abs() + tol, f"{scaling} bf16 pre-activation")
+    assert_within(out16, act, 2.0 ** -8 * act.abs() + act_tol, f"{scaling} bf16 swiglu")
+    # against the unquantised product: within the quantisation bound of every element
+    exact, bound, _ = _grouped_ref(x.cpu().double(), sx, w1.cpu().double(), sw, offs)
+    err = (pre.cpu().double() - exact - bias).abs()
+    assert (err <= bound + tol).all() and err.max() > 1e-4 * scale, (err - bound).max()
+    # a down projection (40 outputs): plain, in both weight layouts (a transposed view of the same bytes)
+    w2 = randn(E, 40, Fd, generator=g, scale=Fd ** -0.5)
+    (hq, hs), (w2q, w2s) = quantize_e4m3(out, ga), quantize_e4m3(w2, gw)
+    hd, sh = _deq(hq, hs, ga)
+    w2d, sw2 = _deq(w2q, w2s, gw)
+    ref2, _, mma2 = _grouped_ref(hd, sh, w2d, sw2, offs, hq, w2q)
+    tol2 = ACC_RTOL * (ref2.abs() + ref2.pow(2).mean().sqrt()) + mma2
+    y = grouped_matmul(hq, w2q, offs, out=poison((M, 40), torch.float32), x_scale=hs, weight_scale=w2s, scaling=scaling)
+    assert_within(y, ref2, tol2, f"{scaling} down")
+    y_kn = grouped_matmul(hq, w2q.transpose(1, 2).contiguous(), offs, weight_layout="kn", out_dtype=torch.float32,
+                          x_scale=hs, weight_scale=w2s, scaling=scaling)
+    assert_within(y_kn, ref2, tol2, f"{scaling} down, kn layout")
+
+
+@fp8_device
+@pytest.mark.parametrize("scaling", list(FP8_SCALINGS))
+def test_fp8_grouped_dact(scaling):
+    """The SwiGLU backward fused into the fp8 data-gradient GEMM: ``grad`` quantised per row, the
+    down projection's ``W2^T [E, F, H]`` (a quantised transposed view) per row / 128x128 blocks;
+    the result in the pre-activation's dtype (fp32, and bf16)."""
+    from test_fp8 import ACC_RTOL, assert_within
+    from fusedpar.kernels import quantize_e4m3
+    ga, gw = FP8_SCALINGS[scaling]
+    g = torch.Generator().manual_seed(22)
+    E, H, Fd, offs = 3, 160, 24, BWD_OFFS
+    M = BWD_M
+    gy = randn(M, H, generator=g)
+    w2 = randn(E, H, Fd, generator=g, scale=Fd ** -0.5)
+    (gq, gs), (wq, ws) = quantize_e4m3(gy, ga), quantize_e4m3(w2.transpose(1, 2), gw)
+    gd, sg = _deq(gq, gs, ga)
+    wd, sw = _deq(wq, ws, gw)
+    dh, _, mma = _grouped_ref(gd, sg, wd, sw, offs, gq, wq)
+    for dtype in (torch.float32, torch.bfloat16):
+        pre = randn(M, 2 * Fd, dtype=dtype, generator=g)
+        got = grouped_matmul_dact(gq, wq, offs, pre, weight_layout="nk", grad_scale=gs, weight_scale=ws,
+                                  scaling=scaling)
+        assert got.dtype == dtype
+        pd = pre.cpu().double().requires_grad_()
+        (activation_reference(pd, "swiglu") * dh).sum().backward()
+        ref = pd.grad.clone()
+        pf = pre.cpu().double().requires_grad_()  # the factors of dh in each half (mma's share scales with them)
+        activation_reference(pf, "swiglu").sum().backward()
+        tol = ACC_RTOL * (ref.abs() + ref.pow(2).mean().sqrt()) + pf.grad.abs() * torch.cat([mma, mma], 1)
+        if dtype == torch.bfloat16:
+            tol = tol + 2.0 ** -8 * ref.abs()
+        assert_within(got, ref, tol, f"{scaling} fp8 dact ({dtype})")
+        assert (got[offs[-1]:] == 0).all()
+
+
+@fp8_device
+@pytest.mark.parametrize("granularity", ["row", "tile"])
+def test_fp8_grouped_wgrad(granularity):
+    """The weight gradient from operands quantised along the rows per group (one scale per group,
+    or per 128-row tile): groups of 0, 1, 130, 0, 140 and 9 rows over 4 experts (expert 3's only
+    group is empty: exact zeros), fp32 into a NaN-poisoned buffer, accumulating into one, and
+    within the quantisation bound of the unquantised product."""
+    from test_fp8 import ACC_RTOL, GROUP_OFFSETS, REL_BOUND, SUBNORMAL_BOUND, assert_within, mma_error_bound
+    from fusedpar.kernels.fp8 import quantize_e4m3_groups
+    g = torch.Generator().manual_seed(23)
+    offs, E, N, K = GROUP_OFFSETS, 4, 40, 24
+    M = offs[-1] + 5
+    dy, x = randn(M, N, generator=g), randn(M, K, generator=g)
+    (dq, ds), (xq, xs) = (quantize_e4m3_groups(t, torch.tensor(offs, device=DEVICE), granularity) for t in (dy, x))
+    ref, bound, mma = (torch.zeros(E, N, K, dtype=torch.float64) for _ in range(3))
+    for i in range(len(offs) - 1):
+        for a in range(offs[i], offs[i + 1], 128):  # each 128-row tile of the group: one scale column
+            b, t = min(a + 128, offs[i + 1]), offs[i] // 128 + i + (a - offs[i]) // 128
+            c = 16 * (offs[i] // 16 + i) + a - offs[i]  # the rows' columns of q (kernels/fp8.py group_columns)
+            qa, qb = dq[:, c:c + b - a].cpu(), xq[:, c:c + b - a].cpu()
+            sa, sb = (s[:, t:t + 1].cpu().double().expand(-1, b - a) for s in (ds, xs))
+            da, db = qa.double() * sa, qb.double() * sb
+            ref[i % E] += da @ db.t()
+            ea = REL_BOUND * dy[a:b].t().cpu().double().abs() + SUBNORMAL_BOUND * sa
+            eb = REL_BOUND * x[a:b].t().cpu().double().abs() + SUBNORMAL_BOUND * sb
+            bound[i % E] += ea @ db.abs().t() + da.abs() @ eb.t() + ea @ eb.t()
+            mma[i % E] += mma_error_bound(qa.double(), sa, qb.double(), sb)
+    scale = ref.pow(2).mean().sqrt().item()
+    kw = dict(grad_scale=ds, x_scale=xs)
+    got = grouped_wgrad(dq.t(), xq.t(), offs, E, out=poison((E, N, K), torch.float32), **kw)
+    assert_within(got, ref, ACC_RTOL * (ref.abs() + scale) + mma, f"fp8 wgrad {granularity}")
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    acc = randn(E, N, K, generator=g)
+    want = ref + acc.cpu().double()
+    grouped_wgrad(dq.t(), xq.t(), offs, E, out=acc, accumulate=True, **kw)
+    assert_within(acc, want, ACC_RTOL * (want.abs() + scale) + mma, f"fp8 wgrad accumulate {granularity}")
+    exact = torch.zeros(E, N, K, dtype=torch.float64)
+    for i in range(len(offs) - 1):
+        exact[i % E] += dy[offs[i]:offs[i + 1]].t().cpu().double() @ x[offs[i]:offs[i + 1]].cpu().double()
+    err = (got.cpu().double() - exact).abs()
+    assert (err <= bound + ACC_RTOL * scale + mma).all() and err.max() > 1e-4 * scale, (err - bound).max()
+
+
+@fp8_device
+def test_fp8_grouped_bad_input():
+    from fusedpar.kernels import quantize_e4m3
+    x, w = torch.randn(8, 256, device=DEVICE), torch.randn(2, 12, 256, device=DEVICE)
+    (xq, xs), (wq, ws) = quantize_e4m3(x), quantize_e4m3(w)
+    with pytest.raises(TypeError, match="x_scale must be a torch.Tensor"):
+        grouped_matmul(xq, wq, [0, 8], weight_scale=ws)
+    with pytest.raises(ValueError, match=r"weight_scale must have shape \(2, 12\)"):
+        grouped_matmul(xq, wq, [0, 8], x_scale=xs, weight_scale=ws[:, :11])
+    with pytest.raises(ValueError, match=r"x_scale must have shape \(8, 2\)"):
+        grouped_matmul(xq, wq, [0, 8], x_scale=xs, weight_scale=ws, scaling="blockwise")
+    with pytest.raises(ValueError, match="x_scale is for float8_e4m3fn operands, got x of dtype torch.float32"):
+        grouped_matmul(x, w, [0, 8], x_scale=xs)
+    with pytest.raises(TypeError, match="weight must have the same dtype as x"):
+        grouped_matmul(xq, w, [0, 8], x_scale=xs, weight_scale=ws)
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        grouped_matmul(xq, wq, [0, 8], x_scale=xs, weight_scale=ws, scaling="tensorwise")
+    with pytest.raises(TypeError, match="grad_scale must have dtype torch.float32"):
+        grouped_matmul_dact(xq, wq.transpose(1, 2), [0, 8], torch.randn(8, 24, device=DEVICE), grad_scale=xs.half(),
+                            weight_scale=ws)
+    with pytest.raises(ValueError, match=r"x_scale must have shape \(256, 3\)"):  # group_tiles(8, 2) columns
+        grouped_wgrad(xq[:, :12], xq, [0, 3, 8], 2, grad_scale=torch.ones(12, 3, device=DEVICE),
+                      x_scale=torch.ones(256, 2, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------------------------
 # argument checks
 # ----------------------------------------------------------------------------------------------
 def test_kernel_errors():
@@ -395,7 +595,10 @@ _INT64_CHECK = textwrap.dedent(
                          and "f32" in m.group(4))
         return bad, approx_div
 
-    gemm = dict(UPCAST=False, INPUT_PRECISION="ieee", G_PAD=8, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+    gemm = dict(UPCAST=False, INPUT_PRECISION="ieee", G_PAD=8, FP8=False, BLOCKWISE=False, EMULATE=False,
+                PROMOTE_K=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+    fp8 = dict(gemm, FP8=True, PROMOTE_K=128, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
+    e4m3 = {n: "*fp8e4nv" for n in ("x_ptr", "w_ptr", "dy_ptr")}
     route = dict(TOPK_GROUP=1, TOP_K=2, K_PAD=2, NORMALIZE=True, BLOCK_T=16, G_PAD=1, EPG_PAD=8)
     idx = {n: "*i32" for n in ("offsets_ptr", "sorted_slot_ptr", "slot_pos_ptr", "counts_ptr", "bad_ptr",
                                "prefix_ptr")}
@@ -409,9 +612,16 @@ _INT64_CHECK = textwrap.dedent(
             dict(ACT=3, GLU=True, STORE_AUX=False, DACT=True, HAS_BIAS=False, **gemm)),
         "grouped_gemm plain": (gg._grouped_gemm_kernel,
             dict(ACT=0, GLU=False, STORE_AUX=False, DACT=False, HAS_BIAS=False, **gemm)),
+        "grouped_gemm fp8 blockwise swiglu + bias + pre-activation": (gg._grouped_gemm_kernel,
+            dict(ACT=3, GLU=True, STORE_AUX=True, DACT=False, HAS_BIAS=True, **dict(fp8, BLOCKWISE=True)), e4m3),
+        "grouped_gemm fp8 rowwise dact swiglu": (gg._grouped_gemm_kernel,
+            dict(ACT=3, GLU=True, STORE_AUX=False, DACT=True, HAS_BIAS=False, **fp8), e4m3),
         "grouped_bias_grad": (gb._grouped_bias_grad_kernel, dict(ACCUMULATE=True, BLOCK_M=32, BLOCK_N=64)),
         "grouped_wgrad": (gg._grouped_wgrad_kernel, dict(ACCUMULATE=True, UPCAST=False, INPUT_PRECISION="ieee",
-                                                         BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
+                                                         FP8=False, EMULATE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
+        "grouped_wgrad fp8": (gg._grouped_wgrad_kernel, dict(ACCUMULATE=True, UPCAST=False, INPUT_PRECISION="ieee",
+                                                             FP8=True, EMULATE=False, BLOCK_M=128, BLOCK_N=64,
+                                                             BLOCK_K=64), e4m3),
         "permute": (mp._permute_kernel, dict(BLOCK_R=16, BLOCK_H=32)),
         "combine": (mp._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=16, BLOCK_H=32)),
         "combine_backward": (mp._combine_bwd_kernel, dict(BLOCK_R=16, BLOCK_H=32)),
@@ -423,8 +633,8 @@ _INT64_CHECK = textwrap.dedent(
     }
     # products known to stay small: the expert id within a row of logits (g * EPG + j < E)
     allowed = {"topk_route": ("%eid",), "topk_route_backward": ("%eid",)}
-    for name, (fn, const) in cases.items():
-        bad, approx_div = i32_products(fn, const, idx)
+    for name, (fn, const, *ptrs) in cases.items():
+        bad, approx_div = i32_products(fn, const, dict(idx, **(ptrs[0] if ptrs else {})))
         bad = [b for b in bad if not b.startswith(allowed.get(name, ("-",)))]
         print(f"{name}: {bad}")
         print(f"approximate fp32 divisions of {name} = {approx_div}")
@@ -445,14 +655,14 @@ def test_kernel_offsets_are_64_bit():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ": [" in ln]
-    assert len(lines) == 13, res.stdout
+    assert len(lines) == 16, res.stdout
     assert all(ln.endswith(": []") for ln in lines), "32-bit products of a stride / width:\n" + "\n".join(lines)
     # the routing kernels divide with IEEE rounding (tl.math.div_rn): a plain fp32 ``/`` compiles to
     # div.full.f32 (up to 2 ulp off on a GPU, exact in the interpreter), which left a renormalised
     # top-1 weight p / p off 1 and leaked into the router gradient on the first GPU run
     divs = dict(ln.removeprefix("approximate fp32 divisions of ").split(" = ") for ln in res.stdout.splitlines()
                 if ln.startswith("approximate fp32 divisions of "))
-    assert len(divs) == 13 and divs["topk_route"] == divs["topk_route_backward"] == "0", divs
+    assert len(divs) == 16 and divs["topk_route"] == divs["topk_route_backward"] == "0", divs
 
 
 def test_row_counts_past_int32_positions_are_refused():
