@@ -5,6 +5,12 @@ Rows (each with a correctness check against its baseline before timing):
 * ``grouped_gemm``: fusedpar.kernels.grouped_matmul vs torch's grouped GEMM
   (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``) on the first expert projection
   ``[T*k, H] x [E, H, 2F]``, routed rows spread over the experts as a real router would;
+* ``grouped_gemm_fp8`` (one row per recipe, ``rowwise`` and ``blockwise``): the same projection
+  with e4m3 operands (the activations quantised per token / 1x128 tile as the fp8 dispatch sends
+  them, the weights per expert row / 128x128 block; fp32 accumulation promoted every 128, output
+  in the run's dtype) against the 16-bit grouped GEMM of the ``grouped_gemm`` row
+  (``ratio_vs_baseline``: its time over the fp8 one's), checked against the fp32 grouped GEMM of
+  the dequantised operands; ``quantize_ms``: the per-token quantisation of the routed rows;
 * ``permute`` / ``unpermute``: token gather into expert order and the weighted combine back, in
   GB/s, against a device copy of the same number of bytes (``torch.Tensor.copy_``);
 * ``layer_fwd_bwd``: the whole routed MLP (permute, grouped SwiGLU MLP, combine) forward +
@@ -41,6 +47,9 @@ per-expert loops: 64 and 256 iterations): ~60 s, an estimate (not yet measured o
 tuned as much, but its DeepSeek-V3 row (one rank, all 256 experts) drew ~1.1e10 weights twice
 on the CPU, serially (minutes: the round stopped the op at 254 s), and needed about 90 GB of GPU
 memory (weights, the baseline's copies, both gradients); its other rows drew ~9e8 on the CPU.
+The ``grouped_gemm_fp8`` rows (counted apart) add 14 grouped GEMM variants (the 7 fp8 tiles the
+plain epilogue keeps, per recipe) with as many tuning benchmarks and 4 quantisation kernels: about
+8 s by the same estimate, plus the fp32 reference GEMM of each check (2 GB of dequantised weights).
 """
 from __future__ import annotations
 
@@ -142,6 +151,36 @@ def _grouped_gemm_row(ctx, d, xp, offsets):
         t_ours = ctx.time_ms(ours)
         row.update(fusedpar_ms=t_ours, fusedpar_TFLOPs=tflops(flops, t_ours), max_rel_err=0.0)
     return row
+
+
+def _grouped_gemm_fp8_rows(ctx, d, xp, offsets):
+    """The fp8 grouped GEMM (each recipe) against the 16-bit one (module docstring)."""
+    import torch
+
+    from fusedpar.kernels import dequantize_e4m3, grouped_matmul, quantize_e4m3
+    from fusedpar.kernels.fp8_gemm import FP8_RECIPES
+
+    t_base = ctx.time_ms(lambda: grouped_matmul(xp, d.w1, offsets, check_offsets=False))
+    flops = 2.0 * d.T * d.k * d.H * 2 * d.Fd
+    rows = []
+    for recipe, (ga, gw) in FP8_RECIPES.items():
+        (xq, xs), (wq, ws) = quantize_e4m3(xp, ga), quantize_e4m3(d.w1, gw)
+
+        def ours(xq=xq, xs=xs, wq=wq, ws=ws, recipe=recipe):
+            return grouped_matmul(xq, wq, offsets, check_offsets=False, x_scale=xs, weight_scale=ws, scaling=recipe,
+                                  out_dtype=d.dtype)
+
+        # the reference: the fp32 grouped GEMM of the dequantised operands (exact up to the sums)
+        wd = torch.stack([dequantize_e4m3(wq[e], ws[e], gw, torch.float32) for e in range(d.E)])
+        err = check_close(ours(), grouped_matmul(dequantize_e4m3(xq, xs, ga, torch.float32), wd, offsets,
+                                                 check_offsets=False))
+        del wd
+        t_ours, t_quant = ctx.time_ms(ours), ctx.time_ms(lambda ga=ga: quantize_e4m3(xp, ga))
+        rows.append({"bench": "grouped_gemm_fp8", **d.shape, "recipe": recipe, "fusedpar_ms": t_ours,
+                     "baseline_ms": t_base, "baseline": f"fusedpar grouped_matmul ({d.shape['dtype']})",
+                     "fusedpar_TFLOPs": tflops(flops, t_ours), "baseline_TFLOPs": tflops(flops, t_base),
+                     "ratio_vs_baseline": t_base / t_ours, "quantize_ms": t_quant, "max_rel_err": err})
+    return rows
 
 
 def _copy_ms(ctx, n, dtype):
@@ -316,8 +355,8 @@ def _ep_row(ctx, d, ep, chunks):
             "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err}
 
 
-@register("moe", "MoE: grouped GEMM, permute/unpermute, routed MLP fwd+bwd (one rank, emulated EP), "
-                 "DeepSeek-V3 layer",
+@register("moe", "MoE: grouped GEMM (16-bit and fp8), permute/unpermute, routed MLP fwd+bwd (one rank, "
+                 "emulated EP), DeepSeek-V3 layer",
           add_args=_add_args)
 def run(args, ctx):
     from fusedpar.kernels import permute, routing_metadata
@@ -329,6 +368,7 @@ def run(args, ctx):
     _, offsets, slot_pos, sorted_slot = routing_metadata(d.ids, d.E)
     xp = permute(d.x, sorted_slot, d.k)
     rows = [_grouped_gemm_row(ctx, d, xp, offsets)]
+    rows += _grouped_gemm_fp8_rows(ctx, d, xp, offsets)
     rows += _permute_rows(ctx, d, xp, slot_pos, sorted_slot)
     rows.append(_layer_row(ctx, d))
     rows.append(_ep_row(ctx, d, ep, args.chunks))

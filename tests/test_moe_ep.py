@@ -2,7 +2,9 @@
 
 On gloo (2 and 4 ranks): the EP layer equals the single-process layer on each rank's tokens
 (outputs, input / router gradients; expert gradients summed over the ranks' tokens), with uneven
-token counts, a rank without tokens, capacity drops, several chunk counts, stragglers.
+token counts, a rank without tokens, capacity drops, several chunk counts, stragglers; with the
+fp8 dispatch (``fp8=``) it equals one process with the same quantisation, and an emulated rank
+counts the bytes an fp8 dispatch moves.
 
 On one process (fast, CPU): the same schedule on ``EmulatedTransport``. Its mirror rule (every
 peer sends here what this rank sends to it: every peer is this rank, with its tokens, routing and
@@ -177,6 +179,46 @@ def _ep_dp_grads(rank, size, seed):
     assert_close(m.router.weight.grad, full.router.weight.grad, torch.float32, msg=f"router grad {tag}")
 
 
+def _fp8_vs_one_process(rank, size, seed, self_group, recipe):
+    """The fp8 dispatch (tokens sent as e4m3 + scales, fp8 expert GEMMs, outputs and input
+    gradients returned in the model's dtype) against one process with the same quantisation: the
+    layer with every expert on one rank, run chunk by chunk on this rank's tokens. Tokens and
+    gradient rows are quantised per row either way; the weight gradient's operands are quantised
+    along the rows of each group the grouped GEMM sees, which the EP schedule forms per (chunk,
+    source rank, expert) and one process forms per expert of a call on one chunk of one rank's
+    tokens. Outputs, input and router gradients of this rank's tokens; the expert gradients of the
+    one-process calls summed over the ranks (an all-reduce) against each rank's experts' (router
+    losses off: they are not sums over chunks)."""
+    C, tokens = (1, [3, 5, 0, 4]) if size == 4 else (2, [6, 9])  # (CI time: the chunks at 2 ranks)
+    kw = dict(fp8=recipe, num_chunks=C, aux_loss_coef=0.0, z_loss_coef=0.0)
+    torch.manual_seed(seed)
+    ep = MoE(H, FFN, E, K, **kw)
+    torch.manual_seed(seed)
+    full = MoE(H, FFN, E, K, ep_group=self_group, **kw)
+    x, go = _inputs(seed, rank, tokens[rank])
+    x.requires_grad_()
+    y = ep(x)
+    (y * go).sum().backward()
+    ys, gxs, n = [], [], max(1, -(-tokens[rank] // C))  # the schedule's chunks of this rank's tokens
+    for lo in range(0, tokens[rank], n):
+        xc = x[lo:lo + n].detach().clone().requires_grad_()
+        yc = full(xc)
+        (yc * go[lo:lo + n]).sum().backward()
+        ys.append(yc.detach())
+        gxs.append(xc.grad)
+    tag = f"fp8 {recipe} rank {rank}/{size}"
+    if tokens[rank]:
+        assert_close(y, torch.cat(ys), torch.float32, msg=f"output {tag}")
+        assert_close(x.grad, torch.cat(gxs), torch.float32, msg=f"input grad {tag}")
+        assert_close(ep.router.weight.grad, full.router.weight.grad, torch.float32, msg=f"router grad {tag}")
+    lo, n = ep.first_expert, ep.experts_per_rank
+    for name, p in (("w1", "w1"), ("w2", "w2")):
+        ref = getattr(full, p).grad
+        ref = torch.zeros_like(getattr(full, p)) if ref is None else ref.clone()
+        comm.all_reduce(ref).wait()  # every rank's tokens
+        assert_close(getattr(ep, p).grad, ref[lo:lo + n], torch.float32, msg=f"{name} grad {tag}")
+
+
 class _SpyHandle:
     def __init__(self, i, handle, log):
         self.i, self.handle, self.log = i, handle, log
@@ -300,13 +342,15 @@ def _run_case(rank, size, case, seed):
             _skew_and_stages(rank, size, seed)
         elif case == "pipeline-order":
             pipeline_order(rank, size, seed)
+        elif case == "fp8":  # one recipe per world (CI time): rowwise at 2 ranks, blockwise at 4
+            _fp8_vs_one_process(rank, size, seed + 3, self_group, "rowwise" if size == 2 else "blockwise")
     finally:
         comm.set_straggler(0)
     return rank
 
 
 WORLD_CASES = ["layer", "rank-without-tokens-capacity", "idle-ep-ranks", "skew-and-stages", "errors",
-               "bad-ids-on-one-rank"]
+               "bad-ids-on-one-rank", "fp8"]
 
 
 @pytest.mark.parametrize("case", WORLD_CASES + ["pipeline-order"])
@@ -420,3 +464,36 @@ def test_emulated_out_of_range_expert_ids(ep, entry, kind):
     with pytest.raises(ValueError, match=rf"expert_ids must lie in \[0, 4\), got values in \[{lo}, {hi}\] "
                                          r"on expert-parallel rank 0"):
         call_entry(entry, x.to(ids.device), ids, 4, transport=EmulatedTransport(ep, ep - 1))
+
+
+class _CountingTransport(EmulatedTransport):
+    """An EmulatedTransport that records what each all-to-all sends: (dtype, bytes)."""
+
+    def __init__(self, size, rank):
+        super().__init__(size, rank)
+        self.sent = []
+
+    def all_to_all(self, out, inp, out_splits=None, in_splits=None):
+        self.sent.append((inp.dtype, inp.numel() * inp.element_size()))
+        return super().all_to_all(out, inp, out_splits, in_splits)
+
+
+def test_fp8_dispatch_moves_e4m3_and_scales():
+    """What travels with ``fp8=``: each routed row as H e4m3 bytes plus its fp32 scale(s) padded
+    to 16 bytes, forward (the tokens) and backward (the output gradients): at H = 256 272 bytes,
+    half of a 16-bit row's 512 plus 16 (at DeepSeek-V3's H = 7168: 0.502 of bf16 rowwise, 0.516
+    blockwise); the expert outputs and the input gradients return in x's dtype (DeepEP's bf16
+    combine); the counts exchange is unchanged (int64)."""
+    T, Hd, Fd, k, ep = 4, 256, 16, 2, 2
+    g = torch.Generator().manual_seed(8)
+    x = randn(T, Hd, dtype=torch.float16, generator=g).requires_grad_()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(x.device)
+    w1 = randn(E // ep, 2 * Fd, Hd, dtype=torch.float16, generator=g, scale=Hd ** -0.5)
+    w2 = randn(E // ep, Hd, Fd, dtype=torch.float16, generator=g, scale=Fd ** -0.5)
+    t = _CountingTransport(ep, 0)
+    moe_mlp(x, ids, torch.ones(T, k, device=x.device), w1, w2, num_experts=E, transport=t, num_chunks=1,
+            fp8="rowwise").backward(randn(T, Hd, dtype=torch.float16, generator=g))
+    rows = T * k  # the emulated peer mirrors this rank: every routed row is sent (to itself or the peer)
+    packed, half = (torch.uint8, rows * (Hd + 16)), (torch.float16, rows * Hd * 2)
+    assert t.sent == [(torch.int64, ep * (E // ep + 2) * 8), packed, half, packed, half], t.sent
+    assert packed[1] <= 0.54 * half[1]  # 2176 of 4096 bytes

@@ -261,6 +261,53 @@ def test_bad_input():
         MoE(16, 24, 4, 2, ep_group=object(), transport=EmulatedTransport(2))
 
 
+fp8_device = pytest.mark.skipif(DEVICE.type == "cuda" and torch.cuda.get_device_capability() < (8, 9),
+                                reason="fp8 needs compute capability >= 8.9")
+
+
+@fp8_device
+def test_fp8_layer_within_the_quantisation_error():
+    """``MoE(fp8=...)`` (rowwise; blockwise with the high-precision weight gradient): the output
+    and every gradient (input, router, both expert weights) within 2^-3 of the unquantised float64
+    layer in norm (each e4m3 operand is within 2^-4 of itself, each GEMM multiplies two of them)
+    and farther than 2^-8 from it (the quantisation is real: bf16 would be within 2^-8). The
+    kernels are checked element by element in tests/test_moe_kernels.py, the dispatch against one
+    process with the same quantisation in tests/test_moe_ep.py. Then the model switch: ``fp8`` of
+    a TransformerConfig (and of a block) runs the routed experts in fp8 too."""
+    from fusedpar.nn import Transformer, TransformerConfig
+
+    for i, (recipe, hp) in enumerate((("rowwise", False), ("blockwise", True))):
+        torch.manual_seed(10 + i)
+        m = MoE(20, 24, 6, 2, fp8=recipe, fp8_grad_high_precision=hp, device=DEVICE)
+        assert f"fp8={recipe!r}, fp8_grad_high_precision={hp}" in repr(m)
+        g = torch.Generator().manual_seed(i)
+        x = randn(3, 7, 20, generator=g).requires_grad_()
+        y = m(x)
+        go = randn(*y.shape, generator=g)
+        ((y * go).sum() + m.aux_loss).backward()
+        xd, rw, w1, w2 = _f64(x.reshape(-1, 20)), _f64(m.router.weight), _f64(m.w1), _f64(m.w2)
+        yr, aux, z, _ = reference_moe(xd, rw, w1, w2, top_k=2, ids=m.router_output.expert_ids.cpu())
+        ((yr * go.reshape(-1, 20).double().cpu()).sum() + aux + z).backward()
+        for name, a, b in (("output", y.reshape(-1, 20), yr), ("x grad", x.grad.reshape(-1, 20), xd.grad),
+                           ("router grad", m.router.weight.grad, rw.grad), ("w1 grad", m.w1.grad, w1.grad),
+                           ("w2 grad", m.w2.grad, w2.grad)):
+            rel = ((a.detach().cpu().double() - b).norm() / b.norm()).item()
+            assert 2.0 ** -8 < rel < 2.0 ** -3, f"{recipe}: {name} off by {rel:.4f} of its norm"
+    kw = dict(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, ffn_hidden_size=16, num_experts=4,
+              first_k_dense_replace=1)
+    model = Transformer(TransformerConfig(**kw, fp8="blockwise", fp8_grad_high_precision=True), seed=1)
+    moe = model.layers["1"].mlp
+    assert isinstance(moe, MoE) and (moe.fp8, moe.fp8_grad_high_precision) == ("blockwise", True)
+    assert model.layers["0"].mlp.fc1.fp8 == "blockwise" and moe.router.weight.dtype == torch.float32
+    moe.set_fp8(None)
+    assert moe.fp8 is None and "fp8=" not in repr(moe)
+    with pytest.raises(ValueError, match=r"MoE: fp8 must be one of \(None, 'rowwise', 'blockwise'\), got 'e5m2'"):
+        MoE(16, 24, 4, 2, fp8="e5m2")
+    with pytest.raises(ValueError, match=r"fp8 must be one of \(None, 'rowwise', 'blockwise'\), got 'row'"):
+        moe_mlp(torch.randn(4, 16, device=DEVICE), torch.zeros(4, 2, dtype=torch.int64, device=DEVICE),
+                torch.ones(4, 2, device=DEVICE), moe.w1.detach(), moe.w2.detach(), num_experts=4, fp8="row")
+
+
 def bad_ids(kind, T, k, E):
     ids = torch.zeros(T, k, dtype=torch.int64)
     ids[:, 0] = torch.arange(T) % E
@@ -347,8 +394,9 @@ def test_benchmark_cli_smoke(tmp_path):
                  "--dtype", "fp32", "--deepseek-shape", "smoke", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["moe"]
     kinds = {r["bench"] for r in rows}
-    assert kinds == {"grouped_gemm", "permute", "unpermute", "layer_fwd_bwd", "ep_layer_fwd_bwd",
-                     "deepseek_v3_layer_fwd_bwd"}
+    assert kinds == {"grouped_gemm", "grouped_gemm_fp8", "permute", "unpermute", "layer_fwd_bwd",
+                     "ep_layer_fwd_bwd", "deepseek_v3_layer_fwd_bwd"}
+    assert sorted(r["recipe"] for r in rows if r["bench"] == "grouped_gemm_fp8") == ["blockwise", "rowwise"]
     assert all(r["max_rel_err"] < 1e-3 and r["tokens"] == 9 and r["dtype"] == "float32" for r in rows)
     (ds,) = [r for r in rows if r["bench"] == "deepseek_v3_layer_fwd_bwd"]  # its own (smoke) shape
     assert (ds["experts"], ds["top_k"], ds["groups"], ds["routing_agreement"]) == (16, 4, "4/8", 1.0)

@@ -165,6 +165,25 @@ def test_opcheck_moe_and_loss_ops_single_process():
     _opcheck(torch.ops.fusedpar.attach_aux_loss.default, (x.t(), aux, 0.25, res.t()))
 
 
+def test_opcheck_moe_mlp_fp8():
+    """``fusedpar::moe_mlp`` with ``fp8``: its fake gives the routed rows as e4m3 + scale bytes
+    (``uint8 [R, row_bytes]``; at ep > 1 R is the same unbacked size as without fp8), and the
+    backward op takes the recipe. One case at ep1, the fakes only: the schema and the autograd
+    code are the 16-bit cases' (CI time: each fp8 call is some twenty interpreted launches; the
+    AOT-traced forward and backward, test_aot_dispatch_dynamic, would add 2 s)."""
+    g = torch.Generator().manual_seed(1)
+    args = _moe_op_args(g, "@", 1, capacity=5) + ("blockwise", True)
+    torch.library.opcheck(torch.ops.fusedpar.moe_mlp.default, args,
+                          test_utils=("test_faketensor",))
+    with torch.no_grad():
+        out, *res = torch.ops.fusedpar.moe_mlp(*args)
+    assert res[0].dtype == torch.uint8 and res[0].shape == (14, 16 + 16)  # H = 6: 16 bytes of e4m3, a 16-byte scale
+    x, _, weights, w1, w2, _, _, E, token, _, _, act, _, recipe, hp = args
+    torch.library.opcheck(torch.ops.fusedpar.moe_mlp_backward.default,
+                          (torch.randn_like(out), weights.detach(), w1.detach(), w2.detach(), *res, E, token, act,
+                           True, True, False, recipe, hp), test_utils=("test_faketensor",))
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_moe_layer_compiles_fullgraph_single_process(ep):
     """World 1, and ep2 emulated in this process (every peer mirrors this rank)."""

@@ -10,7 +10,7 @@ from fusedpar.ops.loss import attach_aux_loss
 
 from .attention import ParallelAttention
 from .config import NORM_LAYOUTS
-from .linear import ParallelMLP, enable_fp8
+from .linear import FP8_OPTION, ParallelMLP, enable_fp8
 from .mla import MLAttention
 from .moe import MoE, SharedExpertGate
 from .norm import RMSNorm
@@ -41,8 +41,8 @@ class TransformerBlock(nn.Module):
     of :class:`ParallelAttention`; ``attention_out_bias``: a bias on its output projection
     (gpt-oss). ``expert_bias``: the MoE experts' biases (:class:`MoE`). ``fp8``,
     ``fp8_grad_high_precision``: the tensor-parallel projections of the attention, the dense MLP
-    and the shared expert in fp8 (:func:`~fusedpar.nn.linear.enable_fp8`; the experts and the
-    router stay in the model's dtype).
+    and the shared expert in fp8 (:func:`~fusedpar.nn.linear.enable_fp8`), and the routed experts
+    (:meth:`MoE.set_fp8`: fp8 dispatch and expert GEMMs); the router stays in fp32.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
@@ -108,6 +108,8 @@ class TransformerBlock(nn.Module):
         for part in (self.attn, None if self.is_moe else self.mlp, self.shared_expert):
             if part is not None:
                 enable_fp8(part, fp8, grad_high_precision=grad_high_precision)
+        if self.is_moe:
+            self.mlp.set_fp8(fp8, grad_high_precision=grad_high_precision, option=FP8_OPTION)
 
     def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
         """``cu_seqlens`` / ``position_ids``: packed documents, see :meth:`ParallelAttention.forward`."""

@@ -38,8 +38,10 @@ class TransformerConfig:
 
     ``fp8="rowwise"`` / ``"blockwise"`` runs every tensor-parallel projection of the blocks
     (attention q/k/v and output, MLA's head projections, the dense and shared-expert MLPs) with fp8
-    GEMMs forward and backward (:func:`fusedpar.nn.linear.enable_fp8`); the embedding, the head,
-    the routers, the experts and MLA's replicated down projections stay in the model's dtype.
+    GEMMs forward and backward (:func:`fusedpar.nn.linear.enable_fp8`) and the routed experts in
+    fp8 (:meth:`fusedpar.nn.MoE.set_fp8`: tokens dispatched as e4m3 + scales, fp8 grouped GEMMs,
+    outputs combined in the model's dtype); the embedding, the head, the routers and MLA's
+    replicated down projections stay in the model's dtype.
     """
 
     vocab_size: int
@@ -108,7 +110,7 @@ class TransformerConfig:
     layer_rope_theta: tuple | None = None  # a RoPE base per layer (Gemma 3's local base on sliding layers)
     pad_token_id: int | None = None  # HF's padding_idx: that embedding row gets no gradient from the lookup
     # fp8 training (a compute format: master weights, optimizer state and checkpoints are unchanged)
-    fp8: str | None = None  # None | "rowwise" | "blockwise": the blocks' tensor-parallel projections in fp8
+    fp8: str | None = None  # None | "rowwise" | "blockwise": the blocks' tensor-parallel projections and experts in fp8
     fp8_grad_high_precision: bool = False  # their weight gradients in the activations' dtype
 
     def __post_init__(self):

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from ..kernels.checks import check_bool, check_choice, check_divisible, check_int
+from ..kernels.fp8 import check_fp8_device
+from ..kernels.fp8_gemm import FP8_RECIPES
 from ..kernels.moe_topk import SCORE_FUNCS, check_routing_config
 from ..kernels.runtime import ACTIVATIONS
 from ..ops import comm
@@ -346,6 +348,12 @@ class MoE(nn.Module):
     ``router_bias=True``; its ``gate_up_proj [E, H, 2F]`` interleaves gate and up columns, so
     ``w1 = cat(gate_up_proj[..., ::2], gate_up_proj[..., 1::2], -1).transpose(1, 2)``, ``b1`` the
     same split of ``gate_up_proj_bias``, ``w2 = down_proj.transpose(1, 2)``, ``b2 = down_proj_bias``.
+
+    ``fp8="rowwise"`` / ``"blockwise"`` (or :meth:`set_fp8`): the experts in fp8
+    (:func:`fusedpar.ops.moe_mlp`'s ``fp8``: tokens dispatched as e4m3 + scales, fp8 expert GEMMs,
+    outputs combined in the model's dtype; ``fp8_grad_high_precision``: the expert weight
+    gradients in that dtype). A compute format: parameters, placements and checkpoints are
+    unchanged; the router stays in fp32.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, ep_group=None,
@@ -354,7 +362,8 @@ class MoE(nn.Module):
                  normalize: bool | None = None, num_chunks: int = 2, replicated_group=None,
                  routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int | None = None,
                  score_bias: bool = False, bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
-                 router_bias: bool = False, expert_bias: bool = False, device=None, dtype=None):
+                 router_bias: bool = False, expert_bias: bool = False, fp8: str | None = None,
+                 fp8_grad_high_precision: bool = False, device=None, dtype=None):
         super().__init__()
         check_int("ffn_hidden_size", ffn_hidden_size, min_value=1)
         check_int("num_chunks", num_chunks, min_value=1)
@@ -391,7 +400,22 @@ class MoE(nn.Module):
         self.replicated_group = replicated_group
         self.aux_loss = None
         self.router_output = None
+        self.fp8, self.fp8_grad_high_precision, self.fp8_option = None, False, "MoE: fp8"
+        self.set_fp8(fp8, grad_high_precision=fp8_grad_high_precision)
         self.reset_parameters(router=False)
+
+    def set_fp8(self, recipe: str | None, *, grad_high_precision: bool = False, option: str = "MoE: fp8") -> None:
+        """Run the experts in fp8 (``recipe`` "rowwise" / "blockwise") or in the model's dtype
+        (None). ``option`` names the setting in errors (a GPU without fp8 tensor cores: checked here
+        for parameters on a GPU and again in every forward)."""
+        check_choice("MoE: fp8", recipe, (None,) + tuple(FP8_RECIPES))
+        check_bool("fp8_grad_high_precision", grad_high_precision)
+        self.fp8, self.fp8_grad_high_precision, self.fp8_option = recipe, grad_high_precision, option
+        self._check_fp8_device(self.w1)
+
+    def _check_fp8_device(self, t: torch.Tensor) -> None:
+        if self.fp8 is not None and t.device.type == "cuda":
+            check_fp8_device(t, option=f"fp8={self.fp8!r} ({self.fp8_option})")
 
     def placements(self) -> dict[str, Placement]:
         """Experts over the ep group (the router declares its own weight)."""
@@ -440,7 +464,11 @@ class MoE(nn.Module):
         self.aux_loss = r.aux_loss + r.z_loss
         return moe_mlp(x, r.expert_ids, r.weights, self.w1, self.w2, num_experts=self.num_experts,
                        transport=self.transport, capacity=r.capacity, activation=self.activation,
-                       num_chunks=self.num_chunks, b1=self.b1, b2=self.b2)
+                       num_chunks=self.num_chunks, b1=self.b1, b2=self.b2, **self._fp8_kwargs(x))
+
+    def _fp8_kwargs(self, x) -> dict:
+        self._check_fp8_device(x)
+        return dict(fp8=self.fp8, fp8_grad_high_precision=self.fp8_grad_high_precision)
 
     def _forward_replicated(self, x):
         """Every rank routes all (replicated) tokens; the ``T * k`` routed slots are split over
@@ -462,7 +490,7 @@ class MoE(nn.Module):
         ones = torch.ones(ids.shape, device=x.device, dtype=torch.float32)
         y = moe_mlp(slots.contiguous(), ids.contiguous(), ones, self.w1, self.w2, num_experts=self.num_experts,
                     transport=self.transport, capacity=None, activation=self.activation, num_chunks=self.num_chunks,
-                    b1=self.b1, b2=self.b2)
+                    b1=self.b1, b2=self.b2, **self._fp8_kwargs(x))
         y = gather_features(y.t().contiguous(), self.replicated_group).t().reshape(T, k, self.hidden_size)
         return (r.weights.unsqueeze(-1) * y.float()).sum(dim=1).to(x.dtype).reshape(x.shape)
 
@@ -482,4 +510,5 @@ class MoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size} ({self.transport.name}), "
                 f"activation={self.activation!r}, experts_per_rank={self.experts_per_rank}"
-                + (", expert_bias=True" if self.expert_bias else ""))
+                + (", expert_bias=True" if self.expert_bias else "")
+                + ("" if self.fp8 is None else f", fp8={self.fp8!r}, fp8_grad_high_precision={self.fp8_grad_high_precision}"))

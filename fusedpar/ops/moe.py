@@ -48,7 +48,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.checks import check_bool, check_shape, check_tensor
+from ..kernels.checks import check_bool, check_choice, check_shape, check_tensor
+from ..kernels.fp8 import check_fp8_device
+from ..kernels.fp8_gemm import FP8_RECIPES
 from ..kernels.grouped_gemm import as_group_offsets
 from ..kernels.moe_topk import check_routing_config
 from .agreement import agreed_arguments
@@ -163,7 +165,8 @@ def _mlp_transport(transport, ep_group) -> tuple[Transport | None, str, int]:
 def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             *, num_experts: int, ep_group=None, transport=None, capacity: int | None = None,
             activation: str = "swiglu", num_chunks: int = 2, b1: torch.Tensor | None = None,
-            b2: torch.Tensor | None = None) -> torch.Tensor:
+            b2: torch.Tensor | None = None, fp8: str | None = None,
+            fp8_grad_high_precision: bool = False) -> torch.Tensor:
     """The whole routed MLP: ``out[t] = sum_j weights[t, j] * MLP_{expert_ids[t, j]}(x[t])``,
     ``MLP_e(x) = act(x W1_e^T + b1_e) W2_e^T + b2_e`` (expert biases optional, gpt-oss).
 
@@ -172,15 +175,28 @@ def moe_mlp(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w1
     ``ep > 1`` the dispatch is pipelined over ``num_chunks`` token chunks (see module docstring).
     ``transport``: a Transport (then ``ep_group`` must be None), default portable over ``ep_group``.
     Returns x's shape and dtype. Slots over ``capacity`` are dropped (earliest tokens kept).
+
+    ``fp8="rowwise"`` / ``"blockwise"``: the experts in fp8 (DeepSeek-V3's convention): the tokens
+    are quantised per token (1x128 tiles) before the permute and the all-to-all-v dispatch, which
+    moves e4m3 values with their fp32 scales (about half of bf16's bytes); the expert GEMMs run on
+    e4m3 operands (weights per output row / 128x128 blocks per expert, re-quantised each call from
+    the high-precision ``w1`` / ``w2``); expert outputs return and combine in x's dtype. Backward
+    likewise: the output gradients quantised per routed row before their dispatch, the input
+    gradients returned in x's dtype, the weight gradients from operands quantised along each
+    group's rows (``fp8_grad_high_precision``: from the dequantised rows, in x's dtype).
     The op ``fusedpar::moe_mlp``: traceable by ``torch.compile``."""
     instance, token, ep = _mlp_transport(transport, ep_group)
     with agreed_arguments("moe_mlp", instance, ep_group, ep_fields(x, num_experts, num_chunks, activation=activation,
-                                                                   w1=w1, w2=w2, b1=b1, b2=b2)):
+                                                                   w1=w1, w2=w2, b1=b1, b2=b2, fp8=fp8)):
         x2d = token_rows(x)
         check_routing(x2d, expert_ids, num_experts, ep, weights=weights, capacity=capacity, num_chunks=num_chunks)
         check_expert_weights(x2d, w1, w2, activation, num_experts // ep, b1, b2)
+        check_choice("fp8", fp8, (None,) + tuple(FP8_RECIPES))
+        check_bool("fp8_grad_high_precision", fp8_grad_high_precision)
+        if fp8 is not None:
+            check_fp8_device(x2d, option=f"fp8={fp8!r} (fusedpar.ops.moe_mlp / fusedpar.nn.MoE)")
     out = moe_mlp_op(x2d, expert_ids, weights, w1, w2, b1, b2, num_experts, token, ep, capacity, activation,
-                     num_chunks)[0]
+                     num_chunks, fp8, bool(fp8_grad_high_precision))[0]
     return out.view(x.shape)
 
 

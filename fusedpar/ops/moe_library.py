@@ -3,7 +3,9 @@
 is a named ``<op>_fwd`` / ``<op>_bwd`` function, here or in :mod:`fusedpar.ops.moe_layout`.
 
 * ``fusedpar::moe_mlp(x, expert_ids, weights, w1, w2, b1, b2, num_experts, token, ep, capacity,
-  activation, num_chunks)`` (``b1`` / ``b2``: optional expert biases) (:data:`moe_mlp_op`, body :func:`moe_mlp_fwd`; backward
+  activation, num_chunks, fp8, fp8_grad_high_precision)`` (``b1`` / ``b2``: optional expert
+  biases; ``fp8``: None or the recipe of :class:`~fusedpar.ops.moe_layout.Fp8Experts`, the
+  dispatched rows then e4m3 + scales, ``recv`` their byte rows) (:data:`moe_mlp_op`, body :func:`moe_mlp_fwd`; backward
   :data:`moe_mlp_backward_op`, body :func:`moe_mlp_bwd`) — the whole routed MLP of
   :func:`fusedpar.ops.moe_mlp` in one op:
   routing, the count exchange and host read (``ep > 1``), permute, the experts (the pipelined
@@ -36,9 +38,9 @@ import torch
 from ..kernels.grouped_gemm import as_group_offsets
 from ..kernels.moe_topk import topk_route, topk_route_backward
 from .library import absent, custom_op, hold, input_grads, present
-from .moe_layout import (all_to_all_v_fwd, build_plan, grouped_mlp_bwd, grouped_mlp_fwd, moe_experts_bwd,
-                         moe_experts_fwd, moe_permute_bwd, moe_permute_fwd, moe_unpermute_bwd, moe_unpermute_fwd,
-                         plan_from_residuals, plan_residuals)
+from .moe_layout import (Fp8Experts, TokenPack, all_to_all_v_fwd, build_plan, grouped_mlp_bwd, grouped_mlp_fwd,
+                         moe_experts_bwd, moe_experts_fwd, moe_permute_bwd, moe_permute_fwd, moe_unpermute_bwd,
+                         moe_unpermute_fwd, plan_from_residuals, plan_residuals)
 from .transport import token_transport
 
 __all__ = [  # the API is fusedpar.ops.moe
@@ -123,16 +125,20 @@ grouped_mlp_op.register_autograd(_grouped_mlp_backward, setup_context=_grouped_m
 # ----------------------------------------------------------------------------------------------
 def moe_mlp_fwd(x: _T, expert_ids: _T, weights: _T, w1: _T, w2: _T, b1: Optional[_T], b2: Optional[_T],
                 num_experts: int, token: str, ep: int, capacity: int | None, activation: str,
-                num_chunks: int) -> tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]:
-    """``(out, recv, h, pre, y_perm, slot_pos, sorted_slot, offsets, splits)``; see the module docstring."""
+                num_chunks: int, fp8: Optional[str] = None,
+                fp8_grad_high_precision: bool = False) -> tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]:
+    """``(out, recv, h, pre, y_perm, slot_pos, sorted_slot, offsets, splits)``; see the module
+    docstring. ``fp8``: the tokens quantised per token once, then permuted (and dispatched) as
+    e4m3 + scales (:class:`~fusedpar.ops.moe_layout.TokenPack`)."""
     plan, pending = build_plan(x, expert_ids, num_experts, token_transport(token), capacity, num_chunks if ep > 1 else 1)
     k = plan.top_k
-    x_perm = moe_permute_fwd(x, plan.sorted_slot, k)
+    f8 = None if fp8 is None else Fp8Experts.forward(fp8, w1, w2, x.dtype)
+    x_perm = moe_permute_fwd(x if f8 is None else f8.pack.fill(x), plan.sorted_slot, k)
     if ep == 1:
-        y_perm, h, pre = grouped_mlp_fwd(x_perm, w1, w2, plan.expert_offsets[0], activation, b1=b1, b2=b2)
+        y_perm, h, pre = grouped_mlp_fwd(x_perm, w1, w2, plan.expert_offsets[0], activation, b1=b1, b2=b2, fp8=f8)
         recv = x_perm
     else:
-        y_perm, (recv, h, pre) = moe_experts_fwd(x_perm, w1, w2, plan, activation, b1, b2)
+        y_perm, (recv, h, pre) = moe_experts_fwd(x_perm, w1, w2, plan, activation, b1, b2, fp8=f8)
     out = moe_unpermute_fwd(y_perm, weights, plan.slot_pos, k)
     if pending is not None:
         pending.wait()
@@ -144,33 +150,38 @@ moe_mlp_op = custom_op("moe_mlp")(moe_mlp_fwd)
 
 
 @moe_mlp_op.register_fake
-def _(x, expert_ids, weights, w1, w2, b1, b2, num_experts, token, ep, capacity, activation, num_chunks):
+def _(x, expert_ids, weights, w1, w2, b1, b2, num_experts, token, ep, capacity, activation, num_chunks, fp8=None,
+      fp8_grad_high_precision=False):
     (T, H), k = x.shape, expert_ids.shape[1]
     C = num_chunks if ep > 1 else 1
     # expert-side rows: T * k at ep == 1, else what the other ranks route here (known after the exchange)
     R = T * k if ep == 1 else torch.library.get_ctx().new_dynamic_size()
     index = x.new_empty((T * k,), dtype=torch.int32)
-    return (x.new_empty((T, H)), x.new_empty((R, H)), x.new_empty((R, w2.shape[2])), x.new_empty((R, w1.shape[1])),
+    recv = x.new_empty((R, H)) if fp8 is None else x.new_empty((R, TokenPack(H, fp8).row_bytes), dtype=torch.uint8)
+    return (x.new_empty((T, H)), recv, x.new_empty((R, w2.shape[2])), x.new_empty((R, w1.shape[1])),
             x.new_empty((T * k, H)), index, torch.empty_like(index), x.new_empty((C, num_experts + 1), dtype=torch.int32),
             torch.empty((2, C, ep), dtype=torch.int64, device="cpu"))
 
 
 def moe_mlp_bwd(grad: _T, weights: _T, w1: _T, w2: _T, recv: _T, h: _T, pre: _T, y_perm: _T, slot_pos: _T,
                 sorted_slot: _T, offsets: _T, splits: _T, num_experts: int, token: str, activation: str,
-                need_input_grad: bool, need_weight_grad: bool, biases: bool) -> tuple[_T, _T, _T, _T, _T, _T]:
+                need_input_grad: bool, need_weight_grad: bool, biases: bool, fp8: Optional[str] = None,
+                fp8_grad_high_precision: bool = False) -> tuple[_T, _T, _T, _T, _T, _T]:
     """``(grad_x, grad_weights, grad_w1, grad_w2, grad_b1, grad_b2)`` (absent where not needed)
-    from the forward's residuals."""
+    from the forward's residuals. ``fp8``: the output gradients quantised per routed row (and so
+    dispatched), the input gradients returned in the model's dtype."""
     k = weights.shape[1]
     gy_perm, gw = moe_unpermute_bwd(grad, y_perm, weights, sorted_slot, k)
     transport = token_transport(token)
+    f8 = None if fp8 is None else Fp8Experts.backward(fp8, w1, w2, h.dtype, fp8_grad_high_precision)
     if transport.size == 1:
-        gx_perm, dw1, dw2, db1, db2 = grouped_mlp_bwd(gy_perm, recv, h, pre, w1, w2, offsets[0], activation,
-                                                      need_input_grad=need_input_grad,
-                                                      need_weight_grad=need_weight_grad, biases=biases)
+        gx_perm, dw1, dw2, db1, db2 = grouped_mlp_bwd(gy_perm if f8 is None else f8.pack.fill(gy_perm), recv, h, pre,
+                                                      w1, w2, offsets[0], activation, need_input_grad=need_input_grad,
+                                                      need_weight_grad=need_weight_grad, biases=biases, fp8=f8)
     else:  # every rank returns its experts' input gradients, whatever it needs itself
         plan = plan_from_residuals(slot_pos, sorted_slot, offsets, splits, k, num_experts, transport)
         gx_perm, dw1, dw2, db1, db2 = moe_experts_bwd(gy_perm, (recv, h, pre), w1, w2, plan, activation,
-                                                      need_weight_grad=need_weight_grad, biases=biases)
+                                                      need_weight_grad=need_weight_grad, biases=biases, fp8=f8)
     gx = moe_permute_bwd(gx_perm, slot_pos, k) if need_input_grad else absent(grad)
     return (gx, gw) + _or_absent((dw1, dw2, db1, db2), (w1, w2, w1, w2))
 
@@ -180,7 +191,7 @@ moe_mlp_backward_op = custom_op("moe_mlp_backward")(moe_mlp_bwd)
 
 @moe_mlp_backward_op.register_fake
 def _(grad, weights, w1, w2, recv, h, pre, y_perm, slot_pos, sorted_slot, offsets, splits, num_experts, token,
-      activation, need_input_grad, need_weight_grad, biases):
+      activation, need_input_grad, need_weight_grad, biases, fp8=None, fp8_grad_high_precision=False):
     # contiguous, as the kernels allocate them, whatever the strides of grad / weights / w1 / w2
     gx = grad.new_empty(grad.shape) if need_input_grad else grad.new_empty((0,))
     gw = weights.new_empty(weights.shape)
@@ -191,8 +202,9 @@ def _(grad, weights, w1, w2, recv, h, pre, y_perm, slot_pos, sorted_slot, offset
 
 
 def _moe_mlp_setup(ctx, inputs, output):
-    _, _, weights, w1, w2, b1, b2, num_experts, token, _, _, activation, _ = inputs
+    _, _, weights, w1, w2, b1, b2, num_experts, token, _, _, activation, _, *fp8 = inputs
     ctx.num_experts, ctx.token, ctx.activation = num_experts, token, activation
+    ctx.fp8 = tuple(fp8) + (None, False)[len(fp8):]  # (recipe, grad_high_precision)
     ctx.biases = b1 is not None or b2 is not None
     ctx.transports = hold(token)  # a Transport instance given inline lives until the backward
     ctx.save_for_backward(weights, w1, w2, *output[1:])
@@ -201,7 +213,8 @@ def _moe_mlp_setup(ctx, inputs, output):
 def _moe_mlp_backward(ctx, grad, *unused):
     saved = ctx.saved_tensors
     gx, gw, dw1, dw2, db1, db2 = moe_mlp_backward_op(grad, *saved, ctx.num_experts, ctx.token, ctx.activation,
-                                                     ctx.needs_input_grad[0], _needs(ctx, 3, 4, 5, 6), ctx.biases)
+                                                     ctx.needs_input_grad[0], _needs(ctx, 3, 4, 5, 6), ctx.biases,
+                                                     *ctx.fp8)
     return input_grads(moe_mlp_op, x=present(gx), weights=gw if ctx.needs_input_grad[2] else None, w1=present(dw1),
                        w2=present(dw2), b1=present(db1) if ctx.needs_input_grad[5] else None,
                        b2=present(db2) if ctx.needs_input_grad[6] else None)
