@@ -108,9 +108,9 @@ def parse_args(argv):
                    help="bf16: bf16 parameters and activations, fp32 master weights, gradient reductions and "
                         "optimizer")
     p.add_argument("--fp8", choices=["rowwise", "blockwise"], default=None,
-                   help="the blocks' tensor-parallel projections in fp8 (e4m3) forward and backward, with this "
-                        "scaling recipe (a compute format: --dtype still sets parameters and activations); needs "
-                        "fp8 tensor cores on a GPU (compute capability >= 8.9)")
+                   help="the blocks' tensor-parallel projections and MoE experts in fp8 (e4m3) forward and "
+                        "backward, with this scaling recipe (a compute format: --dtype still sets parameters and "
+                        "activations); needs fp8 tensor cores on a GPU (compute capability >= 8.9)")
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here; resume from the newest complete one")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end); 0: only at "
                    "the end (with --ckpt-dir)")
@@ -473,7 +473,7 @@ def describe(run) -> str:
     on_gpu = s.device.type == "cuda"
     return (f"fusedpar demo: world {s.world_size} = dp {s.dp} x pp {s.pp} x sp {s.sp} x tp {s.tp} (ep {s.ep}); "
             f"{'NCCL on CUDA' if on_gpu else 'gloo on CPU, Triton interpreter'}; {run.dtype}"
-            f"{'' if c.fp8 is None else f', fp8 {c.fp8} projections'}; {c.num_layers} blocks "
+            f"{'' if c.fp8 is None else f', fp8 {c.fp8} projections and experts'}; {c.num_layers} blocks "
             f"(MoE every 2nd: {c.num_experts} experts, top-{c.top_k}), hidden {c.hidden_size}, vocab {c.vocab_size}, "
             f"seq {a.seq}, {a.batch * s.dp} sequences/step\n"
             f"data: {run.tokens.source}: {len(run.train.ids)} training / {len(run.val.ids)} validation tokens; "

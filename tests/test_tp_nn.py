@@ -364,10 +364,13 @@ def test_fp8_is_a_compute_format_only():
     a, b = plain.state_dict(), fp8.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert plain.placements() == fp8.placements() and plain.gradient_sync_plan() == fp8.gradient_sync_plan()
+    assert fp8.layers["1"].mlp.fp8 == "blockwise" and plain.layers["1"].mlp.fp8 is None  # the MoE experts
     enable_fp8(plain, "rowwise", grad_high_precision=True)
     assert plain.layers["0"].mlp.fc2.fp8 == "rowwise" and plain.layers["0"].mlp.fc2.fp8_grad_high_precision
+    assert plain.layers["1"].mlp.fp8 == "rowwise" and plain.layers["1"].mlp.fp8_grad_high_precision
     enable_fp8(plain, None)
     assert all(m.fp8 is None for m in plain.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+    assert plain.layers["1"].mlp.fp8 is None
     with pytest.raises(ValueError, match=r"TransformerConfig.fp8 must be one of \(None, 'rowwise', 'blockwise'\), "
                                          r"got 'tensorwise'"):
         TransformerConfig(**kw, fp8="tensorwise")

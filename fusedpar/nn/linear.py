@@ -112,15 +112,19 @@ def _full_linear_init(out_features, in_features, bias, device=None):
 def enable_fp8(module: nn.Module, recipe: str | None, *, grad_high_precision: bool = False,
                option: str = FP8_OPTION) -> nn.Module:
     """Run every :class:`ColumnParallelLinear` / :class:`RowParallelLinear` in ``module`` (itself
-    included) with fp8 GEMMs, ``recipe`` ``"rowwise"`` or ``"blockwise"``, or in high precision
-    again with ``None``. ``option`` names the setting in errors (e.g. a GPU without fp8 tensor
-    cores, checked here for parameters on a GPU and again in every forward). Returns ``module``."""
+    included) with fp8 GEMMs, and every MoE layer's experts (a module with ``set_fp8``,
+    :class:`fusedpar.nn.MoE`), ``recipe`` ``"rowwise"`` or ``"blockwise"``, or in high precision
+    again with ``None``: what ``TransformerConfig(fp8=...)`` switches. ``option`` names the setting
+    in errors (e.g. a GPU without fp8 tensor cores, checked here for parameters on a GPU and again
+    in every forward). Returns ``module``."""
     check_choice("enable_fp8: recipe", recipe, (None,) + tuple(FP8_RECIPES))
     check_bool("enable_fp8: grad_high_precision", grad_high_precision)
     for m in module.modules():
         if isinstance(m, _TPLinearBase):
             m.fp8, m.fp8_grad_high_precision, m.fp8_option = recipe, grad_high_precision, option
             m.check_fp8_device(m.weight)
+        elif callable(getattr(m, "set_fp8", None)):  # MoE experts (nn/moe.py imports this module)
+            m.set_fp8(recipe, grad_high_precision=grad_high_precision, option=option)
     return module
 
 
