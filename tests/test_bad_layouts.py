@@ -155,7 +155,7 @@ rank = int(os.environ["RANK"])
 try:
     init_parallel(tp=3 if rank == 1 else 1, backend="gloo", timeout_s=60)  # tp=3 does not fit a world of 2
 except ValueError as e:
-    print(f"rank {rank}: {e}", flush=True)
+    os.write(1, f"rank {rank}: {e}\n".encode())  # one write: the two ranks share the pipe (print may split it)
     sys.exit(3)
 """
 
