@@ -32,8 +32,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"; \
 	touch $(STAMP)
 
+# two pytest-xdist workers (CI has 2 cores), each test module whole in one worker (its world is
+# started once); TEST_WORKERS=0 runs everything in this process
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $$([ "$(TEST_WORKERS)" != 0 ] && echo "-n $(TEST_WORKERS) --dist loadfile") $(PYTEST_ARGS)
 
 # one rank per GPU when there are at least DEMO_NPROC GPUs (at most 8), else DEMO_NPROC CPU ranks
 demo: $(STAMP)
