@@ -36,6 +36,9 @@ def _add_args(p):
     p.add_argument("--hidden", type=int, default=None, help="hidden size (GPU default 8192)")
     p.add_argument("--ffn", type=int, default=None, help="the other feature size of the layer (default: hidden)")
     p.add_argument("--tp", type=int, default=None, help="emulated tensor-parallel degree (GPU default 8)")
+    p.add_argument("--fp8", choices=["none", "rowwise", "blockwise"], default="rowwise",
+                   help="also time the op with this fp8 recipe (the shard travels as e4m3 + scales; needs fp8 "
+                        "tensor cores on a GPU): columns T_fp8_ms and fp8_speedup (none: skip)")
 
 
 def _sizes(args, ctx):
@@ -60,6 +63,19 @@ def _row(kind, M, H, F, tp, dtype, t, err):
         "speedup_vs_sequential": t_seq / t_ovl,
         "max_rel_err": err,
     }
+
+
+def _fp8_columns(args, ctx, row, op, reference):
+    """With ``--fp8``: the op's fp8 form checked against the float64 ``reference`` within the
+    recipe's quantisation error (two e4m3 operands: each element within 2^-4 of itself, so the
+    product within about 2^-3 of the output's scale), timed, and its speed-up over the bf16 op."""
+    if args.fp8 == "none":
+        return row
+    out = op(args.fp8)
+    err = check_close(out, reference, tol=2 ** -3)
+    t = ctx.time_ms(lambda: op(args.fp8))
+    row.update({"fp8": args.fp8, "T_fp8_ms": t, "fp8_speedup": row["T_overlapped_ms"] / t, "fp8_rel_err": err})
+    return row
 
 
 def _ring_shifts(transport, bufs, first, steps):
@@ -107,7 +123,9 @@ def run_ag(args, ctx):
          "seq": ctx.time_ms(sequential), "ovl": ctx.time_ms(overlapped)}
     if ctx.smoke:
         ctx.notes.append(SMOKE_NOTE)
-    return [_row("ag_matmul", M, H, F, tp, dtype, t, err)]
+    ref = torch.nn.functional.linear(x.double().repeat(tp, 1), w.double())
+    op = lambda recipe: all_gather_matmul(x, w, gather_dim=0, transport=transport, fp8=recipe)  # noqa: E731
+    return [_fp8_columns(args, ctx, _row("ag_matmul", M, H, F, tp, dtype, t, err), op, ref)]
 
 
 @register("matmul_rs", "the shipped matmul_reduce_scatter, one tp rank emulated on one GPU", add_args=_add_args)
@@ -153,4 +171,5 @@ def run_rs(args, ctx):
          "ovl": ctx.time_ms(overlapped)}
     if ctx.smoke:
         ctx.notes.append(SMOKE_NOTE)
-    return [_row("matmul_rs", M, H, F, tp, dtype, t, err)]
+    op = lambda recipe: matmul_reduce_scatter(x, w, b, scatter_dim=0, transport=transport, fp8=recipe)  # noqa: E731
+    return [_fp8_columns(args, ctx, _row("matmul_rs", M, H, F, tp, dtype, t, err), op, ref)]
