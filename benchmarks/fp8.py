@@ -13,7 +13,8 @@ Rows per shape:
 The operands are quantised once, outside the timed region (:func:`fusedpar.kernels.quantize_e4m3`):
 these rows time the GEMM. Before timing, ours is checked against ``torch._scaled_mm`` on the same
 fp8 operands (rowwise) or against the float64 product of the dequantised operands (blockwise; and
-rowwise off GPU, where ``_scaled_mm`` has no kernel).
+rowwise off GPU, where ``_scaled_mm`` has no kernel, and where N or K is not a multiple of 16, which
+cuBLASLt's fp8 GEMM requires: those rows have no ``scaled_mm_ms``).
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def run(args, ctx):
                 return fp8_matmul(a, sa, b, sb, scaling=scaling, out_dtype=torch.bfloat16)
 
             row = {"M": M, "N": N, "K": K, "scaling": scaling}
-            if scaling == "rowwise" and ctx.gpu:
+            if scaling == "rowwise" and ctx.gpu and N % 16 == 0 and K % 16 == 0:
                 def scaled_mm():
                     return torch._scaled_mm(a, b.t(), scale_a=sa.view(-1, 1), scale_b=sb.view(1, -1),
                                             out_dtype=torch.bfloat16)

@@ -138,9 +138,11 @@ def _topk_route_kernel(logits_ptr, stride_t, bias_ptr, weights_ptr, ids_ptr, T, 
 def _topk_route_bwd_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, grad_ptr, dlogits_ptr, T, E, EPG, scale,
                            SCORE: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr,
                            BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, EPG_PAD: tl.constexpr):
-    """``d logits`` of ``w_j = scale * p_j / N`` (``N = sum_j p_j + 1e-20`` or 1): ``dp_j = (scale *
-    g_j - [normalize] sum_m g_m w_m) / N`` on the chosen experts, then the score function's own
-    backward; ``softmax_topk``: ``dl_j = w_j (g_j - sum_m g_m w_m / scale)``."""
+    """``d logits`` of ``w_j = scale * p_j / N`` (``N = sum_j p_j + 1e-20`` or 1): ``dp_j = scale *
+    (g_j - [normalize] sum_m g_m u_m) / N`` on the chosen experts (``u_m = w_m / scale``), then the
+    score function's own backward; ``softmax_topk``: ``dl_j = w_j (g_j - sum_m g_m u_m)``. Written
+    with ``u`` so that a renormalised top-1 (``u`` exactly 1) gives exactly 0: the GPU contracts
+    ``scale * g - g * w`` into an fma, which keeps the rounding of ``g * w`` (about 1 ulp)."""
     pid = tl.program_id(0)
     rows, eid, valid = _tile_offsets(pid, T, E, EPG, BLOCK_T, G_PAD, EPG_PAD)
     row_ok = rows < T
@@ -157,16 +159,16 @@ def _topk_route_bwd_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, grad_ptr,
         sel = sel | hit
         gt = tl.where(hit, gj[:, None, None], gt)
         wt = tl.where(hit, wj[:, None, None], wt)
-        dot += gj * wj
+        dot += gj * tl.math.div_rn(wj, scale)
     out = rows.to(tl.int64)[:, None, None] * stride_t + eid
     if SCORE == 2:
-        dl = tl.where(sel, wt * (gt - tl.math.div_rn(dot[:, None, None], scale)), 0.0)
+        dl = tl.where(sel, wt * (gt - dot[:, None, None]), 0.0)
     else:
         logits = tl.load(logits_ptr + out, mask=valid, other=float("-inf"))
         p = _scores(logits, valid, SCORE)
         if NORMALIZE:
             n = tl.sum(tl.sum(tl.where(sel, p, 0.0), axis=2), axis=1) + 1e-20
-            dp = tl.where(sel, tl.math.div_rn(scale * gt - dot[:, None, None], n[:, None, None]), 0.0)
+            dp = tl.where(sel, tl.math.div_rn(scale * (gt - dot[:, None, None]), n[:, None, None]), 0.0)
         else:
             dp = tl.where(sel, scale * gt, 0.0)
         if SCORE == 0:
