@@ -99,6 +99,7 @@ def _row(ctx, name, T, H, V, dtype, tp, chunk):
         "fused_ms": t_fused, "materialised_ms": t_mat, "fused_flops": 4 * gemm, "materialised_flops": 3 * gemm,
         "fused_TFLOPs": 4 * gemm / t_fused / 1e9, "materialised_TFLOPs": 3 * gemm / t_mat / 1e9,
         "ratio_vs_materialised": t_mat / t_fused, "fused_peak_MiB": peak_fused, "materialised_peak_MiB": peak_mat,
+        "peak_ratio_vs_materialised": None if peak_mat is None else peak_fused / peak_mat,
         "logits_MiB": T * v * torch.finfo(dtype).bits / 8 / 2 ** 20, "max_rel_err": err,
     }
 

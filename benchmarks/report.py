@@ -27,7 +27,7 @@ class Target:
     when: tuple = ()  # (column, value) pairs a row must match
 
     def applies(self, op: str, row: dict) -> bool:
-        return op == self.op and self.column in row and all(row.get(c) == v for c, v in self.when)
+        return op == self.op and row.get(self.column) is not None and all(row.get(c) == v for c, v in self.when)
 
     def met(self, value: float) -> bool:
         return value >= self.bound if self.at_least else value <= self.bound
@@ -57,6 +57,8 @@ TARGETS = [
     Target("fp8_matmul", "ratio_vs_scaled_mm", 0.95, when=(("scaling", "rowwise"),)),
     Target("fp8_matmul", "speedup_vs_bf16", 1.6, when=(("M", 8192), ("N", 8192), ("K", 8192))),
     Target("train", "mfu", 0.45, when=(("variant", "dense"),)),
+    Target("linear_ce", "ratio_vs_materialised", 0.95),
+    Target("linear_ce", "peak_ratio_vs_materialised", 0.25, at_least=False),
 ]
 RATIO_WORDS = ("ratio", "speedup", "efficiency", "_vs_", "mfu")
 
