@@ -137,8 +137,10 @@ def test_linear_ce_cli_smoke(bench_main, tmp_path):
     assert row["fused_ms"] > 0 and row["materialised_ms"] > 0 and row["max_rel_err"] < 1e-4
     if INTERPRETED:
         assert row["fused_peak_MiB"] is None and row["materialised_peak_MiB"] is None  # measured on a GPU only
+        assert row["peak_ratio_vs_materialised"] is None
     else:
         assert row["fused_peak_MiB"] > 0 and row["materialised_peak_MiB"] > 0
+        assert row["peak_ratio_vs_materialised"] == row["fused_peak_MiB"] / row["materialised_peak_MiB"]
 
 
 def _run_file(path, mode, date, rows, **extra_env):
