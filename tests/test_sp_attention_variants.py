@@ -1,5 +1,6 @@
 """Attention variants under sequence parallelism on real gloo worlds (4; ring also 2 and 3): sliding windows (in
-global positions, crossing shard boundaries, smaller than a zigzag chunk, both sides),
+global positions, crossing shard boundaries, smaller than a zigzag chunk, both sides; rings the
+window shortens, one way and both ways),
 softcapping, attention sinks and a v head dim other than q/k's, through ring attention (zigzag
 and contiguous over 4, a few cases over 2 and 3), Ulysses over 4 (kv heads split and replicated) and the 2 x 2 hybrid,
 dense and on packed documents. Each rank's output and q/k/v gradients equal the fp64
@@ -13,7 +14,7 @@ from _utils import DEVICE, assert_close, randn
 from _world import grid_2x2, rank_rng, straggle, world_fixture
 from fusedpar.kernels import attention_reference, varlen_attention_reference
 from fusedpar.ops import comm, hybrid_attention, ring_attention, shard_positions, ulysses_attention
-from fusedpar.ops.sp_attention_schedules import ring_step_plan, shard_chunks
+from fusedpar.ops.sp_attention_schedules import ring_rounds, ring_schedule, ring_step_plan, shard_chunks
 from fusedpar.ops.transport import EmulatedTransport
 
 world2 = world_fixture(2)
@@ -75,6 +76,10 @@ RING_CASES = [
     ("contiguous", True, None, 3.0, True, 2, 1, 16, 16, False),  # softcap and sinks, full causal
     ("zigzag", True, (4, 0), 5.0, True, 2, 1, 16, 8, True),  # documents with a window
     ("contiguous", False, (3, 2), None, False, 2, 2, 16, 16, True),
+    # a ring shortened by the window (ring_rounds): one hop forward over 3 and 4 ranks; one hop
+    # backward only (a window ahead of the query), with documents
+    ("contiguous", True, (5, 0), None, True, 2, 1, 16, 8, False),
+    ("contiguous", False, (0, 5), 4.0, False, 2, 2, 16, 16, True),
 ]
 
 
@@ -105,8 +110,9 @@ def test_ring_variants_world2(world2):
 
 
 def test_ring_variants_world3(world3):
-    # an odd ring: the window smaller than a chunk, and documents with a window, softcap and sinks
-    assert all(world3.run(_ring_cases, seed=5, s_local=6, cases=(0, 4)))
+    # an odd ring: the window smaller than a chunk, documents with a window, softcap and sinks,
+    # and a ring the window cuts to one backward hop
+    assert all(world3.run(_ring_cases, seed=5, s_local=6, cases=(0, 4, 7)))
 
 
 # (causal, window, softcap, sinks, hq, hk, d, dv, documents): kv heads split, replicated
@@ -205,6 +211,56 @@ def test_windowed_ring_plan_covers_the_window_once(layout, causal, window):
     assert torch.equal(seen, want.long())
 
 
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_rounds_cover_every_visible_block(layout, size):
+    # the shortened ring (ring_rounds) meets every block some query sees; a causal window of w
+    # over the contiguous layout travels ceil(w / s_local) hops; a window over the whole
+    # sequence (or none) is the full ring, one way
+    s = 4
+    S = size * s
+    for causal in (True, False):
+        for window in ((0, 0), (1, 0), (3, 0), (5, 0), (9, 0), (2, 3), (0, 6), (S, S), (-1, 2), (-1, -1)):
+            forward, backward = ring_rounds(layout, size, s, causal, window)
+            offsets = {t for t, _, _ in ring_schedule((forward, backward), size)}
+            assert len(offsets) == forward + backward + 1 < size + 1
+            for rank in range(size):
+                for offset in set(range(size)) - offsets:
+                    src = (rank - offset) % size
+                    assert not ring_step_plan(shard_chunks(layout, rank, size, s), shard_chunks(layout, src, size, s),
+                                              causal, window), f"{layout} {causal} {window}: rank {rank} misses {src}"
+            if layout == "contiguous" and causal and window[0] >= 0:
+                assert (forward, backward) == (min(-(-window[0] // s), size - 1), 0), window
+            if window[0] in (-1, S) and (causal or window[1] in (-1, S)):
+                assert (forward, backward) == (size - 1, 0), window
+
+
+def _dq_modes(rank, size, seed):
+    # the one-pass backward (dQ by fp32 atomics) through ring and Ulysses: the reference's
+    # gradients, and the default mode's within fp32 rounding
+    S = 4 * size
+    full = _inputs(seed, S, 2, 2, 16, 8, True)
+    opts = dict(causal=True, window=(3, 0), softcap=None)
+    calls = {"ring": (lambda q, k, v, s, mode: ring_attention(q, k, v, layout="zigzag", sinks=s, dq_mode=mode,
+                                                               **opts),
+                      shard_positions(S, layout="zigzag", ring_rank=rank, ring_size=size)),
+             "ulysses": (lambda q, k, v, s, mode: ulysses_attention(q, k, v, sinks=s, dq_mode=mode, **opts),
+                         torch.arange(rank * 4, (rank + 1) * 4))}
+    for name, (fn, pos) in calls.items():
+        _compare(lambda q, k, v, s: fn(q, k, v, s, "atomic"), full, pos, opts, msg=f"{name} dq_mode=atomic")
+        shards = [t.index_select(1, pos.to(t.device)).requires_grad_() for t in full[:3]]
+        sinks = full[4].clone().requires_grad_()
+        do = full[3].index_select(1, pos.to(full[3].device))
+        got = [torch.autograd.grad(fn(*shards, sinks, mode), shards + [sinks], do) for mode in ("separate", "atomic")]
+        for what, a, b in zip(("dq", "dk", "dv", "dsinks"), *got):
+            assert_close(b, a, torch.float32, rtol=TOL, atol=TOL, msg=f"{name} {what}: atomic against separate")
+    return True
+
+
+def test_dq_modes_agree(world2):
+    assert all(world2.run(_dq_modes, seed=30))
+
+
 _Q = (1, 8, 2, 16)
 
 
@@ -215,6 +271,8 @@ BAD_OPTIONS = [
     ("softcap", ValueError, "softcap", lambda: dict(softcap=-1.0)),
     ("sinks shape", ValueError, r"sinks must have shape \(2,\)", lambda: dict(sinks=torch.zeros(3, device=DEVICE))),
     ("sinks dtype", TypeError, "sinks", lambda: dict(sinks=torch.zeros(2, dtype=torch.float64, device=DEVICE))),
+    ("dq_mode", ValueError, r"dq_mode must be one of \('separate', 'atomic'\), got 'fast'",
+     lambda: dict(dq_mode="fast")),
 ]
 
 

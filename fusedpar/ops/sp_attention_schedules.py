@@ -20,7 +20,11 @@ torch.distributed and on an :class:`~fusedpar.ops.transport.EmulatedTransport` (
   ``r`` holds chunks ``r`` and ``2P-1-r``: with causal masking every rank does the same work at
   every step). Block pairs that the causal mask hides completely are skipped; partially visible
   ones are split into half-blocks so that fully visible halves run unmasked
-  (:func:`ring_step_plan`).
+  (:func:`ring_step_plan`). A sliding window also shortens the ring itself
+  (:func:`ring_rounds`, from shapes and window only, so the same on every rank): each block
+  travels only as far as some rank needs it, forward and, for a two-sided window or the zigzag
+  layout's second chunks, backward; the dK/dV sums of each direction go from the chain's last
+  hop straight to the block's owner.
 * **Ulysses** (:func:`ulysses_attention_fwd` / :func:`ulysses_attention_bwd`): one all-to-all
   (``transport.all_to_all``) turns sequence shards with all heads into head shards with the full
   sequence, local flash attention runs, a second all-to-all turns the output back. Q, K and V
@@ -43,11 +47,19 @@ helpers give each rank its piece of a full sequence and the global positions of 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fusedpar.kernels.checks import check_bool, check_choice, check_int, check_tensor
 from fusedpar.kernels.flash_attention import check_qkv, check_window, flash_attention_forward
-from fusedpar.kernels.flash_attention_bwd import attention_delta, flash_attention_backward, sink_grad
+from fusedpar.kernels.flash_attention_bwd import (
+    DEFAULT_DQ_MODE,
+    attention_delta,
+    check_dq_mode,
+    flash_attention_backward,
+    sink_grad,
+)
 from fusedpar.ops.library import checked_api
 from fusedpar.ops.transport import Transport
 from fusedpar.ops.varlen import document_bounds, ring_document_plan
@@ -56,7 +68,8 @@ LAYOUTS = ("zigzag", "contiguous")
 
 __all__ = [
     "LAYOUTS", "check_sp_args", "check_transport", "document_plan", "head_widths", "ring_attention_bwd",
-    "ring_attention_fwd", "ring_step_plan", "sequence_shard", "shard_chunks", "shard_positions", "split_heads",
+    "ring_attention_fwd", "ring_rounds", "ring_schedule", "ring_step_plan", "sequence_shard", "shard_chunks",
+    "shard_positions", "split_heads",
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",
 ]
@@ -275,6 +288,72 @@ def _mask(masked, causal, window):
     return (causal, None if window == (-1, -1) else window) if masked else (False, None)
 
 
+@functools.lru_cache(maxsize=256)
+def ring_rounds(layout: str, size: int, s_local: int, causal: bool, window=(-1, -1)) -> tuple:
+    """``(forward, backward)``: how many hops each K/V block travels forward (to ``rank + 1``,
+    ``rank + 2``, ...) and backward (to ``rank - 1``, ...) round a ring of ``size`` ranks holding
+    ``s_local`` tokens each in ``layout``, so that every rank meets every key block some of its
+    queries see under the causal mask and the ``window`` (global positions, -1 unbounded).
+
+    The block of ring rank ``r`` held by rank ``r + t`` (``t`` the block's forward offset) is
+    needed where :func:`ring_step_plan` launches something for that pair, for any ``r``; the
+    rounds are the fewest ``forward + backward`` covering every needed offset with
+    ``1..forward`` and ``size - backward..size - 1``. Without a window (or a window reaching over
+    the ring) that is the full ring, ``(size - 1, 0)``. Shapes, layout and window only (no data,
+    not even ``cu_seqlens``): every rank of the ring derives the same rounds, so every send has
+    its receive. A causal ``window=(w, 0)`` over the contiguous layout gives
+    ``(ceil(w / s_local), 0)``; over the zigzag layout, whose chunk ``2P-1-r`` neighbours rank
+    ``r - 1``'s, ``(n, n)`` with ``n = ceil(w / (s_local / 2))`` (the full ring once ``2n``
+    reaches ``size - 1``).
+    """
+    needed = set()
+    for rank in range(size):
+        q_chunks = shard_chunks(layout, rank, size, s_local)
+        for offset in range(1, size):
+            if ring_step_plan(q_chunks, shard_chunks(layout, (rank - offset) % size, size, s_local), causal, window):
+                needed.add(offset)
+    best = (size - 1, 0)
+    for forward in range(size - 1):
+        later = [t for t in needed if t > forward]
+        backward = size - min(later) if later else 0
+        if forward + backward < sum(best):
+            best = (forward, backward)
+    return best
+
+
+def ring_schedule(rounds, size: int) -> list:
+    """The steps of a ring of ``size`` with ``rounds`` (:func:`ring_rounds`) as ``(offset,
+    direction, hop)``: this rank's own block (offset 0), then the blocks arriving from behind
+    (direction 1, hop ``t``: ring rank ``rank - t``, offset ``t``), then those from ahead
+    (direction -1, hop ``u``: ring rank ``rank + u``, offset ``size - u``)."""
+    forward, backward = rounds
+    return [(t, 1, t) for t in range(forward + 1)] + [(size - u, -1, u) for u in range(1, backward + 1)]
+
+
+def _rotate(kv, transport: Transport, schedule):
+    """Yields ``(step, block)`` for every ``step`` of ``schedule`` (:func:`ring_schedule`), the
+    K/V block it holds: this rank's ``kv`` first, each later one brought by one
+    ``transport.ring_shift`` (in the step's direction) that runs while the previous block is
+    computed on. Two receive buffers (one beside ``kv`` on a one-way ring, whose ``kv`` is
+    free once sent); ``kv`` itself is sent again when the backward direction starts."""
+    if len(schedule) == 1:
+        yield schedule[0], kv
+        return
+    one_way = all(direction == 1 for _, direction, _ in schedule)
+    pool = [kv, torch.empty_like(kv)] if one_way else [torch.empty_like(kv), torch.empty_like(kv)]
+    held = kv
+    for i, step in enumerate(schedule):
+        handle = None
+        if i + 1 < len(schedule):
+            _, direction, hop = schedule[i + 1]
+            recv = pool[1] if pool[0] is held else pool[0]
+            handle = transport.ring_shift(kv if hop == 1 else held, recv, step=direction)
+        yield step, held
+        if handle is not None:
+            handle.wait()  # the next block has arrived and our send of this one has left
+            held = recv
+
+
 def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="zigzag", softmax_scale=None,
                        cu_seqlens=None, window=None, softcap=None, sinks=None):
     """The forward of :func:`~fusedpar.ops.sp_attention.ring_attention` on ring rank ``transport.rank`` of
@@ -283,10 +362,13 @@ def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="z
 
     At step ``t`` this rank holds the K/V block of ring rank ``rank - t`` and the flash kernel
     merges it into an fp32 ``(out, lse)`` state while ``transport.ring_shift`` brings the next one.
-    With ``cu_seqlens`` each step launches the segment tables of :func:`document_plan` (none
-    when the block holds nothing visible). ``window`` (global positions), ``softcap``: per
-    launch; blocks outside every query's window launch nothing. ``sinks``: folded into the
-    merged state once, after the last step (:func:`_fold_sinks`).
+    A ``window`` cuts the ring to the blocks some rank needs (:func:`ring_rounds`, the same on
+    every rank: fewer transfers, not only fewer launches; blocks from both neighbours' sides with
+    a two-sided window or the zigzag layout). With ``cu_seqlens`` each step launches the segment
+    tables of :func:`document_plan` (none when the block holds nothing visible). ``window``
+    (global positions), ``softcap``: per launch; blocks outside every query's window launch
+    nothing. ``sinks``: folded into the merged state once, after the last step
+    (:func:`_fold_sinks`).
     """
     check_transport("transport", transport)
     check_sp_args(q, k, v, causal, layout, ring_size=transport.size)
@@ -301,36 +383,38 @@ def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="z
     out = torch.zeros((b, s, hq, v.shape[3]), device=q.device, dtype=torch.float32)
     lse = torch.full((b, hq, s), float("-inf"), device=q.device, dtype=torch.float32)
     kv = torch.cat((k, v), dim=3)  # one contiguous block to pass around: [b, s, hk, d + d_v]
-    nxt = torch.empty_like(kv)
     q_chunks = shard_chunks(layout, rank, size, s)
-    for step in range(size):
-        src = (rank - step) % size
-        handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
-        for qs, ks, qo, ko, masked, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal, win):
+    schedule = ring_schedule(ring_rounds(layout, size, s, bool(causal), win), size)
+    for (offset, _, _), block in _rotate(kv, transport, schedule):
+        src = (rank - offset) % size
+        for qs, ks, qo, ko, masked, seg in _step_launches(plan, offset, q_chunks, layout, src, size, s, causal, win):
             c, w = _mask(masked, causal, win)
-            flash_attention_forward(q[:, qs], kv[:, ks, :, :d], kv[:, ks, :, d:], causal=c, window=w,
+            flash_attention_forward(q[:, qs], block[:, ks, :, :d], block[:, ks, :, d:], causal=c, window=w,
                                     softcap=softcap, softmax_scale=softmax_scale, q_offset=qo, k_offset=ko,
                                     out=out[:, qs], lse=lse[:, :, qs], accumulate=True, segments=seg)
-        if handle is not None:
-            handle.wait()  # the next block has arrived and our send of this one has left
-            kv, nxt = nxt, kv
     if sinks is not None:
         _fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
 def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=False, layout="zigzag",
-                       softmax_scale=None, grad_dtype=None, cu_seqlens=None, window=None, softcap=None, sinks=None):
+                       softmax_scale=None, grad_dtype=None, cu_seqlens=None, window=None, softcap=None, sinks=None,
+                       dq_mode=DEFAULT_DQ_MODE):
     """The backward of :func:`~fusedpar.ops.sp_attention.ring_attention`: ``(dq, dk, dv)`` of this rank's shard in
     ``grad_dtype`` (default q's dtype), from the forward's ``out`` and ``lse``; with ``sinks``
     also ``dsinks`` (fp32 ``[heads]``: this rank's query rows' part of the sinks' gradient, from
-    the final ``lse`` once; the kernels see the sinks through ``lse`` only).
+    the final ``lse`` once; the kernels see the sinks through ``lse`` only). ``dq_mode``: the
+    flash backward's (``"separate"`` or ``"atomic"``; dq is an fp32 sum over the steps either way).
 
-    K/V travel as in the forward; the fp32 dK/dV sums of the block in hand travel with it, one
-    ``ring_shift`` behind, and arrive back at the block's owner complete.
+    K/V travel as in the forward (the same :func:`ring_rounds`); the fp32 dK/dV sums of the block
+    in hand travel with it, one ``ring_shift`` behind, each direction's chain starting at the
+    block's owner (forward: its own queries' part) or next neighbour (backward); the rank
+    holding a chain's last hop sends the finished sums straight to the owner (on the full ring
+    that is the next shift), who adds its two directions' sums.
     """
     check_transport("transport", transport)
     win = check_window(window)
+    check_dq_mode(dq_mode)
     size, rank = transport.size, transport.rank
     grad_dtype = q.dtype if grad_dtype is None else grad_dtype
     if size == 1:
@@ -338,40 +422,56 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
         segments = _whole_sequence_segments(cu_seqlens, q.shape[1], causal, q.device, win)
         return flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                         dq=grads[0], dk=grads[1], dv=grads[2], segments=segments, window=window,
-                                        softcap=softcap, sinks=sinks)
+                                        softcap=softcap, sinks=sinks, dq_mode=dq_mode)
     s, d = q.shape[1], q.shape[3]
     plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device, win)
     delta = attention_delta(out, dout).contiguous()
     lse = lse.contiguous()
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     kv = torch.cat((k, v), dim=3)
-    nxt = torch.empty_like(kv)
-    # dK/dV of the block in hand travel with it (fp32), one shift behind the K/V themselves
-    dkv_bufs = [torch.empty(kv.shape, device=q.device, dtype=torch.float32) for _ in range(2)]
-    dkv_in = torch.empty_like(dkv_bufs[0])
-    dkv_handle = None
+    rounds = ring_rounds(layout, size, s, bool(causal), win)
+    schedule = ring_schedule(rounds, size)
+    free = []  # fp32 dK/dV buffers whose transfers have finished
+
+    def buffer():
+        return free.pop().zero_() if free else torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
+
+    chain = None  # (handle, sent, incoming) of the partial sums in flight to the next hop of a chain
+    finished = []  # (handle or None, sums, sent): each direction's finished sums of this rank's block
     q_chunks = shard_chunks(layout, rank, size, s)
-    for step in range(size):
-        src = (rank - step) % size
-        handle = transport.ring_shift(kv, nxt) if step < size - 1 else None
-        dkv = dkv_bufs[step % 2]  # its send two steps ago was waited on at the previous step
-        dkv.zero_()
-        for qs, ks, qo, ko, masked, seg in _step_launches(plan, step, q_chunks, layout, src, size, s, causal, win):
+    for (offset, direction, hop), block in _rotate(kv, transport, schedule):
+        src = (rank - offset) % size
+        dkv = buffer()
+        for qs, ks, qo, ko, masked, seg in _step_launches(plan, offset, q_chunks, layout, src, size, s, causal, win):
             c, w = _mask(masked, causal, win)
-            flash_attention_backward(dout[:, qs], q[:, qs], kv[:, ks, :, :d], kv[:, ks, :, d:], None, lse[:, :, qs],
-                                     delta=delta[:, :, qs], causal=c, window=w, softcap=softcap,
+            flash_attention_backward(dout[:, qs], q[:, qs], block[:, ks, :, :d], block[:, ks, :, d:], None,
+                                     lse[:, :, qs], delta=delta[:, :, qs], causal=c, window=w, softcap=softcap,
                                      softmax_scale=softmax_scale, q_offset=qo, k_offset=ko, dq=dq[:, qs],
-                                     dk=dkv[:, ks, :, :d], dv=dkv[:, ks, :, d:], accumulate=True, segments=seg)
-        if dkv_handle is not None:
-            dkv_handle.wait()  # the left neighbour's partial sums for block src
-            dkv += dkv_in
-        dkv_handle = transport.ring_shift(dkv, dkv_in)
+                                     dk=dkv[:, ks, :, :d], dv=dkv[:, ks, :, d:], accumulate=True, segments=seg,
+                                     dq_mode=dq_mode)
+        if chain is not None:  # the previous hop's partial sums for this block
+            handle, sent, incoming = chain
+            handle.wait()
+            dkv += incoming
+            free += [sent, incoming]
+            chain = None
+        last = rounds[0] if direction == 1 else rounds[1]
+        if hop < last:
+            incoming = buffer()
+            chain = (transport.ring_shift(dkv, incoming, step=direction), dkv, incoming)
+        elif hop == 0:  # nothing travels forward: this rank's own queries' sums are complete
+            finished.append((None, dkv, None))
+        else:  # the chain's last hop: the finished sums go straight to the block's owner
+            sums = buffer()
+            handle = transport.send_recv(dkv, (rank - direction * hop) % size, sums, (rank + direction * hop) % size)
+            finished.append((handle, sums, dkv))
+    dkv = None
+    for handle, sums, _ in finished:
         if handle is not None:
             handle.wait()
-            kv, nxt = nxt, kv
-    dkv_handle.wait()  # the finished sums for this rank's own block, from the left neighbour
+        dkv = sums if dkv is None else dkv.add_(sums)
     # views of one fp32 buffer, converted (copied): the gradients never share storage (custom-op outputs)
-    grads = (dq.to(grad_dtype), dkv_in[..., :d].to(grad_dtype, copy=True), dkv_in[..., d:].to(grad_dtype, copy=True))
+    grads = (dq.to(grad_dtype), dkv[..., :d].to(grad_dtype, copy=True), dkv[..., d:].to(grad_dtype, copy=True))
     return grads if sinks is None else (*grads, sink_grad(sinks, lse, delta))
 
 
@@ -502,12 +602,14 @@ def ulysses_attention_fwd(q, k, v, transport: Transport, *, ring_transport: Tran
 
 def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, transport: Transport, *, kv_heads: int,
                           ring_transport: Transport | None = None, causal=False, layout="contiguous",
-                          softmax_scale=None, cu_seqlens=None, window=None, softcap=None, sinks=None):
+                          softmax_scale=None, cu_seqlens=None, window=None, softcap=None, sinks=None,
+                          dq_mode=DEFAULT_DQ_MODE):
     """The backward of :func:`ulysses_attention_fwd` from its ``saved`` tensors (the packed heads
     split, or q, k, v and out in a group of one): ``(dq, dk, dv)`` of this rank's sequence shard;
     ``kv_heads`` is the number of kv heads of the input k/v. With ``sinks`` also ``dsinks``
     (fp32 ``[heads]``): this rank's heads' slice over the whole sequence, zero elsewhere (the
-    sum over the group is the sinks' gradient)."""
+    sum over the group is the sinks' gradient). ``dq_mode``: the flash backward's
+    (``"separate"`` or ``"atomic"``)."""
     check_transport("transport", transport)
     size = transport.size
     dtype = q_heads.dtype
@@ -519,7 +621,7 @@ def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, trans
     dout_l = _seq_to_heads([(dout, hq_l)], transport, dout.shape[1]).unflatten(2, (hq_l, -1)) if size > 1 else dout
     args = (dout_l, q_heads, k_heads, v_heads, out_heads, lse)
     scores = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                  sinks=_local_sinks(sinks, transport, hq_l))
+                  sinks=_local_sinks(sinks, transport, hq_l), dq_mode=dq_mode)
     if ring_transport is None:
         grads = [torch.empty(t.shape, device=dout.device, dtype=grad_dtype) for t in (q_heads, k_heads, v_heads)]
         segments = _whole_sequence_segments(cu_seqlens, q_heads.shape[1], causal, dout.device, check_window(window))
