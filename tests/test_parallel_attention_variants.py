@@ -1,10 +1,11 @@
 """fusedpar.nn.ParallelAttention with the attention options (sliding window, softcap, learnable
-sinks, a v head dim other than q/k's, softmax_scale) on a 4-rank gloo world: tp2 x ring2,
+sinks, a v head dim other than q/k's, softmax_scale, dq_mode) on a 4-rank gloo world: tp2 x ring2,
 tp2 x Ulysses2 and the 2 x 2 hybrid equal the single-process AttentionReference, outputs and
 every parameter gradient (the sinks' included); the sinks save at tp2 and load at tp1; the
 TransformerConfig fields in Hugging Face's terms reach every block's attention."""
 import os
 
+import pytest
 import torch
 
 from _utils import DEVICE, assert_close
@@ -33,8 +34,10 @@ def _cases(rank, size, seed):
              dict(window=(3, 0), softcap=4.0, sinks=True, v_head_dim=12, softmax_scale=0.3)),
             ("tp2 x ulysses2", dict(tp_group=row, sp_group=col, sp_mode="ulysses"), 4, 2,
              dict(window=(5, 0), sinks=True, v_head_dim=4)),
-            ("hybrid 2x2, tp1", dict(tp_group=single, ulysses_group=row, ring_group=col, sp_mode="hybrid",
-                                     layout="contiguous"), 4, 2, dict(window=(2, 0), softcap=2.0, sinks=True)),
+            # the one-pass backward (dQ by fp32 atomics) through the hybrid's Ulysses and ring
+            ("hybrid 2x2, tp1, dq_mode='atomic'", dict(tp_group=single, ulysses_group=row, ring_group=col,
+                                                       sp_mode="hybrid", layout="contiguous", dq_mode="atomic"),
+             4, 2, dict(window=(2, 0), softcap=2.0, sinks=True)),
         ]
         for i, (name, kw, hq, hk, opts) in enumerate(cases):
             torch.manual_seed(seed + i)  # the same full weights on every rank
@@ -154,3 +157,8 @@ def test_sinks_stay_fp32_when_the_model_is_cast():
     model.loss(model(ids), ids).backward()
     assert attn.sinks.grad.dtype == torch.float32 and torch.isfinite(attn.sinks.grad).all()
 
+
+def test_bad_dq_mode():
+    with pytest.raises(ValueError, match=r"ParallelAttention: dq_mode must be one of \('separate', 'atomic'\), "
+                                         r"got 'fast'"):
+        ParallelAttention(32, 4, dq_mode="fast")

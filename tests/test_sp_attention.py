@@ -19,7 +19,7 @@ from fusedpar.ops import (
     zigzag_shard,
     zigzag_unshard,
 )
-from fusedpar.ops.sp_attention_schedules import ring_step_plan, shard_chunks
+from fusedpar.ops.sp_attention_schedules import ring_rounds, ring_step_plan, shard_chunks
 from fusedpar.ops.transport import EmulatedTransport
 
 world2 = world_fixture(2)
@@ -256,7 +256,7 @@ def test_ring_plan_is_complete_and_zigzag_balanced(size, layout):
 # ----------------------------------------------------------------------------------------------
 # one rank of the ring in one process: EmulatedTransport (every peer mirrors this rank)
 # ----------------------------------------------------------------------------------------------
-def _mirror_reference(q, k, v, do, *, layout, causal, rank, size):
+def _mirror_reference(q, k, v, do, *, layout, causal, rank, size, window=None):
     """fp64 ``(out, dq, dk, dv)`` of rank ``rank`` under the mirror rule: every rank's K/V equal
     this rank's, so the global sequence holds k/v at every rank's positions; this rank's queries
     sit at its own positions. dk/dv sum over every position the shared k/v stand at."""
@@ -267,7 +267,7 @@ def _mirror_reference(q, k, v, do, *, layout, causal, rank, size):
     k_full, v_full = (t.repeat(1, size, 1, 1).index_select(1, inverse) for t in (kr, vr))
     q_full = torch.zeros(q.shape[0], S, *q.shape[2:], dtype=torch.float64, device=q.device).index_copy(
         1, pos[rank], qr)
-    out = attention_reference(q_full, k_full, v_full, causal=causal)[0].index_select(1, pos[rank])
+    out = attention_reference(q_full, k_full, v_full, causal=causal, window=window)[0].index_select(1, pos[rank])
     return (out.detach(), *torch.autograd.grad(out, (qr, kr, vr), do.double()))
 
 
@@ -291,6 +291,56 @@ def test_ring_on_emulated_transport(layout, causal, size, rank):
     for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
         scale = max(r.pow(2).mean().sqrt().item(), 1.0)
         assert_close(got, r, torch.float32, rtol=tol, atol=tol * scale, msg=f"{name} {layout} causal={causal} "
+                     f"P={size} rank {rank}")
+
+
+class _CountingTransport(EmulatedTransport):
+    """An emulated rank that counts its point-to-point transfers (every ring shift is one)."""
+
+    def __init__(self, size, rank):
+        super().__init__(size, rank)
+        self.transfers = 0
+
+    def send_recv(self, send, dst, recv, src):
+        self.transfers += 1
+        return super().send_recv(send, dst, recv, src)
+
+
+# (layout, causal, window, size, rank, forward + backward hops of K/V); s_local 8 (zigzag chunks of 4)
+WINDOWED_RING = [
+    ("contiguous", True, (7, 0), 8, 5, 1),  # ceil(7 / 8) = 1 hop instead of 7
+    ("contiguous", True, (12, 0), 8, 1, 2),
+    ("zigzag", True, (5, 0), 8, 6, 4),  # chunks of 4: 2 hops forward (low chunks), 2 back (high chunks)
+    ("contiguous", False, (3, 9), 8, 0, 3),  # 1 hop forward, 2 back
+    ("contiguous", True, (31, 0), 4, 2, 3),  # the window covers the sequence: the full ring
+    ("zigzag", False, (40, 40), 4, 1, 3),
+]
+
+
+@pytest.mark.parametrize("layout, causal, window, size, rank, hops", WINDOWED_RING,
+                         ids=[f"{c[0]}-{'causal' if c[1] else 'full'}-w{c[2][0]},{c[2][1]}-P{c[3]}"
+                              for c in WINDOWED_RING])
+def test_windowed_ring_transfers(layout, causal, window, size, rank, hops):
+    # a window shortens the ring: K/V travel only the hops some rank needs, the dK/dV sums one
+    # chain per direction whose last hop sends them straight home; the results are the mirror
+    # rule's (every needed block met once, forward and backward)
+    g = torch.Generator().manual_seed(7 * size + rank)
+    q, do = (randn(1, 8, 2, 16, generator=g) for _ in range(2))
+    k, v = (randn(1, 8, 1, 16, generator=g) for _ in range(2))
+    shards = [t.clone().requires_grad_() for t in (q, k, v)]
+    t = _CountingTransport(size, rank)
+    out = ring_attention(*shards, transport=t, causal=causal, layout=layout, window=window)
+    assert t.transfers == hops, f"forward: {t.transfers} K/V transfers, want {hops}"
+    grads = torch.autograd.grad(out, shards, do)
+    forward, backward = ring_rounds(layout, size, 8, causal, window)
+    assert forward + backward == hops
+    # backward: K/V again, plus each direction's dK/dV chain (forward: hops 0..F; backward: 1..B)
+    assert t.transfers == 2 * hops + (forward > 0) + hops, f"backward: {t.transfers - hops} transfers"
+    ref = _mirror_reference(q, k, v, do, layout=layout, causal=causal, rank=rank, size=size, window=window)
+    tol = TOL[torch.float32]
+    for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
+        scale = max(r.pow(2).mean().sqrt().item(), 1.0)
+        assert_close(got, r, torch.float32, rtol=tol, atol=tol * scale, msg=f"{name} {layout} window={window} "
                      f"P={size} rank {rank}")
 
 

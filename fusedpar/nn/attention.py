@@ -26,6 +26,7 @@ from torch import nn
 
 from fusedpar.kernels.checks import check_bool, check_positive_number, check_softcap
 from fusedpar.kernels.flash_attention import attention_reference, check_window, resolve_softmax_scale
+from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE, DQ_MODES
 from fusedpar.nn.groups import check_divides, check_kv_heads, check_orthogonal, group_arg
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
@@ -76,6 +77,13 @@ def _check_score_args(cls, head_dim, v_head_dim, window, softcap, sinks, softmax
     resolve_softmax_scale(softmax_scale, head_dim)
     return (v_head_dim, None if left == right == -1 else (left, right), check_softcap(softcap) or None, bool(sinks),
             None if softmax_scale is None else float(softmax_scale))
+
+
+def _check_dq_mode(cls, dq_mode):
+    """``dq_mode`` of the attention backward, one of :data:`~fusedpar.kernels.flash_attention_bwd.DQ_MODES`."""
+    if not isinstance(dq_mode, str) or dq_mode not in DQ_MODES:
+        raise ValueError(f"{cls}: dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
+    return dq_mode
 
 
 def _check_qk_norm_scope(cls, qk_norm_scope):
@@ -318,7 +326,10 @@ class ParallelAttention(SequenceParallelAttention):
 
     Attention options ``window``, ``softcap``, ``sinks``, ``v_head_dim``, ``softmax_scale``: as in
     :class:`AttentionReference` (the window in global sequence positions); the ``sinks``
-    parameter is split over tp by heads, like the heads themselves.
+    parameter is split over tp by heads, like the heads themselves. ``dq_mode``: the attention
+    backward, ``"separate"`` (default, deterministic) or ``"atomic"`` (one pass, dQ added with
+    fp32 atomics; dq's bits vary between GPU runs), in every sequence-parallel mode (see
+    :func:`~fusedpar.ops.sp_attention.ring_attention`).
 
     Parameters are replicated across the sequence-parallel ranks and each rank's gradients cover
     its own tokens only: sum them over the sequence-parallel group(s) (include those ranks in the
@@ -338,9 +349,10 @@ class ParallelAttention(SequenceParallelAttention):
                  ulysses_group=None, ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None,
                  device=None, dtype=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6, rope_scaling=None,
                  window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None, rotary_dim=None,
-                 qk_norm_scope="head", norm_offset=0.0, _reference=None):
+                 qk_norm_scope="head", norm_offset=0.0, dq_mode=DEFAULT_DQ_MODE, _reference=None):
         super().__init__()
         name = type(self).__name__
+        self.dq_mode = _check_dq_mode(name, dq_mode)
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
         self.rotary_dim = _rotary_dim(name, rotary_dim, head_dim)
         check_bool(f"{name}: causal", causal)
@@ -478,13 +490,13 @@ class ParallelAttention(SequenceParallelAttention):
             k = self.k_norm(k.reshape(b, s_sp, kl * d)).view(b, s_sp, kl, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = self.attend(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, window=self.window, softcap=self.softcap,
-                        sinks=self.sinks, softmax_scale=self.softmax_scale)
+                        sinks=self.sinks, softmax_scale=self.softmax_scale, dq_mode=self.dq_mode)
         return self.proj(o.reshape(b, s_sp, hl * dv))
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads} (local {self.heads_local}), "
                 f"kv_heads={self.num_kv_heads} (local {self.kv_heads_local}), head_dim={self.head_dim}, "
                 f"v_head_dim={self.v_head_dim}, window={self.window}, softcap={self.softcap}, "
-                f"sinks={self.sinks is not None}, softmax_scale={self.softmax_scale}, "
+                f"sinks={self.sinks is not None}, softmax_scale={self.softmax_scale}, dq_mode={self.dq_mode!r}, "
                 f"sp_mode={self.sp_mode!r}, layout={self.layout!r}, tp={self.tp_rank}/{self.tp_size}, "
                 f"causal={self.causal}")

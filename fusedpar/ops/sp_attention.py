@@ -17,6 +17,7 @@ import torch
 
 from fusedpar.kernels.checks import check_softcap, check_tensor
 from fusedpar.kernels.flash_attention import check_sinks, check_window, resolve_softmax_scale
+from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE, check_dq_mode
 from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.library import checked_api, transport_size, transport_token
@@ -114,7 +115,8 @@ def _scale(softmax_scale):
 
 @checked_api
 def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, layout="zigzag",
-                   softmax_scale=None, cu_seqlens=None, window=None, softcap=None, sinks=None):
+                   softmax_scale=None, cu_seqlens=None, window=None, softcap=None, sinks=None,
+                   dq_mode=DEFAULT_DQ_MODE):
     """Attention over the full sequence from this rank's shard; returns this rank's output shard.
 
     q ``[b, s_local, heads, d]``, k ``[b, s_local, kv_heads, d]``, v ``[b, s_local, kv_heads,
@@ -133,26 +135,34 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
 
     ``window=(left, right)``, ``softcap``, ``sinks`` (fp32 ``[heads]``, differentiable): as in
     :func:`~fusedpar.ops.flash.flash_attention`, the window in global sequence positions (key
-    blocks outside every query's window launch nothing). The sinks enter the merged softmax once;
-    each rank's ``sinks`` gradient is its own query rows' part (sum it over the group, as for
-    any parameter replicated over sequence parallelism).
+    blocks outside every query's window launch nothing, and the ring itself stops where no rank
+    needs a block any more: with a causal window of ``w`` keys over the contiguous layout each
+    K/V block travels ``ceil(w / s_local)`` hops instead of ``P - 1``; see
+    :func:`~fusedpar.ops.sp_attention_schedules.ring_rounds`). The sinks enter the merged
+    softmax once; each rank's ``sinks`` gradient is its own query rows' part (sum it over the
+    group, as for any parameter replicated over sequence parallelism). ``dq_mode``: the flash
+    backward's, ``"separate"`` (default, deterministic) or ``"atomic"`` (one pass, dQ added with
+    fp32 atomics: dq's bits vary between GPU runs); see
+    :func:`~fusedpar.ops.flash.flash_attention`.
     The custom op ``fusedpar::ring_attention``: traceable by ``torch.compile``.
     """
     token, size = _dimension("group", group, transport)
     scores = (window, softcap, sinks)
     with agreed_arguments("ring_attention", transport, group,
                           _agreed(q, k, v, _name(transport), causal, softmax_scale, scores, layout=layout,
-                                  cu_seqlens=_documents(cu_seqlens))):
+                                  cu_seqlens=_documents(cu_seqlens), dq_mode=dq_mode)):
         check_sp_args(q, k, v, causal, layout, ring_size=size)
         resolve_softmax_scale(softmax_scale, q.shape[3])
         _check_scores(q, scores)
         _check_documents(cu_seqlens, q, q.shape[1] * size)
-    return ring_attention_op(q, k, v, token, causal, layout, _scale(softmax_scale), cu_seqlens, *_score_args(scores))[0]
+        check_dq_mode(dq_mode)
+    return ring_attention_op(q, k, v, token, causal, layout, _scale(softmax_scale), cu_seqlens, *_score_args(scores),
+                             dq_mode)[0]
 
 
 @checked_api
 def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None, causal=False, softmax_scale=None,
-                      cu_seqlens=None, window=None, softcap=None, sinks=None):
+                      cu_seqlens=None, window=None, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     """Ulysses (all-to-all) sequence-parallel attention; returns this rank's output shard.
 
     q ``[b, s_local, heads, d]``, k ``[b, s_local, kv_heads, d]``, v ``[b, s_local, kv_heads,
@@ -163,26 +173,28 @@ def ulysses_attention(q, k, v, *, group=None, transport: Transport | None = None
     documents, as in :func:`ring_attention`. ``window``, ``softcap``, ``sinks``: as in
     :func:`ring_attention`; after the all-to-all each rank applies the sinks of the query heads
     it holds, and its ``sinks`` gradient is those heads' part (zero elsewhere; sum it over the
-    group). The custom op ``fusedpar::ulysses_attention``: traceable by ``torch.compile``.
+    group). ``dq_mode``: as in :func:`ring_attention`. The custom op
+    ``fusedpar::ulysses_attention``: traceable by ``torch.compile``.
     """
     token, size = _dimension("group", group, transport)
     scores = (window, softcap, sinks)
     with agreed_arguments("ulysses_attention", transport, group,
                           _agreed(q, k, v, _name(transport), causal, softmax_scale, scores,
-                                  cu_seqlens=_documents(cu_seqlens))):
+                                  cu_seqlens=_documents(cu_seqlens), dq_mode=dq_mode)):
         check_sp_args(q, k, v, causal, "contiguous")
         ulysses_kv_heads(q.shape[2], k.shape[2], size)
         resolve_softmax_scale(softmax_scale, q.shape[3])
         _check_scores(q, scores)
         _check_documents(cu_seqlens, q, q.shape[1] * size)
+        check_dq_mode(dq_mode)
     return ulysses_attention_op(q, k, v, token, None, causal, "contiguous", _scale(softmax_scale), cu_seqlens,
-                                *_score_args(scores))[0]
+                                *_score_args(scores), dq_mode)[0]
 
 
 @checked_api
 def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_transport: Transport | None = None,
                      ring_transport: Transport | None = None, causal=False, layout="zigzag", softmax_scale=None,
-                     cu_seqlens=None, window=None, softcap=None, sinks=None):
+                     cu_seqlens=None, window=None, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     """2-D sequence parallelism: Ulysses inside ``ulysses_group``, ring across ``ring_group``
     (or the given transports of the two dimensions; one of group / transport each).
 
@@ -192,8 +204,8 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
     ``r`` in ``layout``: ``sequence_shard(x, layout=layout, ring_rank=r, ring_size=R,
     ulysses_rank=u, ulysses_size=U)``; its positions are
     :func:`shard_positions`. ``cu_seqlens``: packed documents, ``window``, ``softcap``,
-    ``sinks``: as in :func:`ring_attention` and :func:`ulysses_attention` (each rank's ``sinks``
-    gradient: its heads over its ring rows). The op ``fusedpar::ulysses_attention`` with a ring
+    ``sinks``, ``dq_mode``: as in :func:`ring_attention` and :func:`ulysses_attention` (each
+    rank's ``sinks`` gradient: its heads over its ring rows). The op ``fusedpar::ulysses_attention`` with a ring
     transport.
     """
     if (ulysses_group is None and ulysses_transport is None) or (ring_group is None and ring_transport is None):
@@ -206,11 +218,13 @@ def hybrid_attention(q, k, v, *, ulysses_group=None, ring_group=None, ulysses_tr
     scores = (window, softcap, sinks)
     with agreed_arguments("hybrid_attention", dims, None,
                           _agreed(q, k, v, f"{_name(ulysses_transport)} x {_name(ring_transport)}", causal,
-                                  softmax_scale, scores, layout=layout, cu_seqlens=_documents(cu_seqlens))):
+                                  softmax_scale, scores, layout=layout, cu_seqlens=_documents(cu_seqlens),
+                                  dq_mode=dq_mode)):
         check_sp_args(q, k, v, causal, layout, ring_shard=q.shape[1] * usize, ring_size=rsize)
         ulysses_kv_heads(q.shape[2], k.shape[2], usize)
         resolve_softmax_scale(softmax_scale, q.shape[3])
         _check_scores(q, scores)
         _check_documents(cu_seqlens, q, q.shape[1] * usize * rsize)
+        check_dq_mode(dq_mode)
     return ulysses_attention_op(q, k, v, uly, ring, causal, layout, _scale(softmax_scale), cu_seqlens,
-                                *_score_args(scores))[0]
+                                *_score_args(scores), dq_mode)[0]

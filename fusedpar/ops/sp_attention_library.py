@@ -2,14 +2,15 @@
 :mod:`fusedpar.ops.library`; transports and groups travel as transport tokens):
 
 * ``fusedpar::ring_attention(q, k, v, transport, causal, layout, softmax_scale, cu_seqlens,
-  window_left=-1, window_right=-1, softcap=None, sinks=None) -> (out, lse)`` (:data:`ring_attention_op`, body
+  window_left=-1, window_right=-1, softcap=None, sinks=None, dq_mode="separate") -> (out, lse)``
+  (:data:`ring_attention_op`, body
   :func:`~fusedpar.ops.sp_attention_schedules.ring_attention_fwd`) and
   ``fusedpar::ring_attention_backward`` (:data:`ring_attention_backward_op`, body
   :func:`~fusedpar.ops.sp_attention_schedules.ring_attention_bwd`, returning ``(dq, dk, dv,
   dsinks)``, ``dsinks`` an :func:`~fusedpar.ops.library.absent` placeholder without sinks).
 * ``fusedpar::ulysses_attention(q, k, v, transport, ring_transport, causal, layout,
-  softmax_scale, cu_seqlens, window_left=-1, window_right=-1, softcap=None, sinks=None) ->
-  (out, heads, out_heads, lse)`` (:data:`ulysses_attention_op`,
+  softmax_scale, cu_seqlens, window_left=-1, window_right=-1, softcap=None, sinks=None,
+  dq_mode="separate") -> (out, heads, out_heads, lse)`` (:data:`ulysses_attention_op`,
   body :func:`~fusedpar.ops.sp_attention_schedules.ulysses_attention_fwd`): Ulysses over
   ``transport``, then ring attention over ``ring_transport`` (None: local attention), i.e.
   Ulysses and the hybrid; ``heads`` / ``out_heads`` are the head-shard residuals of the backward
@@ -18,13 +19,15 @@
   :func:`~fusedpar.ops.sp_attention_schedules.ulysses_attention_bwd`).
 
 Each op resolves its transport tokens and calls its body; ``out`` is differentiable (with
-respect to q, k, v and the sinks), nothing else is. The
+respect to q, k, v and the sinks), nothing else is. ``dq_mode`` is read by the backward only
+(the flash backward's: "separate", deterministic; "atomic", one pass with fp32 atomics). The
 values of ``cu_seqlens`` (host-built segment tables) are read inside the bodies.
 """
 from __future__ import annotations
 
 import torch
 
+from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE
 from fusedpar.ops.library import absent, custom_op, hold, input_grads, present, token_size
 from fusedpar.ops.sp_attention_schedules import (
     ring_attention_bwd,
@@ -67,8 +70,8 @@ def _dsinks_fake(sinks, q):
 @custom_op("ring_attention")
 def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, transport: str, causal: bool, layout: str,
                       softmax_scale: float | None, cu_seqlens: Tensor | None, window_left: int = -1,
-                      window_right: int = -1, softcap: float | None = None,
-                      sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      window_right: int = -1, softcap: float | None = None, sinks: Tensor | None = None,
+                      dq_mode: str = DEFAULT_DQ_MODE) -> tuple[Tensor, Tensor]:
     return ring_attention_fwd(q, k, v, _transport(transport), causal=causal, layout=layout,
                               softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                               **_scores(window_left, window_right, softcap, sinks))
@@ -76,7 +79,7 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, transport: str, causal: b
 
 @ring_attention_op.register_fake
 def _(q, k, v, transport, causal, layout, softmax_scale, cu_seqlens, window_left=-1, window_right=-1, softcap=None,
-      sinks=None):
+      sinks=None, dq_mode=DEFAULT_DQ_MODE):
     b, s, hq, _ = q.shape
     return q.new_empty((b, s, hq, v.shape[3])), q.new_empty((b, hq, s), dtype=torch.float32)
 
@@ -85,25 +88,27 @@ def _(q, k, v, transport, causal, layout, softmax_scale, cu_seqlens, window_left
 def ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, transport: str,
                                causal: bool, layout: str, softmax_scale: float | None, cu_seqlens: Tensor | None,
                                window_left: int = -1, window_right: int = -1, softcap: float | None = None,
-                               sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                               sinks: Tensor | None = None,
+                               dq_mode: str = DEFAULT_DQ_MODE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _with_dsinks(ring_attention_bwd(dout, q, k, v, out, lse, _transport(transport), causal=causal,
                                            layout=layout, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                                           **_scores(window_left, window_right, softcap, sinks)), q)
+                                           dq_mode=dq_mode, **_scores(window_left, window_right, softcap, sinks)), q)
 
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, transport, causal, layout, softmax_scale, cu_seqlens, window_left=-1, window_right=-1,
-      softcap=None, sinks=None):
+      softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_fake(sinks, q)
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, transport, causal, layout, softmax_scale, cu_seqlens, *scores, sinks = inputs
+    q, k, v, transport, causal, layout, softmax_scale, cu_seqlens, *scores, sinks, dq_mode = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sinks)
     ctx.args = (transport, causal, layout, softmax_scale)
     ctx.scores = tuple(scores)  # window_left, window_right, softcap
+    ctx.dq_mode = dq_mode
     ctx.transports = hold(transport)
 
 
@@ -112,7 +117,7 @@ def _ring_backward(ctx, dout, dlse):
     if dout is None:
         return input_grads(ring_attention_op)
     dq, dk, dv, dsinks = ring_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args, cu_seqlens,
-                                                    *ctx.scores, sinks)
+                                                    *ctx.scores, sinks, ctx.dq_mode)
     return input_grads(ring_attention_op, q=dq, k=dk, v=dv, sinks=present(dsinks))
 
 
@@ -125,8 +130,8 @@ ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
 @custom_op("ulysses_attention")
 def ulysses_attention_op(q: Tensor, k: Tensor, v: Tensor, transport: str, ring_transport: str | None, causal: bool,
                          layout: str, softmax_scale: float | None, cu_seqlens: Tensor | None, window_left: int = -1,
-                         window_right: int = -1, softcap: float | None = None,
-                         sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         window_right: int = -1, softcap: float | None = None, sinks: Tensor | None = None,
+                         dq_mode: str = DEFAULT_DQ_MODE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out, (heads, out_heads, lse) = ulysses_attention_fwd(
         q, k, v, _transport(transport), ring_transport=_transport(ring_transport), causal=causal, layout=layout,
         softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, **_scores(window_left, window_right, softcap, sinks))
@@ -137,7 +142,7 @@ def ulysses_attention_op(q: Tensor, k: Tensor, v: Tensor, transport: str, ring_t
 
 @ulysses_attention_op.register_fake
 def _(q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens, window_left=-1, window_right=-1,
-      softcap=None, sinks=None):
+      softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     size = token_size(transport)
     b, s, hq, d = q.shape
     lse = q.new_empty((b, hq // size, size * s), dtype=torch.float32)
@@ -154,16 +159,17 @@ def ulysses_attention_backward_op(dout: Tensor, q_heads: Tensor, k_heads: Tensor
                                   lse: Tensor, transport: str, ring_transport: str | None, kv_heads: int,
                                   causal: bool, layout: str, softmax_scale: float | None, cu_seqlens: Tensor | None,
                                   window_left: int = -1, window_right: int = -1, softcap: float | None = None,
-                                  sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                  sinks: Tensor | None = None,
+                                  dq_mode: str = DEFAULT_DQ_MODE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _with_dsinks(ulysses_attention_bwd(
         dout, q_heads, k_heads, v_heads, out_heads, lse, _transport(transport), kv_heads=kv_heads,
         ring_transport=_transport(ring_transport), causal=causal, layout=layout, softmax_scale=softmax_scale,
-        cu_seqlens=cu_seqlens, **_scores(window_left, window_right, softcap, sinks)), q_heads)
+        cu_seqlens=cu_seqlens, dq_mode=dq_mode, **_scores(window_left, window_right, softcap, sinks)), q_heads)
 
 
 @ulysses_attention_backward_op.register_fake
 def _(dout, q_heads, k_heads, v_heads, out_heads, lse, transport, ring_transport, kv_heads, causal, layout,
-      softmax_scale, cu_seqlens, window_left=-1, window_right=-1, softcap=None, sinks=None):
+      softmax_scale, cu_seqlens, window_left=-1, window_right=-1, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     size = token_size(transport)
     b, s_full, hq_local, d = q_heads.shape
     s = s_full // size
@@ -172,7 +178,7 @@ def _(dout, q_heads, k_heads, v_heads, out_heads, lse, transport, ring_transport
 
 
 def _ulysses_setup(ctx, inputs, output):
-    q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens, *scores, sinks = inputs
+    q, k, v, transport, ring_transport, causal, layout, softmax_scale, cu_seqlens, *scores, sinks, dq_mode = inputs
     out, heads, out_heads, lse = output
     ctx.mark_non_differentiable(heads, out_heads, lse)
     ctx.group_of_one = present(heads) is None
@@ -183,6 +189,7 @@ def _ulysses_setup(ctx, inputs, output):
         ctx.widths = head_widths(q.shape[2], k.shape[2], token_size(transport), q.shape[3], v.shape[3])
     ctx.args = (transport, ring_transport, k.shape[2], causal, layout, softmax_scale)
     ctx.scores = tuple(scores)  # window_left, window_right, softcap
+    ctx.dq_mode = dq_mode
     ctx.transports = hold(transport, ring_transport)
 
 
@@ -195,7 +202,7 @@ def _ulysses_backward(ctx, dout, dheads, dout_heads, dlse):
         heads, out, lse, cu_seqlens, sinks = ctx.saved_tensors
         q, k, v = split_heads(heads, ctx.widths)
     dq, dk, dv, dsinks = ulysses_attention_backward_op(dout.to(q.dtype), q, k, v, out, lse, *ctx.args, cu_seqlens,
-                                                       *ctx.scores, sinks)
+                                                       *ctx.scores, sinks, ctx.dq_mode)
     return input_grads(ulysses_attention_op, q=dq, k=dk, v=dv, sinks=present(dsinks))
 
 
