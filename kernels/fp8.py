@@ -48,8 +48,8 @@ from .moe_permute import as_group_offsets
 from .runtime import device_capability, interpreting
 
 __all__ = ["DEFAULT_FP8_OPTION", "E4M3_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", "GRANULARITIES", "SCALE_FLOOR", "FP8UnsupportedError",
-           "check_fp8_device", "dequantize_e4m3", "fp8_support_problem", "group_columns", "group_tiles",
-           "quantize_e4m3",
+           "check_fp8_device", "dequantize_e4m3", "fp8_support_problem", "group_columns", "group_scale",
+           "group_tiles", "quantize_e4m3",
            "quantize_e4m3_groups", "quantize_e4m3_groups_reference", "quantize_e4m3_reference", "rne_for_store",
            "round_to_bf16",
            "scale_shape", "to_e4m3", "to_fp32"]
@@ -146,7 +146,10 @@ def rne_for_store(x, ptr):
 
 
 @triton.jit
-def _group_scale(amax):
+def group_scale(amax):
+    """The fp32 scale of a group whose fp32 amax is ``amax`` (any tile shape): ``max(amax / 448,
+    2^-126)``, the division IEEE round-to-nearest (module docstring). Every quantising kernel
+    (here, the fused RMSNorm's fp8 output) takes its scales from this one helper."""
     return tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # SCALE_FLOOR
 
 
@@ -167,7 +170,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, s_xb, s_xr, s_xc, s_qb, s_qr, 
         mask = r_mask[:, None] & (cc < C)[None, :]
         x = to_fp32(tl.load(x_rows + cc.to(tl.int64)[None, :] * s_xc, mask=mask, other=0.0), EMULATE)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    scale = _group_scale(amax)
+    scale = group_scale(amax)
     tl.store(s_ptr + b * s_sb + rr64 * s_sr, scale, mask=r_mask)
     for c0 in range(0, tl.cdiv(C, BLOCK_C)):
         cc = c0 * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -196,11 +199,11 @@ def _quant_blocks_kernel(x_ptr, q_ptr, s_ptr, R, C, s_xb, s_xr, s_xc, s_qb, s_qr
                         other=0.0), EMULATE)
     s_ptr += b * s_sb
     if ONE_ROW:
-        scale = _group_scale(tl.max(tl.abs(x), axis=1))
+        scale = group_scale(tl.max(tl.abs(x), axis=1))
         tl.store(s_ptr + rr64 * s_sr + pid_c, scale, mask=r_mask)
         q = to_e4m3(tl.math.div_rn(x, scale[:, None]), EMULATE)
     else:
-        scale = _group_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        scale = group_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         tl.store(s_ptr + pid_r.to(tl.int64) * n_cblocks + pid_c, scale)
         q = to_e4m3(tl.math.div_rn(x, scale), EMULATE)
     tl.store(q_ptr + b * s_qb + rr64[:, None] * s_qr + cc[None, :], q, mask=mask)
@@ -247,7 +250,7 @@ def _quant_groups_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, offsets_ptr, F, s_xm, s_xf
             r_mask = rr < end
             x = _group_rows(x_ptr, xs_ptr, rr, r_mask, ff64, f_mask, s_xm, s_xf, s_xsm, s_xsf, DEQUANT, IN_TILES,
                             EMULATE)
-            scale = _group_scale(tl.max(tl.abs(x), axis=0))
+            scale = group_scale(tl.max(tl.abs(x), axis=0))
             tl.store(s_cols + (start // BLOCK_T + g + (t0 - start) // BLOCK_T).to(tl.int64), scale, mask=f_mask)
             q = to_e4m3(tl.math.div_rn(x, scale[None, :]), EMULATE)
             tl.store(q_cols + rr.to(tl.int64)[:, None], q, mask=r_mask[:, None] & f_mask[None, :])
@@ -258,7 +261,7 @@ def _quant_groups_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, offsets_ptr, F, s_xm, s_xf
             x = _group_rows(x_ptr, xs_ptr, rr, rr < end, ff64, f_mask, s_xm, s_xf, s_xsm, s_xsf, DEQUANT, IN_TILES,
                             EMULATE)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-        scale = _group_scale(amax)
+        scale = group_scale(amax)
         for t0 in range(start, end, BLOCK_T):
             rr = t0 + tl.arange(0, BLOCK_T)
             r_mask = rr < end

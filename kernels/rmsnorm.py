@@ -16,10 +16,22 @@ as in the GEMMs), so a ``[batch, seq, H]`` view whose batch and sequence strides
 sequence chunk of a larger tensor) is read and written in place; the feature stride is arbitrary
 too.
 
+fp8 output (:func:`rms_norm_fp8_fwd`, constexpr ``FP8``): the forward kernel also quantises ``y``
+for an fp8 GEMM while it holds the row, per token (the ``rowwise`` recipe: the row's amax) or per
+1x128 tile along ``H`` (``blockwise``, constexpr ``TILES``: the row tile reshaped to
+``[rows, H / 128, 128]``; a ragged last tile takes the amax of the features it has). It quantises
+the values it stores, ``y`` rounded to its dtype and widened again (:func:`.fp8.to_fp32`), not the
+fp32 ones before that rounding, with :mod:`.fp8`'s scale (:func:`.fp8.group_scale`: the zero-row
+floor, the amax at 448) and cast (:func:`.fp8.to_e4m3`, exact under the interpreter behind
+``EMULATE``): ``(q, scale)`` equal ``quantize_e4m3`` of the returned ``y`` bit for bit, and ``y``
+and ``rstd`` equal the plain launch's: same block sizes and, compiled, the same register layout
+(constexpr ``VEC``), so the row sums add in the same order.
+The looped kernels quantise tiles as pass 2 goes, or for a per-row scale reload ``y`` in a pass 3.
+
 Layers: ``_rmsnorm_fwd_kernel`` / ``_rmsnorm_bwd_kernel`` (jit) -> ``rms_norm_fwd`` /
-``rms_norm_bwd`` (validate, allocate, launch); ``rms_norm_reference`` is the torch oracle. The
-custom ops live in ``fusedpar.ops.norm_library``, the functional API in ``fusedpar.ops.norm``; the
-module in ``fusedpar.nn``.
+``rms_norm_fp8_fwd`` / ``rms_norm_bwd`` (validate, allocate, launch); ``rms_norm_reference`` is
+the torch oracle. The custom ops live in ``fusedpar.ops.norm_library``, the functional API in
+``fusedpar.ops.norm``; the module in ``fusedpar.nn``.
 """
 from __future__ import annotations
 
@@ -27,7 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_device_usable, check_same, check_shape, check_supported_dtype, check_tensor
+from .checks import check_choice, check_device_usable, check_same, check_shape, check_supported_dtype, check_tensor
+from .fp8 import FP8_BLOCK, check_fp8_device, group_scale, scale_shape, to_e4m3, to_fp32
+from .fp8_gemm import FP8_RECIPES
 from .runtime import RowView, interpreting, row_offsets
 
 # The fused kernels hold whole rows (padded to a power of two) in registers; rows wider than
@@ -51,17 +65,54 @@ def _input_with_residual(x_ptrs, r_ptrs, h_ptrs, mask, HAS_RES: tl.constexpr):
 
 
 @triton.jit
+def _stored(y, y_ptrs, mask, EMULATE: tl.constexpr):
+    """Store fp32 ``y`` in the output's dtype; returns the stored values in fp32 (what a later
+    quantisation pass would load back: the fp8 output quantises exactly these)."""
+    y = y.to(y_ptrs.dtype.element_ty)
+    tl.store(y_ptrs, y, mask=mask)
+    return to_fp32(y, EMULATE)
+
+
+@triton.jit
+def _e4m3_tiles(y, q_ptr, s_ptr, rm, m_mask, c0, cols, H, n_tiles, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    """Quantise columns ``cols`` (``c0 + arange(BLOCK_H)``, int64; ``c0`` a multiple of 128) of
+    rows ``rm`` (the fp32 tile ``y``, zero outside the row's ``H`` columns) per 1x128 tile: ``q``
+    (``[rows, H]`` contiguous) and one scale per
+    tile (``[rows, n_tiles]`` contiguous; a ragged last tile takes the amax of the columns it
+    has)."""
+    tl.static_assert(BLOCK_H % 128 == 0, "1x128 fp8 tiles need a multiple of 128 columns")
+    NB: tl.constexpr = BLOCK_H // 128
+    y3 = tl.reshape(y, (BLOCK_M, NB, 128))
+    scale = group_scale(tl.max(tl.abs(y3), axis=2))
+    v = tl.reshape(tl.math.div_rn(y3, scale[:, :, None]), (BLOCK_M, BLOCK_H))
+    rm64 = rm.to(tl.int64)
+    tiles = c0 // 128 + tl.arange(0, NB)
+    tl.store(s_ptr + rm64[:, None] * n_tiles + tiles[None, :], scale,
+             mask=m_mask[:, None] & (tiles < n_tiles)[None, :])
+    tl.store(q_ptr + rm64[:, None] * H + cols[None, :], to_e4m3(v, EMULATE),
+             mask=m_mask[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
 def _rmsnorm_fwd_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr,
-    M, H, eps,
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, q_ptr, s_ptr,
+    M, H, eps, s_sm,
     x_inner, s_x0, s_x1, s_xh,
     r_inner, s_r0, s_r1, s_rh,
     y_inner, s_y0, s_y1, s_yh,
     h_inner, s_h0, s_h1, s_hh,
     X_SPLIT: tl.constexpr, R_SPLIT: tl.constexpr, Y_SPLIT: tl.constexpr, H_SPLIT: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_WEIGHT: tl.constexpr, FP8: tl.constexpr, TILES: tl.constexpr,
+    EMULATE: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """``FP8``: also the e4m3 quantisation of the stored ``y`` into ``q_ptr`` (``[M, H]``,
+    contiguous) and ``s_ptr`` (row stride ``s_sm``): one scale per row, or (``TILES``) per 1x128
+    tile of a row; ``EMULATE``: the interpreter's exact casts (:mod:`.fp8`). ``VEC``: the
+    columns are claimed contiguous in runs of 16 bytes of the narrowest 16/32-bit operand, so
+    the e4m3 store vectorises no wider than the plain kernel's accesses and the compiler keeps
+    the plain kernel's register layout, hence its order of the row's sum of squares (its own
+    16-element e4m3 stores gave another layout: ``rstd`` one ulp off the plain launch's)."""
     tl.static_assert(BLOCK_H >= 16, "BLOCK_H must be at least 16")
     pid = tl.program_id(0)
     rm = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,6 +121,8 @@ def _rmsnorm_fwd_kernel(
     h_mask = rh < H
     mask = m_mask[:, None] & h_mask[None, :]
     cols = rh.to(tl.int64)
+    if FP8:
+        cols = tl.max_contiguous(cols, VEC)
 
     x_off = row_offsets(rm, x_inner, s_x0, s_x1, X_SPLIT)[:, None] + cols[None, :] * s_xh
     r_off = row_offsets(rm, r_inner, s_r0, s_r1, R_SPLIT)[:, None] + cols[None, :] * s_rh
@@ -84,7 +137,17 @@ def _rmsnorm_fwd_kernel(
         w = tl.load(w_ptr + rh, mask=h_mask, other=0.0).to(tl.float32)
         y = y * w[None, :]
     y_off = row_offsets(rm, y_inner, s_y0, s_y1, Y_SPLIT)[:, None] + cols[None, :] * s_yh
-    tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        y = tl.where(mask, _stored(y, y_ptr + y_off, mask, EMULATE), 0.0)
+        if TILES and BLOCK_H >= 128:
+            _e4m3_tiles(y, q_ptr, s_ptr, rm, m_mask, 0, cols, H, s_sm, EMULATE, BLOCK_M, BLOCK_H)
+        else:  # per row (a row of fewer than 128 features is one 1x128 tile)
+            scale = group_scale(tl.max(tl.abs(y), axis=1))
+            tl.store(s_ptr + rm.to(tl.int64) * s_sm, scale, mask=m_mask)
+            q = to_e4m3(tl.math.div_rn(y, scale[:, None]), EMULATE)
+            tl.store(q_ptr + rm.to(tl.int64)[:, None] * H + cols[None, :], q, mask=mask)
+    else:
+        tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -138,17 +201,21 @@ def _rmsnorm_bwd_kernel(
 
 @triton.jit
 def _rmsnorm_fwd_looped_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr,
-    M, H, eps,
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, q_ptr, s_ptr,
+    M, H, eps, s_sm,
     x_inner, s_x0, s_x1, s_xh,
     r_inner, s_r0, s_r1, s_rh,
     y_inner, s_y0, s_y1, s_yh,
     h_inner, s_h0, s_h1, s_hh,
     X_SPLIT: tl.constexpr, R_SPLIT: tl.constexpr, Y_SPLIT: tl.constexpr, H_SPLIT: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_WEIGHT: tl.constexpr, FP8: tl.constexpr, TILES: tl.constexpr,
+    EMULATE: tl.constexpr, VEC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One row per program, streamed in BLOCK_C pieces: pass 1 forms (and stores) ``h`` and the
-    sum of squares, pass 2 reloads ``h`` (the stored, rounded residual) and writes ``y``."""
+    sum of squares, pass 2 reloads ``h`` (the stored, rounded residual) and writes ``y``. ``FP8``
+    (into ``q_ptr`` ``[M, H]`` contiguous and ``s_ptr``, row stride ``s_sm``): with ``TILES``
+    pass 2 quantises the 1x128 tiles of each piece as it goes, per row it takes the row's amax
+    and pass 3 reloads ``y`` and quantises it (``VEC`` as in the fused kernel)."""
     row = tl.program_id(0)
     x_row = row_offsets(row, x_inner, s_x0, s_x1, X_SPLIT)
     r_row = row_offsets(row, r_inner, s_r0, s_r1, R_SPLIT)
@@ -166,10 +233,16 @@ def _rmsnorm_fwd_looped_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / H + eps)
     tl.store(rstd_ptr + row, rstd)
     tl.debug_barrier()  # pass 2 reads h written by pass 1
-    for c0 in range(0, H, BLOCK_C):
-        cols = c0 + rc
+    # pass 2 is elementwise, so its pieces may be wider than pass 1's: whole 1x128 fp8 tiles
+    BLOCK_Q: tl.constexpr = 128 if TILES and BLOCK_C < 128 else BLOCK_C
+    rq = tl.arange(0, BLOCK_Q)
+    amax = tl.zeros((BLOCK_Q,), dtype=tl.float32)  # (FP8 per row) the row's |y|, elementwise over its pieces
+    for c0 in range(0, H, BLOCK_Q):
+        cols = c0 + rq
         mask = cols < H
         c64 = cols.to(tl.int64)
+        if FP8:
+            c64 = tl.max_contiguous(c64, VEC)
         if HAS_RES:
             h = tl.load(h_ptr + h_row + c64 * s_hh, mask=mask, other=0.0).to(tl.float32)
         else:
@@ -177,7 +250,26 @@ def _rmsnorm_fwd_looped_kernel(
         y = h * rstd
         if HAS_WEIGHT:
             y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + y_row + c64 * s_yh, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if FP8:
+            y = tl.where(mask, _stored(y, y_ptr + y_row + c64 * s_yh, mask, EMULATE), 0.0)
+            if TILES:
+                rm = row + tl.arange(0, 1)
+                _e4m3_tiles(y[None, :], q_ptr, s_ptr, rm, rm < M, c0, c64, H, s_sm, EMULATE, 1, BLOCK_Q)
+            else:
+                amax = tl.maximum(amax, tl.abs(y))
+        else:
+            tl.store(y_ptr + y_row + c64 * s_yh, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if FP8 and not TILES:
+        scale = group_scale(tl.max(amax, axis=0))
+        tl.store(s_ptr + row, scale)
+        tl.debug_barrier()  # pass 3 reads y written by pass 2
+        q_row = q_ptr + row.to(tl.int64) * H
+        for c0 in range(0, H, BLOCK_Q):
+            cols = c0 + rq
+            mask = cols < H
+            c64 = tl.max_contiguous(cols.to(tl.int64), VEC)
+            y = to_fp32(tl.load(y_ptr + y_row + c64 * s_yh, mask=mask, other=0.0), EMULATE)
+            tl.store(q_row + c64, to_e4m3(tl.math.div_rn(y, scale), EMULATE), mask=mask)
 
 
 @triton.jit
@@ -263,7 +355,9 @@ def _operand(t: torch.Tensor | None):
 
 def _config(H: int, M: int):
     """(block sizes, launch options) of the fused kernels, or of the looped ones for rows wider
-    than ROW_BLOCK_LIMIT (``{"BLOCK_C": ...}``, one row per program)."""
+    than ROW_BLOCK_LIMIT (``{"BLOCK_C": ...}``, one row per program). The fp8 output launches the
+    same (the row statistics are summed in the same order: ``y`` and ``rstd`` equal the plain
+    launch's bit for bit)."""
     block_h = max(16, triton.next_power_of_2(H))
     if block_h > ROW_BLOCK_LIMIT:
         return dict(BLOCK_C=min(LOOP_CHUNK, ROW_BLOCK_LIMIT)), ({} if interpreting() else dict(num_warps=8))
@@ -310,6 +404,15 @@ def check_rms_norm_inputs(x, weight, eps, residual) -> int:
     return H
 
 
+def check_rms_norm_fp8_inputs(x, weight, eps, residual, recipe) -> int:
+    """:func:`check_rms_norm_inputs` and the fp8 recipe (``"rowwise"`` / ``"blockwise"``), on a
+    GPU with fp8 tensor cores; returns the hidden size."""
+    H = check_rms_norm_inputs(x, weight, eps, residual)
+    check_choice("recipe", recipe, tuple(FP8_RECIPES))
+    check_fp8_device(x, option=f"the fused RMSNorm's fp8 output (recipe={recipe!r})")
+    return H
+
+
 def _fwd_outputs(x, residual, out, residual_out, out_dtype):
     """The forward's destinations: given ones checked, missing ones allocated."""
     if out is None:
@@ -349,9 +452,58 @@ def rms_norm_fwd(
     out / residual_out: optional destinations (same shape as x, any strides).
     """
     H = check_rms_norm_inputs(x, weight, eps, residual)
+    return _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, None)[:3]
+
+
+def rms_norm_fp8_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    recipe: str = "rowwise",
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
+    """:func:`rms_norm_fwd` whose kernel also quantises ``y`` for an fp8 GEMM: returns ``(y, h,
+    rstd, q, scale)``, ``q`` the contiguous ``float8_e4m3fn`` ``[..., H]`` and ``scale`` fp32 per
+    token for ``recipe="rowwise"`` (shape ``x.shape[:-1]``) or per 1x128 tile along ``H`` for
+    ``"blockwise"`` (``x.shape[:-1] + (ceil(H / 128),)``, the last tile ragged), the layout of
+    ``Fp8Rows`` in :mod:`fusedpar.ops.tensor_parallel_schedules`. The quantised values are those of
+    the stored ``y`` (rounded to its dtype), with :mod:`.fp8`'s scales, guards and cast, so
+    ``(q, scale)`` equal ``quantize_e4m3(y.reshape(-1, H), "row" | "tile")`` bit for bit.
+    ``fp8_out=(q, scale)``: contiguous buffers of those shapes and dtypes, written in place."""
+    H = check_rms_norm_fp8_inputs(x, weight, eps, residual, recipe)
+    return _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, FP8_RECIPES[recipe][0], fp8_out)
+
+
+def _fp8_outputs(x, H, granularity, fp8_out):
+    """The fp8 output's ``(q, scale)``: ``fp8_out`` checked, or new contiguous buffers."""
+    lead = tuple(x.shape[:-1])
+    shapes = (tuple(x.shape), lead + scale_shape(int(torch.Size(lead).numel()), H, granularity)[1:])
+    dtypes = (torch.float8_e4m3fn, torch.float32)
+    if fp8_out is None:
+        return tuple(torch.empty(shape, device=x.device, dtype=dt) for shape, dt in zip(shapes, dtypes))
+    if not isinstance(fp8_out, (tuple, list)) or len(fp8_out) != 2:
+        raise TypeError(f"fp8_out must be a (q, scale) pair of tensors, got {type(fp8_out).__name__}")
+    for name, t, shape, dt in zip(("fp8_out[0] (q)", "fp8_out[1] (scale)"), fp8_out, shapes, dtypes):
+        check_tensor(name, t, dtypes=(dt,))
+        check_shape(name, t, shape)
+        check_same(name, t, "x", x, dtype=False)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    return tuple(fp8_out)
+
+
+def _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, granularity, fp8_out=None):
+    """Allocate and launch the forward (``granularity``: None, or the fp8 output's "row" / "tile");
+    ``(y, h, rstd, q, scale)``, ``q`` and ``scale`` None without fp8."""
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
     out, residual_out = _fwd_outputs(x, residual, out, residual_out, out_dtype)
+    q, scale = _fp8_outputs(x, H, granularity, fp8_out) if granularity is not None else (None, None)
     M = int(torch.Size(x.shape[:-1]).numel())
     rstd = torch.empty((M,), device=x.device, dtype=torch.float32)
     if M > 0:
@@ -360,20 +512,23 @@ def rms_norm_fwd(
         rr, r_rows, s_rh = _operand(_as_rows("residual", residual) if residual is not None else None)
         hr, h_rows, s_hh = _operand(_as_rows("residual_out", residual_out, written=True)
                                     if residual is not None else None)
+        tiles = granularity == "tile"
         cfg, launch = _config(H, M)
         grid = (triton.cdiv(M, cfg.get("BLOCK_M", 1)),)
         kernel = _rmsnorm_fwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_fwd_kernel
         with _device_ctx(x):
             kernel[grid](
                 xr, rr if rr is not None else xr, weight if weight is not None else xr, yr,
-                hr if hr is not None else yr, rstd,
-                M, H, float(eps),
+                hr if hr is not None else yr, rstd, q if q is not None else yr, scale if scale is not None else rstd,
+                M, H, float(eps), triton.cdiv(H, FP8_BLOCK) if tiles else 1,
                 *x_rows.args(), s_xh, *r_rows.args(), s_rh, *y_rows.args(), s_yh, *h_rows.args(), s_hh,
                 X_SPLIT=x_rows.split, R_SPLIT=r_rows.split, Y_SPLIT=y_rows.split, H_SPLIT=h_rows.split,
-                HAS_RES=residual is not None, HAS_WEIGHT=weight is not None,
+                HAS_RES=residual is not None, HAS_WEIGHT=weight is not None, FP8=granularity is not None,
+                TILES=tiles, EMULATE=interpreting() and granularity is not None,
+                VEC=16 // min(t.element_size() for t in (x, out, residual, residual_out) if t is not None),
                 **cfg, **launch,
             )
-    return out, (residual_out if residual is not None else x), rstd
+    return out, (residual_out if residual is not None else x), rstd, q, scale
 
 
 def _bwd_programs(M: int, block_m: int, device: torch.device):

@@ -1,11 +1,15 @@
-"""Fused RMSNorm (+ residual add): forward and gradients of x, residual and weight vs fp64."""
+"""Fused RMSNorm (+ residual add): forward and gradients of x, residual and weight vs fp64; its fp8
+output (rms_norm_fp8) bit for bit against quantize_e4m3 of the output and torch's e4m3 cast."""
 import pytest
 import torch
 
-from _utils import DEVICE, DTYPES, assert_close, poison, randn
-from fusedpar.kernels import rms_norm_bwd, rms_norm_fwd, rms_norm_reference
+from _utils import BACKWARD_OPCHECK, DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
+from fusedpar.kernels import quantize_e4m3, rms_norm_bwd, rms_norm_fwd, rms_norm_reference
+from fusedpar.kernels.fp8 import E4M3_MAX, SCALE_FLOOR, quantize_e4m3_reference
+from fusedpar.kernels.rmsnorm import rms_norm_fp8_fwd
 from fusedpar.nn import RMSNorm
 from fusedpar.ops import rms_norm
+from fusedpar.ops.norm import rms_norm_fp8
 
 # bf16 is load/store/cast only here (no tl.dot), which the interpreter handles, so it runs everywhere.
 NORM_DTYPES = list(dict.fromkeys(DTYPES + [torch.bfloat16]))
@@ -236,3 +240,141 @@ def test_wide_rows_take_the_looped_kernels(monkeypatch, H, limit, chunk, dtype, 
     assert_close(w.grad, gw, dtype, rtol=tol, atol=tol * sw, msg="dweight")
     if with_residual:
         assert_close(r.grad, gr, dtype, rtol=tol, atol=tol * sx, msg="dresidual")
+
+
+# --------------------------------------------------------------------------------------------
+# the fp8 output: rms_norm's y quantised by the same kernel (rms_norm_fp8)
+# --------------------------------------------------------------------------------------------
+needs_fp8 = pytest.mark.skipif(not INTERPRETED and torch.cuda.get_device_capability() < (8, 9),
+                               reason="fp8 needs compute capability >= 8.9")
+
+
+def _fp8_rows(dtype, shape, g):
+    """Rows with the quantiser's hard cases: an all-zero row, one huge outlier, a row whose
+    normalised small values are subnormal in bf16 / fp32 (a 1e19 element beside 1e-21 ones; its
+    squares still fit fp32), and a weight with a large entry."""
+    H = shape[-1]
+    x = torch.randn(*shape, generator=g) * 2
+    r = torch.randn(*shape, generator=g)
+    rows, rrows = x.view(-1, H), r.view(-1, H)
+    rows[1] = 0.0
+    rrows[1] = 0.0
+    rows[2, 5] = 1e4
+    if dtype != torch.float16:
+        rows[3, 0], rows[3, 1:20], rrows[3] = 1e19, 1e-21 * torch.randn(19, generator=g), 0.0
+    w = 1 + 0.5 * torch.randn(H, generator=g)
+    w[H // 2] = 300.0
+    return x.to(DEVICE, dtype), r.to(DEVICE, dtype), w.to(DEVICE, dtype)
+
+
+def _check_fp8_output(y, q, s, recipe, H):
+    """(q, s) equal quantize_e4m3 of y and torch's cast of the same scaled values, bit for bit."""
+    gran = {"rowwise": "row", "blockwise": "tile"}[recipe]
+    y2 = y.reshape(-1, H)
+    q_k, s_k = quantize_e4m3(y2, gran)
+    q_t, s_t = quantize_e4m3_reference(y2.cpu(), gran)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == y.shape and q.is_contiguous()
+    assert s.shape == y.shape[:-1] + ((-(-H // 128),) if gran == "tile" else ())
+    assert torch.equal(s.reshape(s_k.shape), s_k) and torch.equal(s.reshape(s_k.shape).cpu(), s_t), "scales differ"
+    assert torch.equal(q.reshape(-1, H).view(torch.uint8), q_k.view(torch.uint8)), "q differs from quantize_e4m3(y)"
+    assert torch.equal(q.reshape(-1, H).view(torch.uint8).cpu(), q_t.view(torch.uint8)), "q differs from torch's cast"
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_output_equals_quantize_of_the_output(recipe, dtype):
+    """rms_norm_fp8_fwd = rms_norm_fwd (y, h, rstd bit for bit) plus quantize_e4m3(y) bit for bit
+    (the stored y, rounded to its dtype, is what is quantised), at ragged hidden sizes (ragged last
+    1x128 tile, a single partial tile), with and without a residual, into NaN-poisoned outputs; the
+    zero row gets the floor scale and zeros, the outlier alone maps to 448."""
+    g = torch.Generator().manual_seed(21)
+    for H, residual in ((200, True), (130, False), (96, True)):
+        x, r, w = _fp8_rows(dtype, (2, 5, H), g)
+        r = r if residual else None
+        y0, h0, rstd0 = rms_norm_fwd(x, w, 1e-5, residual=r)
+        y_out, q_out = poison(x.shape, dtype), poison(x.shape, torch.float32).to(torch.float8_e4m3fn)
+        s_out = poison((2, 5) + ((-(-H // 128),) if recipe == "blockwise" else ()), torch.float32)
+        y, h, rstd, q, s = rms_norm_fp8_fwd(x, w, 1e-5, recipe=recipe, residual=r, out=y_out,
+                                            fp8_out=(q_out, s_out))
+        assert y is y_out and q is q_out and s is s_out
+        assert torch.equal(y, y0) and torch.equal(rstd, rstd0) and torch.equal(h, h0), "y / rstd / h differ"
+        _check_fp8_output(y, q, s, recipe, H)
+        qf, sf = q.reshape(-1, H).float().cpu(), s.reshape(10, -1).cpu()
+        assert (sf[1] == SCALE_FLOOR).all() and (qf[1] == 0).all(), "the zero row"
+        assert torch.isfinite(sf).all() and (sf > 0).all() and torch.isfinite(qf).all()
+        assert (qf[torch.arange(10) != 1].abs() == E4M3_MAX).any(1).all()  # each other row's amax maps to 448
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fp8_output_of_the_looped_kernel(monkeypatch, recipe):
+    """Rows streamed in chunks (a small ROW_BLOCK_LIMIT / LOOP_CHUNK, ragged last chunk): tiles
+    quantised as pass 2 goes (chunks narrower than a tile widened to 128 there), per-row scales
+    from a pass 3; bit for bit as above."""
+    from fusedpar.kernels import rmsnorm
+
+    monkeypatch.setattr(rmsnorm, "ROW_BLOCK_LIMIT", 64)
+    monkeypatch.setattr(rmsnorm, "LOOP_CHUNK", 32)
+    x, r, w = _fp8_rows(torch.bfloat16, (2, 5, 300), torch.Generator().manual_seed(22))
+    y0, h0, rstd0 = rms_norm_fwd(x, w, 1e-5, residual=r)
+    y, h, rstd, q, s = rms_norm_fp8_fwd(x, w, 1e-5, recipe=recipe, residual=r)
+    assert torch.equal(y, y0) and torch.equal(rstd, rstd0) and torch.equal(h, h0)
+    _check_fp8_output(y, q, s, recipe, 300)
+
+
+@needs_fp8
+def test_fp8_gradients_and_module_equal_the_plain_norm():
+    """rms_norm_fp8's gradients (x, residual, weight) equal rms_norm's bit for bit (the same
+    backward: it needs h and rstd, not the output); q and scale are not differentiable; the
+    module's fp8= path; the custom op's schema, fakes and autograd registration."""
+    g = torch.Generator().manual_seed(23)
+    x, r, w = _fp8_rows(torch.bfloat16, (2, 3, 200), g)
+    dy, dh = randn(2, 3, 200, dtype=torch.bfloat16, generator=g), randn(2, 3, 200, dtype=torch.bfloat16, generator=g)
+    grads = []
+    for fp8 in (False, True):
+        xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+        out = rms_norm_fp8(xs, ws, 1e-5, residual=rs, recipe="blockwise") if fp8 else rms_norm(xs, ws, 1e-5, residual=rs)
+        if fp8:
+            assert not out[2].requires_grad and not out[3].requires_grad
+        torch.autograd.backward(list(out[:2]), [dy, dh])
+        grads.append((out[0], out[1], xs.grad, rs.grad, ws.grad))
+    for a, b, what in zip(*grads, ("y", "h", "dx", "dresidual", "dweight")):
+        assert torch.equal(a, b), what
+    norm = RMSNorm(200, eps=1e-5, device=DEVICE, dtype=torch.bfloat16)
+    y, q, s = norm(x, fp8="rowwise")
+    assert torch.equal(y, norm(x)) and s.shape == (2, 3)
+    _check_fp8_output(y, q, s, "rowwise", 200)
+    torch.library.opcheck(torch.ops.fusedpar.rms_norm_fp8.default,
+                          (x.clone().requires_grad_(), w.clone().requires_grad_(), r, 1e-5, "blockwise"),
+                          test_utils=BACKWARD_OPCHECK)  # (opcheck's aot test sums e4m3, which CPU torch cannot)
+
+
+FP8_BAD_INPUTS = [
+    ("unknown-recipe", lambda x: rms_norm_fp8(x, recipe="tile"), ValueError,
+     r"recipe must be one of \('rowwise', 'blockwise'\), got 'tile'"),
+    ("recipe-none", lambda x: rms_norm_fp8_fwd(x, None, recipe=None), ValueError, "recipe must be one of"),
+    ("int-dtype", lambda x: rms_norm_fp8(x.to(torch.int32)), TypeError, "x must have one of the dtypes .* got torch.int32"),
+    ("fp8-input", lambda x: rms_norm_fp8(x.to(torch.float8_e4m3fn)), TypeError,
+     "x must have one of the dtypes .* got torch.float8_e4m3fn"),
+    ("q-dtype", lambda x: rms_norm_fp8_fwd(x, None, fp8_out=(torch.empty_like(x), torch.empty(3))), TypeError,
+     r"fp8_out\[0\] \(q\) must have dtype torch.float8_e4m3fn, got torch.float32"),
+    ("scale-shape", lambda x: rms_norm_fp8_fwd(x, None, recipe="blockwise", fp8_out=(
+        torch.empty(3, 8, dtype=torch.float8_e4m3fn), torch.empty(3))), ValueError,
+     r"fp8_out\[1\] \(scale\) must have shape \(3, 1\), got \(3,\)"),
+    ("q-strided", lambda x: rms_norm_fp8_fwd(x, None, fp8_out=(
+        torch.empty(8, 3, dtype=torch.float8_e4m3fn).t(), torch.empty(3))), ValueError, r"fp8_out\[0\] \(q\) must be contiguous"),
+    ("sharded-module", lambda x: _two_part_norm()(x[:, :4], fp8="rowwise"), ValueError, "has no fp8 output, got fp8='rowwise'"),
+]
+
+
+def _two_part_norm():
+    norm = RMSNorm(8)
+    norm.parts, norm.local_size = 2, 4  # a feature_group of two ranks, as far as forward's checks go
+    return norm
+
+
+@pytest.mark.parametrize("call,exc,match", [pytest.param(*c[1:], id=c[0]) for c in FP8_BAD_INPUTS])
+def test_fp8_bad_input_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(randn(3, 8))

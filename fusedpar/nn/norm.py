@@ -7,14 +7,17 @@ from torch import nn
 
 from fusedpar.nn.placement import Placement
 from fusedpar.ops import comm
-from fusedpar.ops.norm import rms_norm, sharded_rms_norm
+from fusedpar.ops.norm import rms_norm, rms_norm_fp8, sharded_rms_norm
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation with a learned per-feature scale.
 
     ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)`` adds the residual first
-    (fused) and returns ``(normed, new_residual)``. Parameters: ``weight`` ``[hidden_size]``,
+    (fused) and returns ``(normed, new_residual)``. ``forward(..., fp8="rowwise" | "blockwise")``
+    also returns the normed rows quantised for an fp8 GEMM by the same kernel,
+    ``(normed, q, scale)`` / ``(normed, new_residual, q, scale)`` (:func:`~fusedpar.ops.rms_norm_fp8`;
+    not with a ``feature_group`` of more than one rank). Parameters: ``weight`` ``[hidden_size]``,
     initialised to ones (absent with ``elementwise_affine=False``).
 
     ``offset=1.0`` is Gemma's norm: the scale is ``1 + weight`` (in fp32, as Hugging Face computes
@@ -67,13 +70,18 @@ class RMSNorm(nn.Module):
             return self.weight
         return self.weight.float() + self.offset
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, fp8: str | None = None):
         if x.shape[-1] != self.local_size:
             raise ValueError(f"x must have {self.local_size} features in its last dim, got shape {tuple(x.shape)}")
         if self.parts > 1:
             if residual is not None:
                 raise ValueError("RMSNorm with a feature_group of more than one rank takes no residual, got one")
+            if fp8 is not None:
+                raise ValueError(f"RMSNorm with a feature_group of more than one rank has no fp8 output, "
+                                 f"got fp8={fp8!r}")
             return sharded_rms_norm(x, self.scale(), self.eps, group=self.feature_group)
+        if fp8 is not None:
+            return rms_norm_fp8(x, self.scale(), self.eps, residual=residual, recipe=fp8)
         return rms_norm(x, self.scale(), self.eps, residual=residual)
 
     def extra_repr(self) -> str:

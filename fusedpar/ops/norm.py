@@ -6,6 +6,10 @@
 the next block's add). Gradients flow to ``x``, ``residual`` and ``weight``; the gradient that
 reaches ``h`` from later layers is folded into the fused backward kernel.
 
+``rms_norm_fp8(x, weight, eps, recipe=...)`` also returns ``y`` quantised for an fp8 GEMM (e4m3 and
+fp32 scales per token, ``"rowwise"``, or per 1x128 tile, ``"blockwise"``), written by the norm's
+kernel from the values it stores: bit for bit ``quantize_e4m3`` of ``y``, without a second pass.
+
 ``sharded_rms_norm(x, weight, eps, group=...)`` normalises rows whose features are split over a
 group (each rank holds ``H / P`` of them and the same slice of the weight): the row statistics
 are all-reduced over the group (OLMo 2's q / k norm over a tensor-parallel projection).
@@ -14,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar.kernels.rmsnorm import check_rms_norm_inputs
+from fusedpar.kernels.rmsnorm import check_rms_norm_fp8_inputs, check_rms_norm_inputs
 from fusedpar.ops.library import checked_api, transport_token
-from fusedpar.ops.norm_library import rms_norm_op, sharded_rms_norm_op
+from fusedpar.ops.norm_library import rms_norm_fp8_op, rms_norm_op, sharded_rms_norm_op
 
-__all__ = ["rms_norm", "sharded_rms_norm"]
+__all__ = ["rms_norm", "rms_norm_fp8", "sharded_rms_norm"]
 
 
 @checked_api
@@ -35,6 +39,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     check_rms_norm_inputs(x, weight, eps, residual)  # before the schema sees the arguments
     y, h, _ = rms_norm_op(x, weight, residual, float(eps))
     return y if residual is None else (y, h)
+
+
+@checked_api
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                 residual: torch.Tensor | None = None, recipe: str = "rowwise"):
+    """:func:`rms_norm` with ``y`` also quantised for an fp8 GEMM in the same kernel.
+
+    Returns ``(y, q, scale)``, with ``residual`` ``(y, h, q, scale)``: ``rms_norm``'s outputs
+    followed by ``q``, ``y`` in ``float8_e4m3fn`` (contiguous, ``x``'s shape), and its fp32
+    scales: one per token for ``recipe="rowwise"`` (shape ``x.shape[:-1]``), one per 1x128 tile
+    along the features for ``"blockwise"`` (``x.shape[:-1] + (ceil(H / 128),)``; the last tile
+    ragged), so that ``y ~ q * scale``. The quantised values are those of the returned ``y`` (its
+    dtype's rounding included), with the scales, zero-row floor and saturation of
+    :func:`~fusedpar.kernels.quantize_e4m3`: ``(q, scale)`` equal ``quantize_e4m3(y.reshape(-1, H),
+    "row" | "tile")`` bit for bit. Gradients flow through ``y`` (and ``h``) exactly as in
+    :func:`rms_norm`; ``q`` and ``scale`` are not differentiable. The custom op
+    :data:`~fusedpar.ops.norm_library.rms_norm_fp8_op` (``fusedpar::rms_norm_fp8``).
+    """
+    check_rms_norm_fp8_inputs(x, weight, eps, residual, recipe)
+    y, h, _, q, scale = rms_norm_fp8_op(x, weight, residual, float(eps), recipe)
+    return (y, q, scale) if residual is None else (y, h, q, scale)
 
 
 @checked_api

@@ -6,6 +6,12 @@
 * ``fusedpar::rms_norm_backward(grad_y, grad_h, h, weight, rstd, need_weight_grad) -> (dh, dw)``
   (:data:`rms_norm_backward_op`, body :func:`rms_norm_bwd`): ``dh`` is the gradient of ``x`` and
   of the residual alike; ``dw`` absent unless asked for.
+* ``fusedpar::rms_norm_fp8(x, weight, residual, eps, recipe) -> (y, h, rstd, q, scale)``
+  (:data:`rms_norm_fp8_op`, body :func:`rms_norm_fp8_fwd`): ``rms_norm`` whose kernel also
+  writes ``y`` quantised for an fp8 GEMM (``recipe`` ``"rowwise"``: e4m3 ``q`` and one fp32 scale
+  per token; ``"blockwise"``: per 1x128 tile along the features), equal bit for bit to
+  ``quantize_e4m3`` of ``y``. Its backward is ``rms_norm``'s (``rms_norm_backward``: the gradient
+  reaches ``y`` and ``h``; ``q`` and ``scale`` are not differentiable).
 
 The bodies call the launchers of :mod:`fusedpar.kernels.rmsnorm`.
 
@@ -24,11 +30,13 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels import rmsnorm as launchers
+from fusedpar.kernels.fp8 import scale_shape
+from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.ops.library import absent, custom_op, hold, input_grads, present
 from fusedpar.ops.transport import token_transport
 
-__all__ = ["rms_norm_backward_op", "rms_norm_bwd", "rms_norm_fwd", "rms_norm_op", "sharded_rms_norm_backward_op",
-           "sharded_rms_norm_bwd", "sharded_rms_norm_fwd", "sharded_rms_norm_op"]
+__all__ = ["rms_norm_backward_op", "rms_norm_bwd", "rms_norm_fp8_fwd", "rms_norm_fp8_op", "rms_norm_fwd", "rms_norm_op",
+           "sharded_rms_norm_backward_op", "sharded_rms_norm_bwd", "sharded_rms_norm_fwd", "sharded_rms_norm_op"]
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
@@ -42,11 +50,15 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.T
 rms_norm_op = custom_op("rms_norm")(rms_norm_fwd)
 
 
-@rms_norm_op.register_fake
-def _(x, weight, residual, eps):
+def _fake_outputs(x, residual):
     rows = x.shape[:-1].numel()  # the launcher allocates contiguous outputs, whatever x's strides
     h = x.new_empty(x.shape, dtype=residual.dtype) if residual is not None else x.new_empty((0,))
     return x.new_empty(x.shape), h, x.new_empty((rows,), dtype=torch.float32)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, residual, eps):
+    return _fake_outputs(x, residual)
 
 
 def rms_norm_bwd(grad_y: torch.Tensor, grad_h: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor | None,
@@ -75,7 +87,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(h if residual is not None else x, weight, rstd)
 
 
-def _backward(ctx, grad_y, grad_h, grad_rstd):
+def _input_grads(op, ctx, grad_y, grad_h):
     h, weight, rstd = ctx.saved_tensors
     if grad_y is None:
         grad_y = torch.zeros_like(h)
@@ -83,10 +95,49 @@ def _backward(ctx, grad_y, grad_h, grad_rstd):
     dh, dw = rms_norm_backward_op(grad_y, grad_h if ctx.has_residual else None, h, weight, rstd, need_dw)
     # dh (in h's dtype) is the gradient of x and of the residual alike
     dx = dh if dh.dtype == ctx.x_dtype else dh.to(ctx.x_dtype)
-    return input_grads(rms_norm_op, x=dx, weight=present(dw), residual=dh if ctx.has_residual else None)
+    return input_grads(op, x=dx, weight=present(dw), residual=dh if ctx.has_residual else None)
+
+
+def _backward(ctx, grad_y, grad_h, grad_rstd):
+    return _input_grads(rms_norm_op, ctx, grad_y, grad_h)
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# with the output quantised for an fp8 GEMM
+# ----------------------------------------------------------------------------------------------
+def rms_norm_fp8_fwd(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float,
+                     recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, h, rstd, q, scale)``: :func:`rms_norm_fwd`'s outputs and ``y`` quantised per
+    ``recipe`` (``q`` e4m3 of ``x``'s shape; ``scale`` fp32 ``x.shape[:-1]`` for ``"rowwise"``,
+    ``x.shape[:-1] + (ceil(H / 128),)`` for ``"blockwise"``)."""
+    y, h, rstd, q, scale = launchers.rms_norm_fp8_fwd(x, weight, eps, recipe=recipe, residual=residual)
+    return y, (h if residual is not None else absent(x)), rstd, q, scale
+
+
+rms_norm_fp8_op = custom_op("rms_norm_fp8")(rms_norm_fp8_fwd)
+
+
+@rms_norm_fp8_op.register_fake
+def _(x, weight, residual, eps, recipe):
+    per_token = scale_shape(x.shape[:-1].numel(), x.shape[-1], FP8_RECIPES[recipe][0])[1:]  # () or (tiles,)
+    return (*_fake_outputs(x, residual), x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty(tuple(x.shape[:-1]) + per_token, dtype=torch.float32))
+
+
+def _fp8_setup(ctx, inputs, output):
+    _setup(ctx, inputs[:4], output[:3])
+    ctx.mark_non_differentiable(*output[2:])  # rstd, q, scale
+
+
+def _fp8_backward(ctx, grad_y, grad_h, grad_rstd, grad_q, grad_scale):
+    """The backward of ``rms_norm``: the quantised copy of ``y`` passes no gradient."""
+    return _input_grads(rms_norm_fp8_op, ctx, grad_y, grad_h)
+
+
+rms_norm_fp8_op.register_autograd(_fp8_backward, setup_context=_fp8_setup)
 
 
 # ----------------------------------------------------------------------------------------------
