@@ -27,7 +27,7 @@ from fusedpar.kernels.flash_attention_bwd import flash_attention_backward
 from fusedpar.kernels.moe_routing import routing_metadata
 from fusedpar.kernels.moe_topk import topk_route, topk_route_backward
 from fusedpar.kernels.persistent_gemm import chunk_reduce, chunk_view, persistent_matmul
-from fusedpar.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+from fusedpar.kernels.rmsnorm import rms_norm_bwd, rms_norm_fp8_fwd, rms_norm_fwd
 from fusedpar.ops.linear_cross_entropy_library import default_chunk_tokens, vocab_block
 
 #: dense transformer layers: hidden, ffn, query heads, kv heads, head dim, tokens per batch
@@ -313,6 +313,12 @@ def _fp8_quantize(dt, rows, cols, granularity, transposed=False):
     quantize_e4m3(meta(cols, rows, dtype=dt).t() if transposed else meta(rows, cols, dtype=dt), granularity)
 
 
+def _rmsnorm_fp8(dt, T, H, residual, recipe):
+    """The RMSNorm forward with its fused e4m3 output (kernels/rmsnorm.py), every dtype."""
+    rms_norm_fp8_fwd(meta(T, H, dtype=dt), meta(H, dtype=dt), recipe=recipe,
+                     residual=meta(T, H, dtype=dt) if residual else None)
+
+
 def _fp8_cases():
     c = LLAMA["llama3-8b"]
     H, F, T = c["hidden"], c["ffn"], c["batch"] * c["seq"]
@@ -337,6 +343,15 @@ def _fp8_cases():
     for granularity in ("row", "tile"):
         cases.append(Case("fp8", f"llama3-8b quantize {granularity} transposed", False,
                           lambda dt, g=granularity: _fp8_quantize(dt, H, T, g, transposed=True)))
+    for recipe in ("rowwise", "blockwise"):
+        cases += [
+            Case("fp8", f"llama3-8b residual rmsnorm {recipe}", recipe == "blockwise",
+                 lambda dt, r=recipe: _rmsnorm_fp8(dt, T, H, True, r)),
+            Case("fp8", f"llama3-70b rmsnorm {recipe}", False, lambda dt, r=recipe: _rmsnorm_fp8(dt, T, 8192, False, r)),
+            Case("fp8", f"wide 65536 residual rmsnorm {recipe}", False,
+                 lambda dt, r=recipe: _rmsnorm_fp8(dt, 64, 65536, True, r)),
+            Case("fp8", f"tests 3x7x200 rmsnorm {recipe}", False, lambda dt, r=recipe: _rmsnorm_fp8(dt, 21, 200, True, r)),
+        ]
     return cases + _fp8_grouped_cases()
 
 

@@ -37,7 +37,7 @@ else:
     from .flash_attention import attention_reference, flash_attention_forward
     from .flash_attention_bwd import attention_delta, flash_attention_backward
     from .flash_varlen import flash_attention_varlen, flash_attention_varlen_backward, varlen_attention_reference
-    from .rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_reference
+    from .rmsnorm import rms_norm_bwd, rms_norm_fp8_fwd, rms_norm_fwd, rms_norm_reference
 
     __all__ = [
         "ACTIVATIONS", "interpreting", "matmul", "matmul_reference", "matmul_tn",
@@ -50,5 +50,5 @@ else:
         "persistent_matmul_reference", "wait_timeouts",
         "attention_delta", "attention_reference", "flash_attention_backward", "flash_attention_forward",
         "flash_attention_varlen", "flash_attention_varlen_backward", "varlen_attention_reference",
-        "rms_norm_bwd", "rms_norm_fwd", "rms_norm_reference",
+        "rms_norm_bwd", "rms_norm_fp8_fwd", "rms_norm_fwd", "rms_norm_reference",
     ]

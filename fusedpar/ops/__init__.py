@@ -60,7 +60,7 @@ from .sp_attention_schedules import (
     zigzag_shard,
     zigzag_unshard,
 )
-from .norm import rms_norm, sharded_rms_norm
+from .norm import rms_norm, rms_norm_fp8, sharded_rms_norm
 from .loss import attach_aux_loss, global_loss, vocab_parallel_cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
 from .fp8 import fp8_linear
@@ -83,7 +83,7 @@ __all__ = [
     "ring_attention_bwd", "ring_attention_fwd", "sequence_shard", "shard_positions", "ulysses_attention",
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",
-    "rms_norm", "sharded_rms_norm", "attach_aux_loss", "global_loss", "linear_cross_entropy",
+    "rms_norm", "rms_norm_fp8", "sharded_rms_norm", "attach_aux_loss", "global_loss", "linear_cross_entropy",
     "vocab_parallel_cross_entropy",
     "fp8_linear", "fp8_linear_bwd", "fp8_linear_fwd",
     "replicated_rows",
