@@ -159,6 +159,8 @@ CASES = {
                                lambda: _config(num_experts=2, top_k=3)),
     "config sp_mode": (ValueError, "TransformerConfig.sp_mode must be one of ('ring', 'ulysses', 'hybrid'), got 'rign'",
                        lambda: _config(sp_mode="rign")),
+    "config attention_dq_mode": (ValueError, "TransformerConfig.attention_dq_mode must be one of ('separate', 'atomic'), "
+                                 "got 'fast'", lambda: _config(attention_dq_mode="fast")),
     "config qk_norm int": (TypeError, "TransformerConfig.qk_norm must be a bool, got int 1", lambda: _config(qk_norm=1)),
     "config norm_eps 0": (ValueError, "TransformerConfig.norm_eps must be a positive number, got 0",
                           lambda: _config(norm_eps=0)),

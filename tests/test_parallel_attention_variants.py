@@ -162,3 +162,28 @@ def test_bad_dq_mode():
     with pytest.raises(ValueError, match=r"ParallelAttention: dq_mode must be one of \('separate', 'atomic'\), "
                                          r"got 'fast'"):
         ParallelAttention(32, 4, dq_mode="fast")
+
+
+@pytest.mark.parametrize("attention", ["default", "mla"])
+def test_config_dq_mode_reaches_every_block_and_keeps_the_gradients(attention):
+    """``TransformerConfig(attention_dq_mode="atomic")``: every block's attention (ParallelAttention
+    or MLAttention) runs the one-pass backward, whose gradients equal the default's within fp32
+    rounding (dQ summed in another order); a bad mode in MLAttention names the argument."""
+    mla = dict(attention="mla", kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+               v_head_dim=6) if attention == "mla" else {}
+    grads = {}
+    for mode in ("separate", "atomic"):
+        cfg = TransformerConfig(vocab_size=24, hidden_size=16, num_layers=2, num_heads=2, ffn_hidden_size=24,
+                                attention_dq_mode=mode, **mla)
+        torch.manual_seed(3)
+        model = Transformer(cfg).to(DEVICE)
+        assert {blk.attn.dq_mode for blk in model.layers.values()} == {mode}
+        ids = torch.randint(0, 24, (2, 11), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+        model(ids).float().square().mean().backward()
+        grads[mode] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for name, g in grads["separate"].items():
+        assert_close(grads["atomic"][name], g, rtol=1e-4, atol=1e-5, msg=name)
+    if attention == "mla":
+        from fusedpar.nn.mla import MLAttention
+        with pytest.raises(ValueError, match=r"MLAttention: dq_mode must be one of \('separate', 'atomic'\), got 'x'"):
+            MLAttention(16, 2, dq_mode="x", **{k: v for k, v in mla.items() if k != "attention"})

@@ -58,7 +58,8 @@ class TransformerBlock(nn.Module):
                  router_options: dict | None = None, window=None, softcap: float | None = None, sinks: bool = False,
                  v_head_dim: int | None = None, softmax_scale: float | None = None, rotary_dim: int | None = None,
                  mla: dict | None = None, norm_layout: str = "pre", norm_offset: float = 0.0,
-                 qk_norm_scope: str = "head", fp8: str | None = None, fp8_grad_high_precision: bool = False):
+                 qk_norm_scope: str = "head", fp8: str | None = None, fp8_grad_high_precision: bool = False,
+                 dq_mode: str = "separate"):
         super().__init__()
         check_choice("TransformerBlock: norm_layout", norm_layout, NORM_LAYOUTS)
         self.hidden_size, self.norm_layout = hidden_size, norm_layout
@@ -68,7 +69,8 @@ class TransformerBlock(nn.Module):
         if mla is not None:  # multi-head latent attention (its latent norms keep transformers' eps 1e-6)
             self.attn = MLAttention(hidden_size, num_heads, tp_group=tp_group, sp_group=sp_group, sp_mode=sp_mode,
                                     causal=causal, layout=layout, ulysses_group=ulysses_group, ring_group=ring_group,
-                                    device=device, dtype=dtype, rope_theta=rope_theta, rope_scaling=rope_scaling, **mla)
+                                    device=device, dtype=dtype, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                                    dq_mode=dq_mode, **mla)
         else:
             self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
                                           sp_mode=sp_mode, causal=causal, bias=attention_out_bias, layout=layout,
@@ -77,7 +79,7 @@ class TransformerBlock(nn.Module):
                                           head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps,
                                           window=window, softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
                                           softmax_scale=softmax_scale, rotary_dim=rotary_dim,
-                                          qk_norm_scope=qk_norm_scope, norm_offset=norm_offset)
+                                          qk_norm_scope=qk_norm_scope, norm_offset=norm_offset, dq_mode=dq_mode)
         self.post_attn_norm = norm() if post else None
         self.norm2 = norm() if pre else None
         self.is_moe = num_experts > 0

@@ -14,6 +14,7 @@ from fusedpar.kernels.checks import (
     check_positive_number,
     check_tensor,
 )
+from fusedpar.kernels.flash_attention_bwd import DQ_MODES
 from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.kernels.moe_topk import SCORE_FUNCS, check_routing_config
 from fusedpar.kernels.runtime import ACTIVATIONS
@@ -79,6 +80,7 @@ class TransformerConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores c * tanh(s / c)
     attention_sinks: bool = False  # gpt-oss: a learnable logit per head in the softmax denominator
     v_head_dim: int | None = None  # the head dim of v and the attention output (default head_dim)
+    attention_dq_mode: str = "separate"  # the attention backward: "separate" (deterministic) or "atomic" (one pass)
     # MoE routing (DeepSeek-V3, Kimi K2, GLM-4.5, gpt-oss; defaults keep softmax top-k)
     score_func: str = "softmax"  # "softmax", "sigmoid" or "softmax_topk" (gpt-oss: softmax over the chosen logits)
     routed_scaling_factor: float = 1.0  # multiplies the combine weights
@@ -152,7 +154,8 @@ class TransformerConfig:
                     shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
                     shared_expert_gate=self.shared_expert_gate, rotary_dim=self.rotary_dim(),
                     router_options=self.router_options(), mla=self.mla_options(), fp8=self.fp8,
-                    fp8_grad_high_precision=self.fp8_grad_high_precision, **self.attention_options(layer))
+                    fp8_grad_high_precision=self.fp8_grad_high_precision, dq_mode=self.attention_dq_mode,
+                    **self.attention_options(layer))
 
     def attention_options(self, layer: int) -> dict:
         """The attention options of block ``layer`` (:class:`ParallelAttention` keywords) from
@@ -197,6 +200,7 @@ def check_config_values(cfg: "TransformerConfig") -> None:
         check_bool("TransformerConfig.norm_topk_prob", cfg.norm_topk_prob)
     check_choice("TransformerConfig.sp_mode", cfg.sp_mode, ("ring", "ulysses", "hybrid"))
     check_choice("TransformerConfig.activation", cfg.activation, sorted(a for a in ACTIVATIONS if a != "none"))
+    check_choice("TransformerConfig.attention_dq_mode", cfg.attention_dq_mode, DQ_MODES)
     for name in ("num_kv_heads", "moe_ffn_hidden_size", "head_dim", "sliding_window", "v_head_dim"):
         if getattr(cfg, name) is not None:
             check_int(f"TransformerConfig.{name}", getattr(cfg, name), min_value=1)

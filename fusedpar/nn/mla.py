@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusedpar.kernels.checks import check_bool, check_int, check_positive_number
+from fusedpar.kernels.checks import check_bool, check_choice, check_int, check_positive_number
+from fusedpar.kernels.flash_attention_bwd import DQ_MODES
 from fusedpar.nn.attention import SequenceParallelAttention
 from fusedpar.nn.rotary import apply_rotary, rope_inv_freq, rotary_cos_sin, yarn_mscale
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
@@ -85,7 +86,7 @@ class MLAttention(SequenceParallelAttention):
                  v_head_dim, tp_group=None, sp_group=None, sp_mode="ring", layout="zigzag", causal=True, bias=False,
                  rope_theta=10000.0, rope_scaling=None, rope_interleave=True, norm_eps=1e-6, ulysses_group=None,
                  ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None, device=None,
-                 dtype=None):
+                 dtype=None, dq_mode="separate"):
         super().__init__()
         name = type(self).__name__
         for arg, val in (("hidden_size", hidden_size), ("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
@@ -99,6 +100,8 @@ class MLAttention(SequenceParallelAttention):
         for arg, val in (("causal", causal), ("bias", bias), ("rope_interleave", rope_interleave)):
             check_bool(f"{name}: {arg}", val)
         check_positive_number(f"{name}: rope_theta", rope_theta)
+        check_choice(f"{name}: dq_mode", dq_mode, DQ_MODES)
+        self.dq_mode = dq_mode
         check_positive_number(f"{name}: norm_eps", norm_eps)
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
         rope_inv_freq(qk_rope_head_dim, float(rope_theta), self.rope_scaling)  # validates the scaling
@@ -166,7 +169,8 @@ class MLAttention(SequenceParallelAttention):
         q = torch.cat([q[..., :dn], self._rotate(q[..., dn:], cos, sin)], dim=-1)
         k = torch.cat([kv[..., :dn], k_rot], dim=-1)
         v = kv[..., dn:].contiguous()  # its own head dim: the sp ops take v of any head dim
-        o = self.attend(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
+        o = self.attend(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens,
+                        dq_mode=self.dq_mode)
         return self.o_proj(o.reshape(b, s_sp, hl * dv))
 
     def extra_repr(self):
@@ -174,4 +178,4 @@ class MLAttention(SequenceParallelAttention):
                 f"q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
                 f"qk_head_dim={self.qk_nope_head_dim}+{self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}, "
                 f"softmax_scale={self.softmax_scale:.6g}, sp_mode={self.sp_mode!r}, layout={self.layout!r}, "
-                f"tp={self.tp_rank}/{self.tp_size}, causal={self.causal}")
+                f"tp={self.tp_rank}/{self.tp_size}, causal={self.causal}, dq_mode={self.dq_mode!r}")
