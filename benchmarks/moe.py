@@ -15,6 +15,11 @@ Rows (each with a correctness check against its baseline before timing):
   GB/s, against a device copy of the same number of bytes (``torch.Tensor.copy_``);
 * ``layer_fwd_bwd``: the whole routed MLP (permute, grouped SwiGLU MLP, combine) forward +
   backward against a per-expert loop in plain torch (index, two matmuls, index_add);
+* ``layer_fwd_bwd_fp8`` (one row per recipe): the same routed MLP with ``moe_mlp(fp8=recipe)``
+  (tokens quantised per token / 1x128 tile before the permute, e4m3 expert GEMMs forward and
+  backward, weights re-quantised each call from the high-precision ones) against the 16-bit
+  ``moe_mlp`` of the ``layer_fwd_bwd`` row (``ratio_vs_baseline``: its time over the fp8 one's),
+  checked against it within two e4m3 roundings (2^-3 of the output's scale);
 * ``ep_layer_fwd_bwd``: the shipped expert-parallel schedule of ``fusedpar.ops.moe_mlp``
   (chunked all-to-all-v, expert GEMMs of a chunk while later chunks travel) as rank 0 of ``--ep``
   ranks emulated on this device (``EmulatedTransport``), against the same layer on one rank;
@@ -245,6 +250,28 @@ def _layer_row(ctx, d):
             "baseline_TFLOPs": tflops(flops, t_base), "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err}
 
 
+def _layer_fp8_rows(ctx, d):
+    from fusedpar.kernels.fp8_gemm import FP8_RECIPES
+    from fusedpar.ops import moe_mlp
+
+    leaves = [t_.clone().requires_grad_() for t_ in (d.x, d.weights, d.w1, d.w2)]
+    bf16 = _fwd_bwd(leaves, d.go, lambda x, w, w1, w2: moe_mlp(x, d.ids, w, w1, w2, num_experts=d.E))
+    reference = bf16().detach()
+    t_base = ctx.time_ms(bf16)
+    flops = 3 * 2.0 * d.T * d.k * (d.H * 2 * d.Fd + d.Fd * d.H)
+    rows = []
+    for recipe in FP8_RECIPES:
+        fp8 = _fwd_bwd(leaves, d.go, lambda x, w, w1, w2, r=recipe: moe_mlp(x, d.ids, w, w1, w2, num_experts=d.E,
+                                                                             fp8=r))
+        err = check_close(fp8().detach(), reference, tol=2 ** -3)
+        t_ours = ctx.time_ms(fp8)
+        rows.append({"bench": "layer_fwd_bwd_fp8", **d.shape, "recipe": recipe, "fusedpar_ms": t_ours,
+                     "baseline_ms": t_base, "baseline": f"moe_mlp ({str(d.x.dtype).replace('torch.', '')})",
+                     "fusedpar_TFLOPs": tflops(flops, t_ours), "baseline_TFLOPs": tflops(flops, t_base),
+                     "ratio_vs_baseline": t_base / t_ours, "max_rel_err": err})
+    return rows
+
+
 DEEPSEEK_V3 = dict(hidden=7168, ffn=2048, experts=256, top_k=8, n_group=8, topk_group=4, scale=2.5, ep=8, tokens=4096)
 DEEPSEEK_V3_SMOKE = dict(DEEPSEEK_V3, hidden=32, ffn=16, experts=16, top_k=4, ep=2, tokens=24)
 
@@ -371,6 +398,7 @@ def run(args, ctx):
     rows += _grouped_gemm_fp8_rows(ctx, d, xp, offsets)
     rows += _permute_rows(ctx, d, xp, slot_pos, sorted_slot)
     rows.append(_layer_row(ctx, d))
+    rows += _layer_fp8_rows(ctx, d)
     rows.append(_ep_row(ctx, d, ep, args.chunks))
     rows.append(_deepseek_v3_row(ctx, args))
     if ctx.smoke:
