@@ -8,31 +8,66 @@ Rows: ``torch.matmul`` (the floor of a framework launch), ``fusedpar.kernels.mat
 autotuner dispatch, the Triton launch), ``flash_attention_forward``, and the emulated
 ``all_gather_matmul`` / ``matmul_reduce_scatter`` of one tp rank of 8 (the custom-op dispatch,
 eight chunk GEMMs and seven transfers with their events).
+
+``--stub-kernels``: every Triton kernel launch is a no-op during the timed calls (after the
+warm-up calls, which compile and tune on a GPU), so a row is the host path alone -- checks, the
+autotuner's dispatch, allocations, the transfers and the op's own Python -- without Triton's
+launch itself, and on CPU without the interpreter's execution of the kernel: the launchers'
+host cost, measurable on a machine without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 from ._common import register
 
 
 def _add_args(p):
-    p.add_argument("--calls", type=int, default=None, help="calls per row (GPU default 200, CPU 3)")
+    p.add_argument("--calls", type=int, default=None, help="calls per row (GPU default 200, CPU 3; "
+                   "with --stub-kernels 2000 and 200)")
+    p.add_argument("--stub-kernels", action="store_true",
+                   help="time the host path alone: Triton kernel launches are no-ops in the timed calls")
 
 
-def _host_us(ctx, fn, calls: int) -> float:
+@contextlib.contextmanager
+def _stubbed_kernels():
+    """Every Triton kernel launch a no-op: the ``run`` of the class of this package's kernels
+    (compiled ``JITFunction`` or the interpreter's ``InterpretedFunction``), which ``kernel[grid](...)``
+    and the autotuners call."""
+    import triton
+
+    from fusedpar.kernels.runtime import interpreting
+
+    if interpreting():
+        from triton.runtime.interpreter import InterpretedFunction as kernel_class
+    else:
+        kernel_class = triton.runtime.JITFunction
+    run = kernel_class.run
+    kernel_class.run = lambda self, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        kernel_class.run = run
+
+
+def _host_us(ctx, fn, calls: int, stub: bool = False) -> float:
     import torch
 
-    for _ in range(3):  # compiles and tunes outside the clock
-        fn()
+    # the warm-up compiles and tunes outside the clock; interpreted kernels have nothing to
+    # compile or tune, so with stub there they are stubbed from the start
+    with _stubbed_kernels() if stub and ctx.smoke else contextlib.nullcontext():
+        for _ in range(3):
+            fn()
     if ctx.gpu:
         torch.cuda.synchronize(ctx.device)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if ctx.gpu:
-        torch.cuda.synchronize(ctx.device)
-    return (time.perf_counter() - t0) / calls * 1e6
+    with _stubbed_kernels() if stub else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if ctx.gpu:
+            torch.cuda.synchronize(ctx.device)
+        return (time.perf_counter() - t0) / calls * 1e6
 
 
 @register("launch", "host microseconds per call of the shipped entry points (tiny shapes)", add_args=_add_args)
@@ -43,7 +78,7 @@ def run(args, ctx):
     from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
     from fusedpar.ops.transport import EmulatedTransport
 
-    calls = args.calls or (200 if ctx.gpu else 3)
+    calls = args.calls or ((2000 if ctx.gpu else 200) if args.stub_kernels else (200 if ctx.gpu else 3))
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
     dev, tp, m, h = ctx.device, 8, 16, 64
     a = torch.randn(64, 64, device=dev, dtype=dtype)
@@ -61,7 +96,11 @@ def run(args, ctx):
         ("matmul_reduce_scatter emulated tp8",
          lambda: matmul_reduce_scatter(x_rs, w_rs, None, scatter_dim=0, transport=transport)),
     ]
-    rows = [{"entry": name, "calls": calls, "host_us_per_call": _host_us(ctx, fn, calls)} for name, fn in cases]
-    if ctx.smoke:
+    rows = [{"entry": name, "calls": calls, "kernels": "stubbed" if args.stub_kernels else "launched",
+             "host_us_per_call": _host_us(ctx, fn, calls, args.stub_kernels)} for name, fn in cases]
+    if args.stub_kernels:
+        ctx.notes.append("--stub-kernels: kernel launches were no-ops; the host path alone (no Triton launch"
+                         + (", no interpreted execution)." if ctx.smoke else ")."))
+    elif ctx.smoke:
         ctx.notes.append("CPU smoke mode: interpreted kernels; these are not launch costs.")
     return rows

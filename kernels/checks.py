@@ -98,9 +98,7 @@ def check_supported_dtype(name: str, t: torch.Tensor) -> None:
 
 def check_device_usable(name: str, t: torch.Tensor) -> None:
     """Kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu" and interpreting():
+    if t.is_cuda or (t.is_cpu and interpreting()):
         return
     raise ValueError(
         f"{name} must be a CUDA tensor (or a CPU tensor with TRITON_INTERPRET=1 set before triton is "

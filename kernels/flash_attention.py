@@ -64,6 +64,7 @@ from .flash_tiles import (
     smem_estimate,
     uses_wgmma,
 )
+from .runtime import SUPPORTED_DTYPES, interpreting
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -298,6 +299,13 @@ def check_qkv(q, k, v) -> None:
     """q ``[b, sq, hq, d]``, k ``[b, sk, hk, d]``, v ``[b, sk, hk, d_v]``: kernel operands of one
     dtype on one device, ``1 <= d, d_v <= MAX_HEAD_DIM`` (v may have its own head dim, as in
     MLA) and ``hk`` dividing ``hq`` (grouped-query attention)."""
+    if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype in SUPPORTED_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype and k.device == q.device and v.device == q.device
+            and (q.is_cuda or (q.is_cpu and interpreting())) and q.shape[0] == k.shape[0]
+            and v.shape[:3] == k.shape[:3] and k.shape[3] == q.shape[3] and q.shape[2] > 0 and k.shape[2] > 0
+            and 1 <= q.shape[3] <= MAX_HEAD_DIM and 1 <= v.shape[3] <= MAX_HEAD_DIM and q.shape[2] % k.shape[2] == 0):
+        return  # every check below passes (the common case, on every launch: one condition)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(name, t, dims=(4,))
         check_positive_dims(name, t, {2: "head"})

@@ -13,7 +13,8 @@ import functools
 import torch
 import triton
 
-from .runtime import autotuned, device_capability, input_precision, interpreting, needs_upcast, shared_memory_limit
+from .runtime import (autotuned, cdiv, device_capability, input_precision, interpreting, needs_upcast, on_device,
+                      shared_memory_limit)
 
 __all__ = [
     "FP32_TILE", "INTERPRETER_CONFIG", "MAX_GRID_X", "attention_grid", "gpu_configs", "kernel_flags",
@@ -243,6 +244,9 @@ def _tuned(kernel, tuner_kind: str):
     )
 
 
+#: the smallest block of each kind's configs along the grid's dim (its largest grid)
+_SMALLEST_BLOCK = {(kind, key): min(c[0 if key == "BLOCK_M" else 1] for c in cfgs)
+                   for kind, cfgs in _GPU_CONFIGS.items() for key in ("BLOCK_M", "BLOCK_N")}
 #: CUDA's limit on grid axis 0 (axes 1 and 2 stop at 65535, so nothing goes there)
 MAX_GRID_X = 2**31 - 1
 
@@ -251,10 +255,10 @@ def attention_grid(rows: int, n_bh: int, block: int) -> tuple:
     """The launch grid of an attention kernel: ``(cdiv(rows, block) * n_bh,)`` programs on axis 0
     (block index fastest, see ``program_tile``); ``n_bh`` counts (batch or segment) x heads.
     One axis keeps batch x heads beyond axis 1's 65535 launchable."""
-    n = triton.cdiv(rows, block) * n_bh
+    n = cdiv(rows, block) * n_bh
     if n > MAX_GRID_X:
         raise ValueError(f"attention grid must have at most {MAX_GRID_X} programs (CUDA grid axis 0), "
-                         f"got {n} ({triton.cdiv(rows, block)} blocks x {n_bh} batch-heads)")
+                         f"got {n} ({cdiv(rows, block)} blocks x {n_bh} batch-heads)")
     return (n,)
 
 
@@ -272,9 +276,9 @@ def launch_attention_kernel(kernel, kind: str, grid_rows: int, n_bh: int, args, 
         cfg = INTERPRETER_CONFIG
         kernel[attention_grid(grid_rows, n_bh, cfg[key])](*args, **flags, **cfg)
         return
-    attention_grid(grid_rows, n_bh, min(c.kwargs[key] for c in gpu_configs(kind)))  # fail here, not in autotune
+    attention_grid(grid_rows, n_bh, _SMALLEST_BLOCK[kind, key])  # fail here, not in autotune
     grid = lambda meta: attention_grid(grid_rows, n_bh, meta[key])  # noqa: E731
-    with torch.cuda.device(args[0].device):
+    with on_device(args[0].device):
         _tuned(kernel, _TUNER_KIND[kind])[grid](*args, **flags)
 
 
@@ -287,8 +291,8 @@ def kernel_flags(q: torch.Tensor, causal: bool, accumulate: bool, segmented: boo
     ``SINKS`` whether a sink logit per head enters the forward's denominator."""
     d = q.shape[3]
     dv = d if v is None else v.shape[3]
-    bd = max(16, triton.next_power_of_2(d))
-    bdv = max(16, triton.next_power_of_2(dv))
+    bd = max(16, 1 << (d - 1).bit_length())  # the next power of two (triton's costs microseconds on the host)
+    bdv = max(16, 1 << (dv - 1).bit_length())
     left, right = window
     return dict(HEAD_DIM=d, BLOCK_D=bd, PAD_D=bd != d, HEAD_DIM_V=dv, BLOCK_DV=bdv, PAD_DV=bdv != dv,
                 RIGHT=bool(causal) or right >= 0, LEFT=left >= 0, SOFTCAP=softcap > 0, SINKS=bool(sinks),

@@ -25,6 +25,7 @@ from .checks import (check_buffer, check_choice, check_float_tensor, check_out_d
                      output_buffer)
 from .runtime import (
     ACTIVATIONS,
+    SUPPORTED_DTYPES,
     RowView,
     acc_budget_for,
     activation_reference,
@@ -32,10 +33,12 @@ from .runtime import (
     autotuned,
     apply_activation,
     apply_up,
+    cdiv,
     device_capability,
     input_precision,
     interpreting,
     needs_upcast,
+    on_device,
     pipelined,
     prune_tile_configs,
     row_offsets,
@@ -46,7 +49,8 @@ from .runtime import (
 
 __all__ = [
     "INTERPRETER_CONFIG", "LinearOperands", "gemm_epilogue", "gemm_mainloop", "gpu_configs", "linear_operands",
-    "EPILOGUE_ACC_BUDGET", "SYNC_TIGHT_ACC_BUDGET", "matmul", "matmul_reference", "matmul_tn", "smem_estimate", "tile_rule",
+    "EPILOGUE_ACC_BUDGET", "SYNC_TIGHT_ACC_BUDGET", "matmul", "matmul_checked", "matmul_reference", "matmul_tn",
+    "smem_estimate", "tile_rule",
 ]
 
 
@@ -328,7 +332,7 @@ def _tuned_kernel():
 class LinearOperands:
     """Validated operands of ``act(a @ W + bias)``: what :func:`matmul` and the persistent GEMM
     launch with. ``n`` output features (``n_w // 2`` for gated activations), contraction ``k``,
-    the weight's strides along K and N, and the bias made unit-stride."""
+    the weight's strides along K and N, the bias made unit-stride, and the activation's name."""
 
     n_w: int
     n: int
@@ -338,6 +342,14 @@ class LinearOperands:
     s_bk: int
     s_bn: int
     bias: torch.Tensor | None
+    activation: str = "none"
+
+
+#: the row addressing of an absent residual (what the kernel's unused residual arguments hold)
+_NO_ROWS = RowView(1, 0, 0, False)
+#: the activation names, in the order the error messages list them
+_ACTIVATION_NAMES = tuple(sorted(ACTIVATIONS))
+_WEIGHT_LAYOUTS = ("nk", "kn")
 
 
 def linear_operands(a, weight, bias=None, *, activation="none", weight_layout="nk", a_name="a",
@@ -345,11 +357,16 @@ def linear_operands(a, weight, bias=None, *, activation="none", weight_layout="n
     """Check ``a`` (``a_dims``-D, K features last), ``weight`` (``[N, K]`` for ``"nk"``, the
     ``nn.Linear`` layout, or ``[K, N]`` for ``"kn"``; ``[2F, K]`` gate|up for gated activations)
     and ``bias`` (``[N]``) for one GEMM, with the error style of :mod:`.checks`."""
-    check_float_tensor(a_name, a, dims=a_dims)
-    check_float_tensor("weight", weight, dims=(2,))
-    check_same("weight", weight, a_name, a)
-    check_choice("weight_layout", weight_layout, ("nk", "kn"))
-    check_choice("activation", activation, sorted(ACTIVATIONS))
+    if not (isinstance(a, torch.Tensor) and isinstance(weight, torch.Tensor) and a.dim() in a_dims
+            and weight.dim() == 2 and a.dtype in SUPPORTED_DTYPES and weight.dtype == a.dtype
+            and weight.device == a.device and (a.is_cuda or (a.is_cpu and interpreting()))
+            and weight_layout in _WEIGHT_LAYOUTS and activation in _ACTIVATION_NAMES):
+        # what the one condition above holds, checked one by one: the first that fails raises its error
+        check_float_tensor(a_name, a, dims=a_dims)
+        check_float_tensor("weight", weight, dims=(2,))
+        check_same("weight", weight, a_name, a)
+        check_choice("weight_layout", weight_layout, _WEIGHT_LAYOUTS)
+        check_choice("activation", activation, _ACTIVATION_NAMES)
     act, glu = ACTIVATIONS[activation]
     k = a.shape[-1]
     if weight_layout == "nk":
@@ -371,41 +388,40 @@ def linear_operands(a, weight, bias=None, *, activation="none", weight_layout="n
         check_supported_dtype("bias", bias)
         if bias.stride(0) != 1:
             bias = bias.contiguous()
-    return LinearOperands(n_w, n_w // 2 if glu else n_w, k, act, glu, s_bk, s_bn, bias)
+    return LinearOperands(n_w, n_w // 2 if glu else n_w, k, act, glu, s_bk, s_bn, bias, activation)
 
 
-def _launch(a, b, out, *, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, residual, r_rows, s_rn,
-            aux, act, glu, glu_offset):
+def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, residual, r_rows, s_rn, aux, act,
+            glu):
+    """``_gemm_kernel``'s arguments (positional: this runs once per GEMM, per chunk of the chunked
+    ops) and flags; ``*_rows`` / ``a_k`` / ``b_k`` are :class:`RowView` s (``r_rows`` of an absent
+    residual: ``_NO_ROWS``)."""
     has_res = residual is not None
     has_aux = aux is not None
     args = (
-        a, b, out,
-        bias if bias is not None else out,
-        residual if has_res else out,
-        aux if has_aux else out,
+        a, b, out, bias if bias is not None else out, residual if has_res else out, aux if has_aux else out,
         M, N, K,
-        *a_rows.args(), *a_k.args(),
-        *b_k.args(), s_bn, glu_offset,
-        *c_rows.args(), s_cn,
-        *(r_rows.args() if has_res else (1, 0, 0)), s_rn,
-        aux.stride(0) if has_aux else 0, aux.stride(1) if has_aux else 0,
+        a_rows.inner, a_rows.s_outer, a_rows.s_inner, a_k.inner, a_k.s_outer, a_k.s_inner,
+        b_k.inner, b_k.s_outer, b_k.s_inner, s_bn, N if glu else 0,
+        c_rows.inner, c_rows.s_outer, c_rows.s_inner, s_cn,
+        r_rows.inner, r_rows.s_outer, r_rows.s_inner, s_rn,
+        *(aux.stride() if has_aux else (0, 0)),
     )
     flags = dict(
-        A_M_SPLIT=a_rows.split, A_K_SPLIT=a_k.split, B_K_SPLIT=b_k.split,
-        C_M_SPLIT=c_rows.split, R_M_SPLIT=r_rows.split if has_res else False,
-        HAS_BIAS=bias is not None, HAS_RES=has_res, STORE_AUX=has_aux,
+        A_M_SPLIT=a_rows.split, A_K_SPLIT=a_k.split, B_K_SPLIT=b_k.split, C_M_SPLIT=c_rows.split,
+        R_M_SPLIT=r_rows.split, HAS_BIAS=bias is not None, HAS_RES=has_res, STORE_AUX=has_aux,
         ACT=act, GLU=glu, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=input_precision(a.dtype),
     )
     if interpreting():
         cfg = INTERPRETER_CONFIG
         flags["EVEN_K"] = K % cfg["BLOCK_K"] == 0
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
         _gemm_kernel[grid](*args, **flags, **cfg)
     else:
         # EVEN_K must hold for every BLOCK_K the tuner may pick (all are <= 64 and divide 64)
         flags["EVEN_K"] = K % 64 == 0
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        with torch.cuda.device(a.device):
+        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        with on_device(a.device):
             _tuned_kernel()[grid](*args, **flags)
     return out
 
@@ -472,24 +488,33 @@ def matmul(
     ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)
     out, residual = _matmul_buffers(a, ops, out=out, accumulate=accumulate, residual=residual,
                                     preact_out=preact_out, out_dtype=out_dtype, activation=activation)
-    M, N, K = int(torch.Size(a.shape[:-1]).numel()), ops.n, ops.k
+    return matmul_checked(a, weight, ops, out, residual=residual, preact_out=preact_out, weight_layout=weight_layout)
+
+
+def matmul_checked(a: torch.Tensor, weight: torch.Tensor, ops: LinearOperands, out: torch.Tensor, *,
+                   residual: torch.Tensor | None = None, preact_out: torch.Tensor | None = None,
+                   weight_layout: str = "nk") -> torch.Tensor:
+    """:func:`matmul` (``out = act(a @ W + bias) (+ residual)``) without its checks: ``ops`` is
+    what :func:`linear_operands` returned for ``weight`` (in ``weight_layout``), the bias and the
+    activation with an operand of ``a``'s dtype, device and K, and ``out`` / ``residual`` /
+    ``preact_out`` have :func:`matmul`'s shapes, a supported dtype and ``a``'s device. For the
+    chunked ops, which check their operands once per call and then run one GEMM per chunk on
+    views and buffers of their own (checking every chunk again would cost more host time than
+    the launch)."""
+    M, N, K = a.shape[:-1].numel(), ops.n, ops.k
     if M == 0 or N == 0:
         return out
     if K == 0:  # empty contraction: the product is zero, the epilogue still applies
         if preact_out is not None:
             preact_out.copy_(matmul_reference(a.reshape(M, 0), weight, ops.bias, weight_layout=weight_layout))
-        out.copy_(matmul_reference(a, weight, ops.bias, weight_layout=weight_layout, activation=activation,
+        out.copy_(matmul_reference(a, weight, ops.bias, weight_layout=weight_layout, activation=ops.activation,
                                    residual=residual))
         return out
-    return _launch(
-        a, weight, out, M=M, N=N, K=K,
-        a_rows=RowView.rows(a), a_k=RowView(1, 0, a.stride(-1), False),
-        b_k=RowView(1, 0, ops.s_bk, False), s_bn=ops.s_bn,
-        c_rows=RowView.rows(out), s_cn=out.stride(-1),
-        bias=ops.bias, residual=residual, r_rows=RowView.rows(residual) if residual is not None else None,
-        s_rn=residual.stride(-1) if residual is not None else 0,
-        aux=preact_out, act=ops.act, glu=ops.glu, glu_offset=N if ops.glu else 0,
-    )
+    has_res = residual is not None
+    return _launch(a, weight, out, M, N, K, RowView.rows(a), RowView(1, 0, a.stride(-1), False),
+                   RowView(1, 0, ops.s_bk, False), ops.s_bn, RowView.rows(out), out.stride(-1), ops.bias, residual,
+                   RowView.rows(residual) if has_res else _NO_ROWS, residual.stride(-1) if has_res else 0, preact_out,
+                   ops.act, ops.glu)
 
 
 def matmul_tn(
@@ -506,9 +531,13 @@ def matmul_tn(
     leading dims. Both may be strided views (a sequence chunk of a larger tensor); the token
     dimension is contracted in place without copies. ``out`` has the ``nn.Linear`` weight layout.
     """
-    check_float_tensor("grad", grad, dims=(2, 3))
-    check_float_tensor("x", x, dims=(2, 3))
-    check_same("x", x, "grad", grad)
+    if not (isinstance(grad, torch.Tensor) and isinstance(x, torch.Tensor) and grad.dim() in (2, 3)
+            and x.dim() in (2, 3) and grad.dtype in SUPPORTED_DTYPES and x.dtype == grad.dtype
+            and x.device == grad.device and (grad.is_cuda or (grad.is_cpu and interpreting()))):
+        # what the one condition above holds, checked one by one: the first that fails raises its error
+        check_float_tensor("grad", grad, dims=(2, 3))
+        check_float_tensor("x", x, dims=(2, 3))
+        check_same("x", x, "grad", grad)
     if grad.shape[:-1] != x.shape[:-1]:
         raise ValueError(
             f"grad and x must have the same leading (token) dims, got {tuple(grad.shape)} and {tuple(x.shape)}"
@@ -525,14 +554,9 @@ def matmul_tn(
         if not accumulate:
             out.zero_()
         return out
-    return _launch(
-        grad, x, out, M=N, N=K, K=T,
-        a_rows=RowView(1, 0, grad.stride(-1), False), a_k=RowView.rows(grad),
-        b_k=RowView.rows(x), s_bn=x.stride(-1),
-        c_rows=RowView.rows(out), s_cn=out.stride(-1),
-        bias=None, residual=out if accumulate else None, r_rows=RowView.rows(out), s_rn=out.stride(-1),
-        aux=None, act=0, glu=False, glu_offset=0,
-    )
+    return _launch(grad, x, out, N, K, T, RowView(1, 0, grad.stride(-1), False), RowView.rows(grad), RowView.rows(x),
+                   x.stride(-1), RowView.rows(out), out.stride(-1), None, out if accumulate else None,
+                   RowView.rows(out) if accumulate else _NO_ROWS, out.stride(-1), None, 0, False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,9 +58,12 @@ from .gemm import (
 )
 from .runtime import (
     RowView,
+    cdiv,
     input_precision,
     interpreting,
+    multiprocessor_count,
     needs_upcast,
+    on_device,
     row_offsets,
     shared_memory_limit,
     tile_config_problem,
@@ -245,7 +248,7 @@ def chunk_view(t: torch.Tensor, dim: int, num_chunks: int) -> torch.Tensor:
 
 def tiles_per_chunk(rows: int, n: int, config: dict) -> int:
     """Output tiles of one chunk: the value a chunk's completion counter grows by per launch."""
-    return triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+    return cdiv(rows, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])
 
 
 def _chunk_rows(t: torch.Tensor) -> RowView:
@@ -272,8 +275,8 @@ def default_num_programs(device: torch.device, reserve: int = 0) -> int:
     concurrent kernels such as :func:`chunk_reduce`), a few under the interpreter."""
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, sms - reserve)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, multiprocessor_count(index) - reserve)
 
 
 def kernel_config(config, n, dtype, glu=False):
@@ -387,10 +390,7 @@ def _launch_persistent(a, weight, out, ops, cfg, *, first_chunk, wait_mode, wait
         MAX_SPIN=spin_bound(max_spin), **cfg,
     )
     grid = (min(num_programs, total),)
-    if a.device.type == "cuda":
-        with torch.cuda.device(a.device):
-            persistent_gemm_kernel[grid](*args, **meta)
-    else:
+    with on_device(a.device):
         persistent_gemm_kernel[grid](*args, **meta)
 
 
@@ -528,7 +528,7 @@ def chunk_reduce(
     if rows == 0 or N == 0:
         return out
     bm, bn = (16, 16) if interpreting() else block
-    total = triton.cdiv(rows, bm) * triton.cdiv(N, bn)
+    total = cdiv(rows, bm) * cdiv(N, bn)
     if num_programs is None:
         num_programs = total if src.device.type == "cuda" else INTERPRETER_PROGRAMS
     s_r, o_r = _chunk_rows(src), RowView.rows(out)
@@ -545,7 +545,7 @@ def chunk_reduce(
                 MAX_SPIN=spin_bound(max_spin), BLOCK_M=bm, BLOCK_N=bn)
     grid = (max(1, min(num_programs, total)),)
     if src.device.type == "cuda":
-        with torch.cuda.device(src.device):
+        with on_device(src.device):
             chunk_reduce_kernel[grid](*args, **meta, num_warps=4)
     else:
         chunk_reduce_kernel[grid](*args, **meta)

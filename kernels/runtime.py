@@ -6,6 +6,7 @@ Public names only: kernel modules import from here, never from each other's priv
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -100,6 +101,30 @@ def needs_upcast(dtype: torch.dtype) -> bool:
     """Under the interpreter ``tl.dot`` on bf16 multiplies bit patterns (triton issue 11584),
     so kernels upcast bf16 operands to fp32 there. The compiled path never upcasts."""
     return interpreting() and dtype == torch.bfloat16
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints (``triton.cdiv`` is a constexpr function: a call from host code
+    costs microseconds, which launchers pay per call)."""
+    return -(-a // b)
+
+
+#: the context of a launch on the current device (reused: entering it does nothing)
+_CURRENT = contextlib.nullcontext()
+
+
+def on_device(device: torch.device):
+    """The context a launch on ``device`` runs in: ``torch.cuda.device(device)`` for a CUDA device
+    other than the current one, else a no-op (what the launchers enter on every call)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return _CURRENT
+    return torch.cuda.device(device)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device_index: int) -> int:
+    """SMs of a GPU (persistent launches size their grids by it)."""
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
 @functools.lru_cache(maxsize=None)
@@ -302,16 +327,70 @@ def kept_config_count(name: str) -> int:
     return _KEPT[name]
 
 
+#: argument types without a dtype (skipped by :class:`MemoAutotuner`'s key, as by Triton's)
+_NUMBERS = frozenset((int, float, bool))
+
+
+class MemoAutotuner(triton.runtime.autotuner.Autotuner):
+    """``triton.autotune`` with a cheap path for a key already tuned: Triton's ``run`` rebuilds
+    its key on every launch from a dict of all arguments filtered against the argument-name
+    *list* (quadratic in the ~50 arguments of the GEMM kernels) plus ``str(dtype)`` of every
+    tensor, about as much host time as the launch itself. This tuner looks the launch up first
+    under a key of its own (the values of the key arguments, the dtype of every argument that is
+    not a plain number, None for those without one, and the keyword names: it determines
+    Triton's key, whose dtypes are those of the arguments that have one), and on a hit
+    launches the config Triton chose for it directly; on a miss Triton's ``run`` tunes (or finds
+    its own cached choice) and the choice is remembered. Forgetting Triton's choices
+    (``cache.clear()``, :func:`clear_tuning_caches`) forgets these too."""
+
+    def __init__(self, fn, arg_names, configs, key, restore_value, prune_configs_by):
+        super().__init__(fn, arg_names, configs, key, reset_to_zero=None, restore_value=restore_value,
+                         prune_configs_by=prune_configs_by)
+        self.cache = _TunedChoices()
+        # (name, position) of every key argument: read positionally when passed so, else by name
+        self._key_slots = tuple((k, arg_names.index(k)) for k in key)
+
+    def run(self, *args, **kwargs):
+        n = len(args)
+        key = (tuple([args[i] if i < n else kwargs.get(k) for k, i in self._key_slots]),
+               tuple([getattr(a, "dtype", None) for a in args if type(a) not in _NUMBERS]),
+               tuple([getattr(v, "dtype", None) for v in kwargs.values() if type(v) not in _NUMBERS]), tuple(kwargs))
+        launch = self.cache.memo.get(key)
+        if launch is None:
+            self.best_config = None
+            ret = super().run(*args, **kwargs)
+            chosen = self.best_config  # None when Triton's run is replaced (the compile check records launches)
+            if chosen is not None and chosen.pre_hook is None:  # (a config's pre_hook runs before each launch)
+                self.cache.memo[key] = (chosen, chosen.all_kwargs())
+            return ret
+        self.best_config = launch[0]
+        return self.fn.run(*args, **kwargs, **launch[1])
+
+
+class _TunedChoices(dict):
+    """An autotuner's ``{Triton key: config}`` cache that also holds :class:`MemoAutotuner`'s
+    ``memo`` (``{own key: (config, its launch kwargs)}``) and clears it with itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.memo: dict = {}
+
+    def clear(self):
+        super().clear()
+        self.memo.clear()
+
+
 def autotuned(kernel, *, configs, key, prune, restore_value=None):
-    """``triton.autotune`` over ``configs`` with the early prune rule ``prune(configs, named_args,
-    **kwargs)`` followed by :func:`select_tuning_configs`; registered under the kernel's name."""
+    """``triton.autotune`` over ``configs`` (a :class:`MemoAutotuner`) with the early prune rule
+    ``prune(configs, named_args, **kwargs)`` followed by :func:`select_tuning_configs`;
+    registered under the kernel's name."""
     name = kernel.fn.__name__  # kernel: a @triton.jit function
 
     def early_prune(cfgs, named_args, **kwargs):
         return select_tuning_configs(name, prune(cfgs, named_args, **kwargs))
 
-    tuner = triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": early_prune},
-                            restore_value=restore_value)(kernel)
+    tuner = MemoAutotuner(kernel, kernel.arg_names, configs, key, restore_value,
+                          {"early_config_prune": early_prune})
     _AUTOTUNERS[name] = tuner
     return tuner
 

@@ -232,3 +232,21 @@ def test_ceilings_and_launch_cli_smoke(bench_main, tmp_path):
     assert bench_main(["launch", "--calls", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["launch"]
     assert len(rows) == 5 and all(r["host_us_per_call"] > 0 for r in rows)
+
+
+def test_launch_stub_kernels(bench_main, tmp_path):
+    """--stub-kernels times the host path alone (no kernel runs) and puts the launches back."""
+    import triton
+
+    from fusedpar.kernels.runtime import interpreting
+
+    if interpreting():
+        from triton.runtime.interpreter import InterpretedFunction as kernel_class
+    else:
+        kernel_class = triton.runtime.JITFunction
+    run = kernel_class.run
+    out = tmp_path / "h.json"
+    assert bench_main(["launch", "--stub-kernels", "--calls", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["launch"]
+    assert len(rows) == 5 and all(r["kernels"] == "stubbed" and r["host_us_per_call"] > 0 for r in rows)
+    assert kernel_class.run is run

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedpar.kernels import chunk_view, matmul
+from fusedpar.kernels.gemm import linear_operands, matmul_checked
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import symmetric
 from fusedpar.ops.library import absent, custom_op, hold, input_grads, resolve_token, token_size
@@ -137,9 +138,10 @@ def all_gather_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False
                                               activation=opts.activation, out=out, preact_out=preact,
                                               gathered_out=gathered, agree=False)
         return out, preact, gathered
+    ops = linear_operands(x, weight, bias, activation=opts.activation)  # every chunk: x's dtype, device and K
     for src, chunk in ring_gather(x, t, into=gathered):
-        matmul(chunk, weight, bias, activation=opts.activation, out=out.narrow(d, src * n, n),
-               preact_out=None if preact is None else preact[src].view(-1, n_w))
+        matmul_checked(chunk, weight, ops, out.narrow(d, src * n, n),
+                       preact_out=None if preact is None else preact[src].view(-1, n_w))
     return out, preact, gathered
 
 
@@ -299,9 +301,10 @@ def matmul_reduce_scatter_bwd(grad_out, x, weight, opts: TPOptions, *, need_dx=T
         dgrad_done = True
     else:
         chunks = ring_gather(grad_out, t)
+    ops = linear_operands(grad_out, weight, weight_layout="kn") if need_dx and not dgrad_done else None
     for src, g in chunks:
         if need_dx and not dgrad_done:
-            matmul(g, weight, weight_layout="kn", out=dx.narrow(d, src * n, n))
+            matmul_checked(g, weight, ops, dx.narrow(d, src * n, n), weight_layout="kn")
         if need_dw:
             dw.add(g, x.narrow(d, src * n, n))
         if need_db:

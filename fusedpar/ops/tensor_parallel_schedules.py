@@ -31,6 +31,7 @@ import math
 import torch
 
 from fusedpar.kernels import fp8_matmul, matmul, matmul_tn, quantize_e4m3
+from fusedpar.kernels.gemm import linear_operands, matmul_checked
 from fusedpar.kernels.fp8 import scale_shape
 from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
@@ -78,12 +79,24 @@ def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None
 def chunk_gemm(weight, weight_layout: str = "nk"):
     """``gemm(a, out, bias=None, residual=None)``: ``out = a @ W (+ bias) (+ residual)`` with
     ``matmul`` and ``weight`` in ``weight_layout``, or ``weight``'s own ``gemm`` (a quantised fp8
-    weight, whose layout it knows)."""
+    weight, whose layout it knows).
+
+    The chunks of one schedule share the operand's dtype, device and K, and the schedule makes
+    ``out`` and ``residual`` itself: ``matmul`` checks the first GEMM with each bias (and operand
+    dtype, device and K), later ones launch through ``matmul_checked`` without the checks (which
+    cost more host time than the launch, once per chunk)."""
     if hasattr(weight, "gemm"):
         return weight.gemm
+    checked = {}  # (id(bias), dtype, device, K) -> (bias, LinearOperands); holding bias pins its id
 
     def gemm(a, out, bias=None, residual=None):
-        return matmul(a, weight, bias, weight_layout=weight_layout, out=out, residual=residual)
+        key = (id(bias), a.dtype, a.device, a.shape[-1])
+        seen = checked.get(key)
+        if seen is None:
+            matmul(a, weight, bias, weight_layout=weight_layout, out=out, residual=residual)
+            checked[key] = (bias, linear_operands(a, weight, bias, weight_layout=weight_layout))
+            return out
+        return matmul_checked(a, weight, seen[1], out, residual=residual, weight_layout=weight_layout)
 
     return gemm
 
@@ -97,6 +110,20 @@ def _halves(length):
     if length < 2:
         return [(0, length)]
     return [(0, length // 2), (length // 2, length)]
+
+
+def _partial_buffers(shapes, dtype, device):
+    """``(send, recv)``: two double-buffered sets of ``shapes`` buffers, views of one allocation
+    (one allocator call per op instead of eight)."""
+    sizes = [math.prod(s) for s in shapes]
+    flat = torch.empty(4 * sum(sizes), dtype=dtype, device=device)
+    views, off = [], 0
+    for _ in range(4):
+        views.append([])
+        for shape, n in zip(shapes, sizes):
+            views[-1].append(flat[off:off + n].view(shape))
+            off += n
+    return views[:2], views[2:]
 
 
 def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Transport, partial_dtype,
@@ -122,8 +149,7 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
     sd = _split_dim(out)
     parts = _halves(out.shape[sd])
     shapes = [out.narrow(sd, lo, hi - lo).shape for lo, hi in parts]
-    send = [[torch.empty(s, dtype=partial_dtype, device=out.device) for s in shapes] for _ in range(2)]
-    recv = [[torch.empty(s, dtype=partial_dtype, device=out.device) for s in shapes] for _ in range(2)]
+    send, recv = _partial_buffers(shapes, partial_dtype, out.device)
     handles = [None] * len(parts)
     for j in range(P):
         a = a_chunk((r - j - 1) % P)

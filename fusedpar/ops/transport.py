@@ -255,8 +255,9 @@ class EmulatedTransport(Transport, SymmetricBuffers):
         return EMULATION_FREE_SMS if torch.device(device).type == "cuda" else 0
 
     def _side(self, device: torch.device):
-        if device.type != "cuda":
-            return None
+        s = self._streams.get(device)  # (a tensor's device: the key canonical_device gives it)
+        if s is not None or device.type != "cuda":
+            return s
         device = canonical_device(device)
         s = self._streams.get(device)
         if s is None:
