@@ -13,8 +13,8 @@ import functools
 import torch
 import triton
 
-from .runtime import (autotuned, cdiv, device_capability, input_precision, interpreting, needs_upcast, on_device,
-                      shared_memory_limit)
+from .runtime import (autotuned, cdiv, device_capability, input_precision, interpreting, needs_upcast,
+                      next_power_of_2, on_device, shared_memory_limit)
 
 __all__ = [
     "FP32_TILE", "INTERPRETER_CONFIG", "MAX_GRID_X", "attention_grid", "gpu_configs", "kernel_flags",
@@ -223,9 +223,9 @@ def _prune(tuner_kind):
                 continue  # measured, tf32: 128-wide dQ key blocks (sm_90) and wide dK/dV tiles (sm_80) spill
             if ieee_fp32 != ((bm, bn) == FP32_TILE):
                 continue  # fp32 "ieee" dots run on FMA units: only FP32_TILE compiles (nearly) without spills
-            if bm > 2 * triton.next_power_of_2(sq) and bm > 32:
+            if bm > 2 * next_power_of_2(sq) and bm > 32:
                 continue
-            if bn > 2 * triton.next_power_of_2(sk) and bn > 32:
+            if bn > 2 * next_power_of_2(sk) and bn > 32:
                 continue
             kept.append(cfg)
         return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]

@@ -37,7 +37,6 @@ fp8 tensor cores exist from compute capability 8.9 (Ada, Hopper): launches on an
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
@@ -45,7 +44,7 @@ import triton.language as tl
 
 from .checks import check_choice, check_float_tensor, check_same, check_shape, check_tensor
 from .moe_permute import as_group_offsets
-from .runtime import device_capability, interpreting
+from .runtime import cdiv, device_capability, interpreting, on_device
 
 __all__ = ["DEFAULT_FP8_OPTION", "E4M3_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", "GRANULARITIES", "SCALE_FLOOR", "FP8UnsupportedError",
            "check_fp8_device", "dequantize_e4m3", "fp8_support_problem", "group_columns", "group_scale",
@@ -277,8 +276,8 @@ def _quant_groups_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, offsets_ptr, F, s_xm, s_xf
 # --------------------------------------------------------------------------------------------
 def scale_shape(rows: int, cols: int, granularity: str) -> tuple:
     """The shape of the fp32 scales of a ``[rows, cols]`` tensor quantised at ``granularity``."""
-    nb = triton.cdiv(cols, FP8_BLOCK)
-    return {"row": (rows,), "tile": (rows, nb), "block": (triton.cdiv(rows, FP8_BLOCK), nb)}[granularity]
+    nb = cdiv(cols, FP8_BLOCK)
+    return {"row": (rows,), "tile": (rows, nb), "block": (cdiv(rows, FP8_BLOCK), nb)}[granularity]
 
 
 #: fixed launch shapes (memory-bound passes, no tuning), by mode: "interpreted" (few programs: the
@@ -311,15 +310,15 @@ def quantize_e4m3(x: torch.Tensor, granularity: str = "row", *,
     mode = "interpreted" if emulate else "columns" if x.stride(-2) == 1 and x.stride(-1) != 1 else "rows"
     strides = (x3.stride(0), x3.stride(1), x3.stride(2), q3.stride(0), q3.stride(1), s3.stride(0),
                s3.stride(1) if granularity != "block" else 0)
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+    with on_device(x.device):
         if granularity == "row":
             block_r, block_c, warps = _ROW_BLOCKS[mode]
-            _quant_rows_kernel[(triton.cdiv(R, block_r), x3.shape[0])](
+            _quant_rows_kernel[(cdiv(R, block_r), x3.shape[0])](
                 x3, q3, s3, R, C, *strides, EMULATE=emulate, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
         else:
             one_row = granularity == "tile"
             block_r = _TILE_ROWS[mode] if one_row else FP8_BLOCK
-            grid = (triton.cdiv(R, block_r), triton.cdiv(C, FP8_BLOCK), x3.shape[0])
+            grid = (cdiv(R, block_r), cdiv(C, FP8_BLOCK), x3.shape[0])
             _quant_blocks_kernel[grid](x3, q3, s3, R, C, *strides, grid[1], ONE_ROW=one_row, EMULATE=emulate,
                                        BLOCK_R=block_r, BLOCK_C=FP8_BLOCK, num_warps=4 if one_row else 8)
     return q, scale
@@ -384,7 +383,7 @@ def quantize_e4m3_groups(x: torch.Tensor, offsets: torch.Tensor, granularity: st
         if not fp8_in:
             raise TypeError(f"x_scale is for an e4m3 x (dequantised first), got x of dtype {x.dtype}")
         check_tensor("x_scale", x_scale, dims=(1, 2), dtypes=(torch.float32,))
-        check_shape("x_scale", x_scale, (M,) if x_scale.dim() == 1 else (M, triton.cdiv(F, FP8_BLOCK)))
+        check_shape("x_scale", x_scale, (M,) if x_scale.dim() == 1 else (M, cdiv(F, FP8_BLOCK)))
         check_same("x_scale", x_scale, "x", x, dtype=False)
     offsets = as_group_offsets(offsets, M, x.device, check=check_offsets)
     G = offsets.numel() - 1
@@ -396,8 +395,8 @@ def quantize_e4m3_groups(x: torch.Tensor, offsets: torch.Tensor, granularity: st
     xs = x_scale if x_scale is not None else x
     in_tiles = x_scale is not None and x_scale.dim() == 2
     block_f = 128 if interpreting() else 64  # (interpreted: fewer, larger programs)
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        _quant_groups_kernel[(G, triton.cdiv(F, block_f))](
+    with on_device(x.device):
+        _quant_groups_kernel[(G, cdiv(F, block_f))](
             x, xs, q, scale, offsets, F, x.stride(0), x.stride(1), xs.stride(0), xs.stride(-1) if in_tiles else 0,
             q.stride(0), scale.stride(0), TILES=granularity == "tile", DEQUANT=x_scale is not None,
             IN_TILES=in_tiles, EMULATE=interpreting(), BLOCK_T=FP8_BLOCK, BLOCK_F=block_f, num_warps=8)
@@ -426,7 +425,7 @@ def quantize_e4m3_reference(x: torch.Tensor, granularity: str = "row") -> tuple[
     if granularity == "row":
         amax = a.amax(dim=1) if C else a.new_zeros(R)
     else:
-        nb, pad_r = triton.cdiv(C, FP8_BLOCK), (-R) % FP8_BLOCK
+        nb, pad_r = cdiv(C, FP8_BLOCK), (-R) % FP8_BLOCK
         padded = torch.nn.functional.pad(a, (0, nb * FP8_BLOCK - C, 0, pad_r if granularity == "block" else 0))
         if granularity == "tile":
             amax = padded.view(R, nb, FP8_BLOCK).amax(dim=2)
@@ -462,6 +461,6 @@ def quantize_e4m3_groups_reference(x: torch.Tensor, offsets, granularity: str = 
             continue
         c = 16 * (a // 16 + g)
         q[:, c:c + b - a], sg = quantize_e4m3_reference(xf[a:b].t(), granularity)
-        tiles = triton.cdiv(b - a, FP8_BLOCK)
+        tiles = cdiv(b - a, FP8_BLOCK)
         scale[:, a // FP8_BLOCK + g:a // FP8_BLOCK + g + tiles] = sg[:, None] if granularity == "row" else sg
     return q, scale

@@ -31,8 +31,8 @@ from .checks import (check_buffer, check_choice, check_out_dtype, check_same, ch
                      check_tensor, output_buffer)
 from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, group_tiles, round_to_bf16, to_fp32
 from .gemm import EPILOGUE_ACC_BUDGET
-from .runtime import (RowView, autotuned, device_capability, interpreting, pipelined, prune_tile_configs,
-                      shared_memory_limit, tile_smem_bytes)
+from .runtime import (RowView, autotuned, cdiv, device_capability, interpreting, on_device, pipelined,
+                      prune_tile_configs, shared_memory_limit, tile_smem_bytes)
 
 __all__ = ["FP8_GROUPED_INTERPRETER_CONFIGS", "FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "FP8_RECIPES",
            "GROUPED_FP8_ACC_BUDGET", "SCALINGS", "UNALIGNED_FP8_GROUPED_TILE", "UNALIGNED_FP8_TILE", "fp8_configs_of_kind", "fp8_gpu_configs",
@@ -202,9 +202,9 @@ def grouped_fp8_scales(a_name: str, a, a_scale, b_scale, scaling: str, *, n_expe
     group (:func:`~fusedpar.kernels.fp8.quantize_e4m3_groups`): ``[N, T]`` and ``[K, T]``,
     ``T =`` :func:`~fusedpar.kernels.fp8.group_tiles` ``(M, G)`` (either recipe)."""
     if wgrad_of is None:
-        M, kb = a.shape[0], triton.cdiv(K, FP8_BLOCK)
+        M, kb = a.shape[0], cdiv(K, FP8_BLOCK)
         scales = {f"{a_name}_scale": (a_scale, (M,), (M, kb)),
-                  "weight_scale": (b_scale, (n_experts, n_w), (n_experts, triton.cdiv(n_w, FP8_BLOCK), kb))}
+                  "weight_scale": (b_scale, (n_experts, n_w), (n_experts, cdiv(n_w, FP8_BLOCK), kb))}
     else:
         (G, N, K), T = wgrad_of, group_tiles(a.shape[0], wgrad_of[0])
         scales = {f"{a_name}_scale": (a_scale, (N, T), (N, T)), "x_scale": (b_scale, (K, T), (K, T))}
@@ -304,9 +304,9 @@ def _b_scale_rows(b_scale: torch.Tensor, N: int, kb: int) -> int:
     ``[N, kb]`` (tiles)."""
     if tuple(b_scale.shape) == (N, kb):
         return 1
-    if tuple(b_scale.shape) == (triton.cdiv(N, FP8_BLOCK), kb):
+    if tuple(b_scale.shape) == (cdiv(N, FP8_BLOCK), kb):
         return FP8_BLOCK
-    raise ValueError(f"b_scale must have shape {(triton.cdiv(N, FP8_BLOCK), kb)} (128x128 blocks) or {(N, kb)} "
+    raise ValueError(f"b_scale must have shape {(cdiv(N, FP8_BLOCK), kb)} (128x128 blocks) or {(N, kb)} "
                      f"(1x128 tiles) for blockwise scaling of b {(N, kb * FP8_BLOCK)}, got {tuple(b_scale.shape)}")
 
 
@@ -321,7 +321,7 @@ def _check_scales(a_scale, b_scale, *, lead: tuple, N: int, K: int, scaling: str
         check_shape("a_scale", a_scale, lead)
         check_shape("b_scale", b_scale, (N,))
         return 1
-    kb = triton.cdiv(K, FP8_BLOCK)
+    kb = cdiv(K, FP8_BLOCK)
     check_shape("a_scale", a_scale, lead + (kb,))
     check_tensor("b_scale", b_scale, dims=(2,))
     return _b_scale_rows(b_scale, N, kb)
@@ -411,11 +411,11 @@ def fp8_matmul(
 def _launch(args, flags, M: int, N: int, device) -> None:
     if interpreting():
         cfg = FP8_INTERPRETER_CONFIG
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
         _fp8_gemm_kernel[grid](*args, **flags, **cfg)
     else:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        with torch.cuda.device(device):
+        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        with on_device(device):
             _tuned_kernel()[grid](*args, **flags)
 
 

@@ -40,8 +40,8 @@ from .fp8_gemm import (FP8_GROUPED_INTERPRETER_CONFIGS, GROUPED_FP8_ACC_BUDGET, 
 from .moe_permute import as_group_offsets  # noqa: F401 (the grouped GEMMs' offsets, also exported here)
 from .moe_routing import MAX_ROWS
 from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, acc_budget_for, aligned, autotuned, device_capability,
-                      input_precision, interpreting, needs_upcast, pipelined, prune_tile_configs, shared_memory_limit,
-                      tile_smem_bytes)
+                      cdiv, input_precision, interpreting, needs_upcast, next_power_of_2, on_device, pipelined,
+                      prune_tile_configs, shared_memory_limit, tile_smem_bytes)
 
 _LAYOUTS = ("nk", "kn")
 OPERAND_DTYPES = SUPPORTED_DTYPES + (torch.float8_e4m3fn,)
@@ -533,9 +533,9 @@ def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, 
             0 if bias is None else bias.stride(0), *scales[2:])
     flags = dict(ACT=act, GLU=glu, STORE_AUX=has_aux and not dact, DACT=dact, HAS_BIAS=bias is not None,
                  UPCAST=needs_upcast(x.dtype), INPUT_PRECISION=input_precision(x.dtype),
-                 G_PAD=max(2, triton.next_power_of_2(G)), **grouped_fp8_flags(fp8, out, aux))
+                 G_PAD=max(2, next_power_of_2(G)), **grouped_fp8_flags(fp8, out, aux))
     _launch(_grouped_gemm_kernel, _tuned_gemm, FP8_GROUPED_INTERPRETER_CONFIGS[0] if fp8 else INTERPRETER_GEMM_CONFIG,
-            lambda meta: (_row_tiles(M, G, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"])), args, flags, x.device)
+            lambda meta: (_row_tiles(M, G, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"])), args, flags, x.device)
 
 
 def _launch(kernel, tuned, interpreter_config, grid, args, flags, device) -> None:
@@ -543,7 +543,7 @@ def _launch(kernel, tuned, interpreter_config, grid, args, flags, device) -> Non
     if interpreting():
         kernel[grid(interpreter_config)](*args, **flags, **interpreter_config)
     else:
-        with torch.cuda.device(device):
+        with on_device(device):
             tuned()[grid](*args, **flags)
 
 
@@ -589,6 +589,6 @@ def grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets, num_experts: int
     flags = dict(ACCUMULATE=accumulate, UPCAST=needs_upcast(grad.dtype), INPUT_PRECISION=input_precision(grad.dtype),
                  FP8=fp8 is not None, EMULATE=interpreting() and fp8 is not None and out.dtype == torch.bfloat16)
     _launch(_grouped_wgrad_kernel, _tuned_wgrad, FP8_GROUPED_INTERPRETER_CONFIGS[1] if fp8 else INTERPRETER_WGRAD_CONFIG,
-            lambda meta: (num_experts, triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"])), args, flags,
+            lambda meta: (num_experts, cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"])), args, flags,
             grad.device)
     return out

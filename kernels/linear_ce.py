@@ -32,7 +32,8 @@ import triton.language as tl
 from .checks import (check_float_tensor, check_index_tensor, check_out_dtype, check_same, check_shape, check_tensor,
                      output_buffer)
 from .gemm import INTERPRETER_CONFIG, gemm_mainloop, gpu_configs, grouped_tile, tile_rule
-from .runtime import autotuned, input_precision, interpreting, needs_upcast, prune_tile_configs, shared_memory_limit
+from .runtime import (autotuned, cdiv, input_precision, interpreting, needs_upcast, on_device, prune_tile_configs,
+                      shared_memory_limit)
 
 __all__ = ["STATS_BLOCK_N", "linear_ce_dlogits", "linear_ce_dlogits_reference", "linear_ce_stats",
            "linear_ce_stats_reference", "stats_block_n"]
@@ -178,11 +179,11 @@ def _launch(kernel, tuned, args, flags, M, N, K, device):
     flags = dict(flags, UPCAST=needs_upcast(args[0].dtype), INPUT_PRECISION=input_precision(args[0].dtype))
     if interpreting():
         cfg = INTERPRETER_CONFIG
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
         kernel[grid](*args, **flags, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
     else:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        with torch.cuda.device(device):
+        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        with on_device(device):
             tuned()[grid](*args, **flags, EVEN_K=K % 64 == 0)  # every BLOCK_K divides 64
 
 
@@ -236,7 +237,7 @@ def linear_ce_stats(hidden: torch.Tensor, weight: torch.Tensor, target_idx: torc
         out[1:].zero_()
         return out
     bn = stats_block_n()
-    part = torch.empty((3 if smoothing else 2, triton.cdiv(N, bn), M), dtype=torch.float32, device=hidden.device)
+    part = torch.empty((3 if smoothing else 2, cdiv(N, bn), M), dtype=torch.float32, device=hidden.device)
     picked = torch.zeros(M, dtype=torch.float32, device=hidden.device)
     args = (hidden, weight, target_idx, part[0], part[1], part[2 if smoothing else 1], picked,
             M, N, K, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), cap, inv_cap)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .checks import INDEX_DTYPES, check_float_tensor, check_index_tensor, check_same, check_tensor, output_buffer
 from .moe_routing import MAX_ROWS
-from .runtime import SUPPORTED_DTYPES, interpreting
+from .runtime import SUPPORTED_DTYPES, cdiv, interpreting, next_power_of_2
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,8 +161,8 @@ def permute(x: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, *, out: torc
     out = output_buffer("out", out, (n, H), x.device, x.dtype)
     if n == 0 or H == 0:
         return out
-    BR, BH = (16, 32) if interpreting() else (32, min(256, triton.next_power_of_2(H)))
-    grid = (triton.cdiv(n, BR), triton.cdiv(H, BH))
+    BR, BH = (16, 32) if interpreting() else (32, min(256, next_power_of_2(H)))
+    grid = (cdiv(n, BR), cdiv(H, BH))
     _permute_kernel[grid](x, out, sorted_slot, n, H, top_k, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
                           BLOCK_R=BR, BLOCK_H=BH)
     return out
@@ -185,8 +185,8 @@ def combine(y: torch.Tensor, slot_pos: torch.Tensor, weights: torch.Tensor | Non
     out = output_buffer("out", out, (T, H), y.device, out_dtype or y.dtype)
     if T == 0 or H == 0:
         return out
-    BT, BH = (16, 32) if interpreting() else (16, min(256, triton.next_power_of_2(H)))
-    grid = (triton.cdiv(T, BT), triton.cdiv(H, BH))
+    BT, BH = (16, 32) if interpreting() else (16, min(256, next_power_of_2(H)))
+    grid = (cdiv(T, BT), cdiv(H, BH))
     _combine_kernel[grid](y, weights if weights is not None else y, slot_pos, out, T, H, top_k,
                           y.stride(0), y.stride(1), out.stride(0), out.stride(1),
                           HAS_WEIGHT=weights is not None, BLOCK_T=BT, BLOCK_H=BH)
@@ -210,8 +210,8 @@ def combine_backward(grad_out: torch.Tensor, y: torch.Tensor, weights: torch.Ten
     grad_w = torch.zeros((T * top_k,), device=y.device, dtype=torch.float32)
     if R == 0:
         return grad_y, grad_w.view(T, top_k)
-    BR, BH = (16, 32) if interpreting() else (32, min(128, triton.next_power_of_2(max(H, 1))))
-    _combine_bwd_kernel[(triton.cdiv(R, BR),)](
+    BR, BH = (16, 32) if interpreting() else (32, min(128, next_power_of_2(max(H, 1))))
+    _combine_bwd_kernel[(cdiv(R, BR),)](
         grad_out, y, weights, sorted_slot, grad_y, grad_w, R, H, top_k,
         grad_out.stride(0), grad_out.stride(1), y.stride(0), y.stride(1), grad_y.stride(0), grad_y.stride(1),
         BLOCK_R=BR, BLOCK_H=BH)

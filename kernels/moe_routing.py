@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_bool, check_index_tensor
-from .runtime import ACTIVATIONS, activation_reference, interpreting
+from .runtime import ACTIVATIONS, activation_reference, cdiv, interpreting, next_power_of_2
 
 #: most rows (slots) a routing, permute / combine or grouped-GEMM launch addresses: positions and
 #: row indices are int32, and a program's last row block (``pid * BLOCK + arange(BLOCK)``, up to
@@ -165,9 +165,9 @@ def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int 
     dev = group_ids.device
     ids = group_ids.reshape(-1).contiguous()
     G = num_groups
-    G_PAD = max(2, triton.next_power_of_2(G))
+    G_PAD = max(2, next_power_of_2(G))
     BLOCK = _block_for_groups(G_PAD)
-    nb = max(1, triton.cdiv(n, BLOCK))
+    nb = max(1, cdiv(n, BLOCK))
     block_counts = torch.empty((nb, G), device=dev, dtype=torch.int32)
     slot_pos = torch.empty((n,), device=dev, dtype=torch.int32)
     sorted_slot = torch.full((n,), -1, device=dev, dtype=torch.int32)

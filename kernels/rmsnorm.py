@@ -16,17 +16,11 @@ as in the GEMMs), so a ``[batch, seq, H]`` view whose batch and sequence strides
 sequence chunk of a larger tensor) is read and written in place; the feature stride is arbitrary
 too.
 
-fp8 output (:func:`rms_norm_fp8_fwd`, constexpr ``FP8``): the forward kernel also quantises ``y``
-for an fp8 GEMM while it holds the row, per token (the ``rowwise`` recipe: the row's amax) or per
-1x128 tile along ``H`` (``blockwise``, constexpr ``TILES``: the row tile reshaped to
-``[rows, H / 128, 128]``; a ragged last tile takes the amax of the features it has). It quantises
-the values it stores, ``y`` rounded to its dtype and widened again (:func:`.fp8.to_fp32`), not the
-fp32 ones before that rounding, with :mod:`.fp8`'s scale (:func:`.fp8.group_scale`: the zero-row
-floor, the amax at 448) and cast (:func:`.fp8.to_e4m3`, exact under the interpreter behind
-``EMULATE``): ``(q, scale)`` equal ``quantize_e4m3`` of the returned ``y`` bit for bit, and ``y``
-and ``rstd`` equal the plain launch's: same block sizes and, compiled, the same register layout
-(constexpr ``VEC``), so the row sums add in the same order.
-The looped kernels quantise tiles as pass 2 goes, or for a per-row scale reload ``y`` in a pass 3.
+fp8 output (:func:`rms_norm_fp8_fwd`, constexpr ``FP8``; ``TILES``: 1x128 tiles along ``H``): the
+forward kernel also quantises the ``y`` it stores (rounded to its dtype) with :mod:`.fp8`'s
+``group_scale`` and ``to_e4m3``, so ``(q, scale)`` equal ``quantize_e4m3(y)`` bit for bit; block
+sizes and, compiled, the register layout (constexpr ``VEC``) are the plain launch's, so ``y`` and
+``rstd`` are too (DESIGN §4.11). The looped kernels quantise in pass 2, or reload ``y`` in a pass 3.
 
 Layers: ``_rmsnorm_fwd_kernel`` / ``_rmsnorm_bwd_kernel`` (jit) -> ``rms_norm_fwd`` /
 ``rms_norm_fp8_fwd`` / ``rms_norm_bwd`` (validate, allocate, launch); ``rms_norm_reference`` is
@@ -42,7 +36,7 @@ import triton.language as tl
 from .checks import check_choice, check_device_usable, check_same, check_shape, check_supported_dtype, check_tensor
 from .fp8 import FP8_BLOCK, check_fp8_device, group_scale, scale_shape, to_e4m3, to_fp32
 from .fp8_gemm import FP8_RECIPES
-from .runtime import RowView, interpreting, row_offsets
+from .runtime import RowView, cdiv, interpreting, multiprocessor_count, next_power_of_2, on_device, row_offsets
 
 # The fused kernels hold whole rows (padded to a power of two) in registers; rows wider than
 # this take the looped kernels, which stream a row in LOOP_CHUNK-wide pieces twice (statistics,
@@ -358,7 +352,7 @@ def _config(H: int, M: int):
     than ROW_BLOCK_LIMIT (``{"BLOCK_C": ...}``, one row per program). The fp8 output launches the
     same (the row statistics are summed in the same order: ``y`` and ``rstd`` equal the plain
     launch's bit for bit)."""
-    block_h = max(16, triton.next_power_of_2(H))
+    block_h = max(16, next_power_of_2(H))
     if block_h > ROW_BLOCK_LIMIT:
         return dict(BLOCK_C=min(LOOP_CHUNK, ROW_BLOCK_LIMIT)), ({} if interpreting() else dict(num_warps=8))
     if interpreting():
@@ -366,7 +360,7 @@ def _config(H: int, M: int):
         # multi-program launches and row tails in the tests
         return dict(BLOCK_M=16, BLOCK_H=block_h), {}
     # about 8k fp32 elements of a tile per program keep registers in budget
-    block_m = max(1, min(16, 8192 // block_h, triton.next_power_of_2(max(M, 1))))
+    block_m = max(1, min(16, 8192 // block_h, next_power_of_2(max(M, 1))))
     warps = 4 if block_h * block_m <= 4096 else 8
     return dict(BLOCK_M=block_m, BLOCK_H=block_h), dict(num_warps=warps)
 
@@ -514,13 +508,13 @@ def _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, granu
                                     if residual is not None else None)
         tiles = granularity == "tile"
         cfg, launch = _config(H, M)
-        grid = (triton.cdiv(M, cfg.get("BLOCK_M", 1)),)
+        grid = (cdiv(M, cfg.get("BLOCK_M", 1)),)
         kernel = _rmsnorm_fwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_fwd_kernel
-        with _device_ctx(x):
+        with on_device(x.device):
             kernel[grid](
                 xr, rr if rr is not None else xr, weight if weight is not None else xr, yr,
                 hr if hr is not None else yr, rstd, q if q is not None else yr, scale if scale is not None else rstd,
-                M, H, float(eps), triton.cdiv(H, FP8_BLOCK) if tiles else 1,
+                M, H, float(eps), cdiv(H, FP8_BLOCK) if tiles else 1,
                 *x_rows.args(), s_xh, *r_rows.args(), s_rh, *y_rows.args(), s_yh, *h_rows.args(), s_hh,
                 X_SPLIT=x_rows.split, R_SPLIT=r_rows.split, Y_SPLIT=y_rows.split, H_SPLIT=h_rows.split,
                 HAS_RES=residual is not None, HAS_WEIGHT=weight is not None, FP8=granularity is not None,
@@ -535,12 +529,12 @@ def _bwd_programs(M: int, block_m: int, device: torch.device):
     """(programs, rows per program): one program per SM at most (each writes one fp32 row of
     partial weight gradients), rows per program a multiple of ``block_m``."""
     if interpreting():
-        programs = max(1, min(2, triton.cdiv(M, block_m)))
+        programs = max(1, min(2, cdiv(M, block_m)))
     else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = max(1, min(sms, triton.cdiv(M, block_m)))
-    rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), programs), block_m) * block_m
-    return triton.cdiv(max(M, 1), rows_per_program), rows_per_program
+        sms = multiprocessor_count(device.index)
+        programs = max(1, min(sms, cdiv(M, block_m)))
+    rows_per_program = cdiv(cdiv(max(M, 1), programs), block_m) * block_m
+    return cdiv(max(M, 1), rows_per_program), rows_per_program
 
 
 def rms_norm_bwd(
@@ -573,7 +567,7 @@ def rms_norm_bwd(
         gin, g_rows, s_gh = _operand(_as_rows("grad_residual", grad_residual) if grad_residual is not None else None)
         w = weight.contiguous() if weight is not None else None
         kernel = _rmsnorm_bwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_bwd_kernel
-        with _device_ctx(h):
+        with on_device(h.device):
             kernel[(programs,)](
                 gr, hr, w if w is not None else hr, rstd, gin if gin is not None else gr, dxr,
                 dw_partial if dw_partial is not None else rstd,
@@ -586,21 +580,6 @@ def rms_norm_bwd(
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
     return dx, dw
 
-
-class _device_ctx:
-    """``torch.cuda.device(t.device)`` on GPU, nothing under the interpreter."""
-
-    def __init__(self, t):
-        self._ctx = torch.cuda.device(t.device) if t.device.type == "cuda" else None
-
-    def __enter__(self):
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            return self._ctx.__exit__(*exc)
-        return False
 
 
 # --------------------------------------------------------------------------------------------

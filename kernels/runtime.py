@@ -109,6 +109,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2``, a plain host
+    function (the launchers call it per launch)."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
 #: the context of a launch on the current device (reused: entering it does nothing)
 _CURRENT = contextlib.nullcontext()
 
