@@ -19,7 +19,7 @@ from fusedpar.ops import (
     zigzag_shard,
     zigzag_unshard,
 )
-from fusedpar.ops.sp_attention_schedules import ring_rounds, ring_step_plan, shard_chunks
+from fusedpar.ops.sp_attention_ring import ring_rounds, ring_step_plan, shard_chunks
 from fusedpar.ops.transport import EmulatedTransport
 
 world2 = world_fixture(2)

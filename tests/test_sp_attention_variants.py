@@ -14,7 +14,7 @@ from _utils import DEVICE, assert_close, randn
 from _world import grid_2x2, rank_rng, straggle, world_fixture
 from fusedpar.kernels import attention_reference, varlen_attention_reference
 from fusedpar.ops import comm, hybrid_attention, ring_attention, shard_positions, ulysses_attention
-from fusedpar.ops.sp_attention_schedules import ring_rounds, ring_schedule, ring_step_plan, shard_chunks
+from fusedpar.ops.sp_attention_ring import ring_rounds, ring_schedule, ring_step_plan, shard_chunks
 from fusedpar.ops.transport import EmulatedTransport
 
 world2 = world_fixture(2)

@@ -12,7 +12,8 @@ from fusedpar.kernels import flash_attention_varlen as flash_attention_varlen_la
 from fusedpar.kernels.flash_attention import MAX_GRID_X, attention_grid
 from fusedpar.kernels.flash_varlen import varlen_segments
 from fusedpar.ops import EmulatedTransport, document_positions, flash_attention_varlen, ring_attention
-from fusedpar.ops.sp_attention_schedules import document_plan, shard_chunks
+from fusedpar.ops.sp_attention_ring import shard_chunks
+from fusedpar.ops.sp_attention_schedules import document_plan
 
 # Tolerances as in test_flash_attention.py (fp32: ~1e-6 rounding of the probabilities times
 # document lengths up to ~40; fp16: probabilities / dS rounded to fp16 before their products).

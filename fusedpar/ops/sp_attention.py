@@ -138,7 +138,7 @@ def ring_attention(q, k, v, *, group=None, transport: Transport | None = None, c
     blocks outside every query's window launch nothing, and the ring itself stops where no rank
     needs a block any more: with a causal window of ``w`` keys over the contiguous layout each
     K/V block travels ``ceil(w / s_local)`` hops instead of ``P - 1``; see
-    :func:`~fusedpar.ops.sp_attention_schedules.ring_rounds`). The sinks enter the merged
+    :func:`~fusedpar.ops.sp_attention_ring.ring_rounds`). The sinks enter the merged
     softmax once; each rank's ``sinks`` gradient is its own query rows' part (sum it over the
     group, as for any parameter replicated over sequence parallelism). ``dq_mode``: the flash
     backward's, ``"separate"`` (default, deterministic) or ``"atomic"`` (one pass, dQ added with

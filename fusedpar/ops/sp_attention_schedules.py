@@ -20,8 +20,9 @@ torch.distributed and on an :class:`~fusedpar.ops.transport.EmulatedTransport` (
   ``r`` holds chunks ``r`` and ``2P-1-r``: with causal masking every rank does the same work at
   every step). Block pairs that the causal mask hides completely are skipped; partially visible
   ones are split into half-blocks so that fully visible halves run unmasked
-  (:func:`ring_step_plan`). A sliding window also shortens the ring itself
-  (:func:`ring_rounds`, from shapes and window only, so the same on every rank): each block
+  (:func:`~fusedpar.ops.sp_attention_ring.ring_step_plan`). A sliding window also shortens the ring
+  itself (:func:`~fusedpar.ops.sp_attention_ring.ring_rounds`, from shapes and window only, so the
+  same on every rank): each block
   travels only as far as some rank needs it, forward and, for a two-sided window or the zigzag
   layout's second chunks, backward; the dK/dV sums of each direction go from the chain's last
   hop straight to the block's owner.
@@ -47,8 +48,6 @@ helpers give each rank its piece of a full sequence and the global positions of 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from fusedpar.kernels.checks import check_bool, check_choice, check_int, check_tensor
@@ -61,6 +60,7 @@ from fusedpar.kernels.flash_attention_bwd import (
     sink_grad,
 )
 from fusedpar.ops.library import checked_api
+from fusedpar.ops.sp_attention_ring import ring_rounds, ring_schedule, ring_step_plan, shard_chunks
 from fusedpar.ops.transport import Transport
 from fusedpar.ops.varlen import document_bounds, ring_document_plan
 
@@ -68,8 +68,7 @@ LAYOUTS = ("zigzag", "contiguous")
 
 __all__ = [
     "LAYOUTS", "check_sp_args", "check_transport", "document_plan", "head_widths", "ring_attention_bwd",
-    "ring_attention_fwd", "ring_rounds", "ring_schedule", "ring_step_plan", "sequence_shard", "shard_chunks",
-    "shard_positions", "split_heads",
+    "ring_attention_fwd", "sequence_shard", "shard_positions", "split_heads",
     "ulysses_attention_bwd", "ulysses_attention_fwd", "ulysses_kv_heads", "zigzag_positions", "zigzag_shard",
     "zigzag_unshard",
 ]
@@ -166,63 +165,6 @@ def zigzag_unshard(x: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Ring schedule
 # ----------------------------------------------------------------------------------------------
-def shard_chunks(layout: str, rank: int, size: int, s_local: int) -> list:
-    """``[(local_start, length, global_start)]``: the contiguous runs of ring rank ``rank``'s
-    shard of ``s_local`` tokens (one run for ``"contiguous"``, two for ``"zigzag"``)."""
-    if layout == "contiguous" or size == 1:
-        return [(0, s_local, rank * s_local)]
-    c = s_local // 2
-    return [(0, c, rank * c), (c, c, (2 * size - 1 - rank) * c)]
-
-
-def ring_step_plan(q_chunks, k_chunks, causal: bool, window=(-1, -1)) -> list:
-    """Kernel launches for one (query shard, key block) pair of a ring step, from the two
-    shards' :func:`shard_chunks`:
-    ``[(q_slice, k_slice, q_offset, k_offset, masked)]``. ``window``: ``(left, right)`` in global
-    positions, -1 unbounded (``causal`` sets ``right = 0``). Chunk pairs that the mask hides
-    completely are dropped; runs of fully visible chunks are merged into one unmasked launch;
-    ``masked`` launches take the mask (causal, window) at the chunks' global offsets."""
-    sq = sum(c[1] for c in q_chunks)
-    sk = sum(c[1] for c in k_chunks)
-    left, right = window[0], 0 if causal else window[1]
-    if left < 0 and right < 0:
-        return [(slice(0, sq), slice(0, sk), 0, 0, False)]
-
-    def kind(qc, kc):
-        (_, ql, qg), (_, kl, kg) = qc, kc
-        if (right >= 0 and kg > qg + ql - 1 + right) or (left >= 0 and kg + kl - 1 < qg - left):
-            return "hidden"
-        if (right < 0 or kg + kl - 1 <= qg + right) and (left < 0 or kg >= qg + ql - 1 - left):
-            return "visible"
-        return "masked"
-
-    kinds = {(i, j): kind(qc, kc) for i, qc in enumerate(q_chunks) for j, kc in enumerate(k_chunks)}
-    if all(t == "visible" for t in kinds.values()):
-        return [(slice(0, sq), slice(0, sk), 0, 0, False)]
-    launches, done = [], set()
-    nq, nk = len(q_chunks), len(k_chunks)
-
-    def sl(c):
-        return slice(c[0], c[0] + c[1])
-
-    if nq > 1:
-        for j, kc in enumerate(k_chunks):
-            if all(kinds[i, j] == "visible" for i in range(nq)):
-                launches.append((slice(0, sq), sl(kc), 0, 0, False))
-                done |= {(i, j) for i in range(nq)}
-    if nk > 1:
-        for i, qc in enumerate(q_chunks):
-            if all(kinds[i, j] == "visible" and (i, j) not in done for j in range(nk)):
-                launches.append((sl(qc), slice(0, sk), 0, 0, False))
-                done |= {(i, j) for j in range(nk)}
-    for (i, j), t in kinds.items():
-        if (i, j) in done or t == "hidden":
-            continue
-        qc, kc = q_chunks[i], k_chunks[j]
-        launches.append((sl(qc), sl(kc), qc[2], kc[2], t == "masked"))
-    return launches
-
-
 def document_plan(cu_seqlens, layout: str, rank: int, size: int, s_local: int, causal: bool, device,
                   window=(-1, -1)) -> tuple:
     """Per ring step, the segment tables of packed documents (``cu_seqlens``: global boundaries
@@ -288,50 +230,8 @@ def _mask(masked, causal, window):
     return (causal, None if window == (-1, -1) else window) if masked else (False, None)
 
 
-@functools.lru_cache(maxsize=256)
-def ring_rounds(layout: str, size: int, s_local: int, causal: bool, window=(-1, -1)) -> tuple:
-    """``(forward, backward)``: how many hops each K/V block travels forward (to ``rank + 1``,
-    ``rank + 2``, ...) and backward (to ``rank - 1``, ...) round a ring of ``size`` ranks holding
-    ``s_local`` tokens each in ``layout``, so that every rank meets every key block some of its
-    queries see under the causal mask and the ``window`` (global positions, -1 unbounded).
-
-    The block of ring rank ``r`` held by rank ``r + t`` (``t`` the block's forward offset) is
-    needed where :func:`ring_step_plan` launches something for that pair, for any ``r``; the
-    rounds are the fewest ``forward + backward`` covering every needed offset with
-    ``1..forward`` and ``size - backward..size - 1``. Without a window (or a window reaching over
-    the ring) that is the full ring, ``(size - 1, 0)``. Shapes, layout and window only (no data,
-    not even ``cu_seqlens``): every rank of the ring derives the same rounds, so every send has
-    its receive. A causal ``window=(w, 0)`` over the contiguous layout gives
-    ``(ceil(w / s_local), 0)``; over the zigzag layout, whose chunk ``2P-1-r`` neighbours rank
-    ``r - 1``'s, ``(n, n)`` with ``n = ceil(w / (s_local / 2))`` (the full ring once ``2n``
-    reaches ``size - 1``).
-    """
-    needed = set()
-    for rank in range(size):
-        q_chunks = shard_chunks(layout, rank, size, s_local)
-        for offset in range(1, size):
-            if ring_step_plan(q_chunks, shard_chunks(layout, (rank - offset) % size, size, s_local), causal, window):
-                needed.add(offset)
-    best = (size - 1, 0)
-    for forward in range(size - 1):
-        later = [t for t in needed if t > forward]
-        backward = size - min(later) if later else 0
-        if forward + backward < sum(best):
-            best = (forward, backward)
-    return best
-
-
-def ring_schedule(rounds, size: int) -> list:
-    """The steps of a ring of ``size`` with ``rounds`` (:func:`ring_rounds`) as ``(offset,
-    direction, hop)``: this rank's own block (offset 0), then the blocks arriving from behind
-    (direction 1, hop ``t``: ring rank ``rank - t``, offset ``t``), then those from ahead
-    (direction -1, hop ``u``: ring rank ``rank + u``, offset ``size - u``)."""
-    forward, backward = rounds
-    return [(t, 1, t) for t in range(forward + 1)] + [(size - u, -1, u) for u in range(1, backward + 1)]
-
-
 def _rotate(kv, transport: Transport, schedule):
-    """Yields ``(step, block)`` for every ``step`` of ``schedule`` (:func:`ring_schedule`), the
+    """Yields ``(step, block)`` for every ``step`` of ``schedule`` (:func:`~fusedpar.ops.sp_attention_ring.ring_schedule`), the
     K/V block it holds: this rank's ``kv`` first, each later one brought by one
     ``transport.ring_shift`` (in the step's direction) that runs while the previous block is
     computed on. Two receive buffers (one beside ``kv`` on a one-way ring, whose ``kv`` is
@@ -362,7 +262,7 @@ def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="z
 
     At step ``t`` this rank holds the K/V block of ring rank ``rank - t`` and the flash kernel
     merges it into an fp32 ``(out, lse)`` state while ``transport.ring_shift`` brings the next one.
-    A ``window`` cuts the ring to the blocks some rank needs (:func:`ring_rounds`, the same on
+    A ``window`` cuts the ring to the blocks some rank needs (:func:`~fusedpar.ops.sp_attention_ring.ring_rounds`, the same on
     every rank: fewer transfers, not only fewer launches; blocks from both neighbours' sides with
     a two-sided window or the zigzag layout). With ``cu_seqlens`` each step launches the segment
     tables of :func:`document_plan` (none when the block holds nothing visible). ``window``
@@ -397,6 +297,17 @@ def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="z
     return out.to(q.dtype), lse
 
 
+def _owner_sums(finished):
+    """The finished dK/dV sums of this rank's own block: the sum of each direction's chain
+    (``(handle or None, sums, sent)``: waited on first), added into the first one's buffer."""
+    total = None
+    for handle, sums, _ in finished:
+        if handle is not None:
+            handle.wait()
+        total = sums if total is None else total.add_(sums)
+    return total
+
+
 def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=False, layout="zigzag",
                        softmax_scale=None, grad_dtype=None, cu_seqlens=None, window=None, softcap=None, sinks=None,
                        dq_mode=DEFAULT_DQ_MODE):
@@ -406,7 +317,7 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
     the final ``lse`` once; the kernels see the sinks through ``lse`` only). ``dq_mode``: the
     flash backward's (``"separate"`` or ``"atomic"``; dq is an fp32 sum over the steps either way).
 
-    K/V travel as in the forward (the same :func:`ring_rounds`); the fp32 dK/dV sums of the block
+    K/V travel as in the forward (the same :func:`~fusedpar.ops.sp_attention_ring.ring_rounds`); the fp32 dK/dV sums of the block
     in hand travel with it, one ``ring_shift`` behind, each direction's chain starting at the
     block's owner (forward: its own queries' part) or next neighbour (backward); the rank
     holding a chain's last hop sends the finished sums straight to the owner (on the full ring
@@ -465,11 +376,7 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
             sums = buffer()
             handle = transport.send_recv(dkv, (rank - direction * hop) % size, sums, (rank + direction * hop) % size)
             finished.append((handle, sums, dkv))
-    dkv = None
-    for handle, sums, _ in finished:
-        if handle is not None:
-            handle.wait()
-        dkv = sums if dkv is None else dkv.add_(sums)
+    dkv = _owner_sums(finished)
     # views of one fp32 buffer, converted (copied): the gradients never share storage (custom-op outputs)
     grads = (dq.to(grad_dtype), dkv[..., :d].to(grad_dtype, copy=True), dkv[..., d:].to(grad_dtype, copy=True))
     return grads if sinks is None else (*grads, sink_grad(sinks, lse, delta))
