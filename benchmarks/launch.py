@@ -28,6 +28,9 @@ def _add_args(p):
                    "with --stub-kernels 2000 and 200)")
     p.add_argument("--stub-kernels", action="store_true",
                    help="time the host path alone: Triton kernel launches are no-ops in the timed calls")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile the calls of fusedpar.kernels.matmul (cProfile) and print the N "
+                        "functions that take the most time of their own, per call")
 
 
 @contextlib.contextmanager
@@ -70,6 +73,25 @@ def _host_us(ctx, fn, calls: int, stub: bool = False) -> float:
         return (time.perf_counter() - t0) / calls * 1e6
 
 
+def _profile_note(fn, calls: int, top: int) -> str:
+    """The ``top`` functions by own time over ``calls`` calls of ``fn`` (cProfile), in microseconds
+    per call of ``fn``: where a launch's host time goes, function by function."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, own, cumulative, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = [f"{own / calls * 1e6:8.2f} us own  {cum / calls * 1e6:8.2f} us cumulative  {n / calls:5.1f} calls  "
+             f"{name} ({file.rsplit('/', 2)[-1] if '/' in file else file}:{line})"
+             for (file, line, name), (n, _, own, cum, _) in rows]
+    return "profile of fusedpar.kernels.matmul 64^3, per call:\n" + "\n".join(lines)
+
+
 @register("launch", "host microseconds per call of the shipped entry points (tiny shapes)", add_args=_add_args)
 def run(args, ctx):
     import torch
@@ -98,6 +120,9 @@ def run(args, ctx):
     ]
     rows = [{"entry": name, "calls": calls, "kernels": "stubbed" if args.stub_kernels else "launched",
              "host_us_per_call": _host_us(ctx, fn, calls, args.stub_kernels)} for name, fn in cases]
+    if args.profile > 0:
+        with _stubbed_kernels() if args.stub_kernels else contextlib.nullcontext():
+            ctx.notes.append(_profile_note(cases[1][1], calls, args.profile))
     if args.stub_kernels:
         ctx.notes.append("--stub-kernels: kernel launches were no-ops; the host path alone (no Triton launch"
                          + (", no interpreted execution)." if ctx.smoke else ")."))

@@ -234,8 +234,9 @@ def test_ceilings_and_launch_cli_smoke(bench_main, tmp_path):
     assert len(rows) == 5 and all(r["host_us_per_call"] > 0 for r in rows)
 
 
-def test_launch_stub_kernels(bench_main, tmp_path):
-    """--stub-kernels times the host path alone (no kernel runs) and puts the launches back."""
+def test_launch_stub_kernels(bench_main, tmp_path, capsys):
+    """--stub-kernels times the host path alone (no kernel runs) and puts the launches back;
+    --profile prints the launcher's functions by their own time per call."""
     import triton
 
     from fusedpar.kernels.runtime import interpreting
@@ -246,7 +247,10 @@ def test_launch_stub_kernels(bench_main, tmp_path):
         kernel_class = triton.runtime.JITFunction
     run = kernel_class.run
     out = tmp_path / "h.json"
-    assert bench_main(["launch", "--stub-kernels", "--calls", "2", "--json", str(out)]) == 0
+    assert bench_main(["launch", "--stub-kernels", "--calls", "2", "--profile", "3", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["launch"]
     assert len(rows) == 5 and all(r["kernels"] == "stubbed" and r["host_us_per_call"] > 0 for r in rows)
     assert kernel_class.run is run
+    printed = capsys.readouterr().out
+    profile = printed.split("profile of fusedpar.kernels.matmul 64^3, per call:\n", 1)[1].split("\nnote:", 1)[0]
+    assert len(profile.splitlines()) == 3 and all(" us own " in line for line in profile.splitlines()), printed
