@@ -306,7 +306,8 @@ class _CountingTransport(EmulatedTransport):
         return super().send_recv(send, dst, recv, src)
 
 
-# (layout, causal, window, size, rank, forward + backward hops of K/V); s_local 8 (zigzag chunks of 4)
+# (layout, causal, window, size, rank, forward + backward hops of K/V, each hop one transfer of K and
+# one of V); s_local 8 (zigzag chunks of 4)
 WINDOWED_RING = [
     ("contiguous", True, (7, 0), 8, 5, 1),  # ceil(7 / 8) = 1 hop instead of 7
     ("contiguous", True, (12, 0), 8, 1, 2),
@@ -330,12 +331,13 @@ def test_windowed_ring_transfers(layout, causal, window, size, rank, hops):
     shards = [t.clone().requires_grad_() for t in (q, k, v)]
     t = _CountingTransport(size, rank)
     out = ring_attention(*shards, transport=t, causal=causal, layout=layout, window=window)
-    assert t.transfers == hops, f"forward: {t.transfers} K/V transfers, want {hops}"
+    assert t.transfers == 2 * hops, f"forward: {t.transfers} K and V transfers, want {2 * hops}"
     grads = torch.autograd.grad(out, shards, do)
     forward, backward = ring_rounds(layout, size, 8, causal, window)
     assert forward + backward == hops
-    # backward: K/V again, plus each direction's dK/dV chain (forward: hops 0..F; backward: 1..B)
-    assert t.transfers == 2 * hops + (forward > 0) + hops, f"backward: {t.transfers - hops} transfers"
+    # backward: K and V again (one transfer each per hop), plus each direction's dK/dV chain (one
+    # fp32 buffer; forward: hops 0..F; backward: 1..B)
+    assert t.transfers == 4 * hops + hops + (forward > 0), f"backward: {t.transfers - 2 * hops} transfers"
     ref = _mirror_reference(q, k, v, do, layout=layout, causal=causal, rank=rank, size=size, window=window)
     tol = TOL[torch.float32]
     for name, got, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):

@@ -230,28 +230,31 @@ def _mask(masked, causal, window):
     return (causal, None if window == (-1, -1) else window) if masked else (False, None)
 
 
-def _rotate(kv, transport: Transport, schedule):
-    """Yields ``(step, block)`` for every ``step`` of ``schedule`` (:func:`~fusedpar.ops.sp_attention_ring.ring_schedule`), the
-    K/V block it holds: this rank's ``kv`` first, each later one brought by one
-    ``transport.ring_shift`` (in the step's direction) that runs while the previous block is
-    computed on. Two receive buffers (one beside ``kv`` on a one-way ring, whose ``kv`` is
-    free once sent); ``kv`` itself is sent again when the backward direction starts."""
+def _rotate(blocks, transport: Transport, schedule):
+    """Yields ``(step, held)`` for every ``step`` of ``schedule``
+    (:func:`~fusedpar.ops.sp_attention_ring.ring_schedule`), ``held`` the K and V blocks it holds:
+    this rank's ``blocks`` first, each later pair brought by one ``transport.ring_shift`` per tensor
+    (in the step's direction) that runs while the previous pair is computed on. K and V travel as
+    separate buffers, so their head dims may differ (MLA: 192 / 128) without a packed copy. Two
+    receive buffers per tensor; ``blocks`` themselves are never written (autograd saves them), and
+    they are sent again when the backward direction starts."""
+    blocks = tuple(blocks)
     if len(schedule) == 1:
-        yield schedule[0], kv
+        yield schedule[0], blocks
         return
-    one_way = all(direction == 1 for _, direction, _ in schedule)
-    pool = [kv, torch.empty_like(kv)] if one_way else [torch.empty_like(kv), torch.empty_like(kv)]
-    held = kv
+    pools = [(torch.empty_like(t), torch.empty_like(t)) for t in blocks]
+    held = blocks
     for i, step in enumerate(schedule):
-        handle = None
+        handles, recvs = [], held
         if i + 1 < len(schedule):
             _, direction, hop = schedule[i + 1]
-            recv = pool[1] if pool[0] is held else pool[0]
-            handle = transport.ring_shift(kv if hop == 1 else held, recv, step=direction)
+            recvs = tuple(p[1] if p[0] is h else p[0] for p, h in zip(pools, held))
+            handles = [transport.ring_shift(b if hop == 1 else h, r, step=direction)
+                       for b, h, r in zip(blocks, held, recvs)]
         yield step, held
-        if handle is not None:
-            handle.wait()  # the next block has arrived and our send of this one has left
-            held = recv
+        for handle in handles:
+            handle.wait()  # the next pair has arrived and our sends of this one have left
+        held = recvs
 
 
 def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="zigzag", softmax_scale=None,
@@ -282,14 +285,13 @@ def ring_attention_fwd(q, k, v, transport: Transport, *, causal=False, layout="z
     plan = None if cu_seqlens is None else document_plan(cu_seqlens, layout, rank, size, s, causal, q.device, win)
     out = torch.zeros((b, s, hq, v.shape[3]), device=q.device, dtype=torch.float32)
     lse = torch.full((b, hq, s), float("-inf"), device=q.device, dtype=torch.float32)
-    kv = torch.cat((k, v), dim=3)  # one contiguous block to pass around: [b, s, hk, d + d_v]
     q_chunks = shard_chunks(layout, rank, size, s)
     schedule = ring_schedule(ring_rounds(layout, size, s, bool(causal), win), size)
-    for (offset, _, _), block in _rotate(kv, transport, schedule):
+    for (offset, _, _), (kb, vb) in _rotate((k.contiguous(), v.contiguous()), transport, schedule):
         src = (rank - offset) % size
         for qs, ks, qo, ko, masked, seg in _step_launches(plan, offset, q_chunks, layout, src, size, s, causal, win):
             c, w = _mask(masked, causal, win)
-            flash_attention_forward(q[:, qs], block[:, ks, :, :d], block[:, ks, :, d:], causal=c, window=w,
+            flash_attention_forward(q[:, qs], kb[:, ks], vb[:, ks], causal=c, window=w,
                                     softcap=softcap, softmax_scale=softmax_scale, q_offset=qo, k_offset=ko,
                                     out=out[:, qs], lse=lse[:, :, qs], accumulate=True, segments=seg)
     if sinks is not None:
@@ -339,23 +341,23 @@ def ring_attention_bwd(dout, q, k, v, out, lse, transport: Transport, *, causal=
     delta = attention_delta(out, dout).contiguous()
     lse = lse.contiguous()
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    kv = torch.cat((k, v), dim=3)
+    dkv_shape = (*k.shape[:3], d + v.shape[3])  # dK and dV sums travel as one fp32 buffer
     rounds = ring_rounds(layout, size, s, bool(causal), win)
     schedule = ring_schedule(rounds, size)
     free = []  # fp32 dK/dV buffers whose transfers have finished
 
     def buffer():
-        return free.pop().zero_() if free else torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
+        return free.pop().zero_() if free else torch.zeros(dkv_shape, device=q.device, dtype=torch.float32)
 
     chain = None  # (handle, sent, incoming) of the partial sums in flight to the next hop of a chain
     finished = []  # (handle or None, sums, sent): each direction's finished sums of this rank's block
     q_chunks = shard_chunks(layout, rank, size, s)
-    for (offset, direction, hop), block in _rotate(kv, transport, schedule):
+    for (offset, direction, hop), (kb, vb) in _rotate((k.contiguous(), v.contiguous()), transport, schedule):
         src = (rank - offset) % size
         dkv = buffer()
         for qs, ks, qo, ko, masked, seg in _step_launches(plan, offset, q_chunks, layout, src, size, s, causal, win):
             c, w = _mask(masked, causal, win)
-            flash_attention_backward(dout[:, qs], q[:, qs], block[:, ks, :, :d], block[:, ks, :, d:], None,
+            flash_attention_backward(dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], None,
                                      lse[:, :, qs], delta=delta[:, :, qs], causal=c, window=w, softcap=softcap,
                                      softmax_scale=softmax_scale, q_offset=qo, k_offset=ko, dq=dq[:, qs],
                                      dk=dkv[:, ks, :, :d], dv=dkv[:, ks, :, d:], accumulate=True, segments=seg,
