@@ -23,29 +23,13 @@ import triton.language as tl
 
 from .checks import (check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same, check_supported_dtype,
                      output_buffer)
-from .runtime import (
-    ACTIVATIONS,
-    SUPPORTED_DTYPES,
-    RowView,
-    acc_budget_for,
-    activation_reference,
-    aligned,
-    autotuned,
-    apply_activation,
-    apply_up,
-    cdiv,
-    device_capability,
-    input_precision,
-    interpreting,
-    needs_upcast,
-    on_device,
-    pipelined,
-    prune_tile_configs,
-    row_offsets,
-    shared_memory_limit,
-    tile_smem_bytes,
-    uses_wgmma,
-)
+from .fp8 import to_fp32
+from .gemm_fp8_epilogue import (FP8_OUT_CONFIGS, FP8_OUT_INTERPRETER_CONFIG, check_fp8_output, fp8_output_args,
+                                fp8_output_configs, quantize_output, store_e4m3_tiles)
+from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, RowView, acc_budget_for, activation_reference, aligned,
+                      apply_activation, apply_up, autotuned, cdiv, device_capability, input_precision, interpreting,
+                      needs_upcast, on_device, pipelined, prune_tile_configs, row_offsets, shared_memory_limit,
+                      tile_smem_bytes, uses_wgmma)
 
 __all__ = [
     "INTERPRETER_CONFIG", "LinearOperands", "gemm_epilogue", "gemm_mainloop", "gpu_configs", "linear_operands",
@@ -174,11 +158,13 @@ def _gemm_kernel(
     c_m_inner, s_cm0, s_cm1, s_cn,
     r_m_inner, s_rm0, s_rm1, s_rn,
     s_xm, s_xn,
+    q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles,
     A_M_SPLIT: tl.constexpr, A_K_SPLIT: tl.constexpr, B_K_SPLIT: tl.constexpr,
     C_M_SPLIT: tl.constexpr, R_M_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_AUX: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, FP8_OUT: tl.constexpr, Q_M_SPLIT: tl.constexpr, S_M_SPLIT: tl.constexpr,
+    EMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
@@ -209,7 +195,13 @@ def _gemm_kernel(
         r_off = row_offsets(rm, r_m_inner, s_rm0, s_rm1, R_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_rn
         acc += tl.load(r_ptr + r_off, mask=out_mask, other=0.0).to(tl.float32)
     c_off = row_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_cn
-    tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + c_off, c, mask=out_mask)
+    if FP8_OUT:  # C per 1x128 tile as stored, widened again (what quantize_e4m3 of C loads) into q, s
+        store_e4m3_tiles(tl.where(out_mask, to_fp32(c, EMULATE), 0.0),
+                         q_ptr + row_offsets(rm, q_m_inner, s_qm0, s_qm1, Q_M_SPLIT),
+                         s_ptr + row_offsets(rm, sc_m_inner, s_sm0, s_sm1, S_M_SPLIT), rn, out_mask, m_mask,
+                         pid_n * (BLOCK_N // 128), n_tiles, EMULATE, BLOCK_M, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,7 +247,8 @@ EPILOGUE_ACC_BUDGET = {"plain": 128, "fused": 64}
 #: the same for dots lowered to mma.sync (sm_80, and tiles under 64 rows on sm_90), whose operand
 #: fragments are held in registers next to the accumulators: an activation followed by a residual
 #: add, or a fused epilogue whose loads do not vectorise (:func:`~fusedpar.kernels.runtime.aligned`),
-#: fits 32 (64 spills 4-136 B on sm_80)
+#: fits 32 (64 spills 4-136 B on sm_80); so does a gated e4m3-output epilogue over unaligned K on
+#: any dot (sm_90, 64 x 128 x 32 w8: 88-112 B spilled)
 SYNC_TIGHT_ACC_BUDGET = 32
 
 
@@ -267,7 +260,7 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
 
     a, glu, precision = named_args["a_ptr"], bool(get("GLU")), get("INPUT_PRECISION", "ieee")
     act = glu or get("ACT", 0) != 0
-    fused = act or get("STORE_AUX") or (get("HAS_RES") and get("R_M_SPLIT"))
+    fused = act or get("STORE_AUX") or get("FP8_OUT") or (get("HAS_RES") and get("R_M_SPLIT"))
     extents = [named_args.get(k, 16) for k in ("K", "s_am0", "s_am1", "s_ak0", "s_ak1", "s_ak", "s_bk0", "s_bk1", "s_bk",
                                                 "s_bn")]
     extents = [e for e in extents if e != 1]
@@ -277,6 +270,7 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     res = named_args.get("r_ptr")
     wide_res = bool(get("HAS_RES")) and isinstance(res, torch.Tensor) and res.element_size() > a.element_size()
     budget = EPILOGUE_ACC_BUDGET["fused" if fused or wide_res else "plain"]
+    budget = SYNC_TIGHT_ACC_BUDGET if get("FP8_OUT") and glu and unaligned else budget
     sync = SYNC_TIGHT_ACC_BUDGET if fused and (unaligned or (act and get("HAS_RES"))) else budget
     cap = dict(elem_size=a.element_size(), precision=precision, acc_tiles=2 if glu else 1,
                reads_out_tile=bool(get("HAS_RES")))
@@ -289,22 +283,24 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
 def smem_estimate(cfg, named_args, **kwargs) -> int:
     """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``: the main
     loop's buffers or, for a wgmma tile whose output is wider than its operands (fp32 ``out`` from
-    bf16/fp16: the linear cross entropy's ``d_hidden``), the output tile Triton stages through
-    shared memory to convert the accumulator's layout for the store, whichever is larger
-    (measured: a 128 x 256 x 32 tile of 4 stages needs 131072 B, not the 98304 B of its buffers)."""
+    bf16/fp16: the linear cross entropy's ``d_hidden``) or quantised (``FP8_OUT``: 16384 B, not 12288,
+    for 64 x 128 x 32 over unaligned K), the output tile Triton stages through shared memory to
+    convert the accumulator's layout, whichever is larger (measured: a 128 x 256 x 32 tile of 4
+    stages needs 131072 B, not the 98304 B of its buffers)."""
     r = tile_rule(named_args, **kwargs)
     smem = tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
                            precision=r["precision"], pipelined=r["pipelined"])
     c = named_args.get("c_ptr")
     kw = cfg.kwargs if hasattr(cfg, "kwargs") else cfg
-    if (isinstance(c, torch.Tensor) and c.element_size() > r["elem_size"]
-            and uses_wgmma(r["capability"], kw["BLOCK_M"], r["elem_size"], r["precision"])):
+    wide = isinstance(c, torch.Tensor) and (c.element_size() > r["elem_size"] or kwargs.get("FP8_OUT", False))
+    if wide and uses_wgmma(r["capability"], kw["BLOCK_M"], r["elem_size"], r["precision"]):
         smem = max(smem, kw["BLOCK_M"] * kw["BLOCK_N"] * c.element_size())
     return smem
 
 
 def _prune_configs(configs, named_args, **kwargs):
     a = named_args["a_ptr"]
+    configs = fp8_output_configs(configs, kwargs.get("FP8_OUT", named_args.get("FP8_OUT", False)))
     return prune_tile_configs(configs, smem_limit=shared_memory_limit(a.device.index or 0),
                               dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]},
                               **tile_rule(named_args, **kwargs))
@@ -313,13 +309,14 @@ def _prune_configs(configs, named_args, **kwargs):
 #: the autotuner's key: the problem size and every flag :func:`tile_rule` reads, so that the
 #: config tuned for one launch is never reused by a launch whose rule would prune it (a tf32 tile
 #: run as "ieee" FMA dots, a plain epilogue's 128-accumulator tile with a fused epilogue)
-TUNING_KEY = ["M", "N", "K", "GLU", "A_K_SPLIT", "HAS_RES", "R_M_SPLIT", "ACT", "STORE_AUX", "INPUT_PRECISION"]
+TUNING_KEY = ["M", "N", "K", "GLU", "A_K_SPLIT", "HAS_RES", "R_M_SPLIT", "ACT", "STORE_AUX", "INPUT_PRECISION",
+              "FP8_OUT"]
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned_kernel():
     return autotuned(
-        _gemm_kernel, configs=gpu_configs(), key=TUNING_KEY,
+        _gemm_kernel, configs=gpu_configs() + list(FP8_OUT_CONFIGS), key=TUNING_KEY,
         prune=_prune_configs,
         restore_value=["c_ptr"],  # accumulate mode reads C: tuning runs must not compound it
     )
@@ -392,12 +389,13 @@ def linear_operands(a, weight, bias=None, *, activation="none", weight_layout="n
 
 
 def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, residual, r_rows, s_rn, aux, act,
-            glu):
+            glu, fp8_out=None):
     """``_gemm_kernel``'s arguments (positional: this runs once per GEMM, per chunk of the chunked
     ops) and flags; ``*_rows`` / ``a_k`` / ``b_k`` are :class:`RowView` s (``r_rows`` of an absent
-    residual: ``_NO_ROWS``)."""
+    residual: ``_NO_ROWS``); ``fp8_out``: None or the ``(q, scale)`` of :mod:`.gemm_fp8_epilogue`."""
     has_res = residual is not None
     has_aux = aux is not None
+    fp8_args, fp8_flags = fp8_output_args(fp8_out, out)
     args = (
         a, b, out, bias if bias is not None else out, residual if has_res else out, aux if has_aux else out,
         M, N, K,
@@ -405,15 +403,15 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
         b_k.inner, b_k.s_outer, b_k.s_inner, s_bn, N if glu else 0,
         c_rows.inner, c_rows.s_outer, c_rows.s_inner, s_cn,
         r_rows.inner, r_rows.s_outer, r_rows.s_inner, s_rn,
-        *(aux.stride() if has_aux else (0, 0)),
+        *(aux.stride() if has_aux else (0, 0)), *fp8_args,
     )
     flags = dict(
         A_M_SPLIT=a_rows.split, A_K_SPLIT=a_k.split, B_K_SPLIT=b_k.split, C_M_SPLIT=c_rows.split,
         R_M_SPLIT=r_rows.split, HAS_BIAS=bias is not None, HAS_RES=has_res, STORE_AUX=has_aux,
-        ACT=act, GLU=glu, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=input_precision(a.dtype),
+        ACT=act, GLU=glu, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=input_precision(a.dtype), **fp8_flags,
     )
     if interpreting():
-        cfg = INTERPRETER_CONFIG
+        cfg = INTERPRETER_CONFIG if fp8_out is None else FP8_OUT_INTERPRETER_CONFIG
         flags["EVEN_K"] = K % cfg["BLOCK_K"] == 0
         grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
         _gemm_kernel[grid](*args, **flags, **cfg)
@@ -426,9 +424,9 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
     return out
 
 
-def _matmul_buffers(a, ops, *, out, accumulate, residual, preact_out, out_dtype, activation):
-    """Check (or allocate) ``out``, ``residual`` and ``preact_out`` of :func:`matmul`; returns
-    ``(out, residual)`` with ``residual = out`` when accumulating."""
+def _matmul_buffers(a, ops, *, out, accumulate, residual, preact_out, out_dtype, activation, fp8_out=None):
+    """Check (or allocate) ``out``, ``residual``, ``preact_out`` and ``fp8_out`` of :func:`matmul`;
+    returns ``(out, residual)`` with ``residual = out`` when accumulating."""
     out_shape = tuple(a.shape[:-1]) + (ops.n,)
     check_out_dtype("out_dtype", out_dtype)
     if accumulate:
@@ -448,6 +446,7 @@ def _matmul_buffers(a, ops, *, out, accumulate, residual, preact_out, out_dtype,
         check_buffer("residual", residual, out_shape, a.device)
     if preact_out is not None:
         check_buffer("preact_out", preact_out, (int(torch.Size(a.shape[:-1]).numel()), ops.n_w), a.device)
+    check_fp8_output(out, fp8_out)
     return out, residual
 
 
@@ -463,6 +462,7 @@ def matmul(
     residual: torch.Tensor | None = None,
     preact_out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out = act(a @ W + bias) (+ residual)``, or ``out += a @ W`` with ``accumulate=True``.
 
@@ -480,27 +480,32 @@ def matmul(
     residual: added after the activation (``C_in``); same shape as ``out``, any strides.
     preact_out: optional ``[M, N]`` (``[M, 2F]`` gated) tensor that receives the pre-activation
               values, which the backward of a fused activation needs.
+    fp8_out:  optional ``(q, scale)`` that receive the stored ``out`` quantised for the next fp8
+              GEMM (blockwise recipe): ``float8_e4m3fn`` of ``out``'s shape, fp32 ``out.shape[:-1]
+              + (ceil(N / 128),)``, rows contiguous; equal to ``quantize_e4m3(out2d, "tile")`` bit
+              for bit (:mod:`.gemm_fp8_epilogue`; ``out`` is still written).
 
     fp32 operands run ``tl.dot`` in TF32 on a GPU when torch.matmul would
     (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, which ``allow_tf32 = True`` sets too;
     :func:`~fusedpar.kernels.runtime.input_precision`).
     """
     ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)
-    out, residual = _matmul_buffers(a, ops, out=out, accumulate=accumulate, residual=residual,
-                                    preact_out=preact_out, out_dtype=out_dtype, activation=activation)
-    return matmul_checked(a, weight, ops, out, residual=residual, preact_out=preact_out, weight_layout=weight_layout)
+    out, residual = _matmul_buffers(a, ops, out=out, accumulate=accumulate, residual=residual, preact_out=preact_out,
+                                    out_dtype=out_dtype, activation=activation, fp8_out=fp8_out)
+    return matmul_checked(a, weight, ops, out, residual=residual, preact_out=preact_out, weight_layout=weight_layout,
+                          fp8_out=fp8_out)
 
 
 def matmul_checked(a: torch.Tensor, weight: torch.Tensor, ops: LinearOperands, out: torch.Tensor, *,
                    residual: torch.Tensor | None = None, preact_out: torch.Tensor | None = None,
-                   weight_layout: str = "nk") -> torch.Tensor:
+                   weight_layout: str = "nk", fp8_out: tuple | None = None) -> torch.Tensor:
     """:func:`matmul` (``out = act(a @ W + bias) (+ residual)``) without its checks: ``ops`` is
     what :func:`linear_operands` returned for ``weight`` (in ``weight_layout``), the bias and the
     activation with an operand of ``a``'s dtype, device and K, and ``out`` / ``residual`` /
     ``preact_out`` have :func:`matmul`'s shapes, a supported dtype and ``a``'s device. For the
     chunked ops, which check their operands once per call and then run one GEMM per chunk on
     views and buffers of their own (checking every chunk again would cost more host time than
-    the launch)."""
+    the launch). ``fp8_out``: ``(q, scale)`` as :func:`matmul` checks them, also written."""
     M, N, K = a.shape[:-1].numel(), ops.n, ops.k
     if M == 0 or N == 0:
         return out
@@ -509,12 +514,13 @@ def matmul_checked(a: torch.Tensor, weight: torch.Tensor, ops: LinearOperands, o
             preact_out.copy_(matmul_reference(a.reshape(M, 0), weight, ops.bias, weight_layout=weight_layout))
         out.copy_(matmul_reference(a, weight, ops.bias, weight_layout=weight_layout, activation=ops.activation,
                                    residual=residual))
+        quantize_output(out, fp8_out)
         return out
     has_res = residual is not None
     return _launch(a, weight, out, M, N, K, RowView.rows(a), RowView(1, 0, a.stride(-1), False),
                    RowView(1, 0, ops.s_bk, False), ops.s_bn, RowView.rows(out), out.stride(-1), ops.bias, residual,
                    RowView.rows(residual) if has_res else _NO_ROWS, residual.stride(-1) if has_res else 0, preact_out,
-                   ops.act, ops.glu)
+                   ops.act, ops.glu, fp8_out)
 
 
 def matmul_tn(

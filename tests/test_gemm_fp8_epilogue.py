@@ -1,0 +1,148 @@
+"""matmul(..., fp8_out=(q, scale)): the GEMM epilogue's e4m3 output (blockwise 1x128 tiles) bit for
+bit against quantize_e4m3 of the stored output and torch's cast; the tile rule of its launches."""
+import pytest
+import torch
+
+from _utils import DEVICE, INTERPRETED, assert_close, poison, randn
+from fusedpar.kernels import gemm, matmul, matmul_reference, quantize_e4m3
+from fusedpar.kernels.fp8 import E4M3_MAX, SCALE_FLOOR, quantize_e4m3_reference
+from fusedpar.kernels.gemm import gpu_configs
+from fusedpar.kernels.gemm_fp8_epilogue import FP8_OUT_CONFIGS, fp8_output_configs, fp8_output_empty
+from fusedpar.kernels.runtime import prune_tile_configs
+
+needs_fp8 = pytest.mark.skipif(not INTERPRETED and torch.cuda.get_device_capability() < (8, 9),
+                               reason="fp8 needs compute capability >= 8.9")
+
+
+def _poisoned_fp8(out_shape, n_tiles):
+    """NaN-filled ``(q, scale)``: e4m3 NaN and fp32 NaN."""
+    q = poison(out_shape, torch.float32).to(torch.float8_e4m3fn)
+    return q, poison(tuple(out_shape[:-1]) + (n_tiles,), torch.float32)
+
+
+def _check_tiles(out, q, s):
+    """(q, s) equal quantize_e4m3(out, "tile") and torch's cast of the same values, bit for bit."""
+    N = out.shape[-1]
+    out2 = out.reshape(-1, N)
+    q_k, s_k = quantize_e4m3(out2, "tile")
+    q_t, s_t = quantize_e4m3_reference(out2.cpu(), "tile")
+    q2, s2 = q.reshape(-1, N), s.reshape(s_k.shape)
+    assert torch.equal(s2, s_k) and torch.equal(s2.cpu(), s_t), "scales differ from quantize_e4m3(out)"
+    assert torch.equal(q2.view(torch.uint8), q_k.view(torch.uint8)), "q differs from quantize_e4m3(out)"
+    assert torch.equal(q2.view(torch.uint8).cpu(), q_t.view(torch.uint8)), "q differs from torch's cast"
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "none"])
+def test_fp8_output_equals_quantize_of_the_output(activation, dtype):
+    """At N = 128 (one tile), 200 (ragged last tile) and 448 (three tiles and a ragged one, over
+    two column programs compiled), M = 37 (ragged row block), into NaN-poisoned buffers: ``out`` is
+    matmul's and (q, scale) its quantisation as stored; the zero row of ``a`` gets the floor scale
+    and zeros (without a bias), and every other tile's amax maps to 448. bf16 runs under the interpreter too: its
+    truncating bf16 store is what is quantised (the operands are upcast for the dot)."""
+    g = torch.Generator().manual_seed(31)
+    gated = activation == "swiglu"
+    M, K = 37, 48
+    for N in (128, 200, 448):
+        n_w = 2 * N if gated else N
+        a = randn(M, K, dtype=dtype, generator=g)
+        a[1] = 0.0
+        w = randn(n_w, K, dtype=dtype, generator=g, scale=K ** -0.5)
+        bias = randn(n_w, dtype=dtype, generator=g) if activation == "gelu" else None
+        out = poison((M, N), dtype)
+        q, s = _poisoned_fp8((M, N), -(-N // 128))
+        assert matmul(a, w, bias, activation=activation, out=out, fp8_out=(q, s)) is out
+        assert_close(out, matmul_reference(a, w, bias, activation=activation), dtype,
+                     msg=f"{activation} N={N}")
+        _check_tiles(out, q, s)
+        qf, sf = q.float().cpu(), s.cpu()
+        rest = torch.arange(M) != 1 if bias is None else torch.ones(M, dtype=torch.bool)
+        if bias is None:
+            assert (sf[1] == SCALE_FLOOR).all() and (qf[1] == 0).all(), "the zero row"
+        assert (sf[rest] > SCALE_FLOOR).all()
+        for t in range(-(-N // 128)):
+            assert (qf[rest, 128 * t:128 * (t + 1)].abs() == E4M3_MAX).any(1).all(), f"tile {t}: amax -> 448"
+
+
+@needs_fp8
+def test_fp8_output_of_sequence_chunks_residual_and_wide_tiles(monkeypatch):
+    """3-D sequence-chunk views (two-level rows) of out, residual and of larger q / scale buffers,
+    written in place and nowhere else; the residual is in what is quantised. The interpreter's
+    tile is widened to BLOCK_N = 256 (two 1x128 tiles per program, the reshaped amax) over
+    N = 448 (the second program's last tile ragged), as the compiled 128 x 256 tiles run."""
+    if INTERPRETED:
+        monkeypatch.setattr(gemm, "FP8_OUT_INTERPRETER_CONFIG", dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=32, GROUP_M=4))
+    g = torch.Generator().manual_seed(32)
+    B, S, K, N, lo, hi = 2, 11, 40, 448, 3, 9
+    x = randn(B, S, K, dtype=torch.float16, generator=g)
+    w = randn(2 * N, K, dtype=torch.float16, generator=g, scale=K ** -0.5)
+    res = randn(B, S, N, dtype=torch.float16, generator=g)
+    out = poison((B, S, N), torch.float16)
+    q, s = _poisoned_fp8((B, S, N), 4)
+    view = (slice(None), slice(lo, hi))
+    matmul(x[view], w, activation="swiglu", residual=res[view], out=out[view], fp8_out=(q[view], s[view]))
+    assert_close(out[view], matmul_reference(x[view], w, activation="swiglu", residual=res[view]), torch.float16)
+    _check_tiles(out[view].contiguous(), q[view].contiguous(), s[view].contiguous())
+    outside = torch.cat([s[:, :lo], s[:, hi:]], dim=1)
+    assert torch.isnan(outside).all() and torch.isnan(torch.cat([q[:, :lo], q[:, hi:]], dim=1).float()).all()
+
+
+@needs_fp8
+def test_fp8_output_of_an_empty_contraction_and_new_buffers():
+    """K = 0: the epilogue runs on the host (bias only) and is quantised there; M = 0 writes nothing;
+    fp8_output_empty allocates the pair for an output."""
+    b = randn(200)
+    out = torch.empty(5, 200, device=DEVICE)
+    q, s = fp8_output_empty(out)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 2) and s.dtype == torch.float32
+    matmul(randn(5, 0), randn(200, 0), b, out=out, fp8_out=(q, s))
+    _check_tiles(out, q, s)
+    empty = torch.empty(0, 200, device=DEVICE)
+    assert matmul(randn(0, 8), randn(200, 8), out=empty, fp8_out=fp8_output_empty(empty)).shape == (0, 200)
+
+
+def test_fp8_output_launches_take_whole_1x128_tiles(monkeypatch):
+    """The autotuner's list (the shared candidates, then FP8_OUT_CONFIGS): launches with the fp8
+    output keep only BLOCK_N multiples of 128, through the prune rule too (its fallback included);
+    others never take FP8_OUT_CONFIGS, so their tuning is unchanged; the fp8 output counts as a fused
+    epilogue (its budget; the tight one when gated over unaligned K) and is in the tuning key. The interpreter's tile is 128 wide."""
+    monkeypatch.setattr(gemm, "device_capability", lambda index: (9, 0))
+    tuned = gpu_configs() + list(FP8_OUT_CONFIGS)
+    assert [c.kwargs for c in fp8_output_configs(tuned, False)] == [c.kwargs for c in gpu_configs()]
+    meta = torch.empty(1, dtype=torch.bfloat16, device="meta")
+    for glu, k, n in ((True, 4096, 14336), (True, 70, 200), (False, 4096, 40), (False, 64, 1)):
+        args = dict(a_ptr=meta, M=8192, N=n, K=k, s_am1=k, s_ak1=1, s_bk1=1, s_bn=k)
+        rule = gemm.tile_rule(args, FP8_OUT=True, GLU=glu, ACT=3 if glu else 0)
+        # a gated epilogue over unaligned K (70) takes the tight budget (64 x 128 x 32 w8 spilled on sm_90)
+        tight = glu and k % 64 != 0
+        assert rule["acc_budget"] == (gemm.SYNC_TIGHT_ACC_BUDGET if tight else gemm.EPILOGUE_ACC_BUDGET["fused"])
+        kept = prune_tile_configs(fp8_output_configs(tuned, True), smem_limit=232448,
+                                  dims={"BLOCK_M": 8192, "BLOCK_N": n}, **rule)
+        assert kept and all(c.kwargs["BLOCK_N"] % 128 == 0 for c in kept), (glu, k, n)
+    assert "FP8_OUT" in gemm.TUNING_KEY and gemm.FP8_OUT_INTERPRETER_CONFIG["BLOCK_N"] == 128
+
+
+def _bad_calls():
+    a, w = randn(8, 16), randn(200, 16)
+    out = torch.empty(8, 200, device=DEVICE)
+    q, s = fp8_output_empty(out)
+    return [
+        ("not_pair", TypeError, "fp8_out must be a \\(q, scale\\) pair", lambda: matmul(a, w, out=out, fp8_out=q)),
+        ("q_dtype", TypeError, r"fp8_out\[0\] \(q\) must have dtype", lambda: matmul(a, w, out=out, fp8_out=(out, s))),
+        ("q_shape", ValueError, r"fp8_out\[0\] \(q\) must have shape \(8, 200\), got \(8, 100\)",
+         lambda: matmul(a, w, out=out, fp8_out=(q[:, :100], s))),
+        ("scale_shape", ValueError, r"fp8_out\[1\] \(scale\) must have shape \(8, 2\), got \(8, 1\)",
+         lambda: matmul(a, w, out=out, fp8_out=(q, s[:, :1]))),
+        ("scale_dtype", TypeError, r"fp8_out\[1\] \(scale\) must have dtype",
+         lambda: matmul(a, w, out=out, fp8_out=(q, s.double()))),
+        ("q_rows", ValueError, r"fp8_out\[0\] \(q\) must have contiguous rows",
+         lambda: matmul(a, w, out=out, fp8_out=(fp8_output_empty(torch.empty(400, 8, device=DEVICE))[0].t()[:, ::2], s))),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())), ids=[c[0] for c in _bad_calls()])
+def test_bad_fp8_output(case):
+    _, exc, pattern, call = _bad_calls()[case]
+    with pytest.raises(exc, match=pattern):
+        call()
