@@ -2,39 +2,36 @@
 
 The portable tensor-parallel path launches one GEMM per chunk and lets the stream wait for each
 chunk's transfer. Here one *persistent* launch (a fixed grid of programs, one per SM on GPU)
-walks over all output tiles of all chunks, in chunk order, so there is no launch gap or tail
-between chunks:
+walks over all output tiles of all chunks, in chunk order: no launch gap or tail between chunks.
 
 * **all-gather side** (``wait_mode="spin"``): before it loads a chunk's rows of A, a program
-  spins on that chunk's int32 ready flag (``atomic_add(flag, 0)`` with acquire semantics) until
-  it reaches ``ready_value``. A producer (copy engine on a side stream, see
-  :mod:`fusedpar.ops.symmetric`) fills the chunks and raises the flags. Tiles are ordered
-  starting at ``first_chunk`` (the local chunk), so work never waits for data that arrives later
-  than data it skipped over.
+  spins on that chunk's int32 ready flag (acquire) until it reaches ``ready_value``; a producer
+  (copy engine on a side stream, :mod:`fusedpar.ops.symmetric`) fills the chunks and raises the
+  flags. Tiles start at ``first_chunk`` (the local chunk), so work never waits for data that
+  arrives later than data it skipped over.
 * **reduce-scatter side** (``signal_counters``): after each tile's store a program adds 1 to its
-  chunk's counter (release), so a consumer can start moving a chunk as soon as its last tile
-  lands while the other chunks still compute. A chunk is complete when its counter has grown by
-  the number of tiles per chunk (:func:`tiles_per_chunk`).
-* :func:`chunk_reduce` is the consumer side of the reduce-scatter: it sums one chunk of the
-  partial results of several "peers" (buffers reached by one base pointer plus per-peer element
-  offsets, which is how symmetric-memory peers or single-GPU emulation buffers are addressed),
-  waiting on each peer's completion counter before reading that peer's partial.
+  chunk's counter (release): a chunk is complete when its counter has grown by
+  :func:`tiles_per_chunk`, and a consumer can move it while the other chunks still compute.
+* :func:`chunk_reduce` is that consumer: it sums one chunk of the partials of several "peers"
+  (one base pointer plus per-peer element offsets: symmetric-memory peers or single-GPU
+  emulation buffers), reading each peer's partial after its completion counter says so.
 
 Operands are *chunked views*: ``[C, rows, F]`` or ``[C, batch, rows, F]`` tensors with any
 strides, chunk ``c`` being ``t[c]`` (:func:`chunk_view` makes one from a ``[batch, seq, F]``
-activation without copying). A sequence chunk of a ``[batch, seq, hidden]`` tensor is therefore
-read or written in place.
+activation without copying): a sequence chunk is read or written in place. fp8 operands (e4m3
+``a`` and weight with fp32 scales, the constexpr ``FP8``) run the same kernel with the main loop
+and scale layouts of :func:`~fusedpar.kernels.fp8_gemm.fp8_matmul` (rowwise or blockwise), whose
+results they reproduce bit for bit under the interpreter.
 
 Every spin is bounded: a wait that runs out counts a timeout in a per-device status word, and
-:func:`check_wait_timeouts` turns it into a :class:`WaitTimeout` on the host -- on a GPU as well
-as under the interpreter, either right after the work (``"sync"``, the default) or without a
-host synchronisation at a later check (``"deferred"``, ``FUSEDPAR_WAIT_CHECK=deferred``).
+:func:`check_wait_timeouts` turns it into a :class:`WaitTimeout` on the host, on a GPU as well as
+under the interpreter, right after the work (``"sync"``, the default) or without a host
+synchronisation at a later check (``"deferred"``, ``FUSEDPAR_WAIT_CHECK=deferred``).
 
-Triton's interpreter runs programs one after another: a spin on a flag that is raised later
-would hang, so interpreted tests set flags before the launch, or use ``wait_mode="skip"``
-(a tile whose flag is not ready is skipped, not computed), which tests the flag logic
-honestly without waiting. ``tile_log`` records, per tile, a global ticket taken when the tile
-was computed (-1 stays for skipped tiles): the processing order, observable on GPU as well.
+Triton's interpreter runs programs one after another: a spin on a flag raised later would hang,
+so interpreted tests set flags before the launch, or use ``wait_mode="skip"`` (a tile whose flag
+is not ready is skipped), which tests the flag logic without waiting. ``tile_log`` records, per
+tile, a global ticket taken when the tile was computed (-1 stays for skipped tiles).
 
 Layers: :func:`persistent_gemm_kernel` / :func:`chunk_reduce_kernel` (jit) ->
 :func:`persistent_matmul` / :func:`chunk_reduce` (validate, allocate, launch) ->
@@ -42,32 +39,20 @@ Layers: :func:`persistent_gemm_kernel` / :func:`chunk_reduce_kernel` (jit) ->
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from .checks import check_buffer, check_choice, check_float_tensor, check_int, check_tensor, output_buffer
-from .gemm import (
-    INTERPRETER_CONFIG,
-    LinearOperands,
-    gemm_epilogue,
-    gemm_mainloop,
-    linear_operands,
-    matmul_reference,
-    tile_rule,
-)
-from .runtime import (
-    RowView,
-    cdiv,
-    input_precision,
-    interpreting,
-    multiprocessor_count,
-    needs_upcast,
-    on_device,
-    row_offsets,
-    shared_memory_limit,
-    tile_config_problem,
-)
+from .checks import (check_buffer, check_choice, check_float_tensor, check_int, check_out_dtype, check_same,
+                     check_shape, check_tensor, output_buffer)
+from .fp8 import FP8_BLOCK, check_fp8_device, rne_for_store
+from .fp8_gemm import FP8_INTERPRETER_CONFIG, FP8_PROMOTE_K, SCALINGS
+from .gemm import (EPILOGUE_ACC_BUDGET, INTERPRETER_CONFIG, LinearOperands, gemm_epilogue, gemm_mainloop,
+                   linear_operands, matmul_reference, tile_rule)
+from .runtime import (RowView, cdiv, input_precision, interpreting, multiprocessor_count, needs_upcast, on_device,
+                      row_offsets, shared_memory_limit, tile_config_problem)
 from .waits import WaitTimeout, check_wait_timeouts, spin_bound, status_word, wait_ready, wait_timeouts
 
 __all__ = [
@@ -86,68 +71,67 @@ INTERPRETER_PROGRAMS = 3
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _chunk_tile(
-    a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, count_ptr, log_ptr,
-    chunk, tile, pid_m, pid_n, ROWS, N, K, log_ticket,
-    s_a_chunk, a_m_inner, s_am0, s_am1, s_ak,
-    s_bk, s_bn, glu_offset,
-    s_c_chunk, c_m_inner, s_cm0, s_cm1, s_cn,
-    s_x_chunk, x_m_inner, s_xm0, s_xm1, s_xn,
-    A_M_SPLIT: tl.constexpr, C_M_SPLIT: tl.constexpr, X_M_SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr,
-    UPCAST: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    SIGNAL: tl.constexpr, LOG: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp8_mainloop(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, a_rows, sa_rows, b_cols, b_cols_up, rn, glu_offset, m_mask, n_mask, K,
+    s_ak, s_bk, s_sak, s_sbn, s_sbk, GLU: tl.constexpr, BLOCKWISE: tl.constexpr, EVEN_K: tl.constexpr,
+    PROMOTE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One output tile of one chunk: :func:`~fusedpar.kernels.gemm.gemm_mainloop` and
-    :func:`~fusedpar.kernels.gemm.gemm_epilogue`, then the release of the chunk's counter."""
-    chunk64 = chunk.to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = rm < ROWS
-    n_mask = rn < N
-
-    a_rows = chunk64 * s_a_chunk + row_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
-    b_cols = rn.to(tl.int64) * s_bn
-    b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
-    acc, acc_up = gemm_mainloop(
-        a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
-        1, 0, s_ak, 1, 0, s_bk,
-        False, False, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    x_off = chunk64 * s_x_chunk + row_offsets(rm, x_m_inner, s_xm0, s_xm1, X_M_SPLIT)[:, None] \
-        + rn.to(tl.int64)[None, :] * s_xn
-    acc = gemm_epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, x_off, glu_offset, s_xn,
-                    HAS_BIAS, STORE_AUX, ACT, GLU)
-    c_off = chunk64 * s_c_chunk + row_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] \
-        + rn.to(tl.int64)[None, :] * s_cn
-    tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
-
-    if SIGNAL:
-        # every thread's stores of this tile happen before the release below
-        tl.debug_barrier()
-        tl.atomic_add(count_ptr + chunk, 1, sem="release", scope="sys")
-    if LOG:
-        ticket = tl.atomic_add(log_ptr + log_ticket, 1)
-        tl.store(log_ptr + tile, ticket)
+    """fp32 ``(A * sa) @ (B * sb)^T`` of one tile (and of the up columns for gated activations)
+    from e4m3 operands, computed as ``fp8_matmul`` computes it (kernels/fp8_gemm.py): rowwise, one
+    dot over K promoted to fp32 every ``PROMOTE_K`` and scaled after the loop; blockwise, a fresh
+    dot per 128-deep step times the step's scales (``sb``: one per 128x128 block of the weight)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
+    sb_rows = sb_ptr + (rn // (128 if BLOCKWISE else 1)).to(tl.int64) * s_sbn
+    sb_up = sb_ptr + ((rn + glu_offset) // (128 if BLOCKWISE else 1)).to(tl.int64) * s_sbn
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        kk64 = (k0 * BLOCK_K + rk).to(tl.int64)
+        if EVEN_K:
+            a = tl.load(a_ptr + a_rows[:, None] + (kk64 * s_ak)[None, :], mask=m_mask[:, None], other=0.0)
+            b_mask = n_mask[None, :]
+        else:
+            a = tl.load(a_ptr + a_rows[:, None] + (kk64 * s_ak)[None, :], mask=m_mask[:, None] & (kk64 < K)[None, :],
+                        other=0.0)
+            b_mask = (kk64 < K)[:, None] & n_mask[None, :]
+        b = tl.load(b_ptr + b_cols[None, :] + (kk64 * s_bk)[:, None], mask=b_mask, other=0.0)
+        if BLOCKWISE:
+            sa = tl.load(sa_ptr + sa_rows + k0 * s_sak, mask=m_mask, other=0.0)
+            acc += tl.dot(a, b) * sa[:, None] * tl.load(sb_rows + k0 * s_sbk, mask=n_mask, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
+        if GLU:
+            bu = tl.load(b_ptr + b_cols_up[None, :] + (kk64 * s_bk)[:, None], mask=b_mask, other=0.0)
+            if BLOCKWISE:
+                acc_up += tl.dot(a, bu) * sa[:, None] * tl.load(sb_up + k0 * s_sbk, mask=n_mask, other=0.0)[None, :]
+            else:
+                acc_up = tl.dot(a, bu, acc_up, max_num_imprecise_acc=PROMOTE_K)
+    if not BLOCKWISE:
+        sa = tl.load(sa_ptr + sa_rows, mask=m_mask, other=0.0)
+        acc = acc * sa[:, None] * tl.load(sb_rows, mask=n_mask, other=0.0)[None, :]
+        if GLU:
+            acc_up = acc_up * sa[:, None] * tl.load(sb_up, mask=n_mask, other=0.0)[None, :]
+    return acc, acc_up
 
 
 @triton.jit
 def persistent_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, flag_ptr, count_ptr, log_ptr, status_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, sa_ptr, sb_ptr, flag_ptr, count_ptr, log_ptr, status_ptr,
     ROWS, N, K, num_chunks, first_chunk, ready_value,
-    s_a_chunk, a_m_inner, s_am0, s_am1, s_ak,
-    s_bk, s_bn, glu_offset,
-    s_c_chunk, c_m_inner, s_cm0, s_cm1, s_cn,
-    s_x_chunk, x_m_inner, s_xm0, s_xm1, s_xn,
-    A_M_SPLIT: tl.constexpr, C_M_SPLIT: tl.constexpr, X_M_SPLIT: tl.constexpr,
+    s_a_chunk, a_m_inner, s_am0, s_am1, s_ak, s_bk, s_bn, glu_offset,
+    s_c_chunk, c_m_inner, s_cm0, s_cm1, s_cn, s_x_chunk, x_m_inner, s_xm0, s_xm1, s_xn,
+    s_sa_chunk, sa_m_inner, s_sam0, s_sam1, s_sak, s_sbn, s_sbk,
+    A_M_SPLIT: tl.constexpr, C_M_SPLIT: tl.constexpr, X_M_SPLIT: tl.constexpr, SA_M_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr,
     UPCAST: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr, BLOCKWISE: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr,
     WAIT: tl.constexpr, SIGNAL: tl.constexpr, LOG: tl.constexpr, MAX_SPIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """Every tile of every chunk from ``first_chunk`` on: the flag wait, ``gemm_mainloop`` (``FP8``:
+    :func:`_fp8_mainloop`), ``gemm_epilogue``, the store, the release of the chunk's counter."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
+    tl.static_assert(not FP8 or BLOCK_K == 128, "fp8 steps K one 128-wide scale block at a time")
     tl.static_assert(WAIT >= 0 and WAIT <= 2, "WAIT: 0 none, 1 spin, 2 skip")
     tl.static_assert(ACT >= 0 and ACT <= 4, "unknown activation code")
 
@@ -176,16 +160,41 @@ def persistent_gemm_kernel(
         if WAIT == 2:
             run = tl.atomic_add(flag_ptr + chunk, 0, sem="acquire", scope="sys") >= ready_value
         if run:
-            _chunk_tile(
-                a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, count_ptr, log_ptr,
-                chunk, tile, pid_m, pid_n, ROWS, N, K, total,
-                s_a_chunk, a_m_inner, s_am0, s_am1, s_ak,
-                s_bk, s_bn, glu_offset,
-                s_c_chunk, c_m_inner, s_cm0, s_cm1, s_cn,
-                s_x_chunk, x_m_inner, s_xm0, s_xm1, s_xn,
-                A_M_SPLIT, C_M_SPLIT, X_M_SPLIT, HAS_BIAS, STORE_AUX, ACT, GLU, UPCAST, EVEN_K,
-                INPUT_PRECISION, SIGNAL, LOG, BLOCK_M, BLOCK_N, BLOCK_K,
-            )
+            chunk64 = chunk.to(tl.int64)
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_mask = rm < ROWS
+            n_mask = rn < N
+            a_rows = chunk64 * s_a_chunk + row_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
+            b_cols = rn.to(tl.int64) * s_bn
+            b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
+            if FP8:
+                sa_rows = chunk64 * s_sa_chunk + row_offsets(rm, sa_m_inner, s_sam0, s_sam1, SA_M_SPLIT)
+                acc, acc_up = _fp8_mainloop(
+                    a_ptr, b_ptr, sa_ptr, sb_ptr, a_rows, sa_rows, b_cols, b_cols_up, rn, glu_offset, m_mask,
+                    n_mask, K, s_ak, s_bk, s_sak, s_sbn, s_sbk, GLU, BLOCKWISE, EVEN_K, PROMOTE_K,
+                    BLOCK_M, BLOCK_N, BLOCK_K)
+            else:
+                acc, acc_up = gemm_mainloop(
+                    a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K, 1, 0, s_ak, 1, 0, s_bk,
+                    False, False, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+            out_mask = m_mask[:, None] & n_mask[None, :]
+            x_off = chunk64 * s_x_chunk + row_offsets(rm, x_m_inner, s_xm0, s_xm1, X_M_SPLIT)[:, None] \
+                + rn.to(tl.int64)[None, :] * s_xn
+            acc = gemm_epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, x_off, glu_offset, s_xn,
+                                HAS_BIAS, STORE_AUX, ACT, GLU)
+            if EMULATE:  # the interpreter's bf16 cast truncates (kernels/fp8.py)
+                acc = rne_for_store(acc, c_ptr)
+            c_off = chunk64 * s_c_chunk + row_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] \
+                + rn.to(tl.int64)[None, :] * s_cn
+            tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+            if SIGNAL:
+                # every thread's stores of this tile happen before the release below
+                tl.debug_barrier()
+                tl.atomic_add(count_ptr + chunk, 1, sem="release", scope="sys")
+            if LOG:
+                ticket = tl.atomic_add(log_ptr + total, 1)
+                tl.store(log_ptr + tile, ticket)
 
 
 @triton.jit(do_not_specialize=["chunk"])  # chunk == 1 would become a constexpr int (no .to)
@@ -262,6 +271,8 @@ def gpu_config(n: int, dtype: torch.dtype, glu: bool = False) -> dict:
     benchmarks/persistent.py sweeps configs with waits off and passes the best one in.
     Pipelined shared memory stays under ~150 KB (Hopper/Ampere allow 227/163 KB); the
     accumulators stay within the GEMM epilogue budgets (a gated epilogue holds two)."""
+    if dtype == torch.float8_e4m3fn:  # 128-deep K steps (a scale block); two accumulators each: dot and fp32 sum
+        return dict(BLOCK_M=128, BLOCK_N=64 if glu else 128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
     if dtype == torch.float32:  # FMA dots ("ieee"): <= 32 accumulator elements per thread in all, BLOCK_K 32
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
     if glu:
@@ -283,7 +294,8 @@ def kernel_config(config, n, dtype, glu=False):
     """The tile configuration a launch with ``config`` uses (the interpreter keeps its small fixed
     tiles unless ``config`` names block sizes); :func:`tiles_per_chunk` of it is what a
     ``signal_counters`` launch adds to every counter."""
-    cfg = dict(INTERPRETER_CONFIG) if interpreting() else dict(config or gpu_config(n, dtype, glu))
+    base = FP8_INTERPRETER_CONFIG if dtype == torch.float8_e4m3fn else INTERPRETER_CONFIG  # fp8: fp8_matmul's
+    cfg = dict(base) if interpreting() else dict(config or gpu_config(n, dtype, glu))
     if config is not None and interpreting():
         cfg.update({k: v for k, v in config.items() if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
     return cfg
@@ -315,6 +327,11 @@ def check_config(config: dict, a: torch.Tensor, ops: LinearOperands, store_aux: 
     rule = tile_rule({"a_ptr": a, "GLU": ops.glu, "ACT": ops.act, "STORE_AUX": store_aux, "K": ops.k,
                       "s_am1": a.stride(-2), "s_ak": a.stride(-1), "s_bk": ops.s_bk, "s_bn": ops.s_bn,
                       "INPUT_PRECISION": input_precision(a.dtype)})
+    if a.dtype == torch.float8_e4m3fn:  # each accumulator twice (the step's dot, the fp32 sum), the fp8 GEMM's
+        # budget (sm_90: 128x128x128, gated 128x64x128, 8 warps: 205-238 registers, no spills); fp8 loads that do
+        # not vectorise spill at every tile (60-3700 B at K=200): a speed matter, not refused
+        rule.update(acc_tiles=2 * rule["acc_tiles"], acc_budget=EPILOGUE_ACC_BUDGET["plain"], sync_acc_budget=None,
+                    unaligned=False)
     problem = tile_config_problem(config, smem_limit=shared_memory_limit(a.device.index or 0), **rule)
     if problem:
         tile = "x".join(str(config[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
@@ -333,12 +350,38 @@ def _check_counters(name, t, num_chunks, device):
         raise ValueError(f"{name} must be on device {device}, got {t.device}")
 
 
+def _fp8_operands(a, weight, bias, activation, a_scale, weight_scale, scaling):
+    """Check e4m3 ``a`` / ``weight`` and their fp32 scales (:func:`persistent_matmul`); returns the
+    operands and ``(a_scale, weight_scale, blockwise)``."""
+    check_tensor("weight", weight, dims=(2,), dtypes=(torch.float8_e4m3fn,), kernel_device=True)
+    check_same("weight", weight, "a", a)
+    check_choice("scaling", scaling, SCALINGS)
+    def like(t):  # a bf16 stand-in of t's shape (no copy): linear_operands checks shapes, bias, activation
+        return torch.empty((), device=t.device, dtype=torch.bfloat16).expand(t.shape)
+    ops = replace(linear_operands(like(a[0]), like(weight), bias, activation=activation, a_name="a[0]"),
+                  s_bk=weight.stride(1), s_bn=weight.stride(0))
+    kb, blockwise = cdiv(ops.k, FP8_BLOCK), scaling == "blockwise"
+    for name, s, shape in (("a_scale", a_scale, a.shape[:-1] + ((kb,) if blockwise else ())),
+                           ("weight_scale", weight_scale, (cdiv(ops.n_w, FP8_BLOCK), kb) if blockwise else (ops.n_w,))):
+        check_tensor(name, s, dtypes=(torch.float32,))
+        check_shape(name, s, shape)
+        check_same(name, s, "a", a, dtype=False)
+    check_fp8_device(a)
+    return ops, (a_scale, weight_scale, blockwise)
+
+
 def _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, wait_flags, signal_counters,
-                           ready_value) -> LinearOperands:
+                           ready_value, a_scale, weight_scale, scaling):
     if not isinstance(a, torch.Tensor) or a.dim() not in (3, 4):
         raise ValueError("a must be a chunked view [C, rows, K] or [C, batch, rows, K] (see chunk_view), got "
                          + (f"shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__))
-    ops = linear_operands(a[0], weight, bias, activation=activation, a_name="a[0]")
+    scales = None
+    if a.dtype == torch.float8_e4m3fn:
+        ops, scales = _fp8_operands(a, weight, bias, activation, a_scale, weight_scale, scaling)
+    elif a_scale is not None or weight_scale is not None:
+        raise ValueError(f"a_scale / weight_scale are for float8_e4m3fn operands, got a of dtype {a.dtype}")
+    else:
+        ops = linear_operands(a[0], weight, bias, activation=activation, a_name="a[0]")
     check_choice("wait_mode", wait_mode, sorted(WAIT_MODES))
     C = a.shape[0]
     if not isinstance(first_chunk, int) or not 0 <= first_chunk < max(C, 1):
@@ -351,10 +394,10 @@ def _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, 
     if signal_counters is not None:
         _check_counters("signal_counters", signal_counters, C, a.device)
     check_int("ready_value", ready_value, min_value=-(2 ** 31), max_value=2 ** 31 - 1)
-    return ops
+    return ops, scales
 
 
-def _chunked_outputs(a, ops, out, preact_out, tile_log, total):
+def _chunked_outputs(a, ops, out, out_dtype, preact_out, tile_log, total):
     """Check (or allocate) the chunked outputs of :func:`persistent_matmul`; returns ``out``."""
     if preact_out is not None:
         check_buffer("preact_out", preact_out, tuple(a.shape[:-1]) + (ops.n_w,), a.device)
@@ -363,29 +406,33 @@ def _chunked_outputs(a, ops, out, preact_out, tile_log, total):
         if not tile_log.is_contiguous() or tile_log.numel() != total + 1 or tile_log.device != a.device:
             raise ValueError(f"tile_log must be a contiguous tensor of {total + 1} entries (tiles + 1) on {a.device}, "
                              f"got shape {tuple(tile_log.shape)} on {tile_log.device}")
-    return output_buffer("out", out, tuple(a.shape[:-1]) + (ops.n,), a.device, a.dtype)
+    return output_buffer("out", out, tuple(a.shape[:-1]) + (ops.n,), a.device, out_dtype)
 
 
-def _launch_persistent(a, weight, out, ops, cfg, *, first_chunk, wait_mode, wait_flags, ready_value,
+def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mode, wait_flags, ready_value,
                        signal_counters, preact_out, tile_log, num_programs, max_spin, total):
     a_r, c_r = _chunk_rows(a), _chunk_rows(out)
     x_r = _chunk_rows(preact_out) if preact_out is not None else RowView(1, 0, 0, False)
-    bias, dummy = ops.bias, out
+    bias, dummy, emulate = ops.bias, out, interpreting() and scales is not None
+    sa, sb, blockwise = scales or (dummy, dummy, False)
+    sa_r = _chunk_rows(sa if blockwise or scales is None else sa.unsqueeze(-1))  # rowwise: a row view of a's rows
     args = (
-        a, weight, out, bias if bias is not None else dummy, preact_out if preact_out is not None else dummy,
+        a, weight, out, bias.float() if emulate and bias is not None else bias if bias is not None else dummy,
+        preact_out if preact_out is not None else dummy, sa, sb,
         wait_flags if wait_flags is not None else dummy, signal_counters if signal_counters is not None else dummy,
         tile_log if tile_log is not None else dummy, status_word(a.device),
         int(torch.Size(a.shape[1:-1]).numel()), ops.n, ops.k, a.shape[0], first_chunk, ready_value,
-        a.stride(0), *a_r.args(), a.stride(-1),
-        ops.s_bk, ops.s_bn, ops.n if ops.glu else 0,
+        a.stride(0), *a_r.args(), a.stride(-1), ops.s_bk, ops.s_bn, ops.n if ops.glu else 0,
         out.stride(0), *c_r.args(), out.stride(-1),
         preact_out.stride(0) if preact_out is not None else 0, *x_r.args(),
         preact_out.stride(-1) if preact_out is not None else 0,
+        sa.stride(0), *sa_r.args(), sa.stride(-1) if blockwise else 0, sb.stride(0), sb.stride(-1),
     )
     meta = dict(
-        A_M_SPLIT=a_r.split, C_M_SPLIT=c_r.split, X_M_SPLIT=x_r.split,
+        A_M_SPLIT=a_r.split, C_M_SPLIT=c_r.split, X_M_SPLIT=x_r.split, SA_M_SPLIT=sa_r.split,
         HAS_BIAS=bias is not None, STORE_AUX=preact_out is not None, ACT=ops.act, GLU=ops.glu,
         UPCAST=needs_upcast(a.dtype), EVEN_K=ops.k % cfg["BLOCK_K"] == 0, INPUT_PRECISION=input_precision(a.dtype),
+        FP8=scales is not None, BLOCKWISE=blockwise, EMULATE=emulate, PROMOTE_K=FP8_PROMOTE_K,
         WAIT=WAIT_MODES[wait_mode], SIGNAL=signal_counters is not None, LOG=tile_log is not None,
         MAX_SPIN=spin_bound(max_spin), **cfg,
     )
@@ -395,23 +442,13 @@ def _launch_persistent(a, weight, out, ops, cfg, *, first_chunk, wait_mode, wait
 
 
 def persistent_matmul(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    first_chunk: int = 0,
-    out: torch.Tensor | None = None,
-    activation: str = "none",
-    wait_flags: torch.Tensor | None = None,
-    wait_mode: str = "spin",
-    ready_value: int = 1,
-    signal_counters: torch.Tensor | None = None,
-    preact_out: torch.Tensor | None = None,
-    tile_log: torch.Tensor | None = None,
-    num_programs: int | None = None,
-    config: dict | None = None,
-    max_spin: int | None = None,
-    check_waits: bool = True,
+    a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, first_chunk: int = 0,
+    out: torch.Tensor | None = None, activation: str = "none", wait_flags: torch.Tensor | None = None,
+    wait_mode: str = "spin", ready_value: int = 1, signal_counters: torch.Tensor | None = None,
+    preact_out: torch.Tensor | None = None, tile_log: torch.Tensor | None = None, num_programs: int | None = None,
+    config: dict | None = None, max_spin: int | None = None, check_waits: bool = True,
+    a_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None, scaling: str = "rowwise",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``out[c] = act(a[c] @ weight.T + bias)`` for every chunk ``c``, in one persistent launch.
 
@@ -419,7 +456,12 @@ def persistent_matmul(
               :func:`chunk_view`). ``C`` is the number of chunks.
     weight:   ``[N, K]`` (``nn.Linear`` layout, any strides); ``[2F, K]`` gate|up for gated activations.
     out:      chunked view with the same leading dims and ``N`` (``F``) features, written in
-              place; allocated contiguous (``[C, ..., N]``) when omitted.
+              place; allocated contiguous (``[C, ..., N]``) when omitted, of ``out_dtype``
+              (default ``a``'s dtype; bf16 for fp8 operands).
+    a_scale, weight_scale, scaling: for e4m3 ``a`` and ``weight``: fp32 scales as ``fp8_matmul``
+              takes them, ``"rowwise"`` ``a.shape[:-1]`` and ``[weight.shape[0]]``, ``"blockwise"``
+              ``a.shape[:-1] + (kb,)`` (1x128 tiles) and ``[ceil(weight.shape[0] / 128), kb]``
+              (128x128 blocks), ``kb = ceil(K/128)``; the bias and activation follow the scales.
     first_chunk: tiles are processed chunk by chunk starting here: ``first_chunk``,
               ``first_chunk + 1``, ... (mod C). Put the local chunk first for an all-gather,
               the chunk the first peer needs first for a reduce-scatter.
@@ -442,23 +484,29 @@ def persistent_matmul(
     check_waits: check for timed-out waits after a ``"spin"`` launch (default). An op that
               launches several waiting kernels passes False and checks once at its end.
     """
-    ops = _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, wait_flags, signal_counters,
-                                 ready_value)
+    ops, scales = _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, wait_flags,
+                                         signal_counters, ready_value, a_scale, weight_scale, scaling)
     if config is not None and not interpreting():
         check_config(config, a, ops, preact_out is not None)
     cfg = kernel_config(config, ops.n, a.dtype, ops.glu)
+    if scales is not None and cfg["BLOCK_K"] != FP8_BLOCK:
+        raise ValueError(f"config['BLOCK_K'] must be {FP8_BLOCK} for fp8 operands (one scale block per step), "
+                         f"got {cfg['BLOCK_K']}")
+    check_out_dtype("out_dtype", out_dtype)
     C, rows = a.shape[0], int(torch.Size(a.shape[1:-1]).numel())
     total = C * tiles_per_chunk(rows, ops.n, cfg)
-    out = _chunked_outputs(a, ops, out, preact_out, tile_log, total)
+    out = _chunked_outputs(a, ops, out, out_dtype or (torch.bfloat16 if scales else a.dtype), preact_out, tile_log,
+                           total)
     num_programs = default_num_programs(a.device) if num_programs is None else num_programs
     check_int("num_programs", num_programs, min_value=1)
     if rows == 0 or ops.n == 0 or C == 0:
         return out
     if ops.k == 0:
         raise ValueError("a must have K > 0 features (an empty contraction has nothing to overlap), got K=0")
-    _launch_persistent(a, weight, out, ops, cfg, first_chunk=first_chunk, wait_mode=wait_mode, wait_flags=wait_flags,
-                       ready_value=ready_value, signal_counters=signal_counters, preact_out=preact_out,
-                       tile_log=tile_log, num_programs=num_programs, max_spin=max_spin, total=total)
+    _launch_persistent(a, weight, out, ops, cfg, scales, first_chunk=first_chunk, wait_mode=wait_mode,
+                       wait_flags=wait_flags, ready_value=ready_value, signal_counters=signal_counters,
+                       preact_out=preact_out, tile_log=tile_log, num_programs=num_programs, max_spin=max_spin,
+                       total=total)
     if wait_mode == "spin" and check_waits:
         check_wait_timeouts(a.device, "persistent_matmul")
     return out
@@ -489,20 +537,10 @@ def _check_reduce_args(src, peer_offsets, chunk, out, bias, counters, counter_of
 
 
 def chunk_reduce(
-    src: torch.Tensor,
-    peer_offsets: torch.Tensor,
-    chunk: int,
-    *,
-    out: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-    counter_offsets: torch.Tensor | None = None,
-    ready_value: int = 1,
-    workspace: torch.Tensor | None = None,
-    num_programs: int | None = None,
-    block: tuple[int, int] = (32, 128),
-    max_spin: int | None = None,
-    check_waits: bool = True,
+    src: torch.Tensor, peer_offsets: torch.Tensor, chunk: int, *, out: torch.Tensor, bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None, counter_offsets: torch.Tensor | None = None, ready_value: int = 1,
+    workspace: torch.Tensor | None = None, num_programs: int | None = None, block: tuple[int, int] = (32, 128),
+    max_spin: int | None = None, check_waits: bool = True,
 ) -> torch.Tensor:
     """``out = bias + sum_p partial_p[chunk]`` summed in fp32, peers in the given order.
 

@@ -5,6 +5,7 @@ hang: the spin tests set every flag before the launch, and the flag logic itself
 is tested with ``wait_mode="skip"`` (a tile whose chunk flag is not ready is not computed) and
 with the tile log (the global order in which tiles were computed).
 """
+import functools
 import os
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
-from fusedpar.kernels import WaitTimeout, check_wait_timeouts, wait_timeouts
+from fusedpar.kernels import WaitTimeout, check_wait_timeouts, dequantize_e4m3, fp8_matmul, quantize_e4m3, wait_timeouts
+from fusedpar.kernels.fp8 import FP8UnsupportedError
 from fusedpar.kernels import persistent_gemm as pg
 from fusedpar.kernels.persistent_gemm import (
     chunk_reduce,
@@ -25,6 +27,7 @@ from fusedpar.kernels.persistent_gemm import (
     tiles_per_chunk,
 )
 from fusedpar.kernels.waits import WAIT_CHECKS, status_word
+from test_fp8 import ACC_RTOL, assert_within, mma_error_bound
 
 I32 = torch.int32
 
@@ -296,11 +299,13 @@ _COMPILE_CHECK = textwrap.dedent(
         src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
+    NO_FP8 = dict(SA_M_SPLIT=False, FP8=False, BLOCKWISE=False, EMULATE=False, PROMOTE_K=128)
     bf16 = {n: "*bf16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "aux_ptr")}
     k = comp(pg.persistent_gemm_kernel,
              dict(A_M_SPLIT=False, C_M_SPLIT=True, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=False, ACT=0,
                    GLU=False, UPCAST=False, EVEN_K=True, INPUT_PRECISION="ieee", WAIT=1, SIGNAL=True, LOG=False,
-                  MAX_SPIN=1 << 27, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1),
+                  MAX_SPIN=1 << 27, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1,
+                  **NO_FP8),
              {"s_am1", "s_bn", "s_cm1", "s_cm0", "K", "N", "ROWS", "s_a_chunk", "s_c_chunk"}, bf16,
              dict(num_warps=8, num_stages=3))
     ptx = k.asm["ptx"]
@@ -315,9 +320,23 @@ _COMPILE_CHECK = textwrap.dedent(
     comp(pg.persistent_gemm_kernel,
          dict(A_M_SPLIT=True, C_M_SPLIT=False, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=True, ACT=3, GLU=True,
               UPCAST=False, EVEN_K=False, INPUT_PRECISION="ieee", WAIT=2, SIGNAL=False, LOG=True,
-              MAX_SPIN=1 << 27, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, s_ak=1, s_bk=1),
+              MAX_SPIN=1 << 27, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, s_ak=1, s_bk=1, **NO_FP8),
          {"K"}, dict(fp16, aux_ptr="*fp32"), dict(num_warps=4, num_stages=3))
     print("SKIP_GLU_AUX", True)
+    # fp8 operands, both recipes: the K loop on fp8 wgmma (e4m3 x e4m3), still after the wait
+    fp8 = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", bias_ptr="*bf16", sa_ptr="*fp32", sb_ptr="*fp32")
+    for blockwise in (False, True):
+        k = comp(pg.persistent_gemm_kernel,
+                 dict(NO_FP8, A_M_SPLIT=False, C_M_SPLIT=True, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=False,
+                      ACT=0, GLU=False, UPCAST=False, EVEN_K=True, INPUT_PRECISION="ieee", FP8=True,
+                      BLOCKWISE=blockwise, WAIT=1, SIGNAL=False, LOG=False, MAX_SPIN=1 << 27, BLOCK_M=128,
+                      BLOCK_N=128, BLOCK_K=128, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1, s_sak=1),
+                 {"s_am1", "s_bn", "s_cm1", "s_cm0", "K", "N", "ROWS", "s_a_chunk", "s_c_chunk"}, fp8,
+                 dict(num_warps=8, num_stages=4))
+        tg = k.asm["ttgir"]
+        print("FP8_WGMMA_" + ("BLOCKWISE" if blockwise else "ROWWISE"),
+              "wgmma" in k.asm["ptx"] and ".e4m3.e4m3" in k.asm["ptx"]
+              and -1 < tg.find("scf.while") < tg.find("async_copy_global_to_local"))
     k = comp(pg.chunk_reduce_kernel,
              dict(SRC_M_SPLIT=False, O_M_SPLIT=True, HAS_BIAS=True, WAIT=1, MAX_SPIN=1 << 27, BLOCK_M=32,
                   BLOCK_N=128, s_srcn=1, s_on=1),
@@ -333,7 +352,7 @@ def test_compiles_for_sm90_with_acquire_release_and_pipelining():
     """Without a GPU, compile the kernels for sm_90 down to a cubin (Triton's own toolchain,
     specialised like a real launch): the flag wait lowers to a system-scope acquire, no load is
     hoisted above it, the completion signal lowers to a system-scope release, the K loop keeps
-    wgmma + async copies; the
+    wgmma + async copies (fp8 operands: e4m3 wgmma, both recipes, loads after the wait); the
     skip/gated/pre-activation variant and the chunk_reduce consumer compile too."""
     try:
         from triton.backends.nvidia import compiler  # noqa: F401
@@ -345,7 +364,8 @@ def test_compiles_for_sm90_with_acquire_release_and_pipelining():
     assert res.returncode == 0, res.stderr[-3000:]
     lines = dict(line.split() for line in res.stdout.splitlines() if line.split()[0].isupper())
     assert lines == {"ACQUIRE": "True", "RELEASE": "True", "WGMMA": "True", "PIPELINED": "True", "LOADS_AFTER_WAIT": "True",
-                     "SKIP_GLU_AUX": "True", "REDUCE_ACQUIRE": "True"}, res.stdout
+                     "SKIP_GLU_AUX": "True", "FP8_WGMMA_ROWWISE": "True", "FP8_WGMMA_BLOCKWISE": "True",
+                     "REDUCE_ACQUIRE": "True"}, res.stdout
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="smoke mode of the CLI (the GPU run is a benchmark, not a test)")
@@ -398,3 +418,140 @@ def test_config_is_validated_with_the_gemm_prune_rule(monkeypatch):
         x = a.to(dtype)
         for ops in (operands(dtype, "swiglu"), operands(dtype, "none")):
             pg.check_config(pg.gpu_config(ops.n, dtype, ops.glu), x, ops, store_aux=ops.glu)
+    f8 = torch.float8_e4m3fn  # fp8 defaults: twice the accumulators, within the fp8 GEMM's budget
+    for ops in (glu, plain):
+        pg.check_config(pg.gpu_config(ops.n, f8, ops.glu), a.to(f8), ops, store_aux=ops.glu)
+    with pytest.raises(ValueError, match="256 fp32 accumulator elements per thread > 128"):
+        pg.check_config(dict(big, BLOCK_K=128, num_stages=2), a.to(f8), plain, store_aux=False)
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 operands (e4m3 with fp32 scales, the recipes of kernels/fp8_gemm.py)
+# --------------------------------------------------------------------------------------------
+def _fp8_operands(scaling, b, s, K, n_w, seed):
+    """A ``[b, s, K]`` activation and an ``[n_w, K]`` weight quantised by the recipe (activation
+    per token / per 1x128 tile, weight per output row / per 128x128 block), with a bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b * s, K, generator=g).to(DEVICE)
+    w = (torch.randn(n_w, K, generator=g) * 0.1).to(DEVICE)
+    xq, xs = quantize_e4m3(x, "row" if scaling == "rowwise" else "tile")
+    wq, ws = quantize_e4m3(w, "row" if scaling == "rowwise" else "block")
+    return xq.view(b, s, K), xs.view(b, s, *xs.shape[1:]), wq, ws, torch.randn(n_w, generator=g).to(DEVICE)
+
+
+def _scale_chunks(xs, C):
+    """The chunked view of an activation's scales (``[b, s]`` per token, ``[b, s, kb]`` per tile)."""
+    return chunk_view(xs.unsqueeze(-1), 1, C)[..., 0] if xs.dim() == 2 else chunk_view(xs, 1, C)
+
+
+def assert_fp8_matches(actual, expected, scaling, qa, sa, qw, sw, bias, what):
+    """Interpreted: bit for bit what ``fp8_matmul`` gives on the same operands (the same main loop,
+    K step and accumulation order; bf16 rounded to nearest even by both). Compiled, the two launch
+    different tiles (their fp8 tensor cores may truncate differently), so ``actual`` is checked
+    against the float64 product of the dequantised operands as tests/test_fp8.py checks
+    fp8_matmul: fp32 accumulation (:data:`ACC_RTOL` of the result's scale), the tensor cores'
+    share (:func:`mma_error_bound`) and one output rounding (bf16: 2^-8 relative)."""
+    if INTERPRETED:
+        assert torch.equal(actual, expected), f"{what}: differs from fp8_matmul"
+        return
+    ga, gb = ("row", "row") if scaling == "rowwise" else ("tile", "block")
+    qa2, sa2, qw, sw = qa.reshape(-1, qa.shape[-1]).cpu(), sa.reshape(qa.shape[0] * qa.shape[1], -1).cpu(), qw.cpu(), sw.cpu()
+    sa2 = sa2.squeeze(-1) if scaling == "rowwise" else sa2
+    ref = dequantize_e4m3(qa2, sa2, ga) @ dequantize_e4m3(qw, sw, gb).t() + bias.cpu().double()
+    mma = mma_error_bound(qa2.double(), dequantize_e4m3(torch.ones_like(qa2), sa2, ga), qw.double(),
+                          dequantize_e4m3(torch.ones_like(qw), sw, gb))
+    rnd = 2.0 ** -8 if actual.dtype == torch.bfloat16 else 0.0
+    tol = ACC_RTOL * ref.pow(2).mean().sqrt() + mma + rnd * ref.abs()
+    assert_within(actual.reshape(ref.shape), ref, tol, what)
+
+
+@pytest.mark.parametrize("scaling,out_dtype", [("rowwise", torch.bfloat16), ("blockwise", torch.float32)])
+def test_fp8_all_ready_matches_fp8_matmul(device, scaling, out_dtype):
+    """All-gather layout (a and its scales sequence chunks of [batch, seq, K] views, read in
+    place; out a sequence chunk view of the NaN-poisoned [batch, seq, N] result), the local chunk
+    first, flags at an epoch value; ragged M / N tiles and K = 200 (a ragged last 128-wide scale
+    block), bias: equal to fp8_matmul on the same operands; the counters grow by the tiles per chunk."""
+    C, b, sc, K, N = 3, 2, 13, 200, 45
+    xq, xs, wq, ws, bias = _fp8_operands(scaling, b, C * sc, K, N, seed=11)
+    out = poison((b, C * sc, N), out_dtype, device)
+    epoch = 5
+    counters = torch.zeros(C, dtype=I32, device=device)
+    persistent_matmul(chunk_view(xq, 1, C), wq, bias, a_scale=_scale_chunks(xs, C), weight_scale=ws, scaling=scaling,
+                      first_chunk=1, out=chunk_view(out, 1, C), wait_flags=torch.full((C,), epoch, dtype=I32,
+                      device=device), ready_value=epoch, signal_counters=counters)
+    expected = fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, out_dtype=out_dtype)
+    assert_fp8_matches(out, expected, scaling, xq, xs, wq, ws, bias, scaling)
+    assert counters.tolist() == [tiles_per_chunk(b * sc, N, kernel_config(None, N, xq.dtype))] * C
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_fp8_late_flags_swiglu_preact(device, scaling):
+    """Chunk-major [C, rows, K] operands (2-D chunks), gated activation over 2F = 140 weight rows
+    (blockwise: the up half starts inside the first 128-row scale block and runs into the second),
+    fp32 pre-activation. One chunk's flag comes late: a first launch (``"skip"``) leaves exactly its
+    rows NaN, the launch after the flag is raised computes them. The pre-activation equals
+    fp8_matmul's product; the output is act(gate) * up of it (fp32 epilogue: fp32 tolerance)."""
+    C, r, K, F = 3, 21, 200, 70
+    xq, xs, wq, ws, bias = _fp8_operands(scaling, C, r, K, 2 * F, seed=12)
+    out = poison((C, r, F), torch.float32, device)
+    pre = poison((C, r, 2 * F), torch.float32, device)
+    flags = torch.tensor([1, 0, 1], dtype=I32, device=device)
+    kw = dict(a_scale=xs, weight_scale=ws, scaling=scaling, out=out, activation="swiglu", preact_out=pre,
+              wait_flags=flags, wait_mode="skip")
+    persistent_matmul(xq, wq, bias, **kw)
+    assert torch.isnan(out[1]).all() and torch.isnan(pre[1]).all()
+    assert not torch.isnan(out[0]).any() and not torch.isnan(out[2]).any()
+    flags[1] = 1  # the late producer
+    persistent_matmul(xq, wq, bias, **kw)
+    expected = fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, out_dtype=torch.float32)
+    assert_fp8_matches(pre, expected, scaling, xq, xs, wq, ws, bias, "pre-activation")
+    gate, up = pre.double().split(F, dim=-1)
+    assert_close(out, torch.nn.functional.silu(gate) * up, torch.float32, msg="swiglu of the pre-activation")
+
+
+def _fp8_error_calls(device):
+    f8 = torch.float8_e4m3fn
+    a, w = torch.zeros(2, 5, 200, device=device).to(f8), torch.zeros(6, 200, device=device).to(f8)
+    sa, sw = torch.ones(2, 5, device=device), torch.ones(6, device=device)
+    call = functools.partial(persistent_matmul, a, w, wait_mode="none")
+    return [
+        ("recipe", ValueError, "scaling must be one of", lambda: call(a_scale=sa, weight_scale=sw, scaling="tensor")),
+        ("a_scale_missing", TypeError, "a_scale must be a torch.Tensor", lambda: call(weight_scale=sw)),
+        ("a_scale_dtype", TypeError, "a_scale must have dtype torch.float32",
+         lambda: call(a_scale=sa.half(), weight_scale=sw)),
+        ("a_scale_shape", ValueError, r"a_scale must have shape \(2, 5, 2\)",
+         lambda: call(a_scale=sa, weight_scale=torch.ones(1, 2, device=device), scaling="blockwise")),
+        ("weight_scale_shape", ValueError, r"weight_scale must have shape \(1, 2\)",
+         lambda: call(a_scale=torch.ones(2, 5, 2, device=device), weight_scale=sw, scaling="blockwise")),
+        ("weight_dtype", TypeError, "weight must have dtype torch.float8_e4m3fn",
+         lambda: persistent_matmul(a, w.float(), wait_mode="none", a_scale=sa, weight_scale=sw)),
+        ("scales_without_fp8", ValueError, "are for float8_e4m3fn operands",
+         lambda: persistent_matmul(a.float(), w.float(), wait_mode="none", a_scale=sa, weight_scale=sw)),
+        ("block_k", ValueError, r"config\['BLOCK_K'\] must be 128",
+         lambda: call(a_scale=sa, weight_scale=sw, config=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4))),
+        ("out_dtype", TypeError, "out_dtype", lambda: call(a_scale=sa, weight_scale=sw, out_dtype=torch.int32)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_fp8_error_calls("cpu"))), ids=[c[0] for c in _fp8_error_calls("cpu")])
+def test_fp8_errors(device, case):
+    _, exc, pattern, call = _fp8_error_calls(device)[case]
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
+    """The operands on a GPU of compute capability 8.0 (simulated: meta tensors that the device
+    checks take for usable, the capability and the name the fp8 check reads): FP8UnsupportedError
+    naming the device, before any launch."""
+    import fusedpar.kernels.checks as checks
+    import fusedpar.kernels.fp8 as fp8_kernels
+
+    monkeypatch.setattr(checks, "check_device_usable", lambda name, t: None)
+    monkeypatch.setattr(fp8_kernels, "device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
+    a = torch.empty(2, 5, 64, dtype=torch.float8_e4m3fn, device="meta")
+    w = torch.empty(6, 64, dtype=torch.float8_e4m3fn, device="meta")
+    with pytest.raises(FP8UnsupportedError, match="NVIDIA A100-SXM4-80GB has compute capability 8.0"):
+        persistent_matmul(a, w, a_scale=torch.empty(2, 5, device="meta"), weight_scale=torch.empty(6, device="meta"),
+                          wait_mode="none")

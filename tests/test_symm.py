@@ -586,3 +586,36 @@ def _symmetric_vs_reference(rank, size, seed):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_symmetric_transport_two_ranks(world2):
     assert world2.run(_symmetric_vs_reference, seed=31) in (["symmetric"] * 2, ["portable"] * 2)
+
+
+@pytest.mark.parametrize("scaling,gather_dim,rank", [("rowwise", 1, 1), ("blockwise", 0, 2)])
+def test_emulated_all_gather_matmul_fp8(device, scaling, gather_dim, rank):
+    """fp8 operands (e4m3 shard and weight with their scales, travelling together in each slot):
+    the persistent fp8 GEMM with the gated activation fused. Under the interpreter the
+    pre-activation equals fp8_matmul's on the gathered operands bit for bit (the same main loop;
+    compiled: within fp8_matmul's tolerance, test_persistent_gemm.assert_fp8_matches); the output is
+    the activation of it (an fp32 epilogue: fp32 tolerance); the scales checked before any barrier."""
+    from fusedpar.kernels import fp8_matmul, quantize_e4m3
+    from test_persistent_gemm import assert_fp8_matches
+
+    g = torch.Generator().manual_seed(31 + rank)
+    P, b, s, K, F = 3, 2, 5, 200, 70  # K: a ragged last 128-wide scale block; 2F = 140 weight rows
+    x, w = randn(b * s, K, generator=g), randn(2 * F, K, generator=g, scale=0.1)
+    bias = randn(2 * F, generator=g)
+    xq, xs = quantize_e4m3(x, "row" if scaling == "rowwise" else "tile")
+    wq, ws = quantize_e4m3(w, "row" if scaling == "rowwise" else "block")
+    xq, xs = xq.view(b, s, K), xs.view(b, s, *xs.shape[1:])
+    pre = torch.full((P, b, s, 2 * F), float("nan"), device=device)
+    out = all_gather_matmul_symmetric(xq, wq, bias, transport=_emulated(P, rank), gather_dim=gather_dim,
+                                      activation="swiglu", preact_out=pre, x_scale=xs, weight_scale=ws,
+                                      scaling=scaling, out_dtype=torch.float32)
+    expected = fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, out_dtype=torch.float32)
+    for c in range(P):
+        assert_fp8_matches(pre[c], expected, scaling, xq, xs, wq, ws, bias, f"pre-activation of chunk {c}")
+    gate, up = torch.cat([pre[c] for c in range(P)], dim=gather_dim).double().split(F, dim=-1)
+    assert_close(out, torch.nn.functional.silu(gate) * up, torch.float32, msg="swiglu")
+    with pytest.raises(ValueError, match=r"x_scale must have shape \(2, 5\)"):
+        all_gather_matmul_symmetric(xq, wq, transport=_emulated(P, rank), x_scale=torch.ones(2, 6, device=device),
+                                    weight_scale=ws, scaling=scaling)
+    with pytest.raises(ValueError, match="are for float8_e4m3fn operands"):
+        all_gather_matmul_symmetric(x.view(b, s, K), w, transport=_emulated(P, rank), x_scale=xs)

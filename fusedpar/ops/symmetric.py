@@ -44,14 +44,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from fusedpar.kernels.checks import (
-    check_buffer,
-    check_divisible,
-    check_dtype,
-    check_int,
-    check_tensor,
-    output_buffer,
-)
+from fusedpar.kernels.checks import (check_buffer, check_divisible, check_dtype, check_int, check_shape, check_tensor,
+                                     output_buffer)
 from fusedpar.kernels.persistent_gemm import (
     chunk_reduce,
     chunk_view,
@@ -400,8 +394,9 @@ def _device_ints(values, device) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # validation (local, before any barrier or transfer: the same error on every rank)
 # ----------------------------------------------------------------------------------------------
-def _validate(op, x, weight, bias, activation, dim, dim_name, chunks=None):
-    check_linear_args(op, x, weight, bias, activation)
+def _validate(op, x, weight, bias, activation, dim, dim_name, chunks=None, fp8=False):
+    if not fp8:  # (fp8 operands: checked by the GEMM, all_gather_matmul_symmetric)
+        check_linear_args(op, x, weight, bias, activation)
     if not isinstance(dim, int) or not 0 <= dim < x.dim() - 1:
         raise ValueError(f"{op}: {dim_name} must be a token dim of x (0..{x.dim() - 2}), got {dim!r}")
     if chunks is not None:
@@ -426,11 +421,11 @@ def _check_delay(delay_cycles, device):
 # ----------------------------------------------------------------------------------------------
 # all_gather_matmul over symmetric buffers
 # ----------------------------------------------------------------------------------------------
-def _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out):
+def _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out, out_dtype):
     n_w = weight.shape[0]
     shape = list(x.shape[:-1]) + [n_w // 2 if ACTIVATIONS[activation][1] else n_w]
     shape[gather_dim] *= P
-    out = output_buffer("out", out, shape, x.device, x.dtype)
+    out = output_buffer("out", out, shape, x.device, out_dtype)
     if preact_out is not None:
         check_buffer("preact_out", preact_out, (P,) + tuple(x.shape[:-1]) + (n_w,), x.device)
     if gathered_out is not None:
@@ -440,7 +435,8 @@ def _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_
 
 def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1, activation="none", out=None,
                                 preact_out=None, gathered_out=None, config=None, wait=True, producer_delay_cycles=0,
-                                num_programs=None, max_spin=None, agree=True):
+                                num_programs=None, max_spin=None, agree=True, x_scale=None, weight_scale=None,
+                                scaling="rowwise", out_dtype=None):
     """Forward of ``all_gather_matmul`` with in-kernel waits: ``x`` is this rank's shard (equal
     shapes on every rank), the result ``act(all_gather(x, gather_dim) @ W^T + bias)``. Arguments
     are checked before the first barrier.
@@ -450,7 +446,10 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
                   larger, ``N`` features); allocated when omitted.
     preact_out:   optional chunk-major ``[P, *x.shape[:-1], weight.shape[0]]`` pre-activation.
     gathered_out: optional ``[P, *x.shape]`` tensor receiving a copy of the gathered input (the
-                  symmetric buffer is reused by the next call), for the weight gradient.
+                  symmetric buffer is reused by the next call), for the weight gradient (not fp8).
+    x_scale, weight_scale, scaling, out_dtype: fp8 (e4m3 ``x`` and ``weight``; their fp32 scales as
+                  ``persistent_matmul`` takes them, ``x_scale`` of ``x.shape[:-1]`` (+ ``(ceil(K/128),)``
+                  blockwise) travels with ``x``); ``out`` in ``out_dtype`` (default ``x``'s, bf16 for fp8).
     Test knobs: ``wait=False`` launches the GEMM without waiting on the flags (a missing wait
     must show as wrong data), ``producer_delay_cycles`` makes the pulls start late on purpose
     (a sleep enqueued on the pull stream before the GEMM is launched: it counts from the enqueue,
@@ -462,21 +461,39 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     """
     t = _check_symmetric(transport, "all_gather_matmul")
     P, r = t.size, t.rank
+    fp8 = isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn
     with _agreed("all_gather_matmul_symmetric", t, agree, x=x, weight=weight, bias=bias, gather_dim=gather_dim,
-                 activation=activation, wait=wait):
-        _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim")
-        out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out)
+                 activation=activation, wait=wait, x_scale=x_scale, weight_scale=weight_scale, scaling=scaling):
+        if fp8:  # the GEMM's checks on no rows (nothing launched); x_scale's leading dims named here first
+            check_tensor("x_scale", x_scale, dims=(x.dim() - 1, x.dim()))
+            check_shape("x_scale", x_scale, tuple(x.shape[:-1]) + tuple(x_scale.shape[x.dim() - 1:]))
+            persistent_matmul(x[None, :0], weight, bias, a_scale=x_scale[None, :0], weight_scale=weight_scale,
+                              scaling=scaling, activation=activation, wait_mode="none", out_dtype=out_dtype)
+        elif x_scale is not None or weight_scale is not None:
+            raise ValueError(f"x_scale / weight_scale are for float8_e4m3fn operands, got x of dtype {x.dtype}")
+        _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim", fp8=fp8)
+        if fp8 and gathered_out is not None:
+            raise ValueError("gathered_out must be None with fp8 operands (the scales travel with x), got a tensor")
+        out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out,
+                          out_dtype or (torch.bfloat16 if fp8 else x.dtype))
         _check_delay(producer_delay_cycles, x.device)
-    ws = t.symmetric_workspace("all_gather", x.device, P * x.numel() * x.element_size())
-    gathered = ws.typed(0, (P,) + tuple(x.shape), x.dtype)
+    # slot c: chunk c's bytes (fp8: padded to 16, then its scales' bytes), one pull per chunk
+    nx, ns = x.numel() * x.element_size(), x_scale.numel() * 4 if fp8 else 0
+    row = -(-nx // 16) * 16 + ns if fp8 else nx
+    ws = t.symmetric_workspace("all_gather", x.device, P * row)
+    slots = ws.typed(0, (P, row), torch.uint8)
+    gathered = slots[:, :nx].view(x.dtype).view((P,) + tuple(x.shape))
+    g_scale = slots[:, row - ns:].view(torch.float32).view((P,) + tuple(x_scale.shape)) if fp8 else None
     flags = chunk_flags(x.device, P)
     t.symmetric_barrier(ws, 0)  # every peer finished reading our slot in the previous call
     gathered[r].copy_(x)
+    if fp8:
+        g_scale[r].copy_(x_scale)
     t.symmetric_barrier(ws, 1)  # every slot holds its owner's shard
     flags.begin()
     flags.raise_flag(r)
     order = [(r + i) % P for i in range(1, P)]
-    side = pull_chunks(gathered, lambda c: t.peer_slot(ws, gathered, c, c), order, flags, copy=t.peer_copy,
+    side = pull_chunks(slots, lambda c: t.peer_slot(ws, slots, c, c), order, flags, copy=t.peer_copy,
                        delay_cycles=producer_delay_cycles)
     if num_programs is None:
         num_programs = default_num_programs(x.device, reserve=t.free_sms(x.device))
@@ -484,6 +501,7 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
         gathered, weight, bias, first_chunk=r, out=chunk_view(out, gather_dim, P), activation=activation,
         wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.epoch,
         preact_out=preact_out, config=config, num_programs=num_programs, max_spin=max_spin, check_waits=False,
+        a_scale=g_scale, weight_scale=weight_scale, scaling=scaling,
     )
     # the copy reads every slot: join the pulls first instead of relying on the GEMM's waits
     # (wait=False, or a wait that gave up, would let it read a slot still being written)
