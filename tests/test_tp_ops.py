@@ -676,6 +676,34 @@ def test_tp_ops_fp8_world4(world4):
     assert world4.run(_fp8_cases, seed=85, variant=4) == [4] * 4
 
 
+def _fp8_handoff_cases(rank, size, seed):
+    """``all_gather_matmul(fp8=recipe, x_fp8=...)`` fed by ``rms_norm_fp8`` against the same op
+    quantising the norm's output itself (tests/test_fp8_handoff.py): the same bits, output and
+    every gradient (the norm's included), both recipes, kept and re-gathered input."""
+    from test_fp8_handoff import assert_same_bits, norm_then_gemm
+
+    for i, (recipe, dim, act, keep, hp) in enumerate((("rowwise", 1, "swiglu", True, False),
+                                                      ("blockwise", 0, "none", False, True))):
+        g, K, rows = rank_rng(seed + i, rank), 136, 8
+        leaves = [_rand(g, 2, 3, K, dtype=torch.float32), _rand(g, K, dtype=torch.float32),
+                  _rand(g, rows, K, dtype=torch.float32, scale=K ** -0.5), _rand(g, rows, dtype=torch.float32)]
+        go = _rand(g, *((2, 3 * size) if dim == 1 else (2 * size, 3)), rows // 2 if act == "swiglu" else rows,
+                   dtype=torch.float32)
+        runs = []
+        for handoff in (False, True):
+            x, nw, w, b = (t.clone().requires_grad_() for t in leaves)
+            y, = norm_then_gemm(x, nw, w, b, recipe=recipe, handoff=handoff, gather_dim=dim, activation=act,
+                                save_gathered_input=keep, fp8_grad_high_precision=hp)
+            y.backward(go)
+            runs.append((y.detach(), x.grad, nw.grad, w.grad, b.grad))
+        assert_same_bits(f"x_fp8 {recipe} tp{size}", runs[1], runs[0])
+    return 2
+
+
+def test_fp8_x_fp8_world2(world2):
+    assert world2.run(_fp8_handoff_cases, seed=87) == [2, 2]
+
+
 @pytest.mark.parametrize("op,waits,recipe", [("ag", False, "rowwise"), ("ag", True, "blockwise"),
                                              ("rs", False, "blockwise"), ("rs", True, "rowwise"),
                                              ("ar", False, "blockwise"), ("copy", False, "rowwise")])

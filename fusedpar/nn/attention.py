@@ -461,10 +461,12 @@ class ParallelAttention(SequenceParallelAttention):
         return {} if self.sinks is None else {"sinks": Placement.tp(self.tp_group, 0)}
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, x, *, cu_seqlens=None, position_ids=None):
+    def forward(self, x, *, cu_seqlens=None, position_ids=None, x_fp8=None):
         """``cu_seqlens``: int32 document boundaries of the full packed row (batch 1; global
         positions, the same on every rank): attention stays inside each document and rotary
-        positions restart per document unless ``position_ids`` (``[seq_len]``) are given."""
+        positions restart per document unless ``position_ids`` (``[seq_len]``) are given.
+        ``x_fp8``: ``x`` already quantised for the fp8 qkv projection, ``(q, scale)`` (the fp8
+        output of the norm that produced ``x``; :meth:`ColumnParallelLinear.forward`)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{type(self).__name__}: x must be [batch, seq_local, {self.hidden_size}], got {shape}")
@@ -475,9 +477,10 @@ class ParallelAttention(SequenceParallelAttention):
             bias = self.qkv.bias
             y = all_gather_matmul(x, replicated_rows(self.qkv.weight, **rows), None if bias is None else
                                   replicated_rows(bias, **rows), group=self.tp_group, gather_dim=1,
-                                  save_gathered_input=self.qkv.save_gathered_input)
+                                  save_gathered_input=self.qkv.save_gathered_input, x_fp8=x_fp8)
         else:
-            y = self.qkv(x)  # [b, s_sp, (hl + kl) * d + kl * dv]: the sequence-parallel shard, this rank's heads
+            # [b, s_sp, (hl + kl) * d + kl * dv]: the sequence-parallel shard, this rank's heads
+            y = self.qkv(x, x_fp8=x_fp8)
         b, s_sp, _ = y.shape
         q, k, v = (t.unflatten(2, (n, -1)) for t, n in zip(y.split((hl * d, kl * d, kl * dv), dim=2), (hl, kl, kl)))
         seq_len = s_sp * self.ring_size * self.ulysses_size

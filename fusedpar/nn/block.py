@@ -10,7 +10,7 @@ from fusedpar.ops.loss import attach_aux_loss
 
 from .attention import ParallelAttention
 from .config import NORM_LAYOUTS
-from .linear import FP8_OPTION, ParallelMLP, enable_fp8
+from .linear import FP8_OPTION, ColumnParallelLinear, ParallelMLP, enable_fp8
 from .mla import MLAttention
 from .moe import MoE, SharedExpertGate
 from .norm import RMSNorm
@@ -42,7 +42,10 @@ class TransformerBlock(nn.Module):
     (gpt-oss). ``expert_bias``: the MoE experts' biases (:class:`MoE`). ``fp8``,
     ``fp8_grad_high_precision``: the tensor-parallel projections of the attention, the dense MLP
     and the shared expert in fp8 (:func:`~fusedpar.nn.linear.enable_fp8`), and the routed experts
-    (:meth:`MoE.set_fp8`: fp8 dispatch and expert GEMMs); the router stays in fp32.
+    (:meth:`MoE.set_fp8`: fp8 dispatch and expert GEMMs); the router stays in fp32. With fp8 the
+    pre-norms that feed the attention's qkv projection and the dense MLP's first projection write
+    their output's quantisation in the norm kernel (:func:`~fusedpar.ops.rms_norm_fp8`), which the
+    projection gathers instead of quantising the norm's output again (the same bits).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
@@ -115,14 +118,18 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> torch.Tensor:
         """``cu_seqlens`` / ``position_ids``: packed documents, see :meth:`ParallelAttention.forward`."""
-        a = self.attn(self.norm1(x) if self.norm1 is not None else x, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        n1, kw1 = x, {}
+        if self.norm1 is not None:
+            (n1,), kw1 = self._pre_norm(self.norm1, x, None, self._attn_projection())
+        a = self.attn(n1, cu_seqlens=cu_seqlens, position_ids=position_ids, **kw1)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
+        kw2 = {}
         if self.norm2 is not None:
-            n2, h = self.norm2(a, residual=x)
+            (n2, h), kw2 = self._pre_norm(self.norm2, a, x, self.mlp.fc1 if isinstance(self.mlp, ParallelMLP) else None)
         else:
             n2 = h = x + a
-        m = self.feed_forward(n2)
+        m = self.feed_forward(n2, **kw2)
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
         if self.is_moe and self.aux_loss_scale and torch.is_grad_enabled():
@@ -130,10 +137,38 @@ class TransformerBlock(nn.Module):
             return attach_aux_loss(m, self.mlp.aux_loss, self.aux_loss_scale, residual=h)
         return h + m
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _attn_projection(self):
+        """The projection that takes the attention's input as it is: the qkv one of a
+        :class:`ParallelAttention` whose kv heads are not replicated over tp (None for MLA)."""
+        attn = self.attn
+        return attn.qkv if isinstance(attn, ParallelAttention) and attn.kv_replicas == 1 else None
+
+    @staticmethod
+    def _handoff_recipe(norm, projection) -> str | None:
+        """The fp8 recipe in which ``norm`` hands its output to ``projection`` (its consumer as it
+        is, or None) already quantised: the projection's, where it is an fp8 column-parallel one
+        over the all-gather and the norm holds all its features; else None."""
+        if isinstance(projection, ColumnParallelLinear) and projection.sequence_parallel and norm.parts == 1:
+            return projection.fp8
+        return None
+
+    def _pre_norm(self, norm, x, residual, projection):
+        """``(outputs, kwargs)``: ``norm(x, residual)``'s outputs as a tuple (``(y,)`` or ``(y, h)``)
+        and what ``projection`` is called with: with a :meth:`_handoff_recipe` the norm writes
+        ``y``'s quantisation too (:func:`~fusedpar.ops.rms_norm_fp8`), handed over as ``x_fp8``:
+        one quantisation of ``y`` instead of two."""
+        recipe = self._handoff_recipe(norm, projection)
+        if recipe is None:
+            out = norm(x, residual=residual)
+            return (out if residual is not None else (out,)), {}
+        out = norm(x, residual=residual, fp8=recipe)
+        return tuple(out[:-2]), {"x_fp8": tuple(out[-2:])}
+
+    def feed_forward(self, x: torch.Tensor, *, x_fp8=None) -> torch.Tensor:
         """The MLP sub-block on normed ``x`` (no residual): the dense MLP, or the MoE plus its shared
-        expert (times its sigmoid gate when it has one), e.g. transformers' ``DeepseekV3MoE``."""
-        m = self.mlp(x)
+        expert (times its sigmoid gate when it has one), e.g. transformers' ``DeepseekV3MoE``.
+        ``x_fp8``: ``x`` already quantised for the dense MLP's fp8 first projection."""
+        m = self.mlp(x) if x_fp8 is None else self.mlp(x, x_fp8=x_fp8)
         if self.shared_expert is None:
             return m
         s = self.shared_expert(x)

@@ -332,11 +332,19 @@ class ColumnParallelLinear(_TPLinearBase):
                             linear.weight.device, linear.weight.dtype)
         return mod
 
-    def forward(self, x):
+    def forward(self, x, *, x_fp8=None):
+        """``x_fp8``: with ``fp8`` on and ``sequence_parallel``, ``x`` already quantised per token in
+        the recipe's activation granularity, ``(q, scale)`` (e.g. by the RMSNorm that produced it,
+        ``RMSNorm(..., fp8=recipe)``), used instead of quantising ``x`` again
+        (:func:`all_gather_matmul`'s ``x_fp8``; the same result)."""
         fp8 = self._fp8_kwargs(x)
+        if x_fp8 is not None and not self.sequence_parallel:
+            raise ValueError(f"{type(self).__name__}: x_fp8 is taken with sequence_parallel=True (the all-gather "
+                             "GEMM), got one with sequence_parallel=False")
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight, self.bias, group=self.group, gather_dim=self.sequence_dim,
-                                  activation=self.activation, save_gathered_input=self.save_gathered_input, **fp8)
+                                  activation=self.activation, save_gathered_input=self.save_gathered_input,
+                                  x_fp8=x_fp8, **fp8)
         else:
             y = copy_to_tp_matmul(x, self.weight, self.bias, group=self.group, activation=self.activation, **fp8)
         if self.gather_output:
@@ -450,8 +458,9 @@ class ParallelMLP(nn.Module):
                                      device=device, dtype=dtype, **fp8)
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
 
-    def forward(self, x):
-        return self.fc2(self.fc1(x))
+    def forward(self, x, *, x_fp8=None):
+        """``x_fp8``: ``x`` already quantised for ``fc1`` (:meth:`ColumnParallelLinear.forward`)."""
+        return self.fc2(self.fc1(x, x_fp8=x_fp8))
 
     def extra_repr(self):
         return f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}"

@@ -23,11 +23,13 @@ output row / 128x128 blocks of this rank's block, a weight gradient summed over 
 each chunk's operands quantised along its own tokens:
 
 * ``fusedpar::all_gather_matmul_fp8(x, weight, bias, token, dim, activation, partial_dtype, recipe,
-  grad_high_precision, keep_preact, keep_gathered) -> (out, preact, gathered)``: this rank's shard
-  is quantised once into a packed byte buffer (:class:`~fusedpar.ops.tensor_parallel_schedules.Fp8Pack`:
-  e4m3 + fp32 scales) that the ring gathers; with ``keep_gathered`` a second ring in the same steps
-  gathers the weight-gradient operand, ``gathered`` its ``[P, bytes]`` packs kept for the backward
-  (half of a kept bf16 input). Its backward op
+  grad_high_precision, keep_preact, keep_gathered, x_q=None, x_scale=None) -> (out, preact,
+  gathered)``: this rank's shard is quantised once (or its quantisation ``(x_q, x_scale)``, made by
+  the kernel that produced ``x``, is copied) into a packed byte buffer
+  (:class:`~fusedpar.ops.tensor_parallel_schedules.Fp8Pack`: e4m3 + fp32 scales) that the ring
+  gathers; with ``keep_gathered`` a second ring in the same steps gathers the weight-gradient
+  operand (from ``x``), ``gathered`` its ``[P, bytes]`` packs kept for the backward (half of a kept
+  bf16 input). Its backward op
   ``all_gather_matmul_fp8_backward`` runs the reduce-scatter ring of fp8 dgrad GEMMs with the
   chunks' fp8 wgrads between its steps (re-gathering the packed operand when not kept).
 * ``fusedpar::matmul_reduce_scatter_fp8(x, weight, bias, token, dim, partial_dtype, recipe,
@@ -162,7 +164,7 @@ def _chunk_lead(shape, d: int, P: int) -> tuple:
 
 
 def all_gather_matmul_fp8_fwd(x, weight, bias, opts: TPOptions, recipe: str, grad_high_precision: bool, *,
-                              keep_preact=False, keep_gathered=False):
+                              keep_preact=False, keep_gathered=False, x_fp8=None):
     """``act(all_gather(x) @ W^T + b)`` with the GEMMs in fp8: this rank's ``x`` is quantised per
     token once, into the bytes that travel (:class:`Fp8Pack`: e4m3 + scales, about half of bf16's),
     the weight once per call, and each gathered chunk's fp8 GEMM writes its rows of the output
@@ -170,12 +172,18 @@ def all_gather_matmul_fp8_fwd(x, weight, bias, opts: TPOptions, recipe: str, gra
     the weight-gradient operand (``x^T`` scaled along the tokens, or ``x`` with
     ``grad_high_precision``), kept for the backward. Returns ``(out, preact, gathered)``:
     ``preact`` the chunk-major pre-activation (with ``keep_preact`` and an activation),
-    ``gathered`` the kept ``[P, pack bytes]``."""
+    ``gathered`` the kept ``[P, pack bytes]``. ``x_fp8``: ``x``'s per-token ``(q, scale)`` made
+    already (by the norm that produced ``x``), packed instead of quantising ``x`` again, or on a
+    group of one read in place (the weight-gradient operand, scaled along the tokens, still comes
+    from ``x``)."""
     t, d, act = opts.transport, opts.dim, opts.activation
     P, lead, n_w, K = t.size, tuple(x.shape[:-1]), weight.shape[0], x.shape[-1]
     n = lead[d]
     pack = Fp8Pack.activation(lead, K, x.dtype, recipe, rows=True, wgrad=None)
-    chunks = ring_gather(pack.fill(x.new_empty(pack.nbytes, dtype=torch.uint8), x), t)
+    if x_fp8 is not None and P == 1:  # nothing travels: the GEMM reads the given pair in place
+        chunks, rows = iter([(t.rank, None)]), (lambda _: Fp8Rows(*(v.contiguous() for v in x_fp8), x.dtype))
+    else:
+        chunks, rows = ring_gather(pack.fill(x.new_empty(pack.nbytes, dtype=torch.uint8), x, x_fp8), t), pack.rows
     gathered = None
     if keep_gathered:  # both rings post their next transfer before a chunk is computed on
         kept = Fp8Pack.activation(lead, K, x.dtype, recipe, rows=False, wgrad=_wgrad_kind(grad_high_precision))
@@ -189,9 +197,9 @@ def all_gather_matmul_fp8_fwd(x, weight, bias, opts: TPOptions, recipe: str, gra
     for src, buf in chunks:
         dst = out.narrow(d, src * n, n)
         if act == "none":
-            w8.gemm(pack.rows(buf), dst, bias)
+            w8.gemm(rows(buf), dst, bias)
         else:  # the activation is not fused in the fp8 epilogue: one elementwise pass
-            pre = w8.gemm(pack.rows(buf), preact[src] if preact is not None else x.new_empty(lead + (n_w,)), bias)
+            pre = w8.gemm(rows(buf), preact[src] if preact is not None else x.new_empty(lead + (n_w,)), bias)
             activation_forward(pre, act, dst)
     return out, preact, gathered
 
@@ -348,15 +356,18 @@ def _tp_grads(op, ctx, dx, dw, db):
 @custom_op("all_gather_matmul_fp8")
 def all_gather_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: str, dim: int, activation: str,
                              partial_dtype: torch.dtype, recipe: str, grad_high_precision: bool, keep_preact: bool,
-                             keep_gathered: bool) -> tuple[Tensor, Tensor, Tensor]:
+                             keep_gathered: bool, x_q: Tensor | None = None,
+                             x_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     opts = TPOptions(tp_transport(token, x), dim, activation, partial_dtype)
     out, preact, gathered = all_gather_matmul_fp8_fwd(x, weight, bias, opts, recipe, grad_high_precision,
-                                                      keep_preact=keep_preact, keep_gathered=keep_gathered)
+                                                      keep_preact=keep_preact, keep_gathered=keep_gathered,
+                                                      x_fp8=None if x_q is None else (x_q, x_scale))
     return out, absent(x) if preact is None else preact, absent(x) if gathered is None else gathered
 
 
 @all_gather_matmul_fp8_op.register_fake
-def _(x, weight, bias, token, dim, activation, partial_dtype, recipe, grad_high_precision, keep_preact, keep_gathered):
+def _(x, weight, bias, token, dim, activation, partial_dtype, recipe, grad_high_precision, keep_preact, keep_gathered,
+      x_q=None, x_scale=None):
     P, lead = token_size(token), tuple(x.shape[:-1])
     out_lead = list(lead)
     out_lead[dim] = out_lead[dim] * P
@@ -387,7 +398,7 @@ def _(grad_out, x, gathered, weight, preact, token, dim, activation, partial_dty
 
 
 def _ag_setup(ctx, inputs, output):
-    x, weight, bias, token, dim, activation, partial_dtype, recipe, hp, keep_preact, keep_gathered = inputs
+    x, weight, bias, token, dim, activation, partial_dtype, recipe, hp, keep_preact, keep_gathered = inputs[:11]
     ctx.args = (token, dim, activation, partial_dtype, recipe, hp)
     ctx.transports = hold(token)
     has_preact = keep_preact and activation != "none"

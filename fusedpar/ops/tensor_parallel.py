@@ -53,7 +53,7 @@ from fusedpar.kernels.checks import check_bool, check_choice, check_divisible, c
 from fusedpar.kernels.fp8 import check_fp8_device
 from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.ops import symmetric
-from fusedpar.ops.agreement import agreed_arguments
+from fusedpar.ops.agreement import agreed_arguments, describe
 from fusedpar.ops.fp8_library import (
     all_gather_matmul_fp8_op,
     copy_to_tp_matmul_fp8_op,
@@ -71,7 +71,7 @@ from fusedpar.ops.tensor_parallel_library import (
     matmul_reduce_scatter_op,
     scatter_features_op,
 )
-from fusedpar.ops.tensor_parallel_schedules import check_linear_args
+from fusedpar.ops.tensor_parallel_schedules import check_fp8_rows, check_linear_args
 from fusedpar.ops.transport import Transport, check_transport_name
 
 __all__ = [
@@ -116,6 +116,22 @@ def _fp8_options(op, fp8, fp8_grad_high_precision, x):
         check_fp8_device(x, option=f"{op}'s fp8={fp8!r}")
 
 
+def _fp8_rows_text(rows) -> str:
+    """What the ranks agree on of an ``x_fp8`` argument: the shapes and dtypes of its pair."""
+    if isinstance(rows, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in rows):
+        return ", ".join(describe(t) for t in rows)
+    return type(rows).__name__
+
+
+def _check_x_fp8(op, x_fp8, x, fp8):
+    """``x_fp8``: None, or with ``fp8`` on ``x``'s quantisation in its activation granularity."""
+    if x_fp8 is None:
+        return
+    if fp8 is None:
+        raise ValueError(f"{op}: x_fp8 (x already quantised) needs fp8='rowwise' or 'blockwise', got fp8=None")
+    check_fp8_rows(op, "x_fp8", x_fp8, x, fp8)
+
+
 def _grad_needed(*tensors):
     """Whether a backward can follow (nothing is kept for one that cannot: inference, no_grad)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -139,6 +155,7 @@ def all_gather_matmul(
     transport: Transport | str | None = None,
     fp8: str | None = None,
     fp8_grad_high_precision: bool = False,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """``act(all_gather(x, gather_dim) @ weight.T + bias)`` with the gather overlapped with the GEMM.
 
@@ -168,13 +185,21 @@ def all_gather_matmul(
               backward's too (``fp8_grad_high_precision``: the weight gradient in ``x``'s dtype).
               With fp8 the activation is an elementwise pass after the GEMM, a symmetric transport
               runs the ring over its transfers, and ``return_gathered`` is not available.
+    x_fp8:    with ``fp8``, ``x`` already quantised per token in the recipe's activation
+              granularity, ``(q, scale)``: ``q`` e4m3 of ``x``'s shape, ``scale`` fp32 of shape
+              ``x.shape[:-1]`` (rowwise) or ``x.shape[:-1] + (ceil(in / 128),)`` (blockwise), as
+              :func:`fusedpar.kernels.quantize_e4m3` makes them and the fp8 output of
+              :func:`fusedpar.ops.rms_norm_fp8` is: they travel instead of a quantisation of
+              ``x`` (the norm's output is not quantised a second time). The result is the same
+              bits as without it when the pair is ``x``'s quantisation; the backward's operands
+              scaled along the tokens still come from ``x``. Not differentiable.
     Returns ``[batch, seq, out_shard]`` (gather_dim 1), i.e. the gather dim grows ``tp`` times.
     """
     op = "all_gather_matmul"
     with agreed_arguments(op, transport, group, dict(
             x=x, weight=weight, bias=bias, gather_dim=gather_dim, activation=activation, partial_dtype=partial_dtype,
             save_gathered_input=save_gathered_input, return_gathered=return_gathered, transport=transport, fp8=fp8,
-            fp8_grad_high_precision=fp8_grad_high_precision)):
+            fp8_grad_high_precision=fp8_grad_high_precision, x_fp8=None if x_fp8 is None else _fp8_rows_text(x_fp8))):
         check_linear_args(op, x, weight, bias, activation)
         dim = _token_dim(op, "gather_dim", gather_dim, x)
         partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
@@ -184,12 +209,14 @@ def all_gather_matmul(
         if fp8 is not None and return_gathered:
             raise ValueError(f"{op}: return_gathered must be False with fp8={fp8!r} (the input travels in fp8), "
                              "got True")
+        _check_x_fp8(op, x_fp8, x, fp8)
     token = _token(transport, group)
     need_dw = _grad_needed(weight)
     if fp8 is not None:
+        x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
         out, _, _ = all_gather_matmul_fp8_op(x, weight, bias, token, dim, activation, partial_dtype, fp8,
                                              fp8_grad_high_precision, _grad_needed(x, weight, bias),
-                                             save_gathered_input and need_dw)
+                                             save_gathered_input and need_dw, x_q, x_scale)
         return out
     keep = return_gathered or (save_gathered_input and need_dw)
     out, _, gathered = all_gather_matmul_op(x, weight, bias, token, dim, activation, partial_dtype,

@@ -41,7 +41,7 @@ from fusedpar.ops.transport import Transport
 __all__ = [
     "ring_gather", "ring_reduce_scatter", "chunked_matmul_all_reduce", "activation_backward", "activation_forward",
     "chunk_gemm", "sum_tokens", "WeightGrad", "check_linear_args", "Fp8Rows", "Fp8Weight", "Fp8WeightGrad", "Fp8Pack",
-    "token_scaled",
+    "token_scaled", "check_fp8_rows",
 ]
 
 
@@ -296,6 +296,25 @@ def _quantised_shapes(lead: tuple, K: int, granularity: str) -> tuple[tuple, tup
     return lead + (K,), lead + scale_shape(rows, K, granularity)[1:]
 
 
+def check_fp8_rows(op: str, name: str, rows, x: torch.Tensor, recipe: str) -> None:
+    """``rows``: ``x`` already quantised per token in ``recipe``'s activation granularity, a pair
+    ``(q, scale)`` of the shapes, dtypes and device :meth:`Fp8Rows.of` gives (``q`` e4m3 of
+    ``x``'s shape, ``scale`` fp32 ``x.shape[:-1]`` for rowwise, ``x.shape[:-1] + (ceil(K/128),)``
+    for blockwise), e.g. the fp8 output of :func:`~fusedpar.ops.rms_norm_fp8`. Errors name ``op``
+    and ``name``; the values themselves are the caller's promise (they are not compared with ``x``)."""
+    if not (isinstance(rows, (tuple, list)) and len(rows) == 2 and all(isinstance(t, torch.Tensor) for t in rows)):
+        raise TypeError(f"{op}: {name} must be None or a pair (q, scale) of tensors, got {type(rows).__name__}")
+    lead, K = tuple(x.shape[:-1]), x.shape[-1]
+    want = _quantised_shapes(lead, K, FP8_RECIPES[recipe][0])
+    for (part, dtype), t, shape in zip(((f"{name}[0] (q)", torch.float8_e4m3fn), (f"{name}[1] (scale)", torch.float32)),
+                                       rows, want):
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{op}: {part} must be {dtype} of shape {shape} (x of shape {tuple(x.shape)} quantised "
+                             f"for fp8={recipe!r}), got {t.dtype} of shape {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"{op}: {part} must be on x's device {x.device}, got {t.device}")
+
+
 class Fp8Rows:
     """An activation quantised per token (``q``: ``[*lead, K]`` e4m3, ``scale``: ``lead`` for
     rowwise, ``[*lead, ceil(K/128)]`` for blockwise): a chunk operand of the schedules of
@@ -423,12 +442,17 @@ class Fp8Pack:
         off, shape, dtype = self.layout[name]
         return buf[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
-    def fill(self, buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Write ``t``'s segments into ``buf`` (quantising in place); returns ``buf``."""
+    def fill(self, buf: torch.Tensor, t: torch.Tensor, rows=None) -> torch.Tensor:
+        """Write ``t``'s segments into ``buf`` (quantising in place); returns ``buf``. ``rows``:
+        ``t``'s per-token ``(q, scale)`` already made (:func:`check_fp8_rows`), copied into the
+        ``"a"`` segments instead of quantising ``t`` again."""
         for lo, hi in self.pads:
             if hi > lo:
                 buf[lo:hi].zero_()
-        if "aq" in self.layout:
+        if "aq" in self.layout and rows is not None:
+            self.view(buf, "aq").copy_(rows[0])
+            self.view(buf, "as").copy_(rows[1])
+        elif "aq" in self.layout:
             Fp8Rows.of(t, self.recipe, out=(self.view(buf, "aq").view(-1, t.shape[-1]),
                                             self.view(buf, "as").view(-1, *self.layout["as"][1][t.dim() - 1:])))
         if "tq" in self.layout:

@@ -1,0 +1,157 @@
+"""The fp8 hand-off from the RMSNorm kernel to the all-gather GEMM: ``all_gather_matmul(...,
+fp8=recipe, x_fp8=(q, scale))`` takes ``x``'s quantisation made by ``rms_norm_fp8`` instead of
+quantising ``x`` again, and a Transformer block's pre-norms hand theirs to the attention's qkv and
+the dense MLP's first projection.
+
+The pair equals what the op would compute (``rms_norm_fp8``'s fp8 output is bit for bit
+``quantize_e4m3`` of its ``y``), so everything must be the same bits with and without the hand-off:
+outputs, logits, loss and every gradient compared with ``torch.equal``. The gloo world of tp 2 is
+in tests/test_tp_ops.py (``test_fp8_x_fp8_world2``, its world2); here one process (tp 1), the
+argument checks and the model.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _utils import DEVICE, INTERPRETED
+from fusedpar.ops import all_gather_matmul, rms_norm, rms_norm_fp8
+
+pytestmark = pytest.mark.skipif(not INTERPRETED and torch.cuda.get_device_capability() < (8, 9),
+                                reason="fp8 needs compute capability >= 8.9")
+
+
+def norm_then_gemm(x, nw, w, b, *, recipe, handoff, residual=None, **kw):
+    """``all_gather_matmul(rms_norm(x [+ residual]), w, b, fp8=recipe)``, the norm's output
+    quantised by the norm (``handoff``) or by the op. Returns the output (and the new residual)."""
+    if handoff:
+        *ys, q, s = rms_norm_fp8(x, nw, 1e-6, residual=residual, recipe=recipe)
+        return all_gather_matmul(ys[0], w, b, fp8=recipe, x_fp8=(q, s), **kw), *ys[1:]
+    ys = rms_norm(x, nw, 1e-6, residual=residual)
+    ys = (ys,) if residual is None else ys
+    return all_gather_matmul(ys[0], w, b, fp8=recipe, **kw), *ys[1:]
+
+
+def assert_same_bits(tag, got, want):
+    assert len(got) == len(want), f"{tag}: {len(got)} results vs {len(want)}"
+    for name, a, b in zip(("out", *(f"grad {i}" for i in range(len(got) - 1))), got, want):
+        assert a is not None and b is not None and torch.equal(a, b), f"{tag}: {name} differs"
+
+
+@pytest.mark.parametrize("recipe,activation,keep,hp", [("rowwise", "swiglu", True, False),
+                                                       ("blockwise", "none", False, True)])
+def test_x_fp8_is_bit_identical_at_tp1(recipe, activation, keep, hp):
+    """The norm (with a fused residual add) and the GEMM, forward and backward, with and without
+    the hand-off: the same bits (K = 200: a ragged last 1x128 tile)."""
+    g = torch.Generator().manual_seed(5)
+    K, rows = 200, 12
+    leaves = [torch.randn(2, 3, K, generator=g), torch.randn(2, 3, K, generator=g),
+              1 + 0.1 * torch.randn(K, generator=g), torch.randn(rows, K, generator=g) * K ** -0.5,
+              torch.randn(rows, generator=g)]
+    go = torch.randn(2, 3, rows // 2 if activation == "swiglu" else rows, generator=g)
+    gh = torch.randn(2, 3, K, generator=g)
+    runs = []
+    for handoff in (False, True):
+        x, r, nw, w, b = (t.to(DEVICE).requires_grad_() for t in leaves)
+        y, h = norm_then_gemm(x, nw, w, b, residual=r, recipe=recipe, handoff=handoff, activation=activation,
+                              save_gathered_input=keep, fp8_grad_high_precision=hp)
+        torch.autograd.backward([y, h], [go.to(DEVICE), gh.to(DEVICE)])
+        runs.append((y.detach(), h.detach(), x.grad, r.grad, nw.grad, w.grad, b.grad))
+    assert_same_bits(f"{recipe} tp1", runs[1], runs[0])
+
+
+def test_x_fp8_is_what_travels():
+    """The pair is used, not recomputed: scales twice as large give twice the output."""
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(2, 3, 40, generator=g).to(DEVICE), torch.randn(8, 40, generator=g).to(DEVICE)
+    for recipe in ("rowwise", "blockwise"):
+        _, q, s = rms_norm_fp8(x, None, recipe=recipe)
+        y = all_gather_matmul(rms_norm(x, None), w, fp8=recipe)
+        assert torch.equal(all_gather_matmul(x, w, fp8=recipe, x_fp8=(q, 2 * s)), 2 * y), recipe
+
+
+def test_x_fp8_opcheck():
+    """``fusedpar::all_gather_matmul_fp8`` with ``x_q`` / ``x_scale`` given passes ``opcheck``
+    (schema, fake, autograd registration; tests/test_torch_compile_fp8.py checks it without)."""
+    from fusedpar.ops.fp8_library import all_gather_matmul_fp8_op
+    from fusedpar.ops.transport import EmulatedTransport
+
+    t, g = EmulatedTransport(2, rank=1), torch.Generator().manual_seed(8)
+    x, w, b = (torch.randn(*s, generator=g).to(DEVICE).requires_grad_() for s in ((2, 3, 40), (6, 40), (6,)))
+    _, q, s = rms_norm_fp8(x.detach(), None, recipe="blockwise")
+    # (no test_schema: its mutation check multiplies the inputs, which CPU torch cannot for e4m3;
+    # the compiled graph: test_block_handoff_compiles_fullgraph)
+    torch.library.opcheck(all_gather_matmul_fp8_op, (x, w, b, t.token, 1, "swiglu", torch.float32, "blockwise", False,
+                                                     True, True, q, s), test_utils=("test_faketensor",
+                                                                                    "test_autograd_registration"))
+
+
+def test_block_handoff_compiles_fullgraph():
+    """An fp8 block with the hand-off compiles without a graph break (``aot_eager`` runs the same
+    kernels: the same bits as eager, output and gradients)."""
+    from fusedpar.nn import TransformerBlock
+
+    torch.manual_seed(0)
+    block = TransformerBlock(16, 2, 24, fp8="blockwise").to(DEVICE)
+    x = torch.randn(1, 6, 16, device=DEVICE, requires_grad=True)
+    runs = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        block.zero_grad()
+        x.grad = None
+        y = fn(x)
+        y.backward(torch.ones_like(y))
+        runs.append([y.detach(), x.grad] + [p.grad for p in block.parameters()])
+    assert_same_bits("compiled fp8 block", runs[1], runs[0])
+
+
+def test_x_fp8_bad_input():
+    x, w = torch.randn(2, 3, 200, device=DEVICE), torch.randn(4, 200, device=DEVICE)
+    _, q, s = rms_norm_fp8(x, None, recipe="rowwise")
+    _, qb, sb = rms_norm_fp8(x, None, recipe="blockwise")
+    with pytest.raises(ValueError, match=r"all_gather_matmul: x_fp8 \(x already quantised\) needs fp8="):
+        all_gather_matmul(x, w, x_fp8=(q, s))
+    with pytest.raises(TypeError, match="all_gather_matmul: x_fp8 must be None or a pair"):
+        all_gather_matmul(x, w, fp8="rowwise", x_fp8=q)
+    with pytest.raises(ValueError, match=r"x_fp8\[1\] \(scale\) must be torch.float32 of shape \(2, 3\) \(x of "
+                                         r"shape \(2, 3, 200\) quantised for fp8='rowwise'\), got torch.float32 "
+                                         r"of shape \(2, 3, 2\)"):
+        all_gather_matmul(x, w, fp8="rowwise", x_fp8=(qb, sb))  # the blockwise pair, a rowwise GEMM
+    with pytest.raises(ValueError, match=r"x_fp8\[0\] \(q\) must be torch.float8_e4m3fn of shape \(2, 3, 200\)"):
+        all_gather_matmul(x, w, fp8="blockwise", x_fp8=(qb.float(), sb))
+    with pytest.raises(ValueError, match=r"x_fp8\[0\] \(q\) must be .* got torch.float8_e4m3fn of shape \(3, 2, 200\)"):
+        all_gather_matmul(x, w, fp8="rowwise", x_fp8=(q.view(3, 2, 200), s))
+
+
+def _model_run(recipe, norm_layout, norm_offset, *, handoff, monkeypatch):
+    """Logits, loss and every gradient of a tiny two-block model, with the pre-norms' hand-off on
+    or off (off: the block's recipe choice patched to None), and the number of standalone
+    quantisations (``quantize_e4m3`` calls of the tensor-parallel schedules) in the forward."""
+    from fusedpar.nn import Transformer, TransformerConfig
+    from fusedpar.nn.block import TransformerBlock
+    from fusedpar.ops import tensor_parallel_schedules as schedules
+
+    with monkeypatch.context() as mp:
+        if not handoff:
+            mp.setattr(TransformerBlock, "_handoff_recipe", staticmethod(lambda norm, projection: None))
+        calls = []
+        quantize = schedules.quantize_e4m3
+        mp.setattr(schedules, "quantize_e4m3", lambda *a, **k: calls.append(1) or quantize(*a, **k))
+        cfg = TransformerConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, ffn_hidden_size=24,
+                                fp8=recipe, norm_layout=norm_layout, norm_offset=norm_offset)
+        model = Transformer(cfg, seed=7).to(DEVICE)
+        ids = torch.randint(0, 32, (1, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        logits = model(ids)
+        forward_calls = len(calls)
+        loss = model.loss(logits, ids)
+        loss.backward()
+    return forward_calls, [logits.detach(), loss.detach()] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("recipe,norm_layout,norm_offset", [("rowwise", "pre", 0.0), ("blockwise", "sandwich", 1.0)])
+def test_model_handoff_is_bit_identical(recipe, norm_layout, norm_offset, monkeypatch):
+    """``TransformerConfig(fp8=recipe)``: the same logits, loss and gradients with the hand-off on and
+    off, and two quantisations fewer per block (the qkv and first MLP projections' input)."""
+    off_calls, off = _model_run(recipe, norm_layout, norm_offset, handoff=False, monkeypatch=monkeypatch)
+    on_calls, on = _model_run(recipe, norm_layout, norm_offset, handoff=True, monkeypatch=monkeypatch)
+    assert off_calls - on_calls == 2 * 2, (off_calls, on_calls)
+    assert_same_bits(f"model {recipe} {norm_layout}", on, off)
