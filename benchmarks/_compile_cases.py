@@ -313,6 +313,38 @@ def _fp8_quantize(dt, rows, cols, granularity, transposed=False):
     quantize_e4m3(meta(cols, rows, dtype=dt).t() if transposed else meta(rows, cols, dtype=dt), granularity)
 
 
+def _gemm_fp8_out(dt, M, K, N, activation, split=False):
+    """matmul's fused e4m3 output (kernels/gemm_fp8_epilogue.py), every dtype."""
+    c = LLAMA["llama3-8b"]
+    n_w = 2 * N if activation == "swiglu" else N
+    if split:
+        a, out = _seq_chunk(c["batch"], c["seq"], K, dt), _seq_chunk(c["batch"], c["seq"], N, dt)
+        q = _seq_chunk(c["batch"], c["seq"], N, torch.float8_e4m3fn)
+        s = _seq_chunk(c["batch"], c["seq"], -(-N // 128), torch.float32)
+    else:
+        a, out = meta(M, K, dtype=dt), meta(M, N, dtype=dt)
+        q, s = meta(M, N, dtype=torch.float8_e4m3fn), meta(M, -(-N // 128), dtype=torch.float32)
+    matmul(a, meta(n_w, K, dtype=dt), activation=activation, out=out, fp8_out=(q, s),
+           preact_out=None if split or activation == "none" else meta(M, n_w, dtype=dt))
+
+
+def _persistent_fp8(dt, T, K, n_w, activation, wait, scaling):
+    """The persistent GEMM on fp8 operands: the gathered chunk-major e4m3 activation and its scales,
+    the weight per output row / 128x128 blocks (bf16 pass only: fp8 operands whatever the dtype)."""
+    if dt != torch.bfloat16:
+        return
+    f32, kb = torch.float32, -(-K // 128)
+    sa = meta(TP, T // TP, dtype=f32) if scaling == "rowwise" else meta(TP, T // TP, kb, dtype=f32)
+    sw = meta(n_w, dtype=f32) if scaling == "rowwise" else meta(-(-n_w // 128), kb, dtype=f32)
+    kw = dict(wait_flags=meta(TP, dtype=torch.int32), wait_mode="spin", check_waits=False) if wait else \
+        dict(wait_mode="none", signal_counters=meta(TP, dtype=torch.int32))
+    if activation == "swiglu":
+        kw["preact_out"] = meta(TP, T // TP, n_w, dtype=dt)
+    persistent_matmul(meta(TP, T // TP, K, dtype=torch.float8_e4m3fn), meta(n_w, K, dtype=torch.float8_e4m3fn),
+                      meta(n_w, dtype=dt), activation=activation, a_scale=sa, weight_scale=sw, scaling=scaling,
+                      out_dtype=dt, **kw)
+
+
 def _rmsnorm_fp8(dt, T, H, residual, recipe):
     """The RMSNorm forward with its fused e4m3 output (kernels/rmsnorm.py), every dtype."""
     rms_norm_fp8_fwd(meta(T, H, dtype=dt), meta(H, dtype=dt), recipe=recipe,
@@ -336,6 +368,12 @@ def _fp8_cases():
                 dt, H, F, T, s, "tile", out_dtype=torch.float32)),
             Case("fp8", f"tests 37x45x200 {scaling}", False, lambda dt, s=scaling, wg=wg: _fp8_gemm(
                 dt, 37, 45, 200, s, wg, bias=True)),
+            Case("fp8", f"llama3-8b persistent all-gather {scaling}", scaling == "blockwise",
+                 lambda dt, s=scaling: _persistent_fp8(dt, T, H, H, "none", True, s)),
+            Case("fp8", f"llama3-8b persistent all-gather swiglu {scaling}", False,
+                 lambda dt, s=scaling: _persistent_fp8(dt, T, H, 2 * F, "swiglu", True, s)),
+            Case("fp8", f"llama3-8b persistent reduce-scatter {scaling}", False,
+                 lambda dt, s=scaling: _persistent_fp8(dt, T, F, H, "none", False, s)),
         ]
     for granularity in ("row", "tile", "block"):
         cases.append(Case("fp8", f"llama3-8b quantize {granularity}", granularity == "tile",
@@ -352,6 +390,13 @@ def _fp8_cases():
                  lambda dt, r=recipe: _rmsnorm_fp8(dt, 64, 65536, True, r)),
             Case("fp8", f"tests 3x7x200 rmsnorm {recipe}", False, lambda dt, r=recipe: _rmsnorm_fp8(dt, 21, 200, True, r)),
         ]
+    cases += [
+        Case("fp8", "llama3-8b up swiglu+preact fp8_out", True, lambda dt: _gemm_fp8_out(dt, T, H, F, "swiglu")),
+        Case("fp8", "llama3-8b up gelu+preact fp8_out", False, lambda dt: _gemm_fp8_out(dt, T, H, F, "gelu")),
+        Case("fp8", "llama3-8b none fp8_out", False, lambda dt: _gemm_fp8_out(dt, T, H, F, "none")),
+        Case("fp8", "llama3-8b swiglu split fp8_out", False, lambda dt: _gemm_fp8_out(dt, T, H, F, "swiglu", True)),
+        Case("fp8", "tests 37x200x70 swiglu fp8_out", False, lambda dt: _gemm_fp8_out(dt, 37, 70, 200, "swiglu")),
+    ]
     return cases + _fp8_grouped_cases()
 
 
