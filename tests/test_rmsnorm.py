@@ -3,7 +3,7 @@ output (rms_norm_fp8) bit for bit against quantize_e4m3 of the output and torch'
 import pytest
 import torch
 
-from _utils import BACKWARD_OPCHECK, DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
+from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
 from fusedpar.kernels import quantize_e4m3, rms_norm_bwd, rms_norm_fwd, rms_norm_reference
 from fusedpar.kernels.fp8 import E4M3_MAX, SCALE_FLOOR, quantize_e4m3_reference
 from fusedpar.kernels.rmsnorm import rms_norm_fp8_fwd
@@ -345,9 +345,6 @@ def test_fp8_gradients_and_module_equal_the_plain_norm():
     y, q, s = norm(x, fp8="rowwise")
     assert torch.equal(y, norm(x)) and s.shape == (2, 3)
     _check_fp8_output(y, q, s, "rowwise", 200)
-    torch.library.opcheck(torch.ops.fusedpar.rms_norm_fp8.default,
-                          (x.clone().requires_grad_(), w.clone().requires_grad_(), r, 1e-5, "blockwise"),
-                          test_utils=BACKWARD_OPCHECK)  # (opcheck's aot test sums e4m3, which CPU torch cannot)
 
 
 FP8_BAD_INPUTS = [
