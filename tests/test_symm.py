@@ -371,12 +371,17 @@ def _op_cases(size, seed, rank):
         (matmul_reduce_scatter, torch.randn(2, 2 * size, K, generator=rank_rng(seed + 5, rank)),
          torch.randn(F, K, generator=rank_rng(seed + 6, rank)), torch.randn(F, generator=rank_rng(seed + 7)),
          (2, 2, F), dict(scatter_dim=1)),
+        # fp8 without a kept input: the persistent fp8 GEMM, each peer's e4m3 shard and scales in its slot
+        (all_gather_matmul, x, torch.randn(2 * F, K, generator=rank_rng(seed + 9, rank)),
+         torch.randn(2 * F, generator=rank_rng(seed + 10)), (2, 3 * size, F),
+         dict(gather_dim=1, activation="swiglu", save_gathered_input=False, fp8="blockwise")),
     ]
 
 
 def _ops_symmetric_vs_portable(rank, size, tmpdir, seed):
     """fusedpar.ops on a SymmetricTransport (over the shared-file stand-in) against
-    transport="portable": outputs and every gradient, both ops, gated activation, re-gather."""
+    transport="portable": outputs and every gradient, both ops, gated activation, re-gather, and
+    the fp8 all-gather GEMM (distinct peers: each slot's scales must be its own shard's)."""
     saved = set_workspace_factory(_file_workspace_factory(tmpdir, seed, []))
     try:
         for i, (fn, xi, w, b, out_shape, kw) in enumerate(_op_cases(size, seed, rank)):
@@ -619,3 +624,71 @@ def test_emulated_all_gather_matmul_fp8(device, scaling, gather_dim, rank):
                                     weight_scale=ws, scaling=scaling)
     with pytest.raises(ValueError, match="are for float8_e4m3fn operands"):
         all_gather_matmul_symmetric(x.view(b, s, K), w, transport=_emulated(P, rank), x_scale=xs)
+
+
+def _fp8_op_run(transport, x, w, b, g, recipe, gather_dim, activation, x_fp8):
+    """``all_gather_matmul_fp8``'s forward without a kept input (pre-activation kept) and its
+    backward: ``(out, preact, dx, dW, db)``."""
+    from fusedpar.ops.fp8_library import all_gather_matmul_fp8_op
+
+    x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
+    out, preact, _ = all_gather_matmul_fp8_op(x, w, b, transport.token, gather_dim, activation, torch.float32, recipe,
+                                              False, True, False, *(x_fp8 or (None, None)))
+    out.backward(g)
+    return out.detach(), preact, x.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("recipe,gather_dim,activation,rank,handoff", [
+    ("rowwise", 1, "swiglu", 0, False), ("blockwise", 0, "gelu", 1, True), ("blockwise", 1, "none", 1, False)])
+def test_emulated_fp8_all_gather_matmul_op_equals_ring(recipe, gather_dim, activation, rank, handoff, monkeypatch):
+    """``all_gather_matmul(fp8=recipe)`` without a kept input on a transport with in-kernel waits is
+    one persistent fp8 GEMM (x quantised once, or the ``x_fp8`` pair, travelling with its scales;
+    the activation fused) instead of the ring of fp8_matmul chunks: 2 ranks, against the ring on
+    the same transport without in-kernel waits. Interpreted, the pre-activation and every gradient
+    (the backward is the ring's, fed the same pre-activation) are the same bits; so is the output
+    without an activation; with one it is the epilogue's fp32 activation instead of torch's (fp32
+    tolerance). Compiled, the two GEMMs launch different tiles whose fp8 tensor cores may round
+    differently (test_persistent_gemm.assert_fp8_matches), and a pre-activation a few ulps off can
+    move an element of the quantised dpre by an e4m3 step: bf16 tolerances. fp32 operands: the
+    interpreter stores a bf16 pre-activation truncated (kernels/gemm.py gemm_epilogue)."""
+    from fusedpar.kernels import quantize_e4m3
+
+    calls = []
+    persistent = symmetric.all_gather_matmul_symmetric
+    monkeypatch.setattr(symmetric, "all_gather_matmul_symmetric",
+                        lambda *a, **k: calls.append(1) or persistent(*a, **k))
+
+    g = torch.Generator().manual_seed(70 + rank)
+    K, rows = 200, 8 if activation == "swiglu" else 6  # K: a ragged last 1x128 tile
+    x = randn(2, 3, K, generator=g)
+    w, b = randn(rows, K, generator=g, scale=K ** -0.5), randn(rows, generator=g)
+    out_shape = [2, 3, rows // 2 if activation == "swiglu" else rows]
+    out_shape[gather_dim] *= 2
+    go = randn(*out_shape, generator=g)
+    x_fp8 = None
+    if handoff:
+        q, s = quantize_e4m3(x.view(-1, K), "row" if recipe == "rowwise" else "tile")
+        x_fp8 = (q.view(x.shape), s.view(2, 3, *s.shape[1:]))
+    args = (x, w, b, go, recipe, gather_dim, activation, x_fp8)
+    ring = _fp8_op_run(EmulatedTransport(2, rank), *args)
+    assert not calls
+    got = _fp8_op_run(_emulated(2, rank), *args)
+    assert len(calls) == 1  # the forward; the backward's rings run over the transport's transfers
+    for i, (name, a, e) in enumerate(zip(("out", "preact", "dx", "dW", "db"), got, ring)):
+        if INTERPRETED and (i > 0 or activation == "none"):
+            assert torch.equal(a, e), f"{name} differs from the ring's"
+        else:
+            assert_close(a, e, torch.float32 if INTERPRETED else torch.bfloat16, msg=name)
+
+
+@pytest.mark.parametrize("fp8", [None, "rowwise"])
+def test_emulated_all_gather_matmul_empty_shard(device, fp8):
+    """No tokens on a transport with in-kernel waits, 16-bit and fp8: the empty output and a zero
+    weight gradient, as the ring gives (the symmetric slot of an empty shard is 16 bytes, so its
+    views keep their dtype: a 0-byte slot could not be viewed as bf16 / fp32)."""
+    from fusedpar.ops import all_gather_matmul
+
+    x, w = torch.zeros(2, 0, 40, device=device, requires_grad=True), randn(8, 40, scale=0.1).requires_grad_()
+    y = all_gather_matmul(x, w, activation="swiglu", save_gathered_input=False, fp8=fp8, transport=_emulated(2, 0))
+    y.sum().backward()
+    assert y.shape == (2, 0, 4) and x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))

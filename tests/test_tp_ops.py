@@ -708,11 +708,12 @@ def test_fp8_x_fp8_world2(world2):
                                              ("rs", False, "blockwise"), ("rs", True, "rowwise"),
                                              ("ar", False, "blockwise"), ("copy", False, "rowwise")])
 def test_fp8_ops_emulated(op, waits, recipe):
-    """One rank of EMU_P on EmulatedTransport (a transport with in-kernel waits runs fp8's rings
-    over its transfers), against the mirror rule with fp8_linear's bodies: every chunk is this
-    rank's (AG: y = cat(act(pre)), dx and dW sum over the chunks' dpre; RS: y = sum over chunks
-    c of the chunk GEMMs, backward from EMU_P copies of the output gradient; AR: EMU_P times the
-    local product, the bias on rank 0; copy: dx EMU_P times the local one)."""
+    """One rank of EMU_P on EmulatedTransport (with in-kernel waits the all-gather forward, input not
+    kept, is the persistent fp8 GEMM, the other schedules fp8's rings over its transfers), against
+    the mirror rule with fp8_linear's bodies: every chunk is this rank's (AG: y = cat(act(pre)),
+    dx and dW sum over the chunks' dpre; RS: y = sum over chunks c of the chunk GEMMs, backward
+    from EMU_P copies of the output gradient; AR: EMU_P times the local product, the bias on rank
+    0; copy: dx EMU_P times the local one)."""
     P, g, K = EMU_P, rank_rng(90 + (op == "rs")), 40
     t = EmulatedTransport(P, 1 if op != "ar" else 0, in_kernel_waits=waits)
     act = "swiglu" if op in ("ag", "copy") else "none"

@@ -38,9 +38,13 @@ each chunk's operands quantised along its own tokens:
 * ``fusedpar::copy_to_tp_matmul_fp8(...) -> (out, preact)`` and its backward op (the input
   gradient's fp8 partials all-reduced in row chunks).
 
-The activation of the fp8 ops is an elementwise pass after the GEMM (the fp8 epilogue fuses none);
-on a transport with in-kernel waits the fp8 ops run the ring schedules over its transfers (there is
-no persistent fp8 GEMM).
+On a transport with in-kernel waits (symmetric memory) the forward of ``all_gather_matmul_fp8``
+without a kept input is the persistent fp8 GEMM of
+:func:`~fusedpar.ops.symmetric.all_gather_matmul_symmetric` (the e4m3 shard and its scales in one
+slot per peer, the activation and the pre-activation fused in its epilogue); every other fp8
+schedule, its backward and a forward that keeps the gathered input included, runs its ring over
+the transport's transfers, with the activation as an elementwise pass after the GEMM (the
+epilogue of :func:`~fusedpar.kernels.fp8_matmul` fuses none).
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ import torch
 from fusedpar.kernels import fp8_matmul, matmul_tn, quantize_e4m3
 from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.kernels.runtime import ACTIVATIONS
+from fusedpar.ops import symmetric
 from fusedpar.ops.library import absent, custom_op, hold, input_grads, present, token_size
 from fusedpar.ops.tensor_parallel_library import TPOptions, tp_transport
 from fusedpar.ops.tensor_parallel_schedules import (
@@ -175,8 +180,11 @@ def all_gather_matmul_fp8_fwd(x, weight, bias, opts: TPOptions, recipe: str, gra
     ``gathered`` the kept ``[P, pack bytes]``. ``x_fp8``: ``x``'s per-token ``(q, scale)`` made
     already (by the norm that produced ``x``), packed instead of quantising ``x`` again, or on a
     group of one read in place (the weight-gradient operand, scaled along the tokens, still comes
-    from ``x``)."""
+    from ``x``). On a transport with in-kernel waits and without ``keep_gathered``: one persistent
+    fp8 GEMM (:func:`_all_gather_matmul_fp8_symmetric`; an empty shard takes the ring)."""
     t, d, act = opts.transport, opts.dim, opts.activation
+    if t.in_kernel_waits and not keep_gathered:
+        return _all_gather_matmul_fp8_symmetric(x, weight, bias, opts, recipe, keep_preact, x_fp8)
     P, lead, n_w, K = t.size, tuple(x.shape[:-1]), weight.shape[0], x.shape[-1]
     n = lead[d]
     pack = Fp8Pack.activation(lead, K, x.dtype, recipe, rows=True, wgrad=None)
@@ -202,6 +210,26 @@ def all_gather_matmul_fp8_fwd(x, weight, bias, opts: TPOptions, recipe: str, gra
             pre = w8.gemm(rows(buf), preact[src] if preact is not None else x.new_empty(lead + (n_w,)), bias)
             activation_forward(pre, act, dst)
     return out, preact, gathered
+
+
+def _all_gather_matmul_fp8_symmetric(x, weight, bias, opts: TPOptions, recipe: str, keep_preact: bool, x_fp8):
+    """:func:`all_gather_matmul_fp8_fwd` over symmetric memory: ``x`` quantised per token once (or
+    the given ``x_fp8`` pair) and the weight as the rings do (:class:`Fp8Weight`), then
+    :func:`~fusedpar.ops.symmetric.all_gather_matmul_symmetric` with the fp8 operands: each peer's
+    e4m3 shard and scales pulled into its slot while the persistent fp8 GEMM computes the chunks
+    that have arrived, the activation and the pre-activation written by its epilogue. The same
+    chunk GEMMs as the ring's (under the interpreter the same pre-activation bits in fp32 / fp16);
+    the activation is the epilogue's, from the fp32 accumulator. Returns ``(out, preact, None)``."""
+    t, act = opts.transport, opts.activation
+    rows = Fp8Rows.of(x, recipe) if x_fp8 is None else Fp8Rows(*x_fp8, x.dtype)
+    w8 = Fp8Weight(weight, recipe)
+    preact = None
+    if keep_preact and act != "none":
+        preact = x.new_empty((t.size,) + tuple(x.shape[:-1]) + (weight.shape[0],))
+    out = symmetric.all_gather_matmul_symmetric(rows.q, w8.q, bias, transport=t, gather_dim=opts.dim, activation=act,
+                                                preact_out=preact, x_scale=rows.scale, weight_scale=w8.scale,
+                                                scaling=recipe, out_dtype=x.dtype, agree=False)
+    return out, preact, None
 
 
 def all_gather_matmul_fp8_bwd(grad_out, x, gathered, weight, preact, opts: TPOptions, recipe: str,

@@ -183,8 +183,10 @@ def all_gather_matmul(
               (:func:`fusedpar.ops.fp8_linear`): this rank's shard is quantised once and travels as
               e4m3 + scales (about half of bf16's bytes), each chunk's GEMM is an fp8 GEMM, and the
               backward's too (``fp8_grad_high_precision``: the weight gradient in ``x``'s dtype).
-              With fp8 the activation is an elementwise pass after the GEMM, a symmetric transport
-              runs the ring over its transfers, and ``return_gathered`` is not available.
+              ``return_gathered`` is not available. On a symmetric transport without
+              ``save_gathered_input`` (or with no weight gradient) the forward is one persistent
+              fp8 GEMM, the activation fused; otherwise the ring over the transport's transfers,
+              the activation an elementwise pass after each chunk's GEMM.
     x_fp8:    with ``fp8``, ``x`` already quantised per token in the recipe's activation
               granularity, ``(q, scale)``: ``q`` e4m3 of ``x``'s shape, ``scale`` fp32 of shape
               ``x.shape[:-1]`` (rowwise) or ``x.shape[:-1] + (ceil(in / 128),)`` (blockwise), as
