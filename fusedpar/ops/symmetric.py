@@ -479,7 +479,7 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
         _check_delay(producer_delay_cycles, x.device)
     # slot c: chunk c's bytes (fp8: padded to 16, then its scales' bytes), one pull per chunk
     nx, ns = x.numel() * x.element_size(), x_scale.numel() * 4 if fp8 else 0
-    row = -(-nx // 16) * 16 + ns if fp8 else nx
+    row = max(-(-nx // 16) * 16 + ns if fp8 else nx, 16)  # an empty shard's slot still views as its dtype
     ws = t.symmetric_workspace("all_gather", x.device, P * row)
     slots = ws.typed(0, (P, row), torch.uint8)
     gathered = slots[:, :nx].view(x.dtype).view((P,) + tuple(x.shape))
