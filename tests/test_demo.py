@@ -79,22 +79,23 @@ def test_demo_pipeline_path_pp2_x_tp2():
 
 @pytest.mark.world
 def test_demo_trains_in_fp8_like_fp32(tmp_path):
-    """``--fp8`` trains like the fp32 run, both recipes: the demo's default 12 steps, model and
-    schedule (2 blocks, one MoE, hidden 32, lr 2e-2 with warm-up and cosine decay) in the smallest
-    honest variant: ``rowwise`` on 2 processes at tp2 (the fp8 projections run the tensor-parallel
-    fp8 ops, fp8 gathers and reduce-scatters included, the norms' e4m3 output handed to them; the
-    experts in fp8 over ep2), ``blockwise`` on 2 processes at sp2 (ring attention, the experts in
-    fp8 over ep2), the fp32 run on one process; 2 sequences of 16 tokens per step, one validation
-    batch at the end. Each final validation loss is within 3% of the fp32 run's and every run
-    learned (below the unigram baseline). The default run (4 processes x 4 sequences of 32, or 2 at
-    tp2) costs about 110 CPU-seconds per run under the interpreter, too slow to run three times in
-    CI (measured at the default, tp2: 2.8379 fp32, 2.8391 rowwise, 2.8362 blockwise)."""
+    """``--fp8 rowwise`` trains like the fp32 run: the demo's default 12 steps, model and schedule
+    (2 blocks, one MoE, hidden 32, lr 2e-2 with warm-up and cosine decay) in the smallest honest
+    variant: the fp8 run on 2 processes at tp2 (the fp8 projections run the tensor-parallel fp8 ops,
+    fp8 gathers and reduce-scatters included; the experts in fp8), the fp32 run on one process,
+    2 sequences of 16 tokens per step, one validation batch at the end. The final validation loss is within 3% of the fp32 run's and both runs learned (below the
+    unigram baseline). The default run (4 processes x 4 sequences of 32, or 2 at tp2) costs about
+    110 CPU-seconds per run under the interpreter, too slow to run twice more in CI; this variant
+    about 46 (measured: 2.1559 fp32, 2.1439 fp8 rowwise; the default at tp2: 2.8379 fp32, 2.8391
+    rowwise, 2.8362 blockwise). ``blockwise`` at sp2 (ring attention, experts over ep2) as a third
+    run of this variant doubles its time (96 s), so it is run by hand: 2026-11-27, 2.1578 fp32,
+    2.1587 rowwise tp2, 2.1535 blockwise sp2 (the same command with ``--tp 1 --sp 2 --fp8
+    blockwise``)."""
     runs = {}
-    # one seed gives the same model and data at every layout (DESIGN §2): the three runs at once
-    for name, nproc, extra in (("fp32", 1, ("--tp", "1", "--sp", "1")),
-                               ("rowwise", 2, ("--tp", "2", "--sp", "1", "--fp8", "rowwise")),
-                               ("blockwise", 2, ("--tp", "1", "--sp", "2", "--fp8", "blockwise"))):
-        env, cmd = _torchrun_cmd(nproc, "--seq", "16", "--batch", "2", "--eval-batches", "1",
+    # the fp8 run at tp2, the fp32 baseline on one process (one seed gives the same model and data at
+    # every layout: DESIGN §2), both at once on the 2 cores
+    for name, nproc, extra in (("fp32", 1, ("--tp", "1")), ("fp8", 2, ("--tp", "2", "--fp8", "rowwise"))):
+        env, cmd = _torchrun_cmd(nproc, "--sp", "1", "--seq", "16", "--batch", "2", "--eval-batches", "1",
                                  "--eval-every", "12", "--max-bytes", "100000",
                                  "--metrics", str(tmp_path / f"{name}.jsonl"), *extra)
         runs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -102,15 +103,15 @@ def test_demo_trains_in_fp8_like_fp32(tmp_path):
     for name, proc in runs.items():
         out, err = proc.communicate(timeout=400)
         assert proc.returncode == 0, f"demo {name} failed ({proc.returncode}):\n{out}\n{err[-4000:]}"
-        for recipe in ("rowwise", "blockwise"):
-            assert (f"fp8 {recipe} projections" in out) == (name == recipe), out
-        recs = _metrics(tmp_path / f"{name}.jsonl")
+        metrics = tmp_path / f"{name}.jsonl"
+        assert ("fp8 rowwise projections" in out) == (name == "fp8"), out
+        recs = _metrics(metrics)
         assert [r["step"] for r in recs] == list(range(1, 13)) and "val_loss" in recs[-1], recs
         val[name] = recs[-1]["val_loss"]
         baseline[name] = float(re.search(r"unigram baseline (\d\.\d+)", out).group(1))
-    assert len(set(baseline.values())) == 1 and all(val[n] < baseline[n] for n in val), (val, baseline)
-    for recipe in ("rowwise", "blockwise"):
-        assert abs(val[recipe] - val["fp32"]) <= 0.03 * val["fp32"], val
+    assert baseline["fp8"] == baseline["fp32"] and val["fp32"] < baseline["fp32"] and val["fp8"] < baseline["fp8"], \
+        (val, baseline)
+    assert abs(val["fp8"] - val["fp32"]) <= 0.03 * val["fp32"], val
 
 
 TINY = ("--seq", "8", "--hidden", "16", "--heads", "2", "--experts", "2", "--top-k", "1", "--eval-batches", "1",
