@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .checks import (check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same, check_supported_dtype,
                      output_buffer)
-from .fp8 import to_fp32
+from .fp8 import rne_for_store, to_fp32
 from .gemm_fp8_epilogue import (FP8_OUT_CONFIGS, FP8_OUT_INTERPRETER_CONFIG, check_fp8_output, fp8_output_args,
                                 fp8_output_configs, quantize_output, store_e4m3_tiles)
 from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, RowView, acc_budget_for, activation_reference, aligned,
@@ -127,18 +127,22 @@ def gemm_mainloop(
 @triton.jit
 def gemm_epilogue(
     acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, aux_off, glu_offset, s_xn,
-    HAS_BIAS: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Bias, optional store of the pre-activation values (``aux_off``: their int64 offsets, the up
-    half ``glu_offset`` columns further), activation (gated or not). Returns the fp32 tile."""
+    half ``glu_offset`` columns further; ``EMULATE``: rounded to nearest even first, as a GPU's
+    bf16 cast does and the interpreter's does not), activation (gated or not). Returns the fp32 tile."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GLU:
             acc_up += tl.load(bias_ptr + rn + glu_offset, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if STORE_AUX:
-        tl.store(aux_ptr + aux_off, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
+        pre, pre_up = acc, acc_up
+        if EMULATE:
+            pre, pre_up = rne_for_store(acc, aux_ptr), rne_for_store(acc_up, aux_ptr)
+        tl.store(aux_ptr + aux_off, pre.to(aux_ptr.dtype.element_ty), mask=out_mask)
         if GLU:
-            tl.store(aux_ptr + aux_off + glu_offset.to(tl.int64) * s_xn, acc_up.to(aux_ptr.dtype.element_ty),
+            tl.store(aux_ptr + aux_off + glu_offset.to(tl.int64) * s_xn, pre_up.to(aux_ptr.dtype.element_ty),
                      mask=out_mask)
     acc = apply_activation(acc, ACT)
     if GLU:
@@ -190,7 +194,7 @@ def _gemm_kernel(
     out_mask = m_mask[:, None] & n_mask[None, :]
     aux_off = rm.to(tl.int64)[:, None] * s_xm + rn.to(tl.int64)[None, :] * s_xn
     acc = gemm_epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, aux_off, glu_offset, s_xn,
-                    HAS_BIAS, STORE_AUX, ACT, GLU)
+                        HAS_BIAS, STORE_AUX, ACT, GLU, EMULATE)
     if HAS_RES:
         r_off = row_offsets(rm, r_m_inner, s_rm0, s_rm1, R_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_rn
         acc += tl.load(r_ptr + r_off, mask=out_mask, other=0.0).to(tl.float32)

@@ -182,7 +182,7 @@ def persistent_gemm_kernel(
             x_off = chunk64 * s_x_chunk + row_offsets(rm, x_m_inner, s_xm0, s_xm1, X_M_SPLIT)[:, None] \
                 + rn.to(tl.int64)[None, :] * s_xn
             acc = gemm_epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, x_off, glu_offset, s_xn,
-                                HAS_BIAS, STORE_AUX, ACT, GLU)
+                                HAS_BIAS, STORE_AUX, ACT, GLU, EMULATE)
             if EMULATE:  # the interpreter's bf16 cast truncates (kernels/fp8.py)
                 acc = rne_for_store(acc, c_ptr)
             c_off = chunk64 * s_c_chunk + row_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] \

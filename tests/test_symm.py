@@ -638,9 +638,11 @@ def _fp8_op_run(transport, x, w, b, g, recipe, gather_dim, activation, x_fp8):
     return out.detach(), preact, x.grad, w.grad, b.grad
 
 
-@pytest.mark.parametrize("recipe,gather_dim,activation,rank,handoff", [
-    ("rowwise", 1, "swiglu", 0, False), ("blockwise", 0, "gelu", 1, True), ("blockwise", 1, "none", 1, False)])
-def test_emulated_fp8_all_gather_matmul_op_equals_ring(recipe, gather_dim, activation, rank, handoff, monkeypatch):
+@pytest.mark.parametrize("recipe,gather_dim,activation,rank,handoff,dtype", [
+    ("rowwise", 1, "swiglu", 0, False, torch.float32), ("blockwise", 0, "gelu", 1, True, torch.float32),
+    ("blockwise", 1, "none", 1, False, torch.float32), ("rowwise", 1, "swiglu", 1, False, torch.bfloat16)])
+def test_emulated_fp8_all_gather_matmul_op_equals_ring(recipe, gather_dim, activation, rank, handoff, dtype,
+                                                       monkeypatch):
     """``all_gather_matmul(fp8=recipe)`` without a kept input on a transport with in-kernel waits is
     one persistent fp8 GEMM (x quantised once, or the ``x_fp8`` pair, travelling with its scales;
     the activation fused) instead of the ring of fp8_matmul chunks: 2 ranks, against the ring on
@@ -649,8 +651,8 @@ def test_emulated_fp8_all_gather_matmul_op_equals_ring(recipe, gather_dim, activ
     without an activation; with one it is the epilogue's fp32 activation instead of torch's (fp32
     tolerance). Compiled, the two GEMMs launch different tiles whose fp8 tensor cores may round
     differently (test_persistent_gemm.assert_fp8_matches), and a pre-activation a few ulps off can
-    move an element of the quantised dpre by an e4m3 step: bf16 tolerances. fp32 operands: the
-    interpreter stores a bf16 pre-activation truncated (kernels/gemm.py gemm_epilogue)."""
+    move an element of the quantised dpre by an e4m3 step: bf16 tolerances. A bf16 case too: the
+    interpreted epilogue rounds the pre-activation to nearest even as a GPU does (EMULATE)."""
     from fusedpar.kernels import quantize_e4m3
 
     calls = []
@@ -660,11 +662,11 @@ def test_emulated_fp8_all_gather_matmul_op_equals_ring(recipe, gather_dim, activ
 
     g = torch.Generator().manual_seed(70 + rank)
     K, rows = 200, 8 if activation == "swiglu" else 6  # K: a ragged last 1x128 tile
-    x = randn(2, 3, K, generator=g)
-    w, b = randn(rows, K, generator=g, scale=K ** -0.5), randn(rows, generator=g)
+    x = randn(2, 3, K, generator=g).to(dtype)
+    w, b = randn(rows, K, generator=g, scale=K ** -0.5).to(dtype), randn(rows, generator=g).to(dtype)
     out_shape = [2, 3, rows // 2 if activation == "swiglu" else rows]
     out_shape[gather_dim] *= 2
-    go = randn(*out_shape, generator=g)
+    go = randn(*out_shape, generator=g).to(dtype)
     x_fp8 = None
     if handoff:
         q, s = quantize_e4m3(x.view(-1, K), "row" if recipe == "rowwise" else "tile")
@@ -678,7 +680,7 @@ def test_emulated_fp8_all_gather_matmul_op_equals_ring(recipe, gather_dim, activ
         if INTERPRETED and (i > 0 or activation == "none"):
             assert torch.equal(a, e), f"{name} differs from the ring's"
         else:
-            assert_close(a, e, torch.float32 if INTERPRETED else torch.bfloat16, msg=name)
+            assert_close(a, e, dtype if INTERPRETED else torch.bfloat16, msg=name)
 
 
 @pytest.mark.parametrize("fp8", [None, "rowwise"])
