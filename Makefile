@@ -85,6 +85,7 @@ gpu-bench-kernels: gpu-setup
 	for e in none bias gelu swiglu; do $(GPU_BENCH) matmul --epilogue $$e --json $(GPU_RESULTS)/$(GPU_TAG)-matmul-$$e.json || exit 1; done
 	$(GPU_BENCH) attention --json $(GPU_RESULTS)/$(GPU_TAG)-attention.json
 	$(GPU_BENCH) attention_variants --json $(GPU_RESULTS)/$(GPU_TAG)-attention_variants.json
+	$(GPU_BENCH) rmsnorm --json $(GPU_RESULTS)/$(GPU_TAG)-rmsnorm.json
 	$(GPU_BENCH) varlen_attention --json $(GPU_RESULTS)/$(GPU_TAG)-varlen_attention.json
 	$(GPU_BENCH) fp8_matmul --json $(GPU_RESULTS)/$(GPU_TAG)-fp8_matmul.json
 	$(GPU_BENCH) linear_ce --json $(GPU_RESULTS)/$(GPU_TAG)-linear_ce.json
@@ -109,6 +110,6 @@ GPU_ROUND_BUDGET ?= 540
 GPU_ROUND_TEST_S ?= 180
 GPU_ROUND_BENCH ?= ceilings launch matmul@none:--epilogue+none attention moe ag_matmul matmul_rs train:--variant+dense linear_ce \
   fp8_matmul ring_attention persistent_ag persistent_rs attention_variants varlen_attention \
-  matmul@swiglu:--epilogue+swiglu matmul@gelu:--epilogue+gelu matmul@bias:--epilogue+bias train@moe:--variant+moe
+  matmul@swiglu:--epilogue+swiglu matmul@gelu:--epilogue+gelu matmul@bias:--epilogue+bias train@moe:--variant+moe rmsnorm
 gpu-round: gpu-setup
 	GPU_PY=$(GPU_PY) bash benchmarks/gpu_round.sh $(GPU_ROUND_OUT) $(GPU_ROUND_BUDGET) $(GPU_ROUND_TEST_S) $(GPU_ROUND_BENCH)

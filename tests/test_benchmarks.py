@@ -254,3 +254,17 @@ def test_launch_stub_kernels(bench_main, tmp_path, capsys):
     printed = capsys.readouterr().out
     profile = printed.split("profile of fusedpar.kernels.matmul 64^3, per call:\n", 1)[1].split("\nnote:", 1)[0]
     assert len(profile.splitlines()) == 3 and all(" us own " in line for line in profile.splitlines()), printed
+
+
+def test_rmsnorm_cli_smoke(bench_main, tmp_path):
+    """The fused norm against torch's, and its fused e4m3 output against norm + quantize_e4m3 (the
+    same bits, checked before timing), both recipes, at a ragged hidden size."""
+    out = tmp_path / "n.json"
+    assert bench_main(["rmsnorm", "--shapes", "9x200", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["rmsnorm"]
+    assert [(r["bench"], r.get("recipe")) for r in rows] == [("rms_norm", None), ("rms_norm_fp8", "rowwise"),
+                                                             ("rms_norm_fp8", "blockwise")]
+    assert all((r["tokens"], r["hidden"]) == (9, 64 if INTERPRETED else 200) for r in rows)
+    assert rows[0]["max_rel_err"] < 1e-5 and all(r["fusedpar_ms"] > 0 and r["baseline_ms"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="--shapes"):
+        bench_main(["rmsnorm", "--shapes", "9x0"])
