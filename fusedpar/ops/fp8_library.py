@@ -181,7 +181,7 @@ def all_gather_matmul_fp8_fwd(x, weight, bias, opts: TPOptions, recipe: str, gra
     already (by the norm that produced ``x``), packed instead of quantising ``x`` again, or on a
     group of one read in place (the weight-gradient operand, scaled along the tokens, still comes
     from ``x``). On a transport with in-kernel waits and without ``keep_gathered``: one persistent
-    fp8 GEMM (:func:`_all_gather_matmul_fp8_symmetric`; an empty shard takes the ring)."""
+    fp8 GEMM (:func:`_all_gather_matmul_fp8_symmetric`)."""
     t, d, act = opts.transport, opts.dim, opts.activation
     if t.in_kernel_waits and not keep_gathered:
         return _all_gather_matmul_fp8_symmetric(x, weight, bias, opts, recipe, keep_preact, x_fp8)

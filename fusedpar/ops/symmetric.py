@@ -54,7 +54,7 @@ from fusedpar.kernels.persistent_gemm import (
     persistent_matmul,
     tiles_per_chunk,
 )
-from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES
+from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, cdiv
 from fusedpar.kernels.waits import canonical_device, check_wait_timeouts
 from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
@@ -477,13 +477,13 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
         out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out,
                           out_dtype or (torch.bfloat16 if fp8 else x.dtype))
         _check_delay(producer_delay_cycles, x.device)
-    # slot c: chunk c's bytes (fp8: padded to 16, then its scales' bytes), one pull per chunk
+    # slot c: chunk c's bytes padded to 16 (fp8: then its scales'), one pull per chunk; slots 16-byte aligned
     nx, ns = x.numel() * x.element_size(), x_scale.numel() * 4 if fp8 else 0
-    row = max(-(-nx // 16) * 16 + ns if fp8 else nx, 16)  # an empty shard's slot still views as its dtype
+    row = max(16 * cdiv((xb := 16 * cdiv(nx, 16)) + ns, 16), 16)  # an empty shard's slot: 16 B
     ws = t.symmetric_workspace("all_gather", x.device, P * row)
     slots = ws.typed(0, (P, row), torch.uint8)
     gathered = slots[:, :nx].view(x.dtype).view((P,) + tuple(x.shape))
-    g_scale = slots[:, row - ns:].view(torch.float32).view((P,) + tuple(x_scale.shape)) if fp8 else None
+    g_scale = slots[:, xb:xb + ns].view(torch.float32).view((P,) + tuple(x_scale.shape)) if fp8 else None
     flags = chunk_flags(x.device, P)
     t.symmetric_barrier(ws, 0)  # every peer finished reading our slot in the previous call
     gathered[r].copy_(x)
