@@ -131,7 +131,8 @@ class Capture:
         props = types.SimpleNamespace(multi_processor_count=self.sms, name=f"capture-{self.arch}")
         self._patch(torch.cuda, "get_device_properties", lambda *a, **k: props)
         original_usable, original_limit = checks.check_device_usable, runtime.shared_memory_limit
-        original_capability = runtime.device_capability
+        original_capability, original_sms = runtime.device_capability, runtime.multiprocessor_count
+        runtime.clear_tuning_caches()  # a memoised choice would launch without the patched Autotuner.run
 
         def usable(name, t):
             if t.device.type != "meta":
@@ -143,6 +144,8 @@ class Capture:
                     self._patch(mod, attr, lambda index=0: cap.smem)
                 elif value is original_capability:
                     self._patch(mod, attr, lambda index=0: (cap.cc // 10, cap.cc % 10))
+                elif value is original_sms:  # cached per device index: the captured arch's count instead
+                    self._patch(mod, attr, lambda index=0: cap.sms)
                 elif value is original_usable:
                     self._patch(mod, attr, usable)
         return self
