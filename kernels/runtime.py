@@ -127,9 +127,13 @@ def on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
+def multiprocessor_count(device_index: int | None) -> int:
+    """SMs of a GPU (None: the current one; persistent launches size their grids by it)."""
+    return _sm_count(torch.cuda.current_device() if device_index is None else device_index)
+
+
 @functools.lru_cache(maxsize=None)
-def multiprocessor_count(device_index: int) -> int:
-    """SMs of a GPU (persistent launches size their grids by it)."""
+def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
