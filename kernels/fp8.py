@@ -51,7 +51,7 @@ __all__ = ["DEFAULT_FP8_OPTION", "E4M3_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", 
            "group_tiles", "quantize_e4m3",
            "quantize_e4m3_groups", "quantize_e4m3_groups_reference", "quantize_e4m3_reference", "rne_for_store",
            "round_to_bf16",
-           "scale_shape", "to_e4m3", "to_fp32"]
+           "scale_shape", "store_e4m3_tiles", "to_e4m3", "to_fp32"]
 
 #: e4m3's largest finite value: a group's amax maps to it
 E4M3_MAX = 448.0
@@ -148,8 +148,33 @@ def rne_for_store(x, ptr):
 def group_scale(amax):
     """The fp32 scale of a group whose fp32 amax is ``amax`` (any tile shape): ``max(amax / 448,
     2^-126)``, the division IEEE round-to-nearest (module docstring). Every quantising kernel
-    (here, the fused RMSNorm's fp8 output) takes its scales from this one helper."""
+    (the quantise passes, the fused RMSNorm's and GEMM epilogue's fp8 outputs) takes its scales from
+    this one helper."""
     return tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # SCALE_FLOOR
+
+
+@triton.jit
+def store_e4m3_tiles(y, q_rows, s_rows, rn, out_mask, m_mask, first_tile, n_tiles, EMULATE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Quantise the fp32 tile ``y`` (the values stored, widened again, zero outside ``out_mask``)
+    per 1x128 tile of its columns ``rn``: e4m3 values at ``q_rows[:, None] + rn`` (``q_rows``,
+    ``s_rows``: pointers to the rows; unit column stride) and one fp32 scale per tile at
+    ``s_rows[:, None] + tile``,
+    tiles ``first_tile ..`` of the row's ``n_tiles`` (a ragged last tile takes the amax of the
+    columns it has)."""
+    tl.static_assert(BLOCK_N % 128 == 0, "the fp8 output needs BLOCK_N a multiple of 128 (whole 1x128 tiles)")
+    NB: tl.constexpr = BLOCK_N // 128
+    if NB == 1:  # one tile per row: no reshape
+        scale = group_scale(tl.max(tl.abs(y), axis=1))
+        tl.store(s_rows + first_tile, scale, mask=m_mask)  # BLOCK_N = 128: the program's tile exists
+        q = to_e4m3(tl.math.div_rn(y, scale[:, None]), EMULATE)
+    else:
+        y3 = tl.reshape(y, (BLOCK_M, NB, 128))
+        scale = group_scale(tl.max(tl.abs(y3), axis=2))
+        tiles = first_tile + tl.arange(0, NB)
+        tl.store(s_rows[:, None] + tiles[None, :], scale, mask=m_mask[:, None] & (tiles < n_tiles)[None, :])
+        q = to_e4m3(tl.reshape(tl.math.div_rn(y3, scale[:, :, None]), (BLOCK_M, BLOCK_N)), EMULATE)
+    tl.store(q_rows[:, None] + rn.to(tl.int64)[None, :], q, mask=out_mask)
 
 
 @triton.jit

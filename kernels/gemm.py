@@ -23,9 +23,9 @@ import triton.language as tl
 
 from .checks import (check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same, check_supported_dtype,
                      output_buffer)
-from .fp8 import rne_for_store, to_fp32
+from .fp8 import rne_for_store, store_e4m3_tiles, to_fp32
 from .gemm_fp8_epilogue import (FP8_OUT_CONFIGS, FP8_OUT_INTERPRETER_CONFIG, check_fp8_output, fp8_output_args,
-                                fp8_output_configs, quantize_output, store_e4m3_tiles)
+                                fp8_output_configs, quantize_output)
 from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, RowView, acc_budget_for, activation_reference, aligned,
                       apply_activation, apply_up, autotuned, cdiv, device_capability, input_precision, interpreting,
                       needs_upcast, on_device, pipelined, prune_tile_configs, row_offsets, shared_memory_limit,

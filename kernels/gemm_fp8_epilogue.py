@@ -19,7 +19,7 @@ The 16-bit output is still written: the down projection's weight gradient needs 
 scaled along the tokens (or in high precision), which a feature-tiled ``q`` cannot give, and a
 residual stream reads it.
 
-Layers: :func:`store_e4m3_tiles` (jit, called by ``_gemm_kernel``'s epilogue) ->
+Layers: :func:`~fusedpar.kernels.fp8.store_e4m3_tiles` (jit, called by ``_gemm_kernel``'s epilogue) ->
 :func:`check_fp8_output` / :func:`fp8_output_args` (host: the buffers' checks, the kernel's
 arguments; :func:`fp8_output_empty` allocates them).
 """
@@ -27,43 +27,17 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from .checks import check_same, check_shape, check_tensor
-from .fp8 import FP8_BLOCK, check_fp8_device, group_scale, quantize_e4m3, to_e4m3
+from .fp8 import FP8_BLOCK, check_fp8_device, quantize_e4m3
 from .runtime import RowView, cdiv, interpreting
 
 __all__ = ["FP8_OUT_CONFIGS", "FP8_OUT_INTERPRETER_CONFIG", "check_fp8_output", "fp8_output_args", "fp8_output_configs",
-           "fp8_output_empty", "quantize_output", "store_e4m3_tiles"]
+           "fp8_output_empty", "quantize_output"]
 
 #: the interpreter's tile with the fp8 output: one 1x128 tile per program row (gemm's
 #: INTERPRETER_CONFIG otherwise)
 FP8_OUT_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=32, GROUP_M=4)
-
-
-@triton.jit
-def store_e4m3_tiles(y, q_rows, s_rows, rn, out_mask, m_mask, first_tile, n_tiles, EMULATE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Quantise the fp32 tile ``y`` (the stored output widened again, zero outside ``out_mask``)
-    per 1x128 tile of its columns ``rn``: e4m3 values at ``q_rows[:, None] + rn`` (``q_rows``,
-    ``s_rows``: pointers to the rows; unit column stride) and one fp32 scale per tile at
-    ``s_rows[:, None] + tile``,
-    tiles ``first_tile ..`` of the row's ``n_tiles`` (a ragged last tile takes the amax of the
-    columns it has)."""
-    tl.static_assert(BLOCK_N % 128 == 0, "the fp8 output needs BLOCK_N a multiple of 128 (whole 1x128 tiles)")
-    NB: tl.constexpr = BLOCK_N // 128
-    q_off = q_rows[:, None] + rn.to(tl.int64)[None, :]
-    if NB == 1:  # one tile per row: no reshape
-        scale = group_scale(tl.max(tl.abs(y), axis=1))
-        tl.store(s_rows + first_tile, scale, mask=m_mask)  # BLOCK_N = 128: the program's tile exists
-        q = to_e4m3(tl.math.div_rn(y, scale[:, None]), EMULATE)
-    else:
-        y3 = tl.reshape(y, (BLOCK_M, NB, 128))
-        scale = group_scale(tl.max(tl.abs(y3), axis=2))
-        tiles = first_tile + tl.arange(0, NB)
-        tl.store(s_rows[:, None] + tiles[None, :], scale, mask=m_mask[:, None] & (tiles < n_tiles)[None, :])
-        q = to_e4m3(tl.reshape(tl.math.div_rn(y3, scale[:, :, None]), (BLOCK_M, BLOCK_N)), EMULATE)
-    tl.store(q_off, q, mask=out_mask)
 
 
 #: tiles only the fp8-output launches take (the GEMM's autotuner lists them after its shared

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_choice, check_device_usable, check_same, check_shape, check_supported_dtype, check_tensor
-from .fp8 import FP8_BLOCK, check_fp8_device, group_scale, scale_shape, to_e4m3, to_fp32
+from .fp8 import FP8_BLOCK, check_fp8_device, group_scale, scale_shape, store_e4m3_tiles, to_e4m3, to_fp32
 from .fp8_gemm import FP8_RECIPES
 from .runtime import RowView, cdiv, interpreting, multiprocessor_count, next_power_of_2, on_device, row_offsets
 
@@ -65,27 +65,6 @@ def _stored(y, y_ptrs, mask, EMULATE: tl.constexpr):
     y = y.to(y_ptrs.dtype.element_ty)
     tl.store(y_ptrs, y, mask=mask)
     return to_fp32(y, EMULATE)
-
-
-@triton.jit
-def _e4m3_tiles(y, q_ptr, s_ptr, rm, m_mask, c0, cols, H, n_tiles, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_H: tl.constexpr):
-    """Quantise columns ``cols`` (``c0 + arange(BLOCK_H)``, int64; ``c0`` a multiple of 128) of
-    rows ``rm`` (the fp32 tile ``y``, zero outside the row's ``H`` columns) per 1x128 tile: ``q``
-    (``[rows, H]`` contiguous) and one scale per
-    tile (``[rows, n_tiles]`` contiguous; a ragged last tile takes the amax of the columns it
-    has)."""
-    tl.static_assert(BLOCK_H % 128 == 0, "1x128 fp8 tiles need a multiple of 128 columns")
-    NB: tl.constexpr = BLOCK_H // 128
-    y3 = tl.reshape(y, (BLOCK_M, NB, 128))
-    scale = group_scale(tl.max(tl.abs(y3), axis=2))
-    v = tl.reshape(tl.math.div_rn(y3, scale[:, :, None]), (BLOCK_M, BLOCK_H))
-    rm64 = rm.to(tl.int64)
-    tiles = c0 // 128 + tl.arange(0, NB)
-    tl.store(s_ptr + rm64[:, None] * n_tiles + tiles[None, :], scale,
-             mask=m_mask[:, None] & (tiles < n_tiles)[None, :])
-    tl.store(q_ptr + rm64[:, None] * H + cols[None, :], to_e4m3(v, EMULATE),
-             mask=m_mask[:, None] & (cols < H)[None, :])
 
 
 @triton.jit
@@ -134,7 +113,9 @@ def _rmsnorm_fwd_kernel(
     if FP8:
         y = tl.where(mask, _stored(y, y_ptr + y_off, mask, EMULATE), 0.0)
         if TILES and BLOCK_H >= 128:
-            _e4m3_tiles(y, q_ptr, s_ptr, rm, m_mask, 0, cols, H, s_sm, EMULATE, BLOCK_M, BLOCK_H)
+            rm64 = rm.to(tl.int64)
+            store_e4m3_tiles(y, q_ptr + rm64 * H, s_ptr + rm64 * s_sm, cols, mask, m_mask, 0, s_sm, EMULATE,
+                             BLOCK_M, BLOCK_H)
         else:  # per row (a row of fewer than 128 features is one 1x128 tile)
             scale = group_scale(tl.max(tl.abs(y), axis=1))
             tl.store(s_ptr + rm.to(tl.int64) * s_sm, scale, mask=m_mask)
@@ -248,7 +229,9 @@ def _rmsnorm_fwd_looped_kernel(
             y = tl.where(mask, _stored(y, y_ptr + y_row + c64 * s_yh, mask, EMULATE), 0.0)
             if TILES:
                 rm = row + tl.arange(0, 1)
-                _e4m3_tiles(y[None, :], q_ptr, s_ptr, rm, rm < M, c0, c64, H, s_sm, EMULATE, 1, BLOCK_Q)
+                rm64 = rm.to(tl.int64)
+                store_e4m3_tiles(y[None, :], q_ptr + rm64 * H, s_ptr + rm64 * s_sm, c64,
+                                 (rm < M)[:, None] & mask[None, :], rm < M, c0 // 128, s_sm, EMULATE, 1, BLOCK_Q)
             else:
                 amax = tl.maximum(amax, tl.abs(y))
         else:
