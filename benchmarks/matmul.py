@@ -1,9 +1,7 @@
 """``python -m benchmarks matmul``: the fused-epilogue GEMM against torch.matmul (cuBLAS)."""
 from __future__ import annotations
 
-import argparse
-
-from ._common import check_close, parse_dtype, register, tflops
+from ._common import check_close, parse_dtype, parse_shape, register, tflops
 
 # (M, N, K): square, then tensor-parallel shapes (8192 tokens, hidden 8192, tp=8 column shards
 # of an 8192 and a 28672 wide projection).
@@ -11,17 +9,9 @@ GPU_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 1024, 8192), (8192,
 SMOKE_SHAPES = [(33, 47, 29), (64, 64, 64)]
 
 
-def _shape(text: str):
-    try:
-        m, n, k = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape must look like MxNxK, got {text!r}") from None
-    return m, n, k
-
-
 def _add_args(p):
     p.add_argument("--dtype", type=parse_dtype, default=None, help="bf16 (GPU default), fp16, fp32 (CPU default)")
-    p.add_argument("--shapes", type=_shape, nargs="+", default=None, metavar="MxNxK",
+    p.add_argument("--shapes", type=parse_shape, nargs="+", default=None, metavar="MxNxK",
                    help="off GPU (smoke mode) each size is capped at 64")
     p.add_argument("--epilogue", choices=["none", "bias", "gelu", "swiglu"], default="none",
                    help="fused epilogue; the baseline runs the same epilogue as separate torch ops")
