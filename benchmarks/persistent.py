@@ -19,6 +19,13 @@ B`` picks ``r`` from the measured local copy bandwidth so that the emulated link
   GEMM whose tiles wait on the per-chunk flags raised by the copy stream (``cuStreamWriteValue32``);
 * ``overlap_eff = (T_gemm + T_comm - T_persistent) / min(T_gemm, T_comm)``.
 
+``--fp8 rowwise|blockwise`` (default rowwise on a GPU; needs fp8 tensor cores): the fp8 all-gather
+``fusedpar.ops.all_gather_matmul(..., fp8=recipe)`` (forward, no grad) on both transports:
+``T_persistent_fp8`` the persistent fp8 GEMM waiting on e4m3 shards and scales,
+``T_per_chunk_fp8`` the fp8 ring; each checked against the other's result (the same quantisation
+and chunk GEMMs) before timing, ``fp8_speedup_vs_per_chunk`` and ``fp8_speedup_vs_bf16``
+(``T_persistent / T_persistent_fp8``).
+
 Reduce-scatter: ``T_seq`` is the cuBLAS GEMM of all partials, then copies of the ``P - 1``
 partials of this rank's chunk (the transfer) and their sum; ``T_per_chunk`` the portable ring of
 ``fusedpar.ops.matmul_reduce_scatter``; ``T_persistent``
@@ -57,6 +64,9 @@ def _add_common(p):
 
 def _add_ag_args(p):
     _add_common(p)
+    p.add_argument("--fp8", choices=["none", "rowwise", "blockwise"], default=None,
+                   help="also time the fp8 all-gather GEMM with this recipe on both schedules (default: rowwise on a "
+                        "GPU, none off GPU)")
     link = p.add_mutually_exclusive_group()
     link.add_argument("--copy-repeat", type=int, default=1,
                       help="copy every chunk this many times: a link this many times slower than a local copy")
@@ -188,10 +198,37 @@ def run_ag(args, ctx):
             "T_persistent_ms": ctx.time_ms(persistent),
         }
         rows_out.append(_ag_row(tokens, N, K, P, dtype, repeat, chunk_bytes, times, err, cfg))
+        rows_out[-1].update(_ag_fp8_columns(args, ctx, x, w, symm, ring, times["T_persistent_ms"]))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed and copies run before the GEMM; "
                          "these numbers are not performance.")
     return rows_out
+
+
+# bf16 output of the same fp32-accumulated fp8 chunk GEMMs on both schedules: one bf16 rounding
+# (2^-8 relative) of each output, plus summation orders of tile configs that may differ
+FP8_SCHEDULES_TOL = 2 ** -7
+
+
+def _ag_fp8_columns(args, ctx, x, w, symm, ring, t_bf16) -> dict:
+    """With ``--fp8``: the fp8 all-gather GEMM over the in-kernel-wait transport (one persistent
+    fp8 GEMM) and over the ring, checked against each other, timed."""
+    import torch
+
+    from fusedpar.ops import all_gather_matmul
+
+    recipe = args.fp8 or ("rowwise" if ctx.gpu else "none")
+    if recipe == "none":
+        return {}
+
+    def run(transport):
+        with torch.no_grad():
+            return all_gather_matmul(x, w, transport=transport, fp8=recipe)
+
+    err = check_close(run(symm), run(ring), tol=FP8_SCHEDULES_TOL)
+    t_symm, t_ring = ctx.time_ms(lambda: run(symm)), ctx.time_ms(lambda: run(ring))
+    return {"fp8": recipe, "T_persistent_fp8_ms": t_symm, "T_per_chunk_fp8_ms": t_ring,
+            "fp8_speedup_vs_per_chunk": t_ring / t_symm, "fp8_speedup_vs_bf16": t_bf16 / t_symm, "fp8_rel_err": err}
 
 
 def _cfg_name(cfg):

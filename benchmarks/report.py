@@ -42,6 +42,7 @@ TARGETS = [
     Target("matmul", "ratio_vs_torch", 1.0, when=(("epilogue", "bias"),)),
     Target("matmul", "ratio_vs_torch", 1.0, when=(("epilogue", "gelu"),)),
     Target("matmul", "ratio_vs_torch", 1.0, when=(("epilogue", "swiglu"),)),
+    Target("matmul", "fp8_out_speedup", 1.0),
     Target("attention", "fwd_ratio_vs_sdpa", 1.0),
     Target("attention", "bwd_ratio_vs_sdpa", 0.9),
     Target("attention", "bwd_atomic_ratio_vs_sdpa", 0.9),

@@ -30,12 +30,14 @@ def bench_main(monkeypatch):
 def test_matmul_cli_json(bench_main, tmp_path, capsys):
     out = tmp_path / "m.json"
     # fp32 on every device (the GPU default, bf16, rounds to 8 bits: ~3e-3 here, not within 1e-4)
-    assert bench_main(["matmul", "--shapes", "17x9x33", "--epilogue", "swiglu", "--dtype", "fp32",
+    assert bench_main(["matmul", "--shapes", "17x9x33", "--epilogue", "swiglu", "--dtype", "fp32", "--fp8-out",
                        "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     row = data["results"]["matmul"][0]
     assert (row["M"], row["N"], row["K"], row["dtype"]) == (17, 9, 33, "float32")
     assert row["max_rel_err"] < 1e-4 and row["fusedpar_ms"] > 0 and row["torch_ms"] > 0
+    # the fused e4m3 output's bits were checked equal to matmul + quantize_e4m3 before timing
+    assert row["fp8_out_ms"] > 0 and row["unfused_fp8_ms"] > 0 and row["fp8_out_speedup"] > 0
     assert "torch" in data["env"] and "triton" in data["env"]
     text = capsys.readouterr().out
     assert "| M | N | K |" in text
