@@ -1,5 +1,5 @@
-"""Scaled fp8 GEMM: ``C = (A_fp8 * sa) @ (B_fp8 * sb)^T (+ bias)``, fp32 accumulation, bf16 / fp16 /
-fp32 output.
+"""Scaled fp8 GEMM: ``C = act((A_fp8 * sa) @ (B_fp8 * sb)^T (+ bias)) (+ R)``, fp32 accumulation,
+bf16 / fp16 / fp32 output.
 
 ``A`` is ``[M, K]`` and ``B`` ``[N, K]`` (the ``nn.Linear`` layout: both contiguous along K, what
 fp8 tensor cores want), both ``float8_e4m3fn`` as :func:`~fusedpar.kernels.fp8.quantize_e4m3`
@@ -12,6 +12,14 @@ writes them, with their fp32 scales:
   the weight gradient's token-blocked operands). The main loop steps K one 128-wide scale block at
   a time (``BLOCK_K == 128``): each step's fp8 dot starts from zero and is added to the fp32
   accumulator times ``sa[m, k] * sb[n, k]``. A ragged last K block is masked (zeros).
+
+The epilogue is the bf16 GEMM's (:func:`~fusedpar.kernels.gemm.gemm_epilogue`, in this order):
+the accumulator times the scales, the bias, the optional store of the pre-activation
+(``preact_out``, for the activation's backward), the activation (gated ones: B holds ``2F`` rows,
+gate then up, whose up accumulator has its own rows' scales), the residual, the store, and the
+optional e4m3 quantisation of the stored output per 1x128 tile (``fp8_out``,
+:mod:`.gemm_fp8_epilogue`): the fp8 up projection hands its activation to the fp8 down projection
+with no pass in between.
 
 Layers: ``_fp8_gemm_kernel`` (jit) -> :func:`fp8_matmul` (validate, allocate, launch; autotuned
 on a GPU, one fixed tile under the interpreter) -> :func:`fp8_matmul_reference` (float64 product
@@ -29,17 +37,21 @@ import triton.language as tl
 
 from .checks import (check_buffer, check_choice, check_out_dtype, check_same, check_shape, check_supported_dtype,
                      check_tensor, output_buffer)
-from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, group_tiles, round_to_bf16, to_fp32
-from .gemm import EPILOGUE_ACC_BUDGET
-from .runtime import (RowView, autotuned, cdiv, device_capability, interpreting, on_device, pipelined,
-                      prune_tile_configs, shared_memory_limit, tile_smem_bytes)
+from .fp8 import (FP8_BLOCK, check_fp8_device, dequantize_e4m3, group_tiles, rne_for_store, round_to_bf16,
+                  store_e4m3_tiles, to_fp32)
+from .gemm import EPILOGUE_ACC_BUDGET, gemm_epilogue
+from .gemm_fp8_epilogue import check_fp8_output, fp8_output_args, fp8_output_configs, quantize_output
+from .runtime import (ACTIVATIONS, RowView, activation_reference, apply_up, autotuned, cdiv, device_capability, interpreting,
+                      on_device, pipelined, prune_tile_configs, row_offsets, shared_memory_limit, tile_smem_bytes)
 
-__all__ = ["FP8_GROUPED_INTERPRETER_CONFIGS", "FP8_INTERPRETER_CONFIG", "FP8_PROMOTE_K", "FP8_RECIPES",
-           "GROUPED_FP8_ACC_BUDGET", "SCALINGS", "UNALIGNED_FP8_GROUPED_TILE", "UNALIGNED_FP8_TILE", "fp8_configs_of_kind", "fp8_gpu_configs",
-           "fp8_grouped_configs", "fp8_matmul", "fp8_matmul_reference", "fp8_smem_estimate", "grouped_fp8_flags",
-           "grouped_fp8_scales"]
+__all__ = ["FP8_GROUPED_INTERPRETER_CONFIGS", "FP8_INTERPRETER_CONFIG", "FP8_INTERPRETER_CONFIG_FP8_OUT",
+           "FP8_PROMOTE_K", "FP8_RECIPES", "GROUPED_FP8_ACC_BUDGET", "SCALINGS", "UNALIGNED_FP8_GROUPED_TILE",
+           "UNALIGNED_FP8_TILE", "fp8_configs_of_kind", "fp8_gpu_configs", "fp8_grouped_configs", "fp8_matmul",
+           "fp8_matmul_reference", "fp8_smem_estimate", "fp8_tile_rule", "grouped_fp8_flags", "grouped_fp8_scales"]
 
 SCALINGS = ("rowwise", "blockwise")
+#: the activation names, in the order the error messages list them
+_ACTIVATION_NAMES = tuple(sorted(ACTIVATIONS))
 #: the training recipes: scaling -> (granularity of activations and gradients, of weights) of
 #: :func:`~fusedpar.kernels.fp8.quantize_e4m3` (a weight gradient's operands both take the first)
 FP8_RECIPES = {"rowwise": ("row", "row"), "blockwise": ("tile", "block")}
@@ -47,19 +59,23 @@ FP8_RECIPES = {"rowwise": ("row", "row"), "blockwise": ("tile", "block")}
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, r_ptr,
+    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, r_ptr, aux_ptr, bias_up_ptr, aux_up_ptr,
     M, N, K,
     a_inner, a_so, s_am, s_ak, s_bn, s_bk, c_inner, c_so, s_cm, s_cn, sa_inner, sa_so, s_sam, s_sak, s_sbn, s_sbk,
-    r_inner, r_so, s_rm, s_rn,
+    r_inner, r_so, s_rm, s_rn, glu_offset, s_xm, s_xn,
+    q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles,
     BLOCKWISE: tl.constexpr, B_SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr, A_SPLIT: tl.constexpr,
     SA_SPLIT: tl.constexpr, C_SPLIT: tl.constexpr, R_SPLIT: tl.constexpr,
+    ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, FP8_OUT: tl.constexpr,
+    Q_M_SPLIT: tl.constexpr, S_M_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K >= 32, "an fp8 dot needs BLOCK_K >= 32")
     tl.static_assert(not BLOCKWISE or BLOCK_K == 128, "blockwise scaling steps K one 128-wide scale block at a time")
     tl.static_assert(B_SCALE_ROWS == 1 or B_SCALE_ROWS == 128, "B's scales cover 1 or 128 rows")
     tl.static_assert(PROMOTE_K <= BLOCK_K, "the fp32 promotion interval must be at most one K step")
+    tl.static_assert(ACT >= 0 and ACT <= 4, "unknown activation code")
 
     # grouped ordering of programs (tutorial 03): neighbouring programs share B column blocks
     pid = tl.program_id(0)
@@ -91,30 +107,76 @@ def _fp8_gemm_kernel(
         sa_rows = sa_ptr + rm64 * s_sam
     b_cols = b_ptr + rn64[None, :] * s_bn
     sb_rows = sb_ptr + (rn // B_SCALE_ROWS).to(tl.int64) * s_sbn
+    if GLU:  # the up rows of B, glu_offset further, and their scales (per column: a 128x128 scale
+        # block holds gate and up rows when the gate half is not a multiple of 128 rows)
+        b_cols_up = b_ptr + (rn64 + glu_offset)[None, :] * s_bn
+        sb_up = sb_ptr + ((rn + glu_offset) // B_SCALE_ROWS).to(tl.int64) * s_sbn
+        if BLOCKWISE and B_SCALE_ROWS == 128:
+            # the tile's up rows lie in two 128-row blocks at most: two scales a step, one chosen per
+            # column (a pointer per column, live through the loop, spilled 64 B on sm_90 at F = 72)
+            tl.static_assert(BLOCK_N <= 128, "a gated tile's up rows span at most two scale blocks")
+            up_block = (pid_n * BLOCK_N + glu_offset) // 128
+            sb_up0 = sb_ptr + up_block.to(tl.int64) * s_sbn
+            up_first = rn + glu_offset < (up_block + 1) * 128
+            up_second = (up_block + 1) * 128 - glu_offset < N  # the second block holds an output column
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         kk64 = (k0 * BLOCK_K + rk).to(tl.int64)
         if EVEN_K:
             a = tl.load(a_rows + (kk64 * s_ak)[None, :], mask=m_mask[:, None], other=0.0)
             b = tl.load(b_cols + (kk64 * s_bk)[:, None], mask=n_mask[None, :], other=0.0)
+            if GLU:
+                bu = tl.load(b_cols_up + (kk64 * s_bk)[:, None], mask=n_mask[None, :], other=0.0)
         else:
             k_mask = kk64 < K
             a = tl.load(a_rows + (kk64 * s_ak)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_cols + (kk64 * s_bk)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if GLU:
+                bu = tl.load(b_cols_up + (kk64 * s_bk)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if BLOCKWISE:
             sa = tl.load(sa_rows + k0 * s_sak, mask=m_mask, other=0.0)
             sb = tl.load(sb_rows + k0 * s_sbk, mask=n_mask, other=0.0)
             acc += tl.dot(a, b) * sa[:, None] * sb[None, :]  # a fresh dot per step: promoted every BLOCK_K
+            if GLU:
+                if B_SCALE_ROWS == 128:
+                    sb_u = tl.where(up_first, tl.load(sb_up0 + k0 * s_sbk),
+                                    tl.load(sb_up0 + s_sbn + k0 * s_sbk, mask=up_second, other=0.0))
+                else:
+                    sb_u = tl.load(sb_up + k0 * s_sbk, mask=n_mask, other=0.0)
+                acc_up += tl.dot(a, bu) * sa[:, None] * sb_u[None, :]
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
+            if GLU:
+                acc_up = tl.dot(a, bu, acc_up, max_num_imprecise_acc=PROMOTE_K)
     if not BLOCKWISE:
         sa = tl.load(sa_rows, mask=m_mask, other=0.0)
         sb = tl.load(sb_rows, mask=n_mask, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
-    if HAS_BIAS:
+        if GLU:
+            acc_up = acc_up * sa[:, None] * tl.load(sb_up, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:  # the up half's from its own pointer (bias + glu_offset, a launch argument whose
+        # alignment Triton specialises on: loads at glu_offset = 72 spilled 64-96 B on sm_90)
         acc += to_fp32(tl.load(bias_ptr + rn, mask=n_mask, other=0.0), EMULATE)[None, :]
+        if GLU:
+            acc_up += to_fp32(tl.load(bias_up_ptr + rn, mask=n_mask, other=0.0), EMULATE)[None, :]
     mn_mask = m_mask[:, None] & n_mask[None, :]
+    x_off = rm64[:, None] * s_xm + rn64[None, :] * s_xn
+    if STORE_AUX and GLU:  # the up half through its own pointer too: at F not a multiple of 16, the
+        # stores at aux + glu_offset columns (per element, unvectorised) spilled 28 B on sm_90 (F = 72)
+        up = acc_up
+        if EMULATE:
+            up = rne_for_store(acc_up, aux_up_ptr)
+        tl.store(aux_up_ptr + x_off, up.to(aux_up_ptr.dtype.element_ty), mask=mn_mask)
+    # the GEMM epilogue (kernels/gemm.py): pre-activation store (the gate half), activation
+    acc = gemm_epilogue(acc, acc_up, rn, n_mask, mn_mask, bias_ptr, aux_ptr, x_off, glu_offset, s_xn,
+                        False, STORE_AUX, ACT, False, EMULATE)
+    if GLU:
+        if ACT == 4:
+            acc = acc * apply_up(acc_up, ACT)
+        else:
+            acc = acc * acc_up
     if HAS_RESIDUAL:  # added in fp32 (a partial sum received from a peer, an accumulated gradient)
         if R_SPLIT:
             r_rows = (rm64 // r_inner) * r_so + (rm64 % r_inner) * s_rm
@@ -129,13 +191,21 @@ def _fp8_gemm_kernel(
     else:
         c_rows = rm64 * s_cm
     c_off = c_rows[:, None] + rn64[None, :] * s_cn
-    tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mn_mask)
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + c_off, c, mask=mn_mask)
+    if FP8_OUT:  # C per 1x128 tile as stored, widened again (what quantize_e4m3 of C loads) into q, s
+        store_e4m3_tiles(tl.where(mn_mask, to_fp32(c, EMULATE), 0.0),
+                         q_ptr + row_offsets(rm, q_m_inner, s_qm0, s_qm1, Q_M_SPLIT),
+                         s_ptr + row_offsets(rm, sc_m_inner, s_sm0, s_sm1, S_M_SPLIT), rn, mn_mask, m_mask,
+                         pid_n * (BLOCK_N // 128), n_tiles, EMULATE, BLOCK_M, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------
 # Configurations: a fixed small one under the interpreter, an autotuned pruned list on GPU
 # --------------------------------------------------------------------------------------------
 FP8_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, GROUP_M=4)
+#: the interpreter's tile with the fp8 output: whole 1x128 tiles per program (kernels/gemm_fp8_epilogue.py)
+FP8_INTERPRETER_CONFIG_FP8_OUT = dict(FP8_INTERPRETER_CONFIG, BLOCK_N=FP8_BLOCK)
 #: Hopper's fp8 wgmma accumulates in less than fp32: each 32-deep instruction aligns its products
 #: and the running sum to their largest exponent and truncates below 2^-13 of it (the model that
 #: reproduces the first H100 run's errors, tests/test_fp8.py ``mma_error_bound``; DeepSeek-V3
@@ -255,41 +325,51 @@ TILED_B_ACC_BUDGET = 64
 UNALIGNED_FP8_TILE = 64 * 64
 
 
-def _rule(named_args: dict, **kwargs) -> dict:
-    """The prune rule's parameters: 1-byte operands, two accumulator tiles (the running fp32 sum
-    and the step's dot: blockwise's fresh dot, rowwise's partial accumulator), the plain
-    epilogue's register budget."""
-    a = named_args["a_ptr"]
-    blockwise = bool(kwargs.get("BLOCKWISE", named_args.get("BLOCKWISE", False)))
-    tiled_b = blockwise and kwargs.get("B_SCALE_ROWS", named_args.get("B_SCALE_ROWS", 1)) == 1
+def fp8_tile_rule(named_args: dict, **kwargs) -> dict:
+    """The prune rule's parameters: 1-byte operands, two accumulator tiles per output tile (the
+    running fp32 sum and the step's dot: blockwise's fresh dot, rowwise's partial accumulator;
+    gated: gate and up, four tiles and two B tiles), the plain epilogue's register budget, fused
+    epilogues too (sm_90: gated 64 x 128 / 128 x 64 over 8 warps 172-241 registers, gelu + e4m3
+    output 128 x 128 over 8 warps 240-250, no spills)."""
+    def get(k, default=False):
+        return kwargs.get(k, named_args.get(k, default))
+
+    a, glu = named_args["a_ptr"], bool(get("GLU"))
+    tiled_b = bool(get("BLOCKWISE")) and get("B_SCALE_ROWS", 1) == 1
     extents = [e for e in (named_args["K"], named_args["s_am"], named_args["a_so"], named_args["s_bn"]) if e != 1]
     budget = TILED_B_ACC_BUDGET if tiled_b else EPILOGUE_ACC_BUDGET["plain"]
-    return dict(elem_size=1, b_tiles=1, acc_tiles=2, acc_budget=budget, sync_acc_budget=budget,
-                capability=device_capability(a.device.index or 0), precision="ieee",
+    return dict(elem_size=1, b_tiles=2 if glu else 1, acc_tiles=4 if glu else 2, acc_budget=budget,
+                sync_acc_budget=budget, capability=device_capability(a.device.index or 0), precision="ieee",
                 pipelined=pipelined(1, *extents))
 
 
 def fp8_smem_estimate(cfg, named_args, **kwargs) -> int:
     """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``."""
-    r = _rule(named_args, **kwargs)
-    return tile_smem_bytes(cfg, elem_size=1, b_tiles=1, capability=r["capability"], precision="ieee",
+    r = fp8_tile_rule(named_args, **kwargs)
+    return tile_smem_bytes(cfg, elem_size=1, b_tiles=r["b_tiles"], capability=r["capability"], precision="ieee",
                            pipelined=r["pipelined"])
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """:func:`~fusedpar.kernels.runtime.prune_tile_configs` with the fp8 rule (:func:`_rule`);
-    loads that do not vectorise keep only tiles within :data:`UNALIGNED_FP8_TILE`."""
-    a, rule = named_args["a_ptr"], _rule(named_args, **kwargs)
+    """:func:`~fusedpar.kernels.runtime.prune_tile_configs` with the fp8 rule (:func:`fp8_tile_rule`)
+    over the tiles of the launch's kind (the fp8 output's: ``BLOCK_N`` a multiple of 128); loads
+    that do not vectorise keep only tiles within :data:`UNALIGNED_FP8_TILE` where there are such."""
+    a, rule = named_args["a_ptr"], fp8_tile_rule(named_args, **kwargs)
+    configs = fp8_output_configs(configs, kwargs.get("FP8_OUT", named_args.get("FP8_OUT", False)))
     if not rule["pipelined"]:
         configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= UNALIGNED_FP8_TILE] or configs
     return prune_tile_configs(configs, smem_limit=shared_memory_limit(a.device.index or 0),
                               dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]}, **rule)
 
 
+#: the autotuner's key: the problem size, every flag :func:`fp8_tile_rule` and the tile filter read,
+#: and the epilogue's (a tile tuned for the plain epilogue is not reused by a fused one)
+_TUNING_KEY = ["M", "N", "K", "BLOCKWISE", "B_SCALE_ROWS", "ACT", "GLU", "STORE_AUX", "FP8_OUT"]
+
+
 @functools.lru_cache(maxsize=None)
 def _tuned_kernel():
-    return autotuned(_fp8_gemm_kernel, configs=fp8_gpu_configs(), key=["M", "N", "K", "BLOCKWISE", "B_SCALE_ROWS"],
-                     prune=_prune_configs)
+    return autotuned(_fp8_gemm_kernel, configs=fp8_gpu_configs(), key=_TUNING_KEY, prune=_prune_configs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,6 +426,40 @@ def _operand_args(a, a_scale, b, b_scale, out, residual, scaling):
     return strides, flags
 
 
+def _activation(activation: str, b: torch.Tensor) -> tuple[int, bool, int]:
+    """The activation's kernel code, whether it is gated, and the output features of weight ``b``
+    (``[N_w, K]``; gated: ``N_w = 2F`` gate rows then up rows, ``F`` features)."""
+    check_choice("activation", activation, _ACTIVATION_NAMES)
+    act, glu = ACTIVATIONS[activation]
+    n_w = b.shape[0]
+    if glu and n_w % 2:
+        raise ValueError(f"activation {activation!r} needs an even number of rows of b (gate rows, then up rows), "
+                         f"got b of shape {tuple(b.shape)}")
+    return act, glu, n_w // 2 if glu else n_w
+
+
+def _outputs(a, n_w: int, N: int, *, bias, residual, out, out_dtype, preact_out, fp8_out):
+    """Check ``bias`` (``[N_w]``), ``residual`` and ``out`` (allocated when None: ``a.shape[:-1] +
+    (N,)``), ``preact_out`` (``[M, N_w]``) and ``fp8_out`` (for ``out``, once the device has fp8
+    tensor cores); returns ``(bias, out)``, the bias unit-stride."""
+    lead = tuple(a.shape[:-1])
+    if bias is not None:
+        check_tensor("bias", bias, dims=(1,))
+        check_shape("bias", bias, (n_w,))
+        check_same("bias", bias, "a", a, dtype=False)
+        check_supported_dtype("bias", bias)
+        bias = bias.contiguous()
+    if residual is not None:
+        check_buffer("residual", residual, lead + (N,), a.device)
+    check_out_dtype("out_dtype", out_dtype)
+    out = output_buffer("out", out, lead + (N,), a.device, out_dtype)
+    if preact_out is not None:
+        check_buffer("preact_out", preact_out, (math.prod(lead), n_w), a.device)
+    check_fp8_device(a)
+    check_fp8_output(out, fp8_out)
+    return bias, out
+
+
 def fp8_matmul(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -357,60 +471,81 @@ def fp8_matmul(
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    activation: str = "none",
+    preact_out: torch.Tensor | None = None,
+    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``out[..., N] = (a * a_scale) @ (b * b_scale)^T (+ bias) (+ residual)`` with fp32 accumulation.
+    """``out[..., N] = act((a * a_scale) @ (b * b_scale)^T (+ bias)) (+ residual)`` with fp32
+    accumulation, the epilogue of :func:`~fusedpar.kernels.gemm.matmul`.
 
     a:       ``[M, K]`` or ``[batch, seq, K]`` ``float8_e4m3fn`` (any strides: a strided
              ``[batch, seq-chunk]`` view is read in place; contiguous along K is what tensor cores want).
-    b:       ``[N, K]`` ``float8_e4m3fn`` (the ``nn.Linear`` layout).
-    a_scale, b_scale: fp32; ``scaling="rowwise"``: ``a.shape[:-1]`` and ``[N]``; ``"blockwise"``:
-             ``a.shape[:-1] + (ceil(K/128),)`` and ``[ceil(N/128), ceil(K/128)]`` (128x128 blocks)
-             or ``[N, ceil(K/128)]`` (1x128 tiles) (module docstring).
-    bias:    ``[N]``, added in fp32 after the scales.
-    residual: ``a.shape[:-1] + (N,)`` in any supported dtype and strides, added in fp32 before the
-             store (a partial sum from a peer; ``residual=out`` accumulates into ``out``).
+    b:       ``[N_w, K]`` ``float8_e4m3fn`` (the ``nn.Linear`` layout); for gated activations
+             (``swiglu``, ``geglu``, ``swiglu_oai``) ``N_w = 2F`` rows, gate first then up, and the
+             result has ``N = F`` features (else ``N = N_w``).
+    a_scale, b_scale: fp32; ``scaling="rowwise"``: ``a.shape[:-1]`` and ``[N_w]``; ``"blockwise"``:
+             ``a.shape[:-1] + (ceil(K/128),)`` and ``[ceil(N_w/128), ceil(K/128)]`` (128x128 blocks)
+             or ``[N_w, ceil(K/128)]`` (1x128 tiles) (module docstring).
+    bias:    ``[N_w]``, added in fp32 after the scales, before the activation.
+    activation: a name of :data:`~fusedpar.kernels.runtime.ACTIVATIONS`, applied in fp32.
+    preact_out: optional ``[M, N_w]`` tensor (any supported dtype and strides) that receives the
+             pre-activation values (scaled product + bias), which the activation's backward needs.
+    residual: ``a.shape[:-1] + (N,)`` in any supported dtype and strides, added in fp32 after the
+             activation, before the store (a partial sum from a peer; ``residual=out`` accumulates
+             into ``out``).
     out:     ``a.shape[:-1] + (N,)`` written in place if given (any strides, its dtype wins), else
              allocated with ``out_dtype`` (bf16, fp16 or fp32).
+    fp8_out: optional ``(q, scale)`` that receive the stored ``out`` quantised per 1x128 tile for
+             the next fp8 GEMM, equal to ``quantize_e4m3(out2d, "tile")`` bit for bit
+             (:mod:`.gemm_fp8_epilogue`: shapes, tiles; ``out`` is still written).
     """
     _check_operand("a", a)
     _check_operand("b", b, dims=(2,))
     check_same("b", b, "a", a)
     check_choice("scaling", scaling, SCALINGS)
+    act, glu, N = _activation(activation, b)
     lead, K = tuple(a.shape[:-1]), a.shape[-1]
-    (N, K_b), M = b.shape, math.prod(lead)
+    (n_w, K_b), M = b.shape, math.prod(lead)
     if K_b != K:
         raise ValueError(f"inner dimensions differ: a has K={K} (shape {tuple(a.shape)}) but b has K={K_b} "
                          f"(shape {tuple(b.shape)})")
-    b_rows = _check_scales(a_scale, b_scale, lead=lead, N=N, K=K, scaling=scaling, device=a.device)
-    if bias is not None:
-        check_tensor("bias", bias, dims=(1,))
-        check_shape("bias", bias, (N,))
-        check_same("bias", bias, "a", a, dtype=False)
-        check_supported_dtype("bias", bias)
-        bias = bias.contiguous()
-    if residual is not None:
-        check_buffer("residual", residual, lead + (N,), a.device)
-    check_out_dtype("out_dtype", out_dtype)
-    out = output_buffer("out", out, lead + (N,), a.device, out_dtype)
-    check_fp8_device(a)
+    b_rows = _check_scales(a_scale, b_scale, lead=lead, N=n_w, K=K, scaling=scaling, device=a.device)
+    bias, out = _outputs(a, n_w, N, bias=bias, residual=residual, out=out, out_dtype=out_dtype,
+                         preact_out=preact_out, fp8_out=fp8_out)
     if M == 0 or N == 0:
         return out
-    if K == 0:  # empty contraction: the product is zero
-        zero = torch.zeros(lead + (N,), device=a.device)
-        return out.copy_(zero + (bias.float() if bias is not None else 0) + (residual if residual is not None else 0))
+    if K == 0:  # empty contraction: the product is zero, the epilogue still applies
+        return _empty_contraction(out, bias, residual, preact_out, fp8_out, activation, (M, n_w))
     strides, views = _operand_args(a, a_scale, b, b_scale, out, residual, scaling)
+    fp8_args, fp8_flags = fp8_output_args(fp8_out, out)
     args = (a, b, out, a_scale, b_scale, bias if bias is not None else out, residual if residual is not None else out,
-            M, N, K, *strides)
+            preact_out if preact_out is not None else out, bias[N:] if glu and bias is not None else out,
+            preact_out[:, N:] if glu and preact_out is not None else out, M, N, K, *strides, N if glu else 0,
+            *(preact_out.stride() if preact_out is not None else (0, 0)), *fp8_args)
     flags = dict(BLOCKWISE=scaling == "blockwise", B_SCALE_ROWS=b_rows, HAS_BIAS=bias is not None,
-                 HAS_RESIDUAL=residual is not None, EVEN_K=K % 128 == 0, EMULATE=interpreting(),
-                 PROMOTE_K=FP8_PROMOTE_K, **views)
+                 HAS_RESIDUAL=residual is not None, EVEN_K=K % 128 == 0, PROMOTE_K=FP8_PROMOTE_K, **views,
+                 ACT=act, GLU=glu, STORE_AUX=preact_out is not None, **fp8_flags)
+    flags["EMULATE"] = interpreting()
     _launch(args, flags, M, N, a.device)
+    return out
+
+
+def _empty_contraction(out, bias, residual, preact_out, fp8_out, activation, preact_shape):
+    """:func:`fp8_matmul`'s epilogue on the host for ``K = 0``: the pre-activation is the bias (or zero)."""
+    pre = torch.zeros(preact_shape, device=out.device, dtype=torch.float64)
+    if bias is not None:
+        pre += bias.double()
+    if preact_out is not None:
+        preact_out.copy_(pre)
+    y = activation_reference(pre, activation).view(out.shape)
+    out.copy_(y + residual if residual is not None else y)
+    quantize_output(out, fp8_out)
     return out
 
 
 def _launch(args, flags, M: int, N: int, device) -> None:
     if interpreting():
-        cfg = FP8_INTERPRETER_CONFIG
+        cfg = FP8_INTERPRETER_CONFIG_FP8_OUT if flags["FP8_OUT"] else FP8_INTERPRETER_CONFIG
         grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
         _fp8_gemm_kernel[grid](*args, **flags, **cfg)
     else:
@@ -419,13 +554,16 @@ def _launch(args, flags, M: int, N: int, device) -> None:
             _tuned_kernel()[grid](*args, **flags)
 
 
-def fp8_matmul_reference(a, a_scale, b, b_scale, bias=None, *, scaling="rowwise", compute_dtype=torch.float64):
-    """What :func:`fp8_matmul` computes, in ``compute_dtype``: the product of the dequantised
-    operands (float64: exact up to the final sum)."""
+def fp8_matmul_reference(a, a_scale, b, b_scale, bias=None, *, scaling="rowwise", activation="none",
+                         compute_dtype=torch.float64):
+    """What :func:`fp8_matmul` computes (without residual), in ``compute_dtype``: the product of the
+    dequantised operands (float64: exact up to the final sum), the bias, the activation
+    (:func:`~fusedpar.kernels.runtime.activation_reference`; gated: ``b`` holds gate then up rows)."""
     check_choice("scaling", scaling, SCALINGS)
+    check_choice("activation", activation, _ACTIVATION_NAMES)
     if scaling == "rowwise":
         ga = gb = "row"
     else:
         ga, gb = "tile", "tile" if b_scale.shape[0] == b.shape[0] and b.shape[0] != 1 else "block"
     y = dequantize_e4m3(a, a_scale, ga, compute_dtype) @ dequantize_e4m3(b, b_scale, gb, compute_dtype).t()
-    return y + bias.to(compute_dtype) if bias is not None else y
+    return activation_reference(y + bias.to(compute_dtype) if bias is not None else y, activation)
