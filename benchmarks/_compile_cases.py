@@ -258,6 +258,16 @@ def _flash(dt, b, s, hq, hk, d, causal, dv=None, dq_mode=None, **options):
     flash_attention_backward(meta(b, s, hq, dv, dtype=dt), q, k, v, out, lse, causal=causal, **options)
 
 
+def _flash_fp8_out(dt, b, s, hq, hk, d, causal):
+    """The forward alone with its e4m3 output for o_proj (kernels/flash_fp8_out.py), bf16 only (sm_80
+    raises FP8UnsupportedError, which the check reports as unsupported)."""
+    if dt != torch.bfloat16:
+        return
+    flash_attention_forward(meta(b, s, hq, d, dtype=dt), meta(b, s, hk, d, dtype=dt), meta(b, s, hk, d, dtype=dt),
+                            causal=causal, fp8_out=(meta(b, s, hq, d, dtype=torch.float8_e4m3fn),
+                                                    meta(b, s, hq * d // 128, dtype=torch.float32)))
+
+
 def _flash_cases():
     cases = []
     for model, c in LLAMA.items():
@@ -286,6 +296,10 @@ def _flash_cases():
         Case("flash", "mla 192/128 causal dq atomic", False, lambda dt: _flash(
             dt, 1, 4096, 128, 128, 192, True, dv=128, dq_mode="atomic")),
     ]
+    # the forward's fp8 output for o_proj (issue 29), bf16 at Llama-3 8B's d 128; not in the fast subset
+    cases += [Case("flash", f"llama3-8b{' causal' if causal else ''} fwd fp8_out", False,
+                   lambda dt, causal=causal: _flash_fp8_out(dt, c["batch"], c["seq"], c["heads"], c["kv"], c["d"],
+                                                            causal)) for causal in (True, False)]
     return cases
 
 
@@ -305,6 +319,20 @@ def _fp8_gemm(dt, M, N, K, scaling, b_granularity, out_dtype=None, bias=False):
         sb = meta(-(-N // 128) if b_granularity == "block" else N, kb, dtype=torch.float32)
     fp8_matmul(meta(M, K, dtype=f8), sa, meta(N, K, dtype=f8), sb, meta(N, dtype=dt) if bias else None,
                scaling=scaling, out_dtype=out_dtype or dt)
+
+
+def _fp8_fc1(dt, M, K, F, activation, scaling, fp8_out, bias=False):
+    """fp8_matmul's fused epilogue (the fp8 up projection): the activation (swiglu: 2F weight rows
+    in 128x128 blocks or per row), the pre-activation and, with ``fp8_out``, the e4m3 output per
+    1x128 tile (bf16 pass only: fp8 operands whatever the dtype)."""
+    if dt != torch.bfloat16:
+        return
+    f8, f32, kb, n_w = torch.float8_e4m3fn, torch.float32, -(-K // 128), 2 * F if activation == "swiglu" else F
+    sa, sb = ((meta(M, dtype=f32), meta(n_w, dtype=f32)) if scaling == "rowwise" else
+              (meta(M, kb, dtype=f32), meta(-(-n_w // 128), kb, dtype=f32)))
+    fp8_matmul(meta(M, K, dtype=f8), sa, meta(n_w, K, dtype=f8), sb, meta(n_w, dtype=dt) if bias else None,
+               scaling=scaling, out_dtype=dt, activation=activation, preact_out=meta(M, n_w, dtype=dt),
+               fp8_out=(meta(M, F, dtype=f8), meta(M, -(-F // 128), dtype=f32)) if fp8_out else None)
 
 
 def _fp8_quantize(dt, rows, cols, granularity, transposed=False):
@@ -368,6 +396,14 @@ def _fp8_cases():
                 dt, H, F, T, s, "tile", out_dtype=torch.float32)),
             Case("fp8", f"tests 37x45x200 {scaling}", False, lambda dt, s=scaling, wg=wg: _fp8_gemm(
                 dt, 37, 45, 200, s, wg, bias=True)),
+            Case("fp8", f"llama3-8b fc1 swiglu+preact {scaling}", False, lambda dt, s=scaling: _fp8_fc1(
+                dt, T, H, F, "swiglu", s, False)),
+            Case("fp8", f"llama3-8b fc1 swiglu+preact fp8_out {scaling}", False,
+                 lambda dt, s=scaling: _fp8_fc1(dt, T, H, F, "swiglu", s, True)),
+            Case("fp8", f"llama3-8b fc1 gelu+preact fp8_out {scaling}", False, lambda dt, s=scaling: _fp8_fc1(
+                dt, T, H, F, "gelu", s, True)),
+            Case("fp8", f"tests 37x72x160 fc1 swiglu+bias+preact fp8_out {scaling}", False,
+                 lambda dt, s=scaling: _fp8_fc1(dt, 37, 160, 72, "swiglu", s, True, bias=True)),
             Case("fp8", f"llama3-8b persistent all-gather {scaling}", scaling == "blockwise",
                  lambda dt, s=scaling: _persistent_fp8(dt, T, H, H, "none", True, s)),
             Case("fp8", f"llama3-8b persistent all-gather swiglu {scaling}", False,

@@ -24,6 +24,8 @@ and the plain torch oracle.
   ``window=(left, right)`` (key blocks outside it are skipped whole, :func:`window_keys`),
   ``softcap`` (``c * tanh(s / c)``, tanh from exp2), ``sinks`` (a logit per head in the
   denominator, included in ``lse``), and a v head dim of its own (``HEAD_DIM_V``).
+* An fp8 output for o_proj (``fp8_out``, :mod:`.flash_fp8_out`): the stored ``out`` also quantised
+  per 1x128 tile of its ``hq * d_v`` features in the epilogue (``FP8_OUT``; d_v 128 or 256).
 * Accumulate modes for ring attention: the forward can continue from a previous normalised
   ``(out, lse)`` pair held in fp32 (``accumulate=True``), and the backward can add ``dq``/``dk``/
   ``dv`` into fp32 buffers, so every ring step reuses these kernels.
@@ -52,6 +54,7 @@ from .checks import (
     check_tensor,
     output_buffer,
 )
+from .flash_fp8_out import attention_fp8_args, check_attention_fp8_out, fill_empty_fp8_out
 from .flash_tiles import (
     FP32_TILE,
     MAX_GRID_X,
@@ -64,6 +67,7 @@ from .flash_tiles import (
     smem_estimate,
     uses_wgmma,
 )
+from .fp8 import rne_for_store, store_e4m3_tiles, to_fp32
 from .runtime import SUPPORTED_DTYPES, interpreting
 
 LOG2E = 1.4426950408889634
@@ -209,11 +213,16 @@ def _attn_fwd_kernel(
     s_ob, s_os, s_oh, s_od,
     s_lb, s_lh, s_ls,
     H, GROUP, SQ, SK, q_offset, k_offset, qk_scale, win_left, win_right, cap_scale, cap2,
+    q8_ptr, s8_ptr, s_8b, s_8s, s_8h, s_sb, s_ss,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, PAD_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr, ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEGMENTED: tl.constexpr, FP8_OUT: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    """``FP8_OUT``: the stored out also quantised per 1x128 tile of the ``[.., H * HEAD_DIM_V]``
+    features into ``q8`` / ``s8`` (:mod:`.flash_fp8_out`); ``EMULATE`` (interpreter only): a bf16
+    out rounded to nearest even before its store, as the GPU's cast does."""
     tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
     tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
     tl.static_assert(PAD_DV == (BLOCK_DV != HEAD_DIM_V), "PAD_DV says whether BLOCK_DV pads HEAD_DIM_V")
@@ -288,8 +297,17 @@ def _attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(o_base + o_off, out.to(o_ptr.dtype.element_ty), mask=mdv_mask)
+    if EMULATE:
+        out = rne_for_store(out, o_ptr)
+    o = out.to(o_ptr.dtype.element_ty)
+    tl.store(o_base + o_off, o, mask=mdv_mask)
     tl.store(lse_base + rm.to(tl.int64) * s_ls, lse, mask=m_mask)
+    if FP8_OUT:  # out per 1x128 tile as stored, widened again (what quantize_e4m3 of out loads)
+        tl.static_assert(HEAD_DIM_V % 128 == 0 and not ACCUM, "fp8_out: whole 1x128 tiles per head, no accumulate")
+        rows8 = q_row0 + rm.to(tl.int64)
+        store_e4m3_tiles(tl.where(mdv_mask, to_fp32(o, EMULATE), 0.0), q8_ptr + b * s_8b + h * s_8h + rows8 * s_8s,
+                         s8_ptr + b * s_sb + rows8 * s_ss, rdv, mdv_mask, m_mask, h * (HEAD_DIM_V // 128),
+                         H * (HEAD_DIM_V // 128), EMULATE, BLOCK_M, BLOCK_DV)
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,7 +481,7 @@ def option_flags(q, v, opts: ScoreOptions, accumulate: bool, segmented: bool) ->
 # --------------------------------------------------------------------------------------------
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0,
                             out=None, lse=None, accumulate=False, segments=None, window=None, softcap=None,
-                            sinks=None):
+                            sinks=None, fp8_out=None):
     """One attention block: returns ``(out, lse)``.
 
     q ``[b, sq, hq, d]``, k ``[b, sk, hk, d]``, v ``[b, sk, hk, d_v]`` (any strides; ``d_v`` may
@@ -480,6 +498,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     before the softmax. ``sinks`` (fp32 ``[hq]``): one logit per head added to the softmax's
     denominator (no value); ``lse`` includes it, so a row that sees no key gets ``out = 0``,
     ``lse = sink`` (without sinks: ``lse = -inf``). With ``accumulate``, pass sinks to one step only.
+    ``fp8_out=(q8, scale)`` (blockwise recipe, ``d_v`` a multiple of 128, not with ``accumulate``):
+    ``out`` as stored also quantised per 1x128 tile of its features ``[b, sq, hq * d_v]`` into
+    ``q8`` (``float8_e4m3fn`` ``[b, sq, hq, d_v]``) and ``scale`` (fp32 ``[b, sq, hq * d_v // 128]``),
+    each with contiguous rows, equal to ``quantize_e4m3(out.reshape(b * sq, hq * d_v), "tile")``
+    bit for bit (:mod:`.flash_fp8_out`; with segments, rows outside every segment are not written).
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
@@ -495,11 +518,13 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
         raise ValueError("accumulate=True needs out= and lse= (the state to continue from)")
     out = output_buffer("out", out, (b, sq, hq, v.shape[3]), q.device, q.dtype)
     lse = output_buffer("lse", lse, (b, hq, sq), q.device, torch.float32, exact_dtype=True)
+    check_attention_fp8_out(fp8_out, out.shape, out.device, accumulate=accumulate)
     if b * sq * hq == 0:
         return out, lse
     if sk == 0:
         if not accumulate:
             out.zero_()
+            fill_empty_fp8_out(fp8_out)
             if sinks is None:
                 lse.fill_(float("-inf"))
             else:
@@ -514,8 +539,9 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     args = (q, k, v, out, lse, table, q if sinks is None else sinks, *q.stride(), *k.stride(), *v.stride(),
             *out.stride(), *lse.stride(), hq, hq // hk, sq_arg, sk_arg, q_offset, k_offset, scale * LOG2E,
             *score_args(opts, scale))
-    flags = option_flags(q, v, opts, accumulate, segments is not None)
-    launch_attention_kernel(_attn_fwd_kernel, "fwd", rows, n_b * hq, args, flags)
+    fp8_args, fp8_flags = attention_fp8_args(fp8_out, out)
+    flags = {**option_flags(q, v, opts, accumulate, segments is not None), **fp8_flags}
+    launch_attention_kernel(_attn_fwd_kernel, "fwd", rows, n_b * hq, args + fp8_args, flags)
     return out, lse
 
 

@@ -29,6 +29,7 @@ import torch
 from .checks import check_float_tensor, check_int, check_same, check_tensor
 from .flash_attention import Segments, attention_reference, check_qkv, flash_attention_forward
 from .flash_attention_bwd import DEFAULT_DQ_MODE, flash_attention_backward
+from .flash_fp8_out import check_attention_fp8_out
 
 __all__ = [
     "check_cu_seqlens", "check_cu_seqlens_values", "check_varlen_inputs", "flash_attention_varlen", "flash_attention_varlen_backward",
@@ -93,19 +94,24 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           softmax_scale=None, window=None, softcap=None, sinks=None):
+                           softmax_scale=None, window=None, softcap=None, sinks=None, fp8_out=None):
     """Packed attention: ``(out, lse)``, out ``[total_q, heads, d_v]`` in q's dtype, lse
     ``[heads, total_q]`` fp32 (natural log). q ``[total_q, heads, d]``, k ``[total_k, kv_heads, d]``,
     v ``[total_k, kv_heads, d_v]`` (kv_heads divides heads), ``cu_seqlens_*`` int32 ``[docs + 1]``
     on q's device, ``max_seqlen_*`` >= the longest document. ``window`` / ``softcap`` / ``sinks``
     as in :func:`~.flash_attention.flash_attention_forward`, in each document's bottom-right
     aligned positions (query ``i`` sees key ``j`` iff ``i + shift - left <= j <= i + shift + right``,
-    ``shift = len_k - len_q``). Not differentiable (see :func:`fusedpar.ops.flash_attention_varlen`)."""
+    ``shift = len_k - len_q``). ``fp8_out=(q8, scale)``: ``q8`` ``float8_e4m3fn``
+    ``[total_q, heads, d_v]``, ``scale`` fp32 ``[total_q, heads * d_v // 128]`` (d_v a multiple of
+    128), written with ``out``'s 1x128-tile quantisation (:mod:`.flash_fp8_out`). Not
+    differentiable (see :func:`fusedpar.ops.flash_attention_varlen`)."""
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_attention_fp8_out(fp8_out, (q.shape[0], q.shape[1], v.shape[2]), q.device)
     seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     lse = torch.empty((1, q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     out, lse = flash_attention_forward(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
-                                       lse=lse, segments=seg, window=window, softcap=softcap, sinks=sinks)
+                                       lse=lse, segments=seg, window=window, softcap=softcap, sinks=sinks,
+                                       fp8_out=None if fp8_out is None else (fp8_out[0][None], fp8_out[1][None]))
     return out[0], lse[0]
 
 
