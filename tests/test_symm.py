@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -381,7 +382,8 @@ def _op_cases(size, seed, rank):
 def _ops_symmetric_vs_portable(rank, size, tmpdir, seed):
     """fusedpar.ops on a SymmetricTransport (over the shared-file stand-in) against
     transport="portable": outputs and every gradient, both ops, gated activation, re-gather, and
-    the fp8 all-gather GEMM (distinct peers: each slot's scales must be its own shard's)."""
+    the fp8 all-gather GEMM (distinct peers: each slot's scales must be its own shard's); the fp8
+    reduce-scatter against one process (distinct peers: each partial from its own rank's operands)."""
     saved = set_workspace_factory(_file_workspace_factory(tmpdir, seed, []))
     try:
         for i, (fn, xi, w, b, out_shape, kw) in enumerate(_op_cases(size, seed, rank)):
@@ -390,6 +392,15 @@ def _ops_symmetric_vs_portable(rank, size, tmpdir, seed):
             got = _run_op(fn, SymmetricTransport(), xi, w, b, g, **kw)
             for name, a, e in zip(("out", "dx", "dW", "db"), got, ref):
                 assert_close(a, e, torch.float32, msg=f"case {i} {name}")
+        # matmul_reduce_scatter(fp8=...): the persistent fp8 GEMM and the reduction over the peers'
+        # files, output and gradients against one process with the same quantisation (test_tp_ops)
+        from test_tp_ops import _fp8_rs_case
+
+        persistent = symmetric.matmul_reduce_scatter_symmetric
+        with mock.patch.object(symmetric, "matmul_reduce_scatter_symmetric", wraps=persistent) as spy:
+            _fp8_rs_case(rank, size, recipe="blockwise", scatter_dim=0, hp=False, seed=seed + 20,
+                         transport=SymmetricTransport())
+        assert spy.call_count == 1
     finally:
         set_workspace_factory(saved)
     return rank
@@ -632,8 +643,8 @@ def _fp8_op_run(transport, x, w, b, g, recipe, gather_dim, activation, x_fp8):
     from fusedpar.ops.fp8_library import all_gather_matmul_fp8_op
 
     x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
-    out, preact, _ = all_gather_matmul_fp8_op(x, w, b, transport.token, gather_dim, activation, torch.float32, recipe,
-                                              False, True, False, *(x_fp8 or (None, None)))
+    out, preact = all_gather_matmul_fp8_op(x, w, b, transport.token, gather_dim, activation, torch.float32, recipe,
+                                           False, True, False, *(x_fp8 or (None, None)))[:2]
     out.backward(g)
     return out.detach(), preact, x.grad, w.grad, b.grad
 
@@ -681,6 +692,108 @@ def test_emulated_fp8_all_gather_matmul_op_equals_ring(recipe, gather_dim, activ
             assert torch.equal(a, e), f"{name} differs from the ring's"
         else:
             assert_close(a, e, dtype if INTERPRETED else torch.bfloat16, msg=name)
+
+
+@pytest.mark.parametrize("scaling,partial_dtype,chunked,rank", [("rowwise", torch.float32, False, 1),
+                                                                 ("blockwise", torch.bfloat16, True, 2)])
+def test_emulated_matmul_reduce_scatter_fp8(device, scaling, partial_dtype, chunked, rank):
+    """fp8 operands (e4m3 x and weight with their scales, x_scale chunked with x, or given as
+    chunks): the persistent fp8 GEMM writes every chunk's partial in partial_dtype, the reduction
+    sums them in fp32 in the peers' completion order (by the mirror rule chunks r + 1, r + 2, ...,
+    r) and adds the bias. Under the interpreter that is, bit for bit, fp8_matmul's chunk products
+    rounded to partial_dtype and summed in that order in fp32 (compiled: the two GEMMs launch
+    different tiles, test_persistent_gemm.assert_fp8_matches: bf16 tolerance); out is bf16 by
+    default; the scales are checked before any barrier."""
+    from fusedpar.kernels import fp8_matmul, quantize_e4m3
+
+    g = torch.Generator().manual_seed(41 + rank)
+    P, b, n, K, N = 3, 2, 3, 136, 20  # K: a ragged last 128-wide scale block
+    x, w = randn(b * P * n, K, generator=g), randn(N, K, generator=g, scale=0.1)
+    bias = randn(N, generator=g)
+    xq, xs = quantize_e4m3(x, "row" if scaling == "rowwise" else "tile")
+    wq, ws = quantize_e4m3(w, "row" if scaling == "rowwise" else "block")
+    xq, xs = xq.view(b, P * n, K), xs.view(b, P * n, *xs.shape[1:])
+    chunks = [(xq[:, c * n:(c + 1) * n], xs[:, c * n:(c + 1) * n]) for c in range(P)]
+    a, a_scale = (torch.stack([q for q, _ in chunks]), torch.stack([s for _, s in chunks])) if chunked else (xq, xs)
+    kw = dict(transport=_emulated(P, rank), chunked=chunked, x_scale=a_scale, weight_scale=ws, scaling=scaling)
+    out = torch.full((b, n, N), float("nan"), device=device)
+    matmul_reduce_scatter_symmetric(a, wq, bias, partial_dtype=partial_dtype, out=out, out_dtype=torch.float32, **kw)
+    parts = [fp8_matmul(q, s, wq, ws, scaling=scaling, out_dtype=partial_dtype).float() for q, s in chunks]
+    expected = parts[(rank + 1) % P].clone()
+    for k in range(2, P + 1):
+        expected += parts[(rank + k) % P]
+    expected += bias
+    if INTERPRETED:
+        assert torch.equal(out, expected), "differs from fp8_matmul's partials summed in the peers' order"
+    else:
+        assert_close(out, expected, torch.bfloat16)
+    if not chunked:
+        y = matmul_reduce_scatter_symmetric(a, wq, bias, **kw)
+        assert y.dtype == torch.bfloat16
+        assert_close(y, expected, torch.bfloat16, msg="bf16 out")
+    with pytest.raises(ValueError, match="x_scale must have shape"):
+        matmul_reduce_scatter_symmetric(a, wq, **dict(kw, x_scale=a_scale[:, :1]))
+    with pytest.raises(ValueError, match="are for float8_e4m3fn operands"):
+        matmul_reduce_scatter_symmetric(x.view(b, P * n, K), w, transport=_emulated(P, rank), x_scale=xs)
+
+
+def _fp8_rs_op_run(transport, x, w, b, g, recipe):
+    """``matmul_reduce_scatter_fp8``'s forward (fp32 partials) and, with ``g``, its backward:
+    ``(out, dx, dW, db)``."""
+    from fusedpar.ops.fp8_library import matmul_reduce_scatter_fp8_op
+
+    x, w = (t.detach().clone().requires_grad_(g is not None) for t in (x, w))
+    b = b.detach().clone().requires_grad_(g is not None) if b is not None else None
+    out = matmul_reduce_scatter_fp8_op(x, w, b, transport.token, 1, torch.float32, recipe, False)
+    if g is None:
+        return out
+    out.backward(g)
+    return out.detach(), x.grad, w.grad, b.grad
+
+
+def _within_one_ulp(actual, expected, what):
+    """Every element at most one unit in the last place of ``expected``'s dtype (at the larger magnitude)."""
+    a, e = actual.double(), expected.double()
+    ulp = torch.finfo(expected.dtype).eps * torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), e.abs()))))
+    assert ((a - e).abs() <= ulp).all(), f"{what}: more than one ulp from the ring's"
+
+
+@pytest.mark.parametrize("recipe,dtype,rank", [("rowwise", torch.float32, 0), ("blockwise", torch.bfloat16, 2)])
+def test_emulated_fp8_matmul_reduce_scatter_op_equals_ring(recipe, dtype, rank, monkeypatch):
+    """``matmul_reduce_scatter(fp8=recipe)`` on a transport with in-kernel waits is the persistent
+    fp8 GEMM and the reduction (x quantised once, its scales chunked with it) instead of the ring
+    of fp8_matmul chunks: 3 ranks, fp32 partials, against the ring on the same transport without
+    in-kernel waits. Interpreted, the chunk products are the same bits and a sum of three is the
+    same in either order; the two differ only in where the bias goes: the ring adds it in its last
+    GEMM's epilogue, ``(p_r + b) + S``, the reduction after the partials, ``(S + p_r) + b``. So in
+    fp32 the output is the ring's without a bias plus the bias, bit for bit. In bf16 it is within
+    one bf16 ulp of the ring's: that place of the bias, and under the interpreter chunk_reduce's
+    store truncates (the interpreter's fp32 -> bf16 cast, kernels/fp8.py) where the ring's epilogue
+    rounds to nearest even. Compiled, the GEMMs launch different tiles (bf16 tolerance). The
+    backward is the ring's on the same x, W and dY: the same bits on any device."""
+    calls = []
+    persistent = symmetric.matmul_reduce_scatter_symmetric
+    monkeypatch.setattr(symmetric, "matmul_reduce_scatter_symmetric",
+                        lambda *a, **k: calls.append(1) or persistent(*a, **k))
+    g = torch.Generator().manual_seed(80 + rank)
+    K, N = 136, 6  # K: a ragged last 1x128 tile
+    x = randn(2, 6, K, generator=g).to(dtype)
+    w, b = randn(N, K, generator=g, scale=K ** -0.5).to(dtype), randn(N, generator=g).to(dtype)
+    go = randn(2, 2, N, generator=g).to(dtype)
+    ring = _fp8_rs_op_run(EmulatedTransport(3, rank), x, w, b, go, recipe)
+    assert not calls
+    got = _fp8_rs_op_run(_emulated(3, rank), x, w, b, go, recipe)
+    assert len(calls) == 1  # the forward; the backward gathers the output gradient over the transfers
+    for name, a, e in zip(("dx", "dW", "db"), got[1:], ring[1:]):
+        assert torch.equal(a, e), f"{name} differs from the ring's"
+    if not INTERPRETED:
+        assert_close(got[0], ring[0], torch.bfloat16, msg="out")
+    elif dtype == torch.float32:
+        with torch.no_grad():
+            unbiased = _fp8_rs_op_run(EmulatedTransport(3, rank), x, w, None, None, recipe)
+        assert torch.equal(got[0], unbiased + b), "out differs from the ring's without a bias plus the bias"
+    else:
+        _within_one_ulp(got[0], ring[0], "out")
 
 
 @pytest.mark.parametrize("fp8", [None, "rowwise"])

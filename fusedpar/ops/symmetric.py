@@ -21,7 +21,12 @@ reduction is enqueued *after* the GEMM whose counters it waits for, so no launch
 streams (one hardware queue with ``CUDA_DEVICE_MAX_CONNECTIONS=1``, MPS) can make it wait for a
 kernel queued behind it.
 
-Flags never need resetting: a call waits for ``flag >= epoch`` and every call raises the epoch.
+Both schedules take e4m3 operands too (``x_scale``, ``weight_scale``, ``scaling``): the
+persistent GEMM's fp8 main loop, the scales travelling with the all-gather's shard, the
+reduce-scatter's partials still of ``partial_dtype``.
+
+Flags never need resetting: a call waits for ``flag >= epoch`` and every call raises the epoch
+(the flags, the side stream and the copy producer: :mod:`fusedpar.ops.tensor_parallel_waits`).
 A wait that gives up (a peer that never comes) raises :class:`~fusedpar.kernels.waits.WaitTimeout`
 at the op's end, on a GPU too (:func:`~fusedpar.kernels.waits.check_wait_timeouts`).
 
@@ -44,8 +49,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from fusedpar.kernels.checks import (check_buffer, check_divisible, check_dtype, check_int, check_shape, check_tensor,
-                                     output_buffer)
+from fusedpar.kernels.checks import (check_buffer, check_divisible, check_dtype, check_int, check_out_dtype,
+                                     check_shape, check_tensor, output_buffer)
 from fusedpar.kernels.persistent_gemm import (
     chunk_reduce,
     chunk_view,
@@ -59,6 +64,16 @@ from fusedpar.kernels.waits import canonical_device, check_wait_timeouts
 from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.tensor_parallel_schedules import check_linear_args
+from fusedpar.ops.tensor_parallel_waits import (
+    ChunkFlags,
+    chunk_flags,
+    device_ints,
+    flag_writer_available,
+    fork_side_stream,
+    join_side_stream,
+    on_stream,
+    pull_chunks,
+)
 from fusedpar.ops.transport import (
     PortableTransport,
     SymmetricBuffers,
@@ -124,14 +139,6 @@ def _symm_module():
     return symm_mem
 
 
-def _flag_writer_available() -> bool:
-    try:
-        from torch._C._distributed_c10d import _SymmetricMemory
-    except ImportError:
-        return False
-    return hasattr(_SymmetricMemory, "stream_write_value32")
-
-
 def _probe_peers(x: torch.Tensor, group) -> tuple[bool, str]:
     """The cross-rank facts (one host, peer access), gathered with collectives on ``group``."""
     size = dist.get_world_size(group)
@@ -164,7 +171,7 @@ def symmetric_status(x: torch.Tensor, group=None) -> tuple[bool, str]:
         return False, f"process group backend is {backend!r}, the symmetric transport runs with NCCL groups"
     if _symm_module() is None:
         return False, "this torch build has no torch.distributed._symmetric_memory"
-    if not _flag_writer_available():
+    if not flag_writer_available():
         return False, "this torch build lacks _SymmetricMemory.stream_write_value32 (SM-free flag writes)"
     cache = _probe_cache.entries(group)
     if x.device.index not in cache:
@@ -280,7 +287,7 @@ class SymmetricTransport(PortableTransport, SymmetricBuffers):
 
     def free_sms(self, device):
         # a flag written by a kernel (no cuStreamWriteValue32) needs an SM the waiting GEMM leaves free
-        return 0 if _flag_writer_available() else 2
+        return 0 if flag_writer_available() else 2
 
 
 def _check_symmetric(transport, op: str):
@@ -288,107 +295,6 @@ def _check_symmetric(transport, op: str):
         raise ValueError(f"{op}: transport must support in-kernel waits (a SymmetricTransport or an "
                          f"EmulatedTransport(in_kernel_waits=True)), got {transport!r}")
     return transport
-
-
-# ----------------------------------------------------------------------------------------------
-# flags and the copy producer
-# ----------------------------------------------------------------------------------------------
-class ChunkFlags:
-    """Per-chunk ready flags of one device: a uint32 tensor (what ``cuStreamWriteValue32``
-    writes) viewed as int32 by the kernel, and a host-side epoch. ``begin()`` starts a call: the
-    kernel then waits for ``flag >= epoch``, so the previous call's flags read as not ready."""
-
-    def __init__(self, capacity: int, device: torch.device):
-        self.u32 = torch.zeros(capacity, dtype=torch.uint32, device=device)
-        self.i32 = self.u32.view(torch.int32)
-        self.epoch = 0
-        self.sm_free = device.type == "cuda" and _flag_writer_available()
-
-    def begin(self) -> int:
-        if self.epoch >= 2 ** 31 - 2:
-            self.i32.zero_()  # stream-ordered before every later write and wait
-            self.epoch = 0
-        self.epoch += 1
-        return self.epoch
-
-    def raise_flag(self, chunk: int) -> None:
-        """Set ``flag[chunk] = epoch`` on the current stream, after the work queued before it."""
-        if self.sm_free:
-            from torch._C._distributed_c10d import _SymmetricMemory
-
-            _SymmetricMemory.stream_write_value32(self.u32, chunk, self.epoch)
-        else:
-            self.i32[chunk:chunk + 1].fill_(self.epoch)
-
-
-_flags: dict = {}
-_side_streams: dict = {}
-_int_tensors: dict = {}
-
-
-def chunk_flags(device: torch.device, chunks: int) -> ChunkFlags:
-    """The ready flags of ``device`` (at least ``chunks`` of them), shared by every call there.
-    Every spelling of one device (``"cuda"``, ``"cuda:0"``) names the same flags."""
-    device = canonical_device(device)
-    f = _flags.get(device)
-    if f is None or f.u32.numel() < chunks:
-        f = _flags[device] = ChunkFlags(max(chunks, 64), device)
-    return f
-
-
-def _fork(device):
-    """The side stream of ``device``, made to wait for the work queued so far on the current
-    stream (None on CPU, where everything runs in program order)."""
-    if device.type != "cuda":
-        return None
-    device = canonical_device(device)
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device=device, priority=-1)
-    side = _side_streams[device]
-    side.wait_stream(torch.cuda.current_stream(device))
-    return side
-
-
-def _on(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _join(device, side):
-    if side is not None:
-        torch.cuda.current_stream(device).wait_stream(side)
-
-
-def pull_chunks(gathered: torch.Tensor, sources, order, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0):
-    """On the side stream: for ``c`` in ``order`` copy ``sources(c)`` into ``gathered[c]`` with
-    ``copy(dst, src)`` (default ``dst.copy_(src)``) and raise flag ``c``. The side stream first
-    waits for the current stream (the local chunk, the barrier, and the previous call's readers
-    of ``gathered``). ``delay_cycles`` sleeps on the side stream first (tests: a late producer).
-    Returns the side stream (``None`` on CPU, where the copies run right away: the interpreter's
-    consumer must find its flags set before it starts); join it after the consuming kernel."""
-    check_int("delay_cycles", delay_cycles, min_value=0)
-    side = _fork(gathered.device)
-    if delay_cycles and side is None:
-        raise ValueError(f"delay_cycles must be 0 on {gathered.device} (it sleeps on a CUDA producer stream), "
-                         f"got {delay_cycles}")
-    copy = copy or (lambda dst, src: dst.copy_(src))
-    with _on(side):
-        if delay_cycles:
-            torch.cuda._sleep(int(delay_cycles))
-        for c in order:
-            copy(gathered[c], sources(c))
-            flags.raise_flag(c)
-    return side
-
-
-def _device_ints(values, device) -> torch.Tensor:
-    """A cached int64 device tensor of ``values``: made once (a synchronous host-to-device copy),
-    then reused, so that no call blocks the host on a stream that waits for peers."""
-    device = canonical_device(device)
-    key = (device, tuple(values))
-    t = _int_tensors.get(key)
-    if t is None:
-        t = _int_tensors[key] = torch.tensor(values, dtype=torch.int64, device=device)
-    return t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,6 +307,25 @@ def _validate(op, x, weight, bias, activation, dim, dim_name, chunks=None, fp8=F
         raise ValueError(f"{op}: {dim_name} must be a token dim of x (0..{x.dim() - 2}), got {dim!r}")
     if chunks is not None:
         check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], chunks)
+
+
+def _fp8_operands(x, x_scale, weight, weight_scale, bias, scaling, *, chunked=False, activation="none",
+                  out_dtype=None) -> bool:
+    """Whether ``x`` is e4m3. If it is: ``x_scale`` of ``x.shape[:-1]`` (+ ``(ceil(K/128),)``
+    blockwise) checked here, then the GEMM's own checks (weight, scales, bias, activation, out
+    dtype) on no rows, nothing launched; ``chunked``: ``x`` is a chunked view already, else one
+    chunk. 16/32-bit ``x`` must come without scales."""
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn):
+        if x_scale is not None or weight_scale is not None:
+            got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else f"type {type(x).__name__}"
+            raise ValueError(f"x_scale / weight_scale are for float8_e4m3fn operands, got x of {got}")
+        return False
+    check_tensor("x_scale", x_scale, dims=(x.dim() - 1, x.dim()))
+    check_shape("x_scale", x_scale, tuple(x.shape[:-1]) + tuple(x_scale.shape[x.dim() - 1:]))
+    a, a_scale = (x, x_scale) if chunked else (x[None], x_scale[None])
+    persistent_matmul(a[:1, :0], weight, bias, a_scale=a_scale[:1, :0], weight_scale=weight_scale, scaling=scaling,
+                      activation=activation, wait_mode="none", out_dtype=out_dtype)
+    return True
 
 
 def _agreed(op, transport, agree, **fields):
@@ -461,16 +386,10 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     """
     t = _check_symmetric(transport, "all_gather_matmul")
     P, r = t.size, t.rank
-    fp8 = isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn
     with _agreed("all_gather_matmul_symmetric", t, agree, x=x, weight=weight, bias=bias, gather_dim=gather_dim,
                  activation=activation, wait=wait, x_scale=x_scale, weight_scale=weight_scale, scaling=scaling):
-        if fp8:  # the GEMM's checks on no rows (nothing launched); x_scale's leading dims named here first
-            check_tensor("x_scale", x_scale, dims=(x.dim() - 1, x.dim()))
-            check_shape("x_scale", x_scale, tuple(x.shape[:-1]) + tuple(x_scale.shape[x.dim() - 1:]))
-            persistent_matmul(x[None, :0], weight, bias, a_scale=x_scale[None, :0], weight_scale=weight_scale,
-                              scaling=scaling, activation=activation, wait_mode="none", out_dtype=out_dtype)
-        elif x_scale is not None or weight_scale is not None:
-            raise ValueError(f"x_scale / weight_scale are for float8_e4m3fn operands, got x of dtype {x.dtype}")
+        fp8 = _fp8_operands(x, x_scale, weight, weight_scale, bias, scaling, activation=activation,
+                            out_dtype=out_dtype)
         _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim", fp8=fp8)
         if fp8 and gathered_out is not None:
             raise ValueError("gathered_out must be None with fp8 operands (the scales travel with x), got a tensor")
@@ -505,7 +424,7 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     )
     # the copy reads every slot: join the pulls first instead of relying on the GEMM's waits
     # (wait=False, or a wait that gave up, would let it read a slot still being written)
-    _join(x.device, side)
+    join_side_stream(x.device, side)
     if gathered_out is not None:
         gathered_out.copy_(gathered)
     check_wait_timeouts(x.device, "all_gather_matmul (symmetric)")
@@ -521,17 +440,23 @@ def _rs_order(r: int, P: int):
     return [(r - 1 - k) % P for k in range(P)]
 
 
-def _rs_input(x, weight, bias, scatter_dim, chunked, P):
-    """``x`` as a chunked view ``[P, *chunk rows, in]`` (chunk ``c`` goes to rank ``c``), checked."""
+def _rs_input(x, weight, bias, scatter_dim, chunked, P, x_scale, weight_scale, scaling):
+    """``x`` as a chunked view ``[P, *chunk rows, in]`` (chunk ``c`` goes to rank ``c``), checked,
+    and e4m3 ``x``'s scales as the same chunks (``[P, *chunk rows]`` rowwise, ``[P, *chunk rows,
+    kb]`` blockwise; ``None`` for 16/32-bit ``x``)."""
     op = "matmul_reduce_scatter"
-    if not chunked:
-        _validate(op, x, weight, bias, "none", scatter_dim, "scatter_dim", chunks=P)
-        return chunk_view(x, scatter_dim, P)
-    check_tensor(f"{op}: x", x, dims=(3, 4))
-    if x.shape[0] != P:
-        raise ValueError(f"{op}: a chunked x must be [P={P}, *rows, in], got {tuple(x.shape)}")
-    _validate(op, x[0], weight, bias, "none", 0, "scatter_dim")
-    return x
+    if chunked:
+        check_tensor(f"{op}: x", x, dims=(3, 4))
+        if x.shape[0] != P:
+            raise ValueError(f"{op}: a chunked x must be [P={P}, *rows, in], got {tuple(x.shape)}")
+    fp8 = _fp8_operands(x, x_scale, weight, weight_scale, bias, scaling, chunked=chunked)
+    if chunked:
+        _validate(op, x[0], weight, bias, "none", 0, "scatter_dim", fp8=fp8)
+        return x, x_scale if fp8 else None
+    _validate(op, x, weight, bias, "none", scatter_dim, "scatter_dim", chunks=P, fp8=fp8)
+    # the scales' token dims are x's: the same chunks (chunk_view wants a feature dim, rowwise has none)
+    scales = x_scale.unflatten(scatter_dim, (P, x.shape[scatter_dim] // P)).movedim(scatter_dim, 0) if fp8 else None
+    return chunk_view(x, scatter_dim, P), scales
 
 
 def _rs_begin(t, xv, n, partial_dtype, config):
@@ -556,12 +481,17 @@ def _rs_begin(t, xv, n, partial_dtype, config):
 
 def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_dim=1, partial_dtype=torch.float32,
                                     out=None, config=None, chunked=False, reduce_sms=RS_REDUCE_SMS, wait=True,
-                                    producer_delay_cycles=0, max_spin=None, agree=True):
+                                    producer_delay_cycles=0, max_spin=None, agree=True, x_scale=None,
+                                    weight_scale=None, scaling="rowwise", out_dtype=None):
     """Forward of ``matmul_reduce_scatter`` with in-kernel waits: ``x`` is ``[batch, seq,
     in_shard]`` (or ``[tokens, in_shard]``), the result this rank's ``[batch, seq/P, out]``
     chunk of ``sum over ranks (x @ W^T) + bias``. ``chunked=True``: ``x`` is already a chunked
     view ``[P, *chunk rows, in_shard]`` (chunk ``c`` goes to rank ``c``). ``reduce_sms``: SMs of
-    the reduction (the GEMM leaves them free). Test knobs: ``wait=False`` reads the partials
+    the reduction (the GEMM leaves them free). ``x_scale``, ``weight_scale``, ``scaling``: fp8,
+    e4m3 ``x`` and ``weight`` with their fp32 scales as in :func:`all_gather_matmul_symmetric`
+    (``x_scale`` chunked with ``x``): the persistent fp8 GEMM writes the ``partial_dtype``
+    partials, the reduction is unchanged. ``out`` (allocated when omitted) of ``out_dtype``,
+    default ``x``'s, bf16 for fp8. Test knobs: ``wait=False`` reads the partials
     without waiting on the counters, ``producer_delay_cycles`` starts the GEMM late on purpose
     (counted from its enqueue, before the reduction is launched: a ``chunk_reduce``
     specialisation compiled by this call starts late itself; warm it up first).
@@ -570,30 +500,30 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     P, r = t.size, t.rank
     with _agreed("matmul_reduce_scatter_symmetric", t, agree, x=x, weight=weight, bias=bias,
                  scatter_dim=scatter_dim, partial_dtype=partial_dtype, chunked=chunked, reduce_sms=reduce_sms,
-                 wait=wait):
-        xv = _rs_input(x, weight, bias, scatter_dim, chunked, P)
+                 wait=wait, x_scale=x_scale, weight_scale=weight_scale, scaling=scaling, out_dtype=out_dtype):
+        xv, sv = _rs_input(x, weight, bias, scatter_dim, chunked, P, x_scale, weight_scale, scaling)
         check_dtype("partial_dtype", partial_dtype, SUPPORTED_DTYPES)
+        check_out_dtype("out_dtype", out_dtype)
         check_int("reduce_sms", reduce_sms, min_value=1)
         n = weight.shape[0]
-        chunk_shape = tuple(xv.shape[1:-1]) + (n,)
-        if out is None:
-            out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
-        check_buffer("out", out, chunk_shape, x.device)
+        out = output_buffer("out", out, tuple(xv.shape[1:-1]) + (n,), x.device,
+                            out_dtype or (x.dtype if sv is None else torch.bfloat16))
         _check_delay(producer_delay_cycles, x.device)
     ws, counters, partials, ready = _rs_begin(t, xv, n, partial_dtype, config)
     order = _rs_order(r, P)
-    peer_off = _device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], x.device)
-    cnt_off = _device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], x.device)
-    side = _fork(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
+    peer_off = device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], x.device)
+    cnt_off = device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], x.device)
+    side = fork_side_stream(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
     if producer_delay_cycles:
         torch.cuda._sleep(int(producer_delay_cycles))
     persistent_matmul(xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none", signal_counters=counters,
-                      config=config, num_programs=default_num_programs(x.device, reserve=reduce_sms))
-    with _on(side):  # enqueued after the GEMM whose counters it waits for: no launch-order stall
+                      config=config, num_programs=default_num_programs(x.device, reserve=reduce_sms), a_scale=sv,
+                      weight_scale=weight_scale, scaling=scaling)
+    with on_stream(side):  # enqueued after the GEMM whose counters it waits for: no launch-order stall
         chunk_reduce(partials, peer_off, r, out=out, bias=bias, counters=counters if wait else None,
                      counter_offsets=cnt_off if wait else None, ready_value=ready,
                      num_programs=reduce_sms if x.is_cuda else None, max_spin=max_spin, check_waits=False)
-    _join(x.device, side)
+    join_side_stream(x.device, side)
     if side is not None:
         out.record_stream(side)
     check_wait_timeouts(x.device, "matmul_reduce_scatter (symmetric)")
