@@ -1,7 +1,9 @@
-"""The fp8 hand-off from the RMSNorm kernel to the all-gather GEMM: ``all_gather_matmul(...,
-fp8=recipe, x_fp8=(q, scale))`` takes ``x``'s quantisation made by ``rms_norm_fp8`` instead of
-quantising ``x`` again, and a Transformer block's pre-norms hand theirs to the attention's qkv and
-the dense MLP's first projection.
+"""The fp8 hand-offs: the kernel that produces a projection's input quantises it and the fp8 GEMM
+reads that pair instead of quantising the input again. From the RMSNorm kernel to the all-gather
+GEMM (``all_gather_matmul(..., fp8=recipe, x_fp8=(q, scale))``: a Transformer block's pre-norms
+hand theirs to the attention's qkv and the dense MLP's first projection); from the up projection's
+epilogue (``return_fp8``, blockwise) to the down projection's reduce-scatter / all-reduce GEMM
+(``x_fp8``); and from the flash forward's epilogue to o_proj.
 
 The pair equals what the op would compute (``rms_norm_fp8``'s fp8 output is bit for bit
 ``quantize_e4m3`` of its ``y``), so everything must be the same bits with and without the hand-off:
@@ -15,7 +17,10 @@ import pytest
 import torch
 
 from _utils import DEVICE, INTERPRETED
-from fusedpar.ops import all_gather_matmul, rms_norm, rms_norm_fp8
+from fusedpar.kernels import quantize_e4m3
+from fusedpar.ops import (all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter, rms_norm,
+                          rms_norm_fp8)
+from fusedpar.ops.transport import EmulatedTransport
 
 pytestmark = pytest.mark.skipif(not INTERPRETED and torch.cuda.get_device_capability() < (8, 9),
                                 reason="fp8 needs compute capability >= 8.9")
@@ -71,9 +76,12 @@ def test_x_fp8_is_what_travels():
 
 
 def test_x_fp8_opcheck():
-    """``fusedpar::all_gather_matmul_fp8`` with ``x_q`` / ``x_scale`` given passes ``opcheck``
-    (schema, fake, autograd registration; tests/test_torch_compile_fp8.py checks it without)."""
-    from fusedpar.ops.fp8_library import all_gather_matmul_fp8_op
+    """``fusedpar::all_gather_matmul_fp8`` with ``x_q`` / ``x_scale`` given and ``out_fp8``, the
+    reduce-scatter and all-reduce ops with their ``x_q`` / ``x_scale`` and the copy-to-tp op with
+    ``out_fp8`` pass ``opcheck`` (fake, autograd registration; tests/test_torch_compile_fp8.py checks
+    them without)."""
+    from fusedpar.ops.fp8_library import (all_gather_matmul_fp8_op, copy_to_tp_matmul_fp8_op, matmul_all_reduce_fp8_op,
+                                          matmul_reduce_scatter_fp8_op)
     from fusedpar.ops.transport import EmulatedTransport
 
     t, g = EmulatedTransport(2, rank=1), torch.Generator().manual_seed(8)
@@ -81,9 +89,19 @@ def test_x_fp8_opcheck():
     _, q, s = rms_norm_fp8(x.detach(), None, recipe="blockwise")
     # (no test_schema: its mutation check multiplies the inputs, which CPU torch cannot for e4m3;
     # the compiled graph: test_block_handoff_compiles_fullgraph)
+    utils = ("test_faketensor", "test_autograd_registration")
     torch.library.opcheck(all_gather_matmul_fp8_op, (x, w, b, t.token, 1, "swiglu", torch.float32, "blockwise", False,
-                                                     True, True, q, s), test_utils=("test_faketensor",
-                                                                                    "test_autograd_registration"))
+                                                     True, True, q, s, True), test_utils=utils)
+    # the down projection's ops with their input's pair, the column ops with their epilogue's tiles
+    w2 = torch.randn(6, 40, generator=g).to(DEVICE).requires_grad_()
+    x2 = torch.randn(2, 4, 40, generator=g).to(DEVICE).requires_grad_()
+    q2, s2 = (v.view(2, 4, -1) for v in quantize_e4m3(x2.detach().reshape(8, 40), "tile"))
+    torch.library.opcheck(matmul_reduce_scatter_fp8_op, (x2, w2, None, t.token, 1, torch.float32, "blockwise", False,
+                                                         q2, s2), test_utils=utils)
+    torch.library.opcheck(matmul_all_reduce_fp8_op, (x2, w2, None, t.token, 2, torch.float32, "blockwise", False,
+                                                     q2, s2), test_utils=utils)
+    torch.library.opcheck(copy_to_tp_matmul_fp8_op, (x2, w2, None, t.token, "swiglu", 2, torch.float32, "blockwise",
+                                                     False, True, True), test_utils=utils)
 
 
 def test_block_handoff_compiles_fullgraph():
@@ -126,13 +144,14 @@ def _model_run(recipe, norm_layout, norm_offset, *, handoff, monkeypatch):
     """Logits, loss and every gradient of a tiny two-block model, with the pre-norms' hand-off on
     or off (off: the block's recipe choice patched to None), and the number of standalone
     quantisations (``quantize_e4m3`` calls of the tensor-parallel schedules) in the forward."""
-    from fusedpar.nn import Transformer, TransformerConfig
+    from fusedpar.nn import ParallelMLP, Transformer, TransformerConfig
     from fusedpar.nn.block import TransformerBlock
     from fusedpar.ops import tensor_parallel_schedules as schedules
 
     with monkeypatch.context() as mp:
         if not handoff:
             mp.setattr(TransformerBlock, "_handoff_recipe", staticmethod(lambda norm, projection: None))
+            mp.setattr(ParallelMLP, "_fp8_handoff", lambda self: False)
         calls = []
         quantize = schedules.quantize_e4m3
         mp.setattr(schedules, "quantize_e4m3", lambda *a, **k: calls.append(1) or quantize(*a, **k))
@@ -149,9 +168,110 @@ def _model_run(recipe, norm_layout, norm_offset, *, handoff, monkeypatch):
 
 @pytest.mark.parametrize("recipe,norm_layout,norm_offset", [("rowwise", "pre", 0.0), ("blockwise", "sandwich", 1.0)])
 def test_model_handoff_is_bit_identical(recipe, norm_layout, norm_offset, monkeypatch):
-    """``TransformerConfig(fp8=recipe)``: the same logits, loss and gradients with the hand-off on and
-    off, and two quantisations fewer per block (the qkv and first MLP projections' input)."""
+    """``TransformerConfig(fp8=recipe)``: the same logits, loss and gradients with the hand-offs on and
+    off, and per block two quantisations fewer (the qkv and first MLP projections' input), three with
+    the blockwise recipe (the down projection's input too, from the up projection's epilogue)."""
     off_calls, off = _model_run(recipe, norm_layout, norm_offset, handoff=False, monkeypatch=monkeypatch)
     on_calls, on = _model_run(recipe, norm_layout, norm_offset, handoff=True, monkeypatch=monkeypatch)
-    assert off_calls - on_calls == 2 * 2, (off_calls, on_calls)
+    assert off_calls - on_calls == 2 * (3 if recipe == "blockwise" else 2), (off_calls, on_calls)
     assert_same_bits(f"model {recipe} {norm_layout}", on, off)
+
+
+def _pair_is_tiles(tag, out, pair):
+    """``pair`` is ``quantize_e4m3(out, "tile")`` bit for bit, in ``out``'s row shape."""
+    q, scale = quantize_e4m3(out.reshape(-1, out.shape[-1]), "tile")
+    assert torch.equal(pair[0].view(torch.uint8).reshape(q.shape), q.view(torch.uint8)), f"{tag}: e4m3 values differ"
+    assert torch.equal(pair[1].reshape(scale.shape), scale), f"{tag}: scales differ"
+
+
+def up_down_handoff(up, transport, seed=11):
+    """``all_gather_matmul`` / ``copy_to_tp_matmul(..., fp8="blockwise", return_fp8=True)``, then
+    ``matmul_reduce_scatter`` / ``matmul_all_reduce(x_fp8=...)``, against the down projection
+    quantising its input: the pair equals ``quantize_e4m3`` of the activated output, and the output
+    and every gradient are the same bits (F = 136: a ragged last tile). ``transport``: the ops' (None:
+    the default group)."""
+    g, K, F, H = torch.Generator().manual_seed(seed), 40, 136, 24
+    act = "swiglu" if up == "ag" else "gelu"
+    n_w = 2 * F if act == "swiglu" else F
+    leaves = [torch.randn(2, 4, K, generator=g), torch.randn(n_w, K, generator=g) * K ** -0.5,
+              torch.randn(H, F, generator=g) * F ** -0.5, torch.randn(H, generator=g)]
+    runs = []
+    for handoff in (False, True):
+        x, w1, w2, b2 = (v.to(DEVICE).requires_grad_() for v in leaves)
+        kw = dict(fp8="blockwise", transport=transport)
+        if up == "ag":
+            h = all_gather_matmul(x, w1, activation=act, return_fp8=handoff, **kw)
+        else:
+            h = copy_to_tp_matmul(x, w1, activation=act, num_chunks=2, return_fp8=handoff, **kw)
+        if handoff:
+            h, pair = h
+            _pair_is_tiles(f"{up} {transport}", h.detach(), pair)
+        down = matmul_reduce_scatter if up == "ag" else matmul_all_reduce
+        y = down(h, w2, b2, x_fp8=pair if handoff else None, **kw)
+        y.backward(torch.ones_like(y))
+        runs.append((y.detach(), x.grad, w1.grad, w2.grad, b2.grad))
+    assert_same_bits(f"{up} -> down, {transport}", runs[1], runs[0])
+
+
+@pytest.mark.parametrize("up,transport", [("ag", None), ("ag", "emulated"), ("ag", "waits"), ("copy", None)])
+def test_up_projection_hands_its_epilogue_tiles_to_the_down_projection(up, transport):
+    """:func:`up_down_handoff` in one process, on an emulated rank of 2 (chunk GEMMs writing their
+    rows of the tiles), and with in-kernel waits (the persistent all-gather GEMM, one quantisation
+    pass after it; the persistent fp8 reduce-scatter reading the pair); the gloo world of tp 2 is in
+    tests/test_tp_ops.py (``test_fp8_x_fp8_world2``)."""
+    t = {None: None, "emulated": EmulatedTransport(2, rank=1),
+         "waits": EmulatedTransport(2, rank=0, in_kernel_waits=True)}[transport]
+    up_down_handoff(up, t)
+
+
+def test_flash_output_handed_to_o_proj_is_bit_identical():
+    """``ParallelAttention`` in blockwise fp8 with a v head dim of 128: the flash forward's epilogue
+    quantises the output for o_proj (``return_fp8`` / ``x_fp8``); output and every gradient the same
+    bits as o_proj quantising it, and one quantisation fewer."""
+    from fusedpar.nn import ParallelAttention
+    from fusedpar.nn.linear import enable_fp8
+    from fusedpar.ops import flash_attention
+    from fusedpar.ops import tensor_parallel_schedules as schedules
+
+    torch.manual_seed(3)
+    attn = ParallelAttention(64, 2, head_dim=128).to(DEVICE)
+    enable_fp8(attn, "blockwise")
+    x0 = torch.randn(1, 5, 64, device=DEVICE)
+    runs, counts = [], []
+    for handoff in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            if not handoff:
+                mp.setattr(type(attn), "_fp8_handoff", lambda self, proj, dv, cu: False)
+            calls, quantize = [], schedules.quantize_e4m3
+            mp.setattr(schedules, "quantize_e4m3", lambda *a, **k: calls.append(1) or quantize(*a, **k))
+            attn.zero_grad()
+            x = x0.clone().requires_grad_()
+            y = attn(x)
+            counts.append(len(calls))
+            y.backward(torch.ones_like(y))
+        runs.append([y.detach(), x.grad] + [p.grad for p in attn.parameters()])
+    assert_same_bits("attention -> o_proj", runs[1], runs[0])
+    assert counts[0] - counts[1] == 1, counts
+    q, k, v = (torch.randn(1, 5, 2, 128, device=DEVICE) for _ in range(3))
+    out, lse, pair = flash_attention(q, k, v, causal=True, return_fp8=True)
+    _pair_is_tiles("flash_attention(return_fp8=True)", out.reshape(1, 5, 256), pair)
+    assert all(torch.equal(a, b) for a, b in zip((out, lse), flash_attention(q, k, v, causal=True)))
+
+
+def test_return_fp8_and_x_fp8_bad_input():
+    x, w = torch.randn(2, 4, 40, device=DEVICE), torch.randn(8, 40, device=DEVICE)
+    with pytest.raises(ValueError, match=r"all_gather_matmul: return_fp8=True needs fp8='blockwise' .* got "
+                                         r"fp8='rowwise'"):
+        all_gather_matmul(x, w, fp8="rowwise", return_fp8=True)
+    with pytest.raises(TypeError, match="copy_to_tp_matmul: return_fp8 must be a bool, got int"):
+        copy_to_tp_matmul(x, w, fp8="blockwise", return_fp8=1)
+    with pytest.raises(ValueError, match=r"matmul_reduce_scatter: x_fp8 \(x already quantised\) needs fp8="):
+        matmul_reduce_scatter(x, w, x_fp8=quantize_e4m3(x.reshape(-1, 40), "tile"))
+    with pytest.raises(ValueError, match=r"matmul_all_reduce: x_fp8\[0\] \(q\) must be torch.float8_e4m3fn of shape "
+                                         r"\(2, 4, 40\) .* got torch.float8_e4m3fn of shape \(8, 40\)"):
+        matmul_all_reduce(x, w, fp8="blockwise", x_fp8=quantize_e4m3(x.reshape(-1, 40), "tile"))
+    from fusedpar.ops import flash_attention
+    q = torch.randn(1, 3, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"return_fp8=True needs v's head dim d_v to be a multiple of 128 \(whole "
+                                         r"1x128 tiles per head\), got d_v=64"):
+        flash_attention(q, q, q, return_fp8=True)

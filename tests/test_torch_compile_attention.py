@@ -52,7 +52,7 @@ def test_opcheck_flash_ops():
     k, v = (torch.randn(1, 7, 1, 8, generator=g).requires_grad_() for _ in range(2))
     args = (q, k, v, True, None, 0, 2)  # causal with offsets: a block of a longer sequence
     _opcheck(torch.ops.fusedpar.flash_attention.default, args)
-    out, lse = torch.ops.fusedpar.flash_attention(*args)
+    out, lse, *_ = torch.ops.fusedpar.flash_attention(*args)
     dout = torch.randn(out.shape, generator=g)
     _opcheck_backward(torch.ops.fusedpar.flash_attention_backward.default,
              (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, None, 0, 2))
@@ -61,7 +61,7 @@ def test_opcheck_flash_ops():
     qv, kv, vv = (torch.randn(7, h, 8, generator=g).requires_grad_() for h in (2, 1, 1))
     vargs = (qv, kv, vv, cu, cu, 5, 5, True, 0.3)
     _opcheck(torch.ops.fusedpar.flash_attention_varlen.default, vargs)
-    out, lse = torch.ops.fusedpar.flash_attention_varlen(*vargs)
+    out, lse, *_ = torch.ops.fusedpar.flash_attention_varlen(*vargs)
     dout = torch.randn(out.shape, generator=g)
     _opcheck_backward(torch.ops.fusedpar.flash_attention_varlen_backward.default,
              (dout, qv.detach(), kv.detach(), vv.detach(), out.detach(), lse, cu, cu, 5, 5, True, 0.3))
@@ -76,7 +76,7 @@ def test_opcheck_flash_ops_window_softcap_sinks():
     sinks = torch.randn(2, generator=g).requires_grad_()
     args = (q, k, v, True, None, 0, 2, 3, -1, 2.0, sinks)
     _opcheck(torch.ops.fusedpar.flash_attention.default, args)
-    out, lse = torch.ops.fusedpar.flash_attention(*args)
+    out, lse, *_ = torch.ops.fusedpar.flash_attention(*args)
     dout = torch.randn(out.shape, generator=g)
     _opcheck_backward(torch.ops.fusedpar.flash_attention_backward.default,
                       (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, None, 0, 2, 3, -1, 2.0,
@@ -87,11 +87,27 @@ def test_opcheck_flash_ops_window_softcap_sinks():
     vv = torch.randn(7, 1, 6, generator=g).requires_grad_()
     vargs = (qv, kv, vv, cu, cu, 5, 5, False, 0.3, 1, 2, None, sinks)
     _opcheck(torch.ops.fusedpar.flash_attention_varlen.default, vargs)
-    out, lse = torch.ops.fusedpar.flash_attention_varlen(*vargs)
+    out, lse, *_ = torch.ops.fusedpar.flash_attention_varlen(*vargs)
     dout = torch.randn(out.shape, generator=g)
     _opcheck_backward(torch.ops.fusedpar.flash_attention_varlen_backward.default,
                       (dout, qv.detach(), kv.detach(), vv.detach(), out.detach(), lse, cu, cu, 5, 5, False, 0.3, 1, 2,
                        None, sinks.detach()))
+
+
+def test_opcheck_flash_ops_return_fp8():
+    # return_fp8: the forward's e4m3 output (d_v 128: one 1x128 tile per head) as two more outputs,
+    # not differentiable (no test_schema: its mutation check multiplies the outputs, which CPU torch
+    # cannot for e4m3)
+    g = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(1, 5, h, 8, generator=g).requires_grad_() for h in (2, 1))
+    v = torch.randn(1, 5, 1, 128, generator=g).requires_grad_()
+    utils = ("test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(torch.ops.fusedpar.flash_attention.default, (q, k, v, True, None, 0, 0, -1, -1, None, None,
+                                                                       "separate", True), test_utils=utils)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.fusedpar.flash_attention_varlen.default,
+                          (q[0], k[0], v[0], cu, cu, 3, 3, True, None, -1, -1, None, None, "separate", True),
+                          test_utils=utils)
 
 
 def test_flash_options_compile_fullgraph():

@@ -27,12 +27,14 @@ from torch import nn
 from fusedpar.kernels.checks import check_bool, check_positive_number, check_softcap
 from fusedpar.kernels.flash_attention import attention_reference, check_window, resolve_softmax_scale
 from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE, DQ_MODES
+from fusedpar.kernels.fp8 import FP8_BLOCK
 from fusedpar.nn.groups import check_divides, check_kv_heads, check_orthogonal, group_arg
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
 from fusedpar.nn.placement import Placement, gradient_sync_plan
 from fusedpar.nn.rotary import apply_rotary, rope_inv_freq, rotary_cos_sin
 from fusedpar.ops import comm
+from fusedpar.ops.flash import flash_attention
 from fusedpar.ops.replicas import replicated_rows
 from fusedpar.ops.sp_attention import LAYOUTS, shard_positions, ulysses_kv_heads
 from fusedpar.ops.sp_attention import hybrid_attention, ring_attention, ulysses_attention
@@ -288,6 +290,25 @@ class SequenceParallelAttention(nn.Module):
         return hybrid_attention(q, k, v, ulysses_transport=self.ulysses_transport, ring_transport=self.ring_transport,
                                 layout=self.layout, **options)
 
+    def attend_project(self, proj, q, k, v, *, cu_seqlens=None, **options):
+        """``proj`` of the attention output's flattened heads (:meth:`attend`). With ``proj`` in
+        blockwise fp8, no sequence parallelism, dense rows and a v head dim a multiple of 128,
+        the flash forward's epilogue quantises the output per 1x128 tile and hands it to
+        ``proj`` (``return_fp8`` / ``x_fp8``: the same bits as ``proj`` quantising it, one pass
+        fewer); otherwise ``proj`` quantises it (ring and Ulysses merge or move the output after
+        the kernels, packed rows take the documents' segment tables)."""
+        b, s, hl, dv = *q.shape[:3], v.shape[3]
+        if self._fp8_handoff(proj, dv, cu_seqlens):
+            o, _, (o_q, o_scale) = flash_attention(q, k, v, return_fp8=True, **options)
+            return proj(o.reshape(b, s, hl * dv), x_fp8=(o_q.reshape(b, s, hl * dv), o_scale))
+        o = self.attend(q, k, v, cu_seqlens=cu_seqlens, **options)
+        return proj(o.reshape(b, s, hl * dv))
+
+    def _fp8_handoff(self, proj, dv: int, cu_seqlens) -> bool:
+        """Whether the attention kernel quantises its output for ``proj`` (:meth:`attend_project`)."""
+        return (getattr(proj, "fp8", None) == "blockwise" and dv % FP8_BLOCK == 0 and cu_seqlens is None
+                and self.ring_size * self.ulysses_size == 1)
+
     def reduce_sequence_parallel_grads(self):
         """Sum the parameter gradients over the sequence-parallel group(s), in place (hybrid: over
         the Ulysses group, then the ring group, i.e. over the whole 2-D grid), and the gradients of
@@ -492,9 +513,9 @@ class ParallelAttention(SequenceParallelAttention):
             q = self.q_norm(q.reshape(b, s_sp, hl * d)).view(b, s_sp, hl, d)
             k = self.k_norm(k.reshape(b, s_sp, kl * d)).view(b, s_sp, kl, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.attend(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, window=self.window, softcap=self.softcap,
-                        sinks=self.sinks, softmax_scale=self.softmax_scale, dq_mode=self.dq_mode)
-        return self.proj(o.reshape(b, s_sp, hl * dv))
+        return self.attend_project(self.proj, q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, window=self.window,
+                                   softcap=self.softcap, sinks=self.sinks, softmax_scale=self.softmax_scale,
+                                   dq_mode=self.dq_mode)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads} (local {self.heads_local}), "

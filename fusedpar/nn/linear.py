@@ -332,15 +332,24 @@ class ColumnParallelLinear(_TPLinearBase):
                             linear.weight.device, linear.weight.dtype)
         return mod
 
-    def forward(self, x, *, x_fp8=None):
+    def forward(self, x, *, x_fp8=None, return_fp8=False):
         """``x_fp8``: with ``fp8`` on and ``sequence_parallel``, ``x`` already quantised per token in
         the recipe's activation granularity, ``(q, scale)`` (e.g. by the RMSNorm that produced it,
         ``RMSNorm(..., fp8=recipe)``), used instead of quantising ``x`` again
-        (:func:`all_gather_matmul`'s ``x_fp8``; the same result)."""
+        (:func:`all_gather_matmul`'s ``x_fp8``; the same result). ``return_fp8``: with
+        ``fp8="blockwise"`` and ``gather_output=False``, return ``(y, (q, scale))``, ``y``
+        quantised per 1x128 tile by the GEMM epilogue (the ``x_fp8`` of a
+        :class:`RowParallelLinear`)."""
         fp8 = self._fp8_kwargs(x)
+        name = type(self).__name__
         if x_fp8 is not None and not self.sequence_parallel:
-            raise ValueError(f"{type(self).__name__}: x_fp8 is taken with sequence_parallel=True (the all-gather "
+            raise ValueError(f"{name}: x_fp8 is taken with sequence_parallel=True (the all-gather "
                              "GEMM), got one with sequence_parallel=False")
+        if return_fp8 and self.gather_output:
+            raise ValueError(f"{name}: return_fp8=True needs gather_output=False (the tiles of this rank's "
+                             "features), got gather_output=True")
+        if return_fp8:
+            fp8["return_fp8"] = True
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight, self.bias, group=self.group, gather_dim=self.sequence_dim,
                                   activation=self.activation, save_gathered_input=self.save_gathered_input,
@@ -415,7 +424,14 @@ class RowParallelLinear(_TPLinearBase):
                             linear.weight.device, linear.weight.dtype)
         return mod
 
-    def forward(self, x):
+    def forward(self, x, *, x_fp8=None):
+        """``x_fp8``: with ``fp8`` on and ``input_is_parallel``, ``x`` already quantised per token
+        along this rank's in-features, ``(q, scale)`` (the ``return_fp8`` output of the
+        :class:`ColumnParallelLinear` or the attention before it), used instead of quantising ``x``
+        again (:func:`matmul_reduce_scatter`'s ``x_fp8``)."""
+        if x_fp8 is not None and not self.input_is_parallel and self.tp_size > 1:
+            raise ValueError(f"{type(self).__name__}: x_fp8 is taken with input_is_parallel=True (x is this rank's "
+                             "in-features), got one with input_is_parallel=False")
         if not self.input_is_parallel and self.tp_size > 1:
             if not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -423,6 +439,8 @@ class RowParallelLinear(_TPLinearBase):
                                  f"{self.in_features} features in its last dim, got {shape}")
             x = scatter_features(x, self.group)
         fp8 = self._fp8_kwargs(x)
+        if x_fp8 is not None:
+            fp8["x_fp8"] = x_fp8
         if self.sequence_parallel:
             return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, scatter_dim=self.sequence_dim,
                                          **fp8)
@@ -459,8 +477,18 @@ class ParallelMLP(nn.Module):
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
 
     def forward(self, x, *, x_fp8=None):
-        """``x_fp8``: ``x`` already quantised for ``fc1`` (:meth:`ColumnParallelLinear.forward`)."""
+        """``x_fp8``: ``x`` already quantised for ``fc1`` (:meth:`ColumnParallelLinear.forward`).
+        With both layers in blockwise fp8, ``fc1``'s epilogue quantises its activated output per
+        1x128 tile and hands it to ``fc2`` (``return_fp8`` / ``x_fp8``: the same bits as ``fc2``
+        quantising it, one pass fewer)."""
+        if self._fp8_handoff():
+            h, h_fp8 = self.fc1(x, x_fp8=x_fp8, return_fp8=True)
+            return self.fc2(h, x_fp8=h_fp8)
         return self.fc2(self.fc1(x, x_fp8=x_fp8))
+
+    def _fp8_handoff(self) -> bool:
+        """Whether ``fc1``'s epilogue quantises its output for ``fc2`` (both blockwise fp8)."""
+        return self.fc1.fp8 == "blockwise" and self.fc2.fp8 == "blockwise"
 
     def extra_repr(self):
         return f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}"

@@ -169,9 +169,8 @@ class MLAttention(SequenceParallelAttention):
         q = torch.cat([q[..., :dn], self._rotate(q[..., dn:], cos, sin)], dim=-1)
         k = torch.cat([kv[..., :dn], k_rot], dim=-1)
         v = kv[..., dn:].contiguous()  # its own head dim: the sp ops take v of any head dim
-        o = self.attend(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens,
-                        dq_mode=self.dq_mode)
-        return self.o_proj(o.reshape(b, s_sp, hl * dv))
+        return self.attend_project(self.o_proj, q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
+                                   cu_seqlens=cu_seqlens, dq_mode=self.dq_mode)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads} (local {self.heads_local}), "

@@ -64,7 +64,7 @@ from .norm import rms_norm, rms_norm_fp8, sharded_rms_norm
 from .loss import attach_aux_loss, global_loss, vocab_parallel_cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
 from .fp8 import fp8_linear
-from .fp8_library import fp8_linear_bwd, fp8_linear_fwd
+from .fp8_schedules import fp8_linear_bwd, fp8_linear_fwd
 from .replicas import replicated_rows
 
 __all__ = [

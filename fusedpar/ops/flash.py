@@ -22,6 +22,7 @@ from fusedpar.kernels.flash_attention import (
 )
 from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE, check_dq_mode
 from fusedpar.kernels.flash_varlen import check_varlen_inputs
+from fusedpar.kernels.fp8 import FP8_BLOCK, check_fp8_device
 from fusedpar.ops.flash_library import flash_attention_op, flash_attention_varlen_op
 from fusedpar.ops.library import checked_api
 
@@ -38,9 +39,20 @@ def _score_arguments(q, causal, softmax_scale, head_dim, window, softcap, sinks)
     return None if softmax_scale is None else float(softmax_scale), left, right, (cap or None)
 
 
+def _check_return_fp8(return_fp8, out_shape, q) -> None:
+    """``return_fp8``: a bool; True needs ``d_v`` a multiple of 128 and fp8 tensor cores
+    (:func:`~fusedpar.kernels.flash_fp8_out.check_attention_fp8_out`'s rules, checked before the op)."""
+    check_bool("return_fp8", return_fp8)
+    if return_fp8 and out_shape[-1] % FP8_BLOCK:
+        raise ValueError(f"return_fp8=True needs v's head dim d_v to be a multiple of {FP8_BLOCK} (whole 1x128 tiles "
+                         f"per head), got d_v={out_shape[-1]}")
+    if return_fp8:
+        check_fp8_device(q, option="flash_attention's return_fp8")
+
+
 @checked_api
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0, window=None, softcap=None,
-                    sinks=None, dq_mode=DEFAULT_DQ_MODE):
+                    sinks=None, dq_mode=DEFAULT_DQ_MODE, return_fp8=False):
     """Scaled dot-product attention with a flash kernel; returns ``(out, lse)``.
 
     q ``[batch, seq_q, heads, head_dim]``, k ``[batch, seq_k, kv_heads, head_dim]``, v
@@ -59,19 +71,27 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_
     backward: ``"separate"`` (default; deterministic, the same bits every run) or ``"atomic"``
     (one pass, dQ added with fp32 atomics: fewer matrix products, but dq's bits change between
     GPU runs with the order of the additions); see
-    :func:`fusedpar.kernels.flash_attention_backward`.
+    :func:`fusedpar.kernels.flash_attention_backward`. ``return_fp8=True``: returns ``(out, lse,
+    (out_q, out_scale))``, ``out`` also quantised per 1x128 tile of its ``heads * head_dim_v``
+    features by the forward's epilogue (``head_dim_v`` a multiple of 128; bit for bit
+    ``quantize_e4m3(out.reshape(-1, heads * head_dim_v), "tile")``; not differentiable): the
+    blockwise fp8 input of the output projection (:func:`matmul_reduce_scatter`'s ``x_fp8``).
     The custom op ``fusedpar::flash_attention``: traceable by ``torch.compile``.
     """
     check_qkv(q, k, v)
     check_offsets(q_offset, k_offset)
     scale, left, right, cap = _score_arguments(q, causal, softmax_scale, q.shape[3], window, softcap, sinks)
     check_dq_mode(dq_mode)
-    return flash_attention_op(q, k, v, causal, scale, q_offset, k_offset, left, right, cap, sinks, dq_mode)
+    _check_return_fp8(return_fp8, tuple(q.shape[:3]) + (v.shape[3],), q)
+    out, lse, out_q, out_scale = flash_attention_op(q, k, v, causal, scale, q_offset, k_offset, left, right, cap, sinks,
+                                                    dq_mode, return_fp8)
+    return (out, lse, (out_q, out_scale)) if return_fp8 else (out, lse)
 
 
 @checked_api
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           softmax_scale=None, window=None, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
+                           softmax_scale=None, window=None, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE,
+                           return_fp8=False):
     """Differentiable attention over packed documents (flash-attn's ``flash_attn_varlen_func``
     convention); returns ``(out, lse)``.
 
@@ -82,12 +102,16 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     per document (query ``i`` sees key ``j`` iff ``j <= i + len_k - len_q``), and so is
     ``window=(left, right)`` (``i + shift - left <= j <= i + shift + right``, ``shift = len_k -
     len_q``). ``softcap``, ``sinks`` and ``dq_mode`` as in :func:`flash_attention`. ``lse``
-    ``[heads, total_q]`` fp32 is not differentiable. The kernels-level
+    ``[heads, total_q]`` fp32 is not differentiable. ``return_fp8`` as in :func:`flash_attention`
+    (``out_q`` ``[total_q, heads, d_v]``, ``out_scale`` ``[total_q, heads * d_v / 128]``). The kernels-level
     :func:`fusedpar.kernels.flash_attention_varlen` is the same forward without autograd. The custom op ``fusedpar::flash_attention_varlen``:
     traceable by ``torch.compile``.
     """
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, values=False)
     scale, left, right, cap = _score_arguments(q, causal, softmax_scale, q.shape[2], window, softcap, sinks)
     check_dq_mode(dq_mode)
-    return flash_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                     left, right, cap, sinks, dq_mode)
+    _check_return_fp8(return_fp8, tuple(q.shape[:2]) + (v.shape[2],), q)
+    out, lse, out_q, out_scale = flash_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                           max_seqlen_k, causal, scale, left, right, cap, sinks, dq_mode,
+                                                           return_fp8)
+    return (out, lse, (out_q, out_scale)) if return_fp8 else (out, lse)

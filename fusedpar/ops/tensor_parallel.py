@@ -132,6 +132,20 @@ def _check_x_fp8(op, x_fp8, x, fp8):
     check_fp8_rows(op, "x_fp8", x_fp8, x, fp8)
 
 
+def _check_return_fp8(op, return_fp8, fp8):
+    """``return_fp8``: a bool; True needs the blockwise recipe (the epilogue quantises per 1x128
+    tile of the output features; a rowwise scale spans every column program of a row)."""
+    check_bool(f"{op}: return_fp8", return_fp8)
+    if return_fp8 and fp8 != "blockwise":
+        raise ValueError(f"{op}: return_fp8=True needs fp8='blockwise' (the output quantised per 1x128 tile in the "
+                         f"GEMM epilogue), got fp8={fp8!r}")
+
+
+def _with_fp8(out, q, scale, return_fp8):
+    """The op's result: ``out``, or ``(out, (q, scale))`` with ``return_fp8``."""
+    return (out, (q, scale)) if return_fp8 else out
+
+
 def _grad_needed(*tensors):
     """Whether a backward can follow (nothing is kept for one that cannot: inference, no_grad)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -156,6 +170,7 @@ def all_gather_matmul(
     fp8: str | None = None,
     fp8_grad_high_precision: bool = False,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_fp8: bool = False,
 ):
     """``act(all_gather(x, gather_dim) @ weight.T + bias)`` with the gather overlapped with the GEMM.
 
@@ -195,13 +210,19 @@ def all_gather_matmul(
               ``x`` (the norm's output is not quantised a second time). The result is the same
               bits as without it when the pair is ``x``'s quantisation; the backward's operands
               scaled along the tokens still come from ``x``. Not differentiable.
+    return_fp8: with ``fp8="blockwise"``, also return the output quantised per 1x128 tile of its
+              features, ``(out, (q, scale))``: written by each chunk GEMM's epilogue (the
+              persistent path: one quantisation pass after it), bit for bit
+              ``quantize_e4m3(out, "tile")``, the ``x_fp8`` of the next fp8 GEMM (the down
+              projection's :func:`matmul_reduce_scatter`). Not differentiable.
     Returns ``[batch, seq, out_shard]`` (gather_dim 1), i.e. the gather dim grows ``tp`` times.
     """
     op = "all_gather_matmul"
     with agreed_arguments(op, transport, group, dict(
             x=x, weight=weight, bias=bias, gather_dim=gather_dim, activation=activation, partial_dtype=partial_dtype,
             save_gathered_input=save_gathered_input, return_gathered=return_gathered, transport=transport, fp8=fp8,
-            fp8_grad_high_precision=fp8_grad_high_precision, x_fp8=None if x_fp8 is None else _fp8_rows_text(x_fp8))):
+            fp8_grad_high_precision=fp8_grad_high_precision, x_fp8=None if x_fp8 is None else _fp8_rows_text(x_fp8),
+            return_fp8=return_fp8)):
         check_linear_args(op, x, weight, bias, activation)
         dim = _token_dim(op, "gather_dim", gather_dim, x)
         partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
@@ -212,14 +233,15 @@ def all_gather_matmul(
             raise ValueError(f"{op}: return_gathered must be False with fp8={fp8!r} (the input travels in fp8), "
                              "got True")
         _check_x_fp8(op, x_fp8, x, fp8)
+        _check_return_fp8(op, return_fp8, fp8)
     token = _token(transport, group)
     need_dw = _grad_needed(weight)
     if fp8 is not None:
         x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
-        out, _, _ = all_gather_matmul_fp8_op(x, weight, bias, token, dim, activation, partial_dtype, fp8,
-                                             fp8_grad_high_precision, _grad_needed(x, weight, bias),
-                                             save_gathered_input and need_dw, x_q, x_scale)
-        return out
+        out, _, _, q, scale = all_gather_matmul_fp8_op(x, weight, bias, token, dim, activation, partial_dtype, fp8,
+                                                       fp8_grad_high_precision, _grad_needed(x, weight, bias),
+                                                       save_gathered_input and need_dw, x_q, x_scale, return_fp8)
+        return _with_fp8(out, q, scale, return_fp8)
     keep = return_gathered or (save_gathered_input and need_dw)
     out, _, gathered = all_gather_matmul_op(x, weight, bias, token, dim, activation, partial_dtype,
                                             _grad_needed(x, weight, bias), keep, keep and need_dw)
@@ -244,6 +266,7 @@ def matmul_reduce_scatter(
     transport: Transport | str | None = None,
     fp8: str | None = None,
     fp8_grad_high_precision: bool = False,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """``reduce_scatter(x @ weight.T, scatter_dim) + bias`` with the reduction fused into the GEMMs.
 
@@ -260,35 +283,48 @@ def matmul_reduce_scatter(
             quantised per token (along this rank's in-features) and the weight once; the partials
             still travel in ``partial_dtype``. Backward: each rank's output gradient travels once,
             packed as e4m3 + scales (plus its weight-gradient operand and its bias-gradient sum).
+    x_fp8:  with ``fp8``, ``x`` already quantised per token along this rank's in-features,
+            ``(q, scale)`` (as in :func:`all_gather_matmul`; e.g. the ``return_fp8`` output of the
+            up projection or of :func:`fusedpar.ops.flash_attention`): the partial GEMMs read it
+            instead of a quantisation of ``x``. Not differentiable.
     Returns ``[batch, seq/tp, out]``. The bias gradient is the full one on every rank.
     """
     op = "matmul_reduce_scatter"
     with agreed_arguments(op, transport, group, dict(x=x, weight=weight, bias=bias, scatter_dim=scatter_dim,
                                                      partial_dtype=partial_dtype, transport=transport, fp8=fp8,
-                                                     fp8_grad_high_precision=fp8_grad_high_precision)):
+                                                     fp8_grad_high_precision=fp8_grad_high_precision,
+                                                     x_fp8=None if x_fp8 is None else _fp8_rows_text(x_fp8))):
         check_linear_args(op, x, weight, bias)
         dim = _token_dim(op, "scatter_dim", scatter_dim, x)
         partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
         _fp8_options(op, fp8, fp8_grad_high_precision, x)
+        _check_x_fp8(op, x_fp8, x, fp8)
     token = _token(transport, group)
     check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], transport_size(transport, group))
     if fp8 is not None:
-        return matmul_reduce_scatter_fp8_op(x, weight, bias, token, dim, partial_dtype, fp8, fp8_grad_high_precision)
+        x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
+        return matmul_reduce_scatter_fp8_op(x, weight, bias, token, dim, partial_dtype, fp8, fp8_grad_high_precision,
+                                            x_q, x_scale)
     return matmul_reduce_scatter_op(x, weight, bias, token, dim, partial_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
 # matmul_all_reduce and its mirror for replicated inputs (Megatron "copy to TP region")
 # ----------------------------------------------------------------------------------------------
-def _reduce_options(op, x, weight, bias, activation, num_chunks, reduce_dtype, transport, group, fp8, fp8_hp):
+def _reduce_options(op, x, weight, bias, activation, num_chunks, reduce_dtype, transport, group, fp8, fp8_hp,
+                    x_fp8=None, return_fp8=False):
     """Checks of the two all-reduce ops; returns ``(token, reduce_dtype)``."""
     with agreed_arguments(op, transport, group, dict(x=x, weight=weight, bias=bias, activation=activation,
                                                      num_chunks=num_chunks, reduce_dtype=reduce_dtype,
-                                                     transport=transport, fp8=fp8, fp8_grad_high_precision=fp8_hp)):
+                                                     transport=transport, fp8=fp8, fp8_grad_high_precision=fp8_hp,
+                                                     x_fp8=None if x_fp8 is None else _fp8_rows_text(x_fp8),
+                                                     return_fp8=return_fp8)):
         check_linear_args(op, x, weight, bias, activation)
         check_int(f"{op}: num_chunks", num_chunks, min_value=1)
         reduce_dtype = _partial_dtype(op, "reduce_dtype", reduce_dtype, x)
         _fp8_options(op, fp8, fp8_hp, x)
+        _check_x_fp8(op, x_fp8, x, fp8)
+        _check_return_fp8(op, return_fp8, fp8)
     return _token(transport, group), reduce_dtype
 
 
@@ -304,6 +340,7 @@ def matmul_all_reduce(
     transport: Transport | str | None = None,
     fp8: str | None = None,
     fp8_grad_high_precision: bool = False,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """``all_reduce(x @ weight.T) + bias`` (row parallel without sequence parallelism).
 
@@ -314,12 +351,15 @@ def matmul_all_reduce(
     :func:`all_gather_matmul` (the all-reduce uses the transport's ``all_reduce``). Backward: no
     communication (the replicated output's gradient is the full one on every rank). ``fp8``: the
     chunks' GEMMs in fp8, the partials reduced in ``reduce_dtype``; the backward is
-    :func:`fusedpar.ops.fp8_linear`'s (as in :func:`all_gather_matmul`).
+    :func:`fusedpar.ops.fp8_linear`'s (as in :func:`all_gather_matmul`). ``x_fp8``: ``x`` already
+    quantised, as in :func:`matmul_reduce_scatter`.
     """
     token, reduce_dtype = _reduce_options("matmul_all_reduce", x, weight, bias, "none", num_chunks, reduce_dtype,
-                                          transport, group, fp8, fp8_grad_high_precision)
+                                          transport, group, fp8, fp8_grad_high_precision, x_fp8=x_fp8)
     if fp8 is not None:
-        return matmul_all_reduce_fp8_op(x, weight, bias, token, num_chunks, reduce_dtype, fp8, fp8_grad_high_precision)
+        x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
+        return matmul_all_reduce_fp8_op(x, weight, bias, token, num_chunks, reduce_dtype, fp8, fp8_grad_high_precision,
+                                        x_q, x_scale)
     return matmul_all_reduce_op(x, weight, bias, token, num_chunks, reduce_dtype)
 
 
@@ -336,18 +376,20 @@ def copy_to_tp_matmul(
     transport: Transport | str | None = None,
     fp8: str | None = None,
     fp8_grad_high_precision: bool = False,
+    return_fp8: bool = False,
 ):
     """Column-parallel GEMM on a replicated input: ``act(x @ weight.T + bias)`` locally; in the
     backward the input gradient (a partial sum per rank) is all-reduced, chunked and overlapped
     like :func:`matmul_all_reduce` (Megatron's "copy to tensor-parallel region"). ``fp8``: every
     GEMM in fp8 (as in :func:`all_gather_matmul`), the input-gradient partials reduced in
-    ``reduce_dtype``."""
+    ``reduce_dtype``. ``return_fp8``: as in :func:`all_gather_matmul` (the epilogue's 1x128 tiles
+    of the output, for the down projection's :func:`matmul_all_reduce`)."""
     token, reduce_dtype = _reduce_options("copy_to_tp_matmul", x, weight, bias, activation, num_chunks, reduce_dtype,
-                                          transport, group, fp8, fp8_grad_high_precision)
+                                          transport, group, fp8, fp8_grad_high_precision, return_fp8=return_fp8)
     if fp8 is not None:
-        out, _ = copy_to_tp_matmul_fp8_op(x, weight, bias, token, activation, num_chunks, reduce_dtype, fp8,
-                                          fp8_grad_high_precision, _grad_needed(x, weight, bias))
-        return out
+        out, _, q, scale = copy_to_tp_matmul_fp8_op(x, weight, bias, token, activation, num_chunks, reduce_dtype, fp8,
+                                                    fp8_grad_high_precision, _grad_needed(x, weight, bias), return_fp8)
+        return _with_fp8(out, q, scale, return_fp8)
     out, _ = copy_to_tp_matmul_op(x, weight, bias, token, activation, num_chunks, reduce_dtype,
                                   _grad_needed(x, weight, bias))
     return out

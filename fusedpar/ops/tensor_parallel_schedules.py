@@ -39,7 +39,7 @@ from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_A
 from fusedpar.ops.transport import Transport
 
 __all__ = [
-    "ring_gather", "ring_reduce_scatter", "chunked_matmul_all_reduce", "activation_backward", "activation_forward",
+    "ring_gather", "ring_reduce_scatter", "chunked_matmul_all_reduce", "activation_backward",
     "chunk_gemm", "sum_tokens", "WeightGrad", "check_linear_args", "Fp8Rows", "Fp8Weight", "Fp8WeightGrad", "Fp8Pack",
     "token_scaled", "check_fp8_rows",
 ]
@@ -230,20 +230,6 @@ def activation_backward(preact: torch.Tensor, grad: torch.Tensor, activation: st
     return torch.cat([g * up * da, g * a], dim=-1).to(grad.dtype)
 
 
-def activation_forward(preact: torch.Tensor, activation: str, out: torch.Tensor) -> torch.Tensor:
-    """``out = act(preact)`` computed in fp32 (``preact`` is ``[..., 2F]`` gate|up when gated),
-    stored in ``out``'s dtype: the activation of a GEMM whose epilogue does not fuse it (fp8)."""
-    code, glu = ACTIVATIONS[activation]
-    p = preact.float()
-    if not glu:
-        return out.copy_(_act_and_grad(p, code)[0])
-    gate, up = p.chunk(2, dim=-1)
-    a = _act_and_grad(gate, code)[0]
-    if code == 4:  # swiglu_oai: the up factor clamp(up, -L, L) + 1
-        up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1
-    return out.copy_(a * up)
-
-
 def sum_tokens(t: torch.Tensor) -> torch.Tensor:
     """fp32 sum over every dim but the last (a bias gradient)."""
     return t.float().sum(dim=tuple(range(t.dim() - 1)))
@@ -367,8 +353,11 @@ class Fp8Weight:
 
     shape = property(lambda self: self.q.shape)
 
-    def gemm(self, a: Fp8Rows, out: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
-        return fp8_matmul(a.q, a.scale, self.q, self.scale, bias, scaling=self.recipe, out=out, residual=residual)
+    def gemm(self, a: Fp8Rows, out: torch.Tensor, bias=None, residual=None, **epilogue) -> torch.Tensor:
+        """``out = act(a @ W^T + bias) (+ residual)``; ``epilogue``: :func:`fp8_matmul`'s
+        ``activation`` / ``preact_out`` / ``fp8_out``."""
+        return fp8_matmul(a.q, a.scale, self.q, self.scale, bias, scaling=self.recipe, out=out, residual=residual,
+                          **epilogue)
 
 
 class Fp8WeightGrad:
