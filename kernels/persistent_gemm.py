@@ -23,19 +23,16 @@ activation without copying): a sequence chunk is read or written in place. fp8 o
 and scale layouts of :func:`~fusedpar.kernels.fp8_gemm.fp8_matmul` (rowwise or blockwise), whose
 results they reproduce bit for bit under the interpreter.
 
-Every spin is bounded: a wait that runs out counts a timeout in a per-device status word, and
-:func:`check_wait_timeouts` turns it into a :class:`WaitTimeout` on the host, on a GPU as well as
-under the interpreter, right after the work (``"sync"``, the default) or without a host
-synchronisation at a later check (``"deferred"``, ``FUSEDPAR_WAIT_CHECK=deferred``).
+Every spin is bounded: a wait that runs out counts a timeout in a per-device status word, which
+:func:`check_wait_timeouts` turns into a :class:`WaitTimeout` on the host (GPU and interpreter),
+right after the work (``"sync"``, default) or at a later check (``FUSEDPAR_WAIT_CHECK=deferred``).
+Triton's interpreter runs programs one after another (a spin on a flag raised later would hang):
+interpreted tests set flags before the launch, or use ``wait_mode="skip"`` (a tile whose flag is
+not ready is skipped). ``tile_log`` records per tile a global ticket taken when it was computed
+(-1 stays for skipped tiles).
 
-Triton's interpreter runs programs one after another: a spin on a flag raised later would hang,
-so interpreted tests set flags before the launch, or use ``wait_mode="skip"`` (a tile whose flag
-is not ready is skipped), which tests the flag logic without waiting. ``tile_log`` records, per
-tile, a global ticket taken when the tile was computed (-1 stays for skipped tiles).
-
-Layers: :func:`persistent_gemm_kernel` / :func:`chunk_reduce_kernel` (jit) ->
-:func:`persistent_matmul` / :func:`chunk_reduce` (validate, allocate, launch) ->
-:func:`persistent_matmul_reference`.
+Layers: :func:`persistent_gemm_kernel` / :func:`chunk_reduce_kernel` (jit) -> :func:`persistent_matmul`
+/ :func:`chunk_reduce` (validate, allocate, launch) -> :func:`persistent_matmul_reference`.
 """
 from __future__ import annotations
 
@@ -204,11 +201,12 @@ def chunk_reduce_kernel(
     s_src_chunk, src_m_inner, s_srcm0, s_srcm1, s_srcn,
     o_m_inner, s_om0, s_om1, s_on,
     SRC_M_SPLIT: tl.constexpr, O_M_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, WAIT: tl.constexpr,
-    MAX_SPIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_SPIN: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``out = bias + sum_p src_p[chunk]``, peers in the order given, each read only after its
     counter reached ``ready_value``. Peer-outer loop: the partial of the first peer is summed
-    while later peers still compute; the running sum lives in the fp32 ``acc`` buffer."""
+    while later peers still compute; the running sum lives in the fp32 ``acc`` buffer
+    (``EMULATE``: a bf16 ``out`` rounded to nearest even, as a GPU's cast does)."""
     tl.static_assert(WAIT >= 0 and WAIT <= 1, "WAIT: 0 none, 1 spin")
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -236,6 +234,8 @@ def chunk_reduce_kernel(
                     part += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
                 o_off = row_offsets(rm, o_m_inner, s_om0, s_om1, O_M_SPLIT)[:, None] \
                     + rn.to(tl.int64)[None, :] * s_on
+                if EMULATE:
+                    part = rne_for_store(part, out_ptr)
                 tl.store(out_ptr + o_off, part.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -554,8 +554,8 @@ def chunk_reduce(
                   ``counter_offsets`` (int64 ``[P]``, elements) locating each peer's; peer ``p``'s
                   partial is read after its ``counters[chunk]`` reached ``ready_value``. ``None``:
                   no waiting (the partials are known complete).
-    workspace:    fp32 ``[rows * N]`` running sum (allocated when omitted).
-    check_waits:  as in :func:`persistent_matmul`.
+    workspace:    fp32 ``[rows * N]`` running sum (allocated when omitted); ``check_waits``: as in
+                  :func:`persistent_matmul`.
     """
     _check_reduce_args(src, peer_offsets, chunk, out, bias, counters, counter_offsets)
     rows, N = int(torch.Size(src.shape[1:-1]).numel()), src.shape[-1]
@@ -580,7 +580,7 @@ def chunk_reduce(
         *o_r.args(), out.stride(-1),
     )
     meta = dict(SRC_M_SPLIT=s_r.split, O_M_SPLIT=o_r.split, HAS_BIAS=bias is not None, WAIT=int(wait),
-                MAX_SPIN=spin_bound(max_spin), BLOCK_M=bm, BLOCK_N=bn)
+                MAX_SPIN=spin_bound(max_spin), EMULATE=interpreting(), BLOCK_M=bm, BLOCK_N=bn)
     grid = (max(1, min(num_programs, total)),)
     if src.device.type == "cuda":
         with on_device(src.device):

@@ -767,9 +767,9 @@ def test_emulated_fp8_matmul_reduce_scatter_op_equals_ring(recipe, dtype, rank, 
     same in either order; the two differ only in where the bias goes: the ring adds it in its last
     GEMM's epilogue, ``(p_r + b) + S``, the reduction after the partials, ``(S + p_r) + b``. So in
     fp32 the output is the ring's without a bias plus the bias, bit for bit. In bf16 it is within
-    one bf16 ulp of the ring's: that place of the bias, and under the interpreter chunk_reduce's
-    store truncates (the interpreter's fp32 -> bf16 cast, kernels/fp8.py) where the ring's epilogue
-    rounds to nearest even. Compiled, the GEMMs launch different tiles (bf16 tolerance). The
+    one bf16 ulp of the ring's (that place of the bias; both round to nearest even, chunk_reduce's
+    store under the interpreter through ``EMULATE``). Compiled, the GEMMs launch different tiles
+    (bf16 tolerance). The
     backward is the ring's on the same x, W and dY: the same bits on any device."""
     calls = []
     persistent = symmetric.matmul_reduce_scatter_symmetric
