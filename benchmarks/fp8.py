@@ -10,6 +10,14 @@ Rows per shape:
 * ``blockwise``: DeepSeek-V3's 1x128 activation tiles and 128x128 weight blocks (the main loop
   rescales every 128 K steps); compared with the bf16 GEMM only.
 
+``--epilogue swiglu`` adds one row per shape and recipe (``epilogue`` column ``swiglu+fp8_out``):
+the fp8 up projection with its fused epilogue, ``fp8_matmul(..., activation="swiglu",
+preact_out=, fp8_out=)`` (``B`` of ``2N`` rows; the blockwise tiles of the activated output for
+the down projection; rowwise: no tiles), against the unfused sequence it replaces: ``fp8_matmul``
+writing the pre-activation, SwiGLU in torch, then ``quantize_e4m3(y, "tile")``; checked against
+each other (bf16 tolerance: the fused activation starts from the fp32 accumulator) and timed,
+``fused_speedup`` = t(unfused) / t(fused).
+
 The operands are quantised once, outside the timed region (:func:`fusedpar.kernels.quantize_e4m3`):
 these rows time the GEMM. Before timing, ours is checked against ``torch._scaled_mm`` on the same
 fp8 operands (rowwise) or against the float64 product of the dequantised operands (blockwise; and
@@ -31,6 +39,8 @@ def _add_args(p):
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=None, metavar="MxNxK",
                    help="off GPU (smoke mode) each size is capped at 64")
     p.add_argument("--scalings", default="rowwise,blockwise", help="comma-separated subset of rowwise,blockwise")
+    p.add_argument("--epilogue", choices=["none", "swiglu"], default="none",
+                   help="swiglu: also time the fused up-projection epilogue against fp8_matmul + SwiGLU + quantise")
 
 
 @register("fp8_matmul", "scaled e4m3 GEMM (rowwise, blockwise) vs torch._scaled_mm and the bf16 GEMM",
@@ -77,6 +87,40 @@ def run(args, ctx):
             row.update(bf16_ms=t_bf16, speedup_vs_bf16=t_bf16 / t_ours, fusedpar_TFLOPs=tflops(flops, t_ours),
                        max_rel_err=err)
             rows.append(row)
+            if args.epilogue == "swiglu":
+                rows.append(_swiglu_row(ctx, M, N, K, scaling, a, sa, b_hp, gb))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     return rows
+
+
+def _swiglu_row(ctx, M, N, K, scaling, a, sa, b_hp, gb) -> dict:
+    """The fused up-projection epilogue (SwiGLU, pre-activation, blockwise e4m3 tiles) against
+    ``fp8_matmul`` + torch SwiGLU + ``quantize_e4m3`` (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fusedpar.kernels import fp8_matmul, quantize_e4m3
+    from fusedpar.kernels.gemm_fp8_epilogue import fp8_output_empty
+
+    b2, s2 = quantize_e4m3(torch.cat([b_hp, b_hp.flip(0)]), gb)  # [gate; up]: 2N rows
+    tiles = scaling == "blockwise"
+
+    def fused():
+        y = torch.empty(M, N, device=a.device, dtype=torch.bfloat16)
+        pre = torch.empty(M, 2 * N, device=a.device, dtype=torch.bfloat16)
+        return fp8_matmul(a, sa, b2, s2, scaling=scaling, out=y, activation="swiglu", preact_out=pre,
+                          fp8_out=fp8_output_empty(y) if tiles else None)
+
+    def unfused():
+        pre = fp8_matmul(a, sa, b2, s2, scaling=scaling, out_dtype=torch.bfloat16)
+        g, u = pre.chunk(2, dim=-1)
+        y = F.silu(g.float()).mul(u.float()).to(torch.bfloat16)
+        return (y, quantize_e4m3(y, "tile")) if tiles else y
+
+    got, want = fused(), unfused()
+    err = check_close(got, want[0] if tiles else want, tol=BF16_OUT_TOL)
+    t_fused, t_unfused = ctx.time_ms(fused), ctx.time_ms(unfused)
+    return {"M": M, "N": N, "K": K, "scaling": scaling, "epilogue": "swiglu+fp8_out" if tiles else "swiglu",
+            "fusedpar_ms": t_fused, "unfused_ms": t_unfused, "fused_speedup": t_unfused / t_fused,
+            "fusedpar_TFLOPs": tflops(4.0 * M * N * K, t_fused), "max_rel_err": err}

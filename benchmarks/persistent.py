@@ -24,7 +24,9 @@ B`` picks ``r`` from the measured local copy bandwidth so that the emulated link
 ``T_persistent_fp8`` the persistent fp8 GEMM waiting on e4m3 shards and scales,
 ``T_per_chunk_fp8`` the fp8 ring; each checked against the other's result (the same quantisation
 and chunk GEMMs) before timing, ``fp8_speedup_vs_per_chunk`` and ``fp8_speedup_vs_bf16``
-(``T_persistent / T_persistent_fp8``).
+(``T_persistent / T_persistent_fp8``). ``persistent_rs --fp8`` likewise times
+``fusedpar.ops.matmul_reduce_scatter(..., fp8=recipe)`` on both transports (the signalling fp8 GEMM
+and the reduction, against the fp8 ring), one set of columns per row.
 
 Reduce-scatter: ``T_seq`` is the cuBLAS GEMM of all partials, then copies of the ``P - 1``
 partials of this rank's chunk (the transfer) and their sum; ``T_per_chunk`` the portable ring of
@@ -64,9 +66,7 @@ def _add_common(p):
 
 def _add_ag_args(p):
     _add_common(p)
-    p.add_argument("--fp8", choices=["none", "rowwise", "blockwise"], default=None,
-                   help="also time the fp8 all-gather GEMM with this recipe on both schedules (default: rowwise on a "
-                        "GPU, none off GPU)")
+    _add_fp8(p)
     link = p.add_mutually_exclusive_group()
     link.add_argument("--copy-repeat", type=int, default=1,
                       help="copy every chunk this many times: a link this many times slower than a local copy")
@@ -74,8 +74,15 @@ def _add_ag_args(p):
                       help="emulate a link of about this bandwidth (sets --copy-repeat from a measured copy)")
 
 
+def _add_fp8(p):
+    p.add_argument("--fp8", choices=["none", "rowwise", "blockwise"], default=None,
+                   help="also time the op with this fp8 recipe on both schedules (default: rowwise on a GPU, none "
+                        "off GPU)")
+
+
 def _add_rs_args(p):
     _add_common(p)
+    _add_fp8(p)
     p.add_argument("--reduce-sms", type=int, nargs="+", default=None,
                    help="SMs of the concurrent chunk_reduce (one row each); GPU default 8 16 32")
     p.add_argument("--partial-dtype", choices=["fp32", "same"], default="fp32",
@@ -198,7 +205,8 @@ def run_ag(args, ctx):
             "T_persistent_ms": ctx.time_ms(persistent),
         }
         rows_out.append(_ag_row(tokens, N, K, P, dtype, repeat, chunk_bytes, times, err, cfg))
-        rows_out[-1].update(_ag_fp8_columns(args, ctx, x, w, symm, ring, times["T_persistent_ms"]))
+        rows_out[-1].update(_fp8_columns(args, ctx, lambda t, r: all_gather_matmul(x, w, transport=t, fp8=r), symm,
+                                         ring, times["T_persistent_ms"]))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed and copies run before the GEMM; "
                          "these numbers are not performance.")
@@ -210,12 +218,10 @@ def run_ag(args, ctx):
 FP8_SCHEDULES_TOL = 2 ** -7
 
 
-def _ag_fp8_columns(args, ctx, x, w, symm, ring, t_bf16) -> dict:
-    """With ``--fp8``: the fp8 all-gather GEMM over the in-kernel-wait transport (one persistent
-    fp8 GEMM) and over the ring, checked against each other, timed."""
+def _fp8_columns(args, ctx, op, symm, ring, t_bf16) -> dict:
+    """With ``--fp8``: ``op(transport, recipe)`` (the fp8 form of the row's op) over the in-kernel-
+    wait transport (the persistent fp8 GEMM) and over the ring, checked against each other, timed."""
     import torch
-
-    from fusedpar.ops import all_gather_matmul
 
     recipe = args.fp8 or ("rowwise" if ctx.gpu else "none")
     if recipe == "none":
@@ -223,7 +229,7 @@ def _ag_fp8_columns(args, ctx, x, w, symm, ring, t_bf16) -> dict:
 
     def run(transport):
         with torch.no_grad():
-            return all_gather_matmul(x, w, transport=transport, fp8=recipe)
+            return op(transport, recipe)
 
     err = check_close(run(symm), run(ring), tol=FP8_SCHEDULES_TOL)
     t_symm, t_ring = ctx.time_ms(lambda: run(symm)), ctx.time_ms(lambda: run(ring))
@@ -296,6 +302,8 @@ def run_rs(args, ctx):
                 "speedup_vs_seq": t_seq / t_pers, "speedup_vs_per_chunk": t_chunk / t_pers,
                 "TFLOPs_persistent": tflops(2.0 * tokens * N * K, t_pers), "max_rel_err": err, "config": _cfg_name(cfg),
             })
+        rows_out[-1].update(_fp8_columns(args, ctx, lambda t, r: matmul_reduce_scatter(
+            x, w, transport=t, partial_dtype=partial_dtype, fp8=r), symm, ring, rows_out[-1]["T_persistent_ms"]))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     return rows_out

@@ -221,6 +221,12 @@ def test_fp8_matmul_cli_smoke(bench_main, tmp_path):
     assert all("ratio_vs_scaled_mm" not in r for r in rows[1:])
     with pytest.raises(SystemExit, match="--scalings"):
         bench_main(["fp8_matmul", "--scalings", "rowwise,tensorwise"])
+    # --epilogue swiglu: the fused up-projection epilogue against fp8_matmul + SwiGLU + quantise
+    assert bench_main(["fp8_matmul", "--shapes", "40x40x48", "--scalings", "blockwise", "--epilogue", "swiglu",
+                       "--json", str(out)]) == 0
+    plain, fused = json.loads(out.read_text())["results"]["fp8_matmul"]
+    assert fused["epilogue"] == "swiglu+fp8_out" and fused["N"] == 40 and fused["fused_speedup"] > 0
+    assert fused["max_rel_err"] < 2 ** -7
 
 
 def test_ceilings_and_launch_cli_smoke(bench_main, tmp_path):

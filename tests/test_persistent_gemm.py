@@ -378,15 +378,17 @@ def test_benchmark_cli_smoke(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(root)
     from benchmarks.__main__ import main
 
-    for op, key, extra in (("persistent_ag", "N_local", ["--fp8", "blockwise"]), ("persistent_rs", "K_local", [])):
+    for op, key, extra in (("persistent_ag", "N_local", ["--fp8", "blockwise"]),
+                           ("persistent_rs", "K_local", ["--fp8", "rowwise"])):
         path = tmp_path / f"{op}.json"
         assert main([op, "--tokens", "12", "--hidden", "16", "--n", "20", "--tp", "3", *extra, "--json", str(path)]) == 0
         (row,) = json.loads(path.read_text())["results"][op]
         assert row[key] == 20 and row["tp"] == 3 and row["max_rel_err"] < 1e-4
         assert row["T_persistent_ms"] > 0 and row["T_seq_ms"] > 0
-    # the fp8 rows: the persistent fp8 GEMM's result was checked against the fp8 ring's before timing
-    (row,) = json.loads((tmp_path / "persistent_ag.json").read_text())["results"]["persistent_ag"]
-    assert row["fp8"] == "blockwise" and row["T_persistent_fp8_ms"] > 0 and row["fp8_rel_err"] < 2 ** -7
+    # the fp8 columns: the persistent fp8 GEMM's result was checked against the fp8 ring's before timing
+    for op, recipe in (("persistent_ag", "blockwise"), ("persistent_rs", "rowwise")):
+        (row,) = json.loads((tmp_path / f"{op}.json").read_text())["results"][op]
+        assert row["fp8"] == recipe and row["T_persistent_fp8_ms"] > 0 and row["fp8_rel_err"] < 2 ** -7
     with pytest.raises(SystemExit):
         main(["persistent_ag", "--tokens", "10", "--tp", "3"])
 
