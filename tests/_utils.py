@@ -52,3 +52,20 @@ def assert_close(actual, expected, dtype=None, *, scale=None, rtol=None, atol=No
     rtol = RTOL[dtype] if rtol is None else rtol
     atol = ATOL_SCALE[dtype] * scale if atol is None else atol
     torch.testing.assert_close(actual64, expected, rtol=rtol, atol=atol, msg=lambda m: f"{msg}\n{m}")
+
+
+def assert_tile_quantised(out, q, scale, features=None, *, msg=""):
+    """``(q, scale)`` equal ``quantize_e4m3`` of ``out``'s rows per 1x128 tile and torch's cast of
+    the same values, bit for bit (``features``: the row length, default ``out``'s last dim; the
+    flash output's rows are its ``heads * d_v`` features)."""
+    from fusedpar.kernels import quantize_e4m3
+    from fusedpar.kernels.fp8 import quantize_e4m3_reference
+
+    n = features or out.shape[-1]
+    flat = out.reshape(-1, n)
+    q_k, s_k = quantize_e4m3(flat, "tile")
+    q_t, s_t = quantize_e4m3_reference(flat.cpu(), "tile")
+    q2, s2 = q.reshape(-1, n).view(torch.uint8), scale.reshape(s_k.shape)
+    assert torch.equal(s2, s_k) and torch.equal(s2.cpu(), s_t), f"{msg}: scales differ from quantize_e4m3(out)"
+    assert torch.equal(q2, q_k.view(torch.uint8)), f"{msg}: e4m3 values differ from quantize_e4m3(out)"
+    assert torch.equal(q2.cpu(), q_t.view(torch.uint8)), f"{msg}: e4m3 values differ from torch's cast"

@@ -5,10 +5,10 @@ same as without fp8_out; the d_v rule and bad input."""
 import pytest
 import torch
 
-from _utils import DEVICE, INTERPRETED, assert_close, poison, randn
+from _utils import DEVICE, INTERPRETED, assert_close, assert_tile_quantised, poison, randn
 from fusedpar.kernels import attention_reference, flash_attention_forward, quantize_e4m3, varlen_attention_reference
 from fusedpar.kernels import flash_attention_varlen, flash_tiles
-from fusedpar.kernels.fp8 import E4M3_MAX, SCALE_FLOOR, quantize_e4m3_reference
+from fusedpar.kernels.fp8 import E4M3_MAX, SCALE_FLOOR
 from fusedpar.kernels.runtime import clear_tuning_caches
 
 
@@ -47,15 +47,9 @@ def _check_tiles(out, q8, scale):
     """(q8, scale) equal quantize_e4m3 of out's flattened features and torch's cast, bit for bit;
     every tile's amax maps to 448 (no all-zero tile in these cases)."""
     n = out.shape[-2] * out.shape[-1]
-    flat = out.reshape(-1, n)
-    q_k, s_k = quantize_e4m3(flat, "tile")
-    q_t, s_t = quantize_e4m3_reference(flat.cpu(), "tile")
-    q2, s2 = q8.reshape(-1, n), scale.reshape(s_k.shape)
-    assert torch.equal(s2, s_k) and torch.equal(s2.cpu(), s_t), "scales differ from quantize_e4m3(out)"
-    assert torch.equal(q2.view(torch.uint8), q_k.view(torch.uint8)), "q8 differs from quantize_e4m3(out)"
-    assert torch.equal(q2.view(torch.uint8).cpu(), q_t.view(torch.uint8)), "q8 differs from torch's cast"
-    tiles = q2.float().cpu().abs().view(q2.shape[0], -1, 128).amax(2)
-    assert (tiles == E4M3_MAX).all() and (s2 > SCALE_FLOOR).all(), "each tile's amax maps to 448"
+    assert_tile_quantised(out, q8, scale, n)
+    tiles = q8.reshape(-1, n).float().cpu().abs().view(-1, n // 128, 128).amax(2)
+    assert (tiles == E4M3_MAX).all() and (scale > SCALE_FLOOR).all(), "each tile's amax maps to 448"
 
 
 # (id, dtype, head dim, v head dim, options): hq 3 / hk 1 (GQA), 70 query rows, 67 keys (ragged)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _utils import DEVICE, INTERPRETED, poison
+from _utils import DEVICE, INTERPRETED, assert_tile_quantised, poison
 from fusedpar.kernels import dequantize_e4m3, fp8_matmul, quantize_e4m3
 from fusedpar.kernels.fp8_gemm import (FP8_INTERPRETER_CONFIG_FP8_OUT, fp8_gpu_configs, fp8_matmul_reference,
                                        fp8_smem_estimate, fp8_tile_rule)
@@ -79,14 +79,6 @@ def _poisoned_fp8(out_shape):
     return q, poison(tuple(out_shape[:-1]) + (-(-out_shape[-1] // 128),), torch.float32)
 
 
-def _assert_tiles(out, q, s):
-    """(q, s) equal quantize_e4m3 of the stored output per 1x128 tile, bit for bit."""
-    n = out.shape[-1]
-    q_k, s_k = quantize_e4m3(out.reshape(-1, n), "tile")
-    assert torch.equal(s.reshape(s_k.shape), s_k), "fp8_out scales differ from quantize_e4m3(out, 'tile')"
-    assert torch.equal(q.reshape(-1, n).view(torch.uint8), q_k.view(torch.uint8)), "fp8_out q differs"
-
-
 # rowwise; blockwise with 128x128 weight blocks (F = 72: block 0 holds the gate rows and the first 56
 # up rows; F = 136: the up rows start inside block 1 and end in block 2) and with 1x128-tiled
 # weight rows (B_SCALE_ROWS 1); the output 72 (one ragged 1x128 tile) or 136 (two) features
@@ -115,7 +107,7 @@ def test_fused_epilogue(scaling, gb, activation, F):
         plain = fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, out_dtype=dtype)
         assert torch.equal(pre, plain), f"{dtype}: the pre-activation differs from fp8_matmul's output"
         assert_within(out, out_ref, _out_tolerance(pre_ref, pre_err, activation, out_ref, dtype), f"{dtype} output")
-        _assert_tiles(out, q, s)
+        assert_tile_quantised(out, q, s)
 
 
 def test_sequence_chunk_views_residual_after_the_activation():
@@ -141,7 +133,7 @@ def test_sequence_chunk_views_residual_after_the_activation():
     gate, up = pre.double().chunk(2, dim=-1)
     expected = (torch.nn.functional.silu(gate) * up).view(B, hi - lo, F) + res[view].double()
     assert_within(out[view], expected.cpu(), 2.0 ** -8 * expected.abs().cpu() + 1e-5, "swiglu + residual")
-    _assert_tiles(out[view].contiguous(), q[view].contiguous(), s[view].contiguous())
+    assert_tile_quantised(out[view].contiguous(), q[view].contiguous(), s[view].contiguous())
     outside = [t[:, :lo] for t in (out, q, s)] + [t[:, hi:] for t in (out, q, s)]
     assert all(torch.isnan(t.float()).all() for t in outside), "written outside the views"
 
@@ -159,7 +151,7 @@ def test_empty_contraction_runs_the_epilogue():
     gate, up = bias.double().chunk(2)
     expected = (torch.nn.functional.silu(gate) * up).float() + res
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
-    _assert_tiles(out, q, s)
+    assert_tile_quantised(out, q, s)
 
 
 def test_tile_rule_of_fused_launches(monkeypatch):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _utils import DEVICE, INTERPRETED
+from _utils import DEVICE, INTERPRETED, assert_tile_quantised
 from fusedpar.kernels import quantize_e4m3
 from fusedpar.ops import (all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter, rms_norm,
                           rms_norm_fp8)
@@ -177,13 +177,6 @@ def test_model_handoff_is_bit_identical(recipe, norm_layout, norm_offset, monkey
     assert_same_bits(f"model {recipe} {norm_layout}", on, off)
 
 
-def _pair_is_tiles(tag, out, pair):
-    """``pair`` is ``quantize_e4m3(out, "tile")`` bit for bit, in ``out``'s row shape."""
-    q, scale = quantize_e4m3(out.reshape(-1, out.shape[-1]), "tile")
-    assert torch.equal(pair[0].view(torch.uint8).reshape(q.shape), q.view(torch.uint8)), f"{tag}: e4m3 values differ"
-    assert torch.equal(pair[1].reshape(scale.shape), scale), f"{tag}: scales differ"
-
-
 def up_down_handoff(up, transport, seed=11):
     """``all_gather_matmul`` / ``copy_to_tp_matmul(..., fp8="blockwise", return_fp8=True)``, then
     ``matmul_reduce_scatter`` / ``matmul_all_reduce(x_fp8=...)``, against the down projection
@@ -205,7 +198,7 @@ def up_down_handoff(up, transport, seed=11):
             h = copy_to_tp_matmul(x, w1, activation=act, num_chunks=2, return_fp8=handoff, **kw)
         if handoff:
             h, pair = h
-            _pair_is_tiles(f"{up} {transport}", h.detach(), pair)
+            assert_tile_quantised(h.detach(), *pair, msg=f"{up} {transport}")
         down = matmul_reduce_scatter if up == "ag" else matmul_all_reduce
         y = down(h, w2, b2, x_fp8=pair if handoff else None, **kw)
         y.backward(torch.ones_like(y))
@@ -254,7 +247,7 @@ def test_flash_output_handed_to_o_proj_is_bit_identical():
     assert counts[0] - counts[1] == 1, counts
     q, k, v = (torch.randn(1, 5, 2, 128, device=DEVICE) for _ in range(3))
     out, lse, pair = flash_attention(q, k, v, causal=True, return_fp8=True)
-    _pair_is_tiles("flash_attention(return_fp8=True)", out.reshape(1, 5, 256), pair)
+    assert_tile_quantised(out.reshape(1, 5, 256), *pair, msg="flash_attention(return_fp8=True)")
     assert all(torch.equal(a, b) for a, b in zip((out, lse), flash_attention(q, k, v, causal=True)))
 
 

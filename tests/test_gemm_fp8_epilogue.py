@@ -3,9 +3,9 @@ bit against quantize_e4m3 of the stored output and torch's cast; the tile rule o
 import pytest
 import torch
 
-from _utils import DEVICE, INTERPRETED, assert_close, poison, randn
-from fusedpar.kernels import gemm, matmul, matmul_reference, quantize_e4m3
-from fusedpar.kernels.fp8 import E4M3_MAX, SCALE_FLOOR, quantize_e4m3_reference
+from _utils import DEVICE, INTERPRETED, assert_close, assert_tile_quantised, poison, randn
+from fusedpar.kernels import gemm, matmul, matmul_reference
+from fusedpar.kernels.fp8 import E4M3_MAX, SCALE_FLOOR
 from fusedpar.kernels.gemm import gpu_configs
 from fusedpar.kernels.gemm_fp8_epilogue import FP8_OUT_CONFIGS, fp8_output_configs, fp8_output_empty
 from fusedpar.kernels.runtime import prune_tile_configs
@@ -22,14 +22,7 @@ def _poisoned_fp8(out_shape, n_tiles):
 
 def _check_tiles(out, q, s):
     """(q, s) equal quantize_e4m3(out, "tile") and torch's cast of the same values, bit for bit."""
-    N = out.shape[-1]
-    out2 = out.reshape(-1, N)
-    q_k, s_k = quantize_e4m3(out2, "tile")
-    q_t, s_t = quantize_e4m3_reference(out2.cpu(), "tile")
-    q2, s2 = q.reshape(-1, N), s.reshape(s_k.shape)
-    assert torch.equal(s2, s_k) and torch.equal(s2.cpu(), s_t), "scales differ from quantize_e4m3(out)"
-    assert torch.equal(q2.view(torch.uint8), q_k.view(torch.uint8)), "q differs from quantize_e4m3(out)"
-    assert torch.equal(q2.view(torch.uint8).cpu(), q_t.view(torch.uint8)), "q differs from torch's cast"
+    assert_tile_quantised(out, q, s)
 
 
 @needs_fp8
