@@ -276,7 +276,7 @@ def grouped_fp8_scales(a_name: str, a, a_scale, b_scale, scaling: str, *, n_expe
         scales = {f"{a_name}_scale": (a_scale, (M,), (M, kb)),
                   "weight_scale": (b_scale, (n_experts, n_w), (n_experts, cdiv(n_w, FP8_BLOCK), kb))}
     else:
-        (G, N, K), T = wgrad_of, group_tiles(a.shape[0], wgrad_of[0])
+        (_, N, K), T = wgrad_of, group_tiles(a.shape[0], wgrad_of[0])
         scales = {f"{a_name}_scale": (a_scale, (N, T), (N, T)), "x_scale": (b_scale, (K, T), (K, T))}
     if a.dtype != torch.float8_e4m3fn:
         given = [name for name, (t, _, _) in scales.items() if t is not None]
