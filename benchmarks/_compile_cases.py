@@ -404,6 +404,8 @@ def _fp8_cases():
                 dt, T, H, F, "gelu", s, True)),
             Case("fp8", f"tests 37x72x160 fc1 swiglu+bias+preact fp8_out {scaling}", False,
                  lambda dt, s=scaling: _fp8_fc1(dt, 37, 160, 72, "swiglu", s, True, bias=True)),
+            Case("fp8", f"tests 37x72x200 fc1 swiglu fp8_out {scaling}", False,  # K: loads that do not vectorise
+                 lambda dt, s=scaling: _fp8_fc1(dt, 37, 200, 72, "swiglu", s, True)),
             Case("fp8", f"llama3-8b persistent all-gather {scaling}", scaling == "blockwise",
                  lambda dt, s=scaling: _persistent_fp8(dt, T, H, H, "none", True, s)),
             Case("fp8", f"llama3-8b persistent all-gather swiglu {scaling}", False,

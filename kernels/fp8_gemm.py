@@ -19,12 +19,11 @@ the accumulator times the scales, the bias, the optional store of the pre-activa
 gate then up, whose up accumulator has its own rows' scales), the residual, the store, and the
 optional e4m3 quantisation of the stored output per 1x128 tile (``fp8_out``,
 :mod:`.gemm_fp8_epilogue`): the fp8 up projection hands its activation to the fp8 down projection
-with no pass in between.
+with no pass in between (compiled loads that do not vectorise: after the GEMM, :func:`epilogue_fits`).
 
-Layers: ``_fp8_gemm_kernel`` (jit) -> :func:`fp8_matmul` (validate, allocate, launch; autotuned
-on a GPU, one fixed tile under the interpreter) -> :func:`fp8_matmul_reference` (float64 product
-of the dequantised operands, the tests' oracle). Needs fp8 tensor cores (compute capability >= 8.9,
-:func:`~fusedpar.kernels.fp8.check_fp8_device`).
+Layers: ``_fp8_gemm_kernel`` (jit) -> :func:`fp8_matmul` (validate, allocate, launch; autotuned on a
+GPU, one fixed tile under the interpreter) -> :func:`fp8_matmul_reference` (float64 product of the
+dequantised operands, the tests' oracle). Needs fp8 tensor cores (compute capability >= 8.9).
 """
 from __future__ import annotations
 
@@ -44,14 +43,13 @@ from .gemm_fp8_epilogue import check_fp8_output, fp8_output_args, fp8_output_con
 from .runtime import (ACTIVATIONS, RowView, activation_reference, apply_up, autotuned, cdiv, device_capability, interpreting,
                       on_device, pipelined, prune_tile_configs, row_offsets, shared_memory_limit, tile_smem_bytes)
 
-__all__ = ["FP8_GROUPED_INTERPRETER_CONFIGS", "FP8_INTERPRETER_CONFIG", "FP8_INTERPRETER_CONFIG_FP8_OUT",
-           "FP8_PROMOTE_K", "FP8_RECIPES", "GROUPED_FP8_ACC_BUDGET", "SCALINGS", "UNALIGNED_FP8_GROUPED_TILE",
-           "UNALIGNED_FP8_TILE", "fp8_configs_of_kind", "fp8_gpu_configs", "fp8_grouped_configs", "fp8_matmul",
+__all__ = ["FP8_GROUPED_INTERPRETER_CONFIGS", "FP8_INTERPRETER_CONFIG", "FP8_INTERPRETER_CONFIG_FP8_OUT", "FP8_PROMOTE_K",
+           "FP8_RECIPES", "GROUPED_FP8_ACC_BUDGET", "SCALINGS", "UNALIGNED_FP8_GROUPED_TILE", "UNALIGNED_FP8_TILE",
+           "epilogue_fits", "fp8_configs_of_kind", "fp8_gpu_configs", "fp8_grouped_configs", "fp8_matmul",
            "fp8_matmul_reference", "fp8_smem_estimate", "fp8_tile_rule", "grouped_fp8_flags", "grouped_fp8_scales"]
 
 SCALINGS = ("rowwise", "blockwise")
-#: the activation names, in the order the error messages list them
-_ACTIVATION_NAMES = tuple(sorted(ACTIVATIONS))
+_ACTIVATION_NAMES = tuple(sorted(ACTIVATIONS))  # the order the error messages list them in
 #: the training recipes: scaling -> (granularity of activations and gradients, of weights) of
 #: :func:`~fusedpar.kernels.fp8.quantize_e4m3` (a weight gradient's operands both take the first)
 FP8_RECIPES = {"rowwise": ("row", "row"), "blockwise": ("tile", "block")}
@@ -353,7 +351,8 @@ def fp8_smem_estimate(cfg, named_args, **kwargs) -> int:
 def _prune_configs(configs, named_args, **kwargs):
     """:func:`~fusedpar.kernels.runtime.prune_tile_configs` with the fp8 rule (:func:`fp8_tile_rule`)
     over the tiles of the launch's kind (the fp8 output's: ``BLOCK_N`` a multiple of 128); loads
-    that do not vectorise keep only tiles within :data:`UNALIGNED_FP8_TILE` where there are such."""
+    that do not vectorise keep only tiles within :data:`UNALIGNED_FP8_TILE` (a compiled launch
+    fuses no e4m3 output there, :func:`epilogue_fits`)."""
     a, rule = named_args["a_ptr"], fp8_tile_rule(named_args, **kwargs)
     configs = fp8_output_configs(configs, kwargs.get("FP8_OUT", named_args.get("FP8_OUT", False)))
     if not rule["pipelined"]:
@@ -362,8 +361,10 @@ def _prune_configs(configs, named_args, **kwargs):
                               dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]}, **rule)
 
 
-#: the autotuner's key: the problem size, every flag :func:`fp8_tile_rule` and the tile filter read,
-#: and the epilogue's (a tile tuned for the plain epilogue is not reused by a fused one)
+#: the autotuner's key: the problem size, the flags :func:`fp8_tile_rule` and the tile filter read,
+#: and the epilogue's (a tile tuned for the plain epilogue is not reused by a fused one); not the
+#: strides the rule's ``pipelined`` reads (a strided view whose rows lose 16-byte alignment at the
+#: same M, N, K as an aligned launch reuses the aligned launch's tile)
 _TUNING_KEY = ["M", "N", "K", "BLOCKWISE", "B_SCALE_ROWS", "ACT", "GLU", "STORE_AUX", "FP8_OUT"]
 
 
@@ -517,7 +518,13 @@ def fp8_matmul(
     if K == 0:  # empty contraction: the product is zero, the epilogue still applies
         return _empty_contraction(out, bias, residual, preact_out, fp8_out, activation, (M, n_w))
     strides, views = _operand_args(a, a_scale, b, b_scale, out, residual, scaling)
-    fp8_args, fp8_flags = fp8_output_args(fp8_out, out)
+    fused_fp8 = fp8_out
+    if not epilogue_fits(K, strides[1], strides[2], b.stride(0)):
+        if glu:  # the gated epilogue around a plain GEMM (module docstring)
+            return _gated_unaligned(a, a_scale, b, b_scale, bias, scaling, out, residual, preact_out, fp8_out,
+                                    activation)
+        fused_fp8 = None  # quantised after the GEMM
+    fp8_args, fp8_flags = fp8_output_args(fused_fp8, out)
     args = (a, b, out, a_scale, b_scale, bias if bias is not None else out, residual if residual is not None else out,
             preact_out if preact_out is not None else out, bias[N:] if glu and bias is not None else out,
             preact_out[:, N:] if glu and preact_out is not None else out, M, N, K, *strides, N if glu else 0,
@@ -527,6 +534,30 @@ def fp8_matmul(
                  ACT=act, GLU=glu, STORE_AUX=preact_out is not None, **fp8_flags)
     flags["EMULATE"] = interpreting()
     _launch(args, flags, M, N, a.device)
+    if fused_fp8 is None:
+        quantize_output(out, fp8_out)
+    return out
+
+
+def epilogue_fits(K: int, a_outer: int, a_row: int, b_row: int) -> bool:
+    """Whether a launch fuses a gated activation and the e4m3 output: not compiled with loads that
+    do not vectorise (``K`` or a row stride not a multiple of 16 bytes), where a gated epilogue's
+    two B tiles (sm_90, 37x72x200 at 64x64: 2172 B) and the e4m3 output's 128-wide tiles spill."""
+    return interpreting() or pipelined(1, *(e for e in (K, a_outer, a_row, b_row) if e != 1))
+
+
+def _gated_unaligned(a, a_scale, b, b_scale, bias, scaling, out, residual, preact_out, fp8_out, activation):
+    """:func:`fp8_matmul`'s gated epilogue where it does not fit the kernel (:func:`epilogue_fits`):
+    the plain fp8 GEMM's fp32 pre-activation, then the rest of the epilogue in torch."""
+    pre = fp8_matmul(a, a_scale, b, b_scale, bias, scaling=scaling, out_dtype=torch.float32)
+    pre2 = pre.reshape(-1, pre.shape[-1])
+    if preact_out is not None:
+        preact_out.copy_(pre2)
+    y = activation_reference(pre2, activation)
+    if residual is not None:
+        y = y + residual.reshape(y.shape).float()
+    out.copy_(y.view(out.shape))
+    quantize_output(out, fp8_out)
     return out
 
 

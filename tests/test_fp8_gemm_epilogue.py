@@ -138,6 +138,31 @@ def test_sequence_chunk_views_residual_after_the_activation():
     assert all(torch.isnan(t.float()).all() for t in outside), "written outside the views"
 
 
+def test_gated_epilogue_where_it_does_not_fit(monkeypatch):
+    """Compiled launches whose loads do not vectorise run a gated epilogue around a plain fp8 GEMM
+    (``epilogue_fits``: K or a row stride not a multiple of 16 bytes; at K = 200 every tile
+    spilled): forced here under the interpreter, the pre-activation, output (residual included)
+    and e4m3 tiles are those of the fused epilogue (the same fp32 pre-activation; the activation in
+    torch instead of the kernel: fp32 rounding apart)."""
+    from fusedpar.kernels import fp8_gemm
+
+    assert fp8_gemm.epilogue_fits(200, 0, 200, 200) == INTERPRETED
+    assert fp8_gemm.epilogue_fits(208, 0, 208, 208)
+    ops, _ = _operands("blockwise", "block", 2 * 72, seed=9)
+    xq, xs, wq, ws, bias = ops
+    res = torch.randn(M, 72, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    runs = []
+    for fits in (True, False):
+        monkeypatch.setattr(fp8_gemm, "epilogue_fits", lambda *a, fits=fits: fits)
+        out, pre, (q, s) = poison((M, 72), torch.float32), poison((M, 144), torch.float32), _poisoned_fp8((M, 72))
+        fp8_matmul(xq, xs, wq, ws, bias, scaling="blockwise", activation="swiglu", out=out, preact_out=pre,
+                   residual=res, fp8_out=(q, s))
+        assert_tile_quantised(out, q, s)
+        runs.append((out, pre))
+    assert torch.equal(runs[1][1], runs[0][1]), "the pre-activation differs"
+    assert_within(runs[1][0], runs[0][0].double().cpu(), 1e-6 * runs[0][0].abs().cpu() + 1e-6, "fallback output")
+
+
 def test_empty_contraction_runs_the_epilogue():
     """K = 0: the pre-activation is the bias, the output its activation plus the residual, and the
     e4m3 pair its quantisation (all on the host)."""
