@@ -300,6 +300,9 @@ def _flash_cases():
     cases += [Case("flash", f"llama3-8b{' causal' if causal else ''} fwd fp8_out", False,
                    lambda dt, causal=causal: _flash_fp8_out(dt, c["batch"], c["seq"], c["heads"], c["kv"], c["d"],
                                                             causal)) for causal in (True, False)]
+    # d_v 256: two tiles per head (the epilogue's reshape to [BLOCK_M, 2, 128])
+    cases.append(Case("flash", "d256 causal fwd fp8_out", False, lambda dt: _flash_fp8_out(dt, 1, 4096, 16, 8, 256,
+                                                                                          True)))
     return cases
 
 

@@ -26,7 +26,9 @@ B`` picks ``r`` from the measured local copy bandwidth so that the emulated link
 and chunk GEMMs) before timing, ``fp8_speedup_vs_per_chunk`` and ``fp8_speedup_vs_bf16``
 (``T_persistent / T_persistent_fp8``). ``persistent_rs --fp8`` likewise times
 ``fusedpar.ops.matmul_reduce_scatter(..., fp8=recipe)`` on both transports (the signalling fp8 GEMM
-and the reduction, against the fp8 ring), one set of columns per row.
+and the reduction, against the fp8 ring), its columns on the row of the last ``--reduce-sms``;
+both fp8 schedules run the op's default tile and reduction SMs (``RS_REDUCE_SMS``), so
+``fp8_speedup_vs_bf16`` compares them with the swept bf16 tile of that row.
 
 Reduce-scatter: ``T_seq`` is the cuBLAS GEMM of all partials, then copies of the ``P - 1``
 partials of this rank's chunk (the transfer) and their sum; ``T_per_chunk`` the portable ring of
@@ -76,8 +78,8 @@ def _add_ag_args(p):
 
 def _add_fp8(p):
     p.add_argument("--fp8", choices=["none", "rowwise", "blockwise"], default=None,
-                   help="also time the op with this fp8 recipe on both schedules (default: rowwise on a GPU, none "
-                        "off GPU)")
+                   help="also time the op with this fp8 recipe on both schedules (default: rowwise on a GPU with "
+                        "fp8 tensor cores, else none)")
 
 
 def _add_rs_args(p):
@@ -223,7 +225,8 @@ def _fp8_columns(args, ctx, op, symm, ring, t_bf16) -> dict:
     wait transport (the persistent fp8 GEMM) and over the ring, checked against each other, timed."""
     import torch
 
-    recipe = args.fp8 or ("rowwise" if ctx.gpu else "none")
+    fp8_cores = ctx.gpu and torch.cuda.get_device_capability(ctx.device) >= (8, 9)
+    recipe = args.fp8 or ("rowwise" if fp8_cores else "none")
     if recipe == "none":
         return {}
 
@@ -241,6 +244,16 @@ def _cfg_name(cfg):
     if not cfg:
         return "default"
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}/w{cfg.get('num_warps')}/s{cfg.get('num_stages')}"
+
+
+def _rs_row(tokens, N, K, P, dtype, partial_dtype, sms, times, err, cfg):
+    t_pers = times["T_persistent_ms"]
+    return {
+        "M": tokens, "N": N, "K_local": K, "tp": P, "dtype": str(dtype).replace("torch.", ""),
+        "partials": str(partial_dtype).replace("torch.", ""), "reduce_sms": sms, **times,
+        "speedup_vs_seq": times["T_seq_ms"] / t_pers, "speedup_vs_per_chunk": times["T_per_chunk_ms"] / t_pers,
+        "TFLOPs_persistent": tflops(2.0 * tokens * N * K, t_pers), "max_rel_err": err, "config": _cfg_name(cfg),
+    }
 
 
 @register("persistent_rs", "signalling persistent GEMM + concurrent chunk_reduce (single-GPU emulation) vs sequential",
@@ -294,14 +307,9 @@ def run_rs(args, ctx):
                                                        partial_dtype=partial_dtype)
 
             err = check_close(persistent(), reference)
-            t_pers = ctx.time_ms(persistent)
-            rows_out.append({
-                "M": tokens, "N": N, "K_local": K, "tp": P, "dtype": str(dtype).replace("torch.", ""),
-                "partials": str(partial_dtype).replace("torch.", ""), "reduce_sms": sms if ctx.gpu else "n/a",
-                "T_gemm_cublas_ms": t_gemm, "T_seq_ms": t_seq, "T_per_chunk_ms": t_chunk, "T_persistent_ms": t_pers,
-                "speedup_vs_seq": t_seq / t_pers, "speedup_vs_per_chunk": t_chunk / t_pers,
-                "TFLOPs_persistent": tflops(2.0 * tokens * N * K, t_pers), "max_rel_err": err, "config": _cfg_name(cfg),
-            })
+            times = dict(T_gemm_cublas_ms=t_gemm, T_seq_ms=t_seq, T_per_chunk_ms=t_chunk,
+                         T_persistent_ms=ctx.time_ms(persistent))
+            rows_out.append(_rs_row(tokens, N, K, P, dtype, partial_dtype, sms if ctx.gpu else "n/a", times, err, cfg))
         rows_out[-1].update(_fp8_columns(args, ctx, lambda t, r: matmul_reduce_scatter(
             x, w, transport=t, partial_dtype=partial_dtype, fp8=r), symm, ring, rows_out[-1]["T_persistent_ms"]))
     if ctx.smoke:

@@ -29,16 +29,15 @@ from fusedpar.kernels import persistent_matmul_reference as ref_mm
 from fusedpar.kernels.waits import canonical_device, status_word
 from fusedpar.ops import symmetric
 from fusedpar.ops.symmetric import (
-    ChunkFlags,
     GroupCache,
     SymmetricTransport,
     all_gather_matmul_symmetric,
-    chunk_flags,
     matmul_reduce_scatter_symmetric,
     resolve_transport,
     set_workspace_factory,
     symmetric_status,
 )
+from fusedpar.ops.tensor_parallel_waits import ChunkFlags, chunk_flags
 from fusedpar.ops.transport import EmulatedTransport, PortableTransport
 
 world2 = world_fixture(2)  # GPU test only (needs 2 GPUs)

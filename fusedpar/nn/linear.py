@@ -345,6 +345,7 @@ class ColumnParallelLinear(_TPLinearBase):
         if x_fp8 is not None and not self.sequence_parallel:
             raise ValueError(f"{name}: x_fp8 is taken with sequence_parallel=True (the all-gather "
                              "GEMM), got one with sequence_parallel=False")
+        check_bool(f"{name}: return_fp8", return_fp8)
         if return_fp8 and self.gather_output:
             raise ValueError(f"{name}: return_fp8=True needs gather_output=False (the tiles of this rank's "
                              "features), got gather_output=True")

@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels.fp8_gemm import FP8_RECIPES
+from fusedpar.kernels.gemm_fp8_epilogue import fp8_output_empty
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops.fp8_schedules import (
     all_gather_matmul_fp8_bwd,
@@ -150,11 +151,7 @@ def all_gather_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, tok
 
 def _fp8_fake(out: Tensor, out_fp8: bool) -> tuple[Tensor, Tensor]:
     """The fake ``(q, scale)`` of an fp8 output of ``out`` (1x128 tiles), or absent placeholders."""
-    if not out_fp8:
-        return absent(out), absent(out)
-    n = out.shape[-1]
-    return (out.new_empty(out.shape, dtype=torch.float8_e4m3fn),
-            out.new_empty(tuple(out.shape[:-1]) + (-(-n // 128),), dtype=torch.float32))
+    return fp8_output_empty(out) if out_fp8 else (absent(out), absent(out))
 
 
 @all_gather_matmul_fp8_op.register_fake

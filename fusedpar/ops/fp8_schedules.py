@@ -38,10 +38,10 @@ from fusedpar.ops.tensor_parallel_schedules import (
 
 __all__ = ["all_gather_matmul_fp8_bwd", "all_gather_matmul_fp8_fwd", "chunk_lead", "copy_to_tp_matmul_fp8_bwd",
            "copy_to_tp_matmul_fp8_fwd", "fp8_linear_bwd", "fp8_linear_fwd", "matmul_all_reduce_fp8_fwd",
-           "matmul_reduce_scatter_fp8_bwd", "matmul_reduce_scatter_fp8_fwd", "quantize_tiles", "wgrad_kind"]
+           "matmul_reduce_scatter_fp8_bwd", "matmul_reduce_scatter_fp8_fwd", "wgrad_kind"]
 
 
-def quantize_tiles(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_tiles(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` (``[..., N]``) quantised per 1x128 tile in one pass, ``(q, scale)`` of the shapes the
     fused epilogue's fp8 output has (the persistent all-gather GEMM fuses none)."""
     q, scale = fp8_output_empty(out)
@@ -126,7 +126,7 @@ def all_gather_matmul_fp8_fwd(x, weight, bias, opts: TPOptions, recipe: str, gra
     t, d, act = opts.transport, opts.dim, opts.activation
     if t.in_kernel_waits and not keep_gathered:
         out, preact = _all_gather_matmul_fp8_symmetric(x, weight, bias, opts, recipe, keep_preact, x_fp8)
-        return out, preact, None, quantize_tiles(out) if out_fp8 else None
+        return out, preact, None, _quantize_tiles(out) if out_fp8 else None
     P, lead, n_w, K = t.size, tuple(x.shape[:-1]), weight.shape[0], x.shape[-1]
     n = lead[d]
     pack = Fp8Pack.activation(lead, K, x.dtype, recipe, rows=True, wgrad=None)
@@ -161,8 +161,7 @@ def _all_gather_matmul_fp8_symmetric(x, weight, bias, opts: TPOptions, recipe: s
     chunk GEMMs as the ring's (under the interpreter the same pre-activation bits in fp32 / fp16);
     the activation is the epilogue's, from the fp32 accumulator. Returns ``(out, preact)``."""
     t, act = opts.transport, opts.activation
-    rows = Fp8Rows.of(x, recipe) if x_fp8 is None else Fp8Rows(*x_fp8, x.dtype)
-    w8 = Fp8Weight(weight, recipe)
+    rows, w8 = _rows(x, recipe, x_fp8), Fp8Weight(weight, recipe)
     preact = None
     if keep_preact and act != "none":
         preact = x.new_empty((t.size,) + tuple(x.shape[:-1]) + (weight.shape[0],))

@@ -65,7 +65,6 @@ from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
 from fusedpar.ops.tensor_parallel_schedules import check_linear_args
 from fusedpar.ops.tensor_parallel_waits import (
-    ChunkFlags,
     chunk_flags,
     device_ints,
     flag_writer_available,
@@ -85,9 +84,9 @@ from fusedpar.ops.transport import (
 )
 
 __all__ = [
-    "DEFAULT_TRANSPORT", "RS_REDUCE_SMS", "TRANSPORTS", "ChunkFlags", "GroupCache", "SymmetricTransport",
-    "all_gather_matmul_symmetric", "chunk_flags", "clear_workspaces", "matmul_reduce_scatter_symmetric",
-    "pull_chunks", "resolve_transport", "set_workspace_factory", "symmetric_status",
+    "DEFAULT_TRANSPORT", "RS_REDUCE_SMS", "TRANSPORTS", "GroupCache", "SymmetricTransport",
+    "all_gather_matmul_symmetric", "clear_workspaces", "matmul_reduce_scatter_symmetric",
+    "resolve_transport", "set_workspace_factory", "symmetric_status",
 ]
 
 TRANSPORTS = ("auto", "symmetric", "portable")
