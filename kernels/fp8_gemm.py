@@ -361,11 +361,10 @@ def _prune_configs(configs, named_args, **kwargs):
                               dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]}, **rule)
 
 
-#: the autotuner's key: the problem size, the flags :func:`fp8_tile_rule` and the tile filter read,
-#: and the epilogue's (a tile tuned for the plain epilogue is not reused by a fused one); not the
-#: strides the rule's ``pipelined`` reads (a strided view whose rows lose 16-byte alignment at the
-#: same M, N, K as an aligned launch reuses the aligned launch's tile)
-_TUNING_KEY = ["M", "N", "K", "BLOCKWISE", "B_SCALE_ROWS", "ACT", "GLU", "STORE_AUX", "FP8_OUT"]
+#: the autotuner's key: the problem size, the flags and strides :func:`fp8_tile_rule` and the tile
+#: filter read, and the epilogue's (a tile tuned for the plain epilogue is not reused by a fused one,
+#: nor an aligned launch's by one whose rows lose 16-byte alignment)
+_TUNING_KEY = ["M", "N", "K", "BLOCKWISE", "B_SCALE_ROWS", "ACT", "GLU", "STORE_AUX", "FP8_OUT", "s_am", "a_so", "s_bn"]
 
 
 @functools.lru_cache(maxsize=None)

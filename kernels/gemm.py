@@ -310,11 +310,12 @@ def _prune_configs(configs, named_args, **kwargs):
                               **tile_rule(named_args, **kwargs))
 
 
-#: the autotuner's key: the problem size and every flag :func:`tile_rule` reads, so that the
-#: config tuned for one launch is never reused by a launch whose rule would prune it (a tf32 tile
-#: run as "ieee" FMA dots, a plain epilogue's 128-accumulator tile with a fused epilogue)
+#: the autotuner's key: the problem size, every flag :func:`tile_rule` reads and the strides it
+#: reads (a launch whose rows lose 16-byte alignment is unpipelined), so that the config tuned for
+#: one launch is never reused by a launch whose rule would prune it (a tf32 tile run as "ieee" FMA
+#: dots, a plain epilogue's 128-accumulator tile with a fused epilogue, a pipelined tile unpipelined)
 TUNING_KEY = ["M", "N", "K", "GLU", "A_K_SPLIT", "HAS_RES", "R_M_SPLIT", "ACT", "STORE_AUX", "INPUT_PRECISION",
-              "FP8_OUT"]
+              "FP8_OUT", "s_am0", "s_am1", "s_ak0", "s_ak1", "s_bk0", "s_bk1", "s_bn"]
 
 
 @functools.lru_cache(maxsize=None)

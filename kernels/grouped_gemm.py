@@ -390,11 +390,13 @@ def _prune_wgrad(configs, named_args, **kwargs):
                               acc_tiles=2 if fp8 else 1, acc_budget=budget, **r)
 
 
-#: the autotuners' keys: the problem size and every flag the prune rules (:func:`tile_rule`,
+#: the autotuners' keys: the problem size and every flag and stride the prune rules (:func:`tile_rule`,
 #: :func:`wgrad_tile_rule`) read, so that a config tuned for one launch is never reused by a launch
-#: whose rule would prune it (a tf32 tile run as "ieee" FMA dots, a plain tile with a fused one, fp8)
-TUNING_KEY = ["N", "K", "G", "ACT", "GLU", "DACT", "HAS_BIAS", "STORE_AUX", "INPUT_PRECISION", "FP8", "BLOCKWISE"]
-WGRAD_TUNING_KEY = ["N", "K", "G", "ACCUMULATE", "INPUT_PRECISION", "FP8"]
+#: whose rule would prune it (a tf32 tile run as "ieee" FMA dots, a plain tile with a fused one, fp8,
+#: a pipelined tile whose rows lose 16-byte alignment)
+TUNING_KEY = ["N", "K", "G", "ACT", "GLU", "DACT", "HAS_BIAS", "STORE_AUX", "INPUT_PRECISION", "FP8", "BLOCKWISE",
+              "s_xm", "s_xk", "s_wn", "s_wk"]
+WGRAD_TUNING_KEY = ["N", "K", "G", "ACCUMULATE", "INPUT_PRECISION", "FP8", "s_dm", "s_dn", "s_xm", "s_xk"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -200,7 +200,8 @@ def test_tuning_key_holds_every_flag_the_prune_rule_reads(monkeypatch):
     """A tuned config is reused for every launch with the same key: the key must hold whatever the
     prune rule decides on, or a tile kept for tf32 runs as "ieee" FMA dots (they spill) after a
     launch with the other torch.backends.cuda.matmul.allow_tf32, a plain epilogue's tile with a
-    fused one. The flags tile_rule reads are recorded (it reads each through named_args.get)."""
+    fused one, a pipelined tile whose rows lost their alignment. The flags and strides tile_rule
+    reads are recorded (it reads each through named_args.get)."""
     class Recording(dict):
         def get(self, k, default=None):
             read.add(k)
@@ -213,6 +214,9 @@ def test_tuning_key_holds_every_flag_the_prune_rule_reads(monkeypatch):
     flags = {k for k in read if k.isupper()}
     assert {"INPUT_PRECISION", "ACT", "R_M_SPLIT"} <= flags, flags
     assert flags <= set(gemm.TUNING_KEY), flags - set(gemm.TUNING_KEY)
+    # and the strides it reads (the rows' 16-byte alignment decides pipelining), of the kernel's arguments
+    strides = {k for k in read if k.startswith("s_")} & set(gemm._tuned_kernel().arg_names)
+    assert {"s_am0", "s_bn"} <= strides and strides <= set(gemm.TUNING_KEY), strides - set(gemm.TUNING_KEY)
 
 
 def test_interpreter_choice_is_fixed_at_import(monkeypatch):

@@ -706,10 +706,10 @@ def test_tuning_keys_hold_every_flag_the_prune_rules_read(monkeypatch):
     monkeypatch.setattr(gg, "device_capability", lambda index: (9, 0))
     read = set()
     gg.tile_rule(Recording(x_ptr=torch.empty(1, dtype=torch.bfloat16), N=64, K=64))
-    flags = {k for k in read if k.isupper()}
-    assert {"INPUT_PRECISION", "STORE_AUX", "ACT", "GLU", "DACT"} <= flags, flags
+    flags = {k for k in read if k.isupper() or k.startswith("s_")}  # the strides: the rows' alignment
+    assert {"INPUT_PRECISION", "STORE_AUX", "ACT", "GLU", "DACT", "s_xm"} <= flags, flags
     assert flags <= set(gg.TUNING_KEY), flags - set(gg.TUNING_KEY)
     read = set()
     gg.wgrad_tile_rule(Recording(dy_ptr=torch.empty(1, dtype=torch.bfloat16), N=64, K=64))
-    flags = {k for k in read if k.isupper()}
-    assert "INPUT_PRECISION" in flags and flags <= set(gg.WGRAD_TUNING_KEY), flags
+    flags = {k for k in read if k.isupper() or k.startswith("s_")}
+    assert {"INPUT_PRECISION", "s_dm"} <= flags and flags <= set(gg.WGRAD_TUNING_KEY), flags
