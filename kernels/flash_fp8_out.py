@@ -29,10 +29,19 @@ from .checks import check_shape, check_tensor
 from .fp8 import FP8_BLOCK, SCALE_FLOOR, check_fp8_device
 from .runtime import interpreting
 
-__all__ = ["attention_fp8_args", "check_attention_fp8_out", "fill_empty_fp8_out"]
+__all__ = ["attention_fp8_args", "check_attention_fp8_out", "check_fp8_head_dim", "fill_empty_fp8_out"]
 
 #: what the fp8 errors name as the option that asked for fp8
 _OPTION = "flash attention's fp8_out (the attention epilogue's e4m3 output)"
+
+
+def check_fp8_head_dim(name: str, d_v: int) -> None:
+    """The rule of the fused e4m3 output: ``d_v`` a multiple of 128 (each head whole 1x128 tiles of
+    the ``[..., hq * d_v]`` features, inside one program); ``name`` is the option that asked."""
+    if d_v % FP8_BLOCK:
+        raise ValueError(f"{name} needs v's head dim d_v to be a multiple of {FP8_BLOCK} (whole 1x128 tiles per "
+                         f"head), got d_v={d_v}: quantise out with quantize_e4m3(out.reshape(-1, hq * d_v), 'tile') "
+                         "instead")
 
 
 def check_attention_fp8_out(fp8_out, out_shape, device: torch.device, *, accumulate: bool = False) -> None:
@@ -43,10 +52,7 @@ def check_attention_fp8_out(fp8_out, out_shape, device: torch.device, *, accumul
     if fp8_out is None:
         return
     *lead, hq, d_v = out_shape
-    if d_v % FP8_BLOCK:
-        raise ValueError(f"fp8_out needs v's head dim d_v to be a multiple of {FP8_BLOCK} (each head whole 1x128 "
-                         f"tiles of the [..., hq * d_v] features, inside one program), got d_v={d_v}: quantise "
-                         f"out with quantize_e4m3(out.reshape(-1, hq * d_v), 'tile') instead")
+    check_fp8_head_dim("fp8_out", d_v)
     if accumulate:
         raise ValueError("fp8_out is not supported with accumulate=True (ring steps merge normalised fp32 states): "
                          "quantise the final output with quantize_e4m3(out.reshape(-1, hq * d_v), 'tile')")

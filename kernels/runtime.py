@@ -497,6 +497,12 @@ def apply_up(up, ACT: tl.constexpr):
     return up
 
 
+def activation_features(n_w: int, activation: str) -> int:
+    """The output features of a GEMM with ``n_w`` weight rows under ``activation`` (gated: the
+    rows are gate then up, half of them)."""
+    return n_w // 2 if ACTIVATIONS[activation][1] else n_w
+
+
 def activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
     """Plain torch reference of the fused activations (``x`` is ``[..., 2F]`` gate|up when gated)."""
     act, glu = ACTIVATIONS[activation]

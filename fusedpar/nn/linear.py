@@ -349,14 +349,13 @@ class ColumnParallelLinear(_TPLinearBase):
         if return_fp8 and self.gather_output:
             raise ValueError(f"{name}: return_fp8=True needs gather_output=False (the tiles of this rank's "
                              "features), got gather_output=True")
-        if return_fp8:
-            fp8["return_fp8"] = True
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight, self.bias, group=self.group, gather_dim=self.sequence_dim,
                                   activation=self.activation, save_gathered_input=self.save_gathered_input,
-                                  x_fp8=x_fp8, **fp8)
+                                  x_fp8=x_fp8, return_fp8=return_fp8, **fp8)
         else:
-            y = copy_to_tp_matmul(x, self.weight, self.bias, group=self.group, activation=self.activation, **fp8)
+            y = copy_to_tp_matmul(x, self.weight, self.bias, group=self.group, activation=self.activation,
+                                  return_fp8=return_fp8, **fp8)
         if self.gather_output:
             y = gather_features(y, self.group)
         return y
@@ -439,9 +438,7 @@ class RowParallelLinear(_TPLinearBase):
                 raise ValueError(f"{type(self).__name__}: with input_is_parallel=False x must have "
                                  f"{self.in_features} features in its last dim, got {shape}")
             x = scatter_features(x, self.group)
-        fp8 = self._fp8_kwargs(x)
-        if x_fp8 is not None:
-            fp8["x_fp8"] = x_fp8
+        fp8 = dict(self._fp8_kwargs(x), x_fp8=x_fp8)
         if self.sequence_parallel:
             return matmul_reduce_scatter(x, self.weight, self.bias, group=self.group, scatter_dim=self.sequence_dim,
                                          **fp8)

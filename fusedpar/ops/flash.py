@@ -22,7 +22,8 @@ from fusedpar.kernels.flash_attention import (
 )
 from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE, check_dq_mode
 from fusedpar.kernels.flash_varlen import check_varlen_inputs
-from fusedpar.kernels.fp8 import FP8_BLOCK, check_fp8_device
+from fusedpar.kernels.flash_fp8_out import check_fp8_head_dim
+from fusedpar.kernels.fp8 import check_fp8_device
 from fusedpar.ops.flash_library import flash_attention_op, flash_attention_varlen_op
 from fusedpar.ops.library import checked_api
 
@@ -39,14 +40,12 @@ def _score_arguments(q, causal, softmax_scale, head_dim, window, softcap, sinks)
     return None if softmax_scale is None else float(softmax_scale), left, right, (cap or None)
 
 
-def _check_return_fp8(return_fp8, out_shape, q) -> None:
+def _check_return_fp8(return_fp8, d_v: int, q) -> None:
     """``return_fp8``: a bool; True needs ``d_v`` a multiple of 128 and fp8 tensor cores
     (:func:`~fusedpar.kernels.flash_fp8_out.check_attention_fp8_out`'s rules, checked before the op)."""
     check_bool("return_fp8", return_fp8)
-    if return_fp8 and out_shape[-1] % FP8_BLOCK:
-        raise ValueError(f"return_fp8=True needs v's head dim d_v to be a multiple of {FP8_BLOCK} (whole 1x128 tiles "
-                         f"per head), got d_v={out_shape[-1]}")
     if return_fp8:
+        check_fp8_head_dim("return_fp8=True", d_v)
         check_fp8_device(q, option="flash_attention's return_fp8")
 
 
@@ -82,7 +81,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_
     check_offsets(q_offset, k_offset)
     scale, left, right, cap = _score_arguments(q, causal, softmax_scale, q.shape[3], window, softcap, sinks)
     check_dq_mode(dq_mode)
-    _check_return_fp8(return_fp8, tuple(q.shape[:3]) + (v.shape[3],), q)
+    _check_return_fp8(return_fp8, v.shape[3], q)
     out, lse, out_q, out_scale = flash_attention_op(q, k, v, causal, scale, q_offset, k_offset, left, right, cap, sinks,
                                                     dq_mode, return_fp8)
     return (out, lse, (out_q, out_scale)) if return_fp8 else (out, lse)
@@ -110,7 +109,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, values=False)
     scale, left, right, cap = _score_arguments(q, causal, softmax_scale, q.shape[2], window, softcap, sinks)
     check_dq_mode(dq_mode)
-    _check_return_fp8(return_fp8, tuple(q.shape[:2]) + (v.shape[2],), q)
+    _check_return_fp8(return_fp8, v.shape[2], q)
     out, lse, out_q, out_scale = flash_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                            max_seqlen_k, causal, scale, left, right, cap, sinks, dq_mode,
                                                            return_fp8)

@@ -54,7 +54,7 @@ import torch
 
 from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.kernels.gemm_fp8_epilogue import fp8_output_empty
-from fusedpar.kernels.runtime import ACTIVATIONS
+from fusedpar.kernels.runtime import activation_features
 from fusedpar.ops.fp8_schedules import (
     all_gather_matmul_fp8_bwd,
     all_gather_matmul_fp8_fwd,
@@ -160,7 +160,7 @@ def _(x, weight, bias, token, dim, activation, partial_dtype, recipe, grad_high_
     P, lead = token_size(token), tuple(x.shape[:-1])
     out_lead = list(lead)
     out_lead[dim] = out_lead[dim] * P
-    out = x.new_empty(out_lead + [weight.shape[0] // 2 if ACTIVATIONS[activation][1] else weight.shape[0]])
+    out = x.new_empty(out_lead + [activation_features(weight.shape[0], activation)])
     preact = x.new_empty((P,) + lead + (weight.shape[0],)) if keep_preact and activation != "none" else absent(x)
     gathered = absent(x)
     if keep_gathered:
@@ -301,7 +301,7 @@ def copy_to_tp_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, tok
 def _(x, weight, bias, token, activation, num_chunks, reduce_dtype, recipe, grad_high_precision, keep_preact,
       out_fp8=False):
     lead = list(x.shape[:-1])
-    out = x.new_empty(lead + [weight.shape[0] // 2 if ACTIVATIONS[activation][1] else weight.shape[0]])
+    out = x.new_empty(lead + [activation_features(weight.shape[0], activation)])
     return (out, x.new_empty(lead + [weight.shape[0]]) if keep_preact and activation != "none" else absent(x),
             *_fp8_fake(out, out_fp8))
 

@@ -19,7 +19,7 @@ import torch
 from fusedpar.kernels import fp8_matmul, matmul_tn, quantize_e4m3
 from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.kernels.gemm_fp8_epilogue import fp8_output_empty
-from fusedpar.kernels.runtime import ACTIVATIONS
+from fusedpar.kernels.runtime import activation_features
 from fusedpar.ops import symmetric
 from fusedpar.ops.library import absent
 from fusedpar.ops.tensor_parallel_library import TPOptions
@@ -140,7 +140,7 @@ def all_gather_matmul_fp8_fwd(x, weight, bias, opts: TPOptions, recipe: str, gra
         gathered = x.new_empty((P, kept.nbytes), dtype=torch.uint8)
         chunks = (a for a, _ in zip(chunks, ring_gather(kept.fill(gathered[t.rank], x), t, into=gathered)))
     w8 = Fp8Weight(weight, recipe)
-    out_shape = list(lead) + [n_w // 2 if ACTIVATIONS[act][1] else n_w]
+    out_shape = list(lead) + [activation_features(n_w, act)]
     out_shape[d] *= P
     out = x.new_empty(out_shape)
     preact = x.new_empty((P,) + lead + (n_w,)) if keep_preact and act != "none" else None
@@ -287,7 +287,7 @@ def copy_to_tp_matmul_fp8_fwd(x, weight, bias, recipe: str, activation: str, *, 
     ``(out, preact, out_fp8)`` (``preact`` kept with ``keep_preact`` and an activation; ``out_fp8``
     the epilogue's 1x128-tile quantisation of ``out`` when asked, else None)."""
     lead, (n_w, K) = tuple(x.shape[:-1]), weight.shape
-    out = x.new_empty(lead + (n_w // 2 if ACTIVATIONS[activation][1] else n_w,))
+    out = x.new_empty(lead + (activation_features(n_w, activation),))
     preact = x.new_empty(lead + (n_w,)) if keep_preact and activation != "none" else None
     fp8 = fp8_output_empty(out) if out_fp8 else None
     Fp8Weight(weight, recipe).gemm(Fp8Rows.of(x.reshape(-1, K), recipe), out.view(-1, out.shape[-1]), bias,

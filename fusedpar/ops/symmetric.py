@@ -59,7 +59,7 @@ from fusedpar.kernels.persistent_gemm import (
     persistent_matmul,
     tiles_per_chunk,
 )
-from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, cdiv
+from fusedpar.kernels.runtime import SUPPORTED_DTYPES, activation_features, cdiv
 from fusedpar.kernels.waits import canonical_device, check_wait_timeouts
 from fusedpar.ops import comm
 from fusedpar.ops.agreement import agreed_arguments
@@ -347,7 +347,7 @@ def _check_delay(delay_cycles, device):
 # ----------------------------------------------------------------------------------------------
 def _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out, out_dtype):
     n_w = weight.shape[0]
-    shape = list(x.shape[:-1]) + [n_w // 2 if ACTIVATIONS[activation][1] else n_w]
+    shape = list(x.shape[:-1]) + [activation_features(n_w, activation)]
     shape[gather_dim] *= P
     out = output_buffer("out", out, shape, x.device, out_dtype)
     if preact_out is not None:

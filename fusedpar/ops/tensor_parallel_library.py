@@ -38,7 +38,7 @@ import torch
 
 from fusedpar.kernels import chunk_view, matmul
 from fusedpar.kernels.gemm import linear_operands, matmul_checked
-from fusedpar.kernels.runtime import ACTIVATIONS
+from fusedpar.kernels.runtime import activation_features
 from fusedpar.ops import symmetric
 from fusedpar.ops.library import absent, custom_op, hold, input_grads, resolve_token, token_size
 from fusedpar.ops.tensor_parallel_schedules import (
@@ -87,10 +87,6 @@ def tp_transport(token: str, x: torch.Tensor):
     return symmetric.resolve_transport(transport, x, group)
 
 
-def _n_out(weight, activation):
-    return weight.shape[0] // 2 if ACTIVATIONS[activation][1] else weight.shape[0]
-
-
 def _or_absent(t, like):
     return absent(like) if t is None else t
 
@@ -124,7 +120,7 @@ def all_gather_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False
     rank's ``x`` by source rank, ``[P, *x.shape]`` (only with ``keep_gathered``; else None)."""
     t, d = opts.transport, opts.dim
     P, n, n_w = t.size, x.shape[opts.dim], weight.shape[0]
-    out_shape = list(x.shape[:-1]) + [_n_out(weight, opts.activation)]
+    out_shape = list(x.shape[:-1]) + [activation_features(weight.shape[0], opts.activation)]
     out_shape[d] *= P
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     preact = None
@@ -213,7 +209,7 @@ def _(x, weight, bias, token, dim, activation, partial_dtype, keep_preact, keep_
     P, lead = token_size(token), list(x.shape[:-1])
     out_lead = list(lead)
     out_lead[dim] = out_lead[dim] * P
-    out = x.new_empty(out_lead + [_n_out(weight, activation)])
+    out = x.new_empty(out_lead + [activation_features(weight.shape[0], activation)])
     preact = x.new_empty([P] + lead + [weight.shape[0]]) if keep_preact and activation != "none" else absent(x)
     return out, preact, (x.new_empty([P] + list(x.shape)) if keep_gathered else absent(x))
 
@@ -458,7 +454,7 @@ def copy_to_tp_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, token: 
 @copy_to_tp_matmul_op.register_fake
 def _(x, weight, bias, token, activation, num_chunks, reduce_dtype, keep_preact):
     lead = list(x.shape[:-1])
-    out = x.new_empty(lead + [_n_out(weight, activation)])
+    out = x.new_empty(lead + [activation_features(weight.shape[0], activation)])
     rows = 1
     for s in lead:
         rows = rows * s
