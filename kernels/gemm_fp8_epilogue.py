@@ -99,12 +99,16 @@ def fp8_output_args(fp8_out, out: torch.Tensor) -> tuple[tuple, dict]:
 
 
 def quantize_output(out: torch.Tensor, fp8_out) -> None:
-    """``fp8_out = quantize_e4m3(out, "tile")`` of the rows of ``out`` (a GEMM with an empty
-    contraction, whose epilogue runs on the host); nothing when ``fp8_out`` is None."""
+    """``fp8_out = quantize_e4m3(out, "tile")`` of the rows of ``out`` (an epilogue that runs after
+    its GEMM: an empty contraction, a launch that does not fuse it); contiguous buffers are written
+    in place; nothing when ``fp8_out`` is None."""
     if fp8_out is None:
         return
     q, scale = fp8_out
     n = out.shape[-1]
+    if q.is_contiguous() and scale.is_contiguous():
+        quantize_e4m3(out.reshape(-1, n), "tile", out=(q.view(-1, n), scale.view(-1, scale.shape[-1])))
+        return
     q2, s2 = quantize_e4m3(out.reshape(-1, n), "tile")
     q.copy_(q2.view(q.shape))
     scale.copy_(s2.view(scale.shape))

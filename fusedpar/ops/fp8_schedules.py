@@ -18,7 +18,7 @@ import torch
 
 from fusedpar.kernels import fp8_matmul, matmul_tn, quantize_e4m3
 from fusedpar.kernels.fp8_gemm import FP8_RECIPES
-from fusedpar.kernels.gemm_fp8_epilogue import fp8_output_empty
+from fusedpar.kernels.gemm_fp8_epilogue import fp8_output_empty, quantize_output
 from fusedpar.kernels.runtime import activation_features
 from fusedpar.ops import symmetric
 from fusedpar.ops.library import absent
@@ -39,15 +39,6 @@ from fusedpar.ops.tensor_parallel_schedules import (
 __all__ = ["all_gather_matmul_fp8_bwd", "all_gather_matmul_fp8_fwd", "chunk_lead", "copy_to_tp_matmul_fp8_bwd",
            "copy_to_tp_matmul_fp8_fwd", "fp8_linear_bwd", "fp8_linear_fwd", "matmul_all_reduce_fp8_fwd",
            "matmul_reduce_scatter_fp8_bwd", "matmul_reduce_scatter_fp8_fwd", "wgrad_kind"]
-
-
-def _quantize_tiles(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` (``[..., N]``) quantised per 1x128 tile in one pass, ``(q, scale)`` of the shapes the
-    fused epilogue's fp8 output has (the persistent all-gather GEMM fuses none)."""
-    q, scale = fp8_output_empty(out)
-    rows = (q.view(-1, q.shape[-1]), scale.view(-1, scale.shape[-1]))
-    quantize_e4m3(out.reshape(-1, out.shape[-1]), "tile", out=rows)
-    return q, scale
 
 
 def _rows(x: torch.Tensor, recipe: str, x_fp8) -> Fp8Rows:
@@ -126,7 +117,9 @@ def all_gather_matmul_fp8_fwd(x, weight, bias, opts: TPOptions, recipe: str, gra
     t, d, act = opts.transport, opts.dim, opts.activation
     if t.in_kernel_waits and not keep_gathered:
         out, preact = _all_gather_matmul_fp8_symmetric(x, weight, bias, opts, recipe, keep_preact, x_fp8)
-        return out, preact, None, _quantize_tiles(out) if out_fp8 else None
+        fp8 = fp8_output_empty(out) if out_fp8 else None
+        quantize_output(out, fp8)  # the persistent GEMM fuses none: one pass after it
+        return out, preact, None, fp8
     P, lead, n_w, K = t.size, tuple(x.shape[:-1]), weight.shape[0], x.shape[-1]
     n = lead[d]
     pack = Fp8Pack.activation(lead, K, x.dtype, recipe, rows=True, wgrad=None)
