@@ -28,7 +28,7 @@ from fusedpar.kernels.moe_routing import routing_metadata
 from fusedpar.kernels.moe_topk import topk_route, topk_route_backward
 from fusedpar.kernels.persistent_gemm import chunk_reduce, chunk_view, persistent_matmul
 from fusedpar.kernels.rmsnorm import rms_norm_bwd, rms_norm_fp8_fwd, rms_norm_fwd
-from fusedpar.ops.linear_cross_entropy_library import default_chunk_tokens, vocab_block
+from fusedpar.ops.loss.bodies import default_chunk_tokens, vocab_block
 
 #: dense transformer layers: hidden, ffn, query heads, kv heads, head dim, tokens per batch
 LLAMA = {
@@ -448,7 +448,7 @@ def _fp8_grouped(dt, kind, scaling, H, F, E, M):
     quantised per row; the weights per expert, transposed for the data gradients; the weight
     gradient's operands quantised along the rows per group) and those quantisations."""
     from fusedpar.kernels.fp8 import group_columns, group_tiles, quantize_e4m3_groups
-    from fusedpar.ops.moe_layout import TokenPack
+    from fusedpar.ops.moe.bodies import TokenPack
 
     if dt != torch.bfloat16:
         return

@@ -2,7 +2,7 @@
 both dq modes: ``bwd_ms`` the deterministic two-kernel backward, ``bwd_atomic_ms`` the one-pass
 backward with dQ by fp32 atomics, ``dq_mode="atomic"``).
 ``python -m benchmarks ring_attention``: the shipped ring attention (forward and backward) of one
-rank of ``P`` on one GPU through :class:`fusedpar.ops.transport.EmulatedTransport`: the K/V
+rank of ``P`` on one GPU through :class:`fusedpar.ops.EmulatedTransport`: the K/V
 (and dK/dV) transfers are device-to-device copies of the same bytes on a second stream.
 ``python -m benchmarks varlen_attention``: packed documents (varlen kernels) against a padded
 batch of the same documents.
@@ -150,7 +150,7 @@ def _runs(pos):
 def _blocking_transport(size, rank):
     """An EmulatedTransport whose transfers are waited on as soon as they start: the same ring
     without overlap (the sequential baseline)."""
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     class Blocking(EmulatedTransport):
         def send_recv(self, send, dst, recv, src):
@@ -216,12 +216,12 @@ class _MirrorProblem:
         return sum(dkv_full.index_select(2, p) for p in self.pos)
 
     def ring_fwd(self, transport):
-        from fusedpar.ops import ring_attention_fwd
+        from fusedpar.ops.sequence_parallel.bodies import ring_attention_fwd
 
         return ring_attention_fwd(self.q, self.k, self.v, transport, causal=True, layout=self.layout)
 
     def ring_bwd(self, transport, out, lse):
-        from fusedpar.ops import ring_attention_bwd
+        from fusedpar.ops.sequence_parallel.bodies import ring_attention_bwd
 
         return ring_attention_bwd(self.dout, self.q, self.k, self.v, out, lse, transport, causal=True,
                                   layout=self.layout)
@@ -242,7 +242,7 @@ class _MirrorProblem:
 def run_ring(args, ctx):
     import torch
 
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
     P = args.ranks or (8 if ctx.gpu else 2)

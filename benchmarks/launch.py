@@ -98,7 +98,7 @@ def run(args, ctx):
 
     from fusedpar.kernels import flash_attention_forward, matmul
     from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     calls = args.calls or ((2000 if ctx.gpu else 200) if args.stub_kernels else (200 if ctx.gpu else 3))
     dtype = torch.bfloat16 if ctx.gpu else torch.float32

@@ -64,7 +64,7 @@ def _row(ctx, name, T, H, V, dtype, tp, chunk):
     import torch.nn.functional as F
 
     from fusedpar.ops import linear_cross_entropy, vocab_parallel_cross_entropy
-    from fusedpar.ops.linear_cross_entropy_library import default_chunk_tokens, vocab_block
+    from fusedpar.ops.loss.bodies import default_chunk_tokens, vocab_block
 
     g = torch.Generator(device="cpu").manual_seed(0)
     v = V // tp

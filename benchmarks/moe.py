@@ -61,6 +61,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ._common import check_close, gbps, parse_dtype, register, tflops
+from fusedpar.nn import MoEConfig
 
 
 def _add_args(p):
@@ -301,7 +302,7 @@ def _deepseek_v3_row(ctx, args):
     import torch
 
     from fusedpar.nn import MoE
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     c = DEEPSEEK_V3 if (args.deepseek_shape or ("full" if ctx.gpu else "smoke")) == "full" else DEEPSEEK_V3_SMOKE
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
@@ -312,9 +313,10 @@ def _deepseek_v3_row(ctx, args):
         raise SystemExit(f"--deepseek-ep must be a positive divisor of {E} (DeepSeek-V3's experts), got {ep}")
     dev = ctx.device
     # built on meta (nothing drawn), then every value drawn on the device
-    moe = MoE(H, Fd, E, k, score="sigmoid", normalize=True, n_group=c["n_group"], topk_group=c["topk_group"],
-              routed_scaling_factor=c["scale"], score_bias=True, aux_loss_coef=0.0, z_loss_coef=0.0,
-              transport=EmulatedTransport(ep, 0) if ep > 1 else None, num_chunks=args.chunks, device="meta",
+    config = MoEConfig(H, Fd, E, k, score="sigmoid", normalize=True, n_group=c["n_group"],
+                       topk_group=c["topk_group"], routed_scaling_factor=c["scale"], score_bias=True,
+                       aux_loss_coef=0.0, z_loss_coef=0.0, num_chunks=args.chunks)
+    moe = MoE(config, transport=EmulatedTransport(ep, 0) if ep > 1 else None, device="meta",
               dtype=dtype).to_empty(device=dev)
     g = torch.Generator(device=dev).manual_seed(1)
     with torch.no_grad():
@@ -364,7 +366,7 @@ def _ep_row(ctx, d, ep, chunks):
     global expert ``e`` is served by local expert ``e % E_local``: the reference is the layer on
     one rank with the local experts tiled ``ep`` times."""
     from fusedpar.ops import moe_mlp
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     e_loc = d.E // ep
     transport = EmulatedTransport(ep, 0)

@@ -1,5 +1,5 @@
 """``python -m benchmarks persistent_ag`` / ``persistent_rs``: the shipped in-kernel-wait schedules
-(:mod:`fusedpar.ops.symmetric`: one persistent GEMM waiting per chunk) on one GPU through
+(:mod:`fusedpar.ops.comm.symmetric`: one persistent GEMM waiting per chunk) on one GPU through
 ``EmulatedTransport(in_kernel_waits=True)``, against the sequential baseline and the shipped
 portable schedule (one GEMM launch per chunk, through ``EmulatedTransport``).
 
@@ -15,7 +15,7 @@ B`` picks ``r`` from the measured local copy bandwidth so that the emulated link
 * ``T_seq``: copies, then one cuBLAS GEMM (what ``all_gather`` + ``matmul`` does);
 * ``T_per_chunk``: ``fusedpar.ops.all_gather_matmul`` on the portable schedule: one fused-GEMM
   launch per chunk, each after its chunk's transfer;
-* ``T_persistent``: :func:`~fusedpar.ops.symmetric.all_gather_matmul_symmetric`: one persistent
+* ``T_persistent``: :func:`~fusedpar.ops.tensor_parallel.symmetric.all_gather_matmul_symmetric`: one persistent
   GEMM whose tiles wait on the per-chunk flags raised by the copy stream (``cuStreamWriteValue32``);
 * ``overlap_eff = (T_gemm + T_comm - T_persistent) / min(T_gemm, T_comm)``.
 
@@ -33,7 +33,7 @@ both fp8 schedules run the op's default tile and reduction SMs (``RS_REDUCE_SMS`
 Reduce-scatter: ``T_seq`` is the cuBLAS GEMM of all partials, then copies of the ``P - 1``
 partials of this rank's chunk (the transfer) and their sum; ``T_per_chunk`` the portable ring of
 ``fusedpar.ops.matmul_reduce_scatter``; ``T_persistent``
-:func:`~fusedpar.ops.symmetric.matmul_reduce_scatter_symmetric`: the signalling GEMM with a
+:func:`~fusedpar.ops.tensor_parallel.symmetric.matmul_reduce_scatter_symmetric`: the signalling GEMM with a
 ``chunk_reduce`` on ``--reduce-sms`` SMs, one row per value. In the emulation the reduction reads
 the partials from local memory (a real rank reads them over NVLink).
 
@@ -161,8 +161,8 @@ def run_ag(args, ctx):
 
     from fusedpar.kernels import chunk_view, persistent_matmul
     from fusedpar.ops import all_gather_matmul
-    from fusedpar.ops.symmetric import all_gather_matmul_symmetric
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.tensor_parallel.symmetric import all_gather_matmul_symmetric
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     dtype, tokens, K, ns, P = _setup(args, ctx)
     rank, rows = 0, tokens // P
@@ -263,8 +263,8 @@ def run_rs(args, ctx):
 
     from fusedpar.kernels import chunk_view, persistent_matmul
     from fusedpar.ops import matmul_reduce_scatter
-    from fusedpar.ops.symmetric import RS_REDUCE_SMS, matmul_reduce_scatter_symmetric
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.tensor_parallel.symmetric import RS_REDUCE_SMS, matmul_reduce_scatter_symmetric
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     dtype, tokens, N, ks, P = _setup(args, ctx)
     rank, rows = 0, tokens // P

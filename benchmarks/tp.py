@@ -1,7 +1,7 @@
 """``python -m benchmarks ag_matmul`` / ``matmul_rs``: one tensor-parallel rank of the shipped ops.
 
 The shipped :func:`fusedpar.ops.all_gather_matmul` / :func:`fusedpar.ops.matmul_reduce_scatter`
-run one rank of ``tp`` on one GPU through :class:`fusedpar.ops.transport.EmulatedTransport`: its
+run one rank of ``tp`` on one GPU through :class:`fusedpar.ops.EmulatedTransport`: its
 transfers are device-to-device copies of the same bytes on a side stream, its GEMMs run on the
 main stream and wait for the chunk they need, exactly as over a real group. Reported per shape:
 
@@ -94,7 +94,7 @@ def run_ag(args, ctx):
 
     from fusedpar.kernels import matmul
     from fusedpar.ops import all_gather_matmul
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     M, H, F, tp = _sizes(args, ctx)
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
@@ -136,7 +136,7 @@ def run_rs(args, ctx):
 
     from fusedpar.kernels import matmul
     from fusedpar.ops import matmul_reduce_scatter
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     M, H, F, tp = _sizes(args, ctx)
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)

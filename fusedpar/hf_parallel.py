@@ -40,7 +40,8 @@ from fusedpar.nn.norm import RMSNorm
 from fusedpar.nn.placement import Placement
 from fusedpar.nn.placement import gradient_sync_plan as placement_gradient_sync_plan
 from fusedpar.ops import comm, global_loss, hybrid_attention, ring_attention, shard_positions, ulysses_attention
-from fusedpar.ops.replicas import replicated_rows
+from fusedpar.ops.tensor_parallel.api import replicated_rows
+from fusedpar.nn.config import MoEConfig
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "HFMoEBlock", "SequenceParallel",
            "SharedRotaryKeyProjection", "causal_lm_loss", "gather_sequence", "gpt_oss_experts_from_hf",
@@ -230,7 +231,7 @@ def causal_lm_loss(hf_model, input_ids: torch.Tensor, targets: torch.Tensor, *, 
     model's own forward with ``labels=`` does (families without one, GLM-4.5 and DeepSeek-V3, add
     nothing)."""
     from fusedpar.ops import linear_cross_entropy
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     config = hf_model.config
     head = hf_model.get_output_embeddings()
@@ -326,7 +327,7 @@ class SharedRotaryKeyProjection(nn.Module):
     parallelism, holding the ``nn.Linear``'s own weight and bias (same names). The latent goes
     through the column-parallel ``kv_b_proj``, whose backward sums its input gradient over tp; the
     rotary key is shared by every head, and each rank's attention covers only its own heads, so
-    its gradient is summed over ``tp_group`` here (:func:`fusedpar.ops.replicas.replicated_rows`
+    its gradient is summed over ``tp_group`` here (:func:`fusedpar.ops.tensor_parallel.api.replicated_rows`
     over the output's feature rows ``kv_lora_rank:``). The projection's weight, its input
     gradient and everything before it are then whole on every rank, as in the unsplit model."""
 
@@ -432,8 +433,8 @@ def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
     if gpt_oss:  # biased router, softmax over the top-k logits; biased experts with the clamped SwiGLU
         norm = False
         router = dict(score="softmax_topk", router_bias=True, expert_bias=True, activation="swiglu_oai")
-    moe = MoE(H, F_, E, k, ep_group=ep_group, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0,
-              replicated_group=tp_group, device="meta", **router)
+    moe = MoE(MoEConfig(H, F_, E, k, normalize=norm, aux_loss_coef=0.0, z_loss_coef=0.0, **router),
+              ep_group=ep_group, replicated_group=tp_group, device="meta")
     placements = moe.placements()  # this rank's experts
     hf_names = {"w1": "gate_up_proj", "w2": "down_proj"}
     if gpt_oss:

@@ -33,7 +33,7 @@ and the plain torch oracle.
 Layers: ``_attn_fwd_kernel`` (jit) -> :func:`flash_attention_forward` (validate, allocate,
 launch); the backward kernels and :func:`~.flash_attention_bwd.flash_attention_backward` live
 in :mod:`.flash_attention_bwd`; the differentiable ``flash_attention`` (a custom op,
-``fusedpar.ops.flash_library``) is called through ``fusedpar.ops.flash``. :func:`attention_reference` is the plain fp64 torch oracle.
+``fusedpar.ops.attention.custom_ops``) is called through ``fusedpar.ops.attention``. :func:`attention_reference` is the plain fp64 torch oracle.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The logits GEMM ``z = hidden @ weight.T`` with cross-entropy epilogues: the fused linear + cross
-entropy of :mod:`fusedpar.ops.linear_cross_entropy` without a tokens x vocabulary tensor.
+entropy of :func:`fusedpar.ops.linear_cross_entropy` without a tokens x vocabulary tensor.
 
 * :func:`linear_ce_stats` (forward): one launch over the ``[M, N]`` output tiles; each tile turns
   its fp32 accumulator into the (soft-capped) logits and leaves, per row, their max and the sum of

@@ -6,7 +6,7 @@ walks over all output tiles of all chunks, in chunk order: no launch gap or tail
 
 * **all-gather side** (``wait_mode="spin"``): before it loads a chunk's rows of A, a program
   spins on that chunk's int32 ready flag (acquire) until it reaches ``ready_value``; a producer
-  (copy engine on a side stream, :mod:`fusedpar.ops.symmetric`) fills the chunks and raises the
+  (copy engine on a side stream, :mod:`fusedpar.ops.comm.symmetric`) fills the chunks and raises the
   flags. Tiles start at ``first_chunk`` (the local chunk), so work never waits for data that
   arrives later than data it skipped over.
 * **reduce-scatter side** (``signal_counters``): after each tile's store a program adds 1 to its

@@ -24,7 +24,7 @@ sizes and, compiled, the register layout (constexpr ``VEC``) are the plain launc
 
 Layers: ``_rmsnorm_fwd_kernel`` / ``_rmsnorm_bwd_kernel`` (jit) -> ``rms_norm_fwd`` /
 ``rms_norm_fp8_fwd`` / ``rms_norm_bwd`` (validate, allocate, launch); ``rms_norm_reference`` is
-the torch oracle. The custom ops live in ``fusedpar.ops.norm_library``, the functional API in
+the torch oracle. The custom ops live in ``fusedpar.ops.norm.custom_ops``, the functional API in
 ``fusedpar.ops.norm``; the module in ``fusedpar.nn``.
 """
 from __future__ import annotations
@@ -448,7 +448,7 @@ def rms_norm_fp8_fwd(
     rstd, q, scale)``, ``q`` the contiguous ``float8_e4m3fn`` ``[..., H]`` and ``scale`` fp32 per
     token for ``recipe="rowwise"`` (shape ``x.shape[:-1]``) or per 1x128 tile along ``H`` for
     ``"blockwise"`` (``x.shape[:-1] + (ceil(H / 128),)``, the last tile ragged), the layout of
-    ``Fp8Rows`` in :mod:`fusedpar.ops.tensor_parallel_schedules`. The quantised values are those of
+    ``Fp8Rows`` in :mod:`fusedpar.ops.tensor_parallel.schedules`. The quantised values are those of
     the stored ``y`` (rounded to its dtype), with :mod:`.fp8`'s scales, guards and cast, so
     ``(q, scale)`` equal ``quantize_e4m3(y.reshape(-1, H), "row" | "tile")`` bit for bit.
     ``fp8_out=(q, scale)``: contiguous buffers of those shapes and dtypes, written in place."""

@@ -100,7 +100,7 @@ def check_interpreter() -> None:
         install_interpreter_dot()
 
 
-def _float8_values(torch_dtype) -> "numpy.ndarray":
+def _float8_values(torch_dtype):
     """The float64 value of each of the 256 bit patterns of an fp8 dtype (exact)."""
     return torch.arange(256, dtype=torch.uint8).view(torch_dtype).double().numpy()
 

@@ -63,7 +63,7 @@ _statuses: dict = {}
 
 def canonical_device(device) -> torch.device:
     """``device`` spelled as the tensors allocated there report it: the key of every per-device
-    cache (status words here; flags, side streams and workspaces in :mod:`fusedpar.ops.symmetric`).
+    cache (status words here; flags, side streams and workspaces in :mod:`fusedpar.ops.comm.symmetric`).
     ``"cuda"`` names the current CUDA device, whose tensors report ``cuda:<index>``; CPU tensors
     report ``cpu`` without an index, so ``"cpu:0"`` becomes ``cpu``. Without it a caller that
     names the device ``"cuda"`` and an op keyed by its tensor's ``cuda:0`` reach two different

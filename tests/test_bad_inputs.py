@@ -28,8 +28,15 @@ from fusedpar.ops import (
     ring_attention,
     ulysses_attention,
 )
-from fusedpar.ops.sp_attention import sequence_shard, shard_positions, zigzag_positions, zigzag_shard, zigzag_unshard
-from fusedpar.ops.varlen import document_positions
+from fusedpar.ops.sequence_parallel.layouts import (
+    sequence_shard,
+    shard_positions,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from fusedpar.ops.sequence_parallel.plans import document_positions
+from fusedpar.nn import AttentionConfig
 
 
 def _r(*shape, dtype=torch.float32):
@@ -71,9 +78,9 @@ CASES = {
                           lambda: hybrid_attention(*_qkv(), ulysses_transport=_em(), ring_transport=_em(),
                                                    causal="no")),
     "ParallelAttention causal str": (TypeError, "ParallelAttention: causal must be a bool, got str 'no'",
-                                     lambda: ParallelAttention(16, 2, causal="no")),
+                                     lambda: ParallelAttention(AttentionConfig(16, 2, causal="no"))),
     "AttentionReference causal int": (TypeError, "AttentionReference: causal must be a bool, got int 0",
-                                      lambda: AttentionReference(16, 2, causal=0)),
+                                      lambda: AttentionReference(AttentionConfig(16, 2, causal=0))),
     "all_gather_matmul save_gathered_input str": (
         TypeError, "all_gather_matmul: save_gathered_input must be a bool, got str 'yes'",
         lambda: all_gather_matmul(_r(2, 4, 8), _r(6, 8), transport=_em(), save_gathered_input="yes")),
@@ -116,7 +123,7 @@ CASES = {
     "ulysses zero heads": (ValueError, "q must have at least one head",
                            lambda: ulysses_attention(*_qkv(hq=0, hk=0), transport=_em())),
     "ParallelAttention zero heads": (ValueError, "num_heads must be a positive int, got 0",
-                                     lambda: ParallelAttention(16, 0)),
+                                     lambda: ParallelAttention(AttentionConfig(16, 0))),
     "tp num_chunks 0": (ValueError, "matmul_all_reduce: num_chunks must be >= 1, got 0",
                         lambda: matmul_all_reduce(_r(4, 8), _r(6, 8), transport=_em(), num_chunks=0)),
     "tp num_chunks bool": (TypeError, "num_chunks must be an int, got bool True",

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from _world import world_fixture
 from fusedpar.nn import MoE, ParallelAttention, Transformer, TransformerConfig
 from fusedpar.parallel import build_parallel_state, check_sizes_agree
+from fusedpar.nn import AttentionConfig, MoEConfig
 
 world2 = world_fixture(2, timeout=90)
 world4 = world_fixture(4, timeout=90)
@@ -30,15 +31,13 @@ def _build(kind, state):
         # the example: pp2 x tp2 without sp_group takes the world as the sequence group
         "transformer tp without sp": lambda: Transformer(_config(), tp_group=state.tp_group),
         "sp given as the world": lambda: Transformer(_config(), tp_group=state.tp_group, sp_group=world),
-        "attention tp x world sp": lambda: ParallelAttention(16, 4, 2, tp_group=state.tp_group, sp_group=world),
-        "attention ulysses = ring": lambda: ParallelAttention(16, 4, 2, tp_group=state.sp_group, sp_mode="hybrid",
-                                                              ulysses_group=state.tp_group, ring_group=world),
+        "attention tp x world sp": lambda: ParallelAttention(AttentionConfig(16, 4, 2), tp_group=state.tp_group, sp_group=world),
+        "attention ulysses = ring": lambda: ParallelAttention(AttentionConfig(16, 4, 2, sp_mode="hybrid"), tp_group=state.sp_group, ulysses_group=state.tp_group, ring_group=world),
         "transformer hybrid overlap": lambda: Transformer(_config(sp_mode="hybrid"), tp_group=state.sp_group,
                                                           ulysses_group=state.tp_group, ring_group=world),
         "vocab over tp": lambda: Transformer(_config(vocab_size=15), tp_group=state.tp_group, sp_group=state.sp_group),
-        "heads over tp": lambda: ParallelAttention(16, 3, 1, head_dim=4, tp_group=state.tp_group,
-                                                   sp_group=state.sp_group),
-        "experts over ep": lambda: MoE(16, 8, 3, 2, ep_group=state.ep_group),
+        "heads over tp": lambda: ParallelAttention(AttentionConfig(16, 3, 1, head_dim=4), tp_group=state.tp_group, sp_group=state.sp_group),
+        "experts over ep": lambda: MoE(MoEConfig(16, 8, 3, 2), ep_group=state.ep_group),
         "transformer experts over ep": lambda: Transformer(_config(num_experts=3), tp_group=state.tp_group,
                                                            sp_group=state.sp_group, ep_group=state.ep_group),
     }[kind]
@@ -95,7 +94,7 @@ def _good_layout(rank, size):
     state = build_parallel_state(pp=2, tp=2, dp=None if rank == 0 else 1)
     model = Transformer(_config(), tp_group=state.tp_group, sp_group=state.sp_group, ep_group=state.ep_group)
     single = dist.new_group([rank], use_local_synchronization=True)
-    ParallelAttention(16, 4, 2, tp_group=state.tp_group, sp_group=single)  # a group of one: no sp
+    ParallelAttention(AttentionConfig(16, 4, 2), tp_group=state.tp_group, sp_group=single)  # a group of one: no sp
     return len(list(model.parameters()))
 
 

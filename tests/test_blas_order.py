@@ -34,13 +34,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: bit-equality tests between two kernels with other tiles or K chunkings (all failed under
 #: Haswell with Triton's float32 dot)
 BIT_EQUALITY_TESTS = [
-    "test_fp8_gemm_epilogue.py::test_fused_epilogue",
-    "test_fp8_gemm_epilogue.py::test_sequence_chunk_views_residual_after_the_activation",
-    "test_fp8_gemm_epilogue.py::test_gated_epilogue_where_it_does_not_fit",
-    "test_persistent_gemm.py::test_fp8_all_ready_matches_fp8_matmul",
-    "test_persistent_gemm.py::test_fp8_late_flags_swiglu_preact",
-    "test_symm.py::test_emulated_all_gather_matmul_fp8",
-    "test_flash_attention.py::test_dq_modes_agree",
+    "test_gemm_fp8_fused_epilogue.py::test_fused_epilogue",
+    "test_gemm_fp8_fused_epilogue.py::test_sequence_chunk_views_residual_after_the_activation",
+    "test_gemm_fp8_fused_epilogue.py::test_gated_epilogue_where_it_does_not_fit",
+    "test_gemm_persistent.py::test_fp8_all_ready_matches_fp8_matmul",
+    "test_gemm_persistent.py::test_fp8_late_flags_swiglu_preact",
+    "test_tensor_parallel_symmetric.py::test_emulated_all_gather_matmul_fp8",
+    "test_attention_flash.py::test_dq_modes_agree",
 ]
 OTHER_KERNEL = "Haswell"
 

@@ -21,7 +21,7 @@ from fusedpar.kernels import dequantize_e4m3
 from fusedpar.kernels.fp8 import quantize_e4m3_reference
 from fusedpar.nn import FP8Linear
 from fusedpar.ops import fp8_linear
-from fusedpar.ops.fp8_library import FP8_RECIPES
+from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from test_fp8 import ACC_RTOL, assert_within, mma_error_bound, quantisation_bound
 
 pytestmark = pytest.mark.skipif(not INTERPRETED and torch.cuda.get_device_capability() < (8, 9),

@@ -26,7 +26,7 @@ from _hf import (
 from fusedpar.hf import config_from_hf, from_hf, load_full_state_dict, to_hf_state_dict
 from fusedpar.nn import Transformer, TransformerConfig
 from fusedpar.nn.transformer import shard_tokens
-from fusedpar.ops.loss import vocab_parallel_cross_entropy
+from fusedpar.ops.loss.api import vocab_parallel_cross_entropy
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,13 +122,13 @@ def test_sliding_windows_match_transformers():
     ``layer_types`` marks in a Qwen2 model whose first layer stays full."""
     hf = hf_model("mistral")
     model = from_hf(hf, device=DEVICE)
-    assert model.config.sliding_window == 5 and model.config.attention_options(0)["window"] == (4, 0)
+    assert model.config.sliding_window == 5 and model.config.attention_config(0).window == (4, 0)
     tokens, _ = tokens_targets(8, 2, 16)
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "mistral logits, 16 tokens, window 5")
     hf = hf_model("qwen2", use_sliding_window=True, sliding_window=3,
                   layer_types=["full_attention", "sliding_attention"])
     model = from_hf(hf, device=DEVICE)
-    assert [model.config.attention_options(i)["window"] for i in range(2)] == [None, (2, 0)]
+    assert [model.config.attention_config(i).window for i in range(2)] == [None, (2, 0)]
     _assert_close(model(tokens).detach(), hf(tokens).logits.detach(), "qwen2 logits, one sliding layer")
     with pytest.raises(ValueError, match="sliding_window must be"):
         TransformerConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=8, sliding_window=0)
@@ -469,8 +469,8 @@ def test_layer_types_default_when_a_config_dict_has_none():
         if "sliding_window_pattern" in extra:
             raw["sliding_window_pattern"] = 3
         a, b = config_from_hf(hf_config), config_from_hf(raw)
-        windows = [b.attention_options(i)["window"] for i in range(6)]
-        assert windows == [a.attention_options(i)["window"] for i in range(6)], cls.__name__
+        windows = [b.attention_config(i).window for i in range(6)]
+        assert windows == [a.attention_config(i).window for i in range(6)], cls.__name__
         assert windows.count(None) == (3 if cls is transformers.Gemma2Config else 2) and (15, 0) in windows
         assert a.layer_rope_theta == b.layer_rope_theta, cls.__name__
 

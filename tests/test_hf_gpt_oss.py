@@ -23,7 +23,7 @@ def test_gpt_oss_config_fields():
     assert (c.activation, c.score_func, c.router_bias, c.expert_bias, c.norm_topk_prob) == \
         ("swiglu_oai", "softmax_topk", True, True, False)
     assert (c.attention_sinks, c.qkv_bias, c.attention_out_bias, c.sliding_window) == (True, True, True, 128)
-    assert [c.attention_options(i)["window"] for i in range(4)] == [(127, 0), None, (127, 0), None]
+    assert [c.attention_config(i).window for i in range(4)] == [(127, 0), None, (127, 0), None]
     assert c.rope_theta == 150000.0 and c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["factor"] == 32.0
     assert c.rope_scaling["truncate"] is False
     assert (c.aux_loss_style, c.aux_loss_coef, c.z_loss_coef, c.norm_eps) == ("hf", 1e-3, 0.0, 1e-5)

@@ -12,6 +12,7 @@ import torch
 from _hf import TOL, compare_grads, hf_model, hf_named_reference, hf_reference, tokens_targets
 from _world import world_fixture
 from fusedpar.hf import HFMoEBlock
+from fusedpar.nn import MoEConfig
 
 pytest.importorskip("transformers")
 
@@ -34,7 +35,7 @@ CASES = [(f, lay) for f in ("llama31", "qwen2", "qwen3", "mixtral", "qwen2_moe",
 # correction bias, ungated shared expert): tp2, and the zigzag ring with experts over the sp ranks
 CASES += [("glm4_moe", "tp2"), ("glm4_moe", "sp2-ep2")]
 # DeepSeek-V3 (route A): MLA's heads split over tp (its latents gathered), and the zigzag ring with
-# the experts and the score-bias router over the sp ranks (MLA under sp is also in test_mla_world.py)
+# the experts and the score-bias router over the sp ranks (MLA under sp is also in test_nn_mla_world.py)
 CASES += [("deepseek_v3", "tp2"), ("deepseek_v3", "sp2-ep2")]
 # OLMo 2 and Gemma at every dense layout (OLMo 2's q / k norm statistics reduced over tp; Gemma's
 # (1 + w) norms, scaled embedding, GeGLU, tied head); Gemma 2's sandwich norms, attention scale and
@@ -179,8 +180,7 @@ def _replicated_tokens_case(rank, size, x, r, ref):
     from fusedpar.nn import MoE
 
     torch.manual_seed(3)
-    moe = MoE(16, 8, 4, 2, ep_group=dist.group.WORLD, replicated_group=dist.group.WORLD, normalize=True,
-              aux_loss_coef=0.0, z_loss_coef=0.0)
+    moe = MoE(MoEConfig(16, 8, 4, 2, normalize=True, aux_loss_coef=0.0, z_loss_coef=0.0), ep_group=dist.group.WORLD, replicated_group=dist.group.WORLD)
     xr = x.clone().requires_grad_()
     y = moe(xr)  # the same tokens on both ranks (a TP group without sequence parallelism)
     (y * r).sum().backward()
@@ -200,7 +200,7 @@ def test_moe_with_tokens_replicated_over_the_ep_ranks_counts_each_token_once(wor
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(2, 6, 16, generator=g), torch.randn(2, 6, 16, generator=g)
     torch.manual_seed(3)
-    moe = MoE(16, 8, 4, 2, normalize=True, aux_loss_coef=0.0, z_loss_coef=0.0)
+    moe = MoE(MoEConfig(16, 8, 4, 2, normalize=True, aux_loss_coef=0.0, z_loss_coef=0.0))
     xr = x.clone().requires_grad_()
     y = moe(xr)
     (y * r).sum().backward()

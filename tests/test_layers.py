@@ -16,11 +16,16 @@
   :data:`MAX_FUNCTION_LINES` lines (docstring excluded; ``@triton.jit`` kernels are device code
   and exempt); no docstring or comment that points to a design-document section or to a path
   outside the repository.
-* op families: every ``custom_op`` call, ``register_fake`` and ``register_autograd`` lives in a
-  ``fusedpar/ops/<family>_library.py`` module (``fusedpar/ops/library.py`` holds the one
-  ``torch.library.custom_op`` call, the helper that names the namespace); every family ``F`` has its
-  functional API in ``fusedpar/ops/F.py`` and every other module of ``fusedpar/ops/`` is either
-  ``F_<part>.py`` of a family or named in :data:`OPS_SHARED`.
+* op families: each is a package ``fusedpar/ops/<family>/`` with the same roles under the same
+  module names (:data:`FAMILY_ROLES`: ``__init__``, ``api``, ``custom_ops``, ``bodies``); every
+  ``custom_op`` call, ``register_fake`` and ``register_autograd`` lives in a family's
+  ``custom_ops.py`` (``fusedpar/ops/common.py`` holds the one ``torch.library.custom_op`` call,
+  the helper that names the namespace); a family's ``__init__`` exports its public API only (no
+  ``_fwd`` / ``_bwd`` bodies, no ``_op`` objects, everything in ``__all__``); every other module of
+  ``fusedpar/ops`` is in :data:`OPS_SHARED`; no top-level function of ``fusedpar/`` copies another
+  module's (the same arguments and body): a helper has one home.
+* tests: every test module's name starts with one of :data:`TEST_AREAS` (the family or layer
+  it tests).
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ FORBIDDEN_IMPORTS = {
     "fusedpar/nn": MODEL_LAYER + ("torch.distributed", "benchmarks"),
     "fusedpar": ("benchmarks",),
 }
-# every differentiable op is a torch.library custom op with register_autograd (fusedpar/ops/library.py):
+# every differentiable op is a torch.library custom op with register_autograd (fusedpar/ops/common.py):
 # an autograd.Function subclass anywhere would be opaque to torch.compile's graph capture
 NO_AUTOGRAD_FUNCTION = ("kernels", "fusedpar", "benchmarks")
 
@@ -281,25 +286,38 @@ def test_no_private_name_from_another_module(rel):
 
 
 # ----------------------------------------------------------------------------------------------
-# custom ops: called as objects, defined in the families' *_library.py modules
+# op families: one package each, the same roles under the same module names
 # ----------------------------------------------------------------------------------------------
 OPS_DIR = "fusedpar/ops"
-# modules of fusedpar/ops that belong to no op family, each with its role
+#: the roles every family package has, by module name
+FAMILY_ROLES = {
+    "__init__": "the family's public API (re-exported from api and its parts; no bodies, no op objects)",
+    "api": "the checked functional API: argument checks, then the custom-op object",
+    "custom_ops": "the torch.library custom ops: forward and backward ops, fakes, autograd registration",
+    "bodies": "the ops' named forward / backward bodies (<op>_fwd / <op>_bwd)",
+}
+#: what fusedpar/ops holds besides the families, each with its role
 OPS_SHARED = {
-    "__init__": "the package: every public name",
-    "library": "the namespace, custom_op / input_grads, transport tokens, absent outputs",
-    "transport": "the Transport classes and get_transport / check_transport_name",
-    "symmetric": "the symmetric-memory transport and the persistent-GEMM TP paths",
-    "comm": "torch.distributed transfers returning handles",
-    "agreement": "the cross-rank agreement of arguments",
-    "varlen": "packed documents: cu_seqlens -> the flash kernels' segment tables (sequence parallel)",
+    "fusedpar/ops/__init__.py": "every family's public API and the transports",
+    "fusedpar/ops/common.py": "the namespace and custom_op / input_grads, absent outputs, checked_api",
+    "fusedpar/ops/comm/": "the communication layer: collectives, transports, keys, symmetric memory, waits, agreement",
 }
 # the call names that define or register an op (``torch.library.custom_op``, the helper ``custom_op``)
 OP_DEFINITIONS = ("custom_op", "register_fake", "register_autograd")
+#: what a family's __init__ must not export: bodies, op objects, schedules' internals
+INTERNAL_EXPORT = re.compile(r"(_fwd|_bwd|_op)$")
 
 
-def _is_op_library(rel: str) -> bool:
-    return os.path.dirname(rel) == OPS_DIR and os.path.basename(rel).endswith("_library.py")
+def _family_of(rel: str) -> str | None:
+    """``fusedpar/ops/moe/api.py`` -> ``"moe"`` (None outside a family package)."""
+    parts = rel.split("/")
+    if len(parts) == 4 and parts[:2] == ["fusedpar", "ops"] and f"{OPS_DIR}/{parts[2]}/" not in OPS_SHARED:
+        return parts[2]
+    return None
+
+
+def _is_registration_module(rel: str) -> bool:
+    return _family_of(rel) is not None and rel.endswith("/custom_ops.py")
 
 
 def op_namespace_uses(p: Parsed) -> list[str]:
@@ -309,9 +327,9 @@ def op_namespace_uses(p: Parsed) -> list[str]:
 
 
 def op_definitions(p: Parsed) -> list[str]:
-    """Calls that define or register a custom op outside a ``fusedpar/ops/*_library.py`` module
-    (``fusedpar/ops/library.py`` may call ``torch.library.custom_op``: the helper)."""
-    if _is_op_library(p.rel):
+    """Calls that define or register a custom op outside a family's ``custom_ops.py``
+    (``fusedpar/ops/common.py`` may call ``torch.library.custom_op``: the helper)."""
+    if _is_registration_module(p.rel):
         return []
     bad = []
     for n in ast.walk(p.tree):
@@ -325,28 +343,62 @@ def op_definitions(p: Parsed) -> list[str]:
             continue
         if name.split(".")[-1] not in OP_DEFINITIONS:
             continue
-        if p.rel == f"{OPS_DIR}/library.py" and name == "torch.library.custom_op":
+        if p.rel == f"{OPS_DIR}/common.py" and name == "torch.library.custom_op":
             continue
         bad.append(f"line {n.lineno}: {name}(...)")
     return bad
 
 
 def op_families(files) -> set[str]:
-    return {os.path.basename(f)[: -len("_library.py")] for f in files if _is_op_library(f)}
+    return {f for f in map(_family_of, files) if f is not None}
 
 
 def ops_layout_violations(files) -> list[str]:
-    """Modules of fusedpar/ops that fit no family (``F.py``, ``F_library.py``, ``F_<part>.py``) and
-    are not shared; families without their ``F.py``."""
-    families = op_families(files)
-    bad = [f"family {f}: no {OPS_DIR}/{f}.py (its functional API)" for f in sorted(families)
-           if f"{OPS_DIR}/{f}.py" not in files]
+    """Families without one of their roles; modules of fusedpar/ops outside the families and the
+    shared places."""
+    bad = [f"family {f}: no {OPS_DIR}/{f}/{role}.py ({why})" for f in sorted(op_families(files))
+           for role, why in FAMILY_ROLES.items() if f"{OPS_DIR}/{f}/{role}.py" not in files]
     for rel in files:
-        if os.path.dirname(rel) != OPS_DIR:
-            continue
-        stem = os.path.basename(rel)[:-3]
-        if stem not in OPS_SHARED and not any(stem == f or stem.startswith(f + "_") for f in families):
+        if rel.startswith(OPS_DIR + "/") and _family_of(rel) is None and rel not in OPS_SHARED \
+                and not any(rel.startswith(d) for d in OPS_SHARED if d.endswith("/")):
             bad.append(f"{rel}: belongs to no op family and is not in OPS_SHARED")
+    return bad
+
+
+def internal_exports(p: Parsed) -> list[str]:
+    """Names a family's ``__init__`` exports (``__all__`` or imports) that are bodies or op objects,
+    or that its ``__all__`` does not list (every export is declared, nothing else leaks)."""
+    imported = [a.asname or a.name for n in p.tree.body if isinstance(n, ast.ImportFrom) for a in n.names]
+    listed = []
+    for n in p.tree.body:
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets):
+            listed = [e.value for e in n.value.elts]
+    bad = [f"exports {x} (a body or an op object: import it from its module)" for x in imported + listed
+           if INTERNAL_EXPORT.search(x)]
+    bad += [f"imports {x} without listing it in __all__" for x in imported if x not in listed]
+    return sorted(set(bad))
+
+
+def _function_shape(fn: ast.FunctionDef) -> str:
+    """A function's arguments and body without its name and docstring (for copies)."""
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
+        getattr(fn.body[0], "value", None), ast.Constant) else fn.body
+    return ast.dump(fn.args) + "".join(ast.dump(b) for b in body)
+
+
+def copied_helpers(files) -> list[str]:
+    """Top-level functions of two modules of ``fusedpar/`` with the same arguments and body (a
+    private copy of a helper that has one shared home), at least two statements long."""
+    seen, bad = {}, []
+    for rel in files:
+        if not rel.startswith("fusedpar/"):
+            continue
+        for fn in parse(rel).tree.body:
+            if isinstance(fn, ast.FunctionDef) and not _is_device_code(fn) and len(fn.body) >= 2:
+                key = _function_shape(fn)
+                if key in seen and seen[key][0] != rel:
+                    bad.append(f"{rel}: {fn.name} copies {seen[key][0]}: {seen[key][1]}")
+                seen.setdefault(key, (rel, fn.name))
     return bad
 
 
@@ -354,22 +406,76 @@ def ops_layout_violations(files) -> list[str]:
 def test_custom_ops_are_called_as_objects(rel):
     bad = op_namespace_uses(parse(rel))
     assert not bad, (f"{rel} reaches ops through torch.ops.fusedpar (call the custom-op object its "
-                     "*_library.py module binds instead):\n" + "\n".join(bad))
+                     "family's custom_ops.py binds instead):\n" + "\n".join(bad))
 
 
 @pytest.mark.parametrize("rel", _case(lambda f: True))
-def test_custom_ops_are_defined_in_library_modules(rel):
+def test_custom_ops_are_defined_in_registration_modules(rel):
     bad = op_definitions(parse(rel))
-    assert not bad, f"{rel} defines or registers custom ops outside fusedpar/ops/*_library.py:\n" + "\n".join(bad)
+    assert not bad, (f"{rel} defines or registers custom ops outside fusedpar/ops/<family>/custom_ops.py:\n"
+                     + "\n".join(bad))
 
 
 def test_every_op_family_follows_the_layout():
-    assert op_families(FILES) >= {"tensor_parallel", "sp_attention", "flash", "moe", "norm", "loss"}
+    assert op_families(FILES) == {"tensor_parallel", "sequence_parallel", "attention", "moe", "norm", "loss", "fp8"}
     bad = ops_layout_violations(FILES)
     assert not bad, "\n".join(bad)
-    for stem in OPS_SHARED:
-        assert f"{OPS_DIR}/{stem}.py" in FILES, stem
+    for path in OPS_SHARED:
+        assert path in FILES or any(f.startswith(path) for f in FILES), path
 
+
+@pytest.mark.parametrize("rel", _case(lambda f: _family_of(f) is not None and f.endswith("__init__.py")))
+def test_a_family_exports_its_public_api_only(rel):
+    bad = internal_exports(parse(rel))
+    assert not bad, f"{rel}:\n" + "\n".join(bad)
+
+
+def test_no_copy_of_a_helper_another_module_owns():
+    bad = copied_helpers(FILES)
+    assert not bad, "\n".join(bad)
+
+
+
+#: what a test module's name starts with (``test_<area>...``): the op family, layer or part of the
+#: project it tests, so the tests of one family are found together
+TEST_AREAS = {
+    # op families (fusedpar/ops/<family>/ and their kernels)
+    "comm": "transfers, transports, agreement", "tensor_parallel": "the TP GEMM ops (ring, symmetric, fp8)",
+    "sequence_parallel": "ring / Ulysses / hybrid attention", "attention": "flash attention on one device",
+    "moe": "routing, permutes, grouped GEMM, the MoE layer", "norm": "RMSNorm", "loss": "the losses, linear CE",
+    "fp8": "quantisation, the fp8 GEMM, fp8_linear",
+    # the kernels' runtime
+    "gemm": "the GEMM kernels (plain, persistent, fused epilogues)", "tuning": "autotuning configs",
+    "blas_order": "interpreter dots independent of the BLAS",
+    # modules, the model layer, the project
+    "nn": "fusedpar.nn modules", "model": "whole Transformers composed with the parallelisms",
+    "parallel": "fusedpar.parallel", "checkpoint": "fusedpar.checkpoint", "hf": "Hugging Face in / out",
+    "torch_compile": "torch.compile of ops, blocks, errors", "demo": "fusedpar.demo", "readme": "the README's examples",
+    "benchmarks": "the benchmarks' CLI and compile check", "layers": "this file",
+    "bad_inputs": "argument errors across the API", "bad_layouts": "layouts that do not fit",
+}
+
+
+def area_of_test_module(name: str) -> str | None:
+    """The area of test module ``name`` (``test_moe_layer.py`` -> ``"moe"``), the longest that fits."""
+    stem = name.removeprefix("test_").removesuffix(".py")
+    fits = [a for a in TEST_AREAS if stem == a or stem.startswith(a + "_")]
+    return max(fits, key=len) if fits else None
+
+
+def test_pyproject_installs_every_package():
+    """A package directory missing from pyproject's list would be absent from a non-editable install."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", f.read(), re.M | re.S).group(1)))
+    found = {module_name(f) for f in FILES if f.endswith("__init__.py") and f.split("/")[0] != "benchmarks"}
+    assert found == listed, f"packages on disk {sorted(found)} != pyproject's {sorted(listed)}"
+
+def test_every_test_module_is_named_by_its_area():
+    modules = sorted(f for f in os.listdir(os.path.join(ROOT, "tests")) if f.startswith("test_") and f.endswith(".py"))
+    bad = [m for m in modules if area_of_test_module(m) is None]
+    assert not bad, f"test modules whose name starts with no area of TEST_AREAS: {bad}"
+    assert area_of_test_module("test_moe_layer.py") == "moe" and area_of_test_module("test_tensor_parallel_ops.py") == "tensor_parallel"
+    assert area_of_test_module("test_tp_ops.py") is None and area_of_test_module("test_gemmx.py") is None
 
 # ----------------------------------------------------------------------------------------------
 # sizes
@@ -456,14 +562,14 @@ def test_no_reference_to_a_design_section_or_outside_path(rel):
 # the checker itself
 # ----------------------------------------------------------------------------------------------
 def test_the_checker_reads_the_tree():
-    assert "kernels/runtime.py" in FILES and "fusedpar/ops/transport.py" in FILES
+    assert "kernels/runtime.py" in FILES and "fusedpar/ops/comm/transport.py" in FILES
     assert module_name("kernels/runtime.py") == "fusedpar.kernels.runtime"
     assert module_name("fusedpar/ops/__init__.py") == "fusedpar.ops"
     assert module_name("benchmarks/_common.py") == "benchmarks._common"
-    node = ast.parse("from ..kernels.checks import check_int").body[0]
-    assert _resolve("fusedpar/ops/loss.py", node) == "fusedpar.kernels.checks"
+    assert _resolve("fusedpar/ops/loss/api.py", ast.parse("from ...kernels.checks import check_int").body[0]) == "fusedpar.kernels.checks"
     assert _resolve("kernels/gemm.py", ast.parse("from .runtime import x").body[0]) == "fusedpar.kernels.runtime"
     assert _resolve("fusedpar/ops/__init__.py", ast.parse("from .loss import x").body[0]) == "fusedpar.ops.loss"
+    assert _resolve("fusedpar/ops/loss/api.py", ast.parse("from .bodies import x").body[0]) == "fusedpar.ops.loss.bodies"
     assert is_private("_x") and not is_private("__init__") and not is_private("x")
     assert _private_module_crossing("benchmarks.tp", "benchmarks._common") is None
     assert _private_module_crossing("fusedpar.ops.moe", "benchmarks._common") == "_common"
@@ -471,12 +577,16 @@ def test_the_checker_reads_the_tree():
     assert function_lines(fn) == 2
     assert SECTION_REF.search("see DESIGN.md §3") and OUTSIDE_PATH.search("read /work/shared/x")
     assert not OUTSIDE_PATH.search("GB/s over seq/(sp*tp) and tokens/s")
-    assert _is_op_library("fusedpar/ops/norm_library.py") and not _is_op_library("fusedpar/ops/library.py")
-    files = ["fusedpar/ops/library.py", "fusedpar/ops/norm.py", "fusedpar/ops/norm_library.py",
-             "fusedpar/ops/norm_kernels.py", "fusedpar/ops/loss_library.py", "fusedpar/ops/stray.py", "kernels/x.py"]
+    assert _family_of("fusedpar/ops/norm/api.py") == "norm" and _family_of("fusedpar/ops/comm/keys.py") is None
+    assert _is_registration_module("fusedpar/ops/norm/custom_ops.py") and not _is_registration_module("fusedpar/ops/common.py")
+    files = ["fusedpar/ops/common.py", "fusedpar/ops/norm/__init__.py", "fusedpar/ops/norm/api.py",
+             "fusedpar/ops/norm/custom_ops.py", "fusedpar/ops/norm/bodies.py", "fusedpar/ops/loss/api.py",
+             "fusedpar/ops/comm/keys.py", "fusedpar/ops/stray.py", "kernels/x.py"]
     assert op_families(files) == {"norm", "loss"}
     assert ops_layout_violations(files) == [
-        "family loss: no fusedpar/ops/loss.py (its functional API)",
+        "family loss: no fusedpar/ops/loss/__init__.py (" + FAMILY_ROLES["__init__"] + ")",
+        "family loss: no fusedpar/ops/loss/custom_ops.py (" + FAMILY_ROLES["custom_ops"] + ")",
+        "family loss: no fusedpar/ops/loss/bodies.py (" + FAMILY_ROLES["bodies"] + ")",
         "fusedpar/ops/stray.py: belongs to no op family and is not in OPS_SHARED"]
 
 
@@ -585,17 +695,20 @@ SNIPPETS = [  # (file, code, which check, number of violations)
     ("fusedpar/nn/x.py", "from torch.autograd import Function as Fn\nclass F(Fn):\n    pass\n",
      autograd_functions, 1),
     ("fusedpar/nn/x.py", "from torch import nn\nclass M(nn.Module):\n    pass\n", autograd_functions, 0),
-    ("fusedpar/ops/norm.py", "import torch\ntorch.ops.fusedpar.rms_norm(x)\n", op_namespace_uses, 1),
+    ("fusedpar/ops/norm/api.py", "import torch\ntorch.ops.fusedpar.rms_norm(x)\n", op_namespace_uses, 1),
     ("benchmarks/x.py", "from torch import ops\nops.fusedpar.flash_attention.default\n", op_namespace_uses, 1),
-    ("fusedpar/ops/norm_library.py", "torch.ops.aten.add(x, y)\nrms_norm_op(x)\n", op_namespace_uses, 0),
-    ("fusedpar/ops/norm.py", "import torch\n@torch.library.custom_op('fusedpar::f', mutates_args=())\n"
+    ("fusedpar/ops/norm/custom_ops.py", "torch.ops.aten.add(x, y)\nrms_norm_op(x)\n", op_namespace_uses, 0),
+    ("fusedpar/ops/norm/api.py", "import torch\n@torch.library.custom_op('fusedpar::f', mutates_args=())\n"
      "def f(x: torch.Tensor) -> torch.Tensor:\n    return x\n", op_definitions, 1),
-    ("fusedpar/ops/norm.py", "f_op = custom_op('f')(f)\nf_op.register_autograd(b)\n", op_definitions, 2),
+    ("fusedpar/ops/norm/bodies.py", "f_op = custom_op('f')(f)\nf_op.register_autograd(b)\n", op_definitions, 2),
     ("kernels/x.py", "@f_op.register_fake\ndef _(x):\n    pass\n", op_definitions, 1),
-    ("fusedpar/ops/norm_library.py", "f_op = custom_op('f')(f)\n@f_op.register_fake\ndef _(x):\n    pass\n"
+    ("fusedpar/ops/norm/custom_ops.py", "f_op = custom_op('f')(f)\n@f_op.register_fake\ndef _(x):\n    pass\n"
      "f_op.register_autograd(b)\n", op_definitions, 0),
-    ("fusedpar/ops/library.py", "def custom_op(name):\n    return torch.library.custom_op(name)\n", op_definitions, 0),
-    ("fusedpar/ops/library.py", "x = custom_op('f')\n", op_definitions, 1),
+    ("fusedpar/ops/common.py", "def custom_op(name):\n    return torch.library.custom_op(name)\n", op_definitions, 0),
+    ("fusedpar/ops/common.py", "x = custom_op('f')\n", op_definitions, 1),
+    ("fusedpar/ops/norm/__init__.py", "from .api import rms_norm\nfrom .bodies import rms_norm_fwd\n__all__ = ['rms_norm']\n",
+     internal_exports, 2),
+    ("fusedpar/ops/norm/__init__.py", "from .api import rms_norm\n__all__ = ['rms_norm']\n", internal_exports, 0),
     ("fusedpar/nn/x.py", "class M:\n    def __init__(self):\n        self.w = nn.Parameter(t)\n",
      undeclared_parameters, 1),
     ("fusedpar/nn/x.py", "class M:\n    def __init__(self):\n        self.w = nn.Parameter(t)\n"

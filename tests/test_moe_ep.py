@@ -20,8 +20,9 @@ from _world import rank_rng, straggle, world_fixture
 from fusedpar.kernels.moe_routing import moe_mlp_reference
 from fusedpar.nn import MoE
 from fusedpar.ops import comm, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp
-from fusedpar.ops.transport import EmulatedTransport, PortableTransport, Transport
+from fusedpar.ops.comm.transport import EmulatedTransport, PortableTransport, Transport
 from test_moe_layer import bad_ids, call_entry, reference_moe
+from fusedpar.nn import MoEConfig
 
 world2 = world_fixture(2)
 world4 = world_fixture(4)
@@ -47,9 +48,9 @@ def _layer_vs_single(rank, size, seed, self_group, *, tokens, capacity_factor, n
     kw = dict(capacity_factor=capacity_factor, activation=activation, score=score, num_chunks=num_chunks,
               score_bias=bias is not None)
     torch.manual_seed(seed)
-    ep = MoE(H, FFN, E, K, **kw)
+    ep = MoE(MoEConfig(H, FFN, E, K, **kw))
     torch.manual_seed(seed)
-    full = MoE(H, FFN, E, K, ep_group=self_group, **kw)  # all experts on this rank
+    full = MoE(MoEConfig(H, FFN, E, K, **kw), ep_group=self_group)  # all experts on this rank
     if bias is not None:
         with torch.no_grad():
             for m in (ep, full):
@@ -156,9 +157,9 @@ def _ep_dp_grads(rank, size, seed):
     kw = dict(score="sigmoid", score_bias=True, capacity_factor=None)
     bias = torch.tensor([0.0, 0.5, 0.0, -0.5])
     torch.manual_seed(seed)
-    m = MoE(H, FFN, E, K, ep_group=state.ep_group, **kw)
+    m = MoE(MoEConfig(H, FFN, E, K, **kw), ep_group=state.ep_group)
     torch.manual_seed(seed)
-    full = MoE(H, FFN, E, K, ep_group=_self_group(rank, size), **kw)  # one process: every expert
+    full = MoE(MoEConfig(H, FFN, E, K, **kw), ep_group=_self_group(rank, size))  # one process: every expert
     with torch.no_grad():
         for mod in (m, full):
             mod.router.e_score_correction_bias.copy_(bias)
@@ -192,9 +193,9 @@ def _fp8_vs_one_process(rank, size, seed, self_group, recipe):
     C, tokens = (1, [3, 5, 0, 4]) if size == 4 else (2, [6, 9])  # (CI time: the chunks at 2 ranks)
     kw = dict(fp8=recipe, num_chunks=C, aux_loss_coef=0.0, z_loss_coef=0.0)
     torch.manual_seed(seed)
-    ep = MoE(H, FFN, E, K, **kw)
+    ep = MoE(MoEConfig(H, FFN, E, K, **kw))
     torch.manual_seed(seed)
-    full = MoE(H, FFN, E, K, ep_group=self_group, **kw)
+    full = MoE(MoEConfig(H, FFN, E, K, **kw), ep_group=self_group)
     x, go = _inputs(seed, rank, tokens[rank])
     x.requires_grad_()
     y = ep(x)
@@ -266,7 +267,7 @@ def _errors(rank, size):
     bad_e = 2 * size + 1
     msg = f"num_experts={bad_e} must be divisible by the expert-parallel group size \\({size}\\)"
     with pytest.raises(ValueError, match=msg):
-        MoE(H, FFN, bad_e, K)
+        MoE(MoEConfig(H, FFN, bad_e, K))
     x = torch.randn(4, H)
     ids = torch.zeros(4, 2, dtype=torch.int64)
     w1 = torch.randn(E // size, 2 * FFN, H)
@@ -437,7 +438,7 @@ def test_emulated_ep_stages_and_layer(ep):
         assert_close(a, b, torch.float32, msg=f"stages vs moe_mlp on EmulatedTransport({ep}): {name}")
 
     torch.manual_seed(ep)
-    m = MoE(H, FFN, E, K, transport=EmulatedTransport(ep, 1), device=x.device)
+    m = MoE(MoEConfig(H, FFN, E, K), transport=EmulatedTransport(ep, 1), device=x.device)
     assert (m.ep_size, m.ep_rank, m.experts_per_rank, m.first_expert) == (ep, 1, E // ep, E // ep)
     xm = x.clone().requires_grad_()
     y = m(xm)

@@ -14,7 +14,8 @@ from fusedpar.kernels.grouped_bias import grouped_bias_grad, grouped_bias_grad_r
 from fusedpar.kernels.grouped_gemm import grouped_matmul, grouped_matmul_dact
 from fusedpar.kernels.moe_routing import grouped_matmul_reference
 from fusedpar.kernels.runtime import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, activation_reference
-from fusedpar.ops.tensor_parallel_schedules import activation_backward
+from fusedpar.ops.tensor_parallel.schedules import activation_backward
+from fusedpar.nn import MoEConfig
 
 
 def _name(dtype):
@@ -181,7 +182,7 @@ def test_moe_mlp_expert_bias_swiglu_oai(ep, capacity):
     loop, outputs and every gradient; capacity drops included."""
     from fusedpar.kernels.moe_routing import moe_mlp_reference
     from fusedpar.ops import moe_mlp
-    from fusedpar.ops.transport import EmulatedTransport
+    from fusedpar.ops.comm.transport import EmulatedTransport
 
     g = torch.Generator().manual_seed(6 + ep)
     T, k, E, H, Fd = 13, 2, 4, 16, 12
@@ -231,8 +232,7 @@ def test_moe_layer_expert_bias():
     from fusedpar.nn.placement import parameter_placements
 
     torch.manual_seed(0)
-    m = MoE(16, 12, 4, 2, activation="swiglu_oai", score="softmax_topk", router_bias=True, expert_bias=True,
-            device=DEVICE)
+    m = MoE(MoEConfig(16, 12, 4, 2, activation="swiglu_oai", score="softmax_topk", router_bias=True, expert_bias=True), device=DEVICE)
     assert m.b1.shape == (4, 24) and m.b2.shape == (4, 16) and not m.b1.any() and not m.b2.any()
     places = parameter_placements(m)
     assert places["b1"] == places["w1"] and places["b2"] == places["w2"] and places["b1"].role == "ep"
@@ -243,7 +243,7 @@ def test_moe_layer_expert_bias():
     y = m(x)
     y.square().sum().backward()
     assert m.b1.grad is not None and m.b2.grad is not None and m.b2.grad.abs().sum() > 0
-    plain = MoE(16, 12, 4, 2, activation="swiglu_oai", device=DEVICE)
+    plain = MoE(MoEConfig(16, 12, 4, 2, activation="swiglu_oai"), device=DEVICE)
     assert plain.b1 is None and set(parameter_placements(plain)) == {"w1", "w2", "router.weight"}
 
 

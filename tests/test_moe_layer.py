@@ -10,7 +10,8 @@ from fusedpar.kernels.moe_routing import moe_mlp_reference
 from fusedpar.kernels.runtime import activation_reference
 from fusedpar.nn import MoE, TopKRouter
 from fusedpar.ops import grouped_mlp, moe_combine, moe_dispatch, moe_expert_compute, moe_mlp, moe_plan
-from fusedpar.ops.transport import EmulatedTransport
+from fusedpar.ops.comm.transport import EmulatedTransport
+from fusedpar.nn import MoEConfig
 
 
 def reference_moe(x, router_w, w1, w2, *, top_k, score="softmax", normalize=False, activation="swiglu",
@@ -78,8 +79,7 @@ def test_moe_layer_matches_reference(case):
     i = list(LAYER_CASES).index(case)
     g = torch.Generator().manual_seed(i)
     torch.manual_seed(10 + i)
-    m = MoE(20, 24, 6, 2, capacity_factor=c["capacity_factor"], activation=c["activation"], score=c["score"],
-            normalize=c["normalize"], device=DEVICE)
+    m = MoE(MoEConfig(20, 24, 6, 2, capacity_factor=c["capacity_factor"], activation=c["activation"], score=c["score"], normalize=c["normalize"]), device=DEVICE)
     x = randn(3, 7, 20, generator=g)
     _layer_case(m, x, g, **c)
     if c["capacity_factor"] is not None:
@@ -207,7 +207,7 @@ def test_stages_compose_to_the_layer():
 def test_fp16_layer_forward_backward():
     g = torch.Generator().manual_seed(4)
     torch.manual_seed(4)
-    m = MoE(16, 24, 4, 2, device=DEVICE, dtype=torch.float16)
+    m = MoE(MoEConfig(16, 24, 4, 2), device=DEVICE, dtype=torch.float16)
     x = randn(11, 16, dtype=torch.float16, generator=g, scale=2.0).requires_grad_()
     y = m(x)
     go = randn(11, 16, dtype=torch.float16, generator=g)
@@ -224,14 +224,14 @@ def test_fp16_layer_forward_backward():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="top_k must be <= num_experts \\(4\\), got 5"):
-        MoE(16, 24, 4, 5)
+        MoE(MoEConfig(16, 24, 4, 5))
     with pytest.raises(ValueError, match="score must be one of"):
         TopKRouter(16, 4, 2, score="tanh")
     with pytest.raises(ValueError, match="capacity_factor must be None or a number > 0"):
-        MoE(16, 24, 4, 2, capacity_factor=0)
+        MoE(MoEConfig(16, 24, 4, 2, capacity_factor=0))
     with pytest.raises(ValueError, match="activation must be one of"):
-        MoE(16, 24, 4, 2, activation="none")
-    m = MoE(16, 24, 4, 2, device=DEVICE)
+        MoE(MoEConfig(16, 24, 4, 2, activation="none"))
+    m = MoE(MoEConfig(16, 24, 4, 2), device=DEVICE)
     with pytest.raises(ValueError, match=r"x must be \[..., hidden_size=16\]"):
         m(torch.randn(3, 5, 15, device=DEVICE))
     x = torch.randn(6, 16, device=DEVICE)
@@ -258,7 +258,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="pass either group= or a Transport instance"):
         moe_mlp(x, ids, wts, w1, w2, num_experts=4, ep_group=object(), transport=EmulatedTransport(2))
     with pytest.raises(ValueError, match="pass either group= or a Transport instance"):
-        MoE(16, 24, 4, 2, ep_group=object(), transport=EmulatedTransport(2))
+        MoE(MoEConfig(16, 24, 4, 2), ep_group=object(), transport=EmulatedTransport(2))
 
 
 fp8_device = pytest.mark.skipif(DEVICE.type == "cuda" and torch.cuda.get_device_capability() < (8, 9),
@@ -278,7 +278,7 @@ def test_fp8_layer_within_the_quantisation_error():
 
     for i, (recipe, hp) in enumerate((("rowwise", False), ("blockwise", True))):
         torch.manual_seed(10 + i)
-        m = MoE(20, 24, 6, 2, fp8=recipe, fp8_grad_high_precision=hp, device=DEVICE)
+        m = MoE(MoEConfig(20, 24, 6, 2, fp8=recipe, fp8_grad_high_precision=hp), device=DEVICE)
         assert f"fp8={recipe!r}, fp8_grad_high_precision={hp}" in repr(m)
         g = torch.Generator().manual_seed(i)
         x = randn(3, 7, 20, generator=g).requires_grad_()
@@ -302,7 +302,7 @@ def test_fp8_layer_within_the_quantisation_error():
     moe.set_fp8(None)
     assert moe.fp8 is None and "fp8=" not in repr(moe)
     with pytest.raises(ValueError, match=r"MoE: fp8 must be one of \(None, 'rowwise', 'blockwise'\), got 'e5m2'"):
-        MoE(16, 24, 4, 2, fp8="e5m2")
+        MoE(MoEConfig(16, 24, 4, 2, fp8="e5m2"))
     with pytest.raises(ValueError, match=r"fp8 must be one of \(None, 'rowwise', 'blockwise'\), got 'row'"):
         moe_mlp(torch.randn(4, 16, device=DEVICE), torch.zeros(4, 2, dtype=torch.int64, device=DEVICE),
                 torch.ones(4, 2, device=DEVICE), moe.w1.detach(), moe.w2.detach(), num_experts=4, fp8="row")
@@ -468,7 +468,7 @@ def test_sigmoid_correction_bias_edges(case):
     i = list(BIASED_CASES).index(case)
     g = torch.Generator().manual_seed(30 + i)
     torch.manual_seed(30 + i)
-    m = MoE(16, 24, E, k, score="sigmoid", score_bias=True, capacity_factor=cf, device=DEVICE)
+    m = MoE(MoEConfig(16, 24, E, k, score="sigmoid", score_bias=True, capacity_factor=cf), device=DEVICE)
     assert m.router.normalize
     with torch.no_grad():
         m.router.e_score_correction_bias.copy_(torch.tensor(bias))

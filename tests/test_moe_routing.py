@@ -12,6 +12,7 @@ from fusedpar.kernels.moe_topk import topk_route, topk_route_backward, topk_rout
 from fusedpar.nn import MoE, TopKRouter, Transformer, TransformerConfig
 from fusedpar.nn.moe import SharedExpertGate, max_violation
 from fusedpar.ops import moe_route
+from fusedpar.nn import MoEConfig
 
 # (T, E, k, score, n_group, topk_group, normalize, scale, bias): awkward sizes (E not a power of
 # two, groups of 3, a partial last token block)
@@ -149,8 +150,7 @@ def test_moe_equals_deepseek_v3_routed_experts():
                            norm_topk_prob=True, routed_scaling_factor=1.5, moe_intermediate_size=8,
                            n_shared_experts=1)
     hf = DeepseekV3MoE(cfg)
-    moe = MoE(16, 8, 8, 2, score="sigmoid", normalize=True, n_group=4, topk_group=2, routed_scaling_factor=1.5,
-              score_bias=True, aux_loss_coef=0.0, z_loss_coef=0.0, device=DEVICE)
+    moe = MoE(MoEConfig(16, 8, 8, 2, score="sigmoid", normalize=True, n_group=4, topk_group=2, routed_scaling_factor=1.5, score_bias=True, aux_loss_coef=0.0, z_loss_coef=0.0), device=DEVICE)
     with torch.no_grad():
         for p in (hf.gate.weight, hf.experts.gate_up_proj, hf.experts.down_proj):
             p.copy_(torch.randn(p.shape) * 0.4)
@@ -264,7 +264,7 @@ def test_initial_weights_come_from_the_cpu_generator_on_every_device(monkeypatch
     def build(device):
         torch.random.default_generator.manual_seed(7)
         draws.clear()
-        mods = (MoE(8, 6, 4, 2, score="sigmoid", router_bias=True, device=device), SharedExpertGate(8, device=device))
+        mods = (MoE(MoEConfig(8, 6, 4, 2, score="sigmoid", router_bias=True), device=device), SharedExpertGate(8, device=device))
         return mods, list(draws)
 
     ref, ref_draws = build("cpu")
@@ -309,7 +309,7 @@ def test_configuration_errors_name_the_field():
         with pytest.raises(ValueError, match=msg):
             TransformerConfig(**{**base, **kw})
     with pytest.raises(ValueError, match="^topk_group must be <= 2"):
-        MoE(8, 8, 4, 2, n_group=2, topk_group=3)
+        MoE(MoEConfig(8, 8, 4, 2, n_group=2, topk_group=3))
     with pytest.raises(ValueError, match="^bias_update_rate must be a number >= 0"):
         TopKRouter(8, 4, 2, bias_update_rate=-1)
     assert math.isclose(TopKRouter(8, 4, 2).routed_scaling_factor, 1.0)

@@ -15,8 +15,9 @@ import torch
 from _utils import BACKWARD_OPCHECK, INTERPRETED, assert_close
 from fusedpar.nn import ParallelAttention
 from fusedpar.ops import flash_attention, flash_attention_varlen, hybrid_attention, ring_attention
-from fusedpar.ops.sp_attention_schedules import head_widths, split_heads
-from fusedpar.ops.transport import EmulatedTransport
+from fusedpar.ops.sequence_parallel.bodies import head_widths, split_heads
+from fusedpar.ops.comm.transport import EmulatedTransport
+from fusedpar.nn import AttentionConfig
 
 # CPU tensors under the interpreter (opcheck, aot_eager); on a GPU the compiled check is the block test
 # (tests/test_torch_compile_block.py runs its one-process cases there with inductor)
@@ -127,31 +128,31 @@ def test_flash_options_compile_fullgraph():
         _assert_same(got, want, f"{name} flash options")
 
 
-def _sp_opchecks(g, ring_token, uly_token, ring_layout, ring_cu=None, uly_cu=None, hybrid_ring_token=None,
+def _sp_opchecks(g, ring_transport_id, uly_transport_id, ring_layout, ring_cu=None, uly_cu=None, hybrid_ring_transport_id=None,
                  options=False):
-    """opcheck of the ring and Ulysses ops (forward and backward) over the given transport tokens;
+    """opcheck of the ring and Ulysses ops (forward and backward) over the given transport ids;
     ``options``: with a window, softcap, sinks and a v head dim of 4 (q/k: 8)."""
     q, k, v = _qkv(g, 1, 6, 2, 1, requires_grad=True)
     scores = ()
     if options:
         v = torch.randn(1, 6, 1, 4, generator=g).requires_grad_()
         scores = (3, 0, 2.5, torch.randn(2, generator=g).requires_grad_())  # window_left/right, softcap, sinks
-    args = (q, k, v, ring_token, True, ring_layout, None, ring_cu, *scores)
+    args = (q, k, v, ring_transport_id, True, ring_layout, None, ring_cu, *scores)
     _opcheck(torch.ops.fusedpar.ring_attention.default, args)
     out, lse = torch.ops.fusedpar.ring_attention(*args)
     dout = torch.randn(out.shape, generator=g)
     plain = tuple(t.detach() for t in (q, k, v, out))
     _opcheck_backward(torch.ops.fusedpar.ring_attention_backward.default,
-             (dout, *plain, lse, ring_token, True, ring_layout, None, ring_cu, *scores))
+             (dout, *plain, lse, ring_transport_id, True, ring_layout, None, ring_cu, *scores))
 
-    uargs = (q, k, v, uly_token, hybrid_ring_token, True, ring_layout, 0.4, uly_cu, *scores)
+    uargs = (q, k, v, uly_transport_id, hybrid_ring_transport_id, True, ring_layout, 0.4, uly_cu, *scores)
     _opcheck(torch.ops.fusedpar.ulysses_attention.default, uargs)
     out, heads, out_heads, lse = torch.ops.fusedpar.ulysses_attention(*uargs)
     # 2 / size q heads, 1 replicated kv head
     qh, kh, vh = split_heads(heads, head_widths(2, 1, 2, 8, v.shape[3]))
     dout = torch.randn(out.shape, generator=g)
     _opcheck_backward(torch.ops.fusedpar.ulysses_attention_backward.default,
-             (dout, qh, kh, vh, out_heads, lse, uly_token, hybrid_ring_token, 1, True, ring_layout, 0.4, uly_cu,
+             (dout, qh, kh, vh, out_heads, lse, uly_transport_id, hybrid_ring_transport_id, 1, True, ring_layout, 0.4, uly_cu,
               *scores))
 
 
@@ -160,9 +161,9 @@ def test_opcheck_sequence_parallel_ops_emulated():
     uly, ring = EmulatedTransport(2, 1), EmulatedTransport(2, 0)
     ring_cu = torch.tensor([0, 1, 7, 12], dtype=torch.int32)  # 12 tokens: the ring's
     uly_cu = torch.tensor([0, 5, 17, 24], dtype=torch.int32)  # 24 tokens: the 2 x 2 grid's
-    _sp_opchecks(torch.Generator().manual_seed(2), ring.token, uly.token, "zigzag", ring_cu=ring_cu, uly_cu=uly_cu,
-                 hybrid_ring_token=ring.token)
-    _sp_opchecks(torch.Generator().manual_seed(3), ring.token, uly.token, "contiguous", hybrid_ring_token=ring.token,
+    _sp_opchecks(torch.Generator().manual_seed(2), ring.transport_id, uly.transport_id, "zigzag", ring_cu=ring_cu, uly_cu=uly_cu,
+                 hybrid_ring_transport_id=ring.transport_id)
+    _sp_opchecks(torch.Generator().manual_seed(3), ring.transport_id, uly.transport_id, "contiguous", hybrid_ring_transport_id=ring.transport_id,
                  options=True)
 
 
@@ -230,11 +231,11 @@ def _module_compiled_equals_eager(mod, x, msg, **kwargs):
 
 def test_parallel_attention_compiles_world1():
     torch.manual_seed(4)
-    mod = ParallelAttention(24, 3, 1, head_dim=8, bias=True, causal=True)
+    mod = ParallelAttention(AttentionConfig(24, 3, 1, head_dim=8, bias=True, causal=True))
     x = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(5))
     _module_compiled_equals_eager(mod, x, "world 1", cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
     # the attention options: window, softcap, the sinks parameter (its gradient too), a v head dim of 4
-    mod = ParallelAttention(24, 2, 1, head_dim=8, window=(3, 0), softcap=20.0, sinks=True, v_head_dim=4)
+    mod = ParallelAttention(AttentionConfig(24, 2, 1, head_dim=8, window=(3, 0), softcap=20.0, sinks=True, v_head_dim=4))
     with torch.no_grad():
         mod.sinks.copy_(torch.tensor([0.5, -1.0]))
     _module_compiled_equals_eager(mod, x, "world 1 options")

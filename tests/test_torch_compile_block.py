@@ -22,7 +22,7 @@ import torch
 
 from _compose import batch, tiny_config
 from _utils import BACKWARD_OPCHECK, DEVICE, INTERPRETED, assert_close
-from fusedpar.nn import Transformer, TransformerBlock
+from fusedpar.nn import Transformer, TransformerBlock, TransformerConfig
 
 RTOL = 1e-6
 #: Inductor (GPU) generates its own kernels for the torch ops between fusedpar's: fp32 rounding of a
@@ -76,8 +76,17 @@ class Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
-MLA = dict(mla=dict(q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6),
+MLA = dict(attention="mla", q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4})
+
+
+def _block(*, aux_loss_scale=0.0, tp_group=None, sp_group=None, ep_group=None, **config):
+    """A TransformerBlock of a one-layer model's config (hidden H, 4 heads, ffn 24, 2 kv heads but for MLA)."""
+    config = TransformerConfig(**{"vocab_size": 32, "hidden_size": H, "num_layers": 1, "num_heads": 4,
+                                  "ffn_hidden_size": 24, "num_kv_heads": None if "q_lora_rank" in config else 2,
+                                  **config})
+    return TransformerBlock(config.block_config(0), tp_group=tp_group, sp_group=sp_group, ep_group=ep_group,
+                            aux_loss_scale=aux_loss_scale)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "checkpointed", "mla"])
@@ -85,7 +94,7 @@ def test_block_compiles_fullgraph_world1(kind):
     moe = dict(num_experts=4, top_k=2, aux_loss_scale=0.5) if kind == "moe" else MLA if kind == "mla" else {}
 
     def make():
-        block = TransformerBlock(H, 4, 24, num_kv_heads=2, **moe).to(DEVICE)
+        block = _block(**moe).to(DEVICE)
         return Checkpointed(block) if kind == "checkpointed" else block
 
     backend, rtol = ("aot_eager", RTOL) if INTERPRETED else ("inductor", RTOL_INDUCTOR)
@@ -110,7 +119,7 @@ def _parallel_blocks(rank, size):
         "sp2 ulysses": dict(tp_group=alone, sp_group=group, sp_mode="ulysses"),
     }
     for label, kw in cases.items():
-        counts[label] = compare_compiled(lambda: TransformerBlock(H, 4, 24, num_kv_heads=2, **kw), x, label)
+        counts[label] = compare_compiled(lambda: _block(**kw), x, label)
     return counts
 
 
@@ -172,8 +181,8 @@ def test_rms_norm_ops_pass_opcheck(residual):
 
 @pytest.mark.skipif(not INTERPRETED, reason="CPU tensors under the interpreter")
 def test_sharded_rms_norm_ops_pass_opcheck():
-    """One process: the group of the token ``"@"`` has one rank (the all-reduces are skipped);
-    the reduction over ranks is checked against fp64 in test_tp_nn.py."""
+    """One process: the group of the transport id ``"@"`` has one rank (the all-reduces are skipped);
+    the reduction over ranks is checked against fp64 in test_nn_tensor_parallel.py."""
     g = torch.Generator().manual_seed(22)
     x = torch.randn(3, 5, 12, generator=g, requires_grad=True)
     w = torch.randn(12, generator=g, requires_grad=True)

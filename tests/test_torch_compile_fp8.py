@@ -10,7 +10,7 @@ import torch
 from _utils import BACKWARD_OPCHECK, INTERPRETED
 from fusedpar.nn import ParallelMLP
 from fusedpar.ops import fp8_linear, rms_norm_fp8
-from fusedpar.ops.transport import EmulatedTransport
+from fusedpar.ops.comm.transport import EmulatedTransport
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="CPU-interpreter test (aot_eager)")
 
@@ -50,32 +50,32 @@ def test_fp8_linear_under_torch_compile():
 def test_fp8_tp_ops_opcheck():
     """Every fp8 tensor-parallel op (rowwise and blockwise, the gathered pack kept and not, fp8
     and high-precision weight gradients) and every backward op."""
-    t = EmulatedTransport(2, rank=1)  # held for the whole test: the token names it weakly
-    g, K, tok = torch.Generator().manual_seed(5), 40, t.token
-    gathered = OPS.all_gather_matmul_fp8(_r(g, 2, 3, K), _r(g, 6, K), None, tok, 1, "swiglu", F32, "blockwise", False,
+    t = EmulatedTransport(2, rank=1)  # held for the whole test: the transport id names it weakly
+    g, K, transport_id = torch.Generator().manual_seed(5), 40, t.transport_id
+    gathered = OPS.all_gather_matmul_fp8(_r(g, 2, 3, K), _r(g, 6, K), None, transport_id, 1, "swiglu", F32, "blockwise", False,
                                          True, True)[2]
     forward = [
-        (OPS.all_gather_matmul_fp8, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), tok, 1,
+        (OPS.all_gather_matmul_fp8, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), transport_id, 1,
                                      "swiglu", F32, "blockwise", False, True, True)),
-        (OPS.all_gather_matmul_fp8, (_r(g, 3, K, grad=True), _r(g, 4, K, grad=True), None, tok, 0, "none", F32,
+        (OPS.all_gather_matmul_fp8, (_r(g, 3, K, grad=True), _r(g, 4, K, grad=True), None, transport_id, 0, "none", F32,
                                      "rowwise", True, True, False)),
-        (OPS.matmul_reduce_scatter_fp8, (_r(g, 2, 4, K, grad=True), _r(g, 5, K, grad=True), _r(g, 5, grad=True), tok,
+        (OPS.matmul_reduce_scatter_fp8, (_r(g, 2, 4, K, grad=True), _r(g, 5, K, grad=True), _r(g, 5, grad=True), transport_id,
                                          1, F32, "rowwise", False)),
-        (OPS.matmul_all_reduce_fp8, (_r(g, 3, K, grad=True), _r(g, 5, K, grad=True), _r(g, 5, grad=True), tok, 2, F32,
+        (OPS.matmul_all_reduce_fp8, (_r(g, 3, K, grad=True), _r(g, 5, K, grad=True), _r(g, 5, grad=True), transport_id, 2, F32,
                                      "blockwise", True)),
-        (OPS.copy_to_tp_matmul_fp8, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), tok,
+        (OPS.copy_to_tp_matmul_fp8, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), transport_id,
                                      "geglu", 2, F32, "rowwise", False, True)),
     ]
     for op, args in forward:
         torch.library.opcheck(op, args)
     backward = [
-        (OPS.all_gather_matmul_fp8_backward, (_r(g, 2, 6, 3), None, gathered, _r(g, 6, K), _r(g, 2, 2, 3, 6), tok, 1,
+        (OPS.all_gather_matmul_fp8_backward, (_r(g, 2, 6, 3), None, gathered, _r(g, 6, K), _r(g, 2, 2, 3, 6), transport_id, 1,
                                               "swiglu", F32, "blockwise", False, True, True, True)),
-        (OPS.all_gather_matmul_fp8_backward, (_r(g, 6, 4), _r(g, 3, K), None, _r(g, 4, K), None, tok, 0, "none", F32,
+        (OPS.all_gather_matmul_fp8_backward, (_r(g, 6, 4), _r(g, 3, K), None, _r(g, 4, K), None, transport_id, 0, "none", F32,
                                               "rowwise", True, True, True, False)),
-        (OPS.matmul_reduce_scatter_fp8_backward, (_r(g, 2, 2, 5), _r(g, 2, 4, K), _r(g, 5, K), tok, 1, F32,
+        (OPS.matmul_reduce_scatter_fp8_backward, (_r(g, 2, 2, 5), _r(g, 2, 4, K), _r(g, 5, K), transport_id, 1, F32,
                                                   "blockwise", True, True, True, True)),
-        (OPS.copy_to_tp_matmul_fp8_backward, (_r(g, 2, 3, 3), _r(g, 2, 3, K), _r(g, 6, K), _r(g, 2, 3, 6), tok,
+        (OPS.copy_to_tp_matmul_fp8_backward, (_r(g, 2, 3, 3), _r(g, 2, 3, K), _r(g, 6, K), _r(g, 2, 3, 6), transport_id,
                                               "geglu", 2, F32, "rowwise", False, True, True, True)),
     ]
     for op, args in backward:

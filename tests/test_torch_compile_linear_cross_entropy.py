@@ -11,7 +11,7 @@ import torch
 from _utils import BACKWARD_OPCHECK, DEVICE
 
 from fusedpar.ops import global_loss, linear_cross_entropy
-from fusedpar.ops.transport import EmulatedTransport
+from fusedpar.ops.comm.transport import EmulatedTransport
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 OPCHECK_TESTS = BACKWARD_OPCHECK + ("test_aot_dispatch_dynamic",)
@@ -28,13 +28,13 @@ def _args(g, T=7, H=6, V=5, P=1):
 
 def test_opcheck_linear_cross_entropy_ops():
     g = torch.Generator().manual_seed(0)
-    emulated = EmulatedTransport(2, 1)  # held: a token names its transport weakly
-    for token, P, sp in (("@", 1, False), (emulated.token, 2, False), (emulated.token, 2, True)):
+    emulated = EmulatedTransport(2, 1)  # held: a transport id names its transport weakly
+    for transport_id, P, sp in (("@", 1, False), (emulated.transport_id, 2, False), (emulated.transport_id, 2, True)):
         h, w, t = _args(g, P=P)
         if sp:  # [b, s / tp, H], the targets of both blocks in block order
             h = h.detach()[:6].view(2, 3, 6).requires_grad_()
             t = torch.cat([t[:6], t[:6]])
-        opts = (token, sp, -100, 0.1, 1e-2, 3.0, 4)
+        opts = (transport_id, sp, -100, 0.1, 1e-2, 3.0, 4)
         torch.library.opcheck(torch.ops.fusedpar.linear_cross_entropy.default, (h, w, t, *opts, True),
                               test_utils=OPCHECK_TESTS)
         loss, lse, gathered = torch.ops.fusedpar.linear_cross_entropy(h.detach(), w.detach(), t, *opts, False)
@@ -42,8 +42,8 @@ def test_opcheck_linear_cross_entropy_ops():
                               (torch.randn_like(loss), h.detach(), w.detach(), t, lse, gathered, *opts, True, True),
                               test_utils=BACKWARD_OPCHECK)
     total = torch.tensor(3.5, requires_grad=True)
-    for tokens in ("", "@", f"@;{emulated.token}"):
-        torch.library.opcheck(torch.ops.fusedpar.global_loss.default, (total, torch.tensor(4), tokens, True),
+    for transport_ids in ("", "@", f"@;{emulated.transport_id}"):
+        torch.library.opcheck(torch.ops.fusedpar.global_loss.default, (total, torch.tensor(4), transport_ids, True),
                               test_utils=OPCHECK_TESTS)
 
 

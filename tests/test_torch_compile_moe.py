@@ -15,8 +15,9 @@ from _world import rank_rng
 
 from fusedpar.nn import MoE
 from fusedpar.ops import attach_aux_loss, vocab_parallel_cross_entropy
-from fusedpar.ops.library import transport_token
-from fusedpar.ops.transport import EmulatedTransport
+from fusedpar.ops.comm.keys import transport_id_of
+from fusedpar.ops.comm.transport import EmulatedTransport
+from fusedpar.nn import MoEConfig
 
 # CPU tensors under the interpreter (opcheck, aot_eager); on a GPU the compiled check is the block test
 # (tests/test_torch_compile_block.py runs its one-process cases there with inductor)
@@ -47,7 +48,7 @@ def _experts(g, E, H, F, glu=True):
     return w1, w2
 
 
-def _moe_op_args(g, token, ep, T=7, H=6, F=5, E=4, k=2, capacity=None, chunks=2, biases=False):
+def _moe_op_args(g, transport_id, ep, T=7, H=6, F=5, E=4, k=2, capacity=None, chunks=2, biases=False):
     """``fusedpar::moe_mlp``'s arguments; ``biases``: expert biases and gpt-oss's swiglu_oai."""
     x = torch.randn(T, H, generator=g).requires_grad_()
     ids, weights = _routing(g, T, k, E)
@@ -55,26 +56,26 @@ def _moe_op_args(g, token, ep, T=7, H=6, F=5, E=4, k=2, capacity=None, chunks=2,
     b1 = b2 = None
     if biases:
         b1, b2 = (torch.randn(E // ep, n, generator=g).requires_grad_() for n in (2 * F, H))
-    return (x, ids, weights, w1, w2, b1, b2, E, token, ep, capacity, "swiglu_oai" if biases else "swiglu", chunks)
+    return (x, ids, weights, w1, w2, b1, b2, E, transport_id, ep, capacity, "swiglu_oai" if biases else "swiglu", chunks)
 
 
 def _moe_backward_args(fwd_args):
     """Inputs of fusedpar::moe_mlp_backward from one eager forward (grads requested for all)."""
     with torch.no_grad():
         out, *res = torch.ops.fusedpar.moe_mlp(*fwd_args)
-    x, _, weights, w1, w2, b1, _, E, token, _, _, act, _ = fwd_args
-    return (torch.randn_like(out), weights.detach(), w1.detach(), w2.detach(), *res, E, token, act, True, True,
+    x, _, weights, w1, w2, b1, _, E, transport_id, _, _, act, _ = fwd_args
+    return (torch.randn_like(out), weights.detach(), w1.detach(), w2.detach(), *res, E, transport_id, act, True, True,
             b1 is not None)
 
 
 def _check_loss_ops(g, group, V=5, T=7):
-    token = transport_token(None, group)
+    transport_id = transport_id_of(None, group)
     logits = torch.randn(T, V, generator=g).requires_grad_()
     vocab = V * (dist.get_world_size(group) if group is not None else 1)
     target = torch.randint(0, vocab, (T,), generator=rank_rng(6))  # the same on every rank of the group
     target[2] = -100
-    _opcheck(torch.ops.fusedpar.vocab_parallel_cross_entropy.default, (logits, target, token, -100, True))
-    _, lse, idx, inside = torch.ops.fusedpar.vocab_parallel_cross_entropy(logits.detach(), target, token, -100, False)
+    _opcheck(torch.ops.fusedpar.vocab_parallel_cross_entropy.default, (logits, target, transport_id, -100, True))
+    _, lse, idx, inside = torch.ops.fusedpar.vocab_parallel_cross_entropy(logits.detach(), target, transport_id, -100, False)
     _opcheck_backward(torch.ops.fusedpar.vocab_parallel_cross_entropy_backward.default,
              (torch.randn(T, generator=g), logits.detach(), lse, idx, inside))
 
@@ -104,7 +105,8 @@ def _compiled_matches_eager(fn, inputs, params=()):
 
 def _check_moe_compiles(g, seed, **moe_kwargs):
     torch.manual_seed(seed)  # the expert weights' base seed: the same on every rank
-    moe = MoE(10, 6, 4, 2, num_chunks=2, **moe_kwargs)
+    layout = {k: moe_kwargs.pop(k) for k in ("transport", "ep_group") if k in moe_kwargs}
+    moe = MoE(MoEConfig(10, 6, 4, 2, num_chunks=2, **moe_kwargs), **layout)
 
     def fn(x):
         return moe(x), moe.aux_loss
@@ -141,10 +143,10 @@ def test_opcheck_moe_and_loss_ops_single_process():
         _opcheck_backward(torch.ops.fusedpar.grouped_mlp_backward.default,
                           (torch.randn_like(y), x.detach(), h, pre, w1.detach(), w2.detach(), offsets, "swiglu", True,
                            True, biases))
-    emulated = EmulatedTransport(2, 1)  # held: a token names its transport weakly
-    for ep, token, capacity, biases in ((1, "@", 2, False), (2, emulated.token, None, False), (1, "@", 2, True),
-                                        (2, emulated.token, None, True)):
-        args = _moe_op_args(g, token, ep, capacity=capacity, biases=biases)
+    emulated = EmulatedTransport(2, 1)  # held: a transport id names its transport weakly
+    for ep, transport_id, capacity, biases in ((1, "@", 2, False), (2, emulated.transport_id, None, False), (1, "@", 2, True),
+                                        (2, emulated.transport_id, None, True)):
+        args = _moe_op_args(g, transport_id, ep, capacity=capacity, biases=biases)
         _opcheck(torch.ops.fusedpar.moe_mlp.default, args)
         _opcheck_backward(torch.ops.fusedpar.moe_mlp_backward.default, _moe_backward_args(args))
     # the stage API's pieces
@@ -157,7 +159,7 @@ def test_opcheck_moe_and_loss_ops_single_process():
     _opcheck_backward(torch.ops.fusedpar.moe_unpermute_backward.default,
              (torch.randn(M, 6, generator=g), y.detach(), weights.detach(), sorted_slot, 2))
     emulated = EmulatedTransport(3, 2)
-    _opcheck(torch.ops.fusedpar.all_to_all_v.default, (x, 7, [2, 3, 2], [2, 3, 2], emulated.token))
+    _opcheck(torch.ops.fusedpar.all_to_all_v.default, (x, 7, [2, 3, 2], [2, 3, 2], emulated.transport_id))
     _check_loss_ops(g, None)
     aux = torch.rand((), generator=g).requires_grad_()
     _opcheck(torch.ops.fusedpar.attach_aux_loss.default, (x, aux, 0.25, None))
@@ -178,9 +180,9 @@ def test_opcheck_moe_mlp_fp8():
     with torch.no_grad():
         out, *res = torch.ops.fusedpar.moe_mlp(*args)
     assert res[0].dtype == torch.uint8 and res[0].shape == (14, 16 + 16)  # H = 6: 16 bytes of e4m3, a 16-byte scale
-    x, _, weights, w1, w2, _, _, E, token, _, _, act, _, recipe, hp = args
+    x, _, weights, w1, w2, _, _, E, transport_id, _, _, act, _, recipe, hp = args
     torch.library.opcheck(torch.ops.fusedpar.moe_mlp_backward.default,
-                          (torch.randn_like(out), weights.detach(), w1.detach(), w2.detach(), *res, E, token, act,
+                          (torch.randn_like(out), weights.detach(), w1.detach(), w2.detach(), *res, E, transport_id, act,
                            True, True, False, recipe, hp), test_utils=("test_faketensor",))
 
 

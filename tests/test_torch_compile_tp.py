@@ -3,14 +3,14 @@
 
 * opcheck (schema, autograd registration, fake tensors, AOT dispatch with dynamic shapes, which
   also runs each backward op through ``register_autograd``) on every op of
-  :mod:`fusedpar.ops.tensor_parallel_library`: in this process on an ``EmulatedTransport`` of size 2 (the
-  multi-rank schedules in one process; its token names the instance), the backward ops called
-  directly too. In the world of 2 the fakes run on name tokens (a process group) while the
+  :mod:`fusedpar.ops.tensor_parallel.custom_ops`: in this process on an ``EmulatedTransport`` of size 2 (the
+  multi-rank schedules in one process; its transport id names the instance), the backward ops called
+  directly too. In the world of 2 the fakes run on name ids (a process group) while the
   modules compile.
 * compiled modules: ``ColumnParallelLinear``, ``RowParallelLinear``, ``ParallelMLP`` (sequence
   parallel and not, an activation): no graph break (``fullgraph=True``), the output and every
   input and parameter gradient equal to eager. Eager mode is checked against fp64 references by
-  tests/test_tp_ops.py and tests/test_tp_nn.py; here both sides run the same kernels in the same
+  tests/test_tensor_parallel_ops.py and tests/test_nn_tensor_parallel.py; here both sides run the same kernels in the same
   order (aot_eager calls the same custom ops), so the comparison is exact (tolerance 0).
 """
 import pytest
@@ -20,8 +20,8 @@ from _utils import BACKWARD_OPCHECK, INTERPRETED
 from _world import rank_rng
 from fusedpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
-from fusedpar.ops.tensor_parallel import gather_features, scatter_features
-from fusedpar.ops.transport import EmulatedTransport
+from fusedpar.ops.tensor_parallel.api import gather_features, scatter_features
+from fusedpar.ops.comm.transport import EmulatedTransport
 
 # CPU tensors under the interpreter (opcheck, aot_eager); on a GPU the compiled check is the block test
 # (tests/test_torch_compile_block.py runs its one-process cases there with inductor)
@@ -38,39 +38,39 @@ def _r(g, *shape, grad=False):
 # ----------------------------------------------------------------------------------------------
 # opcheck
 # ----------------------------------------------------------------------------------------------
-def _forward_cases(token, P, g):
+def _forward_cases(transport_id, P, g):
     """``(op, args)`` for every forward op: small odd shapes, inputs that require grad."""
     K = 5
     return [
         # all_gather_matmul: gated activation, pre-activation and gathered input kept
-        (OPS.all_gather_matmul, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), token, 1,
+        (OPS.all_gather_matmul, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), transport_id, 1,
                                  "swiglu", F32, True, True, True)),
         (OPS.matmul_reduce_scatter, (_r(g, 2, 3 * P, K, grad=True), _r(g, 4, K, grad=True), _r(g, 4, grad=True),
-                                     token, 1, F32)),
-        (OPS.matmul_all_reduce, (_r(g, 3, K, grad=True), _r(g, 4, K, grad=True), _r(g, 4, grad=True), token, 2, F32)),
-        (OPS.copy_to_tp_matmul, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), token,
+                                     transport_id, 1, F32)),
+        (OPS.matmul_all_reduce, (_r(g, 3, K, grad=True), _r(g, 4, K, grad=True), _r(g, 4, grad=True), transport_id, 2, F32)),
+        (OPS.copy_to_tp_matmul, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), transport_id,
                                  "geglu", 2, F32, True)),
-        (OPS.gather_features, (_r(g, 2, 3, 3, grad=True), token)),
-        (OPS.scatter_features, (_r(g, 3, 2 * P, grad=True), token)),
-        (OPS.all_gather_tokens, (_r(g, 2, 3, 5, grad=True), token, 1)),
+        (OPS.gather_features, (_r(g, 2, 3, 3, grad=True), transport_id)),
+        (OPS.scatter_features, (_r(g, 3, 2 * P, grad=True), transport_id)),
+        (OPS.all_gather_tokens, (_r(g, 2, 3, 5, grad=True), transport_id, 1)),
     ]
 
 
-def _backward_cases(token, P, g):
+def _backward_cases(transport_id, P, g):
     """``(op, args)`` for every backward op, called directly (every gradient asked for)."""
     K = 5
     x, gathered = _r(g, 2, 3, K), _r(g, P, 2, 3, K)
     return [
         (OPS.all_gather_matmul_backward, (_r(g, 2, 3 * P, 3), None, gathered, _r(g, 6, K), _r(g, P, 2, 3, 6),
-                                          token, 1, "swiglu", F32, True, True, True)),
-        (OPS.all_gather_matmul_backward, (_r(g, 2 * P, 3, 4), x, None, _r(g, 4, K), None, token, 0, "none", F32,
+                                          transport_id, 1, "swiglu", F32, True, True, True)),
+        (OPS.all_gather_matmul_backward, (_r(g, 2 * P, 3, 4), x, None, _r(g, 4, K), None, transport_id, 0, "none", F32,
                                           True, True, False)),
-        (OPS.matmul_reduce_scatter_backward, (_r(g, 2, 3, 4), _r(g, 2, 3 * P, K), _r(g, 4, K), token, 1, F32,
+        (OPS.matmul_reduce_scatter_backward, (_r(g, 2, 3, 4), _r(g, 2, 3 * P, K), _r(g, 4, K), transport_id, 1, F32,
                                               True, True, True)),
         (OPS.matmul_all_reduce_backward, (_r(g, 3, 4), _r(g, 3, K), _r(g, 4, K), True, True, True)),
-        (OPS.copy_to_tp_matmul_backward, (_r(g, 2, 3, 3), x, _r(g, 6, K), _r(g, 6, 6), token, "geglu", 2, F32,
+        (OPS.copy_to_tp_matmul_backward, (_r(g, 2, 3, 3), x, _r(g, 6, K), _r(g, 6, 6), transport_id, "geglu", 2, F32,
                                           True, True, True)),
-        (OPS.all_gather_tokens_backward, (_r(g, 2, 3 * P, 5), token, 1)),
+        (OPS.all_gather_tokens_backward, (_r(g, 2, 3 * P, 5), transport_id, 1)),
     ]
 
 
@@ -83,10 +83,10 @@ def _opcheck_all(cases, test_utils=None):
 
 
 def test_opcheck_on_an_emulated_transport():
-    t = EmulatedTransport(2, rank=1)  # held for the whole test: the token names it weakly
+    t = EmulatedTransport(2, rank=1)  # held for the whole test: the transport id names it weakly
     g = rank_rng(11)
-    _opcheck_all(_forward_cases(t.token, t.size, g))
-    _opcheck_all(_backward_cases(t.token, t.size, g), BACKWARD_OPCHECK)
+    _opcheck_all(_forward_cases(t.transport_id, t.size, g))
+    _opcheck_all(_backward_cases(t.transport_id, t.size, g), BACKWARD_OPCHECK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_compiled_modules_equal_eager_world2(world2_compile):
 
 
 def test_compiled_ops_on_an_emulated_transport():
-    """The functional ops with a Transport instance (its token is a constant of the graph) and
+    """The functional ops with a Transport instance (its transport id is a constant of the graph) and
     the options the modules do not use: return_gathered, gather / scatter dim 0, 2-D inputs."""
     t = EmulatedTransport(2, rank=1)
     g = rank_rng(23)

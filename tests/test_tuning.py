@@ -29,7 +29,7 @@ from fusedpar.kernels import (
 )
 from fusedpar.kernels.runtime import clear_tuning_caches, kept_config_count, select_tuning_configs, tuning_selection
 
-# tolerances relative to the reference's RMS, as in test_gemm / test_flash_attention: bf16 inputs
+# tolerances relative to the reference's RMS, as in test_gemm / test_attention_flash: bf16 inputs
 # and outputs carry an 8-bit mantissa (1.6e-2); attention gradients round P and dS to bf16 (4e-2)
 OUT_TOL, GRAD_TOL = 1.6e-2, 4e-2
 
@@ -156,7 +156,7 @@ def test_every_flash_config(monkeypatch, head_dim, causal):
             "dq dk dv".split(), flash_attention_backward(do, q, k, v, out, lse, causal=causal, dq_mode=mode),
             (q64.grad, k64.grad, v64.grad))]
         for name, got, ref in grads:
-            # absolute error scales with |dout| as well (as in test_flash_attention): the backward's
+            # absolute error scales with |dout| as well (as in test_attention_flash): the backward's
             # delta = rowsum(dout * out) reads the bf16 output (rounded once there, and its
             # probabilities once before the PV product), an error of ~2^-8 * |dout| |out| sqrt(d)
             # that dq carries as scale * d_delta * (P @ K), whatever dq's own size. Causal rows with

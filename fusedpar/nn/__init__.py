@@ -6,6 +6,6 @@ from .rotary import apply_rotary, rotary_cos_sin  # noqa: F401
 from .mla import MLAttention  # noqa: F401
 from .norm import RMSNorm  # noqa: E402,F401
 from .fp8 import FP8Linear  # noqa: E402,F401
-from .config import TransformerConfig  # noqa: E402,F401
+from .config import AttentionConfig, BlockConfig, MLAConfig, MoEConfig, TransformerConfig  # noqa: E402,F401
 from .block import TransformerBlock  # noqa: E402,F401
 from .transformer import Transformer, shard_tokens, vocab_parallel_cross_entropy  # noqa: E402,F401

@@ -20,6 +20,7 @@ order from the global RNG, so one seed gives the same model at every parallel de
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch import nn
@@ -28,19 +29,21 @@ from fusedpar.kernels.checks import check_bool, check_positive_number, check_sof
 from fusedpar.kernels.flash_attention import attention_reference, check_window, resolve_softmax_scale
 from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE, DQ_MODES
 from fusedpar.kernels.fp8 import FP8_BLOCK
+from fusedpar.nn.config import AttentionConfig, module_config
 from fusedpar.nn.groups import check_divides, check_kv_heads, check_orthogonal, group_arg
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
 from fusedpar.nn.placement import Placement, gradient_sync_plan
 from fusedpar.nn.rotary import apply_rotary, rope_inv_freq, rotary_cos_sin
 from fusedpar.ops import comm
-from fusedpar.ops.flash import flash_attention
-from fusedpar.ops.replicas import replicated_rows
-from fusedpar.ops.sp_attention import LAYOUTS, shard_positions, ulysses_kv_heads
-from fusedpar.ops.sp_attention import hybrid_attention, ring_attention, ulysses_attention
-from fusedpar.ops.tensor_parallel import all_gather_matmul
-from fusedpar.ops.transport import get_transport
-from fusedpar.ops.varlen import document_positions
+from fusedpar.ops.attention.api import flash_attention
+from fusedpar.ops.tensor_parallel.api import replicated_rows
+from fusedpar.ops.sequence_parallel.bodies import ulysses_kv_heads
+from fusedpar.ops.sequence_parallel.layouts import LAYOUTS, shard_positions
+from fusedpar.ops.sequence_parallel.api import hybrid_attention, ring_attention, ulysses_attention
+from fusedpar.ops.tensor_parallel.api import all_gather_matmul
+from fusedpar.ops.comm.transport import get_transport
+from fusedpar.ops.sequence_parallel.plans import document_positions
 
 SP_MODES = ("ring", "ulysses", "hybrid")
 
@@ -109,7 +112,9 @@ class AttentionReference(nn.Module):
     v_proj x))`` with ``nn.Linear`` projections drawn in the order q, k, v, o. The oracle of the
     tests, and the source of :class:`ParallelAttention`'s full weights.
 
-    Attention options (those of :func:`~fusedpar.ops.flash.flash_attention`): ``window=(left,
+    ``config``: an :class:`~fusedpar.nn.config.AttentionConfig` (its ``sp_mode``, ``layout`` and
+    ``dq_mode`` are ignored: one process, the float64 oracle). Attention options (those of
+    :func:`~fusedpar.ops.attention.api.flash_attention`): ``window=(left,
     right)`` (a sliding window in sequence positions), ``softcap`` (Gemma 2's logit
     softcapping), ``sinks=True`` (a learnable fp32 logit per head in the softmax denominator,
     gpt-oss; the parameter ``sinks`` ``[num_heads]``, initialised to 0), ``v_head_dim`` (the
@@ -118,12 +123,16 @@ class AttentionReference(nn.Module):
     and k are normalised before the rotary embedding, per head or over the whole projection
     (``qk_norm_scope``), with Gemma's ``(1 + w)`` scales under ``norm_offset=1.0``."""
 
-    def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, causal=True, bias=False,
-                 rope_theta=10000.0, head_dim=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6,
-                 rope_scaling=None, window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None,
-                 device=None, dtype=None, rotary_dim=None, qk_norm_scope="head", norm_offset=0.0):
+    def __init__(self, config: AttentionConfig, *, device=None, dtype=None):
         super().__init__()
         name = type(self).__name__
+        self.config = c = module_config(name, config, AttentionConfig)
+        hidden_size, num_heads, num_kv_heads, head_dim, v_head_dim = (
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.v_head_dim)
+        causal, bias, qkv_bias, qk_norm, qk_norm_eps, qk_norm_scope, norm_offset = (
+            c.causal, c.bias, c.qkv_bias, c.qk_norm, c.qk_norm_eps, c.qk_norm_scope, c.norm_offset)
+        rope_theta, rope_scaling, rotary_dim, window, softcap, sinks, softmax_scale = (
+            c.rope_theta, c.rope_scaling, c.rotary_dim, c.window, c.softcap, c.sinks, c.softmax_scale)
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
         self.rotary_dim = _rotary_dim(name, rotary_dim, head_dim)
         check_bool(f"{name}: causal", causal)
@@ -341,8 +350,8 @@ class ParallelAttention(SequenceParallelAttention):
     dimension pass a group of one rank. Groups of more than one rank must be orthogonal (tp and sp,
     or tp, Ulysses and ring: their rank sets meet in this rank only): at construction, an overlap
     (e.g. ``tp_group`` of 2 in a world of 4 with ``sp_group`` omitted, so the world) raises one
-    ``ValueError`` naming the groups and their ranks, on every rank (:mod:`fusedpar.nn.groups`). Each sequence-parallel group may be given as a
-    :class:`~fusedpar.ops.transport.Transport` instead (``sp_transport``, ``ulysses_transport``,
+    ``ValueError`` naming the groups and their ranks, on every rank (:mod:`fusedpar.nn.groups`).
+    Each sequence-parallel group may be given as a :class:`~fusedpar.ops.Transport` instead (``sp_transport``, ``ulysses_transport``,
     ``ring_transport``; e.g. an ``EmulatedTransport`` to run one rank's schedule in one process).
 
     Attention options ``window``, ``softcap``, ``sinks``, ``v_head_dim``, ``softmax_scale``: as in
@@ -350,7 +359,7 @@ class ParallelAttention(SequenceParallelAttention):
     parameter is split over tp by heads, like the heads themselves. ``dq_mode``: the attention
     backward, ``"separate"`` (default, deterministic) or ``"atomic"`` (one pass, dQ added with
     fp32 atomics; dq's bits vary between GPU runs), in every sequence-parallel mode (see
-    :func:`~fusedpar.ops.sp_attention.ring_attention`).
+    :func:`~fusedpar.ops.sequence_parallel.api.ring_attention`).
 
     Parameters are replicated across the sequence-parallel ranks and each rank's gradients cover
     its own tokens only: sum them over the sequence-parallel group(s) (include those ranks in the
@@ -365,14 +374,18 @@ class ParallelAttention(SequenceParallelAttention):
     ``(1 + w)`` scales.
     """
 
-    def __init__(self, hidden_size, num_heads, num_kv_heads=None, *, tp_group=None, sp_group=None,
-                 sp_mode="ring", causal=True, bias=False, rope_theta=10000.0, head_dim=None, layout="zigzag",
-                 ulysses_group=None, ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None,
-                 device=None, dtype=None, qkv_bias=None, qk_norm=False, qk_norm_eps=1e-6, rope_scaling=None,
-                 window=None, softcap=None, sinks=False, v_head_dim=None, softmax_scale=None, rotary_dim=None,
-                 qk_norm_scope="head", norm_offset=0.0, dq_mode=DEFAULT_DQ_MODE, _reference=None):
+    def __init__(self, config: AttentionConfig, *, tp_group=None, sp_group=None, ulysses_group=None,
+                 ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None, device=None,
+                 dtype=None, _reference=None):
         super().__init__()
         name = type(self).__name__
+        self.config = c = module_config(name, config, AttentionConfig)
+        hidden_size, num_heads, num_kv_heads, head_dim, v_head_dim = (
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.v_head_dim)
+        causal, qk_norm, qk_norm_scope = c.causal, c.qk_norm, c.qk_norm_scope
+        rope_theta, rotary_dim = c.rope_theta, c.rotary_dim
+        window, softcap, sinks, softmax_scale = c.window, c.softcap, c.sinks, c.softmax_scale
+        sp_mode, layout, dq_mode = c.sp_mode, c.layout, c.dq_mode
         self.dq_mode = _check_dq_mode(name, dq_mode)
         num_kv_heads, head_dim = _check_shape_args(name, hidden_size, num_heads, num_kv_heads, head_dim)
         self.rotary_dim = _rotary_dim(name, rotary_dim, head_dim)
@@ -404,27 +417,20 @@ class ParallelAttention(SequenceParallelAttention):
         # full weights drawn exactly as AttentionReference draws them (CPU, fp32, global RNG)
         # (on the meta device the reference is built there too: nothing is drawn or allocated)
         ref = _reference if _reference is not None else AttentionReference(
-            hidden_size, num_heads, num_kv_heads, causal=causal, bias=bias, rope_theta=rope_theta, head_dim=head_dim,
-            qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, rope_scaling=rope_scaling, window=window,
-            softcap=softcap, sinks=sinks, v_head_dim=v_head_dim, softmax_scale=softmax_scale, rotary_dim=rotary_dim,
-            qk_norm_scope=qk_norm_scope, norm_offset=norm_offset,
-            device="meta" if device is not None and torch.device(device).type == "meta" else None)
+            c, device="meta" if device is not None and torch.device(device).type == "meta" else None)
         self.rope_scaling, self.qk_norm_scope = ref.rope_scaling, ref.qk_norm_scope
         self._shard_from(ref, device=device, dtype=dtype)
 
     @classmethod
-    def from_reference(cls, ref: AttentionReference, **kwargs):
-        """Shard the weights of an :class:`AttentionReference` (keyword options as in the
-        constructor; shapes, ``causal``, ``rope_theta`` and bias come from ``ref``)."""
+    def from_reference(cls, ref: AttentionReference, *, sp_mode: str = "ring", layout: str = "zigzag",
+                       dq_mode: str = DEFAULT_DQ_MODE, **kwargs):
+        """Shard the weights of an :class:`AttentionReference`: its config with the sequence-parallel
+        fields ``sp_mode``, ``layout`` and ``dq_mode`` (which the reference ignores); ``kwargs``: the
+        constructor's groups, transports, device and dtype."""
         if not isinstance(ref, AttentionReference):
             raise TypeError(f"from_reference needs an AttentionReference, got {type(ref).__name__}")
-        return cls(ref.hidden_size, ref.num_heads, ref.num_kv_heads, causal=ref.causal,
-                   bias=ref.o_proj.bias is not None, qkv_bias=ref.q_proj.bias is not None, rope_theta=ref.rope_theta,
-                   head_dim=ref.head_dim, qk_norm=ref.q_norm is not None, rope_scaling=ref.rope_scaling,
-                   qk_norm_eps=ref.q_norm.eps if ref.q_norm is not None else 1e-6, window=ref.window,
-                   softcap=ref.softcap, sinks=ref.sinks is not None, v_head_dim=ref.v_head_dim,
-                   softmax_scale=ref.softmax_scale, rotary_dim=ref.rotary_dim, qk_norm_scope=ref.qk_norm_scope,
-                   norm_offset=ref.q_norm.offset if ref.q_norm is not None else 0.0, _reference=ref, **kwargs)
+        config = dataclasses.replace(ref.config, sp_mode=sp_mode, layout=layout, dq_mode=dq_mode)
+        return cls(config, _reference=ref, **kwargs)
 
     def _shard_from(self, ref, *, device, dtype):
         """One fused ``[q; k; v]`` projection, column-parallel with three sections, so that every

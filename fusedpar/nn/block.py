@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from fusedpar.kernels.checks import check_bool, check_choice
-from fusedpar.ops.loss import attach_aux_loss
+from fusedpar.ops.loss.api import attach_aux_loss
 
 from .attention import ParallelAttention
-from .config import NORM_LAYOUTS
+from .config import NORM_LAYOUTS, AttentionConfig, BlockConfig, MLAConfig, module_config
 from .linear import FP8_OPTION, ColumnParallelLinear, ParallelMLP, enable_fp8
 from .mla import MLAttention
 from .moe import MoE, SharedExpertGate
@@ -27,19 +27,16 @@ class TransformerBlock(nn.Module):
     post_attn_norm(attn(norm1(x)))``; ``y = h + post_mlp_norm(mlp(norm2(h)))`` (norm2 fused with
     the residual add). ``norm_offset=1.0``: every norm scales by ``1 + weight`` (Gemma).
 
-    ``num_experts > 0`` replaces the dense :class:`ParallelMLP` with a :class:`MoE` over
-    ``ep_group``; its router losses (``self.mlp.aux_loss``) are attached to the backward with
-    weight ``aux_loss_scale`` when that is non-zero. ``mla`` (the sizes of
-    :meth:`TransformerConfig.mla_options`) replaces the :class:`ParallelAttention` with an
-    :class:`MLAttention`.
+    ``config``: a :class:`~fusedpar.nn.config.BlockConfig` (a model's:
+    :meth:`TransformerConfig.block_config`). ``config.moe`` replaces the dense :class:`ParallelMLP`
+    with a :class:`MoE` over ``ep_group``; its router losses (``self.mlp.aux_loss``) are attached to
+    the backward with weight ``aux_loss_scale`` when that is non-zero. An :class:`MLAConfig` as
+    ``config.attention`` builds an :class:`MLAttention` instead of a :class:`ParallelAttention`.
 
-    ``sp_mode="hybrid"`` takes ``ulysses_group`` and ``ring_group`` (e.g. a
-    :class:`~fusedpar.parallel.ParallelState`'s) instead of ``sp_group``. Omitted groups and the
+    ``sp_mode="hybrid"`` (in the attention's config) takes ``ulysses_group`` and ``ring_group`` (e.g.
+    a :class:`~fusedpar.parallel.ParallelState`'s) instead of ``sp_group``. Omitted groups and the
     construction-time layout checks: as in :class:`Transformer` (an omitted group is the world; a
-    layout that does not fit raises one ``ValueError`` naming the groups and their ranks).
-    ``window``, ``softcap``, ``sinks``, ``v_head_dim``, ``softmax_scale``: the attention options
-    of :class:`ParallelAttention`; ``attention_out_bias``: a bias on its output projection
-    (gpt-oss). ``expert_bias``: the MoE experts' biases (:class:`MoE`). ``fp8``,
+    layout that does not fit raises one ``ValueError`` naming the groups and their ranks). ``fp8``,
     ``fp8_grad_high_precision``: the tensor-parallel projections of the attention, the dense MLP
     and the shared expert in fp8 (:func:`~fusedpar.nn.linear.enable_fp8`), and the routed experts
     (:meth:`MoE.set_fp8`: fp8 dispatch and expert GEMMs); the router stays in fp32. With fp8 the
@@ -48,62 +45,38 @@ class TransformerBlock(nn.Module):
     projection gathers instead of quantising the norm's output again (the same bits).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, num_kv_heads: int | None = None,
-                 tp_group=None, sp_group=None, ep_group=None, ulysses_group=None, ring_group=None,
-                 sp_mode: str = "ring", layout: str = "zigzag",
-                 causal: bool = True, activation: str = "swiglu", eps: float = 1e-6, num_experts: int = 0,
-                 top_k: int = 2, capacity_factor: float | None = None, aux_loss_coef: float = 1e-2,
-                 z_loss_coef: float = 1e-3, aux_loss_scale: float = 0.0, device=None, dtype=None,
-                 rope_theta: float = 10000.0, rope_scaling: dict | None = None, head_dim: int | None = None,
-                 qkv_bias: bool = False, attention_out_bias: bool = False, qk_norm: bool = False,
-                 norm_topk_prob: bool | None = None, expert_bias: bool = False,
-                 shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = True,
-                 router_options: dict | None = None, window=None, softcap: float | None = None, sinks: bool = False,
-                 v_head_dim: int | None = None, softmax_scale: float | None = None, rotary_dim: int | None = None,
-                 mla: dict | None = None, norm_layout: str = "pre", norm_offset: float = 0.0,
-                 qk_norm_scope: str = "head", fp8: str | None = None, fp8_grad_high_precision: bool = False,
-                 dq_mode: str = "separate"):
+    def __init__(self, config: BlockConfig, *, tp_group=None, sp_group=None, ep_group=None, ulysses_group=None,
+                 ring_group=None, aux_loss_scale: float = 0.0, device=None, dtype=None):
         super().__init__()
-        check_choice("TransformerBlock: norm_layout", norm_layout, NORM_LAYOUTS)
-        self.hidden_size, self.norm_layout = hidden_size, norm_layout
-        norm = lambda: RMSNorm(hidden_size, eps, offset=norm_offset, device=device, dtype=dtype)  # noqa: E731
-        pre, post = norm_layout in ("pre", "sandwich"), norm_layout in ("post", "sandwich")
+        self.config = c = module_config("TransformerBlock", config, BlockConfig)
+        check_choice("TransformerBlock: norm_layout", c.norm_layout, NORM_LAYOUTS)
+        hidden_size = c.hidden_size
+        self.hidden_size, self.norm_layout = hidden_size, c.norm_layout
+        norm = lambda: RMSNorm(hidden_size, c.norm_eps, offset=c.norm_offset, device=device, dtype=dtype)  # noqa: E731
+        pre, post = c.norm_layout in ("pre", "sandwich"), c.norm_layout in ("post", "sandwich")
         self.norm1 = norm() if pre else None
-        if mla is not None:  # multi-head latent attention (its latent norms keep transformers' eps 1e-6)
-            self.attn = MLAttention(hidden_size, num_heads, tp_group=tp_group, sp_group=sp_group, sp_mode=sp_mode,
-                                    causal=causal, layout=layout, ulysses_group=ulysses_group, ring_group=ring_group,
-                                    device=device, dtype=dtype, rope_theta=rope_theta, rope_scaling=rope_scaling,
-                                    dq_mode=dq_mode, **mla)
-        else:
-            self.attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, tp_group=tp_group, sp_group=sp_group,
-                                          sp_mode=sp_mode, causal=causal, bias=attention_out_bias, layout=layout,
-                                          ulysses_group=ulysses_group, ring_group=ring_group, device=device,
-                                          dtype=dtype, rope_theta=rope_theta, rope_scaling=rope_scaling,
-                                          head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, qk_norm_eps=eps,
-                                          window=window, softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
-                                          softmax_scale=softmax_scale, rotary_dim=rotary_dim,
-                                          qk_norm_scope=qk_norm_scope, norm_offset=norm_offset, dq_mode=dq_mode)
+        groups = dict(tp_group=tp_group, sp_group=sp_group, ulysses_group=ulysses_group, ring_group=ring_group,
+                      device=device, dtype=dtype)
+        attention = module_config("TransformerBlock: config.attention", c.attention, (AttentionConfig, MLAConfig))
+        self.attn = (MLAttention if isinstance(attention, MLAConfig) else ParallelAttention)(attention, **groups)
         self.post_attn_norm = norm() if post else None
         self.norm2 = norm() if pre else None
-        self.is_moe = num_experts > 0
+        self.is_moe = c.moe is not None
         self.shared_expert = self.shared_expert_gate = None
         if self.is_moe:
-            self.mlp = MoE(hidden_size, ffn_hidden_size, num_experts, top_k, ep_group=ep_group,
-                           capacity_factor=capacity_factor, activation=activation, aux_loss_coef=aux_loss_coef,
-                           z_loss_coef=z_loss_coef, normalize=norm_topk_prob, expert_bias=expert_bias,
-                           device=device, dtype=dtype, **(router_options or {}))
-            if shared_expert_ffn_hidden_size:  # Qwen2-MoE: y = moe(x) + sigmoid(gate x) * mlp(x)
-                self.shared_expert = ParallelMLP(hidden_size, shared_expert_ffn_hidden_size, activation=activation,
-                                                 group=tp_group, sequence_parallel=True, bias=False, device=device,
-                                                 dtype=dtype)
-                if check_bool("shared_expert_gate", shared_expert_gate):  # DeepSeek-V3: y = moe(x) + mlp(x)
+            self.mlp = MoE(c.moe, ep_group=ep_group, device=device, dtype=dtype)
+            if c.shared_expert_ffn_hidden_size:  # Qwen2-MoE: y = moe(x) + sigmoid(gate x) * mlp(x)
+                self.shared_expert = ParallelMLP(hidden_size, c.shared_expert_ffn_hidden_size,
+                                                 activation=c.activation, group=tp_group, sequence_parallel=True,
+                                                 bias=False, device=device, dtype=dtype)
+                if check_bool("shared_expert_gate", c.shared_expert_gate):  # DeepSeek-V3: y = moe(x) + mlp(x)
                     self.shared_expert_gate = SharedExpertGate(hidden_size, device=device, dtype=dtype)
         else:
-            self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, group=tp_group,
+            self.mlp = ParallelMLP(hidden_size, c.ffn_hidden_size, activation=c.activation, group=tp_group,
                                    sequence_parallel=True, bias=False, device=device, dtype=dtype)
         self.post_mlp_norm = norm() if post else None
         self.aux_loss_scale = float(aux_loss_scale)
-        self._enable_fp8(fp8, fp8_grad_high_precision)
+        self._enable_fp8(c.fp8, c.fp8_grad_high_precision)
 
     def _enable_fp8(self, fp8, grad_high_precision) -> None:
         if fp8 is not None and getattr(self.attn, "kv_replicas", 1) > 1:  # its projection bypasses qkv's forward

@@ -21,13 +21,140 @@ from fusedpar.kernels.runtime import ACTIVATIONS
 
 from .rotary import rope_inv_freq
 
-__all__ = ["NORM_LAYOUTS", "TransformerConfig", "check_token_ids"]
+__all__ = ["AttentionConfig", "BlockConfig", "MLAConfig", "MoEConfig", "NORM_LAYOUTS", "TransformerConfig",
+           "check_token_ids", "module_config"]
 
 #: where a block's norms sit: "pre" ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))`` (Llama);
 #: "post" ``h = x + post_attn_norm(attn(x)); y = h + post_mlp_norm(mlp(h))`` (OLMo 2);
 #: "sandwich" both, ``h = x + post_attn_norm(attn(norm1(x))); y = h + post_mlp_norm(mlp(norm2(h)))`` (Gemma 2/3)
 NORM_LAYOUTS = ("pre", "post", "sandwich")
 
+
+
+# ----------------------------------------------------------------------------------------------
+# per-module configs: what one module is (sizes and options); the parallel layout (groups,
+# transports), the device and the dtype are the module's keyword arguments
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class AttentionConfig:
+    """One :class:`~fusedpar.nn.ParallelAttention` (and its :class:`~fusedpar.nn.AttentionReference`):
+    ``num_kv_heads`` None: ``num_heads``; ``head_dim`` None: ``hidden_size // num_heads``;
+    ``v_head_dim`` None: ``head_dim``; ``bias``: on the output projection, ``qkv_bias`` (None: ``bias``)
+    on q, k, v; ``window`` ``(left, right)`` in positions; ``rotary_dim`` None: the whole head;
+    ``sp_mode`` / ``layout``: how the sequence is split (the reference ignores them, and
+    ``dq_mode``). The module checks the values, naming the field."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    causal: bool = True
+    bias: bool = False
+    qkv_bias: bool | None = None
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    qk_norm_scope: str = "head"
+    norm_offset: float = 0.0
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rotary_dim: int | None = None
+    window: tuple | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    softmax_scale: float | None = None
+    sp_mode: str = "ring"
+    layout: str = "zigzag"
+    dq_mode: str = "separate"
+
+
+@dataclasses.dataclass
+class MLAConfig:
+    """One :class:`~fusedpar.nn.MLAttention` (Hugging Face's names; ``q_lora_rank`` None: a plain
+    ``q_proj``; ``bias``: HF's ``attention_bias``; ``norm_eps``: the latent norms' epsilon)."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    causal: bool = True
+    bias: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_interleave: bool = True
+    norm_eps: float = 1e-6
+    sp_mode: str = "ring"
+    layout: str = "zigzag"
+    dq_mode: str = "separate"
+
+
+@dataclasses.dataclass
+class MoEConfig:
+    """One :class:`~fusedpar.nn.MoE` and its router (:class:`~fusedpar.nn.TopKRouter`): sizes, the
+    routing (``score``, ``normalize``, group-limited ``n_group`` / ``topk_group``, ``score_bias`` with
+    ``bias_update_rate``, ``routed_scaling_factor``, ``router_bias``), the losses, ``capacity_factor``
+    (None: dropless), ``expert_bias`` (the experts' ``b1`` / ``b2``), the dispatch's ``num_chunks`` and
+    the experts' ``fp8`` recipe."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    top_k: int
+    activation: str = "swiglu"
+    capacity_factor: float | None = None
+    score: str = "softmax"
+    normalize: bool | None = None
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int | None = None
+    score_bias: bool = False
+    bias_update_rate: float = 0.0
+    seq_aux_loss_coef: float = 0.0
+    router_bias: bool = False
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    expert_bias: bool = False
+    num_chunks: int = 2
+    fp8: str | None = None
+    fp8_grad_high_precision: bool = False
+
+
+@dataclasses.dataclass
+class BlockConfig:
+    """One :class:`~fusedpar.nn.TransformerBlock`: its attention (an :class:`AttentionConfig`, or an
+    :class:`MLAConfig` for multi-head latent attention), its MLP (dense: ``ffn_hidden_size`` and
+    ``activation``; routed: ``moe``, plus a shared expert of ``shared_expert_ffn_hidden_size``,
+    gated unless ``shared_expert_gate=False``), the norms (``norm_layout`` of :data:`NORM_LAYOUTS`,
+    ``norm_eps``, ``norm_offset``) and the fp8 recipe of its tensor-parallel projections and
+    experts. :meth:`TransformerConfig.block_config` gives a model's."""
+
+    attention: AttentionConfig | MLAConfig
+    ffn_hidden_size: int
+    activation: str = "swiglu"
+    moe: MoEConfig | None = None
+    shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = True
+    norm_layout: str = "pre"
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0
+    fp8: str | None = None
+    fp8_grad_high_precision: bool = False
+
+    @property
+    def hidden_size(self) -> int:
+        return self.attention.hidden_size
+
+
+def module_config(module: str, config, kind):
+    """``config`` if it is a ``kind`` (a config class above), else a ``TypeError`` naming both."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(config, kinds):
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise TypeError(f"{module}: config must be a {expected}, got {type(config).__name__}")
+    return config
 
 @dataclasses.dataclass
 class TransformerConfig:
@@ -138,56 +265,60 @@ class TransformerConfig:
         return (self.num_experts > 0 and layer % self.moe_every == self.moe_every - 1
                 and layer not in self.dense_layers and layer >= self.first_k_dense_replace)
 
-    def block_kwargs(self, layer: int) -> dict:
-        """The :class:`TransformerBlock` keyword arguments of block ``layer`` (sizes and options)."""
-        moe = self.is_moe(layer)
-        hf_aux = self.aux_loss_style == "hf"  # pooled over layers by Transformer.aux_loss instead
-        theta = self.rope_theta if self.layer_rope_theta is None else self.layer_rope_theta[layer]
-        return dict(num_kv_heads=self.num_kv_heads, sp_mode=self.sp_mode, layout=self.layout, causal=self.causal,
-                    activation=self.activation, eps=self.norm_eps, num_experts=self.num_experts if moe else 0,
-                    top_k=self.top_k, capacity_factor=self.capacity_factor,
-                    aux_loss_coef=0.0 if hf_aux else self.aux_loss_coef, z_loss_coef=0.0 if hf_aux else self.z_loss_coef,
-                    rope_theta=float(theta), rope_scaling=self.rope_scaling, head_dim=self.head_dim,
-                    qkv_bias=self.qkv_bias, attention_out_bias=self.attention_out_bias, qk_norm=self.qk_norm,
-                    norm_topk_prob=self.norm_topk_prob, expert_bias=self.expert_bias,
-                    norm_layout=self.norm_layout, norm_offset=self.norm_offset, qk_norm_scope=self.qk_norm_scope,
-                    shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
-                    shared_expert_gate=self.shared_expert_gate, rotary_dim=self.rotary_dim(),
-                    router_options=self.router_options(), mla=self.mla_options(), fp8=self.fp8,
-                    fp8_grad_high_precision=self.fp8_grad_high_precision, dq_mode=self.attention_dq_mode,
-                    **self.attention_options(layer))
+    def block_config(self, layer: int) -> BlockConfig:
+        """The :class:`BlockConfig` of block ``layer``."""
+        moe = self.moe_config(layer)
+        return BlockConfig(attention=self.attention_config(layer), ffn_hidden_size=self.ffn_hidden_size,
+                           activation=self.activation, moe=moe,
+                           shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size if moe else 0,
+                           shared_expert_gate=self.shared_expert_gate, norm_layout=self.norm_layout,
+                           norm_eps=self.norm_eps, norm_offset=self.norm_offset, fp8=self.fp8,
+                           fp8_grad_high_precision=self.fp8_grad_high_precision)
 
-    def attention_options(self, layer: int) -> dict:
-        """The attention options of block ``layer`` (:class:`ParallelAttention` keywords) from
-        the Hugging Face fields: a sliding window of ``sliding_window`` ``W`` (query ``i`` sees keys
-        ``i - W < j <= i``, so ``window=(W - 1, 0)``) where ``layer_types`` says
-        ``"sliding_attention"`` (every layer when ``layer_types`` is None), the softcap, the
-        sinks, ``v_head_dim`` and ``softmax_scale`` (Gemma: ``query_pre_attn_scalar ** -0.5``)."""
+    def attention_config(self, layer: int) -> AttentionConfig | MLAConfig:
+        """The attention of block ``layer``: an :class:`MLAConfig` with ``attention="mla"``, else an
+        :class:`AttentionConfig` from the Hugging Face fields: a sliding window of ``sliding_window``
+        ``W`` (query ``i`` sees keys ``i - W < j <= i``, so ``window=(W - 1, 0)``) where ``layer_types``
+        says ``"sliding_attention"`` (every layer when ``layer_types`` is None), the softcap, the sinks,
+        ``v_head_dim``, ``softmax_scale`` (Gemma: ``query_pre_attn_scalar ** -0.5``), the layer's RoPE base."""
+        theta = float(self.rope_theta if self.layer_rope_theta is None else self.layer_rope_theta[layer])
+        common = dict(hidden_size=self.hidden_size, num_heads=self.num_heads, causal=self.causal, rope_theta=theta,
+                      rope_scaling=self.rope_scaling, sp_mode=self.sp_mode, layout=self.layout,
+                      dq_mode=self.attention_dq_mode)
+        if self.attention == "mla":  # (its latent norms keep transformers' eps 1e-6)
+            return MLAConfig(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                             qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                             v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave, **common)
         slides = self.sliding_window is not None and (
             self.layer_types is None or self.layer_types[layer] == "sliding_attention")
-        return dict(window=(self.sliding_window - 1, 0) if slides else None, softcap=self.attn_logit_softcapping,
-                    sinks=self.attention_sinks, v_head_dim=self.v_head_dim, softmax_scale=self.softmax_scale)
+        return AttentionConfig(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, v_head_dim=self.v_head_dim,
+                               bias=self.attention_out_bias, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
+                               qk_norm_eps=self.norm_eps, qk_norm_scope=self.qk_norm_scope,
+                               norm_offset=self.norm_offset, rotary_dim=self.rotary_dim(),
+                               window=(self.sliding_window - 1, 0) if slides else None,
+                               softcap=self.attn_logit_softcapping, sinks=self.attention_sinks,
+                               softmax_scale=self.softmax_scale, **common)
+
+    def moe_config(self, layer: int) -> MoEConfig | None:
+        """The routed MLP of block ``layer`` (None for a dense block). With ``aux_loss_style="hf"``
+        the per-layer losses are off (:meth:`Transformer.aux_loss` pools them instead)."""
+        if not self.is_moe(layer):
+            return None
+        hf_aux = self.aux_loss_style == "hf"
+        return MoEConfig(hidden_size=self.hidden_size, ffn_hidden_size=self.moe_ffn_hidden_size or self.ffn_hidden_size,
+                         num_experts=self.num_experts, top_k=self.top_k, activation=self.activation,
+                         capacity_factor=self.capacity_factor, score=self.score_func, normalize=self.norm_topk_prob,
+                         routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
+                         topk_group=self.topk_group, score_bias=self.score_correction_bias,
+                         bias_update_rate=self.bias_update_rate, seq_aux_loss_coef=self.seq_aux_loss_coef,
+                         router_bias=self.router_bias, aux_loss_coef=0.0 if hf_aux else self.aux_loss_coef,
+                         z_loss_coef=0.0 if hf_aux else self.z_loss_coef, expert_bias=self.expert_bias)
 
     def rotary_dim(self) -> int | None:
         """The rotated features per head (HF: ``int(head_dim * partial_rotary_factor)``); None: all."""
         if self.partial_rotary_factor == 1.0:
             return None
         return int((self.head_dim or self.hidden_size // self.num_heads) * self.partial_rotary_factor)
-
-    def mla_options(self) -> dict | None:
-        """The :class:`MLAttention` sizes with ``attention="mla"``, else None."""
-        if self.attention != "mla":
-            return None
-        return dict(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
-                    qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                    v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave)
-
-    def router_options(self) -> dict:
-        """The :class:`MoE` router keyword arguments of the routing fields."""
-        return dict(score=self.score_func, routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
-                    topk_group=self.topk_group, score_bias=self.score_correction_bias,
-                    bias_update_rate=self.bias_update_rate, seq_aux_loss_coef=self.seq_aux_loss_coef,
-                    router_bias=self.router_bias)
 
 
 def check_config_values(cfg: "TransformerConfig") -> None:

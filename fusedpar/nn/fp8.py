@@ -8,8 +8,8 @@ from torch import nn
 
 from fusedpar.kernels.checks import check_bool, check_choice, check_int
 from fusedpar.nn.placement import Placement
-from fusedpar.ops.fp8 import fp8_linear
-from fusedpar.ops.fp8_library import FP8_RECIPES
+from fusedpar.ops.fp8.api import fp8_linear
+from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 
 __all__ = ["FP8Linear"]
 

@@ -35,7 +35,7 @@ from fusedpar.kernels.fp8_gemm import FP8_RECIPES
 from fusedpar.kernels.runtime import ACTIVATIONS
 from fusedpar.ops import comm
 from fusedpar.nn.placement import Placement
-from fusedpar.ops.tensor_parallel import (
+from fusedpar.ops.tensor_parallel.api import (
     all_gather_matmul,
     copy_to_tp_matmul,
     gather_features,

@@ -37,12 +37,13 @@ from torch import nn
 from fusedpar.kernels.checks import check_bool, check_choice, check_int, check_positive_number
 from fusedpar.kernels.flash_attention_bwd import DQ_MODES
 from fusedpar.nn.attention import SequenceParallelAttention
+from fusedpar.nn.config import MLAConfig, module_config
 from fusedpar.nn.rotary import apply_rotary, rope_inv_freq, rotary_cos_sin, yarn_mscale
 from fusedpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fusedpar.nn.norm import RMSNorm
 from fusedpar.nn.placement import Placement
-from fusedpar.ops.sp_attention import ulysses_kv_heads
-from fusedpar.ops.tensor_parallel import all_gather_tokens
+from fusedpar.ops.sequence_parallel.bodies import ulysses_kv_heads
+from fusedpar.ops.tensor_parallel.api import all_gather_tokens
 
 __all__ = ["MLAttention", "mla_softmax_scale"]
 
@@ -70,9 +71,10 @@ def _replicated_linear(in_features, out_features, bias, device, dtype):
 class MLAttention(SequenceParallelAttention):
     """Tensor- and sequence-parallel multi-head latent attention (see the module docstring).
 
-    Input ``x``: ``[batch, S / (sp * tp), hidden_size]``, this rank's tokens; output the same
-    shape. ``num_heads`` must split over ``tp_group``; the groups, ``sp_mode``, ``layout`` and the
-    transports are those of :class:`ParallelAttention`. ``q_lora_rank=None``: a plain
+    ``config``: an :class:`~fusedpar.nn.config.MLAConfig`. Input ``x``: ``[batch, S / (sp * tp),
+    hidden_size]``, this rank's tokens; output the same shape. ``num_heads`` must split over
+    ``tp_group``; the groups, ``sp_mode``, ``layout`` and the transports are those of
+    :class:`ParallelAttention`. ``q_lora_rank=None``: a plain
     column-parallel ``q_proj``. ``bias``: Hugging Face's ``attention_bias`` (on ``q_a_proj``,
     ``kv_a_proj_with_mqa`` and ``o_proj``). ``norm_eps``: the latent norms' epsilon (1e-6 in
     transformers, whatever the model's ``rms_norm_eps``). Submodules carry Hugging Face's names.
@@ -82,13 +84,16 @@ class MLAttention(SequenceParallelAttention):
     with the model's gradient plan, or :meth:`reduce_sequence_parallel_grads` for the module alone.
     """
 
-    def __init__(self, hidden_size, num_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-                 v_head_dim, tp_group=None, sp_group=None, sp_mode="ring", layout="zigzag", causal=True, bias=False,
-                 rope_theta=10000.0, rope_scaling=None, rope_interleave=True, norm_eps=1e-6, ulysses_group=None,
-                 ring_group=None, sp_transport=None, ulysses_transport=None, ring_transport=None, device=None,
-                 dtype=None, dq_mode="separate"):
+    def __init__(self, config: MLAConfig, *, tp_group=None, sp_group=None, ulysses_group=None, ring_group=None,
+                 sp_transport=None, ulysses_transport=None, ring_transport=None, device=None, dtype=None):
         super().__init__()
         name = type(self).__name__
+        self.config = c = module_config(name, config, MLAConfig)
+        hidden_size, num_heads, q_lora_rank, kv_lora_rank = c.hidden_size, c.num_heads, c.q_lora_rank, c.kv_lora_rank
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        causal, bias, rope_theta, rope_scaling, rope_interleave = (
+            c.causal, c.bias, c.rope_theta, c.rope_scaling, c.rope_interleave)
+        norm_eps, sp_mode, layout, dq_mode = c.norm_eps, c.sp_mode, c.layout, c.dq_mode
         for arg, val in (("hidden_size", hidden_size), ("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                          ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
             check_int(f"{name}: {arg}", val, min_value=1)

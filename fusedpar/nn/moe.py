@@ -15,11 +15,12 @@ from ..kernels.fp8_gemm import FP8_RECIPES
 from ..kernels.moe_topk import SCORE_FUNCS, check_routing_config
 from ..kernels.runtime import ACTIVATIONS
 from ..ops import comm
+from .config import MoEConfig, module_config
 from .groups import check_divides, group_arg
 from .placement import Placement
-from ..ops.moe import moe_mlp, moe_route
-from ..ops.tensor_parallel import gather_features, scatter_features
-from ..ops.transport import get_transport
+from fusedpar.ops.moe.api import moe_mlp, moe_route
+from fusedpar.ops.tensor_parallel.api import gather_features, scatter_features
+from fusedpar.ops.comm.transport import get_transport
 
 __all__ = ["TopKRouter", "RouterOutput", "RouterLoad", "MoE", "max_violation", "sum_over_groups", "SharedExpertGate",
            "hf_load_balancing_loss", "recomputation_contexts"]
@@ -309,14 +310,15 @@ class SharedExpertGate(nn.Module):
 class MoE(nn.Module):
     """Routed expert MLP: ``y[t] = sum_j w[t, j] * W2_e act(W1_e x[t])`` over the top-k experts.
 
-    Dropless by default. With ``capacity_factor`` each expert keeps at most
-    ``ceil(capacity_factor * T * k / E)`` of this rank's ``T`` tokens' slots, the earliest in
-    token order; a dropped slot contributes zero (its token keeps its other slots).
+    ``config``: a :class:`~fusedpar.nn.config.MoEConfig` (the sizes and every option below but
+    the groups, the transport, the device and the dtype, which are keyword arguments). Dropless
+    by default. With ``capacity_factor`` each expert keeps at most ``ceil(capacity_factor * T * k
+    / E)`` of this rank's ``T`` tokens' slots, the earliest in token order; a dropped slot contributes zero (its token keeps its other slots).
 
     Expert parallelism: the experts are split over ``ep_group`` (rank ``r`` holds experts
     ``r * E/ep .. (r+1) * E/ep - 1``); tokens travel by all-to-all-v, the dispatch pipelined over
     ``num_chunks`` chunks (:func:`fusedpar.ops.moe_mlp`). ``transport``: a
-    :class:`fusedpar.ops.transport.Transport` instead of ``ep_group`` (not both), e.g. an
+    :class:`fusedpar.ops.Transport` instead of ``ep_group`` (not both), e.g. an
     ``EmulatedTransport`` to run one rank of an EP layer in one process. The full expert weights
     do not depend on the EP degree: a base seed drawn from torch's global generator (identical on
     all ranks when they share a seed) and the global expert index seed each expert's generator.
@@ -356,26 +358,23 @@ class MoE(nn.Module):
     unchanged; the router stays in fp32.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *, ep_group=None,
-                 transport=None, capacity_factor: float | None = None, activation: str = "swiglu",
-                 score: str = "softmax", aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3,
-                 normalize: bool | None = None, num_chunks: int = 2, replicated_group=None,
-                 routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int | None = None,
-                 score_bias: bool = False, bias_update_rate: float = 0.0, seq_aux_loss_coef: float = 0.0,
-                 router_bias: bool = False, expert_bias: bool = False, fp8: str | None = None,
-                 fp8_grad_high_precision: bool = False, device=None, dtype=None):
+    def __init__(self, config: MoEConfig, *, ep_group=None, transport=None, replicated_group=None, device=None,
+                 dtype=None):
         super().__init__()
+        self.config = c = module_config("MoE", config, MoEConfig)
+        hidden_size, ffn_hidden_size, num_experts, top_k = c.hidden_size, c.ffn_hidden_size, c.num_experts, c.top_k
+        activation, num_chunks, expert_bias = c.activation, c.num_chunks, c.expert_bias
         check_int("ffn_hidden_size", ffn_hidden_size, min_value=1)
         check_int("num_chunks", num_chunks, min_value=1)
         if activation not in ACTIVATIONS or activation == "none":
             raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a != 'none')}, "
                              f"got {activation!r}")
-        self.router = TopKRouter(hidden_size, num_experts, top_k, score=score, aux_loss_coef=aux_loss_coef,
-                                 z_loss_coef=z_loss_coef, capacity_factor=capacity_factor, normalize=normalize,
+        self.router = TopKRouter(hidden_size, num_experts, top_k, score=c.score, aux_loss_coef=c.aux_loss_coef,
+                                 z_loss_coef=c.z_loss_coef, capacity_factor=c.capacity_factor, normalize=c.normalize,
                                  sequence_sharded=replicated_group is None,
-                                 routed_scaling_factor=routed_scaling_factor, n_group=n_group, topk_group=topk_group,
-                                 score_bias=score_bias, bias_update_rate=bias_update_rate,
-                                 seq_aux_loss_coef=seq_aux_loss_coef, router_bias=router_bias, device=device,
+                                 routed_scaling_factor=c.routed_scaling_factor, n_group=c.n_group,
+                                 topk_group=c.topk_group, score_bias=c.score_bias, bias_update_rate=c.bias_update_rate,
+                                 seq_aux_loss_coef=c.seq_aux_loss_coef, router_bias=c.router_bias, device=device,
                                  dtype=dtype)
         self.ep_group = ep_group
         self.transport = get_transport(transport, ep_group)
@@ -401,7 +400,7 @@ class MoE(nn.Module):
         self.aux_loss = None
         self.router_output = None
         self.fp8, self.fp8_grad_high_precision, self.fp8_option = None, False, "MoE: fp8"
-        self.set_fp8(fp8, grad_high_precision=fp8_grad_high_precision)
+        self.set_fp8(c.fp8, grad_high_precision=c.fp8_grad_high_precision)
         self.reset_parameters(router=False)
 
     def set_fp8(self, recipe: str | None, *, grad_high_precision: bool = False, option: str = "MoE: fp8") -> None:

@@ -7,7 +7,7 @@ from torch import nn
 
 from fusedpar.nn.placement import Placement
 from fusedpar.ops import comm
-from fusedpar.ops.norm import rms_norm, rms_norm_fp8, sharded_rms_norm
+from fusedpar.ops.norm.api import rms_norm, rms_norm_fp8, sharded_rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels.checks import check_choice, check_divisible, check_int, check_tensor
-from fusedpar.ops.varlen import document_bounds
+from fusedpar.ops.sequence_parallel.plans import document_bounds
 
 __all__ = ["sequence_order", "shard_tokens"]
 

@@ -39,11 +39,11 @@ from torch.utils.checkpoint import checkpoint
 
 from fusedpar.kernels.checks import check_bool, check_int
 from fusedpar.ops import comm
-from fusedpar.ops.linear_cross_entropy import linear_cross_entropy
-from fusedpar.ops.loss import vocab_parallel_cross_entropy
+from fusedpar.ops.loss.api import linear_cross_entropy
+from fusedpar.ops.loss.api import vocab_parallel_cross_entropy
 
-from fusedpar.ops.sp_attention import shard_positions
-from fusedpar.ops.tensor_parallel import all_gather_matmul
+from fusedpar.ops.sequence_parallel.layouts import shard_positions
+from fusedpar.ops.tensor_parallel.api import all_gather_matmul
 
 from .block import TransformerBlock
 from .config import TransformerConfig, check_token_ids
@@ -139,14 +139,11 @@ class Transformer(nn.Module):
                              f"(embed=True, head=True), got embed={embed}, head={head}")
         self.layers = nn.ModuleDict()
         for i in layers:
-            moe = config.is_moe(i)
             with _seeded(seed + i):
                 self.layers[str(i)] = TransformerBlock(
-                    config.hidden_size, config.num_heads,
-                    (config.moe_ffn_hidden_size or config.ffn_hidden_size) if moe else config.ffn_hidden_size,
-                    tp_group=tp_group, sp_group=sp_group, ep_group=ep_group, ulysses_group=ulysses_group,
-                    ring_group=ring_group, aux_loss_scale=aux_loss_scale, device=device, dtype=dtype,
-                    **config.block_kwargs(i))
+                    config.block_config(i), tp_group=tp_group, sp_group=sp_group, ep_group=ep_group,
+                    ulysses_group=ulysses_group, ring_group=ring_group, aux_loss_scale=aux_loss_scale, device=device,
+                    dtype=dtype)
         self.norm = self.head = None
         if head:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps, offset=config.norm_offset, device=device,
@@ -189,8 +186,8 @@ class Transformer(nn.Module):
     def pipeline_args(self, microbatch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_args, output_args)``: meta tensors of this stage's input (token ids where it
         holds the embedding, else hidden states) and output (``[microbatch, seq/(sp*tp), hidden]``,
-        or the local logits ``[microbatch, seq/sp, vocab/tp]``; the floating ones need a gradient), for ``PipelineStage(..., input_args=, output_args=)``. With them the
-        schedule skips its shape-inference pass, which runs a later stage's blocks on uninitialised
+        or the local logits ``[microbatch, seq/sp, vocab/tp]``; the floating ones need a
+        gradient), for ``PipelineStage(..., input_args=, output_args=)``. With them the schedule skips its shape-inference pass, which runs a later stage's blocks on uninitialised
         memory (``torch.empty``): that pass would count its garbage tokens in the routers' loads."""
         check_int("microbatch_size", microbatch_size, min_value=1)
         check_int("seq_len", seq_len, min_value=1)

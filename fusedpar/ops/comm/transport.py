@@ -1,0 +1,330 @@
+"""The one communication interface every overlapped op is written against.
+
+An op (all-gather + GEMM, GEMM + reduce-scatter, GEMM + all-reduce, the ring-attention KV
+rotation, the MoE all-to-all-v chunks) sees one rank of a group through a :class:`Transport`: its
+``rank`` and ``size`` and asynchronous transfers that return a handle, waited on right before the
+chunk it delivers is used. Implementations:
+
+* :class:`PortableTransport` -- ``torch.distributed`` over a process group (NCCL, gloo; any
+  topology). The default.
+* ``SymmetricTransport`` (:mod:`fusedpar.ops.comm.symmetric`) -- the portable transfers plus
+  symmetric-memory buffers and in-kernel waits (one NVLink domain, NCCL groups).
+* :class:`EmulatedTransport` -- ``size`` ranks emulated in one process on one device: every peer
+  is a mirror of this rank, which runs one rank of a schedule on one GPU (benchmarks) or on CPU
+  (tests).
+
+:func:`get_transport` builds one by name (:func:`check_transport_name`, the one name check);
+:func:`transport_from_id` resolves a transport id (:mod:`.keys`)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from fusedpar.kernels.checks import check_bool, check_int
+from fusedpar.kernels.waits import canonical_device
+from fusedpar.ops.comm import collectives
+from fusedpar.ops.comm.keys import register_transport, resolve_transport_id
+
+# SMs the emulation's waiting GEMM leaves free: peer copies run on copy engines, but a driver may
+# serve a same-device copy with a kernel, which must find an SM while the GEMM programs spin
+EMULATION_FREE_SMS = 2
+
+
+class Transport:
+    """One rank's view of a communication group. Every transfer is asynchronous and returns a
+    handle with ``wait()``; after it the received buffer is valid (on a GPU: for work queued on
+    the current stream from then on)."""
+
+    #: name of the implementation ("portable", "symmetric", "emulated")
+    name = "abstract"
+    #: whether the symmetric-memory schedules (in-kernel waits) can run on this transport
+    in_kernel_waits = False
+
+    def __init__(self, size: int, rank: int):
+        self.size = size
+        self.rank = rank
+        #: the string that names this transport in an op's schema (:mod:`fusedpar.ops.common`)
+        self.transport_id = register_transport(self)
+
+    # --- point to point --------------------------------------------------------------------
+    def send_recv(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None,
+                  src: int | None) -> collectives.Handle:
+        """Send ``send`` to rank ``dst`` and receive ``recv`` from rank ``src`` (either may be None)."""
+        raise NotImplementedError
+
+    def ring_shift(self, send: torch.Tensor, recv: torch.Tensor, *, step: int = 1) -> collectives.Handle:
+        """Send to ``rank + step`` and receive from ``rank - step`` (mod size)."""
+        return self.send_recv(send, (self.rank + step) % self.size, recv, (self.rank - step) % self.size)
+
+    # --- collectives -----------------------------------------------------------------------
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> collectives.Handle:
+        """``out`` (``[size * n, ...]``) receives every rank's ``inp`` along dim 0."""
+        raise NotImplementedError
+
+    def reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor) -> collectives.Handle:
+        """``out`` receives the sum over ranks of this rank's dim-0 block of ``inp``."""
+        raise NotImplementedError
+
+    def all_reduce(self, t: torch.Tensor) -> collectives.Handle:
+        """In-place sum over ranks (``t`` contiguous)."""
+        raise NotImplementedError
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int] | None = None,
+                   in_splits: Sequence[int] | None = None) -> collectives.Handle:
+        """All-to-all(-v) along dim 0; splits are row counts per rank (``None``: equal blocks)."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+class PortableTransport(Transport):
+    """``torch.distributed`` over ``group`` (``None``: the default group, or a single rank when
+    torch.distributed is not initialised)."""
+
+    name = "portable"
+
+    def __init__(self, group=None):
+        group = collectives.resolve_group(group)
+        super().__init__(collectives.group_size(group), collectives.group_rank(group))
+        self.group = group
+
+    def send_recv(self, send, dst, recv, src):
+        return collectives.send_recv(send, dst, recv, src, self.group)
+
+    def all_gather_into(self, out, inp):
+        return collectives.all_gather_into(out, inp, self.group)
+
+    def reduce_scatter_into(self, out, inp):
+        return collectives.reduce_scatter_into(out, inp, self.group)
+
+    def all_reduce(self, t):
+        return collectives.all_reduce(t, self.group)
+
+    def all_to_all(self, out, inp, out_splits=None, in_splits=None):
+        return collectives.all_to_all(out, inp, out_splits, in_splits, self.group)
+
+
+class SymmetricWorkspace:
+    """A byte buffer (``tensor``, uint8, zeroed at creation) that every rank of a group holds at
+    the same size, with the typed views the schedules lay over it. ``counter_base``: the value
+    every reduce-scatter completion counter in it has before the next call; ``handle``: the
+    symmetric-memory rendezvous handle (``None`` in the emulation)."""
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int, handle=None):
+        self.tensor, self.nbytes, self.handle = tensor, nbytes, handle
+        self.counter_base = 0
+
+    def typed(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The ``shape`` tensor of ``dtype`` at byte ``offset`` of the buffer (a view)."""
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        if offset % dtype.itemsize or offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"a {dtype} view of shape {tuple(shape)} at byte offset {offset} must fit aligned in the "
+                             f"{self.nbytes}-byte workspace, got one ending at byte {offset + nbytes}")
+        return self.tensor[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def cached_workspace(cache: dict, key, nbytes: int, create) -> SymmetricWorkspace:
+    """``cache[key]``, replaced by ``create(size)`` when missing or smaller than ``nbytes`` (the new
+    size at least doubles, so a slowly growing shape does not reallocate every call)."""
+    ws = cache.get(key)
+    if ws is None or ws.nbytes < nbytes:
+        ws = cache[key] = create(max(nbytes, 2 * ws.nbytes if ws is not None else 0))
+    return ws
+
+
+class SymmetricBuffers:
+    """What the in-kernel-wait schedules need from a transport beyond :class:`Transport`.
+
+    Slot arrays are ``[P, ...]`` views made by :meth:`SymmetricWorkspace.typed`; ``peer_slot``
+    and ``peer_slot_offset`` name peer ``peer``'s copy of ``slots[slot]``."""
+
+    def symmetric_workspace(self, purpose: str, device, nbytes: int) -> SymmetricWorkspace:
+        """This rank's workspace for ``purpose`` with at least ``nbytes`` (collective when it is
+        created or grown on a real group: every rank asks for the same size)."""
+        raise NotImplementedError
+
+    def symmetric_barrier(self, ws: SymmetricWorkspace, channel: int = 0) -> None:
+        """Every rank reached this point (stream-ordered on a GPU)."""
+        raise NotImplementedError
+
+    def peer_slot(self, ws: SymmetricWorkspace, slots: torch.Tensor, peer: int, slot: int) -> torch.Tensor:
+        """Peer ``peer``'s ``slots[slot]``, readable (copyable) from this process."""
+        raise NotImplementedError
+
+    def peer_slot_offset(self, ws: SymmetricWorkspace, slots: torch.Tensor, peer: int, slot: int) -> int:
+        """Elements from this rank's ``slots[slot]`` to peer ``peer``'s (a kernel's pointer offset)."""
+        raise NotImplementedError
+
+    def peer_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One pull: ``dst.copy_(src)`` on the current stream."""
+        dst.copy_(src)
+
+    def free_sms(self, device: torch.device) -> int:
+        """SMs a waiting persistent GEMM leaves free for the work it waits for."""
+        return 0
+
+
+class _EventHandle:
+    """A copy queued on a side stream: ``wait()`` makes the current stream wait for it."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event):
+        self._event = event
+
+    def wait(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._event = None
+
+
+class EmulatedTransport(Transport, SymmetricBuffers):
+    """``size`` ranks in one process, this one being ``rank``; every peer mirrors this rank (see
+    the module docstring). On a CUDA device the copies run on a side stream that first waits for
+    the current stream (what the data depends on), and ``wait()`` makes the current stream wait
+    for the copy; on a CPU device copies run at once. ``copy_repeat`` copies every transfer (and
+    every symmetric-buffer pull) that many times: a link that many times slower than a
+    device-local copy. ``in_kernel_waits=True``: the tensor-parallel ops run their symmetric-memory
+    schedules (one waiting persistent GEMM) on the emulated symmetric buffers instead of the
+    portable rings."""
+
+    name = "emulated"
+
+    def __init__(self, size: int, rank: int = 0, *, copy_repeat: int = 1, in_kernel_waits: bool = False):
+        check_int("EmulatedTransport: size", size, min_value=1)
+        check_int("EmulatedTransport: rank", rank, min_value=0, max_value=size - 1)
+        check_int("EmulatedTransport: copy_repeat", copy_repeat, min_value=1)
+        check_bool("EmulatedTransport: in_kernel_waits", in_kernel_waits)
+        super().__init__(size, rank)
+        self.copy_repeat = copy_repeat
+        self.in_kernel_waits = in_kernel_waits
+        self._streams: dict = {}
+        self._workspaces: dict = {}
+
+    def __repr__(self):
+        return (f"EmulatedTransport(size={self.size}, rank={self.rank}, copy_repeat={self.copy_repeat}, "
+                f"in_kernel_waits={self.in_kernel_waits})")
+
+    # --- symmetric buffers: this rank's own, read by the mirror rule ------------------------
+    def symmetric_workspace(self, purpose, device, nbytes):
+        device = canonical_device(device)
+        return cached_workspace(self._workspaces, (purpose, device), nbytes,
+                                lambda size: SymmetricWorkspace(torch.zeros(size, dtype=torch.uint8, device=device), size))
+
+    def symmetric_barrier(self, ws, channel=0):
+        pass  # every "peer" is this rank, at the same point of the same stream
+
+    def _mirror(self, peer: int, slot: int) -> int:
+        return (slot + self.rank - peer) % self.size
+
+    def peer_slot(self, ws, slots, peer, slot):
+        return slots[self._mirror(peer, slot)]
+
+    def peer_slot_offset(self, ws, slots, peer, slot):
+        return (self._mirror(peer, slot) - slot) * slots.stride(0)
+
+    def peer_copy(self, dst, src):
+        for _ in range(self.copy_repeat):
+            dst.copy_(src)
+
+    def free_sms(self, device):
+        return EMULATION_FREE_SMS if torch.device(device).type == "cuda" else 0
+
+    def _side(self, device: torch.device):
+        s = self._streams.get(device)  # (a tensor's device: the key canonical_device gives it)
+        if s is not None or device.type != "cuda":
+            return s
+        device = canonical_device(device)
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
+
+    def _copies(self, device: torch.device, pairs) -> _EventHandle:
+        """Run ``dst.copy_(src)`` for every pair, on the side stream when there is one."""
+        side = self._side(device)
+        if side is None:
+            for _ in range(self.copy_repeat):
+                for dst, src in pairs:
+                    dst.copy_(src)
+            return _EventHandle(None)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(self.copy_repeat):
+                for dst, src in pairs:
+                    dst.copy_(src)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        for dst, src in pairs:  # the caller's allocator must not reuse them before the copy ends
+            dst.record_stream(side)
+            src.record_stream(side)
+        return _EventHandle(ev)
+
+    def send_recv(self, send, dst, recv, src):
+        if recv is None:
+            return _EventHandle(None)  # a send alone: the mirror peer receives it, nothing lands here
+        if send is None:
+            raise ValueError("EmulatedTransport.send_recv: a receive needs a send (the mirror peer sends "
+                             "what this rank sends), got send=None")
+        if send.shape != recv.shape:
+            raise ValueError(f"EmulatedTransport.send_recv: recv must have send's shape {tuple(send.shape)}, "
+                             f"got {tuple(recv.shape)}")
+        return self._copies(recv.device, [(recv, send)])
+
+    def all_gather_into(self, out, inp):
+        blocks = out.view((self.size,) + tuple(inp.shape))
+        return self._copies(out.device, [(blocks[j], inp) for j in range(self.size)])
+
+    def reduce_scatter_into(self, out, inp):
+        n = inp.shape[0] // self.size
+        mine = inp[self.rank * n:(self.rank + 1) * n]
+        h = self._copies(out.device, [(out, mine)])
+        h.wait()
+        out.mul_(self.size)
+        return collectives.DONE
+
+    def all_reduce(self, t):
+        t.mul_(self.size)
+        return collectives.DONE
+
+    def all_to_all(self, out, inp, out_splits=None, in_splits=None):
+        if out_splits is None and in_splits is None:
+            return self._copies(out.device, [(out, inp)])
+        o = [int(s) for s in out_splits] if out_splits is not None else None
+        i = [int(s) for s in in_splits] if in_splits is not None else None
+        if o != i:
+            raise ValueError("EmulatedTransport.all_to_all: mirror peers need out_splits == in_splits "
+                             f"(what peer j sends here is what this rank sends to j), got {o} and {i}")
+        return self._copies(out.device, [(out, inp)])
+
+
+def get_transport(transport=None, group=None) -> Transport:
+    """The transport an op runs on: a :class:`Transport` instance as given (then ``group`` must
+    be None), else :class:`PortableTransport` over ``group``. Names of the tensor-parallel
+    transports ("auto", "symmetric", "portable") are resolved by :mod:`fusedpar.ops.comm.symmetric`."""
+    if isinstance(transport, Transport):
+        if group is not None:
+            raise ValueError("pass either group= or a Transport instance as transport=, not both "
+                             f"(got group={group!r} and transport={transport!r})")
+        return transport
+    check_transport_name(transport)
+    return PortableTransport(group)
+
+
+def check_transport_name(transport, names=("portable",)) -> None:
+    """``transport`` is ``None``, a :class:`Transport` or one of the transport ``names`` an op
+    accepts (``("portable",)``; the tensor-parallel ops also take ``"symmetric"`` and ``"auto"``).
+    Raises ``ValueError`` naming what is accepted."""
+    if transport is None or isinstance(transport, Transport) or transport in names:
+        return
+    if tuple(names) == ("portable",):
+        raise ValueError(f"transport must be None, 'portable' or a fusedpar.ops.Transport, got {transport!r}")
+    raise ValueError(f"transport must be one of {names} or a fusedpar.ops.Transport, got {transport!r}")
+
+
+def transport_from_id(transport_id: str) -> Transport:
+    """The transport a transport id (:mod:`fusedpar.ops.comm.keys`) names, inside an op body: the registered
+    instance, or :class:`PortableTransport` over the id's group."""
+    return get_transport(*resolve_transport_id(transport_id))

@@ -1,0 +1,129 @@
+"""The host side of the in-kernel waits of the symmetric tensor-parallel schedules, on one device
+and independent of process groups: the per-chunk ready flags a persistent GEMM spins on
+(:class:`ChunkFlags`, written without an SM by ``cuStreamWriteValue32`` where this torch build has
+it, :func:`flag_writer_available`), the copy producer that pulls chunks and raises their flags on
+a side stream (:func:`pull_chunks`), the side stream itself (:func:`fork_side_stream`,
+:func:`join_side_stream`), and cached int64 device tensors (:func:`device_ints`: offset tables a
+kernel reads, made without a host sync after the first call)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fusedpar.kernels.checks import check_int
+from fusedpar.kernels.waits import canonical_device
+
+
+def flag_writer_available() -> bool:
+    """Whether this torch build writes flags from the host queue without an SM
+    (``_SymmetricMemory.stream_write_value32``)."""
+    try:
+        from torch._C._distributed_c10d import _SymmetricMemory
+    except ImportError:
+        return False
+    return hasattr(_SymmetricMemory, "stream_write_value32")
+
+
+class ChunkFlags:
+    """Per-chunk ready flags of one device: a uint32 tensor (what ``cuStreamWriteValue32``
+    writes) viewed as int32 by the kernel, and a host-side epoch. ``begin()`` starts a call: the
+    kernel then waits for ``flag >= epoch``, so the previous call's flags read as not ready."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.u32 = torch.zeros(capacity, dtype=torch.uint32, device=device)
+        self.i32 = self.u32.view(torch.int32)
+        self.epoch = 0
+        self.sm_free = device.type == "cuda" and flag_writer_available()
+
+    def begin(self) -> int:
+        if self.epoch >= 2 ** 31 - 2:
+            self.i32.zero_()  # stream-ordered before every later write and wait
+            self.epoch = 0
+        self.epoch += 1
+        return self.epoch
+
+    def raise_flag(self, chunk: int) -> None:
+        """Set ``flag[chunk] = epoch`` on the current stream, after the work queued before it."""
+        if self.sm_free:
+            from torch._C._distributed_c10d import _SymmetricMemory
+
+            _SymmetricMemory.stream_write_value32(self.u32, chunk, self.epoch)
+        else:
+            self.i32[chunk:chunk + 1].fill_(self.epoch)
+
+
+_flags: dict = {}
+
+
+_side_streams: dict = {}
+
+
+_int_tensors: dict = {}
+
+
+def chunk_flags(device: torch.device, chunks: int) -> ChunkFlags:
+    """The ready flags of ``device`` (at least ``chunks`` of them), shared by every call there.
+    Every spelling of one device (``"cuda"``, ``"cuda:0"``) names the same flags."""
+    device = canonical_device(device)
+    f = _flags.get(device)
+    if f is None or f.u32.numel() < chunks:
+        f = _flags[device] = ChunkFlags(max(chunks, 64), device)
+    return f
+
+
+def fork_side_stream(device):
+    """The side stream of ``device``, made to wait for the work queued so far on the current
+    stream (None on CPU, where everything runs in program order)."""
+    if device.type != "cuda":
+        return None
+    device = canonical_device(device)
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device, priority=-1)
+    side = _side_streams[device]
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def on_stream(stream):
+    """A context that makes ``stream`` current (nothing for ``None``: CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def join_side_stream(device, side):
+    """The current stream of ``device`` waits for ``side`` (nothing for ``None``)."""
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
+
+
+def pull_chunks(gathered: torch.Tensor, sources, order, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0):
+    """On the side stream: for ``c`` in ``order`` copy ``sources(c)`` into ``gathered[c]`` with
+    ``copy(dst, src)`` (default ``dst.copy_(src)``) and raise flag ``c``. The side stream first
+    waits for the current stream (the local chunk, the barrier, and the previous call's readers
+    of ``gathered``). ``delay_cycles`` sleeps on the side stream first (tests: a late producer).
+    Returns the side stream (``None`` on CPU, where the copies run right away: the interpreter's
+    consumer must find its flags set before it starts); join it after the consuming kernel."""
+    check_int("delay_cycles", delay_cycles, min_value=0)
+    side = fork_side_stream(gathered.device)
+    if delay_cycles and side is None:
+        raise ValueError(f"delay_cycles must be 0 on {gathered.device} (it sleeps on a CUDA producer stream), "
+                         f"got {delay_cycles}")
+    copy = copy or (lambda dst, src: dst.copy_(src))
+    with on_stream(side):
+        if delay_cycles:
+            torch.cuda._sleep(int(delay_cycles))
+        for c in order:
+            copy(gathered[c], sources(c))
+            flags.raise_flag(c)
+    return side
+
+
+def device_ints(values, device) -> torch.Tensor:
+    """A cached int64 device tensor of ``values``: made once (a synchronous host-to-device copy),
+    then reused, so that no call blocks the host on a stream that waits for peers."""
+    device = canonical_device(device)
+    key = (device, tuple(values))
+    t = _int_tensors.get(key)
+    if t is None:
+        t = _int_tensors[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    return t

@@ -1,0 +1,252 @@
+"""The overlap schedules of the tensor-parallel GEMMs, written against a
+:class:`~fusedpar.ops.comm.Transport`:
+
+* :func:`ring_gather` -- every rank's shard, the local one first, the next one in flight while
+  the caller computes on the current one;
+* :func:`ring_reduce_scatter` -- one partial GEMM per destination chunk; the partial received
+  from the left neighbour is added in the GEMM epilogue and the sum travels on to the right;
+* :func:`chunked_matmul_all_reduce` -- rows in chunks, chunk ``i`` all-reduced while chunk
+  ``i + 1`` is multiplied.
+
+The GEMM of a chunk is :func:`chunk_gemm`: ``matmul`` with the weight, or the GEMM of a weight that
+carries its own (fp8). :func:`activation_backward` is the activations' closed-form gradient
+(autograd cannot run inside an op body); :func:`check_linear_args` the shared argument checks."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fusedpar.kernels import matmul, matmul_tn
+from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
+from fusedpar.kernels.gemm import linear_operands, matmul_checked
+from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from fusedpar.ops.comm.transport import Transport
+
+
+def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None = None):
+    """Yield ``(src_rank, chunk)`` for every rank's ``x``, the local one first.
+
+    The transfer of the next chunk is posted before the current one is yielded (so it is in flight
+    while the caller computes) and waited on only when the caller asks for it. Receive buffers are
+    double-buffered, or with ``into`` (a ``[P, *x.shape]`` tensor) every chunk lands in its source
+    rank's slot ``into[src]`` (the local one copied there first), so that the caller may hold on to
+    every chunk (the gathered input kept for the weight gradient).
+    """
+    P, r = transport.size, transport.rank
+    if into is not None:
+        cur = into[r]
+        if (cur.data_ptr(), cur.stride()) != (x.data_ptr(), x.stride()):  # (a caller may have written its slot)
+            cur.copy_(x)
+    else:
+        cur = x.contiguous()
+    if P == 1:
+        yield r, cur
+        return
+    bufs = None if into is not None else [torch.empty_like(cur) for _ in range(2)]
+    for j in range(P):
+        handle = None
+        if j + 1 < P:
+            nxt = into[(r - j - 1) % P] if into is not None else bufs[(j + 1) % 2]
+            handle = transport.ring_shift(cur, nxt)
+        yield (r - j) % P, cur
+        if handle is not None:
+            handle.wait()  # the chunk the caller is about to use next
+            cur = nxt
+
+
+def chunk_gemm(weight, weight_layout: str = "nk"):
+    """``gemm(a, out, bias=None, residual=None)``: ``out = a @ W (+ bias) (+ residual)`` with
+    ``matmul`` and ``weight`` in ``weight_layout``, or ``weight``'s own ``gemm`` (a quantised fp8
+    weight, whose layout it knows).
+
+    The chunks of one schedule share the operand's dtype, device and K, and the schedule makes
+    ``out`` and ``residual`` itself: ``matmul`` checks the first GEMM with each bias (and operand
+    dtype, device and K), later ones launch through ``matmul_checked`` without the checks (which
+    cost more host time than the launch, once per chunk)."""
+    if hasattr(weight, "gemm"):
+        return weight.gemm
+    checked = {}  # (id(bias), dtype, device, K) -> (bias, LinearOperands); holding bias pins its id
+
+    def gemm(a, out, bias=None, residual=None):
+        key = (id(bias), a.dtype, a.device, a.shape[-1])
+        seen = checked.get(key)
+        if seen is None:
+            matmul(a, weight, bias, weight_layout=weight_layout, out=out, residual=residual)
+            checked[key] = (bias, linear_operands(a, weight, bias, weight_layout=weight_layout))
+            return out
+        return matmul_checked(a, weight, seen[1], out, residual=residual, weight_layout=weight_layout)
+
+    return gemm
+
+
+def _split_dim(t):
+    return 1 if t.dim() == 3 else 0
+
+
+def _halves(length):
+    """Row ranges of the two sub-chunks of a reduce-scatter step (one when there is one row)."""
+    if length < 2:
+        return [(0, length)]
+    return [(0, length // 2), (length // 2, length)]
+
+
+def _partial_buffers(shapes, dtype, device):
+    """``(send, recv)``: two double-buffered sets of ``shapes`` buffers, views of one allocation
+    (one allocator call per op instead of eight)."""
+    sizes = [math.prod(s) for s in shapes]
+    flat = torch.empty(4 * sum(sizes), dtype=dtype, device=device)
+    views, off = [], 0
+    for _ in range(4):
+        views.append([])
+        for shape, n in zip(shapes, sizes):
+            views[-1].append(flat[off:off + n].view(shape))
+            off += n
+    return views[:2], views[2:]
+
+
+def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Transport, partial_dtype,
+                        between=None):
+    """``out = sum over ranks q of (a_chunk_q(r) @ W_q) + bias`` where ``r`` is this rank.
+
+    ``a_chunk(c)`` is this rank's operand for destination chunk ``c`` (leading dims = ``out``'s).
+    Ring: at step ``j`` rank ``r`` computes the partial of chunk ``(r - j - 1) mod P``, adding in
+    the GEMM epilogue the partial that the left neighbour computed for the same chunk at step
+    ``j - 1``, and sends the sum (in ``partial_dtype``) to the right neighbour; at the last step
+    the chunk is its own and the result (plus bias) is written into ``out``. Each step is split in
+    two row halves, so that one half's partial travels while the other half's GEMM runs.
+    ``between(j)`` (optional) runs after step ``j`` (independent work that also hides the
+    transfers, e.g. a weight gradient).
+    """
+    P, r = transport.size, transport.rank
+    gemm = chunk_gemm(weight, weight_layout)
+    if P == 1:
+        gemm(a_chunk(r), out, bias)
+        if between is not None:
+            between(0)
+        return out
+    sd = _split_dim(out)
+    parts = _halves(out.shape[sd])
+    shapes = [out.narrow(sd, lo, hi - lo).shape for lo, hi in parts]
+    send, recv = _partial_buffers(shapes, partial_dtype, out.device)
+    handles = [None] * len(parts)
+    for j in range(P):
+        a = a_chunk((r - j - 1) % P)
+        for h, (lo, hi) in enumerate(parts):
+            a_h = a.narrow(sd, lo, hi - lo)
+            residual = None
+            if j > 0:
+                handles[h].wait()  # the neighbour's partial for this half
+                residual = recv[(j - 1) % 2][h]
+            if j < P - 1:
+                dst = send[j % 2][h]
+                gemm(a_h, dst, None, residual)
+                handles[h] = transport.ring_shift(dst, recv[j % 2][h])
+            else:
+                gemm(a_h, out.narrow(sd, lo, hi - lo), bias, residual)
+        if between is not None:
+            between(j)
+    return out
+
+
+def chunked_matmul_all_reduce(x, weight, weight_layout, bias, transport: Transport, num_chunks: int,
+                              reduce_dtype: torch.dtype) -> torch.Tensor:
+    """``all_reduce(x @ W) (+ bias once)``; chunk ``i`` is reduced while chunk ``i + 1`` is computed.
+
+    The bias is added by rank 0's GEMM epilogue only, so the sum holds it once. Partials are
+    reduced in ``reduce_dtype`` and rounded to ``x.dtype`` at the end.
+    """
+    P, r = transport.size, transport.rank
+    gemm = chunk_gemm(weight, weight_layout)
+    n_out = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
+    lead = tuple(x.shape[:-1])
+    M = int(torch.Size(lead).numel())
+    x2 = x.reshape(M, x.shape[-1])
+    if P == 1:
+        return gemm(x2, torch.empty((M, n_out), dtype=x.dtype, device=x.device), bias).view(lead + (n_out,))
+    y = torch.empty((M, n_out), dtype=reduce_dtype, device=x.device)
+    step = -(-M // num_chunks) if M else 1
+    handles = []
+    for lo in range(0, M, step):
+        hi = min(lo + step, M)
+        gemm(x2[lo:hi], y[lo:hi], bias if r == 0 else None)
+        handles.append(transport.all_reduce(y[lo:hi]))
+    for h in handles:
+        h.wait()
+    return y.to(x.dtype).view(lead + (n_out,))
+
+
+def _act_and_grad(x: torch.Tensor, code: int):
+    """``(act(x), act'(x))`` in fp32 for the activation of code ``code`` (:data:`ACTIVATIONS`)."""
+    if code == 1:
+        return torch.relu(x), (x > 0).to(x.dtype)
+    if code == 2:  # gelu_tanh(x) = x * sigmoid(k * (x + c x^3)), k = 2 sqrt(2/pi)
+        k, c = 1.5957691216057308, 0.044715
+        s = torch.sigmoid(k * (x + c * x * x * x))
+        return x * s, s + x * s * (1 - s) * k * (1 + 3 * c * x * x)
+    if code == 3:  # silu
+        s = torch.sigmoid(x)
+        return x * s, s + x * s * (1 - s)
+    if code == 4:  # swiglu_oai's gate: g = min(x, L), g * sigmoid(alpha g); no gradient above L
+        g = x.clamp(max=SWIGLU_OAI_LIMIT)
+        s = torch.sigmoid(SWIGLU_OAI_ALPHA * g)
+        return g * s, torch.where(x <= SWIGLU_OAI_LIMIT, s + SWIGLU_OAI_ALPHA * g * s * (1 - s), 0.0)
+    return x, torch.ones_like(x)
+
+
+def activation_backward(preact: torch.Tensor, grad: torch.Tensor, activation: str) -> torch.Tensor:
+    """``d(act(preact))/d(preact) * grad``, in fp32 (``preact`` is ``[..., 2F]`` gate|up when gated),
+    returned in ``grad``'s dtype. Closed-form derivatives (no autograd: it runs inside ops)."""
+    code, glu = ACTIVATIONS[activation]
+    p, g = preact.float(), grad.float()
+    if not glu:
+        return (g * _act_and_grad(p, code)[1]).to(grad.dtype)
+    gate, up = p.chunk(2, dim=-1)
+    a, da = _act_and_grad(gate, code)
+    if code == 4:  # the up factor clamp(up, -L, L) + 1, no gradient outside the range
+        a = torch.where(up.abs() <= SWIGLU_OAI_LIMIT, a, 0.0)
+        up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1
+    return torch.cat([g * up * da, g * a], dim=-1).to(grad.dtype)
+
+
+def sum_tokens(t: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over every dim but the last (a bias gradient)."""
+    return t.float().sum(dim=tuple(range(t.dim() - 1)))
+
+
+class WeightGrad:
+    """A weight gradient accumulated chunk by chunk in fp32 with ``matmul_tn``, straight from
+    strided chunk views; :meth:`result` rounds it to the weight's dtype."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.dtype = weight.dtype
+        self.acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        self.first = True
+
+    def add(self, grad: torch.Tensor, x: torch.Tensor) -> None:
+        matmul_tn(grad, x, out=self.acc, accumulate=not self.first)
+        self.first = False
+
+    def result(self) -> torch.Tensor:
+        return self.acc.to(self.dtype)
+
+
+def check_linear_args(op, x, weight, bias, activation="none"):
+    """The operands of a tensor-parallel linear op: ``x`` 2-D/3-D, ``weight`` ``[out, x's last
+    dim]`` (``nn.Linear`` layout; an even number of rows for gated activations), ``bias``
+    ``[out]``, all on ``x``'s device with ``x``'s dtype (a supported float dtype). Errors name ``op``
+    and the argument."""
+    check_tensor(f"{op}: x", x, dims=(2, 3), dtypes=SUPPORTED_DTYPES)
+    check_tensor(f"{op}: weight", weight, dims=(2,))
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{op}: weight must have shape [out, {x.shape[-1]}] (nn.Linear layout, in = x's last "
+                         f"dim), got {tuple(weight.shape)}")
+    check_same(f"{op}: weight", weight, "x", x)
+    check_choice(f"{op}: activation", activation, ACTIVATIONS)
+    if ACTIVATIONS[activation][1] and weight.shape[0] % 2:
+        raise ValueError(f"{op}: activation {activation!r} needs weight with an even number of rows "
+                         f"(gate rows then up rows), got {weight.shape[0]}")
+    if bias is not None:
+        check_tensor(f"{op}: bias", bias)
+        check_shape(f"{op}: bias", bias, (weight.shape[0],))
+        check_same(f"{op}: bias", bias, "x", x)

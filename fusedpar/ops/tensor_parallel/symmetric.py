@@ -1,0 +1,291 @@
+"""Symmetric-memory schedules of the tensor-parallel GEMMs (one NVLink domain, a
+:class:`~fusedpar.ops.comm.symmetric.SymmetricTransport`).
+
+:func:`all_gather_matmul_symmetric`: each rank copies its shard into its slot of the symmetric
+buffer; a side stream pulls the peers' slots with copy engines and raises each chunk's ready flag
+(:mod:`fusedpar.ops.comm.waits`); one persistent GEMM
+(:func:`fusedpar.kernels.persistent_gemm.persistent_matmul`) starts at the local chunk and spins on
+each chunk's flag before its first load. :func:`matmul_reduce_scatter_symmetric` inverts it:
+the persistent GEMM computes the partial for peer ``rank + 1`` first and the local chunk last, into
+the local symmetric buffer, releasing a per-chunk completion counter after every tile; a
+:func:`~fusedpar.kernels.persistent_gemm.chunk_reduce` on a side stream reads each peer's partial
+of this rank's chunk as soon as its counter says it is complete, summing in fp32. Both take e4m3
+operands too. Flags never need resetting (a call waits for ``flag >= epoch`` and raises the
+epoch); a wait that gives up raises :class:`~fusedpar.kernels.waits.WaitTimeout` at the op's end.
+Both are written against :class:`~fusedpar.ops.comm.transport.SymmetricBuffers` and run on real
+peers and on an :class:`~fusedpar.ops.comm.transport.EmulatedTransport` with
+``in_kernel_waits=True``."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from fusedpar.kernels.checks import (
+    check_buffer,
+    check_divisible,
+    check_dtype,
+    check_int,
+    check_out_dtype,
+    check_shape,
+    check_tensor,
+    output_buffer,
+)
+from fusedpar.kernels.persistent_gemm import (
+    chunk_reduce,
+    chunk_view,
+    default_num_programs,
+    kernel_config,
+    persistent_matmul,
+    tiles_per_chunk,
+)
+from fusedpar.kernels.runtime import SUPPORTED_DTYPES, activation_features, cdiv
+from fusedpar.kernels.waits import check_wait_timeouts
+from fusedpar.ops.comm.agreement import agreed_arguments
+from fusedpar.ops.comm.symmetric import check_symmetric
+from fusedpar.ops.comm.waits import (
+    chunk_flags,
+    device_ints,
+    fork_side_stream,
+    join_side_stream,
+    on_stream,
+    pull_chunks,
+)
+from fusedpar.ops.tensor_parallel.schedules import check_linear_args
+
+# SMs the persistent reduce-scatter GEMM leaves to the concurrent chunk_reduce kernel
+RS_REDUCE_SMS = int(os.environ.get("FUSEDPAR_RS_REDUCE_SMS", "8"))
+
+
+# ----------------------------------------------------------------------------------------------
+# validation (local, before any barrier or transfer: the same error on every rank)
+# ----------------------------------------------------------------------------------------------
+def _validate(op, x, weight, bias, activation, dim, dim_name, chunks=None, fp8=False):
+    if not fp8:  # (fp8 operands: checked by the GEMM, all_gather_matmul_symmetric)
+        check_linear_args(op, x, weight, bias, activation)
+    if not isinstance(dim, int) or not 0 <= dim < x.dim() - 1:
+        raise ValueError(f"{op}: {dim_name} must be a token dim of x (0..{x.dim() - 2}), got {dim!r}")
+    if chunks is not None:
+        check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], chunks)
+
+
+def _fp8_operands(x, x_scale, weight, weight_scale, bias, scaling, *, chunked=False, activation="none",
+                  out_dtype=None) -> bool:
+    """Whether ``x`` is e4m3. If it is: ``x_scale`` of ``x.shape[:-1]`` (+ ``(ceil(K/128),)``
+    blockwise) checked here, then the GEMM's own checks (weight, scales, bias, activation, out
+    dtype) on no rows, nothing launched; ``chunked``: ``x`` is a chunked view already, else one
+    chunk. 16/32-bit ``x`` must come without scales."""
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn):
+        if x_scale is not None or weight_scale is not None:
+            got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else f"type {type(x).__name__}"
+            raise ValueError(f"x_scale / weight_scale are for float8_e4m3fn operands, got x of {got}")
+        return False
+    check_tensor("x_scale", x_scale, dims=(x.dim() - 1, x.dim()))
+    check_shape("x_scale", x_scale, tuple(x.shape[:-1]) + tuple(x_scale.shape[x.dim() - 1:]))
+    a, a_scale = (x, x_scale) if chunked else (x[None], x_scale[None])
+    persistent_matmul(a[:1, :0], weight, bias, a_scale=a_scale[:1, :0], weight_scale=weight_scale, scaling=scaling,
+                      activation=activation, wait_mode="none", out_dtype=out_dtype)
+    return True
+
+
+def _agreed(op, transport, agree, **fields):
+    """The cross-rank agreement check around a symmetric schedule's local checks (see
+    :mod:`fusedpar.ops.comm.agreement`); ``agree=False`` (the tensor-parallel ops, which checked their
+    own arguments already) skips it."""
+    if not agree:
+        return contextlib.nullcontext()
+    return agreed_arguments(op, transport, None, dict(fields, transport=transport))
+
+
+def _check_delay(delay_cycles, device):
+    check_int("producer_delay_cycles", delay_cycles, min_value=0)
+    if delay_cycles and device.type != "cuda":
+        raise ValueError(f"producer_delay_cycles must be 0 on {device} (it sleeps on a CUDA stream), got {delay_cycles}")
+
+
+# ----------------------------------------------------------------------------------------------
+# all_gather_matmul over symmetric buffers
+# ----------------------------------------------------------------------------------------------
+def _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out, out_dtype):
+    n_w = weight.shape[0]
+    shape = list(x.shape[:-1]) + [activation_features(n_w, activation)]
+    shape[gather_dim] *= P
+    out = output_buffer("out", out, shape, x.device, out_dtype)
+    if preact_out is not None:
+        check_buffer("preact_out", preact_out, (P,) + tuple(x.shape[:-1]) + (n_w,), x.device)
+    if gathered_out is not None:
+        check_buffer("gathered_out", gathered_out, (P,) + tuple(x.shape), x.device, x.dtype)
+    return out
+
+
+def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1, activation="none", out=None,
+                                preact_out=None, gathered_out=None, config=None, wait=True, producer_delay_cycles=0,
+                                num_programs=None, max_spin=None, agree=True, x_scale=None, weight_scale=None,
+                                scaling="rowwise", out_dtype=None):
+    """Forward of ``all_gather_matmul`` with in-kernel waits: ``x`` is this rank's shard (equal
+    shapes on every rank), the result ``act(all_gather(x, gather_dim) @ W^T + bias)``. Arguments
+    are checked before the first barrier.
+
+    transport:    a :class:`SymmetricTransport` or an ``EmulatedTransport(in_kernel_waits=True)``.
+    out:          ``all_gather(x) @ W^T`` layout (``x.shape`` with the gather dim ``P`` times
+                  larger, ``N`` features); allocated when omitted.
+    preact_out:   optional chunk-major ``[P, *x.shape[:-1], weight.shape[0]]`` pre-activation.
+    gathered_out: optional ``[P, *x.shape]`` tensor receiving a copy of the gathered input (the
+                  symmetric buffer is reused by the next call), for the weight gradient (not fp8).
+    x_scale, weight_scale, scaling, out_dtype: fp8 (e4m3 ``x`` and ``weight``; their fp32 scales as
+                  ``persistent_matmul`` takes them, ``x_scale`` of ``x.shape[:-1]`` (+ ``(ceil(K/128),)``
+                  blockwise) travels with ``x``); ``out`` in ``out_dtype`` (default ``x``'s, bf16 for fp8).
+    Test knobs: ``wait=False`` launches the GEMM without waiting on the flags (a missing wait
+    must show as wrong data), ``producer_delay_cycles`` makes the pulls start late on purpose
+    (a sleep enqueued on the pull stream before the GEMM is launched: it counts from the enqueue,
+    so a GEMM specialisation launched for the first time, which compiles on the host meanwhile,
+    can start after the delay is over; warm it up first), ``num_programs`` / ``max_spin`` /
+    ``config`` as in ``persistent_matmul``. ``agree``: check that the ranks agree on the
+    arguments first (:mod:`fusedpar.ops.comm.agreement`; the tensor-parallel ops pass False, they
+    checked their own).
+    """
+    t = check_symmetric(transport, "all_gather_matmul")
+    P, r = t.size, t.rank
+    with _agreed("all_gather_matmul_symmetric", t, agree, x=x, weight=weight, bias=bias, gather_dim=gather_dim,
+                 activation=activation, wait=wait, x_scale=x_scale, weight_scale=weight_scale, scaling=scaling):
+        fp8 = _fp8_operands(x, x_scale, weight, weight_scale, bias, scaling, activation=activation,
+                            out_dtype=out_dtype)
+        _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim", fp8=fp8)
+        if fp8 and gathered_out is not None:
+            raise ValueError("gathered_out must be None with fp8 operands (the scales travel with x), got a tensor")
+        out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out,
+                          out_dtype or (torch.bfloat16 if fp8 else x.dtype))
+        _check_delay(producer_delay_cycles, x.device)
+    # slot c: chunk c's bytes padded to 16 (fp8: then its scales'), one pull per chunk; slots 16-byte aligned
+    nx, ns = x.numel() * x.element_size(), x_scale.numel() * 4 if fp8 else 0
+    row = max(16 * cdiv((xb := 16 * cdiv(nx, 16)) + ns, 16), 16)  # an empty shard's slot: 16 B
+    ws = t.symmetric_workspace("all_gather", x.device, P * row)
+    slots = ws.typed(0, (P, row), torch.uint8)
+    gathered = slots[:, :nx].view(x.dtype).view((P,) + tuple(x.shape))
+    g_scale = slots[:, xb:xb + ns].view(torch.float32).view((P,) + tuple(x_scale.shape)) if fp8 else None
+    flags = chunk_flags(x.device, P)
+    t.symmetric_barrier(ws, 0)  # every peer finished reading our slot in the previous call
+    gathered[r].copy_(x)
+    if fp8:
+        g_scale[r].copy_(x_scale)
+    t.symmetric_barrier(ws, 1)  # every slot holds its owner's shard
+    flags.begin()
+    flags.raise_flag(r)
+    order = [(r + i) % P for i in range(1, P)]
+    side = pull_chunks(slots, lambda c: t.peer_slot(ws, slots, c, c), order, flags, copy=t.peer_copy,
+                       delay_cycles=producer_delay_cycles)
+    if num_programs is None:
+        num_programs = default_num_programs(x.device, reserve=t.free_sms(x.device))
+    persistent_matmul(
+        gathered, weight, bias, first_chunk=r, out=chunk_view(out, gather_dim, P), activation=activation,
+        wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.epoch,
+        preact_out=preact_out, config=config, num_programs=num_programs, max_spin=max_spin, check_waits=False,
+        a_scale=g_scale, weight_scale=weight_scale, scaling=scaling,
+    )
+    # the copy reads every slot: join the pulls first instead of relying on the GEMM's waits
+    # (wait=False, or a wait that gave up, would let it read a slot still being written)
+    join_side_stream(x.device, side)
+    if gathered_out is not None:
+        gathered_out.copy_(gathered)
+    check_wait_timeouts(x.device, "all_gather_matmul (symmetric)")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul_reduce_scatter over symmetric buffers
+# ----------------------------------------------------------------------------------------------
+def _rs_order(r: int, P: int):
+    """Peers in the order they complete the partial of chunk ``r``: peer ``j`` computes chunk
+    ``r`` at step ``(r - j - 1) mod P``, so ``r - 1`` first and ``r`` itself last."""
+    return [(r - 1 - k) % P for k in range(P)]
+
+
+def _rs_input(x, weight, bias, scatter_dim, chunked, P, x_scale, weight_scale, scaling):
+    """``x`` as a chunked view ``[P, *chunk rows, in]`` (chunk ``c`` goes to rank ``c``), checked,
+    and e4m3 ``x``'s scales as the same chunks (``[P, *chunk rows]`` rowwise, ``[P, *chunk rows,
+    kb]`` blockwise; ``None`` for 16/32-bit ``x``)."""
+    op = "matmul_reduce_scatter"
+    if chunked:
+        check_tensor(f"{op}: x", x, dims=(3, 4))
+        if x.shape[0] != P:
+            raise ValueError(f"{op}: a chunked x must be [P={P}, *rows, in], got {tuple(x.shape)}")
+    fp8 = _fp8_operands(x, x_scale, weight, weight_scale, bias, scaling, chunked=chunked)
+    if chunked:
+        _validate(op, x[0], weight, bias, "none", 0, "scatter_dim", fp8=fp8)
+        return x, x_scale if fp8 else None
+    _validate(op, x, weight, bias, "none", scatter_dim, "scatter_dim", chunks=P, fp8=fp8)
+    # the scales' token dims are x's: the same chunks (chunk_view wants a feature dim, rowwise has none)
+    scales = x_scale.unflatten(scatter_dim, (P, x.shape[scatter_dim] // P)).movedim(scatter_dim, 0) if fp8 else None
+    return chunk_view(x, scatter_dim, P), scales
+
+
+def _rs_begin(t, xv, n, partial_dtype, config):
+    """This call's counters and partials in the workspace, after the barrier that says the peers
+    finished reading the previous call's partials; returns them with the counters' ready value."""
+    P, chunk_shape = t.size, tuple(xv.shape[1:-1]) + (n,)
+    head = (4 * P + 255) // 256 * 256  # counters first: a fixed place whatever later shapes are
+    ws = t.symmetric_workspace("reduce_scatter", xv.device,
+                               head + P * int(torch.Size(chunk_shape).numel()) * partial_dtype.itemsize)
+    counters = ws.typed(0, (P,), torch.int32)
+    partials = ws.typed(head, (P,) + chunk_shape, partial_dtype)
+    per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), n, kernel_config(config, n, xv.dtype))
+    base = ws.counter_base
+    t.symmetric_barrier(ws, 0)
+    if base + per >= 2 ** 31 - 1:
+        counters.zero_()
+        t.symmetric_barrier(ws, 1)
+        base = 0
+    ws.counter_base = base + per
+    return ws, counters, partials, base + per
+
+
+def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_dim=1, partial_dtype=torch.float32,
+                                    out=None, config=None, chunked=False, reduce_sms=RS_REDUCE_SMS, wait=True,
+                                    producer_delay_cycles=0, max_spin=None, agree=True, x_scale=None,
+                                    weight_scale=None, scaling="rowwise", out_dtype=None):
+    """Forward of ``matmul_reduce_scatter`` with in-kernel waits: ``x`` is ``[batch, seq,
+    in_shard]`` (or ``[tokens, in_shard]``), the result this rank's ``[batch, seq/P, out]``
+    chunk of ``sum over ranks (x @ W^T) + bias``. ``chunked=True``: ``x`` is already a chunked
+    view ``[P, *chunk rows, in_shard]`` (chunk ``c`` goes to rank ``c``). ``reduce_sms``: SMs of
+    the reduction (the GEMM leaves them free). ``x_scale``, ``weight_scale``, ``scaling``: fp8,
+    e4m3 ``x`` and ``weight`` with their fp32 scales as in :func:`all_gather_matmul_symmetric`
+    (``x_scale`` chunked with ``x``): the persistent fp8 GEMM writes the ``partial_dtype``
+    partials, the reduction is unchanged. ``out`` (allocated when omitted) of ``out_dtype``,
+    default ``x``'s, bf16 for fp8. Test knobs: ``wait=False`` reads the partials
+    without waiting on the counters, ``producer_delay_cycles`` starts the GEMM late on purpose
+    (counted from its enqueue, before the reduction is launched: a ``chunk_reduce``
+    specialisation compiled by this call starts late itself; warm it up first).
+    ``agree``: as in :func:`all_gather_matmul_symmetric`."""
+    t = check_symmetric(transport, "matmul_reduce_scatter")
+    P, r = t.size, t.rank
+    with _agreed("matmul_reduce_scatter_symmetric", t, agree, x=x, weight=weight, bias=bias,
+                 scatter_dim=scatter_dim, partial_dtype=partial_dtype, chunked=chunked, reduce_sms=reduce_sms,
+                 wait=wait, x_scale=x_scale, weight_scale=weight_scale, scaling=scaling, out_dtype=out_dtype):
+        xv, sv = _rs_input(x, weight, bias, scatter_dim, chunked, P, x_scale, weight_scale, scaling)
+        check_dtype("partial_dtype", partial_dtype, SUPPORTED_DTYPES)
+        check_out_dtype("out_dtype", out_dtype)
+        check_int("reduce_sms", reduce_sms, min_value=1)
+        n = weight.shape[0]
+        out = output_buffer("out", out, tuple(xv.shape[1:-1]) + (n,), x.device,
+                            out_dtype or (x.dtype if sv is None else torch.bfloat16))
+        _check_delay(producer_delay_cycles, x.device)
+    ws, counters, partials, ready = _rs_begin(t, xv, n, partial_dtype, config)
+    order = _rs_order(r, P)
+    peer_off = device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], x.device)
+    cnt_off = device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], x.device)
+    side = fork_side_stream(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
+    if producer_delay_cycles:
+        torch.cuda._sleep(int(producer_delay_cycles))
+    persistent_matmul(xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none", signal_counters=counters,
+                      config=config, num_programs=default_num_programs(x.device, reserve=reduce_sms), a_scale=sv,
+                      weight_scale=weight_scale, scaling=scaling)
+    with on_stream(side):  # enqueued after the GEMM whose counters it waits for: no launch-order stall
+        chunk_reduce(partials, peer_off, r, out=out, bias=bias, counters=counters if wait else None,
+                     counter_offsets=cnt_off if wait else None, ready_value=ready,
+                     num_programs=reduce_sms if x.is_cuda else None, max_spin=max_spin, check_waits=False)
+    join_side_stream(x.device, side)
+    if side is not None:
+        out.record_stream(side)
+    check_wait_timeouts(x.device, "matmul_reduce_scatter (symmetric)")
+    return out
