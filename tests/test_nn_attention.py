@@ -44,6 +44,22 @@ def reference_shard_grads(ref, mod):
     return out
 
 
+def check_shard_against_reference(mod, ref, y, yr, xl, xr, pos, msg):
+    """This rank's output ``y`` and input gradient ``xl.grad`` against the reference's at this
+    rank's token positions ``pos`` (no reduction needed), and every parameter's gradient against
+    :func:`reference_shard_grads`; tolerances relative to each tensor's RMS (``TOL``)."""
+    ry = yr.detach().index_select(1, pos)
+    assert_close(y, ry, torch.float32, rtol=TOL, atol=TOL * ry.pow(2).mean().sqrt().item(), msg=f"out {msg}")
+    gx = xr.grad.index_select(1, pos)
+    assert_close(xl.grad, gx, torch.float32, rtol=TOL, atol=TOL * gx.pow(2).mean().sqrt().item(), msg=f"dx {msg}")
+    expect = reference_shard_grads(ref, mod)
+    params = dict(mod.named_parameters())
+    assert set(params) == set(expect), (sorted(params), sorted(expect))
+    for pname, g in expect.items():
+        assert_close(params[pname].grad, g, torch.float32, rtol=TOL, atol=TOL * g.pow(2).mean().sqrt().item(),
+                     msg=f"grad {pname} {msg}")
+
+
 def _cases(rank, size, seed):
     row, col, single = grid_2x2(rank)
     straggle(0.01, seed)
@@ -94,19 +110,7 @@ def _cases(rank, size, seed):
             y = mod(xl, cu_seqlens=cu)
             y.backward(dy.index_select(1, pos))
             mod.reduce_sequence_parallel_grads()
-            msg = f"{name} rank {rank}"
-            ry = yr.detach().index_select(1, pos)
-            assert_close(y, ry, torch.float32, rtol=TOL, atol=TOL * ry.pow(2).mean().sqrt().item(), msg=f"out {msg}")
-            # input gradient: each rank's tokens only, no reduction needed
-            gx = xr.grad.index_select(1, pos)
-            assert_close(xl.grad, gx, torch.float32, rtol=TOL, atol=TOL * gx.pow(2).mean().sqrt().item(),
-                         msg=f"dx {msg}")
-            expect = reference_shard_grads(ref, mod)
-            params = dict(mod.named_parameters())
-            assert set(params) == set(expect), (sorted(params), sorted(expect))
-            for pname, g in expect.items():
-                assert_close(params[pname].grad, g, torch.float32, rtol=TOL, atol=TOL * g.pow(2).mean().sqrt().item(),
-                             msg=f"grad {pname} {msg}")
+            check_shard_against_reference(mod, ref, y, yr, xl, xr, pos, f"{name} rank {rank}")
         # errors before any communication
         with pytest.raises(ValueError, match="divisible by the tensor-parallel group size"):
             ParallelAttention(AttentionConfig(32, 3, 3, head_dim=8), tp_group=row, sp_group=col)

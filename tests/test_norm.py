@@ -57,12 +57,7 @@ def test_forward_backward_vs_fp64(shape, dtype, with_residual):
         assert out.dtype == dtype
         assert_close(out, ref, dtype, msg="y")
         out.backward(dy)
-    tol = GRAD_RTOL[dtype]
-    sx, sw = _grad_scales(x, w, r, dy)
-    assert_close(x.grad, gx, dtype, rtol=tol, atol=tol * sx, msg="dx")
-    assert_close(w.grad, gw, dtype, rtol=tol, atol=tol * sw, msg="dweight")
-    if with_residual:
-        assert_close(r.grad, gr, dtype, rtol=tol, atol=tol * sx, msg="dresidual")
+    _check_grads(x, w, r, dy, (gx, gw, gr), dtype, with_residual)
 
 
 def _grad_scales(x, w, r, dy):
@@ -74,6 +69,18 @@ def _grad_scales(x, w, r, dy):
     sx = (dyw * rstd).pow(2).mean().sqrt().item()
     sw = (dy.double() * h * rstd).abs().reshape(-1, h.shape[-1]).sum(0).pow(2).mean().sqrt().item()
     return sx, sw
+
+
+def _check_grads(x, w, r, dy, want, dtype, with_residual):
+    """``x`` / ``w`` / ``r`` gradients against the reference's ``want = (gx, gw, gr)``, tolerances
+    scaled by :func:`_grad_scales`."""
+    gx, gw, gr = want
+    tol = GRAD_RTOL[dtype]
+    sx, sw = _grad_scales(x, w, r, dy)
+    assert_close(x.grad, gx, dtype, rtol=tol, atol=tol * sx, msg="dx")
+    assert_close(w.grad, gw, dtype, rtol=tol, atol=tol * sw, msg="dweight")
+    if with_residual:
+        assert_close(r.grad, gr, dtype, rtol=tol, atol=tol * sx, msg="dresidual")
 
 
 def test_strided_sequence_chunk_in_place_and_poisoned_outputs():
@@ -234,12 +241,7 @@ def test_wide_rows_take_the_looped_kernels(monkeypatch, H, limit, chunk, dtype, 
     else:
         assert_close(out, ref, dtype, msg="y")
         out.backward(dy)
-    tol = GRAD_RTOL[dtype]
-    sx, sw = _grad_scales(x, w, r, dy)
-    assert_close(x.grad, gx, dtype, rtol=tol, atol=tol * sx, msg="dx")
-    assert_close(w.grad, gw, dtype, rtol=tol, atol=tol * sw, msg="dweight")
-    if with_residual:
-        assert_close(r.grad, gr, dtype, rtol=tol, atol=tol * sx, msg="dresidual")
+    _check_grads(x, w, r, dy, (gx, gw, gr), dtype, with_residual)
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,11 @@ from fusedpar.ops.norm.bodies import (
 rms_norm_op = custom_op("rms_norm")(rms_norm_fwd)
 
 
+def _weight_grad_fake(weight, need_weight_grad, like):
+    """The fake of a norm backward's ``dw``: the weight's shape, or the absent placeholder."""
+    return torch.empty_like(weight) if weight is not None and need_weight_grad else like.new_empty((0,))
+
+
 def _fake_outputs(x, residual):
     rows = x.shape[:-1].numel()  # the launcher allocates contiguous outputs, whatever x's strides
     h = x.new_empty(x.shape, dtype=residual.dtype) if residual is not None else x.new_empty((0,))
@@ -37,8 +42,7 @@ rms_norm_backward_op = custom_op("rms_norm_backward")(rms_norm_bwd)
 
 @rms_norm_backward_op.register_fake
 def _(grad_y, grad_h, h, weight, rstd, need_weight_grad):
-    dw = torch.empty_like(weight) if weight is not None and need_weight_grad else h.new_empty((0,))
-    return h.new_empty(h.shape), dw
+    return h.new_empty(h.shape), _weight_grad_fake(weight, need_weight_grad, h)
 
 
 def _setup(ctx, inputs, output):
@@ -103,8 +107,7 @@ sharded_rms_norm_backward_op = custom_op("sharded_rms_norm_backward")(sharded_rm
 
 @sharded_rms_norm_backward_op.register_fake
 def _(grad_y, x, weight, rstd, transport_id, need_weight_grad):
-    dw = torch.empty_like(weight) if weight is not None and need_weight_grad else x.new_empty((0,))
-    return x.new_empty(x.shape), dw
+    return x.new_empty(x.shape), _weight_grad_fake(weight, need_weight_grad, x)
 
 
 def _sharded_setup(ctx, inputs, output):
