@@ -4,9 +4,7 @@ GLM-4.5 MoE, OLMo 2, Gemma, Gemma 2, Gemma 3 text, DeepSeek-V3 / Kimi K2, gpt-os
 fusedpar does not implement raises ``ValueError`` naming it. Re-exported by :mod:`fusedpar.hf`."""
 from __future__ import annotations
 
-from typing import Mapping
-
-from fusedpar.hf_parallel import SUPPORTED_MODEL_TYPES, config_number
+from fusedpar.hf_parallel import SUPPORTED_MODEL_TYPES, config_field, config_number
 from fusedpar.kernels.runtime import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from fusedpar.nn import TransformerConfig
 
@@ -29,10 +27,6 @@ _GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
 # ----------------------------------------------------------------------------------------------
 # configuration
 # ----------------------------------------------------------------------------------------------
-def _get(cfg, name, default=None):
-    return cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
-
-
 def _unsupported(model_type, name, value, why):
     raise ValueError(f"config_from_hf: {model_type} field {name}={value!r} is not supported ({why})")
 
@@ -41,15 +35,15 @@ def _rope(cfg, model_type, params=None):
     """``(rope_theta, rope_scaling, partial_rotary_factor)`` from ``rope_parameters`` (transformers
     5) or ``rope_theta`` + ``rope_scaling`` (earlier versions); ``params``: one layer type's
     ``rope_parameters``."""
-    params = dict(params or _get(cfg, "rope_parameters") or {})
+    params = dict(params or config_field(cfg, "rope_parameters") or {})
     if not params:
-        params = dict(_get(cfg, "rope_scaling") or {})
-        params.setdefault("rope_theta", _get(cfg, "rope_theta", 10000.0))
-    theta = float(params.pop("rope_theta", _get(cfg, "rope_theta", 10000.0)))
+        params = dict(config_field(cfg, "rope_scaling") or {})
+        params.setdefault("rope_theta", config_field(cfg, "rope_theta", 10000.0))
+    theta = float(params.pop("rope_theta", config_field(cfg, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "llama3", "yarn"):
         _unsupported(model_type, "rope_type", rope_type, "fusedpar implements 'default', 'llama3' and 'yarn'")
-    partial = float(params.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor", None) or 1.0))
+    partial = float(params.get("partial_rotary_factor", config_field(cfg, "partial_rotary_factor", None) or 1.0))
     if partial != 1.0 and model_type != "glm4_moe":
         _unsupported(model_type, "partial_rotary_factor", partial, "full rotary except in glm4_moe")
     if rope_type == "default":
@@ -70,12 +64,12 @@ def _activation(cfg, model_type) -> str:
     ``swiglu_alpha`` and ``swiglu_limit`` must be fusedpar's constants."""
     if model_type == "gpt_oss":
         for field, value in (("swiglu_alpha", SWIGLU_OAI_ALPHA), ("swiglu_limit", SWIGLU_OAI_LIMIT)):
-            got = _get(cfg, field, value)
+            got = config_field(cfg, field, value)
             if isinstance(got, bool) or not isinstance(got, (int, float)) or float(got) != value:
                 _unsupported(model_type, field, got, f"the clamped SwiGLU with {field} {value}")
         return "swiglu_oai"
     field = "hidden_activation" if model_type in ("gemma2", "gemma3_text") else "hidden_act"
-    act = _get(cfg, field, "silu")
+    act = config_field(cfg, field, "silu")
     if model_type == "gemma" and act == "gelu":  # Gemma 1's legacy value, meant as the tanh GELU (as HF reads it)
         act = "gelu_pytorch_tanh"
     if act not in _GATED:
@@ -84,21 +78,21 @@ def _activation(cfg, model_type) -> str:
 
 
 def _check_unsupported(cfg, model_type):
-    if float(_get(cfg, "attention_dropout", 0.0) or 0.0):
-        _unsupported(model_type, "attention_dropout", _get(cfg, "attention_dropout"), "no attention dropout")
-    if model_type not in ("qwen2", "qwen2_moe", "glm4_moe", "gpt_oss") and _get(cfg, "attention_bias", False):
+    if float(config_field(cfg, "attention_dropout", 0.0) or 0.0):
+        _unsupported(model_type, "attention_dropout", config_field(cfg, "attention_dropout"), "no attention dropout")
+    if model_type not in ("qwen2", "qwen2_moe", "glm4_moe", "gpt_oss") and config_field(cfg, "attention_bias", False):
         _unsupported(model_type, "attention_bias", True, "no bias on the output projection")
-    if _get(cfg, "use_bidirectional_attention", False):
+    if config_field(cfg, "use_bidirectional_attention", False):
         _unsupported(model_type, "use_bidirectional_attention", True, "causal attention only")
-    if _get(cfg, "mlp_bias", False):
+    if config_field(cfg, "mlp_bias", False):
         _unsupported(model_type, "mlp_bias", True, "bias-free MLPs only")
-    if float(_get(cfg, "router_jitter_noise", 0.0) or 0.0):
-        _unsupported(model_type, "router_jitter_noise", _get(cfg, "router_jitter_noise"), "no router jitter")
-    if int(_get(cfg, "pretraining_tp", 1) or 1) != 1:
-        _unsupported(model_type, "pretraining_tp", _get(cfg, "pretraining_tp"), "must be 1")
-    quant = _get(cfg, "quantization_config")
+    if float(config_field(cfg, "router_jitter_noise", 0.0) or 0.0):
+        _unsupported(model_type, "router_jitter_noise", config_field(cfg, "router_jitter_noise"), "no router jitter")
+    if int(config_field(cfg, "pretraining_tp", 1) or 1) != 1:
+        _unsupported(model_type, "pretraining_tp", config_field(cfg, "pretraining_tp"), "must be 1")
+    quant = config_field(cfg, "quantization_config")
     if quant:  # e.g. gpt-oss's released MXFP4 experts, DeepSeek-V3's fp8 blocks
-        _unsupported(model_type, "quantization_config.quant_method", _get(quant, "quant_method", quant),
+        _unsupported(model_type, "quantization_config.quant_method", config_field(quant, "quant_method", quant),
                      "unquantized weights only: load the model dequantized (gpt-oss: transformers' "
                      "Mxfp4Config(dequantize=True)) and pass it or its save_pretrained directory")
 
@@ -108,7 +102,7 @@ def _layer_types(cfg, model_type):
     ``config.json`` read as a dict) has none: Gemma 2 and gpt-oss alternate, sliding first; Gemma 3
     makes every ``sliding_window_pattern``-th layer (default 6) global. None for the other families
     (a window there covers every layer)."""
-    types = _get(cfg, "layer_types")
+    types = config_field(cfg, "layer_types")
     if types is not None or model_type not in ("gemma2", "gemma3_text", "gpt_oss"):
         return None if types is None else list(types)
     layers = config_number(cfg, "num_hidden_layers", "config_from_hf")
@@ -120,8 +114,8 @@ def _layer_types(cfg, model_type):
 def _sliding_window(cfg, model_type):
     """HF's active sliding window (None when off): the layers that ``layer_types`` marks
     ``"sliding_attention"`` (all of them without ``layer_types``) attend through it."""
-    window = _get(cfg, "sliding_window")
-    uses_window = _get(cfg, "use_sliding_window", model_type in ("mistral", "mixtral"))
+    window = config_field(cfg, "sliding_window")
+    uses_window = config_field(cfg, "use_sliding_window", model_type in ("mistral", "mixtral"))
     if model_type in ("gemma2", "gemma3_text"):  # windows on the sliding layers only (layer_types)
         uses_window = "sliding_attention" in _layer_types(cfg, model_type)
     return int(window) if window and uses_window else None
@@ -133,7 +127,7 @@ def _glm4_moe_fields(cfg):
     num = lambda name, **kw: config_number(cfg, name, "config_from_hf", **kw)  # noqa: E731
     ffn = num("moe_intermediate_size")
     return dict(num_experts=num("n_routed_experts"), top_k=num("num_experts_per_tok"), moe_ffn_hidden_size=ffn,
-                norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)), score_func="sigmoid",
+                norm_topk_prob=bool(config_field(cfg, "norm_topk_prob", True)), score_func="sigmoid",
                 n_group=num("n_group", default=1), topk_group=num("topk_group", default=None),
                 routed_scaling_factor=num("routed_scaling_factor", kind=float, default=1.0),
                 score_correction_bias=True, first_k_dense_replace=num("first_k_dense_replace", default=0),
@@ -156,7 +150,7 @@ def _family_fields(cfg, model_type, num) -> dict:
                   attn_logit_softcapping=num("attn_logit_softcapping", kind=float, default=None))
     if model_type == "gemma3_text":
         fields["qk_norm"] = True
-        params = _get(cfg, "rope_parameters") or {}
+        params = config_field(cfg, "rope_parameters") or {}
         if "full_attention" in params:  # transformers 5: RoPE parameters per layer type
             thetas = {}
             for kind in ("full_attention", "sliding_attention"):
@@ -165,11 +159,11 @@ def _family_fields(cfg, model_type, num) -> dict:
                     _unsupported(model_type, f"rope_parameters[{kind!r}]", params.get(kind),
                                  "one RoPE scaling for all layers: 'default' on the Gemma 3 layer types")
         else:  # older configs: rope_theta (global) and rope_local_base_freq; rope_scaling on global layers only
-            if _get(cfg, "rope_scaling"):
-                _unsupported(model_type, "rope_scaling", _get(cfg, "rope_scaling"),
+            if config_field(cfg, "rope_scaling"):
+                _unsupported(model_type, "rope_scaling", config_field(cfg, "rope_scaling"),
                              "one RoPE scaling for all layers: none on Gemma 3, whose local layers have none")
-            thetas = {"full_attention": float(_get(cfg, "rope_theta", 1e6)),
-                      "sliding_attention": float(_get(cfg, "rope_local_base_freq", 1e4))}
+            thetas = {"full_attention": float(config_field(cfg, "rope_theta", 1e6)),
+                      "sliding_attention": float(config_field(cfg, "rope_local_base_freq", 1e4))}
         types = _layer_types(cfg, model_type)
         fields["layer_rope_theta"] = tuple(thetas.get(t, thetas["full_attention"]) for t in types)
         fields["rope_theta"] = thetas["full_attention"]
@@ -178,7 +172,7 @@ def _family_fields(cfg, model_type, num) -> dict:
 
 def _pad_token(cfg, vocab: int):
     """HF's ``padding_idx`` (``pad_token_id``; a negative one counts from the end, as torch's)."""
-    pad = _get(cfg, "pad_token_id", None)
+    pad = config_field(cfg, "pad_token_id", None)
     if pad is None or isinstance(pad, bool) or not isinstance(pad, int):
         return None
     return pad + vocab if pad < 0 else pad
@@ -195,11 +189,11 @@ def _moe_fields(cfg, model_type):
                     norm_topk_prob=True)
     fields = dict(common, num_experts=config_number(cfg, "num_experts", "config_from_hf"),
                   moe_ffn_hidden_size=config_number(cfg, "moe_intermediate_size", "config_from_hf"),
-                  norm_topk_prob=bool(_get(cfg, "norm_topk_prob", False)),
-                  moe_every=int(_get(cfg, "decoder_sparse_step", 1) or 1),
-                  dense_layers=tuple(_get(cfg, "mlp_only_layers", None) or ()))
+                  norm_topk_prob=bool(config_field(cfg, "norm_topk_prob", False)),
+                  moe_every=int(config_field(cfg, "decoder_sparse_step", 1) or 1),
+                  dense_layers=tuple(config_field(cfg, "mlp_only_layers", None) or ()))
     if model_type == "qwen2_moe":
-        fields["shared_expert_ffn_hidden_size"] = int(_get(cfg, "shared_expert_intermediate_size") or 0)
+        fields["shared_expert_ffn_hidden_size"] = int(config_field(cfg, "shared_expert_intermediate_size") or 0)
     return fields
 
 
@@ -213,15 +207,15 @@ def _deepseek_fields(cfg):
     experts = num("n_routed_experts")
     dense = num("first_k_dense_replace", default=0) or 0
     return dict(
-        attention="mla", q_lora_rank=_get(cfg, "q_lora_rank"), kv_lora_rank=num("kv_lora_rank"),
+        attention="mla", q_lora_rank=config_field(cfg, "q_lora_rank"), kv_lora_rank=num("kv_lora_rank"),
         qk_nope_head_dim=num("qk_nope_head_dim"), qk_rope_head_dim=num("qk_rope_head_dim"),
-        v_head_dim=num("v_head_dim"), rope_interleave=bool(_get(cfg, "rope_interleave", True)),
+        v_head_dim=num("v_head_dim"), rope_interleave=bool(config_field(cfg, "rope_interleave", True)),
         head_dim=None, num_kv_heads=heads, qkv_bias=False, qk_norm=False,
         num_experts=experts, top_k=num("num_experts_per_tok"), moe_ffn_hidden_size=num("moe_intermediate_size"),
         first_k_dense_replace=dense, score_func="sigmoid", score_correction_bias=True,
         shared_expert_ffn_hidden_size=num("moe_intermediate_size") * shared, shared_expert_gate=False,
-        n_group=num("n_group", default=1) or 1, topk_group=_get(cfg, "topk_group"),
-        norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)),
+        n_group=num("n_group", default=1) or 1, topk_group=config_field(cfg, "topk_group"),
+        norm_topk_prob=bool(config_field(cfg, "norm_topk_prob", True)),
         routed_scaling_factor=num("routed_scaling_factor", kind=float, default=1.0),
         aux_loss_coef=0.0, z_loss_coef=0.0)
 
@@ -232,7 +226,7 @@ def _gpt_oss_fields(cfg):
     a MoE whose router adds its bias and takes the softmax over the top-k logits, experts with
     biases; HF's load-balancing loss pooled over layers (as Mixtral's: ``router_aux_loss_coef``)."""
     num = lambda name, **kw: config_number(cfg, name, "config_from_hf", **kw)  # noqa: E731
-    bias = bool(_get(cfg, "attention_bias", True))
+    bias = bool(config_field(cfg, "attention_bias", True))
     fields = dict(attention_sinks=True, qkv_bias=bias, attention_out_bias=bias,
                   num_experts=num("num_local_experts"), top_k=num("num_experts_per_tok"),
                   moe_ffn_hidden_size=num("intermediate_size"), score_func="softmax_topk", router_bias=True,
@@ -252,12 +246,12 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
     implement (e.g. another RoPE type, attention dropout). An active sliding window (stock Mistral:
     4096) is kept as ``sliding_window``, with HF's ``layer_types`` (which layers slide). Kimi K2's
     ``model_type`` ``"kimi_k2"`` reads as ``"deepseek_v3"`` (the same fields and layout)."""
-    model_type = _get(hf_config, "model_type")
+    model_type = config_field(hf_config, "model_type")
     if model_type not in ROUTE_A_TYPES:
         raise ValueError(f"config_from_hf: model_type must be one of {ROUTE_A_TYPES}, got {model_type!r}")
     model_type = _ALIASES.get(model_type, model_type)
     _check_unsupported(hf_config, model_type)
-    params = _get(hf_config, "rope_parameters") or {}
+    params = config_field(hf_config, "rope_parameters") or {}
     theta, scaling, partial = _rope(hf_config, model_type,
                                     params.get("full_attention") if "full_attention" in params else None)
     num = lambda name, **kw: config_number(hf_config, name, "config_from_hf", **kw)  # noqa: E731
@@ -267,17 +261,17 @@ def config_from_hf(hf_config, **overrides) -> TransformerConfig:
         num_heads=heads, ffn_hidden_size=num("intermediate_size"),
         num_kv_heads=num("num_key_value_heads", default=None) or heads, activation=_activation(hf_config, model_type),
         norm_eps=num("rms_norm_eps", kind=float), causal=True, rope_theta=theta, rope_scaling=scaling,
-        head_dim=_get(hf_config, "head_dim", None), qkv_bias=model_type in ("qwen2", "qwen2_moe"),
+        head_dim=config_field(hf_config, "head_dim", None), qkv_bias=model_type in ("qwen2", "qwen2_moe"),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         partial_rotary_factor=partial,
-        tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        tie_word_embeddings=bool(config_field(hf_config, "tie_word_embeddings", False)),
         sliding_window=_sliding_window(hf_config, model_type), pad_token_id=_pad_token(hf_config, num("vocab_size")))
     types = _layer_types(hf_config, model_type)
     if fields["sliding_window"] is not None and types is not None:
         fields["layer_types"] = types
     if model_type == "glm4_moe":
-        fields.update(qkv_bias=bool(_get(hf_config, "attention_bias", False)),
-                      qk_norm=bool(_get(hf_config, "use_qk_norm", False)))
+        fields.update(qkv_bias=bool(config_field(hf_config, "attention_bias", False)),
+                      qk_norm=bool(config_field(hf_config, "use_qk_norm", False)))
     fields.update(_family_fields(hf_config, model_type, num))
     if model_type in _MOE_TYPES:
         fields.update(_moe_fields(hf_config, model_type))

@@ -53,7 +53,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2
 ATTN_IMPLEMENTATION = "fusedpar_sequence_parallel"  # the name registered in transformers.AttentionInterface
 
 
-def _get(cfg, name, default=None):
+def config_field(cfg, name, default=None):
+    """Field ``name`` of a Hugging Face config, given as a ``PretrainedConfig`` or as a mapping
+    (config.json's dict), ``default`` where it has none."""
     return cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
 
 
@@ -64,7 +66,7 @@ def config_number(cfg, name: str, owner: str, kind=int, default=_REQUIRED):
     """Field ``name`` of a Hugging Face config (a ``PretrainedConfig`` or its dict) as ``kind``
     (``int`` / ``float``): a missing or null field without ``default``, or a value that is not a
     number, raises ``ValueError`` naming the field (never ``int(None)``'s ``TypeError``)."""
-    value = _get(cfg, name, None)
+    value = config_field(cfg, name, None)
     if value is None:
         if default is _REQUIRED:
             raise ValueError(f"{owner}: the config must have {name} ({kind.__name__}), got none (missing or null)")
@@ -417,13 +419,13 @@ def _tp_projection_norm(norm: nn.Module, tp_group) -> RMSNorm:
 
 
 def _moe_block(block: nn.Module, config, tp_group, ep_group) -> HFMoEBlock:
-    model_type = _get(config, "model_type")
+    model_type = config_field(config, "model_type")
     gpt_oss = model_type == "gpt_oss"
     gate, experts = (block.router if gpt_oss else block.gate), block.experts
     E, k = gate.weight.shape[0], config_number(config, "num_experts_per_tok", "parallelize")
     # HF's down_proj: [E, H, F] (gpt-oss: [E, F, H], stored transposed)
     H, F_ = experts.down_proj.shape[2 if gpt_oss else 1], experts.down_proj.shape[1 if gpt_oss else 2]
-    norm = True if model_type == "mixtral" else bool(_get(config, "norm_topk_prob", False))
+    norm = True if model_type == "mixtral" else bool(config_field(config, "norm_topk_prob", False))
     router = {}
     if model_type in ("glm4_moe", "deepseek_v3"):  # sigmoid group-limited routing with the correction bias
         router = dict(score="sigmoid", n_group=config_number(config, "n_group", "parallelize", default=1),
@@ -476,7 +478,7 @@ def _tp_sinks(attn: nn.Module, tp_group) -> None:
 def _check_swiglu(config) -> None:
     """gpt-oss's clamped SwiGLU must have fusedpar's constants (those of the ``swiglu_oai`` kernels)."""
     for field, value in (("swiglu_alpha", SWIGLU_OAI_ALPHA), ("swiglu_limit", SWIGLU_OAI_LIMIT)):
-        got = _get(config, field, value)
+        got = config_field(config, field, value)
         if isinstance(got, bool) or not isinstance(got, (int, float)) or float(got) != value:
             raise ValueError(f"parallelize: gpt_oss field {field} must be {value} (the clamped SwiGLU of fusedpar's "
                              f"kernels), got {got!r}")
@@ -535,7 +537,7 @@ def parallelize(hf_model: nn.Module, *, tp_group=None, ep_group=None, sp_group=N
     tokens; reduce them with ``fusedpar.parallel.sync_gradients(model.named_parameters(), state,
     gradient_sync_plan(model))`` (a no-op without sp / dp)."""
     config = hf_model.config
-    model_type = _get(config, "model_type")
+    model_type = config_field(config, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"parallelize: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
     sp = _sequence_parallel(sp_group, sp_mode, layout, ulysses_group, ring_group)

@@ -22,8 +22,15 @@
   ``custom_ops.py`` (``fusedpar/ops/common.py`` holds the one ``torch.library.custom_op`` call,
   the helper that names the namespace); a family's ``__init__`` exports its public API only (no
   ``_fwd`` / ``_bwd`` bodies, no ``_op`` objects, everything in ``__all__``); every other module of
-  ``fusedpar/ops`` is in :data:`OPS_SHARED`; no top-level function of ``fusedpar/`` copies another
-  module's (the same arguments and body): a helper has one home.
+  ``fusedpar/ops`` is in :data:`OPS_SHARED`; no function or method of ``fusedpar/`` or ``kernels/``
+  copies another module's (the same arguments and body, :data:`MIN_COPY_NODES` nodes or more):
+  a helper has one home.
+* the Done criterion of the family layout: from every public name of ``fusedpar.ops`` (and of its
+  packages' ``__all__``), the definitions it calls inside its family's folder and ``kernels/``
+  reach a ``kernels/`` function that launches a ``@triton.jit`` kernel in at most :data:`MAX_HOPS`
+  hops (API -> custom-op object -> body -> launcher), except the names of :data:`NO_KERNEL`
+  (no kernel, each with its reason) and :data:`OVER_HOPS` (today's longer paths, checked to stay
+  longer so the list shrinks when they are fixed).
 * tests: every test module's name starts with one of :data:`TEST_AREAS` (the family or layer
   it tests).
 """
@@ -379,26 +386,56 @@ def internal_exports(p: Parsed) -> list[str]:
     return sorted(set(bad))
 
 
+def _body_without_docstring(fn: ast.FunctionDef) -> list[ast.stmt]:
+    return fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
+        getattr(fn.body[0], "value", None), ast.Constant) else fn.body
+
+
 def _function_shape(fn: ast.FunctionDef) -> str:
     """A function's arguments and body without its name and docstring (for copies)."""
-    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
-        getattr(fn.body[0], "value", None), ast.Constant) else fn.body
-    return ast.dump(fn.args) + "".join(ast.dump(b) for b in body)
+    return ast.dump(fn.args) + "".join(ast.dump(b) for b in _body_without_docstring(fn))
 
 
-def copied_helpers(files) -> list[str]:
-    """Top-level functions of two modules of ``fusedpar/`` with the same arguments and body (a
-    private copy of a helper that has one shared home), at least two statements long."""
+def _shape_nodes(fn: ast.FunctionDef) -> int:
+    """AST nodes of a function's arguments and body, docstring excluded."""
+    return sum(1 for part in [fn.args, *_body_without_docstring(fn)] for _ in ast.walk(part))
+
+
+#: a copy counts from this many AST nodes of arguments and body (``return x.shape`` has 6, a
+#: one-line config lookup ``cfg.get(n) if isinstance(cfg, Mapping) else getattr(cfg, n)`` 28)
+MIN_COPY_NODES = 20
+COPY_DIRS = ("fusedpar/", "kernels/")
+
+
+def _top_level_and_methods(tree: ast.Module):
+    """(qualname, node) of the module's functions and of its classes' methods (not nested
+    closures: a closure is private to its function)."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef):
+            yield from ((f"{node.name}.{f.name}", f) for f in node.body if isinstance(f, ast.FunctionDef))
+
+
+def copied_helpers(files, source=None) -> list[str]:
+    """Functions and methods of two modules under ``fusedpar/`` or ``kernels/`` with the same
+    arguments and body (name and docstring ignored), at least :data:`MIN_COPY_NODES` AST nodes: a
+    private copy of a helper that has one shared home. ``source(rel)`` gives a file's parsed
+    source (default: the tree on disk)."""
+    source = source or parse
     seen, bad = {}, []
     for rel in files:
-        if not rel.startswith("fusedpar/"):
+        if not rel.startswith(COPY_DIRS):
             continue
-        for fn in parse(rel).tree.body:
-            if isinstance(fn, ast.FunctionDef) and not _is_device_code(fn) and len(fn.body) >= 2:
-                key = _function_shape(fn)
-                if key in seen and seen[key][0] != rel:
-                    bad.append(f"{rel}: {fn.name} copies {seen[key][0]}: {seen[key][1]}")
-                seen.setdefault(key, (rel, fn.name))
+        for qualname, fn in _top_level_and_methods(source(rel).tree):
+            if _is_device_code(fn):
+                continue
+            if _shape_nodes(fn) < MIN_COPY_NODES:
+                continue
+            key = _function_shape(fn)
+            if key in seen and seen[key][0] != rel:
+                bad.append(f"{rel}: {qualname} copies {seen[key][0]}: {seen[key][1]}")
+            seen.setdefault(key, (rel, qualname))
     return bad
 
 
@@ -433,6 +470,172 @@ def test_a_family_exports_its_public_api_only(rel):
 def test_no_copy_of_a_helper_another_module_owns():
     bad = copied_helpers(FILES)
     assert not bad, "\n".join(bad)
+
+
+def test_the_copy_checker_finds_copies():
+    line = "    return cfg.get(n) if isinstance(cfg, dict) else getattr(cfg, n)\n"
+    sources = {"fusedpar/a.py": 'def f(cfg, n):\n    """doc"""\n' + line,
+               "kernels/b.py": "class C:\n    def g(cfg, n):\n" + "    " + line,
+               "fusedpar/c.py": "def h(x):\n    return x.shape\n", "kernels/d.py": "def h(x):\n    return x.shape\n",
+               "tests/e.py": "def f(cfg, n):\n" + line}
+    found = copied_helpers(list(sources), lambda rel: read_source(rel, sources[rel]))
+    assert found == ["kernels/b.py: C.g copies fusedpar/a.py: f"], found
+
+
+# ----------------------------------------------------------------------------------------------
+# the Done criterion: from a public name to its kernel launcher in at most MAX_HOPS hops
+# ----------------------------------------------------------------------------------------------
+#: go-to-definition steps from a public name (its API function) to the kernels/ launcher that does
+#: the work: API -> custom-op object -> body -> launcher
+MAX_HOPS = 3
+#: public names that launch no Triton kernel, each with the reason
+NO_KERNEL = {
+    **{name: "a transport (the communication layer)" for name in (
+        "Transport", "PortableTransport", "SymmetricTransport", "EmulatedTransport", "get_transport",
+        "resolve_transport")},
+    **{name: "a collective of the communication layer" for name in (
+        "DONE", "Handle", "all_gather_into", "all_reduce", "all_to_all", "global_rank", "group_rank", "group_ranks",
+        "group_size", "reduce_scatter_into", "resolve_group", "ring_shift", "send_recv", "set_straggler")},
+    **{name: "a collective op whose backward is its mirror collective (no GEMM)" for name in (
+        "all_gather_tokens", "gather_features", "scatter_features", "replicated_rows")},
+    **{name: "a sequence layout helper (index arithmetic in torch)" for name in (
+        "LAYOUTS", "document_positions", "sequence_shard", "shard_positions", "zigzag_positions", "zigzag_shard",
+        "zigzag_unshard")},
+    "MoEPlan": "the plan's data type (built by moe_plan)",
+    "sharded_rms_norm": "torch ops in fp32: its statistics are all-reduced between the kernel's passes",
+    "attach_aux_loss": "an identity op (the residual add) carrying the router losses' backward",
+    "global_loss": "an all-reduce of (sum, count) in fp64",
+    "vocab_parallel_cross_entropy": "torch ops over given logits (linear_cross_entropy is the fused kernel)",
+}
+#: public names that need more than MAX_HOPS hops today: name -> (hops, the path's extra step)
+OVER_HOPS = {
+    "matmul_reduce_scatter": (4, "body -> the symmetric schedule (or the ring) -> persistent_matmul"),
+    "matmul_all_reduce": (5, "body -> chunked_matmul_all_reduce -> chunk_gemm -> matmul_checked"),
+    "moe_mlp": (4, "body -> moe.plan.build_plan -> routing_metadata"),
+}
+
+
+def _top_defs(mod: str) -> dict[str, ast.AST]:
+    """Top-level functions, classes and assigned names of project module ``mod``."""
+    out = {}
+    for n in parse(MODULES[mod]).tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            out[n.name] = n
+        elif isinstance(n, ast.Assign):
+            out.update((t.id, n) for t in n.targets if isinstance(t, ast.Name))
+    return out
+
+
+@lru_cache(maxsize=None)
+def _imported_names(mod: str) -> dict[str, tuple[str, str | None]]:
+    """Local name -> (module, name) of every import in ``mod`` (name None: a module)."""
+    p, out = parse(MODULES[mod]), {}
+    for n in ast.walk(p.tree):
+        if isinstance(n, ast.ImportFrom):
+            m = _resolve(p.rel, n)
+            out.update((a.asname or a.name, (f"{m}.{a.name}", None) if f"{m}.{a.name}" in MODULES else (m, a.name))
+                       for a in n.names)
+        elif isinstance(n, ast.Import):
+            out.update((a.asname, (a.name, None)) for a in n.names if a.asname)
+    return out
+
+
+def definition_of(mod: str, name: str, depth: int = 0) -> tuple[str, str] | None:
+    """Where go-to-definition of ``name`` seen from project module ``mod`` lands (re-exports
+    followed: they cost no hop), as (module, name); None outside the project."""
+    if name in _top_defs(mod):
+        return mod, name
+    m, n = _imported_names(mod).get(name, (None, None))
+    if n is None or m not in MODULES or depth > 8:
+        return None
+    return definition_of(m, n, depth + 1)
+
+
+def called_definitions(mod: str, node: ast.AST) -> list[tuple[str, str]]:
+    """The project definitions ``node`` calls, or passes to a call (``custom_op(name)(body)``
+    binds an op object to its body): plain names and ``module.name`` attributes."""
+    out, modules = [], {k: m for k, (m, n) in _imported_names(mod).items() if n is None}
+    for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)):
+        for f in [call.func, *call.args]:
+            if isinstance(f, ast.Name):
+                out.append(definition_of(mod, f.id))
+            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and modules.get(f.value.id) in MODULES:
+                out.append(definition_of(modules[f.value.id], f.attr))
+    return list(dict.fromkeys(d for d in out if d is not None))
+
+
+@lru_cache(maxsize=None)
+def is_kernel_launcher(mod: str, name: str, within: tuple = ()) -> bool:
+    """A host function of ``kernels/`` that launches a ``@triton.jit`` kernel (``kernel[grid](...)``),
+    itself or through other functions of ``kernels/``."""
+    node = _top_defs(mod).get(name) if mod.startswith("fusedpar.kernels.") else None
+    if not isinstance(node, ast.FunctionDef) or _is_device_code(node) or (mod, name) in within:
+        return False
+    if any(isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript) for c in ast.walk(node)):
+        return True
+    return any(is_kernel_launcher(m, n, within + ((mod, name),)) for m, n in called_definitions(mod, node)
+               if m.startswith("fusedpar.kernels."))
+
+
+def hops_to_launcher(family: str, mod: str, name: str, limit: int = 8) -> list[str] | None:
+    """The shortest chain of definitions from ``mod.name`` to a kernel launcher, following calls
+    inside ``fusedpar/ops/<family>/`` and into ``kernels/`` only (None: no launcher reached)."""
+    frontier, seen = [((mod, name), [name])], {(mod, name)}
+    for _ in range(limit + 1):
+        nxt = []
+        for (m, n), path in frontier:
+            if is_kernel_launcher(m, n):
+                return path
+            if not m.startswith(f"fusedpar.ops.{family}."):
+                continue
+            for d in called_definitions(m, _top_defs(m)[n]):
+                if d not in seen:
+                    seen.add(d)
+                    nxt.append((d, path + [f"{d[0].removeprefix('fusedpar.')}.{d[1]}"]))
+        frontier = nxt
+    return None
+
+
+def public_op_names() -> dict[str, tuple[str, str]]:
+    """Every name of ``fusedpar.ops.__all__`` and of its packages' ``__all__`` -> its family
+    (the package it comes from) and the module that defines it."""
+    out = {}
+    for package in ["fusedpar.ops"] + sorted(m for m in MODULES if m.count(".") == 2 and m.startswith("fusedpar.ops.")
+                                             and MODULES[m].endswith("__init__.py")):
+        for node in parse(MODULES[package]).tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                for name in (e.value for e in node.value.elts):
+                    where = definition_of(package, name)
+                    assert where is not None, f"{package}.__all__ names {name}, defined nowhere in the project"
+                    out[name] = (where[0].split(".")[2], where[0])
+    return out
+
+
+PUBLIC_OPS = public_op_names()
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_OPS))
+def test_a_public_name_reaches_its_kernel_launcher_in_three_hops(name):
+    family, mod = PUBLIC_OPS[name]
+    path = hops_to_launcher(family, mod, name)
+    if name in NO_KERNEL:
+        assert path is None, f"{name} reaches a kernel launcher ({' -> '.join(path)}): remove it from NO_KERNEL"
+        return
+    assert path is not None, (f"{name} ({mod}) reaches no kernels/ launcher inside fusedpar/ops/{family}/ + kernels/: "
+                              "a launch path outside its family, or a name for NO_KERNEL with its reason")
+    hops, allowed = len(path) - 1, OVER_HOPS.get(name, (MAX_HOPS,))[0]
+    assert hops <= allowed, f"{name}: {hops} hops > {allowed}: {' -> '.join(path)}"
+    if name in OVER_HOPS:
+        assert hops > MAX_HOPS, f"{name} now takes {hops} hops: remove it from OVER_HOPS"
+
+
+def test_the_exception_lists_name_public_names():
+    assert not (set(NO_KERNEL) | set(OVER_HOPS)) - set(PUBLIC_OPS), sorted((set(NO_KERNEL) | set(OVER_HOPS)) - set(PUBLIC_OPS))
+    assert not set(NO_KERNEL) & set(OVER_HOPS)
+    assert hops_to_launcher("norm", "fusedpar.ops.norm.api", "rms_norm") == [
+        "rms_norm", "ops.norm.custom_ops.rms_norm_op", "ops.norm.bodies.rms_norm_fwd", "kernels.rmsnorm.rms_norm_fwd"]
+    assert is_kernel_launcher("fusedpar.kernels.gemm", "matmul")
+    assert not is_kernel_launcher("fusedpar.kernels.checks", "check_int")
 
 
 

@@ -128,6 +128,14 @@ def enable_fp8(module: nn.Module, recipe: str | None, *, grad_high_precision: bo
     return module
 
 
+def check_module_fp8_device(module: nn.Module, t: torch.Tensor) -> None:
+    """With ``module.fp8`` on, ``FP8UnsupportedError`` naming the device and the option
+    (``module.fp8_option``) when ``t`` is on a GPU without fp8 tensor cores (CPU tensors run
+    interpreted, meta ones hold no data). The check of every module with an ``fp8`` setting."""
+    if module.fp8 is not None and t.device.type == "cuda":
+        check_fp8_device(t, option=f"fp8={module.fp8!r} ({module.fp8_option})")
+
+
 class _TPLinearBase(nn.Module):
     fp8, fp8_grad_high_precision, fp8_option = None, False, FP8_OPTION
 
@@ -139,10 +147,8 @@ class _TPLinearBase(nn.Module):
         self.check_fp8_device(self.weight)
 
     def check_fp8_device(self, t: torch.Tensor) -> None:
-        """With fp8 on, ``FP8UnsupportedError`` naming the device and the option when ``t`` is on
-        a GPU without fp8 tensor cores (CPU tensors run interpreted, meta ones hold no data)."""
-        if self.fp8 is not None and t.device.type == "cuda":
-            check_fp8_device(t, option=f"fp8={self.fp8!r} ({self.fp8_option})")
+        """:func:`check_module_fp8_device` of this layer."""
+        check_module_fp8_device(self, t)
 
     def _fp8_kwargs(self, x) -> dict:
         self.check_fp8_device(x)

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from ..kernels.checks import check_bool, check_choice, check_divisible, check_int
-from ..kernels.fp8 import check_fp8_device
 from ..kernels.fp8_gemm import FP8_RECIPES
 from ..kernels.moe_topk import SCORE_FUNCS, check_routing_config
 from ..kernels.runtime import ACTIVATIONS
 from ..ops import comm
 from .config import MoEConfig, module_config
 from .groups import check_divides, group_arg
+from .linear import check_module_fp8_device
 from .placement import Placement
 from fusedpar.ops.moe.api import moe_mlp, moe_route
 from fusedpar.ops.tensor_parallel.api import gather_features, scatter_features
@@ -410,11 +410,7 @@ class MoE(nn.Module):
         check_choice("MoE: fp8", recipe, (None,) + tuple(FP8_RECIPES))
         check_bool("fp8_grad_high_precision", grad_high_precision)
         self.fp8, self.fp8_grad_high_precision, self.fp8_option = recipe, grad_high_precision, option
-        self._check_fp8_device(self.w1)
-
-    def _check_fp8_device(self, t: torch.Tensor) -> None:
-        if self.fp8 is not None and t.device.type == "cuda":
-            check_fp8_device(t, option=f"fp8={self.fp8!r} ({self.fp8_option})")
+        check_module_fp8_device(self, self.w1)
 
     def placements(self) -> dict[str, Placement]:
         """Experts over the ep group (the router declares its own weight)."""
@@ -466,7 +462,7 @@ class MoE(nn.Module):
                        num_chunks=self.num_chunks, b1=self.b1, b2=self.b2, **self._fp8_kwargs(x))
 
     def _fp8_kwargs(self, x) -> dict:
-        self._check_fp8_device(x)
+        check_module_fp8_device(self, x)
         return dict(fp8=self.fp8, fp8_grad_high_precision=self.fp8_grad_high_precision)
 
     def _forward_replicated(self, x):
