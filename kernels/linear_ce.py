@@ -90,7 +90,8 @@ def _ce_stats_kernel(
     tgt = tl.load(idx_ptr + rm, mask=m_mask, other=-1)
     picked = tl.sum(tl.where(rn[None, :] == tgt[:, None], z, 0.0), 1)
     n0 = pid_n * BLOCK_N
-    tl.store(picked_ptr + rm, picked, mask=m_mask & (tgt >= n0) & (tgt < n0 + BLOCK_N))
+    # tgt < N: a target past the last column (padded, -inf here) picks nothing, as a negative one
+    tl.store(picked_ptr + rm, picked, mask=m_mask & (tgt >= n0) & (tgt < n0 + BLOCK_N) & (tgt < N))
     stat = pid_n.to(tl.int64) * M + rm
     tl.store(max_ptr + stat, row_max, mask=m_mask)
     tl.store(sum_ptr + stat, row_sum, mask=m_mask)

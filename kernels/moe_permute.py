@@ -6,6 +6,13 @@ The routing metadata (``slot_pos`` / ``sorted_slot``) comes from
 ``j``-th choice. Rows of the permuted buffer whose ``sorted_slot`` is negative (the tail left by
 dropped slots) are zero; slots whose ``slot_pos`` is negative (dropped) contribute nothing.
 
+Index data. ``slot_pos`` / ``sorted_slot`` address memory (rows of ``x``, ``y``, ``weights`` and
+of the outputs). Made by :func:`routing_metadata` they always lie in ``[-1, n)`` (``n``: the
+slots, or the rows of ``y`` for ``slot_pos``). The kernels do not trust that: a value outside
+the range is masked like ``-1`` (a zero row, a slot that adds nothing; nothing is read or
+written out of bounds) and, compiled with ``TRITON_DEBUG=1``, fails a ``tl.device_assert``.
+Checking them on the host would cost a sync per call, for values that are valid by construction.
+
 Layers: ``@triton.jit`` kernels -> launchers (validate, allocate, launch).
 """
 from __future__ import annotations
@@ -25,7 +32,8 @@ from .runtime import SUPPORTED_DTYPES, cdiv, interpreting, next_power_of_2
 @triton.jit
 def _permute_kernel(x_ptr, out_ptr, sorted_slot_ptr, n_rows, H, k, s_xt, s_xh, s_or, s_oh,
                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[p] = x[sorted_slot[p] // k], zero where ``sorted_slot[p] < 0`` (the unused tail)."""
+    """out[p] = x[sorted_slot[p] // k], zero where ``sorted_slot[p] < 0`` (the unused tail) or
+    ``>= n_rows`` (out of range: masked, asserted under ``TRITON_DEBUG``)."""
     pid_r = tl.program_id(0)
     pid_h = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -33,17 +41,20 @@ def _permute_kernel(x_ptr, out_ptr, sorted_slot_ptr, n_rows, H, k, s_xt, s_xh, s
     r_mask = rows < n_rows
     h_mask = cols < H
     slot = tl.load(sorted_slot_ptr + rows, mask=r_mask, other=-1).to(tl.int64)
-    tok = tl.where(slot >= 0, slot // k, 0)
+    tl.device_assert((slot >= -1) & (slot < n_rows), "permute: sorted_slot outside [-1, T * top_k)")
+    ok = (slot >= 0) & (slot < n_rows)
+    tok = tl.where(ok, slot // k, 0)
     src = x_ptr + tok[:, None] * s_xt + cols.to(tl.int64)[None, :] * s_xh
-    vals = tl.load(src, mask=(slot >= 0)[:, None] & h_mask[None, :], other=0)
+    vals = tl.load(src, mask=ok[:, None] & h_mask[None, :], other=0)
     dst = out_ptr + rows.to(tl.int64)[:, None] * s_or + cols.to(tl.int64)[None, :] * s_oh
     tl.store(dst, vals.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & h_mask[None, :])
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, slot_pos_ptr, out_ptr, T, H, k, s_yr, s_yh, s_ot, s_oh,
+def _combine_kernel(y_ptr, w_ptr, slot_pos_ptr, out_ptr, T, R, H, k, s_yr, s_yh, s_ot, s_oh,
                     HAS_WEIGHT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j w[t, j] * y[slot_pos[t, j]] in fp32 (dropped slots, pos < 0, add nothing)."""
+    """out[t] = sum_j w[t, j] * y[slot_pos[t, j]] in fp32 (dropped slots, pos < 0, add nothing;
+    so does a pos >= R, the rows of y: out of range, masked, asserted under ``TRITON_DEBUG``)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -54,7 +65,8 @@ def _combine_kernel(y_ptr, w_ptr, slot_pos_ptr, out_ptr, T, H, k, s_yr, s_yh, s_
     for j in range(0, k):
         slot = toks.to(tl.int64) * k + j
         pos = tl.load(slot_pos_ptr + slot, mask=t_mask, other=-1).to(tl.int64)
-        ok = pos >= 0
+        tl.device_assert((pos >= -1) & (pos < R), "combine: slot_pos outside [-1, rows of y)")
+        ok = (pos >= 0) & (pos < R)
         vals = tl.load(y_ptr + tl.where(ok, pos, 0)[:, None] * s_yr + cols.to(tl.int64)[None, :] * s_yh,
                        mask=ok[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
         if HAS_WEIGHT:
@@ -66,16 +78,18 @@ def _combine_kernel(y_ptr, w_ptr, slot_pos_ptr, out_ptr, T, H, k, s_yr, s_yh, s_
 
 
 @triton.jit
-def _combine_bwd_kernel(go_ptr, y_ptr, w_ptr, sorted_slot_ptr, gy_ptr, gw_ptr, n_rows, H, k,
+def _combine_bwd_kernel(go_ptr, y_ptr, w_ptr, sorted_slot_ptr, gy_ptr, gw_ptr, n_rows, n_slots, H, k,
                         s_gt, s_gh, s_yr, s_yh, s_gyr, s_gyh,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """Per permuted row p with slot s = sorted_slot[p], token t = s // k:
-    grad_y[p] = w[s] * grad_out[t] (zero on the tail), grad_w[s] = <grad_out[t], y[p]> (fp32)."""
+    grad_y[p] = w[s] * grad_out[t] (zero on the tail), grad_w[s] = <grad_out[t], y[p]> (fp32).
+    A slot outside ``[0, n_slots)`` is the tail's -1 (masked; asserted under ``TRITON_DEBUG``)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = rows < n_rows
     slot = tl.load(sorted_slot_ptr + rows, mask=r_mask, other=-1).to(tl.int64)
-    ok = slot >= 0
+    tl.device_assert((slot >= -1) & (slot < n_slots), "combine_backward: sorted_slot outside [-1, T * top_k)")
+    ok = (slot >= 0) & (slot < n_slots)
     tok = tl.where(ok, slot // k, 0)
     wv = tl.load(w_ptr + tl.where(ok, slot, 0), mask=ok, other=0.0).to(tl.float32)
     dot = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -150,7 +164,8 @@ def _weights_operand(weights, T, top_k, y):
 
 def permute(x: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, *, out: torch.Tensor | None = None):
     """``out[p] = x[sorted_slot[p] // top_k]``: every token repeated once per routed slot, in
-    group-contiguous order; rows with ``sorted_slot < 0`` (dropped tail) are zero.
+    group-contiguous order; rows with ``sorted_slot < 0`` (dropped tail) are zero, and so are rows
+    whose ``sorted_slot`` is ``>= T * top_k`` (out of range: masked, not read; module docstring).
     x: ``[T, H]`` (a float dtype, or uint8: rows of packed bytes such as e4m3 values with their
     scales, copied as they are); sorted_slot: ``[T * top_k]``; returns ``[T * top_k, H]``."""
     check_tensor("x", x, dims=(2,), dtypes=SUPPORTED_DTYPES + (torch.uint8,), kernel_device=True)
@@ -171,7 +186,8 @@ def permute(x: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, *, out: torc
 def combine(y: torch.Tensor, slot_pos: torch.Tensor, weights: torch.Tensor | None, top_k: int, *,
             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """``out[t] = sum_j weights[t, j] * y[slot_pos[t * top_k + j]]`` (fp32 sum; slots with
-    ``slot_pos < 0`` contribute zero; ``weights=None`` means 1, the backward of :func:`permute`).
+    ``slot_pos < 0`` contribute zero, as do those with ``slot_pos >= R`` (out of range: masked, not
+    read; module docstring); ``weights=None`` means 1, the backward of :func:`permute`).
     y: ``[R, H]`` permuted rows; slot_pos: ``[T * top_k]``; weights ``[T, top_k]``; returns ``[T, H]``."""
     check_float_tensor("y", y, dims=(2,))
     _check_top_k(top_k)
@@ -187,7 +203,7 @@ def combine(y: torch.Tensor, slot_pos: torch.Tensor, weights: torch.Tensor | Non
         return out
     BT, BH = (16, 32) if interpreting() else (16, min(256, next_power_of_2(H)))
     grid = (cdiv(T, BT), cdiv(H, BH))
-    _combine_kernel[grid](y, weights if weights is not None else y, slot_pos, out, T, H, top_k,
+    _combine_kernel[grid](y, weights if weights is not None else y, slot_pos, out, T, y.shape[0], H, top_k,
                           y.stride(0), y.stride(1), out.stride(0), out.stride(1),
                           HAS_WEIGHT=weights is not None, BLOCK_T=BT, BLOCK_H=BH)
     return out
@@ -196,7 +212,8 @@ def combine(y: torch.Tensor, slot_pos: torch.Tensor, weights: torch.Tensor | Non
 def combine_backward(grad_out: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, sorted_slot: torch.Tensor,
                      top_k: int):
     """Gradients of :func:`combine`: ``(grad_y [R, H], grad_weights [T, top_k] fp32)``.
-    ``grad_y`` rows with ``sorted_slot < 0`` are zero; dropped slots get ``grad_weights == 0``."""
+    ``grad_y`` rows with ``sorted_slot < 0`` are zero (as those with ``sorted_slot >= T * top_k``:
+    out of range, masked; module docstring); dropped slots get ``grad_weights == 0``."""
     check_float_tensor("grad_out", grad_out, dims=(2,))
     check_float_tensor("y", y, dims=(2,))
     _check_top_k(top_k)
@@ -212,7 +229,7 @@ def combine_backward(grad_out: torch.Tensor, y: torch.Tensor, weights: torch.Ten
         return grad_y, grad_w.view(T, top_k)
     BR, BH = (16, 32) if interpreting() else (32, min(128, next_power_of_2(max(H, 1))))
     _combine_bwd_kernel[(cdiv(R, BR),)](
-        grad_out, y, weights, sorted_slot, grad_y, grad_w, R, H, top_k,
+        grad_out, y, weights, sorted_slot, grad_y, grad_w, R, T * top_k, H, top_k,
         grad_out.stride(0), grad_out.stride(1), y.stride(0), y.stride(1), grad_y.stride(0), grad_y.stride(1),
         BLOCK_R=BR, BLOCK_H=BH)
     return grad_y, grad_w.view(T, top_k)

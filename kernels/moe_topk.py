@@ -9,6 +9,17 @@ From the fp32 router logits ``[T, E]`` one kernel computes, per token:
   ``E / n_group`` consecutive ids; a group's score is the sum of its two best (biased) scores;
   the ``topk_group`` best groups are kept and the ``k`` experts are chosen inside them. Ties go to
   the lower expert (group) id, best first;
+* **any values**: the selection ranks by one total order, torch's (``torch.topk`` / a stable
+  descending ``torch.sort``): NaN above ``+inf`` above every number above ``-inf``, ``-0.0 ==
+  +0.0``, ties (NaN with NaN too) towards the lower id. So every token gets ``k`` distinct expert
+  ids in ``[0, E)`` whatever its logits (NaN, ``+-inf``, all equal): an all-NaN token takes experts
+  ``0 .. k-1`` (within the lowest groups), a token with NaN scores at some experts takes those
+  first. The scores and weights are what the float math gives, as torch's: a softmax token with a
+  NaN or ``+inf`` logit, or all logits ``-inf``, has NaN scores; a sigmoid score is NaN only where
+  its logit is (``sigmoid(+-inf)`` is 1 / 0); a NaN score makes the renormalised weights of its
+  token NaN. A NaN stays in its token's weights (so in its output and the losses, where a NaN
+  check sees it) and reaches no other token. The kernel ranks by int32 keys
+  (:func:`_rank_key`), which compare alike on every device (float ``max`` drops a NaN on a GPU);
 * the **combine weights**, from the unbiased scores of the chosen experts: renormalised to sum to
   1 (``normalize``: ``w / (sum w + 1e-20)``, as DeepSeek-V3) and multiplied by ``scale``
   (``routed_scaling_factor``).
@@ -63,20 +74,43 @@ def _tile_offsets(pid, T, E, EPG, BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, EP
 
 
 @triton.jit
-def _scores(logits, valid, SCORE: tl.constexpr):
-    """Scores of a ``[BLOCK_T, G_PAD, EPG_PAD]`` logit tile (padding: 0)."""
+def _scores(logits, valid, row_ok, SCORE: tl.constexpr):
+    """Scores of a ``[BLOCK_T, G_PAD, EPG_PAD]`` logit tile (padding: 0; ``row_ok [BLOCK_T]``: the
+    rows that are tokens). A token's softmax is torch's: NaN everywhere when a logit is NaN or
+    ``+inf`` or all are ``-inf`` (``exp(x - max)`` meets ``inf - inf``), whichever way ``tl.max``
+    treats NaN (the GPU's ``max.f32`` ignores it)."""
     if SCORE == 0:
         m = tl.max(tl.max(logits, axis=2), axis=1)
-        m = tl.where(m > float("-inf"), m, 0.0)  # rows past the end
+        m = tl.where(row_ok, m, 0.0)  # rows past the end (all -inf)
         e = tl.where(valid, tl.exp(logits - m[:, None, None]), 0.0)
         s = tl.sum(tl.sum(e, axis=2), axis=1)
-        s = tl.where(s > 0, s, 1.0)
+        s = tl.where(row_ok, s, 1.0)
         out = tl.math.div_rn(e, s[:, None, None])
     elif SCORE == 1:
         out = tl.where(valid, tl.math.div_rn(tl.full(logits.shape, 1.0, tl.float32), 1.0 + tl.exp(-logits)), 0.0)
     else:
         out = tl.where(valid, logits, 0.0)
     return out
+
+
+@triton.jit
+def _rank_key(x, ok):
+    """The selection order of fp32 ``x`` as int32 keys: increasing with ``x``, ``-0.0 == +0.0``,
+    every NaN one key above ``+inf`` (torch.topk / torch.sort: NaN is the largest), and
+    ``-0x7FFFFFFF`` (*excluded*: below ``-inf``'s key) where not ``ok``. Integer keys compare the same way on every
+    device, NaN included (float ``max`` / ``==`` do not: ``max.f32`` drops a NaN, ``NaN == NaN`` is
+    false)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    i = x.to(tl.int32, bitcast=True)
+    key = tl.where(i >= 0, i, i ^ 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    key = tl.where(x != x, 0x7FFFFFFF, key)
+    return tl.where(ok, key, -0x7FFFFFFF)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value of a :func:`_rank_key` key (NaN for the NaN key)."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -88,48 +122,50 @@ def _topk_route_kernel(logits_ptr, stride_t, bias_ptr, weights_ptr, ids_ptr, T, 
     rows, eid, valid = _tile_offsets(pid, T, E, EPG, BLOCK_T, G_PAD, EPG_PAD)
     logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None, None] * stride_t + eid, mask=valid,
                      other=float("-inf"))
-    scores = _scores(logits, valid, SCORE)
+    row_ok = rows < T
+    scores = _scores(logits, valid, row_ok, SCORE)
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + eid, mask=valid, other=0.0)
-    neg = float("-inf")
-    choice = tl.where(valid, choice, neg)
+    key = _rank_key(choice, valid)  # excluded: padding, then the chosen experts and dropped groups
     big = 2147483647
     if TOPK_GROUP > 0:  # group-limited: keep the TOPK_GROUP groups with the best top-2 sums
         g = tl.arange(0, G_PAD)
-        best1 = tl.max(choice, axis=2)
-        first = tl.min(tl.where(choice == best1[:, :, None], eid, big), axis=2)
-        best2 = tl.max(tl.where(eid == first[:, :, None], neg, choice), axis=2)
-        gscore = tl.where(g[None, :] < N_GROUP, best1 + best2, neg)
+        k1 = tl.max(key, axis=2)
+        first = tl.min(tl.where(key == k1[:, :, None], eid, big), axis=2)
+        k2 = tl.max(tl.where(eid == first[:, :, None], -0x7FFFFFFF, key), axis=2)
+        gkey = _rank_key(_key_value(k1) + _key_value(k2), row_ok[:, None] & (g[None, :] < N_GROUP))
         keep = tl.zeros([BLOCK_T, G_PAD], dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
-            top = tl.max(gscore, axis=1)
-            gid = tl.min(tl.where(gscore == top[:, None], g[None, :], big), axis=1)
+            top = tl.max(gkey, axis=1)
+            gid = tl.min(tl.where(gkey == top[:, None], g[None, :], big), axis=1)
             hit = g[None, :] == gid[:, None]
             keep = keep | hit
-            gscore = tl.where(hit, neg, gscore)
-        choice = tl.where(keep[:, :, None], choice, neg)
+            gkey = tl.where(hit, -0x7FFFFFFF, gkey)
+        key = tl.where(keep[:, :, None], key, -0x7FFFFFFF)
     kk = tl.arange(0, K_PAD)
     sel_id = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
     sel_w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        top = tl.max(tl.max(choice, axis=2), axis=1)
-        e = tl.min(tl.min(tl.where(choice == top[:, None, None], eid, big), axis=2), axis=1)
+        # a token keeps >= TOP_K eligible experts (check_routing_config), so top > excluded and e is
+        # a real, not yet chosen expert; only rows past the end (never stored) pick padding
+        top = tl.max(tl.max(key, axis=2), axis=1)
+        e = tl.min(tl.min(tl.where(key == top[:, None, None], eid, big), axis=2), axis=1)
         hit = eid == e[:, None, None]
         w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
-        choice = tl.where(hit, neg, choice)
+        key = tl.where(hit, -0x7FFFFFFF, key)
         sel_id = tl.where(kk[None, :] == j, e[:, None], sel_id)
         sel_w = tl.where(kk[None, :] == j, w[:, None], sel_w)
     in_k = kk[None, :] < TOP_K
     if SCORE == 2:  # softmax over the selected logits
-        m = tl.max(tl.where(in_k, sel_w, neg), axis=1)
+        m = tl.max(tl.where(in_k, sel_w, float("-inf")), axis=1)
         ex = tl.where(in_k, tl.exp(sel_w - m[:, None]), 0.0)
         sel_w = tl.math.div_rn(ex, tl.sum(ex, axis=1)[:, None])
     elif NORMALIZE:
         sel_w = tl.math.div_rn(sel_w, tl.sum(tl.where(in_k, sel_w, 0.0), axis=1)[:, None] + 1e-20)
     sel_w = sel_w * scale
     out = rows.to(tl.int64)[:, None] * TOP_K + kk[None, :]
-    mask = (rows[:, None] < T) & in_k
+    mask = row_ok[:, None] & in_k
     tl.store(weights_ptr + out, sel_w, mask=mask)
     tl.store(ids_ptr + out, sel_id.to(tl.int64), mask=mask)
 
@@ -165,7 +201,7 @@ def _topk_route_bwd_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, grad_ptr,
         dl = tl.where(sel, wt * (gt - dot[:, None, None]), 0.0)
     else:
         logits = tl.load(logits_ptr + out, mask=valid, other=float("-inf"))
-        p = _scores(logits, valid, SCORE)
+        p = _scores(logits, valid, row_ok, SCORE)
         if NORMALIZE:
             n = tl.sum(tl.sum(tl.where(sel, p, 0.0), axis=2), axis=1) + 1e-20
             dp = tl.where(sel, tl.math.div_rn(scale * (gt - dot[:, None, None]), n[:, None, None]), 0.0)
@@ -284,21 +320,24 @@ def topk_route_backward(grad_weights: torch.Tensor, logits: torch.Tensor, weight
 def topk_route_reference(logits: torch.Tensor, top_k: int, *, score: str = "softmax",
                          bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int | None = None,
                          normalize: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_route` in float64 torch (stable sorts: ties towards the lower id); the weights
-    are differentiable w.r.t. ``logits``."""
+    """:func:`topk_route` in float64 torch (stable descending sorts: NaN first, ties towards the
+    lower id); the weights are differentiable w.r.t. ``logits``."""
     T, E = logits.shape
     topk_group = n_group if topk_group is None else topk_group
     x = logits.double()
     scores = {"softmax": lambda: torch.softmax(x, -1), "sigmoid": lambda: torch.sigmoid(x),
               "softmax_topk": lambda: x}[score]()
     choice = scores.detach() + (0 if bias is None else bias.double())
+    order = torch.sort(choice, dim=-1, descending=True, stable=True)[1]
     if n_group > 1 and topk_group < n_group:
         grouped = choice.view(T, n_group, E // n_group)
         gscore = torch.sort(grouped, dim=-1, descending=True, stable=True)[0][..., :2].sum(-1)
         keep = torch.sort(gscore, dim=-1, descending=True, stable=True)[1][:, :topk_group]
-        mask = torch.zeros(T, n_group, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~mask.repeat_interleave(E // n_group, 1), float("-inf"))
-    ids = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, :top_k]
+        mask = torch.zeros(T, n_group, dtype=torch.bool).scatter_(1, keep, True).repeat_interleave(E // n_group, 1)
+        # the kept groups' experts first, each part in choice order (a -inf in a kept group beats any dropped one)
+        order = order.gather(1, torch.sort(mask.gather(1, order).to(torch.int8), dim=-1, descending=True,
+                                           stable=True)[1])
+    ids = order[:, :top_k]
     w = scores.gather(1, ids)
     if score == "softmax_topk":
         w = torch.softmax(w, -1)

@@ -301,6 +301,25 @@ def _bad_ids_on_one_rank(rank, size):
     assert t.item() == size
 
 
+def _bad_tokens(rank, size, self_group):
+    """Issue 43 at ep 2: NaN / +-inf / all-equal tokens on every rank through the expert-parallel
+    layer of each ``test_moe_bad_values.LAYERS`` router, forward and backward, against the float64
+    one-process reference over all ranks' tokens (``bad_token_layer_case``)."""
+    from test_moe_bad_values import LAYERS, bad_token_layer, bad_token_layer_case, bad_tokens
+
+    data = [bad_tokens(12, 31 + r, 1 + r % 2) for r in range(size)]
+    xs, gos, bads = ([d[i] for d in data] for i in range(3))
+    for name in LAYERS:
+        full = bad_token_layer(name, ep_group=self_group)  # every expert, the reference's weights
+        m = bad_token_layer(name)
+        lo, n = m.first_expert, m.experts_per_rank
+        with torch.no_grad():
+            m.router.weight.copy_(full.router.weight)
+            m.w1.copy_(full.w1[lo:lo + n])
+            m.w2.copy_(full.w2[lo:lo + n])
+        bad_token_layer_case(name, m, full, xs, gos, bads, rank)
+
+
 _SELF_GROUPS = {}
 
 
@@ -341,6 +360,8 @@ def _run_case(rank, size, case, seed):
             _ep_dp_grads(rank, size, seed)
         elif case == "skew-and-stages":
             _skew_and_stages(rank, size, seed)
+        elif case == "bad-tokens":
+            _bad_tokens(rank, size, self_group)
         elif case == "pipeline-order":
             pipeline_order(rank, size, seed)
         elif case == "fp8":  # one recipe per world (CI time): rowwise at 2 ranks, blockwise at 4
@@ -354,7 +375,7 @@ WORLD_CASES = ["layer", "rank-without-tokens-capacity", "idle-ep-ranks", "skew-a
                "bad-ids-on-one-rank", "fp8"]
 
 
-@pytest.mark.parametrize("case", WORLD_CASES + ["pipeline-order"])
+@pytest.mark.parametrize("case", WORLD_CASES + ["pipeline-order", "bad-tokens"])
 def test_ep_world2(world2, case):
     assert world2.run(_run_case, case=case, seed=11) == [0, 1]
 
