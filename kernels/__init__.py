@@ -3,18 +3,38 @@
 Nothing here touches ``torch.distributed``; nothing here runs GPU work at import time.
 """
 if __name__ == "kernels":  # the source dir imported as a top-level package (repository root on sys.path)
-    # Not an error at import time: libraries probe for an unrelated top-level ``kernels`` package
-    # (transformers imports it to read its version); this module then looks like a package
-    # without a version and without any of that package's names.
-    _MESSAGE = ("the kernels/ directory is the package fusedpar.kernels; import fusedpar.kernels instead "
-                "(install the project with `pip install -e .`)")
+    # An unrelated PyPI package is called ``kernels`` (Hugging Face's hub kernels; transformers >= 5.25
+    # depends on it and imports it). Where it is installed, this directory hands the import over to
+    # it: the module importlib returns is whatever sys.modules holds once this file has run.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
 
-    def __getattr__(name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(f"module 'kernels' has no attribute {name!r}: {_MESSAGE}")
+    _ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _ROOT]
+    _spec = _machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is not None and _spec.origin is not None and _spec.loader is not None:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module
+        try:
+            _spec.loader.exec_module(_module)
+        except BaseException:
+            _sys.modules.pop("kernels", None)
+            raise
+    else:
+        # Not installed: not an error at import time either (libraries probe for that package and
+        # read its version); this module then looks like a package without a version and without
+        # any of that package's names.
+        _MESSAGE = ("the kernels/ directory is the package fusedpar.kernels; import fusedpar.kernels instead "
+                    "(install the project with `pip install -e .`)")
 
-    __all__ = []
+        def __getattr__(name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise AttributeError(f"module 'kernels' has no attribute {name!r}: {_MESSAGE}")
+
+        __all__ = []
 else:
     from .runtime import ACTIVATIONS, check_interpreter, interpreting
 

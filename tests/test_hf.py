@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -141,17 +142,45 @@ def test_sliding_windows_match_transformers():
 
 
 def test_kernels_directory_does_not_break_transformers_probe():
-    """From the repository root the source dir ``kernels/`` shadows the PyPI ``kernels`` package
-    that transformers probes for; building a model there must work."""
-    code = ("import transformers, kernels; "
+    """From the repository root the source dir ``kernels/`` comes first on sys.path, before the PyPI
+    ``kernels`` package (Hugging Face's hub kernels) that transformers probes for and, from 5.25,
+    depends on and imports: where that package is installed the top-level import gets it, so
+    building a transformers model there works; where it is not, the import gets the source dir,
+    which has no names and says to import fusedpar.kernels."""
+    code = ("import importlib.metadata as md, os, transformers, kernels; "
             "m = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=16, hidden_size=8, "
             "intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)); "
-            "assert kernels.__file__.startswith(%r), kernels.__file__; "
-            "assert not transformers.utils.import_utils.is_kernels_available(); print('ok')" % ROOT)
+            "import fusedpar.kernels as fk; "
+            "assert fk.__file__ == os.path.join(%r, 'kernels', '__init__.py'), fk.__file__; "
+            "installed = any(d.metadata['Name'] == 'kernels' for d in md.distributions()); "
+            "here = os.path.dirname(kernels.__file__) == os.path.join(%r, 'kernels'); "
+            "assert here != installed, (installed, kernels.__file__); "
+            "assert transformers.utils.import_utils.is_kernels_available() or not installed; "
+            "print('ok', installed)" % (ROOT, ROOT))
     env = dict(os.environ, PYTHONPATH="")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.strip().startswith("ok"), out.stderr[-2000:]
+
+
+def test_kernels_directory_without_the_pypi_package_has_no_names():
+    """With no other ``kernels`` on sys.path (here: the repository root and the standard library
+    only) the top-level import gets the source dir: it imports, answers ``__version__`` as absent
+    (libraries probe for it) and every other name with an error naming fusedpar.kernels."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path[:] = [{ROOT!r}] + [p for p in sys.path if "packages" not in p]
+        import kernels
+        assert os.path.dirname(kernels.__file__) == os.path.join({ROOT!r}, "kernels"), kernels.__file__
+        assert getattr(kernels, "__version__", None) is None
+        try:
+            kernels.matmul
+        except AttributeError as e:
+            print("ok", e)
+        """)
+    out = subprocess.run([sys.executable, "-I", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+    assert "import fusedpar.kernels instead" in out.stdout
 
 
 def test_ignore_index_and_out_of_range_targets():
