@@ -1,8 +1,9 @@
-"""README.md's examples run as written, so the guide cannot drift from the code.
+"""The examples of README.md and of the user guide docs/GUIDE.md run as written, so the documents
+cannot drift from the code; their links point to files and headings that exist.
 
-Every ```python block of README.md declares how it runs in its first line, a comment:
+Every ```python block of those documents declares how it runs in its first line, a comment:
 
-* ``# preamble: ...``: the single-process preamble (there is one); it runs alone too.
+* ``# preamble: ...``: the single-process preamble (one per document); it runs alone too.
 * ``# after the preamble above``: a single-process example; runs as the preamble + the block.
 * ``# NAME.py: python NAME.py``: a complete single-process script.
 * ``# NAME.py: torchrun --nproc-per-node N NAME.py``: a script for a world of ``N`` processes
@@ -34,6 +35,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+# the documents whose examples run (paths relative to ROOT); script names are unique across them
+DOCS = ("README.md", "docs/GUIDE.md")
 
 PREAMBLE = re.compile(r"# preamble\b")
 AFTER = re.compile(r"# after the preamble above\b")
@@ -60,8 +63,13 @@ class Script:
     name: str
     nproc: int | None  # None: a single process
     code: str
-    lines: list = field(default_factory=list)  # README lines of its blocks
+    lines: list = field(default_factory=list)  # lines of its blocks in its document
     gpu_only: bool = False
+    doc: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.lines[0]}"
 
 
 def readme_blocks(text: str) -> list[Block]:
@@ -85,54 +93,72 @@ def _insert_before_destroy(code: str, more: str) -> str:
     return "\n".join(lines[:at] + more.rstrip("\n").split("\n") + lines[at:]) + "\n"
 
 
-def plan(blocks: list[Block]) -> tuple[dict[str, Script], list[str]]:
-    """The runnable scripts of the python blocks (name -> Script), and the blocks that declare
-    no way to run."""
+def plan(blocks: list[Block], doc: str = "README.md") -> tuple[dict[str, Script], list[str]]:
+    """The runnable scripts of one document's python blocks (name -> Script), and the blocks
+    that declare no way to run."""
     preamble, scripts, undeclared = None, {}, []
     for b in (b for b in blocks if b.lang == "python"):
         first, gpu = b.first, GPU_ONLY in b.first
         after = "after the preamble above" in first
         if PREAMBLE.match(first):
             preamble = b.code
-            scripts[f"preamble@{b.line}"] = Script(f"preamble@{b.line}", None, b.code, [b.line], gpu)
+            name = f"{doc}:{b.line}:preamble"
+            scripts[name] = Script(name, None, b.code, [b.line], gpu, doc)
         elif AFTER.match(first) or SCRIPT.match(first):
             if after and preamble is None:
-                undeclared.append(f"README.md:{b.line}: 'after the preamble above' but no preamble before it")
+                undeclared.append(f"{doc}:{b.line}: 'after the preamble above' but no preamble before it")
                 continue
             m = SCRIPT.match(first)
-            name = m.group("file") if m else f"block@{b.line}"
+            name = m.group("file") if m else f"{doc}:{b.line}"
             nproc = int(m.group("n")) if m and m.group("n") else None
-            scripts[name] = Script(name, nproc, (preamble if after else "") + b.code, [b.line], gpu)
+            scripts[name] = Script(name, nproc, (preamble if after else "") + b.code, [b.line], gpu, doc)
         elif m := CONTINUED.match(first):
             s = scripts.get(m.group("file"))
             if s is None:
-                undeclared.append(f"README.md:{b.line}: continues {m.group('file')}, which no block above starts")
+                undeclared.append(f"{doc}:{b.line}: continues {m.group('file')}, which no block above starts")
                 continue
             s.code = _insert_before_destroy(s.code, b.code)
             s.lines.append(b.line)
             s.gpu_only |= gpu
         else:
-            undeclared.append(f"README.md:{b.line}: {first!r}")
+            undeclared.append(f"{doc}:{b.line}: {first!r}")
     return scripts, undeclared
 
 
-def _readme() -> str:
-    with open(README) as f:
+def _read(rel: str) -> str:
+    with open(os.path.join(ROOT, rel)) as f:
         return f.read()
 
 
-SCRIPTS, UNDECLARED = plan(readme_blocks(_readme()))
+def _readme() -> str:
+    return _read("README.md")
+
+
+def plan_documents(docs=DOCS) -> tuple[dict[str, Script], list[str]]:
+    """Every document's scripts in one table; a script name two documents use is an error."""
+    scripts, undeclared = {}, []
+    for doc in docs:
+        mine, bad = plan(readme_blocks(_read(doc)), doc)
+        undeclared += bad
+        for name in mine.keys() & scripts.keys():
+            undeclared.append(f"{mine[name].where}: script {name} is also {scripts[name].where}")
+        scripts.update(mine)
+    return scripts, undeclared
+
+
+SCRIPTS, UNDECLARED = plan_documents()
 SINGLE = sorted(n for n, s in SCRIPTS.items() if s.nproc is None)
 WORLDS = sorted({s.nproc for s in SCRIPTS.values() if s.nproc is not None})
 
 
 def test_every_python_block_declares_how_it_runs():
-    assert not UNDECLARED, ("README python blocks must start with a run declaration (see this module's "
+    assert not UNDECLARED, ("README / guide python blocks must start with a run declaration (see this module's "
                             "docstring):\n" + "\n".join(UNDECLARED))
     # the guide's known examples are all found (a parser that silently skips blocks would pass)
     assert {"tp_example.py", "sp_example.py", "transformer_example.py", "hf_example.py", "hf_route_b.py",
             "placements_example.py"} <= set(SCRIPTS), sorted(SCRIPTS)
     assert len(SINGLE) >= 8, SINGLE
+    assert {s.doc for s in SCRIPTS.values()} == set(DOCS)
 
 
 def test_the_planner_reads_declarations():
@@ -140,7 +166,7 @@ def test_the_planner_reads_declarations():
             "```python\n# w.py: torchrun --nproc-per-node 3 w.py (GPU only)\nc = 1\ndestroy_process_group()\n```\n"
             "```python\n# w.py continued\nd = 2\n```\n```python\nprint(1)\n```\n```bash\nls\n```\n")
     scripts, undeclared = plan(readme_blocks(text))
-    assert scripts["block@5"].code == "# preamble: x\na = 1\n# after the preamble above\nb = a\n"
+    assert scripts["README.md:5"].code == "# preamble: x\na = 1\n# after the preamble above\nb = a\n"
     w = scripts["w.py"]
     assert (w.nproc, w.gpu_only, w.lines) == (3, True, [9, 14])
     assert w.code.split("\n")[-2:] == ["destroy_process_group()", ""] and "d = 2\ndestroy" in w.code
@@ -149,7 +175,7 @@ def test_the_planner_reads_declarations():
 
 def _skip_gpu_only(script: Script):
     if script.gpu_only and not torch.cuda.is_available():
-        pytest.skip(f"README.md:{script.lines[0]} is GPU only")
+        pytest.skip(f"{script.where} is GPU only")
 
 
 @pytest.mark.parametrize("name", SINGLE)
@@ -161,7 +187,7 @@ def test_single_process_example(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__main__"}
     with torch.random.fork_rng():  # the examples seed the global generator
-        exec(compile(script.code, f"README.md:{script.lines[0]}", "exec"), namespace)
+        exec(compile(script.code, script.where, "exec"), namespace)
 
 
 def _hf_checkpoints(tmp_path) -> dict[str, str]:
@@ -181,7 +207,7 @@ def _script_source(script: Script, paths: dict[str, str]) -> str:
     for placeholder, path in paths.items():
         code = code.replace(placeholder, path)
     unknown = re.findall(r"path/to/[\w.-]+", code)
-    assert not unknown, f"README.md:{script.lines[0]}: no stand-in checkpoint for {unknown} (HF_PATHS)"
+    assert not unknown, f"{script.where}: no stand-in checkpoint for {unknown} (HF_PATHS)"
     return code
 
 
@@ -289,7 +315,7 @@ def test_readme_commands_name_existing_ops_and_options(monkeypatch):
     from fusedpar.demo import parse_args
 
     _load_ops()
-    text = _readme()
+    text = "".join(_read(doc) for doc in DOCS)
     ops = set(re.findall(r"python -m\s+benchmarks ([a-z0-9_]+)", text))
     assert ops and ops <= set(REGISTRY) | {"all", "compile", "report"}, ops - set(REGISTRY)
     listed = set(re.findall(r"`([a-z0-9_]+)`", _section("Benchmarks").split("Ops:", 1)[1].split("\n\n")[0]))
@@ -299,3 +325,49 @@ def test_readme_commands_name_existing_ops_and_options(monkeypatch):
     for line in demo:
         args = line.split("-m fusedpar.demo", 1)[1] if "-m fusedpar.demo" in line else line.split("DEMO_ARGS=", 1)[1]
         parse_args(shlex.split(args.strip().strip('"')))
+
+
+# ----------------------------------------------------------------------------------------------
+# links
+# ----------------------------------------------------------------------------------------------
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown text's headings (outside code blocks): lower case, spaces to
+    hyphens, punctuation other than ``-`` and ``_`` dropped."""
+    anchors, fenced = set(), False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.*)", line)):
+            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def broken_links(rel: str) -> list[str]:
+    """The relative links of document ``rel`` whose file or heading does not exist."""
+    bad, text = [], _read(rel)
+    for n, line in enumerate(text.split("\n"), 1):
+        for target in LINK.findall(line):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            file = os.path.normpath(os.path.join(os.path.dirname(rel), path)) if path else rel
+            if not os.path.exists(os.path.join(ROOT, file)):
+                bad.append(f"{rel}:{n}: {target} (no file {file})")
+            elif anchor and file.endswith(".md") and anchor not in heading_anchors(_read(file)):
+                bad.append(f"{rel}:{n}: {target} (no heading #{anchor} in {file})")
+    return bad
+
+
+def test_links_point_to_existing_files_and_headings():
+    docs = [*DOCS, *(os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md"))]
+    assert "docs/DESIGN.md" in docs and "docs/PERF.md" in docs
+    bad = [b for doc in dict.fromkeys(docs) for b in broken_links(doc)]
+    assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+def test_heading_anchors_follow_github():
+    text = "# A b\n## 4.1 GEMM (`matmul`, `matmul_tn`)\n```\n# not a heading\n```\n### torch.compile\n"
+    assert heading_anchors(text) == {"a-b", "41-gemm-matmul-matmul_tn", "torchcompile"}
