@@ -96,9 +96,24 @@ def check_supported_dtype(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must have one of the dtypes {names}, got {t.dtype}")
 
 
+#: whether a harness that replaces Triton's driver let CPU tensors take the compiled path
+_CPU_LAUNCHES = [False]
+
+
+def allow_cpu_launches() -> None:
+    """Let CPU tensors take the compiled launch path, for a harness that replaces Triton's driver
+    (the launch-plan tests: their data pointers are host addresses nothing dereferences)."""
+    _CPU_LAUNCHES[0] = True
+
+
+def cpu_launches() -> bool:
+    """Whether kernels take CPU tensors: under the interpreter, or after :func:`allow_cpu_launches`."""
+    return _CPU_LAUNCHES[0] or interpreting()
+
+
 def check_device_usable(name: str, t: torch.Tensor) -> None:
     """Kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
-    if t.is_cuda or (t.is_cpu and interpreting()):
+    if t.is_cuda or (t.is_cpu and cpu_launches()):
         return
     raise ValueError(
         f"{name} must be a CUDA tensor (or a CPU tensor with TRITON_INTERPRET=1 set before triton is "

@@ -52,6 +52,7 @@ from .checks import (
     check_same,
     check_softcap,
     check_tensor,
+    cpu_launches,
     output_buffer,
 )
 from .flash_fp8_out import attention_fp8_args, check_attention_fp8_out, fill_empty_fp8_out
@@ -68,7 +69,7 @@ from .flash_tiles import (
     uses_wgmma,
 )
 from .fp8 import rne_for_store, store_e4m3_tiles, to_fp32
-from .runtime import SUPPORTED_DTYPES, interpreting
+from .runtime import SUPPORTED_DTYPES
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -320,7 +321,7 @@ def check_qkv(q, k, v) -> None:
     if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype in SUPPORTED_DTYPES
             and k.dtype == q.dtype and v.dtype == q.dtype and k.device == q.device and v.device == q.device
-            and (q.is_cuda or (q.is_cpu and interpreting())) and q.shape[0] == k.shape[0]
+            and (q.is_cuda or (q.is_cpu and cpu_launches())) and q.shape[0] == k.shape[0]
             and v.shape[:3] == k.shape[:3] and k.shape[3] == q.shape[3] and q.shape[2] > 0 and k.shape[2] > 0
             and 1 <= q.shape[3] <= MAX_HEAD_DIM and 1 <= v.shape[3] <= MAX_HEAD_DIM and q.shape[2] % k.shape[2] == 0):
         return  # every check below passes (the common case, on every launch: one condition)

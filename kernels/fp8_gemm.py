@@ -13,7 +13,7 @@ writes them, with their fp32 scales:
   a time (``BLOCK_K == 128``): each step's fp8 dot starts from zero and is added to the fp32
   accumulator times ``sa[m, k] * sb[n, k]``. A ragged last K block is masked (zeros).
 
-The epilogue is the bf16 GEMM's (:func:`~fusedpar.kernels.gemm.gemm_epilogue`, in this order):
+The epilogue is the bf16 GEMM's (:func:`~fusedpar.kernels.gemm_core.gemm_epilogue`, in this order):
 the accumulator times the scales, the bias, the optional store of the pre-activation
 (``preact_out``, for the activation's backward), the activation (gated ones: B holds ``2F`` rows,
 gate then up, whose up accumulator has its own rows' scales), the residual, the store, and the
@@ -38,7 +38,8 @@ from .checks import (check_buffer, check_choice, check_out_dtype, check_same, ch
                      check_tensor, output_buffer)
 from .fp8 import (FP8_BLOCK, check_fp8_device, dequantize_e4m3, group_tiles, rne_for_store, round_to_bf16,
                   store_e4m3_tiles, to_fp32)
-from .gemm import EPILOGUE_ACC_BUDGET, gemm_epilogue
+from .gemm import EPILOGUE_ACC_BUDGET
+from .gemm_core import gemm_epilogue
 from .gemm_fp8_epilogue import check_fp8_output, fp8_output_args, fp8_output_configs, quantize_output
 from .runtime import (ACTIVATIONS, RowView, activation_reference, apply_up, autotuned, cdiv, device_capability, interpreting,
                       on_device, pipelined, prune_tile_configs, row_offsets, shared_memory_limit, tile_smem_bytes)

@@ -7,8 +7,8 @@ a logical row ``m`` of A (or C) lives at ``(m // inner) * stride_outer + (m % in
 for the contraction index of A and B, which is what the weight-gradient GEMM ``dW = dY^T X``
 needs when its token dimension is a strided ``[batch, seq-chunk]`` view.
 
-Layers: :func:`gemm_mainloop` / :func:`gemm_epilogue` (jit, shared with the persistent GEMM of
-``persistent_gemm.py``) -> ``_gemm_kernel`` (jit) -> :func:`linear_operands` (validation shared
+Layers: :mod:`.gemm_core` (the jit main loop and epilogue, shared with the persistent, fp8 and
+linear-CE kernels) -> ``_gemm_kernel`` (jit) -> :func:`linear_operands` (validation shared
 with the persistent GEMM) -> :func:`matmul` / :func:`matmul_tn` (validate, allocate, launch) ->
 :func:`matmul_reference` (plain fp32/fp64 torch, the oracle of the tests).
 """
@@ -22,18 +22,20 @@ import triton
 import triton.language as tl
 
 from .checks import (check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same, check_supported_dtype,
-                     output_buffer)
-from .fp8 import rne_for_store, store_e4m3_tiles, to_fp32
+                     cpu_launches, output_buffer)
+from .fp8 import store_e4m3_tiles, to_fp32
+from .gemm_core import gemm_epilogue, gemm_mainloop, grouped_tile
 from .gemm_fp8_epilogue import (FP8_OUT_CONFIGS, FP8_OUT_INTERPRETER_CONFIG, check_fp8_output, fp8_output_args,
                                 fp8_output_configs, quantize_output)
+from .launch import PlanCache, build_plan, describe
 from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, RowView, acc_budget_for, activation_reference, aligned,
-                      apply_activation, apply_up, autotuned, cdiv, device_capability, input_precision, interpreting,
+                      autotuned, cdiv, device_capability, input_precision, interpreting,
                       needs_upcast, on_device, pipelined, prune_tile_configs, row_offsets, shared_memory_limit,
                       tile_smem_bytes, uses_wgmma)
 
 __all__ = [
-    "INTERPRETER_CONFIG", "LinearOperands", "gemm_epilogue", "gemm_mainloop", "gpu_configs", "linear_operands",
-    "EPILOGUE_ACC_BUDGET", "SYNC_TIGHT_ACC_BUDGET", "matmul", "matmul_checked", "matmul_reference", "matmul_tn",
+    "INTERPRETER_CONFIG", "LinearOperands", "gpu_configs", "linear_operands", "EPILOGUE_ACC_BUDGET",
+    "SYNC_TIGHT_ACC_BUDGET", "matmul", "matmul_checked", "matmul_reference", "matmul_tn",
     "smem_estimate", "tile_rule",
 ]
 
@@ -41,118 +43,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------------
-@triton.jit
-def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """``(pid_m, pid_n)`` of program ``pid`` over a ``[M, N]`` output in grouped order (tutorial 03):
-    ``GROUP_M`` row blocks side by side walk the column blocks together, so neighbouring programs
-    share B's column blocks in L2."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + ((pid % num_in_group) % group_size), (pid % num_in_group) // group_size
-
-
-@triton.jit
-def gemm_mainloop(
-    a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
-    a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1,
-    A_K_SPLIT: tl.constexpr, B_K_SPLIT: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr,
-    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """fp32 ``A[rows, :] @ B[:, cols]`` of one tile (and of the up columns for gated activations).
-
-    ``a_rows`` / ``b_cols`` / ``b_cols_up`` are int64 offset vectors; the contraction index may be
-    two-level (``*_K_SPLIT``). Shared by every GEMM kernel of fusedpar.kernels.
-    """
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
-    # A two-level contraction index k lives at (k // inner) * s0 + (k % inner) * s1. Per element
-    # that division is done once, for rk (loop invariant); a step divides only its scalar base
-    # k0 * BLOCK_K, and k = base + rk follows with one carry: (base % inner) + (rk % inner) <
-    # 2 * inner. The offsets stay functions of k0 (no loop-carried vectors), so the loads still
-    # pipeline. Offsets are written out rather than via row_offsets: under the interpreter every
-    # nested jit call re-patches triton.language (~ms each), and this loop is the hot path.
-    if A_K_SPLIT:
-        a_q0 = rk // a_k_inner
-        a_r0 = rk % a_k_inner
-    if B_K_SPLIT:
-        b_q0 = rk // b_k_inner
-        b_r0 = rk % b_k_inner
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        base = k0 * BLOCK_K
-        kk = base + rk
-        kk64 = kk.to(tl.int64)
-        if A_K_SPLIT:
-            a_r = base % a_k_inner + a_r0
-            a_wrap = a_r >= a_k_inner
-            a_q = (base // a_k_inner + a_q0 + a_wrap.to(tl.int32)).to(tl.int64)
-            a_r = tl.where(a_wrap, a_r - a_k_inner, a_r).to(tl.int64)
-            a_off = a_rows[:, None] + (a_q * s_ak0 + a_r * s_ak1)[None, :]
-        else:
-            a_off = a_rows[:, None] + (kk64 * s_ak1)[None, :]
-        if B_K_SPLIT:
-            b_r = base % b_k_inner + b_r0
-            b_wrap = b_r >= b_k_inner
-            b_q = (base // b_k_inner + b_q0 + b_wrap.to(tl.int32)).to(tl.int64)
-            b_r = tl.where(b_wrap, b_r - b_k_inner, b_r).to(tl.int64)
-            b_k = (b_q * s_bk0 + b_r * s_bk1)[:, None]
-        else:
-            b_k = (kk64 * s_bk1)[:, None]
-        if EVEN_K:
-            a = tl.load(a_ptr + a_off, mask=m_mask[:, None], other=0.0)
-            b = tl.load(b_ptr + b_k + b_cols[None, :], mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = kk < K
-            a = tl.load(a_ptr + a_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptr + b_k + b_cols[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        if GLU:
-            if EVEN_K:
-                bu = tl.load(b_ptr + b_k + b_cols_up[None, :], mask=n_mask[None, :], other=0.0)
-            else:
-                bu = tl.load(b_ptr + b_k + b_cols_up[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if UPCAST:
-                bu = bu.to(tl.float32)
-            acc_up = tl.dot(a, bu, acc_up, input_precision=INPUT_PRECISION)
-    return acc, acc_up
-
-
-@triton.jit
-def gemm_epilogue(
-    acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, aux_off, glu_offset, s_xn,
-    HAS_BIAS: tl.constexpr, STORE_AUX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr, EMULATE: tl.constexpr,
-):
-    """Bias, optional store of the pre-activation values (``aux_off``: their int64 offsets, the up
-    half ``glu_offset`` columns further; ``EMULATE``: rounded to nearest even first, as a GPU's
-    bf16 cast does and the interpreter's does not), activation (gated or not). Returns the fp32 tile."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GLU:
-            acc_up += tl.load(bias_ptr + rn + glu_offset, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if STORE_AUX:
-        pre, pre_up = acc, acc_up
-        if EMULATE:
-            pre, pre_up = rne_for_store(acc, aux_ptr), rne_for_store(acc_up, aux_ptr)
-        tl.store(aux_ptr + aux_off, pre.to(aux_ptr.dtype.element_ty), mask=out_mask)
-        if GLU:
-            tl.store(aux_ptr + aux_off + glu_offset.to(tl.int64) * s_xn, pre_up.to(aux_ptr.dtype.element_ty),
-                     mask=out_mask)
-    acc = apply_activation(acc, ACT)
-    if GLU:
-        if ACT == 4:
-            acc = acc * apply_up(acc_up, ACT)
-        else:
-            acc = acc * acc_up
-    return acc
-
-
 @triton.jit
 def _gemm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, r_ptr, aux_ptr,
@@ -361,7 +251,7 @@ def linear_operands(a, weight, bias=None, *, activation="none", weight_layout="n
     and ``bias`` (``[N]``) for one GEMM, with the error style of :mod:`.checks`."""
     if not (isinstance(a, torch.Tensor) and isinstance(weight, torch.Tensor) and a.dim() in a_dims
             and weight.dim() == 2 and a.dtype in SUPPORTED_DTYPES and weight.dtype == a.dtype
-            and weight.device == a.device and (a.is_cuda or (a.is_cpu and interpreting()))
+            and weight.device == a.device and (a.is_cuda or (a.is_cpu and cpu_launches()))
             and weight_layout in _WEIGHT_LAYOUTS and activation in _ACTIVATION_NAMES):
         # what the one condition above holds, checked one by one: the first that fails raises its error
         check_float_tensor(a_name, a, dims=a_dims)
@@ -394,10 +284,11 @@ def linear_operands(a, weight, bias=None, *, activation="none", weight_layout="n
 
 
 def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, residual, r_rows, s_rn, aux, act,
-            glu, fp8_out=None):
+            glu, fp8_out=None, plan_key=None):
     """``_gemm_kernel``'s arguments (positional: this runs once per GEMM, per chunk of the chunked
     ops) and flags; ``*_rows`` / ``a_k`` / ``b_k`` are :class:`RowView` s (``r_rows`` of an absent
-    residual: ``_NO_ROWS``); ``fp8_out``: None or the ``(q, scale)`` of :mod:`.gemm_fp8_epilogue`."""
+    residual: ``_NO_ROWS``); ``fp8_out``: None or the ``(q, scale)`` of :mod:`.gemm_fp8_epilogue`.
+    A compiled launch keeps its plan under ``plan_key`` (:mod:`.launch`; its slots: :func:`_slots`)."""
     has_res = residual is not None
     has_aux = aux is not None
     fp8_args, fp8_flags = fp8_output_args(fp8_out, out)
@@ -425,7 +316,14 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
         flags["EVEN_K"] = K % 64 == 0
         grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         with on_device(a.device):
-            _tuned_kernel()[grid](*args, **flags)
+            tuner = _tuned_kernel()
+            compiled = tuner[grid](*args, **flags)
+            cfg = tuner.best_config
+            if plan_key is not None and cfg is not None and cfg.pre_hook is None:
+                plan = build_plan(tuner.fn, compiled, args, {**flags, **cfg.kwargs}, grid(cfg.kwargs))
+                _PLANS.keep(plan_key, plan)
+                if plan is not None:
+                    plan.extra = (out.shape, out.dtype)
     return out
 
 
@@ -494,23 +392,43 @@ def matmul(
     (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, which ``allow_tf32 = True`` sets too;
     :func:`~fusedpar.kernels.runtime.input_precision`).
     """
+    key = False  # no plans under the interpreter
+    if not interpreting():
+        if out is None and residual is None and preact_out is None and fp8_out is None and not accumulate:
+            key = ("matmul", describe(a), describe(weight), describe(bias), weight_layout, activation, out_dtype,
+                   _tf32_key(a))
+        else:
+            key = ("matmul+", describe(a), describe(weight), describe(bias), weight_layout, activation, out_dtype,
+                   _tf32_key(a), describe(out), accumulate, describe(residual), describe(preact_out), _fp8_key(fp8_out))
+        plan = _PLANS.find(key)
+        if plan is not None:
+            c = out if out is not None else torch.empty(plan.extra[0], dtype=plan.extra[1], device=a.device)
+            if plan.launch(_slots(a, weight, c, bias, c if accumulate else residual, preact_out, fp8_out)):
+                return c
     ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)
     out, residual = _matmul_buffers(a, ops, out=out, accumulate=accumulate, residual=residual, preact_out=preact_out,
                                     out_dtype=out_dtype, activation=activation, fp8_out=fp8_out)
     return matmul_checked(a, weight, ops, out, residual=residual, preact_out=preact_out, weight_layout=weight_layout,
-                          fp8_out=fp8_out)
+                          fp8_out=fp8_out, plan_key=key if ops.bias is bias else False)
 
 
 def matmul_checked(a: torch.Tensor, weight: torch.Tensor, ops: LinearOperands, out: torch.Tensor, *,
                    residual: torch.Tensor | None = None, preact_out: torch.Tensor | None = None,
-                   weight_layout: str = "nk", fp8_out: tuple | None = None) -> torch.Tensor:
+                   weight_layout: str = "nk", fp8_out: tuple | None = None, plan_key=None) -> torch.Tensor:
     """:func:`matmul` (``out = act(a @ W + bias) (+ residual)``) without its checks: ``ops`` is
     what :func:`linear_operands` returned for ``weight`` (in ``weight_layout``), the bias and the
     activation with an operand of ``a``'s dtype, device and K, and ``out`` / ``residual`` /
     ``preact_out`` have :func:`matmul`'s shapes, a supported dtype and ``a``'s device. For the
     chunked ops, which check their operands once per call and then run one GEMM per chunk on
     views and buffers of their own (checking every chunk again would cost more host time than
-    the launch). ``fp8_out``: ``(q, scale)`` as :func:`matmul` checks them, also written."""
+    the launch). ``fp8_out``: ``(q, scale)`` as :func:`matmul` checks them, also written.
+    ``plan_key``: :func:`matmul`'s key for the launch plan (False: none), else this call's own."""
+    if plan_key is None and not interpreting():
+        plan_key = ("checked", describe(a), describe(weight), describe(ops.bias), ops.activation, weight_layout,
+                    describe(out), describe(residual), describe(preact_out), _fp8_key(fp8_out), _tf32_key(a))
+        plan = _PLANS.find(plan_key)
+        if plan is not None and plan.launch(_slots(a, weight, out, ops.bias, residual, preact_out, fp8_out)):
+            return out
     M, N, K = a.shape[:-1].numel(), ops.n, ops.k
     if M == 0 or N == 0:
         return out
@@ -525,7 +443,27 @@ def matmul_checked(a: torch.Tensor, weight: torch.Tensor, ops: LinearOperands, o
     return _launch(a, weight, out, M, N, K, RowView.rows(a), RowView(1, 0, a.stride(-1), False),
                    RowView(1, 0, ops.s_bk, False), ops.s_bn, RowView.rows(out), out.stride(-1), ops.bias, residual,
                    RowView.rows(residual) if has_res else _NO_ROWS, residual.stride(-1) if has_res else 0, preact_out,
-                   ops.act, ops.glu, fp8_out)
+                   ops.act, ops.glu, fp8_out, plan_key=plan_key or None)
+
+
+#: the launch plans of :func:`matmul` and :func:`matmul_checked` (:mod:`.launch`)
+_PLANS = PlanCache()
+
+
+def _fp8_key(fp8_out):
+    return None if fp8_out is None else (describe(fp8_out[0]), describe(fp8_out[1]))
+
+
+def _tf32_key(a):  # fp32 operands: whether tl.dot runs TF32 follows torch's setting at call time
+    return input_precision(torch.float32) if getattr(a, "dtype", None) == torch.float32 else None
+
+
+def _slots(a, weight, out, bias, residual, aux, fp8_out):
+    """The tensors of ``_gemm_kernel``'s pointer arguments, in order (``out`` for an absent one, as
+    :func:`_launch` passes them)."""
+    q, s = (out, out) if fp8_out is None else fp8_out
+    return (a, weight, out, out if bias is None else bias, out if residual is None else residual,
+            out if aux is None else aux, q, s)
 
 
 def matmul_tn(
@@ -544,7 +482,7 @@ def matmul_tn(
     """
     if not (isinstance(grad, torch.Tensor) and isinstance(x, torch.Tensor) and grad.dim() in (2, 3)
             and x.dim() in (2, 3) and grad.dtype in SUPPORTED_DTYPES and x.dtype == grad.dtype
-            and x.device == grad.device and (grad.is_cuda or (grad.is_cpu and interpreting()))):
+            and x.device == grad.device and (grad.is_cuda or (grad.is_cpu and cpu_launches()))):
         # what the one condition above holds, checked one by one: the first that fails raises its error
         check_float_tensor("grad", grad, dims=(2, 3))
         check_float_tensor("x", x, dims=(2, 3))

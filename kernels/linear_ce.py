@@ -12,7 +12,7 @@ entropy of :func:`fusedpar.ops.linear_cross_entropy` without a tokens x vocabula
   follow it).
 
 The soft cap ``c * tanh(z / c)`` is written with ``exp`` (no libdevice under the interpreter).
-Tiles: the GEMM's main loop (:func:`~fusedpar.kernels.gemm.gemm_mainloop`); configs pruned by the
+Tiles: the GEMM's main loop (:func:`~fusedpar.kernels.gemm_core.gemm_mainloop`); configs pruned by the
 GEMM's rule for a fused epilogue (:func:`~fusedpar.kernels.gemm.tile_rule`). The statistics kernel
 has one ``BLOCK_N`` (:func:`stats_block_n`), which fixes the shape of its per-tile buffer.
 
@@ -31,7 +31,8 @@ import triton.language as tl
 
 from .checks import (check_float_tensor, check_index_tensor, check_out_dtype, check_same, check_shape, check_tensor,
                      output_buffer)
-from .gemm import INTERPRETER_CONFIG, gemm_mainloop, gpu_configs, grouped_tile, tile_rule
+from .gemm import INTERPRETER_CONFIG, gpu_configs, tile_rule
+from .gemm_core import gemm_mainloop, grouped_tile
 from .runtime import (autotuned, cdiv, input_precision, interpreting, needs_upcast, on_device, prune_tile_configs,
                       shared_memory_limit)
 

@@ -46,8 +46,8 @@ from .checks import (check_buffer, check_choice, check_float_tensor, check_int, 
                      check_shape, check_tensor, output_buffer)
 from .fp8 import FP8_BLOCK, check_fp8_device, rne_for_store
 from .fp8_gemm import FP8_INTERPRETER_CONFIG, FP8_PROMOTE_K, SCALINGS
-from .gemm import (EPILOGUE_ACC_BUDGET, INTERPRETER_CONFIG, LinearOperands, gemm_epilogue, gemm_mainloop,
-                   linear_operands, matmul_reference, tile_rule)
+from .gemm import EPILOGUE_ACC_BUDGET, INTERPRETER_CONFIG, LinearOperands, linear_operands, matmul_reference, tile_rule
+from .gemm_core import gemm_epilogue, gemm_mainloop
 from .runtime import (RowView, cdiv, input_precision, interpreting, multiprocessor_count, needs_upcast, on_device,
                       row_offsets, shared_memory_limit, tile_config_problem)
 from .waits import WaitTimeout, check_wait_timeouts, spin_bound, status_word, wait_ready, wait_timeouts

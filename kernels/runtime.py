@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import clear_plans
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # name -> (constexpr code of the activation in the kernels, gated: the weight holds gate rows then
@@ -477,18 +479,18 @@ def autotuned(kernel, *, configs, key, prune, restore_value=None):
     def early_prune(cfgs, named_args, **kwargs):
         return select_tuning_configs(name, prune(cfgs, named_args, **kwargs))
 
-    tuner = MemoAutotuner(kernel, kernel.arg_names, configs, key, restore_value,
-                          {"early_config_prune": early_prune})
+    tuner = MemoAutotuner(kernel, kernel.arg_names, configs, key, restore_value, {"early_config_prune": early_prune})
     _AUTOTUNERS[name] = tuner
     return tuner
 
 
 def clear_tuning_caches() -> None:
     """Forget every autotuner's per-key choice (and the kept counts), so the next launch prunes
-    and tunes anew (after ``FUSEDPAR_TUNE_CONFIGS`` changed)."""
+    and tunes anew (after ``FUSEDPAR_TUNE_CONFIGS`` changed), and every launch plan (:mod:`.launch`)."""
     for tuner in _AUTOTUNERS.values():
         tuner.cache.clear()
     _KEPT.clear()
+    clear_plans()
 
 
 def _cuda_matmul_tf32() -> bool:

@@ -1,0 +1,243 @@
+"""Run as a script (no GPU, not under the interpreter): Triton's own compiled-launch path beside
+fusedpar's launch plans, with the compiler and the driver replaced, so that every launch argument
+can be compared.
+
+Triton's ``JITFunction.run`` runs for real: its binder specialises every argument (dtypes, 16-byte
+alignment of pointers and ints, ints equal to 1), hashes the cache key and looks the compiled
+kernel up. Only ``triton.compiler.compile`` is replaced, by a kernel whose launcher records what it
+is called with (the grid, and the arguments in parameter order) and whose identity *is* the
+specialisation Triton asked for; the driver is a stand-in that says sm_90 and device 0.
+
+For every case: Triton's path (plans cleared) records the launches a call makes; then, with the
+plans of *every* case built (so a plan key coarser than Triton's specialisation would let one
+case's plan serve another), the same call records again and must launch the same kernels with the
+same grids and the same arguments (input tensors by identity, outputs by shape, strides, dtype),
+with no launch through Triton's path. Prints a JSON report; ``tests/test_gemm_launch_plans.py``
+reads it.
+"""
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["FUSEDPAR_TUNE_CONFIGS"] = "1"  # one config per key: nothing to benchmark
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.compiler  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import CompiledKernel  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+LOG: list = []
+TRITON_RUNS = [0]
+
+
+class _Recorder:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        LOG.append((self.kernel.identity, (gx, gy, gz), stream, args))
+
+
+class FakeKernel(CompiledKernel):
+    """A compiled kernel that was never compiled: its identity is the specialisation it was asked for."""
+
+    def __init__(self, src, options):
+        self.src = src
+        self.identity = (src.fn.__name__, repr(sorted(src.signature.items())), repr(sorted(src.constants.items())),
+                         repr(sorted(src.attrs.items())), options.get("num_warps"), options.get("num_stages"))
+        self.function = hash(self.identity)
+        self.packed_metadata = ("packed", self.function)
+        self.module = object()
+        self.recorder = _Recorder(self)
+
+    @property
+    def run(self):
+        return self.recorder
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+def fake_compile(src, target=None, options=None, **kwargs):
+    return FakeKernel(src, options or {})
+
+
+class _Utils:
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+
+
+class FakeDriver:
+    """What Triton's launch path and fusedpar's launchers ask the driver: sm_90, device 0, a stream."""
+
+    def __init__(self):
+        self.utils = _Utils()
+        self.device = 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device):
+        return 7
+
+    def get_device_capability(self, device=None):
+        return (9, 0)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        raise AssertionError("nothing is benchmarked (FUSEDPAR_TUNE_CONFIGS=1)")
+
+
+FAKE = FakeDriver()
+triton.compiler.compile = fake_compile
+driver.set_active(FAKE)
+torch.cuda.get_device_capability = lambda device=None: (9, 0)
+
+_run = JITFunction.run
+
+
+def _counted(self, *args, **kwargs):
+    TRITON_RUNS[0] += 1
+    return _run(self, *args, **kwargs)
+
+
+JITFunction.run = _counted
+
+from fusedpar.kernels import checks, launch, matmul  # noqa: E402
+from fusedpar.kernels.gemm import linear_operands, matmul_checked  # noqa: E402
+
+checks.allow_cpu_launches()
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rnd(*shape, dtype=torch.bfloat16, seed=0):
+    return torch.randn(*shape, generator=_gen(seed)).to(dtype)
+
+
+def cases():
+    """``{name: (inputs, call)}``: ``call(*inputs)`` launches; inputs are made once per case."""
+    bf = torch.bfloat16
+    big = rnd(70, 80, seed=1)
+    seq = rnd(2, 16, 48, seed=2)
+    c = {}
+
+    def case(name, inputs, fn):
+        c[name] = (inputs, fn)
+
+    a, w = rnd(64, 64, seed=3), rnd(48, 64, seed=4)
+    case("plain", (a, w), lambda a, w: matmul(a, w))
+    case("misaligned_view", (big, w), lambda big, w: matmul(big[3:40, 1:65], w))  # a 2-byte offset: no 16-byte alignment
+    case("aligned_view_same_shape", (big, w), lambda big, w: matmul(big[3:40, 8:72], w))
+    case("k_not_16", (rnd(33, 40, seed=5), rnd(24, 40, seed=6)), lambda a, w: matmul(a, w))
+    case("m_is_1", (rnd(1, 64, seed=7), w), lambda a, w: matmul(a, w))
+    case("n_is_1", (a, rnd(1, 64, seed=8)), lambda a, w: matmul(a, w))
+    case("transposed_a", (rnd(64, 64, seed=9), w), lambda t, w: matmul(t.t(), w))  # a's K stride is 64, M's 1
+    case("weight_kn", (a, rnd(64, 48, seed=10)), lambda a, w: matmul(a, w, weight_layout="kn"))
+    bias = rnd(48, seed=11)
+    case("bias_gelu", (a, w, bias), lambda a, w, b: matmul(a, w, b, activation="gelu"))
+    wg, bg = rnd(96, 64, seed=12), rnd(96, seed=13)
+    case("swiglu_preact", (a, wg, bg), lambda a, w, b: matmul(a, w, b, activation="swiglu",
+                                                              preact_out=torch.empty(64, 96, dtype=bf)))
+    res = rnd(64, 48, seed=14)
+    case("residual", (a, w, res), lambda a, w, r: matmul(a, w, residual=r))
+    case("residual_view", (a, w, big), lambda a, w, big: matmul(a, w, residual=big[:64, 5:53]))
+    out32 = torch.zeros(64, 48)
+    case("accumulate_fp32", (a, w, out32), lambda a, w, o: matmul(a, w, out=o, accumulate=True))
+    case("out_dtype_fp32", (a, w), lambda a, w: matmul(a, w, out_dtype=torch.float32))
+    case("seq_chunk_3d", (seq, rnd(32, 48, seed=15)), lambda x, w: matmul(x[:, 4:12], w))
+    w128 = rnd(128, 64, seed=16)
+    case("fp8_out", (a, w128), lambda a, w: matmul(a, w, fp8_out=(torch.empty(64, 128, dtype=torch.float8_e4m3fn),
+                                                                  torch.empty(64, 1))))
+    case("fp32_ieee_and_tf32", (rnd(32, 32, dtype=torch.float32, seed=17), rnd(16, 32, dtype=torch.float32, seed=18)),
+         _both_precisions)
+    case("empty_m", (rnd(0, 64, seed=19), w), lambda a, w: matmul(a, w))
+    case("empty_k", (rnd(8, 0, seed=20), rnd(8, 0, seed=21)), lambda a, w: matmul(a, w))
+    ops_w = rnd(48, 64, seed=22)
+
+    def checked(x, w):  # the chunked TP ops' entry: checks once, one GEMM per chunk view
+        ops = linear_operands(x, w)
+        out = torch.empty(64, 48, dtype=bf)
+        for i in range(4):
+            matmul_checked(x[16 * i:16 * (i + 1)], w, ops, out[16 * i:16 * (i + 1)])
+    case("checked_chunks", (a, ops_w), checked)
+    return c
+
+
+def _both_precisions(a, w):
+    for tf32 in (False, True):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        matmul(a, w)
+
+
+def canonical(log, inputs):
+    """Launches with tensors named: an input by its position, anything else by shape/strides/dtype."""
+    ids = {id(t): i for i, t in enumerate(inputs)}
+    out = []
+    for identity, grid, stream, args in log:
+        named = []
+        for v in args:
+            if isinstance(v, torch.Tensor):
+                base = ids.get(id(v))
+                named.append(("input", base, v.data_ptr() - inputs[base].data_ptr()) if base is not None else
+                             ("tensor", tuple(v.shape), v.stride(), str(v.dtype), v.data_ptr() % 16))
+            else:
+                named.append((type(v).__name__, repr(v)))
+        out.append((identity, grid, stream, named))
+    return out
+
+
+def record(inputs, fn):
+    LOG.clear()
+    TRITON_RUNS[0] = 0
+    fn(*inputs)
+    return canonical(LOG, inputs), TRITON_RUNS[0]
+
+
+def main():
+    table = cases()
+    report = {"cases": {}}
+    triton_path = {}
+    for name, (inputs, fn) in table.items():
+        launch.clear_plans()
+        triton_path[name] = record(inputs, fn)
+    launch.clear_plans()
+    for inputs, fn in table.values():
+        fn(*inputs)  # every case's plans at once
+    for name, (inputs, fn) in table.items():
+        planned, runs = record(inputs, fn)
+        reference, ref_runs = triton_path[name]
+        report["cases"][name] = {"launches": len(reference), "triton_runs_before": ref_runs,
+                                 "triton_runs_with_plans": runs, "same": planned == reference,
+                                 "first_difference": next((repr((p, r)) for p, r in zip(planned, reference) if p != r),
+                                                          None)}
+    # what falls back: a launch hook, another current device
+    inputs, fn = table["plain"]
+    hook = print  # any callable: the fake launcher does not call it, Triton's path is what counts
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _, runs = record(inputs, fn)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    report["hook"] = {"triton_runs": runs}
+    FAKE.device = 1
+    _, runs = record(inputs, fn)
+    FAKE.device = 0
+    report["other_device"] = {"triton_runs": runs}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Launch plans (``fusedpar.kernels.launch``): a repeated launch passes exactly what Triton's own
+path would. ``tests/_launch_plan_world.py`` runs Triton's real launch path (binder, specialisation,
+cache key) beside the plans in a subprocess without the interpreter, the compiler and driver
+replaced; here its report is checked case by case."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fusedpar.kernels.launch import PlanCache, describe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_launch_plan_world.py")], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+CASES = ["plain", "misaligned_view", "aligned_view_same_shape", "k_not_16", "m_is_1", "n_is_1", "transposed_a",
+         "weight_kn", "bias_gelu", "swiglu_preact", "residual", "residual_view", "accumulate_fp32", "out_dtype_fp32",
+         "seq_chunk_3d", "fp8_out", "fp32_ieee_and_tf32", "checked_chunks"]
+
+
+def test_the_world_runs_every_case(report):
+    assert sorted(report["cases"]) == sorted(CASES + ["empty_m", "empty_k"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_plan_launch_equals_tritons_own(report, case):
+    """Same compiled kernel (specialisation), grid, stream and arguments as Triton's path, with the
+    plans of every other case present, and no launch through Triton's path."""
+    r = report["cases"][case]
+    assert r["launches"] >= 1 and r["triton_runs_before"] >= 1
+    assert r["same"], r["first_difference"]
+    assert r["triton_runs_with_plans"] == 0
+
+
+def test_empty_products_launch_nothing(report):
+    for case in ("empty_m", "empty_k"):
+        assert report["cases"][case]["launches"] == 0 and report["cases"][case]["same"]
+
+
+def test_hooks_and_another_device_fall_back(report):
+    assert report["hook"]["triton_runs"] == 1
+    assert report["other_device"]["triton_runs"] == 1
+
+
+def test_plan_cache_finds_nothing_for_unhashable_keys_and_stays_bounded():
+    cache = PlanCache(limit=2)
+    assert cache.find(([1],)) is None
+    for i in range(3):
+        cache.keep(i, object())
+    assert len(cache) == 1 and 2 in cache  # full: emptied, then the new plan kept
+    cache.keep(9, None)
+    assert 9 not in cache
+
+
+def test_describe_covers_what_triton_specialises_on():
+    import torch
+    t = torch.zeros(4, 9, dtype=torch.bfloat16)
+    assert describe(t) == (torch.Size([4, 9]), (9, 1), torch.bfloat16, -1, t.data_ptr() % 16)
+    assert describe(t[:, 1:])[-1] == (t.data_ptr() + 2) % 16
+    assert describe(None) is None and describe([1.0]) is not None
