@@ -13,6 +13,7 @@ import functools
 import torch
 import triton
 
+from .launch import launch_kernel
 from .runtime import (autotuned, cdiv, device_capability, input_precision, interpreting, needs_upcast,
                       next_power_of_2, on_device, shared_memory_limit)
 
@@ -282,7 +283,7 @@ def launch_attention_kernel(kernel, kind: str, grid_rows: int, n_bh: int, args, 
     attention_grid(grid_rows, n_bh, _SMALLEST_BLOCK[kind, key])  # fail here, not in autotune
     grid = lambda meta: attention_grid(grid_rows, n_bh, meta[key])  # noqa: E731
     with on_device(args[0].device):
-        _tuned(kernel, _TUNER_KIND[kind])[grid](*args, **flags)
+        launch_kernel(_tuned(kernel, _TUNER_KIND[kind]), grid, args, flags)
 
 
 def kernel_flags(q: torch.Tensor, causal: bool, accumulate: bool, segmented: bool = False, *, v=None,

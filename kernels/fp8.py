@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_choice, check_float_tensor, check_same, check_shape, check_tensor
+from .launch import launch_kernel
 from .moe_permute import as_group_offsets
 from .runtime import cdiv, device_capability, interpreting, on_device
 
@@ -338,14 +339,19 @@ def quantize_e4m3(x: torch.Tensor, granularity: str = "row", *,
     with on_device(x.device):
         if granularity == "row":
             block_r, block_c, warps = _ROW_BLOCKS[mode]
-            _quant_rows_kernel[(cdiv(R, block_r), x3.shape[0])](
-                x3, q3, s3, R, C, *strides, EMULATE=emulate, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+            launch_kernel(
+                _quant_rows_kernel, (cdiv(R, block_r), x3.shape[0]),
+                (x3, q3, s3, R, C, *strides),
+                dict(EMULATE=emulate, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps))
         else:
             one_row = granularity == "tile"
             block_r = _TILE_ROWS[mode] if one_row else FP8_BLOCK
             grid = (cdiv(R, block_r), cdiv(C, FP8_BLOCK), x3.shape[0])
-            _quant_blocks_kernel[grid](x3, q3, s3, R, C, *strides, grid[1], ONE_ROW=one_row, EMULATE=emulate,
-                                       BLOCK_R=block_r, BLOCK_C=FP8_BLOCK, num_warps=4 if one_row else 8)
+            launch_kernel(
+                _quant_blocks_kernel, grid,
+                (x3, q3, s3, R, C, *strides, grid[1]),
+                dict(ONE_ROW=one_row, EMULATE=emulate, BLOCK_R=block_r, BLOCK_C=FP8_BLOCK,
+                     num_warps=4 if one_row else 8))
     return q, scale
 
 
@@ -421,10 +427,12 @@ def quantize_e4m3_groups(x: torch.Tensor, offsets: torch.Tensor, granularity: st
     in_tiles = x_scale is not None and x_scale.dim() == 2
     block_f = 128 if interpreting() else 64  # (interpreted: fewer, larger programs)
     with on_device(x.device):
-        _quant_groups_kernel[(G, cdiv(F, block_f))](
-            x, xs, q, scale, offsets, F, x.stride(0), x.stride(1), xs.stride(0), xs.stride(-1) if in_tiles else 0,
-            q.stride(0), scale.stride(0), TILES=granularity == "tile", DEQUANT=x_scale is not None,
-            IN_TILES=in_tiles, EMULATE=interpreting(), BLOCK_T=FP8_BLOCK, BLOCK_F=block_f, num_warps=8)
+        launch_kernel(
+            _quant_groups_kernel, (G, cdiv(F, block_f)),
+            (x, xs, q, scale, offsets, F, x.stride(0), x.stride(1), xs.stride(0), xs.stride(-1) if in_tiles else 0,
+             q.stride(0), scale.stride(0)),
+            dict(TILES=granularity == "tile", DEQUANT=x_scale is not None, IN_TILES=in_tiles, EMULATE=interpreting(),
+                 BLOCK_T=FP8_BLOCK, BLOCK_F=block_f, num_warps=8))
     return q, scale
 
 

@@ -41,6 +41,7 @@ from .fp8 import (FP8_BLOCK, check_fp8_device, dequantize_e4m3, group_tiles, rne
 from .gemm import EPILOGUE_ACC_BUDGET
 from .gemm_core import gemm_epilogue
 from .gemm_fp8_epilogue import check_fp8_output, fp8_output_args, fp8_output_configs, quantize_output
+from .launch import launch_kernel
 from .runtime import (ACTIVATIONS, RowView, activation_reference, apply_up, autotuned, cdiv, device_capability, interpreting,
                       on_device, pipelined, prune_tile_configs, row_offsets, shared_memory_limit, tile_smem_bytes)
 
@@ -251,8 +252,7 @@ FP8_GROUPED_INTERPRETER_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128), di
 UNALIGNED_FP8_GROUPED_TILE = 64 * 32
 #: fp32 accumulator elements per thread of the grouped GEMMs' fp8 launches, all tiles together (each
 #: accumulator counts twice: the step's dot and the running fp32 sum), by epilogue (``python -m
-#: benchmarks compile``, sm_90: no spills; the weight gradient's 128x128x128 over 8 warps, 128,
-#: spills 56 B)
+#: benchmarks compile``, sm_90: no spills; the weight gradient's 128x128x128 over 8 warps, 128, spills 56 B)
 GROUPED_FP8_ACC_BUDGET = {"plain": 128, "fused": 128, "dact": 64, "wgrad": 64}
 
 
@@ -582,7 +582,7 @@ def _launch(args, flags, M: int, N: int, device) -> None:
     else:
         grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         with on_device(device):
-            _tuned_kernel()[grid](*args, **flags)
+            launch_kernel(_tuned_kernel(), grid, args, flags)
 
 
 def fp8_matmul_reference(a, a_scale, b, b_scale, bias=None, *, scaling="rowwise", activation="none",

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .checks import check_float_tensor, check_int, output_buffer
 from .grouped_gemm import as_group_offsets
+from .launch import launch_kernel
 from .runtime import cdiv, on_device
 
 _BLOCK_M, _BLOCK_N = 32, 64  # fixed (never autotuned): the summation order must not change
@@ -62,9 +63,11 @@ def grouped_bias_grad(grad: torch.Tensor, offsets, num_experts: int, *, out: tor
         return out
     grid = (num_experts, cdiv(N, _BLOCK_N))
     with on_device(grad.device):
-        _grouped_bias_grad_kernel[grid](grad, offsets, out, offsets.numel() - 1, num_experts, N, grad.stride(0),
-                                        grad.stride(1), out.stride(0), out.stride(1), ACCUMULATE=bool(accumulate),
-                                        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+        launch_kernel(
+            _grouped_bias_grad_kernel, grid,
+            (grad, offsets, out, offsets.numel() - 1, num_experts, N, grad.stride(0), grad.stride(1), out.stride(0),
+             out.stride(1)),
+            dict(ACCUMULATE=bool(accumulate), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N))
     return out
 
 

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .checks import (check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same,
                      check_tensor, output_buffer)
+from .launch import launch_kernel
 from .fp8 import rne_for_store
 from .fp8_gemm import (FP8_GROUPED_INTERPRETER_CONFIGS, GROUPED_FP8_ACC_BUDGET, fp8_configs_of_kind,
                        fp8_grouped_configs, grouped_fp8_flags, grouped_fp8_scales)
@@ -546,7 +547,7 @@ def _launch(kernel, tuned, interpreter_config, grid, args, flags, device) -> Non
         kernel[grid(interpreter_config)](*args, **flags, **interpreter_config)
     else:
         with on_device(device):
-            tuned()[grid](*args, **flags)
+            launch_kernel(tuned(), grid, args, flags)
 
 
 def _wgrad_operands(grad, x, num_experts, out, accumulate):

@@ -28,8 +28,9 @@ import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
+from triton.runtime.autotuner import Autotuner
 
-__all__ = ["LaunchPlan", "PlanCache", "build_plan", "clear_plans", "describe"]
+__all__ = ["LaunchPlan", "PlanCache", "build_plan", "clear_plans", "describe", "launch_kernel"]
 
 #: every plan cache, so :func:`clear_plans` reaches them all
 _CACHES: list["PlanCache"] = []
@@ -161,3 +162,119 @@ def clear_plans() -> None:
     """Forget every plan (the next launch of each key takes Triton's path and plans again)."""
     for cache in _CACHES:
         cache.clear()
+    _SEEN.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel-level plans: any launch site, keyed on the launch's own arguments
+# --------------------------------------------------------------------------------------------
+class KernelPlan:
+    """The compiled kernel of one :func:`launch_kernel` key: the arguments are passed as given, then the
+    constexprs (flags and config) the kernel's signature has after them, in parameter order."""
+
+    __slots__ = ("run", "function", "metadata", "tail", "grid", "meta", "device", "jit", "active")
+
+    def __init__(self, jit, compiled, tail: tuple, grid, meta, device: int):
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.tail, self.grid, self.meta, self.device, self.jit = tail, grid, meta, device, jit
+        self.active = driver.active
+
+    def launch(self, args, grid) -> bool:
+        rt = knobs.runtime
+        if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or self.jit.pre_run_hooks:
+            return False
+        active = self.active
+        device = active.get_current_device()
+        if device != self.device:
+            return False
+        g = self.grid if self.grid is not None else grid(self.meta)
+        g1, g2 = (g[1] if len(g) > 1 else 1), (g[2] if len(g) > 2 else 1)
+        self.run(g[0], g1, g2, active.get_current_stream(device), self.function, self.metadata, None, None, None,
+                 *args, *self.tail)
+        return True
+
+
+#: kernel-level plans, and the keys seen once (a plan is built the second time a key launches, so
+#: that arguments that change every call, an epoch, never build plans that are not reused)
+_KERNEL_PLANS = PlanCache()
+_SEEN: set = set()
+
+
+def _arg_key(args, unspecialised: tuple) -> tuple:
+    """The launch arguments' part of a kernel-level key: a tensor by dtype and address modulo 16
+    (what Triton specialises a pointer on), anything else by its value (finer than Triton, which
+    keys an int by its divisibility by 16, being 1, and its width), except the parameters at
+    ``unspecialised`` (``do_not_specialize``: an epoch, a chunk index), keyed by their type and
+    width as Triton keys them, so that their value can change call after call."""
+    key = [(a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args]
+    for i in unspecialised:
+        if i < len(key):
+            v = args[i]
+            key[i] = (type(v), -2 ** 31 <= v < 2 ** 31, v >= 2 ** 63) if type(v) is int else type(v)
+    return tuple(key)
+
+
+#: ``{kernel: positions of its do_not_specialize parameters}``
+_UNSPECIALISED: dict = {}
+
+
+def _unspecialised(kernel) -> tuple:
+    found = _UNSPECIALISED.get(kernel)
+    if found is None:
+        jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        found = _UNSPECIALISED[kernel] = tuple(i for i, p in enumerate(getattr(jit, "params", ()))
+                                               if getattr(p, "do_not_specialize", False))
+    return found
+
+
+def launch_kernel(kernel, grid, args: tuple, flags: dict):
+    """``kernel[grid](*args, **flags)`` (a ``JITFunction`` or an autotuner over one), through a
+    :class:`KernelPlan` from the second compiled launch of a key on: the kernel, a fixed grid
+    (a callable grid is evaluated on the config each call), the flags, :func:`_arg_key`. The
+    interpreter and anything :func:`build_plan` refuses take Triton's path every time."""
+    try:
+        key = (kernel, grid if type(grid) is tuple else None, tuple(flags.items()),
+               _arg_key(args, _unspecialised(kernel)))
+        plan = _KERNEL_PLANS.get(key)
+    except TypeError:  # an argument that cannot be hashed (a tensor descriptor): no plan
+        key = plan = None
+    if plan is not None and plan.launch(args, grid):
+        return None
+    compiled = kernel[grid](*args, **flags)
+    if key is None or not isinstance(compiled, CompiledKernel):
+        return compiled
+    if key not in _SEEN:
+        if len(_SEEN) >= _KERNEL_PLANS.limit:
+            _SEEN.clear()
+        _SEEN.add(key)
+        return compiled
+    _KERNEL_PLANS.keep(key, _kernel_plan(kernel, compiled, grid, args, flags))
+    return compiled
+
+
+def _kernel_plan(kernel, compiled, grid, args, flags) -> KernelPlan | None:
+    jit, constexprs = kernel, dict(flags)
+    if isinstance(kernel, Autotuner):
+        cfg = kernel.best_config
+        if cfg is None or cfg.pre_hook is not None:
+            return None
+        jit = kernel.fn
+        constexprs.update(cfg.kwargs)
+    if jit.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        return None
+    names = jit.arg_names
+    if len(args) > len(names) or any(n not in constexprs for n in names[len(args):]):
+        return None
+    tail = tuple(constexprs[n] for n in names[len(args):])
+    meta = {n: constexprs[n] for n in names[len(args):]}
+    fixed = None
+    if callable(grid):  # evaluated on the constexprs alone each call: only if that is what Triton computes
+        full = dict(zip(names, args), **meta)
+        try:
+            if tuple(grid(meta)) != tuple(grid(full)):
+                return None
+        except KeyError:
+            return None
+    else:
+        fixed = tuple(grid)
+    return KernelPlan(jit, compiled, tail, fixed, meta, driver.active.get_current_device())

@@ -33,6 +33,7 @@ from .checks import (check_float_tensor, check_index_tensor, check_out_dtype, ch
                      output_buffer)
 from .gemm import INTERPRETER_CONFIG, gpu_configs, tile_rule
 from .gemm_core import gemm_mainloop, grouped_tile
+from .launch import launch_kernel
 from .runtime import (autotuned, cdiv, input_precision, interpreting, needs_upcast, on_device, prune_tile_configs,
                       shared_memory_limit)
 
@@ -186,7 +187,7 @@ def _launch(kernel, tuned, args, flags, M, N, K, device):
     else:
         grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         with on_device(device):
-            tuned()[grid](*args, **flags, EVEN_K=K % 64 == 0)  # every BLOCK_K divides 64
+            launch_kernel(tuned(), grid, args, dict(**flags, EVEN_K=K % 64 == 0))  # every BLOCK_K divides 64
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .checks import INDEX_DTYPES, check_float_tensor, check_index_tensor, check_same, check_tensor, output_buffer
+from .launch import launch_kernel
 from .moe_routing import MAX_ROWS
 from .runtime import SUPPORTED_DTYPES, cdiv, interpreting, next_power_of_2
 
@@ -178,8 +179,10 @@ def permute(x: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, *, out: torc
         return out
     BR, BH = (16, 32) if interpreting() else (32, min(256, next_power_of_2(H)))
     grid = (cdiv(n, BR), cdiv(H, BH))
-    _permute_kernel[grid](x, out, sorted_slot, n, H, top_k, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                          BLOCK_R=BR, BLOCK_H=BH)
+    launch_kernel(
+        _permute_kernel, grid,
+        (x, out, sorted_slot, n, H, top_k, x.stride(0), x.stride(1), out.stride(0), out.stride(1)),
+        dict(BLOCK_R=BR, BLOCK_H=BH))
     return out
 
 
@@ -203,9 +206,11 @@ def combine(y: torch.Tensor, slot_pos: torch.Tensor, weights: torch.Tensor | Non
         return out
     BT, BH = (16, 32) if interpreting() else (16, min(256, next_power_of_2(H)))
     grid = (cdiv(T, BT), cdiv(H, BH))
-    _combine_kernel[grid](y, weights if weights is not None else y, slot_pos, out, T, y.shape[0], H, top_k,
-                          y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-                          HAS_WEIGHT=weights is not None, BLOCK_T=BT, BLOCK_H=BH)
+    launch_kernel(
+        _combine_kernel, grid,
+        (y, weights if weights is not None else y, slot_pos, out, T, y.shape[0], H, top_k, y.stride(0), y.stride(1),
+         out.stride(0), out.stride(1)),
+        dict(HAS_WEIGHT=weights is not None, BLOCK_T=BT, BLOCK_H=BH))
     return out
 
 
@@ -228,8 +233,9 @@ def combine_backward(grad_out: torch.Tensor, y: torch.Tensor, weights: torch.Ten
     if R == 0:
         return grad_y, grad_w.view(T, top_k)
     BR, BH = (16, 32) if interpreting() else (32, min(128, next_power_of_2(max(H, 1))))
-    _combine_bwd_kernel[(cdiv(R, BR),)](
-        grad_out, y, weights, sorted_slot, grad_y, grad_w, R, T * top_k, H, top_k,
-        grad_out.stride(0), grad_out.stride(1), y.stride(0), y.stride(1), grad_y.stride(0), grad_y.stride(1),
-        BLOCK_R=BR, BLOCK_H=BH)
+    launch_kernel(
+        _combine_bwd_kernel, (cdiv(R, BR),),
+        (grad_out, y, weights, sorted_slot, grad_y, grad_w, R, T * top_k, H, top_k, grad_out.stride(0),
+         grad_out.stride(1), y.stride(0), y.stride(1), grad_y.stride(0), grad_y.stride(1)),
+        dict(BLOCK_R=BR, BLOCK_H=BH))
     return grad_y, grad_w.view(T, top_k)

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_bool, check_index_tensor
+from .launch import launch_kernel
 from .runtime import ACTIVATIONS, activation_reference, cdiv, interpreting, next_power_of_2
 
 #: most rows (slots) a routing, permute / combine or grouped-GEMM launch addresses: positions and
@@ -175,7 +176,7 @@ def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int 
         counts = torch.zeros((G,), device=dev, dtype=torch.int32)
         return counts, torch.zeros((G + 1,), device=dev, dtype=torch.int32), slot_pos, sorted_slot
     bad = torch.zeros((1,), device=dev, dtype=torch.int32)
-    _route_count_kernel[(nb,)](ids, n, block_counts, G, bad, BLOCK=BLOCK, G_PAD=G_PAD)
+    launch_kernel(_route_count_kernel, (nb,), (ids, n, block_counts, G, bad), dict(BLOCK=BLOCK, G_PAD=G_PAD))
     id_check = _IdCheck(bad, G) if check_ids else None
     # the scan over blocks is a device cumsum (no sync): slots of each group in earlier blocks
     incl = torch.cumsum(block_counts, dim=0, dtype=torch.int32)
@@ -186,7 +187,10 @@ def routing_metadata(group_ids: torch.Tensor, num_groups: int, *, capacity: int 
         counts = counts.clamp(max=capacity)
     offsets = torch.zeros((G + 1,), device=dev, dtype=torch.int32)
     torch.cumsum(counts, dim=0, dtype=torch.int32, out=offsets[1:])
-    _route_scatter_kernel[(nb,)](ids, n, prefix, offsets, G, cap, slot_pos, sorted_slot, BLOCK=BLOCK, G_PAD=G_PAD)
+    launch_kernel(
+        _route_scatter_kernel, (nb,),
+        (ids, n, prefix, offsets, G, cap, slot_pos, sorted_slot),
+        dict(BLOCK=BLOCK, G_PAD=G_PAD))
     if id_check is not None:
         id_check.wait()  # the host waits here, with every kernel of the call queued
     return counts.to(torch.int32), offsets, slot_pos, sorted_slot

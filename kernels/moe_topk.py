@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_bool, check_choice, check_int, check_same, check_shape, check_tensor
+from .launch import launch_kernel
 from .runtime import cdiv, interpreting, next_power_of_2
 
 __all__ = ["SCORE_FUNCS", "check_routing_config", "topk_route", "topk_route_backward", "topk_route_reference"]
@@ -279,11 +280,13 @@ def topk_route(logits: torch.Tensor, top_k: int, *, score: str = "softmax", bias
         return weights, ids
     epg, g_pad, epg_pad, block_t = _launch_shape(E, n_group, T)
     grouped = n_group > 1 and topk_group < n_group
-    _topk_route_kernel[(cdiv(T, block_t),)](
-        logits, logits.stride(0), bias if bias is not None else logits, weights, ids, T, E, epg, n_group, float(scale),
-        SCORE=SCORE_FUNCS[score], HAS_BIAS=bias is not None, TOPK_GROUP=topk_group if grouped else 0, TOP_K=top_k,
-        K_PAD=next_power_of_2(top_k), NORMALIZE=bool(normalize), BLOCK_T=block_t, G_PAD=g_pad,
-        EPG_PAD=epg_pad, num_warps=NUM_WARPS)
+    launch_kernel(
+        _topk_route_kernel, (cdiv(T, block_t),),
+        (logits, logits.stride(0), bias if bias is not None else logits, weights, ids, T, E, epg, n_group,
+         float(scale)),
+        dict(SCORE=SCORE_FUNCS[score], HAS_BIAS=bias is not None, TOPK_GROUP=topk_group if grouped else 0, TOP_K=top_k,
+             K_PAD=next_power_of_2(top_k), NORMALIZE=bool(normalize), BLOCK_T=block_t, G_PAD=g_pad, EPG_PAD=epg_pad,
+             num_warps=NUM_WARPS))
     return weights, ids
 
 
@@ -307,10 +310,11 @@ def topk_route_backward(grad_weights: torch.Tensor, logits: torch.Tensor, weight
     if T == 0:
         return dlogits
     epg, g_pad, epg_pad, block_t = _launch_shape(E, n_group, T)
-    _topk_route_bwd_kernel[(cdiv(T, block_t),)](
-        logits, logits.stride(0), weights, ids, grad_weights, dlogits, T, E, epg, float(scale),
-        SCORE=SCORE_FUNCS[score], TOP_K=k, NORMALIZE=bool(normalize) and score != "softmax_topk", BLOCK_T=block_t,
-        G_PAD=g_pad, EPG_PAD=epg_pad, num_warps=NUM_WARPS)
+    launch_kernel(
+        _topk_route_bwd_kernel, (cdiv(T, block_t),),
+        (logits, logits.stride(0), weights, ids, grad_weights, dlogits, T, E, epg, float(scale)),
+        dict(SCORE=SCORE_FUNCS[score], TOP_K=k, NORMALIZE=bool(normalize) and score != "softmax_topk", BLOCK_T=block_t,
+             G_PAD=g_pad, EPG_PAD=epg_pad, num_warps=NUM_WARPS))
     return dlogits
 
 

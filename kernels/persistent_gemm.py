@@ -48,6 +48,7 @@ from .fp8 import FP8_BLOCK, check_fp8_device, rne_for_store
 from .fp8_gemm import FP8_INTERPRETER_CONFIG, FP8_PROMOTE_K, SCALINGS
 from .gemm import EPILOGUE_ACC_BUDGET, INTERPRETER_CONFIG, LinearOperands, linear_operands, matmul_reference, tile_rule
 from .gemm_core import gemm_epilogue, gemm_mainloop
+from .launch import launch_kernel
 from .runtime import (RowView, cdiv, input_precision, interpreting, multiprocessor_count, needs_upcast, on_device,
                       row_offsets, shared_memory_limit, tile_config_problem)
 from .waits import WaitTimeout, check_wait_timeouts, spin_bound, status_word, wait_ready, wait_timeouts
@@ -64,9 +65,7 @@ WAIT_MODES = {"none": 0, "spin": 1, "skip": 2}
 # Programs of one interpreted launch: small, but more than one so that the persistent loop
 # (several tiles per program, strided by the grid size) is exercised.
 INTERPRETER_PROGRAMS = 3
-# --------------------------------------------------------------------------------------------
-# Triton kernels
-# --------------------------------------------------------------------------------------------
+# ---------------------------------------- Triton kernels ----------------------------------------
 @triton.jit
 def _fp8_mainloop(
     a_ptr, b_ptr, sa_ptr, sb_ptr, a_rows, sa_rows, b_cols, b_cols_up, rn, glu_offset, m_mask, n_mask, K,
@@ -111,7 +110,7 @@ def _fp8_mainloop(
     return acc, acc_up
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ready_value"])  # an epoch: one compiled kernel (and one launch plan) for all
 def persistent_gemm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, sa_ptr, sb_ptr, flag_ptr, count_ptr, log_ptr, status_ptr,
     ROWS, N, K, num_chunks, first_chunk, ready_value,
@@ -194,7 +193,7 @@ def persistent_gemm_kernel(
                 tl.store(log_ptr + tile, ticket)
 
 
-@triton.jit(do_not_specialize=["chunk"])  # chunk == 1 would become a constexpr int (no .to)
+@triton.jit(do_not_specialize=["chunk", "ready_value"])  # chunk == 1 would become a constexpr int (no .to)
 def chunk_reduce_kernel(
     src_ptr, peer_off_ptr, count_ptr, count_off_ptr, out_ptr, acc_ptr, bias_ptr, status_ptr,
     ROWS, N, num_peers, chunk, ready_value,
@@ -438,7 +437,7 @@ def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mo
     )
     grid = (min(num_programs, total),)
     with on_device(a.device):
-        persistent_gemm_kernel[grid](*args, **meta)
+        launch_kernel(persistent_gemm_kernel, grid, args, meta)
 
 
 def persistent_matmul(
@@ -584,9 +583,9 @@ def chunk_reduce(
     grid = (max(1, min(num_programs, total)),)
     if src.device.type == "cuda":
         with on_device(src.device):
-            chunk_reduce_kernel[grid](*args, **meta, num_warps=4)
+            launch_kernel(chunk_reduce_kernel, grid, args, dict(**meta, num_warps=4))
     else:
-        chunk_reduce_kernel[grid](*args, **meta)
+        launch_kernel(chunk_reduce_kernel, grid, args, meta)
     if wait and check_waits:
         check_wait_timeouts(src.device, "chunk_reduce")
     return out

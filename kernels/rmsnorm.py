@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_choice, check_device_usable, check_same, check_shape, check_supported_dtype, check_tensor
+from .launch import launch_kernel
 from .fp8 import FP8_BLOCK, check_fp8_device, group_scale, scale_shape, store_e4m3_tiles, to_e4m3, to_fp32
 from .fp8_gemm import FP8_RECIPES
 from .runtime import RowView, cdiv, interpreting, multiprocessor_count, next_power_of_2, on_device, row_offsets
@@ -494,17 +495,17 @@ def _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, granu
         grid = (cdiv(M, cfg.get("BLOCK_M", 1)),)
         kernel = _rmsnorm_fwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_fwd_kernel
         with on_device(x.device):
-            kernel[grid](
-                xr, rr if rr is not None else xr, weight if weight is not None else xr, yr,
-                hr if hr is not None else yr, rstd, q if q is not None else yr, scale if scale is not None else rstd,
-                M, H, float(eps), cdiv(H, FP8_BLOCK) if tiles else 1,
-                *x_rows.args(), s_xh, *r_rows.args(), s_rh, *y_rows.args(), s_yh, *h_rows.args(), s_hh,
-                X_SPLIT=x_rows.split, R_SPLIT=r_rows.split, Y_SPLIT=y_rows.split, H_SPLIT=h_rows.split,
-                HAS_RES=residual is not None, HAS_WEIGHT=weight is not None, FP8=granularity is not None,
-                TILES=tiles, EMULATE=interpreting() and granularity is not None,
-                VEC=16 // min(t.element_size() for t in (x, out, residual, residual_out) if t is not None),
-                **cfg, **launch,
-            )
+            launch_kernel(
+                kernel, grid,
+                (xr, rr if rr is not None else xr, weight if weight is not None else xr, yr,
+                 hr if hr is not None else yr, rstd, q if q is not None else yr, scale if scale is not None else rstd,
+                 M, H, float(eps), cdiv(H, FP8_BLOCK) if tiles else 1, *x_rows.args(), s_xh, *r_rows.args(), s_rh,
+                 *y_rows.args(), s_yh, *h_rows.args(), s_hh),
+                dict(X_SPLIT=x_rows.split, R_SPLIT=r_rows.split, Y_SPLIT=y_rows.split, H_SPLIT=h_rows.split,
+                     HAS_RES=residual is not None, HAS_WEIGHT=weight is not None, FP8=granularity is not None,
+                     TILES=tiles, EMULATE=interpreting() and granularity is not None,
+                     VEC=16 // min(t.element_size() for t in (x, out, residual, residual_out) if t is not None), **cfg,
+                     **launch))
     return out, (residual_out if residual is not None else x), rstd, q, scale
 
 
@@ -551,15 +552,13 @@ def rms_norm_bwd(
         w = weight.contiguous() if weight is not None else None
         kernel = _rmsnorm_bwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_bwd_kernel
         with on_device(h.device):
-            kernel[(programs,)](
-                gr, hr, w if w is not None else hr, rstd, gin if gin is not None else gr, dxr,
-                dw_partial if dw_partial is not None else rstd,
-                M, H, rows_per_program,
-                *dy_rows.args(), s_dyh, *h_rows.args(), s_hh, *g_rows.args(), s_gh, *dx_rows.args(), s_dxh,
-                DY_SPLIT=dy_rows.split, H_SPLIT=h_rows.split, G_SPLIT=g_rows.split, DX_SPLIT=dx_rows.split,
-                HAS_DHIN=gin is not None, HAS_WEIGHT=weight is not None,
-                **cfg, **launch,
-            )
+            launch_kernel(
+                kernel, (programs,),
+                (gr, hr, w if w is not None else hr, rstd, gin if gin is not None else gr, dxr,
+                 dw_partial if dw_partial is not None else rstd, M, H, rows_per_program, *dy_rows.args(), s_dyh,
+                 *h_rows.args(), s_hh, *g_rows.args(), s_gh, *dx_rows.args(), s_dxh),
+                dict(DY_SPLIT=dy_rows.split, H_SPLIT=h_rows.split, G_SPLIT=g_rows.split, DX_SPLIT=dx_rows.split,
+                     HAS_DHIN=gin is not None, HAS_WEIGHT=weight is not None, **cfg, **launch))
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
     return dx, dw
 

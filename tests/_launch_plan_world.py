@@ -102,6 +102,8 @@ FAKE = FakeDriver()
 triton.compiler.compile = fake_compile
 driver.set_active(FAKE)
 torch.cuda.get_device_capability = lambda device=None: (9, 0)
+torch.cuda.current_device = lambda: FAKE.device
+torch.cuda.get_device_properties = lambda device=None: type("Props", (), {"multi_processor_count": 132})()
 
 _run = JITFunction.run
 
@@ -139,7 +141,8 @@ def cases():
 
     a, w = rnd(64, 64, seed=3), rnd(48, 64, seed=4)
     case("plain", (a, w), lambda a, w: matmul(a, w))
-    case("misaligned_view", (big, w), lambda big, w: matmul(big[3:40, 1:65], w))  # a 2-byte offset: no 16-byte alignment
+    # a 2-byte offset: not 16-byte aligned, beside the same shapes aligned
+    case("misaligned_view", (big, w), lambda big, w: matmul(big[3:40, 1:65], w))
     case("aligned_view_same_shape", (big, w), lambda big, w: matmul(big[3:40, 8:72], w))
     case("k_not_16", (rnd(33, 40, seed=5), rnd(24, 40, seed=6)), lambda a, w: matmul(a, w))
     case("m_is_1", (rnd(1, 64, seed=7), w), lambda a, w: matmul(a, w))
@@ -173,7 +176,45 @@ def cases():
         for i in range(4):
             matmul_checked(x[16 * i:16 * (i + 1)], w, ops, out[16 * i:16 * (i + 1)])
     case("checked_chunks", (a, ops_w), checked)
+    kernel_level_cases(case)
     return c
+
+
+def kernel_level_cases(case):
+    """Launch sites through :func:`~fusedpar.kernels.launch.launch_kernel` (a plan keyed on the
+    kernel's own arguments): one call of each family's launchers."""
+    from fusedpar.kernels import (combine, flash_attention_backward, flash_attention_forward, fp8_matmul,
+                                  grouped_matmul, permute, persistent_matmul, quantize_e4m3, routing_metadata)
+    from fusedpar.kernels.moe_topk import topk_route
+    from fusedpar.kernels.rmsnorm import rms_norm_bwd, rms_norm_fwd
+    x, w = rnd(12, 64, seed=30), rnd(64, seed=31)
+    case("rmsnorm_fwd_bwd", (x, w), lambda x, w: rms_norm_bwd(rnd(12, 64, seed=32), x, w, rms_norm_fwd(x, w)[2]))
+    xb = rnd(12, 80, seed=44)  # the same shapes at two alignments: one plan must not serve the other
+    case("rmsnorm_misaligned_view", (xb, w), lambda xb, w: rms_norm_fwd(xb[:, 1:65], w))
+    case("rmsnorm_aligned_view", (xb, w), lambda xb, w: rms_norm_fwd(xb[:, 8:72], w))
+    q, k, v = rnd(1, 24, 2, 64, seed=33), rnd(1, 24, 2, 64, seed=34), rnd(1, 24, 2, 64, seed=35)
+
+    def flash(q, k, v):
+        out, lse = flash_attention_forward(q, k, v, causal=True)
+        flash_attention_backward(torch.ones_like(out), q, k, v, out, lse, causal=True)
+    case("flash_fwd_bwd", (q, k, v), flash)
+    case("quantize_rows_tiles", (x,), lambda x: (quantize_e4m3(x, "row"), quantize_e4m3(x, "tile")))
+    xq, xs = quantize_e4m3(rnd(32, 128, seed=36), "row")
+    wq, ws = quantize_e4m3(rnd(48, 128, seed=37), "row")
+    case("fp8_matmul_rowwise", (xq, xs, wq, ws), lambda a, sa, b, sb: fp8_matmul(a, sa, b, sb))
+    offsets = torch.tensor([0, 10, 10, 32], dtype=torch.int32)
+    case("grouped_matmul", (rnd(32, 64, seed=38), rnd(3, 48, 64, seed=39), offsets),
+         lambda x, w, o: grouped_matmul(x, w, o))
+    logits = torch.randn(16, 8, generator=_gen(40))
+    tokens = rnd(16, 64, seed=41)
+
+    def moe(logits, tokens):
+        weights, ids = topk_route(logits, 2)
+        _, _, slot_pos, sorted_slot = routing_metadata(ids, 8, check_ids=False)
+        combine(permute(tokens, sorted_slot, 2), slot_pos, weights, 2)
+    case("moe_route_permute_combine", (logits, tokens), moe)
+    chunks = rnd(4, 8, 64, seed=42)
+    case("persistent_matmul", (chunks, rnd(48, 64, seed=43)), lambda a, w: persistent_matmul(a, w, wait_mode="none"))
 
 
 def _both_precisions(a, w):
@@ -214,8 +255,9 @@ def main():
         launch.clear_plans()
         triton_path[name] = record(inputs, fn)
     launch.clear_plans()
-    for inputs, fn in table.values():
-        fn(*inputs)  # every case's plans at once
+    for _ in range(2):  # every case's plans at once (a kernel-level plan is built on a key's second launch)
+        for inputs, fn in table.values():
+            fn(*inputs)
     for name, (inputs, fn) in table.items():
         planned, runs = record(inputs, fn)
         reference, ref_runs = triton_path[name]

@@ -1,7 +1,8 @@
 """Launch plans (``fusedpar.kernels.launch``): a repeated launch passes exactly what Triton's own
-path would. ``tests/_launch_plan_world.py`` runs Triton's real launch path (binder, specialisation,
-cache key) beside the plans in a subprocess without the interpreter, the compiler and driver
-replaced; here its report is checked case by case."""
+path would, for the dense GEMM's plans and the kernel-level plans of every other launcher.
+``tests/_launch_plan_world.py`` runs Triton's real launch path (binder, specialisation, cache key)
+beside the plans in a subprocess without the interpreter, the compiler and driver replaced; here
+its report is checked case by case."""
 import json
 import os
 import subprocess
@@ -25,7 +26,10 @@ def report():
 
 CASES = ["plain", "misaligned_view", "aligned_view_same_shape", "k_not_16", "m_is_1", "n_is_1", "transposed_a",
          "weight_kn", "bias_gelu", "swiglu_preact", "residual", "residual_view", "accumulate_fp32", "out_dtype_fp32",
-         "seq_chunk_3d", "fp8_out", "fp32_ieee_and_tf32", "checked_chunks"]
+         "seq_chunk_3d", "fp8_out", "fp32_ieee_and_tf32", "checked_chunks",
+         # kernel-level plans (launch_kernel): every other family's launchers
+         "rmsnorm_fwd_bwd", "rmsnorm_misaligned_view", "rmsnorm_aligned_view", "flash_fwd_bwd", "quantize_rows_tiles",
+         "fp8_matmul_rowwise", "grouped_matmul", "moe_route_permute_combine", "persistent_matmul"]
 
 
 def test_the_world_runs_every_case(report):
