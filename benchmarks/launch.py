@@ -12,8 +12,14 @@ eight chunk GEMMs and seven transfers with their events).
 ``--stub-kernels``: every Triton kernel launch is a no-op during the timed calls (after the
 warm-up calls, which compile and tune on a GPU), so a row is the host path alone -- checks, the
 autotuner's dispatch, allocations, the transfers and the op's own Python -- without Triton's
-launch itself, and on CPU without the interpreter's execution of the kernel: the launchers'
-host cost, measurable on a machine without a GPU.
+launch itself (a launch plan's call of the compiled launcher included), and on CPU without the
+interpreter's execution of the kernel.
+
+``--stub-driver``: the same entries (and the symmetric path's) through Triton's *real* compiled
+launch path on any machine, GPU or not: kernels compiled for sm_90, Triton's C launcher, a stand-in
+libcuda whose calls return at once (:mod:`benchmarks._stub_driver`, run in a process of its own).
+Each row also gives ``x_floor``, its cost over the bare C launcher's in the same run: compare those,
+not microseconds, across machines, and calibrate against a GPU's plain ``launch`` rows.
 """
 from __future__ import annotations
 
@@ -28,6 +34,12 @@ def _add_args(p):
                    "with --stub-kernels 2000 and 200)")
     p.add_argument("--stub-kernels", action="store_true",
                    help="time the host path alone: Triton kernel launches are no-ops in the timed calls")
+    p.add_argument("--stub-driver", action="store_true",
+                   help="measure through Triton's real compiled-launch path against a stub driver (no GPU "
+                        "needed): microseconds and multiples of the bare launcher's cost per call")
+    p.add_argument("--entries", default=None, help="with --stub-driver: the entries to measure, comma-separated "
+                   "first words (matmul, rms_norm_fwd, flash_attention_forward, all_gather_matmul, "
+                   "matmul_reduce_scatter; default all)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile the calls of fusedpar.kernels.matmul (cProfile) and print the N "
                         "functions that take the most time of their own, per call")
@@ -44,14 +56,21 @@ def _stubbed_kernels():
 
     if interpreting():
         from triton.runtime.interpreter import InterpretedFunction as kernel_class
+        launcher_cls = None
     else:
         kernel_class = triton.runtime.JITFunction
+        launcher_cls = triton.runtime.driver.active.launcher_cls  # what launch plans call directly
     run = kernel_class.run
     kernel_class.run = lambda self, *args, **kwargs: None
+    call = launcher_cls.__call__ if launcher_cls is not None else None
+    if launcher_cls is not None:
+        launcher_cls.__call__ = lambda self, *args: None
     try:
         yield
     finally:
         kernel_class.run = run
+        if launcher_cls is not None:
+            launcher_cls.__call__ = call
 
 
 def _host_us(ctx, fn, calls: int, stub: bool = False) -> float:
@@ -100,6 +119,8 @@ def run(args, ctx):
     from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
     from fusedpar.ops.comm.transport import EmulatedTransport
 
+    if args.stub_driver:
+        return _stub_driver_rows(args, ctx)
     calls = args.calls or ((2000 if ctx.gpu else 200) if args.stub_kernels else (200 if ctx.gpu else 3))
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
     dev, tp, m, h = ctx.device, 8, 16, 64
@@ -129,3 +150,25 @@ def run(args, ctx):
     elif ctx.smoke:
         ctx.notes.append("CPU smoke mode: interpreted kernels; these are not launch costs.")
     return rows
+
+
+def _stub_driver_rows(args, ctx):
+    """The rows of ``--stub-driver``: ``benchmarks._stub_launch`` in a process of its own (Triton
+    must be imported there with the stub driver active and the interpreter off)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "benchmarks._stub_launch", "--calls", str(args.calls or 100),
+           "--windows", "3" if args.calls and args.calls < 10 else "20"]
+    cmd += ["--entries", args.entries] if args.entries else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the stub-driver measurement failed:\n{proc.stderr[-3000:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    ctx.notes.append(f"--stub-driver: Triton {report['triton']}'s compiled launch path, driver stubbed (no GPU work); "
+                     f"floor (the C launcher alone) {report['floor_us']} us; x_floor = host_us_per_call / floor.")
+    return [dict(row, kernels="stub driver") for row in report["rows"]]

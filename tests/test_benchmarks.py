@@ -276,3 +276,17 @@ def test_rmsnorm_cli_smoke(bench_main, tmp_path):
     assert rows[0]["max_rel_err"] < 1e-5 and all(r["fusedpar_ms"] > 0 and r["baseline_ms"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="--shapes"):
         bench_main(["rmsnorm", "--shapes", "9x0"])
+
+
+def test_launch_stub_driver_measures_the_compiled_path_without_a_gpu(bench_main, tmp_path, monkeypatch):
+    """--stub-driver: a process of its own runs Triton's compiled launch path (sm_90 kernels, Triton's
+    C launcher) against the stand-in libcuda; every row says how many kernels it launched and its
+    cost over the bare launcher's in the same run (above it: the launcher is inside every call)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the stub, Triton's cache: built here
+    out = tmp_path / "s.json"
+    assert bench_main(["launch", "--stub-driver", "--calls", "2", "--entries", "matmul,all_gather_matmul",
+                       "--json", str(out)]) == 0
+    rows = {r["entry"]: r for r in json.loads(out.read_text())["results"]["launch"]}
+    assert rows["matmul 64^3"]["launches"] == 1 and rows["all_gather_matmul ring tp8"]["launches"] == 8
+    assert rows["all_gather_matmul persistent tp8"]["launches"] == 1
+    assert all(r["kernels"] == "stub driver" and r["x_floor"] > 1 for r in rows.values()), rows
