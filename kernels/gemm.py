@@ -319,7 +319,8 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
             tuner = _tuned_kernel()
             compiled = tuner[grid](*args, **flags)
             cfg = tuner.best_config
-            if plan_key is not None and cfg is not None and cfg.pre_hook is None:
+            if (plan_key is not None and cfg is not None and cfg.pre_hook is None and plan_key not in _PLANS
+                    and _PLANS.second_launch(plan_key)):
                 plan = build_plan(tuner.fn, compiled, args, {**flags, **cfg.kwargs}, grid(cfg.kwargs))
                 _PLANS.keep(plan_key, plan)
                 if plan is not None:
@@ -401,10 +402,11 @@ def matmul(
             key = ("matmul+", describe(a), describe(weight), describe(bias), weight_layout, activation, out_dtype,
                    _tf32_key(a), describe(out), accumulate, describe(residual), describe(preact_out), _fp8_key(fp8_out))
         plan = _PLANS.find(key)
-        if plan is not None:
+        stream = None if plan is None else plan.stream()
+        if stream is not None:
             c = out if out is not None else torch.empty(plan.extra[0], dtype=plan.extra[1], device=a.device)
-            if plan.launch(_slots(a, weight, c, bias, c if accumulate else residual, preact_out, fp8_out)):
-                return c
+            plan.call(_slots(a, weight, c, bias, c if accumulate else residual, preact_out, fp8_out), stream)
+            return c
     ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)
     out, residual = _matmul_buffers(a, ops, out=out, accumulate=accumulate, residual=residual, preact_out=preact_out,
                                     out_dtype=out_dtype, activation=activation, fp8_out=fp8_out)
@@ -450,8 +452,12 @@ def matmul_checked(a: torch.Tensor, weight: torch.Tensor, ops: LinearOperands, o
 _PLANS = PlanCache()
 
 
-def _fp8_key(fp8_out):
-    return None if fp8_out is None else (describe(fp8_out[0]), describe(fp8_out[1]))
+def _fp8_key(fp8_out):  # anything but a (q, scale) pair: a key that finds no plan (the checks reject it)
+    if fp8_out is None:
+        return None
+    if type(fp8_out) in (tuple, list) and len(fp8_out) == 2:
+        return type(fp8_out), describe(fp8_out[0]), describe(fp8_out[1])
+    return object()
 
 
 def _tf32_key(a):  # fp32 operands: whether tl.dot runs TF32 follows torch's setting at call time

@@ -17,10 +17,13 @@ pointer's alignment is in the key. The launcher's checks are functions of the ke
 that passed them once passes them again. A launcher builds no plan where a call does work that is
 not a launch (a copied bias, an empty product); the plan is then built by a later call or never.
 
-Falls back (returns False from :meth:`LaunchPlan.launch`, the caller takes Triton's path): under
-the interpreter (no plans are built), while a Triton launch hook or a pre-run hook is set, when
-another device is current than the one the plan was built on. Plans are forgotten with the
-autotuners' choices (:func:`~fusedpar.kernels.runtime.clear_tuning_caches`).
+Falls back (the caller takes Triton's path): under the interpreter (no plans are built), while a
+Triton launch hook or a pre-run hook is set, while Triton's global compile options (``debug``,
+instrumentation, ...) differ from the plan's, when another device is current than the one the plan
+was built on. A plan is built on the second launch of its key (a key that never repeats costs a set
+insertion, not a plan). Plans are forgotten with the autotuners' choices
+(:func:`~fusedpar.kernels.runtime.clear_tuning_caches`, ``tuner.cache.clear()``). Not seen by a
+plan: a change of a module global a kernel reads (Triton's path raises for it).
 """
 from __future__ import annotations
 
@@ -59,31 +62,61 @@ def _hooked(hook) -> bool:
     return bool(calls) if calls is not None else hook is not None
 
 
-class LaunchPlan:
+def _state_reader():
+    """``state()``: Triton's global options that enter its kernel cache key besides the arguments
+    (those of them this Triton has), read as one tuple expression."""
+    rt, comp = knobs.runtime, knobs.compilation
+    reads = [f"{o}.{n}" for o, n in (("rt", "debug"), ("comp", "instrumentation_mode"),
+                                      ("comp", "fpsan_homomorphic_casts"), ("rt", "add_stages_inspection_hook"))
+             if hasattr(rt if o == "rt" else comp, n)]
+    return eval(f"lambda: ({', '.join(reads)},)", {"rt": rt, "comp": comp})
+
+
+_compile_state = _state_reader()
+#: launch hooks are HookChains (Triton >= 3.5): a set hook is a non-empty ``calls``
+_CHAINS = hasattr(knobs.runtime.launch_enter_hook, "calls") and hasattr(knobs.runtime.launch_exit_hook, "calls")
+
+
+class _Applies:
+    """What every plan checks before it launches: no hook, the compile options and the device of
+    its build (``jit``, ``state``, ``device``, ``active``: the driver)."""
+
+    __slots__ = ()
+
+    def stream(self):
+        """The current stream where the plan applies now, else None."""
+        rt = knobs.runtime
+        if ((rt.launch_enter_hook.calls or rt.launch_exit_hook.calls) if _CHAINS else
+                (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook))):
+            return None
+        if self.jit.pre_run_hooks or _compile_state() != self.state:
+            return None
+        active = self.active
+        device = active.get_current_device()
+        return active.get_current_stream(device) if device == self.device else None
+
+
+class LaunchPlan(_Applies):
     """One key's launch: the compiled kernel, its grid and its arguments in parameter order, with
     ``slots`` the positions the tensors of each call go to. The call itself is a function made
     for the plan (:func:`_launcher`): the constant arguments are literals or closure cells in it,
     so a launch builds no list and copies nothing."""
 
-    __slots__ = ("call", "device", "jit", "active", "args", "slots", "extra")  # active: the driver it was built on
+    __slots__ = ("call", "device", "jit", "active", "state", "args", "slots", "extra")
 
     def __init__(self, jit, compiled: CompiledKernel, grid: tuple, args: list, slots: tuple, device: int):
         self.jit, self.device, self.args, self.slots = jit, device, args, slots
-        self.active = driver.active
+        self.active, self.state = driver.active, _compile_state()
         self.call = _launcher(compiled, (tuple(grid) + (1, 1))[:3], args, slots)
         self.extra = None  # what the launcher keeps beside the launch (an output's shape and dtype)
 
     def launch(self, tensors) -> bool:
         """Launch with ``tensors`` (one per slot, in order) on the current stream; False, having
-        launched nothing, where the plan does not apply now."""
-        rt = knobs.runtime
-        if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or self.jit.pre_run_hooks:
+        launched nothing, where the plan does not apply now (:meth:`stream`)."""
+        stream = self.stream()
+        if stream is None:
             return False
-        active = self.active
-        device = active.get_current_device()
-        if device != self.device:
-            return False
-        self.call(tensors, active.get_current_stream(device))
+        self.call(tensors, stream)
         return True
 
 
@@ -117,7 +150,8 @@ def build_plan(jit, compiled, args: tuple, constexprs: dict, grid: tuple) -> Lau
     """The plan of a launch that just ran ``jit[grid](*args, **constexprs)`` (``constexprs``: the
     launcher's flags and the config's block sizes) and returned ``compiled``; None where it cannot
     be replayed: not a ``CompiledKernel`` (the interpreter, the compile check's capture), hooks
-    set, a parameter neither positional nor in ``constexprs``, a kernel with global scratch."""
+    set, a parameter neither positional nor in ``constexprs``. (A kernel's global scratch is
+    allocated per call by the launcher a plan calls, as on Triton's path.)"""
     if not isinstance(compiled, CompiledKernel) or jit.pre_run_hooks:
         return None
     rt = knobs.runtime
@@ -134,13 +168,28 @@ def build_plan(jit, compiled, args: tuple, constexprs: dict, grid: tuple) -> Lau
 
 
 class PlanCache(dict):
-    """``{plan key: LaunchPlan}`` of one launcher, emptied by :func:`clear_plans` and when it holds
-    ``limit`` plans (shapes that never repeat cannot grow it without bound)."""
+    """``{plan key: LaunchPlan}`` of one launcher and the keys launched once (``seen``), emptied by
+    :func:`clear_plans` and each when it holds ``limit`` entries (shapes that never repeat cannot
+    grow it without bound)."""
 
     def __init__(self, limit: int = 4096):
         super().__init__()
         self.limit = limit
+        self.seen: set = set()
         _CACHES.append(self)
+
+    def clear(self):
+        super().clear()
+        self.seen.clear()
+
+    def second_launch(self, key) -> bool:
+        """Whether ``key`` (without a plan) has launched before; remembers it if not."""
+        if key in self.seen:
+            return True
+        if len(self.seen) >= self.limit:
+            self.seen.clear()
+        self.seen.add(key)
+        return False
 
     def find(self, key) -> LaunchPlan | None:
         """The plan of ``key``; None also for a key that cannot be hashed (an argument of a type the
@@ -153,8 +202,9 @@ class PlanCache(dict):
     def keep(self, key, plan: LaunchPlan | None) -> LaunchPlan | None:
         if plan is not None:
             if len(self) >= self.limit:
-                self.clear()
+                dict.clear(self)
             self[key] = plan
+            self.seen.discard(key)
         return plan
 
 
@@ -162,42 +212,36 @@ def clear_plans() -> None:
     """Forget every plan (the next launch of each key takes Triton's path and plans again)."""
     for cache in _CACHES:
         cache.clear()
-    _SEEN.clear()
 
 
 # --------------------------------------------------------------------------------------------
 # Kernel-level plans: any launch site, keyed on the launch's own arguments
 # --------------------------------------------------------------------------------------------
-class KernelPlan:
-    """The compiled kernel of one :func:`launch_kernel` key: the arguments are passed as given, then the
-    constexprs (flags and config) the kernel's signature has after them, in parameter order."""
+class KernelPlan(_Applies):
+    """The compiled kernel of one :func:`launch_kernel` key: the arguments are passed as given,
+    then the constexprs (flags and config) the kernel's signature has after them, in parameter
+    order."""
 
-    __slots__ = ("run", "function", "metadata", "tail", "grid", "meta", "device", "jit", "active")
+    __slots__ = ("run", "function", "metadata", "tail", "grid", "meta", "device", "jit", "active", "state")
 
     def __init__(self, jit, compiled, tail: tuple, grid, meta, device: int):
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         self.tail, self.grid, self.meta, self.device, self.jit = tail, grid, meta, device, jit
-        self.active = driver.active
+        self.active, self.state = driver.active, _compile_state()
 
     def launch(self, args, grid) -> bool:
-        rt = knobs.runtime
-        if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or self.jit.pre_run_hooks:
-            return False
-        active = self.active
-        device = active.get_current_device()
-        if device != self.device:
+        stream = self.stream()
+        if stream is None:
             return False
         g = self.grid if self.grid is not None else grid(self.meta)
         g1, g2 = (g[1] if len(g) > 1 else 1), (g[2] if len(g) > 2 else 1)
-        self.run(g[0], g1, g2, active.get_current_stream(device), self.function, self.metadata, None, None, None,
-                 *args, *self.tail)
+        self.run(g[0], g1, g2, stream, self.function, self.metadata, None, None, None, *args, *self.tail)
         return True
 
 
-#: kernel-level plans, and the keys seen once (a plan is built the second time a key launches, so
-#: that arguments that change every call, an epoch, never build plans that are not reused)
+#: the kernel-level plans (a plan is built the second time a key launches, so that arguments that
+#: change every call never build plans that are not reused)
 _KERNEL_PLANS = PlanCache()
-_SEEN: set = set()
 
 
 def _arg_key(args, unspecialised: tuple) -> tuple:
@@ -206,11 +250,12 @@ def _arg_key(args, unspecialised: tuple) -> tuple:
     keys an int by its divisibility by 16, being 1, and its width), except the parameters at
     ``unspecialised`` (``do_not_specialize``: an epoch, a chunk index), keyed by their type and
     width as Triton keys them, so that their value can change call after call."""
-    key = [(a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args]
+    key = [(a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a if type(a) is int else (type(a), a)
+           for a in args]  # (True, 1 and 1.0 are equal; Triton types them u1, constexpr and fp32)
     for i in unspecialised:
-        if i < len(key):
+        if i < len(key) and type(args[i]) is int:
             v = args[i]
-            key[i] = (type(v), -2 ** 31 <= v < 2 ** 31, v >= 2 ** 63) if type(v) is int else type(v)
+            key[i] = (int, -2 ** 31 <= v < 2 ** 31, v >= 2 ** 63)
     return tuple(key)
 
 
@@ -232,22 +277,18 @@ def launch_kernel(kernel, grid, args: tuple, flags: dict):
     :class:`KernelPlan` from the second compiled launch of a key on: the kernel, a fixed grid
     (a callable grid is evaluated on the config each call), the flags, :func:`_arg_key`. The
     interpreter and anything :func:`build_plan` refuses take Triton's path every time."""
+    fixed = grid if type(grid) is tuple else None if callable(grid) else tuple(grid)
     try:
-        key = (kernel, grid if type(grid) is tuple else None, tuple(flags.items()),
-               _arg_key(args, _unspecialised(kernel)))
+        key = (kernel, fixed, tuple(flags.items()), _arg_key(args, _unspecialised(kernel)))
         plan = _KERNEL_PLANS.get(key)
     except TypeError:  # an argument that cannot be hashed (a tensor descriptor): no plan
         key = plan = None
     if plan is not None and plan.launch(args, grid):
         return None
     compiled = kernel[grid](*args, **flags)
-    if key is None or not isinstance(compiled, CompiledKernel):
-        return compiled
-    if key not in _SEEN:
-        if len(_SEEN) >= _KERNEL_PLANS.limit:
-            _SEEN.clear()
-        _SEEN.add(key)
-        return compiled
+    if (key is None or plan is not None or not isinstance(compiled, CompiledKernel)
+            or not _KERNEL_PLANS.second_launch(key)):
+        return compiled  # (a plan that did not apply now is kept: it applies again later)
     _KERNEL_PLANS.keep(key, _kernel_plan(kernel, compiled, grid, args, flags))
     return compiled
 
@@ -273,7 +314,7 @@ def _kernel_plan(kernel, compiled, grid, args, flags) -> KernelPlan | None:
         try:
             if tuple(grid(meta)) != tuple(grid(full)):
                 return None
-        except KeyError:
+        except Exception:  # (reads an argument, or anything else): no plan, the launch stands
             return None
     else:
         fixed = tuple(grid)

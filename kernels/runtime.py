@@ -129,8 +129,7 @@ def interpreter_dot(a, b, acc, a_type, b_type):
       a rounding boundary: about one element in 10^7 to 10^8, against the few 10^4 elements a
       test compares.
 
-    The compiled kernels are untouched: a GPU's dot is its tensor cores', in their own order.
-    """
+    The compiled kernels are untouched: a GPU's dot is its tensor cores', in their own order."""
     import numpy as np
 
     def values(data, ty):
@@ -459,7 +458,7 @@ class MemoAutotuner(triton.runtime.autotuner.Autotuner):
 
 class _TunedChoices(dict):
     """An autotuner's ``{Triton key: config}`` cache that also holds :class:`MemoAutotuner`'s
-    ``memo`` (``{own key: (config, its launch kwargs)}``) and clears it with itself."""
+    ``memo`` (``{own key: (config, its launch kwargs)}``); clears it and every launch plan with itself."""
 
     def __init__(self):
         super().__init__()
@@ -468,6 +467,7 @@ class _TunedChoices(dict):
     def clear(self):
         super().clear()
         self.memo.clear()
+        clear_plans()
 
 
 def autotuned(kernel, *, configs, key, prune, restore_value=None):

@@ -78,6 +78,7 @@ class FakeDriver:
     def __init__(self):
         self.utils = _Utils()
         self.device = 0
+        self.stream = 7  # changed between the passes: a plan must ask for the current stream
 
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
@@ -86,7 +87,7 @@ class FakeDriver:
         return self.device
 
     def get_current_stream(self, device):
-        return 7
+        return self.stream
 
     def get_device_capability(self, device=None):
         return (9, 0)
@@ -215,6 +216,13 @@ def kernel_level_cases(case):
     case("moe_route_permute_combine", (logits, tokens), moe)
     chunks = rnd(4, 8, 64, seed=42)
     case("persistent_matmul", (chunks, rnd(48, 64, seed=43)), lambda a, w: persistent_matmul(a, w, wait_mode="none"))
+    # the epoch changes call after call (do_not_specialize): one plan, the value passed as given
+    case("persistent_matmul_epochs", (chunks, rnd(48, 64, seed=43)),
+         lambda a, w: persistent_matmul(a, w, wait_mode="none", ready_value=EPOCH[0]))
+
+
+#: the ready value of the ``persistent_matmul_epochs`` case, set per pass
+EPOCH = [5]
 
 
 def _both_precisions(a, w):
@@ -223,8 +231,9 @@ def _both_precisions(a, w):
         matmul(a, w)
 
 
-def canonical(log, inputs):
-    """Launches with tensors named: an input by its position, anything else by shape/strides/dtype."""
+def canonical(log, inputs, result):
+    """Launches with tensors named: an input by its position, the call's result as such, anything
+    else by shape/strides/dtype; the stream as "current" where it is the driver's current one."""
     ids = {id(t): i for i, t in enumerate(inputs)}
     out = []
     for identity, grid, stream, args in log:
@@ -232,19 +241,23 @@ def canonical(log, inputs):
         for v in args:
             if isinstance(v, torch.Tensor):
                 base = ids.get(id(v))
-                named.append(("input", base, v.data_ptr() - inputs[base].data_ptr()) if base is not None else
-                             ("tensor", tuple(v.shape), v.stride(), str(v.dtype), v.data_ptr() % 16))
+                if base is not None:
+                    named.append(("input", base, v.data_ptr() - inputs[base].data_ptr()))
+                elif v is result:
+                    named.append(("result",))
+                else:
+                    named.append(("tensor", tuple(v.shape), v.stride(), str(v.dtype), v.data_ptr() % 16))
             else:
                 named.append((type(v).__name__, repr(v)))
-        out.append((identity, grid, stream, named))
+        out.append((identity, grid, "current" if stream == FAKE.stream else stream, named))
     return out
 
 
 def record(inputs, fn):
     LOG.clear()
     TRITON_RUNS[0] = 0
-    fn(*inputs)
-    return canonical(LOG, inputs), TRITON_RUNS[0]
+    result = fn(*inputs)
+    return canonical(LOG, inputs, result), TRITON_RUNS[0]
 
 
 def main():
@@ -255,9 +268,11 @@ def main():
         launch.clear_plans()
         triton_path[name] = record(inputs, fn)
     launch.clear_plans()
-    for _ in range(2):  # every case's plans at once (a kernel-level plan is built on a key's second launch)
+    for epoch in (6, 7):  # every case's plans at once (a plan is built on a key's second launch)
+        EPOCH[0] = epoch
         for inputs, fn in table.values():
             fn(*inputs)
+    EPOCH[0], FAKE.stream = 5, 9
     for name, (inputs, fn) in table.items():
         planned, runs = record(inputs, fn)
         reference, ref_runs = triton_path[name]
@@ -265,20 +280,37 @@ def main():
                                  "triton_runs_with_plans": runs, "same": planned == reference,
                                  "first_difference": next((repr((p, r)) for p, r in zip(planned, reference) if p != r),
                                                           None)}
-    # what falls back: a launch hook, another current device
-    inputs, fn = table["plain"]
-    hook = print  # any callable: the fake launcher does not call it, Triton's path is what counts
-    knobs.runtime.launch_enter_hook.add(hook)
-    try:
-        _, runs = record(inputs, fn)
-    finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
-    report["hook"] = {"triton_runs": runs}
-    FAKE.device = 1
-    _, runs = record(inputs, fn)
-    FAKE.device = 0
-    report["other_device"] = {"triton_runs": runs}
+    report.update(fallbacks(table))
     print(json.dumps(report))
+
+
+def fallbacks(table):
+    """Triton runs of a dense-GEMM call and a kernel-level call (rmsnorm's forward and backward)
+    where their plans must not apply: a launch hook set, Triton's debug option on, another
+    device current; and a non-contiguous bias (copied first: no plan)."""
+    report = {}
+    for case in ("plain", "rmsnorm_fwd_bwd"):
+        inputs, fn = table[case]
+        hook = print  # any callable: the fake launcher does not call it, Triton's path is what counts
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            report[f"{case}:hook"] = record(inputs, fn)[1]
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        knobs.runtime.debug = True
+        try:
+            report[f"{case}:debug"] = record(inputs, fn)[1]
+        finally:
+            knobs.runtime.debug = False
+        FAKE.device = 1
+        report[f"{case}:other_device"] = record(inputs, fn)[1]
+        FAKE.device = 0
+        report[f"{case}:plans_again"] = record(inputs, fn)[1]
+    a, w, bias = rnd(64, 64, seed=3), rnd(48, 64, seed=4), rnd(96, seed=11)[::2]
+    for _ in range(3):
+        matmul(a, w, bias)
+    report["strided_bias"] = record((a, w, bias), lambda a, w, b: matmul(a, w, b))[1]
+    return {"fallbacks": report}
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ CASES = ["plain", "misaligned_view", "aligned_view_same_shape", "k_not_16", "m_i
          "seq_chunk_3d", "fp8_out", "fp32_ieee_and_tf32", "checked_chunks",
          # kernel-level plans (launch_kernel): every other family's launchers
          "rmsnorm_fwd_bwd", "rmsnorm_misaligned_view", "rmsnorm_aligned_view", "flash_fwd_bwd", "quantize_rows_tiles",
-         "fp8_matmul_rowwise", "grouped_matmul", "moe_route_permute_combine", "persistent_matmul"]
+         "fp8_matmul_rowwise", "grouped_matmul", "moe_route_permute_combine", "persistent_matmul",
+         "persistent_matmul_epochs"]
 
 
 def test_the_world_runs_every_case(report):
@@ -38,8 +39,9 @@ def test_the_world_runs_every_case(report):
 
 @pytest.mark.parametrize("case", CASES)
 def test_plan_launch_equals_tritons_own(report, case):
-    """Same compiled kernel (specialisation), grid, stream and arguments as Triton's path, with the
-    plans of every other case present, and no launch through Triton's path."""
+    """Same compiled kernel (specialisation), grid, current stream and arguments (inputs by
+    identity, the call's result as such) as Triton's path, with the plans of every other case
+    present, and no launch through Triton's path."""
     r = report["cases"][case]
     assert r["launches"] >= 1 and r["triton_runs_before"] >= 1
     assert r["same"], r["first_difference"]
@@ -51,9 +53,33 @@ def test_empty_products_launch_nothing(report):
         assert report["cases"][case]["launches"] == 0 and report["cases"][case]["same"]
 
 
-def test_hooks_and_another_device_fall_back(report):
-    assert report["hook"]["triton_runs"] == 1
-    assert report["other_device"]["triton_runs"] == 1
+@pytest.mark.parametrize("case,launches", [("plain", 1), ("rmsnorm_fwd_bwd", 2)])
+def test_plans_fall_back_where_they_must_not_apply(report, case, launches):
+    """A launch hook, Triton's debug option, another current device: Triton's path, every launch;
+    afterwards the plans apply again."""
+    r = report["fallbacks"]
+    assert [r[f"{case}:{why}"] for why in ("hook", "debug", "other_device")] == [launches] * 3
+    assert r[f"{case}:plans_again"] == 0
+
+
+def test_a_call_that_copies_its_bias_builds_no_plan(report):
+    assert report["fallbacks"]["strided_bias"] == 1
+
+
+def test_the_launcher_takes_what_plans_pass():
+    """The compiled launcher's calling convention the plans' generated calls follow (Triton 3.6 and
+    3.9): grid, stream, function, packed metadata, launch metadata, the two hooks, the arguments."""
+    import inspect
+
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    params = list(inspect.signature(CudaLauncher.__call__).parameters.values())
+    names = [p.name for p in params]
+    if len(names) == 7:  # Triton 3.6: (self, gridX, gridY, gridZ, stream, function, *args)
+        assert names[:6] == ["self", "gridX", "gridY", "gridZ", "stream", "function"]
+    else:
+        assert names[:6] == ["self", "gridX", "gridY", "gridZ", "stream", "function"] and len(names) == 11
+    assert params[-1].kind is inspect.Parameter.VAR_POSITIONAL
 
 
 def test_plan_cache_finds_nothing_for_unhashable_keys_and_stays_bounded():
@@ -71,4 +97,5 @@ def test_describe_covers_what_triton_specialises_on():
     t = torch.zeros(4, 9, dtype=torch.bfloat16)
     assert describe(t) == (torch.Size([4, 9]), (9, 1), torch.bfloat16, -1, t.data_ptr() % 16)
     assert describe(t[:, 1:])[-1] == (t.data_ptr() + 2) % 16
-    assert describe(None) is None and describe([1.0]) is not None
+    assert describe(None) is None
+    assert describe([1.0]) is describe("x") is not describe(t)  # not a tensor: one key part for all
