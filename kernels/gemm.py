@@ -235,6 +235,8 @@ class LinearOperands:
     s_bn: int
     bias: torch.Tensor | None
     activation: str = "none"
+    #: the weight's, layout's, bias's and activation's part of :func:`matmul_checked`'s plan key
+    plan_part: tuple = ()
 
 
 #: the row addressing of an absent residual (what the kernel's unused residual arguments hold)
@@ -280,7 +282,8 @@ def linear_operands(a, weight, bias=None, *, activation="none", weight_layout="n
         check_supported_dtype("bias", bias)
         if bias.stride(0) != 1:
             bias = bias.contiguous()
-    return LinearOperands(n_w, n_w // 2 if glu else n_w, k, act, glu, s_bk, s_bn, bias, activation)
+    return LinearOperands(n_w, n_w // 2 if glu else n_w, k, act, glu, s_bk, s_bn, bias, activation,
+                          (describe(weight), weight_layout, describe(bias), activation))
 
 
 def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, residual, r_rows, s_rn, aux, act,
@@ -426,8 +429,9 @@ def matmul_checked(a: torch.Tensor, weight: torch.Tensor, ops: LinearOperands, o
     the launch). ``fp8_out``: ``(q, scale)`` as :func:`matmul` checks them, also written.
     ``plan_key``: :func:`matmul`'s key for the launch plan (False: none), else this call's own."""
     if plan_key is None and not interpreting():
-        plan_key = ("checked", describe(a), describe(weight), describe(ops.bias), ops.activation, weight_layout,
-                    describe(out), describe(residual), describe(preact_out), _fp8_key(fp8_out), _tf32_key(a))
+        plan_key = ("checked", ops.plan_part or (describe(weight), describe(ops.bias), ops.activation), weight_layout,
+                    describe(a), describe(out), describe(residual), describe(preact_out), _fp8_key(fp8_out),
+                    _tf32_key(a))
         plan = _PLANS.find(plan_key)
         if plan is not None and plan.launch(_slots(a, weight, out, ops.bias, residual, preact_out, fp8_out)):
             return out
