@@ -222,9 +222,10 @@ class KernelPlan(_Applies):
     then the constexprs (flags and config) the kernel's signature has after them, in parameter
     order."""
 
-    __slots__ = ("run", "function", "metadata", "tail", "grid", "meta", "device", "jit", "active", "state")
+    __slots__ = ("run", "function", "metadata", "tail", "grid", "meta", "device", "jit", "active", "state", "kernel")
 
-    def __init__(self, jit, compiled, tail: tuple, grid, meta, device: int):
+    def __init__(self, jit, compiled, tail: tuple, grid, meta, device: int, kernel=None):
+        self.kernel = kernel  # what was launched: the JITFunction or its autotuner
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         self.tail, self.grid, self.meta, self.device, self.jit = tail, grid, meta, device, jit
         self.active, self.state = driver.active, _compile_state()
@@ -250,7 +251,7 @@ def _arg_key(args, unspecialised: tuple) -> tuple:
     keys an int by its divisibility by 16, being 1, and its width), except the parameters at
     ``unspecialised`` (``do_not_specialize``: an epoch, a chunk index), keyed by their type and
     width as Triton keys them, so that their value can change call after call."""
-    key = [(a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a if type(a) is int else (type(a), a)
+    key = [a if type(a) is int else (a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else (type(a), a)
            for a in args]  # (True, 1 and 1.0 are equal; Triton types them u1, constexpr and fp32)
     for i in unspecialised:
         if i < len(key) and type(args[i]) is int:
@@ -259,17 +260,18 @@ def _arg_key(args, unspecialised: tuple) -> tuple:
     return tuple(key)
 
 
-#: ``{kernel: positions of its do_not_specialize parameters}``
+#: ``{id(kernel): (kernel, positions of its do_not_specialize parameters)}`` (kernels are keyed by
+#: id: hashing a ``JITFunction`` hashes its source key; the kernel kept beside it proves the id)
 _UNSPECIALISED: dict = {}
 
 
 def _unspecialised(kernel) -> tuple:
-    found = _UNSPECIALISED.get(kernel)
-    if found is None:
+    found = _UNSPECIALISED.get(id(kernel))
+    if found is None or found[0] is not kernel:
         jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
-        found = _UNSPECIALISED[kernel] = tuple(i for i, p in enumerate(getattr(jit, "params", ()))
-                                               if getattr(p, "do_not_specialize", False))
-    return found
+        found = _UNSPECIALISED[id(kernel)] = (kernel, tuple(i for i, p in enumerate(getattr(jit, "params", ()))
+                                                            if getattr(p, "do_not_specialize", False)))
+    return found[1]
 
 
 def launch_kernel(kernel, grid, args: tuple, flags: dict):
@@ -279,11 +281,11 @@ def launch_kernel(kernel, grid, args: tuple, flags: dict):
     interpreter and anything :func:`build_plan` refuses take Triton's path every time."""
     fixed = grid if type(grid) is tuple else None if callable(grid) else tuple(grid)
     try:
-        key = (kernel, fixed, tuple(flags.items()), _arg_key(args, _unspecialised(kernel)))
+        key = (id(kernel), fixed, tuple(flags.items()), _arg_key(args, _unspecialised(kernel)))
         plan = _KERNEL_PLANS.get(key)
     except TypeError:  # an argument that cannot be hashed (a tensor descriptor): no plan
         key = plan = None
-    if plan is not None and plan.launch(args, grid):
+    if plan is not None and plan.kernel is kernel and plan.launch(args, grid):
         return None
     compiled = kernel[grid](*args, **flags)
     if (key is None or plan is not None or not isinstance(compiled, CompiledKernel)
@@ -318,4 +320,4 @@ def _kernel_plan(kernel, compiled, grid, args, flags) -> KernelPlan | None:
             return None
     else:
         fixed = tuple(grid)
-    return KernelPlan(jit, compiled, tail, fixed, meta, driver.active.get_current_device())
+    return KernelPlan(jit, compiled, tail, fixed, meta, driver.active.get_current_device(), kernel)
