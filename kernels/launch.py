@@ -48,7 +48,7 @@ def describe(t: torch.Tensor | None):
         return None
     if not isinstance(t, torch.Tensor):
         return _NOT_A_TENSOR
-    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
 
 
 #: a plan key's entry for a tensor argument that is not a tensor (no plan is built with it)
@@ -247,12 +247,13 @@ _KERNEL_PLANS = PlanCache()
 
 def _arg_key(args, unspecialised: tuple) -> tuple:
     """The launch arguments' part of a kernel-level key: a tensor by dtype and address modulo 16
-    (what Triton specialises a pointer on), anything else by its value (finer than Triton, which
+    (what Triton specialises a pointer on) and device (a ``meta`` tensor of the compile check's
+    capture never meets a CUDA launch's plan), anything else by its value (finer than Triton, which
     keys an int by its divisibility by 16, being 1, and its width), except the parameters at
     ``unspecialised`` (``do_not_specialize``: an epoch, a chunk index), keyed by their type and
     width as Triton keys them, so that their value can change call after call."""
-    key = [a if type(a) is int else (a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else (type(a), a)
-           for a in args]  # (True, 1 and 1.0 are equal; Triton types them u1, constexpr and fp32)
+    key = [a if type(a) is int else (a.dtype, a.data_ptr() % 16, a.device) if isinstance(a, torch.Tensor)
+           else (type(a), a) for a in args]  # (True, 1 and 1.0 are equal; Triton types them u1, constexpr and fp32)
     for i in unspecialised:
         if i < len(key) and type(args[i]) is int:
             v = args[i]

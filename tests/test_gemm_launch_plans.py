@@ -95,7 +95,18 @@ def test_plan_cache_finds_nothing_for_unhashable_keys_and_stays_bounded():
 def test_describe_covers_what_triton_specialises_on():
     import torch
     t = torch.zeros(4, 9, dtype=torch.bfloat16)
-    assert describe(t) == (torch.Size([4, 9]), (9, 1), torch.bfloat16, -1, t.data_ptr() % 16)
+    assert describe(t) == (torch.Size([4, 9]), (9, 1), torch.bfloat16, torch.device("cpu"), t.data_ptr() % 16)
     assert describe(t[:, 1:])[-1] == (t.data_ptr() + 2) % 16
     assert describe(None) is None
     assert describe([1.0]) is describe("x") is not describe(t)  # not a tensor: one key part for all
+
+
+def test_keys_tell_devices_apart():
+    """A ``meta`` tensor (the compile check's capture) never finds the plan of a real launch."""
+    import torch
+
+    from fusedpar.kernels.launch import _arg_key
+    real, meta = torch.zeros(8), torch.empty(8, device="meta")
+    assert meta.data_ptr() % 16 == real.data_ptr() % 16 == 0
+    assert _arg_key((real, 3), ()) != _arg_key((meta, 3), ())
+    assert describe(real)[3] != describe(meta)[3]
