@@ -108,7 +108,7 @@ gpu-report:
 GPU_ROUND_OUT ?= gpu-round
 GPU_ROUND_BUDGET ?= 540
 GPU_ROUND_TEST_S ?= 180
-GPU_ROUND_BENCH ?= ceilings launch matmul@none:--epilogue+none attention moe ag_matmul matmul_rs train:--variant+dense linear_ce \
+GPU_ROUND_BENCH ?= ceilings launch launch@stubdrv:--stub-driver matmul@none:--epilogue+none attention moe ag_matmul matmul_rs train:--variant+dense linear_ce \
   fp8_matmul ring_attention persistent_ag persistent_rs attention_variants varlen_attention \
   matmul@swiglu:--epilogue+swiglu matmul@gelu:--epilogue+gelu matmul@bias:--epilogue+bias train@moe:--variant+moe rmsnorm
 gpu-round: gpu-setup
