@@ -45,26 +45,24 @@ import triton.language as tl
 from .checks import (check_buffer, check_choice, check_float_tensor, check_int, check_out_dtype, check_same,
                      check_shape, check_tensor, output_buffer)
 from .fp8 import FP8_BLOCK, check_fp8_device, rne_for_store
-from .fp8_gemm import FP8_INTERPRETER_CONFIG, FP8_PROMOTE_K, SCALINGS
-from .gemm import EPILOGUE_ACC_BUDGET, INTERPRETER_CONFIG, LinearOperands, linear_operands, matmul_reference, tile_rule
+from .fp8_gemm import FP8_PROMOTE_K, SCALINGS
+from .gemm import linear_operands, matmul_reference
 from .gemm_core import gemm_epilogue, gemm_mainloop
 from .launch import launch_kernel
-from .runtime import (RowView, cdiv, input_precision, interpreting, multiprocessor_count, needs_upcast, on_device,
-                      row_offsets, shared_memory_limit, tile_config_problem)
-from .waits import WaitTimeout, check_wait_timeouts, spin_bound, status_word, wait_ready, wait_timeouts
+from .persistent_config import (CONFIG_KEYS, INTERPRETER_PROGRAMS, check_config, default_num_programs, gpu_config,
+                                kernel_config)
+from .runtime import RowView, cdiv, input_precision, interpreting, needs_upcast, on_device, row_offsets
+from .waits import WaitTimeout, check_wait_timeouts, ready_word, spin_bound, status_word, wait_ready, wait_timeouts
 
 __all__ = [
     "CONFIG_KEYS", "WAIT_MODES", "check_config", "chunk_reduce", "chunk_reduce_kernel", "chunk_view", "default_num_programs", "gpu_config",
     "kernel_config", "persistent_gemm_kernel", "persistent_matmul", "persistent_matmul_reference", "tiles_per_chunk",
-    # re-exported from .waits
-    "WaitTimeout", "check_wait_timeouts", "wait_timeouts",
+    # re-exported from .waits and .persistent_config
+    "WaitTimeout", "check_wait_timeouts", "wait_timeouts", "INTERPRETER_PROGRAMS",
 ]
 
 WAIT_MODES = {"none": 0, "spin": 1, "skip": 2}
 
-# Programs of one interpreted launch: small, but more than one so that the persistent loop
-# (several tiles per program, strided by the grid size) is exercised.
-INTERPRETER_PROGRAMS = 3
 # ---------------------------------------- Triton kernels ----------------------------------------
 @triton.jit
 def _fp8_mainloop(
@@ -110,10 +108,10 @@ def _fp8_mainloop(
     return acc, acc_up
 
 
-@triton.jit(do_not_specialize=["ready_value"])  # an epoch: one compiled kernel (and one launch plan) for all
+@triton.jit
 def persistent_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, sa_ptr, sb_ptr, flag_ptr, count_ptr, log_ptr, status_ptr,
-    ROWS, N, K, num_chunks, first_chunk, ready_value,
+    a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, sa_ptr, sb_ptr, flag_ptr, count_ptr, log_ptr, status_ptr, ready_ptr,
+    ROWS, N, K, num_chunks, first_chunk,
     s_a_chunk, a_m_inner, s_am0, s_am1, s_ak, s_bk, s_bn, glu_offset,
     s_c_chunk, c_m_inner, s_cm0, s_cm1, s_cn, s_x_chunk, x_m_inner, s_xm0, s_xm1, s_xn,
     s_sa_chunk, sa_m_inner, s_sam0, s_sam1, s_sak, s_sbn, s_sbk,
@@ -124,8 +122,10 @@ def persistent_gemm_kernel(
     WAIT: tl.constexpr, SIGNAL: tl.constexpr, LOG: tl.constexpr, MAX_SPIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Every tile of every chunk from ``first_chunk`` on: the flag wait, ``gemm_mainloop`` (``FP8``:
-    :func:`_fp8_mainloop`), ``gemm_epilogue``, the store, the release of the chunk's counter."""
+    """Every tile of every chunk from ``first_chunk`` on: the flag wait (a flag is ready at the
+    value of the device word ``*ready_ptr``, read once per program: no host value in the launch),
+    ``gemm_mainloop`` (``FP8``: :func:`_fp8_mainloop`), ``gemm_epilogue``, the store, the release of
+    the chunk's counter."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not FP8 or BLOCK_K == 128, "fp8 steps K one 128-wide scale block at a time")
     tl.static_assert(WAIT >= 0 and WAIT <= 2, "WAIT: 0 none, 1 spin, 2 skip")
@@ -138,6 +138,7 @@ def persistent_gemm_kernel(
     per_chunk = num_pid_m * num_pid_n
     total = per_chunk * num_chunks
     num_in_group = GROUP_M * num_pid_n
+    ready_value = tl.load(ready_ptr)  # written by stream-ordered work before the launch
     # The outer loop is deliberately a plain range (no flattening/pipelining across tiles): a
     # prefetch of the next tile's A would be hoisted above that tile's flag wait.
     for tile in range(pid, total, num_programs):
@@ -193,17 +194,17 @@ def persistent_gemm_kernel(
                 tl.store(log_ptr + tile, ticket)
 
 
-@triton.jit(do_not_specialize=["chunk", "ready_value"])  # chunk == 1 would become a constexpr int (no .to)
+@triton.jit(do_not_specialize=["chunk"])  # chunk == 1 would become a constexpr int (no .to)
 def chunk_reduce_kernel(
-    src_ptr, peer_off_ptr, count_ptr, count_off_ptr, out_ptr, acc_ptr, bias_ptr, status_ptr,
-    ROWS, N, num_peers, chunk, ready_value,
+    src_ptr, peer_off_ptr, count_ptr, count_off_ptr, out_ptr, acc_ptr, bias_ptr, status_ptr, ready_ptr,
+    ROWS, N, num_peers, chunk,
     s_src_chunk, src_m_inner, s_srcm0, s_srcm1, s_srcn,
     o_m_inner, s_om0, s_om1, s_on,
     SRC_M_SPLIT: tl.constexpr, O_M_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, WAIT: tl.constexpr,
     MAX_SPIN: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``out = bias + sum_p src_p[chunk]``, peers in the order given, each read only after its
-    counter reached ``ready_value``. Peer-outer loop: the partial of the first peer is summed
+    counter reached the device word ``*ready_ptr``. Peer-outer loop: the partial of the first peer is summed
     while later peers still compute; the running sum lives in the fp32 ``acc`` buffer
     (``EMULATE``: a bf16 ``out`` rounded to nearest even, as a GPU's cast does)."""
     tl.static_assert(WAIT >= 0 and WAIT <= 1, "WAIT: 0 none, 1 spin")
@@ -212,6 +213,7 @@ def chunk_reduce_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     total = tl.cdiv(ROWS, BLOCK_M) * num_pid_n
     chunk64 = chunk.to(tl.int64)
+    ready_value = tl.load(ready_ptr)
     for p in range(0, num_peers):
         if WAIT == 1:
             wait_ready(count_ptr + tl.load(count_off_ptr + p) + chunk64, ready_value, status_ptr, MAX_SPIN)
@@ -262,80 +264,6 @@ def tiles_per_chunk(rows: int, n: int, config: dict) -> int:
 def _chunk_rows(t: torch.Tensor) -> RowView:
     """Row addressing of one chunk of a chunked view (all dims between the chunk dim and the last)."""
     return RowView.rows(t[0]) if t.shape[0] else RowView(1, 0, 0, False)
-
-
-def gpu_config(n: int, dtype: torch.dtype, glu: bool = False) -> dict:
-    """A fixed tile configuration for the compiled kernel. Not autotuned: a tuning run of a
-    kernel that waits on flags or bumps completion counters would consume or corrupt them;
-    benchmarks/persistent.py sweeps configs with waits off and passes the best one in.
-    Pipelined shared memory stays under ~150 KB (Hopper/Ampere allow 227/163 KB); the
-    accumulators stay within the GEMM epilogue budgets (a gated epilogue holds two)."""
-    if dtype == torch.float8_e4m3fn:  # 128-deep K steps (a scale block); two accumulators each: dot and fp32 sum
-        return dict(BLOCK_M=128, BLOCK_N=64 if glu else 128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
-    if dtype == torch.float32:  # FMA dots ("ieee"): <= 32 accumulator elements per thread in all, BLOCK_K 32
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
-    if glu:
-        return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-    # 128x256 (128 accumulator elements per thread) spills 44 B in the persistent loop on sm_80
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-
-
-def default_num_programs(device: torch.device, reserve: int = 0) -> int:
-    """Programs of a persistent launch: one per SM (minus ``reserve`` SMs left free for
-    concurrent kernels such as :func:`chunk_reduce`), a few under the interpreter."""
-    if device.type != "cuda":
-        return INTERPRETER_PROGRAMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, multiprocessor_count(index) - reserve)
-
-
-def kernel_config(config, n, dtype, glu=False):
-    """The tile configuration a launch with ``config`` uses (the interpreter keeps its small fixed
-    tiles unless ``config`` names block sizes); :func:`tiles_per_chunk` of it is what a
-    ``signal_counters`` launch adds to every counter."""
-    base = FP8_INTERPRETER_CONFIG if dtype == torch.float8_e4m3fn else INTERPRETER_CONFIG  # fp8: fp8_matmul's
-    cfg = dict(base) if interpreting() else dict(config or gpu_config(n, dtype, glu))
-    if config is not None and interpreting():
-        cfg.update({k: v for k, v in config.items() if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
-    return cfg
-
-
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-
-
-def check_config(config: dict, a: torch.Tensor, ops: LinearOperands, store_aux: bool) -> None:
-    """A ``config=`` of :func:`persistent_matmul` (compiled path): every key of
-    :data:`CONFIG_KEYS` a positive int (block sizes and ``num_warps`` powers of two, ``BLOCK_K >=
-    16``; ``num_warps`` / ``num_stages`` default to 4 / 3), and the autotuned GEMM's
-    prune rule (:func:`~fusedpar.kernels.gemm.tile_rule`) finds nothing: the pipelined tiles fit
-    this GPU's shared memory and the accumulators fit in registers. ValueError otherwise."""
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a dict of {', '.join(CONFIG_KEYS)} or None, got {type(config).__name__}")
-    config = dict(config)
-    config.setdefault("num_warps", 4)  # Triton's defaults
-    config.setdefault("num_stages", 3)
-    for key in CONFIG_KEYS:
-        v = config.get(key)
-        pow2 = key.startswith("BLOCK_") or key == "num_warps"
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-            raise ValueError(f"config[{key!r}] must be a positive {'power of two' if pow2 else 'int'}, got {v!r}")
-    if config["BLOCK_K"] < 16:
-        raise ValueError(f"config['BLOCK_K'] must be >= 16 (tl.dot), got {config['BLOCK_K']}")
-    if a.device.type == "cpu":  # CPU tensors run interpreted: no GPU resources to check
-        return
-    rule = tile_rule({"a_ptr": a, "GLU": ops.glu, "ACT": ops.act, "STORE_AUX": store_aux, "K": ops.k,
-                      "s_am1": a.stride(-2), "s_ak": a.stride(-1), "s_bk": ops.s_bk, "s_bn": ops.s_bn,
-                      "INPUT_PRECISION": input_precision(a.dtype)})
-    if a.dtype == torch.float8_e4m3fn:  # each accumulator twice (the step's dot, the fp32 sum), the fp8 GEMM's
-        # budget (sm_90: 128x128x128, gated 128x64x128, 8 warps: 205-238 registers, no spills); fp8 loads that do
-        # not vectorise spill at every tile (60-3700 B at K=200): a speed matter, not refused
-        rule.update(acc_tiles=2 * rule["acc_tiles"], acc_budget=EPILOGUE_ACC_BUDGET["plain"], sync_acc_budget=None,
-                    unaligned=False)
-    problem = tile_config_problem(config, smem_limit=shared_memory_limit(a.device.index or 0), **rule)
-    if problem:
-        tile = "x".join(str(config[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-        raise ValueError(f"config must fit the GPU, got {tile} with {config['num_warps']} warps and "
-                         f"{config['num_stages']} stages, which {problem}")
 
 
 def _check_counters(name, t, num_chunks, device):
@@ -392,8 +320,7 @@ def _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, 
         _check_counters("wait_flags", wait_flags, C, a.device)
     if signal_counters is not None:
         _check_counters("signal_counters", signal_counters, C, a.device)
-    check_int("ready_value", ready_value, min_value=-(2 ** 31), max_value=2 ** 31 - 1)
-    return ops, scales
+    return ops, scales, ready_word(a.device, ready_value)
 
 
 def _chunked_outputs(a, ops, out, out_dtype, preact_out, tile_log, total):
@@ -408,7 +335,7 @@ def _chunked_outputs(a, ops, out, out_dtype, preact_out, tile_log, total):
     return output_buffer("out", out, tuple(a.shape[:-1]) + (ops.n,), a.device, out_dtype)
 
 
-def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mode, wait_flags, ready_value,
+def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mode, wait_flags, ready,
                        signal_counters, preact_out, tile_log, num_programs, max_spin, total):
     a_r, c_r = _chunk_rows(a), _chunk_rows(out)
     x_r = _chunk_rows(preact_out) if preact_out is not None else RowView(1, 0, 0, False)
@@ -419,8 +346,8 @@ def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mo
         a, weight, out, bias.float() if emulate and bias is not None else bias if bias is not None else dummy,
         preact_out if preact_out is not None else dummy, sa, sb,
         wait_flags if wait_flags is not None else dummy, signal_counters if signal_counters is not None else dummy,
-        tile_log if tile_log is not None else dummy, status_word(a.device),
-        int(torch.Size(a.shape[1:-1]).numel()), ops.n, ops.k, a.shape[0], first_chunk, ready_value,
+        tile_log if tile_log is not None else dummy, status_word(a.device), ready,
+        int(torch.Size(a.shape[1:-1]).numel()), ops.n, ops.k, a.shape[0], first_chunk,
         a.stride(0), *a_r.args(), a.stride(-1), ops.s_bk, ops.s_bn, ops.n if ops.glu else 0,
         out.stride(0), *c_r.args(), out.stride(-1),
         preact_out.stride(0) if preact_out is not None else 0, *x_r.args(),
@@ -443,7 +370,7 @@ def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mo
 def persistent_matmul(
     a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, first_chunk: int = 0,
     out: torch.Tensor | None = None, activation: str = "none", wait_flags: torch.Tensor | None = None,
-    wait_mode: str = "spin", ready_value: int = 1, signal_counters: torch.Tensor | None = None,
+    wait_mode: str = "spin", ready_value: int | torch.Tensor = 1, signal_counters: torch.Tensor | None = None,
     preact_out: torch.Tensor | None = None, tile_log: torch.Tensor | None = None, num_programs: int | None = None,
     config: dict | None = None, max_spin: int | None = None, check_waits: bool = True,
     a_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None, scaling: str = "rowwise",
@@ -466,7 +393,9 @@ def persistent_matmul(
               the chunk the first peer needs first for a reduce-scatter.
     wait_flags: int32 ``[C]``; before a program reads chunk ``c`` it waits (``"spin"``) until
               ``wait_flags[c] >= ready_value``, or (``"skip"``, a test mode) skips tiles whose
-              flag is not ready, leaving them unwritten.
+              flag is not ready, leaving them unwritten. ``ready_value``: an int, or a 1-element
+              int32 tensor on ``a``'s device read by the kernel when it starts (a device-resident
+              epoch: the launch's arguments are then the same call after call, CUDA-graph safe).
     signal_counters: int32 ``[C]``; after storing a tile of chunk ``c`` its program atomically
               adds 1 to ``signal_counters[c]`` (release). A launch adds
               :func:`tiles_per_chunk` to every counter.
@@ -483,8 +412,8 @@ def persistent_matmul(
     check_waits: check for timed-out waits after a ``"spin"`` launch (default). An op that
               launches several waiting kernels passes False and checks once at its end.
     """
-    ops, scales = _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, wait_flags,
-                                         signal_counters, ready_value, a_scale, weight_scale, scaling)
+    ops, scales, ready = _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, wait_flags,
+                                                signal_counters, ready_value, a_scale, weight_scale, scaling)
     if config is not None and not interpreting():
         check_config(config, a, ops, preact_out is not None)
     cfg = kernel_config(config, ops.n, a.dtype, ops.glu)
@@ -503,7 +432,7 @@ def persistent_matmul(
     if ops.k == 0:
         raise ValueError("a must have K > 0 features (an empty contraction has nothing to overlap), got K=0")
     _launch_persistent(a, weight, out, ops, cfg, scales, first_chunk=first_chunk, wait_mode=wait_mode,
-                       wait_flags=wait_flags, ready_value=ready_value, signal_counters=signal_counters,
+                       wait_flags=wait_flags, ready=ready, signal_counters=signal_counters,
                        preact_out=preact_out, tile_log=tile_log, num_programs=num_programs, max_spin=max_spin,
                        total=total)
     if wait_mode == "spin" and check_waits:
@@ -537,7 +466,8 @@ def _check_reduce_args(src, peer_offsets, chunk, out, bias, counters, counter_of
 
 def chunk_reduce(
     src: torch.Tensor, peer_offsets: torch.Tensor, chunk: int, *, out: torch.Tensor, bias: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None, counter_offsets: torch.Tensor | None = None, ready_value: int = 1,
+    counters: torch.Tensor | None = None, counter_offsets: torch.Tensor | None = None,
+    ready_value: int | torch.Tensor = 1,
     workspace: torch.Tensor | None = None, num_programs: int | None = None, block: tuple[int, int] = (32, 128),
     max_spin: int | None = None, check_waits: bool = True,
 ) -> torch.Tensor:
@@ -551,12 +481,14 @@ def chunk_reduce(
     out:          ``[rows, N]`` or ``[batch, rows, N]`` (any strides), written.
     counters:     int32 completion counters of this process (one per chunk), with
                   ``counter_offsets`` (int64 ``[P]``, elements) locating each peer's; peer ``p``'s
-                  partial is read after its ``counters[chunk]`` reached ``ready_value``. ``None``:
-                  no waiting (the partials are known complete).
+                  partial is read after its ``counters[chunk]`` reached ``ready_value`` (an int or
+                  a device word, as in :func:`persistent_matmul`). ``None``: no waiting (the
+                  partials are known complete).
     workspace:    fp32 ``[rows * N]`` running sum (allocated when omitted); ``check_waits``: as in
                   :func:`persistent_matmul`.
     """
     _check_reduce_args(src, peer_offsets, chunk, out, bias, counters, counter_offsets)
+    ready = ready_word(src.device, ready_value)
     rows, N = int(torch.Size(src.shape[1:-1]).numel()), src.shape[-1]
     if workspace is None:
         workspace = torch.empty(max(rows * N, 1), device=src.device, dtype=torch.float32)
@@ -573,8 +505,8 @@ def chunk_reduce(
     wait = counters is not None
     args = (
         src, peer_offsets, counters if wait else peer_offsets, counter_offsets.to(src.device) if wait else peer_offsets,
-        out, workspace, bias.contiguous() if bias is not None else workspace, status_word(src.device),
-        rows, N, peer_offsets.numel(), chunk, ready_value,
+        out, workspace, bias.contiguous() if bias is not None else workspace, status_word(src.device), ready,
+        rows, N, peer_offsets.numel(), chunk,
         src.stride(0), *s_r.args(), src.stride(-1),
         *o_r.args(), out.stride(-1),
     )

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_choice, check_int
+from .checks import check_choice, check_int, check_tensor
 from .runtime import interpreting
 
 __all__ = ["MAX_SPIN_GPU", "MAX_SPIN_INTERPRETED", "WAIT_CHECK", "WAIT_CHECKS", "WaitTimeout", "canonical_device",
-           "check_wait_timeouts", "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
+           "check_wait_timeouts", "ready_word", "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
 
 # Bound of a flag spin (reads): ~2^27 system-scope loads is about a minute on a GPU; an interpreted
 # read takes ~0.3 ms (the flag can only change there when another process writes it).
@@ -144,6 +144,35 @@ def spin_bound(max_spin=None) -> int:
 def status_word(device) -> torch.Tensor:
     """The int32 timeout counter of ``device`` that waiting kernels add to."""
     return _status(device).word
+
+
+#: ``{(device, value): int32 word}``: the words :func:`ready_word` made for int ready values
+_ready_words: dict = {}
+
+
+def ready_word(device, value, name: str = "ready_value") -> torch.Tensor:
+    """The int32 device word a waiting kernel compares its flags or counters with (it reads the
+    word when it starts, so a launch carries no host value that changes from call to call).
+    ``value``: such a word already (a 1-element int32 tensor on ``device``: a device-resident
+    epoch, moved by stream-ordered work), returned as is; or an int, for which a word holding it
+    is made once per device and value (a fill on the current stream, no host synchronisation)."""
+    word = _ready_words.get((device, value)) if type(value) is int else None
+    if word is not None:
+        return word
+    if isinstance(value, torch.Tensor):
+        check_tensor(name, value, dtypes=(torch.int32,))
+        if value.numel() != 1 or value.device != canonical_device(device):
+            raise ValueError(f"{name} must be an int or a 1-element int32 tensor on {canonical_device(device)}, got "
+                             f"shape {tuple(value.shape)} on {value.device}")
+        return value
+    check_int(name, value, min_value=-(2 ** 31), max_value=2 ** 31 - 1)
+    if len(_ready_words) >= 1024:
+        _ready_words.clear()
+    device = canonical_device(device)
+    word = _ready_words.get((device, value))
+    if word is None:
+        word = _ready_words[device, value] = torch.full((1,), value, dtype=torch.int32, device=device)
+    return word
 
 
 # --------------------------------------------------------------------------------------------

@@ -216,7 +216,7 @@ def kernel_level_cases(case):
     case("moe_route_permute_combine", (logits, tokens), moe)
     chunks = rnd(4, 8, 64, seed=42)
     case("persistent_matmul", (chunks, rnd(48, 64, seed=43)), lambda a, w: persistent_matmul(a, w, wait_mode="none"))
-    # the epoch changes call after call (do_not_specialize): one plan, the value passed as given
+    # the epoch changes call after call (a device word per value, read by the kernel): one plan
     case("persistent_matmul_epochs", (chunks, rnd(48, 64, seed=43)),
          lambda a, w: persistent_matmul(a, w, wait_mode="none", ready_value=EPOCH[0]))
 

@@ -118,8 +118,9 @@ def test_skip_mode_computes_only_ready_chunks_in_chunk_order(device):
     per = tiles_per_chunk(sc, N, _cfg(N, torch.float32))
     log = _log(C * per, device)
     first, nprog = 2, 3
+    word = torch.tensor([epoch], dtype=I32, device=device)  # a device-resident epoch: read by the kernel
     persistent_matmul(chunk_view(a, 0, C), w, first_chunk=first, out=chunk_view(out, 0, C),
-                      wait_flags=flags, wait_mode="skip", ready_value=epoch, signal_counters=counters,
+                      wait_flags=flags, wait_mode="skip", ready_value=word, signal_counters=counters,
                       tile_log=log, num_programs=nprog)
     ref = persistent_matmul_reference(a, w)
     ready = [c for c in range(C) if flags[c] >= epoch]
@@ -143,6 +144,11 @@ def test_skip_mode_computes_only_ready_chunks_in_chunk_order(device):
         assert tickets == sorted(tickets)
     if INTERPRETED:  # programs run sequentially: tickets are program-major
         assert sorted(log[:-1][log[:-1] >= 0].tolist()) == list(range(len(expect)))
+    for bad, exc, text in ((word.float(), TypeError, "ready_value must have dtype"),
+                           (torch.zeros(2, dtype=I32, device=device), ValueError, "1-element int32 tensor"),
+                           (2 ** 31, ValueError, "ready_value must be <=")):
+        with pytest.raises(exc, match=text):
+            persistent_matmul(chunk_view(a, 0, C), w, wait_flags=flags, wait_mode="skip", ready_value=bad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -397,10 +403,10 @@ def test_config_is_validated_with_the_gemm_prune_rule(monkeypatch):
     """A ``config=`` is checked (compiled path) with the autotuned GEMM's rule: SwiGLU 128x256x64
     with 3 stages needs 245760 B of shared memory > 232448 B on sm_90; a fused epilogue whose
     accumulators would spill and malformed configs are refused too; the defaults pass."""
-    from fusedpar.kernels import gemm
+    from fusedpar.kernels import gemm, persistent_config
     from fusedpar.kernels.gemm import linear_operands
 
-    monkeypatch.setattr(pg, "shared_memory_limit", lambda index=0: 232448)
+    monkeypatch.setattr(persistent_config, "shared_memory_limit", lambda index=0: 232448)
     monkeypatch.setattr(gemm, "device_capability", lambda index=0: (9, 0))
     def operands(dtype, activation):  # kernel operands: on the tests' device (linear_operands checks it)
         x = torch.empty(64, 64, dtype=dtype, device=DEVICE)

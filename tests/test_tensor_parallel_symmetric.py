@@ -4,7 +4,7 @@ transport's host logic across processes, and the compiled GPU tests (a late prod
 wait, a wait that gives up, one hardware queue).
 
 On CPU the emulation runs its producer before the consumer (the interpreter runs programs one
-after another), so these tests check the wiring: chunk order, flags and epochs, counters,
+after another), so these tests check the wiring: chunk order, flags and their reset, counters,
 layouts. The overlap itself (spinning programs, copy engines, a producer made late on purpose)
 is tested by the ``gpu``-marked tests below.
 """
@@ -55,8 +55,9 @@ def _emulated(P, rank, **kw):
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_emulated_all_gather_matmul(device, dtype, gather_dim, rank):
     """Every rank position, both gather dims, gated activation with the pre-activation and the
-    gathered input kept; repeated calls reuse the workspace and the flags with a rising epoch (a
-    stale flag must not count as ready). By the mirror rule every peer's shard is this rank's."""
+    gathered input kept; repeated calls reuse the workspace and the flags, lowered again at the
+    end of each call (a stale flag must not count as ready), and the ready word the GEMM reads stays
+    the same word holding 1. By the mirror rule every peer's shard is this rank's."""
     g = torch.Generator().manual_seed(11 + rank + 10 * gather_dim)
     P, b, s, K, F = 3, 2, 7, 40, 13
     w = randn(2 * F, K, dtype=dtype, generator=g, scale=K ** -0.5)
@@ -65,12 +66,12 @@ def test_emulated_all_gather_matmul(device, dtype, gather_dim, rank):
     for call in range(2):
         x = randn(b, s, K, dtype=dtype, generator=g)
         full = torch.cat([x] * P, dim=gather_dim)
-        epoch0 = chunk_flags(device, P).epoch
         pre = torch.full((P, b, s, 2 * F), float("nan"), dtype=dtype, device=device)
         gathered = torch.full((P, b, s, K), float("nan"), dtype=dtype, device=device)
         out = all_gather_matmul_symmetric(x, w, bias, transport=t, gather_dim=gather_dim, activation="swiglu",
                                           preact_out=pre, gathered_out=gathered)
-        assert chunk_flags(device, P).epoch == epoch0 + 1
+        flags = chunk_flags(device, P)
+        assert flags.i32.tolist() == [0] * flags.i32.numel() and flags.ready.tolist() == [1]
         assert_close(out, ref_mm(full, w, bias, activation="swiglu"), dtype, msg=f"call {call}")
         assert_close(pre, ref_mm(torch.stack([x] * P), w, bias), dtype, msg=f"preact call {call}")
         torch.testing.assert_close(gathered, torch.stack([x] * P), rtol=0, atol=0)
@@ -98,6 +99,7 @@ def test_emulated_matmul_reduce_scatter(device, dtype, rank):
     # where DEVICE reads "cuda")
     ws = t.symmetric_workspace("reduce_scatter", x.device, 0)
     assert ws.typed(0, (P,), torch.int32).tolist() == [ws.counter_base] * P and ws.counter_base > 0
+    assert ws.ready.tolist() == [ws.counter_base]  # the device word the reduction waits for
     # and by its other spelling ("cuda" for cuda:0, "cpu:0" for cpu): one workspace
     assert t.symmetric_workspace("reduce_scatter", _two_spellings(x.device)[1], 0) is ws
 
@@ -118,9 +120,8 @@ def test_per_device_state_is_shared_by_every_spelling_of_the_device(device):
     assert named == x.device and canonical_device(other) == named
     assert chunk_flags(other, 3) is chunk_flags(named, 3)
     assert status_word(other) is status_word(named)
-    epoch0 = chunk_flags(other, 3).epoch
-    all_gather_matmul_symmetric(x, w, transport=_emulated(3, 1))
-    assert chunk_flags(other, 3).epoch == epoch0 + 1
+    all_gather_matmul_symmetric(x, w, transport=_emulated(3, 1))  # raises and lowers the flags both name
+    assert chunk_flags(other, 3).i32.abs().sum().item() == 0
 
 
 def test_canonical_device_names_the_current_cuda_device(monkeypatch):
@@ -162,13 +163,14 @@ def test_reduce_scatter_enqueues_the_gemm_before_the_reduction(monkeypatch):
     assert_close(out, sum(ref_mm(x[:, 2 * c:2 * c + 2], w) for c in range(3)), torch.float32)
 
 
-def test_flags_epoch_wraps():
+def test_flags_raise_and_reset_to_constants():
+    """A flag is raised to the constant the ready word holds and reset to 0 (no epoch on the host:
+    every value written or waited for is the same call after call)."""
     f = ChunkFlags(4, torch.device("cpu"))
-    f.epoch = 2 ** 31 - 2
-    f.i32.fill_(2 ** 31 - 2)
-    assert f.begin() == 1 and f.i32.tolist() == [0, 0, 0, 0]
     f.raise_flag(2)
-    assert f.i32.tolist() == [0, 0, 1, 0]
+    assert f.i32.tolist() == [0, 0, 1, 0] and f.ready.tolist() == [1]
+    f.reset()
+    assert f.i32.tolist() == [0, 0, 0, 0]
 
 
 def _error_calls():

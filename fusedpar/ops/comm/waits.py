@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from fusedpar.kernels.checks import check_int
-from fusedpar.kernels.waits import canonical_device
+from fusedpar.kernels.waits import canonical_device, ready_word
 
 
 def flag_writer_available() -> bool:
@@ -25,32 +25,37 @@ def flag_writer_available() -> bool:
     return hasattr(_SymmetricMemory, "stream_write_value32")
 
 
+#: the value of a raised flag
+READY = 1
+
+
 class ChunkFlags:
     """Per-chunk ready flags of one device: a uint32 tensor (what ``cuStreamWriteValue32``
-    writes) viewed as int32 by the kernel, and a host-side epoch. ``begin()`` starts a call: the
-    kernel then waits for ``flag >= epoch``, so the previous call's flags read as not ready."""
+    writes) viewed as int32 by the kernel. A flag is 0 (not ready) or :data:`READY`; a call
+    raises the flags it produces (:meth:`raise_flag`) and, once every reader and writer of the
+    call is joined into the current stream, lowers them all again (:meth:`reset`). Every value
+    written and waited for is a constant (``ready``: the device word holding :data:`READY` that
+    the kernel reads), so a call's launches and stream writes are the same call after call."""
 
     def __init__(self, capacity: int, device: torch.device):
         self.u32 = torch.zeros(capacity, dtype=torch.uint32, device=device)
         self.i32 = self.u32.view(torch.int32)
-        self.epoch = 0
+        self.ready = ready_word(device, READY)
         self.sm_free = device.type == "cuda" and flag_writer_available()
 
-    def begin(self) -> int:
-        if self.epoch >= 2 ** 31 - 2:
-            self.i32.zero_()  # stream-ordered before every later write and wait
-            self.epoch = 0
-        self.epoch += 1
-        return self.epoch
-
     def raise_flag(self, chunk: int) -> None:
-        """Set ``flag[chunk] = epoch`` on the current stream, after the work queued before it."""
+        """Set ``flag[chunk] = READY`` on the current stream, after the work queued before it."""
         if self.sm_free:
             from torch._C._distributed_c10d import _SymmetricMemory
 
-            _SymmetricMemory.stream_write_value32(self.u32, chunk, self.epoch)
+            _SymmetricMemory.stream_write_value32(self.u32, chunk, READY)
         else:
-            self.i32[chunk:chunk + 1].fill_(self.epoch)
+            self.i32[chunk:chunk + 1].fill_(READY)
+
+    def reset(self) -> None:
+        """Every flag back to 0 on the current stream: after the consumer and the producers of a
+        call (joined), before the next call's producers (forked after it)."""
+        self.i32.zero_()
 
 
 _flags: dict = {}

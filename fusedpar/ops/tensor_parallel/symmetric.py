@@ -10,8 +10,10 @@ the persistent GEMM computes the partial for peer ``rank + 1`` first and the loc
 the local symmetric buffer, releasing a per-chunk completion counter after every tile; a
 :func:`~fusedpar.kernels.persistent_gemm.chunk_reduce` on a side stream reads each peer's partial
 of this rank's chunk as soon as its counter says it is complete, summing in fp32. Both take e4m3
-operands too. Flags never need resetting (a call waits for ``flag >= epoch`` and raises the
-epoch); a wait that gives up raises :class:`~fusedpar.kernels.waits.WaitTimeout` at the op's end.
+operands too. Every launch argument and stream write is the same call after call (CUDA-graph
+safe): the all-gather's flags are raised to a constant and lowered once the call is joined, the
+reduce-scatter's counters only grow and the reduction waits for a device word that grows with
+them; a wait that gives up raises :class:`~fusedpar.kernels.waits.WaitTimeout` at the op's end.
 Both are written against :class:`~fusedpar.ops.comm.transport.SymmetricBuffers` and run on real
 peers and on an :class:`~fusedpar.ops.comm.transport.EmulatedTransport` with
 ``in_kernel_waits=True``."""
@@ -170,7 +172,6 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     if fp8:
         g_scale[r].copy_(x_scale)
     t.symmetric_barrier(ws, 1)  # every slot holds its owner's shard
-    flags.begin()
     flags.raise_flag(r)
     order = [(r + i) % P for i in range(1, P)]
     side = pull_chunks(slots, lambda c: t.peer_slot(ws, slots, c, c), order, flags, copy=t.peer_copy,
@@ -179,13 +180,14 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
         num_programs = default_num_programs(x.device, reserve=t.free_sms(x.device))
     persistent_matmul(
         gathered, weight, bias, first_chunk=r, out=chunk_view(out, gather_dim, P), activation=activation,
-        wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.epoch,
+        wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.ready,
         preact_out=preact_out, config=config, num_programs=num_programs, max_spin=max_spin, check_waits=False,
         a_scale=g_scale, weight_scale=weight_scale, scaling=scaling,
     )
     # the copy reads every slot: join the pulls first instead of relying on the GEMM's waits
     # (wait=False, or a wait that gave up, would let it read a slot still being written)
     join_side_stream(x.device, side)
+    flags.reset()  # every flag written and read: the next call's pulls fork after this
     if gathered_out is not None:
         gathered_out.copy_(gathered)
     check_wait_timeouts(x.device, "all_gather_matmul (symmetric)")
@@ -222,7 +224,9 @@ def _rs_input(x, weight, bias, scatter_dim, chunked, P, x_scale, weight_scale, s
 
 def _rs_begin(t, xv, n, partial_dtype, config):
     """This call's counters and partials in the workspace, after the barrier that says the peers
-    finished reading the previous call's partials; returns them with the counters' ready value."""
+    finished reading the previous call's partials; returns them with the counters' ready value: the
+    workspace's device word ``ready``, raised here on the current stream by what this call's GEMMs
+    add to every counter (a device-resident epoch: a CUDA graph replays the raise with the GEMMs)."""
     P, chunk_shape = t.size, tuple(xv.shape[1:-1]) + (n,)
     head = (4 * P + 255) // 256 * 256  # counters first: a fixed place whatever later shapes are
     ws = t.symmetric_workspace("reduce_scatter", xv.device,
@@ -234,10 +238,12 @@ def _rs_begin(t, xv, n, partial_dtype, config):
     t.symmetric_barrier(ws, 0)
     if base + per >= 2 ** 31 - 1:
         counters.zero_()
+        ws.ready.zero_()
         t.symmetric_barrier(ws, 1)
         base = 0
     ws.counter_base = base + per
-    return ws, counters, partials, base + per
+    ws.ready.add_(per)
+    return ws, counters, partials, ws.ready
 
 
 def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_dim=1, partial_dtype=torch.float32,
