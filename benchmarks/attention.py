@@ -193,7 +193,7 @@ class _MirrorProblem:
         for ls, ln, g in self.runs:
             sl = slice(ls, ls + ln)
             flash_attention_forward(q[:, sl], self.kv_full[0], self.kv_full[1], causal=True, q_offset=g,
-                                    out=out[:, sl], lse=lse[:, :, sl])
+                                    k_offset=0, out=out[:, sl], lse=lse[:, :, sl])
         return out, lse
 
     def plain_bwd(self, out, lse):
@@ -207,8 +207,8 @@ class _MirrorProblem:
         for ls, ln, g in self.runs:
             sl = slice(ls, ls + ln)
             flash_attention_backward(self.dout[:, sl], q[:, sl], self.kv_full[0], self.kv_full[1], out[:, sl],
-                                     lse[:, :, sl], causal=True, q_offset=g, dq=dq[:, sl], dk=dkv[0], dv=dkv[1],
-                                     accumulate=True)
+                                     lse[:, :, sl], causal=True, q_offset=g, k_offset=0, dq=dq[:, sl], dk=dkv[0],
+                                     dv=dkv[1], accumulate=True)
         return dq, dkv
 
     def fold(self, dkv_full):

@@ -4,12 +4,10 @@ and the plain torch oracle.
 
 * Online softmax with fp32 statistics; the log-sum-exp ``lse`` (natural log, ``[batch, heads,
   seq_q]`` fp32) is returned so that callers (ring attention) can merge blocks.
-* Causal masking between blocks at different global positions: query ``i`` of this call sits at
-  global position ``q_offset + i``, key ``j`` at ``k_offset + j``; the query sees the key iff
-  ``k_offset + j <= q_offset + i``. The same mask is applied in every backward block (the public
-  tutorial kernel masks only its diagonal block and assumes ``BLOCK_M == BLOCK_N``).
-* Rows that see no key (causal with ``k_offset > q_offset + i``) give ``out = 0`` and
-  ``lse = -inf``; the backward treats them as contributing nothing.
+* Causal masking at global positions: query ``i`` sits at ``q_offset + i``, key ``j`` at
+  ``k_offset + j``, and sees it iff ``k_offset + j <= q_offset + i``; offsets left None align the
+  blocks bottom-right as flash-attn (>= 2.1) does (:func:`resolve_offsets`), ``(0, 0)`` is top-left.
+  Every backward block applies the same mask. Rows that see no key give ``out = 0``, ``lse = -inf``.
 * Grouped-query attention: query head ``h`` reads kv head ``h // (heads_q // heads_kv)`` in place
   (no repeated K/V); dK/dV sum over the query heads of the group inside one program (no atomics).
 * Any strides (a sequence chunk or a head slice of a bigger tensor is read in place), any
@@ -80,7 +78,8 @@ __all__ = [
     "FP32_TILE", "MAX_GRID_X", "MAX_HEAD_DIM", "WINDOW_CLAMP", "ScoreOptions", "Segments", "attention_grid", "attention_reference",
     "check_offsets", "check_qkv", "check_segments", "check_sinks", "check_window",
     "flash_attention_forward", "gpu_configs", "kernel_flags", "launch_attention_kernel", "launch_smem_estimate",
-    "option_flags", "program_tile", "register_estimate", "resolve_softmax_scale", "score_args", "score_options",
+    "option_flags", "program_tile", "register_estimate", "resolve_offsets", "resolve_softmax_scale", "score_args",
+    "score_options",
     "smem_estimate", "uses_wgmma", "window_keys",
 ]
 
@@ -359,10 +358,25 @@ def resolve_softmax_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
-def check_offsets(q_offset, k_offset) -> None:
-    """Global start positions of a query block and a key block: non-negative ints."""
-    check_int("q_offset", q_offset, min_value=0)
-    check_int("k_offset", k_offset, min_value=0)
+def check_offsets(q_offset, k_offset, *, optional: bool = False) -> None:
+    """Global start positions of a query block and a key block: ints >= 0 (``optional``: or None,
+    as :func:`resolve_offsets` takes them)."""
+    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if optional and off is not None and (isinstance(off, bool) or not isinstance(off, int)):
+            raise TypeError(f"{name} must be None or an int, got {type(off).__name__} {off!r}")
+        if not (optional and off is None):
+            check_int(name, off, min_value=0)
+
+
+def resolve_offsets(q_offset, k_offset, seq_q: int, seq_k: int, *, segmented: bool = False) -> tuple[int, int]:
+    """The checked global start positions ``(q_offset, k_offset)`` of ``seq_q`` queries and
+    ``seq_k`` keys. Both None: bottom-right aligned as flash-attn (>= 2.1), the last query at the
+    last key, ``(max(seq_k - seq_q, 0), max(seq_q - seq_k, 0))`` (``(0, 0)`` when ``segmented``:
+    each segment's shift aligns it). Else ints >= 0, a None one read as 0 (``(0, 0)``: top-left)."""
+    check_offsets(q_offset, k_offset, optional=True)
+    if q_offset is None and k_offset is None:
+        return (0, 0) if segmented else (max(seq_k - seq_q, 0), max(seq_q - seq_k, 0))
+    return q_offset or 0, k_offset or 0
 
 
 class Segments(NamedTuple):
@@ -480,13 +494,15 @@ def option_flags(q, v, opts: ScoreOptions, accumulate: bool, segmented: bool) ->
 # --------------------------------------------------------------------------------------------
 # Host side: the forward launcher (ring attention calls it once per block pair)
 # --------------------------------------------------------------------------------------------
-def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0,
+def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offset=None, k_offset=None,
                             out=None, lse=None, accumulate=False, segments=None, window=None, softcap=None,
                             sinks=None, fp8_out=None):
     """One attention block: returns ``(out, lse)``.
 
     q ``[b, sq, hq, d]``, k ``[b, sk, hk, d]``, v ``[b, sk, hk, d_v]`` (any strides; ``d_v`` may
-    differ from ``d``). ``out`` (``[b, sq, hq, d_v]``, any strides, any supported dtype) and
+    differ from ``d``). Query ``i`` sits at ``q_offset + i``, key ``j`` at ``k_offset + j``
+    (:func:`resolve_offsets`: None, None aligns them bottom-right; ``causal`` masks keys after the
+    query). ``out`` (``[b, sq, hq, d_v]``, any strides, any supported dtype) and
     ``lse`` (``[b, hq, sq]`` fp32, any strides) are written in place when given.
     ``accumulate=True`` continues from the normalised state already held in ``(out, lse)`` (use
     an fp32 ``out``; start from ``out = 0``, ``lse = -inf``): afterwards they hold the attention
@@ -506,7 +522,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
     bit for bit (:mod:`.flash_fp8_out`; with segments, rows outside every segment are not written).
     """
     check_qkv(q, k, v)
-    check_offsets(q_offset, k_offset)
+    q_offset, k_offset = resolve_offsets(q_offset, k_offset, q.shape[1], k.shape[1], segmented=segments is not None)
     check_bool("accumulate", accumulate)
     if segments is not None:
         check_segments(segments, q, k, q_offset, k_offset)
@@ -549,14 +565,14 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, q_offs
 # --------------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------------
-def attention_reference(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0,
+def attention_reference(q, k, v, *, causal=False, softmax_scale=None, q_offset=None, k_offset=None,
                         compute_dtype=torch.float64, window=None, softcap=None, sinks=None):
     """Plain torch attention in ``compute_dtype``: ``(out, lse)`` with the same conventions as
-    the flash kernels (window, softcap, sinks as :func:`flash_attention_forward`; v may have its
-    own head dim; fully masked rows: out 0, lse -inf, or lse = sink with sinks). Differentiable
-    (``sinks`` included)."""
+    the flash kernels (offsets, window, softcap, sinks as :func:`flash_attention_forward`; v may
+    have its own head dim; fully masked rows: out 0, lse -inf, or lse = sink). Differentiable."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
+    q_offset, k_offset = resolve_offsets(q_offset, k_offset, sq, sk)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     qf = q.to(compute_dtype).transpose(1, 2)
     kf = k.to(compute_dtype).transpose(1, 2).repeat_interleave(hq // hk, dim=1)

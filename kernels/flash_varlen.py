@@ -12,7 +12,8 @@ follows ``sum(len_q * len_k)``, not ``total ** 2``.
 Causal masking is bottom-right aligned per document, as flash-attn (>= 2.1) does when
 ``seqlen_q != seqlen_k``: query ``i`` of a document sees key ``j`` iff ``j <= i + len_k - len_q``
 (the usual causal mask when the lengths are equal; a query row that sees no key gives
-``out = 0``, ``lse = -inf``).
+``out = 0``, ``lse = -inf``). The dense launchers align the same way by default, so a single
+document equals :func:`~.flash_attention.flash_attention_forward` of its rows.
 
 Validation of ``cu_seqlens`` values (start at 0, non-decreasing, last == total, ``max_seqlen`` >=
 every length) runs when they are CPU tensors (the interpreter; a CPU copy costs nothing). On a
@@ -139,10 +140,9 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fa
     outs, lses = [], []
     for i in range(len(cq) - 1):
         qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
-        lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
-        o, lse = attention_reference(q[None, qs], k[None, ks], v[None, ks], causal=causal,
-                                     softmax_scale=softmax_scale, q_offset=lk - lq, compute_dtype=compute_dtype,
-                                     window=window, softcap=softcap, sinks=sinks)
+        o, lse = attention_reference(q[None, qs], k[None, ks], v[None, ks], causal=causal,  # bottom-right
+                                     softmax_scale=softmax_scale, compute_dtype=compute_dtype, window=window,
+                                     softcap=softcap, sinks=sinks)
         outs.append(o[0])
         lses.append(lse[0])
     h, d = q.shape[1], v.shape[2]

@@ -67,7 +67,7 @@ def test_fp8_out_equals_quantize_of_out(dtype, d, dv, options):
     out (out's head stride is not d_v) and slices of wider q8 / scale buffers. ``out`` equals the
     launch without fp8_out and the fp64 reference within the dtype's tolerance."""
     g, options = torch.Generator().manual_seed(d + dv), dict(options)
-    b, sq, sk, hq, hk = 1 + (dv == 256), 70, 67, 3, 1
+    b, sq, sk, hq, hk = 1 + (dv == 256), 70, 73, 3, 1  # sk > sq: every row sees a key (bottom-right causal)
     q, k = randn(b, sq, hq, d, dtype=dtype, generator=g), randn(b, sk, hk, d, dtype=dtype, generator=g)
     v = randn(b, sk, hk, dv, dtype=dtype, generator=g)
     if options.pop("sinks", False):

@@ -69,19 +69,20 @@ def test_opcheck_flash_ops():
 
 
 def test_opcheck_flash_ops_window_softcap_sinks():
-    # the new schema arguments: window (left, right), softcap, differentiable sinks, v head dim 6 != 8
+    # the new schema arguments: window (left, right), softcap, differentiable sinks, v head dim 6 != 8;
+    # the offsets None (bottom-right aligned: 5 queries, 7 keys)
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 5, 2, 8, generator=g).requires_grad_()
     k = torch.randn(1, 7, 1, 8, generator=g).requires_grad_()
     v = torch.randn(1, 7, 1, 6, generator=g).requires_grad_()
     sinks = torch.randn(2, generator=g).requires_grad_()
-    args = (q, k, v, True, None, 0, 2, 3, -1, 2.0, sinks)
+    args = (q, k, v, True, None, None, None, 3, -1, 2.0, sinks)
     _opcheck(torch.ops.fusedpar.flash_attention.default, args)
     out, lse, *_ = torch.ops.fusedpar.flash_attention(*args)
     dout = torch.randn(out.shape, generator=g)
     _opcheck_backward(torch.ops.fusedpar.flash_attention_backward.default,
-                      (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, None, 0, 2, 3, -1, 2.0,
-                       sinks.detach()))
+                      (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, None, None, None, 3, -1,
+                       2.0, sinks.detach()))
 
     cu = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
     qv, kv = (torch.randn(7, h, 8, generator=g).requires_grad_() for h in (2, 1))
@@ -112,9 +113,11 @@ def test_opcheck_flash_ops_return_fp8():
 
 
 def test_flash_options_compile_fullgraph():
-    # window, softcap and sinks through torch.compile: out and every gradient (d_sink included) equal eager
+    # window, softcap and sinks through torch.compile: out and every gradient (d_sink included) equal eager;
+    # 6 queries, 9 keys at the default (bottom-right) offsets
     g = torch.Generator().manual_seed(5)
     q, k, v = _qkv(g, 1, 6, 2, 1)
+    k, v = (torch.randn(1, 9, 1, 8, generator=g) for _ in range(2))
     sinks = torch.randn(2, generator=g)
     fn = lambda q, k, v, s: flash_attention(q, k, v, causal=True, window=(2, -1), softcap=1.5, sinks=s)[0]  # noqa: E731
     torch._dynamo.reset()

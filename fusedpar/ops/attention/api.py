@@ -37,18 +37,24 @@ def _check_return_fp8(return_fp8, d_v: int, q) -> None:
 
 
 @checked_api
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_offset=0, window=None, softcap=None,
-                    sinks=None, dq_mode=DEFAULT_DQ_MODE, return_fp8=False):
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=None, k_offset=None, window=None,
+                    softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE, return_fp8=False):
     """Scaled dot-product attention with a flash kernel; returns ``(out, lse)``.
 
     q ``[batch, seq_q, heads, head_dim]``, k ``[batch, seq_k, kv_heads, head_dim]``, v
     ``[batch, seq_k, kv_heads, head_dim_v]`` (kv_heads divides heads: grouped-query attention; v
     may have its own head dim, e.g. MLA's 192 / 128), any strides; out is
     ``[batch, seq_q, heads, head_dim_v]``. ``softmax_scale`` defaults to ``head_dim ** -0.5``.
-    With ``causal=True`` query ``i`` sees key ``j`` iff ``k_offset + j <= q_offset + i`` (global
-    positions of two blocks of one sequence). ``window=(left, right)`` (flash-attn's convention):
-    query ``i`` sees key ``j`` iff ``i - left <= j <= i + right`` in those global positions, -1
-    unbounded; ``causal`` sets ``right = 0``. ``softcap=c``: scores ``c * tanh(s / c)`` before the
+    Query ``i`` sits at position ``q_offset + i``, key ``j`` at ``k_offset + j``; with
+    ``causal=True`` the query sees the key iff ``k_offset + j <= q_offset + i``. By default
+    (both None) the two are aligned **bottom-right**, as flash-attn (>= 2.1) and
+    :func:`flash_attention_varlen` do: the last query sits at the last key, so query ``i`` sees
+    key ``j`` iff ``j <= i + seq_k - seq_q`` (with ``seq_q > seq_k`` the first ``seq_q - seq_k``
+    rows see nothing). Explicit ints place two blocks of one sequence at global positions (an
+    omitted one is 0); ``q_offset=0, k_offset=0`` is top-left alignment (``torch``'s SDPA
+    ``is_causal``). ``window=(left, right)`` (flash-attn's convention): query ``i`` sees key ``j``
+    iff ``i - left <= j <= i + right`` in those positions, -1 unbounded; ``causal`` sets
+    ``right = 0``. ``softcap=c``: scores ``c * tanh(s / c)`` before the
     softmax (Gemma 2). ``sinks`` (fp32 ``[heads]``, differentiable): one learnable logit per query
     head added to the softmax denominator (gpt-oss); it takes probability mass but carries no
     value. Rows that see no key give ``out = 0`` and ``lse = -inf`` (with sinks ``lse = sink``).
@@ -65,7 +71,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, q_offset=0, k_
     The custom op ``fusedpar::flash_attention``: traceable by ``torch.compile``.
     """
     check_qkv(q, k, v)
-    check_offsets(q_offset, k_offset)
+    check_offsets(q_offset, k_offset, optional=True)
     scale, left, right, cap = _score_arguments(q, causal, softmax_scale, q.shape[3], window, softcap, sinks)
     check_dq_mode(dq_mode)
     _check_return_fp8(return_fp8, v.shape[3], q)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from fusedpar.kernels import flash_varlen
-from fusedpar.kernels.flash_attention import flash_attention_forward
+from fusedpar.kernels.flash_attention import flash_attention_forward, resolve_offsets
 from fusedpar.kernels.flash_attention_bwd import DEFAULT_DQ_MODE, flash_attention_backward
 from fusedpar.kernels.fp8 import FP8_BLOCK
 from fusedpar.ops.common import absent
@@ -44,12 +44,14 @@ def fp8_output_buffers(out_shape, q: Tensor, return_fp8: bool):
 # ----------------------------------------------------------------------------------------------
 # fusedpar::flash_attention
 # ----------------------------------------------------------------------------------------------
-def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None, q_offset: int,
-                        k_offset: int, window_left: int = -1, window_right: int = -1, softcap: float | None = None,
-                        sinks: Tensor | None = None, dq_mode: str = DEFAULT_DQ_MODE,
+def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float | None,
+                        q_offset: int | None = None, k_offset: int | None = None, window_left: int = -1,
+                        window_right: int = -1, softcap: float | None = None, sinks: Tensor | None = None,
+                        dq_mode: str = DEFAULT_DQ_MODE,
                         return_fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(out, lse, out_q, out_scale)`` of the flash forward kernel (``dq_mode``: for the backward;
-    ``return_fp8``: the epilogue's fp8 output, else absent placeholders)."""
+    """``(out, lse, out_q, out_scale)`` of the flash forward kernel (offsets None, None: bottom-right
+    aligned, :func:`~fusedpar.kernels.flash_attention.resolve_offsets`; ``dq_mode``: for the
+    backward; ``return_fp8``: the epilogue's fp8 output, else absent placeholders)."""
     fp8 = fp8_output_buffers((*q.shape[:3], v.shape[3]), q, return_fp8)
     out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset,
                                        k_offset=k_offset, window=window_of(window_left, window_right), softcap=softcap,
@@ -58,10 +60,13 @@ def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_s
 
 
 def flash_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                        softmax_scale: float | None, q_offset: int, k_offset: int, window_left: int = -1,
-                        window_right: int = -1, softcap: float | None = None, sinks: Tensor | None = None,
+                        softmax_scale: float | None, q_offset: int | None = None, k_offset: int | None = None,
+                        window_left: int = -1, window_right: int = -1, softcap: float | None = None,
+                        sinks: Tensor | None = None,
                         dq_mode: str = DEFAULT_DQ_MODE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dsinks)`` of the flash backward kernels (``dsinks`` absent without sinks)."""
+    """``(dq, dk, dv, dsinks)`` of the flash backward kernels (``dsinks`` absent without sinks), the
+    offsets resolved as the forward's and passed explicitly."""
+    q_offset, k_offset = resolve_offsets(q_offset, k_offset, q.shape[1], k.shape[1])
     return with_dsinks(flash_attention_backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset, k_offset=k_offset,
         window=window_of(window_left, window_right), softcap=softcap, sinks=sinks, dq_mode=dq_mode), q)

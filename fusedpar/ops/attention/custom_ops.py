@@ -1,7 +1,8 @@
 """The flash-attention custom ops (see :mod:`fusedpar.ops.common`).
 
-* ``fusedpar::flash_attention(q, k, v, causal, softmax_scale, q_offset, k_offset, window_left,
-  window_right, softcap, sinks, dq_mode, return_fp8) -> (out, lse, out_q, out_scale)``
+* ``fusedpar::flash_attention(q, k, v, causal, softmax_scale, q_offset=None, k_offset=None, window_left,
+  window_right, softcap, sinks, dq_mode, return_fp8) -> (out, lse, out_q, out_scale)`` (offsets
+  None: bottom-right aligned, resolved in the bodies)
   (:data:`flash_attention_op`, body :func:`~.bodies.flash_attention_fwd`) and
   ``fusedpar::flash_attention_backward`` (:data:`flash_attention_backward_op`, body
   :func:`~.bodies.flash_attention_bwd`, returning ``(dq, dk, dv, dsinks)``).
@@ -27,8 +28,8 @@ flash_attention_op = custom_op("flash_attention")(flash_attention_fwd)
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, q_offset, k_offset, window_left=-1, window_right=-1, softcap=None, sinks=None,
-      dq_mode=DEFAULT_DQ_MODE, return_fp8=False):
+def _(q, k, v, causal, softmax_scale, q_offset=None, k_offset=None, window_left=-1, window_right=-1, softcap=None,
+      sinks=None, dq_mode=DEFAULT_DQ_MODE, return_fp8=False):
     b, sq, hq, _ = q.shape
     return (q.new_empty((b, sq, hq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32),
             *fp8_output_buffers((b, sq, hq, v.shape[3]), q, return_fp8))
@@ -38,7 +39,7 @@ flash_attention_backward_op = custom_op("flash_attention_backward")(flash_attent
 
 
 @flash_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, causal, softmax_scale, q_offset, k_offset, window_left=-1, window_right=-1,
+def _(dout, q, k, v, out, lse, causal, softmax_scale, q_offset=None, k_offset=None, window_left=-1, window_right=-1,
       softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks_like(sinks, q)
 
