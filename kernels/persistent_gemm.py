@@ -25,7 +25,8 @@ results they reproduce bit for bit under the interpreter.
 
 Every spin is bounded: a wait that runs out counts a timeout in a per-device status word, which
 :func:`check_wait_timeouts` turns into a :class:`WaitTimeout` on the host (GPU and interpreter),
-right after the work (``"sync"``, default) or at a later check (``FUSEDPAR_WAIT_CHECK=deferred``).
+at a later check without a host synchronisation (``"deferred"``, default) or right after the work
+(``FUSEDPAR_WAIT_CHECK=sync``).
 Triton's interpreter runs programs one after another (a spin on a flag raised later would hang):
 interpreted tests set flags before the launch, or use ``wait_mode="skip"`` (a tile whose flag is
 not ready is skipped). ``tile_log`` records per tile a global ticket taken when it was computed

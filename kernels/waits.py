@@ -5,9 +5,10 @@ A waiting kernel spins with :func:`wait_ready` (a system-scope acquire read) at 
 :func:`spin_bound` reads; a wait that runs out adds 1 to the device's status word
 (:func:`status_word`, passed to the kernel) instead of hanging the device.
 :func:`check_wait_timeouts` raises :class:`WaitTimeout` for timeouts not reported yet -- on a
-GPU as well as under the interpreter: right after the work (``"sync"``, the default: the op that
-launched the waiting kernel raises instead of returning wrong output) or without a host
-synchronisation at a later check (``"deferred"``, ``FUSEDPAR_WAIT_CHECK=deferred``).
+GPU as well as under the interpreter: without a host synchronisation at a later check, naming
+the op whose wait gave up (``"deferred"``, the default: an asynchronous copy of the word per op),
+or right after the work (``"sync"``, ``FUSEDPAR_WAIT_CHECK=sync``: a host synchronisation per op,
+and the op that launched the waiting kernel raises instead of returning its output).
 """
 from __future__ import annotations
 
@@ -29,11 +30,12 @@ __all__ = ["MAX_SPIN_GPU", "MAX_SPIN_INTERPRETED", "WAIT_CHECK", "WAIT_CHECKS", 
 MAX_SPIN_GPU = 1 << 27
 MAX_SPIN_INTERPRETED = 1 << 18  # about a minute: long enough for a peer *process* to finish
 
-# When a wait that gave up becomes an error on the host: "sync" reads the status word right after
-# the work (a host synchronisation); "deferred" snapshots it asynchronously and raises at a later
-# check, once the snapshot has landed.
-WAIT_CHECKS = ("sync", "deferred")
-WAIT_CHECK = os.environ.get("FUSEDPAR_WAIT_CHECK", "sync")
+# When a wait that gave up becomes an error on the host: "deferred" (the default) copies the status
+# word asynchronously into pinned memory after each op and raises at a later check, once the copy
+# has landed, naming the op whose copy first showed the timeout (no host synchronisation); "sync"
+# reads it right after the work (a host synchronisation per op: the op itself raises).
+WAIT_CHECKS = ("deferred", "sync")
+WAIT_CHECK = os.environ.get("FUSEDPAR_WAIT_CHECK", "deferred")
 if WAIT_CHECK not in WAIT_CHECKS:
     raise ValueError(f"FUSEDPAR_WAIT_CHECK must be one of {WAIT_CHECKS}, got {WAIT_CHECK!r}")
 _MAX_PENDING = 64  # deferred snapshots in flight before the oldest is waited for
@@ -46,12 +48,15 @@ class WaitTimeout(RuntimeError):
 class _Status:
     """Timeouts of one device: ``word`` (int32; every wait that gives up adds 1, nothing resets
     it on the device, so concurrent kernels never race a reset), the count already ``reported``,
-    and the ``pending`` deferred snapshots ``(event, pinned host copy)``."""
+    and the deferred snapshots: ``pending`` ``(slot, op name)`` in the order queued, each slot a
+    pinned host int (``host``, made at the first deferred check with one event per slot)."""
 
     def __init__(self, device: torch.device):
         self.word = torch.zeros(1, dtype=torch.int32, device=device)
         self.reported = 0
         self.pending = collections.deque()
+        self.host = self.slots = self.events = None
+        self.next = 0
 
     def report(self, seen: int) -> int:
         n, self.reported = seen - self.reported, max(seen, self.reported)
@@ -77,16 +82,18 @@ def canonical_device(device) -> torch.device:
 
 
 def _status(device) -> _Status:
-    device = canonical_device(device)
     st = _statuses.get(device)
     if st is None:
-        st = _statuses[device] = _Status(device)
+        device = canonical_device(device)
+        st = _statuses.get(device)
+        if st is None:
+            st = _statuses[device] = _Status(device)
     return st
 
 
 def wait_timeouts(device: torch.device | str, *, reset: bool = True) -> int:
     """Waits on ``device`` that timed out since the last report (synchronises with the device);
-    ``reset`` marks them reported."""
+    ``reset`` marks them reported (the deferred snapshots still in flight are dropped)."""
     st = _status(device)
     seen = int(st.word.item())
     if not reset:
@@ -95,43 +102,73 @@ def wait_timeouts(device: torch.device | str, *, reset: bool = True) -> int:
     return st.report(seen)
 
 
-def _deferred_timeouts(st: _Status) -> int:
-    """New timeouts seen by the snapshots that have landed; then queues a snapshot of now."""
-    seen = st.reported
-    while st.pending and (st.pending[0][0].query() or len(st.pending) >= _MAX_PENDING):
-        event, host = st.pending.popleft()
-        event.synchronize()  # at once for a landed snapshot; bounds the queue otherwise
-        seen = max(seen, int(host[0]))
-    stream = torch.cuda.current_stream(st.word.device)
-    host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-    event = torch.cuda.Event()
-    with torch.cuda.stream(stream):
-        host.copy_(st.word, non_blocking=True)
-        event.record(stream)
-    st.pending.append((event, host))
-    return st.report(seen)
+def snapshot_buffers(n: int):
+    """``(host, events)``: ``n`` pinned int32 slots and one CUDA event each (the deferred checks'
+    snapshots of a status word, made once per device)."""
+    return torch.zeros(n, dtype=torch.int32, pin_memory=True), [torch.cuda.Event() for _ in range(n)]
+
+
+def deferred_capable(word: torch.Tensor) -> bool:
+    """Whether a deferred check of ``word`` can run: a CUDA device, not inside a CUDA-graph
+    capture (an event query would break it; the word is cumulative, so the next check outside
+    the capture reports what a replay counted)."""
+    return word.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def _landed(st: _Status):
+    """``(new timeouts, op)`` of the snapshots that have landed (the oldest waited for when
+    ``_MAX_PENDING`` are in flight): ``op`` named by the first snapshot that shows a new count."""
+    seen, op = st.reported, None
+    while st.pending and (len(st.pending) >= _MAX_PENDING or st.events[st.pending[0][0]].query()):
+        slot, what = st.pending.popleft()
+        st.events[slot].synchronize()  # at once for a landed snapshot; bounds the queue otherwise
+        value = int(st.slots[slot])
+        if value > seen:
+            seen, op = value, op or what
+    return st.report(seen), op
+
+
+def _deferred_timeouts(st: _Status, what: str):
+    """:func:`_landed`; then queues a snapshot of now (after the work queued so far on the current
+    stream) into the next pinned slot."""
+    found = _landed(st)
+    if st.host is None:
+        st.host, st.events = snapshot_buffers(_MAX_PENDING)
+        st.slots = st.host.numpy()  # reads without a torch call
+        st.views = list(st.host.split(1))
+    slot, st.next = st.next, (st.next + 1) % _MAX_PENDING
+    st.views[slot].copy_(st.word, non_blocking=True)
+    st.events[slot].record()
+    st.pending.append((slot, what))
+    return found
 
 
 def check_wait_timeouts(device: torch.device | str, what: str, *, mode: str | None = None) -> None:
     """Raise :class:`WaitTimeout` if a waiting kernel on ``device`` gave up since the last report.
 
-    ``mode`` (default :data:`WAIT_CHECK`): ``"sync"`` reads the status word now; on a GPU that
-    waits for the work queued so far on the current stream, so the op whose wait gave up raises
-    instead of returning wrong output. ``"deferred"`` (GPU) does not synchronise: it queues a
-    snapshot of the word and raises for snapshots queued by earlier checks that have landed (a
-    later op reports an earlier op's timeout; :func:`wait_timeouts` reports all at once). CPU
-    tensors (the interpreter) are always checked at once."""
+    ``mode`` (default :data:`WAIT_CHECK`): ``"deferred"`` (GPU) does not synchronise: it queues
+    an asynchronous copy of the status word into pinned memory and raises for the copies queued
+    by earlier checks that have landed, naming the op whose copy first showed the new count (a
+    later op reports it; :func:`wait_timeouts` reports all at once, synchronising). ``"sync"``
+    reads the word now; on a GPU that waits for the work queued so far on the current stream, so
+    the op whose wait gave up raises instead of returning its output. CPU tensors (the
+    interpreter) are always checked at once; inside a CUDA-graph capture nothing is checked."""
     mode = WAIT_CHECK if mode is None else mode
-    check_choice("mode", mode, WAIT_CHECKS)
+    if mode not in WAIT_CHECKS:
+        check_choice("mode", mode, WAIT_CHECKS)
     st = _status(device)
-    if mode == "sync" or st.word.device.type != "cuda":
-        n = wait_timeouts(device)
+    if mode == "sync" or not deferred_capable(st.word):
+        if st.word.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        n, op, late = wait_timeouts(device), what, ""
     else:
-        n = _deferred_timeouts(st)
+        n, op = _deferred_timeouts(st, what)
+        late = (f" (found by the deferred check of a later op, {what}; FUSEDPAR_WAIT_CHECK=sync raises in the op "
+                "itself)")
     if n:
         hint = " (under the interpreter every flag must be set before the launch)" if interpreting() else ""
-        raise WaitTimeout(f"{what}: {n} wait(s) gave up after the spin bound: a flag or counter never reached "
-                          f"its ready value{hint}")
+        raise WaitTimeout(f"{op}: {n} wait(s) gave up after the spin bound: a flag or counter never reached "
+                          f"its ready value{hint}{late}")
 
 
 def spin_bound(max_spin=None) -> int:

@@ -230,16 +230,65 @@ def test_check_wait_timeouts_reports_each_timeout_once(device, mode):
         check_wait_timeouts(device, "op", mode="never")
 
 
+class _FakeEvent:
+    """A CUDA event's host API as the deferred check uses it; ``landed`` says what query() answers."""
+    landed = True
+    synchronized = 0
+
+    def record(self):
+        pass
+
+    def query(self):
+        return _FakeEvent.landed
+
+    def synchronize(self):
+        _FakeEvent.synchronized += 1
+
+
+def test_deferred_check_names_the_op_without_synchronising(monkeypatch):
+    """The default check (deferred) on CPU tensors standing for a GPU's: an op's check copies the
+    status word into a pinned slot and raises nothing for its own kernels; the next check whose
+    earlier copy has landed raises, naming the op whose copy first showed the count and the op
+    that found it; a count is reported once; at most 64 copies wait in flight (the oldest is then
+    waited for); the status word is never read synchronously."""
+    from fusedpar.kernels import waits
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(waits, "deferred_capable", lambda word: True)
+    monkeypatch.setattr(waits, "snapshot_buffers",
+                        lambda n: (torch.zeros(n, dtype=I32), [_FakeEvent() for _ in range(n)]))
+    monkeypatch.setitem(waits._statuses, dev, waits._Status(dev))  # a fresh word and no snapshots
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail("the deferred check read the word"))
+    check = functools.partial(check_wait_timeouts, dev, mode="deferred")
+    check("op A")  # snapshot: 0
+    status_word(dev).add_(2)  # two waits of op B's kernels give up
+    check("op B")  # op A's copy has landed (0); op B's queued: nothing raised by B itself
+    with pytest.raises(WaitTimeout, match=r"op B: 2 wait\(s\) gave up.*deferred check of a later op, op C"):
+        check("op C")
+    check("op D")  # reported once
+    monkeypatch.setattr(_FakeEvent, "landed", False)
+    monkeypatch.setattr(_FakeEvent, "synchronized", 0)
+    status_word(dev).add_(1)  # before op 0's copy
+    for i in range(64):  # copies that never land: op D's and 63 more in flight, then the oldest is waited for
+        check(f"op {i}")
+    assert _FakeEvent.synchronized == 1  # op D's copy (nothing new)
+    with pytest.raises(WaitTimeout, match="op 0: 1 wait"):
+        check("op 64")
+
+
 @pytest.mark.gpu
 def test_gpu_missing_flag_times_out():
     """Compiled: a flag that never comes ends in a WaitTimeout after the launch, not in a hung
-    device or a silently wrong result; with check_waits=False the count waits for wait_timeouts."""
+    device or a silently wrong result (sync: at once; deferred, the default: at the next check
+    once the snapshot has landed); with check_waits=False the count waits for wait_timeouts."""
     a = torch.randn(4, 64, 128, device="cuda", dtype=torch.float16)
     w = torch.randn(96, 128, device="cuda", dtype=torch.float16)
     wait_timeouts("cuda")  # clear
     flags = torch.tensor([1, 1, 0, 1], dtype=I32, device="cuda")
     with pytest.raises(WaitTimeout, match="persistent_matmul"):
         persistent_matmul(a, w, wait_flags=flags, max_spin=10_000, num_programs=4)
+        torch.cuda.synchronize()
+        check_wait_timeouts("cuda", "the next op")  # deferred (the default): the landed snapshot
     assert wait_timeouts("cuda") == 0
     persistent_matmul(a, w, wait_flags=flags, max_spin=10_000, num_programs=4, check_waits=False)
     torch.cuda.synchronize()

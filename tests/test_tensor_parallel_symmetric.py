@@ -26,7 +26,8 @@ from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, randn
 from _world import rank_rng, world_fixture
 from fusedpar.kernels import WaitTimeout, wait_timeouts
 from fusedpar.kernels import persistent_matmul_reference as ref_mm
-from fusedpar.kernels.waits import canonical_device, status_word
+from fusedpar.kernels import waits
+from fusedpar.kernels.waits import WAIT_CHECKS, canonical_device, status_word
 from fusedpar.ops.tensor_parallel import symmetric
 from fusedpar.ops.comm.symmetric import (
     GroupCache,
@@ -519,10 +520,13 @@ def test_gpu_reduce_waits_for_counters():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", WAIT_CHECKS)
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
-def test_gpu_wait_that_gives_up_raises(op):
-    """A producer later than the spin bound: the op raises WaitTimeout (compiled, not only
-    interpreted) instead of returning what it read without the data."""
+def test_gpu_wait_that_gives_up_raises(op, mode, monkeypatch):
+    """A producer later than the spin bound: WaitTimeout (compiled, not only interpreted), raised
+    by the op itself with FUSEDPAR_WAIT_CHECK=sync; by default (deferred) by the first check after
+    the op's snapshot landed (here the next call's), naming the op that timed out."""
+    monkeypatch.setattr(waits, "WAIT_CHECK", mode)
     g = torch.Generator().manual_seed(24)
     P, s, K, N = 4, 256, 256, 256
     x, w = randn(1, s, K, dtype=torch.float16, generator=g), randn(N, K, dtype=torch.float16, generator=g)
@@ -536,8 +540,13 @@ def test_gpu_wait_that_gives_up_raises(op):
         fn(x, w, transport=t, max_spin=1000)
     torch.cuda.synchronize()
     wait_timeouts("cuda")
-    with pytest.raises(WaitTimeout, match="gave up"):
+    name = "all_gather_matmul" if op == "all_gather" else "matmul_reduce_scatter"
+    late = ".*found by the deferred check of a later op" if mode == "deferred" else ""
+    with pytest.raises(WaitTimeout, match=rf"{name} \(symmetric\): \d+ wait\(s\) gave up{late}"):
         fn(x, w, transport=t, producer_delay_cycles=_delay_cycles(100), max_spin=1000)
+        if mode == "deferred":  # no host synchronisation in the op: the next op's check raises
+            torch.cuda.synchronize()
+            waits.check_wait_timeouts("cuda", "the next op")
     torch.cuda.synchronize()
     assert wait_timeouts("cuda") == 0  # reported once
 
