@@ -92,3 +92,70 @@ def test_harness_fails_on_timeout_instead_of_hanging():
 def test_check_divisible_message():
     with pytest.raises(ValueError, match=r"seq=10 must be divisible by the group size \(4\)"):
         check_divisible("seq", 10, 4)
+
+
+class _StreamAPI:
+    """Stand-ins for torch.cuda's Stream and Event that count what the emulated transport calls."""
+
+    def __init__(self):
+        self.calls = {"Stream": 0, "Event": 0, "record": 0, "wait_event": 0, "set_stream": 0, "record_stream": 0}
+        self.main = self.Stream(self)
+        self.current = self.main
+
+    class Stream:
+        def __init__(self, api, device=None):
+            self.api, self.device = api, torch.device("cuda", 0)
+            api.calls["Stream"] += 1
+
+        def wait_event(self, event):
+            self.api.calls["wait_event"] += 1
+
+    class Event:
+        def __init__(self, api):
+            api.calls["Event"] += 1
+            self.api = api
+
+        def record(self, stream=None):
+            self.api.calls["record"] += 1
+
+    def install(self, monkeypatch):
+        api = self
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: self.Stream(api, device))
+        monkeypatch.setattr(torch.cuda, "Event", lambda: self.Event(api))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: api.current)
+
+        def set_stream(s):
+            api.calls["set_stream"] += 1
+            api.current = s
+
+        def record_stream(t, s):
+            api.calls["record_stream"] += 1
+
+        monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+        monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+
+
+def test_emulated_transfers_create_nothing_per_transfer(monkeypatch):
+    """The emulated transport's side-stream path (CUDA only; here on CPU tensors with counting
+    stand-ins for streams and events): the side stream and its event ring are made once per
+    transport and device; inside an op's scope a transfer records two events and makes the side
+    stream wait for one, makes the side stream current around its copies only, calls no
+    record_stream, and the scope joins once; outside a scope the buffers are recorded on the side
+    stream; the copies happen and the current stream is the caller's afterwards."""
+    api = _StreamAPI()
+    api.install(monkeypatch)
+    t = comm.EmulatedTransport(4, 1)
+    cuda = torch.device("cuda", 0)
+    src, dst = torch.arange(6.0), torch.zeros(6)
+    for op in range(2):  # two ops: nothing made the second time
+        before = dict(api.calls)
+        with t.transfers(cuda):
+            for _ in range(5):
+                t._copies(cuda, [(dst, src)]).wait()
+        made = {k: api.calls[k] - before[k] for k in api.calls}
+        assert made == {"Stream": 1 - op, "Event": 16 * (1 - op), "record": 5 * 2 + 1, "wait_event": 5 * 2 + 1,
+                        "set_stream": 5 * 2, "record_stream": 0}, made
+        assert api.current is api.main and torch.equal(dst, src)
+    t._copies(cuda, [(dst, src)])  # no scope: nobody holds the buffers until a join
+    assert api.calls["record_stream"] == 2
+    assert t.transfers(torch.device("cpu")) is comm.transport.NO_SCOPE

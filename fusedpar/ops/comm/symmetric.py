@@ -136,11 +136,29 @@ def resolve_transport(transport, x: torch.Tensor, group=None) -> Transport:
         transport = DEFAULT_TRANSPORT
     check_transport_name(transport, TRANSPORTS)
     if transport == "portable" or collectives.group_size(group) == 1:
-        return PortableTransport(group)
+        return portable_transport(group)
     ok, reason = symmetric_status(x, group)
     if transport == "symmetric" and not ok:
         raise ValueError(f"transport='symmetric' is not available here: {reason}")
-    return SymmetricTransport(group) if ok else PortableTransport(group)
+    return SymmetricTransport(group) if ok else portable_transport(group)
+
+
+_portables = GroupCache()
+
+
+def portable_transport(group=None) -> PortableTransport:
+    """The :class:`PortableTransport` of ``group`` (``None``: the default group), made once per
+    group and kept while the group lives (with the buffers its schedules keep), so an op named by a
+    transport name builds no transport per call; a new one each call while torch.distributed is
+    not initialised."""
+    resolved = collectives.resolve_group(group)
+    if resolved is None:
+        return PortableTransport(group)
+    entries = _portables.entries(resolved)
+    t = entries.get("portable")
+    if t is None:
+        t = entries["portable"] = PortableTransport(resolved)
+    return t
 
 
 # ----------------------------------------------------------------------------------------------

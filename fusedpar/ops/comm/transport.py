@@ -17,6 +17,7 @@ chunk it delivers is used. Implementations:
 :func:`transport_from_id` resolves a transport id (:mod:`.keys`)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -29,6 +30,10 @@ from fusedpar.ops.comm.keys import register_transport, resolve_transport_id
 # SMs the emulation's waiting GEMM leaves free: peer copies run on copy engines, but a driver may
 # serve a same-device copy with a kernel, which must find an SM while the GEMM programs spin
 EMULATION_FREE_SMS = 2
+
+
+#: the context of a transport that needs none around an op's transfers
+NO_SCOPE = contextlib.nullcontext()
 
 
 class Transport:
@@ -46,6 +51,15 @@ class Transport:
         self.rank = rank
         #: the string that names this transport in an op's schema (:mod:`fusedpar.ops.common`)
         self.transport_id = register_transport(self)
+        #: buffers the schedules keep between calls, per purpose and shape
+        self.scratch: dict = {}
+
+    def transfers(self, device: torch.device):
+        """A context around one op's transfers on ``device``: while it is open the op holds every
+        buffer it passes to a transfer and waits for every handle before it ends, so a transport
+        need not protect the buffers from the allocator (no ``record_stream``), and it may resolve
+        its streams once per op and join its side stream once at the end. Default: nothing."""
+        return NO_SCOPE
 
     # --- point to point --------------------------------------------------------------------
     def send_recv(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None,
@@ -183,6 +197,41 @@ class _EventHandle:
             self._event = None
 
 
+_NO_COPY = _EventHandle(None)
+
+
+class SideStream:
+    """The side stream of one device and a ring of events made with it (an event is recorded
+    again only ``EVENTS`` transfers later: a handle not waited for by then makes its waiter wait for
+    a later copy, never for too little). Nothing here is created per transfer; ``scope``: the
+    current stream of the op scope open on this device (:meth:`EmulatedTransport.transfers`)."""
+
+    EVENTS = 16
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device=device)
+        self.events = [torch.cuda.Event() for _ in range(self.EVENTS)]
+        self.next = 0
+        self.scope = None
+
+    def event(self):
+        e = self.events[self.next]
+        self.next = (self.next + 1) % self.EVENTS
+        return e
+
+    def after(self, main) -> None:
+        """The side stream waits for the work queued so far on ``main``."""
+        e = self.event()
+        e.record(main)
+        self.stream.wait_event(e)
+
+    def mark(self):
+        """An event recorded on the side stream now."""
+        e = self.event()
+        e.record(self.stream)
+        return e
+
+
 class EmulatedTransport(Transport, SymmetricBuffers):
     """``size`` ranks in one process, this one being ``rank``; every peer mirrors this rank (see
     the module docstring). On a CUDA device the copies run on a side stream that first waits for
@@ -205,6 +254,27 @@ class EmulatedTransport(Transport, SymmetricBuffers):
         self.in_kernel_waits = in_kernel_waits
         self._streams: dict = {}
         self._workspaces: dict = {}
+
+    def transfers(self, device):
+        if device.type != "cuda":
+            return NO_SCOPE
+        return self._scope(self._side(device))
+
+    @contextlib.contextmanager
+    def _scope(self, side: SideStream):
+        """One op's transfers, all issued from the stream current when it opens (resolved once);
+        at the end that stream waits for the side stream (every copy of the op), so no buffer needs
+        ``record_stream``."""
+        if side.scope is not None:  # nested: the outer scope joins
+            yield
+            return
+        main = torch.cuda.current_stream(side.stream.device)
+        side.scope = main
+        try:
+            yield
+        finally:
+            side.scope = None
+            main.wait_event(side.mark())
 
     def __repr__(self):
         return (f"EmulatedTransport(size={self.size}, rank={self.rank}, copy_repeat={self.copy_repeat}, "
@@ -235,39 +305,46 @@ class EmulatedTransport(Transport, SymmetricBuffers):
     def free_sms(self, device):
         return EMULATION_FREE_SMS if torch.device(device).type == "cuda" else 0
 
-    def _side(self, device: torch.device):
+    def _side(self, device: torch.device) -> SideStream | None:
         s = self._streams.get(device)  # (a tensor's device: the key canonical_device gives it)
         if s is not None or device.type != "cuda":
             return s
         device = canonical_device(device)
         s = self._streams.get(device)
         if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device=device)
+            s = self._streams[device] = SideStream(device)
         return s
 
     def _copies(self, device: torch.device, pairs) -> _EventHandle:
-        """Run ``dst.copy_(src)`` for every pair, on the side stream when there is one."""
+        """Run ``dst.copy_(src)`` for every pair, on the side stream when there is one: after the
+        work queued so far on the current stream, with the side stream made current around the
+        copies only (torch enqueues a copy on the current stream), a ring event as the handle.
+        Outside an op scope (:meth:`transfers`) the buffers are also recorded on the side stream."""
         side = self._side(device)
         if side is None:
             for _ in range(self.copy_repeat):
                 for dst, src in pairs:
                     dst.copy_(src)
-            return _EventHandle(None)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+            return _NO_COPY
+        main = side.scope if side.scope is not None else torch.cuda.current_stream(device)
+        side.after(main)
+        torch.cuda.set_stream(side.stream)
+        try:
             for _ in range(self.copy_repeat):
                 for dst, src in pairs:
                     dst.copy_(src)
-            ev = torch.cuda.Event()
-            ev.record(side)
-        for dst, src in pairs:  # the caller's allocator must not reuse them before the copy ends
-            dst.record_stream(side)
-            src.record_stream(side)
+        finally:
+            torch.cuda.set_stream(main)
+        ev = side.mark()
+        if side.scope is None:  # nobody holds the buffers until a join: the allocator must know
+            for dst, src in pairs:
+                dst.record_stream(side.stream)
+                src.record_stream(side.stream)
         return _EventHandle(ev)
 
     def send_recv(self, send, dst, recv, src):
         if recv is None:
-            return _EventHandle(None)  # a send alone: the mirror peer receives it, nothing lands here
+            return _NO_COPY  # a send alone: the mirror peer receives it, nothing lands here
         if send is None:
             raise ValueError("EmulatedTransport.send_recv: a receive needs a send (the mirror peer sends "
                              "what this rank sends), got send=None")

@@ -78,9 +78,11 @@ def all_gather_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False
                                               gathered_out=gathered, agree=False)
         return out, preact, gathered
     ops = linear_operands(x, weight, bias, activation=opts.activation)  # every chunk: x's dtype, device and K
-    for src, chunk in ring_gather(x, t, into=gathered):
-        matmul_checked(chunk, weight, ops, out.narrow(d, src * n, n),
-                       preact_out=None if preact is None else preact[src].view(-1, n_w))
+    outs = out.split(n, dim=d)
+    with t.transfers(x.device):
+        for src, chunk in ring_gather(x, t, into=gathered):
+            matmul_checked(chunk, weight, ops, outs[src],
+                           preact_out=None if preact is None else preact[src].view(-1, n_w))
     return out, preact, gathered
 
 
@@ -122,17 +124,18 @@ def all_gather_matmul_bwd(grad_out, x, weight, preact, gathered, opts: TPOptions
     dx = None
     if need_dx:
         dx = torch.empty(lead + (weight.shape[1],), dtype=grad_out.dtype, device=grad_out.device)
-    if need_dx and not t.in_kernel_waits:
-        ring_reduce_scatter(a_chunk, weight, "kn", None, dx, t, opts.partial_dtype, between)
-    else:
-        if need_dx:  # the persistent reduce-scatter GEMM (weight.t() is a strided view, no copy)
-            a = dpre if dpre is not None else chunk_view(grad_out, d, P)
-            symmetric.matmul_reduce_scatter_symmetric(a, weight.t(), transport=t, partial_dtype=opts.partial_dtype,
-                                                      out=dx, chunked=True, agree=False)
-        for j in range(P):  # the weight gradient after it
-            between(j)
-    for _ in sources or ():  # exhausted already: closes the re-gather
-        pass
+    with t.transfers(grad_out.device):  # (the re-gather's transfers too)
+        if need_dx and not t.in_kernel_waits:
+            ring_reduce_scatter(a_chunk, weight, "kn", None, dx, t, opts.partial_dtype, between)
+        else:
+            if need_dx:  # the persistent reduce-scatter GEMM (weight.t() is a strided view, no copy)
+                a = dpre if dpre is not None else chunk_view(grad_out, d, P)
+                symmetric.matmul_reduce_scatter_symmetric(a, weight.t(), transport=t, partial_dtype=opts.partial_dtype,
+                                                          out=dx, chunked=True, agree=False)
+            for j in range(P):  # the weight gradient after it
+                between(j)
+        for _ in sources or ():  # exhausted already: closes the re-gather
+            pass
     db = sum_tokens(dpre if dpre is not None else grad_out).to(weight.dtype) if need_db else None
     return dx, (dw.result() if need_dw else None), db
 
@@ -152,7 +155,8 @@ def matmul_reduce_scatter_fwd(x, weight, bias, opts: TPOptions):
         symmetric.matmul_reduce_scatter_symmetric(x, weight, bias, transport=t, scatter_dim=d,
                                                   partial_dtype=opts.partial_dtype, out=out, agree=False)
     else:
-        ring_reduce_scatter(lambda c: x.narrow(d, c * n, n), weight, "nk", bias, out, t, opts.partial_dtype)
+        chunks = x.split(n, dim=d)
+        ring_reduce_scatter(chunks.__getitem__, weight, "nk", bias, out, t, opts.partial_dtype)
     return out
 
 
@@ -180,13 +184,14 @@ def matmul_reduce_scatter_bwd(grad_out, x, weight, opts: TPOptions, *, need_dx=T
     else:
         chunks = ring_gather(grad_out, t)
     ops = linear_operands(grad_out, weight, weight_layout="kn") if need_dx and not dgrad_done else None
-    for src, g in chunks:
-        if need_dx and not dgrad_done:
-            matmul_checked(g, weight, ops, dx.narrow(d, src * n, n), weight_layout="kn")
-        if need_dw:
-            dw.add(g, x.narrow(d, src * n, n))
-        if need_db:
-            db32 += sum_tokens(g)
+    with t.transfers(grad_out.device):
+        for src, g in chunks:
+            if need_dx and not dgrad_done:
+                matmul_checked(g, weight, ops, dx.narrow(d, src * n, n), weight_layout="kn")
+            if need_dw:
+                dw.add(g, x.narrow(d, src * n, n))
+            if need_db:
+                db32 += sum_tokens(g)
     return dx, (dw.result() if need_dw else None), (db32.to(weight.dtype) if need_db else None)
 
 

@@ -17,11 +17,31 @@ import math
 
 import torch
 
-from fusedpar.kernels import matmul, matmul_tn
+from fusedpar.kernels import matmul_tn
 from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
 from fusedpar.kernels.gemm import linear_operands, matmul_checked
 from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from fusedpar.ops.comm.transport import Transport
+
+
+def scratch(transport: Transport, key, make):
+    """Buffers a schedule keeps on ``transport`` between calls (``make()`` the first time for
+    ``key``: a purpose, shapes, dtype, device), taken out while the schedule uses them and put back
+    by :func:`keep_scratch`, so two schedules running at once never share them. On a GPU the next
+    call's writes are stream-ordered after this call's reads (one stream issues both, and a
+    transport's side stream waits for it before each copy)."""
+    cache = getattr(transport, "scratch", None)
+    bufs = cache.pop(key, None) if cache is not None else None
+    return make() if bufs is None else bufs
+
+
+def keep_scratch(transport: Transport, key, bufs) -> None:
+    """Put back what :func:`scratch` handed out (at most 64 keys per transport are kept)."""
+    cache = getattr(transport, "scratch", None)
+    if cache is not None:
+        if len(cache) >= 64:
+            cache.clear()
+        cache[key] = bufs
 
 
 def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None = None):
@@ -29,13 +49,16 @@ def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None
 
     The transfer of the next chunk is posted before the current one is yielded (so it is in flight
     while the caller computes) and waited on only when the caller asks for it. Receive buffers are
-    double-buffered, or with ``into`` (a ``[P, *x.shape]`` tensor) every chunk lands in its source
-    rank's slot ``into[src]`` (the local one copied there first), so that the caller may hold on to
-    every chunk (the gathered input kept for the weight gradient).
+    double-buffered (kept on the transport for the next call, :func:`scratch`), or with ``into`` (a
+    ``[P, *x.shape]`` tensor) every chunk lands in its source rank's slot ``into[src]`` (the local
+    one copied there first), so that the caller may hold on to every chunk (the gathered input kept
+    for the weight gradient). Run it inside ``transport.transfers(device)`` (every handle is waited
+    for before the generator ends).
     """
     P, r = transport.size, transport.rank
+    slots = into.unbind(0) if into is not None else None
     if into is not None:
-        cur = into[r]
+        cur = slots[r]
         if (cur.data_ptr(), cur.stride()) != (x.data_ptr(), x.stride()):  # (a caller may have written its slot)
             cur.copy_(x)
     else:
@@ -43,16 +66,22 @@ def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None
     if P == 1:
         yield r, cur
         return
-    bufs = None if into is not None else [torch.empty_like(cur) for _ in range(2)]
-    for j in range(P):
-        handle = None
-        if j + 1 < P:
-            nxt = into[(r - j - 1) % P] if into is not None else bufs[(j + 1) % 2]
-            handle = transport.ring_shift(cur, nxt)
-        yield (r - j) % P, cur
-        if handle is not None:
-            handle.wait()  # the chunk the caller is about to use next
-            cur = nxt
+    if into is None:
+        key = ("ring_gather", cur.shape, cur.dtype, cur.device)
+        slots = scratch(transport, key, lambda: (torch.empty_like(cur), torch.empty_like(cur)))
+    try:
+        for j in range(P):
+            handle = None
+            if j + 1 < P:
+                nxt = slots[(r - j - 1) % P] if into is not None else slots[(j + 1) % 2]
+                handle = transport.ring_shift(cur, nxt)
+            yield (r - j) % P, cur
+            if handle is not None:
+                handle.wait()  # the chunk the caller is about to use next
+                cur = nxt
+    finally:
+        if into is None:
+            keep_scratch(transport, key, slots)
 
 
 def chunk_gemm(weight, weight_layout: str = "nk"):
@@ -61,9 +90,10 @@ def chunk_gemm(weight, weight_layout: str = "nk"):
     weight, whose layout it knows).
 
     The chunks of one schedule share the operand's dtype, device and K, and the schedule makes
-    ``out`` and ``residual`` itself: ``matmul`` checks the first GEMM with each bias (and operand
-    dtype, device and K), later ones launch through ``matmul_checked`` without the checks (which
-    cost more host time than the launch, once per chunk)."""
+    ``out`` and ``residual`` itself (of ``matmul``'s shapes, a supported dtype, the operand's
+    device): ``linear_operands`` checks the operand, weight and bias of the first GEMM with each
+    bias (and operand dtype, device and K), every GEMM launches through ``matmul_checked`` (the
+    checks cost more host time than the launch, once per chunk)."""
     if hasattr(weight, "gemm"):
         return weight.gemm
     checked = {}  # (id(bias), dtype, device, K) -> (bias, LinearOperands); holding bias pins its id
@@ -72,9 +102,7 @@ def chunk_gemm(weight, weight_layout: str = "nk"):
         key = (id(bias), a.dtype, a.device, a.shape[-1])
         seen = checked.get(key)
         if seen is None:
-            matmul(a, weight, bias, weight_layout=weight_layout, out=out, residual=residual)
-            checked[key] = (bias, linear_operands(a, weight, bias, weight_layout=weight_layout))
-            return out
+            seen = checked[key] = (bias, linear_operands(a, weight, bias, weight_layout=weight_layout))
         return matmul_checked(a, weight, seen[1], out, residual=residual, weight_layout=weight_layout)
 
     return gemm
@@ -91,9 +119,18 @@ def _halves(length):
     return [(0, length // 2), (length // 2, length)]
 
 
+def _split(a, sizes, dim):
+    """``a`` in pieces of ``sizes`` along ``dim``: one ``split`` of a tensor, else (an operand
+    that knows ``narrow`` only, the fp8 rows) one ``narrow`` per piece."""
+    if isinstance(a, torch.Tensor):
+        return a.split(sizes, dim=dim)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [a.narrow(dim, lo, n) for lo, n in zip(starts, sizes)]
+
+
 def _partial_buffers(shapes, dtype, device):
     """``(send, recv)``: two double-buffered sets of ``shapes`` buffers, views of one allocation
-    (one allocator call per op instead of eight)."""
+    (made once per transport and shapes, :func:`scratch`)."""
     sizes = [math.prod(s) for s in shapes]
     flat = torch.empty(4 * sum(sizes), dtype=dtype, device=device)
     views, off = [], 0
@@ -116,7 +153,8 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
     the chunk is its own and the result (plus bias) is written into ``out``. Each step is split in
     two row halves, so that one half's partial travels while the other half's GEMM runs.
     ``between(j)`` (optional) runs after step ``j`` (independent work that also hides the
-    transfers, e.g. a weight gradient).
+    transfers, e.g. a weight gradient). The partial buffers are kept on the transport
+    (:func:`scratch`); the transfers run inside ``transport.transfers``.
     """
     P, r = transport.size, transport.rank
     gemm = chunk_gemm(weight, weight_layout)
@@ -126,26 +164,27 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
             between(0)
         return out
     sd = _split_dim(out)
-    parts = _halves(out.shape[sd])
-    shapes = [out.narrow(sd, lo, hi - lo).shape for lo, hi in parts]
-    send, recv = _partial_buffers(shapes, partial_dtype, out.device)
-    handles = [None] * len(parts)
-    for j in range(P):
-        a = a_chunk((r - j - 1) % P)
-        for h, (lo, hi) in enumerate(parts):
-            a_h = a.narrow(sd, lo, hi - lo)
-            residual = None
-            if j > 0:
-                handles[h].wait()  # the neighbour's partial for this half
-                residual = recv[(j - 1) % 2][h]
-            if j < P - 1:
-                dst = send[j % 2][h]
-                gemm(a_h, dst, None, residual)
-                handles[h] = transport.ring_shift(dst, recv[j % 2][h])
-            else:
-                gemm(a_h, out.narrow(sd, lo, hi - lo), bias, residual)
-        if between is not None:
-            between(j)
+    sizes = [hi - lo for lo, hi in _halves(out.shape[sd])]
+    outs = out.split(sizes, dim=sd)
+    key = ("ring_reduce_scatter", tuple(o.shape for o in outs), partial_dtype, out.device)
+    send, recv = bufs = scratch(transport, key, lambda: _partial_buffers(key[1], partial_dtype, out.device))
+    handles = [None] * len(sizes)
+    with transport.transfers(out.device):
+        for j in range(P):
+            for h, a_h in enumerate(_split(a_chunk((r - j - 1) % P), sizes, sd)):
+                residual = None
+                if j > 0:
+                    handles[h].wait()  # the neighbour's partial for this half
+                    residual = recv[(j - 1) % 2][h]
+                if j < P - 1:
+                    dst = send[j % 2][h]
+                    gemm(a_h, dst, None, residual)
+                    handles[h] = transport.ring_shift(dst, recv[j % 2][h])
+                else:
+                    gemm(a_h, outs[h], bias, residual)
+            if between is not None:
+                between(j)
+    keep_scratch(transport, key, bufs)
     return out
 
 
