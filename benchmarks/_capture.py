@@ -7,9 +7,11 @@ signature with Triton's argument specialisation for the target, the constexprs, 
 ``num_stages`` and the grid. An autotuned launch records every config of the tuner with the
 decision of its prune rule (kept configs are the ones the tuner can pick). :func:`compile_variant`
 then compiles one recorded variant with ``triton.compile`` for a ``GPUTarget`` and reads
-registers and spills from ``ptxas -v``, shared memory from Triton's metadata and the MMA
-instruction kind from the PTX. Results are cached on disk by Triton's source hash, the target
-and the options.
+registers and spills from ``ptxas -v``, shared memory from Triton's metadata, the MMA
+instruction kind from the PTX, and the load path and MMA counts from the SASS of the cubin
+(:mod:`benchmarks._sass`, disassembled in batches by :class:`SassBatch`). Results are cached on
+disk by Triton's source hash, the target and the options; a cached result without every field
+of :data:`RESULT_FIELDS` (written before a field existed) is compiled again.
 
 ``TRITON_INTERPRET`` must be unset in this process: the launchers take their compiled path.
 """
@@ -33,6 +35,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from ._sass import FIELDS as SASS_FIELDS
+from ._sass import disassemble, summarize_functions
 
 #: per architecture: compute capability, shared memory one program may use (bytes, the
 #: ``max_shared_mem`` torch/Triton report on H100 / A100), SM count of the flagship part
@@ -210,6 +215,8 @@ class Capture:
 # --------------------------------------------------------------------------------------------
 _PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+#: what a cached result must hold (one without the SASS fields predates them: compiled again)
+RESULT_FIELDS = ("regs", "spill_stores", "spill_loads", "stack", "shared", "mma") + SASS_FIELDS
 
 
 def mma_kind(ptx: str) -> str:
@@ -220,14 +227,66 @@ def mma_kind(ptx: str) -> str:
     return "-"
 
 
+def cache_path(cache_dir: str | None, key: str) -> str | None:
+    return os.path.join(cache_dir, f"{key}.json") if cache_dir else None
+
+
+def cached(path: str | None) -> dict | None:
+    """The cached result at ``path`` if it holds every field of :data:`RESULT_FIELDS`."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            res = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return res if all(k in res for k in RESULT_FIELDS) else None
+
+
+def store(path: str | None, res: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f)
+        os.replace(tmp, path)
+
+
+class SassBatch:
+    """Completes freshly compiled results (:func:`compile_variant`'s with a ``cubin``): every
+    ``batch_bytes`` of cubins, one ``nvdisasm`` call (:func:`benchmarks._sass.disassemble`) adds
+    their SASS fields in place, and they are cached. ``add`` returns the result it was given."""
+
+    def __init__(self, cc: int, cache_dir: str | None, batch_bytes: int = 2 << 20):
+        self.cc, self.cache_dir, self.batch_bytes = cc, cache_dir, batch_bytes
+        self.pending: list = []
+        self.size = 0
+
+    def add(self, key: str, res: dict) -> dict:
+        if "cubin" in res:
+            self.pending.append((key, res))
+            self.size += len(res["cubin"])
+            if self.size >= self.batch_bytes:
+                self.flush()
+        return res
+
+    def flush(self) -> None:
+        cubins = [res.pop("cubin") for _, res in self.pending]
+        for (key, res), funcs in zip(self.pending, disassemble(cubins, self.cc)):
+            res.update(summarize_functions(funcs))
+            store(cache_path(self.cache_dir, key), res)
+        self.pending, self.size = [], 0
+
+
 def compile_variant(job) -> dict:
     """``job = (key, module, kernel, signature, constexprs, attrs, options, cc, cache_dir)`` ->
-    ``{"regs", "spill_stores", "spill_loads", "stack", "shared", "mma"}`` or ``{"error": ...}``."""
+    a cached result (``{"regs", "spill_stores", "spill_loads", "stack", "shared", "mma"}`` and the
+    SASS fields, :data:`benchmarks._sass.FIELDS`), or a fresh one with its ``cubin`` instead of
+    the SASS fields (:class:`SassBatch` completes and caches it), or ``{"error": ...}``."""
     key, module, kernel, signature, constexprs, attrs, options, cc, cache_dir = job
-    path = os.path.join(cache_dir, f"{key}.json") if cache_dir else None
-    if path and os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+    res = cached(cache_path(cache_dir, key))
+    if res is not None:
+        return res
     fn = getattr(importlib.import_module(module), kernel)
     src = ASTSource(fn, signature, constexprs, attrs)
     knobs.nvidia.dump_ptxas_log = True
@@ -243,10 +302,5 @@ def compile_variant(job) -> dict:
     res = dict(regs=int(r.group(1)) if r else None, stack=int(m.group(1)) if m else None,
                spill_stores=int(m.group(2)) if m else None, spill_loads=int(m.group(3)) if m else None,
                shared=int(compiled.metadata.shared), mma=mma_kind(compiled.asm["ptx"]))
-    if path:
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f)
-        os.replace(tmp, path)
+    res["cubin"] = compiled.asm["cubin"]
     return res

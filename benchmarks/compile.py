@@ -1,6 +1,7 @@
 """``python -m benchmarks compile --arch sm_90|sm_80|all [--subset fast|full] [--precision ieee|tf32|both] [--json PATH]``:
 compile every kernel variant the shipped launchers can launch for an NVIDIA target, without a
-GPU, and report registers, spills, shared memory, the MMA kind and the prune decision.
+GPU, and report registers, spills, shared memory, the MMA kind, what the SASS says and the prune
+decision.
 
 The launchers run for real on ``meta`` tensors under :class:`benchmarks._capture.Capture`, so
 every constexpr is the compiled-path value and the autotuners' prune rules decide as they would
@@ -12,12 +13,28 @@ prune estimate within 5%, no bf16/fp16 spills, fp32 spills <= 256 B), which is h
 rules to the sm_80 figures without compiling for sm_80. ``--precision tf32`` captures the fp32
 launches of the GEMM, persistent, grouped and flash launchers with
 ``torch.backends.cuda.matmul.allow_tf32`` set (rows of dtype "tf32"); ``both`` adds that pass.
+
+Columns: ``regs`` / ``spill`` (bytes of spill stores) from ``ptxas -v``, ``shared`` from Triton's
+metadata, ``mma`` the MMA kind in the PTX, and from the SASS of the cubin (``cuobjdump -sass``,
+:mod:`benchmarks._sass`): ``loads`` the global-load kinds (``tma``: UTMALDG; ``ldgsts``: cp.async
+pointer loads into shared memory; ``ldg``: pointer loads into registers; joined by ``+``),
+``utmaldg`` / ``utmastg`` the TMA load / store instructions, ``gmma`` the warpgroup MMAs (HGMMA,
+QGMMA for fp8), ``mma_sync`` the warp-level ones (HMMA; QMMA is fp8 mma.sync on sm_89), and
+``loop``: ``<loads>/<mma kinds>`` of the main loop (the innermost loops holding an MMA or a TMA
+load, less a conditional region that stores to global memory, a flattened persistent loop's
+epilogue: ``tma/wgmma``, ``ldgsts/wgmma``, ``ldgsts/mma.sync``, ...). Counts are static
+instructions.
+``--require-tma PATTERN`` / ``--require-wgmma PATTERN`` (a regular expression searched in the
+kernel name) fail the check unless every launchable sm_90 variant of a matching kernel loads
+only through TMA / multiplies only with warpgroup MMAs in its main loop (with ``--against``: as
+the table records it; a table without the SASS columns fails the requirement as unknown).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -97,16 +114,18 @@ def compile_all(cap, jobs: int, cache_dir: str | None, pruned: bool):
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from ._capture import compile_variant
+    from ._capture import SassBatch, compile_variant
 
     todo = [v for v in cap.variants.values() if pruned or v.decision != "pruned"]
     work = [(v.key(cap.cc), v.module, v.kernel, v.signature, v.constexprs, v.attrs, v.options, cap.cc, cache_dir)
             for v in todo]
+    sass = SassBatch(cap.cc, cache_dir)  # the SASS of the fresh results, in batches as they come
     if jobs <= 1 or len(work) <= 1:
-        results = [compile_variant(w) for w in work]
+        results = [sass.add(w[0], compile_variant(w)) for w in work]
     else:
         with ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) as pool:
-            results = list(pool.map(compile_variant, work, chunksize=1))
+            results = [sass.add(w[0], r) for w, r in zip(work, pool.map(compile_variant, work, chunksize=1))]
+    sass.flush()
     return list(zip(todo, results))
 
 
@@ -128,6 +147,7 @@ def rows_of(arch: str, smem_limit: int, compiled) -> list[dict]:
                    config=f"{tile} w{cfg['num_warps']} s{cfg['num_stages']}", decision=v.decision,
                    estimate=v.estimate, shared=shared, regs=res.get("regs"), spill=res.get("spill_stores"),
                    mma=res.get("mma"), grid=max((c[2] for c in v.cases), key=len), error=res.get("error"))
+        row.update({k: res.get(k) for k in SASS_COLUMNS})
         row["est_err"] = (round(100.0 * (v.estimate - shared) / shared, 1)
                           if v.estimate is not None and shared else None)
         row["over_smem"] = bool(shared is not None and shared > smem_limit)
@@ -160,8 +180,10 @@ def problems(rows, fail_on_spill: bool) -> list[str]:
     return out
 
 
+#: what the SASS says (benchmarks/_sass.py); absent from tables written before them (unknown there)
+SASS_COLUMNS = ["loads", "utmaldg", "utmastg", "gmma", "mma_sync", "loop"]
 COLUMNS = ["family", "kernel", "dtype", "config", "decision", "estimate", "shared", "est_err", "regs", "spill", "mma",
-           "grid_ok", "cases"]
+           *SASS_COLUMNS, "grid_ok", "cases"]
 #: spill bytes an fp32 variant ("ieee": FMA dots, or "tf32") may have; bf16/fp16 variants must have none
 FP32_SPILL_LIMIT = 256
 FP32_DTYPES = ("float32", "tf32")
@@ -169,17 +191,24 @@ FP32_DTYPES = ("float32", "tf32")
 ESTIMATE_TOLERANCE = 0.05
 
 
-def table_rows(path: str) -> dict:
-    """The variant rows of a committed markdown table (``--markdown``), keyed by kernel, dtype,
-    config and cases."""
-    out = {}
+def read_table(path: str) -> list[dict]:
+    """The variant rows of a markdown table (``--markdown``) as dicts of strings, keyed by the
+    column names of the header above them: a table written before a column has no such key."""
+    out, header = [], None
     with open(path) as f:
         for line in f:
             p = [x.strip() for x in line.strip().strip("|").split(" | ")]
-            if len(p) == len(COLUMNS) and p[0] in FAMILIES:
-                r = dict(zip(COLUMNS, p))
-                out[(r["kernel"], r["dtype"], r["config"], r["cases"])] = r
+            if p[:2] == ["family", "kernel"]:
+                header = p
+            elif header and len(p) == len(header) and p[0] in FAMILIES:
+                out.append(dict(zip(header, p)))
     return out
+
+
+def table_rows(path: str) -> dict:
+    """The variant rows of a committed markdown table (:func:`read_table`), keyed by kernel,
+    dtype, config and cases."""
+    return {(r["kernel"], r["dtype"], r["config"], r["cases"]): r for r in read_table(path)}
 
 
 def against_table(rows, table: dict) -> list[str]:
@@ -200,6 +229,42 @@ def against_table(rows, table: dict) -> list[str]:
             out.append(f"prune estimate {r['estimate']} B vs the compiler's {shared} B: {what}")
         if spill > (FP32_SPILL_LIMIT if r["dtype"] in FP32_DTYPES else 0):
             out.append(f"spills {spill} B: {what}")
+    return out
+
+
+def with_recorded_sass(rows, table: dict) -> list[dict]:
+    """``rows`` (captured, not compiled) with the SASS columns the committed ``table`` records
+    for them (None where it has no such row or column)."""
+    out = []
+    for r in rows:
+        t = table.get((r["kernel"], r["dtype"], r["config"].strip(), r["cases"]), {})
+        out.append({**r, **{k: t.get(k) for k in SASS_COLUMNS}})
+    return out
+
+
+REQUIREMENTS = {"require_tma": (0, "tma", "loads only through TMA"),
+                "require_wgmma": (1, "wgmma", "multiplies only with warpgroup MMAs")}
+
+
+def unmet_requirements(rows, patterns: dict) -> list[str]:
+    """``patterns``: ``{"require_tma" | "require_wgmma": regex or None}``. Every launchable sm_90
+    variant of a kernel whose name matches must have a main loop (``loop``) that loads only through
+    TMA / multiplies only with warpgroup MMAs; a pattern that matches no launchable sm_90 variant
+    (while sm_90 was captured) is a problem too: it would gate nothing."""
+    out = []
+    for name, pattern in patterns.items():
+        if not pattern:
+            continue
+        part, want, what = REQUIREMENTS[name]
+        flag = "--" + name.replace("_", "-")
+        hits = [r for r in rows if r["arch"] == "sm_90" and r["decision"] != "pruned" and re.search(pattern, r["kernel"])]
+        if not hits and any(r["arch"] == "sm_90" for r in rows):
+            out.append(f"{flag} {pattern!r} matches no launchable sm_90 variant")
+        for r in hits:
+            loop = r.get("loop")
+            if not loop or loop == "-" or loop.split("/")[part] != want:
+                out.append(f"{flag}: main loop {loop or 'unknown (no SASS figures)'}, not one that {what}: "
+                           f"{r['kernel']} {r['dtype']} {r['config']} ({r['cases']})")
     return out
 
 
@@ -226,21 +291,24 @@ def unsupported_markdown(cap) -> str:
 
 
 def summary(rows) -> str:
-    """Per kernel: launchable variants, how many spill, the largest spill, the worst estimate error."""
+    """Per kernel: launchable variants, how many spill, the largest spill, the worst estimate
+    error, the main loops' kinds (SASS ``loop``)."""
     by = {}
     for r in rows:
         if r["decision"] == "pruned" or r["error"]:
             continue
         kind = {"float32": "fp32", "tf32": "tf32"}.get(r["dtype"], "bf16/fp16")
-        s = by.setdefault((r["arch"], r["kernel"], kind), [0, 0, 0, 0.0])
+        s = by.setdefault((r["arch"], r["kernel"], kind), [0, 0, 0, 0.0, set()])
         s[0] += 1
         s[1] += bool(r["spill"])
         s[2] = max(s[2], r["spill"] or 0)
         if r["est_err"] is not None:
             s[3] = max(s[3], abs(r["est_err"]))
-    lines = ["| arch | kernel | dtypes | launchable | spilling | max spill B | max |est err| % |", "|---|---|---|---|---|---|---|"]
-    for (arch, k, kind), (n, ns, mx, err) in sorted(by.items()):
-        lines.append(f"| {arch} | {k} | {kind} | {n} | {ns} | {mx} | {err:.1f} |")
+        s[4].add(r.get("loop") or "?")
+    lines = ["| arch | kernel | dtypes | launchable | spilling | max spill B | max |est err| % | main loops |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (arch, k, kind), (n, ns, mx, err, loops) in sorted(by.items()):
+        lines.append(f"| {arch} | {k} | {kind} | {n} | {ns} | {mx} | {err:.1f} | {', '.join(sorted(loops))} |")
     return "\n".join(lines)
 
 
@@ -265,23 +333,35 @@ def add_args(p):
     p.add_argument("--against", metavar="TABLE",
                    help="compile nothing: check the launchable variants against a committed --markdown table "
                         "(recorded, estimate within 5%%, no bf16/fp16 spills, fp32 spills <= 256 B)")
+    p.add_argument("--require-tma", metavar="PATTERN",
+                   help="fail unless every launchable sm_90 variant of a kernel whose name matches this regular "
+                        "expression loads only through TMA (UTMALDG) in its main loop")
+    p.add_argument("--require-wgmma", metavar="PATTERN",
+                   help="fail unless every launchable sm_90 variant of a kernel whose name matches this regular "
+                        "expression runs only warpgroup MMAs (HGMMA / QGMMA) in its main loop")
 
 
 def _check_against(args) -> int:
     from ._capture import ARCHS
 
-    table, bad, n, unsupported = table_rows(args.against), [], 0, 0
+    table, bad, n, unsupported, recorded = table_rows(args.against), [], 0, 0, []
     for arch in (list(ARCHS) if args.arch == "all" else [args.arch]):
         cap = capture(arch, args.subset, tuple(args.family), args.cases, args.precision)
         rows = rows_of(arch, cap.smem, [(v, {}) for v in cap.variants.values()])
         n += sum(r["decision"] != "pruned" for r in rows)
         unsupported += len(cap.unsupported)
         bad += against_table(rows, table)
+        recorded += with_recorded_sass(rows, table)
+    bad += unmet_requirements(recorded, requirements(args))
     print(f"{n} launchable variants checked against {args.against}; {len(bad)} problem(s)"
           + (f"; {unsupported} case(s) unsupported on this architecture" if unsupported else ""))
     for b in bad:
         print("  " + b)
     return 1 if bad else 0
+
+
+def requirements(args) -> dict:
+    return {name: getattr(args, name) for name in REQUIREMENTS}
 
 
 def main(argv=None) -> int:
@@ -298,13 +378,20 @@ def main(argv=None) -> int:
     t0 = time.time()
     if args.against:
         return _check_against(args)
+    from ._sass import tool_path
+
+    try:
+        tool_path("nvdisasm")
+        tool_path("cuobjdump")
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from e
     all_rows, text = [], []
     for arch in (list(ARCHS) if args.arch == "all" else [args.arch]):
         cap = capture(arch, args.subset, tuple(args.family), args.cases, args.precision)
         rows = rows_of(arch, cap.smem, compile_all(cap, args.jobs, args.cache_dir or None, args.pruned))
         all_rows += rows
         text += [markdown(rows, arch)] + ([unsupported_markdown(cap)] if cap.unsupported else [])
-    bad = problems(all_rows, args.fail_on_spill)
+    bad = problems(all_rows, args.fail_on_spill) + unmet_requirements(all_rows, requirements(args))
     report = "\n\n".join(text + ["### summary (launchable variants)", "", summary(all_rows)])
     print(report)
     print(f"\n{len(all_rows)} variants compiled in {time.time() - t0:.1f} s; {len(bad)} problem(s)")
