@@ -21,6 +21,7 @@ from _world import rank_rng
 from fusedpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
 from fusedpar.ops.tensor_parallel.api import gather_features, scatter_features
+from fusedpar.ops.tensor_parallel.custom_ops import tp_options
 from fusedpar.ops.comm.transport import EmulatedTransport
 
 # CPU tensors under the interpreter (opcheck, aot_eager); on a GPU the compiled check is the block test
@@ -43,10 +44,10 @@ def _forward_cases(transport_id, P, g):
     K = 5
     return [
         # all_gather_matmul: gated activation, pre-activation and gathered input kept
-        (OPS.all_gather_matmul, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), transport_id, 1,
-                                 "swiglu", F32, True, True, True)),
+        (OPS.all_gather_matmul, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True),
+                                 tp_options(transport_id, 1, F32, "swiglu", True, True, True))),
         (OPS.matmul_reduce_scatter, (_r(g, 2, 3 * P, K, grad=True), _r(g, 4, K, grad=True), _r(g, 4, grad=True),
-                                     transport_id, 1, F32)),
+                                     tp_options(transport_id, 1, F32))),
         (OPS.matmul_all_reduce, (_r(g, 3, K, grad=True), _r(g, 4, K, grad=True), _r(g, 4, grad=True), transport_id, 2, F32)),
         (OPS.copy_to_tp_matmul, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), transport_id,
                                  "geglu", 2, F32, True)),

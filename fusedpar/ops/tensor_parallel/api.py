@@ -40,6 +40,7 @@ from fusedpar.ops.tensor_parallel.custom_ops import (
     matmul_reduce_scatter_op,
     replicated_rows_op,
     scatter_features_op,
+    tp_options,
 )
 from fusedpar.ops.tensor_parallel.schedules import check_linear_args
 
@@ -207,8 +208,8 @@ def all_gather_matmul(
                                                        save_gathered_input and need_dw, x_q, x_scale, return_fp8)
         return _with_fp8(out, q, scale, return_fp8)
     keep = return_gathered or (save_gathered_input and need_dw)
-    out, _, gathered = all_gather_matmul_op(x, weight, bias, transport_id, dim, activation, partial_dtype,
-                                            _grad_needed(x, weight, bias), keep, keep and need_dw)
+    out, _, gathered = all_gather_matmul_op(x, weight, bias, tp_options(
+        transport_id, dim, partial_dtype, activation, _grad_needed(x, weight, bias), keep, keep and need_dw))
     if not return_gathered:
         return out
     # [P, *x.shape] by source rank -> concatenated along the gather dim (a copy made only on request)
@@ -269,7 +270,7 @@ def matmul_reduce_scatter(
         x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
         return matmul_reduce_scatter_fp8_op(x, weight, bias, transport_id, dim, partial_dtype, fp8, fp8_grad_high_precision,
                                             x_q, x_scale)
-    return matmul_reduce_scatter_op(x, weight, bias, transport_id, dim, partial_dtype)
+    return matmul_reduce_scatter_op(x, weight, bias, tp_options(transport_id, dim, partial_dtype))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,6 +45,35 @@ from fusedpar.ops.tensor_parallel.schedules import (
 )
 
 
+#: the dtypes an options string names (:func:`tp_options`), by name and back
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_parsed: dict = {}
+
+
+def tp_options(transport_id: str, dim: int, partial_dtype: torch.dtype, activation: str = "none",
+               *flags: bool) -> str:
+    """The one string argument that carries a tensor-parallel forward op's options in its schema:
+    ``"dim|activation|dtype|flags|transport id"`` (flags as ``0`` / ``1``; the transport id last, so
+    it may hold any character). One argument instead of up to seven: torch's custom-op autograd
+    fills the defaults of every schema argument on every call that needs a gradient, at a cost
+    quadratic in their number. Plain string formatting of constants (Dynamo folds it)."""
+    bits = "".join("1" if f else "0" for f in flags)
+    return f"{dim}|{activation}|{_DTYPE_NAMES[partial_dtype]}|{bits}|{transport_id}"
+
+
+def parse_tp_options(options: str) -> tuple:
+    """``(transport_id, dim, partial_dtype, activation, *flags)`` of :func:`tp_options` (cached)."""
+    found = _parsed.get(options)
+    if found is None:
+        dim, activation, dtype, bits, transport_id = options.split("|", 4)
+        if len(_parsed) >= 4096:
+            _parsed.clear()
+        found = _parsed[options] = (transport_id, int(dim), _DTYPES[dtype], activation,
+                                    *(b == "1" for b in bits))
+    return found
+
+
 def _grads_fake(like_dx, weight, need_dx, need_dw, need_db, n_db=None):
     """Fake ``(dx, dW, db)``: ``like_dx``'s shape in its dtype, the weight's, ``[n_db]`` rows."""
     dx = torch.empty_like(like_dx) if need_dx else absent(weight)
@@ -66,9 +95,10 @@ def _input_grads(op, ctx, dx=None, dw=None, db=None):
 
 
 @custom_op("all_gather_matmul")
-def all_gather_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, transport_id: str, dim: int, activation: str,
-                         partial_dtype: torch.dtype, keep_preact: bool, keep_gathered: bool,
-                         save_gathered: bool) -> tuple[Tensor, Tensor, Tensor]:
+def all_gather_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``options``: :func:`tp_options` of (transport id, dim, partial dtype, activation, keep_preact,
+    keep_gathered, save_gathered)."""
+    transport_id, dim, partial_dtype, activation, keep_preact, keep_gathered, _ = parse_tp_options(options)
     opts = TPOptions(tp_transport(transport_id, x), dim, activation, partial_dtype)
     out, preact, gathered = all_gather_matmul_fwd(x, weight, bias, opts, keep_preact=keep_preact,
                                                   keep_gathered=keep_gathered)
@@ -76,7 +106,8 @@ def all_gather_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, transpo
 
 
 @all_gather_matmul_op.register_fake
-def _(x, weight, bias, transport_id, dim, activation, partial_dtype, keep_preact, keep_gathered, save_gathered):
+def _(x, weight, bias, options):
+    transport_id, dim, _, activation, keep_preact, keep_gathered, _ = parse_tp_options(options)
     P, lead = transport_id_size(transport_id), list(x.shape[:-1])
     out_lead = list(lead)
     out_lead[dim] = out_lead[dim] * P
@@ -104,7 +135,8 @@ def _(grad_out, x, gathered, weight, preact, transport_id, dim, activation, part
 
 
 def _ag_setup(ctx, inputs, output):
-    x, weight, bias, transport_id, dim, activation, partial_dtype, keep_preact, _, save_gathered = inputs
+    x, weight, bias, options = inputs
+    transport_id, dim, partial_dtype, activation, keep_preact, _, save_gathered = parse_tp_options(options)
     _, preact, gathered = output
     ctx.args = (transport_id, dim, activation, partial_dtype)
     ctx.transports = hold(transport_id)
@@ -127,14 +159,16 @@ all_gather_matmul_op.register_autograd(_ag_backward, setup_context=_ag_setup)
 
 
 @custom_op("matmul_reduce_scatter")
-def matmul_reduce_scatter_op(x: Tensor, weight: Tensor, bias: Tensor | None, transport_id: str, dim: int,
-                             partial_dtype: torch.dtype) -> Tensor:
+def matmul_reduce_scatter_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> Tensor:
+    """``options``: :func:`tp_options` of (transport id, dim, partial dtype)."""
+    transport_id, dim, partial_dtype, _ = parse_tp_options(options)
     return matmul_reduce_scatter_fwd(x, weight, bias, TPOptions(tp_transport(transport_id, x), dim,
                                                                 partial_dtype=partial_dtype))
 
 
 @matmul_reduce_scatter_op.register_fake
-def _(x, weight, bias, transport_id, dim, partial_dtype):
+def _(x, weight, bias, options):
+    transport_id, dim, _, _ = parse_tp_options(options)
     shape = list(x.shape[:-1]) + [weight.shape[0]]
     shape[dim] = shape[dim] // transport_id_size(transport_id)
     return x.new_empty(shape)
@@ -156,7 +190,8 @@ def _(grad_out, x, weight, transport_id, dim, partial_dtype, need_dx, need_dw, n
 
 
 def _rs_setup(ctx, inputs, output):
-    x, weight, _, transport_id, dim, partial_dtype = inputs
+    x, weight, _, options = inputs
+    transport_id, dim, partial_dtype, _ = parse_tp_options(options)
     ctx.args = (transport_id, dim, partial_dtype)
     ctx.transports = hold(transport_id)
     ctx.save_for_backward(x, weight)
