@@ -33,7 +33,7 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.autotuner import Autotuner
 
-__all__ = ["LaunchPlan", "PlanCache", "build_plan", "clear_plans", "describe", "launch_kernel"]
+__all__ = ["LaunchPlan", "LaunchRecord", "PlanCache", "build_plan", "clear_plans", "describe", "launch_kernel"]
 
 #: every plan cache, so :func:`clear_plans` reaches them all
 _CACHES: list["PlanCache"] = []
@@ -117,7 +117,27 @@ class LaunchPlan(_Applies):
         if stream is None:
             return False
         self.call(tensors, stream)
+        if _RECORDS:
+            _RECORDS[-1].append((self, tensors))
         return True
+
+
+#: the open :class:`LaunchRecord` lists (the innermost last)
+_RECORDS: list = []
+
+
+class LaunchRecord(list):
+    """``with LaunchRecord() as rec:`` -- ``rec`` holds ``(plan, tensors)`` for every
+    :class:`LaunchPlan` that launched inside the block (not the launches that took Triton's path):
+    what a caller needs to launch the same plans again with other tensors of the same key."""
+
+    def __enter__(self):
+        _RECORDS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _RECORDS.remove(self)
+        return False
 
 
 #: argument types written into a plan's launch function as literals

@@ -21,7 +21,7 @@ from _world import rank_rng
 from fusedpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from fusedpar.ops import all_gather_matmul, copy_to_tp_matmul, matmul_all_reduce, matmul_reduce_scatter
 from fusedpar.ops.tensor_parallel.api import gather_features, scatter_features
-from fusedpar.ops.tensor_parallel.custom_ops import tp_options
+from fusedpar.ops.tensor_parallel.bodies import tp_options
 from fusedpar.ops.comm.transport import EmulatedTransport
 
 # CPU tensors under the interpreter (opcheck, aot_eager); on a GPU the compiled check is the block test

@@ -40,8 +40,8 @@ from fusedpar.ops.tensor_parallel.custom_ops import (
     matmul_reduce_scatter_op,
     replicated_rows_op,
     scatter_features_op,
-    tp_options,
 )
+from fusedpar.ops.tensor_parallel.bodies import tp_options
 from fusedpar.ops.tensor_parallel.schedules import check_linear_args
 
 

@@ -21,9 +21,11 @@ from fusedpar.ops.fp8.bodies import fp8_linear_bwd
 from fusedpar.ops.fp8.operands import Fp8Pack, Fp8Rows, Fp8Weight, Fp8WeightGrad, rows_of, token_scaled
 from fusedpar.ops.tensor_parallel import symmetric
 from fusedpar.ops.tensor_parallel.schedules import (
+    ChunkGemms,
     WeightGrad,
     activation_backward,
     chunked_matmul_all_reduce,
+    op_key,
     ring_gather,
     ring_reduce_scatter,
     sum_tokens,
@@ -44,6 +46,35 @@ class TPOptions:
     activation: str = "none"
     partial_dtype: torch.dtype = torch.float32
     num_chunks: int = 1
+
+
+#: the dtypes an options string names (:func:`tp_options`), by name and back
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_parsed: dict = {}
+
+
+def tp_options(transport_id: str, dim: int, partial_dtype: torch.dtype, activation: str = "none",
+               *flags: bool) -> str:
+    """The one string argument that carries a tensor-parallel forward op's options in its schema:
+    ``"dim|activation|dtype|flags|transport id"`` (flags as ``0`` / ``1``; the transport id last, so
+    it may hold any character). One argument instead of up to seven: torch's custom-op autograd
+    fills the defaults of every schema argument on every call that needs a gradient, at a cost
+    quadratic in their number. Plain string formatting of constants (Dynamo folds it)."""
+    bits = "".join("1" if f else "0" for f in flags)
+    return f"{dim}|{activation}|{_DTYPE_NAMES[partial_dtype]}|{bits}|{transport_id}"
+
+
+def parse_tp_options(options: str) -> tuple:
+    """``(transport_id, dim, partial_dtype, activation, *flags)`` of :func:`tp_options` (cached)."""
+    found = _parsed.get(options)
+    if found is None:
+        dim, activation, dtype, bits, transport_id = options.split("|", 4)
+        if len(_parsed) >= 4096:
+            _parsed.clear()
+        found = _parsed[options] = (transport_id, int(dim), _DTYPES[dtype], activation,
+                                    *(b == "1" for b in bits))
+    return found
 
 
 def tp_transport(transport_id: str, x: torch.Tensor):
@@ -78,11 +109,14 @@ def all_gather_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False
                                               gathered_out=gathered, agree=False)
         return out, preact, gathered
     ops = linear_operands(x, weight, bias, activation=opts.activation)  # every chunk: x's dtype, device and K
-    outs = out.split(n, dim=d)
+    outs = out.split_with_sizes([n] * P, d)
+    preacts = None if preact is None else preact.view(P, -1, n_w).unbind(0)
+    gemms = ChunkGemms(weight)
+    gemms.plan(op_key(t, "ag", ops, x, extra=(d, preact is not None, gathered is not None)))
     with t.transfers(x.device):
         for src, chunk in ring_gather(x, t, into=gathered):
-            matmul_checked(chunk, weight, ops, outs[src],
-                           preact_out=None if preact is None else preact[src].view(-1, n_w))
+            gemms(chunk, outs[src], ops=ops, preact_out=None if preacts is None else preacts[src])
+    gemms.finish()
     return out, preact, gathered
 
 
@@ -155,7 +189,7 @@ def matmul_reduce_scatter_fwd(x, weight, bias, opts: TPOptions):
         symmetric.matmul_reduce_scatter_symmetric(x, weight, bias, transport=t, scatter_dim=d,
                                                   partial_dtype=opts.partial_dtype, out=out, agree=False)
     else:
-        chunks = x.split(n, dim=d)
+        chunks = x.split_with_sizes([n] * t.size, d)
         ring_reduce_scatter(chunks.__getitem__, weight, "nk", bias, out, t, opts.partial_dtype)
     return out
 

@@ -35,6 +35,7 @@ from fusedpar.ops.tensor_parallel.bodies import (
     matmul_reduce_scatter_fp8_bwd,
     matmul_reduce_scatter_fp8_fwd,
     matmul_reduce_scatter_fwd,
+    parse_tp_options,
     replicated_rows_bwd,
     replicated_rows_fwd,
     tp_transport,
@@ -43,35 +44,6 @@ from fusedpar.ops.tensor_parallel.bodies import (
 from fusedpar.ops.tensor_parallel.schedules import (
     sum_tokens,
 )
-
-
-#: the dtypes an options string names (:func:`tp_options`), by name and back
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_parsed: dict = {}
-
-
-def tp_options(transport_id: str, dim: int, partial_dtype: torch.dtype, activation: str = "none",
-               *flags: bool) -> str:
-    """The one string argument that carries a tensor-parallel forward op's options in its schema:
-    ``"dim|activation|dtype|flags|transport id"`` (flags as ``0`` / ``1``; the transport id last, so
-    it may hold any character). One argument instead of up to seven: torch's custom-op autograd
-    fills the defaults of every schema argument on every call that needs a gradient, at a cost
-    quadratic in their number. Plain string formatting of constants (Dynamo folds it)."""
-    bits = "".join("1" if f else "0" for f in flags)
-    return f"{dim}|{activation}|{_DTYPE_NAMES[partial_dtype]}|{bits}|{transport_id}"
-
-
-def parse_tp_options(options: str) -> tuple:
-    """``(transport_id, dim, partial_dtype, activation, *flags)`` of :func:`tp_options` (cached)."""
-    found = _parsed.get(options)
-    if found is None:
-        dim, activation, dtype, bits, transport_id = options.split("|", 4)
-        if len(_parsed) >= 4096:
-            _parsed.clear()
-        found = _parsed[options] = (transport_id, int(dim), _DTYPES[dtype], activation,
-                                    *(b == "1" for b in bits))
-    return found
 
 
 def _grads_fake(like_dx, weight, need_dx, need_dw, need_db, n_db=None):

@@ -14,13 +14,16 @@ carries its own (fp8). :func:`activation_backward` is the activations' closed-fo
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 from fusedpar.kernels import matmul_tn
 from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
 from fusedpar.kernels.gemm import linear_operands, matmul_checked
-from fusedpar.kernels.runtime import ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from fusedpar.kernels.launch import LaunchRecord, PlanCache, describe
+from fusedpar.kernels.runtime import (ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, input_precision,
+                                      interpreting)
 from fusedpar.ops.comm.transport import Transport
 
 
@@ -86,26 +89,106 @@ def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None
 
 def chunk_gemm(weight, weight_layout: str = "nk"):
     """``gemm(a, out, bias=None, residual=None)``: ``out = a @ W (+ bias) (+ residual)`` with
-    ``matmul`` and ``weight`` in ``weight_layout``, or ``weight``'s own ``gemm`` (a quantised fp8
-    weight, whose layout it knows).
-
-    The chunks of one schedule share the operand's dtype, device and K, and the schedule makes
-    ``out`` and ``residual`` itself (of ``matmul``'s shapes, a supported dtype, the operand's
-    device): ``linear_operands`` checks the operand, weight and bias of the first GEMM with each
-    bias (and operand dtype, device and K), every GEMM launches through ``matmul_checked`` (the
-    checks cost more host time than the launch, once per chunk)."""
+    ``matmul`` and ``weight`` in ``weight_layout`` (a :class:`ChunkGemms`), or ``weight``'s own
+    ``gemm`` (a quantised fp8 weight, whose layout it knows)."""
     if hasattr(weight, "gemm"):
         return weight.gemm
-    checked = {}  # (id(bias), dtype, device, K) -> (bias, LinearOperands); holding bias pins its id
+    return ChunkGemms(weight, weight_layout)
 
-    def gemm(a, out, bias=None, residual=None):
+
+#: ``{op key: ((plan, slots), ...)}``: the chunk GEMMs' launch plans of one op call (:class:`ChunkGemms`)
+_OP_PLANS = PlanCache(limit=1024)
+
+
+class ChunkGemms:
+    """The chunk GEMMs of one call of a schedule: ``gemms(a, out, bias=None, residual=None, *,
+    ops=None, preact_out=None)`` is ``matmul_checked``. The chunks share the operand's dtype,
+    device and K, and the schedule makes ``out`` and ``residual`` itself (of ``matmul``'s shapes, a
+    supported dtype, the operand's device): ``linear_operands`` checks the operand, weight and
+    bias of the first GEMM with each bias (:meth:`operands`), no later one is checked (the checks
+    cost more host time than the launch).
+
+    After :meth:`plan` with an op key -- everything each chunk GEMM's own plan key follows from:
+    the caller's operands described, the schedule's structure (the transport's size and rank); the
+    buffers a schedule makes are fresh allocations or views at offsets that follow from the key --
+    a call whose every GEMM launched through its launch plan is recorded (:meth:`finish`), and a
+    later call with the key launches the recorded plans with its own tensors in their slots,
+    without forming a key per GEMM (a plan that does not apply now takes ``matmul_checked``)."""
+
+    __slots__ = ("weight", "layout", "checked", "key", "steps", "done", "record", "streams")
+
+    def __init__(self, weight, weight_layout: str = "nk"):
+        self.weight, self.layout = weight, weight_layout
+        self.checked = {}  # (id(bias), dtype, device, K) -> (bias, LinearOperands); holding bias pins its id
+        self.key = self.steps = self.record = self.streams = None
+        self.done = 0
+
+    def operands(self, a, bias=None):
         key = (id(bias), a.dtype, a.device, a.shape[-1])
-        seen = checked.get(key)
+        seen = self.checked.get(key)
         if seen is None:
-            seen = checked[key] = (bias, linear_operands(a, weight, bias, weight_layout=weight_layout))
-        return matmul_checked(a, weight, seen[1], out, residual=residual, weight_layout=weight_layout)
+            seen = self.checked[key] = (bias, linear_operands(a, self.weight, bias, weight_layout=self.layout))
+        return seen[1]
 
-    return gemm
+    def plan(self, key) -> None:
+        """Replay the GEMMs of an earlier call with op key ``key``, or record this call's."""
+        if key is None or interpreting():
+            return
+        self.key, self.steps = key, _OP_PLANS.find(key)
+        self.record = [] if self.steps is None else None
+        if self.steps is not None:  # where each distinct plan applies now: its stream (None: it does not)
+            self.streams = {id(plan): plan.stream() for plan, _ in self.steps}
+
+    def __call__(self, a, out, bias=None, residual=None, *, ops=None, preact_out=None):
+        ops = ops or self.operands(a, bias)
+        steps = self.steps
+        if steps is not None and self.done < len(steps):
+            plan, slots = steps[self.done]
+            self.done += 1
+            stream = self.streams[id(plan)]  # (the current stream is the op's at every GEMM of a schedule)
+            if stream is not None:
+                plan.call(slots((a, self.weight, out, ops.bias, residual, preact_out)), stream)
+                return out
+        elif self.record is not None:
+            with LaunchRecord() as rec:
+                matmul_checked(a, self.weight, ops, out, residual=residual, preact_out=preact_out,
+                               weight_layout=self.layout)
+            self.record.append(_slots_of(rec, (a, self.weight, out, ops.bias, residual, preact_out)))
+            return out
+        return matmul_checked(a, self.weight, ops, out, residual=residual, preact_out=preact_out,
+                              weight_layout=self.layout)
+
+    def finish(self) -> None:
+        """Keep a recorded call's plans for its key (each GEMM launched by exactly one plan)."""
+        if self.record and all(step is not None for step in self.record):
+            _OP_PLANS.keep(self.key, tuple(self.record))
+        self.record = None
+
+
+def _slots_of(rec, named):
+    """``(plan, slots)`` of the one plan launch in ``rec``: ``slots(named)`` the launch's tensors
+    taken from ``named`` by position (found by identity); None where it was not one launch of those."""
+    if len(rec) != 1:
+        return None
+    plan, tensors = rec[0]
+    slots = []
+    for t in tensors:
+        pos = next((i for i, n in enumerate(named) if n is t), None)
+        if pos is None:
+            return None
+        slots.append(pos)
+    pick = operator.itemgetter(*slots)
+    return plan, (pick if len(slots) > 1 else lambda named: (pick(named),))
+
+
+def op_key(transport: Transport, kind: str, ops, *tensors, extra=()):
+    """The op key of a schedule's :class:`ChunkGemms` (None where the operands carry none): the
+    schedule ``kind``, the transport's size and rank, ``ops``' weight / bias / activation part, each
+    tensor described, the operand dtype's dot precision (TF32 follows torch's setting), ``extra``."""
+    if not ops.plan_part:
+        return None
+    precision = input_precision(tensors[0].dtype)
+    return (kind, transport.size, transport.rank, ops.plan_part, precision, extra) + tuple(describe(t) for t in tensors)
 
 
 def _split_dim(t):
@@ -123,7 +206,7 @@ def _split(a, sizes, dim):
     """``a`` in pieces of ``sizes`` along ``dim``: one ``split`` of a tensor, else (an operand
     that knows ``narrow`` only, the fp8 rows) one ``narrow`` per piece."""
     if isinstance(a, torch.Tensor):
-        return a.split(sizes, dim=dim)
+        return a.split_with_sizes(sizes, dim)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [a.narrow(dim, lo, n) for lo, n in zip(starts, sizes)]
 
@@ -165,26 +248,34 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
         return out
     sd = _split_dim(out)
     sizes = [hi - lo for lo, hi in _halves(out.shape[sd])]
-    outs = out.split(sizes, dim=sd)
+    outs = out.split_with_sizes(sizes, sd)
     key = ("ring_reduce_scatter", tuple(o.shape for o in outs), partial_dtype, out.device)
     send, recv = bufs = scratch(transport, key, lambda: _partial_buffers(key[1], partial_dtype, out.device))
+    chunks = [a_chunk(c) for c in range(P)]
+    ops = ops_bias = None
+    if isinstance(gemm, ChunkGemms):  # every GEMM's plan key follows from the chunks, out, bias and weight
+        ops, ops_bias = gemm.operands(chunks[0]), gemm.operands(chunks[0], bias)
+        gemm.plan(op_key(transport, "rs", ops_bias, out, *chunks, extra=(partial_dtype, between is None)))
+    gemm_kw, last_kw = ({"ops": ops}, {"ops": ops_bias}) if ops is not None else ({}, {})
     handles = [None] * len(sizes)
     with transport.transfers(out.device):
         for j in range(P):
-            for h, a_h in enumerate(_split(a_chunk((r - j - 1) % P), sizes, sd)):
+            for h, a_h in enumerate(_split(chunks[(r - j - 1) % P], sizes, sd)):
                 residual = None
                 if j > 0:
                     handles[h].wait()  # the neighbour's partial for this half
                     residual = recv[(j - 1) % 2][h]
                 if j < P - 1:
                     dst = send[j % 2][h]
-                    gemm(a_h, dst, None, residual)
+                    gemm(a_h, dst, None, residual, **gemm_kw)
                     handles[h] = transport.ring_shift(dst, recv[j % 2][h])
                 else:
-                    gemm(a_h, outs[h], bias, residual)
+                    gemm(a_h, outs[h], bias, residual, **last_kw)
             if between is not None:
                 between(j)
     keep_scratch(transport, key, bufs)
+    if isinstance(gemm, ChunkGemms):
+        gemm.finish()
     return out
 
 
@@ -196,7 +287,7 @@ def chunked_matmul_all_reduce(x, weight, weight_layout, bias, transport: Transpo
     reduced in ``reduce_dtype`` and rounded to ``x.dtype`` at the end.
     """
     P, r = transport.size, transport.rank
-    gemm = chunk_gemm(weight, weight_layout)
+    gemm = weight.gemm if hasattr(weight, "gemm") else ChunkGemms(weight, weight_layout)
     n_out = weight.shape[0] if weight_layout == "nk" else weight.shape[1]
     lead = tuple(x.shape[:-1])
     M = int(torch.Size(lead).numel())

@@ -1,0 +1,38 @@
+"""Whole-op launch plans of the ring schedules (``schedules.ChunkGemms``): a call of an op key seen
+before launches every chunk GEMM's recorded plan with its own tensors, without a per-GEMM key.
+``tests/_op_plan_world.py`` runs Triton's real launch path (binder, specialisation, cache key) with
+the compiler and the driver replaced, in a subprocess without the interpreter; here its report is
+checked case by case."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES = ["ag_gelu_bias", "ag_seq_dim", "rs_misaligned", "rs_aligned_same_shape", "rs_bias", "rs_fp16_partials",
+         "ag_backward"]
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_op_plan_world.py")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_replayed_op_launches_what_tritons_path_does(report, case):
+    """Every chunk GEMM of the replayed call: the same kernel specialisation, grid, stream and
+    arguments (inputs by identity, buffers by shape, strides, dtype and address mod 16) as Triton's
+    own path, with the op plans of every other case present; the replay calls no matmul_checked."""
+    r = report[case]
+    assert r["launches"] >= 4 and r["per_gemm_same"] and r["replayed_same"], r
+    assert r["checked_calls_in_replay"] == 0
+
+
+def test_each_case_keeps_its_own_op_plans(report):
+    assert report["op_plans"] == len(CASES) + 1  # (the backward case: its forward and its reduce-scatter)
