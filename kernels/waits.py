@@ -198,7 +198,7 @@ def ready_word(device, value, name: str = "ready_value") -> torch.Tensor:
         return word
     if isinstance(value, torch.Tensor):
         check_tensor(name, value, dtypes=(torch.int32,))
-        if value.numel() != 1 or value.device != canonical_device(device):
+        if value.numel() != 1 or (value.device != device and value.device != canonical_device(device)):
             raise ValueError(f"{name} must be an int or a 1-element int32 tensor on {canonical_device(device)}, got "
                              f"shape {tuple(value.shape)} on {value.device}")
         return value

@@ -132,6 +132,8 @@ class SymmetricWorkspace:
         self.tensor, self.nbytes, self.handle = tensor, nbytes, handle
         self.counter_base = 0
         self.ready = torch.zeros(1, dtype=torch.int32, device=tensor.device)
+        #: views a schedule lays over the buffer, per shape (made once per workspace)
+        self.views: dict = {}
 
     def typed(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """The ``shape`` tensor of ``dtype`` at byte ``offset`` of the buffer (a view)."""
@@ -282,6 +284,9 @@ class EmulatedTransport(Transport, SymmetricBuffers):
 
     # --- symmetric buffers: this rank's own, read by the mirror rule ------------------------
     def symmetric_workspace(self, purpose, device, nbytes):
+        ws = self._workspaces.get((purpose, device))  # (a tensor's device: the key canonical_device gives it)
+        if ws is not None and ws.nbytes >= nbytes:
+            return ws
         device = canonical_device(device)
         return cached_workspace(self._workspaces, (purpose, device), nbytes,
                                 lambda size: SymmetricWorkspace(torch.zeros(size, dtype=torch.uint8, device=device), size))

@@ -52,6 +52,11 @@ class ChunkFlags:
         else:
             self.i32[chunk:chunk + 1].fill_(READY)
 
+    def raise_flags(self, chunks) -> None:
+        """:meth:`raise_flag` of every chunk in ``chunks`` at once (one write where they need no
+        order among themselves: on CPU, where the consumer starts after them all)."""
+        self.i32.index_fill_(0, device_ints(chunks, self.i32.device), READY)
+
     def reset(self) -> None:
         """Every flag back to 0 on the current stream: after the consumer and the producers of a
         call (joined), before the next call's producers (forked after it)."""
@@ -70,10 +75,12 @@ _int_tensors: dict = {}
 def chunk_flags(device: torch.device, chunks: int) -> ChunkFlags:
     """The ready flags of ``device`` (at least ``chunks`` of them), shared by every call there.
     Every spelling of one device (``"cuda"``, ``"cuda:0"``) names the same flags."""
-    device = canonical_device(device)
-    f = _flags.get(device)
+    f = _flags.get(device)  # (a tensor's device: the key canonical_device gives it)
     if f is None or f.u32.numel() < chunks:
-        f = _flags[device] = ChunkFlags(max(chunks, 64), device)
+        device = canonical_device(device)
+        f = _flags.get(device)
+        if f is None or f.u32.numel() < chunks:
+            f = _flags[device] = ChunkFlags(max(chunks, 64), device)
     return f
 
 
@@ -101,19 +108,25 @@ def join_side_stream(device, side):
         torch.cuda.current_stream(device).wait_stream(side)
 
 
-def pull_chunks(gathered: torch.Tensor, sources, order, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0):
-    """On the side stream: for ``c`` in ``order`` copy ``sources(c)`` into ``gathered[c]`` with
+def pull_chunks(gathered, sources, order, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0):
+    """On the side stream: for ``c`` in ``order`` copy ``sources(c)`` into ``gathered[c]`` (a
+    tensor's chunk, or a sequence of chunk views, on the flags' device) with
     ``copy(dst, src)`` (default ``dst.copy_(src)``) and raise flag ``c``. The side stream first
     waits for the current stream (the local chunk, the barrier, and the previous call's readers
     of ``gathered``). ``delay_cycles`` sleeps on the side stream first (tests: a late producer).
     Returns the side stream (``None`` on CPU, where the copies run right away: the interpreter's
     consumer must find its flags set before it starts); join it after the consuming kernel."""
     check_int("delay_cycles", delay_cycles, min_value=0)
-    side = fork_side_stream(gathered.device)
+    device = flags.i32.device
+    side = fork_side_stream(device)
     if delay_cycles and side is None:
-        raise ValueError(f"delay_cycles must be 0 on {gathered.device} (it sleeps on a CUDA producer stream), "
-                         f"got {delay_cycles}")
+        raise ValueError(f"delay_cycles must be 0 on {device} (it sleeps on a CUDA producer stream), got {delay_cycles}")
     copy = copy or (lambda dst, src: dst.copy_(src))
+    if side is None:  # program order: every copy lands before the consumer is launched
+        for c in order:
+            copy(gathered[c], sources(c))
+        flags.raise_flags(tuple(order))
+        return None
     with on_stream(side):
         if delay_cycles:
             torch.cuda._sleep(int(delay_cycles))
@@ -126,9 +139,11 @@ def pull_chunks(gathered: torch.Tensor, sources, order, flags: ChunkFlags, *, co
 def device_ints(values, device) -> torch.Tensor:
     """A cached int64 device tensor of ``values``: made once (a synchronous host-to-device copy),
     then reused, so that no call blocks the host on a stream that waits for peers."""
-    device = canonical_device(device)
-    key = (device, tuple(values))
-    t = _int_tensors.get(key)
+    values = tuple(values)
+    t = _int_tensors.get((device, values))  # (a tensor's device: the key canonical_device gives it)
     if t is None:
-        t = _int_tensors[key] = torch.tensor(values, dtype=torch.int64, device=device)
+        device = canonical_device(device)
+        t = _int_tensors.get((device, values))
+        if t is None:
+            t = _int_tensors[device, values] = torch.tensor(values, dtype=torch.int64, device=device)
     return t

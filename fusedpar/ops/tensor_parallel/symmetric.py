@@ -163,9 +163,7 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     nx, ns = x.numel() * x.element_size(), x_scale.numel() * 4 if fp8 else 0
     row = max(16 * cdiv((xb := 16 * cdiv(nx, 16)) + ns, 16), 16)  # an empty shard's slot: 16 B
     ws = t.symmetric_workspace("all_gather", x.device, P * row)
-    slots = ws.typed(0, (P, row), torch.uint8)
-    gathered = slots[:, :nx].view(x.dtype).view((P,) + tuple(x.shape))
-    g_scale = slots[:, xb:xb + ns].view(torch.float32).view((P,) + tuple(x_scale.shape)) if fp8 else None
+    gathered, g_scale, dsts, srcs = _ag_views(t, ws, x, x_scale if fp8 else None, row, xb)
     flags = chunk_flags(x.device, P)
     t.symmetric_barrier(ws, 0)  # every peer finished reading our slot in the previous call
     gathered[r].copy_(x)
@@ -174,8 +172,7 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     t.symmetric_barrier(ws, 1)  # every slot holds its owner's shard
     flags.raise_flag(r)
     order = [(r + i) % P for i in range(1, P)]
-    side = pull_chunks(slots, lambda c: t.peer_slot(ws, slots, c, c), order, flags, copy=t.peer_copy,
-                       delay_cycles=producer_delay_cycles)
+    side = pull_chunks(dsts, srcs.__getitem__, order, flags, copy=t.peer_copy, delay_cycles=producer_delay_cycles)
     if num_programs is None:
         num_programs = default_num_programs(x.device, reserve=t.free_sms(x.device))
     persistent_matmul(
@@ -197,6 +194,23 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
 # ----------------------------------------------------------------------------------------------
 # matmul_reduce_scatter over symmetric buffers
 # ----------------------------------------------------------------------------------------------
+def _ag_views(t, ws, x, x_scale, row, xb):
+    """The views of one all-gather shape over ``ws`` (made once per workspace and shape): the
+    gathered chunks (and scales), and per chunk its slot and the peer's slot it is pulled from."""
+    P, r = t.size, t.rank
+    key = ("all_gather", P, r, row, xb, x.dtype, tuple(x.shape), None if x_scale is None else tuple(x_scale.shape))
+    views = ws.views.get(key)
+    if views is None:
+        nx, slots = x.numel() * x.element_size(), ws.typed(0, (P, row), torch.uint8)
+        gathered = slots[:, :nx].view(x.dtype).view((P,) + tuple(x.shape))
+        g_scale = None
+        if x_scale is not None:
+            g_scale = slots[:, xb:xb + x_scale.numel() * 4].view(torch.float32).view((P,) + tuple(x_scale.shape))
+        srcs = [None if c == r else t.peer_slot(ws, slots, c, c) for c in range(P)]
+        views = ws.views[key] = (gathered, g_scale, slots.unbind(0), srcs)
+    return views
+
+
 def _rs_order(r: int, P: int):
     """Peers in the order they complete the partial of chunk ``r``: peer ``j`` computes chunk
     ``r`` at step ``(r - j - 1) mod P``, so ``r - 1`` first and ``r`` itself last."""
@@ -231,8 +245,11 @@ def _rs_begin(t, xv, n, partial_dtype, config):
     head = (4 * P + 255) // 256 * 256  # counters first: a fixed place whatever later shapes are
     ws = t.symmetric_workspace("reduce_scatter", xv.device,
                                head + P * int(torch.Size(chunk_shape).numel()) * partial_dtype.itemsize)
-    counters = ws.typed(0, (P,), torch.int32)
-    partials = ws.typed(head, (P,) + chunk_shape, partial_dtype)
+    key = ("reduce_scatter", P, head, chunk_shape, partial_dtype)
+    views = ws.views.get(key)
+    if views is None:
+        views = ws.views[key] = (ws.typed(0, (P,), torch.int32), ws.typed(head, (P,) + chunk_shape, partial_dtype))
+    counters, partials = views
     per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), n, kernel_config(config, n, xv.dtype))
     base = ws.counter_base
     t.symmetric_barrier(ws, 0)
