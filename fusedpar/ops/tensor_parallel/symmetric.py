@@ -294,9 +294,15 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
                             out_dtype or (x.dtype if sv is None else torch.bfloat16))
         _check_delay(producer_delay_cycles, x.device)
     ws, counters, partials, ready = _rs_begin(t, xv, n, partial_dtype, config)
-    order = _rs_order(r, P)
-    peer_off = device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], x.device)
-    cnt_off = device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], x.device)
+    key = ("reduce", P, r, tuple(partials.shape), partial_dtype)
+    reduce_args = ws.views.get(key)
+    if reduce_args is None:  # the peers' partials and counters, this rank's running sum: once per workspace and shape
+        order = _rs_order(r, P)
+        reduce_args = ws.views[key] = (
+            device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], x.device),
+            device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], x.device),
+            torch.empty(max(partials[0].numel(), 1), dtype=torch.float32, device=x.device))
+    peer_off, cnt_off, acc = reduce_args
     side = fork_side_stream(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
     if producer_delay_cycles:
         torch.cuda._sleep(int(producer_delay_cycles))
@@ -305,10 +311,8 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
                       weight_scale=weight_scale, scaling=scaling)
     with on_stream(side):  # enqueued after the GEMM whose counters it waits for: no launch-order stall
         chunk_reduce(partials, peer_off, r, out=out, bias=bias, counters=counters if wait else None,
-                     counter_offsets=cnt_off if wait else None, ready_value=ready,
+                     counter_offsets=cnt_off if wait else None, ready_value=ready, workspace=acc,
                      num_programs=reduce_sms if x.is_cuda else None, max_spin=max_spin, check_waits=False)
-    join_side_stream(x.device, side)
-    if side is not None:
-        out.record_stream(side)
+    join_side_stream(x.device, side)  # (out, written on the side stream, is held until here: no record_stream)
     check_wait_timeouts(x.device, "matmul_reduce_scatter (symmetric)")
     return out
