@@ -4,6 +4,10 @@
 scale per 1x128 tile, what the blockwise recipe's next fp8 GEMM reads) against the same GEMM
 followed by ``quantize_e4m3(y, "tile")`` (the same bits: checked equal before timing), as
 ``fp8_out_ms`` / ``unfused_fp8_ms`` / ``fp8_out_speedup``.
+
+Each row records what ran (``fusedpar.kernels.gemm_loads.last_launch``): the tuned ``config``, the
+``loads`` (``tma``: tensor descriptors, persistent over the SMs; ``pointer``) and ``persistent``.
+``--loads pointer`` forces pointer loads (the pre-TMA path) for a same-run comparison.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ def _add_args(p):
                    help="off GPU (smoke mode) each size is capped at 64")
     p.add_argument("--epilogue", choices=["none", "bias", "gelu", "swiglu"], default="none",
                    help="fused epilogue; the baseline runs the same epilogue as separate torch ops")
+    p.add_argument("--loads", choices=["auto", "pointer"], default="auto",
+                   help="the GEMM load path: auto (TMA where it applies) or pointer (kernels/gemm_loads.py)")
     p.add_argument("--fp8-out", action="store_true",
                    help="also time the fused e4m3 output against the GEMM + quantize_e4m3 (needs fp8 tensor cores "
                         "on a GPU)")
@@ -32,7 +38,9 @@ def run(args, ctx):
     import torch.nn.functional as F
 
     from fusedpar.kernels import matmul, quantize_e4m3
+    from fusedpar.kernels.gemm_loads import last_launch, set_load_path
 
+    set_load_path(args.loads)
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
     shapes = [ctx.smoke_shape(s) for s in args.shapes] if args.shapes else (GPU_SHAPES if ctx.gpu else SMOKE_SHAPES)
     epi = args.epilogue
@@ -72,10 +80,11 @@ def run(args, ctx):
             "M": M, "N": N, "K": K, "dtype": str(dtype).replace("torch.", ""), "epilogue": epi,
             "fusedpar_ms": t_ours, "torch_ms": t_base,
             "fusedpar_TFLOPs": tflops(flops, t_ours), "torch_TFLOPs": tflops(flops, t_base),
-            "ratio_vs_torch": t_base / t_ours, "max_rel_err": err,
+            "ratio_vs_torch": t_base / t_ours, "max_rel_err": err, **last_launch("matmul"),
         })
         if args.fp8_out:
             rows[-1].update(_fp8_out_columns(ctx, nxt, matmul, quantize_e4m3, activation))
+    set_load_path("auto")
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     return rows

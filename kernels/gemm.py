@@ -23,20 +23,20 @@ import triton.language as tl
 
 from .checks import (check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same, check_supported_dtype,
                      cpu_launches, output_buffer)
-from .fp8 import store_e4m3_tiles, to_fp32
-from .gemm_core import gemm_epilogue, gemm_mainloop, grouped_tile
-from .gemm_fp8_epilogue import (FP8_OUT_CONFIGS, FP8_OUT_INTERPRETER_CONFIG, check_fp8_output, fp8_output_args,
-                                fp8_output_configs, quantize_output)
+from .gemm_configs import (EPILOGUE_ACC_BUDGET, INTERPRETER_CONFIG, SYNC_TIGHT_ACC_BUDGET, TUNING_KEY, gpu_configs,
+                           interpreter_config, prune_gemm_configs, smem_estimate, tile_rule, tma_gpu_configs)
+from .gemm_core import gemm_mainloop, gemm_store, grouped_tile, operand_descriptors, split_columns
+from .gemm_fp8_epilogue import FP8_OUT_CONFIGS, check_fp8_output, fp8_output_args, quantize_output
+from .gemm_loads import ensure_scratch_allocator, note_launch, num_programs, tma_capable, tma_layout
 from .launch import PlanCache, build_plan, describe
-from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, RowView, acc_budget_for, activation_reference, aligned,
-                      autotuned, cdiv, device_capability, input_precision, interpreting,
-                      needs_upcast, on_device, pipelined, prune_tile_configs, row_offsets, shared_memory_limit,
-                      tile_smem_bytes, uses_wgmma)
+from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, RowView, activation_reference, autotuned, cdiv, input_precision,
+                      interpreting, needs_upcast, on_device, row_offsets)
 
 __all__ = [
-    "INTERPRETER_CONFIG", "LinearOperands", "gpu_configs", "linear_operands", "EPILOGUE_ACC_BUDGET",
-    "SYNC_TIGHT_ACC_BUDGET", "matmul", "matmul_checked", "matmul_reference", "matmul_tn",
+    # the tile rules, from .gemm_configs (the persistent and linear cross-entropy GEMMs import them here)
+    "EPILOGUE_ACC_BUDGET", "INTERPRETER_CONFIG", "SYNC_TIGHT_ACC_BUDGET", "TUNING_KEY", "gpu_configs",
     "smem_estimate", "tile_rule",
+    "LinearOperands", "linear_operands", "matmul", "matmul_checked", "matmul_reference", "matmul_tn",
 ]
 
 
@@ -58,161 +58,96 @@ def _gemm_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_AUX: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, FP8_OUT: tl.constexpr, Q_M_SPLIT: tl.constexpr, S_M_SPLIT: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, TMA: tl.constexpr, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr = 1,
 ):
+    """With TMA loads a persistent program walks tiles ``pid, pid + programs, ...`` in grouped
+    order (the loop flattened with the K loop, so the next tile's loads overlap this one's
+    epilogue); with pointer loads a program computes tile ``pid``. Each tile: the core's main
+    loop, then its epilogue, per column half of the tile with ``EPILOGUE_SPLIT`` 2."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(ACT >= 0 and ACT <= 4, "unknown activation code")
+    tl.static_assert(EPILOGUE_SPLIT == 1 or EPILOGUE_SPLIT == 2, "the epilogue runs on the tile or its halves")
+    tl.static_assert(not FP8_OUT or (BLOCK_N // EPILOGUE_SPLIT) % 128 == 0, "the fp8 output needs whole 1x128 tiles")
+    tl.static_assert(not TMA or not (A_M_SPLIT or A_K_SPLIT or B_K_SPLIT), "TMA loads plain 2-D views")
+    pid = tl.program_id(0)
+    if TMA:
+        a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N + glu_offset, K, s_am1, s_ak1, s_bk1, s_bn,
+                                             A_KMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+        programs = tl.num_programs(0)
+        # the epilogue's own tile counter (tutorial 09): its indices do not depend on the main loop's
+        tile_c = pid - programs
+        for tile in tl.range(pid, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), programs, flatten=True):
+            tile_c += programs
+            _gemm_tile(tile, tile_c, a_ptr, b_ptr, c_ptr, bias_ptr, r_ptr, aux_ptr, a_desc, b_desc, M, N, K,
+                       a_m_inner, s_am0, s_am1, a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1, s_bn, glu_offset,
+                       c_m_inner, s_cm0, s_cm1, s_cn, r_m_inner, s_rm0, s_rm1, s_rn, s_xm, s_xn,
+                       q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles,
+                       A_M_SPLIT, A_K_SPLIT, B_K_SPLIT, C_M_SPLIT, R_M_SPLIT, HAS_BIAS, HAS_RES, STORE_AUX, ACT, GLU,
+                       UPCAST, EVEN_K, INPUT_PRECISION, FP8_OUT, Q_M_SPLIT, S_M_SPLIT, EMULATE, TMA, A_KMAJOR,
+                       B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SPLIT)
+    else:
+        _gemm_tile(pid, pid, a_ptr, b_ptr, c_ptr, bias_ptr, r_ptr, aux_ptr, a_ptr, b_ptr, M, N, K,
+                   a_m_inner, s_am0, s_am1, a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1, s_bn, glu_offset,
+                   c_m_inner, s_cm0, s_cm1, s_cn, r_m_inner, s_rm0, s_rm1, s_rn, s_xm, s_xn,
+                   q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles,
+                   A_M_SPLIT, A_K_SPLIT, B_K_SPLIT, C_M_SPLIT, R_M_SPLIT, HAS_BIAS, HAS_RES, STORE_AUX, ACT, GLU,
+                   UPCAST, EVEN_K, INPUT_PRECISION, FP8_OUT, Q_M_SPLIT, S_M_SPLIT, EMULATE, TMA, A_KMAJOR,
+                   B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SPLIT)
 
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
+@triton.jit
+def _gemm_tile(
+    tile, tile_c, a_ptr, b_ptr, c_ptr, bias_ptr, r_ptr, aux_ptr, a_desc, b_desc, M, N, K,
+    a_m_inner, s_am0, s_am1, a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1, s_bn, glu_offset,
+    c_m_inner, s_cm0, s_cm1, s_cn, r_m_inner, s_rm0, s_rm1, s_rn, s_xm, s_xn,
+    q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles,
+    A_M_SPLIT: tl.constexpr, A_K_SPLIT: tl.constexpr, B_K_SPLIT: tl.constexpr, C_M_SPLIT: tl.constexpr,
+    R_M_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE_AUX: tl.constexpr,
+    ACT: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    FP8_OUT: tl.constexpr, Q_M_SPLIT: tl.constexpr, S_M_SPLIT: tl.constexpr, EMULATE: tl.constexpr,
+    TMA: tl.constexpr, A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+):
+    """Output tile ``tile`` of ``_gemm_kernel`` (``tile_c``: the same index, counted apart for the
+    epilogue)."""
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = rm < M
-    n_mask = rn < N
-
-    a_rows = row_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
-    b_cols = rn.to(tl.int64) * s_bn
-    b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
     acc, acc_up = gemm_mainloop(
-        a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K,
-        a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1,
+        a_ptr, b_ptr, row_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT), rn.to(tl.int64) * s_bn,
+        (rn + glu_offset).to(tl.int64) * s_bn, rm < M, rn < N, K, a_k_inner, s_ak0, s_ak1, b_k_inner, s_bk0, s_bk1,
         A_K_SPLIT, B_K_SPLIT, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, glu_offset, TMA, A_KMAJOR, B_KMAJOR,
     )
-
-    # ---- epilogue: bias, activation (gated or not), residual / accumulate, store ----
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    aux_off = rm.to(tl.int64)[:, None] * s_xm + rn.to(tl.int64)[None, :] * s_xn
-    acc = gemm_epilogue(acc, acc_up, rn, n_mask, out_mask, bias_ptr, aux_ptr, aux_off, glu_offset, s_xn,
-                        HAS_BIAS, STORE_AUX, ACT, GLU, EMULATE)
-    if HAS_RES:
-        r_off = row_offsets(rm, r_m_inner, s_rm0, s_rm1, R_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_rn
-        acc += tl.load(r_ptr + r_off, mask=out_mask, other=0.0).to(tl.float32)
-    c_off = row_offsets(rm, c_m_inner, s_cm0, s_cm1, C_M_SPLIT)[:, None] + rn.to(tl.int64)[None, :] * s_cn
-    c = acc.to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + c_off, c, mask=out_mask)
-    if FP8_OUT:  # C per 1x128 tile as stored, widened again (what quantize_e4m3 of C loads) into q, s
-        store_e4m3_tiles(tl.where(out_mask, to_fp32(c, EMULATE), 0.0),
-                         q_ptr + row_offsets(rm, q_m_inner, s_qm0, s_qm1, Q_M_SPLIT),
-                         s_ptr + row_offsets(rm, sc_m_inner, s_sm0, s_sm1, S_M_SPLIT), rn, out_mask, m_mask,
-                         pid_n * (BLOCK_N // 128), n_tiles, EMULATE, BLOCK_M, BLOCK_N)
-
-
-# --------------------------------------------------------------------------------------------
-# Configurations: a fixed small one under the interpreter, an autotuned pruned list on GPU
-# --------------------------------------------------------------------------------------------
-INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
-
-
-def gpu_configs():
-    """Candidate tile shapes for Hopper/Ampere (tutorial 03 style), pruned per problem below."""
-    configs = []
-    for bm, bn, bk, stages, warps in [
-        (128, 256, 64, 3, 8),
-        (256, 128, 64, 3, 8),
-        (128, 128, 64, 4, 8),
-        (128, 128, 64, 4, 4),
-        (128, 256, 32, 4, 8),
-        (64, 256, 32, 4, 4),
-        (128, 64, 64, 4, 4),
-        (64, 128, 64, 4, 4),
-        (128, 64, 64, 4, 8),  # 8 warps: a gated / fused epilogue's accumulators fit in registers
-        (64, 128, 64, 4, 8),
-        (128, 32, 64, 4, 4),
-        (64, 64, 32, 3, 8),  # BLOCK_K 32: problems whose loads do not vectorise (unaligned strides or K)
-        (64, 64, 32, 4, 4),
-        (32, 64, 32, 4, 4),
-        (64, 64, 64, 4, 4),
-        (32, 64, 64, 5, 2),
-    ]:
-        configs.append(
-            triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), num_stages=stages, num_warps=warps)
-        )
-    return configs
-
-
-#: fp32 accumulator elements per thread the GEMM epilogues can hold without spilling (sm_90 and
-#: sm_80, ``python -m benchmarks compile``): 128 with a plain epilogue (bias, residual, accumulate);
-#: 64 with a fused one (activation, gated pair, pre-activation store, residual on split rows),
-#: whose activation terms and int64 pointer tiles are live next to the accumulators, and with a
-#: residual / accumulate tile wider than the operands (an fp32 ``out`` accumulated from bf16/fp16
-#: products: 128 spilled 48-180 B on sm_90, 116-252 B on sm_80).
-EPILOGUE_ACC_BUDGET = {"plain": 128, "fused": 64}
-#: the same for dots lowered to mma.sync (sm_80, and tiles under 64 rows on sm_90), whose operand
-#: fragments are held in registers next to the accumulators: an activation followed by a residual
-#: add, or a fused epilogue whose loads do not vectorise (:func:`~fusedpar.kernels.runtime.aligned`),
-#: fits 32 (64 spills 4-136 B on sm_80); so does a gated e4m3-output epilogue over unaligned K on
-#: any dot (sm_90, 64 x 128 x 32 w8: 88-112 B spilled)
-SYNC_TIGHT_ACC_BUDGET = 32
-
-
-def tile_rule(named_args: dict, **kwargs) -> dict:
-    """The prune rule's parameters (:func:`~fusedpar.kernels.runtime.tile_config_problem`) of a
-    GEMM launch with ``named_args`` / constexpr ``kwargs`` (``_gemm_kernel`` and the persistent one)."""
-    def get(k, default=False):
-        return kwargs.get(k, named_args.get(k, default))
-
-    a, glu, precision = named_args["a_ptr"], bool(get("GLU")), get("INPUT_PRECISION", "ieee")
-    act = glu or get("ACT", 0) != 0
-    fused = act or get("STORE_AUX") or get("FP8_OUT") or (get("HAS_RES") and get("R_M_SPLIT"))
-    extents = [named_args.get(k, 16) for k in ("K", "s_am0", "s_am1", "s_ak0", "s_ak1", "s_ak", "s_bk0", "s_bk1", "s_bk",
-                                                "s_bn")]
-    extents = [e for e in extents if e != 1]
-    # a masked contiguous dim counts too: A contiguous along M (matmul_tn), B along N ("kn")
-    extents += [named_args[d] for d, s in (("M", "s_am1"), ("N", "s_bn")) if d in named_args and named_args.get(s) == 1]
-    unaligned = named_args.get("K", 64) % 64 != 0 or not aligned(a.element_size(), *extents)
-    res = named_args.get("r_ptr")
-    wide_res = bool(get("HAS_RES")) and isinstance(res, torch.Tensor) and res.element_size() > a.element_size()
-    budget = EPILOGUE_ACC_BUDGET["fused" if fused or wide_res else "plain"]
-    budget = SYNC_TIGHT_ACC_BUDGET if get("FP8_OUT") and glu and unaligned else budget
-    sync = SYNC_TIGHT_ACC_BUDGET if fused and (unaligned or (act and get("HAS_RES"))) else budget
-    cap = dict(elem_size=a.element_size(), precision=precision, acc_tiles=2 if glu else 1,
-               reads_out_tile=bool(get("HAS_RES")))
-    return dict(elem_size=a.element_size(), b_tiles=2 if glu else 1, acc_tiles=2 if glu else 1,
-                acc_budget=acc_budget_for(budget, **cap), sync_acc_budget=acc_budget_for(sync, **cap, sync=True),
-                capability=device_capability(a.device.index or 0), precision=precision, unaligned=unaligned,
-                pipelined=pipelined(a.element_size(), *extents))
-
-
-def smem_estimate(cfg, named_args, **kwargs) -> int:
-    """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``: the main
-    loop's buffers or, for a wgmma tile whose output is wider than its operands (fp32 ``out`` from
-    bf16/fp16: the linear cross entropy's ``d_hidden``) or quantised (``FP8_OUT``: 16384 B, not 12288,
-    for 64 x 128 x 32 over unaligned K), the output tile Triton stages through shared memory to
-    convert the accumulator's layout, whichever is larger (measured: a 128 x 256 x 32 tile of 4
-    stages needs 131072 B, not the 98304 B of its buffers)."""
-    r = tile_rule(named_args, **kwargs)
-    smem = tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
-                           precision=r["precision"], pipelined=r["pipelined"])
-    c = named_args.get("c_ptr")
-    kw = cfg.kwargs if hasattr(cfg, "kwargs") else cfg
-    wide = isinstance(c, torch.Tensor) and (c.element_size() > r["elem_size"] or kwargs.get("FP8_OUT", False))
-    if wide and uses_wgmma(r["capability"], kw["BLOCK_M"], r["elem_size"], r["precision"]):
-        smem = max(smem, kw["BLOCK_M"] * kw["BLOCK_N"] * c.element_size())
-    return smem
-
-
-def _prune_configs(configs, named_args, **kwargs):
-    a = named_args["a_ptr"]
-    configs = fp8_output_configs(configs, kwargs.get("FP8_OUT", named_args.get("FP8_OUT", False)))
-    return prune_tile_configs(configs, smem_limit=shared_memory_limit(a.device.index or 0),
-                              dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]},
-                              **tile_rule(named_args, **kwargs))
-
-
-#: the autotuner's key: the problem size, every flag :func:`tile_rule` reads and the strides it
-#: reads (a launch whose rows lose 16-byte alignment is unpipelined), so that the config tuned for
-#: one launch is never reused by a launch whose rule would prune it (a tf32 tile run as "ieee" FMA
-#: dots, a plain epilogue's 128-accumulator tile with a fused epilogue, a pipelined tile unpipelined)
-TUNING_KEY = ["M", "N", "K", "GLU", "A_K_SPLIT", "HAS_RES", "R_M_SPLIT", "ACT", "STORE_AUX", "INPUT_PRECISION",
-              "FP8_OUT", "s_am0", "s_am1", "s_ak0", "s_ak1", "s_bk0", "s_bk1", "s_bn"]
+    pid_m, pid_n = grouped_tile(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if EPILOGUE_SPLIT == 2:
+        HALF: tl.constexpr = BLOCK_N // 2
+        acc0, acc1 = split_columns(acc, BLOCK_M, BLOCK_N)
+        up0, up1 = acc0, acc1  # (no up half unless GLU)
+        if GLU:
+            up0, up1 = split_columns(acc_up, BLOCK_M, BLOCK_N)
+        gemm_store(acc0, up0, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, c_ptr, bias_ptr, r_ptr, aux_ptr,
+                   glu_offset, c_m_inner, s_cm0, s_cm1, s_cn, r_m_inner, s_rm0, s_rm1, s_rn, s_xm, s_xn, q_ptr,
+                   s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles, C_M_SPLIT, R_M_SPLIT,
+                   HAS_BIAS, HAS_RES, STORE_AUX, ACT, GLU, FP8_OUT, Q_M_SPLIT, S_M_SPLIT, EMULATE, BLOCK_M, HALF)
+        gemm_store(acc1, up1, pid_m * BLOCK_M, pid_n * BLOCK_N + HALF, M, N, c_ptr, bias_ptr, r_ptr, aux_ptr,
+                   glu_offset, c_m_inner, s_cm0, s_cm1, s_cn, r_m_inner, s_rm0, s_rm1, s_rn, s_xm, s_xn, q_ptr,
+                   s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles, C_M_SPLIT, R_M_SPLIT,
+                   HAS_BIAS, HAS_RES, STORE_AUX, ACT, GLU, FP8_OUT, Q_M_SPLIT, S_M_SPLIT, EMULATE, BLOCK_M, HALF)
+    else:
+        gemm_store(acc, acc_up, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, c_ptr, bias_ptr, r_ptr, aux_ptr,
+                   glu_offset, c_m_inner, s_cm0, s_cm1, s_cn, r_m_inner, s_rm0, s_rm1, s_rn, s_xm, s_xn, q_ptr,
+                   s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles, C_M_SPLIT, R_M_SPLIT,
+                   HAS_BIAS, HAS_RES, STORE_AUX, ACT, GLU, FP8_OUT, Q_M_SPLIT, S_M_SPLIT, EMULATE, BLOCK_M, BLOCK_N)
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned_kernel():
     return autotuned(
-        _gemm_kernel, configs=gpu_configs() + list(FP8_OUT_CONFIGS), key=TUNING_KEY,
-        prune=_prune_configs,
+        _gemm_kernel, configs=gpu_configs() + list(FP8_OUT_CONFIGS) + tma_gpu_configs(), key=TUNING_KEY,
+        prune=prune_gemm_configs,
         restore_value=["c_ptr"],  # accumulate mode reads C: tuning runs must not compound it
     )
 
@@ -304,30 +239,38 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
         r_rows.inner, r_rows.s_outer, r_rows.s_inner, s_rn,
         *(aux.stride() if has_aux else (0, 0)), *fp8_args,
     )
+    majors = None
+    if not (a_rows.split or a_k.split or b_k.split) and tma_capable(a.device, a.element_size()):
+        majors = tma_layout(a, a_rows.s_inner, a_k.s_inner, b, b_k.s_inner, s_bn)
     flags = dict(
         A_M_SPLIT=a_rows.split, A_K_SPLIT=a_k.split, B_K_SPLIT=b_k.split, C_M_SPLIT=c_rows.split,
         R_M_SPLIT=r_rows.split, HAS_BIAS=bias is not None, HAS_RES=has_res, STORE_AUX=has_aux,
         ACT=act, GLU=glu, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=input_precision(a.dtype), **fp8_flags,
+        TMA=majors is not None, A_KMAJOR=bool(majors and majors[0]), B_KMAJOR=bool(majors and majors[1]),
     )
+    tiles = lambda meta: cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])  # noqa: E731
+    grid = lambda meta: (num_programs(tiles(meta), a.device, majors is not None),)  # noqa: E731
     if interpreting():
-        cfg = INTERPRETER_CONFIG if fp8_out is None else FP8_OUT_INTERPRETER_CONFIG
+        cfg = interpreter_config(majors is not None, fp8_out is not None)
         flags["EVEN_K"] = K % cfg["BLOCK_K"] == 0
-        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
-        _gemm_kernel[grid](*args, **flags, **cfg)
-    else:
-        # EVEN_K must hold for every BLOCK_K the tuner may pick (all are <= 64 and divide 64)
-        flags["EVEN_K"] = K % 64 == 0
-        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        with on_device(a.device):
-            tuner = _tuned_kernel()
-            compiled = tuner[grid](*args, **flags)
-            cfg = tuner.best_config
-            if (plan_key is not None and cfg is not None and cfg.pre_hook is None and plan_key not in _PLANS
-                    and _PLANS.second_launch(plan_key)):
-                plan = build_plan(tuner.fn, compiled, args, {**flags, **cfg.kwargs}, grid(cfg.kwargs))
-                _PLANS.keep(plan_key, plan)
-                if plan is not None:
-                    plan.extra = (out.shape, out.dtype)
+        _gemm_kernel[grid(cfg)](*args, **flags, **cfg)
+        note_launch("matmul", None, cfg, majors is not None)
+        return out
+    # EVEN_K must hold for every BLOCK_K the tuner may pick (all are <= 64 and divide 64)
+    flags["EVEN_K"] = K % 64 == 0
+    ensure_scratch_allocator(a.device)
+    with on_device(a.device):
+        tuner = _tuned_kernel()
+        compiled = tuner[grid](*args, **flags)
+        note_launch("matmul", tuner, None, majors is not None)
+        cfg = tuner.best_config
+        if (plan_key is not None and cfg is not None and cfg.pre_hook is None and plan_key not in _PLANS
+                and _PLANS.second_launch(plan_key)):
+            plan = build_plan(tuner.fn, compiled, args, {**flags, "EPILOGUE_SPLIT": 1, **cfg.kwargs},
+                              grid(cfg.kwargs))
+            _PLANS.keep(plan_key, plan)
+            if plan is not None:
+                plan.extra = (out.shape, out.dtype)
     return out
 
 
@@ -408,6 +351,7 @@ def matmul(
         stream = None if plan is None else plan.stream()
         if stream is not None:
             c = out if out is not None else torch.empty(plan.extra[0], dtype=plan.extra[1], device=a.device)
+            ensure_scratch_allocator(a.device)
             plan.call(_slots(a, weight, c, bias, c if accumulate else residual, preact_out, fp8_out), stream)
             return c
     ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)
@@ -433,6 +377,8 @@ def matmul_checked(a: torch.Tensor, weight: torch.Tensor, ops: LinearOperands, o
                     describe(a), describe(out), describe(residual), describe(preact_out), _fp8_key(fp8_out),
                     _tf32_key(a))
         plan = _PLANS.find(plan_key)
+        if plan is not None:
+            ensure_scratch_allocator(a.device)
         if plan is not None and plan.launch(_slots(a, weight, out, ops.bias, residual, preact_out, fp8_out)):
             return out
     M, N, K = a.shape[:-1].numel(), ops.n, ops.k

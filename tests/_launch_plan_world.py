@@ -54,6 +54,9 @@ class FakeKernel(CompiledKernel):
         self.packed_metadata = ("packed", self.function)
         self.module = object()
         self.recorder = _Recorder(self)
+        names = src.fn.arg_names
+        consts = {(names[k[0]] if isinstance(k, tuple) else k): v for k, v in src.constants.items()}
+        self.tma = bool(consts.get("TMA", False))  # the dense GEMM's load path (kernels/gemm_loads.py)
 
     @property
     def run(self):
@@ -64,7 +67,10 @@ class FakeKernel(CompiledKernel):
 
 
 def fake_compile(src, target=None, options=None, **kwargs):
-    return FakeKernel(src, options or {})
+    kernel = FakeKernel(src, options or {})
+    if kernel.tma:
+        TMA_KERNELS.add(kernel.identity)
+    return kernel
 
 
 class _Utils:
@@ -150,6 +156,10 @@ def cases():
     case("n_is_1", (a, rnd(1, 64, seed=8)), lambda a, w: matmul(a, w))
     case("transposed_a", (rnd(64, 64, seed=9), w), lambda t, w: matmul(t.t(), w))  # a's K stride is 64, M's 1
     case("weight_kn", (a, rnd(64, 48, seed=10)), lambda a, w: matmul(a, w, weight_layout="kn"))
+    # rows of 47 bf16 (94 bytes): pointer loads, beside the TMA launches of the same layout
+    case("weight_kn_unaligned_rows", (a, rnd(64, 47, seed=45)), lambda a, w: matmul(a, w, weight_layout="kn"))
+    case("fp16_swiglu_kn", (a.half(), rnd(64, 96, seed=46).half()),
+         lambda a, w: matmul(a, w, weight_layout="kn", activation="swiglu"))
     bias = rnd(48, seed=11)
     case("bias_gelu", (a, w, bias), lambda a, w, b: matmul(a, w, b, activation="gelu"))
     wg, bg = rnd(96, 64, seed=12), rnd(96, seed=13)
@@ -257,7 +267,13 @@ def record(inputs, fn):
     LOG.clear()
     TRITON_RUNS[0] = 0
     result = fn(*inputs)
+    TMA_LAUNCHES[0] = sum(identity in TMA_KERNELS for identity, *_ in LOG)
     return canonical(LOG, inputs, result), TRITON_RUNS[0]
+
+
+#: identities of the compiled kernels that load by TMA, and the TMA launches of the last record
+TMA_KERNELS: set = set()
+TMA_LAUNCHES = [0]
 
 
 def main():
@@ -276,7 +292,7 @@ def main():
     for name, (inputs, fn) in table.items():
         planned, runs = record(inputs, fn)
         reference, ref_runs = triton_path[name]
-        report["cases"][name] = {"launches": len(reference), "triton_runs_before": ref_runs,
+        report["cases"][name] = {"launches": len(reference), "triton_runs_before": ref_runs, "tma": TMA_LAUNCHES[0],
                                  "triton_runs_with_plans": runs, "same": planned == reference,
                                  "first_difference": next((repr((p, r)) for p, r in zip(planned, reference) if p != r),
                                                           None)}

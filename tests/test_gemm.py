@@ -4,7 +4,7 @@ import torch
 import triton
 
 from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
-from fusedpar.kernels import ACTIVATIONS, gemm, matmul, matmul_reference, matmul_tn, runtime
+from fusedpar.kernels import ACTIVATIONS, gemm, gemm_configs, matmul, matmul_reference, matmul_tn, runtime
 from fusedpar.kernels.gemm import gpu_configs
 from fusedpar.kernels.runtime import prune_tile_configs
 
@@ -208,7 +208,7 @@ def test_tuning_key_holds_every_flag_the_prune_rule_reads(monkeypatch):
             return super().get(k, default)
 
     read = set()
-    monkeypatch.setattr(gemm, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gemm_configs, "device_capability", lambda index: (9, 0))
     for has_res in (False, True):  # a residual makes the rule read R_M_SPLIT too
         gemm.tile_rule(Recording(a_ptr=torch.empty(1, dtype=torch.bfloat16), M=64, N=64, K=64, HAS_RES=has_res))
     flags = {k for k in read if k.isupper()}
@@ -343,7 +343,7 @@ def test_prune_rule_for_an_fp32_output_over_16_bit_operands(monkeypatch):
     thread (48-180 B on sm_90, 116-252 B on sm_80), so it takes the fused-epilogue budget (a bf16
     ``out`` keeps the plain one); a wgmma tile storing fp32 stages its output tile in shared
     memory (128 x 256 x 32, 4 stages: 131072 B, not the main loop's 98304)."""
-    monkeypatch.setattr(gemm, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gemm_configs, "device_capability", lambda index: (9, 0))
     meta = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
     args = dict(a_ptr=meta(1), M=8192, N=4096, K=14336, s_am1=14336, s_ak1=1, s_bk1=4096, s_bn=1)
     wide = gemm.tile_rule(dict(args, r_ptr=meta(1, dt=torch.float32), c_ptr=meta(1, dt=torch.float32)), HAS_RES=True)
@@ -352,5 +352,147 @@ def test_prune_rule_for_an_fp32_output_over_16_bit_operands(monkeypatch):
     cfg = triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32), num_stages=4, num_warps=8)
     assert gemm.smem_estimate(cfg, dict(args, c_ptr=meta(1, dt=torch.float32))) == 131072
     assert gemm.smem_estimate(cfg, dict(args, c_ptr=meta(1))) == 98304
-    monkeypatch.setattr(gemm, "device_capability", lambda index: (8, 0))  # mma.sync stores from registers
+    monkeypatch.setattr(gemm_configs, "device_capability", lambda index: (8, 0))  # mma.sync stores from registers
     assert gemm.smem_estimate(cfg, dict(args, c_ptr=meta(1, dt=torch.float32))) == 73728
+
+
+# --------------------------------------------------------------------------------------------
+# load paths (kernels/gemm_loads.py): TMA through tensor descriptors, or pointer loads
+# --------------------------------------------------------------------------------------------
+class _KernelSpy:
+    """Stands in for ``gemm._gemm_kernel`` (interpreted launches): records each launch's grid and
+    flags, then launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **flags):
+            self.launches.append((grid, flags))
+            return self.kernel[grid](*args, **flags)
+        return launch
+
+
+@pytest.fixture
+def load_path(request, monkeypatch):
+    """Runs a test under ``gemm_loads.set_load_path(request.param)``; yields the kernel spy."""
+    from fusedpar.kernels import gemm_loads
+    if not INTERPRETED:
+        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
+    spy = _KernelSpy(gemm._gemm_kernel)
+    monkeypatch.setattr(gemm, "_gemm_kernel", spy)
+    gemm_loads.set_load_path(request.param)
+    yield spy
+    gemm_loads.set_load_path("auto")
+
+
+@pytest.mark.parametrize("load_path", ["auto", "pointer"], indirect=True)
+def test_load_paths_fused_epilogues_ragged(load_path):
+    """Both load paths over ragged M / N / K (37 x 48 x 40 on 32 x 32 x 32 tiles: partial tiles
+    everywhere, fp16 rows of 80 and 96 bytes, so "auto" takes TMA, zero-filled past the edges
+    instead of masked) with the fused
+    epilogues: SwiGLU on an "nk" weight with bias, pre-activation and residual; GELU on a "kn"
+    weight accumulated into fp32; ``matmul_tn`` (A contiguous along M). The TMA launches are
+    persistent: 3 programs over 4 tiles, the first one wrapping, the epilogue in column halves."""
+    g = torch.Generator().manual_seed(41)
+    M, F, K, dt = 37, 48, 40, torch.float16
+    a = randn(M, K, dtype=dt, generator=g)
+    w = randn(2 * F, K, dtype=dt, generator=g, scale=K ** -0.5)
+    bias, res = randn(2 * F, dtype=dt, generator=g), randn(M, F, dtype=dt, generator=g)
+    pre = poison((M, 2 * F), dt)
+    out = matmul(a, w, bias, activation="swiglu", residual=res, preact_out=pre)
+    assert_close(out, matmul_reference(a, w, bias, activation="swiglu", residual=res), dt, msg="swiglu")
+    assert_close(pre, matmul_reference(a, w, bias), dt, msg="pre-activation")
+    w_kn = randn(K, F, dtype=dt, generator=g, scale=K ** -0.5)
+    acc = randn(M, F, generator=g)
+    expected = acc.double() + matmul_reference(a, w_kn, weight_layout="kn")
+    matmul(a, w_kn, weight_layout="kn", out=acc, accumulate=True)
+    assert_close(acc, expected, dt, msg="kn accumulate")
+    dy, x = randn(M, F, dtype=dt, generator=g), randn(M, K, dtype=dt, generator=g)
+    assert_close(matmul_tn(dy, x), dy.double().t() @ x.double(), dt, msg="matmul_tn")
+    tma = load_path.launches[0][1]["TMA"]
+    assert all(flags["TMA"] == tma for _, flags in load_path.launches)
+    assert tma == (gemm_loads_mode() == "auto")
+    if tma:  # persistent: fewer programs than tiles; A of matmul_tn contiguous along M
+        assert all(grid[0] == 3 for grid, _ in load_path.launches)
+        assert [flags["A_KMAJOR"] for _, flags in load_path.launches] == [True, True, False]
+        assert [flags["B_KMAJOR"] for _, flags in load_path.launches] == [True, False, False]
+
+
+def gemm_loads_mode():
+    from fusedpar.kernels import gemm_loads
+    return gemm_loads.load_path()
+
+
+@pytest.mark.parametrize("load_path", ["auto"], indirect=True)
+def test_what_tma_cannot_take_loads_through_pointers(load_path):
+    """"auto" keeps pointer loads for an unaligned base (a view one element in), rows that are not
+    16-byte multiples (K = 19 fp32), a split [batch, seq-chunk] row view; TMA otherwise."""
+    g = torch.Generator().manual_seed(43)
+    big = randn(40, 80, generator=g)
+    w = randn(24, 32, generator=g)
+    x = randn(2, 9, 32, generator=g)
+    cases = [(big[3:40, 1:33], True), (big[3:40, 8:40], False), (randn(20, 19, generator=g), True),
+             (x[:, 2:7], True), (x[:, :], False)]
+    for a, pointer in cases:
+        w_k = w if a.shape[-1] == 32 else randn(24, 19, generator=g)
+        assert_close(matmul(a, w_k), matmul_reference(a, w_k), torch.float32)
+        assert load_path.launches[-1][1]["TMA"] == (not pointer), (tuple(a.shape), a.stride())
+
+
+def test_tma_layout_rules(monkeypatch):
+    """The host's TMA rule (kernels/gemm_loads.py): 16-byte aligned base and strides, contiguous
+    along K or along the other dim; e4m3 operands K-major both; sm_90 and 16-bit (or 8-bit) on a
+    GPU, any dtype interpreted; the persistent grid; pointer loads by choice."""
+    from fusedpar.kernels import gemm_loads
+    a = torch.zeros(64, 72, dtype=torch.bfloat16)
+    b = torch.zeros(48, 72, dtype=torch.bfloat16)
+    assert gemm_loads.tma_layout(a, 72, 1, b, 1, 72) == (True, True)
+    assert gemm_loads.tma_layout(a, 1, 64, b, 48, 1) == (False, False)  # transposed views of both
+    assert gemm_loads.tma_layout(a, 1, 64, b, 1, 72, k_major=True) is None
+    assert gemm_loads.tma_layout(a[:, 1:], 72, 1, b, 1, 72) is None  # base 2 bytes in
+    assert gemm_loads.tma_layout(a, 36, 1, b, 1, 72) is None  # a row stride of 72 bytes
+    assert gemm_loads.tma_layout(a, 72, 2, b, 1, 72) is None  # contiguous along neither dim
+    monkeypatch.setattr(gemm_loads, "interpreting", lambda: False)
+    for cap, size, expected in (((9, 0), 2, True), ((9, 0), 1, True), ((9, 0), 4, False), ((8, 0), 2, False)):
+        monkeypatch.setattr(gemm_loads, "device_capability", lambda index, cap=cap: cap)
+        assert gemm_loads.tma_capable(torch.device("cuda", 0), size) == expected
+    monkeypatch.setattr(gemm_loads, "multiprocessor_count", lambda index: 132)
+    assert [gemm_loads.num_programs(t, torch.device("cuda", 0), p) for t, p in ((500, True), (7, True), (500, False))] \
+        == [132, 7, 500]
+    try:
+        gemm_loads.set_load_path("pointer")
+        assert not gemm_loads.tma_capable(torch.device("cuda", 0), 2)
+        with pytest.raises(ValueError, match="path must be one of"):
+            gemm_loads.set_load_path("tma")
+    finally:
+        gemm_loads.set_load_path("auto")
+
+
+def test_scratch_allocator_is_set_per_context_and_never_replaces_a_users():
+    """Device-side descriptors need Triton's allocator in the launching context: autograd's worker
+    threads start without it, so every compiled launch installs it where none is set; an allocator
+    set by the user stays."""
+    import threading
+
+    import triton
+    from triton.runtime import _allocation
+
+    from fusedpar.kernels.gemm_loads import ensure_scratch_allocator
+    seen = {}
+
+    def worker():
+        seen["before"] = _allocation._allocator.get()
+        ensure_scratch_allocator(torch.device("cpu"))
+        mine = _allocation._allocator.get()
+        seen["buffer"] = mine(256, 128, None)
+        user = lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)  # noqa: E731
+        triton.set_allocator(user)
+        ensure_scratch_allocator(torch.device("cpu"))
+        seen["kept"] = _allocation._allocator.get() is user
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert isinstance(seen["before"], _allocation.NullAllocator)
+    assert seen["buffer"].numel() == 256 and seen["buffer"].dtype == torch.int8 and seen["kept"]

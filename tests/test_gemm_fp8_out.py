@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _utils import DEVICE, INTERPRETED, assert_close, assert_tile_quantised, poison, randn
-from fusedpar.kernels import gemm, matmul, matmul_reference
+from fusedpar.kernels import gemm, gemm_configs, matmul, matmul_reference
 from fusedpar.kernels.fp8 import E4M3_MAX, SCALE_FLOOR
 from fusedpar.kernels.gemm import gpu_configs
 from fusedpar.kernels.gemm_fp8_epilogue import FP8_OUT_CONFIGS, fp8_output_configs, fp8_output_empty
@@ -65,7 +65,7 @@ def test_fp8_output_of_sequence_chunks_residual_and_wide_tiles(monkeypatch):
     tile is widened to BLOCK_N = 256 (two 1x128 tiles per program, the reshaped amax) over
     N = 448 (the second program's last tile ragged), as the compiled 128 x 256 tiles run."""
     if INTERPRETED:
-        monkeypatch.setattr(gemm, "FP8_OUT_INTERPRETER_CONFIG", dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=32, GROUP_M=4))
+        monkeypatch.setattr(gemm_configs, "FP8_OUT_INTERPRETER_CONFIG", dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=32, GROUP_M=4))
     g = torch.Generator().manual_seed(32)
     B, S, K, N, lo, hi = 2, 11, 40, 448, 3, 9
     x = randn(B, S, K, dtype=torch.float16, generator=g)
@@ -100,7 +100,7 @@ def test_fp8_output_launches_take_whole_1x128_tiles(monkeypatch):
     output keep only BLOCK_N multiples of 128, through the prune rule too (its fallback included);
     others never take FP8_OUT_CONFIGS, so their tuning is unchanged; the fp8 output counts as a fused
     epilogue (its budget; the tight one when gated over unaligned K) and is in the tuning key. The interpreter's tile is 128 wide."""
-    monkeypatch.setattr(gemm, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gemm_configs, "device_capability", lambda index: (9, 0))
     tuned = gpu_configs() + list(FP8_OUT_CONFIGS)
     assert [c.kwargs for c in fp8_output_configs(tuned, False)] == [c.kwargs for c in gpu_configs()]
     meta = torch.empty(1, dtype=torch.bfloat16, device="meta")
@@ -113,7 +113,7 @@ def test_fp8_output_launches_take_whole_1x128_tiles(monkeypatch):
         kept = prune_tile_configs(fp8_output_configs(tuned, True), smem_limit=232448,
                                   dims={"BLOCK_M": 8192, "BLOCK_N": n}, **rule)
         assert kept and all(c.kwargs["BLOCK_N"] % 128 == 0 for c in kept), (glu, k, n)
-    assert "FP8_OUT" in gemm.TUNING_KEY and gemm.FP8_OUT_INTERPRETER_CONFIG["BLOCK_N"] == 128
+    assert "FP8_OUT" in gemm.TUNING_KEY and gemm_configs.FP8_OUT_INTERPRETER_CONFIG["BLOCK_N"] == 128
 
 
 def _bad_calls():

@@ -25,7 +25,7 @@ def report():
 
 
 CASES = ["plain", "misaligned_view", "aligned_view_same_shape", "k_not_16", "m_is_1", "n_is_1", "transposed_a",
-         "weight_kn", "bias_gelu", "swiglu_preact", "residual", "residual_view", "accumulate_fp32", "out_dtype_fp32",
+         "weight_kn", "weight_kn_unaligned_rows", "fp16_swiglu_kn", "bias_gelu", "swiglu_preact", "residual", "residual_view", "accumulate_fp32", "out_dtype_fp32",
          "seq_chunk_3d", "fp8_out", "fp32_ieee_and_tf32", "checked_chunks",
          # kernel-level plans (launch_kernel): every other family's launchers
          "rmsnorm_fwd_bwd", "rmsnorm_misaligned_view", "rmsnorm_aligned_view", "flash_fwd_bwd", "quantize_rows_tiles",
@@ -46,6 +46,15 @@ def test_plan_launch_equals_tritons_own(report, case):
     assert r["launches"] >= 1 and r["triton_runs_before"] >= 1
     assert r["same"], r["first_difference"]
     assert r["triton_runs_with_plans"] == 0
+
+
+def test_plans_cover_both_load_paths(report):
+    """The dense GEMM's launches on sm_90 load by TMA where every operand allows it (16-byte aligned
+    base and rows, kernels/gemm_loads.py) and by pointers elsewhere: both kinds are planned above."""
+    tma = {case for case in CASES if report["cases"][case]["tma"]}
+    assert {"plain", "aligned_view_same_shape", "k_not_16", "transposed_a", "weight_kn", "fp16_swiglu_kn",
+            "swiglu_preact", "fp8_out", "checked_chunks"} <= tma, tma
+    assert not tma & {"misaligned_view", "weight_kn_unaligned_rows", "seq_chunk_3d", "fp32_ieee_and_tf32"}, tma
 
 
 def test_empty_products_launch_nothing(report):

@@ -452,11 +452,11 @@ def test_config_is_validated_with_the_gemm_prune_rule(monkeypatch):
     """A ``config=`` is checked (compiled path) with the autotuned GEMM's rule: SwiGLU 128x256x64
     with 3 stages needs 245760 B of shared memory > 232448 B on sm_90; a fused epilogue whose
     accumulators would spill and malformed configs are refused too; the defaults pass."""
-    from fusedpar.kernels import gemm, persistent_config
+    from fusedpar.kernels import gemm_configs, persistent_config
     from fusedpar.kernels.gemm import linear_operands
 
     monkeypatch.setattr(persistent_config, "shared_memory_limit", lambda index=0: 232448)
-    monkeypatch.setattr(gemm, "device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(gemm_configs, "device_capability", lambda index=0: (9, 0))
     def operands(dtype, activation):  # kernel operands: on the tests' device (linear_operands checks it)
         x = torch.empty(64, 64, dtype=dtype, device=DEVICE)
         w = torch.empty(128 if activation == "swiglu" else 64, 64, dtype=dtype, device=DEVICE)
