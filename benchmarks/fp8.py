@@ -7,8 +7,13 @@ Rows per shape:
 * ``rowwise``: per-row scales of A (tokens) and of B (weight output rows), the recipe both ours and
   ``torch._scaled_mm`` run; ``ratio_vs_scaled_mm`` = t(_scaled_mm) / t(ours), ``speedup_vs_bf16`` =
   t(bf16 matmul) / t(ours);
+* ``rowwise fast``: the same with fast accumulation (``fp8_matmul(fast_accum=True)``: no fp32
+  promotion every 128 K) against ``torch._scaled_mm(use_fast_accum=True)``;
 * ``blockwise``: DeepSeek-V3's 1x128 activation tiles and 128x128 weight blocks (the main loop
   rescales every 128 K steps); compared with the bf16 GEMM only.
+
+Each row records what ran (``gemm_loads.last_launch``: ``config``, ``loads``, ``persistent``);
+``--loads pointer`` forces pointer loads.
 
 ``--epilogue swiglu`` adds one row per shape and recipe (``epilogue`` column ``swiglu+fp8_out``):
 the fp8 up projection with its fused epilogue, ``fp8_matmul(..., activation="swiglu",
@@ -38,7 +43,10 @@ BF16_OUT_TOL = 2 ** -7
 def _add_args(p):
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=None, metavar="MxNxK",
                    help="off GPU (smoke mode) each size is capped at 64")
-    p.add_argument("--scalings", default="rowwise,blockwise", help="comma-separated subset of rowwise,blockwise")
+    p.add_argument("--scalings", default="rowwise,rowwise fast,blockwise",
+                   help="comma-separated subset of rowwise, 'rowwise fast' (fast accumulation), blockwise")
+    p.add_argument("--loads", choices=["auto", "pointer"], default="auto",
+                   help="the GEMM load path: auto (TMA where it applies) or pointer (kernels/gemm_loads.py)")
     p.add_argument("--epilogue", choices=["none", "swiglu"], default="none",
                    help="swiglu: also time the fused up-projection epilogue against fp8_matmul + SwiGLU + quantise")
 
@@ -50,11 +58,13 @@ def run(args, ctx):
 
     from fusedpar.kernels import fp8_matmul, quantize_e4m3
     from fusedpar.kernels.fp8_gemm import fp8_matmul_reference
+    from fusedpar.kernels.gemm_loads import last_launch, set_load_path
 
-    scalings = [s for s in args.scalings.split(",") if s]
+    scalings = [s.strip() for s in args.scalings.split(",") if s.strip()]
     for s in scalings:
-        if s not in ("rowwise", "blockwise"):
-            raise SystemExit(f"--scalings: {s!r} is not one of rowwise, blockwise")
+        if s not in ("rowwise", "rowwise fast", "blockwise"):
+            raise SystemExit(f"--scalings: {s!r} is not one of rowwise, 'rowwise fast', blockwise")
+    set_load_path(args.loads)
     shapes = [ctx.smoke_shape(s) for s in args.shapes] if args.shapes else (GPU_SHAPES if ctx.gpu else SMOKE_SHAPES)
     rows = []
     for M, N, K in shapes:
@@ -62,19 +72,20 @@ def run(args, ctx):
         b_hp = torch.randn(N, K, device=ctx.device, dtype=torch.bfloat16) * K ** -0.5
         t_bf16 = ctx.time_ms(lambda: torch.matmul(a_hp, b_hp.t()))
         flops = 2.0 * M * N * K
-        for scaling in scalings:
+        for name in scalings:
+            scaling, fast = name.split()[0], name.endswith("fast")
             ga, gb = ("row", "row") if scaling == "rowwise" else ("tile", "block")
             a, sa = quantize_e4m3(a_hp, ga)
             b, sb = quantize_e4m3(b_hp, gb)
 
             def ours():
-                return fp8_matmul(a, sa, b, sb, scaling=scaling, out_dtype=torch.bfloat16)
+                return fp8_matmul(a, sa, b, sb, scaling=scaling, out_dtype=torch.bfloat16, fast_accum=fast)
 
-            row = {"M": M, "N": N, "K": K, "scaling": scaling}
+            row = {"M": M, "N": N, "K": K, "scaling": name}
             if scaling == "rowwise" and ctx.gpu and N % 16 == 0 and K % 16 == 0:
                 def scaled_mm():
                     return torch._scaled_mm(a, b.t(), scale_a=sa.view(-1, 1), scale_b=sb.view(1, -1),
-                                            out_dtype=torch.bfloat16)
+                                            out_dtype=torch.bfloat16, use_fast_accum=fast)
 
                 err = check_close(ours(), scaled_mm(), tol=BF16_OUT_TOL)
                 t_ours, t_ref = ctx.time_ms(ours), ctx.time_ms(scaled_mm)
@@ -86,9 +97,12 @@ def run(args, ctx):
                 row.update(fusedpar_ms=t_ours)
             row.update(bf16_ms=t_bf16, speedup_vs_bf16=t_bf16 / t_ours, fusedpar_TFLOPs=tflops(flops, t_ours),
                        max_rel_err=err)
+            ours()
+            row.update(last_launch("fp8_matmul"))
             rows.append(row)
-            if args.epilogue == "swiglu":
+            if args.epilogue == "swiglu" and not fast:
                 rows.append(_swiglu_row(ctx, M, N, K, scaling, a, sa, b_hp, gb))
+    set_load_path("auto")
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     return rows

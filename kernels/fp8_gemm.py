@@ -34,23 +34,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (check_buffer, check_choice, check_out_dtype, check_same, check_shape, check_supported_dtype,
-                     check_tensor, output_buffer)
-from .fp8 import (FP8_BLOCK, check_fp8_device, dequantize_e4m3, group_tiles, rne_for_store, round_to_bf16,
-                  store_e4m3_tiles, to_fp32)
-from .gemm import EPILOGUE_ACC_BUDGET
-from .gemm_core import gemm_epilogue
-from .gemm_fp8_epilogue import check_fp8_output, fp8_output_args, fp8_output_configs, quantize_output
+from .checks import (check_bool, check_buffer, check_choice, check_out_dtype, check_same, check_shape,
+                     check_supported_dtype, check_tensor, output_buffer)
+from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, rne_for_store, round_to_bf16, store_e4m3_tiles, to_fp32
+from .fp8_gemm_configs import (FP8_GROUPED_INTERPRETER_CONFIGS, FP8_INTERPRETER_CONFIG, FP8_INTERPRETER_CONFIG_FP8_OUT,
+                               FP8_PROMOTE_K, FP8_TUNING_KEY, GROUPED_FP8_ACC_BUDGET, SCALINGS,
+                               UNALIGNED_FP8_GROUPED_TILE, UNALIGNED_FP8_TILE, fp8_configs_of_kind, fp8_gpu_configs,
+                               fp8_grouped_configs, fp8_smem_estimate, fp8_tile_rule, fp8_tma_configs,
+                               grouped_fp8_flags, grouped_fp8_scales, prune_fp8_configs)
+from .gemm_core import gemm_epilogue, gemm_mainloop, grouped_tile, operand_descriptors, split_columns
+from .gemm_fp8_epilogue import check_fp8_output, fp8_output_args, quantize_output
+from .gemm_loads import ensure_scratch_allocator, note_launch, num_programs, tma_capable, tma_layout
 from .launch import launch_kernel
-from .runtime import (ACTIVATIONS, RowView, activation_reference, apply_up, autotuned, cdiv, device_capability, interpreting,
-                      on_device, pipelined, prune_tile_configs, row_offsets, shared_memory_limit, tile_smem_bytes)
+from .runtime import (ACTIVATIONS, RowView, activation_reference, apply_up, autotuned, cdiv, interpreting, on_device,
+                      pipelined, row_offsets)
 
-__all__ = ["FP8_GROUPED_INTERPRETER_CONFIGS", "FP8_INTERPRETER_CONFIG", "FP8_INTERPRETER_CONFIG_FP8_OUT", "FP8_PROMOTE_K",
-           "FP8_RECIPES", "GROUPED_FP8_ACC_BUDGET", "SCALINGS", "UNALIGNED_FP8_GROUPED_TILE", "UNALIGNED_FP8_TILE",
-           "epilogue_fits", "fp8_configs_of_kind", "fp8_gpu_configs", "fp8_grouped_configs", "fp8_matmul",
-           "fp8_matmul_reference", "fp8_smem_estimate", "fp8_tile_rule", "grouped_fp8_flags", "grouped_fp8_scales"]
-
-SCALINGS = ("rowwise", "blockwise")
+__all__ = [
+    # the tiles, rules and grouped helpers, from .fp8_gemm_configs (the grouped and persistent GEMMs import them here)
+    "FP8_GROUPED_INTERPRETER_CONFIGS", "FP8_INTERPRETER_CONFIG", "FP8_INTERPRETER_CONFIG_FP8_OUT", "FP8_PROMOTE_K",
+    "GROUPED_FP8_ACC_BUDGET", "SCALINGS", "UNALIGNED_FP8_GROUPED_TILE", "UNALIGNED_FP8_TILE", "fp8_configs_of_kind",
+    "fp8_gpu_configs", "fp8_grouped_configs", "fp8_smem_estimate", "fp8_tile_rule", "grouped_fp8_flags",
+    "grouped_fp8_scales",
+    "FP8_RECIPES", "epilogue_fits", "fp8_matmul", "fp8_matmul_reference",
+]
 _ACTIVATION_NAMES = tuple(sorted(ACTIVATIONS))  # the order the error messages list them in
 #: the training recipes: scaling -> (granularity of activations and gradients, of weights) of
 #: :func:`~fusedpar.kernels.fp8.quantize_e4m3` (a weight gradient's operands both take the first)
@@ -68,108 +74,138 @@ def _fp8_gemm_kernel(
     EVEN_K: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr, A_SPLIT: tl.constexpr,
     SA_SPLIT: tl.constexpr, C_SPLIT: tl.constexpr, R_SPLIT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, FP8_OUT: tl.constexpr,
-    Q_M_SPLIT: tl.constexpr, S_M_SPLIT: tl.constexpr,
+    Q_M_SPLIT: tl.constexpr, S_M_SPLIT: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr = 1,
 ):
+    """As ``_gemm_kernel`` (:mod:`.gemm`): persistent over the tiles with TMA loads (both operands
+    contiguous along K), one tile per program with pointer loads; the core's main loop with the
+    scales (``BLOCKWISE``: a fresh dot per 128-deep step; rowwise: promoted every ``PROMOTE_K``,
+    None: fast accumulation), then :func:`_fp8_store` per tile or column half."""
     tl.static_assert(BLOCK_K >= 32, "an fp8 dot needs BLOCK_K >= 32")
     tl.static_assert(not BLOCKWISE or BLOCK_K == 128, "blockwise scaling steps K one 128-wide scale block at a time")
     tl.static_assert(B_SCALE_ROWS == 1 or B_SCALE_ROWS == 128, "B's scales cover 1 or 128 rows")
-    tl.static_assert(PROMOTE_K <= BLOCK_K, "the fp32 promotion interval must be at most one K step")
+    tl.static_assert(PROMOTE_K is None or PROMOTE_K <= BLOCK_K, "the fp32 promotion interval must be at most one K step")
     tl.static_assert(ACT >= 0 and ACT <= 4, "unknown activation code")
-
-    # grouped ordering of programs (tutorial 03): neighbouring programs share B column blocks
+    tl.static_assert(not FP8_OUT or (BLOCK_N // EPILOGUE_SPLIT) % 128 == 0, "the fp8 output needs whole 1x128 tiles")
+    tl.static_assert(not (TMA and A_SPLIT), "TMA loads plain 2-D views")
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_size)
-    pid_n = (pid % num_in_group) // group_size
+    if TMA:
+        a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N + glu_offset, K, s_am, s_ak, s_bk, s_bn, True, True,
+                                             BLOCK_M, BLOCK_N, BLOCK_K)
+        programs = tl.num_programs(0)
+        tile_c = pid - programs  # the epilogue's own tile counter (tutorial 09)
+        for tile in tl.range(pid, tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), programs, flatten=True):
+            tile_c += programs
+            _fp8_tile(tile, tile_c, a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, r_ptr, aux_ptr, bias_up_ptr,
+                      aux_up_ptr, a_desc, b_desc, M, N, K, a_inner, a_so, s_am, s_ak, s_bn, s_bk, c_inner, c_so, s_cm,
+                      s_cn, sa_inner, sa_so, s_sam, s_sak, s_sbn, s_sbk, r_inner, r_so, s_rm, s_rn, glu_offset, s_xm,
+                      s_xn, q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles, BLOCKWISE,
+                      B_SCALE_ROWS, HAS_BIAS, HAS_RESIDUAL, EVEN_K, EMULATE, PROMOTE_K, A_SPLIT, SA_SPLIT, C_SPLIT,
+                      R_SPLIT, ACT, GLU, STORE_AUX, FP8_OUT, Q_M_SPLIT, S_M_SPLIT, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+                      GROUP_M, EPILOGUE_SPLIT)
+    else:
+        _fp8_tile(pid, pid, a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, r_ptr, aux_ptr, bias_up_ptr,
+                  aux_up_ptr, a_ptr, b_ptr, M, N, K, a_inner, a_so, s_am, s_ak, s_bn, s_bk, c_inner, c_so, s_cm,
+                  s_cn, sa_inner, sa_so, s_sam, s_sak, s_sbn, s_sbk, r_inner, r_so, s_rm, s_rn, glu_offset, s_xm,
+                  s_xn, q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles, BLOCKWISE,
+                  B_SCALE_ROWS, HAS_BIAS, HAS_RESIDUAL, EVEN_K, EMULATE, PROMOTE_K, A_SPLIT, SA_SPLIT, C_SPLIT,
+                  R_SPLIT, ACT, GLU, STORE_AUX, FP8_OUT, Q_M_SPLIT, S_M_SPLIT, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+                  GROUP_M, EPILOGUE_SPLIT)
 
+
+@triton.jit
+def _fp8_tile(
+    tile, tile_c, a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, r_ptr, aux_ptr, bias_up_ptr, aux_up_ptr, a_desc,
+    b_desc, M, N, K, a_inner, a_so, s_am, s_ak, s_bn, s_bk, c_inner, c_so, s_cm, s_cn, sa_inner, sa_so, s_sam, s_sak,
+    s_sbn, s_sbk, r_inner, r_so, s_rm, s_rn, glu_offset, s_xm, s_xn,
+    q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles,
+    BLOCKWISE: tl.constexpr, B_SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    EVEN_K: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr, A_SPLIT: tl.constexpr,
+    SA_SPLIT: tl.constexpr, C_SPLIT: tl.constexpr, R_SPLIT: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr,
+    STORE_AUX: tl.constexpr, FP8_OUT: tl.constexpr, Q_M_SPLIT: tl.constexpr, S_M_SPLIT: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+):
+    """Output tile ``tile`` of ``_fp8_gemm_kernel`` (``tile_c``: the same, counted for the epilogue).
+    A's rows, its scales' rows, the output's and the residual's are two-level row views (a strided
+    ``[batch, seq-chunk]`` view of a larger tensor is read and written in place)."""
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    UP_BLOCKS: tl.constexpr = GLU and BLOCKWISE and B_SCALE_ROWS == 128
+    if UP_BLOCKS:  # the tile's up rows lie in two 128-row scale blocks at most: two scales a step
+        tl.static_assert(BLOCK_N <= 128, "a gated tile's up rows span at most two scale blocks")
+        up_block = (pid_n * BLOCK_N + glu_offset) // 128
+        sb_up = sb_ptr + up_block.to(tl.int64) * s_sbn
+        up_first = rn + glu_offset < (up_block + 1) * 128
+        up_second = (up_block + 1) * 128 - glu_offset < N  # the second block holds an output column
+    else:
+        sb_up = sb_ptr + ((rn + glu_offset) // B_SCALE_ROWS).to(tl.int64) * s_sbn
+        up_first, up_second = rn < N, False
+    acc, acc_up = gemm_mainloop(
+        a_ptr, b_ptr, row_offsets(rm, a_inner, a_so, s_am, A_SPLIT), rn.to(tl.int64) * s_bn,
+        (rn + glu_offset).to(tl.int64) * s_bn, rm < M, rn < N, K, 1, 0, s_ak, 1, 0, s_bk,
+        False, False, GLU, False, EVEN_K, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
+        a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, glu_offset, TMA, True, True,
+        sa_ptr + row_offsets(rm, sa_inner, sa_so, s_sam, SA_SPLIT), sb_ptr + (rn // B_SCALE_ROWS).to(tl.int64) * s_sbn,
+        sb_up, s_sak, s_sbk, 2 if BLOCKWISE else 1, PROMOTE_K, 0, up_first, up_second, s_sbn, UP_BLOCKS,
+    )
+    pid_m, pid_n = grouped_tile(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if EPILOGUE_SPLIT == 2:
+        HALF: tl.constexpr = BLOCK_N // 2
+        acc0, acc1 = split_columns(acc, BLOCK_M, BLOCK_N)
+        up0, up1 = acc0, acc1  # (no up half unless GLU)
+        if GLU:
+            up0, up1 = split_columns(acc_up, BLOCK_M, BLOCK_N)
+        _fp8_store(acc0, up0, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, c_ptr, bias_ptr, r_ptr, aux_ptr, bias_up_ptr,
+                   aux_up_ptr, c_inner, c_so, s_cm, s_cn, r_inner, r_so, s_rm, s_rn, glu_offset, s_xm, s_xn, q_ptr,
+                   s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles, HAS_BIAS, HAS_RESIDUAL,
+                   EMULATE, C_SPLIT, R_SPLIT, ACT, GLU, STORE_AUX, FP8_OUT, Q_M_SPLIT, S_M_SPLIT, BLOCK_M, HALF)
+        _fp8_store(acc1, up1, pid_m * BLOCK_M, pid_n * BLOCK_N + HALF, M, N, c_ptr, bias_ptr, r_ptr, aux_ptr,
+                   bias_up_ptr, aux_up_ptr, c_inner, c_so, s_cm, s_cn, r_inner, r_so, s_rm, s_rn, glu_offset, s_xm,
+                   s_xn, q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles, HAS_BIAS,
+                   HAS_RESIDUAL, EMULATE, C_SPLIT, R_SPLIT, ACT, GLU, STORE_AUX, FP8_OUT, Q_M_SPLIT, S_M_SPLIT,
+                   BLOCK_M, HALF)
+    else:
+        _fp8_store(acc, acc_up, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, c_ptr, bias_ptr, r_ptr, aux_ptr, bias_up_ptr,
+                   aux_up_ptr, c_inner, c_so, s_cm, s_cn, r_inner, r_so, s_rm, s_rn, glu_offset, s_xm, s_xn, q_ptr,
+                   s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles, HAS_BIAS, HAS_RESIDUAL,
+                   EMULATE, C_SPLIT, R_SPLIT, ACT, GLU, STORE_AUX, FP8_OUT, Q_M_SPLIT, S_M_SPLIT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _fp8_store(
+    acc, acc_up, m_start, n_start, M, N, c_ptr, bias_ptr, r_ptr, aux_ptr, bias_up_ptr, aux_up_ptr,
+    c_inner, c_so, s_cm, s_cn, r_inner, r_so, s_rm, s_rn, glu_offset, s_xm, s_xn,
+    q_ptr, s_ptr, q_m_inner, s_qm0, s_qm1, sc_m_inner, s_sm0, s_sm1, n_tiles,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr, C_SPLIT: tl.constexpr,
+    R_SPLIT: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, FP8_OUT: tl.constexpr,
+    Q_M_SPLIT: tl.constexpr, S_M_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The epilogue of the scaled tile ``acc`` (``acc_up``: the up half) from row ``m_start``,
+    column ``n_start``: bias, pre-activation, activation, residual, store, e4m3 output (module
+    docstring). The gated up half's bias and pre-activation go through pointers of their own
+    (``bias + glu_offset``, ``preact_out[:, N:]``: launch arguments whose alignment Triton
+    specialises on; loads and stores at ``glu_offset`` = 72 columns spilled 28-96 B on sm_90)."""
+    rm = m_start + tl.arange(0, BLOCK_M)
+    rn = n_start + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
-    rn64 = rn.to(tl.int64)
-    # A's rows, its scales' rows, the output's and the residual's: two-level row views (a strided
-    # [batch, seq-chunk] view of a larger tensor is read and written in place; runtime.row_offsets
-    # written out, since a nested jit call costs milliseconds under the interpreter)
     rm64 = rm.to(tl.int64)
-    if A_SPLIT:
-        a_rows = a_ptr + ((rm64 // a_inner) * a_so + (rm64 % a_inner) * s_am)[:, None]
-    else:
-        a_rows = a_ptr + (rm64 * s_am)[:, None]
-    if SA_SPLIT:
-        sa_rows = sa_ptr + (rm64 // sa_inner) * sa_so + (rm64 % sa_inner) * s_sam
-    else:
-        sa_rows = sa_ptr + rm64 * s_sam
-    b_cols = b_ptr + rn64[None, :] * s_bn
-    sb_rows = sb_ptr + (rn // B_SCALE_ROWS).to(tl.int64) * s_sbn
-    if GLU:  # the up rows of B, glu_offset further, and their scales (per column: a 128x128 scale
-        # block holds gate and up rows when the gate half is not a multiple of 128 rows)
-        b_cols_up = b_ptr + (rn64 + glu_offset)[None, :] * s_bn
-        sb_up = sb_ptr + ((rn + glu_offset) // B_SCALE_ROWS).to(tl.int64) * s_sbn
-        if BLOCKWISE and B_SCALE_ROWS == 128:
-            # the tile's up rows lie in two 128-row blocks at most: two scales a step, one chosen per
-            # column (a pointer per column, live through the loop, spilled 64 B on sm_90 at F = 72)
-            tl.static_assert(BLOCK_N <= 128, "a gated tile's up rows span at most two scale blocks")
-            up_block = (pid_n * BLOCK_N + glu_offset) // 128
-            sb_up0 = sb_ptr + up_block.to(tl.int64) * s_sbn
-            up_first = rn + glu_offset < (up_block + 1) * 128
-            up_second = (up_block + 1) * 128 - glu_offset < N  # the second block holds an output column
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        kk64 = (k0 * BLOCK_K + rk).to(tl.int64)
-        if EVEN_K:
-            a = tl.load(a_rows + (kk64 * s_ak)[None, :], mask=m_mask[:, None], other=0.0)
-            b = tl.load(b_cols + (kk64 * s_bk)[:, None], mask=n_mask[None, :], other=0.0)
-            if GLU:
-                bu = tl.load(b_cols_up + (kk64 * s_bk)[:, None], mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = kk64 < K
-            a = tl.load(a_rows + (kk64 * s_ak)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_cols + (kk64 * s_bk)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if GLU:
-                bu = tl.load(b_cols_up + (kk64 * s_bk)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if BLOCKWISE:
-            sa = tl.load(sa_rows + k0 * s_sak, mask=m_mask, other=0.0)
-            sb = tl.load(sb_rows + k0 * s_sbk, mask=n_mask, other=0.0)
-            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]  # a fresh dot per step: promoted every BLOCK_K
-            if GLU:
-                if B_SCALE_ROWS == 128:
-                    sb_u = tl.where(up_first, tl.load(sb_up0 + k0 * s_sbk),
-                                    tl.load(sb_up0 + s_sbn + k0 * s_sbk, mask=up_second, other=0.0))
-                else:
-                    sb_u = tl.load(sb_up + k0 * s_sbk, mask=n_mask, other=0.0)
-                acc_up += tl.dot(a, bu) * sa[:, None] * sb_u[None, :]
-        else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
-            if GLU:
-                acc_up = tl.dot(a, bu, acc_up, max_num_imprecise_acc=PROMOTE_K)
-    if not BLOCKWISE:
-        sa = tl.load(sa_rows, mask=m_mask, other=0.0)
-        sb = tl.load(sb_rows, mask=n_mask, other=0.0)
-        acc = acc * sa[:, None] * sb[None, :]
-        if GLU:
-            acc_up = acc_up * sa[:, None] * tl.load(sb_up, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:  # the up half's from its own pointer (bias + glu_offset, a launch argument whose
-        # alignment Triton specialises on: loads at glu_offset = 72 spilled 64-96 B on sm_90)
+    rn64 = rn.to(tl.int64)
+    if HAS_BIAS:
         acc += to_fp32(tl.load(bias_ptr + rn, mask=n_mask, other=0.0), EMULATE)[None, :]
         if GLU:
             acc_up += to_fp32(tl.load(bias_up_ptr + rn, mask=n_mask, other=0.0), EMULATE)[None, :]
     mn_mask = m_mask[:, None] & n_mask[None, :]
     x_off = rm64[:, None] * s_xm + rn64[None, :] * s_xn
-    if STORE_AUX and GLU:  # the up half through its own pointer too: at F not a multiple of 16, the
-        # stores at aux + glu_offset columns (per element, unvectorised) spilled 28 B on sm_90 (F = 72)
+    if STORE_AUX and GLU:
         up = acc_up
         if EMULATE:
             up = rne_for_store(acc_up, aux_up_ptr)
         tl.store(aux_up_ptr + x_off, up.to(aux_up_ptr.dtype.element_ty), mask=mn_mask)
-    # the GEMM epilogue (kernels/gemm.py): pre-activation store (the gate half), activation
+    # the GEMM epilogue (kernels/gemm_core.py): pre-activation store (the gate half), activation
     acc = gemm_epilogue(acc, acc_up, rn, n_mask, mn_mask, bias_ptr, aux_ptr, x_off, glu_offset, s_xn,
                         False, STORE_AUX, ACT, False, EMULATE)
     if GLU:
@@ -178,199 +214,24 @@ def _fp8_gemm_kernel(
         else:
             acc = acc * acc_up
     if HAS_RESIDUAL:  # added in fp32 (a partial sum received from a peer, an accumulated gradient)
-        if R_SPLIT:
-            r_rows = (rm64 // r_inner) * r_so + (rm64 % r_inner) * s_rm
-        else:
-            r_rows = rm64 * s_rm
-        r_off = r_rows[:, None] + rn64[None, :] * s_rn
+        r_off = row_offsets(rm, r_inner, r_so, s_rm, R_SPLIT)[:, None] + rn64[None, :] * s_rn
         acc += to_fp32(tl.load(r_ptr + r_off, mask=mn_mask, other=0.0), EMULATE)
     if EMULATE and c_ptr.dtype.element_ty == tl.bfloat16:
         acc = round_to_bf16(acc)  # the interpreter's bf16 cast truncates (kernels/fp8.py)
-    if C_SPLIT:
-        c_rows = (rm64 // c_inner) * c_so + (rm64 % c_inner) * s_cm
-    else:
-        c_rows = rm64 * s_cm
-    c_off = c_rows[:, None] + rn64[None, :] * s_cn
+    c_off = row_offsets(rm, c_inner, c_so, s_cm, C_SPLIT)[:, None] + rn64[None, :] * s_cn
     c = acc.to(c_ptr.dtype.element_ty)
     tl.store(c_ptr + c_off, c, mask=mn_mask)
     if FP8_OUT:  # C per 1x128 tile as stored, widened again (what quantize_e4m3 of C loads) into q, s
         store_e4m3_tiles(tl.where(mn_mask, to_fp32(c, EMULATE), 0.0),
                          q_ptr + row_offsets(rm, q_m_inner, s_qm0, s_qm1, Q_M_SPLIT),
                          s_ptr + row_offsets(rm, sc_m_inner, s_sm0, s_sm1, S_M_SPLIT), rn, mn_mask, m_mask,
-                         pid_n * (BLOCK_N // 128), n_tiles, EMULATE, BLOCK_M, BLOCK_N)
-
-
-# --------------------------------------------------------------------------------------------
-# Configurations: a fixed small one under the interpreter, an autotuned pruned list on GPU
-# --------------------------------------------------------------------------------------------
-FP8_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, GROUP_M=4)
-#: the interpreter's tile with the fp8 output: whole 1x128 tiles per program (kernels/gemm_fp8_epilogue.py)
-FP8_INTERPRETER_CONFIG_FP8_OUT = dict(FP8_INTERPRETER_CONFIG, BLOCK_N=FP8_BLOCK)
-#: Hopper's fp8 wgmma accumulates in less than fp32: each 32-deep instruction aligns its products
-#: and the running sum to their largest exponent and truncates below 2^-13 of it (the model that
-#: reproduces the first H100 run's errors, tests/test_fp8.py ``mma_error_bound``; DeepSeek-V3
-#: reported about 14 bits), and Triton's default on sm_90 lets a dot accumulate its whole K that
-#: way. Both recipes promote to the fp32 accumulator every 128 K elements (DeepSeek-V3's interval):
-#: blockwise by its fresh dot per K step, rowwise by ``max_num_imprecise_acc=PROMOTE_K`` (a partial
-#: fp32 tile added to the accumulator after each step: a second accumulator tile, counted by the
-#: prune rule). So each 128-deep step errs by up to about 2^-13 of its largest partial sum, not of
-#: the fp32 total (tests/test_fp8.py ``test_fp8_matmul_promotes_to_fp32_every_128``)
-FP8_PROMOTE_K = 128
-
-
-def fp8_gpu_configs():
-    """Candidate tiles (sm_89 / sm_90): 128-deep K steps (128 bytes of fp8 per row, one scale
-    block of the blockwise recipe), pruned per problem by :func:`_prune_configs`."""
-    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8), num_stages=stages, num_warps=warps)
-            for bm, bn, stages, warps in [(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 4, 8), (128, 128, 4, 4),
-                                          (64, 128, 4, 8), (128, 64, 4, 8), (64, 128, 4, 4), (128, 64, 4, 4),
-                                          (64, 64, 4, 4)]]
-
-
-def fp8_grouped_configs(wgrad: bool = False):
-    """Candidate tiles of the grouped GEMMs' fp8 launches (``kernels/grouped_gemm.py``), each
-    marked ``cfg.fp8 = True`` (the grouped autotuners hold both lists; their prune rules keep the
-    fp8 tiles for fp8 launches only): 128-deep contraction steps (one scale block), at least 64
-    rows per dot (fp8 wgmma). Forward / data gradient ``BLOCK_K = 128``; weight gradient
-    ``BLOCK_M = 128`` (its contraction, the rows)."""
-    tiles = ([(128, 128, 64, 4, 8), (128, 64, 128, 4, 8), (128, 64, 64, 4, 8), (128, 64, 64, 4, 4)] if wgrad else
-             [(128, 128, 128, 4, 8), (128, 64, 128, 4, 4), (128, 64, 128, 4, 8), (64, 128, 128, 4, 4),
-              (64, 128, 128, 4, 8), (64, 64, 128, 4, 4), (64, 32, 128, 4, 8)])
-    out = []
-    for bm, bn, bk, stages, warps in tiles:
-        cfg = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps)
-        cfg.fp8 = True
-        out.append(cfg)
-    return out
-
-
-#: the grouped GEMMs' interpreted fp8 tiles (forward / data gradient, weight gradient): 128-deep steps
-FP8_GROUPED_INTERPRETER_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128), dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32))
-#: output tile elements of a grouped fp8 launch whose loads do not vectorise (K or a row stride not a
-#: multiple of 16 bytes): 64x32 over 8 warps compiles without spills on sm_90 with the gated
-#: epilogue's two B tiles (64x64 spills 128-280 B, 64x32 over 4 warps 60 B; test shape 61x24x200)
-UNALIGNED_FP8_GROUPED_TILE = 64 * 32
-#: fp32 accumulator elements per thread of the grouped GEMMs' fp8 launches, all tiles together (each
-#: accumulator counts twice: the step's dot and the running fp32 sum), by epilogue (``python -m
-#: benchmarks compile``, sm_90: no spills; the weight gradient's 128x128x128 over 8 warps, 128, spills 56 B)
-GROUPED_FP8_ACC_BUDGET = {"plain": 128, "fused": 128, "dact": 64, "wgrad": 64}
-
-
-def grouped_fp8_scales(a_name: str, a, a_scale, b_scale, scaling: str, *, n_experts: int = 0, n_w: int = 0,
-                       K: int = 0, wgrad_of: tuple | None = None):
-    """The scales of a grouped GEMM launch (``kernels/grouped_gemm.py``) on operand ``a`` (named
-    ``a_name``): None for 16/32-bit operands (no scale may be given); for e4m3 ones ``(scale
-    pointers, their strides, blockwise)`` once ``scaling`` and the scales are checked (fp32, on
-    ``a``'s device, of the shapes below; a ``ValueError`` names the one that is not).
-
-    Forward / data gradient (``a [M, K]``, a weight of ``n_w`` rows per expert, the second scale
-    ``weight_scale``): "rowwise" ``[M]`` per row and ``[E, n_w]`` per expert and weight row;
-    "blockwise" ``[M, ceil(K/128)]`` (1x128 tiles) and ``[E, ceil(n_w/128), ceil(K/128)]``
-    (128x128 blocks per expert). Weight gradient (``wgrad_of=(G, N, K)``, ``a`` the gradient
-    ``[M, N]``, the second scale ``x_scale`` of ``x [M, K]``), both quantised along the rows per
-    group (:func:`~fusedpar.kernels.fp8.quantize_e4m3_groups`): ``[N, T]`` and ``[K, T]``,
-    ``T =`` :func:`~fusedpar.kernels.fp8.group_tiles` ``(M, G)`` (either recipe)."""
-    if wgrad_of is None:
-        M, kb = a.shape[0], cdiv(K, FP8_BLOCK)
-        scales = {f"{a_name}_scale": (a_scale, (M,), (M, kb)),
-                  "weight_scale": (b_scale, (n_experts, n_w), (n_experts, cdiv(n_w, FP8_BLOCK), kb))}
-    else:
-        (_, N, K), T = wgrad_of, group_tiles(a.shape[0], wgrad_of[0])
-        scales = {f"{a_name}_scale": (a_scale, (N, T), (N, T)), "x_scale": (b_scale, (K, T), (K, T))}
-    if a.dtype != torch.float8_e4m3fn:
-        given = [name for name, (t, _, _) in scales.items() if t is not None]
-        if given:
-            raise ValueError(f"{given[0]} is for float8_e4m3fn operands, got {a_name} of dtype {a.dtype}")
-        return None
-    check_choice("scaling", scaling, SCALINGS)
-    check_fp8_device(a)
-    blockwise = scaling == "blockwise"
-    for name, (t, row_shape, block_shape) in scales.items():
-        check_tensor(name, t, dtypes=(torch.float32,))
-        check_shape(name, t, block_shape if blockwise else row_shape)
-        check_same(name, t, a_name, a, dtype=False)
-    sa, sb = a_scale, b_scale
-    return (sa, sb, sa.stride(0), sa.stride(1) if sa.dim() > 1 else 0, sb.stride(0), sb.stride(1),
-            sb.stride(2) if sb.dim() > 2 else 0, blockwise)
-
-
-def grouped_fp8_flags(fp8, *outputs) -> dict:
-    """The fp8 constexprs of a grouped GEMM launch (``fp8``: :func:`grouped_fp8_scales`'s result;
-    ``EMULATE``, the interpreter's bf16 rounding, only when one of ``outputs`` is bf16)."""
-    bf16 = any(t is not None and t.dtype == torch.bfloat16 for t in outputs)
-    return dict(FP8=fp8 is not None, BLOCKWISE=bool(fp8 and fp8[-1]), EMULATE=interpreting() and bf16 and fp8 is not None,
-                PROMOTE_K=FP8_PROMOTE_K if fp8 is not None else None)
-
-
-def fp8_configs_of_kind(configs, named_args, kwargs, fp8_tile_ok=True):
-    """The configs of a grouped launch's kind (the prune rules' first step): the
-    :func:`fp8_grouped_configs` tiles for fp8 launches (loads that do not vectorise: those within
-    :data:`UNALIGNED_FP8_GROUPED_TILE` over 8 warps), the others for the rest."""
-    fp8 = bool(kwargs.get("FP8", named_args.get("FP8", False)))
-    kind = [c for c in configs if getattr(c, "fp8", False) == fp8]
-    if fp8 and not fp8_tile_ok:  # every element its own address: small tiles over 8 warps
-        kind = [c for c in kind if c.num_warps == 8 and c.kwargs["BLOCK_N"] * c.kwargs[
-            "BLOCK_K" if "dy_ptr" in named_args else "BLOCK_M"] <= UNALIGNED_FP8_GROUPED_TILE] or kind
-    return kind
-
-
-#: fp32 accumulator elements per thread (both tiles) of a blockwise GEMM whose B scales are per row
-#: (1x128 tiles: a vector of scales and its pointers live next to the accumulators in every K
-#: step): 128 spills 16 B on sm_90 (128x128 w8 at the weight-gradient shape), 64 does not
-TILED_B_ACC_BUDGET = 64
-#: output tile elements of a GEMM whose loads do not vectorise (K or a row stride not a multiple of
-#: 16 bytes: every element carries its own address and mask): 64x64 compiles without spills on
-#: sm_90, every larger tile of the list spills 200-4100 B at the test shape 37x45x200
-UNALIGNED_FP8_TILE = 64 * 64
-
-
-def fp8_tile_rule(named_args: dict, **kwargs) -> dict:
-    """The prune rule's parameters: 1-byte operands, two accumulator tiles per output tile (the
-    running fp32 sum and the step's dot: blockwise's fresh dot, rowwise's partial accumulator;
-    gated: gate and up, four tiles and two B tiles), the plain epilogue's register budget, fused
-    epilogues too (sm_90: gated 64 x 128 / 128 x 64 over 8 warps 172-241 registers, gelu + e4m3
-    output 128 x 128 over 8 warps 240-250, no spills)."""
-    def get(k, default=False):
-        return kwargs.get(k, named_args.get(k, default))
-
-    a, glu = named_args["a_ptr"], bool(get("GLU"))
-    tiled_b = bool(get("BLOCKWISE")) and get("B_SCALE_ROWS", 1) == 1
-    extents = [e for e in (named_args["K"], named_args["s_am"], named_args["a_so"], named_args["s_bn"]) if e != 1]
-    budget = TILED_B_ACC_BUDGET if tiled_b else EPILOGUE_ACC_BUDGET["plain"]
-    return dict(elem_size=1, b_tiles=2 if glu else 1, acc_tiles=4 if glu else 2, acc_budget=budget,
-                sync_acc_budget=budget, capability=device_capability(a.device.index or 0), precision="ieee",
-                pipelined=pipelined(1, *extents))
-
-
-def fp8_smem_estimate(cfg, named_args, **kwargs) -> int:
-    """The prune rule's shared-memory bytes of ``cfg`` for a launch with ``named_args``."""
-    r = fp8_tile_rule(named_args, **kwargs)
-    return tile_smem_bytes(cfg, elem_size=1, b_tiles=r["b_tiles"], capability=r["capability"], precision="ieee",
-                           pipelined=r["pipelined"])
-
-
-def _prune_configs(configs, named_args, **kwargs):
-    """:func:`~fusedpar.kernels.runtime.prune_tile_configs` with the fp8 rule (:func:`fp8_tile_rule`)
-    over the tiles of the launch's kind (the fp8 output's: ``BLOCK_N`` a multiple of 128); loads
-    that do not vectorise keep only tiles within :data:`UNALIGNED_FP8_TILE` (a compiled launch
-    fuses no e4m3 output there, :func:`epilogue_fits`)."""
-    a, rule = named_args["a_ptr"], fp8_tile_rule(named_args, **kwargs)
-    configs = fp8_output_configs(configs, kwargs.get("FP8_OUT", named_args.get("FP8_OUT", False)))
-    if not rule["pipelined"]:
-        configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= UNALIGNED_FP8_TILE] or configs
-    return prune_tile_configs(configs, smem_limit=shared_memory_limit(a.device.index or 0),
-                              dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]}, **rule)
-
-
-#: the autotuner's key: the problem size, the flags and strides :func:`fp8_tile_rule` and the tile
-#: filter read, and the epilogue's (a tile tuned for the plain epilogue is not reused by a fused one,
-#: nor an aligned launch's by one whose rows lose 16-byte alignment)
-_TUNING_KEY = ["M", "N", "K", "BLOCKWISE", "B_SCALE_ROWS", "ACT", "GLU", "STORE_AUX", "FP8_OUT", "s_am", "a_so", "s_bn"]
+                         n_start // 128, n_tiles, EMULATE, BLOCK_M, BLOCK_N)
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned_kernel():
-    return autotuned(_fp8_gemm_kernel, configs=fp8_gpu_configs(), key=_TUNING_KEY, prune=_prune_configs)
+    return autotuned(_fp8_gemm_kernel, configs=fp8_gpu_configs() + fp8_tma_configs(), key=FP8_TUNING_KEY,
+                     prune=prune_fp8_configs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,6 +336,7 @@ def fp8_matmul(
     activation: str = "none",
     preact_out: torch.Tensor | None = None,
     fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``out[..., N] = act((a * a_scale) @ (b * b_scale)^T (+ bias)) (+ residual)`` with fp32
     accumulation, the epilogue of :func:`~fusedpar.kernels.gemm.matmul`.
@@ -499,11 +361,18 @@ def fp8_matmul(
     fp8_out: optional ``(q, scale)`` that receive the stored ``out`` quantised per 1x128 tile for
              the next fp8 GEMM, equal to ``quantize_e4m3(out2d, "tile")`` bit for bit
              (:mod:`.gemm_fp8_epilogue`: shapes, tiles; ``out`` is still written).
+    fast_accum: rowwise only: let Hopper's fp8 MMA accumulate the whole K in its own reduced
+             precision (``torch._scaled_mm(use_fast_accum=True)``'s trade: faster, larger tiles,
+             errors growing with K); by default the sum is promoted to fp32 every 128 K
+             (:data:`FP8_PROMOTE_K`). Blockwise scaling promotes per 128-deep step by construction.
     """
     _check_operand("a", a)
     _check_operand("b", b, dims=(2,))
     check_same("b", b, "a", a)
     check_choice("scaling", scaling, SCALINGS)
+    check_bool("fast_accum", fast_accum)
+    if fast_accum and scaling != "rowwise":
+        raise ValueError("fast_accum must be False with blockwise scaling (it promotes every 128-deep step), got True")
     act, glu, N = _activation(activation, b)
     lead, K = tuple(a.shape[:-1]), a.shape[-1]
     (n_w, K_b), M = b.shape, math.prod(lead)
@@ -530,8 +399,10 @@ def fp8_matmul(
             preact_out[:, N:] if glu and preact_out is not None else out, M, N, K, *strides, N if glu else 0,
             *(preact_out.stride() if preact_out is not None else (0, 0)), *fp8_args)
     flags = dict(BLOCKWISE=scaling == "blockwise", B_SCALE_ROWS=b_rows, HAS_BIAS=bias is not None,
-                 HAS_RESIDUAL=residual is not None, EVEN_K=K % 128 == 0, PROMOTE_K=FP8_PROMOTE_K, **views,
-                 ACT=act, GLU=glu, STORE_AUX=preact_out is not None, **fp8_flags)
+                 HAS_RESIDUAL=residual is not None, EVEN_K=K % 128 == 0,
+                 PROMOTE_K=None if fast_accum else FP8_PROMOTE_K, **views, ACT=act, GLU=glu,
+                 STORE_AUX=preact_out is not None, **fp8_flags,
+                 TMA=not (glu and fused_fp8 is not None) and _loads_by_tma(a, b, views, strides))
     flags["EMULATE"] = interpreting()
     _launch(args, flags, M, N, a.device)
     if fused_fp8 is None:
@@ -574,15 +445,31 @@ def _empty_contraction(out, bias, residual, preact_out, fp8_out, activation, pre
     return out
 
 
+def _loads_by_tma(a, b, views, strides) -> bool:
+    """Whether the launch loads ``a`` and ``b`` by TMA (:mod:`.gemm_loads`: both contiguous along
+    K, 16-byte aligned; ``a`` a plain 2-D view). Not asked for a gated epilogue with the e4m3
+    output: its smallest 1x128-tile wgmma tile (64 x 128, four accumulator tiles) spilled 24-84 B
+    beside the persistent loop (sm_90); it keeps pointer loads, one tile per program."""
+    if views["A_SPLIT"] or not tma_capable(a.device, 1):
+        return False
+    return tma_layout(a, strides[2], strides[3], b, strides[5], strides[4], k_major=True) is not None
+
+
 def _launch(args, flags, M: int, N: int, device) -> None:
+    """One fixed small tile under the interpreter (its epilogue in column halves on the TMA path),
+    the autotuned kernel on a GPU; persistent over the SMs with TMA loads."""
+    tma = flags["TMA"]
+    grid = lambda meta: (num_programs(cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), device, tma),)  # noqa: E731
     if interpreting():
         cfg = FP8_INTERPRETER_CONFIG_FP8_OUT if flags["FP8_OUT"] else FP8_INTERPRETER_CONFIG
-        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
-        _fp8_gemm_kernel[grid](*args, **flags, **cfg)
+        cfg = dict(cfg, EPILOGUE_SPLIT=2 if tma and not flags["FP8_OUT"] else 1)
+        _fp8_gemm_kernel[grid(cfg)](*args, **flags, **cfg)
+        note_launch("fp8_matmul", None, cfg, tma)
     else:
-        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        ensure_scratch_allocator(device)
         with on_device(device):
             launch_kernel(_tuned_kernel(), grid, args, flags)
+        note_launch("fp8_matmul", _tuned_kernel(), None, tma)
 
 
 def fp8_matmul_reference(a, a_scale, b, b_scale, bias=None, *, scaling="rowwise", activation="none",

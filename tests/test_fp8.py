@@ -273,6 +273,42 @@ def test_fp8_matmul_promotes_to_fp32_every_128(scaling):
     assert torch.equal(out.cpu(), torch.full((M, N), expected)), out.cpu()[:, 0]
 
 
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_fp8_matmul_fast_accumulation(scaling, monkeypatch):
+    """``fast_accum=True`` (rowwise only) launches without the fp32 promotion (``PROMOTE_K`` None,
+    ``torch._scaled_mm(use_fast_accum=True)``'s trade): under the interpreter (which accumulates in
+    fp32 anyway) the same numbers; on Hopper the 128-block construction above loses the ones that
+    follow the large block, which shows the flag reached the MMA. Blockwise refuses it."""
+    from fusedpar.kernels import fp8_gemm
+    M, N, K = 4, 5, 8 * FP8_PROMOTE_K
+    a = torch.ones(M, K)
+    a[:, 2 * FP8_PROMOTE_K:3 * FP8_PROMOTE_K] = E4M3_MAX
+    a = a.to(DEVICE, torch.float8_e4m3fn)
+    b = torch.ones(N, K, device=DEVICE).to(torch.float8_e4m3fn)
+    if scaling == "blockwise":
+        with pytest.raises(ValueError, match="fast_accum must be False with blockwise scaling"):
+            fp8_matmul(a, torch.ones(M, K // 128, device=DEVICE), b, torch.ones(1, K // 128, device=DEVICE),
+                       scaling=scaling, fast_accum=True)
+        with pytest.raises(TypeError, match="fast_accum must be a bool"):
+            fp8_matmul(a, torch.ones(M, device=DEVICE), b, torch.ones(N, device=DEVICE), fast_accum=1)
+        return
+    flags = []
+    if INTERPRETED:
+        kernel = fp8_gemm._fp8_gemm_kernel
+
+        class Spy:
+            def __getitem__(self, grid):
+                return lambda *args, **kw: (flags.append(kw["PROMOTE_K"]), kernel[grid](*args, **kw))[1]
+        monkeypatch.setattr(fp8_gemm, "_fp8_gemm_kernel", Spy())
+    sa, sb = torch.ones(M, device=DEVICE), torch.ones(N, device=DEVICE)
+    out = fp8_matmul(a, sa, b, sb, fast_accum=True, out=poison((M, N), torch.float32))
+    expected = FP8_PROMOTE_K * E4M3_MAX + (K - FP8_PROMOTE_K)
+    if INTERPRETED:
+        assert flags == [None] and torch.equal(out, torch.full((M, N), expected))
+    elif torch.cuda.get_device_capability(DEVICE)[0] == 9:
+        assert (out.cpu() < expected).all(), out.cpu()[:, 0]  # the ones after the large block truncated
+
+
 def test_fp8_matmul_empty():
     a = quantize_e4m3(torch.randn(3, 0, device=DEVICE))
     b = quantize_e4m3(torch.randn(2, 0, device=DEVICE))

@@ -183,7 +183,7 @@ def test_tile_rule_of_fused_launches(monkeypatch):
     """On sm_90: the fp8 output keeps only tiles whose BLOCK_N is a multiple of 128; a gated launch
     counts four accumulator tiles (gate and up, each the running sum and the step's dot) and two B
     tiles, so its largest tile is 64 x 128 over 8 warps; the interpreter's fp8-output tile is 128 wide."""
-    monkeypatch.setattr("fusedpar.kernels.fp8_gemm.device_capability", lambda index: (9, 0))
+    monkeypatch.setattr("fusedpar.kernels.fp8_gemm_configs.device_capability", lambda index: (9, 0))
     meta = torch.empty(1, dtype=torch.float8_e4m3fn, device="meta")
     args = dict(a_ptr=meta, M=8192, N=14336, K=4096, s_am=4096, a_so=0, s_bn=4096)
     for glu, fp8_out in ((True, True), (True, False), (False, True)):
