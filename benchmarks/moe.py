@@ -10,7 +10,8 @@ Rows (each with a correctness check against its baseline before timing):
   them, the weights per expert row / 128x128 block; fp32 accumulation promoted every 128, output
   in the run's dtype) against the 16-bit grouped GEMM of the ``grouped_gemm`` row
   (``ratio_vs_baseline``: its time over the fp8 one's), checked against the fp32 grouped GEMM of
-  the dequantised operands; ``quantize_ms``: the per-token quantisation of the routed rows;
+  the dequantised operands; ``quantize_ms``: the per-token quantisation of the routed rows (both
+  GEMM rows record what ran: ``config``, ``loads``, ``persistent``; ``gemm_loads.last_launch``);
 * ``permute`` / ``unpermute``: token gather into expert order and the weighted combine back, in
   GB/s, against a device copy of the same number of bytes (``torch.Tensor.copy_``);
 * ``layer_fwd_bwd``: the whole routed MLP (permute, grouped SwiGLU MLP, combine) forward +
@@ -137,6 +138,7 @@ def _inputs(args, ctx):
 
 def _grouped_gemm_row(ctx, d, xp, offsets):
     from fusedpar.kernels import grouped_matmul
+    from fusedpar.kernels.gemm_loads import last_launch
 
     fn = _torch_grouped_mm()
     w1_kn = d.w1.transpose(1, 2)  # [E, H, 2F] view, no copy
@@ -156,7 +158,8 @@ def _grouped_gemm_row(ctx, d, xp, offsets):
         ctx.notes.append("torch has no grouped_mm here: grouped GEMM row has no baseline")
         t_ours = ctx.time_ms(ours)
         row.update(fusedpar_ms=t_ours, fusedpar_TFLOPs=tflops(flops, t_ours), max_rel_err=0.0)
-    return row
+    ours()
+    return {**row, **last_launch("grouped_matmul")}
 
 
 def _grouped_gemm_fp8_rows(ctx, d, xp, offsets):
@@ -165,6 +168,7 @@ def _grouped_gemm_fp8_rows(ctx, d, xp, offsets):
 
     from fusedpar.kernels import dequantize_e4m3, grouped_matmul, quantize_e4m3
     from fusedpar.kernels.fp8_gemm import FP8_RECIPES
+    from fusedpar.kernels.gemm_loads import last_launch
 
     t_base = ctx.time_ms(lambda: grouped_matmul(xp, d.w1, offsets, check_offsets=False))
     flops = 2.0 * d.T * d.k * d.H * 2 * d.Fd
@@ -182,10 +186,12 @@ def _grouped_gemm_fp8_rows(ctx, d, xp, offsets):
                                                  check_offsets=False))
         del wd
         t_ours, t_quant = ctx.time_ms(ours), ctx.time_ms(lambda ga=ga: quantize_e4m3(xp, ga))
+        ours()
         rows.append({"bench": "grouped_gemm_fp8", **d.shape, "recipe": recipe, "fusedpar_ms": t_ours,
                      "baseline_ms": t_base, "baseline": f"fusedpar grouped_matmul ({d.shape['dtype']})",
                      "fusedpar_TFLOPs": tflops(flops, t_ours), "baseline_TFLOPs": tflops(flops, t_base),
-                     "ratio_vs_baseline": t_base / t_ours, "quantize_ms": t_quant, "max_rel_err": err})
+                     "ratio_vs_baseline": t_base / t_ours, "quantize_ms": t_quant, "max_rel_err": err,
+                     **last_launch("grouped_matmul")})
     return rows
 
 

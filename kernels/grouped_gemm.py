@@ -36,13 +36,22 @@ from .checks import (check_buffer, check_choice, check_float_tensor, check_out_d
                      check_tensor, output_buffer)
 from .launch import launch_kernel
 from .fp8 import rne_for_store
-from .fp8_gemm import (FP8_GROUPED_INTERPRETER_CONFIGS, GROUPED_FP8_ACC_BUDGET, fp8_configs_of_kind,
-                       fp8_grouped_configs, grouped_fp8_flags, grouped_fp8_scales)
-from .moe_permute import as_group_offsets  # noqa: F401 (the grouped GEMMs' offsets, also exported here)
+from .fp8_gemm_configs import FP8_GROUPED_INTERPRETER_CONFIGS, grouped_fp8_flags, grouped_fp8_scales
+from .gemm_core import gemm_mainloop
+from .gemm_loads import ensure_scratch_allocator, note_launch, num_programs, tma_capable
+from .grouped_gemm_configs import (INTERPRETER_GEMM_CONFIG, INTERPRETER_WGRAD_CONFIG, TUNING_KEY, WGRAD_TUNING_KEY,
+                                   gemm_gpu_configs, prune_grouped, prune_grouped_wgrad, smem_estimate, tile_rule,
+                                   wgrad_gpu_configs, wgrad_smem_estimate, wgrad_tile_rule)
+from .moe_permute import as_group_offsets
 from .moe_routing import MAX_ROWS
-from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, acc_budget_for, aligned, autotuned, device_capability,
-                      cdiv, input_precision, interpreting, needs_upcast, next_power_of_2, on_device, pipelined,
-                      prune_tile_configs, shared_memory_limit, tile_smem_bytes)
+from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, autotuned, cdiv, input_precision, interpreting, needs_upcast,
+                      next_power_of_2, on_device)
+
+__all__ = [
+    # the tile rules, from .grouped_gemm_configs (the compile check reads the estimates here)
+    "TUNING_KEY", "WGRAD_TUNING_KEY", "smem_estimate", "tile_rule", "wgrad_smem_estimate", "wgrad_tile_rule",
+    "OPERAND_DTYPES", "as_group_offsets", "grouped_matmul", "grouped_matmul_dact", "grouped_wgrad",
+]
 
 _LAYOUTS = ("nk", "kn")
 OPERAND_DTYPES = SUPPORTED_DTYPES + (torch.float8_e4m3fn,)
@@ -58,21 +67,61 @@ def _grouped_gemm_kernel(
     s_xm, s_xk, s_we, s_wn, s_wk, s_om, s_on, s_am, s_an, glu_offset, s_be, s_xsm, s_xsk, s_wse, s_wsn, s_wsk,
     ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, DACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, G_PAD: tl.constexpr, FP8: tl.constexpr,
-    BLOCKWISE: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCKWISE: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr, TMA: tl.constexpr,
+    W_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Rows of group g times weight[g % E_w] ([N, K] through strides, so a transposed view of the
     same tensor needs no copy). Epilogues: forward ``act`` (gated: act(gate) * up, pre-activation
     to ``aux``; ``HAS_BIAS``: ``bias[g % E_w]`` added first, gate and up halves), or backward
     ``DACT``: the product is the gradient of the activation output and ``aux`` holds the
     pre-activation; writes the gradient of the pre-activation. ``FP8``: scaled e4m3 operands (module
-    docstring; ``BLOCKWISE``: a fresh dot per 128-deep step); ``EMULATE``: interpreted bf16 stores."""
+    docstring; ``BLOCKWISE``: a fresh dot per 128-deep step); ``EMULATE``: interpreted bf16 stores.
+    ``TMA``: x and the experts' weights stacked (``W_KMAJOR``: ``[E_w * N_w, K]``, else ``[E_w * K,
+    N_w]``) through tensor descriptors, a persistent program walking tiles ``pid, pid + programs,
+    ...`` of the row-tiles x column-tiles grid (:func:`_row_tiles`); else one tile per program of it."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not (DACT and STORE_AUX), "the backward epilogue reads aux, it does not store it")
     tl.static_assert(not (DACT and HAS_BIAS), "the bias is a forward epilogue")
     tl.static_assert(not (FP8 and BLOCKWISE) or BLOCK_K == 128, "blockwise scaling steps K one 128-block at a time")
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if TMA:
+        n_w = N if DACT else N + glu_offset  # the weight rows of an expert (a gated forward: gate and up)
+        row_tiles = M // BLOCK_M + tl.minimum(G, M) + 1  # (_row_tiles)
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+        # the experts' rows as one stack (the host checked the product fits in 31 bits)
+        stacked = (tl.cast(E_w, tl.int64) * (n_w if W_KMAJOR else K)).to(tl.int32)
+        if W_KMAJOR:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[stacked, K], strides=[s_wn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[stacked, n_w], strides=[s_wk, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
+        col_tiles = tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), row_tiles * col_tiles, tl.num_programs(0)):
+            _grouped_tile(tile // col_tiles, tile % col_tiles, row_tiles, x_ptr, w_ptr, out_ptr, aux_ptr, offsets_ptr,
+                          bias_ptr, xs_ptr, ws_ptr, x_desc, w_desc, G, E_w, M, N, K, s_xm, s_xk, s_we, s_wn, s_wk,
+                          s_om, s_on, s_am, s_an, glu_offset, s_be, s_xsm, s_xsk, s_wse, s_wsn, s_wsk, ACT, GLU,
+                          STORE_AUX, DACT, HAS_BIAS, UPCAST, INPUT_PRECISION, G_PAD, FP8, BLOCKWISE, EMULATE,
+                          PROMOTE_K, TMA, W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        _grouped_tile(tl.program_id(0), tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, out_ptr, aux_ptr,
+                      offsets_ptr, bias_ptr, xs_ptr, ws_ptr, x_ptr, w_ptr, G, E_w, M, N, K, s_xm, s_xk, s_we, s_wn,
+                      s_wk, s_om, s_on, s_am, s_an, glu_offset, s_be, s_xsm, s_xsk, s_wse, s_wsn, s_wsk, ACT, GLU,
+                      STORE_AUX, DACT, HAS_BIAS, UPCAST, INPUT_PRECISION, G_PAD, FP8, BLOCKWISE, EMULATE, PROMOTE_K,
+                      TMA, W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _grouped_tile(
+    pid_m, pid_n, row_tiles, x_ptr, w_ptr, out_ptr, aux_ptr, offsets_ptr, bias_ptr, xs_ptr, ws_ptr, x_desc, w_desc,
+    G, E_w, M, N, K,
+    s_xm, s_xk, s_we, s_wn, s_wk, s_om, s_on, s_am, s_an, glu_offset, s_be, s_xsm, s_xsk, s_wse, s_wsn, s_wsk,
+    ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, DACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, G_PAD: tl.constexpr, FP8: tl.constexpr,
+    BLOCKWISE: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr, TMA: tl.constexpr,
+    W_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Tile ``(pid_m, pid_n)`` of ``_grouped_gemm_kernel``'s ``row_tiles x cdiv(N, BLOCK_N)`` grid:
+    a group's row block, a tail block of zeros, or nothing."""
     # This program's (group, row block) from the offsets: tiles_g = cdiv(count_g, BLOCK_M); the
     # group is the number of groups whose cumulative tile count is <= pid_m (G: past the last
     # group, a tail tile). Written with few reductions and no nested @triton.jit helpers: under
@@ -100,45 +149,22 @@ def _grouped_gemm_kernel(
         rm64 = rm.to(tl.int64)
         expert = (group % E_w).to(tl.int64)
         w_base = w_ptr + expert * s_we
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GLU:
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if FP8:  # the scales of x's rows and of the weight's rows (gate; up for a gated forward)
             xs_rows = xs_ptr + rm64 * s_xsm
             ws_rows = ws_ptr + expert * s_wse + (rn // (128 if BLOCKWISE else 1)).to(tl.int64) * s_wsn
             ws_up = ws_ptr + expert * s_wse + ((rn + glu_offset) // (128 if BLOCKWISE else 1)).to(tl.int64) * s_wsn
-        for k0 in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-            kk = k0 * BLOCK_K + rk
-            k_mask = kk < K
-            kk64 = kk.to(tl.int64)
-            a = tl.load(x_ptr + rm64[:, None] * s_xm + kk64[None, :] * s_xk, mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            b = tl.load(w_base + kk64[:, None] * s_wk + rn64[None, :] * s_wn, mask=k_mask[:, None] & n_mask[None, :],
-                        other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if FP8 and BLOCKWISE:  # a fresh dot per 128-deep step, times the step's scales
-                k64 = tl.cast(k0, tl.int64)
-                sa = tl.load(xs_rows + k64 * s_xsk, mask=m_mask, other=0.0)[:, None]
-                acc += tl.dot(a, b) * sa * tl.load(ws_rows + k64 * s_wsk, mask=n_mask, other=0.0)[None, :]
-            else:  # (rowwise fp8: promoted to fp32 every PROMOTE_K; None otherwise)
-                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, max_num_imprecise_acc=PROMOTE_K)
-            if GLU and not DACT:
-                bu = tl.load(w_base + kk64[:, None] * s_wk + (rn64 + glu_offset)[None, :] * s_wn,
-                             mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if UPCAST:
-                    bu = bu.to(tl.float32)
-                if FP8 and BLOCKWISE:
-                    acc_up += tl.dot(a, bu) * sa * tl.load(ws_up + k64 * s_wsk, mask=n_mask, other=0.0)[None, :]
-                else:
-                    acc_up = tl.dot(a, bu, acc_up, input_precision=INPUT_PRECISION, max_num_imprecise_acc=PROMOTE_K)
-        if FP8 and not BLOCKWISE:  # rowwise: the fp32 accumulator times x's row and the weight row scales
-            sa = tl.load(xs_rows, mask=m_mask, other=0.0)[:, None]
-            acc = acc * sa * tl.load(ws_rows, mask=n_mask, other=0.0)[None, :]
-            if GLU and not DACT:
-                acc_up = acc_up * sa * tl.load(ws_up, mask=n_mask, other=0.0)[None, :]
+        else:
+            xs_rows, ws_rows, ws_up = xs_ptr, ws_ptr, ws_ptr
+        # TMA coordinates (int32, as the descriptors' extents): the expert's first weight row (or K row)
+        n_w = N if DACT else N + glu_offset
+        w_row0 = (expert * (n_w if W_KMAJOR else K)).to(tl.int32)
+        acc, acc_up = gemm_mainloop(
+            x_ptr, w_base, rm64 * s_xm, rn64 * s_wn, (rn64 + glu_offset) * s_wn, m_mask, n_mask, K,
+            1, 0, s_xk, 1, 0, s_wk, False, False, GLU and not DACT, UPCAST, False, INPUT_PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, x_desc, w_desc, row0, pid_n * BLOCK_N + (w_row0 if W_KMAJOR else 0),
+            glu_offset, TMA, True, W_KMAJOR, xs_rows, ws_rows, ws_up, s_xsk, s_wsk,
+            (2 if BLOCKWISE else 1) if FP8 else 0, PROMOTE_K, 0 if W_KMAJOR else w_row0,
+        )
         out_mask = m_mask[:, None] & n_mask[None, :]
         o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
         if DACT:
@@ -215,7 +241,7 @@ def _grouped_gemm_kernel(
         # Tail tiles are numbered from the end of the grid (no total tile count needed); the
         # programs between the group tiles and the tail tiles have nothing to do.
         tail0 = tl.load(offsets_ptr + G).to(tl.int32)
-        t = tl.num_programs(0) - 1 - pid_m
+        t = row_tiles - 1 - pid_m
         if t * BLOCK_M < M - tail0:
             rm = tail0 + t * BLOCK_M + tl.arange(0, BLOCK_M)
             m_mask = rm < M
@@ -291,124 +317,15 @@ def _grouped_wgrad_kernel(
     tl.store(dw_ptr + w_off, acc.to(dw_ptr.dtype.element_ty), mask=out_mask)
 
 
-# --------------------------------------------------------------------------------------------
-# configurations
-# --------------------------------------------------------------------------------------------
-INTERPRETER_GEMM_CONFIG = INTERPRETER_WGRAD_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
-
-
-def _configs(tiles) -> list:
-    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=stages, num_warps=warps)
-            for bm, bn, bk, stages, warps in tiles]
-
-
-def _gemm_gpu_configs():  # the 16/32-bit tiles, then the fp8 ones (each launch's prune rule keeps its kind)
-    return _configs([(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-                     (128, 64, 64, 4, 8), (64, 128, 64, 4, 8), (64, 64, 32, 4, 4), (32, 64, 32, 4, 4),
-                     (64, 64, 64, 4, 4), (64, 256, 32, 4, 4), (32, 64, 64, 5, 2), (16, 64, 64, 4, 4)]) + \
-        fp8_grouped_configs()
-
-
-def _wgrad_gpu_configs():
-    return _configs([(64, 128, 128, 3, 8), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (32, 64, 64, 4, 4),
-                     (64, 64, 64, 4, 4)]) + fp8_grouped_configs(wgrad=True)
-
-
-#: fp32 accumulator elements per thread without spills (``python -m benchmarks compile``, sm_90
-#: and sm_80): plain epilogue 128; forward activation / gated pair / pre-activation store 64; the
-#: fused activation backward (``DACT``: loads the gate and up pre-activations, forms act and act')
-#: 32 (fp8 launches: :data:`~fusedpar.kernels.fp8_gemm.GROUPED_FP8_ACC_BUDGET`).
-GROUPED_ACC_BUDGET = {"plain": 128, "fused": 64, "dact": 32}
-#: the same for dots lowered to mma.sync (sm_80, tiles under 64 rows), whose operand fragments are
-#: held in registers too: a plain 128 spills 4-8 B on sm_80 (the group lookup is live as well); a
-#: fused epilogue whose loads do not vectorise fits 32
-GROUPED_SYNC_ACC_BUDGET = {"plain": 64, "fused": 64, "dact": 32, "fused unaligned": 32}
-
-
-def tile_rule(named_args: dict, **kwargs) -> dict:
-    """The prune rule's parameters (:func:`~fusedpar.kernels.runtime.tile_config_problem`) of a
-    grouped forward / data-gradient launch."""
-    def get(k, default=False):
-        return kwargs.get(k, named_args.get(k, default))
-
-    x, dact, fp8 = named_args["x_ptr"], bool(get("DACT")), bool(get("FP8"))
-    glu = bool(get("GLU")) and not dact  # the backward reads the up half from aux, one B tile
-    kind = "dact" if dact else "fused" if glu or get("ACT", 0) != 0 or get("STORE_AUX") else "plain"
-    precision = get("INPUT_PRECISION", "ieee")
-    extents = [e for e in (named_args.get(k, 16) for k in ("K", "s_xm", "s_xk", "s_wn", "s_wk")) if e != 1]
-    if named_args.get("s_wn") == 1:  # "kn" weights: the masked N is the contiguous dim
-        extents.append(named_args["N"])
-    unaligned = not fp8 and (named_args["K"] % 64 != 0 or not aligned(x.element_size(), *extents))
-    sync = GROUPED_SYNC_ACC_BUDGET["fused unaligned" if kind == "fused" and unaligned else kind]
-    acc_tiles = (2 if glu else 1) * (2 if fp8 else 1)
-    cap = dict(elem_size=x.element_size(), precision=precision, acc_tiles=acc_tiles)
-    budget = (GROUPED_FP8_ACC_BUDGET if fp8 else GROUPED_ACC_BUDGET)[kind]
-    return dict(elem_size=x.element_size(), b_tiles=2 if glu else 1, acc_tiles=acc_tiles,
-                acc_budget=acc_budget_for(budget, **cap), sync_acc_budget=acc_budget_for(sync, **cap, sync=True),
-                capability=device_capability(x.device.index or 0), precision=precision, unaligned=unaligned,
-                pipelined=pipelined(x.element_size(), *extents))
-
-
-def wgrad_tile_rule(named_args: dict, **kwargs) -> dict:
-    """The prune rule's parameters of a grouped weight-gradient launch: its dot is
-    ``dy^T [BLOCK_N, BLOCK_M] @ x [BLOCK_M, BLOCK_K]`` (the rows block is the contraction); the
-    loads are masked along N and K, their contiguous dims (fp8: along the rows)."""
-    dy = named_args["dy_ptr"]
-    extents = [e for e in (named_args.get(k, 16) for k in ("N", "K", "s_dm", "s_dn", "s_xm", "s_xk")) if e != 1]
-    return dict(elem_size=dy.element_size(), b_tiles=1, capability=device_capability(dy.device.index or 0),
-                precision=kwargs.get("INPUT_PRECISION", named_args.get("INPUT_PRECISION", "ieee")),
-                dims=("BLOCK_N", "BLOCK_K", "BLOCK_M"), pipelined=pipelined(dy.element_size(), *extents))
-
-
-def smem_estimate(cfg, named_args, **kwargs) -> int:
-    """The prune rule's shared-memory bytes of a grouped forward / dgrad config."""
-    r = tile_rule(named_args, **kwargs)
-    return tile_smem_bytes(cfg, elem_size=r["elem_size"], b_tiles=r["b_tiles"], capability=r["capability"],
-                           precision=r["precision"], pipelined=r["pipelined"])
-
-
-def wgrad_smem_estimate(cfg, named_args, **kwargs) -> int:
-    """The prune rule's shared-memory bytes of a grouped weight-gradient config."""
-    return tile_smem_bytes(cfg, **wgrad_tile_rule(named_args, **kwargs))
-
-
-def _prune(configs, named_args, **kwargs):
-    x, rule = named_args["x_ptr"], tile_rule(named_args, **kwargs)
-    return prune_tile_configs(fp8_configs_of_kind(configs, named_args, kwargs, rule["pipelined"]),
-                              smem_limit=shared_memory_limit(x.device.index or 0),
-                              dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]}, **rule)
-
-
-def _prune_wgrad(configs, named_args, **kwargs):
-    r = wgrad_tile_rule(named_args, **kwargs)
-    fp8 = bool(kwargs.get("FP8", named_args.get("FP8", False)))
-    configs = fp8_configs_of_kind(configs, named_args, kwargs, r["pipelined"])
-    r["tile_dims"] = r.pop("dims")
-    budget = acc_budget_for(GROUPED_FP8_ACC_BUDGET["wgrad"] if fp8 else GROUPED_ACC_BUDGET["plain"],
-                            elem_size=r["elem_size"], precision=r["precision"])
-    return prune_tile_configs(configs, smem_limit=shared_memory_limit(named_args["dy_ptr"].device.index or 0),
-                              dims={"BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]},
-                              acc_tiles=2 if fp8 else 1, acc_budget=budget, **r)
-
-
-#: the autotuners' keys: the problem size and every flag and stride the prune rules (:func:`tile_rule`,
-#: :func:`wgrad_tile_rule`) read, so that a config tuned for one launch is never reused by a launch
-#: whose rule would prune it (a tf32 tile run as "ieee" FMA dots, a plain tile with a fused one, fp8,
-#: a pipelined tile whose rows lose 16-byte alignment)
-TUNING_KEY = ["N", "K", "G", "ACT", "GLU", "DACT", "HAS_BIAS", "STORE_AUX", "INPUT_PRECISION", "FP8", "BLOCKWISE",
-              "s_xm", "s_xk", "s_wn", "s_wk"]
-WGRAD_TUNING_KEY = ["N", "K", "G", "ACCUMULATE", "INPUT_PRECISION", "FP8", "s_dm", "s_dn", "s_xm", "s_xk"]
-
-
 @functools.lru_cache(maxsize=None)
 def _tuned_gemm():
-    return autotuned(_grouped_gemm_kernel, configs=_gemm_gpu_configs(), key=TUNING_KEY, prune=_prune)
+    return autotuned(_grouped_gemm_kernel, configs=gemm_gpu_configs(), key=TUNING_KEY, prune=prune_grouped)
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned_wgrad():
-    return autotuned(_grouped_wgrad_kernel, configs=_wgrad_gpu_configs(), key=WGRAD_TUNING_KEY,
-                     prune=_prune_wgrad, restore_value=["dw_ptr"])
+    return autotuned(_grouped_wgrad_kernel, configs=wgrad_gpu_configs(), key=WGRAD_TUNING_KEY,
+                     prune=prune_grouped_wgrad, restore_value=["dw_ptr"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,11 +451,36 @@ def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, 
             N, K, x.stride(0), x.stride(1), *w_strides, out.stride(0), out.stride(1),
             aux.stride(0) if has_aux else 0, aux.stride(1) if has_aux else 0, N if glu else 0,
             0 if bias is None else bias.stride(0), *scales[2:])
+    w_kmajor = _weight_tma(x, weight, w_strides, N if dact or not glu else 2 * N, K)
     flags = dict(ACT=act, GLU=glu, STORE_AUX=has_aux and not dact, DACT=dact, HAS_BIAS=bias is not None,
                  UPCAST=needs_upcast(x.dtype), INPUT_PRECISION=input_precision(x.dtype),
-                 G_PAD=max(2, next_power_of_2(G)), **grouped_fp8_flags(fp8, out, aux))
+                 G_PAD=max(2, next_power_of_2(G)), **grouped_fp8_flags(fp8, out, aux), TMA=w_kmajor is not None,
+                 W_KMAJOR=w_kmajor is not False)
+
+    def grid(meta):
+        rows, cols = _row_tiles(M, G, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"])
+        return (num_programs(rows * cols, x.device, True), 1) if w_kmajor is not None else (rows, cols)
     _launch(_grouped_gemm_kernel, _tuned_gemm, FP8_GROUPED_INTERPRETER_CONFIGS[0] if fp8 else INTERPRETER_GEMM_CONFIG,
-            lambda meta: (_row_tiles(M, G, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"])), args, flags, x.device)
+            grid, args, flags, x.device)
+    note_launch("grouped_matmul_dact" if dact else "grouped_matmul", None if interpreting() else _tuned_gemm(),
+                FP8_GROUPED_INTERPRETER_CONFIGS[0] if fp8 else INTERPRETER_GEMM_CONFIG, w_kmajor is not None)
+
+
+def _weight_tma(x, weight, w_strides, n_w, K):
+    """Whether a grouped launch loads ``x`` and the experts' weights by TMA (:mod:`.gemm_loads`):
+    None where it cannot, else whether the weights are contiguous along K (stacked as ``[E * n_w,
+    K]``; else ``[E * K, n_w]``, which needs K a multiple of every TMA tile's 128-deep step, so that
+    no step reads the next expert's rows). x contiguous along K, every base and row stride a
+    multiple of 16 bytes, the experts' rows one stack; e4m3 weights contiguous along K."""
+    es, (s_we, s_wn, s_wk), E = x.element_size(), w_strides, weight.shape[0]
+    if not (tma_capable(x.device, es) and x.stride(1) == 1 and x.stride(0) * es % 16 == 0
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and E * max(n_w, K) < 2 ** 31):
+        return None
+    if s_wk == 1 and s_wn * es % 16 == 0 and (E == 1 or s_we == n_w * s_wn):
+        return True
+    if s_wn == 1 and s_wk * es % 16 == 0 and (E == 1 or s_we == K * s_wk) and K % 128 == 0 and es > 1:
+        return False
+    return None
 
 
 def _launch(kernel, tuned, interpreter_config, grid, args, flags, device) -> None:
@@ -546,6 +488,7 @@ def _launch(kernel, tuned, interpreter_config, grid, args, flags, device) -> Non
     if interpreting():
         kernel[grid(interpreter_config)](*args, **flags, **interpreter_config)
     else:
+        ensure_scratch_allocator(device)
         with on_device(device):
             launch_kernel(tuned(), grid, args, flags)
 

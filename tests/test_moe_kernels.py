@@ -199,6 +199,50 @@ def test_grouped_matmul_vs_torch_grouped_mm():
     assert_close(ours, theirs.double(), torch.float32, msg="vs torch grouped_mm")
 
 
+@pytest.mark.parametrize("path", ["auto", "pointer"])
+def test_grouped_load_paths(path, monkeypatch):
+    """Both load paths of the grouped forward and data gradient (kernels/gemm_loads.py): "auto"
+    loads x and the stacked experts' weights by TMA (fp16 rows of 64 / 256 bytes; the "kn" weights
+    of the data gradient with K = 128, so no step reads the next expert), in persistent programs
+    (3 under the interpreter: the tile loop wraps), over empty and one-row groups and a zero tail."""
+    from fusedpar.kernels import gemm_loads, grouped_gemm as gg
+    if not INTERPRETED:
+        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
+    seen = []
+    kernel = gg._grouped_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **flags: (seen.append((grid, flags["TMA"])), kernel[grid](*args, **flags))[1]
+    monkeypatch.setattr(gg, "_grouped_gemm_kernel", Spy())
+    g, dt = torch.Generator().manual_seed(31), torch.float16
+    E, H, Fd, offs = 3, 32, 24, _offsets([5, 0, 18, 1, 0, 3])
+    M = offs[-1] + 3
+    x = randn(M, H, dtype=dt, generator=g)
+    w1 = randn(E, 2 * Fd, H, dtype=dt, generator=g, scale=H ** -0.5)
+    b1 = randn(E, 2 * Fd, dtype=dt, generator=g)
+    gy = randn(M, 128, dtype=dt, generator=g)
+    w2 = randn(E, 128, Fd, dtype=dt, generator=g, scale=Fd ** -0.5)  # "kn": [E, K = 128, N = F]
+    pre = poison((M, 2 * Fd), dt)
+    try:
+        gemm_loads.set_load_path(path)
+        out = grouped_matmul(x, w1, offs, activation="swiglu", bias=b1, preact_out=pre, out=poison((M, Fd), dt))
+        got = grouped_matmul_dact(gy, w2, offs, pre, activation="swiglu")
+    finally:
+        gemm_loads.set_load_path("auto")
+    ref_pre = grouped_matmul_reference(x, w1, offs, bias=b1)
+    assert_close(pre, ref_pre, dt, msg=f"{path} pre-activation")
+    assert_close(out, grouped_matmul_reference(x, w1, offs, activation="swiglu", bias=b1), dt, msg=f"{path} swiglu")
+    pre_d = pre.double().cpu().requires_grad_()
+    (activation_reference(pre_d, "swiglu") * grouped_matmul_reference(gy, w2, offs, weight_layout="kn")).sum().backward()
+    ref = pre_d.grad.clone()
+    ref[offs[-1]:] = 0
+    assert_close(got, ref, dt, msg=f"{path} fused activation backward")
+    assert [tma for _, tma in seen] == [path == "auto"] * 2
+    if path == "auto":
+        assert all(grid == (3, 1) for grid, _ in seen)
+
+
 BWD_SIZES = [5, 0, 18, 1, 0, 3]  # two cycles over 3 experts, with empty groups
 BWD_OFFS = _offsets(BWD_SIZES)
 BWD_M = BWD_OFFS[-1] + 3  # tail rows
@@ -596,7 +640,7 @@ _INT64_CHECK = textwrap.dedent(
         return bad, approx_div
 
     gemm = dict(UPCAST=False, INPUT_PRECISION="ieee", G_PAD=8, FP8=False, BLOCKWISE=False, EMULATE=False,
-                PROMOTE_K=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+                PROMOTE_K=None, TMA=False, W_KMAJOR=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
     fp8 = dict(gemm, FP8=True, PROMOTE_K=128, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
     e4m3 = {n: "*fp8e4nv" for n in ("x_ptr", "w_ptr", "dy_ptr")}
     route = dict(TOPK_GROUP=1, TOP_K=2, K_PAD=2, NORMALIZE=True, BLOCK_T=16, G_PAD=1, EPG_PAD=8)
@@ -612,6 +656,11 @@ _INT64_CHECK = textwrap.dedent(
             dict(ACT=3, GLU=True, STORE_AUX=False, DACT=True, HAS_BIAS=False, **gemm)),
         "grouped_gemm plain": (gg._grouped_gemm_kernel,
             dict(ACT=0, GLU=False, STORE_AUX=False, DACT=False, HAS_BIAS=False, **gemm)),
+        "grouped_gemm TMA swiglu + pre-activation": (gg._grouped_gemm_kernel,
+            dict(ACT=3, GLU=True, STORE_AUX=True, DACT=False, HAS_BIAS=False, **dict(gemm, TMA=True, BLOCK_M=64))),
+        "grouped_gemm TMA dact swiglu, kn weights": (gg._grouped_gemm_kernel,
+            dict(ACT=3, GLU=True, STORE_AUX=False, DACT=True, HAS_BIAS=False,
+                 **dict(gemm, TMA=True, W_KMAJOR=False, BLOCK_M=64))),
         "grouped_gemm fp8 blockwise swiglu + bias + pre-activation": (gg._grouped_gemm_kernel,
             dict(ACT=3, GLU=True, STORE_AUX=True, DACT=False, HAS_BIAS=True, **dict(fp8, BLOCKWISE=True)), e4m3),
         "grouped_gemm fp8 rowwise dact swiglu": (gg._grouped_gemm_kernel,
@@ -655,14 +704,14 @@ def test_kernel_offsets_are_64_bit():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ": [" in ln]
-    assert len(lines) == 16, res.stdout
+    assert len(lines) == 18, res.stdout
     assert all(ln.endswith(": []") for ln in lines), "32-bit products of a stride / width:\n" + "\n".join(lines)
     # the routing kernels divide with IEEE rounding (tl.math.div_rn): a plain fp32 ``/`` compiles to
     # div.full.f32 (up to 2 ulp off on a GPU, exact in the interpreter), which left a renormalised
     # top-1 weight p / p off 1 and leaked into the router gradient on the first GPU run
     divs = dict(ln.removeprefix("approximate fp32 divisions of ").split(" = ") for ln in res.stdout.splitlines()
                 if ln.startswith("approximate fp32 divisions of "))
-    assert len(divs) == 16 and divs["topk_route"] == divs["topk_route_backward"] == "0", divs
+    assert len(divs) == 18 and divs["topk_route"] == divs["topk_route_backward"] == "0", divs
 
 
 def test_row_counts_past_int32_positions_are_refused():
@@ -696,14 +745,14 @@ def test_tuning_keys_hold_every_flag_the_prune_rules_read(monkeypatch):
     """As for the dense GEMM (tests/test_gemm.py): a tuned config is reused for every launch with the
     same key, so each grouped autotuner's key holds every flag its prune rule reads (a tile kept
     for tf32 must not run as "ieee" FMA dots, a plain epilogue's tile with a fused one)."""
-    from fusedpar.kernels import grouped_gemm as gg
+    from fusedpar.kernels import grouped_gemm as gg, grouped_gemm_configs as ggc
 
     class Recording(dict):
         def get(self, k, default=None):
             read.add(k)
             return super().get(k, default)
 
-    monkeypatch.setattr(gg, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(ggc, "device_capability", lambda index: (9, 0))
     read = set()
     gg.tile_rule(Recording(x_ptr=torch.empty(1, dtype=torch.bfloat16), N=64, K=64))
     flags = {k for k in read if k.isupper() or k.startswith("s_")}  # the strides: the rows' alignment
