@@ -4,7 +4,9 @@
 peak memory above the inputs (``torch.cuda.max_memory_allocated``), for the Llama-3 heads. Each
 row also gives the matrix FLOPs of both (the fused path: the forward's logits GEMM and the
 backward's three, ``8 T V H``; the materialised one: three, ``6 T V H``), their rates, and the
-backward's vocabulary block (``Vb`` rows of the shard per block).
+backward's vocabulary block (``Vb`` rows of the shard per block), and what the statistics and
+logit-gradient GEMMs ran (``stats_*`` / ``dlogits_*``: config, loads, persistent;
+``fusedpar.kernels.gemm_loads.last_launch``).
 
 One GPU: ``--tp`` runs one rank's vocabulary shard (``V / tp`` rows) without the (small)
 collectives. The baseline's GEMM is ``torch.nn.functional.linear`` (cuBLAS, differentiable)."""
@@ -63,6 +65,7 @@ def _row(ctx, name, T, H, V, dtype, tp, chunk):
     import torch
     import torch.nn.functional as F
 
+    from fusedpar.kernels.gemm_loads import last_launch
     from fusedpar.ops import linear_cross_entropy, vocab_parallel_cross_entropy
     from fusedpar.ops.loss.bodies import default_chunk_tokens, vocab_block
 
@@ -101,6 +104,8 @@ def _row(ctx, name, T, H, V, dtype, tp, chunk):
         "ratio_vs_materialised": t_mat / t_fused, "fused_peak_MiB": peak_fused, "materialised_peak_MiB": peak_mat,
         "peak_ratio_vs_materialised": None if peak_mat is None else peak_fused / peak_mat,
         "logits_MiB": T * v * torch.finfo(dtype).bits / 8 / 2 ** 20, "max_rel_err": err,
+        **{f"stats_{k}": x for k, x in last_launch("linear_ce_stats").items()},
+        **{f"dlogits_{k}": x for k, x in last_launch("linear_ce_dlogits").items()},
     }
 
 

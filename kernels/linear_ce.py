@@ -31,8 +31,9 @@ import triton.language as tl
 
 from .checks import (check_float_tensor, check_index_tensor, check_out_dtype, check_same, check_shape, check_tensor,
                      output_buffer)
-from .gemm import INTERPRETER_CONFIG, gpu_configs, tile_rule
-from .gemm_core import gemm_mainloop, grouped_tile
+from .gemm_configs import INTERPRETER_CONFIG, gpu_configs, smem_estimate, tile_rule, tma_gpu_configs
+from .gemm_core import gemm_mainloop, grouped_tile, operand_descriptors
+from .gemm_loads import ensure_scratch_allocator, note_launch, num_programs, tma_capable, tma_layout
 from .launch import launch_kernel
 from .runtime import (autotuned, cdiv, input_precision, interpreting, needs_upcast, on_device, prune_tile_configs,
                       shared_memory_limit)
@@ -51,12 +52,13 @@ def _tanh(t):
 
 
 @triton.jit
-def _logits_tile(a_ptr, b_ptr, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's ``[BLOCK_M, BLOCK_N]`` tile of ``a @ b^T`` (fp32), its row and column
-    indices and its column-block index."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def _logits_tile(tile, a_ptr, b_ptr, a_desc, b_desc, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST: tl.constexpr,
+                 EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile ``tile``'s ``[BLOCK_M, BLOCK_N]`` of ``a @ b^T`` (fp32, the GEMM core's main loop: TMA
+    loads through ``a_desc`` / ``b_desc``, or pointer loads), its row and column indices and its
+    column-block index."""
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     b_cols = rn.to(tl.int64) * s_bn
@@ -64,6 +66,7 @@ def _logits_tile(a_ptr, b_ptr, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST: tl.co
         a_ptr, b_ptr, rm.to(tl.int64) * s_am1, b_cols, b_cols, rm < M, rn < N, K,
         1, 0, s_ak1, 1, 0, s_bk1,
         False, False, False, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, TMA, True, True,
     )
     return acc, rm, rn, pid_n
 
@@ -73,14 +76,38 @@ def _ce_stats_kernel(
     a_ptr, b_ptr, idx_ptr, max_ptr, sum_ptr, zsum_ptr, picked_ptr,
     M, N, K, s_am1, s_ak1, s_bn, s_bk1, cap, inv_cap,
     SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` logits tile -> per row: max, sum of exp(z - max), (sum of z), and
     the target's logit where ``idx`` (the target's column, -1: none) falls in the tile. The
-    statistics of tile column ``n`` go to row ``n`` of the ``[cdiv(N, BLOCK_N), M]`` buffers."""
-    acc, rm, rn, pid_n = _logits_tile(a_ptr, b_ptr, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST, EVEN_K,
-                                      INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    statistics of tile column ``n`` go to row ``n`` of the ``[cdiv(N, BLOCK_N), M]`` buffers.
+    ``TMA``: persistent over the tiles, loads through tensor descriptors (:mod:`.gemm_loads`)."""
+    if TMA:
+        a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, s_am1, s_ak1, s_bk1, s_bn, True, True,
+                                             BLOCK_M, BLOCK_N, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
+                             flatten=True):
+            _ce_stats_tile(tile, a_ptr, b_ptr, a_desc, b_desc, idx_ptr, max_ptr, sum_ptr, zsum_ptr, picked_ptr, M, N,
+                           K, s_am1, s_ak1, s_bn, s_bk1, cap, inv_cap, SOFTCAP, SMOOTH, UPCAST, EVEN_K,
+                           INPUT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        _ce_stats_tile(tl.program_id(0), a_ptr, b_ptr, a_ptr, b_ptr, idx_ptr, max_ptr, sum_ptr, zsum_ptr, picked_ptr,
+                       M, N, K, s_am1, s_ak1, s_bn, s_bk1, cap, inv_cap, SOFTCAP, SMOOTH, UPCAST, EVEN_K,
+                       INPUT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _ce_stats_tile(
+    tile, a_ptr, b_ptr, a_desc, b_desc, idx_ptr, max_ptr, sum_ptr, zsum_ptr, picked_ptr,
+    M, N, K, s_am1, s_ak1, s_bn, s_bk1, cap, inv_cap,
+    SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``_ce_stats_kernel``'s tile ``tile``."""
+    acc, rm, rn, pid_n = _logits_tile(tile, a_ptr, b_ptr, a_desc, b_desc, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST,
+                                      EVEN_K, INPUT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
     z = acc
@@ -106,13 +133,35 @@ def _ce_dlogits_kernel(
     a_ptr, b_ptr, c_ptr, idx_ptr, lse_ptr, scale_ptr, tcoef_ptr, shift_ptr,
     M, N, K, s_am1, s_ak1, s_bn, s_bk1, s_cm, s_cn, col_offset, cap, inv_cap,
     SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One tile of ``dz = (scale * exp(z - lse) - shift - tcoef * [col_offset + j == idx]) *
     (1 - tanh^2)`` (the last factor with a soft cap) from the recomputed logits, stored in
-    ``c``'s dtype."""
-    acc, rm, rn, pid_n = _logits_tile(a_ptr, b_ptr, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST, EVEN_K,
-                                      INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    ``c``'s dtype. ``TMA``: persistent over the tiles, loads through tensor descriptors."""
+    if TMA:
+        a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, s_am1, s_ak1, s_bk1, s_bn, True, True,
+                                             BLOCK_M, BLOCK_N, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
+                             flatten=True):
+            _ce_dlogits_tile(tile, a_ptr, b_ptr, a_desc, b_desc, c_ptr, idx_ptr, lse_ptr, scale_ptr, tcoef_ptr,
+                             shift_ptr, M, N, K, s_am1, s_ak1, s_bn, s_bk1, s_cm, s_cn, col_offset, cap, inv_cap,
+                             SOFTCAP, UPCAST, EVEN_K, INPUT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        _ce_dlogits_tile(tl.program_id(0), a_ptr, b_ptr, a_ptr, b_ptr, c_ptr, idx_ptr, lse_ptr, scale_ptr, tcoef_ptr,
+                         shift_ptr, M, N, K, s_am1, s_ak1, s_bn, s_bk1, s_cm, s_cn, col_offset, cap, inv_cap,
+                         SOFTCAP, UPCAST, EVEN_K, INPUT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _ce_dlogits_tile(
+    tile, a_ptr, b_ptr, a_desc, b_desc, c_ptr, idx_ptr, lse_ptr, scale_ptr, tcoef_ptr, shift_ptr,
+    M, N, K, s_am1, s_ak1, s_bn, s_bk1, s_cm, s_cn, col_offset, cap, inv_cap,
+    SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``_ce_dlogits_kernel``'s tile ``tile``."""
+    acc, rm, rn, pid_n = _logits_tile(tile, a_ptr, b_ptr, a_desc, b_desc, M, N, K, s_am1, s_ak1, s_bn, s_bk1, UPCAST,
+                                      EVEN_K, INPUT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
     z = acc
@@ -153,41 +202,68 @@ def stats_configs():
     accumulators per thread)."""
     return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=STATS_BLOCK_N, BLOCK_K=bk, GROUP_M=8), num_stages=s, num_warps=w)
             for bm, bk, s, w in [(128, 64, 4, 8), (128, 64, 3, 8), (64, 64, 4, 4), (64, 64, 3, 4), (64, 32, 4, 4),
-                                 (32, 32, 4, 4)]]
+                                 (32, 32, 4, 4)]] + _tma([c for c in tma_gpu_configs() if c.kwargs["BLOCK_N"] == 128])
+
+
+def _tma(configs):
+    """The GEMM's TMA tiles (:mod:`.gemm_configs`) with the whole-tile epilogue these kernels run
+    (no ``EPILOGUE_SPLIT``), marked ``cfg.tma``."""
+    out = []
+    for c in configs:
+        if c.kwargs.get("EPILOGUE_SPLIT", 1) == 1:
+            cfg = triton.Config({k: v for k, v in c.kwargs.items() if k != "EPILOGUE_SPLIT"}, num_stages=c.num_stages,
+                                num_warps=c.num_warps)
+            cfg.tma = True
+            out.append(cfg)
+    return out
 
 
 def _prune(configs, named_args, **kwargs):
     """The GEMM prune rule for a fused epilogue (its register budget: the exp / compare tiles are
-    live next to the accumulator); a tile at most twice the problem along a dimension it tiles."""
+    live next to the accumulator) over the launch's load path (TMA tiles with their epilogue's
+    shared memory); a tile at most twice the problem along a dimension it tiles."""
     dims = {"BLOCK_M": named_args["M"]}
     if "c_ptr" in named_args:  # the dlogits kernel's BLOCK_N is free
         dims["BLOCK_N"] = named_args["N"]
-    return prune_tile_configs(configs, smem_limit=shared_memory_limit(named_args["a_ptr"].device.index or 0),
-                              dims=dims, **tile_rule(named_args, **kwargs, STORE_AUX=True))
+    tma = bool(kwargs.get("TMA", False))
+    configs = [c for c in configs if getattr(c, "tma", False) == tma]
+    limit = shared_memory_limit(named_args["a_ptr"].device.index or 0)
+    if tma:
+        configs = [c for c in configs if smem_estimate(c, named_args, **kwargs) <= limit] or configs[-1:]
+    return prune_tile_configs(configs, smem_limit=limit, dims=dims, **tile_rule(named_args, **kwargs, STORE_AUX=True))
+
+
+#: the autotuners' keys: the problem size and every flag and stride the prune rule reads
+_KEY = ["M", "N", "K", "SOFTCAP", "INPUT_PRECISION", "TMA", "s_am1", "s_ak1", "s_bn", "s_bk1"]
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned_stats():
-    return autotuned(_ce_stats_kernel, configs=stats_configs(), prune=_prune,
-                     key=["M", "N", "K", "SOFTCAP", "SMOOTH", "INPUT_PRECISION"])
+    return autotuned(_ce_stats_kernel, configs=stats_configs(), prune=_prune, key=_KEY + ["SMOOTH"])
 
 
 @functools.lru_cache(maxsize=None)
 def _tuned_dlogits():
-    return autotuned(_ce_dlogits_kernel, configs=gpu_configs(), prune=_prune,
-                     key=["M", "N", "K", "SOFTCAP", "INPUT_PRECISION"])
+    return autotuned(_ce_dlogits_kernel, configs=gpu_configs() + _tma(tma_gpu_configs()), prune=_prune, key=_KEY)
 
 
 def _launch(kernel, tuned, args, flags, M, N, K, device):
-    flags = dict(flags, UPCAST=needs_upcast(args[0].dtype), INPUT_PRECISION=input_precision(args[0].dtype))
+    """One fixed small tile under the interpreter, the autotuned kernel on a GPU; persistent over
+    the SMs where both operands load by TMA (:mod:`.gemm_loads`)."""
+    a, b = args[0], args[1]
+    tma = tma_capable(device, a.element_size()) and tma_layout(a, a.stride(0), a.stride(1), b, b.stride(1),
+                                                               b.stride(0), k_major=True) is not None
+    flags = dict(flags, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=input_precision(a.dtype), TMA=tma)
+    grid = lambda meta: (num_programs(cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), device, tma),)  # noqa: E731
     if interpreting():
         cfg = INTERPRETER_CONFIG
-        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
-        kernel[grid](*args, **flags, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
+        kernel[grid(cfg)](*args, **flags, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
     else:
-        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        ensure_scratch_allocator(device)
         with on_device(device):
             launch_kernel(tuned(), grid, args, dict(**flags, EVEN_K=K % 64 == 0))  # every BLOCK_K divides 64
+    note_launch("linear_ce_dlogits" if tuned is _tuned_dlogits else "linear_ce_stats",
+                None if interpreting() else tuned(), INTERPRETER_CONFIG, tma)
 
 
 # --------------------------------------------------------------------------------------------

@@ -243,15 +243,27 @@ def _kernel_inputs(dtype, M=37, N=101, K=40, seed=12):
     return h, w, idx.to(DEVICE), g
 
 
+@pytest.fixture(params=["auto", "pointer"])
+def load_path(request):
+    """Both GEMM load paths (kernels/gemm_loads.py): "auto" loads these aligned operands by TMA
+    (persistent programs, under the interpreter 3 over the 4-8 tiles: the tile loop wraps)."""
+    from fusedpar.kernels import gemm_loads
+    gemm_loads.set_load_path(request.param)
+    yield request.param
+    gemm_loads.set_load_path("auto")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap,smoothing", [(0.0, False), (2.5, True)], ids=["plain", "softcap-smoothing"])
-def test_stats_epilogue_matches_float64(dtype, softcap, smoothing):
+def test_stats_epilogue_matches_float64(dtype, softcap, smoothing, load_path):
     """log-sum-exp, target logit and logit sum per row, written into a NaN-poisoned column block
     of a wider buffer. Tolerance: fp32's for every dtype: the statistics are fp32 arithmetic on
     the fp32-accumulated products of inputs that the float64 reference takes exactly."""
+    from fusedpar.kernels.gemm_loads import last_launch
     h, w, idx, _ = _kernel_inputs(dtype)
     buf = poison((3, 50), torch.float32)
     out = linear_ce_stats(h, w, idx, softcap=softcap, smoothing=smoothing, out=buf[:, 5:42])
+    assert last_launch("linear_ce_stats")["loads"] == ("tma" if load_path == "auto" else "pointer")
     ref = linear_ce_stats_reference(h, w, idx, softcap=softcap, smoothing=smoothing)
     assert out.data_ptr() == buf[:, 5:42].data_ptr()
     for i, what in enumerate(("lse", "target logit", "logit sum")):
@@ -262,7 +274,7 @@ def test_stats_epilogue_matches_float64(dtype, softcap, smoothing):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap", [0.0, 3.0], ids=["plain", "softcap"])
-def test_dlogits_epilogue_matches_float64(dtype, softcap):
+def test_dlogits_epilogue_matches_float64(dtype, softcap, load_path):
     """The gradient of a vocabulary block (columns 30..70 of 101: targets inside, before and
     after it) written into a NaN-poisoned column block of a wider buffer, with the row terms of
     the loss (z-loss scale, label smoothing shift, zero rows: ignored tokens). Tolerance: the
@@ -277,7 +289,7 @@ def test_dlogits_epilogue_matches_float64(dtype, softcap):
     out = linear_ce_dlogits(h, w[30:70], idx, lse, scale, target_coef, shift, softcap=softcap, col_offset=30,
                             out=buf[:, 7:47])
     ref = linear_ce_dlogits_reference(h, w[30:70], idx, lse, scale, target_coef, shift, softcap=softcap, col_offset=30)
-    assert_close(out, ref, dtype, msg=f"{dtype} softcap={softcap}")
+    assert_close(out, ref, dtype, msg=f"{dtype} softcap={softcap} {load_path}")
     assert torch.isnan(buf[:, :7]).all() and torch.isnan(buf[:, 47:]).all()
     assert (out[5] == 0).all()
 
