@@ -66,50 +66,6 @@ WAIT_MODES = {"none": 0, "spin": 1, "skip": 2}
 
 # ---------------------------------------- Triton kernels ----------------------------------------
 @triton.jit
-def _fp8_mainloop(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, a_rows, sa_rows, b_cols, b_cols_up, rn, glu_offset, m_mask, n_mask, K,
-    s_ak, s_bk, s_sak, s_sbn, s_sbk, GLU: tl.constexpr, BLOCKWISE: tl.constexpr, EVEN_K: tl.constexpr,
-    PROMOTE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """fp32 ``(A * sa) @ (B * sb)^T`` of one tile (and of the up columns for gated activations)
-    from e4m3 operands, computed as ``fp8_matmul`` computes it (kernels/fp8_gemm.py): rowwise, one
-    dot over K promoted to fp32 every ``PROMOTE_K`` and scaled after the loop; blockwise, a fresh
-    dot per 128-deep step times the step's scales (``sb``: one per 128x128 block of the weight)."""
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless GLU
-    sb_rows = sb_ptr + (rn // (128 if BLOCKWISE else 1)).to(tl.int64) * s_sbn
-    sb_up = sb_ptr + ((rn + glu_offset) // (128 if BLOCKWISE else 1)).to(tl.int64) * s_sbn
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        kk64 = (k0 * BLOCK_K + rk).to(tl.int64)
-        if EVEN_K:
-            a = tl.load(a_ptr + a_rows[:, None] + (kk64 * s_ak)[None, :], mask=m_mask[:, None], other=0.0)
-            b_mask = n_mask[None, :]
-        else:
-            a = tl.load(a_ptr + a_rows[:, None] + (kk64 * s_ak)[None, :], mask=m_mask[:, None] & (kk64 < K)[None, :],
-                        other=0.0)
-            b_mask = (kk64 < K)[:, None] & n_mask[None, :]
-        b = tl.load(b_ptr + b_cols[None, :] + (kk64 * s_bk)[:, None], mask=b_mask, other=0.0)
-        if BLOCKWISE:
-            sa = tl.load(sa_ptr + sa_rows + k0 * s_sak, mask=m_mask, other=0.0)
-            acc += tl.dot(a, b) * sa[:, None] * tl.load(sb_rows + k0 * s_sbk, mask=n_mask, other=0.0)[None, :]
-        else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
-        if GLU:
-            bu = tl.load(b_ptr + b_cols_up[None, :] + (kk64 * s_bk)[:, None], mask=b_mask, other=0.0)
-            if BLOCKWISE:
-                acc_up += tl.dot(a, bu) * sa[:, None] * tl.load(sb_up + k0 * s_sbk, mask=n_mask, other=0.0)[None, :]
-            else:
-                acc_up = tl.dot(a, bu, acc_up, max_num_imprecise_acc=PROMOTE_K)
-    if not BLOCKWISE:
-        sa = tl.load(sa_ptr + sa_rows, mask=m_mask, other=0.0)
-        acc = acc * sa[:, None] * tl.load(sb_rows, mask=n_mask, other=0.0)[None, :]
-        if GLU:
-            acc_up = acc_up * sa[:, None] * tl.load(sb_up, mask=n_mask, other=0.0)[None, :]
-    return acc, acc_up
-
-
-@triton.jit
 def persistent_gemm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, sa_ptr, sb_ptr, flag_ptr, count_ptr, log_ptr, status_ptr, ready_ptr,
     ROWS, N, K, num_chunks, first_chunk,
@@ -125,7 +81,7 @@ def persistent_gemm_kernel(
 ):
     """Every tile of every chunk from ``first_chunk`` on: the flag wait (a flag is ready at the
     value of the device word ``*ready_ptr``, read once per program: no host value in the launch),
-    ``gemm_mainloop`` (``FP8``: :func:`_fp8_mainloop`), ``gemm_epilogue``, the store, the release of
+    ``gemm_mainloop`` (``FP8``: with the scales), ``gemm_epilogue``, the store, the release of
     the chunk's counter."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not FP8 or BLOCK_K == 128, "fp8 steps K one 128-wide scale block at a time")
@@ -166,12 +122,15 @@ def persistent_gemm_kernel(
             a_rows = chunk64 * s_a_chunk + row_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
             b_cols = rn.to(tl.int64) * s_bn
             b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
-            if FP8:
+            if FP8:  # the core's scaled main loop, as fp8_matmul runs it (rowwise / blockwise)
                 sa_rows = chunk64 * s_sa_chunk + row_offsets(rm, sa_m_inner, s_sam0, s_sam1, SA_M_SPLIT)
-                acc, acc_up = _fp8_mainloop(
-                    a_ptr, b_ptr, sa_ptr, sb_ptr, a_rows, sa_rows, b_cols, b_cols_up, rn, glu_offset, m_mask,
-                    n_mask, K, s_ak, s_bk, s_sak, s_sbn, s_sbk, GLU, BLOCKWISE, EVEN_K, PROMOTE_K,
-                    BLOCK_M, BLOCK_N, BLOCK_K)
+                rows_per_scale: tl.constexpr = 128 if BLOCKWISE else 1
+                acc, acc_up = gemm_mainloop(
+                    a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K, 1, 0, s_ak, 1, 0, s_bk,
+                    False, False, GLU, False, EVEN_K, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
+                    sa_rows=sa_ptr + sa_rows, sb_cols=sb_ptr + (rn // rows_per_scale).to(tl.int64) * s_sbn,
+                    sb_up=sb_ptr + ((rn + glu_offset) // rows_per_scale).to(tl.int64) * s_sbn, s_sak=s_sak,
+                    s_sbk=s_sbk, SCALING=2 if BLOCKWISE else 1, PROMOTE_K=PROMOTE_K)
             else:
                 acc, acc_up = gemm_mainloop(
                     a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K, 1, 0, s_ak, 1, 0, s_bk,
