@@ -23,8 +23,8 @@ Device-side descriptors need a per-launch global scratch (128 bytes per descript
 written by the kernel): Triton's launcher asks ``triton.set_allocator``'s allocator for it on
 every launch, a launch plan's (:mod:`.launch`) included. :func:`ensure_scratch_allocator` installs
 one (``torch.empty`` on the launch's device) in the calling context when none is set (Triton's
-allocator is a context variable: autograd's worker threads start without it); a user's own
-allocator is left in place. Host-side descriptors (``TensorDescriptor``) would cost a Python
+allocator is a context variable: autograd's worker threads start without it), which keeps one
+buffer per stream; a user's own allocator is left in place. Host-side descriptors (``TensorDescriptor``) would cost a Python
 object per operand per call plus Triton's per-launch encoding of each, and a plan could no longer
 pass tensors in its slots; one allocation per launch costs less (docs/PERF.md).
 """
@@ -108,16 +108,28 @@ def num_programs(tiles: int, device: torch.device, persistent: bool) -> int:
 
 
 class _Scratch:
-    """Triton's allocator for one device: ``torch.empty`` bytes of the global scratch a kernel
-    with device-side tensor descriptors asks for at each launch."""
+    """Triton's allocator for one device: the global scratch a kernel with device-side tensor
+    descriptors asks for at each launch (it writes its descriptors there first). One buffer per
+    stream, reused: launches on one stream run one after another, as they do on the addresses
+    torch's caching allocator hands out again; inside a CUDA-graph capture a fresh ``torch.empty``
+    (the graph keeps it, as with Triton's own allocator)."""
 
-    __slots__ = ("device",)
+    __slots__ = ("device", "buffers", "cuda")
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.device, self.buffers, self.cuda = device, {}, device.type == "cuda"
 
     def __call__(self, size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device=self.device)
+        buf = self.buffers.get(stream)
+        capturing = self.cuda and torch.cuda.is_current_stream_capturing()
+        if buf is not None and buf.numel() >= size and not capturing:
+            return buf
+        buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=self.device)
+        if not capturing:
+            if len(self.buffers) >= 64:
+                self.buffers.clear()
+            self.buffers[stream] = buf
+        return buf
 
 
 _SCRATCH: dict = {}

@@ -472,7 +472,7 @@ def test_tma_layout_rules(monkeypatch):
 def test_scratch_allocator_is_set_per_context_and_never_replaces_a_users():
     """Device-side descriptors need Triton's allocator in the launching context: autograd's worker
     threads start without it, so every compiled launch installs it where none is set; an allocator
-    set by the user stays."""
+    set by the user stays. Ours keeps one buffer per stream."""
     import threading
 
     import triton
@@ -485,7 +485,8 @@ def test_scratch_allocator_is_set_per_context_and_never_replaces_a_users():
         seen["before"] = _allocation._allocator.get()
         ensure_scratch_allocator(torch.device("cpu"))
         mine = _allocation._allocator.get()
-        seen["buffer"] = mine(256, 128, None)
+        seen["buffer"] = mine(256, 128, 7)
+        seen["reused"] = mine(4096, 128, 7) is seen["buffer"] and mine(256, 128, 8) is not seen["buffer"]
         user = lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)  # noqa: E731
         triton.set_allocator(user)
         ensure_scratch_allocator(torch.device("cpu"))
@@ -495,4 +496,5 @@ def test_scratch_allocator_is_set_per_context_and_never_replaces_a_users():
     t.start()
     t.join()
     assert isinstance(seen["before"], _allocation.NullAllocator)
-    assert seen["buffer"].numel() == 256 and seen["buffer"].dtype == torch.int8 and seen["kept"]
+    assert seen["buffer"].numel() >= 256 and seen["buffer"].dtype == torch.int8 and seen["kept"]
+    assert seen["reused"]  # one buffer per stream (launches on a stream run in order)
