@@ -310,7 +310,7 @@ def _flash_cases():
 # fp8: quantisation and the scaled GEMM (bf16 passes only: fp8 operands whatever the dtype; sm_80
 # raises FP8UnsupportedError, which the check reports as unsupported)
 # --------------------------------------------------------------------------------------------
-def _fp8_gemm(dt, M, N, K, scaling, b_granularity, out_dtype=None, bias=False):
+def _fp8_gemm(dt, M, N, K, scaling, b_granularity, out_dtype=None, bias=False, fast_accum=False):
     if dt != torch.bfloat16:
         return
     f8 = torch.float8_e4m3fn
@@ -321,7 +321,7 @@ def _fp8_gemm(dt, M, N, K, scaling, b_granularity, out_dtype=None, bias=False):
         sa = meta(M, kb, dtype=torch.float32)
         sb = meta(-(-N // 128) if b_granularity == "block" else N, kb, dtype=torch.float32)
     fp8_matmul(meta(M, K, dtype=f8), sa, meta(N, K, dtype=f8), sb, meta(N, dtype=dt) if bias else None,
-               scaling=scaling, out_dtype=out_dtype or dt)
+               scaling=scaling, out_dtype=out_dtype or dt, fast_accum=fast_accum)
 
 
 def _fp8_fc1(dt, M, K, F, activation, scaling, fp8_out, bias=False):
@@ -387,6 +387,12 @@ def _fp8_cases():
     H, F, T = c["hidden"], c["ffn"], c["batch"] * c["seq"]
     qkv = (c["heads"] + 2 * c["kv"]) * c["d"]
     cases = []
+    cases += [  # fast accumulation (rowwise, no fp32 promotion): one accumulator tile, 128 x 256 tiles kept
+        Case("fp8", "llama3-8b up rowwise fast_accum", False, lambda dt: _fp8_gemm(
+            dt, T, 2 * F, H, "rowwise", "row", fast_accum=True)),
+        Case("fp8", "llama3-8b qkv+bias rowwise fast_accum", False, lambda dt: _fp8_gemm(
+            dt, T, qkv, H, "rowwise", "row", bias=True, fast_accum=True)),
+    ]
     for scaling, wg in (("rowwise", "row"), ("blockwise", "block")):
         cases += [
             Case("fp8", f"llama3-8b qkv+bias {scaling}", False, lambda dt, s=scaling, wg=wg: _fp8_gemm(
