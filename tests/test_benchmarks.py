@@ -38,6 +38,7 @@ def test_matmul_cli_json(bench_main, tmp_path, capsys):
     assert row["max_rel_err"] < 1e-4 and row["fusedpar_ms"] > 0 and row["torch_ms"] > 0
     # the fused e4m3 output's bits were checked equal to matmul + quantize_e4m3 before timing
     assert row["fp8_out_ms"] > 0 and row["unfused_fp8_ms"] > 0 and row["fp8_out_speedup"] > 0
+    assert row["loads"] in ("tma", "pointer") and row["config"]  # what ran (gemm_loads.last_launch)
     assert "torch" in data["env"] and "triton" in data["env"]
     text = capsys.readouterr().out
     assert "| M | N | K |" in text
@@ -137,6 +138,7 @@ def test_linear_ce_cli_smoke(bench_main, tmp_path):
     (row,) = json.loads(out.read_text())["results"]["linear_ce"]
     assert (row["tokens"], row["vocab"], row["tp"], row["chunk_tokens"]) == (48, 250, 2, 16)
     assert row["fused_ms"] > 0 and row["materialised_ms"] > 0 and row["max_rel_err"] < 1e-4
+    assert row["stats_loads"] in ("tma", "pointer") and row["dlogits_config"]  # what its GEMMs ran
     if INTERPRETED:
         assert row["fused_peak_MiB"] is None and row["materialised_peak_MiB"] is None  # measured on a GPU only
         assert row["peak_ratio_vs_materialised"] is None
@@ -212,13 +214,14 @@ def test_fp8_matmul_cli_smoke(bench_main, tmp_path):
     out = tmp_path / "f.json"
     assert bench_main(["fp8_matmul", "--shapes", "40x32x48", "40x24x48", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["fp8_matmul"]
-    assert [(r["N"], r["scaling"]) for r in rows] == [(32, "rowwise"), (32, "blockwise"), (24, "rowwise"),
-                                                      (24, "blockwise")]
+    assert [(r["N"], r["scaling"]) for r in rows] == [(n, s) for n in (32, 24)
+                                                      for s in ("rowwise", "rowwise fast", "blockwise")]
     for r in rows:
         assert (r["M"], r["K"]) == (40, 48)
         assert r["fusedpar_ms"] > 0 and r["bf16_ms"] > 0 and r["max_rel_err"] < 2 ** -7
-    assert ("ratio_vs_scaled_mm" in rows[0]) == (not INTERPRETED)
-    assert all("ratio_vs_scaled_mm" not in r for r in rows[1:])
+        assert r["loads"] in ("tma", "pointer") and r["config"]  # what ran (gemm_loads.last_launch)
+    # _scaled_mm (GPU) for the rowwise rows whose N it takes, with its fast accumulation for the fast one
+    assert [("ratio_vs_scaled_mm" in r) for r in rows] == [not INTERPRETED] * 2 + [False] * 4
     with pytest.raises(SystemExit, match="--scalings"):
         bench_main(["fp8_matmul", "--scalings", "rowwise,tensorwise"])
     # --epilogue swiglu: the fused up-projection epilogue against fp8_matmul + SwiGLU + quantise
