@@ -258,6 +258,17 @@ def _flash(dt, b, s, hq, hk, d, causal, dv=None, dq_mode=None, **options):
     flash_attention_backward(meta(b, s, hq, dv, dtype=dt), q, k, v, out, lse, causal=causal, **options)
 
 
+def _flash_ring_step(dt, b, s, hq, hk, d):
+    """One ring-attention backward step (sequence_parallel bodies): the backward alone at global
+    offsets, adding into fp32 dq / dk / dv buffers (ACCUM) with delta given."""
+    q, k, v = meta(b, s, hq, d, dtype=dt), meta(b, s, hk, d, dtype=dt), meta(b, s, hk, d, dtype=dt)
+    lse = meta(b, hq, s, dtype=torch.float32)
+    flash_attention_backward(meta(b, s, hq, d, dtype=dt), q, k, v, None, lse, delta=meta(b, hq, s, dtype=torch.float32),
+                             causal=True, q_offset=s, k_offset=0, dq=meta(b, s, hq, d, dtype=torch.float32),
+                             dk=meta(b, s, hk, d, dtype=torch.float32), dv=meta(b, s, hk, d, dtype=torch.float32),
+                             accumulate=True)
+
+
 def _flash_fp8_out(dt, b, s, hq, hk, d, causal):
     """The forward alone with its e4m3 output for o_proj (kernels/flash_fp8_out.py), bf16 only (sm_80
     raises FP8UnsupportedError, which the check reports as unsupported)."""
@@ -274,6 +285,13 @@ def _flash_cases():
         cases.append(Case("flash", f"{model} causal", model == "llama3-8b", lambda dt, c=c: _flash(
             dt, c["batch"], c["seq"], c["heads"], c["kv"], c["d"], True)))
     cases.append(Case("flash", "tests 2x33x4/2x64", False, lambda dt: _flash(dt, 2, 33, 4, 2, 64, False)))
+    # the backward's other shapes (issue 41): not causal at d 128, causal at d 64, a ring step (ACCUM)
+    c8 = LLAMA["llama3-8b"]
+    cases.append(Case("flash", "llama3-8b full", False, lambda dt: _flash(
+        dt, c8["batch"], c8["seq"], c8["heads"], c8["kv"], c8["d"], False)))
+    cases.append(Case("flash", "d64 causal", False, lambda dt: _flash(dt, 4, 2048, 32, 8, 64, True)))
+    cases.append(Case("flash", "llama3-8b ring step bwd", False, lambda dt: _flash_ring_step(
+        dt, 1, 2048, c8["heads"], c8["kv"], c8["d"])))
     # the score options (issue 25): gpt-oss (window 128 + sinks, d 64), a Gemma-2-like softcap +
     # window at d 128, MLA's q/k 192 with v 128 (DeepSeek-V3: 128 heads); the softcap case is not
     # in the fast subset (CI time: each case compiles ~10 s uncached), --against pins it

@@ -1,6 +1,6 @@
 """``python -m benchmarks attention``: the flash kernel against torch SDPA (forward, backward in
-both dq modes: ``bwd_ms`` the deterministic two-kernel backward, ``bwd_atomic_ms`` the one-pass
-backward with dQ by fp32 atomics, ``dq_mode="atomic"``).
+both dq modes: ``bwd_ms`` the deterministic backward, one launch of dK/dV and dQ programs,
+``bwd_atomic_ms`` the one-pass backward with dQ by fp32 atomics, ``dq_mode="atomic"``).
 ``python -m benchmarks ring_attention``: the shipped ring attention (forward and backward) of one
 rank of ``P`` on one GPU through :class:`fusedpar.ops.EmulatedTransport`: the K/V
 (and dK/dV) transfers are device-to-device copies of the same bytes on a second stream.
@@ -57,7 +57,7 @@ def run(args, ctx):
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     else:
         ctx.notes.append("SDPA baseline pinned to the flash backend; bwd FLOPs counted as 2.5x fwd. bwd_ms: "
-                         "dq_mode='separate' (dQ kernel + dK/dV kernel, deterministic); bwd_atomic_ms: "
+                         "dq_mode='separate' (one launch of dK/dV and dQ programs, deterministic); bwd_atomic_ms: "
                          "dq_mode='atomic' (one pass, dQ by fp32 atomics, fp32 scratch cast to bf16 included); "
                          "bwd_atomic_speedup = bwd_ms / bwd_atomic_ms.")
     return rows

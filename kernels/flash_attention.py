@@ -152,19 +152,19 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv
 
 
 @triton.jit
-def program_tile(seg_ptr, H, SQ, SK, q_offset, k_offset, ON_KEYS: tl.constexpr, SEGMENTED: tl.constexpr,
+def program_tile(pid, seg_ptr, H, SQ, SK, q_offset, k_offset, ON_KEYS: tl.constexpr, SEGMENTED: tl.constexpr,
                  BLOCK: tl.constexpr):
-    """What this program computes: ``(b, h, start, SQ, SK, q_row0, k_row0, q_offset, k_offset)``.
+    """What program ``pid`` computes: ``(b, h, start, SQ, SK, q_row0, k_row0, q_offset, k_offset)``.
 
     The grid is one axis of ``cdiv(rows, BLOCK) * batch * H`` programs (block index fastest;
-    :func:`attention_grid`), ``rows`` being SQ (query-row kernels) or SK (``ON_KEYS``: dK/dV).
+    :func:`attention_grid`), ``rows`` being SQ (query-row programs) or SK (``ON_KEYS``: dK/dV);
+    ``pid`` counts from the first program of its kind (the backward launches both kinds).
     Dense: batch ``b`` of the ``[b, s, h, d]`` operands, rows from 0. ``SEGMENTED``: ``b`` is a
     row of the segment table ``[n, 5]`` int32 ``(q_start, q_end, k_start, k_end, shift)`` and
     SQ/SK are only the maximal lengths: the segment's query rows ``[q_start, q_end)`` attend to
     keys ``[k_start, k_end)``, causal visibility ``j <= i + shift`` (segment-local ``i, j``), so
     q_offset = shift, k_offset = 0. A block past its segment's rows gets an empty range (the
     other length 0): its loops run no iteration and its masked stores write nothing."""
-    pid = tl.program_id(0)
     if ON_KEYS:
         n_blocks = tl.cdiv(SK, BLOCK)
     else:
@@ -228,7 +228,7 @@ def _attn_fwd_kernel(
     tl.static_assert(PAD_DV == (BLOCK_DV != HEAD_DIM_V), "PAD_DV says whether BLOCK_DV pads HEAD_DIM_V")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D pads HEAD_DIM")
     b, h, m0, SQ, SK, q_row0, k_row0, q_offset, k_offset = program_tile(
-        seg_ptr, H, SQ, SK, q_offset, k_offset, False, SEGMENTED, BLOCK_M)
+        tl.program_id(0), seg_ptr, H, SQ, SK, q_offset, k_offset, False, SEGMENTED, BLOCK_M)
     hk = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
 

@@ -2,9 +2,11 @@
 :mod:`.flash_attention_bwd`): the compile-time flags of a launch (:func:`kernel_flags`), the
 fixed interpreter tiles, the GPU config lists with their prune rule (shared-memory and register
 estimates checked against ptxas by ``python -m benchmarks compile``), the one-axis grid and the
-launch itself (:func:`launch_attention_kernel`). Kinds: "fwd", "dq", "dkdv" and "bwd" (the
-one-pass backward: the dK/dV kernel with ``DQ_ATOMIC``, tuned by the dK/dV kernel's autotuner
-over configs of its own).
+launch itself (:func:`launch_attention_kernel`). Kinds: "fwd", "bwd" (the backward's one launch
+of dK/dV and dQ programs) and "bwd_atomic" (the one-pass backward: the same kernel with
+``DQ_ATOMIC``, dK/dV programs only, tuned by the backward's autotuner over configs of its own).
+Every kind's ``BLOCK_M`` is the rows a program owns (query rows; keys for dK/dV programs), the M
+dimension of its products, and ``BLOCK_N`` the rows it streams.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from .runtime import (autotuned, cdiv, device_capability, input_precision, inter
                       next_power_of_2, on_device, shared_memory_limit)
 
 __all__ = [
-    "FP32_TILE", "INTERPRETER_CONFIG", "MAX_GRID_X", "attention_grid", "gpu_configs", "kernel_flags",
-    "launch_attention_kernel", "launch_smem_estimate", "register_estimate", "smem_estimate", "uses_wgmma",
+    "BWD_INTERPRETER_CONFIG", "FP32_BWD_TILE", "FP32_TILE", "INTERPRETER_CONFIG", "MAX_GRID_X", "attention_grid",
+    "gpu_configs", "kernel_flags", "launch_attention_kernel", "launch_smem_estimate", "register_estimate", "smem_estimate", "uses_wgmma",
 ]
 
 
@@ -27,42 +29,48 @@ __all__ = [
 # Configurations: fixed small blocks under the interpreter, autotuned pruned configs on GPU
 # --------------------------------------------------------------------------------------------
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
+#: the backward's interpreter tiles: programs own 32 rows and stream 32, masked blocks in halves
+#: of 16 (so the masked and unmasked steps differ as on a GPU, where 128 rows stream 32 or 64)
+BWD_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32)
 #: which outputs a tuning run of each kernel kind writes (restored between configs: the
 #: accumulate modes read them, and the one-pass backward adds into dQ, so tuning runs must not
-#: compound them). "bwd" is the one-pass backward: the dK/dV kernel with ``DQ_ATOMIC`` (its
-#: autotuner is the dK/dV kernel's, whose prune rule picks the configs of the kind)
-_RESTORE = {"fwd": ["o_ptr", "lse_ptr"], "dq": ["dq_ptr"], "dkdv": ["dk_ptr", "dv_ptr", "dq_ptr"],
-            "bwd": ["dk_ptr", "dv_ptr", "dq_ptr"]}
+#: compound them)
+_RESTORE = {"fwd": ["o_ptr", "lse_ptr"], "bwd": ["dq_ptr", "dk_ptr", "dv_ptr"],
+            "bwd_atomic": ["dq_ptr", "dk_ptr", "dv_ptr"]}
 #: the autotuner (kernel) of each kind
-_TUNER_KIND = {"fwd": "fwd", "dq": "dq", "dkdv": "dkdv", "bwd": "dkdv"}
+_TUNER_KIND = {"fwd": "fwd", "bwd": "bwd", "bwd_atomic": "bwd"}
 
 
-#: per kernel kind: (BLOCK_M, BLOCK_N, num_stages, num_warps). Measured with ``python -m benchmarks
-#: compile --family flash`` (ptxas, sm_90 and sm_80): these compile without register spills at
-#: head_dim <= 128 in bf16/fp16. For dK/dV BLOCK_N is the resident key block (its dK and dV fp32
-#: accumulators dominate the registers), BLOCK_M the streamed query block. The last entry,
-#: ``FP32_TILE``, is the only one fp32 "ieee" launches keep (their dots run on FMA units).
+#: per kernel kind: (BLOCK_M, BLOCK_N, num_stages, num_warps), BLOCK_M the rows a program owns,
+#: BLOCK_N the rows it streams. Measured with ``python -m benchmarks compile --family flash``
+#: (ptxas, sm_90 and sm_80): the prune rule keeps, per launch, those that compile without register
+#: spills in bf16/fp16. The last entry, ``FP32_TILE`` (forward) or ``FP32_BWD_TILE``, is the only
+#: one fp32 "ieee" launches keep (their dots run on FMA units).
 FP32_TILE = (32, 16)
+FP32_BWD_TILE = (32, 16)
 _GPU_CONFIGS = {
     "fwd": [(128, 64, 3, 8), (64, 128, 3, 8), (64, 64, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), (32, 32, 3, 4),
             (*FP32_TILE, 2, 4)],
-    "dq": [(64, 128, 3, 8), (64, 64, 3, 8), (64, 32, 4, 4), (32, 32, 3, 4), (*FP32_TILE, 2, 4)],
-    "dkdv": [(32, 64, 3, 8), (32, 32, 3, 4), (*FP32_TILE, 2, 4)],
-    # the one-pass backward: dK/dV plus the fp32 dQ part [BLOCK_M, BLOCK_D] of each query block
-    # (its atomics' pointers too); 16-row query blocks keep 128 resident keys (flash-attention 2's
-    # key block: half the dQ atomics of 64) within the registers at head_dim 128 (sm_90)
-    "bwd": [(16, 128, 2, 8), (32, 128, 2, 8), (16, 64, 2, 8), (16, 32, 2, 8), (*FP32_TILE, 2, 4)],
+    # 128 owned rows on 8 warps (two warpgroups of wgmma, 64 rows each; dK and dV both fp32
+    # accumulators): streamed 64 rows at head_dim 64, 32 or 16 at 128 (softcap: 16 with two
+    # stages); 64 owned rows for q/k and v wider than 128 + 128 (MLA's 256 / 128 padded)
+    "bwd": [(128, 64, 2, 8), (128, 32, 3, 8), (128, 32, 2, 8), (128, 16, 3, 8), (128, 16, 2, 8), (64, 32, 2, 8),
+            (*FP32_BWD_TILE, 2, 4)],
+    # the one-pass backward: dK/dV plus the fp32 dQ part of each streamed block (its fp32 tile on 8
+    # warps: on 4 its FMA dQ part spilled 1.6 KB on sm_80 at head_dim 128)
+    "bwd_atomic": [(128, 32, 2, 8), (128, 16, 2, 8), (64, 16, 2, 8), (*FP32_BWD_TILE, 2, 8)],
 }
 #: live fp32 score tiles ([BLOCK_M, BLOCK_N]) and the register budget (32-bit registers per
 #: thread for the tiles of :func:`register_estimate`) each kind compiles within without spills
-_SCORE_TILES = {"fwd": 2, "dq": 2, "dkdv": 4, "bwd": 4}
-#: extra live fp32 score tiles of a softcapped launch (tanh's terms, kept for dS' 1 - tanh^2);
-#: measured: without them dQ 64x128 and dK/dV 32x32 / 32x64 at head_dim 128 spilled in bf16
-_SOFTCAP_TILES = {"fwd": 0, "dq": 2, "dkdv": 1, "bwd": 1}
-_REGISTER_BUDGET = {"fwd": 160, "dq": 160, "dkdv": 128, "bwd": 240}
-#: dK/dV with q/k and v wider than 128 + 128 padded (MLA's 192 / 128 runs as 256 / 128): measured
-#: 32x64 (wgmma) and 32x32 at 232 and 237 registers without spills, estimated 176
-_WIDE_DKDV_BUDGET = 176
+_SCORE_TILES = {"fwd": 2, "bwd": 4, "bwd_atomic": 4}
+#: extra live fp32 score tiles of a softcapped launch (tanh's terms, kept for dS' 1 - tanh^2)
+_SOFTCAP_TILES = {"fwd": 0, "bwd": 1, "bwd_atomic": 1}
+_REGISTER_BUDGET = {"fwd": 160, "bwd": 192, "bwd_atomic": 192}
+#: the backward's budget with mma.sync (sm_80: its operands pass through registers)
+_MMA_SYNC_BWD_BUDGET = 168
+#: the backward's registers per pipeline stage beyond two (fitted, Triton 3.9 on sm_90: 128x16 at
+#: head_dim 128 compiles at three stages, softcapped it spills 28 B; 128x32 spills 36 B at three)
+_BWD_STAGE_REGISTERS = 32
 
 
 def gpu_configs(kind: str):
@@ -71,8 +79,8 @@ def gpu_configs(kind: str):
 
 
 def _tuner_configs(tuner_kind: str):
-    """The configs of the autotuner ``tuner_kind``: those of every kind it launches (the dK/dV
-    tuner: "dkdv" then the one-pass "bwd" entries it lacks), each once."""
+    """The configs of the autotuner ``tuner_kind``: those of every kind it launches (the
+    backward's: "bwd" then the one-pass "bwd_atomic" entries it lacks), each once."""
     seen = []
     for kind in _RESTORE:
         if _TUNER_KIND[kind] == tuner_kind:
@@ -81,80 +89,77 @@ def _tuner_configs(tuner_kind: str):
             for bm, bn, stages, warps in seen]
 
 
-def _on_keys(kind: str) -> bool:
-    """Whether programs of ``kind`` own key blocks (BLOCK_N resident, BLOCK_M streamed)."""
-    return kind in ("dkdv", "bwd")
-
-
 def register_estimate(kind: str, block_m: int, block_n: int, block_d: int, num_warps: int, elem_size: int,
-                      block_dv: int | None = None, softcap: bool = False) -> int:
-    """32-bit registers per thread of the live tiles of one program: the fp32 accumulators
-    (O ``[rows, BLOCK_DV]`` or dQ ``[rows, BLOCK_D]``; dK and dV), the resident operands (Q; Q and
-    dO; K and V) and the fp32 score tiles; the one-pass "bwd" adds its fp32 dQ part ``[BLOCK_M,
-    BLOCK_D]``. The prune rule keeps configs within ``_REGISTER_BUDGET``. ``block_dv``: v's
-    padded head dim (default ``block_d``); ``softcap`` adds the softcap's score tiles."""
-    rows = block_n if _on_keys(kind) else block_m
+                      block_dv: int | None = None, softcap: bool = False, num_stages: int = 2) -> int:
+    """32-bit registers per thread of the live tiles of one program. Forward: the fp32 O
+    ``[BLOCK_M, BLOCK_DV]``, the resident Q and the fp32 score tiles ``[BLOCK_M, BLOCK_N]``.
+    Backward (a dK/dV program, which bounds its dQ programs): the fp32 dK and dV (K and V stay in
+    shared memory), the score tiles (held by ``BLOCK_M / 16`` warps: 64 rows on 8 warps hold each
+    twice), :data:`_BWD_STAGE_REGISTERS` per stage beyond two; the one-pass "bwd_atomic" adds its
+    fp32 dQ part ``[BLOCK_D, BLOCK_N]``. The prune rule keeps configs within
+    ``_REGISTER_BUDGET``. ``block_dv``: v's padded head dim (default ``block_d``); ``softcap``
+    adds the softcap's score tiles."""
     bdv = block_d if block_dv is None else block_dv
-    acc_d, res_d = (bdv, block_d) if kind == "fwd" else (block_d, block_d + bdv) if kind == "dq" else \
-        (block_d + bdv, block_d + bdv)
     score_tiles = _SCORE_TILES[kind] + (_SOFTCAP_TILES[kind] if softcap else 0)
-    words = rows * (acc_d + res_d * elem_size / 4) + score_tiles * block_m * block_n
-    if kind == "bwd":
-        words += block_m * block_d
-    return int(words // (32 * num_warps))
+    if kind == "fwd":
+        words = block_m * (bdv + block_d * elem_size / 4) + score_tiles * block_m * block_n
+        return int(words // (32 * num_warps))
+    acc = block_m * (block_d + bdv) + (block_d * block_n if kind == "bwd_atomic" else 0)
+    scores = score_tiles * block_m * block_n / min(num_warps, max(block_m // 16, 1))
+    return int(acc // (32 * num_warps) + scores // 32 + _BWD_STAGE_REGISTERS * max(num_stages - 2, 0))
 
 
 def uses_wgmma(kind: str, block_m: int, block_n: int, capability: tuple, precision: str) -> bool:
     """Whether Triton compiles the kernel's dots to Hopper wgmma (operands from shared memory):
-    sm_90 with a 64-row MMA tile (the rows are BLOCK_N for dK/dV) and tensor-core precision."""
-    rows = block_n if _on_keys(kind) else block_m
-    return capability[0] == 9 and rows >= 64 and precision != "ieee_fp32"
+    sm_90 with a 64-row MMA tile (BLOCK_M, the rows a program owns) and tensor-core precision."""
+    return capability[0] == 9 and block_m >= 64 and precision != "ieee_fp32"
 
 
 def smem_estimate(kind: str, cfg, block_d: int, elem_size: int, capability: tuple, precision: str = "",
-                  block_dv: int | None = None) -> int:
+                  block_dv: int | None = None, accumulate: bool = False) -> int:
     """Shared memory (bytes) of one program as Triton 3.9 allocates it (checked against the
-    compiler by ``python -m benchmarks compile``). wgmma: ``num_stages`` buffers of the streamed
-    tile pair plus the resident tiles (Q; Q and dO; K and V). mma.sync and fp32 "ieee" FMA dots:
-    ``num_stages - 1`` buffers plus the layout-conversion buffers of the resident and score tiles
-    (fitted per kernel from the compiler's figures). dK/dV also pipelines lse and delta. ``precision``:
-    "" (16-bit operands), "ieee_fp32" or "tf32" (fp32 operands, FMA or tensor-core dots).
-    ``block_dv`` (v's padded head dim, default ``block_d``): the streamed pair (K and V; Q and
-    dO) and the resident tiles (dQ: Q and dO; dK/dV: K and V) count each tile at its own width;
-    the fitted layout-conversion terms keep ``block_d``."""
+    compiler by ``python -m benchmarks compile``). The forward: ``num_stages`` (wgmma) or
+    ``num_stages - 1`` buffers of the streamed K and V tiles plus the resident Q and the fitted
+    layout-conversion buffers (mma.sync, fp32 "ieee" FMA dots). The backward: see
+    :func:`_bwd_smem_estimate`. ``precision``: "" (16-bit operands), "ieee_fp32" or "tf32" (fp32
+    operands, FMA or tensor-core dots). ``block_dv``: v's padded head dim (default ``block_d``);
+    ``accumulate``: the backward's accumulate mode."""
     bm, bn, stages, e = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_stages, elem_size
     bdv = block_d if block_dv is None else block_dv
-    if kind == "bwd":  # (fitted, Triton 3.9: the one-pass configs on sm_90 and sm_80, 16-bit, TF32, fp32)
-        pair, res, lse = bm * (block_d + bdv) * e, bn * (block_d + bdv) * e, (stages - 1) * 2 * bm * 4
-        if precision == "ieee_fp32":  # (sm_80: 4.0% over at head_dim 128)
-            return (stages - 1) * pair + lse + res + (4 if capability[0] >= 9 else 2) * bm * bn * e
-        if uses_wgmma(kind, bm, bn, capability, precision):  # K once more (dS^T K's operand), the fp32 dQ part
-            return stages * pair + lse + res + bn * block_d * e + 4 * bm * block_d
-        return (stages - 1) * pair + lse + res + (3 if precision == "tf32" else 1) * bm * block_d * e
-    stream_rows, rows = (bm, bn) if kind == "dkdv" else (bn, bm)
-    pair = stream_rows * (block_d + bdv) * e
-    tile = rows * block_d * e  # one resident tile (Q, or the q/k-width one)
-    if kind != "fwd" and bdv != block_d:  # the fitted conversion terms of dQ / dK/dV: mean width
-        tile = rows * ((block_d + bdv) // 2) * e
-    res = tile if kind == "fwd" else rows * (block_d + bdv) * e  # every resident tile
-    lse = (stages - 1) * 2 * bm * 4 if kind == "dkdv" else 0
+    if kind != "fwd":
+        est = _bwd_smem_estimate(kind, bm, bn, stages, block_d, bdv, e, capability, precision)
+        # accumulate mode converts the fp32 dV it reads back into the accumulator's layout
+        return max(est, bm * (block_d + bdv) * e + bm * bdv * 2) if accumulate else est
+    pair = bn * (block_d + bdv) * e
+    tile = bm * block_d * e  # the resident Q
     if uses_wgmma(kind, bm, bn, capability, precision):
-        # tf32: the fp32 resident operands of dQ / dK/dV stage one tile (fitted)
-        return stages * pair + (tile if precision == "tf32" and kind != "fwd" else res) + lse
-    base = (stages - 1) * pair + lse
+        return stages * pair + tile
+    base = (stages - 1) * pair
     if precision == "ieee_fp32":
-        return base + res + bm * bn * e
-    if precision == "tf32" and kind != "fwd":  # mma.sync on fp32 operands (fitted)
-        if kind == "dq":
-            return base + (tile if bn <= bm else 0) + min(bm, bn) * 32 * e + bm * bn * e
-        return base + (res + bm * block_d * e if bn < bm else tile + (bm * bn * e // 2 if bn > bm else 0))
-    if kind == "fwd":
-        return base + tile + (bm * bn * e if bm < block_d else 0)
-    if kind == "dq":  # (fitted: the dO-wide tile; MLA 192 / 128: exact on sm_80, -3.3% on sm_90)
-        return base + (rows * bdv * e if bn <= bm else 0) + min(bm, bn) * 32 * e
-    if bn < bm:  # 16-bit dK/dV only as the fallback tile (fitted: head dims 128 and 192 / 128)
-        return base + rows * block_d * e + tile + 2 * bm * bn * e
-    return base + tile + bm * bn * e + (bm * bdv * e if bn > bm else 0)
+        return base + tile + bm * bn * e
+    return base + tile + (bm * bn * e if bm < block_d else 0)
+
+
+def _bwd_smem_estimate(kind, bm, bn, stages, bd, bdv, e, capability, precision) -> int:
+    """The backward's shared memory, a dK/dV program's (larger than a dQ program's, which has no
+    lse / delta rows): the resident K and V, the streamed Q and dO tiles (``num_stages`` buffers
+    with wgmma, one fewer otherwise) and ``num_stages - 1`` buffers of their lse and delta rows,
+    plus layout-conversion buffers fitted to Triton 3.9's figures (sm_90 and sm_80): a score tile
+    with fp32 FMA dots, part of Q with TF32 mma.sync, a score tile for 64 owned rows at head_dim
+    128+ with mma.sync; the one-pass "bwd_atomic" adds its fp32 dQ part (converted for coalesced
+    atomics) and, where its dot reads K transposed from a copy (``K^T dS^T`` on mma.sync, TF32),
+    that copy."""
+    res, pair, rows = bm * (bd + bdv) * e, bn * (bd + bdv) * e, (stages - 1) * 2 * bn * 4
+    atomic = kind == "bwd_atomic"
+    if uses_wgmma(kind, bm, bn, capability, precision):
+        return res + stages * pair + rows + (bm * bd * e if atomic and precision else bd * bn * 4 if atomic else 0)
+    base = res + (stages - 1) * pair + rows
+    if precision == "ieee_fp32":
+        return base + bm * bn * e + (max(bd - (64 if capability[0] >= 9 else 32), 0) * bn * 4 if atomic else 0)
+    if precision == "tf32":
+        return base + bm * bd * 2 + (bm * bd * e if atomic else 0)
+    atomic_part = (bm * bd * e if bm >= 64 else 0) + bd * bn * 4 if atomic else 0  # K^T copy where dQ^T is formed
+    return base + (bm * bn * e if bm < 128 and bd >= 128 else 0) + atomic_part
 
 
 def launch_smem_estimate(kind: str, cfg, named_args, **kwargs) -> int:
@@ -167,26 +172,34 @@ def launch_smem_estimate(kind: str, cfg, named_args, **kwargs) -> int:
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     bdv = kwargs.get("BLOCK_DV", named_args.get("BLOCK_DV", bd))
     return smem_estimate(kind, cfg, bd, q.element_size(), device_capability(q.device.index or 0),
-                         precision, bdv)
-
-
-def _one_pass_spills(bm: int, bn: int, bd: int, bdv: int, num_warps: int, elem_size: int, capability: tuple) -> bool:
-    """The one-pass backward's tiles that spill although :func:`register_estimate` fits them
-    (measured, bf16, ``python -m benchmarks compile``): 32-row query blocks at head_dim 128
-    (32x64 wgmma on sm_90: 96 B; 32x32 on sm_80: 128 B); more than 32 resident keys with q/k and
-    v wider than 128 + 128 (MLA's 256 / 128: 16x64 spilled 132 B on sm_90, 40 B on sm_80) or with
-    fp32 operands (TF32, head_dim 128: 16x64 spilled 760 B on sm_90); on sm_80 (mma.sync) 8-warp
-    tiles with more than 16 query rows (head_dim 64: 32x64, 32x128 spilled 44, 40 B) and 128
-    resident keys at head_dim 128 (44 B)."""
-    if (bd >= 128 and bm > 16) or (bn > 32 and (bd + bdv > 256 or elem_size == 4)):
-        return True
-    return capability[0] < 9 and ((num_warps == 8 and bm > 16) or (bd >= 128 and bn > 64))
+                         precision, bdv, bool(kwargs.get("ACCUM")))
 
 
 def _launch_kind(kind: str, kwargs) -> str:
-    """The kind a launch of the ``kind`` autotuner runs: the dK/dV kernel with ``DQ_ATOMIC`` is
-    the one-pass "bwd"."""
-    return "bwd" if kind == "dkdv" and kwargs.get("DQ_ATOMIC") else kind
+    """The kind a launch of the ``kind`` autotuner runs: the backward with ``DQ_ATOMIC`` is the
+    one-pass "bwd_atomic"."""
+    return "bwd_atomic" if kind == "bwd" and kwargs.get("DQ_ATOMIC") else kind
+
+
+def _measured_spill(kind: str, cfg, bd: int, bdv: int, elem: int, capability: tuple, kwargs) -> bool:
+    """Configs that spill although :func:`register_estimate` fits them (measured, ``python -m
+    benchmarks compile``)."""
+    bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+    if kind == "fwd":  # with the e4m3 output at d_v 256 this tile spills 4 B (sm_90)
+        return bool(kwargs.get("FP8_OUT")) and bdv > 128 and (bm, bn, cfg.num_stages) == (32, 32, 3)
+    if capability[0] < 9:  # mma.sync: the one-pass 64-row and 32-wide tiles spilled 8-228 B
+        return kind == "bwd_atomic" and (bm < 128 or bn > 16) and (bm, bn) != FP32_BWD_TILE
+    if bd + bdv == 256 and (bm, bn) == (128, 32):  # head_dim 128, not causal: spilled 32 B (sm_90)
+        return not kwargs.get("RIGHT")
+    # accumulate mode (the ring's fp32 sums) at three stages: 128x16 spilled 8 B at head_dim 128 (sm_90)
+    return bool(kwargs.get("ACCUM")) and cfg.num_stages > 2 and bd + bdv >= 256
+
+
+def _fp32_tile_only(kind: str, elem: int, kwargs) -> bool:
+    """Whether a launch keeps only the fp32 tile: fp32 "ieee" dots (FMA units) and the backward's
+    fp32 operands with TF32 dots too (measured, sm_90: its 128-row tiles spilled 288-1048 B at
+    head_dim 128 and up to 200 B at 64; the 32x16 tile on mma.sync none)."""
+    return elem == 4 and (kind != "fwd" or kwargs.get("INPUT_PRECISION") == "ieee")
 
 
 def _prune(tuner_kind):
@@ -201,34 +214,29 @@ def _prune(tuner_kind):
         q = named_args["q_ptr"]
         bd, elem = kwargs.get("BLOCK_D", named_args.get("BLOCK_D")), q.element_size()
         bdv = kwargs.get("BLOCK_DV", named_args.get("BLOCK_DV", bd))
-        limit = shared_memory_limit(q.device.index or 0)
-        sq, sk = named_args["SQ"], named_args["SK"]
-        ieee_fp32 = kwargs.get("INPUT_PRECISION") == "ieee" and elem == 4
+        limit, capability = shared_memory_limit(q.device.index or 0), device_capability(q.device.index or 0)
+        # the lengths each block runs along: the forward's query rows own BLOCK_M and stream BLOCK_N keys;
+        # the backward's programs own BLOCK_M rows of either and stream BLOCK_N of the other
+        own_len = named_args["SQ"] if kind == "fwd" else max(named_args["SQ"], named_args["SK"])
+        stream_len = named_args["SK"] if kind == "fwd" else max(named_args["SQ"], named_args["SK"])
+        fp32_tile = FP32_TILE if kind == "fwd" else FP32_BWD_TILE
+        fp32_only = _fp32_tile_only(kind, elem, kwargs)
         kept = []
         for cfg in configs:
             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
             if launch_smem_estimate(kind, cfg, named_args, **kwargs) > limit:
                 continue
-            budget = _WIDE_DKDV_BUDGET if _on_keys(kind) and bd + bdv > 256 else _REGISTER_BUDGET[kind]
-            if register_estimate(kind, bm, bn, bd, cfg.num_warps, elem, bdv, bool(kwargs.get("SOFTCAP"))) > budget:
+            budget = _MMA_SYNC_BWD_BUDGET if kind != "fwd" and capability[0] < 9 else _REGISTER_BUDGET[kind]
+            if register_estimate(kind, bm, bn, bd, cfg.num_warps, elem, bdv, bool(kwargs.get("SOFTCAP")),
+                                 cfg.num_stages) > budget:
                 continue
-            if kind == "dq" and bd < 128 and bm > 32 and device_capability(q.device.index or 0)[0] < 9:
-                continue  # measured: 64-row dQ tiles of a head_dim-64 spill with mma.sync (sm_80)
-            if kind == "dkdv" and kwargs.get("LEFT") and bn > 32 and device_capability(q.device.index or 0)[0] < 9:
-                continue  # measured: a windowed dK/dV's 64-key tiles spill 44 B with mma.sync (sm_80, d 64)
-            if kind == "fwd" and kwargs.get("FP8_OUT") and bdv > 128 and (bm, bn, cfg.num_stages) == (32, 32, 3):
-                continue  # measured: with the e4m3 output at d_v 256 this tile spills 4 B (sm_90)
-            if kind == "bwd" and _one_pass_spills(bm, bn, bd, bdv, cfg.num_warps, elem,
-                                                  device_capability(q.device.index or 0)):
+            if _measured_spill(kind, cfg, bd, bdv, elem, capability, kwargs):
                 continue
-            if elem == 4 and not ieee_fp32 and (bn > 64 if kind == "dq" else kind == "dkdv" and bn > bm and
-                                                 device_capability(q.device.index or 0)[0] < 9):
-                continue  # measured, tf32: 128-wide dQ key blocks (sm_90) and wide dK/dV tiles (sm_80) spill
-            if ieee_fp32 != ((bm, bn) == FP32_TILE):
-                continue  # fp32 "ieee" dots run on FMA units: only FP32_TILE compiles (nearly) without spills
-            if bm > 2 * next_power_of_2(sq) and bm > 32:
+            if fp32_only != ((bm, bn) == fp32_tile):
                 continue
-            if bn > 2 * next_power_of_2(sk) and bn > 32:
+            if bm > 2 * next_power_of_2(own_len) and bm > 32:
+                continue
+            if bn > 2 * next_power_of_2(stream_len) and bn > 32:
                 continue
             kept.append(cfg)
         return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
@@ -242,46 +250,48 @@ def _tuned(kernel, tuner_kind: str):
         kernel, configs=_tuner_configs(tuner_kind),
         key=["SQ", "SK", "HEAD_DIM", "HEAD_DIM_V", "RIGHT", "LEFT", "SOFTCAP", "GROUP", "SEGMENTED",
              "INPUT_PRECISION"]  # fp32 ieee prunes differently
-        + (["DQ_ATOMIC"] if tuner_kind == "dkdv" else [])
+        + (["DQ_ATOMIC"] if tuner_kind == "bwd" else [])
         + (["FP8_OUT"] if tuner_kind == "fwd" else []),  # the e4m3 output's epilogue: its own registers
         prune=_prune(tuner_kind), restore_value=_RESTORE[tuner_kind],
     )
 
 
-#: the smallest block of each kind's configs along the grid's dim (its largest grid)
-_SMALLEST_BLOCK = {(kind, key): min(c[0 if key == "BLOCK_M" else 1] for c in cfgs)
-                   for kind, cfgs in _GPU_CONFIGS.items() for key in ("BLOCK_M", "BLOCK_N")}
+#: the smallest owned block of each kind's configs (its largest grid)
+_SMALLEST_BLOCK = {kind: min(c[0] for c in cfgs) for kind, cfgs in _GPU_CONFIGS.items()}
 #: CUDA's limit on grid axis 0 (axes 1 and 2 stop at 65535, so nothing goes there)
 MAX_GRID_X = 2**31 - 1
 
 
-def attention_grid(rows: int, n_bh: int, block: int) -> tuple:
+def attention_grid(rows, n_bh, block: int) -> tuple:
     """The launch grid of an attention kernel: ``(cdiv(rows, block) * n_bh,)`` programs on axis 0
     (block index fastest, see ``program_tile``); ``n_bh`` counts (batch or segment) x heads.
-    One axis keeps batch x heads beyond axis 1's 65535 launchable."""
-    n = cdiv(rows, block) * n_bh
+    ``rows`` and ``n_bh`` may be tuples, one entry per kind of program (the backward: keys and
+    kv heads of the dK/dV programs, then query rows and heads of the dQ programs), the grid their
+    sum. One axis keeps batch x heads beyond axis 1's 65535 launchable."""
+    parts = tuple(zip(rows, n_bh)) if isinstance(rows, tuple) else ((rows, n_bh),)
+    n = sum(cdiv(r, block) * m for r, m in parts)
     if n > MAX_GRID_X:
-        raise ValueError(f"attention grid must have at most {MAX_GRID_X} programs (CUDA grid axis 0), "
-                         f"got {n} ({cdiv(rows, block)} blocks x {n_bh} batch-heads)")
+        raise ValueError(f"attention grid must have at most {MAX_GRID_X} programs (CUDA grid axis 0), got {n} ("
+                         + " + ".join(f"{cdiv(r, block)} blocks x {m} batch-heads" for r, m in parts) + ")")
     return (n,)
 
 
-def launch_attention_kernel(kernel, kind: str, grid_rows: int, n_bh: int, args, flags) -> None:
-    """Launch one attention kernel over :func:`attention_grid` programs: fixed small blocks under
-    the interpreter, the autotuned configs on a GPU. ``kind`` is ``"fwd"``, ``"dq"`` (one program
-    per block of query rows), ``"dkdv"`` (one per block of key rows) or ``"bwd"`` (the dK/dV
-    kernel with ``DQ_ATOMIC``: one pass, dQ by atomics)."""
+def launch_attention_kernel(kernel, kind: str, grid_rows, n_bh, args, flags) -> None:
+    """Launch one attention kernel over :func:`attention_grid` programs of ``BLOCK_M`` rows:
+    fixed small blocks under the interpreter, the autotuned configs on a GPU. ``kind`` is
+    ``"fwd"``, ``"bwd"`` (dK/dV programs over ``grid_rows[0]`` keys, then dQ programs over
+    ``grid_rows[1]`` query rows) or ``"bwd_atomic"`` (the same kernel with ``DQ_ATOMIC``: dK/dV
+    programs only, one pass, dQ by atomics)."""
     if kind not in _RESTORE:
         raise ValueError(f"kind must be one of {tuple(_RESTORE)}, got {kind!r}")
-    if (kind == "bwd") != bool(flags.get("DQ_ATOMIC")):
+    if (kind == "bwd_atomic") != bool(flags.get("DQ_ATOMIC")):
         raise ValueError(f"kind {kind!r} does not match DQ_ATOMIC={flags.get('DQ_ATOMIC')}")
-    key = "BLOCK_N" if _on_keys(kind) else "BLOCK_M"
     if interpreting():
-        cfg = INTERPRETER_CONFIG
-        kernel[attention_grid(grid_rows, n_bh, cfg[key])](*args, **flags, **cfg)
+        cfg = INTERPRETER_CONFIG if kind == "fwd" else BWD_INTERPRETER_CONFIG
+        kernel[attention_grid(grid_rows, n_bh, cfg["BLOCK_M"])](*args, **flags, **cfg)
         return
-    attention_grid(grid_rows, n_bh, _SMALLEST_BLOCK[kind, key])  # fail here, not in autotune
-    grid = lambda meta: attention_grid(grid_rows, n_bh, meta[key])  # noqa: E731
+    attention_grid(grid_rows, n_bh, _SMALLEST_BLOCK[kind])  # fail here, not in autotune
+    grid = lambda meta: attention_grid(grid_rows, n_bh, meta["BLOCK_M"])  # noqa: E731
     with on_device(args[0].device):
         launch_kernel(_tuned(kernel, _TUNER_KIND[kind]), grid, args, flags)
 

@@ -65,7 +65,7 @@ def test_fast_subset_covers_every_launcher(fast_rows):
             "rmsnorm_fwd_kernel", "rmsnorm_bwd_kernel", "route_count_kernel", "route_scatter_kernel",
             "permute_kernel", "combine_kernel", "combine_bwd_kernel", "topk_route_kernel", "topk_route_bwd_kernel",
             "grouped_bias_grad_kernel",
-            "attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel", "fp8_gemm_kernel",
+            "attn_fwd_kernel", "attn_bwd_kernel", "fp8_gemm_kernel",
             "quant_blocks_kernel", "ce_stats_kernel", "ce_dlogits_kernel"} <= kernels
     assert all(r["regs"] and r["mma"] for r in rows if not r["error"])
     assert {r["mma"] for r in rows if r["kernel"] == "gemm_kernel"} >= {"wgmma"}
@@ -76,8 +76,8 @@ def test_prune_estimates_match_the_compiler(fast_rows):
     _, rows = fast_rows
     checked = [r for r in rows if r["estimate"] is not None]
     assert {r["kernel"] for r in checked} >= {"gemm_kernel", "persistent_gemm_kernel", "grouped_gemm_kernel",
-                                              "grouped_wgrad_kernel", "attn_fwd_kernel", "attn_bwd_dq_kernel",
-                                              "attn_bwd_dkdv_kernel", "ce_stats_kernel", "ce_dlogits_kernel"}
+                                              "grouped_wgrad_kernel", "attn_fwd_kernel", "ce_stats_kernel",
+                                              "ce_dlogits_kernel"}
     off = [(r["kernel"], r["config"], r["estimate"], r["shared"]) for r in checked
            if abs(r["estimate"] - r["shared"]) > ESTIMATE_TOLERANCE * r["shared"]]
     assert not off, off
@@ -158,7 +158,7 @@ def test_flash_estimates_match_the_committed_tables(arch):
 
     from fusedpar.kernels.flash_attention import smem_estimate
 
-    kinds = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq", "attn_bwd_dkdv_kernel": "dkdv"}
+    kinds = {"attn_fwd_kernel": "fwd", "attn_bwd_kernel": "bwd"}
     elem = {"bfloat16": 2, "float16": 2, "float32": 4, "tf32": 4}
     from benchmarks.compile import read_table
 
@@ -170,14 +170,15 @@ def test_flash_estimates_match_the_committed_tables(arch):
         if decision == "pruned":
             continue
         kind = kinds[kernel]
-        if kind == "dkdv" and r["cases"].endswith("dq atomic"):
-            kind = "bwd"  # the one-pass backward: the dK/dV kernel with DQ_ATOMIC (cases "... dq atomic")
+        if kind == "bwd" and r["cases"].endswith("dq atomic"):
+            kind = "bwd_atomic"  # the one-pass backward: the kernel with DQ_ATOMIC (cases "... dq atomic")
         tile, warps, stages = config.split()
         tile, _, bdv = tile.partition("/")  # "BMxBNxBD[/BDV]": v's own head dim when it differs
         bm, bn, bd = (int(x) for x in tile.split("x"))
         cfg = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=int(warps[1:]), num_stages=int(stages[1:]))
         est = smem_estimate(kind, cfg, bd, elem[dtype], (int(arch[3]), 0),
-                            {"float32": "ieee_fp32", "tf32": "tf32"}.get(dtype, ""), int(bdv) if bdv else None)
+                            {"float32": "ieee_fp32", "tf32": "tf32"}.get(dtype, ""), int(bdv) if bdv else None,
+                            accumulate="ring step" in r["cases"])  # the ring's accumulate mode
         assert abs(est - int(shared)) <= ESTIMATE_TOLERANCE * int(shared), (kernel, dtype, config, est, shared)
         checked += 1
         tf32 += dtype == "tf32"

@@ -1,0 +1,97 @@
+"""The flash backward's one launch (dK/dV programs over key blocks, dQ programs over query
+blocks) against float64 on what only it decides: every variant at once on ragged lengths
+(``seq_q`` above and below ``seq_k``, GQA, MLA's unequal head dims, windows, softcap, sinks, rows
+that see no key), into NaN-poisoned buffers, in both dq modes; the tiles it runs under the
+interpreter varied (owned rows above, equal to and below the streamed ones, so the range split
+at the diagonal and the half-block masked steps meet every alignment); and one kind of program
+at a time (``dq=False`` / ``dk=False``) accumulated into fp32 buffers, block by block, as the
+ring attention's steps run it. test_attention_flash covers the op's cases, test_attention_varlen
+the segment tables."""
+import pytest
+import torch
+
+from _utils import DEVICE, INTERPRETED, assert_close, poison, randn
+from fusedpar.kernels import attention_reference, flash_attention_backward, flash_attention_forward, flash_tiles
+
+#: gradient tolerance relative to max(RMS(reference), RMS(dout)), as in test_attention_flash
+#: (fp32: ieee dots; fp16: P and dS rounded to fp16 before their products)
+GRAD_TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
+
+# (id, batch, seq_q, seq_k, heads, kv_heads, head_dim, head_dim_v, dtype, options, sinks)
+CASES = [
+    ("causal-gqa-q-below-k", 2, 19, 45, 4, 2, 16, 16, torch.float32, dict(causal=True, q_offset=30, k_offset=3),
+     False),
+    ("causal-q-above-k-no-key-rows", 1, 47, 13, 2, 1, 16, 16, torch.float16, dict(causal=True, k_offset=20), False),
+    ("mla-dims-window-sinks", 1, 38, 41, 3, 1, 24, 16, torch.float32, dict(window=(9, 0), q_offset=3), True),
+    ("softcap-mqa-full", 1, 33, 29, 4, 1, 16, 16, torch.float16, dict(softcap=2.0, q_offset=0, k_offset=0), False),
+    ("window-both-sides", 1, 50, 50, 2, 2, 32, 32, torch.float32, dict(window=(6, 4), q_offset=0, k_offset=0), False),
+]
+
+
+def _inputs(case):
+    name, b, sq, sk, hq, hk, d, dv, dtype, opts, with_sinks = case
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    q, k = randn(b, sq, hq, d, dtype=dtype, generator=g), randn(b, sk, hk, d, dtype=dtype, generator=g)
+    v, do = randn(b, sk, hk, dv, dtype=dtype, generator=g), randn(b, sq, hq, dv, dtype=dtype, generator=g)
+    sinks = randn(hq, generator=g) if with_sinks else None
+    return q, k, v, do, sinks, dict(opts)
+
+
+def _reference(q, k, v, do, sinks, opts):
+    ins = [t.double().requires_grad_() for t in (q, k, v)] + ([] if sinks is None else [sinks.double().requires_grad_()])
+    out, _ = attention_reference(*ins[:3], sinks=None if sinks is None else ins[3], **opts)
+    return torch.autograd.grad(out, ins, do.double())
+
+
+def _check(got, ref, dtype, do, msg):
+    do_rms = do.double().pow(2).mean().sqrt().item()
+    for name, g, r in zip(("dq", "dk", "dv", "d_sink"), got, ref):
+        scale = max(r.pow(2).mean().sqrt().item(), do_rms)
+        assert_close(g, r, dtype, rtol=GRAD_TOL[dtype], atol=GRAD_TOL[dtype] * scale, msg=f"{name} {msg}")
+
+
+def _run(case, dq_mode):
+    q, k, v, do, sinks, opts = _inputs(case)
+    out, lse = flash_attention_forward(q, k, v, sinks=sinks, **opts)
+    bufs = [poison(t.shape, t.dtype) for t in (q, k, v)]  # every element must be written
+    got = flash_attention_backward(do, q, k, v, out, lse, dq=bufs[0], dk=bufs[1], dv=bufs[2], sinks=sinks,
+                                   dq_mode=dq_mode, **opts)
+    assert all(g.data_ptr() == b.data_ptr() for g, b in zip(got, bufs))
+    _check(got, _reference(q, k, v, do, sinks, opts), q.dtype, do, f"{case[0]} {dq_mode}")
+
+
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_every_variant_against_fp64(case, dq_mode):
+    _run(case, dq_mode)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's fixed tiles; a GPU runs its tuned ones")
+@pytest.mark.parametrize("tile, case, dq_mode", [
+    ((64, 32), CASES[0], "separate"),  # owned 64, streamed 32, masked 16
+    ((64, 32), CASES[2], "atomic"),
+    ((16, 16), CASES[1], "separate"),  # the smallest: masked steps = streamed ones
+    ((16, 32), CASES[4], "separate"),  # owned below streamed
+], ids=["64x32", "64x32-atomic", "16x16", "16x32"])
+def test_interpreter_tiles(monkeypatch, tile, case, dq_mode):
+    monkeypatch.setattr(flash_tiles, "BWD_INTERPRETER_CONFIG", dict(BLOCK_M=tile[0], BLOCK_N=tile[1]))
+    _run(case, dq_mode)
+
+
+def test_one_kind_of_program_at_a_time_accumulates():
+    # ring attention's use: keys in two blocks at their global offsets, each block's dQ part and
+    # dK/dV part from separate launches (dq=False / dk=False), added into fp32 buffers
+    q, k, v, do, _, _ = _inputs(("ring", 1, 21, 40, 4, 2, 16, 16, torch.float16, {}, False))
+    opts = dict(causal=True, q_offset=25)
+    out, lse = flash_attention_forward(q, k, v, k_offset=0, **opts)
+    dq = torch.zeros(q.shape, device=DEVICE)
+    dk, dv = torch.zeros(k.shape, device=DEVICE), torch.zeros(v.shape, device=DEVICE)
+    for lo, hi in ((23, 40), (0, 23)):
+        kb, vb = k[:, lo:hi], v[:, lo:hi]
+        got = flash_attention_backward(do, q, kb, vb, out, lse, k_offset=lo, dq=False, dk=dk[:, lo:hi],
+                                       dv=dv[:, lo:hi], accumulate=True, **opts)
+        assert got[0] is False
+        got = flash_attention_backward(do, q, kb, vb, out, lse, k_offset=lo, dq=dq, dk=False, dv=False,
+                                       accumulate=True, **opts)
+        assert got[1] is False and got[2] is False
+    _check((dq, dk, dv), _reference(q, k, v, do, None, dict(opts, k_offset=0)), torch.float16, do, "ring blocks")
