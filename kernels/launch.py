@@ -33,7 +33,8 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.autotuner import Autotuner
 
-__all__ = ["LaunchPlan", "LaunchRecord", "PlanCache", "build_plan", "clear_plans", "describe", "launch_kernel"]
+__all__ = ["LaunchPlan", "LaunchRecord", "PlanCache", "build_plan", "clear_plans", "describe", "exact_ints", "launch_kernel",
+           "launch_planned"]
 
 #: every plan cache, so :func:`clear_plans` reaches them all
 _CACHES: list["PlanCache"] = []
@@ -314,6 +315,29 @@ def launch_kernel(kernel, grid, args: tuple, flags: dict):
         return compiled  # (a plan that did not apply now is kept: it applies again later)
     _KERNEL_PLANS.keep(key, _kernel_plan(kernel, compiled, grid, args, flags))
     return compiled
+
+
+def launch_planned(plans: PlanCache, key, kernel, grid: tuple, args: tuple, flags: dict) -> LaunchPlan | None:
+    """:func:`launch_kernel` for a launcher with plans of its own (keyed on its call, as the dense
+    GEMM's): the second launch of ``key`` takes Triton's path and keeps its :class:`LaunchPlan` in
+    ``plans`` (every tensor among ``args`` a slot, in order), which it returns. ``key`` None (the
+    call builds no plan, or the launcher has one that does not apply now): :func:`launch_kernel`.
+    ``kernel``: a ``JITFunction`` launched on a fixed ``grid``."""
+    try:
+        first = key is None or plans.find(key) is not None or not plans.second_launch(key)
+    except TypeError:  # a key part that cannot be hashed: the launcher's checks have passed it, no plan
+        first = True
+    if first:
+        launch_kernel(kernel, grid, args, flags)
+        return None
+    compiled = kernel[grid](*args, **flags)
+    return plans.keep(key, build_plan(kernel, compiled, args, flags, grid))
+
+
+def exact_ints(*values) -> bool:
+    """Whether every value is None or an ``int`` that is not a ``bool`` (a launcher's checks take
+    ``True`` for 1, Triton types the two apart: a plan key holding such a value builds no plan)."""
+    return all(v is None or type(v) is int for v in values)
 
 
 def _kernel_plan(kernel, compiled, grid, args, flags) -> KernelPlan | None:

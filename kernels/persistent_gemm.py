@@ -49,7 +49,7 @@ from .fp8 import FP8_BLOCK, check_fp8_device, rne_for_store
 from .fp8_gemm import FP8_PROMOTE_K, SCALINGS
 from .gemm import linear_operands, matmul_reference
 from .gemm_core import gemm_epilogue, gemm_mainloop
-from .launch import launch_kernel
+from .launch import PlanCache, describe, exact_ints, launch_planned
 from .persistent_config import (CONFIG_KEYS, INTERPRETER_PROGRAMS, check_config, default_num_programs, gpu_config,
                                 kernel_config)
 from .runtime import RowView, cdiv, input_precision, interpreting, needs_upcast, on_device, row_offsets
@@ -295,18 +295,24 @@ def _chunked_outputs(a, ops, out, out_dtype, preact_out, tile_log, total):
     return output_buffer("out", out, tuple(a.shape[:-1]) + (ops.n,), a.device, out_dtype)
 
 
+def _persistent_tensors(a, weight, out, bias, preact_out, sa, sb, wait_flags, signal_counters, tile_log, ready):
+    """The tensor arguments of ``persistent_gemm_kernel`` in order (``out`` for an absent one; ``sa``
+    and ``sb`` the scales or ``out``): what a launch and its plan (:data:`_PLANS`) pass."""
+    return (a, weight, out, out if bias is None else bias, out if preact_out is None else preact_out, sa, sb,
+            out if wait_flags is None else wait_flags, out if signal_counters is None else signal_counters,
+            out if tile_log is None else tile_log, status_word(a.device), ready)
+
+
 def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mode, wait_flags, ready,
-                       signal_counters, preact_out, tile_log, num_programs, max_spin, total):
+                       signal_counters, preact_out, tile_log, num_programs, max_spin, total, plan_key=None):
     a_r, c_r = _chunk_rows(a), _chunk_rows(out)
     x_r = _chunk_rows(preact_out) if preact_out is not None else RowView(1, 0, 0, False)
     bias, dummy, emulate = ops.bias, out, interpreting() and scales is not None
     sa, sb, blockwise = scales or (dummy, dummy, False)
     sa_r = _chunk_rows(sa if blockwise or scales is None else sa.unsqueeze(-1))  # rowwise: a row view of a's rows
     args = (
-        a, weight, out, bias.float() if emulate and bias is not None else bias if bias is not None else dummy,
-        preact_out if preact_out is not None else dummy, sa, sb,
-        wait_flags if wait_flags is not None else dummy, signal_counters if signal_counters is not None else dummy,
-        tile_log if tile_log is not None else dummy, status_word(a.device), ready,
+        *_persistent_tensors(a, weight, out, bias.float() if emulate and bias is not None else bias, preact_out, sa,
+                             sb, wait_flags, signal_counters, tile_log, ready),
         int(torch.Size(a.shape[1:-1]).numel()), ops.n, ops.k, a.shape[0], first_chunk,
         a.stride(0), *a_r.args(), a.stride(-1), ops.s_bk, ops.s_bn, ops.n if ops.glu else 0,
         out.stride(0), *c_r.args(), out.stride(-1),
@@ -324,7 +330,44 @@ def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mo
     )
     grid = (min(num_programs, total),)
     with on_device(a.device):
-        launch_kernel(persistent_gemm_kernel, grid, args, meta)
+        plan = launch_planned(_PLANS, plan_key, persistent_gemm_kernel, grid, args, meta)
+    if plan is not None:
+        plan.extra = (out.shape, out.dtype)
+
+
+#: the launch plans of :func:`persistent_matmul` and :func:`chunk_reduce`, keyed on their calls
+_PLANS = PlanCache()
+
+
+def _persistent_key(a, weight, bias, first_chunk, out, activation, wait_flags, wait_mode, ready_value,
+                    signal_counters, preact_out, tile_log, num_programs, config, max_spin, a_scale, weight_scale,
+                    scaling, out_dtype):
+    """:func:`persistent_matmul`'s plan key: its call, each tensor described (a ready value by its
+    value or its word's description, the config by its items, the dot precision of fp32 operands
+    as torch's setting has it now); None where no plan is kept (the interpreter, odd arguments)."""
+    if (interpreting() or not isinstance(a, torch.Tensor) or not exact_ints(first_chunk, num_programs, max_spin)
+            or not (config is None or type(config) is dict)):
+        return None
+    ready = ready_value if type(ready_value) is int else describe(ready_value)
+    return (describe(a), describe(weight), describe(bias), first_chunk, describe(out), activation,
+            describe(wait_flags), wait_mode, ready, describe(signal_counters), describe(preact_out),
+            describe(tile_log), num_programs, config and tuple(config.items()), max_spin, describe(a_scale),
+            describe(weight_scale), scaling, out_dtype, input_precision(a.dtype))
+
+
+def _planned_persistent(plan, a, weight, bias, out, wait_flags, ready_value, signal_counters, preact_out,
+                        tile_log, a_scale, weight_scale):
+    """:func:`persistent_matmul` through ``plan`` (its key's checks passed when it was built): ``out``
+    allocated as that launch had it, the tensors in their slots; None, having launched nothing,
+    where the plan does not apply now."""
+    if out is None:
+        out = torch.empty(plan.extra[0], dtype=plan.extra[1], device=a.device)
+    ready = ready_word(a.device, ready_value) if type(ready_value) is int else ready_value
+    sa, sb = (out, out) if a_scale is None else (a_scale, weight_scale)
+    if plan.launch(_persistent_tensors(a, weight, out, bias, preact_out, sa, sb, wait_flags, signal_counters,
+                                       tile_log, ready)):
+        return out
+    return None
 
 
 def persistent_matmul(
@@ -372,6 +415,16 @@ def persistent_matmul(
     check_waits: check for timed-out waits after a ``"spin"`` launch (default). An op that
               launches several waiting kernels passes False and checks once at its end.
     """
+    key = _persistent_key(a, weight, bias, first_chunk, out, activation, wait_flags, wait_mode, ready_value,
+                          signal_counters, preact_out, tile_log, num_programs, config, max_spin, a_scale, weight_scale,
+                          scaling, out_dtype)
+    plan = _PLANS.find(key) if key is not None else None
+    done = plan and _planned_persistent(plan, a, weight, bias, out, wait_flags, ready_value, signal_counters,
+                                        preact_out, tile_log, a_scale, weight_scale)
+    if done is not None:
+        if wait_mode == "spin" and check_waits:
+            check_wait_timeouts(a.device, "persistent_matmul")
+        return done
     ops, scales, ready = _check_persistent_args(a, weight, bias, activation, first_chunk, wait_mode, wait_flags,
                                                 signal_counters, ready_value, a_scale, weight_scale, scaling)
     if config is not None and not interpreting():
@@ -394,7 +447,7 @@ def persistent_matmul(
     _launch_persistent(a, weight, out, ops, cfg, scales, first_chunk=first_chunk, wait_mode=wait_mode,
                        wait_flags=wait_flags, ready=ready, signal_counters=signal_counters,
                        preact_out=preact_out, tile_log=tile_log, num_programs=num_programs, max_spin=max_spin,
-                       total=total)
+                       total=total, plan_key=key if ops.bias is bias else None)
     if wait_mode == "spin" and check_waits:
         check_wait_timeouts(a.device, "persistent_matmul")
     return out
@@ -447,6 +500,17 @@ def chunk_reduce(
     workspace:    fp32 ``[rows * N]`` running sum (allocated when omitted); ``check_waits``: as in
                   :func:`persistent_matmul`.
     """
+    key = None
+    if not interpreting() and isinstance(src, torch.Tensor) and exact_ints(chunk, num_programs, max_spin):
+        key = ("reduce", describe(src), describe(peer_offsets), chunk, describe(out), describe(bias),
+               describe(counters), describe(counter_offsets), ready_value if type(ready_value) is int else
+               describe(ready_value), describe(workspace), num_programs, block, max_spin)
+        plan = _PLANS.find(key)
+        if plan is not None and _planned_reduce(plan, src, peer_offsets, out, bias, counters, counter_offsets,
+                                                ready_value, workspace):
+            if counters is not None and check_waits:
+                check_wait_timeouts(src.device, "chunk_reduce")
+            return out
     _check_reduce_args(src, peer_offsets, chunk, out, bias, counters, counter_offsets)
     ready = ready_word(src.device, ready_value)
     rows, N = int(torch.Size(src.shape[1:-1]).numel()), src.shape[-1]
@@ -461,26 +525,41 @@ def chunk_reduce(
     if num_programs is None:
         num_programs = total if src.device.type == "cuda" else INTERPRETER_PROGRAMS
     s_r, o_r = _chunk_rows(src), RowView.rows(out)
-    peer_offsets = peer_offsets.to(src.device)
     wait = counters is not None
-    args = (
-        src, peer_offsets, counters if wait else peer_offsets, counter_offsets.to(src.device) if wait else peer_offsets,
-        out, workspace, bias.contiguous() if bias is not None else workspace, status_word(src.device), ready,
-        rows, N, peer_offsets.numel(), chunk,
-        src.stride(0), *s_r.args(), src.stride(-1),
-        *o_r.args(), out.stride(-1),
-    )
+    tensors = _reduce_tensors(src, peer_offsets, out, bias, counters, counter_offsets, ready, workspace)
+    args = (*tensors, rows, N, peer_offsets.numel(), chunk, src.stride(0), *s_r.args(), src.stride(-1), *o_r.args(),
+            out.stride(-1))
     meta = dict(SRC_M_SPLIT=s_r.split, O_M_SPLIT=o_r.split, HAS_BIAS=bias is not None, WAIT=int(wait),
                 MAX_SPIN=spin_bound(max_spin), EMULATE=interpreting(), BLOCK_M=bm, BLOCK_N=bn)
-    grid = (max(1, min(num_programs, total)),)
     if src.device.type == "cuda":
-        with on_device(src.device):
-            launch_kernel(chunk_reduce_kernel, grid, args, dict(**meta, num_warps=4))
-    else:
-        launch_kernel(chunk_reduce_kernel, grid, args, meta)
+        meta["num_warps"] = 4
+    grid = (max(1, min(num_programs, total)),)
+    with on_device(src.device):
+        plan = launch_planned(_PLANS, key, chunk_reduce_kernel, grid, args, meta)
+    if plan is not None:
+        plan.extra = workspace.numel()
     if wait and check_waits:
         check_wait_timeouts(src.device, "chunk_reduce")
     return out
+
+
+def _reduce_tensors(src, peer_offsets, out, bias, counters, counter_offsets, ready, workspace):
+    """The tensor arguments of ``chunk_reduce_kernel`` in order (``peer_offsets`` for absent
+    counters, ``workspace`` for an absent bias; offset tables on ``src``'s device, the bias
+    contiguous: copies where they were not, made by a plan's launch too)."""
+    offsets = peer_offsets.to(src.device)
+    wait = counters is not None
+    return (src, offsets, counters if wait else offsets, counter_offsets.to(src.device) if wait else offsets, out,
+            workspace, bias.contiguous() if bias is not None else workspace, status_word(src.device), ready)
+
+
+def _planned_reduce(plan, src, peer_offsets, out, bias, counters, counter_offsets, ready_value, workspace) -> bool:
+    """:func:`chunk_reduce` through ``plan`` (the running sum allocated as at its build when not
+    given); False, having launched nothing, where the plan does not apply now."""
+    if workspace is None:
+        workspace = torch.empty(plan.extra, device=src.device, dtype=torch.float32)
+    ready = ready_word(src.device, ready_value) if type(ready_value) is int else ready_value
+    return plan.launch(_reduce_tensors(src, peer_offsets, out, bias, counters, counter_offsets, ready, workspace))
 
 
 # --------------------------------------------------------------------------------------------

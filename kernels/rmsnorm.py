@@ -34,9 +34,10 @@ import triton
 import triton.language as tl
 
 from .checks import check_choice, check_device_usable, check_same, check_shape, check_supported_dtype, check_tensor
-from .launch import launch_kernel
-from .fp8 import FP8_BLOCK, check_fp8_device, group_scale, scale_shape, store_e4m3_tiles, to_e4m3, to_fp32
+from .fp8 import FP8_BLOCK, check_fp8_device, group_scale, scale_shape, store_e4m3_tiles, to_e4m3
 from .fp8_gemm import FP8_RECIPES
+from .launch import PlanCache, describe, launch_planned
+from .rmsnorm_looped import input_with_residual, rmsnorm_bwd_looped_kernel, rmsnorm_fwd_looped_kernel, stored
 from .runtime import RowView, cdiv, interpreting, multiprocessor_count, next_power_of_2, on_device, row_offsets
 
 # The fused kernels hold whole rows (padded to a power of two) in registers; rows wider than
@@ -44,28 +45,6 @@ from .runtime import RowView, cdiv, interpreting, multiprocessor_count, next_pow
 # then the output) instead of spilling (a 65536-wide row spilled 7-16 KB per program on sm_90).
 ROW_BLOCK_LIMIT = 8192
 LOOP_CHUNK = 4096
-
-
-@triton.jit
-def _input_with_residual(x_ptrs, r_ptrs, h_ptrs, mask, HAS_RES: tl.constexpr):
-    """The norm's input in fp32: ``x``, or ``h = x + r`` rounded to h's dtype and stored (the norm
-    reads the stored, rounded residual, exactly what the backward will reload). Any tile shape."""
-    h = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        h += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-        h = h.to(h_ptrs.dtype.element_ty)
-        tl.store(h_ptrs, h, mask=mask)
-        h = h.to(tl.float32)
-    return h
-
-
-@triton.jit
-def _stored(y, y_ptrs, mask, EMULATE: tl.constexpr):
-    """Store fp32 ``y`` in the output's dtype; returns the stored values in fp32 (what a later
-    quantisation pass would load back: the fp8 output quantises exactly these)."""
-    y = y.to(y_ptrs.dtype.element_ty)
-    tl.store(y_ptrs, y, mask=mask)
-    return to_fp32(y, EMULATE)
 
 
 @triton.jit
@@ -101,7 +80,7 @@ def _rmsnorm_fwd_kernel(
     x_off = row_offsets(rm, x_inner, s_x0, s_x1, X_SPLIT)[:, None] + cols[None, :] * s_xh
     r_off = row_offsets(rm, r_inner, s_r0, s_r1, R_SPLIT)[:, None] + cols[None, :] * s_rh
     h_off = row_offsets(rm, h_inner, s_h0, s_h1, H_SPLIT)[:, None] + cols[None, :] * s_hh
-    h = _input_with_residual(x_ptr + x_off, r_ptr + r_off, h_ptr + h_off, mask, HAS_RES)
+    h = input_with_residual(x_ptr + x_off, r_ptr + r_off, h_ptr + h_off, mask, HAS_RES)
 
     ms = tl.sum(h * h, axis=1) / H
     rstd = 1.0 / tl.sqrt(ms + eps)
@@ -112,7 +91,7 @@ def _rmsnorm_fwd_kernel(
         y = y * w[None, :]
     y_off = row_offsets(rm, y_inner, s_y0, s_y1, Y_SPLIT)[:, None] + cols[None, :] * s_yh
     if FP8:
-        y = tl.where(mask, _stored(y, y_ptr + y_off, mask, EMULATE), 0.0)
+        y = tl.where(mask, stored(y, y_ptr + y_off, mask, EMULATE), 0.0)
         if TILES and BLOCK_H >= 128:
             rm64 = rm.to(tl.int64)
             store_e4m3_tiles(y, q_ptr + rm64 * H, s_ptr + rm64 * s_sm, cols, mask, m_mask, 0, s_sm, EMULATE,
@@ -173,133 +152,6 @@ def _rmsnorm_bwd_kernel(
         tl.store(dx_ptr + dx_off, dh.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(dw_ptr + pid.to(tl.int64) * H + rh, dw_acc, mask=h_mask)
-
-
-@triton.jit
-def _rmsnorm_fwd_looped_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, q_ptr, s_ptr,
-    M, H, eps, s_sm,
-    x_inner, s_x0, s_x1, s_xh,
-    r_inner, s_r0, s_r1, s_rh,
-    y_inner, s_y0, s_y1, s_yh,
-    h_inner, s_h0, s_h1, s_hh,
-    X_SPLIT: tl.constexpr, R_SPLIT: tl.constexpr, Y_SPLIT: tl.constexpr, H_SPLIT: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_WEIGHT: tl.constexpr, FP8: tl.constexpr, TILES: tl.constexpr,
-    EMULATE: tl.constexpr, VEC: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """One row per program, streamed in BLOCK_C pieces: pass 1 forms (and stores) ``h`` and the
-    sum of squares, pass 2 reloads ``h`` (the stored, rounded residual) and writes ``y``. ``FP8``
-    (into ``q_ptr`` ``[M, H]`` contiguous and ``s_ptr``, row stride ``s_sm``): with ``TILES``
-    pass 2 quantises the 1x128 tiles of each piece as it goes, per row it takes the row's amax
-    and pass 3 reloads ``y`` and quantises it (``VEC`` as in the fused kernel)."""
-    row = tl.program_id(0)
-    x_row = row_offsets(row, x_inner, s_x0, s_x1, X_SPLIT)
-    r_row = row_offsets(row, r_inner, s_r0, s_r1, R_SPLIT)
-    h_row = row_offsets(row, h_inner, s_h0, s_h1, H_SPLIT)
-    y_row = row_offsets(row, y_inner, s_y0, s_y1, Y_SPLIT)
-    rc = tl.arange(0, BLOCK_C)
-    sq = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for c0 in range(0, H, BLOCK_C):
-        cols = c0 + rc
-        mask = cols < H
-        c64 = cols.to(tl.int64)
-        h = _input_with_residual(x_ptr + x_row + c64 * s_xh, r_ptr + r_row + c64 * s_rh, h_ptr + h_row + c64 * s_hh,
-                                 mask, HAS_RES)
-        sq += h * h
-    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / H + eps)
-    tl.store(rstd_ptr + row, rstd)
-    tl.debug_barrier()  # pass 2 reads h written by pass 1
-    # pass 2 is elementwise, so its pieces may be wider than pass 1's: whole 1x128 fp8 tiles
-    BLOCK_Q: tl.constexpr = 128 if TILES and BLOCK_C < 128 else BLOCK_C
-    rq = tl.arange(0, BLOCK_Q)
-    amax = tl.zeros((BLOCK_Q,), dtype=tl.float32)  # (FP8 per row) the row's |y|, elementwise over its pieces
-    for c0 in range(0, H, BLOCK_Q):
-        cols = c0 + rq
-        mask = cols < H
-        c64 = cols.to(tl.int64)
-        if FP8:
-            c64 = tl.max_contiguous(c64, VEC)
-        if HAS_RES:
-            h = tl.load(h_ptr + h_row + c64 * s_hh, mask=mask, other=0.0).to(tl.float32)
-        else:
-            h = tl.load(x_ptr + x_row + c64 * s_xh, mask=mask, other=0.0).to(tl.float32)
-        y = h * rstd
-        if HAS_WEIGHT:
-            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if FP8:
-            y = tl.where(mask, _stored(y, y_ptr + y_row + c64 * s_yh, mask, EMULATE), 0.0)
-            if TILES:
-                rm = row + tl.arange(0, 1)
-                rm64 = rm.to(tl.int64)
-                store_e4m3_tiles(y[None, :], q_ptr + rm64 * H, s_ptr + rm64 * s_sm, c64,
-                                 (rm < M)[:, None] & mask[None, :], rm < M, c0 // 128, s_sm, EMULATE, 1, BLOCK_Q)
-            else:
-                amax = tl.maximum(amax, tl.abs(y))
-        else:
-            tl.store(y_ptr + y_row + c64 * s_yh, y.to(y_ptr.dtype.element_ty), mask=mask)
-    if FP8 and not TILES:
-        scale = group_scale(tl.max(amax, axis=0))
-        tl.store(s_ptr + row, scale)
-        tl.debug_barrier()  # pass 3 reads y written by pass 2
-        q_row = q_ptr + row.to(tl.int64) * H
-        for c0 in range(0, H, BLOCK_Q):
-            cols = c0 + rq
-            mask = cols < H
-            c64 = tl.max_contiguous(cols.to(tl.int64), VEC)
-            y = to_fp32(tl.load(y_ptr + y_row + c64 * s_yh, mask=mask, other=0.0), EMULATE)
-            tl.store(q_row + c64, to_e4m3(tl.math.div_rn(y, scale), EMULATE), mask=mask)
-
-
-@triton.jit
-def _rmsnorm_bwd_looped_kernel(
-    dy_ptr, h_ptr, w_ptr, rstd_ptr, dhin_ptr, dx_ptr, dw_ptr,
-    M, H, rows_per_program,
-    dy_inner, s_dy0, s_dy1, s_dyh,
-    h_inner, s_h0, s_h1, s_hh,
-    g_inner, s_g0, s_g1, s_gh,
-    dx_inner, s_dx0, s_dx1, s_dxh,
-    DY_SPLIT: tl.constexpr, H_SPLIT: tl.constexpr, G_SPLIT: tl.constexpr, DX_SPLIT: tl.constexpr,
-    HAS_DHIN: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """The backward of wide rows: per row, pass 1 sums ``dn * n``, pass 2 writes ``dx`` and adds
-    ``dy * n`` into this program's fp32 row of partial weight gradients ``dw_ptr[pid, :]``."""
-    pid = tl.program_id(0)
-    rc = tl.arange(0, BLOCK_C)
-    row_start = pid * rows_per_program
-    for r in range(row_start, tl.minimum(row_start + rows_per_program, M)):
-        row = pid * 0 + r  # a tensor under the interpreter too (row_offsets casts it)
-        h_row = row_offsets(row, h_inner, s_h0, s_h1, H_SPLIT)
-        dy_row = row_offsets(row, dy_inner, s_dy0, s_dy1, DY_SPLIT)
-        rstd = tl.load(rstd_ptr + row)
-        part = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        for c0 in range(0, H, BLOCK_C):
-            cols = c0 + rc
-            mask = cols < H
-            c64 = cols.to(tl.int64)
-            n = tl.load(h_ptr + h_row + c64 * s_hh, mask=mask, other=0.0).to(tl.float32) * rstd
-            dn = tl.load(dy_ptr + dy_row + c64 * s_dyh, mask=mask, other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                dn = dn * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            part += dn * n
-        c = tl.sum(part, axis=0) / H
-        g_row = row_offsets(row, g_inner, s_g0, s_g1, G_SPLIT)
-        dx_row = row_offsets(row, dx_inner, s_dx0, s_dx1, DX_SPLIT)
-        for c0 in range(0, H, BLOCK_C):
-            cols = c0 + rc
-            mask = cols < H
-            c64 = cols.to(tl.int64)
-            n = tl.load(h_ptr + h_row + c64 * s_hh, mask=mask, other=0.0).to(tl.float32) * rstd
-            dy = tl.load(dy_ptr + dy_row + c64 * s_dyh, mask=mask, other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                dn = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                dw_off = pid.to(tl.int64) * H + c64
-                tl.store(dw_ptr + dw_off, tl.load(dw_ptr + dw_off, mask=mask, other=0.0) + dy * n, mask=mask)
-            else:
-                dn = dy
-            dh = rstd * (dn - n * c)
-            if HAS_DHIN:
-                dh += tl.load(dhin_ptr + g_row + c64 * s_gh, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dx_ptr + dx_row + c64 * s_dxh, dh.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,8 +281,13 @@ def rms_norm_fwd(
               bf16 activations is fine).
     out / residual_out: optional destinations (same shape as x, any strides).
     """
+    key = None if interpreting() else ("fwd", describe(x), describe(weight), eps, describe(residual), describe(out),
+                                        describe(residual_out), out_dtype)
+    done = _planned_fwd(key, x, weight, residual, out, residual_out, None)
+    if done is not None:
+        return done[:3]
     H = check_rms_norm_inputs(x, weight, eps, residual)
-    return _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, None)[:3]
+    return _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, None, plan_key=key)[:3]
 
 
 def rms_norm_fp8_fwd(
@@ -453,8 +310,17 @@ def rms_norm_fp8_fwd(
     the stored ``y`` (rounded to its dtype), with :mod:`.fp8`'s scales, guards and cast, so
     ``(q, scale)`` equal ``quantize_e4m3(y.reshape(-1, H), "row" | "tile")`` bit for bit.
     ``fp8_out=(q, scale)``: contiguous buffers of those shapes and dtypes, written in place."""
+    key = None
+    if not interpreting():
+        pair = tuple(map(describe, fp8_out)) if type(fp8_out) is tuple and len(fp8_out) == 2 else describe(fp8_out)
+        key = ("fp8", recipe, describe(x), describe(weight), eps, describe(residual), describe(out),
+               describe(residual_out), out_dtype, pair)
+    done = _planned_fwd(key, x, weight, residual, out, residual_out, fp8_out)
+    if done is not None:
+        return done
     H = check_rms_norm_fp8_inputs(x, weight, eps, residual, recipe)
-    return _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, FP8_RECIPES[recipe][0], fp8_out)
+    return _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, FP8_RECIPES[recipe][0], fp8_out,
+                       plan_key=key)
 
 
 def _fp8_outputs(x, H, granularity, fp8_out):
@@ -475,37 +341,73 @@ def _fp8_outputs(x, H, granularity, fp8_out):
     return tuple(fp8_out)
 
 
-def _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, granularity, fp8_out=None):
+def _fwd_tensors(x, weight, residual, out, residual_out, rstd, q, scale):
+    """The forward kernels' tensor arguments in order: the operands as rows (:func:`_as_rows`),
+    ``x`` / ``out`` / ``rstd`` for absent ones, the weight unit-stride (a copy where it was not)."""
+    xr, yr = _as_rows("x", x), _as_rows("out", out, written=True)
+    has_res = residual is not None
+    return (xr, _as_rows("residual", residual) if has_res else xr,
+            xr if weight is None else weight if weight.stride(0) == 1 else weight.contiguous(), yr,
+            _as_rows("residual_out", residual_out, written=True) if has_res else yr, rstd,
+            yr if q is None else q, rstd if scale is None else scale)
+
+
+def _launch_fwd(x, weight, eps, H, residual, out, residual_out, out_dtype, granularity, fp8_out=None, plan_key=None):
     """Allocate and launch the forward (``granularity``: None, or the fp8 output's "row" / "tile");
-    ``(y, h, rstd, q, scale)``, ``q`` and ``scale`` None without fp8."""
-    if weight is not None and weight.stride(0) != 1:
-        weight = weight.contiguous()
+    ``(y, h, rstd, q, scale)``, ``q`` and ``scale`` None without fp8. A launch keeps its plan under
+    ``plan_key`` (:data:`_PLANS`)."""
     out, residual_out = _fwd_outputs(x, residual, out, residual_out, out_dtype)
     q, scale = _fp8_outputs(x, H, granularity, fp8_out) if granularity is not None else (None, None)
     M = int(torch.Size(x.shape[:-1]).numel())
     rstd = torch.empty((M,), device=x.device, dtype=torch.float32)
     if M > 0:
-        xr, x_rows, s_xh = _operand(_as_rows("x", x))
-        yr, y_rows, s_yh = _operand(_as_rows("out", out, written=True))
-        rr, r_rows, s_rh = _operand(_as_rows("residual", residual) if residual is not None else None)
-        hr, h_rows, s_hh = _operand(_as_rows("residual_out", residual_out, written=True)
-                                    if residual is not None else None)
+        t = _fwd_tensors(x, weight, residual, out, residual_out, rstd, q, scale)
+        has_res = residual is not None
+        _, x_rows, s_xh = _operand(t[0])
+        _, y_rows, s_yh = _operand(t[3])
+        _, r_rows, s_rh = _operand(t[1] if has_res else None)
+        _, h_rows, s_hh = _operand(t[4] if has_res else None)
         tiles = granularity == "tile"
         cfg, launch = _config(H, M)
-        grid = (cdiv(M, cfg.get("BLOCK_M", 1)),)
-        kernel = _rmsnorm_fwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_fwd_kernel
-        with on_device(x.device):
-            launch_kernel(
-                kernel, grid,
-                (xr, rr if rr is not None else xr, weight if weight is not None else xr, yr,
-                 hr if hr is not None else yr, rstd, q if q is not None else yr, scale if scale is not None else rstd,
-                 M, H, float(eps), cdiv(H, FP8_BLOCK) if tiles else 1, *x_rows.args(), s_xh, *r_rows.args(), s_rh,
-                 *y_rows.args(), s_yh, *h_rows.args(), s_hh),
-                dict(X_SPLIT=x_rows.split, R_SPLIT=r_rows.split, Y_SPLIT=y_rows.split, H_SPLIT=h_rows.split,
-                     HAS_RES=residual is not None, HAS_WEIGHT=weight is not None, FP8=granularity is not None,
-                     TILES=tiles, EMULATE=interpreting() and granularity is not None,
+        kernel = rmsnorm_fwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_fwd_kernel
+        args = (*t, M, H, float(eps), cdiv(H, FP8_BLOCK) if tiles else 1, *x_rows.args(), s_xh, *r_rows.args(), s_rh,
+                *y_rows.args(), s_yh, *h_rows.args(), s_hh)
+        flags = dict(X_SPLIT=x_rows.split, R_SPLIT=r_rows.split, Y_SPLIT=y_rows.split, H_SPLIT=h_rows.split,
+                     HAS_RES=has_res, HAS_WEIGHT=weight is not None, FP8=granularity is not None, TILES=tiles,
+                     EMULATE=interpreting() and granularity is not None,
                      VEC=16 // min(t.element_size() for t in (x, out, residual, residual_out) if t is not None), **cfg,
-                     **launch))
+                     **launch)
+        with on_device(x.device):
+            plan = launch_planned(_PLANS, plan_key, kernel, (cdiv(M, cfg.get("BLOCK_M", 1)),), args, flags)
+        if plan is not None:
+            plan.extra = (out.dtype, None if q is None else (q.shape, scale.shape))
+    return out, (residual_out if residual is not None else x), rstd, q, scale
+
+
+#: the launch plans of the forward and backward launchers, keyed on their calls (:mod:`.launch`)
+_PLANS = PlanCache()
+
+
+def _planned_fwd(key, x, weight, residual, out, residual_out, fp8_out):
+    """The forward through the plan of ``key`` (its checks passed when the plan was built): the
+    outputs it does not get allocated as that launch had them; None, having launched nothing,
+    where there is no plan for ``key`` or it does not apply now."""
+    plan = None if key is None else _PLANS.find(key)
+    if plan is None:
+        return None
+    y_dtype, fp8_shapes = plan.extra
+    if out is None:
+        out = torch.empty(x.shape, device=x.device, dtype=y_dtype)
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty(x.shape, device=x.device, dtype=residual.dtype)
+    q = scale = None
+    if fp8_shapes is not None:
+        q, scale = fp8_out if fp8_out is not None else (
+            torch.empty(fp8_shapes[0], device=x.device, dtype=torch.float8_e4m3fn),
+            torch.empty(fp8_shapes[1], device=x.device, dtype=torch.float32))
+    rstd = torch.empty(x.shape[:-1].numel(), device=x.device, dtype=torch.float32)
+    if not plan.launch(_fwd_tensors(x, weight, residual, out, residual_out, rstd, q, scale)):
+        return None
     return out, (residual_out if residual is not None else x), rstd, q, scale
 
 
@@ -533,6 +435,14 @@ def rms_norm_bwd(
     """Launch the backward. Returns ``(dh, dweight)``: ``dh`` is the gradient w.r.t. ``h`` (hence
     w.r.t. both ``x`` and ``residual``), including ``grad_residual`` (the gradient reaching the
     new residual from later layers); ``dweight`` is ``None`` without a weight."""
+    key = None if interpreting() else ("bwd", describe(grad_out), describe(h), describe(weight), describe(rstd),
+                                        describe(grad_residual), dx_dtype)
+    plan = None if key is None else _PLANS.find(key)
+    if plan is not None:
+        dx = torch.empty(h.shape, device=h.device, dtype=plan.extra[0])
+        dw_partial = torch.zeros(plan.extra[1], device=h.device, dtype=torch.float32) if weight is not None else None
+        if plan.launch(_bwd_tensors(grad_out, h, weight, rstd, grad_residual, dx, dw_partial)):
+            return dx, (dw_partial.sum(0).to(weight.dtype) if weight is not None else None)
     _check_operand("grad_out", grad_out, h, h.shape)
     if grad_residual is not None:
         _check_operand("grad_residual", grad_residual, h, h.shape)
@@ -545,23 +455,31 @@ def rms_norm_bwd(
     programs, rows_per_program = _bwd_programs(M, cfg.get("BLOCK_M", 1), h.device)
     dw_partial = torch.zeros((programs, H), device=h.device, dtype=torch.float32) if weight is not None else None
     if M > 0:
-        gr, dy_rows, s_dyh = _operand(_as_rows("grad_out", grad_out))
-        hr, h_rows, s_hh = _operand(_as_rows("h", h))
-        dxr, dx_rows, s_dxh = _operand(_as_rows("dx", dx, written=True))
-        gin, g_rows, s_gh = _operand(_as_rows("grad_residual", grad_residual) if grad_residual is not None else None)
-        w = weight.contiguous() if weight is not None else None
-        kernel = _rmsnorm_bwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_bwd_kernel
+        t = _bwd_tensors(grad_out, h, weight, rstd, grad_residual, dx, dw_partial)
+        _, dy_rows, s_dyh = _operand(t[0])
+        _, h_rows, s_hh = _operand(t[1])
+        _, dx_rows, s_dxh = _operand(t[5])
+        _, g_rows, s_gh = _operand(t[4] if grad_residual is not None else None)
+        kernel = rmsnorm_bwd_looped_kernel if "BLOCK_C" in cfg else _rmsnorm_bwd_kernel
+        args = (*t, M, H, rows_per_program, *dy_rows.args(), s_dyh, *h_rows.args(), s_hh, *g_rows.args(), s_gh,
+                *dx_rows.args(), s_dxh)
+        flags = dict(DY_SPLIT=dy_rows.split, H_SPLIT=h_rows.split, G_SPLIT=g_rows.split, DX_SPLIT=dx_rows.split,
+                     HAS_DHIN=grad_residual is not None, HAS_WEIGHT=weight is not None, **cfg, **launch)
         with on_device(h.device):
-            launch_kernel(
-                kernel, (programs,),
-                (gr, hr, w if w is not None else hr, rstd, gin if gin is not None else gr, dxr,
-                 dw_partial if dw_partial is not None else rstd, M, H, rows_per_program, *dy_rows.args(), s_dyh,
-                 *h_rows.args(), s_hh, *g_rows.args(), s_gh, *dx_rows.args(), s_dxh),
-                dict(DY_SPLIT=dy_rows.split, H_SPLIT=h_rows.split, G_SPLIT=g_rows.split, DX_SPLIT=dx_rows.split,
-                     HAS_DHIN=gin is not None, HAS_WEIGHT=weight is not None, **cfg, **launch))
+            plan = launch_planned(_PLANS, key, kernel, (programs,), args, flags)
+        if plan is not None:
+            plan.extra = (dx.dtype, (programs, H))
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
     return dx, dw
 
+
+def _bwd_tensors(grad_out, h, weight, rstd, grad_residual, dx, dw_partial):
+    """The backward kernels' tensor arguments in order (rows views; ``grad_out`` / ``h`` / ``rstd``
+    for absent ones, the weight contiguous: a copy where it was not)."""
+    gr, hr = _as_rows("grad_out", grad_out), _as_rows("h", h)
+    return (gr, hr, hr if weight is None else weight.contiguous(), rstd,
+            gr if grad_residual is None else _as_rows("grad_residual", grad_residual), _as_rows("dx", dx, written=True),
+            rstd if dw_partial is None else dw_partial)
 
 
 # --------------------------------------------------------------------------------------------

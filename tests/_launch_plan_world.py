@@ -188,6 +188,7 @@ def cases():
             matmul_checked(x[16 * i:16 * (i + 1)], w, ops, out[16 * i:16 * (i + 1)])
     case("checked_chunks", (a, ops_w), checked)
     kernel_level_cases(case)
+    launcher_plan_cases(case)
     return c
 
 
@@ -231,6 +232,58 @@ def kernel_level_cases(case):
          lambda a, w: persistent_matmul(a, w, wait_mode="none", ready_value=EPOCH[0]))
 
 
+def launcher_plan_cases(case):
+    """Launchers keyed on their own calls (a hit skips their checks): the persistent GEMM's waits,
+    counters, epilogue, fp8 operands, views and device words; ``chunk_reduce``; RMSNorm's forward
+    (residual, dtypes, views of 1-4 dims, wide rows, fp8 output) and backward."""
+    from fusedpar.kernels import chunk_reduce, chunk_view, persistent_matmul, quantize_e4m3
+    from fusedpar.kernels.rmsnorm import rms_norm_bwd, rms_norm_fp8_fwd, rms_norm_fwd
+    i32, bf = torch.int32, torch.bfloat16
+    a, w, b = rnd(4, 8, 64, seed=50), rnd(48, 64, seed=51), rnd(48, seed=52)
+    flags, counters, word = torch.ones(4, dtype=i32), torch.zeros(8, dtype=i32), torch.ones(1, dtype=i32)
+
+    def waits(a, w, b):  # waits, counters, bias, gelu and its pre-activation, a given ready word
+        persistent_matmul(a, w, b, first_chunk=2, activation="gelu", wait_flags=flags, signal_counters=counters,
+                          preact_out=torch.empty(4, 8, 48, dtype=bf), ready_value=word)
+    case("persistent_waits_bias_gelu", (a, w, b), waits)
+    wide = rnd(4, 8, 80, seed=53)  # the same shapes at two alignments, the output a strided view
+    out = torch.empty(4, 8, 56, dtype=bf)
+    case("persistent_misaligned_view", (wide, w, out), lambda x, w, o: persistent_matmul(
+        x[:, :, 1:65], w, wait_mode="none", out=o[:, :, 3:51]))
+    case("persistent_aligned_view", (wide, w, out), lambda x, w, o: persistent_matmul(
+        x[:, :, 8:72], w, wait_mode="none", out=o[:, :, 8:56]))
+    seq = rnd(2, 16, 64, seed=54)
+    case("persistent_4d_chunks", (chunk_view(seq, 1, 4), rnd(96, 64, seed=55)), lambda x, w: persistent_matmul(
+        x, w, activation="swiglu", wait_mode="none"))
+    q, s = quantize_e4m3(rnd(32, 128, seed=56), "row")
+    wq, ws = quantize_e4m3(rnd(48, 128, seed=57), "row")
+    case("persistent_fp8_rowwise", (q.view(4, 8, 128), s.view(4, 8), wq, ws), lambda q, s, wq, ws: persistent_matmul(
+        q, wq, wait_mode="none", a_scale=s, weight_scale=ws, out_dtype=torch.float32))
+    parts, offsets = torch.randn(4, 8, 48, generator=_gen(58)), torch.tensor([0, 384, 768, 1152])
+    count_offsets = torch.tensor([0, 1, 2, 3])
+    case("chunk_reduce_waits_bias", (parts, offsets, count_offsets, b), lambda p, o, c, b: chunk_reduce(
+        p[:1].expand(4, 8, 48), o, 1, out=torch.empty(8, 48, dtype=bf), bias=b, counters=counters,
+        counter_offsets=c, ready_value=3))
+    case("chunk_reduce_view_workspace", (parts, offsets), lambda p, o: chunk_reduce(
+        p, o[:2], 3, out=torch.empty(8, 64, dtype=bf)[:, 5:53], workspace=torch.empty(400)))
+    x, wn, res = rnd(6, 64, seed=59), rnd(64, seed=60), rnd(6, 64, dtype=torch.float32, seed=61)
+    case("rmsnorm_residual_out_dtype", (x, wn, res), lambda x, w, r: rms_norm_fwd(
+        x, w, 1e-5, residual=r, out_dtype=torch.float32))
+    case("rmsnorm_seq_chunk_no_weight", (seq,), lambda x: rms_norm_fwd(x[:, 4:12], None))
+    case("rmsnorm_4d_and_1d", (seq, wn), lambda x, w: (rms_norm_fwd(x.view(2, 4, 4, 64), w), rms_norm_fwd(x[0, 0], w)))
+    case("rmsnorm_strided_weight", (x, rnd(128, seed=62)), lambda x, w: rms_norm_fwd(x, w[::2]))
+    xw, ww = rnd(3, 8200, seed=63), rnd(8200, seed=64)  # wider than ROW_BLOCK_LIMIT: the looped kernels
+    case("rmsnorm_wide_rows_fwd_bwd", (xw, ww), lambda x, w: rms_norm_bwd(x, x, w, rms_norm_fwd(x, w)[2]))
+    case("rmsnorm_bwd_grad_residual", (x, res), lambda x, r: rms_norm_bwd(
+        x, x, None, torch.ones(6), grad_residual=r.to(bf), dx_dtype=torch.float32))
+    x128 = rnd(6, 256, seed=65)
+    case("rmsnorm_fp8_tiles", (x128, rnd(256, seed=66)), lambda x, w: rms_norm_fp8_fwd(x, w, recipe="blockwise"))
+    case("rmsnorm_fp8_rows_into", (x128,), lambda x: rms_norm_fp8_fwd(x, None, fp8_out=(
+        torch.empty(6, 256, dtype=torch.float8_e4m3fn), torch.empty(6))))
+    case("persistent_empty_rows", (rnd(4, 0, 64, seed=67), w), lambda a, w: persistent_matmul(a, w, wait_mode="none"))
+    case("rmsnorm_empty_rows", (rnd(0, 64, seed=68), wn), lambda x, w: rms_norm_fwd(x, w))
+
+
 #: the ready value of the ``persistent_matmul_epochs`` case, set per pass
 EPOCH = [5]
 
@@ -265,10 +318,30 @@ def canonical(log, inputs, result):
 
 def record(inputs, fn):
     LOG.clear()
-    TRITON_RUNS[0] = 0
+    TRITON_RUNS[0] = CHECKS[0] = 0
     result = fn(*inputs)
     TMA_LAUNCHES[0] = sum(identity in TMA_KERNELS for identity, *_ in LOG)
     return canonical(LOG, inputs, result), TRITON_RUNS[0]
+
+
+#: calls of the launcher-level plans' launchers' checks in the last record (:func:`count_checks`)
+CHECKS = [0]
+
+
+def count_checks():
+    """Count the calls of the checks a launcher-level plan's hit skips (the persistent GEMM's and
+    ``chunk_reduce``'s operand checks, RMSNorm's input checks)."""
+    from fusedpar.kernels import persistent_gemm, rmsnorm
+
+    def counted(fn):
+        def check(*args, **kwargs):
+            CHECKS[0] += 1
+            return fn(*args, **kwargs)
+        return check
+    for module, name in ((persistent_gemm, "linear_operands"), (persistent_gemm, "check_float_tensor"),
+                         (persistent_gemm, "check_tensor"), (rmsnorm, "check_rms_norm_inputs"),
+                         (rmsnorm, "check_tensor")):
+        setattr(module, name, counted(getattr(module, name)))
 
 
 #: identities of the compiled kernels that load by TMA, and the TMA launches of the last record
@@ -277,6 +350,7 @@ TMA_LAUNCHES = [0]
 
 
 def main():
+    count_checks()
     table = cases()
     report = {"cases": {}}
     triton_path = {}
@@ -293,7 +367,8 @@ def main():
         planned, runs = record(inputs, fn)
         reference, ref_runs = triton_path[name]
         report["cases"][name] = {"launches": len(reference), "triton_runs_before": ref_runs, "tma": TMA_LAUNCHES[0],
-                                 "triton_runs_with_plans": runs, "same": planned == reference,
+                                 "triton_runs_with_plans": runs, "checks_with_plans": CHECKS[0],
+                                 "same": planned == reference,
                                  "first_difference": next((repr((p, r)) for p, r in zip(planned, reference) if p != r),
                                                           None)}
     report.update(fallbacks(table))
