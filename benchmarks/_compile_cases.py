@@ -400,17 +400,22 @@ def _rmsnorm_fp8(dt, T, H, residual, recipe):
                      residual=meta(T, H, dtype=dt) if residual else None)
 
 
-def _fp8_cases():
-    c = LLAMA["llama3-8b"]
-    H, F, T = c["hidden"], c["ffn"], c["batch"] * c["seq"]
-    qkv = (c["heads"] + 2 * c["kv"]) * c["d"]
-    cases = []
-    cases += [  # fast accumulation (rowwise, no fp32 promotion): one accumulator tile, 128 x 256 tiles kept
+def _fp8_fast_accum_cases(T, H, F, qkv):
+    """fp8_matmul's fast accumulation (rowwise, no fp32 promotion): one accumulator tile, 128 x 256
+    tiles kept."""
+    return [
         Case("fp8", "llama3-8b up rowwise fast_accum", False, lambda dt: _fp8_gemm(
             dt, T, 2 * F, H, "rowwise", "row", fast_accum=True)),
         Case("fp8", "llama3-8b qkv+bias rowwise fast_accum", False, lambda dt: _fp8_gemm(
             dt, T, qkv, H, "rowwise", "row", bias=True, fast_accum=True)),
     ]
+
+
+def _fp8_cases():
+    c = LLAMA["llama3-8b"]
+    H, F, T = c["hidden"], c["ffn"], c["batch"] * c["seq"]
+    qkv = (c["heads"] + 2 * c["kv"]) * c["d"]
+    cases = _fp8_fast_accum_cases(T, H, F, qkv)
     for scaling, wg in (("rowwise", "row"), ("blockwise", "block")):
         cases += [
             Case("fp8", f"llama3-8b qkv+bias {scaling}", False, lambda dt, s=scaling, wg=wg: _fp8_gemm(

@@ -58,8 +58,7 @@ def _estimates():
         "_grouped_gemm_kernel": grouped_gemm.smem_estimate,
         "_grouped_wgrad_kernel": grouped_gemm.wgrad_smem_estimate,
         "_attn_fwd_kernel": flash_smem_estimate("fwd"),
-        "_attn_bwd_dq_kernel": flash_smem_estimate("dq"),
-        "_attn_bwd_dkdv_kernel": flash_smem_estimate("dkdv"),
+        "_attn_bwd_kernel": flash_smem_estimate("bwd"),
     }
 
 

@@ -37,12 +37,12 @@ import triton.language as tl
 from .checks import check_buffer, check_same, check_shape, check_tensor, output_buffer
 from .flash_attention import (
     LOG2E,
-    check_offsets,
     check_qkv,
     check_segments,
     launch_attention_kernel,
     option_flags,
     program_tile,
+    resolve_offsets,
     resolve_softmax_scale,
     score_args,
     score_options,
@@ -449,8 +449,8 @@ def _grad_buffers(q, k, v, dq, dk, dv, accumulate):
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=False, softmax_scale=None,
-                             q_offset=0, k_offset=0, dq=None, dk=None, dv=None, accumulate=False, segments=None,
-                             window=None, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
+                             q_offset=None, k_offset=None, dq=None, dk=None, dv=None, accumulate=False,
+                             segments=None, window=None, softcap=None, sinks=None, dq_mode=DEFAULT_DQ_MODE):
     """Gradients of one attention block: returns ``(dq, dk, dv)``, and with ``sinks=`` also
     ``d_sinks`` (fp32 ``[heads]``, :func:`sink_grad`): ``(dq, dk, dv, dsinks)``.
 
@@ -458,7 +458,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
     ``delta`` (``[b, hq, sq]`` fp32, :func:`attention_delta`) is computed from them when omitted
     (``out`` may then be None if delta is given). ``dq``/``dk``/``dv`` are written in place when
     given (any strides; fp32 buffers keep ring sums exact); ``accumulate=True`` adds to them in
-    fp32. Pass ``dq=False`` to skip the dQ programs, or ``dk=False`` to skip the dK/dV programs
+    fp32. ``q_offset`` / ``k_offset``: the forward's (None, None aligns the blocks bottom-right,
+    :func:`~.flash_attention.resolve_offsets`). Pass ``dq=False`` to skip the dQ programs, or ``dk=False`` to skip the dK/dV programs
     (the skipped entries are returned as given). ``segments``, ``window``, ``softcap``: as in
     the forward (the rows and keys outside every segment are not written); the sinks enter the
     kernel through ``lse`` only.
@@ -474,7 +475,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
     With ``dq=False`` or ``dk=False`` the modes are the same.
     """
     check_qkv(q, k, v)
-    check_offsets(q_offset, k_offset)
+    q_offset, k_offset = resolve_offsets(q_offset, k_offset, q.shape[1], k.shape[1], segmented=segments is not None)
     check_dq_mode(dq_mode)
     if segments is not None:
         check_segments(segments, q, k, q_offset, k_offset)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from _utils import DEVICE, assert_close, randn
-from fusedpar.kernels import attention_reference, flash_attention_forward
+from fusedpar.kernels import attention_reference, flash_attention_backward, flash_attention_forward
 from fusedpar.kernels.flash_attention import resolve_offsets
 from fusedpar.ops import flash_attention, flash_attention_varlen
 
@@ -116,13 +116,16 @@ def test_resolve_offsets():
 
 
 def test_launcher_defaults_equal_resolved_offsets():
-    """The kernel-level forward and the fp64 reference resolve None like the op; one given
-    offset keeps its old meaning (the other 0)."""
-    q, k, v, _ = _inputs(4, 9, seed=2)
+    """The kernel-level forward and backward and the fp64 reference resolve None like the op; one
+    given offset keeps its old meaning (the other 0)."""
+    q, k, v, do = _inputs(4, 9, seed=2)
     for opts in (dict(causal=True), dict(window=(2, 0))):
         out, lse = flash_attention_forward(q, k, v, **opts)
         out_x, lse_x = flash_attention_forward(q, k, v, q_offset=5, k_offset=0, **opts)
         assert torch.equal(out, out_x) and torch.equal(lse, lse_x), opts
+        grads = flash_attention_backward(do, q, k, v, out, lse, **opts)
+        grads_x = flash_attention_backward(do, q, k, v, out, lse, q_offset=5, k_offset=0, **opts)
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_x)), opts
         ref, ref_lse = attention_reference(q, k, v, **opts)
         ref_x, ref_lse_x = attention_reference(q, k, v, q_offset=5, k_offset=0, **opts)
         assert torch.equal(ref, ref_x) and torch.equal(ref_lse, ref_lse_x), opts
