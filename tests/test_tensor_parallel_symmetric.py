@@ -143,6 +143,30 @@ def test_emulated_reduce_scatter_chunked_input(device):
     assert_close(out, sum(ref_mm(xc[c], w) for c in range(P)), torch.float32)
 
 
+def test_a_repeated_call_reuses_what_its_checks_derived(monkeypatch):
+    """The tensor-parallel ops call the schedules with ``agree=False``: a call whose arguments are
+    described as an earlier one's (shapes, strides, dtypes, devices, addresses modulo 16, options)
+    skips the checks and reuses the layout they derived (kept on the transport), with exact results;
+    a new description is checked again and a bad argument still refused."""
+    checked = []
+    real = symmetric.check_linear_args
+    monkeypatch.setattr(symmetric, "check_linear_args", lambda op, *a: (checked.append(op), real(op, *a))[1])
+    g = torch.Generator().manual_seed(15)
+    P, t = 3, _emulated(3, 1)
+    x, w = randn(2, 4, 16, generator=g), randn(6, 16, generator=g)
+    for _ in range(3):
+        out = all_gather_matmul_symmetric(x, w, transport=t, agree=False)
+        assert_close(out, ref_mm(torch.cat([x] * P, 1), w), torch.float32)
+        xr = randn(2, 6, 16, generator=g)
+        out = matmul_reduce_scatter_symmetric(xr, w, transport=t, agree=False)
+        assert_close(out, sum(ref_mm(xr[:, 2 * c:2 * c + 2], w) for c in range(P)), torch.float32)
+    assert checked == ["all_gather_matmul", "matmul_reduce_scatter"]
+    out = all_gather_matmul_symmetric(x[:, 1:], w, transport=t, agree=False)  # another view: checked
+    assert checked[2:] == ["all_gather_matmul"] and out.shape == (2, 9, 6)
+    with pytest.raises(ValueError, match=r"out must have shape \(2, 12, 6\)"):
+        all_gather_matmul_symmetric(x, w, transport=t, agree=False, out=torch.empty(2, 4, 6, device=DEVICE))
+
+
 def test_reduce_scatter_enqueues_the_gemm_before_the_reduction(monkeypatch):
     """The reduction spins on completion counters that the GEMM bumps: it must be enqueued after
     that GEMM (on one hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1 or MPS, a spinning kernel queued

@@ -108,16 +108,20 @@ def join_side_stream(device, side):
         torch.cuda.current_stream(device).wait_stream(side)
 
 
-def pull_chunks(gathered, sources, order, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0):
+def pull_chunks(gathered, sources, order, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0, local=None):
     """On the side stream: for ``c`` in ``order`` copy ``sources(c)`` into ``gathered[c]`` (a
     tensor's chunk, or a sequence of chunk views, on the flags' device) with
     ``copy(dst, src)`` (default ``dst.copy_(src)``) and raise flag ``c``. The side stream first
     waits for the current stream (the local chunk, the barrier, and the previous call's readers
-    of ``gathered``). ``delay_cycles`` sleeps on the side stream first (tests: a late producer).
-    Returns the side stream (``None`` on CPU, where the copies run right away: the interpreter's
-    consumer must find its flags set before it starts); join it after the consuming kernel."""
+    of ``gathered``). ``local``: a chunk already in place whose flag is raised on the current
+    stream first. ``delay_cycles`` sleeps on the side stream first (tests: a late producer).
+    Returns the side stream (``None`` on CPU, where the copies run right away and every flag is
+    raised in one write after them: the interpreter's consumer must find its flags set before it
+    starts); join it after the consuming kernel."""
     check_int("delay_cycles", delay_cycles, min_value=0)
     device = flags.i32.device
+    if local is not None and device.type == "cuda":
+        flags.raise_flag(local)  # before the fork: the pulls' stream waits for it too
     side = fork_side_stream(device)
     if delay_cycles and side is None:
         raise ValueError(f"delay_cycles must be 0 on {device} (it sleeps on a CUDA producer stream), got {delay_cycles}")
@@ -125,7 +129,7 @@ def pull_chunks(gathered, sources, order, flags: ChunkFlags, *, copy=None, delay
     if side is None:  # program order: every copy lands before the consumer is launched
         for c in order:
             copy(gathered[c], sources(c))
-        flags.raise_flags(tuple(order))
+        flags.raise_flags(tuple(order) if local is None else (local, *order))
         return None
     with on_stream(side):
         if delay_cycles:

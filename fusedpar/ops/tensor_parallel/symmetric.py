@@ -42,6 +42,7 @@ from fusedpar.kernels.persistent_gemm import (
     persistent_matmul,
     tiles_per_chunk,
 )
+from fusedpar.kernels.launch import describe
 from fusedpar.kernels.runtime import SUPPORTED_DTYPES, activation_features, cdiv
 from fusedpar.kernels.waits import check_wait_timeouts
 from fusedpar.ops.comm.agreement import agreed_arguments
@@ -100,6 +101,31 @@ def _agreed(op, transport, agree, **fields):
     return agreed_arguments(op, transport, None, dict(fields, transport=transport))
 
 
+def _spec_key(agree, config, *parts):
+    """The key of a schedule's spec (:func:`_spec`): its arguments, tensors described; None where
+    no spec is kept (``agree``: the agreement check runs every call, as do the checks inside it; a
+    ``config`` that is not a dict)."""
+    if agree or not (config is None or type(config) is dict):
+        return None
+    return parts + (None if config is None else tuple(config.items()),)
+
+
+def _spec(t, key):
+    """What a schedule derived from arguments described by ``key`` in an earlier call on ``t`` whose
+    checks passed (kept on the transport, :func:`_keep_spec`); None for a new key or ``key`` None."""
+    try:
+        return None if key is None else t.scratch.get(key)
+    except TypeError:  # an argument that cannot be hashed (the checks reject it)
+        return None
+
+
+def _keep_spec(t, key, spec) -> None:
+    if key is not None:
+        if len(t.scratch) >= 64:
+            t.scratch.clear()
+        t.scratch[key] = spec
+
+
 def _check_delay(delay_cycles, device):
     check_int("producer_delay_cycles", delay_cycles, min_value=0)
     if delay_cycles and device.type != "cuda":
@@ -148,35 +174,32 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     checked their own).
     """
     t = check_symmetric(transport, "all_gather_matmul")
+    key = _spec_key(agree, config, "all_gather_matmul", describe(x), describe(weight), describe(bias), gather_dim,
+                    activation, describe(out), describe(preact_out), describe(gathered_out), wait,
+                    producer_delay_cycles, num_programs, max_spin, describe(x_scale), describe(weight_scale), scaling,
+                    out_dtype)
+    spec = _spec(t, key)
+    if spec is None:
+        spec = _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gathered_out, wait,
+                        producer_delay_cycles, num_programs, agree, x_scale, weight_scale, scaling, out_dtype)
+        _keep_spec(t, key, spec)
+    fp8, out_shape, out_dtype, chunks, row, xb, views, order, num_programs = spec
     P, r = t.size, t.rank
-    with _agreed("all_gather_matmul_symmetric", t, agree, x=x, weight=weight, bias=bias, gather_dim=gather_dim,
-                 activation=activation, wait=wait, x_scale=x_scale, weight_scale=weight_scale, scaling=scaling):
-        fp8 = _fp8_operands(x, x_scale, weight, weight_scale, bias, scaling, activation=activation,
-                            out_dtype=out_dtype)
-        _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim", fp8=fp8)
-        if fp8 and gathered_out is not None:
-            raise ValueError("gathered_out must be None with fp8 operands (the scales travel with x), got a tensor")
-        out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out,
-                          out_dtype or (torch.bfloat16 if fp8 else x.dtype))
-        _check_delay(producer_delay_cycles, x.device)
-    # slot c: chunk c's bytes padded to 16 (fp8: then its scales'), one pull per chunk; slots 16-byte aligned
-    nx, ns = x.numel() * x.element_size(), x_scale.numel() * 4 if fp8 else 0
-    row = max(16 * cdiv((xb := 16 * cdiv(nx, 16)) + ns, 16), 16)  # an empty shard's slot: 16 B
+    if out is None:
+        out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     ws = t.symmetric_workspace("all_gather", x.device, P * row)
-    gathered, g_scale, dsts, srcs = _ag_views(t, ws, x, x_scale if fp8 else None, row, xb)
+    gathered, g_scale, dsts, srcs = ws.views.get(views) or _ag_views(t, ws, views, x, x_scale if fp8 else None, row,
+                                                                      xb)
     flags = chunk_flags(x.device, P)
     t.symmetric_barrier(ws, 0)  # every peer finished reading our slot in the previous call
     gathered[r].copy_(x)
     if fp8:
         g_scale[r].copy_(x_scale)
     t.symmetric_barrier(ws, 1)  # every slot holds its owner's shard
-    flags.raise_flag(r)
-    order = [(r + i) % P for i in range(1, P)]
-    side = pull_chunks(dsts, srcs.__getitem__, order, flags, copy=t.peer_copy, delay_cycles=producer_delay_cycles)
-    if num_programs is None:
-        num_programs = default_num_programs(x.device, reserve=t.free_sms(x.device))
+    side = pull_chunks(dsts, srcs.__getitem__, order, flags, copy=t.peer_copy, delay_cycles=producer_delay_cycles,
+                       local=r)
     persistent_matmul(
-        gathered, weight, bias, first_chunk=r, out=chunk_view(out, gather_dim, P), activation=activation,
+        gathered, weight, bias, first_chunk=r, out=out.as_strided(*chunks), activation=activation,
         wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.ready,
         preact_out=preact_out, config=config, num_programs=num_programs, max_spin=max_spin, check_waits=False,
         a_scale=g_scale, weight_scale=weight_scale, scaling=scaling,
@@ -191,23 +214,49 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     return out
 
 
+def _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gathered_out, wait, producer_delay_cycles,
+             num_programs, agree, x_scale, weight_scale, scaling, out_dtype):
+    """What :func:`all_gather_matmul_symmetric` derives from its arguments once they passed its
+    checks (run here, inside the agreement check when ``agree``): whether it is fp8, the output's
+    shape and dtype, its chunked view's ``(shape, strides)``, the slot sizes, the views' key, the
+    pull order and the GEMM's programs."""
+    P, r = t.size, t.rank
+    with _agreed("all_gather_matmul_symmetric", t, agree, x=x, weight=weight, bias=bias, gather_dim=gather_dim,
+                 activation=activation, wait=wait, x_scale=x_scale, weight_scale=weight_scale, scaling=scaling):
+        fp8 = _fp8_operands(x, x_scale, weight, weight_scale, bias, scaling, activation=activation,
+                            out_dtype=out_dtype)
+        _validate("all_gather_matmul", x, weight, bias, activation, gather_dim, "gather_dim", fp8=fp8)
+        if fp8 and gathered_out is not None:
+            raise ValueError("gathered_out must be None with fp8 operands (the scales travel with x), got a tensor")
+        out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out,
+                          out_dtype or (torch.bfloat16 if fp8 else x.dtype))
+        _check_delay(producer_delay_cycles, x.device)
+    # slot c: chunk c's bytes padded to 16 (fp8: then its scales'), one pull per chunk; slots 16-byte aligned
+    nx, ns = x.numel() * x.element_size(), x_scale.numel() * 4 if fp8 else 0
+    row = max(16 * cdiv((xb := 16 * cdiv(nx, 16)) + ns, 16), 16)  # an empty shard's slot: 16 B
+    chunks = chunk_view(out, gather_dim, P)
+    if num_programs is None:
+        num_programs = default_num_programs(x.device, reserve=t.free_sms(x.device))
+    views = ("all_gather", P, r, row, xb, x.dtype, tuple(x.shape), None if not fp8 else tuple(x_scale.shape))
+    return (fp8, tuple(out.shape), out.dtype, (tuple(chunks.shape), chunks.stride()), row, xb, views,
+            [(r + i) % P for i in range(1, P)], num_programs)
+
+
 # ----------------------------------------------------------------------------------------------
 # matmul_reduce_scatter over symmetric buffers
 # ----------------------------------------------------------------------------------------------
-def _ag_views(t, ws, x, x_scale, row, xb):
-    """The views of one all-gather shape over ``ws`` (made once per workspace and shape): the
-    gathered chunks (and scales), and per chunk its slot and the peer's slot it is pulled from."""
+def _ag_views(t, ws, key, x, x_scale, row, xb):
+    """The views of one all-gather shape over ``ws``, kept in ``ws.views[key]`` (made once per
+    workspace and shape): the gathered chunks (and scales), and per chunk its slot and the peer's
+    slot it is pulled from."""
     P, r = t.size, t.rank
-    key = ("all_gather", P, r, row, xb, x.dtype, tuple(x.shape), None if x_scale is None else tuple(x_scale.shape))
-    views = ws.views.get(key)
-    if views is None:
-        nx, slots = x.numel() * x.element_size(), ws.typed(0, (P, row), torch.uint8)
-        gathered = slots[:, :nx].view(x.dtype).view((P,) + tuple(x.shape))
-        g_scale = None
-        if x_scale is not None:
-            g_scale = slots[:, xb:xb + x_scale.numel() * 4].view(torch.float32).view((P,) + tuple(x_scale.shape))
-        srcs = [None if c == r else t.peer_slot(ws, slots, c, c) for c in range(P)]
-        views = ws.views[key] = (gathered, g_scale, slots.unbind(0), srcs)
+    nx, slots = x.numel() * x.element_size(), ws.typed(0, (P, row), torch.uint8)
+    gathered = slots[:, :nx].view(x.dtype).view((P,) + tuple(x.shape))
+    g_scale = None
+    if x_scale is not None:
+        g_scale = slots[:, xb:xb + x_scale.numel() * 4].view(torch.float32).view((P,) + tuple(x_scale.shape))
+    srcs = [None if c == r else t.peer_slot(ws, slots, c, c) for c in range(P)]
+    views = ws.views[key] = (gathered, g_scale, slots.unbind(0), srcs)
     return views
 
 
@@ -236,21 +285,18 @@ def _rs_input(x, weight, bias, scatter_dim, chunked, P, x_scale, weight_scale, s
     return chunk_view(x, scatter_dim, P), scales
 
 
-def _rs_begin(t, xv, n, partial_dtype, config):
-    """This call's counters and partials in the workspace, after the barrier that says the peers
-    finished reading the previous call's partials; returns them with the counters' ready value: the
-    workspace's device word ``ready``, raised here on the current stream by what this call's GEMMs
-    add to every counter (a device-resident epoch: a CUDA graph replays the raise with the GEMMs)."""
-    P, chunk_shape = t.size, tuple(xv.shape[1:-1]) + (n,)
-    head = (4 * P + 255) // 256 * 256  # counters first: a fixed place whatever later shapes are
-    ws = t.symmetric_workspace("reduce_scatter", xv.device,
-                               head + P * int(torch.Size(chunk_shape).numel()) * partial_dtype.itemsize)
-    key = ("reduce_scatter", P, head, chunk_shape, partial_dtype)
-    views = ws.views.get(key)
-    if views is None:
-        views = ws.views[key] = (ws.typed(0, (P,), torch.int32), ws.typed(head, (P,) + chunk_shape, partial_dtype))
-    counters, partials = views
-    per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), n, kernel_config(config, n, xv.dtype))
+def _rs_begin(t, device, nbytes, views, per):
+    """This call's counters and partials in the workspace (of ``nbytes``, laid out as ``views``
+    says), after the barrier that says the peers finished reading the previous call's partials;
+    returns them with the counters' ready value: the workspace's device word ``ready``, raised here
+    on the current stream by ``per`` (what this call's GEMMs add to every counter: a
+    device-resident epoch, which a CUDA graph replays with the GEMMs)."""
+    ws = t.symmetric_workspace("reduce_scatter", device, nbytes)
+    found = ws.views.get(views)
+    if found is None:  # (views: "reduce_scatter", P, the counters' bytes, a chunk's shape, the partials' dtype)
+        _, P, head, chunk_shape, dtype = views
+        found = ws.views[views] = (ws.typed(0, (P,), torch.int32), ws.typed(head, (P,) + chunk_shape, dtype))
+    counters, partials = found
     base = ws.counter_base
     t.symmetric_barrier(ws, 0)
     if base + per >= 2 ** 31 - 1:
@@ -281,7 +327,44 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     specialisation compiled by this call starts late itself; warm it up first).
     ``agree``: as in :func:`all_gather_matmul_symmetric`."""
     t = check_symmetric(transport, "matmul_reduce_scatter")
+    key = _spec_key(agree, config, "matmul_reduce_scatter", describe(x), describe(weight), describe(bias), scatter_dim,
+                    partial_dtype, describe(out), chunked, reduce_sms, wait, producer_delay_cycles, max_spin,
+                    describe(x_scale), describe(weight_scale), scaling, out_dtype)
+    spec = _spec(t, key)
+    if spec is None:
+        spec = _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunked, reduce_sms, wait,
+                        producer_delay_cycles, agree, x_scale, weight_scale, scaling, out_dtype)
+        _keep_spec(t, key, spec)
+    x_view, fp8, s_view, out_shape, out_dtype, nbytes, views, per, programs = spec
     P, r = t.size, t.rank
+    xv = x if x_view is None else x.as_strided(*x_view)
+    sv = None if not fp8 else x_scale if s_view is None else x_scale.as_strided(*s_view)
+    if out is None:
+        out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+    ws, counters, partials, ready = _rs_begin(t, x.device, nbytes, views, per)
+    peer_off, cnt_off, acc = ws.views.get((views, r)) or _rs_reduce_args(t, ws, (views, r), counters, partials)
+    side = fork_side_stream(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
+    if producer_delay_cycles:
+        torch.cuda._sleep(int(producer_delay_cycles))
+    persistent_matmul(xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none", signal_counters=counters,
+                      config=config, num_programs=programs, a_scale=sv, weight_scale=weight_scale, scaling=scaling)
+    with on_stream(side):  # enqueued after the GEMM whose counters it waits for: no launch-order stall
+        chunk_reduce(partials, peer_off, r, out=out, bias=bias, counters=counters if wait else None,
+                     counter_offsets=cnt_off if wait else None, ready_value=ready, workspace=acc,
+                     num_programs=reduce_sms if x.is_cuda else None, max_spin=max_spin, check_waits=False)
+    join_side_stream(x.device, side)  # (out, written on the side stream, is held until here: no record_stream)
+    check_wait_timeouts(x.device, "matmul_reduce_scatter (symmetric)")
+    return out
+
+
+def _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunked, reduce_sms, wait,
+             producer_delay_cycles, agree, x_scale, weight_scale, scaling, out_dtype):
+    """What :func:`matmul_reduce_scatter_symmetric` derives from its arguments once they passed its
+    checks (run here, inside the agreement check when ``agree``): the chunked views of ``x`` and
+    its scales as ``(shape, strides)`` (None: the tensor as given), whether it is fp8, the output's
+    shape and dtype, the workspace's size and layout, what a call adds to every counter and the
+    GEMM's programs."""
+    P = t.size
     with _agreed("matmul_reduce_scatter_symmetric", t, agree, x=x, weight=weight, bias=bias,
                  scatter_dim=scatter_dim, partial_dtype=partial_dtype, chunked=chunked, reduce_sms=reduce_sms,
                  wait=wait, x_scale=x_scale, weight_scale=weight_scale, scaling=scaling, out_dtype=out_dtype):
@@ -293,26 +376,24 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
         out = output_buffer("out", out, tuple(xv.shape[1:-1]) + (n,), x.device,
                             out_dtype or (x.dtype if sv is None else torch.bfloat16))
         _check_delay(producer_delay_cycles, x.device)
-    ws, counters, partials, ready = _rs_begin(t, xv, n, partial_dtype, config)
-    key = ("reduce", P, r, tuple(partials.shape), partial_dtype)
-    reduce_args = ws.views.get(key)
-    if reduce_args is None:  # the peers' partials and counters, this rank's running sum: once per workspace and shape
-        order = _rs_order(r, P)
-        reduce_args = ws.views[key] = (
-            device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], x.device),
-            device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], x.device),
-            torch.empty(max(partials[0].numel(), 1), dtype=torch.float32, device=x.device))
-    peer_off, cnt_off, acc = reduce_args
-    side = fork_side_stream(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
-    if producer_delay_cycles:
-        torch.cuda._sleep(int(producer_delay_cycles))
-    persistent_matmul(xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none", signal_counters=counters,
-                      config=config, num_programs=default_num_programs(x.device, reserve=reduce_sms), a_scale=sv,
-                      weight_scale=weight_scale, scaling=scaling)
-    with on_stream(side):  # enqueued after the GEMM whose counters it waits for: no launch-order stall
-        chunk_reduce(partials, peer_off, r, out=out, bias=bias, counters=counters if wait else None,
-                     counter_offsets=cnt_off if wait else None, ready_value=ready, workspace=acc,
-                     num_programs=reduce_sms if x.is_cuda else None, max_spin=max_spin, check_waits=False)
-    join_side_stream(x.device, side)  # (out, written on the side stream, is held until here: no record_stream)
-    check_wait_timeouts(x.device, "matmul_reduce_scatter (symmetric)")
-    return out
+    chunk_shape = tuple(xv.shape[1:-1]) + (n,)
+    head = (4 * P + 255) // 256 * 256  # counters first: a fixed place whatever later shapes are
+    nbytes = head + P * int(torch.Size(chunk_shape).numel()) * partial_dtype.itemsize
+    per = tiles_per_chunk(int(torch.Size(chunk_shape[:-1]).numel()), n, kernel_config(config, n, xv.dtype))
+    view = lambda v, of: None if v is of else (tuple(v.shape), v.stride())  # noqa: E731
+    return (view(xv, x), sv is not None, None if sv is None else view(sv, x_scale), tuple(out.shape), out.dtype,
+            nbytes, ("reduce_scatter", P, head, chunk_shape, partial_dtype), per,
+            default_num_programs(x.device, reserve=reduce_sms))
+
+
+def _rs_reduce_args(t, ws, key, counters, partials):
+    """The reduction's peer offsets of the partials and of the counters (in the order the peers
+    complete this rank's chunk) and its fp32 running sum, kept in ``ws.views[key]`` (once per
+    workspace and shape)."""
+    r = t.rank
+    order = _rs_order(r, t.size)
+    found = ws.views[key] = (
+        device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], partials.device),
+        device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], partials.device),
+        torch.empty(max(partials[0].numel(), 1), dtype=torch.float32, device=partials.device))
+    return found
