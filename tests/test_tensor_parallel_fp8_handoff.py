@@ -88,6 +88,7 @@ def test_x_fp8_opcheck():
         matmul_reduce_scatter_fp8_op,
     )
     from fusedpar.ops.comm.transport import EmulatedTransport
+    from fusedpar.ops.tensor_parallel.bodies import tp_options
 
     t, g = EmulatedTransport(2, rank=1), torch.Generator().manual_seed(8)
     x, w, b = (torch.randn(*s, generator=g).to(DEVICE).requires_grad_() for s in ((2, 3, 40), (6, 40), (6,)))
@@ -95,18 +96,23 @@ def test_x_fp8_opcheck():
     # (no test_schema: its mutation check multiplies the inputs, which CPU torch cannot for e4m3;
     # the compiled graph: test_block_handoff_compiles_fullgraph)
     utils = ("test_faketensor", "test_autograd_registration")
-    torch.library.opcheck(all_gather_matmul_fp8_op, (x, w, b, t.transport_id, 1, "swiglu", torch.float32, "blockwise", False,
-                                                     True, True, q, s, True), test_utils=utils)
+    f32 = torch.float32
+    torch.library.opcheck(all_gather_matmul_fp8_op, (x, w, b, tp_options(t.transport_id, 1, f32, "swiglu", False, True, True,
+                                                                         True, recipe="blockwise"), q, s),
+                          test_utils=utils)
     # the down projection's ops with their input's pair, the column ops with their epilogue's tiles
     w2 = torch.randn(6, 40, generator=g).to(DEVICE).requires_grad_()
     x2 = torch.randn(2, 4, 40, generator=g).to(DEVICE).requires_grad_()
     q2, s2 = (v.view(2, 4, -1) for v in quantize_e4m3(x2.detach().reshape(8, 40), "tile"))
-    torch.library.opcheck(matmul_reduce_scatter_fp8_op, (x2, w2, None, t.transport_id, 1, torch.float32, "blockwise", False,
-                                                         q2, s2), test_utils=utils)
-    torch.library.opcheck(matmul_all_reduce_fp8_op, (x2, w2, None, t.transport_id, 2, torch.float32, "blockwise", False,
-                                                     q2, s2), test_utils=utils)
-    torch.library.opcheck(copy_to_tp_matmul_fp8_op, (x2, w2, None, t.transport_id, "swiglu", 2, torch.float32, "blockwise",
-                                                     False, True, True), test_utils=utils)
+    torch.library.opcheck(matmul_reduce_scatter_fp8_op, (x2, w2, None, tp_options(t.transport_id, 1, f32, "none", False,
+                                                                                  recipe="blockwise"), q2, s2),
+                          test_utils=utils)
+    torch.library.opcheck(matmul_all_reduce_fp8_op, (x2, w2, None, tp_options(t.transport_id, 2, f32, "none", False,
+                                                                              recipe="blockwise"), q2, s2),
+                          test_utils=utils)
+    torch.library.opcheck(copy_to_tp_matmul_fp8_op, (x2, w2, None, tp_options(t.transport_id, 2, f32, "swiglu", False, True,
+                                                                              True, recipe="blockwise")),
+                          test_utils=utils)
 
 
 def test_block_handoff_compiles_fullgraph():

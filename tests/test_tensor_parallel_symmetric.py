@@ -673,11 +673,13 @@ def test_emulated_all_gather_matmul_fp8(device, scaling, gather_dim, rank):
 def _fp8_op_run(transport, x, w, b, g, recipe, gather_dim, activation, x_fp8):
     """``all_gather_matmul_fp8``'s forward without a kept input (pre-activation kept) and its
     backward: ``(out, preact, dx, dW, db)``."""
+    from fusedpar.ops.tensor_parallel.bodies import tp_options
     from fusedpar.ops.tensor_parallel.custom_ops import all_gather_matmul_fp8_op
 
     x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
-    out, preact = all_gather_matmul_fp8_op(x, w, b, transport.transport_id, gather_dim, activation, torch.float32, recipe,
-                                           False, True, False, *(x_fp8 or (None, None)))[:2]
+    options = tp_options(transport.transport_id, gather_dim, torch.float32, activation, False, True, False, False,
+                         recipe=recipe)
+    out, preact = all_gather_matmul_fp8_op(x, w, b, options, *(x_fp8 or (None, None)))[:2]
     out.backward(g)
     return out.detach(), preact, x.grad, w.grad, b.grad
 
@@ -773,11 +775,13 @@ def test_emulated_matmul_reduce_scatter_fp8(device, scaling, partial_dtype, chun
 def _fp8_rs_op_run(transport, x, w, b, g, recipe):
     """``matmul_reduce_scatter_fp8``'s forward (fp32 partials) and, with ``g``, its backward:
     ``(out, dx, dW, db)``."""
+    from fusedpar.ops.tensor_parallel.bodies import tp_options
     from fusedpar.ops.tensor_parallel.custom_ops import matmul_reduce_scatter_fp8_op
 
     x, w = (t.detach().clone().requires_grad_(g is not None) for t in (x, w))
     b = b.detach().clone().requires_grad_(g is not None) if b is not None else None
-    out = matmul_reduce_scatter_fp8_op(x, w, b, transport.transport_id, 1, torch.float32, recipe, False)
+    out = matmul_reduce_scatter_fp8_op(x, w, b, tp_options(transport.transport_id, 1, torch.float32, "none", False,
+                                                           recipe=recipe))
     if g is None:
         return out
     out.backward(g)

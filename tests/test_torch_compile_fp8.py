@@ -11,6 +11,7 @@ from _utils import BACKWARD_OPCHECK, INTERPRETED
 from fusedpar.nn import ParallelMLP
 from fusedpar.ops import fp8_linear, rms_norm_fp8
 from fusedpar.ops.comm.transport import EmulatedTransport
+from fusedpar.ops.tensor_parallel.bodies import tp_options
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="CPU-interpreter test (aot_eager)")
 
@@ -52,19 +53,19 @@ def test_fp8_tp_ops_opcheck():
     and high-precision weight gradients) and every backward op."""
     t = EmulatedTransport(2, rank=1)  # held for the whole test: the transport id names it weakly
     g, K, transport_id = torch.Generator().manual_seed(5), 40, t.transport_id
-    gathered = OPS.all_gather_matmul_fp8(_r(g, 2, 3, K), _r(g, 6, K), None, transport_id, 1, "swiglu", F32, "blockwise", False,
-                                         True, True)[2]
+    # options: (transport id, dim or num_chunks, partial dtype, activation; flags), the recipe
+    ag_keep = tp_options(transport_id, 1, F32, "swiglu", False, True, True, False, recipe="blockwise")
+    gathered = OPS.all_gather_matmul_fp8(_r(g, 2, 3, K), _r(g, 6, K), None, ag_keep)[2]
     forward = [
-        (OPS.all_gather_matmul_fp8, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), transport_id, 1,
-                                     "swiglu", F32, "blockwise", False, True, True)),
-        (OPS.all_gather_matmul_fp8, (_r(g, 3, K, grad=True), _r(g, 4, K, grad=True), None, transport_id, 0, "none", F32,
-                                     "rowwise", True, True, False)),
-        (OPS.matmul_reduce_scatter_fp8, (_r(g, 2, 4, K, grad=True), _r(g, 5, K, grad=True), _r(g, 5, grad=True), transport_id,
-                                         1, F32, "rowwise", False)),
-        (OPS.matmul_all_reduce_fp8, (_r(g, 3, K, grad=True), _r(g, 5, K, grad=True), _r(g, 5, grad=True), transport_id, 2, F32,
-                                     "blockwise", True)),
-        (OPS.copy_to_tp_matmul_fp8, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), transport_id,
-                                     "geglu", 2, F32, "rowwise", False, True)),
+        (OPS.all_gather_matmul_fp8, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True), ag_keep)),
+        (OPS.all_gather_matmul_fp8, (_r(g, 3, K, grad=True), _r(g, 4, K, grad=True), None,
+                                     tp_options(transport_id, 0, F32, "none", True, True, False, False, recipe="rowwise"))),
+        (OPS.matmul_reduce_scatter_fp8, (_r(g, 2, 4, K, grad=True), _r(g, 5, K, grad=True), _r(g, 5, grad=True),
+                                         tp_options(transport_id, 1, F32, "none", False, recipe="rowwise"))),
+        (OPS.matmul_all_reduce_fp8, (_r(g, 3, K, grad=True), _r(g, 5, K, grad=True), _r(g, 5, grad=True),
+                                     tp_options(transport_id, 2, F32, "none", True, recipe="blockwise"))),
+        (OPS.copy_to_tp_matmul_fp8, (_r(g, 2, 3, K, grad=True), _r(g, 6, K, grad=True), _r(g, 6, grad=True),
+                                     tp_options(transport_id, 2, F32, "geglu", False, True, False, recipe="rowwise"))),
     ]
     for op, args in forward:
         torch.library.opcheck(op, args)

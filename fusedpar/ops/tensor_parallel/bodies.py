@@ -17,6 +17,7 @@ from fusedpar.kernels.runtime import activation_features
 from fusedpar.ops.comm.keys import resolve_transport_id
 from fusedpar.ops.comm.symmetric import resolve_transport
 from fusedpar.ops.comm.transport import Transport, transport_from_id
+from fusedpar.ops.common import absent, or_absent
 from fusedpar.ops.fp8.bodies import fp8_linear_bwd
 from fusedpar.ops.fp8.operands import Fp8Pack, Fp8Rows, Fp8Weight, Fp8WeightGrad, rows_of, token_scaled
 from fusedpar.ops.tensor_parallel import symmetric
@@ -55,26 +56,43 @@ _parsed: dict = {}
 
 
 def tp_options(transport_id: str, dim: int, partial_dtype: torch.dtype, activation: str = "none",
-               *flags: bool) -> str:
+               *flags: bool, recipe: str = "") -> str:
     """The one string argument that carries a tensor-parallel forward op's options in its schema:
-    ``"dim|activation|dtype|flags|transport id"`` (flags as ``0`` / ``1``; the transport id last, so
-    it may hold any character). One argument instead of up to seven: torch's custom-op autograd
-    fills the defaults of every schema argument on every call that needs a gradient, at a cost
-    quadratic in their number. Plain string formatting of constants (Dynamo folds it)."""
+    ``"dim|activation|dtype|recipe|flags|transport id"`` (``dim``: the gather / scatter dim, or the
+    all-reduce ops' number of chunks; ``dtype`` the partials' or the reduction's; ``recipe`` the fp8
+    ops' recipe, empty otherwise; flags as ``0`` / ``1``; the transport id last, so it may hold any
+    character). One argument instead of up to ten: torch's custom-op autograd fills the defaults of
+    every schema argument on every call that needs a gradient, at a cost quadratic in their number.
+    Plain string formatting of constants (Dynamo folds it)."""
     bits = "".join("1" if f else "0" for f in flags)
-    return f"{dim}|{activation}|{_DTYPE_NAMES[partial_dtype]}|{bits}|{transport_id}"
+    return f"{dim}|{activation}|{_DTYPE_NAMES[partial_dtype]}|{recipe}|{bits}|{transport_id}"
 
 
 def parse_tp_options(options: str) -> tuple:
-    """``(transport_id, dim, partial_dtype, activation, *flags)`` of :func:`tp_options` (cached)."""
+    """``(transport_id, dim, partial_dtype, activation, recipe, *flags)`` of :func:`tp_options`
+    (cached)."""
     found = _parsed.get(options)
     if found is None:
-        dim, activation, dtype, bits, transport_id = options.split("|", 4)
+        dim, activation, dtype, recipe, bits, transport_id = options.split("|", 5)
         if len(_parsed) >= 4096:
             _parsed.clear()
-        found = _parsed[options] = (transport_id, int(dim), _DTYPES[dtype], activation,
+        found = _parsed[options] = (transport_id, int(dim), _DTYPES[dtype], activation, recipe,
                                     *(b == "1" for b in bits))
     return found
+
+
+def grads_empty(like_dx, weight, need_dx, need_dw, need_db, n_db=None):
+    """Empty ``(dx, dW, db)`` as a backward op returns them (its fake): ``like_dx``'s shape and
+    dtype, the weight's, ``[n_db]`` rows (default the weight's), absent where not needed."""
+    dx = torch.empty_like(like_dx) if need_dx else absent(weight)
+    dw = weight.new_empty(weight.shape) if need_dw else absent(weight)
+    db = weight.new_empty((weight.shape[0] if n_db is None else n_db,)) if need_db else absent(weight)
+    return dx, dw, db
+
+
+def grads_or_absent(dx, dw, db, like):
+    """A backward body's ``(dx, dW, db)`` as its op returns them (None: an absent placeholder)."""
+    return or_absent(dx, like), or_absent(dw, like), or_absent(db, like)
 
 
 def tp_transport(transport_id: str, x: torch.Tensor):

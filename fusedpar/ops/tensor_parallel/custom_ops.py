@@ -17,45 +17,12 @@ from fusedpar.ops.common import absent, custom_op, input_grads, or_absent, prese
 from fusedpar.ops.fp8.custom_ops import fp8_linear_backward_op
 from fusedpar.ops.fp8.operands import Fp8Pack
 from fusedpar.ops.tensor_parallel.bodies import (
-    TPOptions,
-    all_gather_last_dim,
-    all_gather_matmul_bwd,
-    all_gather_matmul_fp8_bwd,
-    all_gather_matmul_fp8_fwd,
-    all_gather_matmul_fwd,
-    chunk_lead,
-    copy_to_tp_matmul_bwd,
-    copy_to_tp_matmul_fp8_bwd,
-    copy_to_tp_matmul_fp8_fwd,
-    copy_to_tp_matmul_fwd,
-    matmul_all_reduce_bwd,
-    matmul_all_reduce_fp8_fwd,
-    matmul_all_reduce_fwd,
-    matmul_reduce_scatter_bwd,
-    matmul_reduce_scatter_fp8_bwd,
-    matmul_reduce_scatter_fp8_fwd,
-    matmul_reduce_scatter_fwd,
-    parse_tp_options,
-    replicated_rows_bwd,
-    replicated_rows_fwd,
-    tp_transport,
-    wgrad_kind,
-)
-from fusedpar.ops.tensor_parallel.schedules import (
-    sum_tokens,
-)
-
-
-def _grads_fake(like_dx, weight, need_dx, need_dw, need_db, n_db=None):
-    """Fake ``(dx, dW, db)``: ``like_dx``'s shape in its dtype, the weight's, ``[n_db]`` rows."""
-    dx = torch.empty_like(like_dx) if need_dx else absent(weight)
-    dw = weight.new_empty(weight.shape) if need_dw else absent(weight)
-    db = weight.new_empty((weight.shape[0] if n_db is None else n_db,)) if need_db else absent(weight)
-    return dx, dw, db
-
-
-def _grads_out(dx, dw, db, like):
-    return or_absent(dx, like), or_absent(dw, like), or_absent(db, like)
+    TPOptions, all_gather_last_dim, all_gather_matmul_bwd, all_gather_matmul_fp8_bwd, all_gather_matmul_fp8_fwd,
+    all_gather_matmul_fwd, chunk_lead, copy_to_tp_matmul_bwd, copy_to_tp_matmul_fp8_bwd, copy_to_tp_matmul_fp8_fwd,
+    copy_to_tp_matmul_fwd, grads_empty, grads_or_absent, matmul_all_reduce_bwd, matmul_all_reduce_fp8_fwd,
+    matmul_all_reduce_fwd, matmul_reduce_scatter_bwd, matmul_reduce_scatter_fp8_bwd, matmul_reduce_scatter_fp8_fwd,
+    matmul_reduce_scatter_fwd, parse_tp_options, replicated_rows_bwd, replicated_rows_fwd, tp_transport, wgrad_kind)
+from fusedpar.ops.tensor_parallel.schedules import sum_tokens
 
 
 def _input_grads(op, ctx, dx=None, dw=None, db=None):
@@ -68,9 +35,9 @@ def _input_grads(op, ctx, dx=None, dw=None, db=None):
 
 @custom_op("all_gather_matmul")
 def all_gather_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``options``: :func:`tp_options` of (transport id, dim, partial dtype, activation, keep_preact,
+    """``options``: :func:`tp_options` of (transport id, dim, partial dtype, activation; keep_preact,
     keep_gathered, save_gathered)."""
-    transport_id, dim, partial_dtype, activation, keep_preact, keep_gathered, _ = parse_tp_options(options)
+    transport_id, dim, partial_dtype, activation, _, keep_preact, keep_gathered, _ = parse_tp_options(options)
     opts = TPOptions(tp_transport(transport_id, x), dim, activation, partial_dtype)
     out, preact, gathered = all_gather_matmul_fwd(x, weight, bias, opts, keep_preact=keep_preact,
                                                   keep_gathered=keep_gathered)
@@ -79,7 +46,7 @@ def all_gather_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, options
 
 @all_gather_matmul_op.register_fake
 def _(x, weight, bias, options):
-    transport_id, dim, _, activation, keep_preact, keep_gathered, _ = parse_tp_options(options)
+    transport_id, dim, _, activation, _, keep_preact, keep_gathered, _ = parse_tp_options(options)
     P, lead = transport_id_size(transport_id), list(x.shape[:-1])
     out_lead = list(lead)
     out_lead[dim] = out_lead[dim] * P
@@ -97,18 +64,18 @@ def all_gather_matmul_backward_op(grad_out: Tensor, x: Tensor | None, gathered: 
     opts = TPOptions(tp_transport(transport_id, like), dim, activation, partial_dtype)
     dx, dw, db = all_gather_matmul_bwd(grad_out, x, weight, preact, gathered, opts, need_dx=need_dx, need_dw=need_dw,
                                        need_db=need_db)
-    return _grads_out(dx, dw, db, weight)
+    return grads_or_absent(dx, dw, db, weight)
 
 
 @all_gather_matmul_backward_op.register_fake
 def _(grad_out, x, gathered, weight, preact, transport_id, dim, activation, partial_dtype, need_dx, need_dw, need_db):
     like = x if x is not None else gathered[0]
-    return _grads_fake(grad_out.new_empty(like.shape), weight, need_dx, need_dw, need_db)
+    return grads_empty(grad_out.new_empty(like.shape), weight, need_dx, need_dw, need_db)
 
 
 def _ag_setup(ctx, inputs, output):
     x, weight, bias, options = inputs
-    transport_id, dim, partial_dtype, activation, keep_preact, _, save_gathered = parse_tp_options(options)
+    transport_id, dim, partial_dtype, activation, _, keep_preact, _, save_gathered = parse_tp_options(options)
     _, preact, gathered = output
     ctx.args = (transport_id, dim, activation, partial_dtype)
     ctx.transports = hold(transport_id)
@@ -133,14 +100,14 @@ all_gather_matmul_op.register_autograd(_ag_backward, setup_context=_ag_setup)
 @custom_op("matmul_reduce_scatter")
 def matmul_reduce_scatter_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> Tensor:
     """``options``: :func:`tp_options` of (transport id, dim, partial dtype)."""
-    transport_id, dim, partial_dtype, _ = parse_tp_options(options)
+    transport_id, dim, partial_dtype, _, _ = parse_tp_options(options)
     return matmul_reduce_scatter_fwd(x, weight, bias, TPOptions(tp_transport(transport_id, x), dim,
                                                                 partial_dtype=partial_dtype))
 
 
 @matmul_reduce_scatter_op.register_fake
 def _(x, weight, bias, options):
-    transport_id, dim, _, _ = parse_tp_options(options)
+    transport_id, dim, _, _, _ = parse_tp_options(options)
     shape = list(x.shape[:-1]) + [weight.shape[0]]
     shape[dim] = shape[dim] // transport_id_size(transport_id)
     return x.new_empty(shape)
@@ -153,17 +120,17 @@ def matmul_reduce_scatter_backward_op(grad_out: Tensor, x: Tensor, weight: Tenso
     opts = TPOptions(tp_transport(transport_id, x), dim, partial_dtype=partial_dtype)
     dx, dw, db = matmul_reduce_scatter_bwd(grad_out, x, weight, opts, need_dx=need_dx, need_dw=need_dw,
                                            need_db=need_db)
-    return _grads_out(dx, dw, db, weight)
+    return grads_or_absent(dx, dw, db, weight)
 
 
 @matmul_reduce_scatter_backward_op.register_fake
 def _(grad_out, x, weight, transport_id, dim, partial_dtype, need_dx, need_dw, need_db):
-    return _grads_fake(x, weight, need_dx, need_dw, need_db)
+    return grads_empty(x, weight, need_dx, need_dw, need_db)
 
 
 def _rs_setup(ctx, inputs, output):
     x, weight, _, options = inputs
-    transport_id, dim, partial_dtype, _ = parse_tp_options(options)
+    transport_id, dim, partial_dtype, _, _ = parse_tp_options(options)
     ctx.args = (transport_id, dim, partial_dtype)
     ctx.transports = hold(transport_id)
     ctx.save_for_backward(x, weight)
@@ -180,14 +147,15 @@ matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup
 
 
 @custom_op("matmul_all_reduce")
-def matmul_all_reduce_op(x: Tensor, weight: Tensor, bias: Tensor | None, transport_id: str, num_chunks: int,
-                         reduce_dtype: torch.dtype) -> Tensor:
+def matmul_all_reduce_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> Tensor:
+    """``options``: :func:`tp_options` of (transport id, num_chunks, reduce dtype)."""
+    transport_id, num_chunks, reduce_dtype, _, _ = parse_tp_options(options)
     opts = TPOptions(tp_transport(transport_id, x), partial_dtype=reduce_dtype, num_chunks=num_chunks)
     return matmul_all_reduce_fwd(x, weight, bias, opts)
 
 
 @matmul_all_reduce_op.register_fake
-def _(x, weight, bias, transport_id, num_chunks, reduce_dtype):
+def _(x, weight, bias, options):
     return x.new_empty(list(x.shape[:-1]) + [weight.shape[0]])
 
 
@@ -195,12 +163,12 @@ def _(x, weight, bias, transport_id, num_chunks, reduce_dtype):
 def matmul_all_reduce_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bool,
                                   need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = matmul_all_reduce_bwd(grad_out, x, weight, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
-    return _grads_out(dx, dw, db, weight)
+    return grads_or_absent(dx, dw, db, weight)
 
 
 @matmul_all_reduce_backward_op.register_fake
 def _(grad_out, x, weight, need_dx, need_dw, need_db):
-    return _grads_fake(grad_out.new_empty(list(grad_out.shape[:-1]) + [weight.shape[1]]), weight, need_dx, need_dw,
+    return grads_empty(grad_out.new_empty(list(grad_out.shape[:-1]) + [weight.shape[1]]), weight, need_dx, need_dw,
                        need_db)
 
 
@@ -219,16 +187,18 @@ matmul_all_reduce_op.register_autograd(_ar_backward, setup_context=_ar_setup)
 
 
 @custom_op("copy_to_tp_matmul")
-def copy_to_tp_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, transport_id: str, activation: str, num_chunks: int,
-                         reduce_dtype: torch.dtype, keep_preact: bool) -> tuple[Tensor, Tensor]:
-    # local: the transport id, num_chunks and reduce_dtype are the backward's
+def copy_to_tp_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> tuple[Tensor, Tensor]:
+    """``options``: :func:`tp_options` of (transport id, num_chunks, reduce dtype, activation;
+    keep_preact). Local: the transport id, num_chunks and reduce dtype are the backward's."""
+    _, _, _, activation, _, keep_preact = parse_tp_options(options)
     opts = TPOptions(None, activation=activation)
     out, preact = copy_to_tp_matmul_fwd(x, weight, bias, opts, keep_preact=keep_preact)
     return out, or_absent(preact, x)
 
 
 @copy_to_tp_matmul_op.register_fake
-def _(x, weight, bias, transport_id, activation, num_chunks, reduce_dtype, keep_preact):
+def _(x, weight, bias, options):
+    _, _, _, activation, _, keep_preact = parse_tp_options(options)
     lead = list(x.shape[:-1])
     out = x.new_empty(lead + [activation_features(weight.shape[0], activation)])
     rows = 1
@@ -245,16 +215,17 @@ def copy_to_tp_matmul_backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, p
                      num_chunks=num_chunks)
     dx, dw, db = copy_to_tp_matmul_bwd(grad_out, x, weight, preact, opts, need_dx=need_dx, need_dw=need_dw,
                                        need_db=need_db)
-    return _grads_out(dx, dw, db, weight)
+    return grads_or_absent(dx, dw, db, weight)
 
 
 @copy_to_tp_matmul_backward_op.register_fake
 def _(grad_out, x, weight, preact, transport_id, activation, num_chunks, reduce_dtype, need_dx, need_dw, need_db):
-    return _grads_fake(grad_out.new_empty(x.shape), weight, need_dx, need_dw, need_db)
+    return grads_empty(grad_out.new_empty(x.shape), weight, need_dx, need_dw, need_db)
 
 
 def _cp_setup(ctx, inputs, output):
-    x, weight, _, transport_id, activation, num_chunks, reduce_dtype, keep_preact = inputs
+    x, weight, _, options = inputs
+    transport_id, num_chunks, reduce_dtype, activation, _, keep_preact = parse_tp_options(options)
     ctx.args = (transport_id, activation, num_chunks, reduce_dtype)
     ctx.transports = hold(transport_id)
     ctx.save_for_backward(x, weight, output[1] if keep_preact and activation != "none" else None)
@@ -393,10 +364,12 @@ replicated_rows_op.register_autograd(_backward, setup_context=_setup)
 # the custom ops of the fp8 tensor-parallel GEMMs
 # ----------------------------------------------------------------------------------------------
 @custom_op("all_gather_matmul_fp8")
-def all_gather_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, transport_id: str, dim: int, activation: str,
-                             partial_dtype: torch.dtype, recipe: str, grad_high_precision: bool, keep_preact: bool,
-                             keep_gathered: bool, x_q: Tensor | None = None, x_scale: Tensor | None = None,
-                             out_fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def all_gather_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str, x_q: Tensor | None = None,
+                             x_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``options``: :func:`tp_options` of (transport id, dim, partial dtype, activation, recipe;
+    grad_high_precision, keep_preact, keep_gathered, out_fp8)."""
+    transport_id, dim, partial_dtype, activation, recipe, grad_high_precision, keep_preact, keep_gathered, \
+        out_fp8 = parse_tp_options(options)
     opts = TPOptions(tp_transport(transport_id, x), dim, activation, partial_dtype)
     out, preact, gathered, fp8 = all_gather_matmul_fp8_fwd(x, weight, bias, opts, recipe, grad_high_precision,
                                                            keep_preact=keep_preact, keep_gathered=keep_gathered,
@@ -412,8 +385,9 @@ def _fp8_fake(out: Tensor, out_fp8: bool) -> tuple[Tensor, Tensor]:
 
 
 @all_gather_matmul_fp8_op.register_fake
-def _(x, weight, bias, transport_id, dim, activation, partial_dtype, recipe, grad_high_precision, keep_preact, keep_gathered,
-      x_q=None, x_scale=None, out_fp8=False):
+def _(x, weight, bias, options, x_q=None, x_scale=None):
+    transport_id, dim, _, activation, recipe, grad_high_precision, keep_preact, keep_gathered, out_fp8 = \
+        parse_tp_options(options)
     P, lead = transport_id_size(transport_id), tuple(x.shape[:-1])
     out_lead = list(lead)
     out_lead[dim] = out_lead[dim] * P
@@ -433,7 +407,7 @@ def all_gather_matmul_fp8_backward_op(grad_out: Tensor, x: Tensor | None, gather
                                       partial_dtype: torch.dtype, recipe: str, grad_high_precision: bool,
                                       need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     opts = TPOptions(tp_transport(transport_id, grad_out), dim, activation, partial_dtype)
-    return _grads_out(*all_gather_matmul_fp8_bwd(grad_out, x, gathered, weight, preact, opts, recipe, grad_high_precision,
+    return grads_or_absent(*all_gather_matmul_fp8_bwd(grad_out, x, gathered, weight, preact, opts, recipe, grad_high_precision,
                                              need_dx=need_dx, need_dw=need_dw, need_db=need_db), weight)
 
 
@@ -441,11 +415,12 @@ def all_gather_matmul_fp8_backward_op(grad_out: Tensor, x: Tensor | None, gather
 def _(grad_out, x, gathered, weight, preact, transport_id, dim, activation, partial_dtype, recipe, grad_high_precision,
       need_dx, need_dw, need_db):
     lead = chunk_lead(grad_out.shape, dim, transport_id_size(transport_id))
-    return _grads_fake(grad_out.new_empty(lead + (weight.shape[1],)), weight, need_dx, need_dw, need_db)
+    return grads_empty(grad_out.new_empty(lead + (weight.shape[1],)), weight, need_dx, need_dw, need_db)
 
 
 def _ag_fp8_setup(ctx, inputs, output):
-    x, weight, bias, transport_id, dim, activation, partial_dtype, recipe, hp, keep_preact, keep_gathered = inputs[:11]
+    x, weight, _, options = inputs[:4]
+    transport_id, dim, partial_dtype, activation, recipe, hp, keep_preact, keep_gathered, _ = parse_tp_options(options)
     ctx.args = (transport_id, dim, activation, partial_dtype, recipe, hp)
     ctx.transports = hold(transport_id)
     ctx.mark_non_differentiable(*output[3:])
@@ -467,16 +442,18 @@ all_gather_matmul_fp8_op.register_autograd(_ag_fp8_backward, setup_context=_ag_f
 
 
 @custom_op("matmul_reduce_scatter_fp8")
-def matmul_reduce_scatter_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, transport_id: str, dim: int,
-                                 partial_dtype: torch.dtype, recipe: str, grad_high_precision: bool,
+def matmul_reduce_scatter_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str,
                                  x_q: Tensor | None = None, x_scale: Tensor | None = None) -> Tensor:
+    """``options``: :func:`tp_options` of (transport id, dim, partial dtype, recipe; grad_high_precision)."""
+    transport_id, dim, partial_dtype, _, recipe, _ = parse_tp_options(options)
     return matmul_reduce_scatter_fp8_fwd(x, weight, bias, TPOptions(tp_transport(transport_id, x), dim,
                                                                     partial_dtype=partial_dtype), recipe,
                                          x_fp8=None if x_q is None else (x_q, x_scale))
 
 
 @matmul_reduce_scatter_fp8_op.register_fake
-def _(x, weight, bias, transport_id, dim, partial_dtype, recipe, grad_high_precision, x_q=None, x_scale=None):
+def _(x, weight, bias, options, x_q=None, x_scale=None):
+    transport_id, dim = parse_tp_options(options)[:2]
     shape = list(x.shape[:-1]) + [weight.shape[0]]
     shape[dim] = shape[dim] // transport_id_size(transport_id)
     return x.new_empty(shape)
@@ -487,17 +464,18 @@ def matmul_reduce_scatter_fp8_backward_op(grad_out: Tensor, x: Tensor, weight: T
                                           partial_dtype: torch.dtype, recipe: str, grad_high_precision: bool,
                                           need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     opts = TPOptions(tp_transport(transport_id, x), dim, partial_dtype=partial_dtype)
-    return _grads_out(*matmul_reduce_scatter_fp8_bwd(grad_out, x, weight, opts, recipe, grad_high_precision,
+    return grads_or_absent(*matmul_reduce_scatter_fp8_bwd(grad_out, x, weight, opts, recipe, grad_high_precision,
                                                  need_dx=need_dx, need_dw=need_dw, need_db=need_db), weight)
 
 
 @matmul_reduce_scatter_fp8_backward_op.register_fake
 def _(grad_out, x, weight, transport_id, dim, partial_dtype, recipe, grad_high_precision, need_dx, need_dw, need_db):
-    return _grads_fake(x.new_empty(x.shape), weight, need_dx, need_dw, need_db)
+    return grads_empty(x.new_empty(x.shape), weight, need_dx, need_dw, need_db)
 
 
 def _rs_fp8_setup(ctx, inputs, output):
-    x, weight, _, transport_id, dim, partial_dtype, recipe, hp = inputs[:8]
+    x, weight, _, options = inputs[:4]
+    transport_id, dim, partial_dtype, _, recipe, hp = parse_tp_options(options)
     ctx.args = (transport_id, dim, partial_dtype, recipe, hp)
     ctx.transports = hold(transport_id)
     ctx.save_for_backward(x, weight)
@@ -514,21 +492,23 @@ matmul_reduce_scatter_fp8_op.register_autograd(_rs_fp8_backward, setup_context=_
 
 
 @custom_op("matmul_all_reduce_fp8")
-def matmul_all_reduce_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, transport_id: str, num_chunks: int,
-                             reduce_dtype: torch.dtype, recipe: str, grad_high_precision: bool,
+def matmul_all_reduce_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str,
                              x_q: Tensor | None = None, x_scale: Tensor | None = None) -> Tensor:
+    """``options``: :func:`tp_options` of (transport id, num_chunks, reduce dtype, recipe;
+    grad_high_precision)."""
+    transport_id, num_chunks, reduce_dtype, _, recipe, _ = parse_tp_options(options)
     opts = TPOptions(tp_transport(transport_id, x), partial_dtype=reduce_dtype, num_chunks=num_chunks)
     return matmul_all_reduce_fp8_fwd(x, weight, bias, opts, recipe, x_fp8=None if x_q is None else (x_q, x_scale))
 
 
 @matmul_all_reduce_fp8_op.register_fake
-def _(x, weight, bias, transport_id, num_chunks, reduce_dtype, recipe, grad_high_precision, x_q=None, x_scale=None):
+def _(x, weight, bias, options, x_q=None, x_scale=None):
     return x.new_empty(list(x.shape[:-1]) + [weight.shape[0]])
 
 
 def _ar_fp8_setup(ctx, inputs, output):
-    x, weight, bias, _, _, _, recipe, hp = inputs[:8]
-    ctx.recipe, ctx.hp = recipe, hp
+    x, weight, _, options = inputs[:4]
+    ctx.recipe, ctx.hp = parse_tp_options(options)[4:6]
     ctx.save_for_backward(x, weight)
 
 
@@ -546,17 +526,20 @@ matmul_all_reduce_fp8_op.register_autograd(_ar_fp8_backward, setup_context=_ar_f
 
 
 @custom_op("copy_to_tp_matmul_fp8")
-def copy_to_tp_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, transport_id: str, activation: str,
-                             num_chunks: int, reduce_dtype: torch.dtype, recipe: str, grad_high_precision: bool,
-                             keep_preact: bool, out_fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def copy_to_tp_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None,
+                             options: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``options``: :func:`tp_options` of (transport id, num_chunks, reduce dtype, activation,
+    recipe; grad_high_precision, keep_preact, out_fp8). Local: the transport id, num_chunks and
+    reduce dtype are the backward's."""
+    _, _, _, activation, recipe, _, keep_preact, out_fp8 = parse_tp_options(options)
     out, preact, fp8 = copy_to_tp_matmul_fp8_fwd(x, weight, bias, recipe, activation, keep_preact=keep_preact,
                                                  out_fp8=out_fp8)
     return out, (absent(x) if preact is None else preact), *(fp8 or (absent(x), absent(x)))
 
 
 @copy_to_tp_matmul_fp8_op.register_fake
-def _(x, weight, bias, transport_id, activation, num_chunks, reduce_dtype, recipe, grad_high_precision, keep_preact,
-      out_fp8=False):
+def _(x, weight, bias, options):
+    _, _, _, activation, _, _, keep_preact, out_fp8 = parse_tp_options(options)
     lead = list(x.shape[:-1])
     out = x.new_empty(lead + [activation_features(weight.shape[0], activation)])
     return (out, x.new_empty(lead + [weight.shape[0]]) if keep_preact and activation != "none" else absent(x),
@@ -569,18 +552,19 @@ def copy_to_tp_matmul_fp8_backward_op(grad_out: Tensor, x: Tensor, weight: Tenso
                                       grad_high_precision: bool, need_dx: bool, need_dw: bool,
                                       need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     opts = TPOptions(tp_transport(transport_id, x), activation=activation, partial_dtype=reduce_dtype, num_chunks=num_chunks)
-    return _grads_out(*copy_to_tp_matmul_fp8_bwd(grad_out, x, weight, preact, opts, recipe, grad_high_precision,
+    return grads_or_absent(*copy_to_tp_matmul_fp8_bwd(grad_out, x, weight, preact, opts, recipe, grad_high_precision,
                                              need_dx=need_dx, need_dw=need_dw, need_db=need_db), weight)
 
 
 @copy_to_tp_matmul_fp8_backward_op.register_fake
 def _(grad_out, x, weight, preact, transport_id, activation, num_chunks, reduce_dtype, recipe, grad_high_precision,
       need_dx, need_dw, need_db):
-    return _grads_fake(grad_out.new_empty(x.shape), weight, need_dx, need_dw, need_db)
+    return grads_empty(grad_out.new_empty(x.shape), weight, need_dx, need_dw, need_db)
 
 
 def _cp_fp8_setup(ctx, inputs, output):
-    x, weight, _, transport_id, activation, num_chunks, reduce_dtype, recipe, hp, keep_preact = inputs[:10]
+    x, weight, _, options = inputs
+    transport_id, num_chunks, reduce_dtype, activation, recipe, hp, keep_preact, _ = parse_tp_options(options)
     ctx.args = (transport_id, activation, num_chunks, reduce_dtype, recipe, hp)
     ctx.transports = hold(transport_id)
     ctx.mark_non_differentiable(*output[2:])
