@@ -501,15 +501,16 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
     one_pass = dq_mode == "atomic" and want_dq and want_dkv
     kv_bh = n_b * hk if want_dkv and rows_k else 0  # (batch or segment) x kv heads with dK/dV programs
     q_bh = n_b * hq if want_dq and not one_pass and rows_q else 0  # ... and query heads with dQ programs
-    if kv_bh or q_bh:
+    if kv_bh or q_bh or one_pass:  # one pass with no key programs: dq is still written (zeros)
         dq_arg = _atomic_dq_buffer(dq, accumulate) if one_pass else dq if want_dq else q  # q: never written
         dk_arg, dv_arg = (dk, dv) if want_dkv else (q, q)
         args = (q, k, v, dout, lse, delta, dq_arg, dk_arg, dv_arg, table, *q.stride(), *k.stride(), *v.stride(),
                 *dout.stride(), *dq_arg.stride(), *dk_arg.stride(), *dv_arg.stride(), *lse.stride(), hq, hq // hk,
                 kv_bh, rows_q, rows_k, q_offset, k_offset, scale * LOG2E, scale, *score_args(opts, scale))
         flags = dict(option_flags(q, v, opts, accumulate, segments is not None), DQ_ATOMIC=one_pass)
-        launch_attention_kernel(_attn_bwd_kernel, "bwd_atomic" if one_pass else "bwd", (rows_k, rows_q),
-                                (kv_bh, q_bh), args, flags)
+        if kv_bh or q_bh:
+            launch_attention_kernel(_attn_bwd_kernel, "bwd_atomic" if one_pass else "bwd", (rows_k, rows_q),
+                                    (kv_bh, q_bh), args, flags)
         if one_pass and dq_arg is not dq:  # the fp32 sums into dq's dtype (accumulate: added in fp32)
             if accumulate:
                 dq.add_(dq_arg)

@@ -95,3 +95,19 @@ def test_one_kind_of_program_at_a_time_accumulates():
                                        accumulate=True, **opts)
         assert got[1] is False and got[2] is False
     _check((dq, dk, dv), _reference(q, k, v, do, None, dict(opts, k_offset=0)), torch.float16, do, "ring blocks")
+
+
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+def test_segments_without_keys_write_zero_dq(dq_mode):
+    # a segment table whose documents hold no key: no dK/dV program runs, yet dq is written whole
+    # in both modes (rows that see nothing have zero gradient), never left as the caller's buffer
+    from fusedpar.kernels.flash_attention import Segments
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    q, do = randn(1, 5, 1, 16, generator=g), randn(1, 5, 1, 16, generator=g)
+    k, v = randn(1, 3, 1, 16, generator=g), randn(1, 3, 1, 16, generator=g)
+    seg = Segments(torch.tensor([[0, 5, 0, 0, 0]], dtype=torch.int32, device=DEVICE), 5, 0)
+    out, lse = flash_attention_forward(q, k, v, segments=seg)
+    dq, dk, dv = (poison(t.shape, t.dtype) for t in (q, k, v))
+    got = flash_attention_backward(do, q, k, v, out, lse, segments=seg, dq=dq, dk=dk, dv=dv, dq_mode=dq_mode)
+    assert torch.equal(got[0], torch.zeros_like(q)), dq_mode
