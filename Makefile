@@ -108,8 +108,11 @@ gpu-report:
 GPU_ROUND_OUT ?= gpu-round
 GPU_ROUND_BUDGET ?= 540
 GPU_ROUND_TEST_S ?= 180
-GPU_ROUND_BENCH ?= ceilings launch launch@stubdrv:--stub-driver matmul@none:--epilogue+none attention moe ag_matmul matmul_rs train:--variant+dense linear_ce \
-  fp8_matmul ring_attention persistent_ag persistent_rs attention_variants varlen_attention \
-  matmul@swiglu:--epilogue+swiglu matmul@gelu:--epilogue+gelu matmul@bias:--epilogue+bias train@moe:--variant+moe rmsnorm
+# (in order of value: host cost, the GEMM core, the flash backward, the TP ops, then the rest)
+GPU_ROUND_BENCH ?= launch launch@stubdrv:--stub-driver matmul@none:--epilogue+none fp8_matmul \
+  attention:--seqs+2048,8192+--head-dims+64,128 ag_matmul matmul_rs train:--variant+dense \
+  persistent_ag:--no-sweep persistent_rs:--no-sweep linear_ce moe ring_attention varlen_attention attention_variants \
+  matmul@swiglu:--epilogue+swiglu+--fp8-out matmul@gelu:--epilogue+gelu matmul@bias:--epilogue+bias \
+  fp8_matmul@swiglu:--epilogue+swiglu rmsnorm ceilings train@moe:--variant+moe
 gpu-round: gpu-setup
 	GPU_PY=$(GPU_PY) bash benchmarks/gpu_round.sh $(GPU_ROUND_OUT) $(GPU_ROUND_BUDGET) $(GPU_ROUND_TEST_S) $(GPU_ROUND_BENCH)

@@ -53,13 +53,14 @@ def shard_positions(seq_len: int, *, layout: str = "zigzag", ring_rank: int = 0,
             f"(seq_len / {ring_size}) into ulysses_size={ulysses_size} equal pieces"
         )
     c = seq_len // n_chunks
+    # made on ``device`` (no host-to-device copy, which synchronises and cannot be captured in a CUDA graph)
     if n_chunks > ring_size:
-        ring = torch.cat([torch.arange(ring_rank * c, (ring_rank + 1) * c),
-                          torch.arange((n_chunks - 1 - ring_rank) * c, (n_chunks - ring_rank) * c)])
+        ring = torch.cat([torch.arange(ring_rank * c, (ring_rank + 1) * c, device=device),
+                          torch.arange((n_chunks - 1 - ring_rank) * c, (n_chunks - ring_rank) * c, device=device)])
     else:
-        ring = torch.arange(ring_rank * c, (ring_rank + 1) * c)
+        ring = torch.arange(ring_rank * c, (ring_rank + 1) * c, device=device)
     piece = ring.numel() // ulysses_size
-    return ring[ulysses_rank * piece:(ulysses_rank + 1) * piece].to(device)
+    return ring[ulysses_rank * piece:(ulysses_rank + 1) * piece]
 
 
 @checked_api
