@@ -162,12 +162,14 @@ def store_e4m3_tiles(y, q_rows, s_rows, rn, out_mask, m_mask, first_tile, n_tile
     ``s_rows``: pointers to the rows; unit column stride) and one fp32 scale per tile at
     ``s_rows[:, None] + tile``,
     tiles ``first_tile ..`` of the row's ``n_tiles`` (a ragged last tile takes the amax of the
-    columns it has)."""
+    columns it has; a tile at or past ``n_tiles``, the second column half of an epilogue split in
+    halves past the last column, is not stored: its scale would land in the next row)."""
     tl.static_assert(BLOCK_N % 128 == 0, "the fp8 output needs BLOCK_N a multiple of 128 (whole 1x128 tiles)")
     NB: tl.constexpr = BLOCK_N // 128
     if NB == 1:  # one tile per row: no reshape
         scale = group_scale(tl.max(tl.abs(y), axis=1))
-        tl.store(s_rows + first_tile, scale, mask=m_mask)  # BLOCK_N = 128: the program's tile exists
+        # (a where, not m_mask & (first_tile < n_tiles): the interpreter cannot store under that mask)
+        tl.store(s_rows + first_tile, scale, mask=tl.where(first_tile < n_tiles, m_mask, False))
         q = to_e4m3(tl.math.div_rn(y, scale[:, None]), EMULATE)
     else:
         y3 = tl.reshape(y, (BLOCK_M, NB, 128))

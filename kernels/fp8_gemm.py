@@ -40,8 +40,8 @@ from .fp8 import FP8_BLOCK, check_fp8_device, dequantize_e4m3, rne_for_store, ro
 from .fp8_gemm_configs import (FP8_GROUPED_INTERPRETER_CONFIGS, FP8_INTERPRETER_CONFIG, FP8_INTERPRETER_CONFIG_FP8_OUT,
                                FP8_PROMOTE_K, FP8_TUNING_KEY, GROUPED_FP8_ACC_BUDGET, SCALINGS,
                                UNALIGNED_FP8_GROUPED_TILE, UNALIGNED_FP8_TILE, fp8_configs_of_kind, fp8_gpu_configs,
-                               fp8_grouped_configs, fp8_smem_estimate, fp8_tile_rule, fp8_tma_configs,
-                               grouped_fp8_flags, grouped_fp8_scales, prune_fp8_configs)
+                               fp8_grouped_configs, fp8_interpreter_config, fp8_smem_estimate, fp8_tile_rule,
+                               fp8_tma_configs, grouped_fp8_flags, grouped_fp8_scales, prune_fp8_configs)
 from .gemm_core import gemm_epilogue, gemm_mainloop, grouped_tile, operand_descriptors, split_columns
 from .gemm_fp8_epilogue import check_fp8_output, fp8_output_args, quantize_output
 from .gemm_loads import ensure_scratch_allocator, note_launch, num_programs, tma_capable, tma_layout
@@ -461,8 +461,7 @@ def _launch(args, flags, M: int, N: int, device) -> None:
     tma = flags["TMA"]
     grid = lambda meta: (num_programs(cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), device, tma),)  # noqa: E731
     if interpreting():
-        cfg = FP8_INTERPRETER_CONFIG_FP8_OUT if flags["FP8_OUT"] else FP8_INTERPRETER_CONFIG
-        cfg = dict(cfg, EPILOGUE_SPLIT=2 if tma and not flags["FP8_OUT"] else 1)
+        cfg = fp8_interpreter_config(tma, flags["FP8_OUT"])
         _fp8_gemm_kernel[grid(cfg)](*args, **flags, **cfg)
         note_launch("fp8_matmul", None, cfg, tma)
     else:

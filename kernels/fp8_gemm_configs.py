@@ -15,14 +15,25 @@ from .runtime import cdiv, device_capability, interpreting, pipelined, prune_til
 
 __all__ = ["FP8_GROUPED_INTERPRETER_CONFIGS", "FP8_INTERPRETER_CONFIG", "FP8_INTERPRETER_CONFIG_FP8_OUT", "FP8_PROMOTE_K",
            "FP8_TUNING_KEY", "GROUPED_FP8_ACC_BUDGET", "SCALINGS", "TILED_B_ACC_BUDGET", "UNALIGNED_FP8_GROUPED_TILE",
-           "UNALIGNED_FP8_TILE", "fp8_configs_of_kind", "fp8_gpu_configs", "fp8_grouped_configs", "fp8_smem_estimate",
-           "fp8_tile_rule", "fp8_tma_configs", "grouped_fp8_flags", "grouped_fp8_scales", "prune_fp8_configs"]
+           "UNALIGNED_FP8_TILE", "fp8_configs_of_kind", "fp8_gpu_configs", "fp8_grouped_configs",
+           "fp8_interpreter_config", "fp8_smem_estimate", "fp8_tile_rule", "fp8_tma_configs", "grouped_fp8_flags",
+           "grouped_fp8_scales", "prune_fp8_configs"]
 
 SCALINGS = ("rowwise", "blockwise")
 
 FP8_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, GROUP_M=4)
 #: the interpreter's tile with the fp8 output: whole 1x128 tiles per program (kernels/gemm_fp8_epilogue.py)
 FP8_INTERPRETER_CONFIG_FP8_OUT = dict(FP8_INTERPRETER_CONFIG, BLOCK_N=FP8_BLOCK)
+
+
+def fp8_interpreter_config(tma: bool, fp8_out: bool) -> dict:
+    """The interpreter's fixed tile of ``_fp8_gemm_kernel``: :data:`FP8_INTERPRETER_CONFIG` (the fp8
+    output's: :data:`FP8_INTERPRETER_CONFIG_FP8_OUT`), its epilogue split in column halves on the
+    TMA path (both epilogue forms are run; a 128-wide fp8-output tile has no 128-wide halves)."""
+    cfg = FP8_INTERPRETER_CONFIG_FP8_OUT if fp8_out else FP8_INTERPRETER_CONFIG
+    return dict(cfg, EPILOGUE_SPLIT=2 if tma and not fp8_out else 1)
+
+
 #: Hopper's fp8 wgmma accumulates in less than fp32: each 32-deep instruction aligns its products
 #: and the running sum to their largest exponent and truncates below 2^-13 of it (the model that
 #: reproduces the first H100 run's errors, tests/test_fp8.py ``mma_error_bound``; DeepSeek-V3

@@ -82,6 +82,34 @@ def test_fp8_output_of_sequence_chunks_residual_and_wide_tiles(monkeypatch):
 
 
 @needs_fp8
+def test_fp8_output_of_an_epilogue_split_past_the_last_column(monkeypatch):
+    """A 256-wide tile whose epilogue runs in 128-wide column halves (the compiled 128 x 256 split
+    2 tile with the fp8 output, sm_90) over N = 300: the last column tile's second half lies wholly
+    past N, and no scale is stored for its 1x128 tile, which does not exist (its index was the next
+    row's first tile, past the buffer for the last row). ``matmul`` and ``fp8_matmul``: q and scale
+    bit for bit ``quantize_e4m3(out, "tile")``, the scale a view of a larger buffer whose guard row
+    stays as it was. The interpreter's tile is forced (its own fp8-output tile is 128 wide)."""
+    from fusedpar.kernels import fp8_gemm, fp8_matmul, quantize_e4m3
+    split = dict(BLOCK_M=32, BLOCK_N=256, GROUP_M=4, EPILOGUE_SPLIT=2)
+    monkeypatch.setattr(gemm, "interpreter_config", lambda tma, fp8_out: dict(split, BLOCK_K=32))
+    monkeypatch.setattr(fp8_gemm, "fp8_interpreter_config", lambda tma, fp8_out: dict(split, BLOCK_K=128))
+    g = torch.Generator().manual_seed(33)
+    M, N, K = 40, 300, 128
+    x, w = randn(M, K, generator=g), randn(N, K, generator=g, scale=K ** -0.5)
+    a16, w16 = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    (a8, sa), (w8, sw) = quantize_e4m3(x, "row"), quantize_e4m3(w, "row")
+    calls = {"matmul": lambda out, fp8_out: matmul(a16, w16, out=out, fp8_out=fp8_out),
+             "fp8_matmul": lambda out, fp8_out: fp8_matmul(a8, sa, w8, sw, out=out, fp8_out=fp8_out)}
+    for name, call in calls.items():
+        out = poison((M, N), torch.bfloat16)
+        q, _ = _poisoned_fp8((M, N), 3)
+        guard = torch.full((M + 1, 3), -1.0, device=DEVICE)
+        call(out, (q, guard[:M]))
+        _check_tiles(out, q, guard[:M])
+        assert (guard[M] == -1.0).all(), f"{name}: a scale written past the last row"
+
+
+@needs_fp8
 def test_fp8_output_of_an_empty_contraction_and_new_buffers():
     """K = 0: the epilogue runs on the host (bias only) and is quantised there; M = 0 writes nothing;
     fp8_output_empty allocates the pair for an output."""
