@@ -231,7 +231,8 @@ def _fp8_store(
 @functools.lru_cache(maxsize=None)
 def _tuned_kernel():
     return autotuned(_fp8_gemm_kernel, configs=fp8_gpu_configs() + fp8_tma_configs(), key=FP8_TUNING_KEY,
-                     prune=prune_fp8_configs)
+                     prune=prune_fp8_configs,
+                     restore_value=["c_ptr"])  # residual=out accumulates into C: tuning runs must not compound it
 
 
 # --------------------------------------------------------------------------------------------

@@ -309,6 +309,37 @@ def test_fp8_matmul_fast_accumulation(scaling, monkeypatch):
         assert (out.cpu() < expected).all(), out.cpu()[:, 0]  # the ones after the large block truncated
 
 
+def test_fp8_matmul_tuning_runs_do_not_compound_an_accumulation(monkeypatch):
+    """``residual=out`` accumulates into ``out`` (the fp8 weight gradients' accumulation): the
+    autotuner benchmarks each config on the launch's own tensors, so it must restore ``out`` after
+    every run (``restore_value``). Under the interpreter the real tuner runs two configs with a
+    benchmark that launches each twice; ``out`` still gains the product once."""
+    if not INTERPRETED:
+        pytest.skip("tunes interpreted launches (a compiled tuning is timed for real)")
+    from fusedpar.kernels import fp8_gemm
+    from fusedpar.kernels.fp8_gemm_configs import FP8_INTERPRETER_CONFIG
+    tuner = fp8_gemm._tuned_kernel()
+    configs = [triton.Config(dict(FP8_INTERPRETER_CONFIG, EPILOGUE_SPLIT=s)) for s in (1, 2)]
+    monkeypatch.setattr(tuner, "early_config_prune", lambda cfgs, named_args, **kwargs: configs)
+    monkeypatch.setitem(tuner.__dict__, "do_bench", lambda call, quantiles: (call(), call(), [1.0, 1.0, 1.0])[-1])
+
+    class Tuned:  # the interpreter's launch through the tuner, its fixed tile left to the configs
+        def __getitem__(self, grid):
+            return lambda *args, **kw: tuner[grid](*args, **{k: v for k, v in kw.items() if k not in configs[0].kwargs})
+    monkeypatch.setattr(fp8_gemm, "_fp8_gemm_kernel", Tuned())
+    g = torch.Generator().manual_seed(5)
+    a, sa = quantize_e4m3(torch.randn(20, 128, generator=g))
+    b, sb = quantize_e4m3(torch.randn(24, 128, generator=g))
+    out = torch.randn(20, 24, generator=g)
+    expected = out.double() + fp8_matmul_reference(a, sa, b, sb)
+    try:
+        fp8_matmul(a, sa, b, sb, out=out, residual=out)
+        assert tuner.best_config in configs  # (tuned: the two configs were benchmarked)
+    finally:
+        tuner.cache.clear()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_matmul_empty():
     a = quantize_e4m3(torch.randn(3, 0, device=DEVICE))
     b = quantize_e4m3(torch.randn(2, 0, device=DEVICE))
