@@ -453,7 +453,8 @@ def _loads_by_tma(a, b, views, strides) -> bool:
     beside the persistent loop (sm_90); it keeps pointer loads, one tile per program."""
     if views["A_SPLIT"] or not tma_capable(a.device, 1):
         return False
-    return tma_layout(a, strides[2], strides[3], b, strides[5], strides[4], k_major=True) is not None
+    extents = (math.prod(a.shape[:-1]), b.shape[0], a.shape[-1])
+    return tma_layout(a, strides[2], strides[3], b, strides[5], strides[4], extents, k_major=True) is not None
 
 
 def _launch(args, flags, M: int, N: int, device) -> None:

@@ -241,7 +241,7 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
     )
     majors = None
     if not (a_rows.split or a_k.split or b_k.split) and tma_capable(a.device, a.element_size()):
-        majors = tma_layout(a, a_rows.s_inner, a_k.s_inner, b, b_k.s_inner, s_bn)
+        majors = tma_layout(a, a_rows.s_inner, a_k.s_inner, b, b_k.s_inner, s_bn, (M, 2 * N if glu else N, K))
     flags = dict(
         A_M_SPLIT=a_rows.split, A_K_SPLIT=a_k.split, B_K_SPLIT=b_k.split, C_M_SPLIT=c_rows.split,
         R_M_SPLIT=r_rows.split, HAS_BIAS=bias is not None, HAS_RES=has_res, STORE_AUX=has_aux,

@@ -8,7 +8,8 @@ with two load paths, a constexpr ``TMA`` chosen here per launch:
   tensor's edges, and the wgmma reads it there. A launch takes it on sm_90 and later (and under
   the interpreter, which emulates descriptors) when every operand it loads so is a plain 2-D view
   (one row stride: not a two-level ``[batch, seq-chunk]`` row view) contiguous along K or along
-  its other dim, whose base address and other stride are multiples of 16 bytes, with 1- or
+  its other dim, whose base address and other stride are multiples of 16 bytes, that stride at
+  least the contiguous extent (no expanded view's 0, no overlapping rows), with 1- or
   2-byte elements (fp32 operands run FMA or TF32 dots from registers; the interpreter takes fp32
   too). e4m3 operands need both operands contiguous along K (fp8 wgmma reads only K-major tiles).
 * **Pointer loads** for everything else (sm_80, strides that are not multiples of 16 bytes, an
@@ -72,26 +73,29 @@ def tma_capable(device: torch.device, elem_size: int) -> bool:
     return elem_size <= 2 and device_capability(device.index or 0)[0] >= 9
 
 
-def _major(s_k: int, s_other: int, elem_size: int):
-    """True (contiguous along K), False (along the other dim) or None (neither, or a stride that
-    is not a multiple of 16 bytes) for an operand with strides ``s_k``, ``s_other``."""
-    if s_k == 1 and s_other * elem_size % 16 == 0:
+def _major(s_k: int, s_other: int, k: int, other: int, elem_size: int):
+    """True (contiguous along K), False (along the other dim) or None (neither) for an operand of
+    ``k`` x ``other`` elements with strides ``s_k``, ``s_other``: the stride between its rows
+    must be a multiple of 16 bytes and at least the rows' extent (not 0, an expanded view, nor
+    rows that overlap: a tensor descriptor holds neither)."""
+    if s_k == 1 and s_other >= max(k, 1) and s_other * elem_size % 16 == 0:
         return True
-    if s_other == 1 and s_k * elem_size % 16 == 0:
+    if s_other == 1 and s_k >= max(other, 1) and s_k * elem_size % 16 == 0:
         return False
     return None
 
 
-def tma_layout(a: torch.Tensor, s_am: int, s_ak: int, b: torch.Tensor, s_bk: int, s_bn: int, *,
+def tma_layout(a: torch.Tensor, s_am: int, s_ak: int, b: torch.Tensor, s_bk: int, s_bn: int, extents: tuple, *,
                k_major: bool = False):
     """``(A_KMAJOR, B_KMAJOR)`` of a launch loading ``A`` (``a``'s storage, strides ``s_am``,
     ``s_ak``: a plain 2-D view) and ``B`` (strides ``s_bk``, ``s_bn``) by TMA, or None where it
     cannot (module docstring; the caller checked :func:`tma_capable` and that no view is split).
-    ``k_major``: both must be contiguous along K (e4m3 operands)."""
-    es = a.element_size()
+    ``extents``: ``(M, N, K)``, N every row of B (a gated weight's gate and up); ``k_major``:
+    both must be contiguous along K (e4m3 operands)."""
+    es, (m, n, k) = a.element_size(), extents
     if a.data_ptr() % 16 or b.data_ptr() % 16:
         return None
-    a_major, b_major = _major(s_ak, s_am, es), _major(s_bk, s_bn, es)
+    a_major, b_major = _major(s_ak, s_am, k, m, es), _major(s_bk, s_bn, k, n, es)
     if a_major is None or b_major is None or (k_major and not (a_major and b_major)):
         return None
     return a_major, b_major

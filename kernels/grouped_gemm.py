@@ -471,14 +471,18 @@ def _weight_tma(x, weight, w_strides, n_w, K):
     None where it cannot, else whether the weights are contiguous along K (stacked as ``[E * n_w,
     K]``; else ``[E * K, n_w]``, which needs K a multiple of every TMA tile's 128-deep step, so that
     no step reads the next expert's rows). x contiguous along K, every base and row stride a
-    multiple of 16 bytes, the experts' rows one stack; e4m3 weights contiguous along K."""
+    multiple of 16 bytes and at least its rows' extent (not an expanded view's 0, no overlapping
+    rows), the experts' rows one stack; e4m3 weights contiguous along K; K > 0 (a descriptor of
+    no columns: the pointer loads run the bias-only epilogue of an empty contraction)."""
     es, (s_we, s_wn, s_wk), E = x.element_size(), w_strides, weight.shape[0]
-    if not (tma_capable(x.device, es) and x.stride(1) == 1 and x.stride(0) * es % 16 == 0
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and E * max(n_w, K) < 2 ** 31):
+    if not (tma_capable(x.device, es) and K > 0 and x.stride(1) == 1 and x.stride(0) >= K
+            and x.stride(0) * es % 16 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and E * max(n_w, K) < 2 ** 31):
         return None
-    if s_wk == 1 and s_wn * es % 16 == 0 and (E == 1 or s_we == n_w * s_wn):
+    if s_wk == 1 and s_wn >= K and s_wn * es % 16 == 0 and (E == 1 or s_we == n_w * s_wn):
         return True
-    if s_wn == 1 and s_wk * es % 16 == 0 and (E == 1 or s_we == K * s_wk) and K % 128 == 0 and es > 1:
+    if (s_wn == 1 and s_wk >= n_w and s_wk * es % 16 == 0 and (E == 1 or s_we == K * s_wk) and K % 128 == 0
+            and es > 1):
         return False
     return None
 

@@ -252,7 +252,7 @@ def _launch(kernel, tuned, args, flags, M, N, K, device):
     the SMs where both operands load by TMA (:mod:`.gemm_loads`)."""
     a, b = args[0], args[1]
     tma = tma_capable(device, a.element_size()) and tma_layout(a, a.stride(0), a.stride(1), b, b.stride(1),
-                                                               b.stride(0), k_major=True) is not None
+                                                               b.stride(0), (M, N, K), k_major=True) is not None
     flags = dict(flags, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=input_precision(a.dtype), TMA=tma)
     grid = lambda meta: (num_programs(cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), device, tma),)  # noqa: E731
     if interpreting():

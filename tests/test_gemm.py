@@ -440,6 +440,28 @@ def test_what_tma_cannot_take_loads_through_pointers(load_path):
         assert load_path.launches[-1][1]["TMA"] == (not pointer), (tuple(a.shape), a.stride())
 
 
+@pytest.mark.parametrize("load_path", ["auto"], indirect=True)
+def test_expanded_and_overlapping_rows_load_through_pointers(load_path):
+    """A tensor descriptor holds neither a row stride of 0 (an expanded view: every row the same
+    memory) nor rows that overlap (a stride shorter than the row): "auto" keeps pointer loads for
+    them, and the numbers are right. Expanded A, expanded weight, A with rows 16 elements apart
+    over K = 32 (fp16: 32-byte strides, 16-byte multiples), and matmul_tn over expanded tokens."""
+    g = torch.Generator().manual_seed(47)
+    M, N, K, dt = 20, 24, 32, torch.float16
+    a, w = randn(M, K, dtype=dt, generator=g), randn(N, K, dtype=dt, generator=g, scale=K ** -0.5)
+    flat = randn(M * 16 + K, dtype=dt, generator=g)
+    cases = [(randn(1, K, dtype=dt, generator=g).expand(M, K), w), (a, randn(1, K, dtype=dt, generator=g).expand(N, K)),
+             (flat.as_strided((M, K), (16, 1)), w)]
+    for x, wx in cases:
+        assert_close(matmul(x, wx), matmul_reference(x, wx), dt)
+        assert not load_path.launches[-1][1]["TMA"], (x.stride(), wx.stride())
+    dy, xt = randn(1, N, dtype=dt, generator=g).expand(M, N), randn(M, K, dtype=dt, generator=g)
+    assert_close(matmul_tn(dy, xt), dy.double().t() @ xt.double(), dt, msg="matmul_tn, expanded tokens")
+    assert not load_path.launches[-1][1]["TMA"]
+    assert_close(matmul(a, w), matmul_reference(a, w), dt)
+    assert load_path.launches[-1][1]["TMA"]  # (the same shapes, plain: TMA)
+
+
 def test_tma_layout_rules(monkeypatch):
     """The host's TMA rule (kernels/gemm_loads.py): 16-byte aligned base and strides, contiguous
     along K or along the other dim; e4m3 operands K-major both; sm_90 and 16-bit (or 8-bit) on a
@@ -447,12 +469,16 @@ def test_tma_layout_rules(monkeypatch):
     from fusedpar.kernels import gemm_loads
     a = torch.zeros(64, 72, dtype=torch.bfloat16)
     b = torch.zeros(48, 72, dtype=torch.bfloat16)
-    assert gemm_loads.tma_layout(a, 72, 1, b, 1, 72) == (True, True)
-    assert gemm_loads.tma_layout(a, 1, 64, b, 48, 1) == (False, False)  # transposed views of both
-    assert gemm_loads.tma_layout(a, 1, 64, b, 1, 72, k_major=True) is None
-    assert gemm_loads.tma_layout(a[:, 1:], 72, 1, b, 1, 72) is None  # base 2 bytes in
-    assert gemm_loads.tma_layout(a, 36, 1, b, 1, 72) is None  # a row stride of 72 bytes
-    assert gemm_loads.tma_layout(a, 72, 2, b, 1, 72) is None  # contiguous along neither dim
+    mnk = (64, 48, 72)  # (M, N, K): the extents of the views below
+    assert gemm_loads.tma_layout(a, 72, 1, b, 1, 72, mnk) == (True, True)
+    assert gemm_loads.tma_layout(a, 1, 64, b, 48, 1, mnk) == (False, False)  # transposed views of both
+    assert gemm_loads.tma_layout(a, 1, 64, b, 1, 72, mnk, k_major=True) is None
+    assert gemm_loads.tma_layout(a[:, 1:], 72, 1, b, 1, 72, mnk) is None  # base 2 bytes in
+    assert gemm_loads.tma_layout(a, 36, 1, b, 1, 72, (64, 48, 36)) is None  # a row stride of 72 bytes
+    assert gemm_loads.tma_layout(a, 72, 2, b, 1, 72, mnk) is None  # contiguous along neither dim
+    # a row stride of 0 (expanded) or shorter than the row (overlapping rows), either operand or layout
+    for strides in ((0, 1, 1, 72), (72, 1, 1, 0), (64, 1, 1, 72), (72, 1, 1, 8), (1, 0, 48, 1), (1, 64, 40, 1)):
+        assert gemm_loads.tma_layout(a, strides[0], strides[1], b, strides[2], strides[3], mnk) is None, strides
     monkeypatch.setattr(gemm_loads, "interpreting", lambda: False)
     for cap, size, expected in (((9, 0), 2, True), ((9, 0), 1, True), ((9, 0), 4, False), ((8, 0), 2, False)):
         monkeypatch.setattr(gemm_loads, "device_capability", lambda index, cap=cap: cap)

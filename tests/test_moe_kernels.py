@@ -243,6 +243,34 @@ def test_grouped_load_paths(path, monkeypatch):
         assert all(grid == (3, 1) for grid, _ in seen)
 
 
+def test_grouped_pointer_loads_for_expanded_rows_and_an_empty_contraction(monkeypatch):
+    """"auto" keeps pointer loads where a tensor descriptor cannot hold the operands: x expanded
+    (every row the same memory, stride 0), an expert's weight expanded, and K = 0 with a bias (the
+    epilogue alone; a descriptor of no columns); the numbers are right."""
+    from fusedpar.kernels import grouped_gemm as gg
+    if not INTERPRETED:
+        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
+    seen = []
+    kernel = gg._grouped_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **flags: (seen.append(flags["TMA"]), kernel[grid](*args, **flags))[1]
+    monkeypatch.setattr(gg, "_grouped_gemm_kernel", Spy())
+    g, dt = torch.Generator().manual_seed(37), torch.float16
+    E, H, Fd, offs = 2, 32, 24, _offsets([5, 0, 9])
+    M = offs[-1] + 2
+    x, w = randn(M, H, dtype=dt, generator=g), randn(E, Fd, H, dtype=dt, generator=g, scale=H ** -0.5)
+    b = randn(E, Fd, dtype=dt, generator=g)
+    cases = [(randn(1, H, dtype=dt, generator=g).expand(M, H), w),
+             (x, randn(1, 1, H, dtype=dt, generator=g).expand(1, Fd, H)),
+             (x[:, :0], w[:, :, :0]), (x, w)]
+    for xi, wi in cases:
+        out = grouped_matmul(xi, wi, offs, bias=b[:wi.shape[0]], out=poison((M, Fd), dt))
+        assert_close(out, grouped_matmul_reference(xi, wi, offs, bias=b[:wi.shape[0]]), dt, msg=str(xi.shape))
+    assert seen == [False, False, False, True]  # (the plain operands: TMA)
+
+
 BWD_SIZES = [5, 0, 18, 1, 0, 3]  # two cycles over 3 experts, with empty groups
 BWD_OFFS = _offsets(BWD_SIZES)
 BWD_M = BWD_OFFS[-1] + 3  # tail rows
