@@ -24,7 +24,8 @@ import triton.language as tl
 from .checks import (check_buffer, check_choice, check_float_tensor, check_out_dtype, check_same, check_supported_dtype,
                      cpu_launches, output_buffer)
 from .gemm_configs import (EPILOGUE_ACC_BUDGET, INTERPRETER_CONFIG, SYNC_TIGHT_ACC_BUDGET, TUNING_KEY, gpu_configs,
-                           interpreter_config, prune_gemm_configs, smem_estimate, tile_rule, tma_gpu_configs)
+                           interpreter_config, prune_gemm_configs, smem_estimate, tile_rule, tma_gpu_configs,
+                           tma_tiles_fit)
 from .gemm_core import gemm_mainloop, gemm_store, grouped_tile, operand_descriptors, split_columns
 from .gemm_fp8_epilogue import FP8_OUT_CONFIGS, check_fp8_output, fp8_output_args, quantize_output
 from .gemm_loads import ensure_scratch_allocator, note_launch, num_programs, tma_capable, tma_layout
@@ -239,15 +240,13 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
         r_rows.inner, r_rows.s_outer, r_rows.s_inner, s_rn,
         *(aux.stride() if has_aux else (0, 0)), *fp8_args,
     )
-    majors = None
-    if not (a_rows.split or a_k.split or b_k.split) and tma_capable(a.device, a.element_size()):
-        majors = tma_layout(a, a_rows.s_inner, a_k.s_inner, b, b_k.s_inner, s_bn, (M, 2 * N if glu else N, K))
     flags = dict(
         A_M_SPLIT=a_rows.split, A_K_SPLIT=a_k.split, B_K_SPLIT=b_k.split, C_M_SPLIT=c_rows.split,
         R_M_SPLIT=r_rows.split, HAS_BIAS=bias is not None, HAS_RES=has_res, STORE_AUX=has_aux,
         ACT=act, GLU=glu, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=input_precision(a.dtype), **fp8_flags,
-        TMA=majors is not None, A_KMAJOR=bool(majors and majors[0]), B_KMAJOR=bool(majors and majors[1]),
     )
+    majors = _tma_majors(a, b, a_rows, a_k, b_k, s_bn, (M, 2 * N if glu else N, K), args, flags)
+    flags.update(TMA=majors is not None, A_KMAJOR=bool(majors and majors[0]), B_KMAJOR=bool(majors and majors[1]))
     tiles = lambda meta: cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])  # noqa: E731
     grid = lambda meta: (num_programs(tiles(meta), a.device, majors is not None),)  # noqa: E731
     if interpreting():
@@ -272,6 +271,19 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
             if plan is not None:
                 plan.extra = (out.shape, out.dtype)
     return out
+
+
+def _tma_majors(a, b, a_rows, a_k, b_k, s_bn, extents, args, flags):
+    """``(A_KMAJOR, B_KMAJOR)`` of a launch that loads by TMA, else None: pointer loads for split
+    row views and what a tensor descriptor cannot take (:mod:`.gemm_loads`), and, compiled, where
+    no TMA tile passes the prune rule (:func:`~fusedpar.kernels.gemm_configs.tma_tiles_fit`).
+    ``extents``: ``(M, N, K)``, N every row of B; ``args``, ``flags``: the launch's (no load path yet)."""
+    if a_rows.split or a_k.split or b_k.split or not tma_capable(a.device, a.element_size()):
+        return None
+    majors = tma_layout(a, a_rows.s_inner, a_k.s_inner, b, b_k.s_inner, s_bn, extents)
+    if majors is None or interpreting() or tma_tiles_fit(dict(zip(_gemm_kernel.arg_names, args)), **flags):
+        return majors
+    return None
 
 
 def _matmul_buffers(a, ops, *, out, accumulate, residual, preact_out, out_dtype, activation, fp8_out=None):

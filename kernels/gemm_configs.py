@@ -9,11 +9,11 @@ import triton
 
 from .gemm_fp8_epilogue import FP8_OUT_INTERPRETER_CONFIG, fp8_output_configs
 from .runtime import (acc_budget_for, acc_per_thread, aligned, device_capability, pipelined, prune_tile_configs,
-                      shared_memory_limit, tile_smem_bytes, uses_wgmma)
+                      shared_memory_limit, tile_config_problem, tile_smem_bytes, uses_wgmma)
 
 __all__ = ["EPILOGUE_ACC_BUDGET", "INTERPRETER_CONFIG", "SYNC_TIGHT_ACC_BUDGET", "TUNING_KEY", "gpu_configs",
            "interpreter_config", "persistent_epilogue_smem", "prune_gemm_configs", "smem_estimate", "tile_rule",
-           "tma_gpu_configs"]
+           "tma_gpu_configs", "tma_tiles_fit"]
 
 
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
@@ -173,6 +173,34 @@ def prune_gemm_configs(configs, named_args, **kwargs):
     return prune_tile_configs(configs, smem_limit=shared_memory_limit(a.device.index or 0),
                               dims={"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"]},
                               **tile_rule(named_args, **kwargs))
+
+
+def tma_tiles_fit(named_args, **kwargs) -> bool:
+    """Whether a TMA launch with ``named_args`` / constexpr ``kwargs`` has a tile that
+    :func:`prune_gemm_configs` keeps on its merits (within shared memory and the register budgets
+    of :func:`tile_rule`), not only as its fallback when none does: a launch whose every TMA tile
+    would spill takes pointer loads (a gated epilogue with the e4m3 output over N not a multiple
+    of 16 holds 64 accumulator elements per thread in its smallest 1x128-tile TMA tile, against
+    the tight budget of 32 that such an epilogue spilled beyond). Memoised per launch kind."""
+    kwargs = dict(kwargs, TMA=True)
+    a, get = named_args["a_ptr"], lambda k: kwargs.get(k, named_args.get(k))
+    key = (tuple(get(k) for k in TUNING_KEY), a.dtype, a.device,
+           *(getattr(named_args.get(k), "dtype", None) for k in ("c_ptr", "r_ptr")))
+    fits = _TMA_FITS.get(key)
+    if fits is None:
+        limit, rule = shared_memory_limit(a.device.index or 0), tile_rule(named_args, **kwargs)
+        res = bool(get("HAS_RES"))
+        fits = any(smem_estimate(c, named_args, **kwargs) <= limit and tile_config_problem(c, smem_limit=limit, **rule)
+                   is None and (not res or c.kwargs.get("EPILOGUE_SPLIT", 1) == 2
+                                or acc_per_thread(c) <= EPILOGUE_ACC_BUDGET["fused"])
+                   for c in prune_gemm_configs(tma_gpu_configs(), named_args, **kwargs))
+        if len(_TMA_FITS) >= 4096:
+            _TMA_FITS.clear()
+        _TMA_FITS[key] = fits
+    return fits
+
+
+_TMA_FITS: dict = {}
 
 
 #: the autotuner's key: the problem size, every flag :func:`tile_rule` reads and the strides it

@@ -144,6 +144,37 @@ def test_fp8_output_launches_take_whole_1x128_tiles(monkeypatch):
     assert "FP8_OUT" in gemm.TUNING_KEY and gemm_configs.FP8_OUT_INTERPRETER_CONFIG["BLOCK_N"] == 128
 
 
+def test_gated_fp8_output_over_ragged_n_takes_pointer_loads(monkeypatch):
+    """sm_90, compiled: a gated epilogue with the e4m3 output over N not a multiple of 16 takes the
+    tight register budget (32 accumulator elements per thread) and every TMA tile of whole 1x128
+    tiles holds 64, so no TMA tile passes the prune rule: the launch takes pointer loads, not the
+    rule's fallback tile (which spills). N = 256 and an ungated epilogue over N = 200 keep TMA.
+    The launch's decision, with the autotuner faked (it records the flags)."""
+    from fusedpar.kernels import gemm_loads
+    for module in (gemm_configs, gemm_loads):
+        monkeypatch.setattr(module, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gemm_configs, "shared_memory_limit", lambda index=0: 232448)
+    monkeypatch.setattr(gemm_configs, "_TMA_FITS", {})
+    for module in (gemm, gemm_loads):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    launches = []
+
+    class Tuner:
+        best_config = None
+
+        def __getitem__(self, grid):
+            return lambda *args, **flags: launches.append(flags)
+    monkeypatch.setattr(gemm, "_tuned_kernel", lambda: Tuner())
+    for activation, n, tma in (("swiglu", 200, False), ("swiglu", 256, True), ("gelu", 200, True)):
+        a = torch.zeros(64, 64, dtype=torch.bfloat16)
+        w = torch.zeros(2 * n if activation == "swiglu" else n, 64, dtype=torch.bfloat16)
+        out = torch.empty(64, n, dtype=torch.bfloat16)
+        matmul(a, w, activation=activation, out=out, fp8_out=fp8_output_empty(out))
+        assert launches[-1]["TMA"] == tma, (activation, n)
+    assert not gemm_configs.tma_tiles_fit(dict(a_ptr=a, c_ptr=out, r_ptr=out, M=64, N=200, K=64, s_am1=64, s_ak1=1,
+                                               s_bk1=1, s_bn=64), GLU=True, ACT=3, FP8_OUT=True)
+
+
 def _bad_calls():
     a, w = randn(8, 16), randn(200, 16)
     out = torch.empty(8, 200, device=DEVICE)
