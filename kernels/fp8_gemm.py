@@ -467,7 +467,7 @@ def _launch(args, flags, M: int, N: int, device) -> None:
         _fp8_gemm_kernel[grid(cfg)](*args, **flags, **cfg)
         note_launch("fp8_matmul", None, cfg, tma)
     else:
-        ensure_scratch_allocator(device)
+        ensure_scratch_allocator()
         with on_device(device):
             launch_kernel(_tuned_kernel(), grid, args, flags)
         note_launch("fp8_matmul", _tuned_kernel(), None, tma)

@@ -257,7 +257,7 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
         return out
     # EVEN_K must hold for every BLOCK_K the tuner may pick (all are <= 64 and divide 64)
     flags["EVEN_K"] = K % 64 == 0
-    ensure_scratch_allocator(a.device)
+    ensure_scratch_allocator()
     with on_device(a.device):
         tuner = _tuned_kernel()
         compiled = tuner[grid](*args, **flags)
@@ -363,7 +363,7 @@ def matmul(
         stream = None if plan is None else plan.stream()
         if stream is not None:
             c = out if out is not None else torch.empty(plan.extra[0], dtype=plan.extra[1], device=a.device)
-            ensure_scratch_allocator(a.device)
+            ensure_scratch_allocator()
             plan.call(_slots(a, weight, c, bias, c if accumulate else residual, preact_out, fp8_out), stream)
             return c
     ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)
@@ -390,7 +390,7 @@ def matmul_checked(a: torch.Tensor, weight: torch.Tensor, ops: LinearOperands, o
                     _tf32_key(a))
         plan = _PLANS.find(plan_key)
         if plan is not None:
-            ensure_scratch_allocator(a.device)
+            ensure_scratch_allocator()
         if plan is not None and plan.launch(_slots(a, weight, out, ops.bias, residual, preact_out, fp8_out)):
             return out
     M, N, K = a.shape[:-1].numel(), ops.n, ops.k

@@ -23,11 +23,12 @@ costs registers: 224 B of spills at 256 x 128 with an accumulated split-row outp
 Device-side descriptors need a per-launch global scratch (128 bytes per descriptor and program,
 written by the kernel): Triton's launcher asks ``triton.set_allocator``'s allocator for it on
 every launch, a launch plan's (:mod:`.launch`) included. :func:`ensure_scratch_allocator` installs
-one (``torch.empty`` on the launch's device) in the calling context when none is set (Triton's
-allocator is a context variable: autograd's worker threads start without it), which keeps one
-buffer per stream; a user's own allocator is left in place. Host-side descriptors (``TensorDescriptor``) would cost a Python
-object per operand per call plus Triton's per-launch encoding of each, and a plan could no longer
-pass tensors in its slots; one allocation per launch costs less (docs/PERF.md).
+one in the calling context when none is set (Triton's allocator is a context variable: autograd's
+worker threads start without it), which allocates on the launching (current) device and keeps one
+buffer per device and stream, reused by the launches that follow; a user's own allocator is left
+in place. Host-side descriptors (``TensorDescriptor``) would cost a Python object per operand per
+call plus Triton's per-launch encoding of each, and a plan could no longer pass tensors in its
+slots; a reused scratch buffer costs a dict lookup per launch (docs/PERF.md).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from .checks import check_choice
 from .runtime import clear_tuning_caches, device_capability, interpreting, multiprocessor_count
 
 __all__ = ["INTERPRETER_PROGRAMS", "LOAD_PATHS", "ensure_scratch_allocator", "last_launch", "load_path",
-           "note_launch", "num_programs", "set_load_path", "tma_capable", "tma_layout"]
+           "note_launch", "num_programs", "scratch_device", "set_load_path", "tma_capable", "tma_layout"]
 
 #: ``"auto"``: TMA where a launch can take it (module docstring), ``"pointer"``: never
 LOAD_PATHS = ("auto", "pointer")
@@ -111,45 +112,53 @@ def num_programs(tiles: int, device: torch.device, persistent: bool) -> int:
     return max(1, tiles)
 
 
+def scratch_device() -> torch.device:
+    """The device of the launch asking for descriptor scratch: the current CUDA device (a launcher
+    enters its tensors' device, a launch plan runs only on its own), the CPU without CUDA."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else _CPU
+
+
+_CPU = torch.device("cpu")
+
+
 class _Scratch:
-    """Triton's allocator for one device: the global scratch a kernel with device-side tensor
-    descriptors asks for at each launch (it writes its descriptors there first). One buffer per
-    stream, reused: launches on one stream run one after another, as they do on the addresses
-    torch's caching allocator hands out again; inside a CUDA-graph capture a fresh ``torch.empty``
-    (the graph keeps it, as with Triton's own allocator)."""
+    """Triton's allocator: the global scratch a kernel with device-side tensor descriptors asks
+    for at each launch (it writes its descriptors there first), on the launching device
+    (:func:`scratch_device`). One buffer per device and stream, reused: launches on one stream run
+    one after another, as they do on the addresses torch's caching allocator hands out again;
+    inside a CUDA-graph capture a fresh ``torch.empty`` (the graph keeps it, as with Triton's own
+    allocator)."""
 
-    __slots__ = ("device", "buffers", "cuda")
+    __slots__ = ("buffers",)
 
-    def __init__(self, device: torch.device):
-        self.device, self.buffers, self.cuda = device, {}, device.type == "cuda"
+    def __init__(self):
+        self.buffers = {}
 
     def __call__(self, size: int, alignment: int, stream):
-        buf = self.buffers.get(stream)
-        capturing = self.cuda and torch.cuda.is_current_stream_capturing()
+        device = scratch_device()
+        key = (device, stream)
+        buf = self.buffers.get(key)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if buf is not None and buf.numel() >= size and not capturing:
             return buf
-        buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=self.device)
+        buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=device)
         if not capturing:
             if len(self.buffers) >= 64:
                 self.buffers.clear()
-            self.buffers[stream] = buf
+            self.buffers[key] = buf
         return buf
 
 
-_SCRATCH: dict = {}
+_SCRATCH = _Scratch()
 
 
-def ensure_scratch_allocator(device: torch.device) -> None:
-    """Make Triton's allocator of the calling context one that allocates on ``device``, unless one
-    set by someone else is in place (called before every compiled launch that may use TMA)."""
+def ensure_scratch_allocator() -> None:
+    """Make Triton's allocator of the calling context :class:`_Scratch` (one for every device),
+    unless one set by someone else is in place (called before every compiled launch that may use
+    TMA)."""
     current = _allocation._allocator.get()
-    mine = _SCRATCH.get(device)
-    if current is mine and mine is not None:
-        return
-    if mine is None:
-        mine = _SCRATCH[device] = _Scratch(device)
-    if isinstance(current, (_allocation.NullAllocator, _Scratch)):
-        triton.set_allocator(mine)
+    if current is not _SCRATCH and isinstance(current, (_allocation.NullAllocator, _Scratch)):
+        triton.set_allocator(_SCRATCH)
 
 
 #: per GEMM entry point, what its last launch through Triton's path ran (:func:`note_launch`)

@@ -492,7 +492,7 @@ def _launch(kernel, tuned, interpreter_config, grid, args, flags, device) -> Non
     if interpreting():
         kernel[grid(interpreter_config)](*args, **flags, **interpreter_config)
     else:
-        ensure_scratch_allocator(device)
+        ensure_scratch_allocator()
         with on_device(device):
             launch_kernel(tuned(), grid, args, flags)
 

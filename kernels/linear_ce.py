@@ -259,7 +259,7 @@ def _launch(kernel, tuned, args, flags, M, N, K, device):
         cfg = INTERPRETER_CONFIG
         kernel[grid(cfg)](*args, **flags, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
     else:
-        ensure_scratch_allocator(device)
+        ensure_scratch_allocator()
         with on_device(device):
             launch_kernel(tuned(), grid, args, dict(**flags, EVEN_K=K % 64 == 0))  # every BLOCK_K divides 64
     note_launch("linear_ce_dlogits" if tuned is _tuned_dlogits else "linear_ce_stats",

@@ -509,13 +509,13 @@ def test_scratch_allocator_is_set_per_context_and_never_replaces_a_users():
 
     def worker():
         seen["before"] = _allocation._allocator.get()
-        ensure_scratch_allocator(torch.device("cpu"))
+        ensure_scratch_allocator()
         mine = _allocation._allocator.get()
         seen["buffer"] = mine(256, 128, 7)
         seen["reused"] = mine(4096, 128, 7) is seen["buffer"] and mine(256, 128, 8) is not seen["buffer"]
         user = lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)  # noqa: E731
         triton.set_allocator(user)
-        ensure_scratch_allocator(torch.device("cpu"))
+        ensure_scratch_allocator()
         seen["kept"] = _allocation._allocator.get() is user
 
     t = threading.Thread(target=worker)
@@ -524,3 +524,32 @@ def test_scratch_allocator_is_set_per_context_and_never_replaces_a_users():
     assert isinstance(seen["before"], _allocation.NullAllocator)
     assert seen["buffer"].numel() >= 256 and seen["buffer"].dtype == torch.int8 and seen["kept"]
     assert seen["reused"]  # one buffer per stream (launches on a stream run in order)
+
+
+def test_scratch_allocator_allocates_on_the_launching_device(monkeypatch):
+    """One allocator serves every device of the context: each buffer on the device current at the
+    launch (a launcher enters its tensors' device), kept per device and stream (two devices' streams
+    may share a handle value). Two fake devices: the CPU and ``meta``."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from fusedpar.kernels import gemm_loads
+    current = [torch.device("cpu")]
+    monkeypatch.setattr(gemm_loads, "scratch_device", lambda: current[0])
+    seen = {}
+
+    def worker():
+        gemm_loads.ensure_scratch_allocator()
+        alloc = _allocation._allocator.get()
+        first = alloc(256, 128, 7)
+        current[0] = torch.device("meta")
+        second, again = alloc(256, 128, 7), alloc(512, 128, 7)
+        current[0] = torch.device("cpu")
+        seen.update(first=first, second=second, again=again, back=alloc(256, 128, 7))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["first"].device.type == "cpu" and seen["second"].device.type == "meta"
+    assert seen["again"] is seen["second"] and seen["back"] is seen["first"]
