@@ -58,51 +58,50 @@ def run(args, ctx):
 
     from fusedpar.kernels import fp8_matmul, quantize_e4m3
     from fusedpar.kernels.fp8_gemm import fp8_matmul_reference
-    from fusedpar.kernels.gemm_loads import last_launch, set_load_path
+    from fusedpar.kernels.gemm_loads import last_launch, load_path_set
 
     scalings = [s.strip() for s in args.scalings.split(",") if s.strip()]
     for s in scalings:
         if s not in ("rowwise", "rowwise fast", "blockwise"):
             raise SystemExit(f"--scalings: {s!r} is not one of rowwise, 'rowwise fast', blockwise")
-    set_load_path(args.loads)
     shapes = [ctx.smoke_shape(s) for s in args.shapes] if args.shapes else (GPU_SHAPES if ctx.gpu else SMOKE_SHAPES)
     rows = []
-    for M, N, K in shapes:
-        a_hp = torch.randn(M, K, device=ctx.device, dtype=torch.bfloat16)
-        b_hp = torch.randn(N, K, device=ctx.device, dtype=torch.bfloat16) * K ** -0.5
-        t_bf16 = ctx.time_ms(lambda: torch.matmul(a_hp, b_hp.t()))
-        flops = 2.0 * M * N * K
-        for name in scalings:
-            scaling, fast = name.split()[0], name.endswith("fast")
-            ga, gb = ("row", "row") if scaling == "rowwise" else ("tile", "block")
-            a, sa = quantize_e4m3(a_hp, ga)
-            b, sb = quantize_e4m3(b_hp, gb)
+    with load_path_set(args.loads):  # the rows' load path, the one before after them
+        for M, N, K in shapes:
+            a_hp = torch.randn(M, K, device=ctx.device, dtype=torch.bfloat16)
+            b_hp = torch.randn(N, K, device=ctx.device, dtype=torch.bfloat16) * K ** -0.5
+            t_bf16 = ctx.time_ms(lambda: torch.matmul(a_hp, b_hp.t()))
+            flops = 2.0 * M * N * K
+            for name in scalings:
+                scaling, fast = name.split()[0], name.endswith("fast")
+                ga, gb = ("row", "row") if scaling == "rowwise" else ("tile", "block")
+                a, sa = quantize_e4m3(a_hp, ga)
+                b, sb = quantize_e4m3(b_hp, gb)
 
-            def ours():
-                return fp8_matmul(a, sa, b, sb, scaling=scaling, out_dtype=torch.bfloat16, fast_accum=fast)
+                def ours():
+                    return fp8_matmul(a, sa, b, sb, scaling=scaling, out_dtype=torch.bfloat16, fast_accum=fast)
 
-            row = {"M": M, "N": N, "K": K, "scaling": name}
-            if scaling == "rowwise" and ctx.gpu and N % 16 == 0 and K % 16 == 0:
-                def scaled_mm():
-                    return torch._scaled_mm(a, b.t(), scale_a=sa.view(-1, 1), scale_b=sb.view(1, -1),
-                                            out_dtype=torch.bfloat16, use_fast_accum=fast)
+                row = {"M": M, "N": N, "K": K, "scaling": name}
+                if scaling == "rowwise" and ctx.gpu and N % 16 == 0 and K % 16 == 0:
+                    def scaled_mm():
+                        return torch._scaled_mm(a, b.t(), scale_a=sa.view(-1, 1), scale_b=sb.view(1, -1),
+                                                out_dtype=torch.bfloat16, use_fast_accum=fast)
 
-                err = check_close(ours(), scaled_mm(), tol=BF16_OUT_TOL)
-                t_ours, t_ref = ctx.time_ms(ours), ctx.time_ms(scaled_mm)
-                row.update(fusedpar_ms=t_ours, scaled_mm_ms=t_ref, ratio_vs_scaled_mm=t_ref / t_ours)
-            else:
-                ref = fp8_matmul_reference(a, sa, b, sb, scaling=scaling)
-                err = check_close(ours(), ref, tol=BF16_OUT_TOL)
-                t_ours = ctx.time_ms(ours)
-                row.update(fusedpar_ms=t_ours)
-            row.update(bf16_ms=t_bf16, speedup_vs_bf16=t_bf16 / t_ours, fusedpar_TFLOPs=tflops(flops, t_ours),
-                       max_rel_err=err)
-            ours()
-            row.update(last_launch("fp8_matmul"))
-            rows.append(row)
-            if args.epilogue == "swiglu" and not fast:
-                rows.append(_swiglu_row(ctx, M, N, K, scaling, a, sa, b_hp, gb))
-    set_load_path("auto")
+                    err = check_close(ours(), scaled_mm(), tol=BF16_OUT_TOL)
+                    t_ours, t_ref = ctx.time_ms(ours), ctx.time_ms(scaled_mm)
+                    row.update(fusedpar_ms=t_ours, scaled_mm_ms=t_ref, ratio_vs_scaled_mm=t_ref / t_ours)
+                else:
+                    ref = fp8_matmul_reference(a, sa, b, sb, scaling=scaling)
+                    err = check_close(ours(), ref, tol=BF16_OUT_TOL)
+                    t_ours = ctx.time_ms(ours)
+                    row.update(fusedpar_ms=t_ours)
+                row.update(bf16_ms=t_bf16, speedup_vs_bf16=t_bf16 / t_ours, fusedpar_TFLOPs=tflops(flops, t_ours),
+                           max_rel_err=err)
+                ours()
+                row.update(last_launch("fp8_matmul"))
+                rows.append(row)
+                if args.epilogue == "swiglu" and not fast:
+                    rows.append(_swiglu_row(ctx, M, N, K, scaling, a, sa, b_hp, gb))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     return rows

@@ -38,53 +38,52 @@ def run(args, ctx):
     import torch.nn.functional as F
 
     from fusedpar.kernels import matmul, quantize_e4m3
-    from fusedpar.kernels.gemm_loads import last_launch, set_load_path
+    from fusedpar.kernels.gemm_loads import last_launch, load_path_set
 
-    set_load_path(args.loads)
     dtype = args.dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
     shapes = [ctx.smoke_shape(s) for s in args.shapes] if args.shapes else (GPU_SHAPES if ctx.gpu else SMOKE_SHAPES)
     epi = args.epilogue
     rows = []
-    for M, N, K in shapes:
-        n_w = 2 * N if epi == "swiglu" else N
+    with load_path_set(args.loads):  # the rows' load path, the one before after them
+        for M, N, K in shapes:
+            n_w = 2 * N if epi == "swiglu" else N
 
-        def make():
-            a = torch.randn(M, K, device=ctx.device, dtype=dtype)
-            w = torch.randn(n_w, K, device=ctx.device, dtype=dtype) * K ** -0.5
-            b = torch.randn(n_w, device=ctx.device, dtype=dtype) if epi == "bias" else None
-            return a, w, b
+            def make():
+                a = torch.randn(M, K, device=ctx.device, dtype=dtype)
+                w = torch.randn(n_w, K, device=ctx.device, dtype=dtype) * K ** -0.5
+                b = torch.randn(n_w, device=ctx.device, dtype=dtype) if epi == "bias" else None
+                return a, w, b
 
-        nbytes = (M * K + n_w * K + M * N) * torch.finfo(dtype).bits // 8
-        nxt = ctx.rotating(make, nbytes)
-        activation = {"gelu": "gelu", "swiglu": "swiglu"}.get(epi, "none")
+            nbytes = (M * K + n_w * K + M * N) * torch.finfo(dtype).bits // 8
+            nxt = ctx.rotating(make, nbytes)
+            activation = {"gelu": "gelu", "swiglu": "swiglu"}.get(epi, "none")
 
-        def ours(a, w, b):
-            return matmul(a, w, b, activation=activation)
+            def ours(a, w, b):
+                return matmul(a, w, b, activation=activation)
 
-        def baseline(a, w, b):
-            y = F.linear(a, w, b)
-            if epi == "gelu":
-                y = F.gelu(y, approximate="tanh")
-            elif epi == "swiglu":
-                g, u = y.chunk(2, dim=-1)
-                y = F.silu(g) * u
-            return y
+            def baseline(a, w, b):
+                y = F.linear(a, w, b)
+                if epi == "gelu":
+                    y = F.gelu(y, approximate="tanh")
+                elif epi == "swiglu":
+                    g, u = y.chunk(2, dim=-1)
+                    y = F.silu(g) * u
+                return y
 
-        # correctness guard before timing: a fast wrong kernel is not a result
-        inputs = nxt()
-        err = check_close(ours(*inputs), baseline(*inputs))
-        t_ours = ctx.time_ms(lambda: ours(*nxt()))
-        t_base = ctx.time_ms(lambda: baseline(*nxt()))
-        flops = 2.0 * M * n_w * K
-        rows.append({
-            "M": M, "N": N, "K": K, "dtype": str(dtype).replace("torch.", ""), "epilogue": epi,
-            "fusedpar_ms": t_ours, "torch_ms": t_base,
-            "fusedpar_TFLOPs": tflops(flops, t_ours), "torch_TFLOPs": tflops(flops, t_base),
-            "ratio_vs_torch": t_base / t_ours, "max_rel_err": err, **last_launch("matmul"),
-        })
-        if args.fp8_out:
-            rows[-1].update(_fp8_out_columns(ctx, nxt, matmul, quantize_e4m3, activation))
-    set_load_path("auto")
+            # correctness guard before timing: a fast wrong kernel is not a result
+            inputs = nxt()
+            err = check_close(ours(*inputs), baseline(*inputs))
+            t_ours = ctx.time_ms(lambda: ours(*nxt()))
+            t_base = ctx.time_ms(lambda: baseline(*nxt()))
+            flops = 2.0 * M * n_w * K
+            rows.append({
+                "M": M, "N": N, "K": K, "dtype": str(dtype).replace("torch.", ""), "epilogue": epi,
+                "fusedpar_ms": t_ours, "torch_ms": t_base,
+                "fusedpar_TFLOPs": tflops(flops, t_ours), "torch_TFLOPs": tflops(flops, t_base),
+                "ratio_vs_torch": t_base / t_ours, "max_rel_err": err, **last_launch("matmul"),
+            })
+            if args.fp8_out:
+                rows[-1].update(_fp8_out_columns(ctx, nxt, matmul, quantize_e4m3, activation))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     return rows

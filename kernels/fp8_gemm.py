@@ -366,6 +366,9 @@ def fp8_matmul(
              precision (``torch._scaled_mm(use_fast_accum=True)``'s trade: faster, larger tiles,
              errors growing with K); by default the sum is promoted to fp32 every 128 K
              (:data:`FP8_PROMOTE_K`). Blockwise scaling promotes per 128-deep step by construction.
+             Only compute capability 9.0 (wgmma) accumulates fp8 products in reduced precision:
+             elsewhere (sm_89, the interpreter) the MMA sums in fp32 either way and the option
+             changes no result (only which tiles the autotuner tries).
     """
     _check_operand("a", a)
     _check_operand("b", b, dims=(2,))

@@ -34,7 +34,7 @@ from .runtime import (ACTIVATIONS, SUPPORTED_DTYPES, RowView, activation_referen
                       interpreting, needs_upcast, on_device, row_offsets)
 
 __all__ = [
-    # the tile rules, from .gemm_configs (the persistent and linear cross-entropy GEMMs import them here)
+    # the tile rules, from .gemm_configs (the persistent GEMM's configs import them here)
     "EPILOGUE_ACC_BUDGET", "INTERPRETER_CONFIG", "SYNC_TIGHT_ACC_BUDGET", "TUNING_KEY", "gpu_configs",
     "smem_estimate", "tile_rule",
     "LinearOperands", "linear_operands", "matmul", "matmul_checked", "matmul_reference", "matmul_tn",

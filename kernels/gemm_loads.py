@@ -32,6 +32,8 @@ slots; a reused scratch buffer costs a dict lookup per launch (docs/PERF.md).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 from triton.runtime import _allocation
@@ -40,7 +42,7 @@ from .checks import check_choice
 from .runtime import clear_tuning_caches, device_capability, interpreting, multiprocessor_count
 
 __all__ = ["INTERPRETER_PROGRAMS", "LOAD_PATHS", "ensure_scratch_allocator", "last_launch", "load_path",
-           "note_launch", "num_programs", "scratch_device", "set_load_path", "tma_capable", "tma_layout"]
+           "load_path_set", "note_launch", "num_programs", "scratch_device", "set_load_path", "tma_capable", "tma_layout"]
 
 #: ``"auto"``: TMA where a launch can take it (module docstring), ``"pointer"``: never
 LOAD_PATHS = ("auto", "pointer")
@@ -56,6 +58,18 @@ def set_load_path(path: str) -> None:
     if path != _MODE[0]:
         _MODE[0] = path
         clear_tuning_caches()
+
+
+@contextlib.contextmanager
+def load_path_set(path: str):
+    """:func:`set_load_path` for the ``with`` block, the path before it restored after it (also
+    when the block raises): a benchmark's rows on one path."""
+    before = _MODE[0]
+    set_load_path(path)
+    try:
+        yield
+    finally:
+        set_load_path(before)
 
 
 def load_path() -> str:

@@ -252,6 +252,43 @@ def test_fp8_matmul(scaling, ga, gb, M, N, K):
     assert err.max() > 1e-4 * scale  # the quantisation is real: the test would see a missing scale
 
 
+@pytest.mark.parametrize("scaling,ga,gb", CASES[:2])
+def test_fp8_matmul_load_paths_agree(scaling, ga, gb, monkeypatch):
+    """Both load paths on the same operands (kernels/gemm_loads.py): "auto" takes TMA (rows of 144
+    / 256 bytes; under the interpreter descriptors are emulated and the programs persistent) and
+    "pointer" the loads sm_89 runs, with K a multiple of 128 (every step whole) and not (a ragged
+    last step): the same bits under the interpreter, both within the bound of the float64
+    product. An expanded A (row stride 0, no descriptor) takes pointer loads on "auto"."""
+    from fusedpar.kernels import fp8_gemm, gemm_loads
+    if not INTERPRETED:
+        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
+    seen = []
+    kernel = fp8_gemm._fp8_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: (seen.append(kw["TMA"]), kernel[grid](*args, **kw))[1]
+    monkeypatch.setattr(fp8_gemm, "_fp8_gemm_kernel", Spy())
+    g = torch.Generator().manual_seed(11)
+    for M, N, K in ((37, 45, 256), (33, 130, 144)):
+        xq, xs = quantize_e4m3(torch.randn(M, K, generator=g), ga)
+        wq, ws = quantize_e4m3(torch.randn(N, K, generator=g) * 0.1, gb)
+        bias = torch.randn(N, generator=g)
+        ref = fp8_matmul_reference(xq, xs, wq, ws, bias, scaling=scaling)
+        outs = []
+        for path in ("auto", "pointer"):
+            with gemm_loads.load_path_set(path):
+                outs.append(fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, out_dtype=torch.float32))
+            assert_within(outs[-1], ref, ACC_RTOL * (ref.abs() + ref.pow(2).mean().sqrt()), f"{path} {M}x{N}x{K}")
+        assert torch.equal(outs[0], outs[1]), (M, N, K)
+        assert seen[-2:] == [True, False]
+    xe, xse = xq[:1].expand(M, K), xs[:1].expand(M, *xs.shape[1:])
+    out = fp8_matmul(xe, xse, wq, ws, scaling=scaling, out_dtype=torch.float32)
+    ref = fp8_matmul_reference(xe, xse, wq, ws, scaling=scaling)
+    assert_within(out, ref, ACC_RTOL * (ref.abs() + ref.pow(2).mean().sqrt()), "expanded A")
+    assert seen[-1] is False
+
+
 @pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
 def test_fp8_matmul_promotes_to_fp32_every_128(scaling):
     """Exact: each row holds one 128-block of 448s (128 * 448 = 57344 in the products' sum) and

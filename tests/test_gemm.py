@@ -493,6 +493,11 @@ def test_tma_layout_rules(monkeypatch):
             gemm_loads.set_load_path("tma")
     finally:
         gemm_loads.set_load_path("auto")
+    with pytest.raises(RuntimeError, match="inside"):  # the path of a block, restored when it raises
+        with gemm_loads.load_path_set("pointer"):
+            assert gemm_loads.load_path() == "pointer"
+            raise RuntimeError("inside")
+    assert gemm_loads.load_path() == "auto"
 
 
 def test_scratch_allocator_is_set_per_context_and_never_replaces_a_users():
