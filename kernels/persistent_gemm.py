@@ -53,7 +53,8 @@ from .launch import PlanCache, describe, exact_ints, launch_planned
 from .persistent_config import (CONFIG_KEYS, INTERPRETER_PROGRAMS, check_config, default_num_programs, gpu_config,
                                 kernel_config)
 from .runtime import RowView, cdiv, input_precision, interpreting, needs_upcast, on_device, row_offsets
-from .waits import WaitTimeout, check_wait_timeouts, ready_word, spin_bound, status_word, wait_ready, wait_timeouts
+from .waits import (WaitTimeout, behind, check_wait_timeouts, ready_word, spin_bound, status_word, wait_ready,
+                    wait_timeouts)
 
 __all__ = [
     "CONFIG_KEYS", "WAIT_MODES", "check_config", "chunk_reduce", "chunk_reduce_kernel", "chunk_view", "default_num_programs", "gpu_config",
@@ -112,7 +113,7 @@ def persistent_gemm_kernel(
             wait_ready(flag_ptr + chunk, ready_value, status_ptr, MAX_SPIN)
         run = True
         if WAIT == 2:
-            run = tl.atomic_add(flag_ptr + chunk, 0, sem="acquire", scope="sys") >= ready_value
+            run = ~behind(tl.atomic_add(flag_ptr + chunk, 0, sem="acquire", scope="sys"), ready_value)
         if run:
             chunk64 = chunk.to(tl.int64)
             rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,9 +165,9 @@ def chunk_reduce_kernel(
     MAX_SPIN: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``out = bias + sum_p src_p[chunk]``, peers in the order given, each read only after its
-    counter reached the device word ``*ready_ptr``. Peer-outer loop: the partial of the first peer is summed
-    while later peers still compute; the running sum lives in the fp32 ``acc`` buffer
-    (``EMULATE``: a bf16 ``out`` rounded to nearest even, as a GPU's cast does)."""
+    counter reached the device word ``*ready_ptr`` (modulo 2^32). Peer-outer loop: the partial of
+    the first peer is summed while later peers still compute; the running sum lives in the fp32
+    ``acc`` buffer (``EMULATE``: a bf16 ``out`` rounded to nearest even, as a GPU's cast does)."""
     tl.static_assert(WAIT >= 0 and WAIT <= 1, "WAIT: 0 none, 1 spin")
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -395,8 +396,8 @@ def persistent_matmul(
               ``first_chunk + 1``, ... (mod C). Put the local chunk first for an all-gather,
               the chunk the first peer needs first for a reduce-scatter.
     wait_flags: int32 ``[C]``; before a program reads chunk ``c`` it waits (``"spin"``) until
-              ``wait_flags[c] >= ready_value``, or (``"skip"``, a test mode) skips tiles whose
-              flag is not ready, leaving them unwritten. ``ready_value``: an int, or a 1-element
+              ``wait_flags[c]`` reached ``ready_value`` (compared modulo 2^32: a counter may wrap),
+              or (``"skip"``, a test mode) skips tiles whose flag is not ready, leaving them unwritten. ``ready_value``: an int, or a 1-element
               int32 tensor on ``a``'s device read by the kernel when it starts (a device-resident
               epoch: the launch's arguments are then the same call after call, CUDA-graph safe).
     signal_counters: int32 ``[C]``; after storing a tile of chunk ``c`` its program atomically

@@ -23,7 +23,7 @@ from .checks import check_choice, check_int, check_tensor
 from .runtime import interpreting
 
 __all__ = ["MAX_SPIN_GPU", "MAX_SPIN_INTERPRETED", "WAIT_CHECK", "WAIT_CHECKS", "WaitTimeout", "canonical_device",
-           "check_wait_timeouts", "ready_word", "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
+           "behind", "check_wait_timeouts", "ready_word", "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
 
 # Bound of a flag spin (reads): ~2^27 system-scope loads is about a minute on a GPU; an interpreted
 # read takes ~0.3 ms (the flag can only change there when another process writes it).
@@ -217,18 +217,29 @@ def ready_word(device, value, name: str = "ready_value") -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def wait_ready(flag_ptr, ready_value, status_ptr, MAX_SPIN: tl.constexpr):
-    """Spin until ``*flag_ptr >= ready_value``. The read is an atomic with acquire semantics at
-    system scope (the flag may be written by a copy engine or a peer GPU), so loads issued after
-    it observe the data published before the flag. Triton executes a scalar atomic once per
-    program and broadcasts the result to every thread of the program.
+    """Spin until ``*flag_ptr`` reached ``ready_value`` (int32, compared modulo 2^32:
+    :func:`behind`). The read is an atomic with acquire semantics at system scope (the flag may be
+    written by a copy engine or a peer GPU), so loads issued after it observe the data published
+    before the flag. Triton executes a scalar atomic once per program and broadcasts the result to
+    every thread of the program.
 
     The spin is bounded: after ``MAX_SPIN`` reads (about a minute on a GPU, a few thousand
     interpreted reads) it gives up and counts a timeout in ``*status_ptr``, so a producer that
     never comes turns into an error the host reports instead of a hung device."""
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     n = 0
-    while (v < ready_value) & (n < MAX_SPIN):
+    while behind(v, ready_value) & (n < MAX_SPIN):
         v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         n += 1
-    if v < ready_value:
+    if behind(v, ready_value):
         tl.atomic_add(status_ptr, 1)
+
+
+@triton.jit
+def behind(value, ready_value):
+    """Whether an int32 counter ``value`` has not reached ``ready_value`` yet, modulo 2^32:
+    ``value - ready_value`` (wrapping) is negative. Completion counters only grow and wrap past 2^31 - 1
+    (nothing resets them: a CUDA graph may replay a call any number of times), and the ready value
+    a call computes wraps with them, so the comparison holds while a counter is within 2^31 of its
+    ready value (a call adds far less)."""
+    return (value - ready_value).to(tl.int32) < 0

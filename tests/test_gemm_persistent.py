@@ -189,6 +189,32 @@ def test_missing_flag_times_out_instead_of_hanging(device):
                      max_spin=50)
 
 
+def test_waits_compare_counters_modulo_2_32(device):
+    """Completion counters only grow and wrap past 2^31 - 1 (nothing resets them: a CUDA graph may
+    replay a call any number of times) and a ready value computed from them wraps with them, so a
+    wait compares modulo 2^32: a counter 4 short of a wrapped ready value is behind (compared as
+    ints it is far above it, and the reduction read the partials early), one that wrapped with it
+    has reached it; the GEMM's skip mode likewise."""
+    a = randn(2, 8, 16).to(device)
+    out, zero = torch.empty(8, 16, device=device), torch.zeros(1, dtype=torch.int64)
+    ready = torch.tensor([-2 ** 31 + 1], dtype=I32, device=device)  # (2^31 - 3) + 4, wrapped
+    wait_timeouts(device)
+    for counter, timeouts in ((2 ** 31 - 3, 1), (-2 ** 31 + 1, 0)):
+        out.fill_(float("nan"))
+        chunk_reduce(a, zero, 0, out=out, counters=torch.tensor([counter, 0], dtype=I32, device=device),
+                     counter_offsets=zero, ready_value=ready, max_spin=20, check_waits=False)
+        assert wait_timeouts(device) == timeouts, counter
+        if not timeouts:
+            torch.testing.assert_close(out, a[0])
+    w = randn(8, 16).to(device)
+    c = poison((2, 8, 8), torch.float32, device)
+    flags = torch.tensor([-2 ** 31 + 1, 2 ** 31 - 4], dtype=I32, device=device)  # 4 past, 1 short of the ready value
+    persistent_matmul(a, w, out=c, wait_flags=flags, wait_mode="skip",
+                      ready_value=torch.tensor([2 ** 31 - 3], dtype=I32, device=device))
+    assert_close(c[0], persistent_matmul_reference(a[:1], w)[0], torch.float32)
+    assert torch.isnan(c[1]).all()
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="runs the launchers as if compiled while the kernels stay "
                     "interpreted; test_gpu_missing_flag_times_out is the compiled version")
 @pytest.mark.parametrize("launcher", ["persistent_matmul", "chunk_reduce"])

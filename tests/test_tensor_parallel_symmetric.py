@@ -9,6 +9,7 @@ layouts. The overlap itself (spinning programs, copy engines, a producer made la
 is tested by the ``gpu``-marked tests below.
 """
 import contextlib
+import functools
 import gc
 import os
 import random
@@ -99,8 +100,8 @@ def test_emulated_matmul_reduce_scatter(device, dtype, rank):
     # the workspace of the device the op ran on, named as its tensors name it (x.device is "cuda:0"
     # where DEVICE reads "cuda")
     ws = t.symmetric_workspace("reduce_scatter", x.device, 0)
-    assert ws.typed(0, (P,), torch.int32).tolist() == [ws.counter_base] * P and ws.counter_base > 0
-    assert ws.ready.tolist() == [ws.counter_base]  # the device word the reduction waits for
+    counters = ws.typed(0, (P,), torch.int32).tolist()
+    assert counters == ws.ready.tolist() * P and counters[0] > 0  # the device word the reduction waited for
     # and by its other spelling ("cuda" for cuda:0, "cpu:0" for cpu): one workspace
     assert t.symmetric_workspace("reduce_scatter", _two_spellings(x.device)[1], 0) is ws
 
@@ -186,6 +187,35 @@ def test_reduce_scatter_enqueues_the_gemm_before_the_reduction(monkeypatch):
     out = matmul_reduce_scatter_symmetric(x, w, transport=_emulated(3, 2), max_spin=50)
     assert calls == ["gemm", "reduce"]
     assert_close(out, sum(ref_mm(x[:, 2 * c:2 * c + 2], w) for c in range(3)), torch.float32)
+
+
+def test_reduce_scatter_ready_word_follows_the_counters(monkeypatch):
+    """The reduction's ready value is set on the device from this rank's counters plus the call's
+    tiles per chunk, not from a count kept on the host: a call whose GEMM raised before it launched
+    (a rejected config, OutOfResources, an interrupt) leaves nothing behind (with the host's count
+    raised first, every later call waited for tiles that never came and timed out), and counters
+    that wrapped past 2^31 - 1 (a CUDA graph replayed many times) go on working."""
+    g = torch.Generator().manual_seed(16)
+    t = _emulated(3, 2)
+    x, w = randn(2, 6, 16, generator=g), randn(5, 16, generator=g)
+    expect = sum(ref_mm(x[:, 2 * c:2 * c + 2], w) for c in range(3))
+    rs = functools.partial(matmul_reduce_scatter_symmetric, x, w, transport=t, max_spin=50)
+    rs()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the GEMM failed to launch")
+
+    with monkeypatch.context() as m:
+        m.setattr(symmetric, "persistent_matmul", fail)
+        with pytest.raises(RuntimeError, match="failed to launch"):
+            rs()
+    assert_close(rs(), expect, torch.float32)
+    ws = t.symmetric_workspace("reduce_scatter", x.device, 0)
+    counters = ws.typed(0, (3,), torch.int32)
+    counters.fill_(2 ** 31 - 1)  # where many replays leave them
+    for _ in range(2):
+        assert_close(rs(), expect, torch.float32)
+    assert counters.tolist() == ws.ready.tolist() * 3 and ws.ready.item() < 0
 
 
 def test_flags_raise_and_reset_to_constants():
@@ -350,7 +380,8 @@ def _symmetric_over_shared_files(rank, size, tmpdir, seed):
             out = matmul_reduce_scatter_symmetric(xr[rank], wr[rank], bias, transport=t, scatter_dim=1)
             assert_close(out, total[:, 2 * rank:2 * rank + 2], torch.float32, msg=f"RS call {call}")
         ws = SymmetricTransport().symmetric_workspace("reduce_scatter", "cpu", 0)  # cached per group
-        assert ws.typed(0, (size,), torch.int32).tolist() == [ws.counter_base] * size and ws.counter_base > 0
+        counters = ws.typed(0, (size,), torch.int32).tolist()
+        assert counters == ws.ready.tolist() * size and counters[0] > 0
         assert SymmetricTransport().symmetric_workspace("reduce_scatter", "cpu:0", 0) is ws  # per device, any name
         _fresh_groups_get_fresh_workspaces(size, calls)
     finally:
@@ -364,8 +395,8 @@ def _fresh_groups_get_fresh_workspaces(size, calls):
         group = torch.distributed.new_group(list(range(size)))
         before = len(calls)
         ws = SymmetricTransport(group).symmetric_workspace("fresh", "cpu", 64)
-        assert len(calls) == before + 1 and ws.counter_base == 0, f"group {i} got a cached workspace"
-        ws.counter_base = 1000 + i  # what a stale hand-off would show
+        assert len(calls) == before + 1 and ws.ready.item() == 0, f"group {i} got a cached workspace"
+        ws.ready.fill_(1000 + i)  # what a stale hand-off would show
         torch.distributed.destroy_process_group(group)
         del group, ws
         gc.collect()

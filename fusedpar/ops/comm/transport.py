@@ -122,15 +122,13 @@ class PortableTransport(Transport):
 
 class SymmetricWorkspace:
     """A byte buffer (``tensor``, uint8, zeroed at creation) that every rank of a group holds at
-    the same size, with the typed views the schedules lay over it. ``counter_base``: the value
-    every reduce-scatter completion counter in it has before the next call, on the host (its
-    int32 overflow is what it is kept for) and in ``ready``, this rank's int32 device word that
-    the reduction waits for (moved by stream-ordered work only); ``handle``: the
-    symmetric-memory rendezvous handle (``None`` in the emulation)."""
+    the same size, with the typed views the schedules lay over it. ``ready``: this rank's int32
+    device word that a reduce-scatter's reduction waits for (written by stream-ordered work only,
+    from the completion counters in the buffer); ``handle``: the symmetric-memory rendezvous
+    handle (``None`` in the emulation)."""
 
     def __init__(self, tensor: torch.Tensor, nbytes: int, handle=None):
         self.tensor, self.nbytes, self.handle = tensor, nbytes, handle
-        self.counter_base = 0
         self.ready = torch.zeros(1, dtype=torch.int32, device=tensor.device)
         #: views a schedule lays over the buffer, per shape (made once per workspace)
         self.views: dict = {}

@@ -44,7 +44,7 @@ from fusedpar.kernels.persistent_gemm import (
 )
 from fusedpar.kernels.launch import describe
 from fusedpar.kernels.runtime import SUPPORTED_DTYPES, activation_features, cdiv
-from fusedpar.kernels.waits import check_wait_timeouts
+from fusedpar.kernels.waits import check_wait_timeouts, spin_bound
 from fusedpar.ops.comm.agreement import agreed_arguments
 from fusedpar.ops.comm.symmetric import check_symmetric
 from fusedpar.ops.comm.waits import (
@@ -126,6 +126,17 @@ def _keep_spec(t, key, spec) -> None:
         t.scratch[key] = spec
 
 
+def _check_config(config, a, weight, bias, activation, preact_out, a_scale, weight_scale, scaling, out_dtype):
+    """The persistent GEMM's checks of a ``config`` passed in (its keys, the GPU's resources, fp8's
+    BLOCK_K), run by the GEMM on no rows of the chunked view ``a`` (nothing launched) while the
+    schedule checks its arguments: before it raises a flag or a ready word."""
+    if config is not None:
+        persistent_matmul(a[:1, :0], weight, bias, activation=activation, wait_mode="none", config=config,
+                          preact_out=None if preact_out is None else preact_out[:1, :0],
+                          a_scale=None if a_scale is None else a_scale[:1, :0], weight_scale=weight_scale,
+                          scaling=scaling, out_dtype=out_dtype)
+
+
 def _check_delay(delay_cycles, device):
     check_int("producer_delay_cycles", delay_cycles, min_value=0)
     if delay_cycles and device.type != "cuda":
@@ -181,7 +192,8 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     spec = _spec(t, key)
     if spec is None:
         spec = _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gathered_out, wait,
-                        producer_delay_cycles, num_programs, agree, x_scale, weight_scale, scaling, out_dtype)
+                        producer_delay_cycles, num_programs, max_spin, config, agree, x_scale, weight_scale, scaling,
+                        out_dtype)
         _keep_spec(t, key, spec)
     fp8, out_shape, out_dtype, chunks, row, xb, views, order, num_programs = spec
     P, r = t.size, t.rank
@@ -215,7 +227,7 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
 
 
 def _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gathered_out, wait, producer_delay_cycles,
-             num_programs, agree, x_scale, weight_scale, scaling, out_dtype):
+             num_programs, max_spin, config, agree, x_scale, weight_scale, scaling, out_dtype):
     """What :func:`all_gather_matmul_symmetric` derives from its arguments once they passed its
     checks (run here, inside the agreement check when ``agree``): whether it is fp8, the output's
     shape and dtype, its chunked view's ``(shape, strides)``, the slot sizes, the views' key, the
@@ -231,6 +243,12 @@ def _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gather
         out = _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_out,
                           out_dtype or (torch.bfloat16 if fp8 else x.dtype))
         _check_delay(producer_delay_cycles, x.device)
+        spin_bound(max_spin)
+        if num_programs is not None:
+            check_int("num_programs", num_programs, min_value=1)
+        empty = lambda v: None if v is None else v.new_empty((1, 0) + tuple(v.shape[1:]))  # noqa: E731 (a slot's)
+        _check_config(config, empty(x), weight, bias, activation, preact_out, empty(x_scale) if fp8 else None,
+                      weight_scale, scaling, out.dtype)
     # slot c: chunk c's bytes padded to 16 (fp8: then its scales'), one pull per chunk; slots 16-byte aligned
     nx, ns = x.numel() * x.element_size(), x_scale.numel() * 4 if fp8 else 0
     row = max(16 * cdiv((xb := 16 * cdiv(nx, 16)) + ns, 16), 16)  # an empty shard's slot: 16 B
@@ -288,24 +306,21 @@ def _rs_input(x, weight, bias, scatter_dim, chunked, P, x_scale, weight_scale, s
 def _rs_begin(t, device, nbytes, views, per):
     """This call's counters and partials in the workspace (of ``nbytes``, laid out as ``views``
     says), after the barrier that says the peers finished reading the previous call's partials;
-    returns them with the counters' ready value: the workspace's device word ``ready``, raised here
-    on the current stream by ``per`` (what this call's GEMMs add to every counter: a
-    device-resident epoch, which a CUDA graph replays with the GEMMs)."""
+    returns them with the counters' ready value: the workspace's device word ``ready``, set here on
+    the current stream to this rank's first counter plus ``per`` (what this call's GEMM adds to
+    every counter). Read from the counters on the device, not kept on the host, it follows what
+    the GEMMs really launched: a call that raised before its GEMM launched leaves nothing behind,
+    a CUDA graph recomputes it at every replay, and it wraps past 2^31 - 1 with the counters (the
+    kernels compare modulo 2^32)."""
     ws = t.symmetric_workspace("reduce_scatter", device, nbytes)
     found = ws.views.get(views)
     if found is None:  # (views: "reduce_scatter", P, the counters' bytes, a chunk's shape, the partials' dtype)
         _, P, head, chunk_shape, dtype = views
-        found = ws.views[views] = (ws.typed(0, (P,), torch.int32), ws.typed(head, (P,) + chunk_shape, dtype))
-    counters, partials = found
-    base = ws.counter_base
+        counters = ws.typed(0, (P,), torch.int32)
+        found = ws.views[views] = (counters, ws.typed(head, (P,) + chunk_shape, dtype), counters[:1])
+    counters, partials, first = found
     t.symmetric_barrier(ws, 0)
-    if base + per >= 2 ** 31 - 1:
-        counters.zero_()
-        ws.ready.zero_()
-        t.symmetric_barrier(ws, 1)
-        base = 0
-    ws.counter_base = base + per
-    ws.ready.add_(per)
+    torch.add(first, per, out=ws.ready)  # (every counter of this rank holds the same count between calls)
     return ws, counters, partials, ws.ready
 
 
@@ -333,7 +348,7 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     spec = _spec(t, key)
     if spec is None:
         spec = _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunked, reduce_sms, wait,
-                        producer_delay_cycles, agree, x_scale, weight_scale, scaling, out_dtype)
+                        producer_delay_cycles, max_spin, agree, x_scale, weight_scale, scaling, out_dtype)
         _keep_spec(t, key, spec)
     x_view, fp8, s_view, out_shape, out_dtype, nbytes, views, per, programs = spec
     P, r = t.size, t.rank
@@ -358,7 +373,7 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
 
 
 def _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunked, reduce_sms, wait,
-             producer_delay_cycles, agree, x_scale, weight_scale, scaling, out_dtype):
+             producer_delay_cycles, max_spin, agree, x_scale, weight_scale, scaling, out_dtype):
     """What :func:`matmul_reduce_scatter_symmetric` derives from its arguments once they passed its
     checks (run here, inside the agreement check when ``agree``): the chunked views of ``x`` and
     its scales as ``(shape, strides)`` (None: the tensor as given), whether it is fp8, the output's
@@ -376,6 +391,8 @@ def _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunke
         out = output_buffer("out", out, tuple(xv.shape[1:-1]) + (n,), x.device,
                             out_dtype or (x.dtype if sv is None else torch.bfloat16))
         _check_delay(producer_delay_cycles, x.device)
+        spin_bound(max_spin)
+        _check_config(config, xv, weight, None, "none", None, sv, weight_scale, scaling, partial_dtype)
     chunk_shape = tuple(xv.shape[1:-1]) + (n,)
     head = (4 * P + 255) // 256 * 256  # counters first: a fixed place whatever later shapes are
     nbytes = head + P * int(torch.Size(chunk_shape).numel()) * partial_dtype.itemsize
