@@ -57,9 +57,9 @@ def _emulated(P, rank, **kw):
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_emulated_all_gather_matmul(device, dtype, gather_dim, rank):
     """Every rank position, both gather dims, gated activation with the pre-activation and the
-    gathered input kept; repeated calls reuse the workspace and the flags, lowered again at the
-    end of each call (a stale flag must not count as ready), and the ready word the GEMM reads stays
-    the same word holding 1. By the mirror rule every peer's shard is this rank's."""
+    gathered input kept; repeated calls reuse the workspace and its flags (every one raised by the
+    call, lowered at the start of the next), and the ready word the GEMM reads stays the same word
+    holding 1. By the mirror rule every peer's shard is this rank's."""
     g = torch.Generator().manual_seed(11 + rank + 10 * gather_dim)
     P, b, s, K, F = 3, 2, 7, 40, 13
     w = randn(2 * F, K, dtype=dtype, generator=g, scale=K ** -0.5)
@@ -72,8 +72,8 @@ def test_emulated_all_gather_matmul(device, dtype, gather_dim, rank):
         gathered = torch.full((P, b, s, K), float("nan"), dtype=dtype, device=device)
         out = all_gather_matmul_symmetric(x, w, bias, transport=t, gather_dim=gather_dim, activation="swiglu",
                                           preact_out=pre, gathered_out=gathered)
-        flags = chunk_flags(device, P)
-        assert flags.i32.tolist() == [0] * flags.i32.numel() and flags.ready.tolist() == [1]
+        flags = chunk_flags(t.symmetric_workspace("all_gather", x.device, 0), P)
+        assert flags.i32.tolist() == [1] * P and flags.ready.tolist() == [1]
         assert_close(out, ref_mm(full, w, bias, activation="swiglu"), dtype, msg=f"call {call}")
         assert_close(pre, ref_mm(torch.stack([x] * P), w, bias), dtype, msg=f"preact call {call}")
         torch.testing.assert_close(gathered, torch.stack([x] * P), rtol=0, atol=0)
@@ -114,16 +114,18 @@ def _two_spellings(device):
 
 
 def test_per_device_state_is_shared_by_every_spelling_of_the_device(device):
-    """The ready flags and the timeout word are cached per device: the op keys them by its
-    tensors' device (``cuda:0``), a caller may name it ``cuda`` (the tests' DEVICE). Both must reach
-    one entry; on the H100 they did not, and the flags read back had an epoch that never moved."""
+    """The workspaces (with their ready flags) and the timeout word are cached per device: the op
+    keys them by its tensors' device (``cuda:0``), a caller may name it ``cuda`` (the tests'
+    DEVICE). Both must reach one entry; on the H100 they did not, and the flags read back had an
+    epoch that never moved."""
     x, w = randn(2, 3, 8), randn(6, 8)
     named, other = _two_spellings(x.device)
     assert named == x.device and canonical_device(other) == named
-    assert chunk_flags(other, 3) is chunk_flags(named, 3)
+    t = _emulated(3, 1)
+    all_gather_matmul_symmetric(x, w, transport=t)  # raises the flags both name
+    ws = t.symmetric_workspace("all_gather", other, 0)
+    assert ws is t.symmetric_workspace("all_gather", named, 0) and ws.flags.i32.tolist() == [1] * 3
     assert status_word(other) is status_word(named)
-    all_gather_matmul_symmetric(x, w, transport=_emulated(3, 1))  # raises and lowers the flags both name
-    assert chunk_flags(other, 3).i32.abs().sum().item() == 0
 
 
 def test_canonical_device_names_the_current_cuda_device(monkeypatch):
@@ -216,6 +218,36 @@ def test_reduce_scatter_ready_word_follows_the_counters(monkeypatch):
     for _ in range(2):
         assert_close(rs(), expect, torch.float32)
     assert counters.tolist() == ws.ready.tolist() * 3 and ws.ready.item() < 0
+
+
+def test_all_gather_flags_are_lowered_before_a_call_raises_any(monkeypatch):
+    """A call lowers the flags before it raises one, so a flag its GEMM reads as ready was raised by
+    this call: a call that raised after its pulls (a GEMM that failed to launch) left them raised
+    (they were lowered after the join only), and on a GPU the next call's GEMM found the remote
+    chunks ready before its own pulls landed. The flags are kept per workspace: a call on another
+    transport on the device lowers and raises its own."""
+    t, other = _emulated(3, 1), _emulated(3, 2)
+    x, w = randn(2, 4, 8), randn(6, 8)
+    at_pulls, real_pulls = [], symmetric.pull_chunks
+
+    def pulls(gathered, sources, order, flags, **kw):
+        at_pulls.append(flags.i32.tolist())
+        return real_pulls(gathered, sources, order, flags, **kw)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the GEMM failed to launch")
+
+    monkeypatch.setattr(symmetric, "pull_chunks", pulls)
+    all_gather_matmul_symmetric(x, w, transport=t)
+    with monkeypatch.context() as m:
+        m.setattr(symmetric, "persistent_matmul", fail)
+        with pytest.raises(RuntimeError, match="failed to launch"):
+            all_gather_matmul_symmetric(x, w, transport=t)
+    assert_close(all_gather_matmul_symmetric(x, w, transport=t), ref_mm(torch.cat([x] * 3, 1), w), torch.float32)
+    all_gather_matmul_symmetric(x, w, transport=other)
+    assert at_pulls == [[0, 0, 0]] * 4
+    flags = [chunk_flags(u.symmetric_workspace("all_gather", x.device, 0), 3) for u in (t, other)]
+    assert flags[0] is not flags[1] and flags[0].ready is flags[1].ready
 
 
 def test_flags_raise_and_reset_to_constants():

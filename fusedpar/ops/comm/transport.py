@@ -124,12 +124,14 @@ class SymmetricWorkspace:
     """A byte buffer (``tensor``, uint8, zeroed at creation) that every rank of a group holds at
     the same size, with the typed views the schedules lay over it. ``ready``: this rank's int32
     device word that a reduce-scatter's reduction waits for (written by stream-ordered work only,
-    from the completion counters in the buffer); ``handle``: the symmetric-memory rendezvous
-    handle (``None`` in the emulation)."""
+    from the completion counters in the buffer); ``flags``: an all-gather's chunk flags (local,
+    made by the schedule); ``handle``: the symmetric-memory rendezvous handle (``None`` in the
+    emulation)."""
 
     def __init__(self, tensor: torch.Tensor, nbytes: int, handle=None):
         self.tensor, self.nbytes, self.handle = tensor, nbytes, handle
         self.ready = torch.zeros(1, dtype=torch.int32, device=tensor.device)
+        self.flags = None
         #: views a schedule lays over the buffer, per shape (made once per workspace)
         self.views: dict = {}
 

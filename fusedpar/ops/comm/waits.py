@@ -1,7 +1,7 @@
 """The host side of the in-kernel waits of the symmetric tensor-parallel schedules, on one device
 and independent of process groups: the per-chunk ready flags a persistent GEMM spins on
-(:class:`ChunkFlags`, written without an SM by ``cuStreamWriteValue32`` where this torch build has
-it, :func:`flag_writer_available`), the copy producer that pulls chunks and raises their flags on
+(:class:`ChunkFlags`, kept with a workspace, written without an SM by ``cuStreamWriteValue32``
+where this torch build has it, :func:`flag_writer_available`), the copy producer that pulls chunks and raises their flags on
 a side stream (:func:`pull_chunks`), the side stream itself (:func:`fork_side_stream`,
 :func:`join_side_stream`), and cached int64 device tensors (:func:`device_ints`: offset tables a
 kernel reads, made without a host sync after the first call)."""
@@ -30,12 +30,14 @@ READY = 1
 
 
 class ChunkFlags:
-    """Per-chunk ready flags of one device: a uint32 tensor (what ``cuStreamWriteValue32``
-    writes) viewed as int32 by the kernel. A flag is 0 (not ready) or :data:`READY`; a call
-    raises the flags it produces (:meth:`raise_flag`) and, once every reader and writer of the
-    call is joined into the current stream, lowers them all again (:meth:`reset`). Every value
-    written and waited for is a constant (``ready``: the device word holding :data:`READY` that
-    the kernel reads), so a call's launches and stream writes are the same call after call."""
+    """Per-chunk ready flags of one workspace (:func:`chunk_flags`): a uint32 tensor (what
+    ``cuStreamWriteValue32`` writes) viewed as int32 by the kernel. A flag is 0 (not ready) or
+    :data:`READY`; a call lowers them all first (:meth:`reset`, on the current stream, which the
+    previous call's readers and writers were joined into), then raises the flags it produces
+    (:meth:`raise_flag`), so a flag its GEMM reads as ready was raised by this call whatever the
+    previous one did (an exception between its raises and its join included). Every value written
+    and waited for is a constant (``ready``: the device word holding :data:`READY` that the kernel
+    reads), so a call's launches and stream writes are the same call after call."""
 
     def __init__(self, capacity: int, device: torch.device):
         self.u32 = torch.zeros(capacity, dtype=torch.uint32, device=device)
@@ -58,12 +60,10 @@ class ChunkFlags:
         self.i32.index_fill_(0, device_ints(chunks, self.i32.device), READY)
 
     def reset(self) -> None:
-        """Every flag back to 0 on the current stream: after the consumer and the producers of a
-        call (joined), before the next call's producers (forked after it)."""
+        """Every flag back to 0 on the current stream: at the start of a call, after the consumer
+        and the producers of the previous one (joined), before this call's producers (forked after
+        it)."""
         self.i32.zero_()
-
-
-_flags: dict = {}
 
 
 _side_streams: dict = {}
@@ -72,15 +72,13 @@ _side_streams: dict = {}
 _int_tensors: dict = {}
 
 
-def chunk_flags(device: torch.device, chunks: int) -> ChunkFlags:
-    """The ready flags of ``device`` (at least ``chunks`` of them), shared by every call there.
-    Every spelling of one device (``"cuda"``, ``"cuda:0"``) names the same flags."""
-    f = _flags.get(device)  # (a tensor's device: the key canonical_device gives it)
+def chunk_flags(ws, chunks: int) -> ChunkFlags:
+    """The ready flags kept with the workspace ``ws`` (a ``SymmetricWorkspace``; at least
+    ``chunks`` of them, on its device): one set per transport (or group) and device, so ops of two
+    transports never lower each other's flags."""
+    f = ws.flags
     if f is None or f.u32.numel() < chunks:
-        device = canonical_device(device)
-        f = _flags.get(device)
-        if f is None or f.u32.numel() < chunks:
-            f = _flags[device] = ChunkFlags(max(chunks, 64), device)
+        f = ws.flags = ChunkFlags(chunks, ws.tensor.device)
     return f
 
 
@@ -131,12 +129,16 @@ def pull_chunks(gathered, sources, order, flags: ChunkFlags, *, copy=None, delay
             copy(gathered[c], sources(c))
         flags.raise_flags(tuple(order) if local is None else (local, *order))
         return None
-    with on_stream(side):
-        if delay_cycles:
-            torch.cuda._sleep(int(delay_cycles))
-        for c in order:
-            copy(gathered[c], sources(c))
-            flags.raise_flag(c)
+    try:
+        with on_stream(side):
+            if delay_cycles:
+                torch.cuda._sleep(int(delay_cycles))
+            for c in order:
+                copy(gathered[c], sources(c))
+                flags.raise_flag(c)
+    except BaseException:
+        join_side_stream(device, side)  # what was queued: before the next call's reset
+        raise
     return side
 
 

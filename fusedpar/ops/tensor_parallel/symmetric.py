@@ -202,7 +202,8 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     ws = t.symmetric_workspace("all_gather", x.device, P * row)
     gathered, g_scale, dsts, srcs = ws.views.get(views) or _ag_views(t, ws, views, x, x_scale if fp8 else None, row,
                                                                       xb)
-    flags = chunk_flags(x.device, P)
+    flags = chunk_flags(ws, P)
+    flags.reset()  # before any raise (the previous call joined): a flag read as ready is this call's
     t.symmetric_barrier(ws, 0)  # every peer finished reading our slot in the previous call
     gathered[r].copy_(x)
     if fp8:
@@ -210,16 +211,18 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     t.symmetric_barrier(ws, 1)  # every slot holds its owner's shard
     side = pull_chunks(dsts, srcs.__getitem__, order, flags, copy=t.peer_copy, delay_cycles=producer_delay_cycles,
                        local=r)
-    persistent_matmul(
-        gathered, weight, bias, first_chunk=r, out=out.as_strided(*chunks), activation=activation,
-        wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.ready,
-        preact_out=preact_out, config=config, num_programs=num_programs, max_spin=max_spin, check_waits=False,
-        a_scale=g_scale, weight_scale=weight_scale, scaling=scaling,
-    )
-    # the copy reads every slot: join the pulls first instead of relying on the GEMM's waits
-    # (wait=False, or a wait that gave up, would let it read a slot still being written)
-    join_side_stream(x.device, side)
-    flags.reset()  # every flag written and read: the next call's pulls fork after this
+    try:
+        persistent_matmul(
+            gathered, weight, bias, first_chunk=r, out=out.as_strided(*chunks), activation=activation,
+            wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.ready,
+            preact_out=preact_out, config=config, num_programs=num_programs, max_spin=max_spin, check_waits=False,
+            a_scale=g_scale, weight_scale=weight_scale, scaling=scaling,
+        )
+    finally:
+        # the copy reads every slot: join the pulls first instead of relying on the GEMM's waits
+        # (wait=False, or a wait that gave up, would let it read a slot still being written); joined
+        # when the GEMM raised too, so the next call's reset follows every pull of this one
+        join_side_stream(x.device, side)
     if gathered_out is not None:
         gathered_out.copy_(gathered)
     check_wait_timeouts(x.device, "all_gather_matmul (symmetric)")
