@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from unittest import mock
 
 import pytest
@@ -339,10 +340,27 @@ def _transport_cases(rank, size):
     chosen = resolve_transport("auto", x).name
     assert chosen == ("symmetric" if ok else "portable")
     assert resolve_transport("portable", x).name == "portable"
+    assert resolve_transport("auto", x) is resolve_transport("auto", x)  # made once per group (its specs kept)
+    _cached_transports_let_their_group_go(x)
     if not ok:
         with pytest.raises(ValueError, match=re.escape("transport='symmetric' is not available here: " + reason)):
             resolve_transport("symmetric", x)
     return chosen
+
+
+def _cached_transports_let_their_group_go(x):
+    """The transport cached per group holds the group weakly: once destroyed and dropped, the group
+    is freed (the cache's value held it, so its weak key never died) and the transport says so."""
+    group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())))
+    t = resolve_transport("portable", x, group)
+    assert resolve_transport("portable", x, group) is t and t.group is group
+    ref = weakref.ref(group)
+    torch.distributed.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert ref() is None, "the transport cache kept a destroyed group alive"
+    with pytest.raises(RuntimeError, match="process group no longer exists"):
+        t.all_reduce(torch.zeros(1))
 
 
 def test_transport_selection_on_the_group(world3):

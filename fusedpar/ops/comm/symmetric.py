@@ -140,24 +140,27 @@ def resolve_transport(transport, x: torch.Tensor, group=None) -> Transport:
     ok, reason = symmetric_status(x, group)
     if transport == "symmetric" and not ok:
         raise ValueError(f"transport='symmetric' is not available here: {reason}")
-    return SymmetricTransport(group) if ok else portable_transport(group)
+    return portable_transport(group, SymmetricTransport if ok else PortableTransport)
 
 
 _portables = GroupCache()
 
 
-def portable_transport(group=None) -> PortableTransport:
-    """The :class:`PortableTransport` of ``group`` (``None``: the default group), made once per
-    group and kept while the group lives (with the buffers its schedules keep), so an op named by a
-    transport name builds no transport per call; a new one each call while torch.distributed is
-    not initialised."""
+def portable_transport(group=None, kind=None) -> PortableTransport:
+    """The :class:`PortableTransport` of ``group`` (``None``: the default group; ``kind``: that
+    class or :class:`SymmetricTransport`), made once per group and kept while the group lives
+    (with the buffers and the per-shape specs its schedules keep), so an op named by a transport
+    name builds no transport per call; a new one each call while torch.distributed is not
+    initialised. The cached transport holds its group weakly (``weak_group``): the cache, keyed
+    weakly by the group, keeps nothing alive once the group is destroyed and dropped."""
+    kind = kind or PortableTransport
     resolved = collectives.resolve_group(group)
     if resolved is None:
-        return PortableTransport(group)
+        return kind(group)
     entries = _portables.entries(resolved)
-    t = entries.get("portable")
+    t = entries.get(kind)
     if t is None:
-        t = entries["portable"] = PortableTransport(resolved)
+        t = entries[kind] = kind(resolved, weak_group=True)
     return t
 
 
@@ -215,8 +218,8 @@ class SymmetricTransport(PortableTransport, SymmetricBuffers):
     name = "symmetric"
     in_kernel_waits = True
 
-    def __init__(self, group=None):
-        super().__init__(group)
+    def __init__(self, group=None, *, weak_group: bool = False):
+        super().__init__(group, weak_group=weak_group)
         if self.group is None:
             raise ValueError("SymmetricTransport needs an initialised torch.distributed group, got none "
                              "(torch.distributed is not initialised)")

@@ -18,6 +18,7 @@ chunk it delivers is used. Implementations:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Sequence
 
 import torch
@@ -95,14 +96,26 @@ class Transport:
 
 class PortableTransport(Transport):
     """``torch.distributed`` over ``group`` (``None``: the default group, or a single rank when
-    torch.distributed is not initialised)."""
+    torch.distributed is not initialised). ``weak_group``: hold the group by a weak reference (a
+    transport cached per group, which must not keep it alive); using the transport once the group
+    is gone raises."""
 
     name = "portable"
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, *, weak_group: bool = False):
         group = collectives.resolve_group(group)
         super().__init__(collectives.group_size(group), collectives.group_rank(group))
-        self.group = group
+        self._group = weakref.ref(group) if weak_group and group is not None else group
+
+    @property
+    def group(self):
+        group = self._group
+        if type(group) is weakref.ref:
+            group = group()
+            if group is None:
+                raise RuntimeError(f"{self!r}: its process group no longer exists (destroyed and freed), got a "
+                                   "transport of it; use the transport of a live group")
+        return group
 
     def send_recv(self, send, dst, recv, src):
         return collectives.send_recv(send, dst, recv, src, self.group)
