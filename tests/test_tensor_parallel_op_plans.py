@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ["ag_gelu_bias", "ag_seq_dim", "rs_misaligned", "rs_aligned_same_shape", "rs_bias", "rs_fp16_partials",
@@ -36,3 +38,40 @@ def test_a_replayed_op_launches_what_tritons_path_does(report, case):
 
 def test_each_case_keeps_its_own_op_plans(report):
     assert report["op_plans"] == len(CASES) + 1  # (the backward case: its forward and its reduce-scatter)
+
+
+def test_a_replay_sets_the_descriptor_allocator_in_a_new_thread(monkeypatch):
+    """An op's replay may be the first launch of its thread (autograd's backward thread, under
+    activation checkpointing): a TMA chunk GEMM asks Triton's allocator (a context variable, unset
+    in a new thread) for its descriptors' scratch, which matmul's own path sets before a launch.
+    Here a stand-in plan asks for it as a TMA launch does (no allocator: Triton's 'no allocator was
+    set')."""
+    from triton.runtime import _allocation
+
+    from fusedpar.ops.tensor_parallel import schedules
+
+    class Plan:
+        def stream(self):
+            return 7
+
+        def call(self, tensors, stream):
+            _allocation._allocator.get()(64, 16, stream)
+
+    monkeypatch.setattr(schedules, "interpreting", lambda: False)
+    key = ("test: a replay in a new thread",)
+    schedules._OP_PLANS.keep(key, ((Plan(), lambda named: named[:3]),))
+    errors = []
+
+    def replay():
+        try:
+            gemms = schedules.ChunkGemms(torch.zeros(4, 8))
+            gemms.plan(key)
+            gemms(torch.zeros(2, 8), torch.zeros(2, 4))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=replay)
+    thread.start()
+    thread.join()
+    schedules._OP_PLANS.pop(key)
+    assert not errors, errors

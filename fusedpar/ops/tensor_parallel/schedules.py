@@ -21,6 +21,7 @@ import torch
 from fusedpar.kernels import matmul_tn
 from fusedpar.kernels.checks import check_choice, check_same, check_shape, check_tensor
 from fusedpar.kernels.gemm import linear_operands, matmul_checked
+from fusedpar.kernels.gemm_loads import ensure_scratch_allocator
 from fusedpar.kernels.launch import LaunchRecord, PlanCache, describe
 from fusedpar.kernels.runtime import (ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, input_precision,
                                       interpreting)
@@ -138,6 +139,9 @@ class ChunkGemms:
         self.record = [] if self.steps is None else None
         if self.steps is not None:  # where each distinct plan applies now: its stream (None: it does not)
             self.streams = {id(plan): plan.stream() for plan, _ in self.steps}
+            # a TMA launch asks Triton's allocator (a context variable: a thread starts without one,
+            # autograd's backward thread too) for its descriptors' scratch, as matmul's path sets it
+            ensure_scratch_allocator()
 
     def __call__(self, a, out, bias=None, residual=None, *, ops=None, preact_out=None):
         ops = ops or self.operands(a, bias)
