@@ -23,7 +23,7 @@ from .checks import check_choice, check_int, check_tensor
 from .runtime import interpreting
 
 __all__ = ["MAX_SPIN_GPU", "MAX_SPIN_INTERPRETED", "WAIT_CHECK", "WAIT_CHECKS", "WaitTimeout", "canonical_device",
-           "behind", "check_wait_timeouts", "ready_word", "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
+           "behind", "capturing", "check_wait_timeouts", "ready_word", "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
 
 # Bound of a flag spin (reads): ~2^27 system-scope loads is about a minute on a GPU; an interpreted
 # read takes ~0.3 ms (the flag can only change there when another process writes it).
@@ -79,6 +79,11 @@ def canonical_device(device) -> torch.device:
     if device.type == "cpu" and device.index is not None:
         return torch.device("cpu")
     return device
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work queued now on ``device``'s current stream is being captured in a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _status(device) -> _Status:
@@ -192,7 +197,8 @@ def ready_word(device, value, name: str = "ready_value") -> torch.Tensor:
     word when it starts, so a launch carries no host value that changes from call to call).
     ``value``: such a word already (a 1-element int32 tensor on ``device``: a device-resident
     epoch, moved by stream-ordered work), returned as is; or an int, for which a word holding it
-    is made once per device and value (a fill on the current stream, no host synchronisation)."""
+    is made once per device and value (a fill on the current stream, no host synchronisation; past
+    1024 values, and inside a CUDA-graph capture, a word per call, never one evicted)."""
     word = _ready_words.get((device, value)) if type(value) is int else None
     if word is not None:
         return word
@@ -203,12 +209,14 @@ def ready_word(device, value, name: str = "ready_value") -> torch.Tensor:
                              f"shape {tuple(value.shape)} on {value.device}")
         return value
     check_int(name, value, min_value=-(2 ** 31), max_value=2 ** 31 - 1)
-    if len(_ready_words) >= 1024:
-        _ready_words.clear()
     device = canonical_device(device)
     word = _ready_words.get((device, value))
     if word is None:
-        word = _ready_words[device, value] = torch.full((1,), value, dtype=torch.int32, device=device)
+        word = torch.full((1,), value, dtype=torch.int32, device=device)
+        # a word is never evicted (a captured graph may read it); one made inside a capture is the
+        # graph's (its fill is captured, not run): not kept for eager calls
+        if len(_ready_words) < 1024 and not capturing(device):
+            _ready_words[device, value] = word
     return word
 
 

@@ -424,23 +424,30 @@ def test_matmul_reduce_scatter_emulated(dtype, scatter_dim, rank, partial, waits
     _emu_check(f"RS emulated rank{rank}", (y, x.grad, w.grad, b.grad), (y_ref, dx, dw, P * db), dtype)
 
 
-def test_ring_buffers_are_kept_per_transport_and_shape():
-    """A transport keeps the rings' receive and partial buffers between calls (one set per purpose
-    and shape: the same tensors the next call), and the results do not depend on them."""
+def test_ring_buffers_are_kept_per_transport_and_purpose():
+    """A transport keeps the rings' receive and partial buffers between calls: one buffer per
+    purpose, dtype and device whatever the shapes (the same tensors the next call; with a shape
+    per call, variable sequence lengths, it was a set per shape), grown to the largest; the results
+    do not depend on them."""
     g, f32 = rank_rng(77), torch.float32
     t = EmulatedTransport(EMU_P, 1)
-    x, w = _rand(g, 2 * EMU_P, 4, dtype=f32), _rand(g, 5, 4, dtype=f32)
+    x, w = _rand(g, 32 * EMU_P, 4, dtype=f32), _rand(g, 5, 4, dtype=f32)
 
-    def calls():
-        return (matmul_reduce_scatter(x, w, scatter_dim=0, transport=t),
-                all_gather_matmul(x[:2], w, gather_dim=0, transport=t))
+    def calls(rows=2 * EMU_P):
+        return (matmul_reduce_scatter(x[:rows], w, scatter_dim=0, transport=t),
+                all_gather_matmul(x[:rows // EMU_P], w, gather_dim=0, transport=t))
 
     first = calls()
     kept = dict(t.scratch)
+    flats = {k: v.flat for k, v in kept.items()}
     assert sorted(k[0] for k in kept) == ["ring_gather", "ring_reduce_scatter"]
     for got, want in zip(calls(), first):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert t.scratch.keys() == kept.keys() and all(t.scratch[k] is v for k, v in kept.items())
+    calls(EMU_P)  # smaller shapes: views of the same buffers
+    assert all(t.scratch[k].flat is f for k, f in flats.items())
+    calls(32 * EMU_P)  # larger (past the 256-byte alignment of each view): replaced by buffers that hold them
+    assert t.scratch.keys() == kept.keys() and all(t.scratch[k].flat is not f for k, f in flats.items())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -251,6 +251,23 @@ def test_all_gather_flags_are_lowered_before_a_call_raises_any(monkeypatch):
     assert flags[0] is not flags[1] and flags[0].ready is flags[1].ready
 
 
+def test_reduce_scatter_keeps_one_running_sum_for_every_shape():
+    """The reduction's fp32 running sum is one buffer per workspace, grown to the largest shape and
+    sliced per call (with variable sequence lengths it was one buffer per shape, never freed)."""
+    g = torch.Generator().manual_seed(17)
+    t, w = _emulated(2, 1), randn(5, 16, generator=g)
+    for rows in (8, 4, 2, 6):
+        x = randn(1, rows, 16, generator=g)
+        out = matmul_reduce_scatter_symmetric(x, w, transport=t, max_spin=50)
+        assert_close(out, sum(ref_mm(x[:, c * rows // 2:(c + 1) * rows // 2], w) for c in range(2)), torch.float32)
+    ws = t.symmetric_workspace("reduce_scatter", x.device, 0)
+    sums = {v.untyped_storage().data_ptr() for views in ws.views.values() for v in views
+            if isinstance(v, torch.Tensor) and v.dtype == torch.float32}
+    sums |= {v.untyped_storage().data_ptr() for v in ws.fp32_views.values()}
+    sums.discard(ws.tensor.untyped_storage().data_ptr())  # (the fp32 partials: views of the workspace)
+    assert len(sums) == 1 and ws.fp32.numel() == 4 * 5
+
+
 def test_flags_raise_and_reset_to_constants():
     """A flag is raised to the constant the ready word holds and reset to 0 (no epoch on the host:
     every value written or waited for is the same call after call)."""

@@ -52,8 +52,10 @@ class Transport:
         self.rank = rank
         #: the string that names this transport in an op's schema (:mod:`fusedpar.ops.common`)
         self.transport_id = register_transport(self)
-        #: buffers the schedules keep between calls, per purpose and shape
+        #: buffers the schedules keep between calls, per purpose, dtype and device
         self.scratch: dict = {}
+        #: what a schedule's checks derived, per description of its arguments
+        self.specs: dict = {}
 
     def transfers(self, device: torch.device):
         """A context around one op's transfers on ``device``: while it is open the op holds every
@@ -145,8 +147,32 @@ class SymmetricWorkspace:
         self.tensor, self.nbytes, self.handle = tensor, nbytes, handle
         self.ready = torch.zeros(1, dtype=torch.int32, device=tensor.device)
         self.flags = None
-        #: views a schedule lays over the buffer, per shape (made once per workspace)
+        #: views a schedule lays over the buffer, per shape (:meth:`keep`: at most 64 shapes)
         self.views: dict = {}
+        self.fp32 = None  # a local fp32 buffer (:meth:`fp32_scratch`) and its views per size
+        self.fp32_views: dict = {}
+
+    def keep(self, key, views):
+        """``views[key] = views`` (what a schedule lays over the buffer for one shape), forgetting
+        the others first once 64 shapes are kept (views hold no memory of their own)."""
+        if len(self.views) >= 64:
+            self.views.clear()
+        self.views[key] = views
+        return views
+
+    def fp32_scratch(self, n: int) -> torch.Tensor:
+        """``n`` (at least 1) fp32 elements of this rank's local buffer on the workspace's device:
+        one buffer for every shape, grown to the largest ``n`` asked for (a reduction's running
+        sum), not one per shape."""
+        view = self.fp32_views.get(n)
+        if view is None:
+            if self.fp32 is None or self.fp32.numel() < n:
+                self.fp32 = torch.empty(max(n, 1), dtype=torch.float32, device=self.tensor.device)
+                self.fp32_views = {}
+            if len(self.fp32_views) >= 64:
+                self.fp32_views.clear()
+            view = self.fp32_views[n] = self.fp32[:max(n, 1)]
+        return view
 
     def typed(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """The ``shape`` tensor of ``dtype`` at byte ``offset`` of the buffer (a view)."""

@@ -144,12 +144,15 @@ def pull_chunks(gathered, sources, order, flags: ChunkFlags, *, copy=None, delay
 
 def device_ints(values, device) -> torch.Tensor:
     """A cached int64 device tensor of ``values``: made once (a synchronous host-to-device copy),
-    then reused, so that no call blocks the host on a stream that waits for peers."""
+    then reused, so that no call blocks the host on a stream that waits for peers (1024 kept: a
+    caller keeps what it reuses, as a workspace's views do)."""
     values = tuple(values)
     t = _int_tensors.get((device, values))  # (a tensor's device: the key canonical_device gives it)
     if t is None:
         device = canonical_device(device)
         t = _int_tensors.get((device, values))
         if t is None:
+            if len(_int_tensors) >= 1024:
+                _int_tensors.clear()
             t = _int_tensors[device, values] = torch.tensor(values, dtype=torch.int64, device=device)
     return t

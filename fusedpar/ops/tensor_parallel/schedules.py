@@ -28,24 +28,49 @@ from fusedpar.kernels.runtime import (ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_
 from fusedpar.ops.comm.transport import Transport
 
 
-def scratch(transport: Transport, key, make):
-    """Buffers a schedule keeps on ``transport`` between calls (``make()`` the first time for
-    ``key``: a purpose, shapes, dtype, device), taken out while the schedule uses them and put back
-    by :func:`keep_scratch`, so two schedules running at once never share them. On a GPU the next
+class Scratch:
+    """One buffer a transport keeps for a purpose (:func:`scratch`), grown to the largest set of
+    shapes asked for, and its views per set of shapes (64 kept: views hold no memory)."""
+
+    __slots__ = ("flat", "views")
+
+    def __init__(self):
+        self.flat, self.views = None, {}
+
+    def carve(self, shapes, dtype, device):
+        """Views of ``shapes`` laid one after another in the buffer, each at a multiple of 256
+        bytes (an allocator's alignment: whatever a launch specialises on does not change)."""
+        step = max(256 // dtype.itemsize, 1)
+        sizes = [-(-math.prod(s) // step) * step for s in shapes]
+        if self.flat is None or self.flat.numel() < sum(sizes):
+            self.flat, self.views = torch.empty(sum(sizes), dtype=dtype, device=device), {}
+        if len(self.views) >= 64:
+            self.views.clear()
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        views = self.views[shapes] = tuple(self.flat[o:o + math.prod(s)].view(s) for o, s in zip(offsets, shapes))
+        return views
+
+
+def scratch(transport: Transport, key, shapes):
+    """``(kept, views)``: views of ``shapes`` (a tuple of shapes) in a buffer the transport keeps
+    between calls per ``key`` (a purpose, dtype and device: one buffer whatever the shapes, grown to
+    the largest set asked for), taken out while the schedule uses it and put back by
+    :func:`keep_scratch`, so two schedules running at once never share it. On a GPU the next
     call's writes are stream-ordered after this call's reads (one stream issues both, and a
     transport's side stream waits for it before each copy)."""
     cache = getattr(transport, "scratch", None)
-    bufs = cache.pop(key, None) if cache is not None else None
-    return make() if bufs is None else bufs
+    kept = cache.pop(key, None) if cache is not None else None
+    if kept is None:
+        kept = Scratch()
+    views = kept.views.get(shapes)
+    return kept, views if views is not None else kept.carve(shapes, key[1], key[2])
 
 
-def keep_scratch(transport: Transport, key, bufs) -> None:
-    """Put back what :func:`scratch` handed out (at most 64 keys per transport are kept)."""
+def keep_scratch(transport: Transport, key, kept) -> None:
+    """Put back what :func:`scratch` handed out."""
     cache = getattr(transport, "scratch", None)
     if cache is not None:
-        if len(cache) >= 64:
-            cache.clear()
-        cache[key] = bufs
+        cache[key] = kept
 
 
 def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None = None):
@@ -71,8 +96,8 @@ def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None
         yield r, cur
         return
     if into is None:
-        key = ("ring_gather", cur.shape, cur.dtype, cur.device)
-        slots = scratch(transport, key, lambda: (torch.empty_like(cur), torch.empty_like(cur)))
+        key = ("ring_gather", cur.dtype, cur.device)
+        kept, slots = scratch(transport, key, (cur.shape, cur.shape))
     try:
         for j in range(P):
             handle = None
@@ -85,7 +110,7 @@ def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None
                 cur = nxt
     finally:
         if into is None:
-            keep_scratch(transport, key, slots)
+            keep_scratch(transport, key, kept)
 
 
 def chunk_gemm(weight, weight_layout: str = "nk"):
@@ -215,20 +240,6 @@ def _split(a, sizes, dim):
     return [a.narrow(dim, lo, n) for lo, n in zip(starts, sizes)]
 
 
-def _partial_buffers(shapes, dtype, device):
-    """``(send, recv)``: two double-buffered sets of ``shapes`` buffers, views of one allocation
-    (made once per transport and shapes, :func:`scratch`)."""
-    sizes = [math.prod(s) for s in shapes]
-    flat = torch.empty(4 * sum(sizes), dtype=dtype, device=device)
-    views, off = [], 0
-    for _ in range(4):
-        views.append([])
-        for shape, n in zip(shapes, sizes):
-            views[-1].append(flat[off:off + n].view(shape))
-            off += n
-    return views[:2], views[2:]
-
-
 def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Transport, partial_dtype,
                         between=None):
     """``out = sum over ranks q of (a_chunk_q(r) @ W_q) + bias`` where ``r`` is this rank.
@@ -240,8 +251,8 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
     the chunk is its own and the result (plus bias) is written into ``out``. Each step is split in
     two row halves, so that one half's partial travels while the other half's GEMM runs.
     ``between(j)`` (optional) runs after step ``j`` (independent work that also hides the
-    transfers, e.g. a weight gradient). The partial buffers are kept on the transport
-    (:func:`scratch`); the transfers run inside ``transport.transfers``.
+    transfers, e.g. a weight gradient). The partial buffers (two sets to send, two to receive) are
+    kept on the transport (:func:`scratch`); the transfers run inside ``transport.transfers``.
     """
     P, r = transport.size, transport.rank
     gemm = chunk_gemm(weight, weight_layout)
@@ -253,8 +264,10 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
     sd = _split_dim(out)
     sizes = [hi - lo for lo, hi in _halves(out.shape[sd])]
     outs = out.split_with_sizes(sizes, sd)
-    key = ("ring_reduce_scatter", tuple(o.shape for o in outs), partial_dtype, out.device)
-    send, recv = bufs = scratch(transport, key, lambda: _partial_buffers(key[1], partial_dtype, out.device))
+    key, halves = ("ring_reduce_scatter", partial_dtype, out.device), len(outs)
+    kept, views = scratch(transport, key, tuple(o.shape for o in outs) * 4)  # two sets to send, two to receive
+    send = [views[:halves], views[halves:2 * halves]]
+    recv = [views[2 * halves:3 * halves], views[3 * halves:]]
     chunks = [a_chunk(c) for c in range(P)]
     ops = ops_bias = None
     if isinstance(gemm, ChunkGemms):  # every GEMM's plan key follows from the chunks, out, bias and weight
@@ -277,7 +290,7 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
                     gemm(a_h, outs[h], bias, residual, **last_kw)
             if between is not None:
                 between(j)
-    keep_scratch(transport, key, bufs)
+    keep_scratch(transport, key, kept)
     if isinstance(gemm, ChunkGemms):
         gemm.finish()
     return out

@@ -114,16 +114,16 @@ def _spec(t, key):
     """What a schedule derived from arguments described by ``key`` in an earlier call on ``t`` whose
     checks passed (kept on the transport, :func:`_keep_spec`); None for a new key or ``key`` None."""
     try:
-        return None if key is None else t.scratch.get(key)
+        return None if key is None else t.specs.get(key)
     except TypeError:  # an argument that cannot be hashed (the checks reject it)
         return None
 
 
 def _keep_spec(t, key, spec) -> None:
     if key is not None:
-        if len(t.scratch) >= 64:
-            t.scratch.clear()
-        t.scratch[key] = spec
+        if len(t.specs) >= 64:
+            t.specs.clear()
+        t.specs[key] = spec
 
 
 def _check_config(config, a, weight, bias, activation, preact_out, a_scale, weight_scale, scaling, out_dtype):
@@ -277,8 +277,7 @@ def _ag_views(t, ws, key, x, x_scale, row, xb):
     if x_scale is not None:
         g_scale = slots[:, xb:xb + x_scale.numel() * 4].view(torch.float32).view((P,) + tuple(x_scale.shape))
     srcs = [None if c == r else t.peer_slot(ws, slots, c, c) for c in range(P)]
-    views = ws.views[key] = (gathered, g_scale, slots.unbind(0), srcs)
-    return views
+    return ws.keep(key, (gathered, g_scale, slots.unbind(0), srcs))
 
 
 def _rs_order(r: int, P: int):
@@ -320,7 +319,7 @@ def _rs_begin(t, device, nbytes, views, per):
     if found is None:  # (views: "reduce_scatter", P, the counters' bytes, a chunk's shape, the partials' dtype)
         _, P, head, chunk_shape, dtype = views
         counters = ws.typed(0, (P,), torch.int32)
-        found = ws.views[views] = (counters, ws.typed(head, (P,) + chunk_shape, dtype), counters[:1])
+        found = ws.keep(views, (counters, ws.typed(head, (P,) + chunk_shape, dtype), counters[:1]))
     counters, partials, first = found
     t.symmetric_barrier(ws, 0)
     torch.add(first, per, out=ws.ready)  # (every counter of this rank holds the same count between calls)
@@ -360,7 +359,8 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     if out is None:
         out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     ws, counters, partials, ready = _rs_begin(t, x.device, nbytes, views, per)
-    peer_off, cnt_off, acc = ws.views.get((views, r)) or _rs_reduce_args(t, ws, (views, r), counters, partials)
+    peer_off, cnt_off, n = ws.views.get((views, r)) or _rs_reduce_args(t, ws, (views, r), counters, partials)
+    acc = ws.fp32_scratch(n)  # the reduction's running sum: one buffer for every shape
     side = fork_side_stream(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
     if producer_delay_cycles:
         torch.cuda._sleep(int(producer_delay_cycles))
@@ -408,12 +408,10 @@ def _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunke
 
 def _rs_reduce_args(t, ws, key, counters, partials):
     """The reduction's peer offsets of the partials and of the counters (in the order the peers
-    complete this rank's chunk) and its fp32 running sum, kept in ``ws.views[key]`` (once per
-    workspace and shape)."""
+    complete this rank's chunk) and the size of its fp32 running sum, kept in ``ws.views[key]``
+    (once per workspace and shape)."""
     r = t.rank
     order = _rs_order(r, t.size)
-    found = ws.views[key] = (
-        device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], partials.device),
-        device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], partials.device),
-        torch.empty(max(partials[0].numel(), 1), dtype=torch.float32, device=partials.device))
-    return found
+    return ws.keep(key, (device_ints([t.peer_slot_offset(ws, partials, j, r) for j in order], partials.device),
+                         device_ints([t.peer_slot_offset(ws, counters, j, r) for j in order], partials.device),
+                         partials[0].numel()))
