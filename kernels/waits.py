@@ -23,7 +23,7 @@ from .checks import check_choice, check_int, check_tensor
 from .runtime import interpreting
 
 __all__ = ["MAX_SPIN_GPU", "MAX_SPIN_INTERPRETED", "WAIT_CHECK", "WAIT_CHECKS", "WaitTimeout", "canonical_device",
-           "behind", "capturing", "check_wait_timeouts", "ready_word", "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
+           "behind", "capturing", "check_not_capturing", "check_wait_timeouts", "ready_word", "spin_bound", "status_word", "wait_ready", "wait_timeouts"]
 
 # Bound of a flag spin (reads): ~2^27 system-scope loads is about a minute on a GPU; an interpreted
 # read takes ~0.3 ms (the flag can only change there when another process writes it).
@@ -86,12 +86,23 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def check_not_capturing(what: str, device: torch.device) -> None:
+    """Raise where ``what`` (state kept from call to call: a word, flags, a workspace) would be
+    made inside a CUDA-graph capture on ``device``: its initialisation would be captured, not run,
+    so eager calls would find it unset (and a replay would reset it)."""
+    if capturing(device):
+        raise RuntimeError(f"{what} must be made before a CUDA-graph capture on {device} (its initialisation would "
+                           "be captured, not run), got its first use inside one: run the op once before capturing "
+                           "(a warm-up)")
+
+
 def _status(device) -> _Status:
     st = _statuses.get(device)
     if st is None:
         device = canonical_device(device)
         st = _statuses.get(device)
         if st is None:
+            check_not_capturing("the wait-timeout status word", device)
             st = _statuses[device] = _Status(device)
     return st
 

@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 import weakref
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -39,7 +40,7 @@ from fusedpar.ops.comm.symmetric import (
     symmetric_status,
 )
 from fusedpar.ops.tensor_parallel.symmetric import all_gather_matmul_symmetric, matmul_reduce_scatter_symmetric
-from fusedpar.ops.comm.waits import ChunkFlags, chunk_flags
+from fusedpar.ops.comm.waits import ChunkFlags, chunk_flags, device_ints
 from fusedpar.ops.comm.transport import EmulatedTransport, PortableTransport
 
 world2 = world_fixture(2)  # GPU test only (needs 2 GPUs)
@@ -276,6 +277,44 @@ def test_flags_raise_and_reset_to_constants():
     assert f.i32.tolist() == [0, 0, 1, 0] and f.ready.tolist() == [1]
     f.reset()
     assert f.i32.tolist() == [0, 0, 0, 0]
+
+
+def test_state_kept_across_calls_is_never_made_inside_a_graph_capture(monkeypatch):
+    """What an op keeps for later calls (the timeout word, a workspace, its flags, offset tables)
+    made inside a CUDA-graph capture would have its initialisation captured, not run (eager calls
+    would find it unset): a clear error asks for a warm-up instead. On CPU, with the capture query
+    answering yes for a CUDA device that was never used."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    cuda = torch.device("cuda", 7)
+    for make in (lambda: status_word(cuda), lambda: _emulated(2, 0).symmetric_workspace("all_gather", cuda, 64),
+                 lambda: chunk_flags(SimpleNamespace(flags=None, tensor=SimpleNamespace(device=cuda)), 2),
+                 lambda: device_ints((3, 5), cuda)):
+        with pytest.raises(RuntimeError, match="must be made before a CUDA-graph capture on cuda:7.*warm-up"):
+            make()
+
+
+def test_buffers_a_captured_op_used_outlive_the_caches(monkeypatch):
+    """A CUDA graph replays the addresses it captured: the buffers an op used while captured are
+    kept on its transport (``graph_buffers``) whatever the caches drop or replace later (here the
+    ring's buffer, replaced for a larger shape; a workspace, its views and running sum likewise).
+    On CPU, with the capture query answering yes."""
+    from fusedpar.ops.comm import transport as transport_module
+    from fusedpar.ops.tensor_parallel.schedules import ring_gather
+
+    t, x = _emulated(2, 1), torch.randn(3, 4)
+    matmul_reduce_scatter_symmetric(torch.randn(1, 2, 4), torch.randn(3, 4), transport=t)  # warm-up
+    with monkeypatch.context() as m:
+        m.setattr(transport_module, "capturing", lambda device: True)
+        list(ring_gather(x, t))
+        matmul_reduce_scatter_symmetric(torch.randn(1, 2, 4), torch.randn(3, 4), transport=t)
+    key = ("ring_gather", x.dtype, x.device)
+    flat = t.scratch[key].flat
+    list(ring_gather(torch.randn(30, 4), t))  # not captured, larger: the cache replaces the buffer
+    held = list(t.graph_buffers.values())
+    assert t.scratch[key].flat is not flat and any(
+        isinstance(h, tuple) and h[0].untyped_storage().data_ptr() == flat.data_ptr() for h in held)
+    ws = t.symmetric_workspace("reduce_scatter", x.device, 0)
+    assert any(h is ws for h in held) and any(h is ws.fp32_views[3] for h in held)  # (1 row x 3 features)
 
 
 def _error_calls():

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from fusedpar.kernels.checks import check_bool, check_int
-from fusedpar.kernels.waits import canonical_device
+from fusedpar.kernels.waits import canonical_device, capturing, check_not_capturing
 from fusedpar.ops.comm import collectives
 from fusedpar.ops.comm.keys import register_transport, resolve_transport_id
 
@@ -56,6 +56,8 @@ class Transport:
         self.scratch: dict = {}
         #: what a schedule's checks derived, per description of its arguments
         self.specs: dict = {}
+        #: buffers ops captured in a CUDA graph used (:func:`hold_for_graphs`), never dropped
+        self.graph_buffers: dict = {}
 
     def transfers(self, device: torch.device):
         """A context around one op's transfers on ``device``: while it is open the op holds every
@@ -184,12 +186,28 @@ class SymmetricWorkspace:
 
 
 def cached_workspace(cache: dict, key, nbytes: int, create) -> SymmetricWorkspace:
-    """``cache[key]``, replaced by ``create(size)`` when missing or smaller than ``nbytes`` (the new
-    size at least doubles, so a slowly growing shape does not reallocate every call)."""
+    """``cache[key]`` (``key``: a purpose and a device), replaced by ``create(size)`` when missing
+    or smaller than ``nbytes`` (the new size at least doubles, so a slowly growing shape does not
+    reallocate every call); never inside a CUDA-graph capture (its zeroing would be captured, not
+    run: warm up first)."""
     ws = cache.get(key)
     if ws is None or ws.nbytes < nbytes:
+        check_not_capturing(f"a {nbytes}-byte {key[0]!r} workspace", key[1])
         ws = cache[key] = create(max(nbytes, 2 * ws.nbytes if ws is not None else 0))
     return ws
+
+
+def hold_for_graphs(transport, device: torch.device, *buffers) -> None:
+    """While the current stream of ``device`` is being captured in a CUDA graph, keep ``buffers``
+    (what the op being captured reads or writes: a workspace, views of a kept buffer) alive as long
+    as ``transport`` (``graph_buffers``), whatever its caches evict or replace later: a graph
+    replays the addresses it captured."""
+    if capturing(device):
+        held = getattr(transport, "graph_buffers", None)
+        if held is None:
+            held = transport.graph_buffers = {}
+        for b in buffers:
+            held[id(b)] = b
 
 
 class SymmetricBuffers:

@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from fusedpar.kernels.checks import check_int
-from fusedpar.kernels.waits import canonical_device, ready_word
+from fusedpar.kernels.waits import canonical_device, check_not_capturing, ready_word
 
 
 def flag_writer_available() -> bool:
@@ -78,6 +78,7 @@ def chunk_flags(ws, chunks: int) -> ChunkFlags:
     transports never lower each other's flags."""
     f = ws.flags
     if f is None or f.u32.numel() < chunks:
+        check_not_capturing("the chunk flags", ws.tensor.device)
         f = ws.flags = ChunkFlags(chunks, ws.tensor.device)
     return f
 
@@ -152,6 +153,7 @@ def device_ints(values, device) -> torch.Tensor:
         device = canonical_device(device)
         t = _int_tensors.get((device, values))
         if t is None:
+            check_not_capturing(f"an offset table {values}", device)  # (a synchronous copy)
             if len(_int_tensors) >= 1024:
                 _int_tensors.clear()
             t = _int_tensors[device, values] = torch.tensor(values, dtype=torch.int64, device=device)

@@ -25,7 +25,7 @@ from fusedpar.kernels.gemm_loads import ensure_scratch_allocator
 from fusedpar.kernels.launch import LaunchRecord, PlanCache, describe
 from fusedpar.kernels.runtime import (ACTIVATIONS, SUPPORTED_DTYPES, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, input_precision,
                                       interpreting)
-from fusedpar.ops.comm.transport import Transport
+from fusedpar.ops.comm.transport import Transport, hold_for_graphs
 
 
 class Scratch:
@@ -98,6 +98,7 @@ def ring_gather(x: torch.Tensor, transport: Transport, into: torch.Tensor | None
     if into is None:
         key = ("ring_gather", cur.dtype, cur.device)
         kept, slots = scratch(transport, key, (cur.shape, cur.shape))
+        hold_for_graphs(transport, cur.device, slots)
     try:
         for j in range(P):
             handle = None
@@ -266,6 +267,7 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
     outs = out.split_with_sizes(sizes, sd)
     key, halves = ("ring_reduce_scatter", partial_dtype, out.device), len(outs)
     kept, views = scratch(transport, key, tuple(o.shape for o in outs) * 4)  # two sets to send, two to receive
+    hold_for_graphs(transport, out.device, views)
     send = [views[:halves], views[halves:2 * halves]]
     recv = [views[2 * halves:3 * halves], views[3 * halves:]]
     chunks = [a_chunk(c) for c in range(P)]

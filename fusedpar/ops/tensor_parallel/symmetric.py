@@ -47,6 +47,7 @@ from fusedpar.kernels.runtime import SUPPORTED_DTYPES, activation_features, cdiv
 from fusedpar.kernels.waits import check_wait_timeouts, spin_bound
 from fusedpar.ops.comm.agreement import agreed_arguments
 from fusedpar.ops.comm.symmetric import check_symmetric
+from fusedpar.ops.comm.transport import hold_for_graphs
 from fusedpar.ops.comm.waits import (
     chunk_flags,
     device_ints,
@@ -203,6 +204,7 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     gathered, g_scale, dsts, srcs = ws.views.get(views) or _ag_views(t, ws, views, x, x_scale if fp8 else None, row,
                                                                       xb)
     flags = chunk_flags(ws, P)
+    hold_for_graphs(t, x.device, ws, flags)
     flags.reset()  # before any raise (the previous call joined): a flag read as ready is this call's
     t.symmetric_barrier(ws, 0)  # every peer finished reading our slot in the previous call
     gathered[r].copy_(x)
@@ -359,8 +361,10 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     if out is None:
         out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     ws, counters, partials, ready = _rs_begin(t, x.device, nbytes, views, per)
-    peer_off, cnt_off, n = ws.views.get((views, r)) or _rs_reduce_args(t, ws, (views, r), counters, partials)
+    reduce_args = ws.views.get((views, r)) or _rs_reduce_args(t, ws, (views, r), counters, partials)
+    peer_off, cnt_off, n = reduce_args
     acc = ws.fp32_scratch(n)  # the reduction's running sum: one buffer for every shape
+    hold_for_graphs(t, x.device, ws, reduce_args, acc)
     side = fork_side_stream(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
     if producer_delay_cycles:
         torch.cuda._sleep(int(producer_delay_cycles))
