@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 
 import torch
 import triton
@@ -57,6 +58,7 @@ class _Status:
         self.pending = collections.deque()
         self.host = self.slots = self.events = None
         self.next = 0
+        self.lock = threading.Lock()  # checks from several threads (autograd's) take slots in turn
 
     def report(self, seen: int) -> int:
         n, self.reported = seen - self.reported, max(seen, self.reported)
@@ -114,8 +116,9 @@ def wait_timeouts(device: torch.device | str, *, reset: bool = True) -> int:
     seen = int(st.word.item())
     if not reset:
         return seen - st.reported
-    st.pending.clear()
-    return st.report(seen)
+    with st.lock:
+        st.pending.clear()
+        return st.report(seen)
 
 
 def snapshot_buffers(n: int):
@@ -153,8 +156,8 @@ def _deferred_timeouts(st: _Status, what: str):
         st.slots = st.host.numpy()  # reads without a torch call
         st.views = list(st.host.split(1))
     slot, st.next = st.next, (st.next + 1) % _MAX_PENDING
-    st.views[slot].copy_(st.word, non_blocking=True)
-    st.events[slot].record()
+    st.views[slot].copy_(st.word, non_blocking=True)  # (queued on the word's device's current stream)
+    st.events[slot].record(torch.cuda.current_stream(st.word.device))
     st.pending.append((slot, what))
     return found
 
@@ -178,7 +181,8 @@ def check_wait_timeouts(device: torch.device | str, what: str, *, mode: str | No
             return
         n, op, late = wait_timeouts(device), what, ""
     else:
-        n, op = _deferred_timeouts(st, what)
+        with st.lock:
+            n, op = _deferred_timeouts(st, what)
         late = (f" (found by the deferred check of a later op, {what}; FUSEDPAR_WAIT_CHECK=sync raises in the op "
                 "itself)")
     if n:

@@ -1,4 +1,5 @@
 """fusedpar.ops.comm transfers and the multi-process test harness itself (gloo on CPU)."""
+import threading
 import time
 
 import pytest
@@ -113,10 +114,11 @@ class _StreamAPI:
     class Event:
         def __init__(self, api):
             api.calls["Event"] += 1
-            self.api = api
+            self.api, self.recorded = api, []
 
         def record(self, stream=None):
             self.api.calls["record"] += 1
+            self.recorded.append(stream)
 
     def install(self, monkeypatch):
         api = self
@@ -153,9 +155,41 @@ def test_emulated_transfers_create_nothing_per_transfer(monkeypatch):
             for _ in range(5):
                 t._copies(cuda, [(dst, src)]).wait()
         made = {k: api.calls[k] - before[k] for k in api.calls}
-        assert made == {"Stream": 1 - op, "Event": 16 * (1 - op), "record": 5 * 2 + 1, "wait_event": 5 * 2 + 1,
+        assert made == {"Stream": 1 - op, "Event": 17 * (1 - op), "record": 5 * 2 + 1, "wait_event": 5 * 2 + 1,
                         "set_stream": 5 * 2, "record_stream": 0}, made
         assert api.current is api.main and torch.equal(dst, src)
     t._copies(cuda, [(dst, src)])  # no scope: nobody holds the buffers until a join
     assert api.calls["record_stream"] == 2
     assert t.transfers(torch.device("cpu")) is comm.transport.NO_SCOPE
+
+
+def test_a_handles_event_is_recorded_on_the_side_stream_only(monkeypatch):
+    """A transfer's handle is an event of a ring of 16 recorded on the side stream only: recorded
+    again 16 transfers later, and then on the side stream (a later copy: its waiter waits for more,
+    never for less). With one ring for the handles and for the side stream's waits on the caller's
+    stream, a handle's event was recorded again 8 transfers later, on the caller's stream, and its
+    waiter no longer waited for the copy."""
+    api = _StreamAPI()
+    api.install(monkeypatch)
+    t, cuda = comm.EmulatedTransport(2, 0), torch.device("cuda", 0)
+    src, dst = torch.arange(6.0), torch.zeros(6)
+    with t.transfers(cuda):
+        events = [t._copies(cuda, [(dst, src)])._event for _ in range(17)]
+    side = t._side(cuda).stream
+    assert len({id(e) for e in events[:16]}) == 16
+    assert events[0] is events[16] and events[16].recorded == [side, side]
+
+
+def test_an_op_scope_is_its_threads_own(monkeypatch):
+    """Each thread has its own side stream, event ring and op scope on a transport: a transfer made
+    by another thread while an op's scope is open is not that op's (it ran on the op's stream,
+    skipped record_stream and was left to the other thread's scope to join)."""
+    api = _StreamAPI()
+    api.install(monkeypatch)
+    t, cuda = comm.EmulatedTransport(2, 0), torch.device("cuda", 0)
+    src, dst = torch.arange(6.0), torch.zeros(6)
+    with t.transfers(cuda):
+        other = threading.Thread(target=lambda: t._copies(cuda, [(dst, src)]))
+        other.start()
+        other.join()
+    assert api.calls["Stream"] == 1 + 2 and api.calls["record_stream"] == 2  # (the stand-in main stream, a side per thread)

@@ -257,12 +257,14 @@ def test_check_wait_timeouts_reports_each_timeout_once(device, mode):
 
 
 class _FakeEvent:
-    """A CUDA event's host API as the deferred check uses it; ``landed`` says what query() answers."""
+    """A CUDA event's host API as the deferred check uses it; ``landed`` says what query() answers,
+    ``streams`` where it was recorded."""
     landed = True
     synchronized = 0
+    streams = []
 
-    def record(self):
-        pass
+    def record(self, stream=None):
+        _FakeEvent.streams.append(stream)
 
     def query(self):
         return _FakeEvent.landed
@@ -276,11 +278,14 @@ def test_deferred_check_names_the_op_without_synchronising(monkeypatch):
     status word into a pinned slot and raises nothing for its own kernels; the next check whose
     earlier copy has landed raises, naming the op whose copy first showed the count and the op
     that found it; a count is reported once; at most 64 copies wait in flight (the oldest is then
-    waited for); the status word is never read synchronously."""
+    waited for); the status word is never read synchronously; each copy's event is recorded on the
+    current stream of the word's device (where the copy is queued), not of the current device."""
     from fusedpar.kernels import waits
 
     dev = torch.device("cpu")
     monkeypatch.setattr(waits, "deferred_capable", lambda word: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("current stream of", device))
+    monkeypatch.setattr(_FakeEvent, "streams", [])
     monkeypatch.setattr(waits, "snapshot_buffers",
                         lambda n: (torch.zeros(n, dtype=I32), [_FakeEvent() for _ in range(n)]))
     monkeypatch.setitem(waits._statuses, dev, waits._Status(dev))  # a fresh word and no snapshots
@@ -300,6 +305,7 @@ def test_deferred_check_names_the_op_without_synchronising(monkeypatch):
     assert _FakeEvent.synchronized == 1  # op D's copy (nothing new)
     with pytest.raises(WaitTimeout, match="op 0: 1 wait"):
         check("op 64")
+    assert set(_FakeEvent.streams) == {("current stream of", dev)}
 
 
 @pytest.mark.gpu

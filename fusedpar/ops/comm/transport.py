@@ -18,6 +18,7 @@ chunk it delivers is used. Implementations:
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Sequence
 
@@ -243,16 +244,17 @@ class SymmetricBuffers:
 
 
 class _EventHandle:
-    """A copy queued on a side stream: ``wait()`` makes the current stream wait for it."""
+    """A copy queued on a side stream: ``wait()`` makes the current stream of the copy's device
+    wait for it."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event", "_device")
 
-    def __init__(self, event):
-        self._event = event
+    def __init__(self, event, device=None):
+        self._event, self._device = event, device
 
     def wait(self) -> None:
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
             self._event = None
 
 
@@ -260,33 +262,37 @@ _NO_COPY = _EventHandle(None)
 
 
 class SideStream:
-    """The side stream of one device and a ring of events made with it (an event is recorded
-    again only ``EVENTS`` transfers later: a handle not waited for by then makes its waiter wait for
-    a later copy, never for too little). Nothing here is created per transfer; ``scope``: the
-    current stream of the op scope open on this device (:meth:`EmulatedTransport.transfers`)."""
+    """The side stream of one device and thread, with the events its transfers record: ``fork``,
+    recorded on the caller's stream and waited for by the side stream at once (and the other way
+    round at an op scope's end), and a ring of ``EVENTS`` handle events recorded on the side stream
+    only, one per transfer: a handle's event is recorded again ``EVENTS`` transfers later, on the
+    side stream, so a handle not waited for by then makes its waiter wait for a later copy, never
+    for less. Nothing here is created per transfer; ``scope``: the current stream of the op scope
+    open on this device in this thread (:meth:`EmulatedTransport.transfers`)."""
 
     EVENTS = 16
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device=device)
+        self.fork = torch.cuda.Event()
         self.events = [torch.cuda.Event() for _ in range(self.EVENTS)]
         self.next = 0
         self.scope = None
 
-    def event(self):
-        e = self.events[self.next]
-        self.next = (self.next + 1) % self.EVENTS
-        return e
-
     def after(self, main) -> None:
         """The side stream waits for the work queued so far on ``main``."""
-        e = self.event()
-        e.record(main)
-        self.stream.wait_event(e)
+        self.fork.record(main)
+        self.stream.wait_event(self.fork)
+
+    def join(self, main) -> None:
+        """``main`` waits for the work queued so far on the side stream."""
+        self.fork.record(self.stream)
+        main.wait_event(self.fork)
 
     def mark(self):
-        """An event recorded on the side stream now."""
-        e = self.event()
+        """A handle's event, recorded on the side stream now."""
+        e = self.events[self.next]
+        self.next = (self.next + 1) % self.EVENTS
         e.record(self.stream)
         return e
 
@@ -333,7 +339,7 @@ class EmulatedTransport(Transport, SymmetricBuffers):
             yield
         finally:
             side.scope = None
-            main.wait_event(side.mark())
+            side.join(main)
 
     def __repr__(self):
         return (f"EmulatedTransport(size={self.size}, rank={self.rank}, copy_repeat={self.copy_repeat}, "
@@ -368,13 +374,16 @@ class EmulatedTransport(Transport, SymmetricBuffers):
         return EMULATION_FREE_SMS if torch.device(device).type == "cuda" else 0
 
     def _side(self, device: torch.device) -> SideStream | None:
-        s = self._streams.get(device)  # (a tensor's device: the key canonical_device gives it)
+        """The side stream of ``device`` and of the calling thread (each thread its own: its op
+        scope, its event ring), None on CPU."""
+        thread = threading.get_ident()
+        s = self._streams.get((device, thread))  # (a tensor's device: the key canonical_device gives it)
         if s is not None or device.type != "cuda":
             return s
         device = canonical_device(device)
-        s = self._streams.get(device)
+        s = self._streams.get((device, thread))
         if s is None:
-            s = self._streams[device] = SideStream(device)
+            s = self._streams[device, thread] = SideStream(device)
         return s
 
     def _copies(self, device: torch.device, pairs) -> _EventHandle:
@@ -402,7 +411,7 @@ class EmulatedTransport(Transport, SymmetricBuffers):
             for dst, src in pairs:
                 dst.record_stream(side.stream)
                 src.record_stream(side.stream)
-        return _EventHandle(ev)
+        return _EventHandle(ev, device)
 
     def send_recv(self, send, dst, recv, src):
         if recv is None:

@@ -1,10 +1,11 @@
 """The host side of the in-kernel waits of the symmetric tensor-parallel schedules, on one device
 and independent of process groups: the per-chunk ready flags a persistent GEMM spins on
 (:class:`ChunkFlags`, kept with a workspace, written without an SM by ``cuStreamWriteValue32``
-where this torch build has it, :func:`flag_writer_available`), the copy producer that pulls chunks and raises their flags on
-a side stream (:func:`pull_chunks`), the side stream itself (:func:`fork_side_stream`,
-:func:`join_side_stream`), and cached int64 device tensors (:func:`device_ints`: offset tables a
-kernel reads, made without a host sync after the first call)."""
+where this torch build has it, :func:`flag_writer_available`), the copy producer that pulls
+chunks and raises their flags on a side stream (:func:`pull_chunks`), the side stream itself
+(:func:`fork_side_stream`, :func:`join_side_stream`), and cached int64 device tensors
+(:func:`device_ints`: offset tables a kernel reads, made without a host sync after the first
+call)."""
 from __future__ import annotations
 
 import contextlib
