@@ -8,6 +8,9 @@ fp16 inputs and outputs rounded once, partial sums in fp32).
 The same ops also run as one rank of a world on ``EmulatedTransport`` (no process spawn), against
 fp64 references that follow the transport's mirror rule (the ``*_emulated`` tests).
 """
+import contextlib
+import re
+
 import pytest
 import torch
 
@@ -843,3 +846,30 @@ def test_fp8_all_gather_moves_e4m3_and_scales(recipe, scale_bytes):
         want = [(torch.uint8, pack)] + ([(torch.uint8, kept)] if keep else [])
         assert sorted(t.sent) == sorted(want * (P - 1)), t.sent
         assert pack < 0.52 * x.numel() * x.element_size()  # 1568 of 3072 bytes (blockwise: 1584)
+
+
+def test_a_malformed_options_string_names_the_argument():
+    """The TP ops' options string (one schema argument, made by ``tp_options``) is checked where it
+    is parsed: a direct op call with a malformed one raises a ValueError naming ``options``, what it
+    must hold and what it got (it raised a bare unpacking, KeyError or int() error, or indexed x out
+    of range), in the op and in its fake (what torch.compile runs) alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusedpar.ops.tensor_parallel.bodies import tp_options
+    from fusedpar.ops.tensor_parallel.custom_ops import all_gather_matmul_op, matmul_all_reduce_op
+
+    t, f32 = EmulatedTransport(2, 0), torch.float32
+    tid = t.transport_id
+    good = tp_options(tid, 1, f32, "none", False, False, False)
+    cases = [(all_gather_matmul_op, s) for s in (
+        "1|none|float32|", f"x|none|float32||000|{tid}", f"1|none|float64||000|{tid}", f"1|none|float32||01|{tid}",
+        f"1|none|float32||012|{tid}", f"2|none|float32||000|{tid}", f"-1|none|float32||000|{tid}")]
+    cases += [(matmul_all_reduce_op, f"0|none|float32|||{tid}")]
+    for fake in (False, True):
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            x, w = torch.randn(2, 4, 8), torch.randn(6, 8)
+            assert all_gather_matmul_op(x, w, None, good)[0].shape == (2, 8, 6)
+            for op, bad in cases:
+                name = op._name.split("::")[-1]
+                with pytest.raises(ValueError, match=rf"{name}: options must be 'dim\|activation.*got '{re.escape(bad)}'"):
+                    op(x, w, None, bad)

@@ -68,16 +68,45 @@ def tp_options(transport_id: str, dim: int, partial_dtype: torch.dtype, activati
     return f"{dim}|{activation}|{_DTYPE_NAMES[partial_dtype]}|{recipe}|{bits}|{transport_id}"
 
 
-def parse_tp_options(options: str) -> tuple:
+#: per op: the flags its options string holds, and whether its dim field is a token dim of x
+#: (else the all-reduce ops' chunk count)
+TP_OPTION_FIELDS = {"all_gather_matmul": (3, True), "matmul_reduce_scatter": (0, True), "matmul_all_reduce": (0, False),
+                    "copy_to_tp_matmul": (1, False), "all_gather_matmul_fp8": (4, True),
+                    "matmul_reduce_scatter_fp8": (1, True), "matmul_all_reduce_fp8": (1, False),
+                    "copy_to_tp_matmul_fp8": (3, False)}
+
+
+def parse_tp_options(options: str, op: str, x=None) -> tuple:
     """``(transport_id, dim, partial_dtype, activation, recipe, *flags)`` of :func:`tp_options`
-    (cached)."""
+    (parsed once per string), checked for ``op`` (:data:`TP_OPTION_FIELDS`): its number of ``0`` /
+    ``1`` flags, the dim a token dim of ``x`` (``0 <= dim < x.dim() - 1``; any ``dim >= 0``
+    without ``x``) or a chunk count ``>= 1``, a dtype it names. A malformed string (an op called
+    directly) raises ``ValueError`` naming ``options``, what it must hold and what it got; the
+    fakes parse it too, so a compiled call raises the same."""
     found = _parsed.get(options)
     if found is None:
-        dim, activation, dtype, recipe, bits, transport_id = options.split("|", 5)
-        if len(_parsed) >= 4096:
-            _parsed.clear()
-        found = _parsed[options] = (transport_id, int(dim), _DTYPES[dtype], activation, recipe,
-                                    *(b == "1" for b in bits))
+        found = _parse_tp_options(options, op)
+    n_flags, token_dim = TP_OPTION_FIELDS[op]
+    dim = found[1]
+    if len(found) != 5 + n_flags or not (0 <= dim < x.dim() - 1 if token_dim and x is not None else
+                                         dim >= (0 if token_dim else 1)):
+        dims = (f"a token dim of x (0..{x.dim() - 2})" if x is not None else "a token dim of x") if token_dim else \
+            "the number of chunks (>= 1)"
+        raise ValueError(f"{op}: options must be 'dim|activation|dtype|recipe|flags|transport id' with dim {dims} and "
+                         f"{n_flags} flags, got {options!r}")
+    return found
+
+
+def _parse_tp_options(options, op) -> tuple:
+    """:func:`parse_tp_options`' parse of a string not seen before (kept once it parsed)."""
+    fields = options.split("|", 5) if isinstance(options, str) else ()
+    dim, dtype, bits = (fields[0], fields[2], fields[4]) if len(fields) == 6 else ("", "", "")
+    if len(fields) != 6 or not dim.lstrip("-").isdigit() or dtype not in _DTYPES or set(bits) - {"0", "1"}:
+        raise ValueError(f"{op}: options must be 'dim|activation|dtype|recipe|flags|transport id' (dim an int, dtype "
+                         f"one of {sorted(_DTYPES)}, flags 0 / 1; made by tp_options), got {options!r}")
+    if len(_parsed) >= 4096:
+        _parsed.clear()
+    found = _parsed[options] = (fields[5], int(dim), _DTYPES[dtype], fields[1], fields[3], *(b == "1" for b in bits))
     return found
 
 

@@ -37,7 +37,8 @@ def _input_grads(op, ctx, dx=None, dw=None, db=None):
 def all_gather_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> tuple[Tensor, Tensor, Tensor]:
     """``options``: :func:`tp_options` of (transport id, dim, partial dtype, activation; keep_preact,
     keep_gathered, save_gathered)."""
-    transport_id, dim, partial_dtype, activation, _, keep_preact, keep_gathered, _ = parse_tp_options(options)
+    transport_id, dim, partial_dtype, activation, _, keep_preact, keep_gathered, _ = \
+        parse_tp_options(options, "all_gather_matmul", x)
     opts = TPOptions(tp_transport(transport_id, x), dim, activation, partial_dtype)
     out, preact, gathered = all_gather_matmul_fwd(x, weight, bias, opts, keep_preact=keep_preact,
                                                   keep_gathered=keep_gathered)
@@ -46,7 +47,8 @@ def all_gather_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, options
 
 @all_gather_matmul_op.register_fake
 def _(x, weight, bias, options):
-    transport_id, dim, _, activation, _, keep_preact, keep_gathered, _ = parse_tp_options(options)
+    transport_id, dim, _, activation, _, keep_preact, keep_gathered, _ = \
+        parse_tp_options(options, "all_gather_matmul", x)
     P, lead = transport_id_size(transport_id), list(x.shape[:-1])
     out_lead = list(lead)
     out_lead[dim] = out_lead[dim] * P
@@ -75,7 +77,8 @@ def _(grad_out, x, gathered, weight, preact, transport_id, dim, activation, part
 
 def _ag_setup(ctx, inputs, output):
     x, weight, bias, options = inputs
-    transport_id, dim, partial_dtype, activation, _, keep_preact, _, save_gathered = parse_tp_options(options)
+    transport_id, dim, partial_dtype, activation, _, keep_preact, _, save_gathered = \
+        parse_tp_options(options, "all_gather_matmul")
     _, preact, gathered = output
     ctx.args = (transport_id, dim, activation, partial_dtype)
     ctx.transports = hold(transport_id)
@@ -100,14 +103,14 @@ all_gather_matmul_op.register_autograd(_ag_backward, setup_context=_ag_setup)
 @custom_op("matmul_reduce_scatter")
 def matmul_reduce_scatter_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> Tensor:
     """``options``: :func:`tp_options` of (transport id, dim, partial dtype)."""
-    transport_id, dim, partial_dtype, _, _ = parse_tp_options(options)
+    transport_id, dim, partial_dtype, _, _ = parse_tp_options(options, "matmul_reduce_scatter", x)
     return matmul_reduce_scatter_fwd(x, weight, bias, TPOptions(tp_transport(transport_id, x), dim,
                                                                 partial_dtype=partial_dtype))
 
 
 @matmul_reduce_scatter_op.register_fake
 def _(x, weight, bias, options):
-    transport_id, dim, _, _, _ = parse_tp_options(options)
+    transport_id, dim, _, _, _ = parse_tp_options(options, "matmul_reduce_scatter", x)
     shape = list(x.shape[:-1]) + [weight.shape[0]]
     shape[dim] = shape[dim] // transport_id_size(transport_id)
     return x.new_empty(shape)
@@ -130,7 +133,7 @@ def _(grad_out, x, weight, transport_id, dim, partial_dtype, need_dx, need_dw, n
 
 def _rs_setup(ctx, inputs, output):
     x, weight, _, options = inputs
-    transport_id, dim, partial_dtype, _, _ = parse_tp_options(options)
+    transport_id, dim, partial_dtype, _, _ = parse_tp_options(options, "matmul_reduce_scatter")
     ctx.args = (transport_id, dim, partial_dtype)
     ctx.transports = hold(transport_id)
     ctx.save_for_backward(x, weight)
@@ -149,13 +152,14 @@ matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup
 @custom_op("matmul_all_reduce")
 def matmul_all_reduce_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> Tensor:
     """``options``: :func:`tp_options` of (transport id, num_chunks, reduce dtype)."""
-    transport_id, num_chunks, reduce_dtype, _, _ = parse_tp_options(options)
+    transport_id, num_chunks, reduce_dtype, _, _ = parse_tp_options(options, "matmul_all_reduce")
     opts = TPOptions(tp_transport(transport_id, x), partial_dtype=reduce_dtype, num_chunks=num_chunks)
     return matmul_all_reduce_fwd(x, weight, bias, opts)
 
 
 @matmul_all_reduce_op.register_fake
 def _(x, weight, bias, options):
+    parse_tp_options(options, "matmul_all_reduce")
     return x.new_empty(list(x.shape[:-1]) + [weight.shape[0]])
 
 
@@ -190,7 +194,7 @@ matmul_all_reduce_op.register_autograd(_ar_backward, setup_context=_ar_setup)
 def copy_to_tp_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str) -> tuple[Tensor, Tensor]:
     """``options``: :func:`tp_options` of (transport id, num_chunks, reduce dtype, activation;
     keep_preact). Local: the transport id, num_chunks and reduce dtype are the backward's."""
-    _, _, _, activation, _, keep_preact = parse_tp_options(options)
+    _, _, _, activation, _, keep_preact = parse_tp_options(options, "copy_to_tp_matmul")
     opts = TPOptions(None, activation=activation)
     out, preact = copy_to_tp_matmul_fwd(x, weight, bias, opts, keep_preact=keep_preact)
     return out, or_absent(preact, x)
@@ -198,7 +202,7 @@ def copy_to_tp_matmul_op(x: Tensor, weight: Tensor, bias: Tensor | None, options
 
 @copy_to_tp_matmul_op.register_fake
 def _(x, weight, bias, options):
-    _, _, _, activation, _, keep_preact = parse_tp_options(options)
+    _, _, _, activation, _, keep_preact = parse_tp_options(options, "copy_to_tp_matmul")
     lead = list(x.shape[:-1])
     out = x.new_empty(lead + [activation_features(weight.shape[0], activation)])
     rows = 1
@@ -225,7 +229,7 @@ def _(grad_out, x, weight, preact, transport_id, activation, num_chunks, reduce_
 
 def _cp_setup(ctx, inputs, output):
     x, weight, _, options = inputs
-    transport_id, num_chunks, reduce_dtype, activation, _, keep_preact = parse_tp_options(options)
+    transport_id, num_chunks, reduce_dtype, activation, _, keep_preact = parse_tp_options(options, "copy_to_tp_matmul")
     ctx.args = (transport_id, activation, num_chunks, reduce_dtype)
     ctx.transports = hold(transport_id)
     ctx.save_for_backward(x, weight, output[1] if keep_preact and activation != "none" else None)
@@ -369,7 +373,7 @@ def all_gather_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, opt
     """``options``: :func:`tp_options` of (transport id, dim, partial dtype, activation, recipe;
     grad_high_precision, keep_preact, keep_gathered, out_fp8)."""
     transport_id, dim, partial_dtype, activation, recipe, grad_high_precision, keep_preact, keep_gathered, \
-        out_fp8 = parse_tp_options(options)
+        out_fp8 = parse_tp_options(options, "all_gather_matmul_fp8", x)
     opts = TPOptions(tp_transport(transport_id, x), dim, activation, partial_dtype)
     out, preact, gathered, fp8 = all_gather_matmul_fp8_fwd(x, weight, bias, opts, recipe, grad_high_precision,
                                                            keep_preact=keep_preact, keep_gathered=keep_gathered,
@@ -387,7 +391,7 @@ def _fp8_fake(out: Tensor, out_fp8: bool) -> tuple[Tensor, Tensor]:
 @all_gather_matmul_fp8_op.register_fake
 def _(x, weight, bias, options, x_q=None, x_scale=None):
     transport_id, dim, _, activation, recipe, grad_high_precision, keep_preact, keep_gathered, out_fp8 = \
-        parse_tp_options(options)
+        parse_tp_options(options, "all_gather_matmul_fp8", x)
     P, lead = transport_id_size(transport_id), tuple(x.shape[:-1])
     out_lead = list(lead)
     out_lead[dim] = out_lead[dim] * P
@@ -420,7 +424,8 @@ def _(grad_out, x, gathered, weight, preact, transport_id, dim, activation, part
 
 def _ag_fp8_setup(ctx, inputs, output):
     x, weight, _, options = inputs[:4]
-    transport_id, dim, partial_dtype, activation, recipe, hp, keep_preact, keep_gathered, _ = parse_tp_options(options)
+    transport_id, dim, partial_dtype, activation, recipe, hp, keep_preact, keep_gathered, _ = \
+        parse_tp_options(options, "all_gather_matmul_fp8")
     ctx.args = (transport_id, dim, activation, partial_dtype, recipe, hp)
     ctx.transports = hold(transport_id)
     ctx.mark_non_differentiable(*output[3:])
@@ -445,7 +450,7 @@ all_gather_matmul_fp8_op.register_autograd(_ag_fp8_backward, setup_context=_ag_f
 def matmul_reduce_scatter_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, options: str,
                                  x_q: Tensor | None = None, x_scale: Tensor | None = None) -> Tensor:
     """``options``: :func:`tp_options` of (transport id, dim, partial dtype, recipe; grad_high_precision)."""
-    transport_id, dim, partial_dtype, _, recipe, _ = parse_tp_options(options)
+    transport_id, dim, partial_dtype, _, recipe, _ = parse_tp_options(options, "matmul_reduce_scatter_fp8", x)
     return matmul_reduce_scatter_fp8_fwd(x, weight, bias, TPOptions(tp_transport(transport_id, x), dim,
                                                                     partial_dtype=partial_dtype), recipe,
                                          x_fp8=None if x_q is None else (x_q, x_scale))
@@ -453,7 +458,7 @@ def matmul_reduce_scatter_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None,
 
 @matmul_reduce_scatter_fp8_op.register_fake
 def _(x, weight, bias, options, x_q=None, x_scale=None):
-    transport_id, dim = parse_tp_options(options)[:2]
+    transport_id, dim = parse_tp_options(options, "matmul_reduce_scatter_fp8", x)[:2]
     shape = list(x.shape[:-1]) + [weight.shape[0]]
     shape[dim] = shape[dim] // transport_id_size(transport_id)
     return x.new_empty(shape)
@@ -475,7 +480,7 @@ def _(grad_out, x, weight, transport_id, dim, partial_dtype, recipe, grad_high_p
 
 def _rs_fp8_setup(ctx, inputs, output):
     x, weight, _, options = inputs[:4]
-    transport_id, dim, partial_dtype, _, recipe, hp = parse_tp_options(options)
+    transport_id, dim, partial_dtype, _, recipe, hp = parse_tp_options(options, "matmul_reduce_scatter_fp8")
     ctx.args = (transport_id, dim, partial_dtype, recipe, hp)
     ctx.transports = hold(transport_id)
     ctx.save_for_backward(x, weight)
@@ -496,19 +501,20 @@ def matmul_all_reduce_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None, opt
                              x_q: Tensor | None = None, x_scale: Tensor | None = None) -> Tensor:
     """``options``: :func:`tp_options` of (transport id, num_chunks, reduce dtype, recipe;
     grad_high_precision)."""
-    transport_id, num_chunks, reduce_dtype, _, recipe, _ = parse_tp_options(options)
+    transport_id, num_chunks, reduce_dtype, _, recipe, _ = parse_tp_options(options, "matmul_all_reduce_fp8")
     opts = TPOptions(tp_transport(transport_id, x), partial_dtype=reduce_dtype, num_chunks=num_chunks)
     return matmul_all_reduce_fp8_fwd(x, weight, bias, opts, recipe, x_fp8=None if x_q is None else (x_q, x_scale))
 
 
 @matmul_all_reduce_fp8_op.register_fake
 def _(x, weight, bias, options, x_q=None, x_scale=None):
+    parse_tp_options(options, "matmul_all_reduce_fp8")
     return x.new_empty(list(x.shape[:-1]) + [weight.shape[0]])
 
 
 def _ar_fp8_setup(ctx, inputs, output):
     x, weight, _, options = inputs[:4]
-    ctx.recipe, ctx.hp = parse_tp_options(options)[4:6]
+    ctx.recipe, ctx.hp = parse_tp_options(options, "matmul_all_reduce_fp8")[4:6]
     ctx.save_for_backward(x, weight)
 
 
@@ -531,7 +537,7 @@ def copy_to_tp_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None,
     """``options``: :func:`tp_options` of (transport id, num_chunks, reduce dtype, activation,
     recipe; grad_high_precision, keep_preact, out_fp8). Local: the transport id, num_chunks and
     reduce dtype are the backward's."""
-    _, _, _, activation, recipe, _, keep_preact, out_fp8 = parse_tp_options(options)
+    _, _, _, activation, recipe, _, keep_preact, out_fp8 = parse_tp_options(options, "copy_to_tp_matmul_fp8")
     out, preact, fp8 = copy_to_tp_matmul_fp8_fwd(x, weight, bias, recipe, activation, keep_preact=keep_preact,
                                                  out_fp8=out_fp8)
     return out, (absent(x) if preact is None else preact), *(fp8 or (absent(x), absent(x)))
@@ -539,7 +545,7 @@ def copy_to_tp_matmul_fp8_op(x: Tensor, weight: Tensor, bias: Tensor | None,
 
 @copy_to_tp_matmul_fp8_op.register_fake
 def _(x, weight, bias, options):
-    _, _, _, activation, _, _, keep_preact, out_fp8 = parse_tp_options(options)
+    _, _, _, activation, _, _, keep_preact, out_fp8 = parse_tp_options(options, "copy_to_tp_matmul_fp8")
     lead = list(x.shape[:-1])
     out = x.new_empty(lead + [activation_features(weight.shape[0], activation)])
     return (out, x.new_empty(lead + [weight.shape[0]]) if keep_preact and activation != "none" else absent(x),
@@ -564,7 +570,8 @@ def _(grad_out, x, weight, preact, transport_id, activation, num_chunks, reduce_
 
 def _cp_fp8_setup(ctx, inputs, output):
     x, weight, _, options = inputs
-    transport_id, num_chunks, reduce_dtype, activation, recipe, hp, keep_preact, _ = parse_tp_options(options)
+    transport_id, num_chunks, reduce_dtype, activation, recipe, hp, keep_preact, _ = \
+        parse_tp_options(options, "copy_to_tp_matmul_fp8")
     ctx.args = (transport_id, activation, num_chunks, reduce_dtype, recipe, hp)
     ctx.transports = hold(transport_id)
     ctx.mark_non_differentiable(*output[2:])
