@@ -11,7 +11,8 @@ Cases (bf16, head dim 128, GQA, SwiGLU MLP):
   scope's join, the chunk GEMMs' launch plans and the rings' kept receive buffers);
 * ``symmetric2`` / ``symmetric4``: the same with ``in_kernel_waits=True`` (one persistent GEMM
   waiting per chunk on flags raised by copies on a side stream, the reduce-scatter's device ready
-  word raised each call, the flags lowered after the join; a graph replays all of it);
+  word set from the counters each call, the flags lowered at each call's start; a graph replays
+  all of it);
 * ``tp1-fp8-rowwise``, ``emulated2-fp8-blockwise``: the dense training path in fp8 (the norms hand
   their e4m3 output to qkv / fc1; blockwise also fc1's epilogue tiles to fc2 and the flash
   forward's to o_proj).
