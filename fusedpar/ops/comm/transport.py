@@ -376,9 +376,11 @@ class EmulatedTransport(Transport, SymmetricBuffers):
     def _side(self, device: torch.device) -> SideStream | None:
         """The side stream of ``device`` and of the calling thread (each thread its own: its op
         scope, its event ring), None on CPU."""
+        if device.type != "cuda":
+            return None
         thread = threading.get_ident()
         s = self._streams.get((device, thread))  # (a tensor's device: the key canonical_device gives it)
-        if s is not None or device.type != "cuda":
+        if s is not None:
             return s
         device = canonical_device(device)
         s = self._streams.get((device, thread))
