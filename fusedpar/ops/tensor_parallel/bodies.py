@@ -235,6 +235,8 @@ def matmul_reduce_scatter_fwd(x, weight, bias, opts: TPOptions):
     if t.in_kernel_waits:
         symmetric.matmul_reduce_scatter_symmetric(x, weight, bias, transport=t, scatter_dim=d,
                                                   partial_dtype=opts.partial_dtype, out=out, agree=False)
+    elif d == (1 if out.dim() == 3 else 0):  # chunks along out's row dim: the schedule splits x once
+        ring_reduce_scatter(x, weight, "nk", bias, out, t, opts.partial_dtype)
     else:
         chunks = x.split_with_sizes([n] * t.size, d)
         ring_reduce_scatter(chunks.__getitem__, weight, "nk", bias, out, t, opts.partial_dtype)

@@ -164,7 +164,10 @@ class ChunkGemms:
         self.key, self.steps = key, _OP_PLANS.find(key)
         self.record = [] if self.steps is None else None
         if self.steps is not None:  # where each distinct plan applies now: its stream (None: it does not)
-            self.streams = {id(plan): plan.stream() for plan, _ in self.steps}
+            streams = self.streams = {}
+            for plan, _ in self.steps:  # (a call repeats a few plans: each asked once)
+                if id(plan) not in streams:
+                    streams[id(plan)] = plan.stream()
             # a TMA launch asks Triton's allocator (a context variable: a thread starts without one,
             # autograd's backward thread too) for its descriptors' scratch, as matmul's path sets it
             ensure_scratch_allocator()
@@ -245,7 +248,9 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
                         between=None):
     """``out = sum over ranks q of (a_chunk_q(r) @ W_q) + bias`` where ``r`` is this rank.
 
-    ``a_chunk(c)`` is this rank's operand for destination chunk ``c`` (leading dims = ``out``'s).
+    ``a_chunk(c)`` is this rank's operand for destination chunk ``c`` (leading dims = ``out``'s);
+    or a tensor whose ``P`` equal chunks along ``out``'s row dim (dim 1 of a 3-D ``out``, else 0)
+    are those operands: split once into every step's halves, described once in the op key.
     Ring: at step ``j`` rank ``r`` computes the partial of chunk ``(r - j - 1) mod P``, adding in
     the GEMM epilogue the partial that the left neighbour computed for the same chunk at step
     ``j - 1``, and sends the sum (in ``partial_dtype``) to the right neighbour; at the last step
@@ -258,7 +263,7 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
     P, r = transport.size, transport.rank
     gemm = chunk_gemm(weight, weight_layout)
     if P == 1:
-        gemm(a_chunk(r), out, bias)
+        gemm(a_chunk if isinstance(a_chunk, torch.Tensor) else a_chunk(r), out, bias)
         if between is not None:
             between(0)
         return out
@@ -270,16 +275,23 @@ def ring_reduce_scatter(a_chunk, weight, weight_layout, bias, out, transport: Tr
     hold_for_graphs(transport, out.device, views)
     send = [views[:halves], views[halves:2 * halves]]
     recv = [views[2 * halves:3 * halves], views[3 * halves:]]
-    chunks = [a_chunk(c) for c in range(P)]
+    if isinstance(a_chunk, torch.Tensor):  # one split, one description (each half's follows from it)
+        pieces = a_chunk.split_with_sizes(sizes * P, sd)
+        described = (a_chunk,)
+        chunk_halves = [pieces[c * halves:(c + 1) * halves] for c in range(P)]
+    else:
+        described = tuple(a_chunk(c) for c in range(P))
+        chunk_halves = [_split(a, sizes, sd) for a in described]
     ops = ops_bias = None
     if isinstance(gemm, ChunkGemms):  # every GEMM's plan key follows from the chunks, out, bias and weight
-        ops, ops_bias = gemm.operands(chunks[0]), gemm.operands(chunks[0], bias)
-        gemm.plan(op_key(transport, "rs", ops_bias, out, *chunks, extra=(partial_dtype, between is None)))
+        first = chunk_halves[0][0]
+        ops, ops_bias = gemm.operands(first), gemm.operands(first, bias)
+        gemm.plan(op_key(transport, "rs", ops_bias, out, *described, extra=(partial_dtype, between is None)))
     gemm_kw, last_kw = ({"ops": ops}, {"ops": ops_bias}) if ops is not None else ({}, {})
     handles = [None] * len(sizes)
     with transport.transfers(out.device):
         for j in range(P):
-            for h, a_h in enumerate(_split(chunks[(r - j - 1) % P], sizes, sd)):
+            for h, a_h in enumerate(chunk_halves[(r - j - 1) % P]):
                 residual = None
                 if j > 0:
                     handles[h].wait()  # the neighbour's partial for this half
