@@ -27,10 +27,13 @@ plan: a change of a module global a kernel reads (Triton's path raises for it).
 """
 from __future__ import annotations
 
+import re
+
 import torch
+import triton
 from triton import knobs
 from triton.compiler import CompiledKernel
-from triton.runtime import driver
+from triton.runtime import _allocation, driver
 from triton.runtime.autotuner import Autotuner
 
 __all__ = ["LaunchPlan", "LaunchRecord", "PlanCache", "build_plan", "clear_plans", "describe", "exact_ints", "launch_kernel",
@@ -145,11 +148,38 @@ class LaunchRecord(list):
 _LITERALS = (bool, int, str, type(None))
 
 
+#: how the C launch function of Triton's CUDA launcher takes its arguments, per Triton release
+#: whose launcher (``CudaLauncher.__call__``) was read for it: "flat" (3.6: grid, stream, function,
+#: the two launch flags, both scratch pointers, then the launch metadata, the hooks and the
+#: kernel's arguments), "tuple" (3.9: the metadata and hooks before the scratch pointers, then the
+#: argument annotations, the kernel signature and the kernel's arguments as one tuple). Another
+#: release calls the launcher object itself.
+_C_LAUNCH_LAYOUTS = {(3, 6): "flat", (3, 9): "tuple"}
+_C_LAUNCH = _C_LAUNCH_LAYOUTS.get(tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]))
+
+
+def _c_launch_layout(run) -> str | None:
+    """The layout (:data:`_C_LAUNCH_LAYOUTS`) in which a plan may call ``run``'s C launch function
+    itself, or None: not this release's CUDA launcher, profile scratch (instrumentation), the
+    global-sanitizer build (its per-launch state)."""
+    if _C_LAUNCH is None or type(run).__name__ != "CudaLauncher" or not callable(getattr(run, "launch", None)):
+        return None
+    if getattr(run, "profile_scratch_size", 1) or getattr(run, "gsan_enabled", False):
+        return None
+    if _C_LAUNCH == "tuple" and not hasattr(run, "arg_annotations"):
+        return None
+    return _C_LAUNCH
+
+
 def _launcher(compiled: CompiledKernel, grid: tuple, args: list, slots: tuple):
-    """``call(tensors, stream)``: the compiled launcher called with the grid, ``stream`` and every
+    """``call(tensors, stream)``: the compiled kernel launched with the grid, ``stream`` and every
     argument, the slots taken from ``tensors`` in order (what ``JITFunction.run`` passes, without
-    launch metadata or hooks: :meth:`LaunchPlan.launch` only runs while none is set)."""
-    env = {"_run": compiled.run, "_function": compiled.function, "_metadata": compiled.packed_metadata}
+    launch metadata or hooks: :meth:`LaunchPlan.launch` only runs while none is set). Where the
+    release's launcher is known (:func:`_c_launch_layout`) the call goes to its C launch function
+    with what ``CudaLauncher.__call__`` would pass it (the global scratch from Triton's allocator,
+    sized for the grid), skipping the launcher's Python; else to the launcher."""
+    run = compiled.run
+    env = {"_run": run, "_function": compiled.function, "_metadata": compiled.packed_metadata}
     slot_of = {pos: i for i, pos in enumerate(slots)}
     parts = []
     for pos, v in enumerate(args):
@@ -161,8 +191,25 @@ def _launcher(compiled: CompiledKernel, grid: tuple, args: list, slots: tuple):
             env[f"_c{pos}"] = v
             parts.append(f"_c{pos}")
     g = ", ".join(str(int(x)) for x in grid)
-    src = (f"def call(t, stream):\n    _run({g}, stream, _function, _metadata, None, None, None, "
-           f"{', '.join(parts)})\n")
+    kernel_args = ", ".join(parts)
+    layout = _c_launch_layout(run)
+    if layout is None:
+        body = f"_run({g}, stream, _function, _metadata, None, None, None, {kernel_args})"
+    else:
+        env.update(_launch=run.launch, _alloc=_allocation._allocator)
+        scratch = "None"
+        if run.global_scratch_size > 0:
+            size = int(grid[0]) * int(grid[1]) * int(grid[2]) * run.num_ctas * run.global_scratch_size
+            scratch = f"_alloc.get()({size}, {int(run.global_scratch_align)}, stream)"
+        env.update(_coop=run.launch_cooperative_grid, _pdl=run.launch_pdl)
+        flags = "_coop, _pdl"
+        if layout == "flat":
+            body = f"_launch({g}, stream, _function, {flags}, {scratch}, None, _metadata, None, None, None, {kernel_args})"
+        else:
+            env.update(_annotations=run.arg_annotations, _signature=run.kernel_signature)
+            body = (f"_launch({g}, stream, _function, {flags}, _metadata, None, None, None, {scratch}, None, "
+                    f"_annotations, _signature, ({kernel_args}{',' if parts else ''}))")
+    src = f"def call(t, stream):\n    {body}\n"
     exec(compile(src, f"<launch plan of {compiled.name if hasattr(compiled, 'name') else 'a kernel'}>", "exec"), env)
     return env["call"]
 

@@ -133,3 +133,30 @@ def test_keys_tell_devices_apart():
     assert meta.data_ptr() % 16 == real.data_ptr() % 16 == 0
     assert _arg_key((real, 3), ()) != _arg_key((meta, 3), ())
     assert describe(real)[3] != describe(meta)[3]
+
+
+def test_direct_c_launch_passes_what_tritons_launcher_passes(tmp_path):
+    """Where the Triton release's CUDA launcher is known (3.6, 3.9), a plan calls its C launch
+    function itself: on Triton's real compiled path against the stand-in driver
+    (``tests/_stub_c_launch.py``), the arguments and the allocator requests (the TMA GEMM's
+    descriptor scratch sized for its grid) equal what ``CudaLauncher.__call__`` passes for the
+    same plan; another release calls the launcher object (``layout_release`` None)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)  # the stub and Triton's cache: built here
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_stub_c_launch.py")], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    import triton
+
+    from fusedpar.kernels.runtime import release
+    expected = {(3, 6): "flat", (3, 9): "tuple"}.get(release(triton.__version__))
+    assert report["layout_release"] == expected
+    cases = report["cases"]
+    assert sorted(cases) == ["matmul_pointer_loads", "matmul_tma", "matmul_tma_two_programs", "rms_norm_fwd"]
+    for name, r in cases.items():
+        assert r.get("error") is None and r["layout"] == expected and r["calls"] == 2 and r["equal"], (name, r)
+    tma = cases["matmul_tma"]["scratch"], cases["matmul_tma_two_programs"]["scratch"]
+    assert len(tma[0]) == 2 and tma[0][0] == tma[0][1] and tma[1][0] == tma[1][1], tma
+    assert tma[1][0][0] == 2 * tma[0][0][0] and cases["matmul_tma_two_programs"]["grid"] == [2, 1, 1]
+    assert cases["matmul_pointer_loads"]["scratch"] == [] and cases["rms_norm_fwd"]["scratch"] == []
