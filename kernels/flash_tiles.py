@@ -52,10 +52,11 @@ _GPU_CONFIGS = {
     "fwd": [(128, 64, 3, 8), (64, 128, 3, 8), (64, 64, 4, 4), (64, 32, 4, 4), (32, 64, 4, 4), (32, 32, 3, 4),
             (*FP32_TILE, 2, 4)],
     # 128 owned rows on 8 warps (two warpgroups of wgmma, 64 rows each; dK and dV both fp32
-    # accumulators): streamed 64 rows at head_dim 64, 32 or 16 at 128 (softcap: 16 with two
-    # stages); 64 owned rows for q/k and v wider than 128 + 128 (MLA's 256 / 128 padded)
+    # accumulators): streamed 64 rows at head_dim 64, 32 or 16 at 128; 64 owned rows for q/k and v
+    # wider than 128 + 128 (MLA's 256 / 128 padded), and 64x16 for a softcap at head_dim 128 (the
+    # only tile there without spills on Triton 3.6 and 3.9)
     "bwd": [(128, 64, 2, 8), (128, 32, 3, 8), (128, 32, 2, 8), (128, 16, 3, 8), (128, 16, 2, 8), (64, 32, 2, 8),
-            (*FP32_BWD_TILE, 2, 4)],
+            (64, 16, 2, 8), (*FP32_BWD_TILE, 2, 4)],
     # the one-pass backward: dK/dV plus the fp32 dQ part of each streamed block (its fp32 tile on 8
     # warps: on 4 its FMA dQ part spilled 1.6 KB on sm_80 at head_dim 128)
     "bwd_atomic": [(128, 32, 2, 8), (128, 16, 2, 8), (64, 16, 2, 8), (*FP32_BWD_TILE, 2, 8)],
@@ -63,8 +64,17 @@ _GPU_CONFIGS = {
 #: live fp32 score tiles ([BLOCK_M, BLOCK_N]) and the register budget (32-bit registers per
 #: thread for the tiles of :func:`register_estimate`) each kind compiles within without spills
 _SCORE_TILES = {"fwd": 2, "bwd": 4, "bwd_atomic": 4}
-#: extra live fp32 score tiles of a softcapped launch (tanh's terms, kept for dS' 1 - tanh^2)
-_SOFTCAP_TILES = {"fwd": 0, "bwd": 1, "bwd_atomic": 1}
+#: extra live fp32 score tiles of a softcapped launch: the backward recomputes tanh in every loop
+#: (``t``, ``e = exp2(-2|t|)``, the quotient, ``1 - tanh^2`` kept for dS, their temporaries).
+#: Fitted on sm_90 with Triton 3.6 and 3.9 (the rule must hold on both): at one tile, head_dim 128
+#: kept 128x16 and 64x32, which spilled 4 / 28 B on 3.6 with the window, 64x32 68 B on 3.9 not
+#: causal, 128x32x64 at three stages 4-24 B; five leave 64x16 at head_dim 128 (214-251 registers)
+_SOFTCAP_TILES = {"fwd": 0, "bwd": 5, "bwd_atomic": 5}
+#: registers of a window's left edge (``LEFT``) in the backward: the row bounds ``k_hi`` / ``q_lo``
+#: and the window's extra masked block range, live through the loops. Fitted (Triton 3.6 on sm_90;
+#: 3.9 did not spill): the tiles at the budget spilled with it, 128x64x64 8 B (gpt-oss, window 128)
+#: and 128x16x128 at three stages 36 B (window 4096), while 128x64x64 without a window took 252
+_WINDOW_REGISTERS = {"fwd": 0, "bwd": 8, "bwd_atomic": 8}
 _REGISTER_BUDGET = {"fwd": 160, "bwd": 192, "bwd_atomic": 192}
 #: the backward's budget with mma.sync (sm_80: its operands pass through registers)
 _MMA_SYNC_BWD_BUDGET = 168
@@ -90,7 +100,8 @@ def _tuner_configs(tuner_kind: str):
 
 
 def register_estimate(kind: str, block_m: int, block_n: int, block_d: int, num_warps: int, elem_size: int,
-                      block_dv: int | None = None, softcap: bool = False, num_stages: int = 2) -> int:
+                      block_dv: int | None = None, softcap: bool = False, num_stages: int = 2,
+                      window: bool = False) -> int:
     """32-bit registers per thread of the live tiles of one program. Forward: the fp32 O
     ``[BLOCK_M, BLOCK_DV]``, the resident Q and the fp32 score tiles ``[BLOCK_M, BLOCK_N]``.
     Backward (a dK/dV program, which bounds its dQ programs): the fp32 dK and dV (K and V stay in
@@ -98,7 +109,8 @@ def register_estimate(kind: str, block_m: int, block_n: int, block_d: int, num_w
     twice), :data:`_BWD_STAGE_REGISTERS` per stage beyond two; the one-pass "bwd_atomic" adds its
     fp32 dQ part ``[BLOCK_D, BLOCK_N]``. The prune rule keeps configs within
     ``_REGISTER_BUDGET``. ``block_dv``: v's padded head dim (default ``block_d``); ``softcap``
-    adds the softcap's score tiles."""
+    adds the softcap's score tiles (:data:`_SOFTCAP_TILES`), ``window`` (a left window edge) the
+    window's registers (:data:`_WINDOW_REGISTERS`)."""
     bdv = block_d if block_dv is None else block_dv
     score_tiles = _SCORE_TILES[kind] + (_SOFTCAP_TILES[kind] if softcap else 0)
     if kind == "fwd":
@@ -106,7 +118,8 @@ def register_estimate(kind: str, block_m: int, block_n: int, block_d: int, num_w
         return int(words // (32 * num_warps))
     acc = block_m * (block_d + bdv) + (block_d * block_n if kind == "bwd_atomic" else 0)
     scores = score_tiles * block_m * block_n / min(num_warps, max(block_m // 16, 1))
-    return int(acc // (32 * num_warps) + scores // 32 + _BWD_STAGE_REGISTERS * max(num_stages - 2, 0))
+    return int(acc // (32 * num_warps) + scores // 32 + _BWD_STAGE_REGISTERS * max(num_stages - 2, 0)
+               + (_WINDOW_REGISTERS[kind] if window else 0))
 
 
 def uses_wgmma(kind: str, block_m: int, block_n: int, capability: tuple, precision: str) -> bool:
@@ -128,8 +141,9 @@ def smem_estimate(kind: str, cfg, block_d: int, elem_size: int, capability: tupl
     bdv = block_d if block_dv is None else block_dv
     if kind != "fwd":
         est = _bwd_smem_estimate(kind, bm, bn, stages, block_d, bdv, e, capability, precision)
-        # accumulate mode converts the fp32 dV it reads back into the accumulator's layout
-        return max(est, bm * (block_d + bdv) * e + bm * bdv * 2) if accumulate else est
+        # accumulate mode converts the fp32 dV it reads back into the accumulator's layout; fitted:
+        # with 64 owned rows that conversion fits in the buffers counted already (64x16x128 on sm_80)
+        return max(est, bm * (block_d + bdv) * e + bm * bdv * 2) if accumulate and bm >= 128 else est
     pair = bn * (block_d + bdv) * e
     tile = bm * block_d * e  # the resident Q
     if uses_wgmma(kind, bm, bn, capability, precision):
@@ -228,7 +242,7 @@ def _prune(tuner_kind):
                 continue
             budget = _MMA_SYNC_BWD_BUDGET if kind != "fwd" and capability[0] < 9 else _REGISTER_BUDGET[kind]
             if register_estimate(kind, bm, bn, bd, cfg.num_warps, elem, bdv, bool(kwargs.get("SOFTCAP")),
-                                 cfg.num_stages) > budget:
+                                 cfg.num_stages, bool(kwargs.get("LEFT"))) > budget:
                 continue
             if _measured_spill(kind, cfg, bd, bdv, elem, capability, kwargs):
                 continue

@@ -95,7 +95,7 @@ def recorded_spills(table_path: str) -> list:
 
 def test_no_spills(fast_rows):
     """bf16 GEMMs (every epilogue), persistent and grouped GEMMs, RMSNorm (hidden 65536 too, the
-    looped kernels), the MoE kernels and flash attention (forward, dQ, dK/dV) at LLM shapes: no
+    looped kernels), the MoE kernels and flash attention (forward, backward) at LLM shapes: no
     launchable variant spills with the Triton release of the committed tables (TABLE_RELEASE).
     Another release allocates registers differently: there a spill must be exactly one its own
     committed table records (compile_sm90_triton36.md for the GPU machines' 3.6), and a release
@@ -121,14 +121,14 @@ def test_no_spills(fast_rows):
 
 def test_release_table_records_its_spills():
     """The Triton 3.6 table (the GPU machines' release) holds the whole sm_90 matrix and records
-    exactly the three bf16/fp16 spills its header names."""
+    exactly the three bf16/fp16 spills its header names (none in the flash backward)."""
     table = os.path.join(ROOT, "benchmarks", "results", "compile_sm90_triton36.md")
     rows = recorded_spills(table)
     spilled = [r for r in rows if r[4] and r[1] in ("bfloat16", "float16")]
-    assert len(rows) > 500 and {(r[0], r[2]) for r in spilled} == {("attn_bwd_dkdv_kernel", "32x64x128 w8 s3"),
-                                                                   ("gemm_kernel", "64x64x32 w4 s4"),
-                                                                   ("grouped_gemm_kernel", "64x64x32 w4 s4")}, spilled
-    assert max(r[4] for r in spilled) == 76
+    assert len(rows) > 500 and {(r[0], r[2]) for r in spilled} == {("gemm_kernel", "64x64x32 w4 s4"),
+                                                                   ("fp8_gemm_kernel", "128x128x128 w8 s4"),
+                                                                   ("rmsnorm_fwd_kernel", "16x256 w4 s3")}, spilled
+    assert max(r[4] for r in spilled) == 24
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
@@ -315,8 +315,8 @@ def test_sass_of_tiny_kernels_compiled_for_sm90(tiny_sass):
 
 
 def test_tables_old_and_new_and_the_requirements(tmp_path):
-    """A table written now round-trips its SASS columns; the committed tables (written before
-    them) read as unknown there, which ``--require-tma`` / ``--require-wgmma`` report; the
+    """A table written now round-trips its SASS columns (the committed tables hold them on every
+    row); a table written before them reads as unknown there, which ``--require-tma`` / ``--require-wgmma`` report; the
     requirements pass only on a main loop of TMA loads / warpgroup MMAs, and a pattern that
     matches no launchable sm_90 variant is reported."""
     from benchmarks.compile import COLUMNS, markdown, read_table, table_rows, unmet_requirements, with_recorded_sass
@@ -336,8 +336,15 @@ def test_tables_old_and_new_and_the_requirements(tmp_path):
     assert len(unmet) == 1 and "ldgsts/mma.sync" in unmet[0] and "64x64x32" in unmet[0], unmet
     assert len(unmet_requirements(recorded, dict(require_tma=None, require_wgmma="gemm"))) == 1
     assert "matches no launchable" in unmet_requirements(recorded, dict(require_tma="nothing", require_wgmma=None))[0]
-    old = read_table(os.path.join(ROOT, "benchmarks", "results", "compile_sm80.md"))
-    assert len(old) > 500 and "loop" not in old[0] and old[0]["cases"]
+    # a table written before the SASS columns: its rows have no such keys
+    older = [c for c in COLUMNS if c not in ("loads", "utmaldg", "utmastg", "gmma", "mma_sync", "loop")]
+    (tmp_path / "old.md").write_text("| " + " | ".join(older) + " |\n|" + "---|" * len(older) + "\n| "
+                                     + " | ".join(str(row[c]) for c in older) + " |\n")
+    old = read_table(str(tmp_path / "old.md"))
+    assert len(old) == 1 and "loop" not in old[0] and old[0]["cases"] == row["cases"]
+    for arch in ("sm90", "sm80"):  # the committed tables: every row with its SASS
+        rows = read_table(os.path.join(ROOT, "benchmarks", "results", f"compile_{arch}.md"))
+        assert len(rows) > 500 and all(r.get("loop") for r in rows), arch
     unknown = unmet_requirements(with_recorded_sass(captured[:1], {}), dict(require_tma="gemm", require_wgmma=None))
     assert len(unknown) == 1 and "unknown" in unknown[0], unknown
 
