@@ -25,7 +25,7 @@ from fusedpar.ops.comm.agreement import agreed_arguments, describe
 from fusedpar.ops.comm.keys import transport_size, transport_id_of
 from fusedpar.ops.comm.symmetric import TRANSPORTS
 from fusedpar.ops.comm.transport import Transport, check_transport_name
-from fusedpar.ops.common import checked_api
+from fusedpar.ops.common import call_op, checked_api
 from fusedpar.ops.fp8.operands import check_fp8_rows
 from fusedpar.ops.tensor_parallel.custom_ops import (
     all_gather_matmul_fp8_op,
@@ -203,12 +203,12 @@ def all_gather_matmul(
     need_dw = _grad_needed(weight)
     if fp8 is not None:
         x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
-        out, _, _, q, scale = all_gather_matmul_fp8_op(x, weight, bias, tp_options(
+        out, _, _, q, scale = call_op(all_gather_matmul_fp8_op, x, weight, bias, tp_options(
             transport_id, dim, partial_dtype, activation, fp8_grad_high_precision, _grad_needed(x, weight, bias),
             save_gathered_input and need_dw, return_fp8, recipe=fp8), x_q, x_scale)
         return _with_fp8(out, q, scale, return_fp8)
     keep = return_gathered or (save_gathered_input and need_dw)
-    out, _, gathered = all_gather_matmul_op(x, weight, bias, tp_options(
+    out, _, gathered = call_op(all_gather_matmul_op, x, weight, bias, tp_options(
         transport_id, dim, partial_dtype, activation, _grad_needed(x, weight, bias), keep, keep and need_dw))
     if not return_gathered:
         return out
@@ -268,9 +268,9 @@ def matmul_reduce_scatter(
     check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], transport_size(transport, group))
     if fp8 is not None:
         x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
-        return matmul_reduce_scatter_fp8_op(x, weight, bias, tp_options(
+        return call_op(matmul_reduce_scatter_fp8_op, x, weight, bias, tp_options(
             transport_id, dim, partial_dtype, "none", fp8_grad_high_precision, recipe=fp8), x_q, x_scale)
-    return matmul_reduce_scatter_op(x, weight, bias, tp_options(transport_id, dim, partial_dtype))
+    return call_op(matmul_reduce_scatter_op, x, weight, bias, tp_options(transport_id, dim, partial_dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,9 +323,9 @@ def matmul_all_reduce(
                                           transport, group, fp8, fp8_grad_high_precision, x_fp8=x_fp8)
     if fp8 is not None:
         x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
-        return matmul_all_reduce_fp8_op(x, weight, bias, tp_options(
+        return call_op(matmul_all_reduce_fp8_op, x, weight, bias, tp_options(
             transport_id, num_chunks, reduce_dtype, "none", fp8_grad_high_precision, recipe=fp8), x_q, x_scale)
-    return matmul_all_reduce_op(x, weight, bias, tp_options(transport_id, num_chunks, reduce_dtype))
+    return call_op(matmul_all_reduce_op, x, weight, bias, tp_options(transport_id, num_chunks, reduce_dtype))
 
 
 @checked_api
@@ -352,11 +352,11 @@ def copy_to_tp_matmul(
     transport_id, reduce_dtype = _reduce_options("copy_to_tp_matmul", x, weight, bias, activation, num_chunks, reduce_dtype,
                                           transport, group, fp8, fp8_grad_high_precision, return_fp8=return_fp8)
     if fp8 is not None:
-        out, _, q, scale = copy_to_tp_matmul_fp8_op(x, weight, bias, tp_options(
+        out, _, q, scale = call_op(copy_to_tp_matmul_fp8_op, x, weight, bias, tp_options(
             transport_id, num_chunks, reduce_dtype, activation, fp8_grad_high_precision, _grad_needed(x, weight, bias),
             return_fp8, recipe=fp8))
         return _with_fp8(out, q, scale, return_fp8)
-    out, _ = copy_to_tp_matmul_op(x, weight, bias, tp_options(transport_id, num_chunks, reduce_dtype, activation,
+    out, _ = call_op(copy_to_tp_matmul_op, x, weight, bias, tp_options(transport_id, num_chunks, reduce_dtype, activation,
                                                               _grad_needed(x, weight, bias)))
     return out
 
