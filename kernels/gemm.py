@@ -354,15 +354,15 @@ def matmul(
     key = False  # no plans under the interpreter
     if not interpreting():
         if out is None and residual is None and preact_out is None and fp8_out is None and not accumulate:
-            key = ("matmul", describe(a), describe(weight), describe(bias), weight_layout, activation, out_dtype,
-                   _tf32_key(a))
+            key = ("matmul", describe(a), describe(weight), None if bias is None else describe(bias), weight_layout,
+                   activation, out_dtype, _tf32_key(a))
         else:
             key = ("matmul+", describe(a), describe(weight), describe(bias), weight_layout, activation, out_dtype,
                    _tf32_key(a), describe(out), accumulate, describe(residual), describe(preact_out), _fp8_key(fp8_out))
         plan = _PLANS.find(key)
         stream = None if plan is None else plan.stream()
         if stream is not None:
-            c = out if out is not None else torch.empty(plan.extra[0], dtype=plan.extra[1], device=a.device)
+            c = out if out is not None else a.new_empty(plan.extra[0], dtype=plan.extra[1])
             ensure_scratch_allocator()
             plan.call(_slots(a, weight, c, bias, c if accumulate else residual, preact_out, fp8_out), stream)
             return c

@@ -129,10 +129,17 @@ def num_programs(tiles: int, device: torch.device, persistent: bool) -> int:
 def scratch_device() -> torch.device:
     """The device of the launch asking for descriptor scratch: the current CUDA device (a launcher
     enters its tensors' device, a launch plan runs only on its own), the CPU without CUDA."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else _CPU
+    if not torch.cuda.is_initialized():
+        return _CPU
+    index = torch.cuda.current_device()
+    device = _CUDA_DEVICES.get(index)
+    if device is None:  # (one object per index: no torch.device built per launch)
+        device = _CUDA_DEVICES[index] = torch.device("cuda", index)
+    return device
 
 
 _CPU = torch.device("cpu")
+_CUDA_DEVICES: dict = {}
 
 
 class _Scratch:
@@ -146,20 +153,21 @@ class _Scratch:
     __slots__ = ("buffers",)
 
     def __init__(self):
-        self.buffers = {}
+        self.buffers = {}  # (device, stream) -> (buffer, its bytes)
 
     def __call__(self, size: int, alignment: int, stream):
         device = scratch_device()
         key = (device, stream)
-        buf = self.buffers.get(key)
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if buf is not None and buf.numel() >= size and not capturing:
-            return buf
-        buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=device)
+        kept = self.buffers.get(key)
+        capturing = device is not _CPU and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if kept is not None and kept[1] >= size and not capturing:
+            return kept[0]
+        n = max(size, 1 << 16)
+        buf = torch.empty(n, dtype=torch.int8, device=device)
         if not capturing:
             if len(self.buffers) >= 64:
                 self.buffers.clear()
-            self.buffers[key] = buf
+            self.buffers[key] = (buf, n)
         return buf
 
 
