@@ -353,7 +353,8 @@ def matmul(
     """
     key = False  # no plans under the interpreter
     if not interpreting():
-        if out is None and residual is None and preact_out is None and fp8_out is None and not accumulate:
+        plain = out is None and residual is None and preact_out is None and fp8_out is None and not accumulate
+        if plain:
             key = ("matmul", describe(a), describe(weight), None if bias is None else describe(bias), weight_layout,
                    activation, out_dtype, _tf32_key(a))
         else:
@@ -362,8 +363,13 @@ def matmul(
         plan = _PLANS.find(key)
         stream = None if plan is None else plan.stream()
         if stream is not None:
-            c = out if out is not None else a.new_empty(plan.extra[0], dtype=plan.extra[1])
             ensure_scratch_allocator()
+            if plain:  # (_slots' tuple, written out; no dtype argument to parse for a's own)
+                shape, dtype = plan.extra
+                c = a.new_empty(shape) if dtype is a.dtype else a.new_empty(shape, dtype=dtype)
+                plan.call((a, weight, c, c if bias is None else bias, c, c, c, c), stream)
+                return c
+            c = out if out is not None else a.new_empty(plan.extra[0], dtype=plan.extra[1])
             plan.call(_slots(a, weight, c, bias, c if accumulate else residual, preact_out, fp8_out), stream)
             return c
     ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)
