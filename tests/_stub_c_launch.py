@@ -8,7 +8,9 @@ the plans are built: one call through the plan (the direct C launch), then the s
 rebuilt to go through the launcher object (``CudaLauncher.__call__``, as on a release without a
 known layout), with the same tensors and stream; the two recorded argument lists must be equal
 (tensors and the descriptor scratch by identity), and so must the two requests to Triton's
-allocator (a recording one is set: the launchers keep an allocator set by someone else). Prints a JSON report;
+allocator (a recording one is set: the launchers keep an allocator set by someone else). Then
+replay invariance: the dense GEMM and the TP ops (rings and the symmetric path, tp 8 emulated)
+called twice launch the same kernels with the same scalar arguments. Prints a JSON report;
 ``tests/test_gemm_launch_plans.py`` reads it.
 """
 import json
@@ -103,6 +105,25 @@ def check(name, call, report):
                     "args": [_describe(c) for c in CALLS]}
 
 
+def _scalars(xs):
+    """The non-tensor kernel arguments of one recorded C launch (what a CUDA graph would replay)."""
+    kernel_args = xs[-1] if launch._C_LAUNCH == "tuple" else xs[13:]
+    return tuple(a for a in kernel_args if not isinstance(a, torch.Tensor))
+
+
+def replay(name, call, report):
+    """Two identical calls after warm-up launch the same kernels with the same scalar arguments:
+    no host state (an epoch, a counter) is baked into a launch that a graph replay would repeat."""
+    for _ in range(3):
+        call()
+    seen = []
+    for _ in range(2):
+        CALLS.clear()
+        call()
+        seen.append([(xs[:3], xs[4], _scalars(xs)) for xs in CALLS])
+    report[name] = {"launches": len(seen[0]), "invariant": seen[0] == seen[1]}
+
+
 def main():
     g = torch.Generator().manual_seed(0)
     a = torch.randn(64, 64, generator=g).to(torch.bfloat16)
@@ -114,7 +135,19 @@ def main():
     check("matmul_tma_two_programs", lambda: matmul(tall, w), report)
     check("matmul_pointer_loads", lambda: matmul(odd, w[:, :60]), report)
     check("rms_norm_fwd", lambda: rms_norm_fwd(a, w[0]), report)
-    print(json.dumps({"cases": report, "layout_release": launch._C_LAUNCH}))
+    from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter
+    from fusedpar.ops.comm.transport import EmulatedTransport
+    ring, waits = EmulatedTransport(8, 0), EmulatedTransport(8, 0, in_kernel_waits=True)
+    x, x_rs, w_rs = a[:16], tall[:128, :8], w[:, :8]
+    replays = {}
+    replay("matmul", lambda: matmul(a, w), replays)
+    replay("all_gather_matmul ring", lambda: all_gather_matmul(x, w, gather_dim=0, transport=ring), replays)
+    replay("matmul_reduce_scatter ring", lambda: matmul_reduce_scatter(x_rs, w_rs, scatter_dim=0, transport=ring),
+           replays)
+    replay("all_gather_matmul persistent", lambda: all_gather_matmul(x, w, gather_dim=0, transport=waits), replays)
+    replay("matmul_reduce_scatter persistent",
+           lambda: matmul_reduce_scatter(x_rs, w_rs, scatter_dim=0, transport=waits), replays)
+    print(json.dumps({"cases": report, "replays": replays, "layout_release": launch._C_LAUNCH}))
 
 
 if __name__ == "__main__":

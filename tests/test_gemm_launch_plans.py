@@ -140,7 +140,9 @@ def test_direct_c_launch_passes_what_tritons_launcher_passes(tmp_path):
     function itself: on Triton's real compiled path against the stand-in driver
     (``tests/_stub_c_launch.py``), the arguments and the allocator requests (the TMA GEMM's
     descriptor scratch sized for its grid) equal what ``CudaLauncher.__call__`` passes for the
-    same plan; another release calls the launcher object (``layout_release`` None)."""
+    same plan; another release calls the launcher object (``layout_release`` None). And the dense
+    GEMM and the TP ops (rings, symmetric path; tp 8 emulated) called twice launch the same kernels
+    with the same scalar arguments (no host state baked into a launch: CUDA-graph safe)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["XDG_CACHE_HOME"] = str(tmp_path)  # the stub and Triton's cache: built here
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_stub_c_launch.py")], capture_output=True,
@@ -160,3 +162,8 @@ def test_direct_c_launch_passes_what_tritons_launcher_passes(tmp_path):
     assert len(tma[0]) == 2 and tma[0][0] == tma[0][1] and tma[1][0] == tma[1][1], tma
     assert tma[1][0][0] == 2 * tma[0][0][0] and cases["matmul_tma_two_programs"]["grid"] == [2, 1, 1]
     assert cases["matmul_pointer_loads"]["scratch"] == [] and cases["rms_norm_fwd"]["scratch"] == []
+    # replay invariance (what a CUDA graph replays): the same kernels and scalar arguments call after call
+    launches = {"matmul": 1, "all_gather_matmul ring": 8, "matmul_reduce_scatter ring": 16,
+                "all_gather_matmul persistent": 1, "matmul_reduce_scatter persistent": 2}
+    assert {k: v["launches"] for k, v in report["replays"].items()} == launches
+    assert all(v["invariant"] for v in report["replays"].values()), report["replays"]
