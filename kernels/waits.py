@@ -53,7 +53,8 @@ class _Status:
     pinned host int (``host``, made at the first deferred check with one event per slot)."""
 
     def __init__(self, device: torch.device):
-        self.word = torch.zeros(1, dtype=torch.int32, device=device)
+        with torch.inference_mode(False):  # kept for later calls
+            self.word = torch.zeros(1, dtype=torch.int32, device=device)
         self.reported = 0
         self.pending = collections.deque()
         self.host = self.slots = self.events = None
@@ -124,7 +125,8 @@ def wait_timeouts(device: torch.device | str, *, reset: bool = True) -> int:
 def snapshot_buffers(n: int):
     """``(host, events)``: ``n`` pinned int32 slots and one CUDA event each (the deferred checks'
     snapshots of a status word, made once per device)."""
-    return torch.zeros(n, dtype=torch.int32, pin_memory=True), [torch.cuda.Event() for _ in range(n)]
+    with torch.inference_mode(False):  # kept for later calls
+        return torch.zeros(n, dtype=torch.int32, pin_memory=True), [torch.cuda.Event() for _ in range(n)]
 
 
 def deferred_capable(word: torch.Tensor) -> bool:
@@ -227,7 +229,8 @@ def ready_word(device, value, name: str = "ready_value") -> torch.Tensor:
     device = canonical_device(device)
     word = _ready_words.get((device, value))
     if word is None:
-        word = torch.full((1,), value, dtype=torch.int32, device=device)
+        with torch.inference_mode(False):  # kept for later calls
+            word = torch.full((1,), value, dtype=torch.int32, device=device)
         # a word is never evicted (a captured graph may read it); one made inside a capture is the
         # graph's (its fill is captured, not run): not kept for eager calls
         if len(_ready_words) < 1024 and not capturing(device):

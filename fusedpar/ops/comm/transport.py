@@ -170,7 +170,8 @@ class SymmetricWorkspace:
         view = self.fp32_views.get(n)
         if view is None:
             if self.fp32 is None or self.fp32.numel() < n:
-                self.fp32 = torch.empty(max(n, 1), dtype=torch.float32, device=self.tensor.device)
+                with torch.inference_mode(False):  # kept for later calls
+                    self.fp32 = torch.empty(max(n, 1), dtype=torch.float32, device=self.tensor.device)
                 self.fp32_views = {}
             if len(self.fp32_views) >= 64:
                 self.fp32_views.clear()
@@ -194,7 +195,9 @@ def cached_workspace(cache: dict, key, nbytes: int, create) -> SymmetricWorkspac
     ws = cache.get(key)
     if ws is None or ws.nbytes < nbytes:
         check_not_capturing(f"a {nbytes}-byte {key[0]!r} workspace", key[1])
-        ws = cache[key] = create(max(nbytes, 2 * ws.nbytes if ws is not None else 0))
+        with torch.inference_mode(False):  # kept for later calls (made under inference mode, the
+            # later calls' in-place writes outside it would raise)
+            ws = cache[key] = create(max(nbytes, 2 * ws.nbytes if ws is not None else 0))
     return ws
 
 

@@ -41,8 +41,9 @@ class ChunkFlags:
     reads), so a call's launches and stream writes are the same call after call."""
 
     def __init__(self, capacity: int, device: torch.device):
-        self.u32 = torch.zeros(capacity, dtype=torch.uint32, device=device)
-        self.i32 = self.u32.view(torch.int32)
+        with torch.inference_mode(False):  # kept for later calls
+            self.u32 = torch.zeros(capacity, dtype=torch.uint32, device=device)
+            self.i32 = self.u32.view(torch.int32)
         self.ready = ready_word(device, READY)
         self.sm_free = device.type == "cuda" and flag_writer_available()
 
@@ -157,5 +158,6 @@ def device_ints(values, device) -> torch.Tensor:
             check_not_capturing(f"an offset table {values}", device)  # (a synchronous copy)
             if len(_int_tensors) >= 1024:
                 _int_tensors.clear()
-            t = _int_tensors[device, values] = torch.tensor(values, dtype=torch.int64, device=device)
+            with torch.inference_mode(False):  # kept for later calls
+                t = _int_tensors[device, values] = torch.tensor(values, dtype=torch.int64, device=device)
     return t

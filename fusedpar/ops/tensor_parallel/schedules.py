@@ -43,7 +43,8 @@ class Scratch:
         step = max(256 // dtype.itemsize, 1)
         sizes = [-(-math.prod(s) // step) * step for s in shapes]
         if self.flat is None or self.flat.numel() < sum(sizes):
-            self.flat, self.views = torch.empty(sum(sizes), dtype=dtype, device=device), {}
+            with torch.inference_mode(False):  # kept for later calls: not an inference tensor
+                self.flat, self.views = torch.empty(sum(sizes), dtype=dtype, device=device), {}
         if len(self.views) >= 64:
             self.views.clear()
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
