@@ -364,12 +364,13 @@ def matmul(
         stream = None if plan is None else plan.stream()
         if stream is not None:
             ensure_scratch_allocator()
-            if plain:  # (_slots' tuple, written out; no dtype argument to parse for a's own)
+            if plain:  # (_slots' tuple, written out; no dtype argument to parse for a plain a's own)
                 shape, dtype = plan.extra
-                c = a.new_empty(shape) if dtype is a.dtype else a.new_empty(shape, dtype=dtype)
+                c = a.new_empty(shape) if dtype is a.dtype and type(a) is torch.Tensor else \
+                    torch.empty(shape, dtype=dtype, device=a.device)  # (a subclass's new_empty: its type)
                 plan.call((a, weight, c, c if bias is None else bias, c, c, c, c), stream)
                 return c
-            c = out if out is not None else a.new_empty(plan.extra[0], dtype=plan.extra[1])
+            c = out if out is not None else torch.empty(plan.extra[0], dtype=plan.extra[1], device=a.device)
             plan.call(_slots(a, weight, c, bias, c if accumulate else residual, preact_out, fp8_out), stream)
             return c
     ops = linear_operands(a, weight, bias, activation=activation, weight_layout=weight_layout)

@@ -166,7 +166,7 @@ def _c_launch_layout(run) -> str | None:
         return None
     if getattr(run, "profile_scratch_size", 1) or getattr(run, "gsan_enabled", False):
         return None
-    if _C_LAUNCH == "tuple" and not hasattr(run, "arg_annotations"):
+    if hasattr(run, "arg_annotations") != (_C_LAUNCH == "tuple"):  # (the layout's own mark)
         return None
     return _C_LAUNCH
 

@@ -91,6 +91,16 @@ def test_plain_eager_takes_only_plain_calls():
         assert not plain_eager((x,))
     with torch.overrides.TorchFunctionMode():
         assert not plain_eager((x,))
+    assert not plain_eager((x, torch.empty(2, device="meta")))  # the op's fake answers
+    seen.clear()
+    torch.jit.trace(lambda v: (seen.append(plain_eager((v,))), v * 2)[1], (x,), check_trace=False)
+    assert seen == [False]  # a trace records the op, not its body
+
+
+def test_meta_tensors_get_the_fake_shapes():
+    x, w = torch.empty(5, 8, device="meta"), torch.empty(6, 8, device="meta")
+    y = all_gather_matmul(x, w, gather_dim=0, transport=T)
+    assert y.device.type == "meta" and y.shape == (15, 6)
 
 
 def test_call_op_under_a_mode_dispatches():

@@ -34,26 +34,34 @@ _no_functorch = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _profiling = torch._C._autograd._profiler_enabled
+_jit_tracing = torch._C._get_tracing_state
 
 
 def plain_eager(args) -> bool:
     """Whether a call of an op with ``args`` may skip torch's dispatcher (:func:`call_op`): not
-    traced by ``torch.compile``, no torch-dispatch or torch-function mode (fake tensors,
-    functionalisation, tracing, selective checkpointing, debug modes), no functorch transform, no
-    profiler (its trace names the op), every tensor a plain ``Tensor`` / ``Parameter``."""
+    traced by ``torch.compile`` or ``torch.jit.trace``, no torch-dispatch or torch-function mode
+    (fake tensors, functionalisation, tracing, selective checkpointing, debug modes), no functorch
+    transform, no profiler (its trace names the op), every tensor a plain ``Tensor`` /
+    ``Parameter`` and not on the meta device (the op's fake answers for it)."""
     if (torch.compiler.is_compiling() or _dispatch_modes() or _function_modes() or _no_functorch() is not None
-            or _profiling()):
+            or _profiling() or _jit_tracing() is not None):
         return False
-    return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or a.is_meta):
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)
 def _eager_function(op):
     """The ``torch.autograd.Function`` of ``op``'s eager path, or None where ``op`` does not hold
-    what it needs (its body, ``register_autograd``'s backward and setup_context)."""
+    what it needs (its body, ``register_autograd``'s backward and setup_context) or has a kernel
+    per device type or an autocast rule (made once per op: fusedpar registers its ops at import)."""
     body, backward, setup = (getattr(op, n, None) for n in ("_init_fn", "_backward_fn", "_setup_context_fn"))
     if body is None or backward is None or setup is None or set(getattr(op, "_backend_fns", {None: 0})) != {None}:
         return None  # (a kernel registered for a device type would run there instead of the body)
+    if getattr(op, "_autocast_dtype", None):
+        return None  # (an autocast rule casts the inputs on the dispatcher's way)
 
     def forward(ctx, *args):
         out = body(*args)
@@ -66,7 +74,8 @@ def _eager_function(op):
 
 def call_op(op, *args):
     """``op(*args)`` for a forward op defined with :func:`custom_op` and ``register_autograd``
-    (positional arguments, every one given): through torch's dispatcher, or, in plain eager mode
+    (positional arguments, every one given, so setup_context sees them as torch would; a body that
+    returns fresh tensors, as torch requires): through torch's dispatcher, or, in plain eager mode
     (:func:`plain_eager`), straight to its body -- under an ``autograd.Function`` made of the
     same backward and setup_context when an input requires grad -- which skips the dispatcher's
     ~10 us and the ~40 us of its autograd wrapper per call (it rebuilds the schema's defaults).
