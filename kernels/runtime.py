@@ -93,13 +93,15 @@ def interpreter_problem() -> str | None:
 
 def check_interpreter() -> None:
     """Raise ``RuntimeError`` when the interpreter is on and cannot run the kernels (see
-    :func:`interpreter_incompatibility`), and give its ``tl.dot`` a result that does not depend on
-    the BLAS (:func:`install_interpreter_dot`); called when ``fusedpar.kernels`` is imported."""
+    :func:`interpreter_incompatibility`), give its ``tl.dot`` a result that does not depend on
+    the BLAS (:func:`install_interpreter_dot`) and make its helper calls cheap
+    (:func:`install_interpreter_device_calls`); called when ``fusedpar.kernels`` is imported."""
     problem = interpreter_problem() if interpreting() else None
     if problem:
         raise RuntimeError(problem)
     if interpreting():
         install_interpreter_dot()
+        install_interpreter_device_calls()
 
 
 def _float8_values(torch_dtype):
@@ -174,6 +176,38 @@ def install_interpreter_dot() -> None:
 
     create_dot._fusedpar = True
     builder.create_dot = create_dot
+
+
+def install_interpreter_device_calls() -> None:
+    """Make the interpreter's calls of ``@triton.jit`` helpers from a kernel cheap (idempotent).
+    Triton's interpreter patches ``triton.language`` for the interpreter (four
+    ``inspect.getmembers`` sweeps, ~0.15 ms) at every such call, although the kernel's launch has
+    patched it for the whole grid: a GEMM tile that calls helpers per tile and per K step spent a
+    third of its interpreted time there. A helper call now patches only where a language module
+    its globals hold (``triton.language``, ``triton.language.core``) is not patched yet (its
+    ``load`` still Triton's builtin), as Triton's call would; otherwise it runs the helper as
+    Triton's call does after patching (the same patched functions, the same error wrapping)."""
+    from triton.runtime import interpreter
+
+    cls = interpreter.InterpretedFunction
+    if getattr(cls.__call__, "_fusedpar", False):
+        return
+    triton_call, langs = cls.__call__, {}
+
+    def __call__(self, *args, **kwargs):
+        mods = langs.get(self.fn)
+        if mods is None:
+            mods = langs[self.fn] = tuple(v for v in self.fn.__globals__.values() if v is tl or v is tl.core)
+        if not mods or any(tl.core.is_builtin(m.load) for m in mods):
+            return triton_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    __call__._fusedpar = True
+    cls.__call__ = __call__
 
 
 def needs_upcast(dtype: torch.dtype) -> bool:
