@@ -36,7 +36,8 @@ if __name__ == "kernels":  # the source dir imported as a top-level package (rep
 
         __all__ = []
 else:
-    from .runtime import ACTIVATIONS, check_interpreter, interpreting
+    from .interpreter import check_interpreter
+    from .runtime import ACTIVATIONS, interpreting
 
     check_interpreter()
     from .gemm import matmul, matmul_reference, matmul_tn

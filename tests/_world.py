@@ -83,7 +83,7 @@ class World:
                         else "gloo")
         # gloo workers run the kernels interpreted (a GPU machine's Triton 3.6 with NumPy >= 2.4 cannot).
         # Imported here, not at module level: workers import this module before they set TRITON_INTERPRET.
-        from fusedpar.kernels.runtime import interpreter_problem
+        from fusedpar.kernels.interpreter import interpreter_problem
 
         problem = interpreter_problem() if self.backend == "gloo" else None
         if problem:

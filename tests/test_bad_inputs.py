@@ -305,7 +305,7 @@ def test_routing_check_ids_is_refused_while_a_cuda_graph_is_captured():
 def test_interpreter_version_check(triton_version, numpy_version, bad):
     """Triton 3.6's interpreter cannot run loops whose start is a program id with NumPy >= 2.4
     (int() of a one-element array): the versions are named instead of a TypeError deep in a kernel."""
-    from fusedpar.kernels.runtime import interpreter_incompatibility
+    from fusedpar.kernels.interpreter import interpreter_incompatibility
 
     problem = interpreter_incompatibility(triton_version, numpy_version)
     if bad:

@@ -1,4 +1,4 @@
-"""The interpreter's ``tl.dot`` does not depend on the BLAS numpy runs (kernels/runtime.py,
+"""The interpreter's ``tl.dot`` does not depend on the BLAS numpy runs (kernels/interpreter.py,
 ``interpreter_dot``): bit-equality claims between two kernels hold on every machine.
 
 Triton's own interpreted dot is a float32 ``numpy.matmul``; OpenBLAS sums it in an order that
@@ -64,7 +64,7 @@ def test_e4m3_dot_is_exactly_rounded_for_every_tile_shape():
     (products of e4m3 values are multiples of 2^-18 below 2^18): the same in any order, so a
     row's result does not depend on the rows or columns computed beside it."""
     import triton.language as tl
-    from fusedpar.kernels.runtime import install_interpreter_dot, interpreter_dot
+    from fusedpar.kernels.interpreter import install_interpreter_dot, interpreter_dot
 
     install_interpreter_dot()
     g = torch.Generator().manual_seed(3)

@@ -18,7 +18,7 @@ import pytest
 
 from fusedpar.data import BatchLoader, DataError, load_tokens, split, unigram_baseline, unigram_entropy
 from fusedpar.demo import default_layout, lr_at, main, parse_args
-from fusedpar.kernels.runtime import interpreter_problem
+from fusedpar.kernels.interpreter import interpreter_problem
 
 
 def _torchrun_cmd(nproc, *args, restarts=0):

@@ -577,7 +577,7 @@ def _helper_calls_kernel(p, N: tl.constexpr):
 
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's helper calls")
 def test_interpreted_helper_calls_patch_the_language_once_per_launch(monkeypatch):
-    """runtime.install_interpreter_device_calls: a kernel's launch patches triton.language for the
+    """interpreter.install_interpreter_device_calls: a kernel's launch patches triton.language for the
     interpreter once; its helper calls (five per program here) do not patch it again (Triton's own
     call did, ~0.15 ms each: a third of an interpreted GEMM's time), and compute the same."""
     from triton.runtime import interpreter

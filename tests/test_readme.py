@@ -220,7 +220,7 @@ def _gpu_world(nproc: int) -> bool:
 
 
 def _torchrun(nproc: int, scripts: list[str], cwd, timeout: float = 400):
-    from fusedpar.kernels.runtime import interpreter_problem
+    from fusedpar.kernels.interpreter import interpreter_problem
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)  # the preamble decides, as on a user's machine
