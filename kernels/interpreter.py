@@ -35,14 +35,16 @@ def interpreter_problem() -> str | None:
 def check_interpreter() -> None:
     """Raise ``RuntimeError`` when the interpreter is on and cannot run the kernels (see
     :func:`interpreter_incompatibility`), give its ``tl.dot`` a result that does not depend on
-    the BLAS (:func:`install_interpreter_dot`) and make its helper calls cheap
-    (:func:`install_interpreter_device_calls`); called when ``fusedpar.kernels`` is imported."""
+    the BLAS (:func:`install_interpreter_dot`) and make its helper calls and dtype map cheap
+    (:func:`install_interpreter_device_calls`, :func:`install_interpreter_np_dtypes`); called
+    when ``fusedpar.kernels`` is imported."""
     problem = interpreter_problem() if interpreting() else None
     if problem:
         raise RuntimeError(problem)
     if interpreting():
         install_interpreter_dot()
         install_interpreter_device_calls()
+        install_interpreter_np_dtypes()
 
 
 def _float8_values(torch_dtype):
@@ -149,3 +151,28 @@ def install_interpreter_device_calls() -> None:
 
     __call__._fusedpar = True
     cls.__call__ = __call__
+
+
+def install_interpreter_np_dtypes() -> None:
+    """Memoise the interpreter's Triton-to-NumPy dtype map (idempotent). Triton's
+    ``_get_np_dtype`` builds a dict of nineteen ``numpy.dtype`` objects on every call (~15 us),
+    and the interpreter asks it for nearly every value an element-wise op makes: about 5% of an
+    interpreted model step. The map is a function of the (element) type, so each is asked once."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._get_np_dtype, "_fusedpar", False):
+        return
+    triton_map, known = interpreter._get_np_dtype, {}
+
+    def _get_np_dtype(tt_dtype):
+        ty = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        try:
+            return known[ty]
+        except KeyError:
+            found = known[ty] = triton_map(ty)
+            return found
+        except TypeError:  # (a type that cannot be hashed: Triton's own answer, every time)
+            return triton_map(tt_dtype)
+
+    _get_np_dtype._fusedpar = True
+    interpreter._get_np_dtype = _get_np_dtype

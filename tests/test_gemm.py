@@ -590,3 +590,21 @@ def test_interpreted_helper_calls_patch_the_language_once_per_launch(monkeypatch
     assert torch.equal(t, torch.arange(8, dtype=torch.float32) + 10)  # two programs, five helper calls each
     assert patched == ["_helper_calls_kernel"], patched
     assert getattr(interpreter.InterpretedFunction.__call__, "_fusedpar", False)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's dtype map")
+def test_interpreter_dtype_map_is_memoised_and_unchanged():
+    """interpreter.install_interpreter_np_dtypes: the same NumPy dtype as Triton's map for every
+    scalar, block and pointer type, each asked of Triton's once."""
+    from triton.runtime import interpreter as triton_interpreter
+
+    ours = triton_interpreter._get_np_dtype
+    assert getattr(ours, "_fusedpar", False)
+    import numpy as np
+    want = {tl.float32: np.float32, tl.bfloat16: np.uint16, tl.float16: np.float16, tl.int1: bool, tl.int64: np.int64,
+            tl.float8e4nv: np.uint8, tl.uint32: np.uint32}
+    for ty, np_ty in want.items():
+        for t in (ty, tl.block_type(ty, [4, 8])):
+            assert ours(t) == np.dtype(np_ty), (t, ours(t))
+        for t in (tl.pointer_type(ty), tl.block_type(tl.pointer_type(ty), [2])):
+            assert ours(t) == np.dtype(np.uint64), (t, ours(t))
