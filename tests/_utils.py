@@ -27,6 +27,20 @@ ATOL_SCALE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 BACKWARD_OPCHECK = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
+def spy_launches(monkeypatch, module, name: str) -> list:
+    """Replace the kernel ``module.<name>`` (launched as ``kernel[grid](*args, **flags)``) for the
+    test by one that records ``(grid, flags)`` of every launch, then launches the kernel; returns
+    the record list."""
+    kernel, seen = getattr(module, name), []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **flags: (seen.append((grid, flags)), kernel[grid](*args, **flags))[1]
+
+    monkeypatch.setattr(module, name, Spy())
+    return seen
+
+
 def poison(shape, dtype, device=DEVICE):
     """An output buffer full of NaN: any element the kernel forgets to write fails the test."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)

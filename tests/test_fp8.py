@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from _utils import DEVICE, INTERPRETED, poison
+from _utils import DEVICE, INTERPRETED, poison, spy_launches
 from fusedpar.kernels import dequantize_e4m3, fp8_matmul, quantize_e4m3
 from fusedpar.kernels.fp8 import (E4M3_MAX, SCALE_FLOOR, fp8_support_problem, group_columns, group_tiles,
                                   quantize_e4m3_groups, quantize_e4m3_groups_reference, quantize_e4m3_reference, to_e4m3)
@@ -262,13 +262,7 @@ def test_fp8_matmul_load_paths_agree(scaling, ga, gb, monkeypatch):
     from fusedpar.kernels import fp8_gemm, gemm_loads
     if not INTERPRETED:
         pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
-    seen = []
-    kernel = fp8_gemm._fp8_gemm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: (seen.append(kw["TMA"]), kernel[grid](*args, **kw))[1]
-    monkeypatch.setattr(fp8_gemm, "_fp8_gemm_kernel", Spy())
+    launches = spy_launches(monkeypatch, fp8_gemm, "_fp8_gemm_kernel")
     g = torch.Generator().manual_seed(11)
     for M, N, K in ((37, 45, 256), (33, 130, 144)):
         xq, xs = quantize_e4m3(torch.randn(M, K, generator=g), ga)
@@ -281,12 +275,12 @@ def test_fp8_matmul_load_paths_agree(scaling, ga, gb, monkeypatch):
                 outs.append(fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, out_dtype=torch.float32))
             assert_within(outs[-1], ref, ACC_RTOL * (ref.abs() + ref.pow(2).mean().sqrt()), f"{path} {M}x{N}x{K}")
         assert torch.equal(outs[0], outs[1]), (M, N, K)
-        assert seen[-2:] == [True, False]
+        assert [f["TMA"] for _, f in launches[-2:]] == [True, False]
     xe, xse = xq[:1].expand(M, K), xs[:1].expand(M, *xs.shape[1:])
     out = fp8_matmul(xe, xse, wq, ws, scaling=scaling, out_dtype=torch.float32)
     ref = fp8_matmul_reference(xe, xse, wq, ws, scaling=scaling)
     assert_within(out, ref, ACC_RTOL * (ref.abs() + ref.pow(2).mean().sqrt()), "expanded A")
-    assert seen[-1] is False
+    assert launches[-1][1]["TMA"] is False
 
 
 @pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
@@ -329,19 +323,12 @@ def test_fp8_matmul_fast_accumulation(scaling, monkeypatch):
         with pytest.raises(TypeError, match="fast_accum must be a bool"):
             fp8_matmul(a, torch.ones(M, device=DEVICE), b, torch.ones(N, device=DEVICE), fast_accum=1)
         return
-    flags = []
-    if INTERPRETED:
-        kernel = fp8_gemm._fp8_gemm_kernel
-
-        class Spy:
-            def __getitem__(self, grid):
-                return lambda *args, **kw: (flags.append(kw["PROMOTE_K"]), kernel[grid](*args, **kw))[1]
-        monkeypatch.setattr(fp8_gemm, "_fp8_gemm_kernel", Spy())
+    launches = spy_launches(monkeypatch, fp8_gemm, "_fp8_gemm_kernel") if INTERPRETED else []
     sa, sb = torch.ones(M, device=DEVICE), torch.ones(N, device=DEVICE)
     out = fp8_matmul(a, sa, b, sb, fast_accum=True, out=poison((M, N), torch.float32))
     expected = FP8_PROMOTE_K * E4M3_MAX + (K - FP8_PROMOTE_K)
     if INTERPRETED:
-        assert flags == [None] and torch.equal(out, torch.full((M, N), expected))
+        assert [f["PROMOTE_K"] for _, f in launches] == [None] and torch.equal(out, torch.full((M, N), expected))
     elif torch.cuda.get_device_capability(DEVICE)[0] == 9:
         assert (out.cpu() < expected).all(), out.cpu()[:, 0]  # the ones after the large block truncated
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
+from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn, spy_launches
 from fusedpar.kernels.grouped_gemm import (
     as_group_offsets,
     grouped_matmul,
@@ -208,13 +208,7 @@ def test_grouped_load_paths(path, monkeypatch):
     from fusedpar.kernels import gemm_loads, grouped_gemm as gg
     if not INTERPRETED:
         pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
-    seen = []
-    kernel = gg._grouped_gemm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *args, **flags: (seen.append((grid, flags["TMA"])), kernel[grid](*args, **flags))[1]
-    monkeypatch.setattr(gg, "_grouped_gemm_kernel", Spy())
+    launches = spy_launches(monkeypatch, gg, "_grouped_gemm_kernel")
     g, dt = torch.Generator().manual_seed(31), torch.float16
     E, H, Fd, offs = 3, 32, 24, _offsets([5, 0, 18, 1, 0, 3])
     M = offs[-1] + 3
@@ -238,9 +232,9 @@ def test_grouped_load_paths(path, monkeypatch):
     ref = pre_d.grad.clone()
     ref[offs[-1]:] = 0
     assert_close(got, ref, dt, msg=f"{path} fused activation backward")
-    assert [tma for _, tma in seen] == [path == "auto"] * 2
+    assert [flags["TMA"] for _, flags in launches] == [path == "auto"] * 2
     if path == "auto":
-        assert all(grid == (3, 1) for grid, _ in seen)
+        assert all(grid == (3, 1) for grid, _ in launches)
 
 
 def test_grouped_pointer_loads_for_expanded_rows_and_an_empty_contraction(monkeypatch):
@@ -250,13 +244,7 @@ def test_grouped_pointer_loads_for_expanded_rows_and_an_empty_contraction(monkey
     from fusedpar.kernels import grouped_gemm as gg
     if not INTERPRETED:
         pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
-    seen = []
-    kernel = gg._grouped_gemm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *args, **flags: (seen.append(flags["TMA"]), kernel[grid](*args, **flags))[1]
-    monkeypatch.setattr(gg, "_grouped_gemm_kernel", Spy())
+    launches = spy_launches(monkeypatch, gg, "_grouped_gemm_kernel")
     g, dt = torch.Generator().manual_seed(37), torch.float16
     E, H, Fd, offs = 2, 32, 24, _offsets([5, 0, 9])
     M = offs[-1] + 2
@@ -268,7 +256,7 @@ def test_grouped_pointer_loads_for_expanded_rows_and_an_empty_contraction(monkey
     for xi, wi in cases:
         out = grouped_matmul(xi, wi, offs, bias=b[:wi.shape[0]], out=poison((M, Fd), dt))
         assert_close(out, grouped_matmul_reference(xi, wi, offs, bias=b[:wi.shape[0]]), dt, msg=str(xi.shape))
-    assert seen == [False, False, False, True]  # (the plain operands: TMA)
+    assert [flags["TMA"] for _, flags in launches] == [False, False, False, True]  # (the plain operands: TMA)
 
 
 BWD_SIZES = [5, 0, 18, 1, 0, 3]  # two cycles over 3 experts, with empty groups
