@@ -93,8 +93,8 @@ class Capture:
     memory limit and SM count. ``cap.case(name, dtype)`` labels the launches that follow;
     ``estimates`` maps a kernel name to ``f(config, named_args, **kwargs) -> bytes``, the prune
     rule's shared-memory estimate, recorded next to each autotuned config. ``sample=True``
-    records, per autotuned launch, only the kept configs with the largest estimate and the smallest
-    one (the CI subset: where the shared-memory and register limits bite, and the small-tile path)."""
+    records, per autotuned launch, only the kept config with the largest estimate (the CI subset: where
+    the shared-memory and register limits bite; every kept config is in the full subset's tables)."""
 
     def __init__(self, arch: str, estimates: dict | None = None, sample: bool = False):
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -198,8 +198,8 @@ class Capture:
         estimate = self.estimates.get(tuner.base_fn.__name__)
         configs = tuner.configs
         if self.sample:
-            ranked = sorted(kept, key=lambda c: estimate(c, tuner.nargs, **kwargs) if estimate else 0)
-            configs = [c for c in configs if c is ranked[-1] or c is ranked[0]]
+            largest = max(kept, key=lambda c: estimate(c, tuner.nargs, **kwargs) if estimate else 0)
+            configs = [c for c in configs if c is largest]
         try:
             for cfg in configs:
                 est = estimate(cfg, tuner.nargs, **kwargs) if estimate else None
