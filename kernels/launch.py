@@ -27,6 +27,7 @@ plan: a change of a module global a kernel reads (Triton's path raises for it).
 """
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
@@ -142,6 +143,22 @@ class LaunchRecord(list):
     def __exit__(self, *exc):
         _RECORDS.remove(self)
         return False
+
+    def slots(self, named):
+        """``(plan, pick)`` of the one plan launch recorded, ``pick(named)`` giving its tensors from
+        a tuple ``named`` of another call (each found here by identity, its position kept); None
+        where the block launched other than once through a plan or a tensor is not in ``named``."""
+        if len(self) != 1:
+            return None
+        plan, tensors = self[0]
+        slots = []
+        for t in tensors:
+            pos = next((i for i, n in enumerate(named) if n is t), None)
+            if pos is None:
+                return None
+            slots.append(pos)
+        pick = operator.itemgetter(*slots)
+        return plan, (pick if len(slots) > 1 else lambda named: (pick(named),))
 
 
 #: argument types written into a plan's launch function as literals

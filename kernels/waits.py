@@ -55,6 +55,7 @@ class _Status:
     def __init__(self, device: torch.device):
         with torch.inference_mode(False):  # kept for later calls
             self.word = torch.zeros(1, dtype=torch.int32, device=device)
+        self.cpu_word = self.word.numpy() if self.word.device.type == "cpu" else None  # (read without a torch call)
         self.reported = 0
         self.pending = collections.deque()
         self.host = self.slots = self.events = None
@@ -114,7 +115,7 @@ def wait_timeouts(device: torch.device | str, *, reset: bool = True) -> int:
     """Waits on ``device`` that timed out since the last report (synchronises with the device);
     ``reset`` marks them reported (the deferred snapshots still in flight are dropped)."""
     st = _status(device)
-    seen = int(st.word.item())
+    seen = int(st.word.item() if st.cpu_word is None else st.cpu_word[0])
     if not reset:
         return seen - st.reported
     with st.lock:

@@ -1,6 +1,7 @@
 """Run as a script (no GPU, not under the interpreter): the ring schedules' chunk GEMMs launched by
 Triton's own compiled-launch path, by their launch plans one GEMM at a time, and replayed as a
-whole op (``schedules.ChunkGemms``), with Triton's compiler and the driver replaced by stand-ins
+whole op (``schedules.ChunkGemms``); the symmetric schedules' persistent GEMM and reduction the
+same way (their launches recorded with the schedule's spec, ``symmetric._launch``); with Triton's compiler and the driver replaced by stand-ins
 that record every launch (kernel specialisation, grid, stream, arguments). Prints a JSON report per
 case; ``tests/test_tensor_parallel_op_plans.py`` reads it."""
 import json
@@ -69,7 +70,7 @@ torch.cuda.get_device_properties = lambda device=None: type("Props", (), {"multi
 from fusedpar.kernels import checks, launch  # noqa: E402
 from fusedpar.ops import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
 from fusedpar.ops.comm.transport import EmulatedTransport  # noqa: E402
-from fusedpar.ops.tensor_parallel import schedules  # noqa: E402
+from fusedpar.ops.tensor_parallel import schedules, symmetric  # noqa: E402
 
 checks.allow_cpu_launches()
 
@@ -80,7 +81,7 @@ def rnd(*shape, seed):
 
 def cases():
     """``{name: (inputs, call)}``: one rank of tp 4 emulated, the forwards and a backward."""
-    t = EmulatedTransport(4, 1)
+    t, tw = EmulatedTransport(4, 1), EmulatedTransport(4, 1, in_kernel_waits=True)
     x, w, b = rnd(12, 64, seed=1), rnd(48, 64, seed=2), rnd(48, seed=3)
     x3, xr, wr = rnd(2, 6, 64, seed=4), rnd(2, 24, 16, seed=5), rnd(48, 16, seed=6)
     xm = rnd(2, 24, 24, seed=7)
@@ -100,6 +101,13 @@ def cases():
         "rs_fp16_partials": ((xr, wr), lambda x, w: matmul_reduce_scatter(x, w, scatter_dim=1, transport=t,
                                                                           partial_dtype=None)),
         "ag_backward": ((x.clone(), w.clone(), b), backward),
+        "ag_waits_gelu_bias": ((x, w, b), lambda x, w, b: all_gather_matmul(x, w, b, gather_dim=0, transport=tw,
+                                                                            activation="gelu")),
+        "ag_waits_seq_dim": ((x3, w), lambda x, w: all_gather_matmul(x, w, gather_dim=1, transport=tw)),
+        "rs_waits_misaligned": ((xm, wr), lambda x, w: matmul_reduce_scatter(x, w, scatter_dim=1, transport=tw)),
+        "rs_waits_aligned_same_shape": ((xa, wr), lambda x, w: matmul_reduce_scatter(x, w, scatter_dim=1,
+                                                                                     transport=tw)),
+        "rs_waits_bias": ((xr, wr, b), lambda x, w, b: matmul_reduce_scatter(x, w, b, scatter_dim=1, transport=tw)),
     }
 
 
@@ -120,14 +128,17 @@ def record(inputs, fn):
 
 def main():
     report = {}
-    calls = [0]
-    real = schedules.matmul_checked
+    calls = [0]  # launcher calls (a chunk GEMM's matmul_checked, a symmetric schedule's launchers)
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
+    def counting(real):
+        def launcher(*args, **kwargs):
+            calls[0] += 1
+            return real(*args, **kwargs)
+        return launcher
 
-    schedules.matmul_checked = counted
+    schedules.matmul_checked = counting(schedules.matmul_checked)
+    symmetric.persistent_matmul = counting(symmetric.persistent_matmul)
+    symmetric.chunk_reduce = counting(symmetric.chunk_reduce)
     table = cases()
     triton_path, per_gemm = {}, {}
     for name, (inputs, fn) in table.items():

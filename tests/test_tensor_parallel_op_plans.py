@@ -1,5 +1,7 @@
 """Whole-op launch plans of the ring schedules (``schedules.ChunkGemms``): a call of an op key seen
-before launches every chunk GEMM's recorded plan with its own tensors, without a per-GEMM key.
+before launches every chunk GEMM's recorded plan with its own tensors, without a per-GEMM key; the
+symmetric schedules (``transport`` with in-kernel waits) launch their persistent GEMM and reduction
+by the plans recorded with their spec, without the launchers' keys.
 ``tests/_op_plan_world.py`` runs Triton's real launch path (binder, specialisation, cache key) with
 the compiler and the driver replaced, in a subprocess without the interpreter; here its report is
 checked case by case."""
@@ -13,8 +15,11 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = ["ag_gelu_bias", "ag_seq_dim", "rs_misaligned", "rs_aligned_same_shape", "rs_bias", "rs_fp16_partials",
-         "ag_backward"]
+#: case -> its launches (chunk GEMMs; the symmetric schedules' persistent GEMM and reduction)
+CASES = {"ag_gelu_bias": 4, "ag_seq_dim": 4, "rs_misaligned": 8, "rs_aligned_same_shape": 8, "rs_bias": 8,
+         "rs_fp16_partials": 8, "ag_backward": 16, "ag_waits_gelu_bias": 1, "ag_waits_seq_dim": 1,
+         "rs_waits_misaligned": 2, "rs_waits_aligned_same_shape": 2, "rs_waits_bias": 2}
+RING_OPS = 6  # the ring cases (the symmetric ones keep their plans with their specs)
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +33,17 @@ def report():
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_replayed_op_launches_what_tritons_path_does(report, case):
-    """Every chunk GEMM of the replayed call: the same kernel specialisation, grid, stream and
+    """Every launch of the replayed call: the same kernel specialisation, grid, stream and
     arguments (inputs by identity, buffers by shape, strides, dtype and address mod 16) as Triton's
-    own path, with the op plans of every other case present; the replay calls no matmul_checked."""
+    own path, with the plans of every other case present; the replay calls no launcher
+    (matmul_checked, persistent_matmul, chunk_reduce)."""
     r = report[case]
-    assert r["launches"] >= 4 and r["per_gemm_same"] and r["replayed_same"], r
+    assert r["launches"] == CASES[case] and r["per_gemm_same"] and r["replayed_same"], r
     assert r["checked_calls_in_replay"] == 0
 
 
 def test_each_case_keeps_its_own_op_plans(report):
-    assert report["op_plans"] == len(CASES) + 1  # (the backward case: its forward and its reduce-scatter)
+    assert report["op_plans"] == RING_OPS + 2  # (the backward case: its forward and its reduce-scatter)
 
 
 def test_a_replay_sets_the_descriptor_allocator_in_a_new_thread(monkeypatch):

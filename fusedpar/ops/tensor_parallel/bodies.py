@@ -141,20 +141,21 @@ def all_gather_matmul_fwd(x, weight, bias, opts: TPOptions, *, keep_preact=False
     rank's ``x`` by source rank, ``[P, *x.shape]`` (only with ``keep_gathered``; else None)."""
     t, d = opts.transport, opts.dim
     P, n, n_w = t.size, x.shape[opts.dim], weight.shape[0]
-    out_shape = list(x.shape[:-1]) + [activation_features(weight.shape[0], opts.activation)]
-    out_shape[d] *= P
-    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     preact = None
     if keep_preact and opts.activation != "none":
         # chunk-major: each chunk's slot is a plain 2-D [rows, n_w] block
         preact = torch.empty((P,) + tuple(x.shape[:-1]) + (n_w,), dtype=x.dtype, device=x.device)
     gathered = torch.empty((P,) + tuple(x.shape), dtype=x.dtype, device=x.device) if keep_gathered else None
     if t.in_kernel_waits:
-        # one persistent GEMM waiting per chunk on copy-engine pulls from symmetric memory
-        symmetric.all_gather_matmul_symmetric(x, weight, bias, transport=t, gather_dim=d,
-                                              activation=opts.activation, out=out, preact_out=preact,
-                                              gathered_out=gathered, agree=False)
+        # one persistent GEMM waiting per chunk on copy-engine pulls from symmetric memory (it
+        # allocates the output: x's shape, gather dim P times longer, the activation's features)
+        out = symmetric.all_gather_matmul_symmetric(x, weight, bias, transport=t, gather_dim=d,
+                                                    activation=opts.activation, preact_out=preact,
+                                                    gathered_out=gathered, agree=False)
         return out, preact, gathered
+    out_shape = list(x.shape[:-1]) + [activation_features(weight.shape[0], opts.activation)]
+    out_shape[d] *= P
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     ops = linear_operands(x, weight, bias, activation=opts.activation)  # every chunk: x's dtype, device and K
     outs = out.split_with_sizes([n] * P, d)
     preacts = None if preact is None else preact.view(P, -1, n_w).unbind(0)
@@ -228,14 +229,14 @@ def matmul_reduce_scatter_fwd(x, weight, bias, opts: TPOptions):
     """Forward of :func:`~fusedpar.ops.tensor_parallel.api.matmul_reduce_scatter`: this rank's chunk
     of the reduced output."""
     t, d = opts.transport, opts.dim
+    if t.in_kernel_waits:  # (the schedule allocates the output: x's shape, the scatter dim P times shorter)
+        return symmetric.matmul_reduce_scatter_symmetric(x, weight, bias, transport=t, scatter_dim=d,
+                                                         partial_dtype=opts.partial_dtype, agree=False)
     n = x.shape[d] // t.size
     out_shape = list(x.shape[:-1]) + [weight.shape[0]]
     out_shape[d] = n
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    if t.in_kernel_waits:
-        symmetric.matmul_reduce_scatter_symmetric(x, weight, bias, transport=t, scatter_dim=d,
-                                                  partial_dtype=opts.partial_dtype, out=out, agree=False)
-    elif d == (1 if out.dim() == 3 else 0):  # chunks along out's row dim: the schedule splits x once
+    if d == (1 if out.dim() == 3 else 0):  # chunks along out's row dim: the schedule splits x once
         ring_reduce_scatter(x, weight, "nk", bias, out, t, opts.partial_dtype)
     else:
         chunks = x.split_with_sizes([n] * t.size, d)

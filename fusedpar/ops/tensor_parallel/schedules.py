@@ -14,7 +14,6 @@ carries its own (fp8). :func:`activation_backward` is the activations' closed-fo
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 
@@ -187,7 +186,7 @@ class ChunkGemms:
             with LaunchRecord() as rec:
                 matmul_checked(a, self.weight, ops, out, residual=residual, preact_out=preact_out,
                                weight_layout=self.layout)
-            self.record.append(_slots_of(rec, (a, self.weight, out, ops.bias, residual, preact_out)))
+            self.record.append(rec.slots((a, self.weight, out, ops.bias, residual, preact_out)))
             return out
         return matmul_checked(a, self.weight, ops, out, residual=residual, preact_out=preact_out,
                               weight_layout=self.layout)
@@ -197,22 +196,6 @@ class ChunkGemms:
         if self.record and all(step is not None for step in self.record):
             _OP_PLANS.keep(self.key, tuple(self.record))
         self.record = None
-
-
-def _slots_of(rec, named):
-    """``(plan, slots)`` of the one plan launch in ``rec``: ``slots(named)`` the launch's tensors
-    taken from ``named`` by position (found by identity); None where it was not one launch of those."""
-    if len(rec) != 1:
-        return None
-    plan, tensors = rec[0]
-    slots = []
-    for t in tensors:
-        pos = next((i for i, n in enumerate(named) if n is t), None)
-        if pos is None:
-            return None
-        slots.append(pos)
-    pick = operator.itemgetter(*slots)
-    return plan, (pick if len(slots) > 1 else lambda named: (pick(named),))
 
 
 def op_key(transport: Transport, kind: str, ops, *tensors, extra=()):

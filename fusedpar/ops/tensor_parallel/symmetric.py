@@ -42,9 +42,9 @@ from fusedpar.kernels.persistent_gemm import (
     persistent_matmul,
     tiles_per_chunk,
 )
-from fusedpar.kernels.launch import describe
-from fusedpar.kernels.runtime import SUPPORTED_DTYPES, activation_features, cdiv
-from fusedpar.kernels.waits import check_wait_timeouts, spin_bound
+from fusedpar.kernels.launch import LaunchRecord, describe
+from fusedpar.kernels.runtime import SUPPORTED_DTYPES, activation_features, cdiv, input_precision
+from fusedpar.kernels.waits import check_wait_timeouts, spin_bound, status_word
 from fusedpar.ops.comm.agreement import agreed_arguments
 from fusedpar.ops.comm.symmetric import check_symmetric
 from fusedpar.ops.comm.transport import hold_for_graphs
@@ -127,6 +127,21 @@ def _keep_spec(t, key, spec) -> None:
         t.specs[key] = spec
 
 
+def _launch(steps: list, i: int, named: tuple, launch) -> None:
+    """Launch ``i`` of a schedule's call: the launch plan recorded for its spec (``steps[i]``, a
+    ``(plan, pick)`` of :meth:`LaunchRecord.slots`) with this call's tensors ``named`` where it
+    applies now, without the launcher's plan key; else ``launch()`` (the launcher's own path),
+    recorded for the next call. The spec's key holds what the launcher's key follows from (the
+    arguments described, the config, the dot precision); the schedule's own tensors (workspace
+    views, flags, words) are the same or at the same offsets for every call of a spec."""
+    step = steps[i]
+    if step is not None and step[0].launch(step[1](named)):
+        return
+    with LaunchRecord() as rec:
+        launch()
+    steps[i] = rec.slots(named)
+
+
 def _check_config(config, a, weight, bias, activation, preact_out, a_scale, weight_scale, scaling, out_dtype):
     """The persistent GEMM's checks of a ``config`` passed in (its keys, the GPU's resources, fp8's
     BLOCK_K), run by the GEMM on no rows of the chunked view ``a`` (nothing launched) while the
@@ -189,14 +204,14 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     key = _spec_key(agree, config, "all_gather_matmul", describe(x), describe(weight), describe(bias), gather_dim,
                     activation, describe(out), describe(preact_out), describe(gathered_out), wait,
                     producer_delay_cycles, num_programs, max_spin, describe(x_scale), describe(weight_scale), scaling,
-                    out_dtype)
+                    out_dtype, input_precision(x.dtype))
     spec = _spec(t, key)
     if spec is None:
         spec = _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gathered_out, wait,
                         producer_delay_cycles, num_programs, max_spin, config, agree, x_scale, weight_scale, scaling,
                         out_dtype)
         _keep_spec(t, key, spec)
-    fp8, out_shape, out_dtype, chunks, row, xb, views, order, num_programs = spec
+    fp8, out_shape, out_dtype, chunks, row, xb, views, order, num_programs, steps = spec
     P, r = t.size, t.rank
     if out is None:
         out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
@@ -214,12 +229,14 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     side = pull_chunks(dsts, srcs.__getitem__, order, flags, copy=t.peer_copy, delay_cycles=producer_delay_cycles,
                        local=r)
     try:
-        persistent_matmul(
-            gathered, weight, bias, first_chunk=r, out=out.as_strided(*chunks), activation=activation,
+        outc = out.as_strided(*chunks)
+        _launch(steps, 0, (gathered, weight, outc, bias, preact_out, g_scale, weight_scale, flags.i32, flags.ready,
+                           status_word(x.device)), lambda: persistent_matmul(
+            gathered, weight, bias, first_chunk=r, out=outc, activation=activation,
             wait_flags=flags.i32 if wait else None, wait_mode="spin" if wait else "none", ready_value=flags.ready,
             preact_out=preact_out, config=config, num_programs=num_programs, max_spin=max_spin, check_waits=False,
             a_scale=g_scale, weight_scale=weight_scale, scaling=scaling,
-        )
+        ))
     finally:
         # the copy reads every slot: join the pulls first instead of relying on the GEMM's waits
         # (wait=False, or a wait that gave up, would let it read a slot still being written); joined
@@ -262,7 +279,7 @@ def _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gather
         num_programs = default_num_programs(x.device, reserve=t.free_sms(x.device))
     views = ("all_gather", P, r, row, xb, x.dtype, tuple(x.shape), None if not fp8 else tuple(x_scale.shape))
     return (fp8, tuple(out.shape), out.dtype, (tuple(chunks.shape), chunks.stride()), row, xb, views,
-            [(r + i) % P for i in range(1, P)], num_programs)
+            [(r + i) % P for i in range(1, P)], num_programs, [None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,13 +365,13 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     t = check_symmetric(transport, "matmul_reduce_scatter")
     key = _spec_key(agree, config, "matmul_reduce_scatter", describe(x), describe(weight), describe(bias), scatter_dim,
                     partial_dtype, describe(out), chunked, reduce_sms, wait, producer_delay_cycles, max_spin,
-                    describe(x_scale), describe(weight_scale), scaling, out_dtype)
+                    describe(x_scale), describe(weight_scale), scaling, out_dtype, input_precision(x.dtype))
     spec = _spec(t, key)
     if spec is None:
         spec = _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunked, reduce_sms, wait,
                         producer_delay_cycles, max_spin, agree, x_scale, weight_scale, scaling, out_dtype)
         _keep_spec(t, key, spec)
-    x_view, fp8, s_view, out_shape, out_dtype, nbytes, views, per, programs = spec
+    x_view, fp8, s_view, out_shape, out_dtype, nbytes, views, per, programs, steps = spec
     P, r = t.size, t.rank
     xv = x if x_view is None else x.as_strided(*x_view)
     sv = None if not fp8 else x_scale if s_view is None else x_scale.as_strided(*s_view)
@@ -368,12 +385,16 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     side = fork_side_stream(x.device)  # the reduction's stream: after the work queued so far, not after the GEMM
     if producer_delay_cycles:
         torch.cuda._sleep(int(producer_delay_cycles))
-    persistent_matmul(xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none", signal_counters=counters,
-                      config=config, num_programs=programs, a_scale=sv, weight_scale=weight_scale, scaling=scaling)
+    named = (xv, weight, partials, counters, sv, weight_scale, out, bias, peer_off, cnt_off, ready, acc,
+             status_word(x.device))
+    _launch(steps, 0, named, lambda: persistent_matmul(
+        xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none", ready_value=ready, signal_counters=counters,
+        config=config, num_programs=programs, a_scale=sv, weight_scale=weight_scale, scaling=scaling))
     with on_stream(side):  # enqueued after the GEMM whose counters it waits for: no launch-order stall
-        chunk_reduce(partials, peer_off, r, out=out, bias=bias, counters=counters if wait else None,
-                     counter_offsets=cnt_off if wait else None, ready_value=ready, workspace=acc,
-                     num_programs=reduce_sms if x.is_cuda else None, max_spin=max_spin, check_waits=False)
+        _launch(steps, 1, named, lambda: chunk_reduce(
+            partials, peer_off, r, out=out, bias=bias, counters=counters if wait else None,
+            counter_offsets=cnt_off if wait else None, ready_value=ready, workspace=acc,
+            num_programs=reduce_sms if x.is_cuda else None, max_spin=max_spin, check_waits=False))
     join_side_stream(x.device, side)  # (out, written on the side stream, is held until here: no record_stream)
     check_wait_timeouts(x.device, "matmul_reduce_scatter (symmetric)")
     return out
@@ -407,7 +428,7 @@ def _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunke
     view = lambda v, of: None if v is of else (tuple(v.shape), v.stride())  # noqa: E731
     return (view(xv, x), sv is not None, None if sv is None else view(sv, x_scale), tuple(out.shape), out.dtype,
             nbytes, ("reduce_scatter", P, head, chunk_shape, partial_dtype), per,
-            default_num_programs(x.device, reserve=reduce_sms))
+            default_num_programs(x.device, reserve=reduce_sms), [None, None])
 
 
 def _rs_reduce_args(t, ws, key, counters, partials):
