@@ -21,7 +21,7 @@ import torch
 from fusedpar.kernels.checks import check_bool, check_choice, check_divisible, check_dtype, check_int, check_tensor
 from fusedpar.kernels.fp8 import check_fp8_device
 from fusedpar.kernels.fp8_gemm import FP8_RECIPES
-from fusedpar.ops.comm.agreement import agreed_arguments, describe
+from fusedpar.ops.comm.agreement import agreed_arguments, checks_passed, describe
 from fusedpar.ops.comm.keys import transport_size, transport_id_of
 from fusedpar.ops.comm.symmetric import TRANSPORTS
 from fusedpar.ops.comm.transport import Transport, check_transport_name
@@ -111,6 +111,11 @@ def _with_fp8(out, q, scale, return_fp8):
     return (out, (q, scale)) if return_fp8 else out
 
 
+def _pair(x_fp8) -> tuple:
+    """An ``x_fp8`` argument as tensors of a call's key (:func:`checks_passed`)."""
+    return () if x_fp8 is None else tuple(x_fp8) if isinstance(x_fp8, (tuple, list)) else (x_fp8,)
+
+
 def _grad_needed(*tensors):
     """Whether a backward can follow (nothing is kept for one that cannot: inference, no_grad)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -119,6 +124,29 @@ def _grad_needed(*tensors):
 # ----------------------------------------------------------------------------------------------
 # all_gather_matmul
 # ----------------------------------------------------------------------------------------------
+def _ag_checks(x, weight, bias, group, gather_dim, activation, save_gathered_input, return_gathered, partial_dtype,
+               transport, fp8, fp8_grad_high_precision, x_fp8, return_fp8):
+    """:func:`all_gather_matmul`'s checks; ``(gather dim, partial dtype, transport id)``."""
+    op = "all_gather_matmul"
+    with agreed_arguments(op, transport, group, dict(
+            x=x, weight=weight, bias=bias, gather_dim=gather_dim, activation=activation, partial_dtype=partial_dtype,
+            save_gathered_input=save_gathered_input, return_gathered=return_gathered, transport=transport, fp8=fp8,
+            fp8_grad_high_precision=fp8_grad_high_precision, x_fp8=None if x_fp8 is None else _fp8_rows_text(x_fp8),
+            return_fp8=return_fp8)):
+        check_linear_args(op, x, weight, bias, activation)
+        dim = _token_dim(op, "gather_dim", gather_dim, x)
+        partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
+        check_bool(f"{op}: save_gathered_input", save_gathered_input)
+        check_bool(f"{op}: return_gathered", return_gathered)
+        _fp8_options(op, fp8, fp8_grad_high_precision, x)
+        if fp8 is not None and return_gathered:
+            raise ValueError(f"{op}: return_gathered must be False with fp8={fp8!r} (the input travels in fp8), "
+                             "got True")
+        _check_x_fp8(op, x_fp8, x, fp8)
+        _check_return_fp8(op, return_fp8, fp8)
+    return dim, partial_dtype, _transport_id(transport, group)
+
+
 @checked_api
 def all_gather_matmul(
     x: torch.Tensor,
@@ -182,24 +210,12 @@ def all_gather_matmul(
               projection's :func:`matmul_reduce_scatter`). Not differentiable.
     Returns ``[batch, seq, out_shard]`` (gather_dim 1), i.e. the gather dim grows ``tp`` times.
     """
-    op = "all_gather_matmul"
-    with agreed_arguments(op, transport, group, dict(
-            x=x, weight=weight, bias=bias, gather_dim=gather_dim, activation=activation, partial_dtype=partial_dtype,
-            save_gathered_input=save_gathered_input, return_gathered=return_gathered, transport=transport, fp8=fp8,
-            fp8_grad_high_precision=fp8_grad_high_precision, x_fp8=None if x_fp8 is None else _fp8_rows_text(x_fp8),
-            return_fp8=return_fp8)):
-        check_linear_args(op, x, weight, bias, activation)
-        dim = _token_dim(op, "gather_dim", gather_dim, x)
-        partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
-        check_bool(f"{op}: save_gathered_input", save_gathered_input)
-        check_bool(f"{op}: return_gathered", return_gathered)
-        _fp8_options(op, fp8, fp8_grad_high_precision, x)
-        if fp8 is not None and return_gathered:
-            raise ValueError(f"{op}: return_gathered must be False with fp8={fp8!r} (the input travels in fp8), "
-                             "got True")
-        _check_x_fp8(op, x_fp8, x, fp8)
-        _check_return_fp8(op, return_fp8, fp8)
-    transport_id = _transport_id(transport, group)
+    dim, partial_dtype, transport_id = checks_passed(
+        "all_gather_matmul", transport, group, (x, weight, bias) + _pair(x_fp8),
+        (gather_dim, activation, save_gathered_input, return_gathered, partial_dtype, fp8, fp8_grad_high_precision,
+         return_fp8),
+        lambda: _ag_checks(x, weight, bias, group, gather_dim, activation, save_gathered_input, return_gathered,
+                           partial_dtype, transport, fp8, fp8_grad_high_precision, x_fp8, return_fp8))
     need_dw = _grad_needed(weight)
     if fp8 is not None:
         x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
@@ -219,6 +235,23 @@ def all_gather_matmul(
 # ----------------------------------------------------------------------------------------------
 # matmul_reduce_scatter
 # ----------------------------------------------------------------------------------------------
+def _rs_checks(x, weight, bias, group, scatter_dim, partial_dtype, transport, fp8, fp8_grad_high_precision, x_fp8):
+    """:func:`matmul_reduce_scatter`'s checks; ``(scatter dim, partial dtype, transport id)``."""
+    op = "matmul_reduce_scatter"
+    with agreed_arguments(op, transport, group, dict(x=x, weight=weight, bias=bias, scatter_dim=scatter_dim,
+                                                     partial_dtype=partial_dtype, transport=transport, fp8=fp8,
+                                                     fp8_grad_high_precision=fp8_grad_high_precision,
+                                                     x_fp8=None if x_fp8 is None else _fp8_rows_text(x_fp8))):
+        check_linear_args(op, x, weight, bias)
+        dim = _token_dim(op, "scatter_dim", scatter_dim, x)
+        partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
+        _fp8_options(op, fp8, fp8_grad_high_precision, x)
+        _check_x_fp8(op, x_fp8, x, fp8)
+    transport_id = _transport_id(transport, group)
+    check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], transport_size(transport, group))
+    return dim, partial_dtype, transport_id
+
+
 @checked_api
 def matmul_reduce_scatter(
     x: torch.Tensor,
@@ -254,18 +287,11 @@ def matmul_reduce_scatter(
             instead of a quantisation of ``x``. Not differentiable.
     Returns ``[batch, seq/tp, out]``. The bias gradient is the full one on every rank.
     """
-    op = "matmul_reduce_scatter"
-    with agreed_arguments(op, transport, group, dict(x=x, weight=weight, bias=bias, scatter_dim=scatter_dim,
-                                                     partial_dtype=partial_dtype, transport=transport, fp8=fp8,
-                                                     fp8_grad_high_precision=fp8_grad_high_precision,
-                                                     x_fp8=None if x_fp8 is None else _fp8_rows_text(x_fp8))):
-        check_linear_args(op, x, weight, bias)
-        dim = _token_dim(op, "scatter_dim", scatter_dim, x)
-        partial_dtype = _partial_dtype(op, "partial_dtype", partial_dtype, x)
-        _fp8_options(op, fp8, fp8_grad_high_precision, x)
-        _check_x_fp8(op, x_fp8, x, fp8)
-    transport_id = _transport_id(transport, group)
-    check_divisible(f"{op}: x.shape[{dim}]", x.shape[dim], transport_size(transport, group))
+    dim, partial_dtype, transport_id = checks_passed(
+        "matmul_reduce_scatter", transport, group, (x, weight, bias) + _pair(x_fp8),
+        (scatter_dim, partial_dtype, fp8, fp8_grad_high_precision),
+        lambda: _rs_checks(x, weight, bias, group, scatter_dim, partial_dtype, transport, fp8, fp8_grad_high_precision,
+                           x_fp8))
     if fp8 is not None:
         x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
         return call_op(matmul_reduce_scatter_fp8_op, x, weight, bias, tp_options(
@@ -278,7 +304,15 @@ def matmul_reduce_scatter(
 # ----------------------------------------------------------------------------------------------
 def _reduce_options(op, x, weight, bias, activation, num_chunks, reduce_dtype, transport, group, fp8, fp8_hp,
                     x_fp8=None, return_fp8=False):
-    """Checks of the two all-reduce ops; returns ``(token, reduce_dtype)``."""
+    """Checks of the two all-reduce ops (:func:`checks_passed`); returns ``(transport id, reduce_dtype)``."""
+    return checks_passed(op, transport, group, (x, weight, bias) + _pair(x_fp8),
+                         (activation, num_chunks, reduce_dtype, fp8, fp8_hp, return_fp8),
+                         lambda: _reduce_checks(op, x, weight, bias, activation, num_chunks, reduce_dtype, transport,
+                                                group, fp8, fp8_hp, x_fp8, return_fp8))
+
+
+def _reduce_checks(op, x, weight, bias, activation, num_chunks, reduce_dtype, transport, group, fp8, fp8_hp, x_fp8,
+                   return_fp8):
     with agreed_arguments(op, transport, group, dict(x=x, weight=weight, bias=bias, activation=activation,
                                                      num_chunks=num_chunks, reduce_dtype=reduce_dtype,
                                                      transport=transport, fp8=fp8, fp8_grad_high_precision=fp8_hp,
