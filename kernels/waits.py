@@ -179,6 +179,8 @@ def check_wait_timeouts(device: torch.device | str, what: str, *, mode: str | No
     if mode not in WAIT_CHECKS:
         check_choice("mode", mode, WAIT_CHECKS)
     st = _status(device)
+    if st.cpu_word is not None and st.cpu_word[0] <= st.reported:
+        return  # (a CPU word is read at once: nothing new)
     if mode == "sync" or not deferred_capable(st.word):
         if st.word.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return

@@ -232,9 +232,9 @@ def test_all_gather_flags_are_lowered_before_a_call_raises_any(monkeypatch):
     x, w = randn(2, 4, 8), randn(6, 8)
     at_pulls, real_pulls = [], symmetric.pull_chunks
 
-    def pulls(gathered, sources, order, flags, **kw):
+    def pulls(chunks, flags, **kw):
         at_pulls.append(flags.i32.tolist())
-        return real_pulls(gathered, sources, order, flags, **kw)
+        return real_pulls(chunks, flags, **kw)
 
     def fail(*args, **kwargs):
         raise RuntimeError("the GEMM failed to launch")

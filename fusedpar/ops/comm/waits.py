@@ -9,6 +9,7 @@ call)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -46,6 +47,7 @@ class ChunkFlags:
             self.i32 = self.u32.view(torch.int32)
         self.ready = ready_word(device, READY)
         self.sm_free = device.type == "cuda" and flag_writer_available()
+        self.raises: dict = {}  # chunks -> the write that raises their flags (raise_flags)
 
     def raise_flag(self, chunk: int) -> None:
         """Set ``flag[chunk] = READY`` on the current stream, after the work queued before it."""
@@ -56,10 +58,23 @@ class ChunkFlags:
         else:
             self.i32[chunk:chunk + 1].fill_(READY)
 
-    def raise_flags(self, chunks) -> None:
+    def raise_flags(self, chunks: tuple) -> None:
         """:meth:`raise_flag` of every chunk in ``chunks`` at once (one write where they need no
-        order among themselves: on CPU, where the consumer starts after them all)."""
-        self.i32.index_fill_(0, device_ints(chunks, self.i32.device), READY)
+        order among themselves: on CPU, where the consumer starts after them all): a fill of the
+        first ``n`` flags where ``chunks`` are ``0..n-1`` in any order (the all-gather's), else an
+        indexed fill; the write is made once per tuple of chunks."""
+        write = self.raises.get(chunks)
+        if write is None:
+            n = len(chunks)
+            if sorted(chunks) == list(range(n)):
+                write = functools.partial(torch.Tensor.fill_, self.i32[:n], READY)
+            else:
+                write = functools.partial(torch.Tensor.index_fill_, self.i32, 0, device_ints(chunks, self.i32.device),
+                                          READY)
+            if len(self.raises) >= 64:
+                self.raises.clear()
+            self.raises[chunks] = write
+        write()
 
     def reset(self) -> None:
         """Every flag back to 0 on the current stream: at the start of a call, after the consumer
@@ -109,15 +124,15 @@ def join_side_stream(device, side):
         torch.cuda.current_stream(device).wait_stream(side)
 
 
-def pull_chunks(gathered, sources, order, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0, local=None):
-    """On the side stream: for ``c`` in ``order`` copy ``sources(c)`` into ``gathered[c]`` (a
-    tensor's chunk, or a sequence of chunk views, on the flags' device) with
-    ``copy(dst, src)`` (default ``dst.copy_(src)``) and raise flag ``c``. The side stream first
-    waits for the current stream (the local chunk, the barrier, and the previous call's readers
-    of ``gathered``). ``local``: a chunk already in place whose flag is raised on the current
-    stream first. ``delay_cycles`` sleeps on the side stream first (tests: a late producer).
+def pull_chunks(pulls, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0, local=None, raised=None):
+    """On the side stream: for ``(c, dst, src)`` in ``pulls`` (in order; tensors on the flags'
+    device) ``copy(dst, src)`` (default ``dst.copy_(src)``) and raise flag ``c``. The side stream
+    first waits for the current stream (the local chunk, the barrier, and the previous call's
+    readers of the destinations). ``local``: a chunk already in place whose flag is raised on the
+    current stream first. ``delay_cycles`` sleeps on the side stream first (tests: a late producer).
     Returns the side stream (``None`` on CPU, where the copies run right away and every flag is
-    raised in one write after them: the interpreter's consumer must find its flags set before it
+    raised in one write after them -- ``raised``, the chunks of ``pulls`` and ``local``, where the
+    caller keeps that tuple --: the interpreter's consumer must find its flags set before it
     starts); join it after the consuming kernel."""
     check_int("delay_cycles", delay_cycles, min_value=0)
     device = flags.i32.device
@@ -126,18 +141,20 @@ def pull_chunks(gathered, sources, order, flags: ChunkFlags, *, copy=None, delay
     side = fork_side_stream(device)
     if delay_cycles and side is None:
         raise ValueError(f"delay_cycles must be 0 on {device} (it sleeps on a CUDA producer stream), got {delay_cycles}")
-    copy = copy or (lambda dst, src: dst.copy_(src))
+    copy = copy or torch.Tensor.copy_
     if side is None:  # program order: every copy lands before the consumer is launched
-        for c in order:
-            copy(gathered[c], sources(c))
-        flags.raise_flags(tuple(order) if local is None else (local, *order))
+        for _, dst, src in pulls:
+            copy(dst, src)
+        if raised is None:
+            raised = tuple(c for c, _, _ in pulls) if local is None else (local, *(c for c, _, _ in pulls))
+        flags.raise_flags(raised)
         return None
     try:
         with on_stream(side):
             if delay_cycles:
                 torch.cuda._sleep(int(delay_cycles))
-            for c in order:
-                copy(gathered[c], sources(c))
+            for c, dst, src in pulls:
+                copy(dst, src)
                 flags.raise_flag(c)
     except BaseException:
         join_side_stream(device, side)  # what was queued: before the next call's reset

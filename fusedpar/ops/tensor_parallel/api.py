@@ -217,15 +217,16 @@ def all_gather_matmul(
         lambda: _ag_checks(x, weight, bias, group, gather_dim, activation, save_gathered_input, return_gathered,
                            partial_dtype, transport, fp8, fp8_grad_high_precision, x_fp8, return_fp8))
     need_dw = _grad_needed(weight)
+    need_grad = need_dw or _grad_needed(x, bias)
     if fp8 is not None:
         x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
         out, _, _, q, scale = call_op(all_gather_matmul_fp8_op, x, weight, bias, tp_options(
-            transport_id, dim, partial_dtype, activation, fp8_grad_high_precision, _grad_needed(x, weight, bias),
+            transport_id, dim, partial_dtype, activation, fp8_grad_high_precision, need_grad,
             save_gathered_input and need_dw, return_fp8, recipe=fp8), x_q, x_scale)
         return _with_fp8(out, q, scale, return_fp8)
     keep = return_gathered or (save_gathered_input and need_dw)
     out, _, gathered = call_op(all_gather_matmul_op, x, weight, bias, tp_options(
-        transport_id, dim, partial_dtype, activation, _grad_needed(x, weight, bias), keep, keep and need_dw))
+        transport_id, dim, partial_dtype, activation, need_grad, keep, keep and need_dw))
     if not return_gathered:
         return out
     # [P, *x.shape] by source rank -> concatenated along the gather dim (a copy made only on request)

@@ -6,7 +6,7 @@ run the same schedules on the quantised operands of :mod:`fusedpar.ops.fp8.opera
 activation and the e4m3 output in the GEMM epilogue."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,9 +33,9 @@ from fusedpar.ops.tensor_parallel.schedules import (
 )
 
 
-@dataclass(frozen=True)
-class TPOptions:
-    """The static options of one tensor-parallel GEMM call (everything but the tensors).
+class TPOptions(NamedTuple):
+    """The static options of one tensor-parallel GEMM call (everything but the tensors; a named
+    tuple: built on every call, ~0.3 us where a frozen dataclass took ~0.7).
 
     transport: the resolved :class:`Transport`. dim: the (normalised) gather / scatter token dim.
     partial_dtype: what travels in reductions (the reduce-scatter partials; the all-reduce dtype).

@@ -211,13 +211,13 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
                         producer_delay_cycles, num_programs, max_spin, config, agree, x_scale, weight_scale, scaling,
                         out_dtype)
         _keep_spec(t, key, spec)
-    fp8, out_shape, out_dtype, chunks, row, xb, views, order, num_programs, steps = spec
+    fp8, out_shape, out_dtype, chunks, row, xb, views, num_programs, steps = spec
     P, r = t.size, t.rank
     if out is None:
         out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     ws = t.symmetric_workspace("all_gather", x.device, P * row)
-    gathered, g_scale, dsts, srcs = ws.views.get(views) or _ag_views(t, ws, views, x, x_scale if fp8 else None, row,
-                                                                      xb)
+    gathered, g_scale, pulls, raised = ws.views.get(views) or _ag_views(t, ws, views, x, x_scale if fp8 else None,
+                                                                         row, xb)
     flags = chunk_flags(ws, P)
     hold_for_graphs(t, x.device, ws, flags)
     flags.reset()  # before any raise (the previous call joined): a flag read as ready is this call's
@@ -226,8 +226,7 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     if fp8:
         g_scale[r].copy_(x_scale)
     t.symmetric_barrier(ws, 1)  # every slot holds its owner's shard
-    side = pull_chunks(dsts, srcs.__getitem__, order, flags, copy=t.peer_copy, delay_cycles=producer_delay_cycles,
-                       local=r)
+    side = pull_chunks(pulls, flags, copy=t.peer_copy, delay_cycles=producer_delay_cycles, local=r, raised=raised)
     try:
         outc = out.as_strided(*chunks)
         _launch(steps, 0, (gathered, weight, outc, bias, preact_out, g_scale, weight_scale, flags.i32, flags.ready,
@@ -253,7 +252,7 @@ def _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gather
     """What :func:`all_gather_matmul_symmetric` derives from its arguments once they passed its
     checks (run here, inside the agreement check when ``agree``): whether it is fp8, the output's
     shape and dtype, its chunked view's ``(shape, strides)``, the slot sizes, the views' key, the
-    pull order and the GEMM's programs."""
+    GEMM's programs and the launches recorded for the next call (:func:`_launch`)."""
     P, r = t.size, t.rank
     with _agreed("all_gather_matmul_symmetric", t, agree, x=x, weight=weight, bias=bias, gather_dim=gather_dim,
                  activation=activation, wait=wait, x_scale=x_scale, weight_scale=weight_scale, scaling=scaling):
@@ -278,8 +277,8 @@ def _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gather
     if num_programs is None:
         num_programs = default_num_programs(x.device, reserve=t.free_sms(x.device))
     views = ("all_gather", P, r, row, xb, x.dtype, tuple(x.shape), None if not fp8 else tuple(x_scale.shape))
-    return (fp8, tuple(out.shape), out.dtype, (tuple(chunks.shape), chunks.stride()), row, xb, views,
-            [(r + i) % P for i in range(1, P)], num_programs, [None])
+    return (fp8, tuple(out.shape), out.dtype, (tuple(chunks.shape), chunks.stride()), row, xb, views, num_programs,
+            [None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,16 +286,19 @@ def _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gather
 # ----------------------------------------------------------------------------------------------
 def _ag_views(t, ws, key, x, x_scale, row, xb):
     """The views of one all-gather shape over ``ws``, kept in ``ws.views[key]`` (made once per
-    workspace and shape): the gathered chunks (and scales), and per chunk its slot and the peer's
-    slot it is pulled from."""
+    workspace and shape): the gathered chunks (and scales), the pulls ``(chunk, its slot, the
+    peer's slot it is pulled from)`` in the order they run (the next rank's chunk first), and every
+    chunk whose flag a call raises (the local one first)."""
     P, r = t.size, t.rank
     nx, slots = x.numel() * x.element_size(), ws.typed(0, (P, row), torch.uint8)
     gathered = slots[:, :nx].view(x.dtype).view((P,) + tuple(x.shape))
     g_scale = None
     if x_scale is not None:
         g_scale = slots[:, xb:xb + x_scale.numel() * 4].view(torch.float32).view((P,) + tuple(x_scale.shape))
-    srcs = [None if c == r else t.peer_slot(ws, slots, c, c) for c in range(P)]
-    return ws.keep(key, (gathered, g_scale, slots.unbind(0), srcs))
+    order = [(r + i) % P for i in range(1, P)]
+    dsts = slots.unbind(0)
+    pulls = tuple((c, dsts[c], t.peer_slot(ws, slots, c, c)) for c in order)
+    return ws.keep(key, (gathered, g_scale, pulls, (r, *order)))
 
 
 def _rs_order(r: int, P: int):
