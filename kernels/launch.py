@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import operator
 import re
+import threading
 
 import torch
 import triton
@@ -38,7 +39,7 @@ from triton.runtime import _allocation, driver
 from triton.runtime.autotuner import Autotuner
 
 __all__ = ["LaunchPlan", "LaunchRecord", "PlanCache", "build_plan", "clear_plans", "describe", "exact_ints", "launch_kernel",
-           "launch_planned"]
+           "launch_planned", "plans_generation"]
 
 #: every plan cache, so :func:`clear_plans` reaches them all
 _CACHES: list["PlanCache"] = []
@@ -123,12 +124,14 @@ class LaunchPlan(_Applies):
             return False
         self.call(tensors, stream)
         if _RECORDS:
-            _RECORDS[-1].append((self, tensors))
+            stack = _RECORDS.get(threading.get_ident())
+            if stack:
+                stack[-1].append((self, tensors))
         return True
 
 
-#: the open :class:`LaunchRecord` lists (the innermost last)
-_RECORDS: list = []
+#: ``{thread id: its open LaunchRecord lists, the innermost last}``: a thread records its own launches
+_RECORDS: dict = {}
 
 
 class LaunchRecord(list):
@@ -137,11 +140,16 @@ class LaunchRecord(list):
     what a caller needs to launch the same plans again with other tensors of the same key."""
 
     def __enter__(self):
-        _RECORDS.append(self)
+        _RECORDS.setdefault(threading.get_ident(), []).append(self)
         return self
 
     def __exit__(self, *exc):
-        _RECORDS.remove(self)
+        ident = threading.get_ident()
+        stack = _RECORDS[ident]
+        # by identity (records compare as lists: two empty ones are equal)
+        del stack[next(i for i in range(len(stack) - 1, -1, -1) if stack[i] is self)]
+        if not stack:
+            del _RECORDS[ident]
         return False
 
     def slots(self, named):
@@ -295,8 +303,20 @@ class PlanCache(dict):
 
 def clear_plans() -> None:
     """Forget every plan (the next launch of each key takes Triton's path and plans again)."""
+    global _generation
     for cache in _CACHES:
         cache.clear()
+    _generation += 1
+
+
+#: how many times :func:`clear_plans` ran: what a caller that keeps plans outside a
+#: :class:`PlanCache` (a recording of :meth:`LaunchRecord.slots`) compares before it launches one
+_generation = 0
+
+
+def plans_generation() -> int:
+    """The count of :func:`clear_plans` calls so far (a plan kept under an older count is forgotten)."""
+    return _generation
 
 
 # --------------------------------------------------------------------------------------------

@@ -112,3 +112,21 @@ def test_checks_passed_itself():
     agreement.checks_passed("op", t, None, ([x], None), (1, "a"), checks)
     assert len(runs) == 11
     agreement._passed.clear()
+
+
+def test_a_kept_call_keeps_no_transport_alive():
+    """A transport made for a few calls (a benchmark's sweep) is freed with its buffers once the
+    caller drops it: the kept checks hold it weakly."""
+    import gc
+    import weakref
+
+    agreement._passed.clear()
+    t = EmulatedTransport(2, 0)
+    x, w = _operands()
+    all_gather_matmul(x, w, gather_dim=0, transport=t)
+    assert agreement._passed
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is None
+    agreement._passed.clear()

@@ -81,3 +81,62 @@ def test_a_replay_sets_the_descriptor_allocator_in_a_new_thread(monkeypatch):
     thread.join()
     schedules._OP_PLANS.pop(key)
     assert not errors, errors
+
+
+class _StandInPlan:
+    """A launch plan's part that records and replays (``launch`` is LaunchPlan's own)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, tensors):
+        from fusedpar.kernels.launch import LaunchPlan
+
+        return LaunchPlan.launch(self, tensors)
+
+    def stream(self):
+        return 7
+
+    def call(self, tensors, stream):
+        self.calls.append(tensors)
+
+
+def test_cleared_plans_are_not_launched_by_a_symmetric_spec():
+    """``clear_plans()`` reaches the launches a symmetric schedule recorded with its spec: the next
+    call takes the launcher's own path (and records again), as every other plan does."""
+    from fusedpar.kernels import launch
+    from fusedpar.ops.tensor_parallel import symmetric
+
+    plan, named, fallbacks = _StandInPlan(), (torch.zeros(2), torch.zeros(3)), []
+    steps = [(plan, lambda named: named[1:], launch.plans_generation())]
+    symmetric._launch(steps, 0, named, lambda: fallbacks.append(1))
+    assert len(plan.calls) == 1 and plan.calls[0][0] is named[1] and not fallbacks
+    launch.clear_plans()
+    symmetric._launch(steps, 0, named, lambda: fallbacks.append(1))
+    assert len(plan.calls) == 1 and fallbacks == [1] and steps[0] is None  # (the fallback launched no plan)
+
+
+def test_launch_records_of_two_threads_stay_apart():
+    """Two threads recording at once (each op's schedule on its own thread): each record holds its
+    own thread's launches, and closing them in another order than opened raises nothing."""
+    from fusedpar.kernels.launch import LaunchRecord
+
+    plans = {name: _StandInPlan() for name in "ab"}
+    entered, a_closed, recs = threading.Barrier(2), threading.Event(), {}
+
+    def record(name):
+        with LaunchRecord() as rec:
+            entered.wait()
+            if name == "b":
+                a_closed.wait()  # a's record closes first, while b's is open
+            plans[name].launch((name,))
+        recs[name] = rec
+        if name == "a":
+            a_closed.set()
+
+    threads = [threading.Thread(target=record, args=(n,)) for n in "ab"]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert recs["a"] == [(plans["a"], ("a",))] and recs["b"] == [(plans["b"], ("b",))]

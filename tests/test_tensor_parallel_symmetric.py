@@ -981,3 +981,15 @@ def test_emulated_all_gather_matmul_empty_shard(device, fp8):
     y = all_gather_matmul(x, w, activation="swiglu", save_gathered_input=False, fp8=fp8, transport=_emulated(2, 0))
     y.sum().backward()
     assert y.shape == (2, 0, 4) and x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("agree", [True, False])
+@pytest.mark.parametrize("x", [None, [[1.0]]], ids=["None", "list"])
+def test_a_direct_call_with_x_not_a_tensor_raises_the_checks_error(x, agree):
+    """The schedule's spec key reads nothing of ``x`` before its checks: ``x`` that is not a tensor
+    reaches them (inside the agreement check on a group, where every rank then raises alike)."""
+    w = randn(6, 8)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        all_gather_matmul_symmetric(x, w, transport=_emulated(2, 0), agree=agree)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        matmul_reduce_scatter_symmetric(x, w, transport=_emulated(2, 0), agree=agree)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -220,7 +221,8 @@ _PASSED_LIMIT = 256
 
 def _call_key(op: str, transport, group, tensors, scalars):
     """A call's key in :data:`_passed`: the op; the transport, and the group (the default group
-    itself for None: a later one may have another size or backend); each tensor's type, shape,
+    itself for None: a later one may have another size or backend), both by weak reference (equal
+    while alive, never equal to a new one once dead); each tensor's type, shape,
     dtype and device (what argument checks read); the other arguments with their types (a check
     that takes ``1`` refuses ``True``, which equals it). None where the checks must run: under
     ``torch.compile`` (they are traced), or an argument that is not a tensor where one goes."""
@@ -232,6 +234,11 @@ def _call_key(op: str, transport, group, tensors, scalars):
         return None
     if group is None and not isinstance(transport, Transport) and dist.is_available():
         group = dist.group.WORLD
+    try:  # (a kept call holds neither alive: a transport's buffers, a destroyed group)
+        transport = weakref.ref(transport) if isinstance(transport, Transport) else transport
+        group = None if group is None else weakref.ref(group)
+    except TypeError:  # (a group= that is not a process group: the checks name it)
+        return None
     return op, transport, group, described, scalars, tuple(map(type, scalars))
 
 

@@ -354,8 +354,9 @@ def matmul_all_reduce(
     :func:`fusedpar.ops.fp8_linear`'s (as in :func:`all_gather_matmul`). ``x_fp8``: ``x`` already
     quantised, as in :func:`matmul_reduce_scatter`.
     """
-    transport_id, reduce_dtype = _reduce_options("matmul_all_reduce", x, weight, bias, "none", num_chunks, reduce_dtype,
-                                          transport, group, fp8, fp8_grad_high_precision, x_fp8=x_fp8)
+    transport_id, reduce_dtype = _reduce_options("matmul_all_reduce", x, weight, bias, "none", num_chunks,
+                                                 reduce_dtype, transport, group, fp8, fp8_grad_high_precision,
+                                                 x_fp8=x_fp8)
     if fp8 is not None:
         x_q, x_scale = (None, None) if x_fp8 is None else x_fp8
         return call_op(matmul_all_reduce_fp8_op, x, weight, bias, tp_options(
@@ -384,8 +385,9 @@ def copy_to_tp_matmul(
     GEMM in fp8 (as in :func:`all_gather_matmul`), the input-gradient partials reduced in
     ``reduce_dtype``. ``return_fp8``: as in :func:`all_gather_matmul` (the epilogue's 1x128 tiles
     of the output, for the down projection's :func:`matmul_all_reduce`)."""
-    transport_id, reduce_dtype = _reduce_options("copy_to_tp_matmul", x, weight, bias, activation, num_chunks, reduce_dtype,
-                                          transport, group, fp8, fp8_grad_high_precision, return_fp8=return_fp8)
+    transport_id, reduce_dtype = _reduce_options("copy_to_tp_matmul", x, weight, bias, activation, num_chunks,
+                                                 reduce_dtype, transport, group, fp8, fp8_grad_high_precision,
+                                                 return_fp8=return_fp8)
     if fp8 is not None:
         out, _, q, scale = call_op(copy_to_tp_matmul_fp8_op, x, weight, bias, tp_options(
             transport_id, num_chunks, reduce_dtype, activation, fp8_grad_high_precision, _grad_needed(x, weight, bias),

@@ -42,7 +42,7 @@ from fusedpar.kernels.persistent_gemm import (
     persistent_matmul,
     tiles_per_chunk,
 )
-from fusedpar.kernels.launch import LaunchRecord, describe
+from fusedpar.kernels.launch import LaunchRecord, describe, plans_generation
 from fusedpar.kernels.runtime import SUPPORTED_DTYPES, activation_features, cdiv, input_precision
 from fusedpar.kernels.waits import check_wait_timeouts, spin_bound, status_word
 from fusedpar.ops.comm.agreement import agreed_arguments
@@ -102,13 +102,14 @@ def _agreed(op, transport, agree, **fields):
     return agreed_arguments(op, transport, None, dict(fields, transport=transport))
 
 
-def _spec_key(agree, config, *parts):
-    """The key of a schedule's spec (:func:`_spec`): its arguments, tensors described; None where
-    no spec is kept (``agree``: the agreement check runs every call, as do the checks inside it; a
-    ``config`` that is not a dict)."""
-    if agree or not (config is None or type(config) is dict):
+def _spec_key(agree, config, x, *parts):
+    """The key of a schedule's spec (:func:`_spec`): its arguments, tensors described, and the dot
+    precision of ``x``'s dtype (TF32 follows torch's setting; the recorded launches hold it); None
+    where no spec is kept (``agree``: the agreement check runs every call, as do the checks inside
+    it; a ``config`` that is not a dict; an ``x`` that is not a tensor, which the checks reject)."""
+    if agree or not (config is None or type(config) is dict) or not isinstance(x, torch.Tensor):
         return None
-    return parts + (None if config is None else tuple(config.items()),)
+    return parts + (None if config is None else tuple(config.items()), input_precision(x.dtype))
 
 
 def _spec(t, key):
@@ -129,17 +130,19 @@ def _keep_spec(t, key, spec) -> None:
 
 def _launch(steps: list, i: int, named: tuple, launch) -> None:
     """Launch ``i`` of a schedule's call: the launch plan recorded for its spec (``steps[i]``, a
-    ``(plan, pick)`` of :meth:`LaunchRecord.slots`) with this call's tensors ``named`` where it
-    applies now, without the launcher's plan key; else ``launch()`` (the launcher's own path),
+    ``(plan, pick)`` of :meth:`LaunchRecord.slots`, and :func:`plans_generation` then: plans
+    cleared since are not launched) with this call's tensors ``named`` where it applies now,
+    without the launcher's plan key; else ``launch()`` (the launcher's own path),
     recorded for the next call. The spec's key holds what the launcher's key follows from (the
     arguments described, the config, the dot precision); the schedule's own tensors (workspace
     views, flags, words) are the same or at the same offsets for every call of a spec."""
     step = steps[i]
-    if step is not None and step[0].launch(step[1](named)):
+    if step is not None and step[2] == plans_generation() and step[0].launch(step[1](named)):
         return
     with LaunchRecord() as rec:
         launch()
-    steps[i] = rec.slots(named)
+    found = rec.slots(named)
+    steps[i] = None if found is None else (*found, plans_generation())
 
 
 def _check_config(config, a, weight, bias, activation, preact_out, a_scale, weight_scale, scaling, out_dtype):
@@ -166,7 +169,7 @@ def _ag_buffers(x, weight, activation, gather_dim, P, out, preact_out, gathered_
     n_w = weight.shape[0]
     shape = list(x.shape[:-1]) + [activation_features(n_w, activation)]
     shape[gather_dim] *= P
-    out = output_buffer("out", out, shape, x.device, out_dtype)
+    out = output_buffer("out", out, shape, x.device if out is not None else "meta", out_dtype)  # (meta: its layout)
     if preact_out is not None:
         check_buffer("preact_out", preact_out, (P,) + tuple(x.shape[:-1]) + (n_w,), x.device)
     if gathered_out is not None:
@@ -201,10 +204,10 @@ def all_gather_matmul_symmetric(x, weight, bias=None, *, transport, gather_dim=1
     checked their own).
     """
     t = check_symmetric(transport, "all_gather_matmul")
-    key = _spec_key(agree, config, "all_gather_matmul", describe(x), describe(weight), describe(bias), gather_dim,
+    key = _spec_key(agree, config, x, "all_gather_matmul", describe(x), describe(weight), describe(bias), gather_dim,
                     activation, describe(out), describe(preact_out), describe(gathered_out), wait,
                     producer_delay_cycles, num_programs, max_spin, describe(x_scale), describe(weight_scale), scaling,
-                    out_dtype, input_precision(x.dtype))
+                    out_dtype)
     spec = _spec(t, key)
     if spec is None:
         spec = _ag_spec(t, x, weight, bias, gather_dim, activation, out, preact_out, gathered_out, wait,
@@ -365,9 +368,9 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     specialisation compiled by this call starts late itself; warm it up first).
     ``agree``: as in :func:`all_gather_matmul_symmetric`."""
     t = check_symmetric(transport, "matmul_reduce_scatter")
-    key = _spec_key(agree, config, "matmul_reduce_scatter", describe(x), describe(weight), describe(bias), scatter_dim,
+    key = _spec_key(agree, config, x, "matmul_reduce_scatter", describe(x), describe(weight), describe(bias), scatter_dim,
                     partial_dtype, describe(out), chunked, reduce_sms, wait, producer_delay_cycles, max_spin,
-                    describe(x_scale), describe(weight_scale), scaling, out_dtype, input_precision(x.dtype))
+                    describe(x_scale), describe(weight_scale), scaling, out_dtype)
     spec = _spec(t, key)
     if spec is None:
         spec = _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunked, reduce_sms, wait,
@@ -418,8 +421,8 @@ def _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunke
         check_out_dtype("out_dtype", out_dtype)
         check_int("reduce_sms", reduce_sms, min_value=1)
         n = weight.shape[0]
-        out = output_buffer("out", out, tuple(xv.shape[1:-1]) + (n,), x.device,
-                            out_dtype or (x.dtype if sv is None else torch.bfloat16))
+        out = output_buffer("out", out, tuple(xv.shape[1:-1]) + (n,), x.device if out is not None else "meta",
+                            out_dtype or (x.dtype if sv is None else torch.bfloat16))  # (meta: its layout)
         _check_delay(producer_delay_cycles, x.device)
         spin_bound(max_spin)
         _check_config(config, xv, weight, None, "none", None, sv, weight_scale, scaling, partial_dtype)
