@@ -397,8 +397,8 @@ def check_segments(segments, q, k, q_offset=0, k_offset=0) -> None:
     """``segments`` is a :class:`Segments` for q ``[1, total_q, h, d]`` / k ``[1, total_k, ...]``
     (the offsets must be 0: each segment's ``shift`` places its causal mask).
     Its values are range-checked when the table is on the CPU; on a GPU they are trusted (they
-    come from :func:`~.flash_varlen.varlen_segments` or the ring schedule; checking
-    them would cost a device-to-host sync per launch)."""
+    come from :func:`~.flash_varlen.varlen_segments`, which bounds them, or the ring schedule;
+    checking them would cost a device-to-host sync per launch)."""
     if not isinstance(segments, Segments):
         raise TypeError(f"segments must be a Segments or None, got {type(segments).__name__}")
     t = segments.table

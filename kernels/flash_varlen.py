@@ -18,7 +18,11 @@ document equals :func:`~.flash_attention.flash_attention_forward` of its rows.
 Validation of ``cu_seqlens`` values (start at 0, non-decreasing, last == total, ``max_seqlen`` >=
 every length) runs when they are CPU tensors (the interpreter; a CPU copy costs nothing). On a
 GPU only dtype, shape and device are checked: reading the values would cost a device-to-host
-sync per call, so, as in flash-attn, they are trusted there.
+sync per call, so, as in flash-attn, they are not read there; the segment table is built from
+them clamped into the rows and made non-decreasing on the device (:func:`varlen_segments`), so a
+bad value gives wrong documents, never an access outside q / k / v or the outputs, and fails a
+device-side assert under ``TRITON_DEBUG=1`` (as does a first boundary not 0 or a last not the total). A document longer than ``max_seqlen`` leaves its
+rows past ``max_seqlen`` unwritten (the grid is sized by it).
 
 These are launchers (not differentiable); the differentiable op is
 :func:`fusedpar.ops.flash_attention_varlen`.
@@ -26,6 +30,7 @@ These are launchers (not differentiable); the differentiable op is
 from __future__ import annotations
 
 import torch
+from triton import knobs
 
 from .checks import check_float_tensor, check_int, check_same, check_tensor
 from .flash_attention import Segments, attention_reference, check_qkv, flash_attention_forward
@@ -70,10 +75,27 @@ def check_cu_seqlens_values(name: str, vals, total: int, *, total_name: str = "t
     return lengths
 
 
-def varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Segments:
+def _bounded(cu, total: int) -> torch.Tensor:
+    """``cu`` as boundaries the kernels can trust, on its device without a sync: each clamped into
+    ``[0, total]``, then made non-decreasing (a running maximum). Valid boundaries are unchanged;
+    bad ones on a GPU (not read on the host) give documents inside the rows, never an address past
+    them. Under ``TRITON_DEBUG=1`` boundaries that are not valid (changed here, or not from 0 to
+``total``) fail a device-side assert (CPU: at once)."""
+    c = cu.to(torch.int32)
+    bounded = torch.cummax(c.clamp(0, total), 0).values
+    if knobs.runtime.debug:
+        valid = (bounded == c).all() & (c[0] == 0) & (c[-1] == total)
+        torch._assert_async(valid, "cu_seqlens: a boundary outside [0, total], decreasing, or not from 0 to total")
+    return bounded
+
+
+def varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, total_q: int,
+                    total_k: int) -> Segments:
     """The kernels' segment table of documents ``(q_start, q_end, k_start, k_end, len_k - len_q)``
-    (the shift aligns causal masks bottom-right), built on the tensors' device without a sync."""
-    cq, ck = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+    (the shift aligns causal masks bottom-right), built on the tensors' device without a sync, its
+    boundaries inside ``[0, total_q]`` / ``[0, total_k]`` and non-decreasing whatever the values
+    (:func:`_bounded`: the host checks them only on the CPU)."""
+    cq, ck = _bounded(cu_seqlens_q, total_q), _bounded(cu_seqlens_k, total_k)
     shift = (ck[1:] - ck[:-1]) - (cq[1:] - cq[:-1])
     table = torch.stack((cq[:-1], cq[1:], ck[:-1], ck[1:], shift), dim=1).contiguous()
     return Segments(table, int(max_seqlen_q), int(max_seqlen_k))
@@ -108,7 +130,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     differentiable (see :func:`fusedpar.ops.flash_attention_varlen`)."""
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_attention_fp8_out(fp8_out, (q.shape[0], q.shape[1], v.shape[2]), q.device)
-    seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     lse = torch.empty((1, q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     out, lse = flash_attention_forward(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
                                        lse=lse, segments=seg, window=window, softcap=softcap, sinks=sinks,
@@ -124,7 +146,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     "separate" (deterministic) or "atomic" (one pass, dQ by fp32 atomics: its bits vary between
     GPU runs), see :func:`~.flash_attention_bwd.flash_attention_backward`."""
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     check_tensor("lse", lse, dims=(2,))
     grads = flash_attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal,
                                      softmax_scale=softmax_scale, segments=seg, window=window, softcap=softcap,

@@ -112,7 +112,7 @@ def test_varlen_window_softcap_sinks(case, dq_mode):
         tol = GRAD_TOL[torch.float32]
         assert_close(got, ref, torch.float32, rtol=tol, atol=tol * max(ref.pow(2).mean().sqrt().item(), do_rms),
                      msg=gname)
-    seg = varlen_segments(cq, ck, max(lq), max(lk))
+    seg = varlen_segments(cq, ck, max(lq), max(lk), sum(lq), sum(lk))
     out_p, lse_p = poison((1, *out.shape), out.dtype), poison((1, *lse.shape), torch.float32)
     flash_attention_forward(q[None], k[None], v[None], out=out_p, lse=lse_p, segments=seg, sinks=sinks, **opts)
     assert torch.equal(out_p[0], out.detach()) and torch.equal(lse_p[0], lse)
@@ -132,7 +132,7 @@ def test_launchers_write_every_row_into_poisoned_buffers(dq_mode):
     # gradient row is written (poisoned with NaN beforehand), rows of empty-key documents too
     lq, lk = [4, 0, 17, 1, 3], [4, 2, 17, 0, 5]
     cq, ck = _cu(lq), _cu(lk)
-    seg = varlen_segments(cq, ck, max(lq), max(lk))
+    seg = varlen_segments(cq, ck, max(lq), max(lk), sum(lq), sum(lk))
     g = torch.Generator().manual_seed(7)
     q, do = (randn(1, sum(lq), 2, 16, generator=g) for _ in range(2))
     k, v = (randn(1, sum(lk), 1, 16, generator=g) for _ in range(2))
@@ -289,7 +289,7 @@ def test_bad_inputs(exc, pattern, call, cpu_only):
 
 def test_segments_argument_checks():
     q = torch.randn(1, 8, 2, 16, device=DEVICE)
-    seg = varlen_segments(_cu([3, 5]), _cu([3, 5]), 5, 5)
+    seg = varlen_segments(_cu([3, 5]), _cu([3, 5]), 5, 5, 8, 8)
     with pytest.raises(ValueError, match="q_offset and k_offset must be 0 with segments="):
         flash_attention_forward(q, q, q, segments=seg, q_offset=2)
     with pytest.raises(ValueError, match="q batch size must be 1 with segments="):
@@ -302,3 +302,46 @@ def test_segments_argument_checks():
     if INTERPRETED:  # table values are range-checked on the CPU only
         with pytest.raises(ValueError, match="lengths <= max_q=4"):
             flash_attention_forward(q, q, q, segments=seg._replace(max_q=4))
+
+
+# bad boundaries as a GPU receives them (values not read on the host): each in its own way out of
+# [0, total] or decreasing; total 12 rows of q and of k
+BAD_CU = {"past-the-end": [0, 5, 40], "negative": [-7, 5, 12], "decreasing": [0, 9, 4, 12],
+          "huge": [0, 2**31 - 1, 12], "last-short": [0, 5, 9]}
+
+
+@pytest.mark.parametrize("name", list(BAD_CU))
+def test_bad_boundaries_make_a_table_inside_the_rows(name, monkeypatch):
+    """``varlen_segments`` (what the launchers build the kernels' table with) clamps the boundaries
+    into the rows and keeps them non-decreasing on the device, so the kernels handed the worst
+    ``cu_seqlens`` read and write only inside q / k / v (here views inside NaN bands: a read
+    outside would bring a NaN into the result) and the outputs; valid boundaries are unchanged;
+    under ``TRITON_DEBUG=1`` a changed boundary fails the device-side assert."""
+    from triton import knobs
+
+    cu = torch.tensor(BAD_CU[name], dtype=torch.int32, device=DEVICE)
+    seg = varlen_segments(cu, cu, 12, 12, 12, 12)
+    table = seg.table.cpu()
+    assert (table[:, :4] >= 0).all() and (table[:, :4] <= 12).all(), table
+    assert (table[:, 1] >= table[:, 0]).all() and (table[:, 3] >= table[:, 2]).all(), table
+    assert (table[1:, 0] >= table[:-1, 1]).all(), table  # documents do not overlap
+    band = torch.full((1, 20, 2, 16), float("nan"), device=DEVICE)
+    q, k, v = (band[:, 4:16].clone() for _ in range(3))
+    for t in (q, k, v):
+        t.copy_(randn(1, 12, 2, 16))
+    qb, kb, vb = (band.clone() for _ in range(3))
+    for b, t in ((qb, q), (kb, k), (vb, v)):
+        b[:, 4:16] = t
+    out, lse = flash_attention_forward(qb[:, 4:16], kb[:, 4:16], vb[:, 4:16], causal=True, segments=seg)
+    covered = torch.zeros(12, dtype=torch.bool)
+    for q0, q1, *_ in table.tolist():
+        covered[q0:q1] = True
+    assert not torch.isnan(out[0, covered.to(out.device)]).any()
+    valid = _cu([5, 7])
+    assert torch.equal(varlen_segments(valid, valid, 7, 7, 12, 12).table[:, :4].cpu(),
+                       torch.tensor([[0, 5, 0, 5], [5, 12, 5, 12]], dtype=torch.int32))
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    if INTERPRETED:  # (CPU: the assert raises at once; on a GPU it fails the stream asynchronously)
+        with pytest.raises(RuntimeError, match="cu_seqlens: a boundary outside"):
+            varlen_segments(cu, cu, 12, 12, 12, 12)
+        varlen_segments(valid, valid, 7, 7, 12, 12)
