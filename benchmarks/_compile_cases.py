@@ -299,6 +299,8 @@ def _flash_cases():
         dt, 1, 8192, 64, 8, 64, True, window=(127, 0), sinks=True)))
     cases.append(Case("flash", "softcap 50 window 4096 d128", False, lambda dt: _flash(
         dt, 1, 8192, 16, 8, 128, True, window=(4095, 0), softcap=50.0)))
+    cases.append(Case("flash", "gemma2-9b softcap 50 window 4096 d256", False, lambda dt: _flash(
+        dt, 1, 8192, 16, 8, 256, True, window=(4095, 0), softcap=50.0)))
     cases.append(Case("flash", "mla 192/128 causal", True, lambda dt: _flash(dt, 1, 4096, 128, 128, 192, True, dv=128)))
     # the one-pass backward (dq_mode="atomic": dK/dV with DQ_ATOMIC) at d 128 and 64, with the options;
     # none in the fast subset (CI time), --against pins them to the committed tables

@@ -54,13 +54,17 @@ _GPU_CONFIGS = {
     # 128 owned rows on 8 warps (two warpgroups of wgmma, 64 rows each; dK and dV both fp32
     # accumulators): streamed 64 rows at head_dim 64, 32 or 16 at 128; 64 owned rows for q/k and v
     # wider than 128 + 128 (MLA's 256 / 128 padded), and 64x16 for a softcap at head_dim 128 (the
-    # only tile there without spills on Triton 3.6 and 3.9)
+    # only tile there without spills on Triton 3.6 and 3.9); 32x16 on 8 warps (mma.sync) where no
+    # 64-row tile fits a 16-bit launch (:data:`_BWD_LAST_RESORT`: head_dim 256 with a softcap,
+    # Gemma-2, where 64x16 spilled 252 B and the fp32 tile on 4 warps 168 B; 8 warps 227 registers)
     "bwd": [(128, 64, 2, 8), (128, 32, 3, 8), (128, 32, 2, 8), (128, 16, 3, 8), (128, 16, 2, 8), (64, 32, 2, 8),
-            (64, 16, 2, 8), (*FP32_BWD_TILE, 2, 4)],
+            (64, 16, 2, 8), (32, 16, 2, 8), (*FP32_BWD_TILE, 2, 4)],
     # the one-pass backward: dK/dV plus the fp32 dQ part of each streamed block (its fp32 tile on 8
     # warps: on 4 its FMA dQ part spilled 1.6 KB on sm_80 at head_dim 128)
     "bwd_atomic": [(128, 32, 2, 8), (128, 16, 2, 8), (64, 16, 2, 8), (*FP32_BWD_TILE, 2, 8)],
 }
+#: the backward's 16-bit tile kept only where no larger one is (a small tile would lose to any of them)
+_BWD_LAST_RESORT = (32, 16, 2, 8)
 #: live fp32 score tiles ([BLOCK_M, BLOCK_N]) and the register budget (32-bit registers per
 #: thread for the tiles of :func:`register_estimate`) each kind compiles within without spills
 _SCORE_TILES = {"fwd": 2, "bwd": 4, "bwd_atomic": 4}
@@ -233,11 +237,12 @@ def _prune(tuner_kind):
         # the backward's programs own BLOCK_M rows of either and stream BLOCK_N of the other
         own_len = named_args["SQ"] if kind == "fwd" else max(named_args["SQ"], named_args["SK"])
         stream_len = named_args["SK"] if kind == "fwd" else max(named_args["SQ"], named_args["SK"])
-        fp32_tile = FP32_TILE if kind == "fwd" else FP32_BWD_TILE
+        fp32_tile = _GPU_CONFIGS[kind][-1]  # (BLOCK_M, BLOCK_N, stages, warps)
         fp32_only = _fp32_tile_only(kind, elem, kwargs)
-        kept = []
+        kept, last_resort = [], []
         for cfg in configs:
             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+            tile = (bm, bn, cfg.num_stages, cfg.num_warps)
             if launch_smem_estimate(kind, cfg, named_args, **kwargs) > limit:
                 continue
             budget = _MMA_SYNC_BWD_BUDGET if kind != "fwd" and capability[0] < 9 else _REGISTER_BUDGET[kind]
@@ -246,14 +251,15 @@ def _prune(tuner_kind):
                 continue
             if _measured_spill(kind, cfg, bd, bdv, elem, capability, kwargs):
                 continue
-            if fp32_only != ((bm, bn) == fp32_tile):
+            if fp32_only != (tile == fp32_tile):
                 continue
             if bm > 2 * next_power_of_2(own_len) and bm > 32:
                 continue
             if bn > 2 * next_power_of_2(stream_len) and bn > 32:
                 continue
-            kept.append(cfg)
-        return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
+            (last_resort if kind == "bwd" and tile == _BWD_LAST_RESORT else kept).append(cfg)
+        return kept or last_resort or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
+                                           * c.num_stages)]
 
     return prune
 
