@@ -258,8 +258,12 @@ def _prune(tuner_kind):
             if bn > 2 * next_power_of_2(stream_len) and bn > 32:
                 continue
             (last_resort if kind == "bwd" and tile == _BWD_LAST_RESORT else kept).append(cfg)
-        return kept or last_resort or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
-                                           * c.num_stages)]
+        if kept or last_resort:
+            return kept or last_resort
+        # nothing fits: the smallest tile (for fp32 operands the fp32 tile, whatever else is as small)
+        fallback = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, c.num_warps)
+                    == fp32_tile] if fp32_only else []
+        return [min(fallback or configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
 
     return prune
 

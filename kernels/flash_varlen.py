@@ -21,8 +21,9 @@ GPU only dtype, shape and device are checked: reading the values would cost a de
 sync per call, so, as in flash-attn, they are not read there; the segment table is built from
 them clamped into the rows and made non-decreasing on the device (:func:`varlen_segments`), so a
 bad value gives wrong documents, never an access outside q / k / v or the outputs, and fails a
-device-side assert under ``TRITON_DEBUG=1`` (as does a first boundary not 0 or a last not the total). A document longer than ``max_seqlen`` leaves its
-rows past ``max_seqlen`` unwritten (the grid is sized by it).
+device-side assert under ``TRITON_DEBUG=1`` (as do a first boundary not 0, a last not the total and
+a document longer than ``max_seqlen``, whose rows past ``max_seqlen`` are left unwritten: the grid
+is sized by it).
 
 These are launchers (not differentiable); the differentiable op is
 :func:`fusedpar.ops.flash_attention_varlen`.
@@ -75,17 +76,18 @@ def check_cu_seqlens_values(name: str, vals, total: int, *, total_name: str = "t
     return lengths
 
 
-def _bounded(cu, total: int) -> torch.Tensor:
+def _bounded(cu, total: int, max_seqlen: int) -> torch.Tensor:
     """``cu`` as boundaries the kernels can trust, on its device without a sync: each clamped into
     ``[0, total]``, then made non-decreasing (a running maximum). Valid boundaries are unchanged;
     bad ones on a GPU (not read on the host) give documents inside the rows, never an address past
-    them. Under ``TRITON_DEBUG=1`` boundaries that are not valid (changed here, or not from 0 to
-``total``) fail a device-side assert (CPU: at once)."""
+    them. Under ``TRITON_DEBUG=1`` boundaries that are not valid (changed here, not from 0 to
+    ``total``, or a document longer than ``max_seqlen``) fail a device-side assert (CPU: at once)."""
     c = cu.to(torch.int32)
     bounded = torch.cummax(c.clamp(0, total), 0).values
     if knobs.runtime.debug:
-        valid = (bounded == c).all() & (c[0] == 0) & (c[-1] == total)
-        torch._assert_async(valid, "cu_seqlens: a boundary outside [0, total], decreasing, or not from 0 to total")
+        valid = (bounded == c).all() & (c[0] == 0) & (c[-1] == total) & (c[1:] - c[:-1] <= max_seqlen).all()
+        torch._assert_async(valid, "cu_seqlens: a boundary outside [0, total], decreasing, not from 0 to total, or a "
+                                   "document longer than max_seqlen")
     return bounded
 
 
@@ -95,7 +97,7 @@ def varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
     (the shift aligns causal masks bottom-right), built on the tensors' device without a sync, its
     boundaries inside ``[0, total_q]`` / ``[0, total_k]`` and non-decreasing whatever the values
     (:func:`_bounded`: the host checks them only on the CPU)."""
-    cq, ck = _bounded(cu_seqlens_q, total_q), _bounded(cu_seqlens_k, total_k)
+    cq, ck = _bounded(cu_seqlens_q, total_q, max_seqlen_q), _bounded(cu_seqlens_k, total_k, max_seqlen_k)
     shift = (ck[1:] - ck[:-1]) - (cq[1:] - cq[:-1])
     table = torch.stack((cq[:-1], cq[1:], ck[:-1], ck[1:], shift), dim=1).contiguous()
     return Segments(table, int(max_seqlen_q), int(max_seqlen_k))

@@ -344,4 +344,6 @@ def test_bad_boundaries_make_a_table_inside_the_rows(name, monkeypatch):
     if INTERPRETED:  # (CPU: the assert raises at once; on a GPU it fails the stream asynchronously)
         with pytest.raises(RuntimeError, match="cu_seqlens: a boundary outside"):
             varlen_segments(cu, cu, 12, 12, 12, 12)
+        with pytest.raises(RuntimeError, match="longer than max_seqlen"):
+            varlen_segments(valid, valid, 6, 7, 12, 12)  # a 7-row document, max_seqlen_q 6
         varlen_segments(valid, valid, 7, 7, 12, 12)

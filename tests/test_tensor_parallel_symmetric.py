@@ -993,3 +993,20 @@ def test_a_direct_call_with_x_not_a_tensor_raises_the_checks_error(x, agree):
         all_gather_matmul_symmetric(x, w, transport=_emulated(2, 0), agree=agree)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         matmul_reduce_scatter_symmetric(x, w, transport=_emulated(2, 0), agree=agree)
+
+
+def test_flags_raised_at_once_on_the_cpu():
+    """``ChunkFlags.raise_flags`` (the CPU pulls' one write): chunks ``0..n-1`` in any order fill the
+    first ``n`` flags, other chunks an indexed fill; flags outside stay down; the write is kept per
+    tuple and still writes after a reset."""
+    from fusedpar.ops.comm.waits import READY, ChunkFlags
+
+    flags = ChunkFlags(6, torch.device("cpu"))
+    flags.raise_flags((2, 0, 1))
+    assert flags.i32.tolist() == [READY] * 3 + [0] * 3
+    flags.reset()
+    flags.raise_flags((4, 1))
+    assert flags.i32.tolist() == [0, READY, 0, 0, READY, 0]
+    flags.reset()
+    flags.raise_flags((2, 0, 1))
+    assert flags.i32.tolist() == [READY] * 3 + [0] * 3 and len(flags.raises) == 2

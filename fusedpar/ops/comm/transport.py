@@ -319,8 +319,8 @@ class EmulatedTransport(Transport, SymmetricBuffers):
         check_bool("EmulatedTransport: in_kernel_waits", in_kernel_waits)
         super().__init__(size, rank)
         self.copy_repeat = copy_repeat
-        if copy_repeat == 1:  # one plain copy per transfer: no Python frame of its own
-            self.peer_copy = torch.Tensor.copy_
+        if copy_repeat == 1 and type(self).peer_copy is EmulatedTransport.peer_copy:
+            self.peer_copy = torch.Tensor.copy_  # one plain copy per transfer: no Python frame of its own
         self.in_kernel_waits = in_kernel_waits
         self._streams: dict = {}
         self._workspaces: dict = {}

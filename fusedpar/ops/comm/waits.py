@@ -124,16 +124,16 @@ def join_side_stream(device, side):
         torch.cuda.current_stream(device).wait_stream(side)
 
 
-def pull_chunks(pulls, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0, local=None, raised=None):
+def pull_chunks(pulls, flags: ChunkFlags, *, raised: tuple, copy=None, delay_cycles: int = 0, local=None):
     """On the side stream: for ``(c, dst, src)`` in ``pulls`` (in order; tensors on the flags'
     device) ``copy(dst, src)`` (default ``dst.copy_(src)``) and raise flag ``c``. The side stream
     first waits for the current stream (the local chunk, the barrier, and the previous call's
     readers of the destinations). ``local``: a chunk already in place whose flag is raised on the
     current stream first. ``delay_cycles`` sleeps on the side stream first (tests: a late producer).
     Returns the side stream (``None`` on CPU, where the copies run right away and every flag is
-    raised in one write after them -- ``raised``, the chunks of ``pulls`` and ``local``, where the
-    caller keeps that tuple --: the interpreter's consumer must find its flags set before it
-    starts); join it after the consuming kernel."""
+    raised in one write after them: ``raised``, the chunks of ``pulls`` and ``local``, a tuple the
+    caller keeps; the interpreter's consumer must find its flags set before it starts); join it
+    after the consuming kernel."""
     check_int("delay_cycles", delay_cycles, min_value=0)
     device = flags.i32.device
     if local is not None and device.type == "cuda":
@@ -145,8 +145,6 @@ def pull_chunks(pulls, flags: ChunkFlags, *, copy=None, delay_cycles: int = 0, l
     if side is None:  # program order: every copy lands before the consumer is launched
         for _, dst, src in pulls:
             copy(dst, src)
-        if raised is None:
-            raised = tuple(c for c, _, _ in pulls) if local is None else (local, *(c for c, _, _ in pulls))
         flags.raise_flags(raised)
         return None
     try:

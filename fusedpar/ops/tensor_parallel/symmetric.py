@@ -136,13 +136,13 @@ def _launch(steps: list, i: int, named: tuple, launch) -> None:
     recorded for the next call. The spec's key holds what the launcher's key follows from (the
     arguments described, the config, the dot precision); the schedule's own tensors (workspace
     views, flags, words) are the same or at the same offsets for every call of a spec."""
-    step = steps[i]
-    if step is not None and step[2] == plans_generation() and step[0].launch(step[1](named)):
+    step, generation = steps[i], plans_generation()
+    if step is not None and step[2] == generation and step[0].launch(step[1](named)):
         return
     with LaunchRecord() as rec:
         launch()
     found = rec.slots(named)
-    steps[i] = None if found is None else (*found, plans_generation())
+    steps[i] = None if found is None else (*found, generation)
 
 
 def _check_config(config, a, weight, bias, activation, preact_out, a_scale, weight_scale, scaling, out_dtype):
@@ -368,9 +368,9 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     specialisation compiled by this call starts late itself; warm it up first).
     ``agree``: as in :func:`all_gather_matmul_symmetric`."""
     t = check_symmetric(transport, "matmul_reduce_scatter")
-    key = _spec_key(agree, config, x, "matmul_reduce_scatter", describe(x), describe(weight), describe(bias), scatter_dim,
-                    partial_dtype, describe(out), chunked, reduce_sms, wait, producer_delay_cycles, max_spin,
-                    describe(x_scale), describe(weight_scale), scaling, out_dtype)
+    key = _spec_key(agree, config, x, "matmul_reduce_scatter", describe(x), describe(weight), describe(bias),
+                    scatter_dim, partial_dtype, describe(out), chunked, reduce_sms, wait, producer_delay_cycles,
+                    max_spin, describe(x_scale), describe(weight_scale), scaling, out_dtype)
     spec = _spec(t, key)
     if spec is None:
         spec = _rs_spec(t, x, weight, bias, scatter_dim, partial_dtype, out, config, chunked, reduce_sms, wait,
@@ -393,8 +393,9 @@ def matmul_reduce_scatter_symmetric(x, weight, bias=None, *, transport, scatter_
     named = (xv, weight, partials, counters, sv, weight_scale, out, bias, peer_off, cnt_off, ready, acc,
              status_word(x.device))
     _launch(steps, 0, named, lambda: persistent_matmul(
-        xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none", ready_value=ready, signal_counters=counters,
-        config=config, num_programs=programs, a_scale=sv, weight_scale=weight_scale, scaling=scaling))
+        xv, weight, first_chunk=(r + 1) % P, out=partials, wait_mode="none", ready_value=ready,
+        signal_counters=counters, config=config, num_programs=programs, a_scale=sv, weight_scale=weight_scale,
+        scaling=scaling))
     with on_stream(side):  # enqueued after the GEMM whose counters it waits for: no launch-order stall
         _launch(steps, 1, named, lambda: chunk_reduce(
             partials, peer_off, r, out=out, bias=bias, counters=counters if wait else None,
