@@ -324,7 +324,11 @@ class MemoAutotuner(triton.runtime.autotuner.Autotuner):
     Triton's key, whose dtypes are those of the arguments that have one), and on a hit
     launches the config Triton chose for it directly; on a miss Triton's ``run`` tunes (or finds
     its own cached choice) and the choice is remembered. Forgetting Triton's choices
-    (``cache.clear()``, :func:`clear_tuning_caches`) forgets these too."""
+    (``cache.clear()``, :func:`clear_tuning_caches`) forgets these too.
+
+    Where the prune rule keeps one config there is nothing to time: Triton 3.9 takes it untimed,
+    Triton 3.6 (the GPU machines') timed it anyway, running the kernel a hundred-odd times
+    (``do_bench``'s 25 ms warm-up and 100 ms of repeats) at every new key; here neither does."""
 
     def __init__(self, fn, arg_names, configs, key, restore_value, prune_configs_by):
         super().__init__(fn, arg_names, configs, key, reset_to_zero=None, restore_value=restore_value,
@@ -332,6 +336,17 @@ class MemoAutotuner(triton.runtime.autotuner.Autotuner):
         self.cache = _TunedChoices()
         # (name, position) of every key argument: read positionally when passed so, else by name
         self._key_slots = tuple((k, arg_names.index(k)) for k in key)
+        self._one_kept = False  # whether the last prune kept a single config
+
+    def prune_configs(self, kwargs):
+        kept = super().prune_configs(kwargs)
+        self._one_kept = len(kept) == 1
+        return kept
+
+    def _bench(self, *args, config, **meta):
+        if self._one_kept:  # a lone config: no timing (quantiles' shape), it is chosen either way
+            return [0.0, 0.0, 0.0]
+        return super()._bench(*args, config=config, **meta)
 
     def run(self, *args, **kwargs):
         n = len(args)

@@ -15,6 +15,8 @@ The parsing and selection rules run on CPU too.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from _utils import DEVICE, assert_close, randn
 from fusedpar.kernels import (
@@ -27,7 +29,13 @@ from fusedpar.kernels import (
     matmul,
     matmul_reference,
 )
-from fusedpar.kernels.runtime import clear_tuning_caches, kept_config_count, select_tuning_configs, tuning_selection
+from fusedpar.kernels.runtime import (
+    MemoAutotuner,
+    clear_tuning_caches,
+    kept_config_count,
+    select_tuning_configs,
+    tuning_selection,
+)
 
 # tolerances relative to the reference's RMS, as in test_gemm / test_attention_flash: bf16 inputs
 # and outputs carry an 8-bit mantissa (1.6e-2); attention gradients round P and dS to bf16 (4e-2)
@@ -64,6 +72,30 @@ def test_selection_of_kept_configs(monkeypatch):
     assert select_tuning_configs("k", kept[:2]) == ["a"] and kept_config_count("k") == 2
     with pytest.raises(KeyError, match="has not been tuned"):
         kept_config_count("never_tuned_kernel")
+
+
+@triton.jit
+def _double_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+@pytest.mark.parametrize("kept", [1, 2])
+def test_a_lone_kept_config_is_not_timed(kept):
+    """Where the prune rule keeps one config the tuner launches it untimed (Triton 3.6 timed it,
+    ~100 runs of the kernel at every new key, e.g. every key of the compiled suite, which keeps one
+    config); with two it times both and launches the faster. The timing here launches nothing."""
+    configs = [triton.Config({"BLOCK": b}) for b in (16, 32)]
+    tuner = MemoAutotuner(_double_kernel, _double_kernel.arg_names, configs, ["n"], None,
+                          {"early_config_prune": lambda cfgs, named_args, **kw: cfgs[:kept]})
+    timed = []
+    tuner.__dict__["do_bench"] = lambda call, quantiles: (timed.append(call), [3.0 - len(timed)] * 3)[-1]
+    x = randn(12, generator=torch.Generator().manual_seed(3))
+    expected = x * 2
+    tuner[(1,)](x, 12)
+    assert len(timed) == (0 if kept == 1 else 2)
+    assert tuner.best_config is configs[kept - 1]  # (two: the second timed faster)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
 
 
 def _sweep(monkeypatch, kernels, run_and_check):
