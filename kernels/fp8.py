@@ -28,9 +28,10 @@ round-to-nearest-even conversion that saturates to +-448 and keeps NaN (``cvt.rn
 Triton's interpreter does not (upstream triton issue 8322): its conversion loses a rounding carry
 into the exponent (1.99 -> 1.0), flushes subnormals and gives garbage above 448; its fp32 -> bf16
 cast truncates, and its bf16 -> fp32 conversion gets bf16 subnormals wrong. Under the interpreter
-the kernels therefore round to the e4m3 grid (and to the bf16 grid, :func:`round_to_bf16`) in fp32
-before the cast, which the interpreter's conversion then encodes exactly, and widen bf16 through
-its bits (:func:`to_fp32`), behind the constexpr ``EMULATE`` that only the interpreter sets.
+the kernels therefore round to the e4m3 grid in fp32 and encode the byte themselves (Triton 3.6's
+conversion also turns -0.0 into +0), round to the bf16 grid (:func:`round_to_bf16`) before that
+cast, and widen bf16 through its bits (:func:`to_fp32`), behind the constexpr ``EMULATE`` that
+only the interpreter sets.
 
 fp8 tensor cores exist from compute capability 8.9 (Ada, Hopper): launches on an older GPU raise
 :class:`FP8UnsupportedError` naming the device (:func:`check_fp8_device`).
@@ -102,7 +103,7 @@ def check_fp8_device(t: torch.Tensor, option: str = DEFAULT_FP8_OPTION) -> None:
 @triton.jit
 def to_e4m3(x, EMULATE: tl.constexpr):
     """fp32 ``x`` to ``float8e4nv``: round to nearest even, saturate to +-448, NaN stays NaN.
-    ``EMULATE`` (interpreter only): round to the e4m3 grid in fp32 first (module docstring)."""
+    ``EMULATE`` (interpreter only): round to the e4m3 grid in fp32 and encode (module docstring)."""
     if EMULATE:
         nan = x != x  # before the clamp: the interpreter's minimum / maximum drop NaN, as the GPU's do
         x = tl.minimum(tl.maximum(x, -448.0), 448.0)
@@ -111,11 +112,18 @@ def to_e4m3(x, EMULATE: tl.constexpr):
         e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
         step = ((e + 124) << 23).to(tl.float32, bitcast=True)
         # |x| / step < 16 is exact; adding and subtracting 1.5 * 2^23 rounds it to an integer,
-        # ties to even; the sign is put back afterwards (-0.0 and negatives rounding to zero)
+        # ties to even; the sign bit is put back afterwards (-0.0 and negatives rounding to zero)
         mag = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
-        x = tl.where(bits < 0, -mag, mag)
-        x = tl.where(nan, 480.0, x)  # NaN: 480 encodes as e4m3's NaN (0x7F) in the interpreter
-    return x.to(tl.float8e4nv)
+        # on the grid, encoded here (Triton 3.6's interpreter cast drops the sign of a zero):
+        # a normal's e4m3 mantissa is fp32's top 3 mantissa bits, a subnormal's is mag / 2^-9
+        m = mag.to(tl.int32, bitcast=True)
+        e_mag = ((m >> 23) & 0xFF) - 127
+        code = tl.where(e_mag >= -6, ((e_mag + 7) << 3) | ((m >> 20) & 7), (mag * 512.0).to(tl.int32))
+        code = tl.where(nan, 0x7F, tl.where(bits < 0, code | 0x80, code))  # NaN: 0x7F, as the GPU's
+        q = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        q = x.to(tl.float8e4nv)
+    return q
 
 
 @triton.jit
