@@ -121,8 +121,9 @@ def activate():
             self.set_current_device = lambda device: None
 
         def get_benchmarker(self):
-            # an autotuner times even a single kept config on Triton 3.6 (3.9 skips it): one call,
-            # no timing (triton.testing.do_bench would synchronise CUDA, which CPU torch lacks)
+            # only where FUSEDPAR_TUNE_CONFIGS is set to keep several configs (a lone one is never
+            # timed): one call, no timing (triton.testing.do_bench would synchronise CUDA, which
+            # CPU torch lacks)
             return lambda kernel_call, quantiles=None, **kwargs: (kernel_call(), [1.0] * len(quantiles or (1,)))[1]
 
         def get_current_target(self):

@@ -105,7 +105,7 @@ def to_e4m3(x, EMULATE: tl.constexpr):
     """fp32 ``x`` to ``float8e4nv``: round to nearest even, saturate to +-448, NaN stays NaN.
     ``EMULATE`` (interpreter only): round to the e4m3 grid in fp32 and encode (module docstring)."""
     if EMULATE:
-        nan = x != x  # before the clamp: the interpreter's minimum / maximum drop NaN, as the GPU's do
+        nan = x != x  # before the clamp: the GPU's and Triton 3.9's minimum / maximum drop NaN (3.6's keep it)
         x = tl.minimum(tl.maximum(x, -448.0), 448.0)
         bits = x.to(tl.int32, bitcast=True)
         # the grid step of |x|: 2^(e - 3) for a normal exponent e >= -6, 2^-9 for subnormals
@@ -116,6 +116,7 @@ def to_e4m3(x, EMULATE: tl.constexpr):
         mag = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
         # on the grid, encoded here (Triton 3.6's interpreter cast drops the sign of a zero):
         # a normal's e4m3 mantissa is fp32's top 3 mantissa bits, a subnormal's is mag / 2^-9
+        mag = tl.where(nan, 0.0, mag)  # (3.6: no NaN into the int cast below)
         m = mag.to(tl.int32, bitcast=True)
         e_mag = ((m >> 23) & 0xFF) - 127
         code = tl.where(e_mag >= -6, ((e_mag + 7) << 3) | ((m >> 20) & 7), (mag * 512.0).to(tl.int32))
