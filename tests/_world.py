@@ -62,11 +62,11 @@ def _worker(rank, size, init_file, tasks, results, sys_path, backend, collective
 
 def _context():
     """Workers fork from a server process that has imported torch once (import costs seconds per
-    process on a 2-core machine). With a GPU, triton is not preloaded, so each world still decides
-    TRITON_INTERPRET for itself (see _worker). Without one every world interprets, as the server
-    does (conftest set TRITON_INTERPRET=1 before it started), so it also preloads ``torch._dynamo``
-    (which imports triton; fusedpar's ops import it): about 1.5 CPU-seconds a worker, over a hundred
-    workers in the suite."""
+    process on a 2-core machine). In a CUDA run triton is not preloaded, so each world still
+    decides TRITON_INTERPRET for itself (see _worker). In a CPU run (FUSEDPAR_TEST_DEVICE=cpu) every
+    world interprets, as the server does (conftest set TRITON_INTERPRET=1 before it started), so it
+    also preloads ``torch._dynamo`` (which imports triton; fusedpar's ops and torch's custom-op
+    dispatch import it): about 1.5 CPU-seconds a worker, over a hundred workers in the suite."""
     ctx = mp.get_context("forkserver")
     preload = ["torch", "torch.distributed", "numpy"]
     if os.environ.get("FUSEDPAR_TEST_DEVICE") == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
