@@ -35,9 +35,9 @@ def interpreter_problem() -> str | None:
 def check_interpreter() -> None:
     """Raise ``RuntimeError`` when the interpreter is on and cannot run the kernels (see
     :func:`interpreter_incompatibility`), give its ``tl.dot`` a result that does not depend on
-    the BLAS (:func:`install_interpreter_dot`) and make its helper calls and dtype map cheap
-    (:func:`install_interpreter_device_calls`, :func:`install_interpreter_np_dtypes`); called
-    when ``fusedpar.kernels`` is imported."""
+    the BLAS (:func:`install_interpreter_dot`) and make its helper calls, dtype map and integer
+    arithmetic cheap (:func:`install_interpreter_device_calls`, :func:`install_interpreter_np_dtypes`,
+    :func:`install_interpreter_overflow_checks`); called when ``fusedpar.kernels`` is imported."""
     problem = interpreter_problem() if interpreting() else None
     if problem:
         raise RuntimeError(problem)
@@ -45,6 +45,7 @@ def check_interpreter() -> None:
         install_interpreter_dot()
         install_interpreter_device_calls()
         install_interpreter_np_dtypes()
+        install_interpreter_overflow_checks()
 
 
 def _float8_values(torch_dtype):
@@ -176,3 +177,22 @@ def install_interpreter_np_dtypes() -> None:
 
     _get_np_dtype._fusedpar = True
     interpreter._get_np_dtype = _get_np_dtype
+
+
+def install_interpreter_overflow_checks() -> None:
+    """Stop the interpreter from computing integer-overflow checks that it then drops (idempotent).
+    Triton's ``+``, ``-`` and ``*`` on integers narrower than 64 bits build an overflow check (both
+    operands cast to int64, the operation again, two comparisons, an ``and``) and hand it to
+    ``device_assert``, which does nothing unless the builder's options have ``debug`` on. The
+    interpreter's never have (its ``InterpreterOptions.debug`` is False and nothing sets it), so
+    every integer operation of an interpreted kernel ran about eight more NumPy operations for
+    nothing: a third of an interpreted model step. With ``debug`` off the check is now off too:
+    the same values, the same (absent) asserts. A compiled kernel is untouched (its compiler
+    removes the dead check; ``TRITON_DEBUG=1`` keeps it there)."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    if builder.options.sanitize_overflow and not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
