@@ -667,6 +667,7 @@ TEST_AREAS = {
     # the kernels' runtime
     "gemm": "the GEMM kernels (plain, persistent, fused epilogues)", "tuning": "autotuning configs",
     "blas_order": "interpreter dots independent of the BLAS",
+    "interpreter": "fusedpar's fittings of Triton's CPU interpreter (kernels/interpreter.py)",
     # modules, the model layer, the project
     "nn": "fusedpar.nn modules", "model": "whole Transformers composed with the parallelisms",
     "parallel": "fusedpar.parallel", "checkpoint": "fusedpar.checkpoint", "hf": "Hugging Face in / out",
