@@ -69,14 +69,20 @@ def _int_ops_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8])
-def test_interpreted_integer_ops_skip_the_dead_overflow_check_and_still_wrap(dtype):
+def test_interpreted_integer_ops_skip_the_dead_overflow_check_and_still_wrap(dtype, monkeypatch):
     """interpreter.install_interpreter_overflow_checks: the interpreter's builder has ``debug`` off
-    (so ``device_assert``, and with it Triton's overflow check, does nothing) and the check off; the
-    integer operations give the two's-complement results a GPU gives, overflowing ones included."""
+    (so ``device_assert``, and with it Triton's overflow check, does nothing) and the check off: no
+    check reaches ``device_assert``; the integer operations give the two's-complement results a GPU
+    gives, overflowing ones included."""
+    from triton.language.semantic import TritonSemantic
     from triton.runtime import interpreter
 
     options = interpreter.interpreter_builder.options
     assert not options.debug and not options.sanitize_overflow, options
+    asserts = []
+    triton_assert = TritonSemantic.device_assert
+    monkeypatch.setattr(TritonSemantic, "device_assert",
+                        lambda self, *args: (asserts.append(args[1]), triton_assert(self, *args))[1])
     info = torch.iinfo(dtype)
     g = torch.Generator().manual_seed(7)
     a = torch.randint(info.min, info.max, (64,), generator=g, dtype=torch.int64)
@@ -92,3 +98,4 @@ def test_interpreted_integer_ops_skip_the_dead_overflow_check_and_still_wrap(dty
 
     want = torch.cat([wrap(a + b), wrap(a - b), wrap(a * b)])
     assert torch.equal(out, want), (out[:3], want[:3])
+    assert asserts == [], asserts[:3]
