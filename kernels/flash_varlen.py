@@ -33,14 +33,14 @@ from __future__ import annotations
 import torch
 from triton import knobs
 
-from .checks import check_float_tensor, check_int, check_same, check_tensor
+from .checks import check_buffer, check_float_tensor, check_int, check_same, check_shape, check_tensor
 from .flash_attention import Segments, attention_reference, check_qkv, flash_attention_forward
 from .flash_attention_bwd import DEFAULT_DQ_MODE, flash_attention_backward
 from .flash_fp8_out import check_attention_fp8_out
 
 __all__ = [
-    "check_cu_seqlens", "check_cu_seqlens_values", "check_varlen_inputs", "flash_attention_varlen", "flash_attention_varlen_backward",
-    "varlen_attention_reference", "varlen_segments",
+    "check_cu_seqlens", "check_cu_seqlens_values", "check_varlen_inputs", "flash_attention_varlen",
+    "flash_attention_varlen_backward", "varlen_attention_reference", "varlen_segments",
 ]
 
 
@@ -140,6 +140,20 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out[0], lse[0]
 
 
+def check_varlen_row_terms(dout, out, lse, q, v) -> None:
+    """The backward's row terms as the caller passed them (before the launchers add a batch axis):
+    ``dout`` ``[total_q, heads, d_v]`` in q's dtype and device, ``out`` that shape on q's device
+    (a supported float dtype), ``lse`` fp32 ``[heads, total_q]`` on q's device."""
+    o_shape = (q.shape[0], q.shape[1], v.shape[2])
+    check_tensor("dout", dout, dims=(3,))
+    check_same("dout", dout, "q", q)
+    check_shape("dout", dout, o_shape)
+    check_tensor("out", out, dims=(3,))
+    check_buffer("out", out, o_shape, q.device)
+    check_tensor("lse", lse, dims=(2,))
+    check_buffer("lse", lse, (q.shape[1], q.shape[0]), q.device, torch.float32)
+
+
 def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, *, causal=False, softmax_scale=None, window=None, softcap=None,
                                     sinks=None, dq_mode=DEFAULT_DQ_MODE):
@@ -148,8 +162,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     "separate" (deterministic) or "atomic" (one pass, dQ by fp32 atomics: its bits vary between
     GPU runs), see :func:`~.flash_attention_bwd.flash_attention_backward`."""
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_varlen_row_terms(dout, out, lse, q, v)
     seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
-    check_tensor("lse", lse, dims=(2,))
     grads = flash_attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal,
                                      softmax_scale=softmax_scale, segments=seg, window=window, softcap=softcap,
                                      sinks=sinks, dq_mode=dq_mode)

@@ -9,6 +9,7 @@ import torch
 from _utils import DEVICE, INTERPRETED, assert_close, poison, randn
 from fusedpar.kernels import flash_attention_backward, flash_attention_forward, varlen_attention_reference
 from fusedpar.kernels import flash_attention_varlen as flash_attention_varlen_launcher
+from fusedpar.kernels import flash_attention_varlen_backward as flash_attention_varlen_backward_launcher
 from fusedpar.kernels.flash_attention import MAX_GRID_X, attention_grid
 from fusedpar.kernels.flash_varlen import varlen_segments
 from fusedpar.ops import EmulatedTransport, document_positions, flash_attention_varlen, ring_attention
@@ -250,6 +251,16 @@ def _i32(*vals):
     return torch.tensor(vals, dtype=torch.int32, device=DEVICE)
 
 
+def _varlen_bwd(**bad):
+    """The varlen backward launcher on valid arguments (8 rows, 2 heads, d 16), ``bad`` replacing some."""
+    q, k, v = _qkv()
+    out, lse = flash_attention_varlen_launcher(q, k, v, _i32(0, 8), _i32(0, 8), 8, 8)
+    args = dict(dout=torch.randn_like(out), q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=_i32(0, 8),
+                cu_seqlens_k=_i32(0, 8), max_seqlen_q=8, max_seqlen_k=8)
+    args.update({name: make(args) for name, make in bad.items()})
+    return flash_attention_varlen_backward_launcher(**args)
+
+
 # (id, exception, message pattern, call, needs CPU values)
 BAD_INPUTS = [
     ("cu int64", TypeError, "cu_seqlens_q must have dtype torch.int32",
@@ -276,6 +287,27 @@ BAD_INPUTS = [
     ("sp total", ValueError, r"full packed length \(16\)", lambda: ring_attention(
         *(torch.randn(1, 8, 2, 16, device=DEVICE),) * 3, transport=EmulatedTransport(2), cu_seqlens=_i32(0, 8)),
      False),
+    # the varlen backward checks dout / out / lse as passed (not with the batch axis it adds)
+    ("bwd dout None", TypeError, "dout must be a torch.Tensor, got NoneType",
+     lambda: _varlen_bwd(dout=lambda a: None), False),
+    ("bwd dout 2-D", ValueError, r"dout must be 3-D, got shape \(8, 32\) \(2-D\)",
+     lambda: _varlen_bwd(dout=lambda a: a["dout"].reshape(8, 32)), False),
+    ("bwd dout shape", ValueError, r"dout must have shape \(8, 2, 16\), got \(8, 2, 8\)",
+     lambda: _varlen_bwd(dout=lambda a: a["dout"][..., :8]), False),
+    ("bwd dout dtype", TypeError, r"dout must have the same dtype as q \(torch.float32\), got torch.float16",
+     lambda: _varlen_bwd(dout=lambda a: a["dout"].half()), False),
+    ("bwd out None", TypeError, "out must be a torch.Tensor, got NoneType",
+     lambda: _varlen_bwd(out=lambda a: None), False),
+    ("bwd out shape", ValueError, r"out must have shape \(8, 2, 16\), got \(7, 2, 16\)",
+     lambda: _varlen_bwd(out=lambda a: a["out"][:7]), False),
+    ("bwd out 4-D", ValueError, r"out must be 3-D, got shape \(1, 8, 2, 16\) \(4-D\)",
+     lambda: _varlen_bwd(out=lambda a: a["out"][None]), False),
+    ("bwd lse None", TypeError, "lse must be a torch.Tensor, got NoneType",
+     lambda: _varlen_bwd(lse=lambda a: None), False),
+    ("bwd lse shape", ValueError, r"lse must have shape \(2, 8\), got \(8, 2\)",
+     lambda: _varlen_bwd(lse=lambda a: a["lse"].t()), False),
+    ("bwd lse dtype", TypeError, r"lse must have dtype torch.float32, got torch.float64",
+     lambda: _varlen_bwd(lse=lambda a: a["lse"].double()), False),
 ]
 
 

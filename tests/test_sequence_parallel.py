@@ -294,6 +294,47 @@ def test_ring_on_emulated_transport(layout, causal, size, rank):
                      f"P={size} rank {rank}")
 
 
+def _mirror_ulysses_reference(q, k, v, do, *, causal, size):
+    """fp64 ``(out, dq, dk, dv)`` of one Ulysses rank under the mirror rule (the all-to-all hands
+    back what this rank sends): the gathered sequence's chunk ``j`` holds this shard's query head
+    group ``j`` and the kv head rank ``j`` takes (``j * kv_heads // size``, replicated when kv heads
+    are fewer than ranks); dk/dv sum over every chunk a kv head stands in."""
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    hq_l, hk = q.shape[2] // size, k.shape[2]
+    kv = [j * hk // size for j in range(size)]
+    q_g = torch.cat([qr[:, :, j * hq_l:(j + 1) * hq_l] for j in range(size)], dim=1)
+    k_g, v_g = (torch.cat([t[:, :, h:h + 1] for h in kv], dim=1) for t in (kr, vr))
+    out_g = attention_reference(q_g, k_g, v_g, causal=causal)[0]
+    out = torch.cat(out_g.chunk(size, dim=1), dim=2)  # chunk j -> query head group j
+    return (out.detach(), *torch.autograd.grad(out, (qr, kr, vr), do.double()))
+
+
+# (size, heads, kv_heads, causal): 3 and 4 replicas of each kv head (two kv heads: replicas must
+# be summed into the right one)
+ULYSSES_REPLICATED = [(6, 6, 2, True), (4, 4, 1, False)]
+
+
+@pytest.mark.parametrize("size, hq, hk, causal", ULYSSES_REPLICATED,
+                         ids=[f"P{p}-h{hq}-kv{hk}" for p, hq, hk, _ in ULYSSES_REPLICATED])
+def test_ulysses_replicated_kv_heads_on_emulated_transport(size, hq, hk, causal):
+    # the replicas' dK/dV are summed in a fixed order (no atomics): the fp64 mirror reference,
+    # and the same bits on a second run
+    g = torch.Generator().manual_seed(31 * size + hk)
+    q, do = (randn(1, 4, hq, 16, generator=g) for _ in range(2))
+    k, v = (randn(1, 4, hk, 16, generator=g) for _ in range(2))
+    runs = []
+    for _ in range(2):
+        shards = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ulysses_attention(*shards, transport=EmulatedTransport(size, 1), causal=causal)
+        runs.append((out.detach(), *torch.autograd.grad(out, shards, do)))
+    ref = _mirror_ulysses_reference(q, k, v, do, causal=causal, size=size)
+    tol = TOL[torch.float32]
+    for name, got, again, r in zip(("out", "dq", "dk", "dv"), *runs, ref):
+        scale = max(r.pow(2).mean().sqrt().item(), 1.0)
+        assert_close(got, r, torch.float32, rtol=tol, atol=tol * scale, msg=f"{name} ulysses P={size} kv={hk}")
+        assert torch.equal(got, again), f"{name}: two runs differ (ulysses P={size} kv={hk})"
+
+
 class _CountingTransport(EmulatedTransport):
     """An emulated rank that counts its point-to-point transfers (every ring shift is one)."""
 

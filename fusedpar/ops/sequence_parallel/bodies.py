@@ -264,6 +264,20 @@ def ulysses_kv_heads(hq: int, hk: int, size: int):
     return [u * hk // size for u in range(size)], 1  # replicate: one kv head per rank
 
 
+def sum_kv_replicas(grads: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradients ``[b, s, size, d]`` (fp32) of the replicated kv heads of a Ulysses group of
+    ``size`` (one per rank, :func:`ulysses_kv_heads`) summed into ``[b, s, kv_heads, d]``.
+    Replicas are consecutive (rank ``u`` holds kv head ``u * kv_heads // size``, so head ``u`` is
+    replica ``u % r`` of kv head ``u // r``, ``r = size // kv_heads``) and are added one after
+    the other in rank order: no atomics, the same bits on every run and device (the order of the
+    former ``index_add_`` on the CPU), and no buffer beyond the result."""
+    replicas = grads.unflatten(2, (kv_heads, grads.shape[2] // kv_heads))  # [b, s, kv_heads, r, d]
+    total = replicas[:, :, :, 0] + replicas[:, :, :, 1]  # replicated: r >= 2
+    for i in range(2, replicas.shape[3]):
+        total += replicas[:, :, :, i]
+    return total
+
+
 def _seq_to_heads(parts, transport, s_local):
     """``parts``: ``[(tensor [b, s_local, size * n_i, d_i], n_i)]``. One all-to-all; returns the
     packed full-sequence head shards ``[b, size * s_local, sum(n_i * d_i)]`` (see :func:`split_heads`)."""
@@ -403,9 +417,5 @@ def ulysses_attention_bwd(dout, q_heads, k_heads, v_heads, out_heads, lse, trans
     if size > 1:
         dq, dk, dv = _heads_to_seq([dq, dk, dv], transport, grad_dtype)
     if replicated:
-        idx = torch.tensor(kv_idx, device=dq.device)
-        b, s = dk.shape[:2]
-        dk = torch.zeros((b, s, kv_heads, dk.shape[3]), device=dq.device, dtype=torch.float32).index_add_(2, idx, dk)
-        dv = torch.zeros((b, s, kv_heads, dv.shape[3]), device=dq.device, dtype=torch.float32).index_add_(2, idx, dv)
-        dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
+        dq, dk, dv = dq.to(dtype), sum_kv_replicas(dk, kv_heads).to(dtype), sum_kv_replicas(dv, kv_heads).to(dtype)
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
