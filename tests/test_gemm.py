@@ -29,11 +29,18 @@ def test_matmul_shapes(M, N, K, layout, dtype):
     assert_close(out, matmul_reference(a, w, weight_layout=layout), dtype, msg=f"{M}x{N}x{K} {layout}")
 
 
+@pytest.mark.parametrize("load_path", ["auto", "pointer"], indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
-def test_epilogue_bias_activation_residual(activation, dtype):
+def test_epilogue_bias_activation_residual(activation, dtype, load_path):
+    """Every activation with bias, residual and pre-activation, on both load paths: ragged M / N
+    (45 x 37 on 32 x 32 tiles) and K = 48 (a ragged last 32-deep step; rows of 96 / 192 bytes, so
+    "auto" takes TMA interpreted: persistent, the epilogue in column halves). The launch record
+    says which path ran (compiled, "auto" takes TMA only where the device and the tile rule allow
+    it: asserted only where it cannot)."""
+    from fusedpar.kernels import gemm_loads
     g = torch.Generator().manual_seed(7)
-    M, F, K = 45, 37, 50
+    M, F, K = 45, 37, 48
     gated = ACTIVATIONS[activation][1]
     n_w = 2 * F if gated else F
     a = randn(M, K, dtype=dtype, generator=g)
@@ -42,9 +49,16 @@ def test_epilogue_bias_activation_residual(activation, dtype):
     res = randn(M, F, dtype=dtype, generator=g)
     pre = poison((M, n_w), dtype)
     out = matmul(a, w, bias, activation=activation, residual=res, preact_out=pre)
+    loads = gemm_loads.last_launch("matmul")["loads"]
     assert out.shape == (M, F)
     assert_close(out, matmul_reference(a, w, bias, activation=activation, residual=res), dtype, msg=activation)
     assert_close(pre, matmul_reference(a, w, bias), dtype, msg=f"{activation} pre-activation")
+    path = gemm_loads.load_path()
+    if INTERPRETED:  # interpreted, "auto" takes TMA for any dtype
+        assert loads == ("tma" if path == "auto" else "pointer"), (path, loads)
+        assert load_path.launches[-1][1]["TMA"] == (loads == "tma")
+    elif path == "pointer" or not gemm_loads.tma_capable(a.device, a.element_size()):
+        assert loads == "pointer", (path, dtype, loads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -376,15 +390,22 @@ class _KernelSpy:
 
 @pytest.fixture
 def load_path(request, monkeypatch):
-    """Runs a test under ``gemm_loads.set_load_path(request.param)``; yields the kernel spy."""
+    """Runs a test under ``gemm_loads.set_load_path(request.param)``; yields the kernel spy, None
+    compiled (autotuned launches are not spied on: tests that read the spy call :func:`_spied`)."""
     from fusedpar.kernels import gemm_loads
-    if not INTERPRETED:
-        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
-    spy = _KernelSpy(gemm._gemm_kernel)
-    monkeypatch.setattr(gemm, "_gemm_kernel", spy)
+    spy = None
+    if INTERPRETED:
+        spy = _KernelSpy(gemm._gemm_kernel)
+        monkeypatch.setattr(gemm, "_gemm_kernel", spy)
     gemm_loads.set_load_path(request.param)
     yield spy
     gemm_loads.set_load_path("auto")
+
+
+def _spied(load_path):
+    """Skip a test that reads the kernel spy of :func:`load_path` where there is none (compiled)."""
+    if load_path is None:
+        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
 
 
 @pytest.mark.parametrize("load_path", ["auto", "pointer"], indirect=True)
@@ -395,6 +416,7 @@ def test_load_paths_fused_epilogues_ragged(load_path):
     epilogues: SwiGLU on an "nk" weight with bias, pre-activation and residual; GELU on a "kn"
     weight accumulated into fp32; ``matmul_tn`` (A contiguous along M). The TMA launches are
     persistent: 3 programs over 4 tiles, the first one wrapping, the epilogue in column halves."""
+    _spied(load_path)
     g = torch.Generator().manual_seed(41)
     M, F, K, dt = 37, 48, 40, torch.float16
     a = randn(M, K, dtype=dt, generator=g)
@@ -410,7 +432,9 @@ def test_load_paths_fused_epilogues_ragged(load_path):
     matmul(a, w_kn, weight_layout="kn", out=acc, accumulate=True)
     assert_close(acc, expected, dt, msg="kn accumulate")
     dy, x = randn(M, F, dtype=dt, generator=g), randn(M, K, dtype=dt, generator=g)
-    assert_close(matmul_tn(dy, x), dy.double().t() @ x.double(), dt, msg="matmul_tn")
+    dw = poison((F, K), dt)
+    assert matmul_tn(dy, x, out=dw) is dw
+    assert_close(dw, dy.double().t() @ x.double(), dt, msg="matmul_tn")
     tma = load_path.launches[0][1]["TMA"]
     assert all(flags["TMA"] == tma for _, flags in load_path.launches)
     assert tma == (gemm_loads_mode() == "auto")
@@ -429,6 +453,7 @@ def gemm_loads_mode():
 def test_what_tma_cannot_take_loads_through_pointers(load_path):
     """"auto" keeps pointer loads for an unaligned base (a view one element in), rows that are not
     16-byte multiples (K = 19 fp32), a split [batch, seq-chunk] row view; TMA otherwise."""
+    _spied(load_path)
     g = torch.Generator().manual_seed(43)
     big = randn(40, 80, generator=g)
     w = randn(24, 32, generator=g)
@@ -447,6 +472,7 @@ def test_expanded_and_overlapping_rows_load_through_pointers(load_path):
     memory) nor rows that overlap (a stride shorter than the row): "auto" keeps pointer loads for
     them, and the numbers are right. Expanded A, expanded weight, A with rows 16 elements apart
     over K = 32 (fp16: 32-byte strides, 16-byte multiples), and matmul_tn over expanded tokens."""
+    _spied(load_path)
     g = torch.Generator().manual_seed(47)
     M, N, K, dt = 20, 24, 32, torch.float16
     a, w = randn(M, K, dtype=dt, generator=g), randn(N, K, dtype=dt, generator=g, scale=K ** -0.5)

@@ -110,6 +110,49 @@ def test_fused_epilogue(scaling, gb, activation, F):
         assert_tile_quantised(out, q, s)
 
 
+# without the e4m3 output every epilogue, gated ones too, loads by TMA on "auto" (e4m3 rows of 160
+# bytes; persistent, the epilogue in column halves): only a gated epilogue WITH the e4m3 output keeps
+# pointer loads (kernels/fp8_gemm.py ``_loads_by_tma``). Both gated activations, rowwise and
+# blockwise scaling with 128x128 weight blocks and 1x128 weight tiles, and one ungated activation;
+# bf16 and fp32 outputs, one per case
+TMA_CASES = [("rowwise", "row", "swiglu_oai", 72, torch.float32), ("blockwise", "block", "swiglu", 72, torch.bfloat16),
+             ("blockwise", "block", "swiglu_oai", 136, torch.float32),
+             ("blockwise", "tile", "swiglu", 136, torch.bfloat16), ("blockwise", "block", "gelu", 72, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("scaling,gb,activation,F,dtype", TMA_CASES)
+def test_epilogue_without_fp8_out_on_both_load_paths(scaling, gb, activation, F, dtype):
+    """The output with a residual (of its dtype) and the pre-activation, into NaN-poisoned buffers,
+    on "auto" (TMA, the launch record says) and on pointer loads: interpreted, the same bits on
+    both (the same main loop, K steps and epilogue: test_fp8's load-path agreement); the
+    pre-activation is the plain fp8_matmul's, the output the activation of the float64 reference
+    plus the residual."""
+    from fusedpar.kernels import gemm_loads
+    glu = ACTIVATIONS[activation][1]
+    n_w = 2 * F if glu else F
+    ops, elem_scales = _operands(scaling, gb, n_w, seed=3 * F + len(activation))
+    xq, xs, wq, ws, bias = ops
+    pre_ref = fp8_matmul_reference(*(t.cpu() for t in ops[:4]), bias.cpu(), scaling=scaling)
+    out_ref = fp8_matmul_reference(*(t.cpu() for t in ops[:4]), bias.cpu(), scaling=scaling, activation=activation)
+    pre_err = _pre_error(ops, elem_scales, pre_ref)
+    res = torch.randn(M, F, generator=torch.Generator().manual_seed(F)).to(DEVICE, dtype)
+    want = out_ref + res.cpu().double()
+    runs = {}
+    for path in ("auto", "pointer"):
+        out, pre = poison((M, F), dtype), poison((M, n_w), dtype)
+        with gemm_loads.load_path_set(path):
+            y = fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, activation=activation, residual=res, out=out,
+                           preact_out=pre)
+            loads, tma = gemm_loads.last_launch("fp8_matmul")["loads"], gemm_loads.tma_capable(xq.device, 1)
+            plain = fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, out_dtype=dtype)
+        assert y is out and loads == ("tma" if tma else "pointer"), (path, loads)
+        assert torch.equal(pre, plain), f"{path}: the pre-activation differs from fp8_matmul's output"
+        assert_within(out, want, _out_tolerance(pre_ref, pre_err, activation, want, dtype), f"{path} output")
+        runs[path] = out
+    if INTERPRETED:
+        assert torch.equal(runs["auto"], runs["pointer"]), "the load paths' outputs differ"
+
+
 def test_sequence_chunk_views_residual_after_the_activation():
     """A 3-D sequence-chunk view of a (its scales too), of out, residual, q and scale (two-level
     rows, read and written in place and nowhere else); the residual is added after the activation

@@ -379,6 +379,7 @@ def test_grouped_mlp_checks_offsets(offsets_device):
 def test_benchmark_cli_smoke(tmp_path):
     import json
     import os
+    import re
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -406,6 +407,13 @@ def test_benchmark_cli_smoke(tmp_path):
     assert (ds["experts"], ds["top_k"], ds["groups"], ds["routing_agreement"]) == (16, 4, "4/8", 1.0)
     assert (ds["ep"], ds["experts_per_rank"]) == (2, 8)  # one rank of 2 emulated expert-parallel ranks
     assert all(r["experts"] == 3 and r["hidden"] == 32 for r in rows if r is not ds)
+    # the grouped GEMM rows record what ran (gemm_loads.last_launch): "BMxBNxBK wW sS", the loads,
+    # persistent exactly when by TMA
+    gemm_rows = [r for r in rows if r["bench"] in ("grouped_gemm", "grouped_gemm_fp8")]
+    assert len(gemm_rows) == 3
+    for r in gemm_rows:
+        assert re.fullmatch(r"\d+x\d+x\d+ w\d+ s\d+( split2)?", r["config"]), r
+        assert r["loads"] in ("tma", "pointer") and r["persistent"] == (r["loads"] == "tma"), r
 
 
 # ----------------------------------------------------------------------------------------------
