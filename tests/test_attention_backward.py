@@ -111,3 +111,47 @@ def test_segments_without_keys_write_zero_dq(dq_mode):
     dq, dk, dv = (poison(t.shape, t.dtype) for t in (q, k, v))
     got = flash_attention_backward(do, q, k, v, out, lse, segments=seg, dq=dq, dk=dk, dv=dv, dq_mode=dq_mode)
     assert torch.equal(got[0], torch.zeros_like(q)), dq_mode
+
+
+#: flash-attention's own acceptance rule (its tests/test_flash_attn.py, adapted): against a float64
+#: reference, the kernel's largest error may be at most twice PyTorch's, the same attention run in
+#: the operands' 16-bit dtype; (id, seq_q, seq_k, head_dim, dtype, causal) on its ragged lengths
+FLASH_ATTN_CASES = [
+    ("113x203-d64-causal", 113, 203, 64, torch.bfloat16, True),
+    ("108x256-d128", 108, 256, 128, torch.float16, False),
+    ("203x113-d64-causal", 203, 113, 64, torch.float16, True),
+]
+
+
+def _attention_16bit(q, k, v, causal):
+    """Attention as PyTorch runs it in the operands' dtype (flash-attention's ``attention_ref``
+    without upcasting): scores, softmax and products in 16 bits; ``[b, s, h, d]``, causal
+    bottom-right, rows that see no key 0."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    sq, sk = scores.shape[-2:]
+    hidden = torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1) if causal else torch.zeros(sq, sk, dtype=torch.bool)
+    p = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).masked_fill(hidden.all(-1, keepdim=True), 0.0)
+    return (p @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("case", FLASH_ATTN_CASES, ids=[c[0] for c in FLASH_ATTN_CASES])
+def test_flash_attention_criterion(case):
+    """Output and gradients within 2x of PyTorch's own 16-bit error (flash-attention's criterion;
+    causal bottom-right, as it aligns): the one-launch backward is held to flash-attention's bar."""
+    name, sq, sk, d, dtype, causal = case
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    q, k, v = (randn(1, s, 2, d, dtype=dtype, generator=g) for s in (sq, sk, sk))
+    do = randn(1, sq, 2, d, dtype=dtype, generator=g)
+    out, lse = flash_attention_forward(q, k, v, causal=causal)
+    got = (out,) + tuple(flash_attention_backward(do, q, k, v, out, lse, causal=causal))
+
+    ins = [t.double().cpu().requires_grad_() for t in (q, k, v)]
+    exact, _ = attention_reference(*ins, causal=causal)
+    exact = (exact,) + torch.autograd.grad(exact, ins, do.double().cpu())
+    ins = [t.cpu().requires_grad_() for t in (q, k, v)]
+    torch_16bit = _attention_16bit(*ins, causal)
+    torch_16bit = (torch_16bit,) + torch.autograd.grad(torch_16bit, ins, do.cpu())
+    for what, ours, ref, theirs in zip(("out", "dq", "dk", "dv"), got, exact, torch_16bit):
+        err, bar = (ours.cpu().double() - ref).abs().max().item(), (theirs.double() - ref).abs().max().item()
+        assert err <= 2 * bar, f"{name} {what}: {err:.3g} > 2 x PyTorch's {bar:.3g}"
