@@ -140,7 +140,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out[0], lse[0]
 
 
-def check_varlen_row_terms(dout, out, lse, q, v) -> None:
+def _check_varlen_row_terms(dout, out, lse, q, v) -> None:
     """The backward's row terms as the caller passed them (before the launchers add a batch axis):
     ``dout`` ``[total_q, heads, d_v]`` in q's dtype and device, ``out`` that shape on q's device
     (a supported float dtype), ``lse`` fp32 ``[heads, total_q]`` on q's device."""
@@ -162,7 +162,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     "separate" (deterministic) or "atomic" (one pass, dQ by fp32 atomics: its bits vary between
     GPU runs), see :func:`~.flash_attention_bwd.flash_attention_backward`."""
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    check_varlen_row_terms(dout, out, lse, q, v)
+    _check_varlen_row_terms(dout, out, lse, q, v)
     seg = varlen_segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     grads = flash_attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal,
                                      softmax_scale=softmax_scale, segments=seg, window=window, softcap=softcap,

@@ -66,16 +66,17 @@ def gemm_mainloop(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     a_desc=None, b_desc=None, m0=0, n0=0, glu_offset=0, TMA: tl.constexpr = False, A_KMAJOR: tl.constexpr = True,
     B_KMAJOR: tl.constexpr = True, sa_rows=None, sb_cols=None, sb_up=None, s_sak=0, s_sbk=0,
-    SCALING: tl.constexpr = 0, PROMOTE_K: tl.constexpr = None, b_k0=0, up_first=None, up_second=None, s_sbn=0,
-    UP_BLOCKS: tl.constexpr = False,
+    SCALING: tl.constexpr = 0, PROMOTE_K: tl.constexpr = None, b_expert=0, up_first=None, up_second=None, s_sbn=0,
+    UP_BLOCKS: tl.constexpr = False, B_EXPERTS: tl.constexpr = False,
 ):
     """fp32 ``A[rows, :] @ B[:, cols]`` of one tile (and of the up columns for gated activations).
 
     Pointer loads (``TMA`` False): ``a_rows`` / ``b_cols`` / ``b_cols_up`` are int64 offset
     vectors; the contraction index may be two-level (``*_K_SPLIT``). TMA loads: the tile at row
     ``m0``, column ``n0`` (up half ``glu_offset`` further) through :func:`operand_descriptors`'
-    ``a_desc`` / ``b_desc``, zero-filled past the tensor's edges (no masks; ``b_k0``: the first
-    row of a ``[K, N]`` B stacked with others, a grouped GEMM's expert). e4m3 operands
+    ``a_desc`` / ``b_desc``, zero-filled past the tensor's edges (no masks; ``B_EXPERTS``:
+    ``b_desc`` is a grouped GEMM's 3-D ``[experts, K, N]`` and ``b_expert`` the expert, whose K
+    edge then zero-fills too). e4m3 operands
     (``SCALING`` 1, rowwise: ``sa_rows`` / ``sb_cols`` / ``sb_up`` point to the rows' scales; the
     dot accumulates at most ``PROMOTE_K`` products before an fp32 add; 2, blockwise: a fresh dot
     per 128-deep step, times the step's scales ``k0 * s_sak`` / ``k0 * s_sbk`` further;
@@ -108,8 +109,10 @@ def gemm_mainloop(
                 a = a_desc.load([base, m0]).T
             if B_KMAJOR:
                 b = b_desc.load([n0, base]).T
+            elif B_EXPERTS:
+                b = b_desc.load([b_expert, base, n0]).reshape(BLOCK_K, BLOCK_N)
             else:
-                b = b_desc.load([b_k0 + base, n0])
+                b = b_desc.load([base, n0])
         else:
             kk = base + rk
             kk64 = kk.to(tl.int64)
@@ -148,8 +151,10 @@ def gemm_mainloop(
             if TMA:
                 if B_KMAJOR:
                     bu = b_desc.load([n0 + glu_offset, base]).T
+                elif B_EXPERTS:
+                    bu = b_desc.load([b_expert, base, n0 + glu_offset]).reshape(BLOCK_K, BLOCK_N)
                 else:
-                    bu = b_desc.load([b_k0 + base, n0 + glu_offset])
+                    bu = b_desc.load([base, n0 + glu_offset])
             elif EVEN_K:
                 bu = tl.load(b_ptr + b_k + b_cols_up[None, :], mask=n_mask[None, :], other=0.0)
             else:

@@ -76,9 +76,10 @@ def _grouped_gemm_kernel(
     ``DACT``: the product is the gradient of the activation output and ``aux`` holds the
     pre-activation; writes the gradient of the pre-activation. ``FP8``: scaled e4m3 operands (module
     docstring; ``BLOCKWISE``: a fresh dot per 128-deep step); ``EMULATE``: interpreted bf16 stores.
-    ``TMA``: x and the experts' weights stacked (``W_KMAJOR``: ``[E_w * N_w, K]``, else ``[E_w * K,
+    ``TMA``: x and the experts' weights (``W_KMAJOR``: stacked ``[E_w * N_w, K]``, else ``[E_w, K,
     N_w]``) through tensor descriptors, a persistent program walking tiles ``pid, pid + programs,
-    ...`` of the row-tiles x column-tiles grid (:func:`_row_tiles`); else one tile per program of it."""
+    ...`` of the row-tiles x column-tiles grid (:func:`_row_tiles`) row by row; else one tile per
+    program of it."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not (DACT and STORE_AUX), "the backward epilogue reads aux, it does not store it")
     tl.static_assert(not (DACT and HAS_BIAS), "the bias is a forward epilogue")
@@ -87,14 +88,16 @@ def _grouped_gemm_kernel(
         n_w = N if DACT else N + glu_offset  # the weight rows of an expert (a gated forward: gate and up)
         row_tiles = M // BLOCK_M + tl.minimum(G, M) + 1  # (_row_tiles)
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-        # the experts' rows as one stack (the host checked the product fits in 31 bits)
-        stacked = (tl.cast(E_w, tl.int64) * (n_w if W_KMAJOR else K)).to(tl.int32)
-        if W_KMAJOR:
+        if W_KMAJOR:  # the experts' rows as one stack (the host checked the product fits in 31 bits)
+            stacked = (tl.cast(E_w, tl.int64) * n_w).to(tl.int32)
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[stacked, K], strides=[s_wn, 1],
                                                block_shape=[BLOCK_N, BLOCK_K])
-        else:
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[stacked, n_w], strides=[s_wk, 1],
-                                               block_shape=[BLOCK_K, BLOCK_N])
+        else:  # [E_w, K, n_w]: a K step past an expert's K rows reads zeros, not the next expert's rows
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E_w, K, n_w],
+                                               strides=[tl.cast(K, tl.int64) * s_wk, s_wk, 1],
+                                               block_shape=[1, BLOCK_K, BLOCK_N])
+        # row-major: tutorial 03's grouped order (gemm_core.grouped_tile) cost up to 52 more
+        # registers here (sm_90, 64 x 64 over 4 warps gated: 187 -> 239)
         col_tiles = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), row_tiles * col_tiles, tl.num_programs(0)):
             _grouped_tile(tile // col_tiles, tile % col_tiles, row_tiles, x_ptr, w_ptr, out_ptr, aux_ptr, offsets_ptr,
@@ -155,15 +158,17 @@ def _grouped_tile(
             ws_up = ws_ptr + expert * s_wse + ((rn + glu_offset) // (128 if BLOCKWISE else 1)).to(tl.int64) * s_wsn
         else:
             xs_rows, ws_rows, ws_up = xs_ptr, ws_ptr, ws_ptr
-        # TMA coordinates (int32, as the descriptors' extents): the expert's first weight row (or K row)
+        # TMA coordinates (int32, as the descriptors' extents): the expert's first weight row ("nk"),
+        # else the expert's index in the 3-D descriptor
         n_w = N if DACT else N + glu_offset
-        w_row0 = (expert * (n_w if W_KMAJOR else K)).to(tl.int32)
+        w_row0 = (expert * n_w).to(tl.int32)
         acc, acc_up = gemm_mainloop(
             x_ptr, w_base, rm64 * s_xm, rn64 * s_wn, (rn64 + glu_offset) * s_wn, m_mask, n_mask, K,
             1, 0, s_xk, 1, 0, s_wk, False, False, GLU and not DACT, UPCAST, False, INPUT_PRECISION,
             BLOCK_M, BLOCK_N, BLOCK_K, x_desc, w_desc, row0, pid_n * BLOCK_N + (w_row0 if W_KMAJOR else 0),
             glu_offset, TMA, True, W_KMAJOR, xs_rows, ws_rows, ws_up, s_xsk, s_wsk,
-            (2 if BLOCKWISE else 1) if FP8 else 0, PROMOTE_K, 0 if W_KMAJOR else w_row0,
+            (2 if BLOCKWISE else 1) if FP8 else 0, PROMOTE_K, 0 if W_KMAJOR else expert.to(tl.int32),
+            B_EXPERTS=not W_KMAJOR,
         )
         out_mask = m_mask[:, None] & n_mask[None, :]
         o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
@@ -469,8 +474,8 @@ def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, 
 def _weight_tma(x, weight, w_strides, n_w, K):
     """Whether a grouped launch loads ``x`` and the experts' weights by TMA (:mod:`.gemm_loads`):
     None where it cannot, else whether the weights are contiguous along K (stacked as ``[E * n_w,
-    K]``; else ``[E * K, n_w]``, which needs K a multiple of every TMA tile's 128-deep step, so that
-    no step reads the next expert's rows). x contiguous along K, every base and row stride a
+    K]``; else a 3-D ``[E, K, n_w]`` descriptor, whose K edge stops each expert's steps). x
+    contiguous along K, every base and row stride a
     multiple of 16 bytes and at least its rows' extent (not an expanded view's 0, no overlapping
     rows), the experts' rows one stack; e4m3 weights contiguous along K; K > 0 (a descriptor of
     no columns: the pointer loads run the bias-only epilogue of an empty contraction)."""
@@ -481,8 +486,7 @@ def _weight_tma(x, weight, w_strides, n_w, K):
         return None
     if s_wk == 1 and s_wn >= K and s_wn * es % 16 == 0 and (E == 1 or s_we == n_w * s_wn):
         return True
-    if (s_wn == 1 and s_wk >= n_w and s_wk * es % 16 == 0 and (E == 1 or s_we == K * s_wk) and K % 128 == 0
-            and es > 1):
+    if (s_wn == 1 and s_wk >= n_w and s_wk * es % 16 == 0 and (E == 1 or s_we == K * s_wk) and es > 1):
         return False
     return None
 

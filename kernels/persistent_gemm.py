@@ -48,7 +48,7 @@ from .checks import (check_buffer, check_choice, check_float_tensor, check_int, 
 from .fp8 import FP8_BLOCK, check_fp8_device, rne_for_store
 from .fp8_gemm import FP8_PROMOTE_K, SCALINGS
 from .gemm import linear_operands, matmul_reference
-from .gemm_core import gemm_epilogue, gemm_mainloop
+from .gemm_core import gemm_epilogue, gemm_mainloop, grouped_tile
 from .launch import PlanCache, describe, exact_ints, launch_planned
 from .persistent_config import (CONFIG_KEYS, INTERPRETER_PROGRAMS, check_config, default_num_programs, gpu_config,
                                 kernel_config)
@@ -95,7 +95,6 @@ def persistent_gemm_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_chunk = num_pid_m * num_pid_n
     total = per_chunk * num_chunks
-    num_in_group = GROUP_M * num_pid_n
     ready_value = tl.load(ready_ptr)  # written by stream-ordered work before the launch
     # The outer loop is deliberately a plain range (no flattening/pipelining across tiles): a
     # prefetch of the next tile's A would be hoisted above that tile's flag wait.
@@ -103,12 +102,7 @@ def persistent_gemm_kernel(
         step = tile // per_chunk
         chunk = (first_chunk + step) % num_chunks
         local = tile % per_chunk
-        # grouped ordering inside the chunk (tutorial 03): neighbouring tiles share B columns
-        group_id = local // num_in_group
-        first_m = group_id * GROUP_M
-        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((local % num_in_group) % group_size)
-        pid_n = (local % num_in_group) // group_size
+        pid_m, pid_n = grouped_tile(local, ROWS, N, BLOCK_M, BLOCK_N, GROUP_M)  # inside the chunk
         if WAIT == 1:
             wait_ready(flag_ptr + chunk, ready_value, status_ptr, MAX_SPIN)
         run = True

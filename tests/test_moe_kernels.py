@@ -202,8 +202,8 @@ def test_grouped_matmul_vs_torch_grouped_mm():
 @pytest.mark.parametrize("path", ["auto", "pointer"])
 def test_grouped_load_paths(path, monkeypatch):
     """Both load paths of the grouped forward and data gradient (kernels/gemm_loads.py): "auto"
-    loads x and the stacked experts' weights by TMA (fp16 rows of 64 / 256 bytes; the "kn" weights
-    of the data gradient with K = 128, so no step reads the next expert), in persistent programs
+    loads x and the experts' weights by TMA (fp16 rows of 64 / 256 bytes; the "kn" weights of the
+    data gradient through the 3-D descriptor), in persistent programs
     (3 under the interpreter: the tile loop wraps), over empty and one-row groups and a zero tail."""
     from fusedpar.kernels import gemm_loads, grouped_gemm as gg
     if not INTERPRETED:
@@ -235,6 +235,45 @@ def test_grouped_load_paths(path, monkeypatch):
     assert [flags["TMA"] for _, flags in launches] == [path == "auto"] * 2
     if path == "auto":
         assert all(grid == (3, 1) for grid, _ in launches)
+
+
+@pytest.mark.parametrize("path", ["auto", "pointer"])
+def test_grouped_kn_weights_stop_at_each_experts_k_edge(path, monkeypatch):
+    """"kn" weights ``[E, K, N]`` with K = 40, not a multiple of the 32-deep step: by TMA through
+    a 3-D descriptor (the expert an index of its own), so the last step of expert 0 reads zeros
+    past its K rows, not expert 1's first row, here infinite (an empty group, so no output of its
+    own is infinite); the gated forward (gate and up halves, each through the descriptor) with its
+    tail rows zeroed and the fused activation backward, against float64, over a wrapping
+    persistent tile loop."""
+    from fusedpar.kernels import gemm_loads, grouped_gemm as gg
+    if not INTERPRETED:
+        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
+    launches = spy_launches(monkeypatch, gg, "_grouped_gemm_kernel")
+    g, dt = torch.Generator().manual_seed(41), torch.float16
+    E, K, N, offs = 3, 40, 24, _offsets([37, 0, 18])
+    M = offs[-1] + 2
+    x = randn(M, K, dtype=dt, generator=g)
+    w = randn(E, K, 2 * N, dtype=dt, generator=g, scale=K ** -0.5)  # gate and up halves
+    w[1, 0] = float("inf")
+    w_down = w[:, :, :N]  # the backward's [E, K, N] (rows of 2N: a view, not a copy)
+    pre = randn(M, 2 * N, dtype=dt, generator=g)
+    try:
+        gemm_loads.set_load_path(path)
+        out = grouped_matmul(x, w, offs, weight_layout="kn", activation="swiglu", out=poison((M, N), dt))
+        got = grouped_matmul_dact(x, w_down, offs, pre, activation="swiglu")
+    finally:
+        gemm_loads.set_load_path("auto")
+    ref = grouped_matmul_reference(x, w, offs, weight_layout="kn", activation="swiglu")
+    assert_close(out[:offs[-1]], ref[:offs[-1]], dt, msg=path)
+    assert (out[offs[-1]:] == 0).all(), "the tail rows after the last group are zeroed"
+    pre_d = pre.double().cpu().requires_grad_()
+    (activation_reference(pre_d, "swiglu") * grouped_matmul_reference(x, w_down, offs, weight_layout="kn")).sum().backward()
+    ref = pre_d.grad.clone()
+    ref[offs[-1]:] = 0
+    assert_close(got, ref, dt, msg=f"{path} fused activation backward")
+    assert [flags["TMA"] for _, flags in launches] == [path == "auto"] * 2
+    if path == "auto":
+        assert not any(flags["W_KMAJOR"] for _, flags in launches)
 
 
 def test_grouped_pointer_loads_for_expanded_rows_and_an_empty_contraction(monkeypatch):
