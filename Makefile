@@ -113,6 +113,7 @@ GPU_ROUND_BENCH ?= launch launch@stubdrv:--stub-driver matmul@none:--epilogue+no
   attention:--seqs+2048,8192+--head-dims+64,128 ag_matmul matmul_rs train:--variant+dense \
   persistent_ag:--no-sweep persistent_rs:--no-sweep linear_ce moe ring_attention varlen_attention attention_variants \
   matmul@swiglu:--epilogue+swiglu+--fp8-out matmul@gelu:--epilogue+gelu matmul@bias:--epilogue+bias \
-  fp8_matmul@swiglu:--epilogue+swiglu rmsnorm ceilings train@moe:--variant+moe
+  fp8_matmul@swiglu:--epilogue+swiglu rmsnorm moe@gptoss:--hidden+2880+--ffn+2880+--experts+32+--top-k+4 \
+  ceilings train@moe:--variant+moe
 gpu-round: gpu-setup
 	GPU_PY=$(GPU_PY) bash benchmarks/gpu_round.sh $(GPU_ROUND_OUT) $(GPU_ROUND_BUDGET) $(GPU_ROUND_TEST_S) $(GPU_ROUND_BENCH)

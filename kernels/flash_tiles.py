@@ -203,14 +203,20 @@ def _measured_spill(kind: str, cfg, bd: int, bdv: int, elem: int, capability: tu
     """Configs that spill although :func:`register_estimate` fits them (measured, ``python -m
     benchmarks compile``)."""
     bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-    if kind == "fwd":  # with the e4m3 output at d_v 256 this tile spills 4 B (sm_90)
+    if kind == "fwd":
+        if capability[0] < 9 and kwargs.get("SEGMENTED") and not kwargs.get("RIGHT"):
+            # mma.sync over packed documents without a causal mask: 64x32 at four stages spilled 4 B (d 64)
+            return (bm, bn, cfg.num_stages) == (64, 32, 4)
+        # with the e4m3 output at d_v 256 this tile spills 4 B (sm_90)
         return bool(kwargs.get("FP8_OUT")) and bdv > 128 and (bm, bn, cfg.num_stages) == (32, 32, 3)
     if capability[0] < 9:  # mma.sync: the one-pass 64-row and 32-wide tiles spilled 8-228 B
         return kind == "bwd_atomic" and (bm < 128 or bn > 16) and (bm, bn) != FP32_BWD_TILE
     if bd + bdv == 256 and (bm, bn) == (128, 32):  # head_dim 128, not causal: spilled 32 B (sm_90)
         return not kwargs.get("RIGHT")
-    # accumulate mode (the ring's fp32 sums) at three stages: 128x16 spilled 8 B at head_dim 128 (sm_90)
-    return bool(kwargs.get("ACCUM")) and cfg.num_stages > 2 and bd + bdv >= 256
+    # at three stages, accumulate mode (the ring's fp32 sums) and packed documents (their segment
+    # bounds): 128x16 spilled 8 B (accumulate, Triton 3.9) and 52 B (documents, causal, Triton 3.6)
+    # at head_dim 128 (sm_90)
+    return bool(kwargs.get("ACCUM") or kwargs.get("SEGMENTED")) and cfg.num_stages > 2 and bd + bdv >= 256
 
 
 def _fp32_tile_only(kind: str, elem: int, kwargs) -> bool:

@@ -190,6 +190,11 @@ def fp8_tile_rule(named_args: dict, **kwargs) -> dict:
         # persistent: a gated pair with the e4m3 output spilled 24-72 B at 128 accumulator elements
         # per thread (sm_90, 64 x 128 w8)
         budget = EPILOGUE_ACC_BUDGET["fused"]
+    if get("TMA") and get("ACT") and get("STORE_AUX") and get("FP8_OUT") and promoted and not get("BLOCKWISE"):
+        # persistent rowwise with an activation, its pre-activation and the e4m3 output: 128 x 128
+        # over 8 warps (128 elements per thread) took 255 registers and spilled 8 B with Triton 3.6
+        # (sm_90; none with 3.9); blockwise's took 255 without spilling on both
+        budget = EPILOGUE_ACC_BUDGET["fused"]
     return dict(elem_size=1, b_tiles=2 if glu else 1, acc_tiles=acc_tiles, acc_budget=budget,
                 sync_acc_budget=budget, capability=device_capability(a.device.index or 0), precision="ieee",
                 pipelined=bool(get("TMA")) or pipelined(1, *extents))
