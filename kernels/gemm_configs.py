@@ -81,7 +81,8 @@ EPILOGUE_ACC_BUDGET = {"plain": 128, "fused": 64}
 #: fragments are held in registers next to the accumulators: an activation followed by a residual
 #: add, or a fused epilogue whose loads do not vectorise (:func:`~fusedpar.kernels.runtime.aligned`),
 #: fits 32 (64 spills 4-136 B on sm_80); so does a gated e4m3-output epilogue over unaligned K on
-#: any dot (sm_90, 64 x 128 x 32 w8: 88-112 B spilled)
+#: any dot (sm_90, 64 x 128 x 32 w8: 88-112 B spilled), and a gated one by pointer loads that do
+#: not vectorise (sm_90, 64 x 64 x 32 w4 at K = 70: 4 B spilled with Triton 3.6)
 SYNC_TIGHT_ACC_BUDGET = 32
 
 
@@ -103,9 +104,9 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     res = named_args.get("r_ptr")
     wide_res = bool(get("HAS_RES")) and isinstance(res, torch.Tensor) and res.element_size() > a.element_size()
     budget = EPILOGUE_ACC_BUDGET["fused" if fused or wide_res else "plain"]
-    budget = SYNC_TIGHT_ACC_BUDGET if get("FP8_OUT") and glu and unaligned else budget
-    sync = SYNC_TIGHT_ACC_BUDGET if fused and (unaligned or (act and get("HAS_RES"))) else budget
     tma = bool(get("TMA"))  # TMA copies whole tiles into shared memory: no per-element addresses
+    budget = SYNC_TIGHT_ACC_BUDGET if glu and unaligned and (get("FP8_OUT") or not tma) else budget
+    sync = SYNC_TIGHT_ACC_BUDGET if fused and (unaligned or (act and get("HAS_RES"))) else budget
     if tma and fused and ((act and get("HAS_RES")) or named_args.get("N", 16) % 16):
         # persistent: an activation then a residual, or a fused epilogue over N not a multiple of 16
         # columns (per-element addresses: a gated up half, a cross-entropy block) spilled 12-1192 B
