@@ -100,12 +100,13 @@ def tile_rule(named_args: dict, **kwargs) -> dict:
     extents = [e for e in extents if e != 1]
     # a masked contiguous dim counts too: A contiguous along M (matmul_tn), B along N ("kn")
     extents += [named_args[d] for d, s in (("M", "s_am1"), ("N", "s_bn")) if d in named_args and named_args.get(s) == 1]
-    unaligned = named_args.get("K", 64) % 64 != 0 or not aligned(a.element_size(), *extents)
+    vectorised = aligned(a.element_size(), *extents)
+    unaligned = named_args.get("K", 64) % 64 != 0 or not vectorised
     res = named_args.get("r_ptr")
     wide_res = bool(get("HAS_RES")) and isinstance(res, torch.Tensor) and res.element_size() > a.element_size()
     budget = EPILOGUE_ACC_BUDGET["fused" if fused or wide_res else "plain"]
     tma = bool(get("TMA"))  # TMA copies whole tiles into shared memory: no per-element addresses
-    budget = SYNC_TIGHT_ACC_BUDGET if glu and unaligned and (get("FP8_OUT") or not tma) else budget
+    budget = SYNC_TIGHT_ACC_BUDGET if glu and ((get("FP8_OUT") and unaligned) or not (tma or vectorised)) else budget
     sync = SYNC_TIGHT_ACC_BUDGET if fused and (unaligned or (act and get("HAS_RES"))) else budget
     if tma and fused and ((act and get("HAS_RES")) or named_args.get("N", 16) % 16):
         # persistent: an activation then a residual, or a fused epilogue over N not a multiple of 16
