@@ -199,16 +199,34 @@ def test_grouped_matmul_vs_torch_grouped_mm():
     assert_close(ours, theirs.double(), torch.float32, msg="vs torch grouped_mm")
 
 
+@pytest.fixture
+def grouped_launches(monkeypatch):
+    """The interpreter's launches of the grouped GEMM kernel, ``[(grid, flags)]`` (compiled ones are
+    autotuned: skipped there)."""
+    from fusedpar.kernels import grouped_gemm as gg
+    if not INTERPRETED:
+        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
+    return spy_launches(monkeypatch, gg, "_grouped_gemm_kernel")
+
+
+def _assert_activation_backward(got, pre, gy, w_kn, offs, dt, msg):
+    """``grouped_matmul_dact``'s output against float64: the SwiGLU backward of ``pre`` times the
+    grouped product ``gy @ w_kn`` ("kn" weights), zeros in the tail rows after the last group."""
+    pre_d = pre.double().cpu().requires_grad_()
+    (activation_reference(pre_d, "swiglu") * grouped_matmul_reference(gy, w_kn, offs, weight_layout="kn")).sum().backward()
+    ref = pre_d.grad.clone()
+    ref[offs[-1]:] = 0
+    assert_close(got, ref, dt, msg=f"{msg} fused activation backward")
+
+
 @pytest.mark.parametrize("path", ["auto", "pointer"])
-def test_grouped_load_paths(path, monkeypatch):
+def test_grouped_load_paths(path, grouped_launches):
     """Both load paths of the grouped forward and data gradient (kernels/gemm_loads.py): "auto"
     loads x and the experts' weights by TMA (fp16 rows of 64 / 256 bytes; the "kn" weights of the
     data gradient through the 3-D descriptor), in persistent programs
     (3 under the interpreter: the tile loop wraps), over empty and one-row groups and a zero tail."""
-    from fusedpar.kernels import gemm_loads, grouped_gemm as gg
-    if not INTERPRETED:
-        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
-    launches = spy_launches(monkeypatch, gg, "_grouped_gemm_kernel")
+    from fusedpar.kernels import gemm_loads
+    launches = grouped_launches
     g, dt = torch.Generator().manual_seed(31), torch.float16
     E, H, Fd, offs = 3, 32, 24, _offsets([5, 0, 18, 1, 0, 3])
     M = offs[-1] + 3
@@ -218,37 +236,28 @@ def test_grouped_load_paths(path, monkeypatch):
     gy = randn(M, 128, dtype=dt, generator=g)
     w2 = randn(E, 128, Fd, dtype=dt, generator=g, scale=Fd ** -0.5)  # "kn": [E, K = 128, N = F]
     pre = poison((M, 2 * Fd), dt)
-    try:
-        gemm_loads.set_load_path(path)
+    with gemm_loads.load_path_set(path):
         out = grouped_matmul(x, w1, offs, activation="swiglu", bias=b1, preact_out=pre, out=poison((M, Fd), dt))
         got = grouped_matmul_dact(gy, w2, offs, pre, activation="swiglu")
-    finally:
-        gemm_loads.set_load_path("auto")
     ref_pre = grouped_matmul_reference(x, w1, offs, bias=b1)
     assert_close(pre, ref_pre, dt, msg=f"{path} pre-activation")
     assert_close(out, grouped_matmul_reference(x, w1, offs, activation="swiglu", bias=b1), dt, msg=f"{path} swiglu")
-    pre_d = pre.double().cpu().requires_grad_()
-    (activation_reference(pre_d, "swiglu") * grouped_matmul_reference(gy, w2, offs, weight_layout="kn")).sum().backward()
-    ref = pre_d.grad.clone()
-    ref[offs[-1]:] = 0
-    assert_close(got, ref, dt, msg=f"{path} fused activation backward")
+    _assert_activation_backward(got, pre, gy, w2, offs, dt, path)
     assert [flags["TMA"] for _, flags in launches] == [path == "auto"] * 2
     if path == "auto":
         assert all(grid == (3, 1) for grid, _ in launches)
 
 
 @pytest.mark.parametrize("path", ["auto", "pointer"])
-def test_grouped_kn_weights_stop_at_each_experts_k_edge(path, monkeypatch):
+def test_grouped_kn_weights_stop_at_each_experts_k_edge(path, grouped_launches):
     """"kn" weights ``[E, K, N]`` with K = 40, not a multiple of the 32-deep step: by TMA through
     a 3-D descriptor (the expert an index of its own), so the last step of expert 0 reads zeros
     past its K rows, not expert 1's first row, here infinite (an empty group, so no output of its
     own is infinite); the gated forward (gate and up halves, each through the descriptor) with its
     tail rows zeroed and the fused activation backward, against float64, over a wrapping
     persistent tile loop."""
-    from fusedpar.kernels import gemm_loads, grouped_gemm as gg
-    if not INTERPRETED:
-        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
-    launches = spy_launches(monkeypatch, gg, "_grouped_gemm_kernel")
+    from fusedpar.kernels import gemm_loads
+    launches = grouped_launches
     g, dt = torch.Generator().manual_seed(41), torch.float16
     E, K, N, offs = 3, 40, 24, _offsets([37, 0, 18])
     M = offs[-1] + 2
@@ -257,33 +266,23 @@ def test_grouped_kn_weights_stop_at_each_experts_k_edge(path, monkeypatch):
     w[1, 0] = float("inf")
     w_down = w[:, :, :N]  # the backward's [E, K, N] (rows of 2N: a view, not a copy)
     pre = randn(M, 2 * N, dtype=dt, generator=g)
-    try:
-        gemm_loads.set_load_path(path)
+    with gemm_loads.load_path_set(path):
         out = grouped_matmul(x, w, offs, weight_layout="kn", activation="swiglu", out=poison((M, N), dt))
         got = grouped_matmul_dact(x, w_down, offs, pre, activation="swiglu")
-    finally:
-        gemm_loads.set_load_path("auto")
     ref = grouped_matmul_reference(x, w, offs, weight_layout="kn", activation="swiglu")
     assert_close(out[:offs[-1]], ref[:offs[-1]], dt, msg=path)
     assert (out[offs[-1]:] == 0).all(), "the tail rows after the last group are zeroed"
-    pre_d = pre.double().cpu().requires_grad_()
-    (activation_reference(pre_d, "swiglu") * grouped_matmul_reference(x, w_down, offs, weight_layout="kn")).sum().backward()
-    ref = pre_d.grad.clone()
-    ref[offs[-1]:] = 0
-    assert_close(got, ref, dt, msg=f"{path} fused activation backward")
+    _assert_activation_backward(got, pre, x, w_down, offs, dt, path)
     assert [flags["TMA"] for _, flags in launches] == [path == "auto"] * 2
     if path == "auto":
         assert not any(flags["W_KMAJOR"] for _, flags in launches)
 
 
-def test_grouped_pointer_loads_for_expanded_rows_and_an_empty_contraction(monkeypatch):
+def test_grouped_pointer_loads_for_expanded_rows_and_an_empty_contraction(grouped_launches):
     """"auto" keeps pointer loads where a tensor descriptor cannot hold the operands: x expanded
     (every row the same memory, stride 0), an expert's weight expanded, and K = 0 with a bias (the
     epilogue alone; a descriptor of no columns); the numbers are right."""
-    from fusedpar.kernels import grouped_gemm as gg
-    if not INTERPRETED:
-        pytest.skip("the interpreter's launches are spied on (compiled ones are autotuned)")
-    launches = spy_launches(monkeypatch, gg, "_grouped_gemm_kernel")
+    launches = grouped_launches
     g, dt = torch.Generator().manual_seed(37), torch.float16
     E, H, Fd, offs = 2, 32, 24, _offsets([5, 0, 9])
     M = offs[-1] + 2
