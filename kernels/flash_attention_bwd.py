@@ -48,8 +48,10 @@ from .flash_attention import (
     score_options,
     window_keys,
 )
+from .gemm_loads import ensure_scratch_allocator, tma_capable
 
-__all__ = ["DEFAULT_DQ_MODE", "DQ_MODES", "attention_delta", "check_dq_mode", "flash_attention_backward", "sink_grad"]
+__all__ = ["DEFAULT_DQ_MODE", "DQ_MODES", "TMA_MAX_HEAD_DIM", "attention_delta", "backward_loads", "check_dq_mode",
+           "flash_attention_backward", "sink_grad"]
 
 #: how the backward computes dQ (:func:`flash_attention_backward`): "separate", programs of its
 #: own (deterministic), or "atomic", the one-pass backward (fp32 atomics; the bits vary between runs)
@@ -72,13 +74,16 @@ def check_dq_mode(dq_mode) -> str:
 # Triton kernel: one launch, the dK/dV programs first, then the dQ programs
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi, q_lo, lo, hi, SK,
-              k_offset, qk_scale, cap_scale, cap2, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
-              SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-              PAD_DV: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi, q_lo,
+              lo, hi, SK, k_offset, qk_scale, cap_scale, cap2, MASKED: tl.constexpr, RIGHT: tl.constexpr,
+              LEFT: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+              HEAD_DIM_V: tl.constexpr, PAD_DV: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+              TMA: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of a program's query rows (the M dimension of every product) over the key blocks
     ``[lo, hi)``: ``S = Q K^T``, ``dP = dO V^T``, ``dQ += dS K``. ``MASKED=False`` only for key
-    blocks every row sees whole (no tail, no window or causal cut): no mask is built there. Key
+    blocks every row sees whole (no tail, no window or causal cut): no mask is built there. With
+    ``TMA`` the K and V blocks load through tensor descriptors of the rows at ``k_base`` /
+    ``v_base`` (zero past ``SK`` and a padded head dim, as the masked pointer loads). Key
     ``j`` is visible to a row iff ``q_lo <= k_offset + j <= q_hi``. ``SOFTCAP``: ``s = cap *
     tanh(t)``, ``ds/dt = cap * (1 - tanh^2) = cap * 4e / (1 + e)^2`` with ``e = exp(-2|t|)``."""
     rn = tl.arange(0, BLOCK_N)
@@ -86,11 +91,20 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd
     dv_ok = rdv < HEAD_DIM_V
     k_ptrs = k_base + rd[None, :] * s_kd  # K and V rows [BLOCK_N, BLOCK_D(V)]; S and dP read them transposed
     v_ptrs = v_base + rdv[None, :] * s_vd
+    if TMA:  # made per loop (its block size): nothing of them stays live between the loops
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[SK, HEAD_DIM], strides=[s_ks, 1],
+                                           block_shape=[BLOCK_N, rd.shape[0]])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[SK, HEAD_DIM_V], strides=[s_vs, 1],
+                                           block_shape=[BLOCK_N, rdv.shape[0]])
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + rn
         kv_rows = cols.to(tl.int64)
         if MASKED:
             n_mask = cols < SK
+        if TMA:  # the descriptors zero-fill past the keys and a padded head dim
+            k = k_desc.load([n0, 0])
+            v = v_desc.load([n0, 0])
+        elif MASKED:
             k = tl.load(k_ptrs + kv_rows[:, None] * s_ks, mask=n_mask[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs + kv_rows[:, None] * s_vs, mask=n_mask[:, None] & dv_ok[None, :], other=0.0)
         else:
@@ -132,15 +146,16 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd, s_os, s_od, s_ls, s_gs, s_gd, rd,
-                rdv, n_ok, k_lo, k_hi, lo, hi, SQ, q_offset, qk_scale, sm_scale, cap_scale, cap2, MASKED: tl.constexpr,
-                RIGHT: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                PAD_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, PAD_DV: tl.constexpr, UPCAST: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd, s_os, s_od, s_ls,
+                s_gs, s_gd, rd, rdv, n_ok, k_lo, k_hi, lo, hi, SQ, q_offset, qk_scale, sm_scale, cap_scale, cap2,
+                MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, PAD_DV: tl.constexpr,
+                UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV of a program's BLOCK_M keys (the M dimension of every product) over the query blocks
-    ``[lo, hi)``: ``S^T = K Q^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``. Key ``j``
-    is visible to query row ``i`` iff ``k_lo[j] <= q_offset + i <= k_hi[j]``. ``DQ_ATOMIC`` (the
+    ``[lo, hi)``: ``S^T = K Q^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``; with
+    ``TMA`` the Q and dO blocks load through tensor descriptors (as in :func:`_dq_inner`). Key
+    ``j`` is visible to query row ``i`` iff ``k_lo[j] <= q_offset + i <= k_hi[j]``. ``DQ_ATOMIC`` (the
     one-pass backward): also add this key block's part of dQ, ``dS K * scale``, to the fp32 rows
     at ``dq_base`` with atomics; ``n_ok`` (keys inside the launch) then masks the tail keys'
     scores too (their K rows are 0, but an overflowing ``P`` would give ``inf * 0``). Tail keys
@@ -150,10 +165,23 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_
     dv_ok = rdv < HEAD_DIM_V
     q_ptrs = q_base + rd[None, :] * s_qd  # Q and dO rows [BLOCK_N, BLOCK_D(V)]; S^T and dP^T read them transposed
     do_ptrs = do_base + rdv[None, :] * s_od
+    if TMA:  # made per loop (its block size): nothing of them stays live between the loops
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[SQ, HEAD_DIM], strides=[s_qs, 1],
+                                           block_shape=[BLOCK_N, rd.shape[0]])
+        do_desc = tl.make_tensor_descriptor(do_base, shape=[SQ, HEAD_DIM_V], strides=[s_os, 1],
+                                            block_shape=[BLOCK_N, rdv.shape[0]])
     for m0 in range(lo, hi, BLOCK_N):
         rows_i = m0 + rm
         rows = rows_i.to(tl.int64)
-        if MASKED:
+        if TMA:
+            q = q_desc.load([m0, 0])
+            do = do_desc.load([m0, 0])
+            if MASKED:
+                m_mask = rows_i < SQ
+                lse = tl.load(l_base + rows * s_ls, mask=m_mask, other=float("inf"))
+            else:
+                lse = tl.load(l_base + rows * s_ls)
+        elif MASKED:
             m_mask = rows_i < SQ
             q = tl.load(q_ptrs + rows[:, None] * s_qs, mask=m_mask[:, None] & d_ok[None, :], other=0.0)
             do = tl.load(do_ptrs + rows[:, None] * s_os, mask=m_mask[:, None] & dv_ok[None, :], other=0.0)
@@ -236,7 +264,8 @@ def _attn_bwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, PAD_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr, ACCUM: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    SEGMENTED: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEGMENTED: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The backward of one attention block in one launch. Programs ``[0, cdiv(SK, BLOCK_M) *
     KV_BH)`` are dK/dV programs, one per BLOCK_M keys of a (batch or segment, kv head): they stream
@@ -244,8 +273,11 @@ def _attn_bwd_kernel(
     rest are dQ programs, one per BLOCK_M query rows of a (batch or segment, query head), streaming
     BLOCK_N-key blocks. Either way the program's own BLOCK_M rows are the M dimension of all its
     products (Hopper wgmma at 64+ rows). ``DQ_ATOMIC`` (``dq_mode="atomic"``): dK/dV programs
-    only, each also adding its part of dQ to the fp32 buffer ``dq_ptr``. ``SINKS`` is unused: a
-    sink enters through ``lse`` only."""
+    only, each also adding its part of dQ to the fp32 buffer ``dq_ptr``. ``TMA``: the streamed
+    tiles load through device-side tensor descriptors of one (batch or segment, head)'s rows, one
+    per loop and block size (the host checked that strides and bases are multiples of 16 bytes and
+    the head dim contiguous); the resident tiles and the lse / delta rows keep pointer loads.
+    ``SINKS`` is unused: a sink enters through ``lse`` only."""
     tl.static_assert(BLOCK_D >= 16, "tl.dot needs a contraction of at least 16")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs a contraction of at least 16")
     tl.static_assert(PAD_D == (BLOCK_D != HEAD_DIM), "PAD_D says whether BLOCK_D pads HEAD_DIM")
@@ -291,18 +323,18 @@ def _attn_bwd_kernel(
             l_base = lse_ptr + b * s_lb + h * s_lh + q_row0 * s_ls
             d_base = delta_ptr + b * s_lb + h * s_lh + q_row0 * s_ls
             dq_base = dq_ptr + b * s_gb + h * s_gh + q_row0 * s_gs
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd, s_os, s_od, s_ls,
-                                 s_gs, s_gd, rd, rdv, n_mask, k_lo, k_hi, lo, full_lo, sq, qo, qk_scale, sm_scale,
-                                 cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV,
-                                 UPCAST, INPUT_PRECISION, DQ_ATOMIC, BLOCK_M, MASK_N)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd, s_os, s_od, s_ls,
-                                 s_gs, s_gd, rd, rdv, n_mask, k_lo, k_hi, full_lo, full_hi, sq, qo, qk_scale,
-                                 sm_scale, cap_scale, cap2, False, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V,
-                                 PAD_DV, UPCAST, INPUT_PRECISION, DQ_ATOMIC, BLOCK_M, BLOCK_N)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd, s_os, s_od, s_ls,
-                                 s_gs, s_gd, rd, rdv, n_mask, k_lo, k_hi, full_hi, hi, sq, qo, qk_scale, sm_scale,
-                                 cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV,
-                                 UPCAST, INPUT_PRECISION, DQ_ATOMIC, BLOCK_M, MASK_N)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd,
+                                 s_os, s_od, s_ls, s_gs, s_gd, rd, rdv, n_mask, k_lo, k_hi, lo, full_lo, sq, qo,
+                                 qk_scale, sm_scale, cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D,
+                                 HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, DQ_ATOMIC, TMA, BLOCK_M, MASK_N)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd,
+                                 s_os, s_od, s_ls, s_gs, s_gd, rd, rdv, n_mask, k_lo, k_hi, full_lo, full_hi, sq, qo,
+                                 qk_scale, sm_scale, cap_scale, cap2, False, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D,
+                                 HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, DQ_ATOMIC, TMA, BLOCK_M, BLOCK_N)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, s_qs, s_qd,
+                                 s_os, s_od, s_ls, s_gs, s_gd, rd, rdv, n_mask, k_lo, k_hi, full_hi, hi, sq, qo,
+                                 qk_scale, sm_scale, cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D,
+                                 HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, DQ_ATOMIC, TMA, BLOCK_M, MASK_N)
         # the stores' rows recomputed here, so that no [BLOCK_M, ...] offsets stay live through the loops
         rows_e = (k_row0 + n0) + tl.arange(0, BLOCK_M).to(tl.int64)
         ok_e = tl.arange(0, BLOCK_M) < sk - n0
@@ -353,15 +385,15 @@ def _attn_bwd_kernel(
         full_lo2 = 0
         if LEFT:
             lo2, full_lo2, full2 = window_keys(m0, qo2, ko2, win_left, hi2, full2, BLOCK_M, BLOCK_N)
-            dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi, q_lo, lo2,
-                           full_lo2, sk2, ko2, qk_scale, cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D,
-                           HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, MASK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi, q_lo, full_lo2,
-                       full2, sk2, ko2, qk_scale, cap_scale, cap2, False, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D,
-                       HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi, q_lo, full2, hi2,
-                       sk2, ko2, qk_scale, cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM, PAD_D, HEAD_DIM_V,
-                       PAD_DV, UPCAST, INPUT_PRECISION, MASK_N)
+            dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv,
+                           q_hi, q_lo, lo2, full_lo2, sk2, ko2, qk_scale, cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP,
+                           HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, TMA, MASK_N)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi,
+                       q_lo, full_lo2, full2, sk2, ko2, qk_scale, cap_scale, cap2, False, RIGHT, LEFT, SOFTCAP,
+                       HEAD_DIM, PAD_D, HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, TMA, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_ks, s_kd, s_vs, s_vd, rd, rdv, q_hi,
+                       q_lo, full2, hi2, sk2, ko2, qk_scale, cap_scale, cap2, True, RIGHT, LEFT, SOFTCAP, HEAD_DIM,
+                       PAD_D, HEAD_DIM_V, PAD_DV, UPCAST, INPUT_PRECISION, TMA, MASK_N)
         dq = dq * sm_scale
         dq_off = dq_ptr + b2 * s_gb + h2 * s_gh + rows[:, None] * s_gs + rd[None, :] * s_gd
         if ACCUM:
@@ -414,6 +446,31 @@ def sink_grad(sinks, lse, delta):
     ``d out_i / d sink = -p_sink * out_i``. Rows with ``lse = -inf`` (never written) add nothing."""
     p = torch.exp(sinks.float()[None, :, None] - lse)
     return -torch.where(torch.isfinite(lse), p * delta, 0.0).sum(dim=(0, 2))
+
+
+#: the widest q/k and v head dims whose backward loads its streamed tiles by TMA (measured with
+#: ``python -m benchmarks compile``, sm_90: at head_dim 64 the descriptors free up to 55 registers
+#: a thread; at 128 they cost registers, and with Triton 3.6 the 128-row tiles under a causal mask
+#: spilled 4-84 B)
+TMA_MAX_HEAD_DIM = 64
+
+
+def backward_loads(q, k, v, dout) -> str:
+    """How :func:`flash_attention_backward` (``dq_mode="separate"``) loads its streamed tiles:
+    ``"tma"`` (device-side tensor descriptors) where :func:`~.gemm_loads.tma_capable` allows it
+    (sm_90+ with 16-bit operands, the interpreter; not after ``set_load_path("pointer")``), both
+    head dims are at most :data:`TMA_MAX_HEAD_DIM`, and each of q, k, v and dout has its head dim
+    contiguous, a base address and batch, head and row strides that are multiples of 16 bytes,
+    rows not overlapping; else ``"pointer"``."""
+    d, dv, es = q.shape[3], v.shape[3], q.element_size()
+    if max(d, dv) > TMA_MAX_HEAD_DIM or not tma_capable(q.device, es):
+        return "pointer"
+    for t, width in ((q, d), (k, d), (v, dv), (dout, dv)):
+        s_b, s_s, s_h, s_d = t.stride()
+        # (es is a power of two: the OR of the strides is a multiple of 16 / es iff each is)
+        if s_d != 1 or s_s < width or (t.data_ptr() | (s_b | s_s | s_h) * es) % 16:
+            return "pointer"
+    return "tma"
 
 
 def _row_terms(dout, q, v, out, lse, delta):
@@ -507,8 +564,11 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
         args = (q, k, v, dout, lse, delta, dq_arg, dk_arg, dv_arg, table, *q.stride(), *k.stride(), *v.stride(),
                 *dout.stride(), *dq_arg.stride(), *dk_arg.stride(), *dv_arg.stride(), *lse.stride(), hq, hq // hk,
                 kv_bh, rows_q, rows_k, q_offset, k_offset, scale * LOG2E, scale, *score_args(opts, scale))
-        flags = dict(option_flags(q, v, opts, accumulate, segments is not None), DQ_ATOMIC=one_pass)
+        tma = not one_pass and backward_loads(q, k, v, dout) == "tma"
+        flags = dict(option_flags(q, v, opts, accumulate, segments is not None), DQ_ATOMIC=one_pass, TMA=tma)
         if kv_bh or q_bh:
+            if tma:
+                ensure_scratch_allocator()
             launch_attention_kernel(_attn_bwd_kernel, "bwd_atomic" if one_pass else "bwd", (rows_k, rows_q),
                                     (kv_bh, q_bh), args, flags)
         if one_pass and dq_arg is not dq:  # the fp32 sums into dq's dtype (accumulate: added in fp32)

@@ -280,7 +280,7 @@ def _tuned(kernel, tuner_kind: str):
         kernel, configs=_tuner_configs(tuner_kind),
         key=["SQ", "SK", "HEAD_DIM", "HEAD_DIM_V", "RIGHT", "LEFT", "SOFTCAP", "GROUP", "SEGMENTED",
              "INPUT_PRECISION", "ACCUM"]  # fp32 ieee and the accumulate mode prune differently
-        + (["DQ_ATOMIC"] if tuner_kind == "bwd" else [])
+        + (["DQ_ATOMIC", "TMA"] if tuner_kind == "bwd" else [])
         + (["FP8_OUT"] if tuner_kind == "fwd" else []),  # the e4m3 output's epilogue: its own registers
         prune=_prune(tuner_kind), restore_value=_RESTORE[tuner_kind],
     )

@@ -15,6 +15,9 @@ with two load paths, a constexpr ``TMA`` chosen here per launch:
 * **Pointer loads** for everything else (sm_80, strides that are not multiples of 16 bytes, an
   unaligned base, split row views): the pre-Hopper path, ``cp.async`` where loads vectorise.
 
+The flash backward (:func:`~.flash_attention_bwd.backward_loads`) takes the same switch and
+capability test for its streamed tiles (it is not persistent).
+
 TMA launches are *persistent*: :func:`num_programs` programs (one per SM; under the interpreter
 :data:`INTERPRETER_PROGRAMS`, so its tests run tile loops that wrap) walk the output tiles in
 grouped order; pointer launches keep one program per tile (a tile loop around their main loop
@@ -52,8 +55,8 @@ INTERPRETER_PROGRAMS = 3
 
 
 def set_load_path(path: str) -> None:
-    """Choose the GEMM load path (:data:`LOAD_PATHS`) for later launches: ``"pointer"`` compares
-    the two (benchmarks, tests). Forgets the tuned configs and launch plans made under the other."""
+    """Choose the load path (:data:`LOAD_PATHS`) of later GEMM and flash-backward launches:
+    ``"pointer"`` compares the two (benchmarks, tests). Forgets the tuned configs and launch plans made under the other."""
     check_choice("path", path, LOAD_PATHS)
     if path != _MODE[0]:
         _MODE[0] = path

@@ -5,13 +5,16 @@ that see no key), into NaN-poisoned buffers, in both dq modes; the tiles it runs
 interpreter varied (owned rows above, equal to and below the streamed ones, so the range split
 at the diagonal and the half-block masked steps meet every alignment); and one kind of program
 at a time (``dq=False`` / ``dk=False``) accumulated into fp32 buffers, block by block, as the
-ring attention's steps run it. test_attention_flash covers the op's cases, test_attention_varlen
-the segment tables."""
+ring attention's steps run it; both load paths of the streamed tiles (tensor descriptors, pointer
+loads) and what keeps the pointer path. test_attention_flash covers the op's cases,
+test_attention_varlen the segment tables."""
 import pytest
 import torch
 
-from _utils import DEVICE, INTERPRETED, assert_close, poison, randn
+from _utils import DEVICE, INTERPRETED, assert_close, poison, randn, spy_launches
 from fusedpar.kernels import attention_reference, flash_attention_backward, flash_attention_forward, flash_tiles
+from fusedpar.kernels import flash_attention_bwd, gemm_loads
+from fusedpar.kernels.flash_attention import Segments
 
 #: gradient tolerance relative to max(RMS(reference), RMS(dout)), as in test_attention_flash
 #: (fp32: ieee dots; fp16: P and dS rounded to fp16 before their products)
@@ -101,8 +104,6 @@ def test_one_kind_of_program_at_a_time_accumulates():
 def test_segments_without_keys_write_zero_dq(dq_mode):
     # a segment table whose documents hold no key: no dK/dV program runs, yet dq is written whole
     # in both modes (rows that see nothing have zero gradient), never left as the caller's buffer
-    from fusedpar.kernels.flash_attention import Segments
-
     g = torch.Generator(device="cpu").manual_seed(7)
     q, do = randn(1, 5, 1, 16, generator=g), randn(1, 5, 1, 16, generator=g)
     k, v = randn(1, 3, 1, 16, generator=g), randn(1, 3, 1, 16, generator=g)
@@ -155,3 +156,114 @@ def test_flash_attention_criterion(case):
     for what, ours, ref, theirs in zip(("out", "dq", "dk", "dv"), got, exact, torch_16bit):
         err, bar = (ours.cpu().double() - ref).abs().max().item(), (theirs.double() - ref).abs().max().item()
         assert err <= 2 * bar, f"{name} {what}: {err:.3g} > 2 x PyTorch's {bar:.3g}"
+
+
+#: the load-path comparison: lengths that give both kinds of program unmasked blocks on the
+#: interpreter's 32-row streamed blocks (where descriptors load), GQA, padded head dims (24 and
+#: MLA's 24 / 16 in 32: zero-filled by the descriptor, masked by the pointer loads), a window, a
+#: softcap, sinks, fp32 (which the interpreter loads by descriptor too; a GPU does not)
+LOAD_CASES = [
+    ("gqa-causal-d24", 1, 83, 97, 4, 2, 24, 24, torch.float16, dict(causal=True), False),
+    ("mla-dims-window-sinks", 2, 70, 66, 2, 1, 24, 16, torch.float32, dict(window=(40, 5), q_offset=0, k_offset=0),
+     True),
+    ("softcap-full", 1, 96, 75, 2, 2, 32, 32, torch.float16, dict(softcap=3.0, q_offset=0, k_offset=0), False),
+]
+
+
+def _on_both_paths(monkeypatch, call):
+    """``call()`` on the "auto" load path, then on pointer loads: ``{path: result}`` and, under
+    the interpreter, the TMA flag of every launch on each path (compiled launches are autotuned:
+    not spied on)."""
+    seen = spy_launches(monkeypatch, flash_attention_bwd, "_attn_bwd_kernel") if INTERPRETED else []
+    got, flags = {}, {}
+    for path in ("auto", "pointer"):
+        with gemm_loads.load_path_set(path):
+            start = len(seen)
+            got[path] = call()
+            flags[path] = {f["TMA"] for _, f in seen[start:]}
+    return got, flags
+
+
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+@pytest.mark.parametrize("case", LOAD_CASES, ids=[c[0] for c in LOAD_CASES])
+def test_load_paths_agree(monkeypatch, case, dq_mode):
+    """Descriptor loads of the unmasked blocks and pointer loads: both against float64; under the
+    interpreter (the same dots on both paths) the same bits, and "auto" launched with ``TMA``."""
+    q, k, v, do, sinks, opts = _inputs(case)
+    out, lse = flash_attention_forward(q, k, v, sinks=sinks, **opts)
+    got, flags = _on_both_paths(monkeypatch, lambda: flash_attention_backward(
+        do, q, k, v, out, lse, sinks=sinks, dq_mode=dq_mode, **opts))
+    ref = _reference(q, k, v, do, sinks, opts)
+    for path, grads in got.items():
+        _check(grads, ref, q.dtype, do, f"{case[0]} {dq_mode} {path}")
+    if INTERPRETED:
+        assert flags == {"auto": {dq_mode == "separate"}, "pointer": {False}}  # the one pass: pointers
+        for name, a, b in zip(("dq", "dk", "dv", "d_sink"), got["auto"], got["pointer"]):
+            assert torch.equal(a, b), f"{name}: the load paths differ"
+
+
+def test_load_paths_agree_over_documents_and_ring_sums(monkeypatch):
+    """Packed documents (each descriptor spans one document's rows: its edge zero-fills where the
+    next document starts) and a ring step's accumulate mode into fp32 buffers, both paths."""
+    g = torch.Generator().manual_seed(53)
+    lengths, hq, hk, d, dt = [70, 45, 81], 4, 2, 32, torch.float16
+    total = sum(lengths)
+    q, do = randn(1, total, hq, d, dtype=dt, generator=g), randn(1, total, hq, d, dtype=dt, generator=g)
+    k, v = randn(1, total, hk, d, dtype=dt, generator=g), randn(1, total, hk, d, dtype=dt, generator=g)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    table = torch.tensor([[s, s + n, s, s + n, 0] for s, n in zip(starts, lengths)], dtype=torch.int32, device=DEVICE)
+    seg = Segments(table, max(lengths), max(lengths))
+    out, lse = flash_attention_forward(q, k, v, causal=True, segments=seg)
+    seeds = [randn(*t.shape, generator=g) for t in (q, k, v)]
+
+    def step():
+        bufs = [t.clone() for t in seeds]
+        flash_attention_backward(do, q, k, v, out, lse, causal=True, segments=seg, dq=bufs[0], dk=bufs[1],
+                                 dv=bufs[2], accumulate=True)
+        return bufs
+
+    got, flags = _on_both_paths(monkeypatch, step)
+    ref = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    for s, n in zip(starts, lengths):
+        parts = _reference(q[:, s:s + n], k[:, s:s + n], v[:, s:s + n], do[:, s:s + n], None, dict(causal=True))
+        for r, p in zip(ref, parts):
+            r[:, s:s + n] = p.cpu()
+    for path, bufs in got.items():
+        grads = [b - seed for b, seed in zip(bufs, seeds)]
+        _check(grads, ref, dt, do, f"documents {path}")
+    if INTERPRETED:
+        assert flags == {"auto": {True}, "pointer": {False}}
+        assert all(torch.equal(a, b) for a, b in zip(got["auto"], got["pointer"]))
+
+
+def test_what_descriptors_cannot_take_loads_through_pointers():
+    """``backward_loads``: pointer loads for a base off 16 bytes (a view one element in), a head
+    dim whose rows are not 16-byte multiples (20 fp16), a head dim not contiguous, head dims
+    above ``TMA_MAX_HEAD_DIM`` (q / k's or v's: 80, MLA's 96 / 64), and after
+    ``set_load_path("pointer")``; descriptors otherwise (the interpreter takes fp32, a GPU 16-bit
+    only). The first case runs against float64 too."""
+    g = torch.Generator().manual_seed(59)
+    dt = torch.float16
+    big = randn(1, 40, 2, 48, dtype=dt, generator=g)
+    plain = [randn(1, 40, 2, 32, dtype=dt, generator=g) for _ in range(4)]
+    tma = "tma" if gemm_loads.tma_capable(plain[0].device, 2) else "pointer"  # (sm_80: pointers)
+    assert flash_attention_bwd.backward_loads(*plain) == tma
+    shifted = big[..., 1:33]
+    assert flash_attention_bwd.backward_loads(shifted, *plain[1:]) == "pointer"
+    assert flash_attention_bwd.backward_loads(*plain[:3], big[..., 8:40]) == tma  # 16 bytes in
+    assert flash_attention_bwd.backward_loads(*(randn(1, 40, 2, 20, dtype=dt, generator=g) for _ in range(4))) == "pointer"
+    wide = [randn(1, 40, 2, d, dtype=dt, generator=g) for d in (80, 96, 64)]
+    assert flash_attention_bwd.TMA_MAX_HEAD_DIM == 64
+    assert flash_attention_bwd.backward_loads(wide[0], wide[0], wide[0], wide[0]) == "pointer"
+    assert flash_attention_bwd.backward_loads(wide[1], wide[1], wide[2], wide[2]) == "pointer"
+    assert flash_attention_bwd.backward_loads(wide[2], wide[2], wide[2], wide[2]) == tma
+    strided = randn(1, 40, 32, 2, dtype=dt, generator=g).transpose(2, 3)
+    assert flash_attention_bwd.backward_loads(strided, *plain[1:]) == "pointer"
+    with gemm_loads.load_path_set("pointer"):
+        assert flash_attention_bwd.backward_loads(*plain) == "pointer"
+    fp32 = [t.float() for t in plain]
+    assert flash_attention_bwd.backward_loads(*fp32) == ("tma" if INTERPRETED else "pointer")
+    q, k, v, do = shifted, *plain[1:]
+    out, lse = flash_attention_forward(q, k, v, causal=True)
+    got = flash_attention_backward(do, q, k, v, out, lse, causal=True)
+    _check(got, _reference(q, k, v, do, None, dict(causal=True)), dt, do, "unaligned q")
