@@ -110,7 +110,7 @@ GPU_ROUND_BUDGET ?= 540
 GPU_ROUND_TEST_S ?= 180
 # (in order of value: host cost, the GEMM core, the flash backward, the TP ops, then the rest)
 GPU_ROUND_BENCH ?= launch launch@stubdrv:--stub-driver matmul@none:--epilogue+none fp8_matmul \
-  attention:--seqs+2048,8192+--head-dims+64,128 ag_matmul matmul_rs train:--variant+dense \
+  attention:--seqs+2048,8192+--head-dims+64,128+--compare-loads ag_matmul matmul_rs train:--variant+dense \
   persistent_ag:--no-sweep persistent_rs:--no-sweep linear_ce moe ring_attention varlen_attention attention_variants \
   matmul@swiglu:--epilogue+swiglu+--fp8-out matmul@gelu:--epilogue+gelu matmul@bias:--epilogue+bias \
   fp8_matmul@swiglu:--epilogue+swiglu rmsnorm moe@gptoss:--hidden+2880+--ffn+2880+--experts+32+--top-k+4 \

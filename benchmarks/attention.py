@@ -1,6 +1,8 @@
 """``python -m benchmarks attention``: the flash kernel against torch SDPA (forward, backward in
 both dq modes: ``bwd_ms`` the deterministic backward, one launch of dK/dV and dQ programs,
-``bwd_atomic_ms`` the one-pass backward with dQ by fp32 atomics, ``dq_mode="atomic"``).
+``bwd_atomic_ms`` the one-pass backward with dQ by fp32 atomics, ``dq_mode="atomic"``; the
+path ``bwd_ms`` loaded by, ``bwd_loads``: tensor descriptors on Hopper; with ``--compare-loads``
+the deterministic backward also on pointer loads, ``bwd_pointer_ms``).
 ``python -m benchmarks ring_attention``: the shipped ring attention (forward and backward) of one
 rank of ``P`` on one GPU through :class:`fusedpar.ops.EmulatedTransport`: the K/V
 (and dK/dV) transfers are device-to-device copies of the same bytes on a second stream.
@@ -31,6 +33,8 @@ def _add_args(p):
     p.add_argument("--seqs", type=_ints, default=None, help="comma-separated sequence lengths")
     p.add_argument("--head-dims", type=_ints, default=None, help="comma-separated head dims")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--compare-loads", action="store_true",
+                   help="also time the backward on pointer loads (bwd_pointer_ms, bwd_tma_speedup)")
 
 
 def _attn_flops(b, h, sq, sk, d, causal):
@@ -52,23 +56,29 @@ def run(args, ctx):
             b = max(1, TOKENS // s) if ctx.gpu else 1
             h = max(1, HIDDEN // d) if ctx.gpu else 2
             for causal in causals:
-                rows.append(_attention_row(ctx, b, s, h, d, causal, dtype))
+                rows.append(_attention_row(ctx, b, s, h, d, causal, dtype, args.compare_loads))
     if ctx.smoke:
         ctx.notes.append("CPU smoke mode: the Triton interpreter is timed; these numbers are not performance.")
     else:
         ctx.notes.append("SDPA baseline pinned to the flash backend; bwd FLOPs counted as 2.5x fwd. bwd_ms: "
                          "dq_mode='separate' (one launch of dK/dV and dQ programs, deterministic); bwd_atomic_ms: "
                          "dq_mode='atomic' (one pass, dQ by fp32 atomics, fp32 scratch cast to bf16 included); "
-                         "bwd_atomic_speedup = bwd_ms / bwd_atomic_ms.")
+                         "bwd_atomic_speedup = bwd_ms / bwd_atomic_ms; bwd_loads: the load path of bwd_ms; "
+                         "bwd_pointer_ms (--compare-loads): dq_mode='separate' on pointer loads "
+                         "(set_load_path('pointer'); bwd_ms itself where bwd_loads is 'pointer'), "
+                         "bwd_tma_speedup = bwd_pointer_ms / bwd_ms.")
     return rows
 
 
-def _attention_row(ctx, b, s, h, d, causal, dtype):
-    """One shape: both kernels (forward, both backward modes) checked against SDPA, then timed."""
+def _attention_row(ctx, b, s, h, d, causal, dtype, compare_loads=False):
+    """One shape: both kernels (forward, both backward modes) checked against SDPA, then timed;
+    ``compare_loads``: the deterministic backward on pointer loads too."""
     import torch
     import torch.nn.functional as F
 
     from fusedpar.kernels import flash_attention_backward, flash_attention_forward
+    from fusedpar.kernels.flash_attention_bwd import backward_loads
+    from fusedpar.kernels.gemm_loads import load_path_set
 
     sdpa_ctx = _sdpa_flash_context(ctx)
     q, k, v, do = (torch.randn(b, s, h, d, device=ctx.device, dtype=dtype) for _ in range(4))
@@ -88,6 +98,13 @@ def _attention_row(ctx, b, s, h, d, causal, dtype):
     t_fwd = ctx.time_ms(lambda: flash_attention_forward(q, k, v, causal=causal))
     t_bwd = ctx.time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal))
     t_bwd_a = ctx.time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal, dq_mode="atomic"))
+    loads = backward_loads(q, k, v, do)
+    t_bwd_p = t_bwd
+    if compare_loads and loads != "pointer":
+        with load_path_set("pointer"):  # the same backward, its streamed tiles by pointer loads
+            grads = flash_attention_backward(do, q, k, v, out, lse, causal=causal)
+            err_b = max(err_b, *(check_close(g, r.grad.transpose(1, 2)) for g, r in zip(grads, (qt, kt, vt))))
+            t_bwd_p = ctx.time_ms(lambda: flash_attention_backward(do, q, k, v, out, lse, causal=causal))
 
     def sdpa_fwd():
         with torch.no_grad(), sdpa_ctx():
@@ -107,6 +124,8 @@ def _attention_row(ctx, b, s, h, d, causal, dtype):
         "bwd_ms": t_bwd, "sdpa_bwd_ms": s_bwd, "bwd_ratio_vs_sdpa": s_bwd / t_bwd,
         "bwd_atomic_ms": t_bwd_a, "bwd_atomic_ratio_vs_sdpa": s_bwd / t_bwd_a,
         "bwd_atomic_speedup": t_bwd / t_bwd_a,
+        "bwd_loads": loads,
+        **({"bwd_pointer_ms": t_bwd_p, "bwd_tma_speedup": t_bwd_p / t_bwd} if compare_loads else {}),
         "fwd_TFLOPs": tflops(flops, t_fwd), "bwd_TFLOPs": tflops(2.5 * flops, t_bwd),
         "bwd_atomic_TFLOPs": tflops(2.5 * flops, t_bwd_a),
         "max_rel_err": max(err_f, err_b),

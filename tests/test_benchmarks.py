@@ -152,6 +152,21 @@ def _run_file(path, mode, date, rows, **extra_env):
     path.write_text(json.dumps({"env": env, "results": rows}))
 
 
+def test_attention_cli_compares_load_paths(bench_main, common, tmp_path):
+    """``attention --compare-loads``: the backward on the path it takes (``bwd_loads``; the
+    interpreter takes descriptors at head_dim 16) and on pointer loads, each checked against SDPA
+    before timing; without the flag the row has no pointer columns."""
+    out = tmp_path / "a.json"
+    assert bench_main(["attention", "--causal", "yes", "--compare-loads", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]["attention"]
+    assert row["bwd_loads"] in ("tma", "pointer") and (row["bwd_loads"] == "tma" or not INTERPRETED)
+    assert row["bwd_pointer_ms"] > 0 and row["bwd_tma_speedup"] > 0
+    assert row["max_rel_err"] < _err_bound(row, 1e-5, common)
+    assert bench_main(["attention", "--causal", "no", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]["attention"]
+    assert "bwd_loads" in row and "bwd_pointer_ms" not in row
+
+
 def test_attention_variants_cli_smoke(bench_main, common, tmp_path):
     """Each variant row (window, sinks, MLA 24/16 on CPU, softcap) is checked against its baseline's
     result (SDPA with the equivalent mask, or the float64 reference for softcap) before timing."""
