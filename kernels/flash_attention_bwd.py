@@ -564,6 +564,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
         args = (q, k, v, dout, lse, delta, dq_arg, dk_arg, dv_arg, table, *q.stride(), *k.stride(), *v.stride(),
                 *dout.stride(), *dq_arg.stride(), *dk_arg.stride(), *dv_arg.stride(), *lse.stride(), hq, hq // hk,
                 kv_bh, rows_q, rows_k, q_offset, k_offset, scale * LOG2E, scale, *score_args(opts, scale))
+        # the one-pass backward keeps pointer loads: descriptors gave its tiles no fewer registers
         tma = not one_pass and backward_loads(q, k, v, dout) == "tma"
         flags = dict(option_flags(q, v, opts, accumulate, segments is not None), DQ_ATOMIC=one_pass, TMA=tma)
         if kv_bh or q_bh:
