@@ -16,7 +16,8 @@ with two load paths, a constexpr ``TMA`` chosen here per launch:
   unaligned base, split row views): the pre-Hopper path, ``cp.async`` where loads vectorise.
 
 The flash backward (:func:`~.flash_attention_bwd.backward_loads`) takes the same switch and
-capability test for its streamed tiles (it is not persistent).
+capability test for its streamed tiles. It is not persistent, so its scratch grows with its grid:
+1 KB per program (eight descriptor slots), 8-16 MB at 16k tokens x 32 heads.
 
 TMA launches are *persistent*: :func:`num_programs` programs (one per SM; under the interpreter
 :data:`INTERPRETER_PROGRAMS`, so its tests run tile loops that wrap) walk the output tiles in
@@ -56,7 +57,8 @@ INTERPRETER_PROGRAMS = 3
 
 def set_load_path(path: str) -> None:
     """Choose the load path (:data:`LOAD_PATHS`) of later GEMM and flash-backward launches:
-    ``"pointer"`` compares the two (benchmarks, tests). Forgets the tuned configs and launch plans made under the other."""
+    ``"pointer"`` compares the two (benchmarks, tests). Forgets the tuned configs and launch plans
+    made under the other."""
     check_choice("path", path, LOAD_PATHS)
     if path != _MODE[0]:
         _MODE[0] = path

@@ -63,10 +63,12 @@ def _run(case, dq_mode):
     _check(got, _reference(q, k, v, do, sinks, opts), q.dtype, do, f"{case[0]} {dq_mode}")
 
 
+@pytest.mark.parametrize("loads", ["auto", "pointer"])  # "auto": descriptors where backward_loads allows
 @pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_every_variant_against_fp64(case, dq_mode):
-    _run(case, dq_mode)
+def test_every_variant_against_fp64(case, dq_mode, loads):
+    with gemm_loads.load_path_set(loads):
+        _run(case, dq_mode)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's fixed tiles; a GPU runs its tuned ones")
@@ -76,9 +78,11 @@ def test_every_variant_against_fp64(case, dq_mode):
     ((16, 16), CASES[1], "separate"),  # the smallest: masked steps = streamed ones
     ((16, 32), CASES[4], "separate"),  # owned below streamed
 ], ids=["64x32", "64x32-atomic", "16x16", "16x32"])
-def test_interpreter_tiles(monkeypatch, tile, case, dq_mode):
+@pytest.mark.parametrize("loads", ["auto", "pointer"])
+def test_interpreter_tiles(monkeypatch, tile, case, dq_mode, loads):
     monkeypatch.setattr(flash_tiles, "BWD_INTERPRETER_CONFIG", dict(BLOCK_M=tile[0], BLOCK_N=tile[1]))
-    _run(case, dq_mode)
+    with gemm_loads.load_path_set(loads):
+        _run(case, dq_mode)
 
 
 def test_one_kind_of_program_at_a_time_accumulates():
@@ -158,10 +162,11 @@ def test_flash_attention_criterion(case):
         assert err <= 2 * bar, f"{name} {what}: {err:.3g} > 2 x PyTorch's {bar:.3g}"
 
 
-#: the load-path comparison: lengths that give both kinds of program unmasked blocks on the
-#: interpreter's 32-row streamed blocks (where descriptors load), GQA, padded head dims (24 and
-#: MLA's 24 / 16 in 32: zero-filled by the descriptor, masked by the pointer loads), a window, a
-#: softcap, sinks, fp32 (which the interpreter loads by descriptor too; a GPU does not)
+#: the load-path comparison (descriptors load the streamed tiles of every block, the masked half
+#: blocks' too): lengths that give, over the three cases, both kinds of program unmasked 32-row
+#: blocks, masked 16-row blocks and tail rows on the interpreter's tiles; GQA, padded head dims (24
+#: and MLA's 24 / 16 in 32: zero-filled by the descriptor, masked by the pointer loads), a window,
+#: a softcap, sinks, fp32 (which the interpreter loads by descriptor too; a GPU does not)
 LOAD_CASES = [
     ("gqa-causal-d24", 1, 83, 97, 4, 2, 24, 24, torch.float16, dict(causal=True), False),
     ("mla-dims-window-sinks", 2, 70, 66, 2, 1, 24, 16, torch.float32, dict(window=(40, 5), q_offset=0, k_offset=0),
@@ -187,8 +192,8 @@ def _on_both_paths(monkeypatch, call):
 @pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 @pytest.mark.parametrize("case", LOAD_CASES, ids=[c[0] for c in LOAD_CASES])
 def test_load_paths_agree(monkeypatch, case, dq_mode):
-    """Descriptor loads of the unmasked blocks and pointer loads: both against float64; under the
-    interpreter (the same dots on both paths) the same bits, and "auto" launched with ``TMA``."""
+    """Descriptor loads and pointer loads: both against float64; under the interpreter (the same
+    dots on both paths) the same bits, and "auto" launched with ``TMA`` (the one pass: without)."""
     q, k, v, do, sinks, opts = _inputs(case)
     out, lse = flash_attention_forward(q, k, v, sinks=sinks, **opts)
     got, flags = _on_both_paths(monkeypatch, lambda: flash_attention_backward(
@@ -202,16 +207,47 @@ def test_load_paths_agree(monkeypatch, case, dq_mode):
             assert torch.equal(a, b), f"{name}: the load paths differ"
 
 
+def _nan_framed(rows, heads, d, dt, g, filled):
+    """``[1, rows, heads, d]`` views of an all-NaN ``[1, rows + 9, heads, 32]`` buffer whose rows
+    ``filled`` (a list of ``(start, stop)``) hold ``randn`` in the first ``d`` columns: NaN in the
+    columns past the head dim, in the rows between the ranges and after the last."""
+    buf = torch.full((1, rows + 9, heads, 32), float("nan"), dtype=dt, device=DEVICE)
+    for a, b in filled:
+        buf[:, a:b, :, :d] = randn(1, b - a, heads, d, dtype=dt, generator=g)
+    return buf[:, :rows, :, :d]
+
+
+def test_descriptors_stop_at_each_sequence(monkeypatch):
+    """Two sequences of a batch whose rows continue with NaN past ``seq`` (views of longer
+    buffers) and whose head dim (24) is followed by NaN columns: a descriptor that reached past
+    its (batch, head)'s rows or columns would read NaN, where the pointer loads mask. Both paths,
+    causal with ragged tails (70 query rows, 83 keys on 32-row tiles)."""
+    g = torch.Generator().manual_seed(61)
+    dt, d = torch.float16, 24
+    q, do = (torch.cat([_nan_framed(70, 4, d, dt, g, [(0, 70)]) for _ in range(2)]) for _ in range(2))
+    k, v = (torch.cat([_nan_framed(83, 2, d, dt, g, [(0, 83)]) for _ in range(2)]) for _ in range(2))
+    q, do, k, v = (t[:, :n] for t, n in ((q, 70), (do, 70), (k, 83), (v, 83)))
+    out, lse = flash_attention_forward(q, k, v, causal=True)
+    got, flags = _on_both_paths(monkeypatch, lambda: flash_attention_backward(do, q, k, v, out, lse, causal=True))
+    ref = _reference(q, k, v, do, None, dict(causal=True))
+    for path, grads in got.items():
+        _check(grads, ref, dt, do, f"nan-framed {path}")
+    if INTERPRETED:
+        assert flags == {"auto": {True}, "pointer": {False}}
+        assert all(torch.equal(a, b) for a, b in zip(got["auto"], got["pointer"]))
+
+
 def test_load_paths_agree_over_documents_and_ring_sums(monkeypatch):
-    """Packed documents (each descriptor spans one document's rows: its edge zero-fills where the
-    next document starts) and a ring step's accumulate mode into fp32 buffers, both paths."""
+    """Packed documents with NaN rows between and after them and NaN columns past the head dim
+    (each descriptor spans one document's rows: its edge zero-fills where a gap starts) and a ring
+    step's accumulate mode into fp32 buffers, both paths, every document row against float64."""
     g = torch.Generator().manual_seed(53)
-    lengths, hq, hk, d, dt = [70, 45, 81], 4, 2, 32, torch.float16
-    total = sum(lengths)
-    q, do = randn(1, total, hq, d, dtype=dt, generator=g), randn(1, total, hq, d, dtype=dt, generator=g)
-    k, v = randn(1, total, hk, d, dtype=dt, generator=g), randn(1, total, hk, d, dtype=dt, generator=g)
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    table = torch.tensor([[s, s + n, s, s + n, 0] for s, n in zip(starts, lengths)], dtype=torch.int32, device=DEVICE)
+    lengths, hq, hk, d, dt = [70, 45, 81], 4, 2, 24, torch.float16
+    starts = [sum(lengths[:i]) + 5 * i for i in range(len(lengths))]  # 5 NaN rows after each document
+    total, docs = starts[-1] + lengths[-1] + 5, [(s, s + n) for s, n in zip(starts, lengths)]
+    q, do = (_nan_framed(total, hq, d, dt, g, docs) for _ in range(2))
+    k, v = (_nan_framed(total, hk, d, dt, g, docs) for _ in range(2))
+    table = torch.tensor([[a, b, a, b, 0] for a, b in docs], dtype=torch.int32, device=DEVICE)
     seg = Segments(table, max(lengths), max(lengths))
     out, lse = flash_attention_forward(q, k, v, causal=True, segments=seg)
     seeds = [randn(*t.shape, generator=g) for t in (q, k, v)]
@@ -220,17 +256,14 @@ def test_load_paths_agree_over_documents_and_ring_sums(monkeypatch):
         bufs = [t.clone() for t in seeds]
         flash_attention_backward(do, q, k, v, out, lse, causal=True, segments=seg, dq=bufs[0], dk=bufs[1],
                                  dv=bufs[2], accumulate=True)
-        return bufs
+        return [torch.cat([(b - seed)[:, a:e] for a, e in docs], dim=1) for b, seed in zip(bufs, seeds)]
 
     got, flags = _on_both_paths(monkeypatch, step)
-    ref = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
-    for s, n in zip(starts, lengths):
-        parts = _reference(q[:, s:s + n], k[:, s:s + n], v[:, s:s + n], do[:, s:s + n], None, dict(causal=True))
-        for r, p in zip(ref, parts):
-            r[:, s:s + n] = p.cpu()
-    for path, bufs in got.items():
-        grads = [b - seed for b, seed in zip(bufs, seeds)]
-        _check(grads, ref, dt, do, f"documents {path}")
+    parts = [_reference(q[:, a:e], k[:, a:e], v[:, a:e], do[:, a:e], None, dict(causal=True)) for a, e in docs]
+    ref = [torch.cat([p[i].cpu() for p in parts], dim=1) for i in range(3)]
+    do_docs = torch.cat([do[:, a:e] for a, e in docs], dim=1)
+    for path, grads in got.items():
+        _check(grads, ref, dt, do_docs, f"documents {path}")
     if INTERPRETED:
         assert flags == {"auto": {True}, "pointer": {False}}
         assert all(torch.equal(a, b) for a, b in zip(got["auto"], got["pointer"]))
@@ -238,7 +271,7 @@ def test_load_paths_agree_over_documents_and_ring_sums(monkeypatch):
 
 def test_what_descriptors_cannot_take_loads_through_pointers():
     """``backward_loads``: pointer loads for a base off 16 bytes (a view one element in), a head
-    dim whose rows are not 16-byte multiples (20 fp16), a head dim not contiguous, head dims
+    stride that is not a 16-byte multiple (head dim 20 fp16), a head dim not contiguous, head dims
     above ``TMA_MAX_HEAD_DIM`` (q / k's or v's: 80, MLA's 96 / 64), and after
     ``set_load_path("pointer")``; descriptors otherwise (the interpreter takes fp32, a GPU 16-bit
     only). The first case runs against float64 too."""
@@ -251,7 +284,8 @@ def test_what_descriptors_cannot_take_loads_through_pointers():
     shifted = big[..., 1:33]
     assert flash_attention_bwd.backward_loads(shifted, *plain[1:]) == "pointer"
     assert flash_attention_bwd.backward_loads(*plain[:3], big[..., 8:40]) == tma  # 16 bytes in
-    assert flash_attention_bwd.backward_loads(*(randn(1, 40, 2, 20, dtype=dt, generator=g) for _ in range(4))) == "pointer"
+    narrow = [randn(1, 40, 2, 20, dtype=dt, generator=g) for _ in range(4)]
+    assert flash_attention_bwd.backward_loads(*narrow) == "pointer"
     wide = [randn(1, 40, 2, d, dtype=dt, generator=g) for d in (80, 96, 64)]
     assert flash_attention_bwd.TMA_MAX_HEAD_DIM == 64
     assert flash_attention_bwd.backward_loads(wide[0], wide[0], wide[0], wide[0]) == "pointer"

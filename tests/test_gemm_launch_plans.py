@@ -64,10 +64,11 @@ def test_plan_launch_equals_tritons_own(report, case):
 
 def test_plans_cover_both_load_paths(report):
     """The dense GEMM's launches on sm_90 load by TMA where every operand allows it (16-byte aligned
-    base and rows, kernels/gemm_loads.py) and by pointers elsewhere: both kinds are planned above."""
+    base and rows, kernels/gemm_loads.py) and by pointers elsewhere: both kinds are planned above;
+    so does the flash backward at head_dim 64 (bf16, contiguous)."""
     tma = {case for case in CASES if report["cases"][case]["tma"]}
     assert {"plain", "aligned_view_same_shape", "k_not_16", "transposed_a", "weight_kn", "fp16_swiglu_kn",
-            "swiglu_preact", "fp8_out", "checked_chunks"} <= tma, tma
+            "swiglu_preact", "fp8_out", "checked_chunks", "flash_fwd_bwd"} <= tma, tma
     assert not tma & {"misaligned_view", "weight_kn_unaligned_rows", "seq_chunk_3d", "fp32_ieee_and_tf32"}, tma
 
 
