@@ -455,17 +455,20 @@ def sink_grad(sinks, lse, delta):
 TMA_MAX_HEAD_DIM = 64
 
 
-def backward_loads(q, k, v, dout) -> str:
+def backward_loads(q, k, v, dout, *, dkv: bool = True, dq: bool = True) -> str:
     """How :func:`flash_attention_backward` (``dq_mode="separate"``) loads its streamed tiles:
     ``"tma"`` (device-side tensor descriptors) where :func:`~.gemm_loads.tma_capable` allows it
     (sm_90+ with 16-bit operands, the interpreter; not after ``set_load_path("pointer")``), both
-    head dims are at most :data:`TMA_MAX_HEAD_DIM`, and each of q, k, v and dout has its head dim
+    head dims are at most :data:`TMA_MAX_HEAD_DIM`, and each tensor streamed has its head dim
     contiguous, a base address and batch, head and row strides that are multiples of 16 bytes,
-    rows not overlapping; else ``"pointer"``."""
+    rows not overlapping; else ``"pointer"``. Streamed: q and dout by the dK/dV programs
+    (``dkv``), k and v by the dQ programs (``dq``); a launch without one kind leaves its tensors
+    unchecked."""
     d, dv, es = q.shape[3], v.shape[3], q.element_size()
     if max(d, dv) > TMA_MAX_HEAD_DIM or not tma_capable(q.device, es):
         return "pointer"
-    for t, width in ((q, d), (k, d), (v, dv), (dout, dv)):
+    streamed = (((q, d), (dout, dv)) if dkv else ()) + (((k, d), (v, dv)) if dq else ())
+    for t, width in streamed:
         s_b, s_s, s_h, s_d = t.stride()
         # (es is a power of two: the OR of the strides is a multiple of 16 / es iff each is)
         if s_d != 1 or s_s < width or (t.data_ptr() | (s_b | s_s | s_h) * es) % 16:
@@ -565,7 +568,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, delta=None, causal=Fals
                 *dout.stride(), *dq_arg.stride(), *dk_arg.stride(), *dv_arg.stride(), *lse.stride(), hq, hq // hk,
                 kv_bh, rows_q, rows_k, q_offset, k_offset, scale * LOG2E, scale, *score_args(opts, scale))
         # the one-pass backward keeps pointer loads: descriptors gave its tiles no fewer registers
-        tma = not one_pass and backward_loads(q, k, v, dout) == "tma"
+        tma = not one_pass and backward_loads(q, k, v, dout, dkv=kv_bh > 0, dq=q_bh > 0) == "tma"
         flags = dict(option_flags(q, v, opts, accumulate, segments is not None), DQ_ATOMIC=one_pass, TMA=tma)
         if kv_bh or q_bh:
             if tma:
