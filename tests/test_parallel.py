@@ -184,3 +184,44 @@ def test_init_parallel_joins_through_a_store_per_restart_attempt():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_", "RANK", "WORLD_"))}
     out = subprocess.run([sys.executable, "-c", _ELASTIC], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+_ENV_RANK = r"""
+import sys
+import torch
+import torch.distributed as dist
+from fusedpar.parallel import init_parallel
+
+state = init_parallel(tp=2, backend="gloo", timeout_s=60)  # env://: RANK, WORLD_SIZE, MASTER_ADDR / _PORT
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t, group=state.tp_group)
+print(f"rank {dist.get_rank()} of {state.world_size}: tp {state.tp_rank} of {state.tp}, dp {state.dp}, sum {t.item()}")
+dist.destroy_process_group()
+"""
+
+
+def test_init_parallel_joins_from_the_environment_without_torchelastic():
+    """Outside torchrun (a launcher that only sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``, as Slurm or MPI wrappers do), two processes join one world through ``env://``
+    and build the same layout: a tp group of both ranks whose all-reduce sums them."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port for rank 0's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_", "RANK", "WORLD_",
+                                                                      "LOCAL_RANK"))}
+    procs = [subprocess.Popen([sys.executable, "-c", _ENV_RANK], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=dict(base, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                  MASTER_PORT=str(port)))
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:  # a rank left waiting at the rendezvous must not outlive the test
+        for p in procs:
+            p.kill()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err[-3000:]
+        assert out.strip() == f"rank {r} of 2: tp {r} of 2, dp 1, sum 3.0", out
