@@ -75,8 +75,8 @@ def gemm_mainloop(
     vectors; the contraction index may be two-level (``*_K_SPLIT``). TMA loads: the tile at row
     ``m0``, column ``n0`` (up half ``glu_offset`` further) through :func:`operand_descriptors`'
     ``a_desc`` / ``b_desc``, zero-filled past the tensor's edges (no masks; ``B_EXPERTS``:
-    ``b_desc`` is a grouped GEMM's 3-D ``[experts, K, N]`` and ``b_expert`` the expert, whose K
-    edge then zero-fills too). e4m3 operands
+    ``b_desc`` is a grouped GEMM's 3-D ``[experts, N, K]`` (``B_KMAJOR``) or ``[experts, K, N]``
+    and ``b_expert`` the expert, whose edges then zero-fill too). e4m3 operands
     (``SCALING`` 1, rowwise: ``sa_rows`` / ``sb_cols`` / ``sb_up`` point to the rows' scales; the
     dot accumulates at most ``PROMOTE_K`` products before an fp32 add; 2, blockwise: a fresh dot
     per 128-deep step, times the step's scales ``k0 * s_sak`` / ``k0 * s_sbk`` further;
@@ -107,7 +107,9 @@ def gemm_mainloop(
                 a = a_desc.load([m0, base])
             else:
                 a = a_desc.load([base, m0]).T
-            if B_KMAJOR:
+            if B_KMAJOR and B_EXPERTS:
+                b = b_desc.load([b_expert, n0, base]).reshape(BLOCK_N, BLOCK_K).T
+            elif B_KMAJOR:
                 b = b_desc.load([n0, base]).T
             elif B_EXPERTS:
                 b = b_desc.load([b_expert, base, n0]).reshape(BLOCK_K, BLOCK_N)
@@ -149,7 +151,9 @@ def gemm_mainloop(
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, max_num_imprecise_acc=PROMOTE_K)
         if GLU:  # the up columns after the gate's dot (unpipelined loads keep one B tile in shared memory)
             if TMA:
-                if B_KMAJOR:
+                if B_KMAJOR and B_EXPERTS:
+                    bu = b_desc.load([b_expert, n0 + glu_offset, base]).reshape(BLOCK_N, BLOCK_K).T
+                elif B_KMAJOR:
                     bu = b_desc.load([n0 + glu_offset, base]).T
                 elif B_EXPERTS:
                     bu = b_desc.load([b_expert, base, n0 + glu_offset]).reshape(BLOCK_K, BLOCK_N)

@@ -68,7 +68,8 @@ def _grouped_gemm_kernel(
     ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, DACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, G_PAD: tl.constexpr, FP8: tl.constexpr,
     BLOCKWISE: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr, TMA: tl.constexpr,
-    W_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_KMAJOR: tl.constexpr, W_STACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """Rows of group g times weight[g % E_w] ([N, K] through strides, so a transposed view of the
     same tensor needs no copy). Epilogues: forward ``act`` (gated: act(gate) * up, pre-activation
@@ -76,10 +77,11 @@ def _grouped_gemm_kernel(
     ``DACT``: the product is the gradient of the activation output and ``aux`` holds the
     pre-activation; writes the gradient of the pre-activation. ``FP8``: scaled e4m3 operands (module
     docstring; ``BLOCKWISE``: a fresh dot per 128-deep step); ``EMULATE``: interpreted bf16 stores.
-    ``TMA``: x and the experts' weights (``W_KMAJOR``: stacked ``[E_w * N_w, K]``, else ``[E_w, K,
-    N_w]``) through tensor descriptors, a persistent program walking tiles ``pid, pid + programs,
-    ...`` of the row-tiles x column-tiles grid (:func:`_row_tiles`) row by row; else one tile per
-    program of it."""
+    ``TMA``: x and the experts' weights through tensor descriptors (``W_STACKED``: the experts'
+    rows one stack ``[E_w * N_w, K]``; else 3-D, the expert an index of its own: ``W_KMAJOR``
+    ``[E_w, N_w, K]``, else ``[E_w, K, N_w]``, expert stride ``s_we``), a persistent program
+    walking tiles ``pid, pid + programs, ...`` of the row-tiles x column-tiles grid
+    (:func:`_row_tiles`) row by row; else one tile per program of it."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not (DACT and STORE_AUX), "the backward epilogue reads aux, it does not store it")
     tl.static_assert(not (DACT and HAS_BIAS), "the bias is a forward epilogue")
@@ -88,13 +90,15 @@ def _grouped_gemm_kernel(
         n_w = N if DACT else N + glu_offset  # the weight rows of an expert (a gated forward: gate and up)
         row_tiles = M // BLOCK_M + tl.minimum(G, M) + 1  # (_row_tiles)
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[s_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-        if W_KMAJOR:  # the experts' rows as one stack (the host checked the product fits in 31 bits)
+        if W_STACKED:  # the experts' rows as one stack (the host checked the product fits in 31 bits)
             stacked = (tl.cast(E_w, tl.int64) * n_w).to(tl.int32)
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[stacked, K], strides=[s_wn, 1],
                                                block_shape=[BLOCK_N, BLOCK_K])
+        elif W_KMAJOR:  # [E_w, n_w, K], experts s_we apart (padded slices, e.g. a shard along n_w)
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E_w, n_w, K], strides=[tl.cast(s_we, tl.int64), s_wn, 1],
+                                               block_shape=[1, BLOCK_N, BLOCK_K])
         else:  # [E_w, K, n_w]: a K step past an expert's K rows reads zeros, not the next expert's rows
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E_w, K, n_w],
-                                               strides=[tl.cast(K, tl.int64) * s_wk, s_wk, 1],
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E_w, K, n_w], strides=[tl.cast(s_we, tl.int64), s_wk, 1],
                                                block_shape=[1, BLOCK_K, BLOCK_N])
         # row-major: tutorial 03's grouped order (gemm_core.grouped_tile) cost up to 52 more
         # registers here (sm_90, 64 x 64 over 4 warps gated: 187 -> 239)
@@ -104,13 +108,13 @@ def _grouped_gemm_kernel(
                           bias_ptr, xs_ptr, ws_ptr, x_desc, w_desc, G, E_w, M, N, K, s_xm, s_xk, s_we, s_wn, s_wk,
                           s_om, s_on, s_am, s_an, glu_offset, s_be, s_xsm, s_xsk, s_wse, s_wsn, s_wsk, ACT, GLU,
                           STORE_AUX, DACT, HAS_BIAS, UPCAST, INPUT_PRECISION, G_PAD, FP8, BLOCKWISE, EMULATE,
-                          PROMOTE_K, TMA, W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+                          PROMOTE_K, TMA, W_KMAJOR, W_STACKED, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         _grouped_tile(tl.program_id(0), tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, out_ptr, aux_ptr,
                       offsets_ptr, bias_ptr, xs_ptr, ws_ptr, x_ptr, w_ptr, G, E_w, M, N, K, s_xm, s_xk, s_we, s_wn,
                       s_wk, s_om, s_on, s_am, s_an, glu_offset, s_be, s_xsm, s_xsk, s_wse, s_wsn, s_wsk, ACT, GLU,
                       STORE_AUX, DACT, HAS_BIAS, UPCAST, INPUT_PRECISION, G_PAD, FP8, BLOCKWISE, EMULATE, PROMOTE_K,
-                      TMA, W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+                      TMA, W_KMAJOR, W_STACKED, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -121,7 +125,8 @@ def _grouped_tile(
     ACT: tl.constexpr, GLU: tl.constexpr, STORE_AUX: tl.constexpr, DACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, G_PAD: tl.constexpr, FP8: tl.constexpr,
     BLOCKWISE: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr, TMA: tl.constexpr,
-    W_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_KMAJOR: tl.constexpr, W_STACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """Tile ``(pid_m, pid_n)`` of ``_grouped_gemm_kernel``'s ``row_tiles x cdiv(N, BLOCK_N)`` grid:
     a group's row block, a tail block of zeros, or nothing."""
@@ -158,17 +163,17 @@ def _grouped_tile(
             ws_up = ws_ptr + expert * s_wse + ((rn + glu_offset) // (128 if BLOCKWISE else 1)).to(tl.int64) * s_wsn
         else:
             xs_rows, ws_rows, ws_up = xs_ptr, ws_ptr, ws_ptr
-        # TMA coordinates (int32, as the descriptors' extents): the expert's first weight row ("nk"),
-        # else the expert's index in the 3-D descriptor
+        # TMA coordinates (int32, as the descriptors' extents): the expert's first weight row in
+        # the stack, else the expert's index in the 3-D descriptor
         n_w = N if DACT else N + glu_offset
         w_row0 = (expert * n_w).to(tl.int32)
         acc, acc_up = gemm_mainloop(
             x_ptr, w_base, rm64 * s_xm, rn64 * s_wn, (rn64 + glu_offset) * s_wn, m_mask, n_mask, K,
             1, 0, s_xk, 1, 0, s_wk, False, False, GLU and not DACT, UPCAST, False, INPUT_PRECISION,
-            BLOCK_M, BLOCK_N, BLOCK_K, x_desc, w_desc, row0, pid_n * BLOCK_N + (w_row0 if W_KMAJOR else 0),
+            BLOCK_M, BLOCK_N, BLOCK_K, x_desc, w_desc, row0, pid_n * BLOCK_N + (w_row0 if W_STACKED else 0),
             glu_offset, TMA, True, W_KMAJOR, xs_rows, ws_rows, ws_up, s_xsk, s_wsk,
-            (2 if BLOCKWISE else 1) if FP8 else 0, PROMOTE_K, 0 if W_KMAJOR else expert.to(tl.int32),
-            B_EXPERTS=not W_KMAJOR,
+            (2 if BLOCKWISE else 1) if FP8 else 0, PROMOTE_K, 0 if W_STACKED else expert.to(tl.int32),
+            B_EXPERTS=not W_STACKED,
         )
         out_mask = m_mask[:, None] & n_mask[None, :]
         o_off = rm64[:, None] * s_om + rn64[None, :] * s_on
@@ -452,42 +457,49 @@ def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, 
         return
     has_aux = aux is not None
     scales = fp8[:7] if fp8 else (out, out, 0, 0, 0, 0, 0)
+    w_tma = _weight_tma(x, weight, w_strides, N if dact or not glu else 2 * N, K)
+    if w_tma == "kn" and E_w == 1:  # one expert: its stride is never stepped, but a descriptor's must be aligned
+        w_strides = (K * w_strides[2], *w_strides[1:])
     args = (x, weight, out, aux if has_aux else out, offsets, out if bias is None else bias, *scales[:2], G, E_w, M,
             N, K, x.stride(0), x.stride(1), *w_strides, out.stride(0), out.stride(1),
             aux.stride(0) if has_aux else 0, aux.stride(1) if has_aux else 0, N if glu else 0,
             0 if bias is None else bias.stride(0), *scales[2:])
-    w_kmajor = _weight_tma(x, weight, w_strides, N if dact or not glu else 2 * N, K)
     flags = dict(ACT=act, GLU=glu, STORE_AUX=has_aux and not dact, DACT=dact, HAS_BIAS=bias is not None,
                  UPCAST=needs_upcast(x.dtype), INPUT_PRECISION=input_precision(x.dtype),
-                 G_PAD=max(2, next_power_of_2(G)), **grouped_fp8_flags(fp8, out, aux), TMA=w_kmajor is not None,
-                 W_KMAJOR=w_kmajor is not False)
+                 G_PAD=max(2, next_power_of_2(G)), **grouped_fp8_flags(fp8, out, aux), TMA=w_tma is not None,
+                 W_KMAJOR=w_tma != "kn", W_STACKED=w_tma is None or w_tma == "stack")
 
     def grid(meta):
         rows, cols = _row_tiles(M, G, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"])
-        return (num_programs(rows * cols, x.device, True), 1) if w_kmajor is not None else (rows, cols)
+        return (num_programs(rows * cols, x.device, True), 1) if w_tma is not None else (rows, cols)
     _launch(_grouped_gemm_kernel, _tuned_gemm, FP8_GROUPED_INTERPRETER_CONFIGS[0] if fp8 else INTERPRETER_GEMM_CONFIG,
             grid, args, flags, x.device)
     note_launch("grouped_matmul_dact" if dact else "grouped_matmul", None if interpreting() else _tuned_gemm(),
-                FP8_GROUPED_INTERPRETER_CONFIGS[0] if fp8 else INTERPRETER_GEMM_CONFIG, w_kmajor is not None)
+                FP8_GROUPED_INTERPRETER_CONFIGS[0] if fp8 else INTERPRETER_GEMM_CONFIG, w_tma is not None)
 
 
 def _weight_tma(x, weight, w_strides, n_w, K):
-    """Whether a grouped launch loads ``x`` and the experts' weights by TMA (:mod:`.gemm_loads`):
-    None where it cannot, else whether the weights are contiguous along K (stacked as ``[E * n_w,
-    K]``; else a 3-D ``[E, K, n_w]`` descriptor, whose K edge stops each expert's steps). x
-    contiguous along K, every base and row stride a
-    multiple of 16 bytes and at least its rows' extent (not an expanded view's 0, no overlapping
-    rows), the experts' rows one stack; e4m3 weights contiguous along K; K > 0 (a descriptor of
-    no columns: the pointer loads run the bias-only epilogue of an empty contraction)."""
+    """How a grouped launch loads ``x`` and the experts' weights (:mod:`.gemm_loads`): None where
+    TMA cannot (pointer loads), else the weights' descriptor: ``"stack"`` (contiguous along K, the
+    experts' rows one ``[E * n_w, K]`` stack), ``"nk"`` (contiguous along K, experts further apart:
+    ``[E, n_w, K]``, e.g. a slice of each expert's rows) or ``"kn"`` (contiguous along n_w:
+    ``[E, K, n_w]``, whose K edge stops each expert's steps). x contiguous along K; every base, row
+    and expert stride a multiple of 16 bytes and at least its rows' or expert's extent (not an
+    expanded view's 0, no overlapping rows or experts; one expert's stride is not read); e4m3
+    weights contiguous along K; K > 0 (a descriptor of no columns: the pointer loads run the
+    bias-only epilogue of an empty contraction)."""
     es, (s_we, s_wn, s_wk), E = x.element_size(), w_strides, weight.shape[0]
     if not (tma_capable(x.device, es) and K > 0 and x.stride(1) == 1 and x.stride(0) >= K
             and x.stride(0) * es % 16 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
             and E * max(n_w, K) < 2 ** 31):
         return None
-    if s_wk == 1 and s_wn >= K and s_wn * es % 16 == 0 and (E == 1 or s_we == n_w * s_wn):
-        return True
-    if (s_wn == 1 and s_wk >= n_w and s_wk * es % 16 == 0 and (E == 1 or s_we == K * s_wk) and es > 1):
-        return False
+    if s_wk == 1 and s_wn >= K and s_wn * es % 16 == 0:
+        if E == 1 or s_we == n_w * s_wn:
+            return "stack"
+        return "nk" if s_we >= n_w * s_wn and s_we * es % 16 == 0 else None
+    if (s_wn == 1 and s_wk >= n_w and s_wk * es % 16 == 0 and es > 1
+            and (E == 1 or s_we >= K * s_wk and s_we * es % 16 == 0)):
+        return "kn"
     return None
 
 

@@ -278,6 +278,40 @@ def test_grouped_kn_weights_stop_at_each_experts_k_edge(path, grouped_launches):
         assert not any(flags["W_KMAJOR"] for _, flags in launches)
 
 
+@pytest.mark.parametrize("path", ["auto", "pointer"])
+def test_grouped_weights_sliced_per_expert(path, grouped_launches):
+    """Each expert's weight a slice of a larger one (a shard of ``[E, F, H]`` along F, as a
+    tensor-parallel expert holds): experts further apart than their rows. "auto" loads them by
+    TMA through 3-D descriptors with the expert stride (``"nk"``: ``[E, 2N, H]`` out of 80 rows;
+    ``"kn"``: ``[E, K, N]`` out of 56 K rows); the row after each expert's slice is infinite, so a
+    descriptor stepping past an expert's edge, or assuming the experts back to back, shows as inf /
+    NaN or wrong numbers. Gated forward (gate and up halves) and the fused activation backward,
+    against float64, tail rows zeroed."""
+    from fusedpar.kernels import gemm_loads
+    launches = grouped_launches
+    g, dt = torch.Generator().manual_seed(43), torch.float16
+    E, H, N, K, offs = 3, 32, 24, 40, _offsets([29, 0, 18, 5])
+    M = offs[-1] + 2
+    w_full = randn(E, 80, H, dtype=dt, generator=g, scale=H ** -0.5)
+    w_full[:, 8 + 2 * N] = float("inf")
+    w = w_full[:, 8:8 + 2 * N]  # nk, expert stride 80 * H > 2N * H
+    w_kn_full = randn(E, 56, N, dtype=dt, generator=g, scale=K ** -0.5)
+    w_kn_full[:, 8 + K] = float("inf")
+    w_kn = w_kn_full[:, 8:8 + K]  # kn, expert stride 56 * N > K * N
+    x, gy = randn(M, H, dtype=dt, generator=g), randn(M, K, dtype=dt, generator=g)
+    pre = randn(M, 2 * N, dtype=dt, generator=g)
+    with gemm_loads.load_path_set(path):
+        out = grouped_matmul(x, w, offs, activation="swiglu", out=poison((M, N), dt))
+        got = grouped_matmul_dact(gy, w_kn, offs, pre, activation="swiglu")
+    ref = grouped_matmul_reference(x, w, offs, activation="swiglu")
+    assert_close(out[:offs[-1]], ref[:offs[-1]], dt, msg=path)
+    assert (out[offs[-1]:] == 0).all(), "the tail rows after the last group are zeroed"
+    _assert_activation_backward(got, pre, gy, w_kn, offs, dt, path)
+    tma = path == "auto"
+    assert [(f["TMA"], f["W_KMAJOR"], f["W_STACKED"]) for _, f in launches] == [(tma, True, not tma),
+                                                                                 (tma, not tma, not tma)]
+
+
 def test_grouped_pointer_loads_for_expanded_rows_and_an_empty_contraction(grouped_launches):
     """"auto" keeps pointer loads where a tensor descriptor cannot hold the operands: x expanded
     (every row the same memory, stride 0), an expert's weight expanded, and K = 0 with a bias (the
@@ -694,7 +728,8 @@ _INT64_CHECK = textwrap.dedent(
         return bad, approx_div
 
     gemm = dict(UPCAST=False, INPUT_PRECISION="ieee", G_PAD=8, FP8=False, BLOCKWISE=False, EMULATE=False,
-                PROMOTE_K=None, TMA=False, W_KMAJOR=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+                PROMOTE_K=None, TMA=False, W_KMAJOR=True, W_STACKED=True, BLOCK_M=16, BLOCK_N=32,
+                BLOCK_K=32)
     fp8 = dict(gemm, FP8=True, PROMOTE_K=128, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
     e4m3 = {n: "*fp8e4nv" for n in ("x_ptr", "w_ptr", "dy_ptr")}
     route = dict(TOPK_GROUP=1, TOP_K=2, K_PAD=2, NORMALIZE=True, BLOCK_T=16, G_PAD=1, EPG_PAD=8)
@@ -714,7 +749,10 @@ _INT64_CHECK = textwrap.dedent(
             dict(ACT=3, GLU=True, STORE_AUX=True, DACT=False, HAS_BIAS=False, **dict(gemm, TMA=True, BLOCK_M=64))),
         "grouped_gemm TMA dact swiglu, kn weights": (gg._grouped_gemm_kernel,
             dict(ACT=3, GLU=True, STORE_AUX=False, DACT=True, HAS_BIAS=False,
-                 **dict(gemm, TMA=True, W_KMAJOR=False, BLOCK_M=64))),
+                 **dict(gemm, TMA=True, W_KMAJOR=False, W_STACKED=False, BLOCK_M=64))),
+        "grouped_gemm TMA swiglu, nk weights sliced per expert": (gg._grouped_gemm_kernel,
+            dict(ACT=3, GLU=True, STORE_AUX=False, DACT=False, HAS_BIAS=False,
+                 **dict(gemm, TMA=True, W_STACKED=False, BLOCK_M=64))),
         "grouped_gemm fp8 blockwise swiglu + bias + pre-activation": (gg._grouped_gemm_kernel,
             dict(ACT=3, GLU=True, STORE_AUX=True, DACT=False, HAS_BIAS=True, **dict(fp8, BLOCKWISE=True)), e4m3),
         "grouped_gemm fp8 rowwise dact swiglu": (gg._grouped_gemm_kernel,
@@ -758,14 +796,14 @@ def test_kernel_offsets_are_64_bit():
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ": [" in ln]
-    assert len(lines) == 18, res.stdout
+    assert len(lines) == 19, res.stdout
     assert all(ln.endswith(": []") for ln in lines), "32-bit products of a stride / width:\n" + "\n".join(lines)
     # the routing kernels divide with IEEE rounding (tl.math.div_rn): a plain fp32 ``/`` compiles to
     # div.full.f32 (up to 2 ulp off on a GPU, exact in the interpreter), which left a renormalised
     # top-1 weight p / p off 1 and leaked into the router gradient on the first GPU run
     divs = dict(ln.removeprefix("approximate fp32 divisions of ").split(" = ") for ln in res.stdout.splitlines()
                 if ln.startswith("approximate fp32 divisions of "))
-    assert len(divs) == 18 and divs["topk_route"] == divs["topk_route_backward"] == "0", divs
+    assert len(divs) == 19 and divs["topk_route"] == divs["topk_route_backward"] == "0", divs
 
 
 def test_row_counts_past_int32_positions_are_refused():
