@@ -173,6 +173,15 @@ def _moe_cases():
     cases.append(Case("grouped", "tests 5 groups 61x24x40 swiglu kn", False, lambda dt: grouped_matmul(
         meta(61, 40, dtype=dt), meta(3, 40, 48, dtype=dt), [0, 7, 7, 30, 41, 55], weight_layout="kn",
         activation="swiglu")))
+    # experts' weights as a tensor-parallel shard along F of the whole ones (views: experts further
+    # apart than their rows, each through a 3-D descriptor with the expert stride)
+    H, F, E, k, T = (MOE["mixtral"][n] for n in ("hidden", "ffn", "experts", "top_k", "tokens"))
+    off = _offsets(T * k, E)
+    cases.append(Case("grouped", "mixtral up swiglu tp2 shard", False, lambda dt: grouped_matmul(
+        meta(T * k, H, dtype=dt), meta(E, 2 * F, H, dtype=dt)[:, :F], off, activation="swiglu",
+        preact_out=meta(T * k, F, dtype=dt))))
+    cases.append(Case("grouped", "mixtral dgrad x tp2 shard kn", False, lambda dt: grouped_matmul(
+        meta(T * k, F // 2, dtype=dt), meta(E, F, H, dtype=dt)[:, :F // 2], off, weight_layout="kn")))
     return cases
 
 
