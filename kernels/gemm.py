@@ -245,7 +245,7 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
         R_M_SPLIT=r_rows.split, HAS_BIAS=bias is not None, HAS_RES=has_res, STORE_AUX=has_aux,
         ACT=act, GLU=glu, UPCAST=needs_upcast(a.dtype), INPUT_PRECISION=input_precision(a.dtype), **fp8_flags,
     )
-    majors = _tma_majors(a, b, a_rows, a_k, b_k, s_bn, (M, 2 * N if glu else N, K), args, flags)
+    majors = _tma_majors(a, b, a_rows, a_k, b_k, s_bn, (M, 2 * N if glu else N, K), N if glu else 0, args, flags)
     flags.update(TMA=majors is not None, A_KMAJOR=bool(majors and majors[0]), B_KMAJOR=bool(majors and majors[1]))
     tiles = lambda meta: cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])  # noqa: E731
     grid = lambda meta: (num_programs(tiles(meta), a.device, majors is not None),)  # noqa: E731
@@ -273,14 +273,15 @@ def _launch(a, b, out, M, N, K, a_rows, a_k, b_k, s_bn, c_rows, s_cn, bias, resi
     return out
 
 
-def _tma_majors(a, b, a_rows, a_k, b_k, s_bn, extents, args, flags):
+def _tma_majors(a, b, a_rows, a_k, b_k, s_bn, extents, up_offset, args, flags):
     """``(A_KMAJOR, B_KMAJOR)`` of a launch that loads by TMA, else None: pointer loads for split
     row views and what a tensor descriptor cannot take (:mod:`.gemm_loads`), and, compiled, where
     no TMA tile passes the prune rule (:func:`~fusedpar.kernels.gemm_configs.tma_tiles_fit`).
-    ``extents``: ``(M, N, K)``, N every row of B; ``args``, ``flags``: the launch's (no load path yet)."""
+    ``extents``: ``(M, N, K)``, N every row of B; ``up_offset``: a gated weight's up half (0:
+    none); ``args``, ``flags``: the launch's (no load path yet)."""
     if a_rows.split or a_k.split or b_k.split or not tma_capable(a.device, a.element_size()):
         return None
-    majors = tma_layout(a, a_rows.s_inner, a_k.s_inner, b, b_k.s_inner, s_bn, extents)
+    majors = tma_layout(a, a_rows.s_inner, a_k.s_inner, b, b_k.s_inner, s_bn, extents, up_offset=up_offset)
     if majors is None or interpreting() or tma_tiles_fit(dict(zip(_gemm_kernel.arg_names, args)), **flags):
         return majors
     return None

@@ -12,6 +12,9 @@ with two load paths, a constexpr ``TMA`` chosen here per launch:
   least the contiguous extent (no expanded view's 0, no overlapping rows), with 1- or
   2-byte elements (fp32 operands run FMA or TF32 dots from registers; the interpreter takes fp32
   too). e4m3 operands need both operands contiguous along K (fp8 wgmma reads only K-major tiles).
+  A gated weight contiguous along N needs its up half's first column on a 16-byte boundary
+  (:func:`up_half_aligned`). The grouped GEMM's experts' weights are one 2-D stack, or 3-D
+  descriptors with the expert stride (``grouped_gemm._weight_tma``'s rule).
 * **Pointer loads** for everything else (sm_80, strides that are not multiples of 16 bytes, an
   unaligned base, split row views): the pre-Hopper path, ``cp.async`` where loads vectorise.
 
@@ -46,7 +49,8 @@ from .checks import check_choice
 from .runtime import clear_tuning_caches, device_capability, interpreting, multiprocessor_count
 
 __all__ = ["INTERPRETER_PROGRAMS", "LOAD_PATHS", "ensure_scratch_allocator", "last_launch", "load_path",
-           "load_path_set", "note_launch", "num_programs", "scratch_device", "set_load_path", "tma_capable", "tma_layout"]
+           "load_path_set", "note_launch", "num_programs", "scratch_device", "set_load_path", "tma_capable", "tma_layout",
+           "up_half_aligned"]
 
 #: ``"auto"``: TMA where a launch can take it (module docstring), ``"pointer"``: never
 LOAD_PATHS = ("auto", "pointer")
@@ -106,19 +110,30 @@ def _major(s_k: int, s_other: int, k: int, other: int, elem_size: int):
 
 
 def tma_layout(a: torch.Tensor, s_am: int, s_ak: int, b: torch.Tensor, s_bk: int, s_bn: int, extents: tuple, *,
-               k_major: bool = False):
+               k_major: bool = False, up_offset: int = 0):
     """``(A_KMAJOR, B_KMAJOR)`` of a launch loading ``A`` (``a``'s storage, strides ``s_am``,
     ``s_ak``: a plain 2-D view) and ``B`` (strides ``s_bk``, ``s_bn``) by TMA, or None where it
     cannot (module docstring; the caller checked :func:`tma_capable` and that no view is split).
     ``extents``: ``(M, N, K)``, N every row of B (a gated weight's gate and up); ``k_major``:
-    both must be contiguous along K (e4m3 operands)."""
+    both must be contiguous along K (e4m3 operands); ``up_offset``: the gated up half's first
+    row of B (:func:`up_half_aligned`)."""
     es, (m, n, k) = a.element_size(), extents
     if a.data_ptr() % 16 or b.data_ptr() % 16:
         return None
     a_major, b_major = _major(s_ak, s_am, k, m, es), _major(s_bk, s_bn, k, n, es)
     if a_major is None or b_major is None or (k_major and not (a_major and b_major)):
         return None
+    if not up_half_aligned(b_major, up_offset, es):
+        return None
     return a_major, b_major
+
+
+def up_half_aligned(b_kmajor: bool, up_offset: int, elem_size: int) -> bool:
+    """Whether a descriptor can load a gated weight's up half ``up_offset`` rows of B after its
+    gate: a box's first column along the contiguous dim must sit on a 16-byte boundary, which
+    holds for any row offset of weights contiguous along K, and for ``up_offset`` columns of
+    weights contiguous along N only where ``up_offset * elem_size`` is a multiple of 16."""
+    return b_kmajor or up_offset * elem_size % 16 == 0
 
 
 def num_programs(tiles: int, device: torch.device, persistent: bool) -> int:

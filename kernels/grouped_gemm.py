@@ -38,7 +38,7 @@ from .launch import launch_kernel
 from .fp8 import rne_for_store
 from .fp8_gemm_configs import FP8_GROUPED_INTERPRETER_CONFIGS, grouped_fp8_flags, grouped_fp8_scales
 from .gemm_core import gemm_mainloop
-from .gemm_loads import ensure_scratch_allocator, note_launch, num_programs, tma_capable
+from .gemm_loads import ensure_scratch_allocator, note_launch, num_programs, tma_capable, up_half_aligned
 from .grouped_gemm_configs import (INTERPRETER_GEMM_CONFIG, INTERPRETER_WGRAD_CONFIG, TUNING_KEY, WGRAD_TUNING_KEY,
                                    gemm_gpu_configs, prune_grouped, prune_grouped_wgrad, smem_estimate, tile_rule,
                                    wgrad_gpu_configs, wgrad_smem_estimate, wgrad_tile_rule)
@@ -457,7 +457,7 @@ def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, 
         return
     has_aux = aux is not None
     scales = fp8[:7] if fp8 else (out, out, 0, 0, 0, 0, 0)
-    w_tma = _weight_tma(x, weight, w_strides, N if dact or not glu else 2 * N, K)
+    w_tma = _weight_tma(x, weight, w_strides, N if dact or not glu else 2 * N, K, N if glu and not dact else 0)
     if w_tma == "kn" and E_w == 1:  # one expert: its stride is never stepped, but a descriptor's must be aligned
         w_strides = (K * w_strides[2], *w_strides[1:])
     args = (x, weight, out, aux if has_aux else out, offsets, out if bias is None else bias, *scales[:2], G, E_w, M,
@@ -478,7 +478,7 @@ def _launch_gemm(x, weight, out, aux, offsets, *, M, N, K, w_strides, act, glu, 
                 FP8_GROUPED_INTERPRETER_CONFIGS[0] if fp8 else INTERPRETER_GEMM_CONFIG, w_tma is not None)
 
 
-def _weight_tma(x, weight, w_strides, n_w, K):
+def _weight_tma(x, weight, w_strides, n_w, K, up_offset):
     """How a grouped launch loads ``x`` and the experts' weights (:mod:`.gemm_loads`): None where
     TMA cannot (pointer loads), else the weights' descriptor: ``"stack"`` (contiguous along K, the
     experts' rows one ``[E * n_w, K]`` stack), ``"nk"`` (contiguous along K, experts further apart:
@@ -486,8 +486,9 @@ def _weight_tma(x, weight, w_strides, n_w, K):
     ``[E, K, n_w]``, whose K edge stops each expert's steps). x contiguous along K; every base, row
     and expert stride a multiple of 16 bytes and at least its rows' or expert's extent (not an
     expanded view's 0, no overlapping rows or experts; one expert's stride is not read); e4m3
-    weights contiguous along K; K > 0 (a descriptor of no columns: the pointer loads run the
-    bias-only epilogue of an empty contraction)."""
+    weights contiguous along K; a gated forward's up half (``up_offset`` rows of the weight after
+    its gate) at a 16-byte boundary (:func:`~.gemm_loads.up_half_aligned`); K > 0 (a descriptor
+    of no columns: the pointer loads run the bias-only epilogue of an empty contraction)."""
     es, (s_we, s_wn, s_wk), E = x.element_size(), w_strides, weight.shape[0]
     if not (tma_capable(x.device, es) and K > 0 and x.stride(1) == 1 and x.stride(0) >= K
             and x.stride(0) * es % 16 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
@@ -497,7 +498,7 @@ def _weight_tma(x, weight, w_strides, n_w, K):
         if E == 1 or s_we == n_w * s_wn:
             return "stack"
         return "nk" if s_we >= n_w * s_wn and s_we * es % 16 == 0 else None
-    if (s_wn == 1 and s_wk >= n_w and s_wk * es % 16 == 0 and es > 1
+    if (s_wn == 1 and s_wk >= n_w and s_wk * es % 16 == 0 and es > 1 and up_half_aligned(False, up_offset, es)
             and (E == 1 or s_we >= K * s_wk and s_we * es % 16 == 0)):
         return "kn"
     return None

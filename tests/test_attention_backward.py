@@ -4,8 +4,8 @@ blocks) against float64 on what only it decides: every variant at once on ragged
 that see no key), into NaN-poisoned buffers, in both dq modes; the tiles it runs under the
 interpreter varied (owned rows above, equal to and below the streamed ones, so the range split
 at the diagonal and the half-block masked steps meet every alignment); and one kind of program
-at a time (``dq=False`` / ``dk=False``) accumulated into fp32 buffers, block by block, as the
-ring attention's steps run it; both load paths of the streamed tiles (tensor descriptors, pointer
+at a time (``dq=False`` / ``dk=False``) accumulated into fp32 buffers, block by block (the
+ring's steps run both kinds in one launch, into such buffers); both load paths of the streamed tiles (tensor descriptors, pointer
 loads) and what keeps the pointer path. test_attention_flash covers the op's cases,
 test_attention_varlen the segment tables."""
 import pytest
@@ -308,8 +308,8 @@ def test_what_descriptors_cannot_take_loads_through_pointers():
 def test_one_program_kind_checks_only_what_it_streams(monkeypatch):
     """A launch of one program kind (``dq=False``: dK/dV programs, streaming q and dO;
     ``dk=False``: dQ programs, streaming k and v) takes descriptors whatever the other kind's
-    tensors are: k and v a view off 16 bytes with ``dq=False``, q and dO with ``dk=False``. Both
-    launches against float64, and (interpreted) launched with ``TMA``."""
+    tensors are: ``backward_loads`` with k and v (q and dO) a view off 16 bytes; the launches
+    with k (q) such a view. Both against float64, and (interpreted) launched with ``TMA``."""
     g = torch.Generator().manual_seed(61)
     dt = torch.float16
     big = randn(1, 37, 2, 40, dtype=dt, generator=g)

@@ -468,6 +468,25 @@ def test_what_tma_cannot_take_loads_through_pointers(load_path):
 
 
 @pytest.mark.parametrize("load_path", ["auto"], indirect=True)
+def test_gated_kn_weights_with_an_unaligned_up_half_load_through_pointers(load_path):
+    """A gated epilogue on "kn" weights (``[K, 2N]``, contiguous along N) loads its up half N
+    columns after the gate: a box's first column must sit on a 16-byte boundary, so N = 20 fp16
+    (40 bytes) keeps pointer loads (a descriptor would fail there), N = 24 (48 bytes) takes TMA;
+    both against float64, and the "nk" layout of the same N = 20 (the up half a row offset) TMA."""
+    from fusedpar.kernels import gemm_loads
+    _spied(load_path)
+    g = torch.Generator().manual_seed(53)
+    dt, M, K = torch.float16, 19, 32
+    a = randn(M, K, dtype=dt, generator=g)
+    for n, layout, tma in ((20, "kn", False), (24, "kn", True), (20, "nk", True)):
+        w = randn(*((K, 2 * n) if layout == "kn" else (2 * n, K)), dtype=dt, generator=g, scale=K ** -0.5)
+        got = matmul(a, w, weight_layout=layout, activation="swiglu")
+        assert_close(got, matmul_reference(a, w, weight_layout=layout, activation="swiglu"), dt, msg=f"{n} {layout}")
+        assert load_path.launches[-1][1]["TMA"] == tma, (n, layout)
+    assert not gemm_loads.up_half_aligned(False, 20, 2) and gemm_loads.up_half_aligned(True, 20, 2)
+
+
+@pytest.mark.parametrize("load_path", ["auto"], indirect=True)
 def test_expanded_and_overlapping_rows_load_through_pointers(load_path):
     """A tensor descriptor holds neither a row stride of 0 (an expanded view: every row the same
     memory) nor rows that overlap (a stride shorter than the row): "auto" keeps pointer loads for

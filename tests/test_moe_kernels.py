@@ -286,11 +286,11 @@ def test_grouped_weights_sliced_per_expert(path, grouped_launches):
     ``"kn"``: ``[E, K, N]`` out of 56 K rows); the row after each expert's slice is infinite, so a
     descriptor stepping past an expert's edge, or assuming the experts back to back, shows as inf /
     NaN or wrong numbers. Gated forward (gate and up halves) and the fused activation backward,
-    against float64, tail rows zeroed."""
+    against float64, tail rows zeroed; one expert with a stride a descriptor could not take."""
     from fusedpar.kernels import gemm_loads
     launches = grouped_launches
     g, dt = torch.Generator().manual_seed(43), torch.float16
-    E, H, N, K, offs = 3, 32, 24, 40, _offsets([29, 0, 18, 5])
+    E, H, N, K, offs = 3, 40, 24, 40, _offsets([29, 0, 18, 5])
     M = offs[-1] + 2
     w_full = randn(E, 80, H, dtype=dt, generator=g, scale=H ** -0.5)
     w_full[:, 8 + 2 * N] = float("inf")
@@ -307,9 +307,30 @@ def test_grouped_weights_sliced_per_expert(path, grouped_launches):
     assert_close(out[:offs[-1]], ref[:offs[-1]], dt, msg=path)
     assert (out[offs[-1]:] == 0).all(), "the tail rows after the last group are zeroed"
     _assert_activation_backward(got, pre, gy, w_kn, offs, dt, path)
+    # one expert: its stride is never stepped, whatever it is (a descriptor's must be aligned)
+    w_one = w_kn[:1].as_strided((1, K, N), (3, N, 1))
+    with gemm_loads.load_path_set(path):
+        one = grouped_matmul(gy, w_one, _offsets([M]), weight_layout="kn")
+    assert_close(one, gy.double() @ w_one[0].double(), dt, msg=f"{path} one expert")
     tma = path == "auto"
-    assert [(f["TMA"], f["W_KMAJOR"], f["W_STACKED"]) for _, f in launches] == [(tma, True, not tma),
-                                                                                 (tma, not tma, not tma)]
+    assert [(f["TMA"], f["W_KMAJOR"], f["W_STACKED"]) for _, f in launches] == [
+        (tma, True, not tma), (tma, not tma, not tma), (tma, not tma, not tma)]
+
+
+def test_grouped_gated_kn_weights_with_an_unaligned_up_half(grouped_launches):
+    """A gated forward on "kn" weights ``[E, K, 2N]`` loads each expert's up half N columns after
+    its gate, a box that must start on a 16-byte boundary: N = 20 fp16 (40 bytes) keeps pointer
+    loads, N = 24 takes TMA; both against float64."""
+    launches = grouped_launches
+    g, dt = torch.Generator().manual_seed(47), torch.float16
+    E, K, offs = 2, 32, _offsets([9, 0, 14])
+    x = randn(offs[-1], K, dtype=dt, generator=g)
+    for n in (20, 24):
+        w = randn(E, K, 2 * n, dtype=dt, generator=g, scale=K ** -0.5)
+        out = grouped_matmul(x, w, offs, weight_layout="kn", activation="swiglu")
+        ref = grouped_matmul_reference(x, w, offs, weight_layout="kn", activation="swiglu")
+        assert_close(out, ref, dt, msg=str(n))
+    assert [f["TMA"] for _, f in launches] == [False, True]
 
 
 def test_grouped_pointer_loads_for_expanded_rows_and_an_empty_contraction(grouped_launches):
