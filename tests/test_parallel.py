@@ -222,6 +222,7 @@ def test_init_parallel_joins_from_the_environment_without_torchelastic():
     finally:  # a rank left waiting at the rendezvous must not outlive the test
         for p in procs:
             p.kill()
+            p.wait()
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, err[-3000:]
         assert out.strip() == f"rank {r} of 2: tp {r} of 2, dp 1, sum 3.0", out
