@@ -47,14 +47,14 @@ TF32_FAMILIES = ("gemm", "persistent", "grouped", "flash", "linear_ce")
 
 def _estimates():
     """The prune rules' shared-memory estimate of each autotuned kernel (bytes per program)."""
-    from fusedpar.kernels import fp8_gemm, gemm, grouped_gemm
+    from fusedpar.kernels import fp8_gemm, gemm, grouped_gemm, persistent_config
 
     return {
         "_fp8_gemm_kernel": fp8_gemm.fp8_smem_estimate,
         "_gemm_kernel": gemm.smem_estimate,
         "_ce_stats_kernel": gemm.smem_estimate,  # the GEMM's main loop: the same shared memory
         "_ce_dlogits_kernel": gemm.smem_estimate,
-        "persistent_gemm_kernel": gemm.smem_estimate,
+        "persistent_gemm_kernel": persistent_config.smem_estimate,
         "_grouped_gemm_kernel": grouped_gemm.smem_estimate,
         "_grouped_wgrad_kernel": grouped_gemm.wgrad_smem_estimate,
         "_attn_fwd_kernel": flash_smem_estimate("fwd"),

@@ -10,14 +10,16 @@ B`` picks ``r`` from the measured local copy bandwidth so that the emulated link
 ``B`` GB/s (e.g. 360 for H100 NVLink); the emulated link bandwidth is printed. Rows report:
 
 * ``T_gemm``: the GEMM alone on already-gathered data (cuBLAS ``torch.matmul``, and our
-  persistent kernel without waits);
+  persistent kernel without waits, on pointer loads as the waiting kernel loads);
 * ``T_comm``: the chunk copies alone;
 * ``T_seq``: copies, then one cuBLAS GEMM (what ``all_gather`` + ``matmul`` does);
 * ``T_per_chunk``: ``fusedpar.ops.all_gather_matmul`` on the portable schedule: one fused-GEMM
   launch per chunk, each after its chunk's transfer;
 * ``T_persistent``: :func:`~fusedpar.ops.tensor_parallel.symmetric.all_gather_matmul_symmetric`: one persistent
   GEMM whose tiles wait on the per-chunk flags raised by the copy stream (``cuStreamWriteValue32``);
-* ``overlap_eff = (T_gemm + T_comm - T_persistent) / min(T_gemm, T_comm)``.
+* ``overlap_eff = (T_gemm + T_comm - T_persistent) / min(T_gemm, T_comm)``;
+* ``loads``: how the op's persistent GEMM loads its operands (``"pointer"`` for the waiting
+  all-gather GEMM; the reduce-scatter's, without waits, ``"tma"`` on sm_90).
 
 ``--fp8 rowwise|blockwise`` (default rowwise on a GPU; needs fp8 tensor cores): the fp8 all-gather
 ``fusedpar.ops.all_gather_matmul(..., fp8=recipe)`` (forward, no grad) on both transports:
@@ -159,7 +161,7 @@ def _ag_row(tokens, N, K, P, dtype, repeat, chunk_bytes, times, err, cfg):
 def run_ag(args, ctx):
     import torch
 
-    from fusedpar.kernels import chunk_view, persistent_matmul
+    from fusedpar.kernels import chunk_view, gemm_loads, persistent_matmul
     from fusedpar.ops import all_gather_matmul
     from fusedpar.ops.tensor_parallel.symmetric import all_gather_matmul_symmetric
     from fusedpar.ops.comm.transport import EmulatedTransport
@@ -174,8 +176,10 @@ def run_ag(args, ctx):
         gathered = x.unsqueeze(0).repeat(P, 1, 1, 1)
         out = torch.empty(1, tokens, N, device=ctx.device, dtype=dtype)
         full = torch.cat([x] * P, dim=1)
-        best = None if args.no_sweep else _best_config(
-            ctx, lambda cfg: persistent_matmul(gathered, w, out=chunk_view(out, 1, P), wait_mode="none", config=cfg))
+        # the sweep (waits off) on pointer loads, as the waiting GEMM loads (kernels/persistent_gemm.py)
+        with gemm_loads.load_path_set("pointer"):
+            best = None if args.no_sweep else _best_config(ctx, lambda cfg: persistent_matmul(
+                gathered, w, out=chunk_view(out, 1, P), wait_mode="none", config=cfg))
         cfg = best[0] if best else None
         chunk_bytes = rows * K * x.element_size()
         repeat = _link_repeat(args, ctx, lambda: _copy_chunks(gathered, x, order, 1), chunk_bytes, P)
@@ -200,13 +204,14 @@ def run_ag(args, ctx):
         check_close(sequential(), reference)
         times = {
             "T_gemm_cublas_ms": ctx.time_ms(lambda: torch.matmul(full, w.t())),
-            "T_gemm_persistent_ms": best[1] if best and best[0] is not None else ctx.time_ms(
-                lambda: persistent_matmul(gathered, w, out=chunk_view(out, 1, P), wait_mode="none")),
+            "T_gemm_persistent_ms": best[1] if best and best[0] is not None else _pointer_ms(
+                ctx, lambda: persistent_matmul(gathered, w, out=chunk_view(out, 1, P), wait_mode="none")),
             "T_comm_ms": ctx.time_ms(lambda: _copy_chunks(gathered, x, order, repeat)),
             "T_seq_ms": ctx.time_ms(sequential), "T_per_chunk_ms": ctx.time_ms(per_chunk),
             "T_persistent_ms": ctx.time_ms(persistent),
         }
-        rows_out.append(_ag_row(tokens, N, K, P, dtype, repeat, chunk_bytes, times, err, cfg))
+        rows_out.append(dict(_ag_row(tokens, N, K, P, dtype, repeat, chunk_bytes, times, err, cfg),
+                             loads=_persistent_loads(persistent)))
         rows_out[-1].update(_fp8_columns(args, ctx, lambda t, r: all_gather_matmul(x, w, transport=t, fp8=r), symm,
                                          ring, times["T_persistent_ms"]))
     if ctx.smoke:
@@ -238,6 +243,22 @@ def _fp8_columns(args, ctx, op, symm, ring, t_bf16) -> dict:
     t_symm, t_ring = ctx.time_ms(lambda: run(symm)), ctx.time_ms(lambda: run(ring))
     return {"fp8": recipe, "T_persistent_fp8_ms": t_symm, "T_per_chunk_fp8_ms": t_ring,
             "fp8_speedup_vs_per_chunk": t_ring / t_symm, "fp8_speedup_vs_bf16": t_bf16 / t_symm, "fp8_rel_err": err}
+
+
+def _pointer_ms(ctx, fn):
+    from fusedpar.kernels.gemm_loads import load_path_set
+    with load_path_set("pointer"):
+        return ctx.time_ms(fn)
+
+
+def _persistent_loads(call):
+    """How the op's persistent GEMM loaded in a fresh launch of ``call`` (a launch plan's hit
+    records nothing): ``"tma"`` or ``"pointer"``."""
+    from fusedpar.kernels.gemm_loads import last_launch
+    from fusedpar.kernels.launch import clear_plans
+    clear_plans()
+    call()
+    return last_launch("persistent_matmul").get("loads", "pointer")
 
 
 def _cfg_name(cfg):
@@ -309,7 +330,8 @@ def run_rs(args, ctx):
             err = check_close(persistent(), reference)
             times = dict(T_gemm_cublas_ms=t_gemm, T_seq_ms=t_seq, T_per_chunk_ms=t_chunk,
                          T_persistent_ms=ctx.time_ms(persistent))
-            rows_out.append(_rs_row(tokens, N, K, P, dtype, partial_dtype, sms if ctx.gpu else "n/a", times, err, cfg))
+            rows_out.append(dict(_rs_row(tokens, N, K, P, dtype, partial_dtype, sms if ctx.gpu else "n/a", times, err,
+                                         cfg), loads=_persistent_loads(persistent)))
         rows_out[-1].update(_fp8_columns(args, ctx, lambda t, r: matmul_reduce_scatter(
             x, w, transport=t, partial_dtype=partial_dtype, fp8=r), symm, ring, rows_out[-1]["T_persistent_ms"]))
     if ctx.smoke:

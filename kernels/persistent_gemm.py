@@ -48,10 +48,11 @@ from .checks import (check_buffer, check_choice, check_float_tensor, check_int, 
 from .fp8 import FP8_BLOCK, check_fp8_device, rne_for_store
 from .fp8_gemm import FP8_PROMOTE_K, SCALINGS
 from .gemm import linear_operands, matmul_reference
-from .gemm_core import gemm_epilogue, gemm_mainloop, grouped_tile
+from .gemm_core import gemm_epilogue, gemm_mainloop, grouped_tile, operand_descriptors
+from .gemm_loads import ensure_scratch_allocator, note_launch
 from .launch import PlanCache, describe, exact_ints, launch_planned
 from .persistent_config import (CONFIG_KEYS, INTERPRETER_PROGRAMS, check_config, default_num_programs, gpu_config,
-                                kernel_config)
+                                kernel_config, tma_weight_major)
 from .runtime import RowView, cdiv, input_precision, interpreting, needs_upcast, on_device, row_offsets
 from .waits import (WaitTimeout, behind, check_wait_timeouts, ready_word, spin_bound, status_word, wait_ready,
                     wait_timeouts)
@@ -78,16 +79,21 @@ def persistent_gemm_kernel(
     UPCAST: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     FP8: tl.constexpr, BLOCKWISE: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr,
     WAIT: tl.constexpr, SIGNAL: tl.constexpr, LOG: tl.constexpr, MAX_SPIN: tl.constexpr,
+    TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Every tile of every chunk from ``first_chunk`` on: the flag wait (a flag is ready at the
     value of the device word ``*ready_ptr``, read once per program: no host value in the launch),
     ``gemm_mainloop`` (``FP8``: with the scales), ``gemm_epilogue``, the store, the release of
-    the chunk's counter."""
+    the chunk's counter. ``TMA`` (no flag waits: a load through a descriptor after an acquire
+    would need a proxy fence): A's chunks as one stack ``[num_chunks * ROWS, K]`` and the weight
+    (``B_KMAJOR``: ``[N_w, K]``, else ``[K, N_w]``) through tensor descriptors; a tile reaching
+    past its chunk's rows reads the next chunk's, which feed only rows it does not store."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not FP8 or BLOCK_K == 128, "fp8 steps K one 128-wide scale block at a time")
     tl.static_assert(WAIT >= 0 and WAIT <= 2, "WAIT: 0 none, 1 spin, 2 skip")
     tl.static_assert(ACT >= 0 and ACT <= 4, "unknown activation code")
+    tl.static_assert(not TMA or (WAIT == 0 and not A_M_SPLIT), "TMA: no flag waits, A's chunks one 2-D stack")
 
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -96,6 +102,10 @@ def persistent_gemm_kernel(
     per_chunk = num_pid_m * num_pid_n
     total = per_chunk * num_chunks
     ready_value = tl.load(ready_ptr)  # written by stream-ordered work before the launch
+    a_desc, b_desc = a_ptr, b_ptr  # (unused by pointer loads)
+    if TMA:
+        a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, num_chunks * ROWS, N + glu_offset, K, s_am1, s_ak, s_bk,
+                                             s_bn, True, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
     # The outer loop is deliberately a plain range (no flattening/pipelining across tiles): a
     # prefetch of the next tile's A would be hoisted above that tile's flag wait.
     for tile in range(pid, total, num_programs):
@@ -124,12 +134,15 @@ def persistent_gemm_kernel(
                     a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K, 1, 0, s_ak, 1, 0, s_bk,
                     False, False, GLU, False, EVEN_K, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
                     sa_rows=sa_ptr + sa_rows, sb_cols=sb_ptr + (rn // rows_per_scale).to(tl.int64) * s_sbn,
+                    a_desc=a_desc, b_desc=b_desc, m0=chunk * ROWS + pid_m * BLOCK_M, n0=pid_n * BLOCK_N,
+                    glu_offset=glu_offset, TMA=TMA, A_KMAJOR=True, B_KMAJOR=B_KMAJOR,
                     sb_up=sb_ptr + ((rn + glu_offset) // rows_per_scale).to(tl.int64) * s_sbn, s_sak=s_sak,
                     s_sbk=s_sbk, SCALING=2 if BLOCKWISE else 1, PROMOTE_K=PROMOTE_K)
             else:
                 acc, acc_up = gemm_mainloop(
                     a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K, 1, 0, s_ak, 1, 0, s_bk,
-                    False, False, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                    False, False, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                    a_desc, b_desc, chunk * ROWS + pid_m * BLOCK_M, pid_n * BLOCK_N, glu_offset, TMA, True, B_KMAJOR)
             out_mask = m_mask[:, None] & n_mask[None, :]
             x_off = chunk64 * s_x_chunk + row_offsets(rm, x_m_inner, s_xm0, s_xm1, X_M_SPLIT)[:, None] \
                 + rn.to(tl.int64)[None, :] * s_xn
@@ -298,7 +311,7 @@ def _persistent_tensors(a, weight, out, bias, preact_out, sa, sb, wait_flags, si
             out if tile_log is None else tile_log, status_word(a.device), ready)
 
 
-def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mode, wait_flags, ready,
+def _launch_persistent(a, weight, out, ops, cfg, scales, b_kmajor, *, first_chunk, wait_mode, wait_flags, ready,
                        signal_counters, preact_out, tile_log, num_programs, max_spin, total, plan_key=None):
     a_r, c_r = _chunk_rows(a), _chunk_rows(out)
     x_r = _chunk_rows(preact_out) if preact_out is not None else RowView(1, 0, 0, False)
@@ -323,11 +336,15 @@ def _launch_persistent(a, weight, out, ops, cfg, scales, *, first_chunk, wait_mo
         WAIT=WAIT_MODES[wait_mode], SIGNAL=signal_counters is not None, LOG=tile_log is not None,
         MAX_SPIN=spin_bound(max_spin), **cfg,
     )
+    meta.update(TMA=b_kmajor is not None, B_KMAJOR=bool(b_kmajor))
+    if b_kmajor is not None and not interpreting():
+        ensure_scratch_allocator()
     grid = (min(num_programs, total),)
     with on_device(a.device):
         plan = launch_planned(_PLANS, plan_key, persistent_gemm_kernel, grid, args, meta)
     if plan is not None:
-        plan.extra = (out.shape, out.dtype)
+        plan.extra = (out.shape, out.dtype, b_kmajor is not None)
+    note_launch("persistent_matmul", None, cfg, b_kmajor is not None)
 
 
 #: the launch plans of :func:`persistent_matmul` and :func:`chunk_reduce`, keyed on their calls
@@ -359,6 +376,8 @@ def _planned_persistent(plan, a, weight, bias, out, wait_flags, ready_value, sig
         out = torch.empty(plan.extra[0], dtype=plan.extra[1], device=a.device)
     ready = ready_word(a.device, ready_value) if type(ready_value) is int else ready_value
     sa, sb = (out, out) if a_scale is None else (a_scale, weight_scale)
+    if plan.extra[2]:
+        ensure_scratch_allocator()
     if plan.launch(_persistent_tensors(a, weight, out, bias, preact_out, sa, sb, wait_flags, signal_counters,
                                        tile_log, ready)):
         return out
@@ -425,6 +444,7 @@ def persistent_matmul(
     if config is not None and not interpreting():
         check_config(config, a, ops, preact_out is not None)
     cfg = kernel_config(config, ops.n, a.dtype, ops.glu)
+    b_kmajor = tma_weight_major(a, weight, ops, wait_mode, scales is not None, cfg, preact_out is not None)
     if scales is not None and cfg["BLOCK_K"] != FP8_BLOCK:
         raise ValueError(f"config['BLOCK_K'] must be {FP8_BLOCK} for fp8 operands (one scale block per step), "
                          f"got {cfg['BLOCK_K']}")
@@ -439,7 +459,7 @@ def persistent_matmul(
         return out
     if ops.k == 0:
         raise ValueError("a must have K > 0 features (an empty contraction has nothing to overlap), got K=0")
-    _launch_persistent(a, weight, out, ops, cfg, scales, first_chunk=first_chunk, wait_mode=wait_mode,
+    _launch_persistent(a, weight, out, ops, cfg, scales, b_kmajor, first_chunk=first_chunk, wait_mode=wait_mode,
                        wait_flags=wait_flags, ready=ready, signal_counters=signal_counters,
                        preact_out=preact_out, tile_log=tile_log, num_programs=num_programs, max_spin=max_spin,
                        total=total, plan_key=key if ops.bias is bias else None)

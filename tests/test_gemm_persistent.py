@@ -386,7 +386,7 @@ _COMPILE_CHECK = textwrap.dedent(
         src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
-    NO_FP8 = dict(SA_M_SPLIT=False, FP8=False, BLOCKWISE=False, EMULATE=False, PROMOTE_K=128)
+    NO_FP8 = dict(SA_M_SPLIT=False, FP8=False, BLOCKWISE=False, EMULATE=False, PROMOTE_K=128, TMA=False, B_KMAJOR=True)
     bf16 = {n: "*bf16" for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "aux_ptr")}
     k = comp(pg.persistent_gemm_kernel,
              dict(A_M_SPLIT=False, C_M_SPLIT=True, X_M_SPLIT=False, HAS_BIAS=True, STORE_AUX=False, ACT=0,
@@ -430,6 +430,17 @@ _COMPILE_CHECK = textwrap.dedent(
              {"N"}, {"src_ptr": "*fp32", "peer_off_ptr": "*i64", "count_off_ptr": "*i64", "out_ptr": "*bf16",
                      "acc_ptr": "*fp32", "bias_ptr": "*bf16"}, dict(num_warps=4))
     print("REDUCE_ACQUIRE", "ld.global.sys.acquire" in k.asm["ptx"])
+    # the reduce-scatter side (no waits) on TMA: descriptor loads into wgmma, the release after the stores
+    k = comp(pg.persistent_gemm_kernel,
+             dict(NO_FP8, A_M_SPLIT=False, C_M_SPLIT=False, X_M_SPLIT=False, HAS_BIAS=False, STORE_AUX=False, ACT=0,
+                  GLU=False, UPCAST=False, EVEN_K=True, INPUT_PRECISION="ieee", WAIT=0, SIGNAL=True, LOG=False,
+                  MAX_SPIN=1 << 27, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, s_ak=1, s_bk=1, s_cn=1,
+                  TMA=True),
+             {"s_am1", "s_bn", "s_cm1", "K", "N", "ROWS", "s_a_chunk", "s_c_chunk"}, bf16,
+             dict(num_warps=8, num_stages=4))
+    ptx = k.asm["ptx"]
+    print("TMA_RS", "cp.async.bulk.tensor" in ptx and "wgmma" in ptx and ".sys.release" in ptx
+          and "cp.async.cg" not in ptx)
     """
 )
 
@@ -440,7 +451,8 @@ def test_compiles_for_sm90_with_acquire_release_and_pipelining():
     specialised like a real launch): the flag wait lowers to a system-scope acquire, no load is
     hoisted above it, the completion signal lowers to a system-scope release, the K loop keeps
     wgmma + async copies (fp8 operands: e4m3 wgmma, both recipes, loads after the wait); the
-    skip/gated/pre-activation variant and the chunk_reduce consumer compile too."""
+    skip/gated/pre-activation variant and the chunk_reduce consumer compile too; the
+    reduce-scatter side on TMA loads (no cp.async) still releases its counters."""
     try:
         from triton.backends.nvidia import compiler  # noqa: F401
     except ImportError:
@@ -452,7 +464,7 @@ def test_compiles_for_sm90_with_acquire_release_and_pipelining():
     lines = dict(line.split() for line in res.stdout.splitlines() if line.split()[0].isupper())
     assert lines == {"ACQUIRE": "True", "RELEASE": "True", "WGMMA": "True", "PIPELINED": "True", "LOADS_AFTER_WAIT": "True",
                      "SKIP_GLU_AUX": "True", "FP8_WGMMA_ROWWISE": "True", "FP8_WGMMA_BLOCKWISE": "True",
-                     "REDUCE_ACQUIRE": "True"}, res.stdout
+                     "REDUCE_ACQUIRE": "True", "TMA_RS": "True"}, res.stdout
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="smoke mode of the CLI (the GPU run is a benchmark, not a test)")

@@ -1,0 +1,152 @@
+"""The persistent GEMM's two load paths (kernels/persistent_gemm.py): tensor descriptors (TMA)
+for a launch without flag waits over A's chunks as one stack (the reduce-scatter side: its A is
+the local activation, ordered before the launch by the stream), pointer loads for everything
+else; both against float64 into NaN-poisoned outputs, and bit-equal under the interpreter (the
+same dots on both paths). Chunks of 26 rows over 16- and 32-row tiles: a tile reaches past its
+chunk's rows into the next chunk's, which must feed only rows it does not store."""
+import pytest
+import torch
+
+from _utils import DEVICE, INTERPRETED, assert_close, poison, randn
+from fusedpar.kernels import fp8_matmul, gemm_loads
+from fusedpar.kernels.persistent_gemm import (chunk_view, kernel_config, persistent_matmul,
+                                              persistent_matmul_reference, tiles_per_chunk)
+from test_gemm_persistent import _fp8_operands, assert_fp8_matches
+
+I32 = torch.int32
+
+
+def _loads():
+    return gemm_loads.last_launch("persistent_matmul")["loads"]
+
+
+def _on_both_paths(call):
+    """``call()`` on the "auto" path, then on pointer loads: ``{path: (result, loads)}``."""
+    got = {}
+    for path in ("auto", "pointer"):
+        with gemm_loads.load_path_set(path):
+            got[path] = (call(), _loads())
+    return got
+
+
+def _agree(got, tma):
+    """The "auto" path loaded by TMA iff ``tma`` (a GPU: sm_90 16-bit / e4m3 operands only), the
+    pointer path by pointers, and interpreted both gave the same bits."""
+    assert got["pointer"][1] == "pointer"
+    assert got["auto"][1] == ("tma" if tma and gemm_loads.tma_capable(torch.device(DEVICE), 2) else "pointer")
+    if INTERPRETED:
+        for a, b in zip(got["auto"][0], got["pointer"][0]):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_reduce_scatter_side_loads_by_tma(dtype):
+    """2-D chunks ``[C, 26, K]`` back to back (one stack), bias + gelu, the counters signalled,
+    the first chunk not 0; then a gated weight stored ``[K, 2F]`` (contiguous along N: the
+    transposed descriptor, its up half F = 24 columns on a 16-byte boundary) with the fp32
+    pre-activation. TMA on "auto", both paths right."""
+    g = torch.Generator().manual_seed(71)
+    C, sc, K, N, F = 3, 26, 48, 37, 24
+    a = randn(C * sc, K, dtype=dtype, generator=g).to(DEVICE)
+    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5).to(DEVICE)
+    bias = randn(N, dtype=dtype, generator=g).to(DEVICE)
+    w_kn = randn(K, 2 * F, dtype=dtype, generator=g, scale=K ** -0.5).to(DEVICE)
+
+    def plain():
+        out, counters = poison((C * sc, N), dtype, DEVICE), torch.zeros(C, dtype=I32, device=DEVICE)
+        persistent_matmul(chunk_view(a, 0, C), w, bias, first_chunk=1, out=chunk_view(out, 0, C), activation="gelu",
+                          wait_mode="none", signal_counters=counters)
+        return out, counters
+
+    def gated():
+        out, pre = poison((C, sc, F), dtype, DEVICE), poison((C, sc, 2 * F), torch.float32, DEVICE)
+        persistent_matmul(chunk_view(a, 0, C), w_kn.t(), out=out, activation="swiglu", preact_out=pre,
+                          wait_mode="none")
+        return out, pre
+
+    got = _on_both_paths(plain)
+    _agree(got, True)
+    per = tiles_per_chunk(sc, N, kernel_config(None, N, dtype))
+    for out, counters in (got["auto"][0], got["pointer"][0]):
+        assert_close(out, persistent_matmul_reference(a, w, bias, activation="gelu"), dtype, msg="gelu")
+        assert counters.tolist() == [per] * C
+    got = _on_both_paths(gated)
+    _agree(got, True)
+    for out, pre in (got["auto"][0], got["pointer"][0]):
+        ref_pre = persistent_matmul_reference(a, w_kn.t())
+        assert_close(pre.reshape(C * sc, 2 * F), ref_pre, dtype, msg="pre-activation")
+        assert_close(out.reshape(C * sc, F), persistent_matmul_reference(a, w_kn.t(), activation="swiglu"), dtype,
+                     msg="swiglu")
+
+
+def test_what_keeps_pointer_loads():
+    """Pointer loads, right numbers: flag waits (``"spin"``, flags ready; ``"skip"``), a split
+    ``[batch, seq-chunk]`` view, chunks not back to back (26 rows of every 29), rows of 90 bytes
+    (K = 45 fp16), a gated weight contiguous along N whose up half starts 40 bytes in (F = 20);
+    the same operands without the obstacle: TMA."""
+    g = torch.Generator().manual_seed(73)
+    dt, C, sc, K, N = torch.float16, 3, 26, 48, 40
+    w = randn(N, K, dtype=dt, generator=g, scale=K ** -0.5).to(DEVICE)
+    a = randn(C * sc, K, dtype=dt, generator=g).to(DEVICE)
+    ready = torch.ones(C, dtype=I32, device=DEVICE)
+    gapped = randn(C, sc + 3, K, dtype=dt, generator=g).to(DEVICE)[:, :sc]
+    x3 = randn(2, C * 13, K, dtype=dt, generator=g).to(DEVICE)
+    a45, w45 = randn(C * sc, 45, dtype=dt, generator=g).to(DEVICE), randn(N, 45, dtype=dt, generator=g).to(DEVICE)
+    w_kn = randn(K, N, dtype=dt, generator=g, scale=K ** -0.5).to(DEVICE)  # [K, 2F], F = 20
+    cases = [
+        ("spin", chunk_view(a, 0, C), w, dict(wait_flags=ready), "none", a, False),
+        ("skip", chunk_view(a, 0, C), w, dict(wait_flags=ready, wait_mode="skip"), "none", a, False),
+        ("split view", chunk_view(x3, 1, C), w, dict(wait_mode="none"), "none", x3, False),
+        ("gapped chunks", gapped, w, dict(wait_mode="none"), "none", gapped.reshape(C * sc, K), False),
+        ("90-byte rows", chunk_view(a45, 0, C), w45, dict(wait_mode="none"), "none", a45, False),
+        ("up half 40 bytes in", chunk_view(a, 0, C), w_kn.t(), dict(wait_mode="none"), "swiglu", a, False),
+        ("plain", chunk_view(a, 0, C), w, dict(wait_mode="none"), "none", a, True),
+    ]
+    for name, chunks, weight, kw, act, full, tma in cases:
+        y = persistent_matmul(chunks, weight, activation=act, **kw)
+        assert _loads() == ("tma" if tma and gemm_loads.tma_capable(torch.device(DEVICE), 2) else "pointer"), name
+        ref = persistent_matmul_reference(full, weight, activation=act)
+        if name == "split view":  # chunk-major output of [batch, seq] chunks along seq
+            ref = chunk_view(ref, 1, C)
+        assert_close(y.reshape(ref.shape), ref, dt, msg=name)
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_fp8_reduce_scatter_side_on_both_paths(scaling):
+    """e4m3 chunk-major operands (both contiguous along K), K = 208 (a ragged last scale block),
+    bias, no waits: TMA on "auto" (a GPU: sm_90), bit-equal to the pointer path interpreted,
+    and to ``fp8_matmul`` on the same operands."""
+    if DEVICE.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 tensor cores")
+    C, r, K, N = 3, 26, 208, 45
+    xq, xs, wq, ws, bias = _fp8_operands(scaling, C, r, K, N, seed=75)
+    got = _on_both_paths(lambda: (persistent_matmul(xq, wq, bias, a_scale=xs, weight_scale=ws, scaling=scaling,
+                                                    wait_mode="none", out=poison((C, r, N), torch.float32, DEVICE)),))
+    _agree(got, True)
+    expected = fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, out_dtype=torch.float32)
+    for (out,), _ in got.values():
+        assert_fp8_matches(out, expected, scaling, xq, xs, wq, ws, bias, scaling)
+
+
+def test_compiled_choice_follows_the_prune_rules(monkeypatch):
+    """Compiled (sm_90 stand-ins, no launch): the default 128x128 tile with a fused epilogue over
+    N not a multiple of 16 (gelu, N = 37) passes pointer loads' rule but not TMA's (which holds
+    32 accumulator elements per thread there): pointer loads; N = 64, or no activation: TMA;
+    flag waits: pointer loads whatever the tile."""
+    from fusedpar.kernels import gemm_configs, persistent_config
+    from fusedpar.kernels.gemm import linear_operands
+
+    monkeypatch.setattr(persistent_config, "shared_memory_limit", lambda index=0: 232448)
+    monkeypatch.setattr(gemm_configs, "device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(persistent_config, "interpreting", lambda: False)
+    monkeypatch.setattr(persistent_config, "tma_capable", lambda device, elem_size: True)
+    a = torch.empty(4, 64, 4096, dtype=torch.bfloat16, device="meta")
+    for act, n, wait, tma in (("gelu", 37, "none", False), ("gelu", 64, "none", True), ("none", 37, "none", True),
+                              ("none", 64, "spin", False)):
+        w = torch.empty(n, 4096, dtype=torch.bfloat16)
+        ops = linear_operands(torch.empty(64, 4096, dtype=torch.bfloat16), w, activation=act)
+        cfg = persistent_config.gpu_config(ops.n, torch.bfloat16, ops.glu)
+        assert (persistent_config.config_problem(cfg, a, ops, False, tma=True) is None) == (n % 16 == 0 or act == "none")
+        assert persistent_config.config_problem(cfg, a, ops, False) is None
+        got = persistent_config.tma_weight_major(a, w, ops, wait, False, cfg, False)
+        assert (got is not None) == tma, (act, n, wait)
