@@ -14,7 +14,9 @@ with two load paths, a constexpr ``TMA`` chosen here per launch:
   too). e4m3 operands need both operands contiguous along K (fp8 wgmma reads only K-major tiles).
   A gated weight contiguous along N needs its up half's first column on a 16-byte boundary
   (:func:`up_half_aligned`). The grouped GEMM's experts' weights are one 2-D stack, or 3-D
-  descriptors with the expert stride (``grouped_gemm._weight_tma``'s rule).
+  descriptors with the expert stride (``grouped_gemm._weight_tma``'s rule). The persistent TP
+  GEMM takes TMA only without flag waits, over its chunks as one stack
+  (``persistent_config.tma_weight_major``).
 * **Pointer loads** for everything else (sm_80, strides that are not multiples of 16 bytes, an
   unaligned base, split row views): the pre-Hopper path, ``cp.async`` where loads vectorise.
 
@@ -25,7 +27,8 @@ capability test for its streamed tiles. It is not persistent, so its scratch gro
 TMA launches are *persistent*: :func:`num_programs` programs (one per SM; under the interpreter
 :data:`INTERPRETER_PROGRAMS`, so its tests run tile loops that wrap) walk the output tiles in
 grouped order; pointer launches keep one program per tile (a tile loop around their main loop
-costs registers: 224 B of spills at 256 x 128 with an accumulated split-row output on sm_90).
+costs registers: 224 B of spills at 256 x 128 with an accumulated split-row output on sm_90), but
+for the persistent TP GEMM's, persistent on both paths (its own fixed grid, :mod:`.persistent_gemm`).
 
 Device-side descriptors need a per-launch global scratch (128 bytes per descriptor and program,
 written by the kernel): Triton's launcher asks ``triton.set_allocator``'s allocator for it on

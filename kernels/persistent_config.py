@@ -15,8 +15,8 @@ from .gemm_loads import tma_capable, tma_layout
 from .runtime import (RowView, input_precision, interpreting, multiprocessor_count, shared_memory_limit,
                       tile_config_problem)
 
-__all__ = ["CONFIG_KEYS", "INTERPRETER_PROGRAMS", "check_config", "config_problem", "default_num_programs",
-           "gpu_config", "kernel_config", "smem_estimate", "tma_weight_major"]
+__all__ = ["CONFIG_KEYS", "INTERPRETER_PROGRAMS", "check_config", "default_num_programs", "gpu_config",
+           "kernel_config", "smem_estimate", "tma_weight_major"]
 
 # Programs of one interpreted launch: small, but more than one so that the persistent loop
 # (several tiles per program, strided by the grid size) is exercised.

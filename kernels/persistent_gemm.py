@@ -444,7 +444,6 @@ def persistent_matmul(
     if config is not None and not interpreting():
         check_config(config, a, ops, preact_out is not None)
     cfg = kernel_config(config, ops.n, a.dtype, ops.glu)
-    b_kmajor = tma_weight_major(a, weight, ops, wait_mode, scales is not None, cfg, preact_out is not None)
     if scales is not None and cfg["BLOCK_K"] != FP8_BLOCK:
         raise ValueError(f"config['BLOCK_K'] must be {FP8_BLOCK} for fp8 operands (one scale block per step), "
                          f"got {cfg['BLOCK_K']}")
@@ -459,6 +458,7 @@ def persistent_matmul(
         return out
     if ops.k == 0:
         raise ValueError("a must have K > 0 features (an empty contraction has nothing to overlap), got K=0")
+    b_kmajor = tma_weight_major(a, weight, ops, wait_mode, scales is not None, cfg, preact_out is not None)
     _launch_persistent(a, weight, out, ops, cfg, scales, b_kmajor, first_chunk=first_chunk, wait_mode=wait_mode,
                        wait_flags=wait_flags, ready=ready, signal_counters=signal_counters,
                        preact_out=preact_out, tile_log=tile_log, num_programs=num_programs, max_spin=max_spin,

@@ -7,7 +7,7 @@ chunk's rows into the next chunk's, which must feed only rows it does not store.
 import pytest
 import torch
 
-from _utils import DEVICE, INTERPRETED, assert_close, poison, randn
+from _utils import DEVICE, DTYPES, INTERPRETED, assert_close, poison, randn
 from fusedpar.kernels import fp8_matmul, gemm_loads
 from fusedpar.kernels.persistent_gemm import (chunk_view, kernel_config, persistent_matmul,
                                               persistent_matmul_reference, tiles_per_chunk)
@@ -29,54 +29,59 @@ def _on_both_paths(call):
     return got
 
 
-def _agree(got, tma):
-    """The "auto" path loaded by TMA iff ``tma`` (a GPU: sm_90 16-bit / e4m3 operands only), the
-    pointer path by pointers, and interpreted both gave the same bits."""
+def _agree(got, dtype):
+    """The "auto" path loaded by TMA (on a GPU: sm_90 with 16-bit or e4m3 operands), the pointer
+    path by pointers, and interpreted both gave the same bits."""
     assert got["pointer"][1] == "pointer"
-    assert got["auto"][1] == ("tma" if tma and gemm_loads.tma_capable(torch.device(DEVICE), 2) else "pointer")
+    assert got["auto"][1] == ("tma" if gemm_loads.tma_capable(DEVICE, dtype.itemsize) else "pointer")
     if INTERPRETED:
         for a, b in zip(got["auto"][0], got["pointer"][0]):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_reduce_scatter_side_loads_by_tma(dtype):
-    """2-D chunks ``[C, 26, K]`` back to back (one stack), bias + gelu, the counters signalled,
-    the first chunk not 0; then a gated weight stored ``[K, 2F]`` (contiguous along N: the
-    transposed descriptor, its up half F = 24 columns on a 16-byte boundary) with the fp32
-    pre-activation. TMA on "auto", both paths right."""
+    """The reduce-scatter's layout: a ``[1, seq, K]`` activation chunked along seq (a 4-D view
+    whose chunks are one stack) into NaN-poisoned partials, bias, N = 37 (ragged), the counters
+    signalled, the first chunk not 0; then gelu over N = 48; then gated weights, ``[2F, K]`` and
+    stored ``[K, 2F]`` (contiguous along N: the transposed descriptor, its up half F = 32 columns
+    on a 16-byte boundary), with the fp32 pre-activation. TMA on "auto", both paths right."""
     g = torch.Generator().manual_seed(71)
-    C, sc, K, N, F = 3, 26, 48, 37, 24
-    a = randn(C * sc, K, dtype=dtype, generator=g).to(DEVICE)
-    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5).to(DEVICE)
-    bias = randn(N, dtype=dtype, generator=g).to(DEVICE)
-    w_kn = randn(K, 2 * F, dtype=dtype, generator=g, scale=K ** -0.5).to(DEVICE)
+    C, sc, K, F = 3, 26, 48, 32
+    x = randn(1, C * sc, K, dtype=dtype, generator=g).to(DEVICE)
+    w37, w48 = (randn(n, K, dtype=dtype, generator=g, scale=K ** -0.5).to(DEVICE) for n in (37, 48))
+    bias = randn(37, dtype=dtype, generator=g).to(DEVICE)
+    w_gated = randn(2 * F, K, dtype=dtype, generator=g, scale=K ** -0.5).to(DEVICE)
 
     def plain():
-        out, counters = poison((C * sc, N), dtype, DEVICE), torch.zeros(C, dtype=I32, device=DEVICE)
-        persistent_matmul(chunk_view(a, 0, C), w, bias, first_chunk=1, out=chunk_view(out, 0, C), activation="gelu",
-                          wait_mode="none", signal_counters=counters)
+        out, counters = poison((C, 1, sc, 37), dtype, DEVICE), torch.zeros(C, dtype=I32, device=DEVICE)
+        persistent_matmul(chunk_view(x, 1, C), w37, bias, first_chunk=1, out=out, wait_mode="none",
+                          signal_counters=counters)
         return out, counters
 
-    def gated():
-        out, pre = poison((C, sc, F), dtype, DEVICE), poison((C, sc, 2 * F), torch.float32, DEVICE)
-        persistent_matmul(chunk_view(a, 0, C), w_kn.t(), out=out, activation="swiglu", preact_out=pre,
-                          wait_mode="none")
-        return out, pre
-
     got = _on_both_paths(plain)
-    _agree(got, True)
-    per = tiles_per_chunk(sc, N, kernel_config(None, N, dtype))
+    _agree(got, dtype)
+    per = tiles_per_chunk(sc, 37, kernel_config(None, 37, dtype))
     for out, counters in (got["auto"][0], got["pointer"][0]):
-        assert_close(out, persistent_matmul_reference(a, w, bias, activation="gelu"), dtype, msg="gelu")
+        assert_close(out, chunk_view(persistent_matmul_reference(x, w37, bias), 1, C), dtype, msg="bias")
         assert counters.tolist() == [per] * C
-    got = _on_both_paths(gated)
-    _agree(got, True)
-    for out, pre in (got["auto"][0], got["pointer"][0]):
-        ref_pre = persistent_matmul_reference(a, w_kn.t())
-        assert_close(pre.reshape(C * sc, 2 * F), ref_pre, dtype, msg="pre-activation")
-        assert_close(out.reshape(C * sc, F), persistent_matmul_reference(a, w_kn.t(), activation="swiglu"), dtype,
-                     msg="swiglu")
+    got = _on_both_paths(lambda: (persistent_matmul(chunk_view(x, 1, C), w48, activation="gelu", wait_mode="none",
+                                                    out=poison((C, 1, sc, 48), dtype, DEVICE)),))
+    _agree(got, dtype)
+    for (out,), _ in got.values():
+        assert_close(out, chunk_view(persistent_matmul_reference(x, w48, activation="gelu"), 1, C), dtype, msg="gelu")
+    for w in (w_gated, w_gated.t().contiguous().t()):
+        def gated(w=w):
+            out, pre = poison((C, 1, sc, F), dtype, DEVICE), poison((C, 1, sc, 2 * F), torch.float32, DEVICE)
+            persistent_matmul(chunk_view(x, 1, C), w, out=out, activation="swiglu", preact_out=pre, wait_mode="none")
+            return out, pre
+
+        got = _on_both_paths(gated)
+        _agree(got, dtype)
+        for out, pre in (got["auto"][0], got["pointer"][0]):
+            assert_close(pre, chunk_view(persistent_matmul_reference(x, w), 1, C), dtype, msg="pre-activation")
+            assert_close(out, chunk_view(persistent_matmul_reference(x, w, activation="swiglu"), 1, C), dtype,
+                         msg=f"swiglu, weight strides {w.stride()}")
 
 
 def test_what_keeps_pointer_loads():
@@ -104,7 +109,7 @@ def test_what_keeps_pointer_loads():
     ]
     for name, chunks, weight, kw, act, full, tma in cases:
         y = persistent_matmul(chunks, weight, activation=act, **kw)
-        assert _loads() == ("tma" if tma and gemm_loads.tma_capable(torch.device(DEVICE), 2) else "pointer"), name
+        assert _loads() == ("tma" if tma and gemm_loads.tma_capable(DEVICE, 2) else "pointer"), name
         ref = persistent_matmul_reference(full, weight, activation=act)
         if name == "split view":  # chunk-major output of [batch, seq] chunks along seq
             ref = chunk_view(ref, 1, C)
@@ -122,7 +127,7 @@ def test_fp8_reduce_scatter_side_on_both_paths(scaling):
     xq, xs, wq, ws, bias = _fp8_operands(scaling, C, r, K, N, seed=75)
     got = _on_both_paths(lambda: (persistent_matmul(xq, wq, bias, a_scale=xs, weight_scale=ws, scaling=scaling,
                                                     wait_mode="none", out=poison((C, r, N), torch.float32, DEVICE)),))
-    _agree(got, True)
+    _agree(got, torch.float8_e4m3fn)
     expected = fp8_matmul(xq, xs, wq, ws, bias, scaling=scaling, out_dtype=torch.float32)
     for (out,), _ in got.values():
         assert_fp8_matches(out, expected, scaling, xq, xs, wq, ws, bias, scaling)
@@ -143,8 +148,8 @@ def test_compiled_choice_follows_the_prune_rules(monkeypatch):
     a = torch.empty(4, 64, 4096, dtype=torch.bfloat16, device="meta")
     for act, n, wait, tma in (("gelu", 37, "none", False), ("gelu", 64, "none", True), ("none", 37, "none", True),
                               ("none", 64, "spin", False)):
-        w = torch.empty(n, 4096, dtype=torch.bfloat16)
-        ops = linear_operands(torch.empty(64, 4096, dtype=torch.bfloat16), w, activation=act)
+        w = torch.empty(n, 4096, dtype=torch.bfloat16, device=DEVICE)  # (linear_operands: the kernels' device)
+        ops = linear_operands(torch.empty(64, 4096, dtype=torch.bfloat16, device=DEVICE), w, activation=act)
         cfg = persistent_config.gpu_config(ops.n, torch.bfloat16, ops.glu)
         assert (persistent_config.config_problem(cfg, a, ops, False, tma=True) is None) == (n % 16 == 0 or act == "none")
         assert persistent_config.config_problem(cfg, a, ops, False) is None

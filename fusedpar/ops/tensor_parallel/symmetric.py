@@ -42,6 +42,7 @@ from fusedpar.kernels.persistent_gemm import (
     persistent_matmul,
     tiles_per_chunk,
 )
+from fusedpar.kernels.gemm_loads import ensure_scratch_allocator
 from fusedpar.kernels.launch import LaunchRecord, describe, plans_generation
 from fusedpar.kernels.runtime import SUPPORTED_DTYPES, activation_features, cdiv, input_precision
 from fusedpar.kernels.waits import check_wait_timeouts, spin_bound, status_word
@@ -137,8 +138,12 @@ def _launch(steps: list, i: int, named: tuple, launch) -> None:
     arguments described, the config, the dot precision); the schedule's own tensors (workspace
     views, flags, words) are the same or at the same offsets for every call of a spec."""
     step, generation = steps[i], plans_generation()
-    if step is not None and step[2] == generation and step[0].launch(step[1](named)):
-        return
+    if step is not None and step[2] == generation:
+        # a TMA launch (the reduce-scatter's GEMM) asks Triton's allocator, a context variable (a
+        # thread starts without one, autograd's backward thread too), for its descriptors' scratch
+        ensure_scratch_allocator()
+        if step[0].launch(step[1](named)):
+            return
     with LaunchRecord() as rec:
         launch()
     found = rec.slots(named)
