@@ -470,7 +470,7 @@ def test_compiles_for_sm90_with_acquire_release_and_pipelining():
 @pytest.mark.skipif(not INTERPRETED, reason="smoke mode of the CLI (the GPU run is a benchmark, not a test)")
 def test_benchmark_cli_smoke(tmp_path, monkeypatch):
     """python -m benchmarks persistent_ag / persistent_rs run their CPU smoke mode, check their
-    results against the baseline before timing, and write JSON rows."""
+    results against the baseline before timing, and write JSON rows (with the GEMM's loads)."""
     import json
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -484,6 +484,8 @@ def test_benchmark_cli_smoke(tmp_path, monkeypatch):
         (row,) = json.loads(path.read_text())["results"][op]
         assert row[key] == 20 and row["tp"] == 3 and row["max_rel_err"] < 1e-4
         assert row["T_persistent_ms"] > 0 and row["T_seq_ms"] > 0
+        # the op's GEMM: the all-gather's waits keep pointer loads, the reduce-scatter's takes TMA
+        assert row["loads"] == ("tma" if op == "persistent_rs" else "pointer"), (op, row["loads"])
     # the fp8 columns: the persistent fp8 GEMM's result was checked against the fp8 ring's before timing
     for op, recipe in (("persistent_ag", "blockwise"), ("persistent_rs", "rowwise")):
         (row,) = json.loads((tmp_path / f"{op}.json").read_text())["results"][op]
