@@ -118,6 +118,10 @@ def _persistent_cases():
         cases += [
             Case("persistent", f"{model} all-gather swiglu", fast, lambda dt, c=c: _persistent(dt, c, "swiglu", True)),
             Case("persistent", f"{model} reduce-scatter", fast, lambda dt, c=c: _persistent(dt, c, "none", False)),
+            # the [batch, seq] activation chunked along seq (two-level rows; TMA: one [batch * seq] tensor)
+            Case("persistent", f"{model} reduce-scatter seq chunks", False, lambda dt, c=c: persistent_matmul(
+                chunk_view(meta(c["batch"], c["seq"], c["hidden"], dtype=dt), 1, TP), meta(c["hidden"], c["hidden"],
+                dtype=dt), wait_mode="none", signal_counters=meta(TP, dtype=torch.int32))),
             Case("persistent", f"{model} chunk_reduce", False, lambda dt, c=c: chunk_reduce(
                 chunk_view(meta(c["batch"] * c["seq"], c["hidden"], dtype=torch.float32), 0, TP),
                 torch.zeros(TP, dtype=torch.int64), 1, out=meta(c["batch"] * c["seq"] // TP, c["hidden"], dtype=dt),

@@ -111,17 +111,22 @@ def tma_weight_major(a, weight, ops, wait_mode, fp8, cfg, store_aux):
     TMA (:mod:`.gemm_loads`), and how: None (pointer loads), else
     whether the weight is contiguous along K. Only without flag waits (an acquire does not order
     a descriptor's load after it: that needs a proxy fence, not tested on hardware yet), with A's
-    chunks one 2-D stack (not a split ``[batch, seq-chunk]`` view; chunks back to back) contiguous
-    along K, what a descriptor takes of A and the weight (e4m3: both contiguous along K), and,
+    chunks one 2-D stack (chunks back to back; a split ``[batch, seq-chunk]`` view where the
+    activation's ``[batch, seq]`` rows are one stride and a chunk's rows per batch a multiple of
+    the tile's) contiguous along K, what a descriptor takes of A and the weight (e4m3: both contiguous along K), and,
     compiled, where the tile config ``cfg`` passes TMA's prune rule too (a fused epilogue over N
     not a multiple of 16 holds fewer accumulators there: :func:`config_problem`)."""
     C, rows = a.shape[0], int(torch.Size(a.shape[1:-1]).numel())
     if wait_mode != "none" or not C or not tma_capable(a.device, a.element_size()):
         return None
     a_r = RowView.rows(a[0])
-    if a_r.split:
+    if a_r.split:  # [batch, seq-chunk]: one 2-D [batch * seq, K] tensor, a tile within one batch's chunk
+        if a.stride(0) != a_r.inner * a_r.s_inner or a_r.s_outer != C * a_r.inner * a_r.s_inner \
+                or a_r.inner % cfg["BLOCK_M"]:
+            return None
+    elif C > 1 and a.stride(0) != rows * a_r.s_inner:
         return None
-    if (C > 1 and a.stride(0) != rows * a_r.s_inner) or C * rows >= 2 ** 31:
+    if C * rows >= 2 ** 31:
         return None
     majors = tma_layout(a, a_r.s_inner, a.stride(-1), weight, ops.s_bk, ops.s_bn, (C * rows, ops.n_w, ops.k),
                         k_major=fp8, up_offset=ops.n if ops.glu else 0)

@@ -86,14 +86,15 @@ def persistent_gemm_kernel(
     value of the device word ``*ready_ptr``, read once per program: no host value in the launch),
     ``gemm_mainloop`` (``FP8``: with the scales), ``gemm_epilogue``, the store, the release of
     the chunk's counter. ``TMA`` (no flag waits: a load through a descriptor after an acquire
-    would need a proxy fence): A's chunks as one stack ``[num_chunks * ROWS, K]`` and the weight
+    would need a proxy fence): A's chunks as one stack ``[num_chunks * ROWS, K]`` (``A_M_SPLIT``:
+    the ``[batch, num_chunks * a_m_inner]`` rows of the activation the chunks split) and the weight
     (``B_KMAJOR``: ``[N_w, K]``, else ``[K, N_w]``) through tensor descriptors; a tile reaching
     past its chunk's rows reads the next chunk's, which feed only rows it does not store."""
     tl.static_assert(BLOCK_K >= 16, "tl.dot needs BLOCK_K >= 16")
     tl.static_assert(not FP8 or BLOCK_K == 128, "fp8 steps K one 128-wide scale block at a time")
     tl.static_assert(WAIT >= 0 and WAIT <= 2, "WAIT: 0 none, 1 spin, 2 skip")
     tl.static_assert(ACT >= 0 and ACT <= 4, "unknown activation code")
-    tl.static_assert(not TMA or (WAIT == 0 and not A_M_SPLIT), "TMA: no flag waits, A's chunks one 2-D stack")
+    tl.static_assert(not TMA or WAIT == 0, "TMA: no flag waits")
 
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -127,6 +128,15 @@ def persistent_gemm_kernel(
             a_rows = chunk64 * s_a_chunk + row_offsets(rm, a_m_inner, s_am0, s_am1, A_M_SPLIT)
             b_cols = rn.to(tl.int64) * s_bn
             b_cols_up = (rn + glu_offset).to(tl.int64) * s_bn
+            # the tile's first row in A's descriptor (TMA): chunk-major rows, or (a [batch, seq-chunk]
+            # view of one [batch, seq] activation) batch b's rows of the chunk, a whole tile in one
+            # batch (the host checked a_m_inner % BLOCK_M == 0)
+            a_row0 = 0
+            if TMA:
+                a_row0 = chunk * ROWS + pid_m * BLOCK_M
+                if A_M_SPLIT:
+                    a_row0 = (pid_m * BLOCK_M // a_m_inner) * (num_chunks * a_m_inner) + chunk * a_m_inner \
+                        + pid_m * BLOCK_M % a_m_inner
             if FP8:  # the core's scaled main loop, as fp8_matmul runs it (rowwise / blockwise)
                 sa_rows = chunk64 * s_sa_chunk + row_offsets(rm, sa_m_inner, s_sam0, s_sam1, SA_M_SPLIT)
                 rows_per_scale: tl.constexpr = 128 if BLOCKWISE else 1
@@ -134,7 +144,7 @@ def persistent_gemm_kernel(
                     a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K, 1, 0, s_ak, 1, 0, s_bk,
                     False, False, GLU, False, EVEN_K, "ieee", BLOCK_M, BLOCK_N, BLOCK_K,
                     sa_rows=sa_ptr + sa_rows, sb_cols=sb_ptr + (rn // rows_per_scale).to(tl.int64) * s_sbn,
-                    a_desc=a_desc, b_desc=b_desc, m0=chunk * ROWS + pid_m * BLOCK_M, n0=pid_n * BLOCK_N,
+                    a_desc=a_desc, b_desc=b_desc, m0=a_row0, n0=pid_n * BLOCK_N,
                     glu_offset=glu_offset, TMA=TMA, A_KMAJOR=True, B_KMAJOR=B_KMAJOR,
                     sb_up=sb_ptr + ((rn + glu_offset) // rows_per_scale).to(tl.int64) * s_sbn, s_sak=s_sak,
                     s_sbk=s_sbk, SCALING=2 if BLOCKWISE else 1, PROMOTE_K=PROMOTE_K)
@@ -142,7 +152,7 @@ def persistent_gemm_kernel(
                 acc, acc_up = gemm_mainloop(
                     a_ptr, b_ptr, a_rows, b_cols, b_cols_up, m_mask, n_mask, K, 1, 0, s_ak, 1, 0, s_bk,
                     False, False, GLU, UPCAST, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                    a_desc, b_desc, chunk * ROWS + pid_m * BLOCK_M, pid_n * BLOCK_N, glu_offset, TMA, True, B_KMAJOR)
+                    a_desc, b_desc, a_row0, pid_n * BLOCK_N, glu_offset, TMA, True, B_KMAJOR)
             out_mask = m_mask[:, None] & n_mask[None, :]
             x_off = chunk64 * s_x_chunk + row_offsets(rm, x_m_inner, s_xm0, s_xm1, X_M_SPLIT)[:, None] \
                 + rn.to(tl.int64)[None, :] * s_xn

@@ -84,9 +84,29 @@ def test_reduce_scatter_side_loads_by_tma(dtype):
                          msg=f"swiglu, weight strides {w.stride()}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_sequence_chunks_load_by_tma(dtype):
+    """A ``[2, seq, K]`` activation chunked along seq (``[C, 2, 128, K]``: two-level rows) is one
+    ``[2 * seq, K]`` tensor whose chunk rows of each batch are a multiple of the tile's (128; the
+    interpreter's 32): TMA, a tile within one batch's rows of its chunk; bias, NaN-poisoned
+    partials, against float64 and bit-equal to the pointer path interpreted."""
+    g = torch.Generator().manual_seed(77)
+    C, sc, K, N = 3, 128, 32, 40
+    x = randn(2, C * sc, K, dtype=dtype, generator=g).to(DEVICE)
+    w = randn(N, K, dtype=dtype, generator=g, scale=K ** -0.5).to(DEVICE)
+    bias = randn(N, dtype=dtype, generator=g).to(DEVICE)
+    got = _on_both_paths(lambda: (persistent_matmul(chunk_view(x, 1, C), w, bias, first_chunk=2, wait_mode="none",
+                                                    out=poison((C, 2, sc, N), dtype, DEVICE)),))
+    _agree(got, dtype)
+    for (out,), _ in got.values():
+        assert_close(out, chunk_view(persistent_matmul_reference(x, w, bias), 1, C), dtype, msg="batched chunks")
+
+
 def test_what_keeps_pointer_loads():
     """Pointer loads, right numbers: flag waits (``"spin"``, flags ready; ``"skip"``), a split
-    ``[batch, seq-chunk]`` view, chunks not back to back (26 rows of every 29), rows of 90 bytes
+    ``[batch, seq-chunk]`` view whose chunk rows per batch (13) are no multiple of the tile's, one
+    whose batches are not one stride apart (a seq slice of a longer activation), chunks not back
+    to back (26 rows of every 29), rows of 90 bytes
     (K = 45 fp16), a gated weight contiguous along N whose up half starts 40 bytes in (F = 20);
     the same operands without the obstacle: TMA."""
     g = torch.Generator().manual_seed(73)
@@ -96,12 +116,14 @@ def test_what_keeps_pointer_loads():
     ready = torch.ones(C, dtype=I32, device=DEVICE)
     gapped = randn(C, sc + 3, K, dtype=dt, generator=g).to(DEVICE)[:, :sc]
     x3 = randn(2, C * 13, K, dtype=dt, generator=g).to(DEVICE)
+    x_sliced = randn(2, C * 128 + 8, K, dtype=dt, generator=g).to(DEVICE)[:, :C * 128]
     a45, w45 = randn(C * sc, 45, dtype=dt, generator=g).to(DEVICE), randn(N, 45, dtype=dt, generator=g).to(DEVICE)
     w_kn = randn(K, N, dtype=dt, generator=g, scale=K ** -0.5).to(DEVICE)  # [K, 2F], F = 20
     cases = [
         ("spin", chunk_view(a, 0, C), w, dict(wait_flags=ready), "none", a, False),
         ("skip", chunk_view(a, 0, C), w, dict(wait_flags=ready, wait_mode="skip"), "none", a, False),
         ("split view", chunk_view(x3, 1, C), w, dict(wait_mode="none"), "none", x3, False),
+        ("sliced batches", chunk_view(x_sliced, 1, C), w, dict(wait_mode="none"), "none", x_sliced, False),
         ("gapped chunks", gapped, w, dict(wait_mode="none"), "none", gapped.reshape(C * sc, K), False),
         ("90-byte rows", chunk_view(a45, 0, C), w45, dict(wait_mode="none"), "none", a45, False),
         ("up half 40 bytes in", chunk_view(a, 0, C), w_kn.t(), dict(wait_mode="none"), "swiglu", a, False),
@@ -111,7 +133,7 @@ def test_what_keeps_pointer_loads():
         y = persistent_matmul(chunks, weight, activation=act, **kw)
         assert _loads() == ("tma" if tma and gemm_loads.tma_capable(DEVICE, 2) else "pointer"), name
         ref = persistent_matmul_reference(full, weight, activation=act)
-        if name == "split view":  # chunk-major output of [batch, seq] chunks along seq
+        if name in ("split view", "sliced batches"):  # chunk-major output of [batch, seq] chunks along seq
             ref = chunk_view(ref, 1, C)
         assert_close(y.reshape(ref.shape), ref, dt, msg=name)
 
