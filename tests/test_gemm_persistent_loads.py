@@ -177,3 +177,27 @@ def test_compiled_choice_follows_the_prune_rules(monkeypatch):
         assert persistent_config.config_problem(cfg, a, ops, False) is None
         got = persistent_config.tma_weight_major(a, w, ops, wait, False, cfg, False)
         assert (got is not None) == tma, (act, n, wait)
+
+
+def test_sequence_chunks_that_keep_pointer_loads():
+    """``[batch, seq-chunk]`` views that are not one ``[batch * seq]`` tensor in whole tiles keep
+    pointer loads, with right numbers: every chunk the same memory (chunk stride 0, the batch
+    rows still one stride apart), and 64 chunk rows per batch under a 128-row tile (``config=``;
+    the interpreter's 32 takes TMA)."""
+    g = torch.Generator().manual_seed(79)
+    dt, C, sc, K, N = torch.float16, 2, 64, 32, 24
+    x = randn(2, C * sc, K, dtype=dt, generator=g).to(DEVICE)
+    w = randn(N, K, dtype=dt, generator=g, scale=K ** -0.5).to(DEVICE)
+    same = x.as_strided((C, 2, sc, K), (0, C * sc * K, K, 1))  # chunk 0's rows for every chunk
+    y = persistent_matmul(same, w, wait_mode="none")
+    assert _loads() == "pointer"
+    ref0 = persistent_matmul_reference(x[:, :sc], w)
+    for c in range(C):
+        assert_close(y[c], ref0, dt, msg=f"chunk {c} of the stride-0 view")
+    ref = chunk_view(persistent_matmul_reference(x, w), 1, C)
+    for block_m, loads in ((128, "pointer"), (32, "tma")):
+        y = persistent_matmul(chunk_view(x, 1, C), w, wait_mode="none",
+                              config=dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, GROUP_M=4))
+        if INTERPRETED or loads == "pointer":  # (compiled, the 32-row tile also meets TMA's prune rule or not)
+            assert _loads() == loads, block_m
+        assert_close(y, ref, dt, msg=f"BLOCK_M {block_m}")
